@@ -1,0 +1,1 @@
+"""Node layer: the snapshot agent and its backends."""

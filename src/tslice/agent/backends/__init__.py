@@ -1,0 +1,1 @@
+"""Backends move one job's device state on one node; see ``base.Backend``."""

@@ -1,0 +1,132 @@
+"""The contract between the agent and a backend (the thing that moves one job's
+device state on one node).
+
+The agent owns the per-job state machine, operation bookkeeping, persistence and
+deadlines; a backend only moves bytes. The agent calls a backend through a private
+wrapper that enforces the operation deadline, converts stray exceptions into
+:class:`FatalBackendError` and records metrics, so a backend may stay simple.
+
+Retry semantics live in the exception type, never in message text:
+:class:`TransientBackendError` means "nothing changed, try again later";
+:class:`FatalBackendError` means the job's state may be inconsistent (the job
+becomes FAULTED until reset).
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+from typing import Any, ClassVar
+
+from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
+
+
+class BackendError(Exception):
+    """Root of backend failures; ``str(err)`` is shown to users as the operation error."""
+
+
+class TransientBackendError(BackendError):
+    """Nothing was changed; the same call may succeed after ``retry_after`` seconds."""
+
+    def __init__(self, message: str, *, retry_after: float = 0.5) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class FatalBackendError(BackendError):
+    """The operation failed and the job's device state may be partly moved."""
+
+
+class BackendUnavailableError(BackendError):
+    """The backend cannot work on this node at all (no driver, no GPU, missing binary)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class JobContext:
+    """Read-only description of the job an operation is about."""
+
+    job_id: str
+    group: str
+    #: Backend config from the request (or the one recorded at grant); ``None`` = defaults.
+    config: pb.BackendConfig | None = None
+    #: Device bytes the job occupies when resident (0 = the backend's default).
+    footprint_bytes: int = 0
+    #: Opaque per-job state this backend asked the agent to persist (see ``OpResult.state``).
+    state: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True)
+class OpResult:
+    """What an operation did, measured, not estimated."""
+
+    #: Device bytes freed (snapshot) or brought back (restore/activate).
+    device_bytes: int = 0
+    #: Host bytes holding the job's saved state after the operation.
+    host_bytes: int = 0
+    #: Opaque JSON-able state the agent persists with the job and hands back in
+    #: ``JobContext.state`` (e.g. PIDs of a checkpointed process).
+    state: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True)
+class Accelerator:
+    id: str
+    memory_used_bytes: int
+    memory_total_bytes: int
+
+
+class Backend(abc.ABC):
+    """Moves one job's device state to host memory and back on this node.
+
+    Methods are coroutines and may take as long as the copy takes; the agent
+    runs at most one operation per job at a time but may run operations of
+    different jobs concurrently, so shared state must be guarded.
+    """
+
+    #: Registry name, also the gRPC health ``service`` name (``sim``, ``noop``, ``cuda``...).
+    name: ClassVar[str]
+
+    @abc.abstractmethod
+    async def snapshot(self, job: JobContext, mode: pb.SuspendMode.ValueType) -> OpResult:
+        """Move the job's device state off the device.
+
+        Called only for a RUNNING job. Raise TransientBackendError if nothing
+        changed, FatalBackendError if the state may be partly moved.
+        """
+
+    @abc.abstractmethod
+    async def restore(self, job: JobContext) -> OpResult:
+        """Bring a SAVED job's state back onto the device.
+
+        Must fail (FatalBackendError or TransientBackendError) rather than
+        overcommit the device. Called only for a SAVED job.
+        """
+
+    async def activate(self, job: JobContext) -> OpResult:
+        """The job was granted with nothing to restore: it now owns the device.
+
+        Default: nothing to do. The sim backend allocates the job's footprint here.
+        Must be idempotent.
+        """
+        return OpResult()
+
+    async def forget(self, job: JobContext) -> None:
+        """The job is gone; drop whatever the backend holds for it. Idempotent."""
+
+    async def recover(self, job: JobContext) -> pb.JobState.ValueType | None:
+        """After an agent restart, read back the real state of a job the agent knew.
+
+        Return the state the backend observes (e.g. from the driver), or ``None``
+        if it cannot tell, in which case the persisted state is trusted.
+        """
+        return None
+
+    async def check_health(self) -> None:
+        """Raise BackendUnavailableError (with the reason) if the backend cannot serve."""
+
+    async def accelerators(self) -> list[Accelerator]:
+        """Device memory on this node, for ``StatusResponse.accelerator_statuses``."""
+        return []
+
+    async def close(self) -> None:
+        """Release resources at agent shutdown."""
