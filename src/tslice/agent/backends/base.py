@@ -16,7 +16,10 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+from collections.abc import Mapping
 from typing import Any, ClassVar
+
+from typing_extensions import Self
 
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
 
@@ -85,6 +88,11 @@ class Backend(abc.ABC):
 
     #: Registry name, also the gRPC health ``service`` name (``sim``, ``noop``, ``cuda``...).
     name: ClassVar[str]
+
+    @classmethod
+    def create(cls, settings: Mapping[str, Any]) -> Self:
+        """Build the backend from its section of the agent config (validated by the backend)."""
+        return cls(**settings)
 
     @abc.abstractmethod
     async def snapshot(self, job: JobContext, mode: pb.SuspendMode.ValueType) -> OpResult:
