@@ -1,0 +1,208 @@
+"""The ``sim`` backend: jobs occupy bytes of simulated devices (``tslice.sim.device``).
+
+A snapshot or restore takes ``bytes_per_device / bandwidth + latency`` seconds (devices
+copy in parallel, each over its own link). A restore checks capacity first and lands
+its bytes at the *start* of the copy, so two jobs of a group that are ever resident
+together overcommit the device and fail loudly. Fault injection (failure probability,
+extra latency, hangs) lets tests drive every failure path of the agent.
+
+The footprint of a job, per device: ``SimBackendConfig.footprint_bytes`` if given, else
+the footprint the orchestrator sent with the grant, else ``default_footprint_bytes``.
+Byte counts reported to the agent are node totals (footprint x devices).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from pathlib import Path
+from typing import ClassVar
+
+from tslice.agent.backends import base
+from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
+from tslice.sim import device
+
+
+class SimBackend(base.Backend):
+    """Simulated node: ``devices`` devices of ``capacity_bytes`` each.
+
+    ``state_dir`` (injected by the agent) holds the device state and the journal so that
+    the simulated memory outlives an agent crash; ``None`` keeps it in memory.
+    """
+
+    name: ClassVar[str] = "sim"
+
+    def __init__(
+        self,
+        *,
+        node: str = "sim-node",
+        state_dir: str | Path | None = None,
+        devices: int = 1,
+        capacity_bytes: int = device.DEFAULT_CAPACITY_BYTES,
+        bandwidth_bytes_per_s: int = device.DEFAULT_BANDWIDTH_BYTES_PER_S,
+        latency_s: float = device.DEFAULT_LATENCY_S,
+        default_footprint_bytes: int | None = None,
+        fail_probability: float = 0.0,
+        extra_latency_s: float = 0.0,
+        hang_probability: float = 0.0,
+        seed: int | None = None,
+    ) -> None:
+        if bandwidth_bytes_per_s <= 0:
+            raise ValueError(
+                f"bandwidth_bytes_per_s must be positive (got {bandwidth_bytes_per_s})"
+            )
+        if latency_s < 0 or extra_latency_s < 0:
+            raise ValueError("latency_s and extra_latency_s must be >= 0")
+        probabilities = {"fail_probability": fail_probability, "hang_probability": hang_probability}
+        for label, p in probabilities.items():
+            if not 0.0 <= p <= 1.0:
+                raise ValueError(f"{label} must be between 0 and 1 (got {p})")
+        self.node = device.SimNode(
+            node=node,
+            devices=devices,
+            capacity_bytes=capacity_bytes,
+            state_dir=Path(state_dir) if state_dir is not None else None,
+        )
+        if default_footprint_bytes is None:
+            default_footprint_bytes = int(capacity_bytes * device.DEFAULT_FOOTPRINT_SHARE)
+        if not 0 < default_footprint_bytes <= capacity_bytes:
+            raise ValueError(
+                f"default_footprint_bytes must be between 1 and the capacity {capacity_bytes} "
+                f"(got {default_footprint_bytes})"
+            )
+        self.bandwidth_bytes_per_s = bandwidth_bytes_per_s
+        self.latency_s = latency_s
+        self.default_footprint_bytes = default_footprint_bytes
+        self.fail_probability = fail_probability
+        self.extra_latency_s = extra_latency_s
+        self.hang_probability = hang_probability
+        self._random = random.Random(seed)
+
+    # ---- helpers --------------------------------------------------------------------
+
+    def footprint(self, job: base.JobContext) -> int:
+        """Device bytes per device the job occupies when resident."""
+        config = job.config
+        if (
+            config is not None
+            and config.WhichOneof("backend") == "sim"
+            and config.sim.footprint_bytes
+        ):
+            return int(config.sim.footprint_bytes)
+        if job.footprint_bytes > 0:
+            return job.footprint_bytes
+        return self.default_footprint_bytes
+
+    def _total(self, bytes_per_device: int) -> int:
+        return bytes_per_device * self.node.devices
+
+    async def _copy(self, *, job: base.JobContext, bytes_per_device: int, what: str) -> None:
+        """Take the time the copy takes, then apply injected faults."""
+        # Roll both dice up front so that a seeded run is reproducible whatever the timing.
+        hang = self._random.random() < self.hang_probability
+        fail = self._random.random() < self.fail_probability
+        await asyncio.sleep(
+            bytes_per_device / self.bandwidth_bytes_per_s + self.latency_s + self.extra_latency_s
+        )
+        if hang:
+            # Stuck like a wedged driver call: only the agent's operation deadline ends it.
+            await asyncio.Event().wait()
+        if fail:
+            raise base.FatalBackendError(
+                f"injected failure: {what} of job {job.job_id} on sim node {self.node.node} "
+                f"failed (fail_probability={self.fail_probability})"
+            )
+
+    # ---- backend contract --------------------------------------------------------------
+
+    async def activate(self, job: base.JobContext) -> base.OpResult:
+        residency = self.node.residency(job.job_id)
+        if residency is not None:
+            return base.OpResult(device_bytes=self._total(residency.bytes_per_device))
+        if self.node.saved(job.job_id) is not None:
+            raise base.FatalBackendError(
+                f"job {job.job_id} has saved state on sim node {self.node.node}; restore it "
+                "instead of granting it as new"
+            )
+        footprint = self.footprint(job)
+        try:
+            self.node.allocate(
+                job=job.job_id, group=job.group, bytes_per_device=footprint, action="activation"
+            )
+        except device.CapacityError as err:
+            raise base.FatalBackendError(str(err)) from err
+        return base.OpResult(device_bytes=self._total(footprint), state={"footprint": footprint})
+
+    async def snapshot(self, job: base.JobContext, mode: pb.SuspendMode) -> base.OpResult:
+        residency = self.node.residency(job.job_id)
+        if residency is None:
+            raise base.FatalBackendError(
+                f"job {job.job_id} holds no memory on sim node {self.node.node}, so there is "
+                "nothing to snapshot; grant the job first"
+            )
+        footprint = residency.bytes_per_device
+        # A failure or cancellation before park() leaves the allocation: nothing moved.
+        await self._copy(job=job, bytes_per_device=footprint, what="snapshot")
+        host_bytes = 0 if mode == pb.SUSPEND_MODE_DISCARD else self._total(footprint)
+        self.node.park(
+            job=job.job_id,
+            saved=device.SavedState(
+                group=residency.group, footprint_bytes=footprint, host_bytes=host_bytes
+            ),
+        )
+        return base.OpResult(
+            device_bytes=self._total(footprint),
+            host_bytes=host_bytes,
+            state={"footprint": footprint},
+        )
+
+    async def restore(self, job: base.JobContext) -> base.OpResult:
+        saved = self.node.saved(job.job_id)
+        if saved is None:
+            residency = self.node.residency(job.job_id)
+            if residency is not None:
+                return base.OpResult(device_bytes=self._total(residency.bytes_per_device))
+            raise base.FatalBackendError(
+                f"job {job.job_id} has no saved state on sim node {self.node.node}; "
+                "nothing to restore"
+            )
+        footprint = saved.footprint_bytes
+        try:
+            # The bytes start landing now, so they count against capacity for the whole copy.
+            self.node.allocate(
+                job=job.job_id, group=job.group or saved.group, bytes_per_device=footprint
+            )
+        except device.CapacityError as err:
+            raise base.FatalBackendError(str(err)) from err
+        try:
+            await self._copy(job=job, bytes_per_device=footprint, what="restore")
+        except BaseException:
+            # A failed restore gives its partial allocation back; the host copy is intact.
+            self.node.free(job=job.job_id)
+            raise
+        self.node.unpark(job=job.job_id)
+        return base.OpResult(device_bytes=self._total(footprint), state={"footprint": footprint})
+
+    async def recover(self, job: base.JobContext) -> pb.JobState | None:
+        resident = self.node.residency(job.job_id) is not None
+        saved = self.node.saved(job.job_id) is not None
+        if resident and saved:
+            # A restore was cut short (agent killed mid-copy): the landed bytes are not usable.
+            self.node.free(job=job.job_id)
+            return pb.JOB_STATE_SAVED
+        if resident:
+            return pb.JOB_STATE_RUNNING
+        if saved:
+            return pb.JOB_STATE_SAVED
+        return pb.JOB_STATE_IDLE
+
+    async def forget(self, job: base.JobContext) -> None:
+        self.node.forget(job=job.job_id)
+
+    async def accelerators(self) -> list[base.Accelerator]:
+        return [
+            base.Accelerator(
+                id=u.id, memory_used_bytes=u.used_bytes, memory_total_bytes=u.total_bytes
+            )
+            for u in self.node.usage()
+        ]

@@ -1,0 +1,594 @@
+"""The per-job state machine of the node agent, as pure functions over frozen records.
+
+Nothing here awaits, touches a backend, a socket or a file: each ``plan_*`` function
+takes the current records plus the facts the caller gathered (a new operation id, the
+time, what the backend reported) and either raises :class:`Refused` with the status
+code and an actionable message, or returns the records to store. The async runner
+(``tslice.agent.runner``) applies them, so every rule can be tested directly.
+
+States: IDLE (known, nothing resident) -> RUNNING (resident) -> TRANSITIONING (one
+operation in flight) -> SAVED (state off the devices) or back; FAULTED when an
+operation may have left the state inconsistent, until ResetJob or a retry the
+backend confirms is safe.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from tslice.agent.backends import base
+from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
+
+
+class State(enum.Enum):
+    IDLE = "IDLE"
+    RUNNING = "RUNNING"
+    TRANSITIONING = "TRANSITIONING"
+    SAVED = "SAVED"
+    FAULTED = "FAULTED"
+
+
+class Kind(enum.Enum):
+    SNAPSHOT = "snapshot"
+    RESTORE = "restore"
+    #: A granted job with nothing to restore takes the device (``Backend.activate``).
+    ACTIVATE = "activate"
+
+
+class OpStatus(enum.Enum):
+    PENDING = "PENDING"
+    COMPLETE = "COMPLETE"
+    FAILED = "FAILED"
+
+
+class Code(enum.Enum):
+    """gRPC status of a refusal (names match ``grpc.StatusCode``)."""
+
+    INVALID_ARGUMENT = "INVALID_ARGUMENT"
+    NOT_FOUND = "NOT_FOUND"
+    FAILED_PRECONDITION = "FAILED_PRECONDITION"
+    ABORTED = "ABORTED"
+    UNAVAILABLE = "UNAVAILABLE"
+
+
+class Refused(Exception):
+    """The request is rejected and nothing was changed."""
+
+    def __init__(self, code: Code, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+_TO_PB: Mapping[State, pb.JobState] = {
+    State.IDLE: pb.JOB_STATE_IDLE,
+    State.RUNNING: pb.JOB_STATE_RUNNING,
+    State.TRANSITIONING: pb.JOB_STATE_TRANSITIONING,
+    State.SAVED: pb.JOB_STATE_SAVED,
+    State.FAULTED: pb.JOB_STATE_FAULTED,
+}
+_FROM_PB: Mapping[int, State] = {int(v): k for k, v in _TO_PB.items()}
+
+
+def to_pb(state: State) -> pb.JobState:
+    return _TO_PB[state]
+
+
+def from_pb(value: int | None) -> State | None:
+    """A backend-reported ``pb.JobState`` as a :class:`State`; ``None`` if unknown/unspecified."""
+    return None if value is None else _FROM_PB.get(int(value))
+
+
+@dataclasses.dataclass(frozen=True)
+class Job:
+    """What the node knows about one job; persisted on every change."""
+
+    job_id: str
+    group: str = ""
+    state: State = State.IDLE
+    #: Backend that holds (or last moved) the job's state; "" until the first decision.
+    backend: str = ""
+    #: Serialized ``pb.BackendConfig`` recorded at grant or snapshot (b"" = none).
+    config: bytes = b""
+    #: Device bytes the job declared (per device); 0 = the backend's default.
+    footprint_bytes: int = 0
+    #: Opaque JSON-able state the backend asked to keep (``OpResult.state``).
+    backend_state: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    #: Why the job is FAULTED ("" otherwise).
+    error: str = ""
+    #: Operation in flight (TRANSITIONING) or the last one.
+    operation_id: str = ""
+    device_bytes: int = 0
+    host_bytes: int = 0
+    #: While TRANSITIONING: the state a failure that changed nothing returns to.
+    previous_state: State | None = None
+
+    def backend_config(self) -> pb.BackendConfig | None:
+        if not self.config:
+            return None
+        config = pb.BackendConfig()
+        config.ParseFromString(self.config)
+        return config
+
+
+@dataclasses.dataclass(frozen=True)
+class Operation:
+    """One asynchronous snapshot/restore/activate; ``*_at`` are wall-clock seconds."""
+
+    op_id: str
+    job_id: str
+    kind: Kind
+    backend: str
+    status: OpStatus
+    started_at: float
+    finished_at: float | None = None
+    #: Host bytes holding the job's state after the operation (COMPLETE only).
+    storage_bytes: int | None = None
+    #: Device bytes freed (snapshot) or brought back (restore/activate) (COMPLETE only).
+    device_bytes: int | None = None
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.status is not OpStatus.PENDING
+
+    def elapsed_ms(self, *, now: float) -> int:
+        end = self.finished_at if self.finished_at is not None else now
+        return max(0, int((end - self.started_at) * 1000))
+
+
+@dataclasses.dataclass(frozen=True)
+class GrantMark:
+    """The newest grant a group's orchestrator announced on this node (fencing token)."""
+
+    group: str
+    epoch: int
+    job_id: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Route:
+    """Which backend serves a request, with the config it gets."""
+
+    backend: str
+    config: pb.BackendConfig | None
+    #: The request named the backend itself (config arm or deprecated enum).
+    explicit: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class Start:
+    """Store ``job`` (now TRANSITIONING) and ``operation`` (PENDING), then run the backend."""
+
+    job: Job
+    operation: Operation
+
+
+@dataclasses.dataclass(frozen=True)
+class Done:
+    """Nothing to run: store ``job`` and the already-finished ``operation``."""
+
+    job: Job
+    operation: Operation
+
+
+@dataclasses.dataclass(frozen=True)
+class Unchanged:
+    job: Job
+
+
+@dataclasses.dataclass(frozen=True)
+class Outcome:
+    """How a backend call ended: a result, or an error and whether anything changed."""
+
+    result: base.OpResult | None = None
+    error: str | None = None
+    #: False for a TransientBackendError that outlived its retries: nothing moved.
+    state_changed: bool = True
+
+
+# ---- backend routing ------------------------------------------------------------------
+
+BACKEND_BY_ARM: Mapping[str, str] = {
+    "cuda": "cuda",
+    "app_endpoint": "app-endpoint",
+    "app_channel": "app-channel",
+    "sim": "sim",
+    "noop": "noop",
+}
+_UNSUPPORTED_ARMS = ("direct_memory", "memory_regions")
+
+
+def requested_backend(
+    config: pb.BackendConfig | None, *, deprecated_backend: int = 0
+) -> str | None:
+    """The backend a request names explicitly, or ``None`` if it leaves the choice to the agent."""
+    arm = config.WhichOneof("backend") if config is not None else None
+    if arm in _UNSUPPORTED_ARMS:
+        raise Refused(
+            Code.FAILED_PRECONDITION,
+            f"backend_config.{arm} is not supported by this agent; use one of "
+            f"{', '.join(sorted(BACKEND_BY_ARM))} (or send no backend_config for the node default)",
+        )
+    if arm is not None:
+        return BACKEND_BY_ARM[arm]
+    if deprecated_backend == pb.BACKEND_CUDA:
+        return "cuda"
+    return None
+
+
+def route(
+    *,
+    request_config: pb.BackendConfig | None,
+    deprecated_backend: int = 0,
+    job: Job | None,
+    channel_registered: bool,
+    default_backend: str,
+) -> Route:
+    """Explicit request > the job's recorded choice > workload channel > the node default."""
+    explicit = requested_backend(request_config, deprecated_backend=deprecated_backend)
+    if explicit is not None:
+        has_arm = request_config is not None and request_config.WhichOneof("backend") is not None
+        return Route(backend=explicit, config=request_config if has_arm else None, explicit=True)
+    if job is not None and job.backend:
+        return Route(backend=job.backend, config=job.backend_config(), explicit=False)
+    if channel_registered:
+        return Route(backend="app-channel", config=None, explicit=False)
+    return Route(backend=default_backend, config=None, explicit=False)
+
+
+def ensure_enabled(backend: str, *, enabled: Iterable[str], node: str) -> None:
+    names = sorted(enabled)
+    if backend not in names:
+        raise Refused(
+            Code.FAILED_PRECONDITION,
+            f"backend {backend!r} is not enabled on node {node} (enabled: {', '.join(names)}); "
+            f"start the agent with --backend {backend} or list it under `backends:` in its config",
+        )
+
+
+# ---- planning ---------------------------------------------------------------------------
+
+
+def _start(
+    job: Job, *, kind: Kind, backend: str, resume_state: State, op_id: str, now: float
+) -> Start:
+    operation = Operation(
+        op_id=op_id,
+        job_id=job.job_id,
+        kind=kind,
+        backend=backend,
+        status=OpStatus.PENDING,
+        started_at=now,
+    )
+    job = dataclasses.replace(
+        job,
+        state=State.TRANSITIONING,
+        backend=backend,
+        operation_id=op_id,
+        previous_state=resume_state,
+    )
+    return Start(job=job, operation=operation)
+
+
+def _aborted(job: Job) -> Refused:
+    return Refused(
+        Code.ABORTED,
+        f"operation {job.operation_id} already running for job {job.job_id}; wait for it "
+        "(WaitOperation) and retry",
+    )
+
+
+def _faulted(job: Job, *, node: str) -> Refused:
+    return Refused(
+        Code.FAILED_PRECONDITION,
+        f"job {job.job_id} is FAULTED on node {node} ({job.error or 'no error recorded'}); "
+        "clear it with ResetJob",
+    )
+
+
+def _check_resident_neighbours(
+    job_id: str, group: str, *, others: Iterable[Job], node: str
+) -> None:
+    """Safety net: never two jobs of one group resident on this node."""
+    if not group:
+        return
+    resident = (State.RUNNING, State.TRANSITIONING)
+    for other in others:
+        if other.job_id != job_id and other.group == group and other.state in resident:
+            raise Refused(
+                Code.FAILED_PRECONDITION,
+                f"job {other.job_id} of group {group} is {other.state.value} on node {node}; "
+                f"snapshot it before job {job_id} can be resident (two jobs of a group are "
+                "never resident together)",
+            )
+
+
+def _with_config(job: Job, route_: Route) -> Job:
+    """Record an explicitly requested backend config (the job's choice from now on)."""
+    if not route_.explicit:
+        return job
+    config = route_.config.SerializeToString() if route_.config is not None else b""
+    return dataclasses.replace(job, backend=route_.backend, config=config)
+
+
+def _sim_footprint(config: pb.BackendConfig | None) -> int:
+    if config is not None and config.WhichOneof("backend") == "sim":
+        return int(config.sim.footprint_bytes)
+    return 0
+
+
+def plan_snapshot(
+    job: Job | None,
+    *,
+    job_id: str,
+    group: str,
+    route_: Route,
+    node: str,
+    op_id: str,
+    now: float,
+    recovered: State | None = None,
+) -> Start:
+    """RUNNING -> TRANSITIONING (-> SAVED when the backend finishes).
+
+    An unknown job is adopted as RUNNING only when the request names a backend (an
+    llm-d style client asserting that the job runs; the backend validates). A FAULTED
+    job is retried when the backend reports it RUNNING (``recovered``).
+    """
+    if job is None:
+        if not route_.explicit:
+            raise Refused(
+                Code.FAILED_PRECONDITION,
+                f"job {job_id} is not known on node {node}; it becomes RUNNING when granted "
+                "(or send a backend_config naming the backend that runs it)",
+            )
+        job = Job(job_id=job_id, group=group, state=State.RUNNING)
+        job = dataclasses.replace(job, footprint_bytes=_sim_footprint(route_.config))
+    if job.state is State.TRANSITIONING:
+        raise _aborted(job)
+    if job.state is State.FAULTED and recovered is not State.RUNNING:
+        raise _faulted(job, node=node)
+    if job.state is State.IDLE:
+        raise Refused(
+            Code.FAILED_PRECONDITION,
+            f"job {job_id} is IDLE on node {node}: nothing is resident to snapshot; it becomes "
+            "RUNNING when granted",
+        )
+    if job.state is State.SAVED:
+        raise Refused(
+            Code.FAILED_PRECONDITION,
+            f"job {job_id} is already SAVED on node {node} (operation {job.operation_id}); "
+            "restore it before snapshotting again",
+        )
+    if group and not job.group:
+        job = dataclasses.replace(job, group=group)
+    if route_.explicit and _sim_footprint(route_.config):
+        job = dataclasses.replace(job, footprint_bytes=_sim_footprint(route_.config))
+    job = dataclasses.replace(_with_config(job, route_), error="")
+    return _start(
+        job,
+        kind=Kind.SNAPSHOT,
+        backend=route_.backend,
+        resume_state=State.RUNNING,
+        op_id=op_id,
+        now=now,
+    )
+
+
+def plan_restore(
+    job: Job | None,
+    *,
+    job_id: str,
+    group: str,
+    route_: Route,
+    node: str,
+    op_id: str,
+    now: float,
+    others: Iterable[Job],
+    recovered: State | None = None,
+    partial: bool = False,
+) -> Start | Done:
+    """SAVED -> TRANSITIONING (-> RUNNING when the backend finishes).
+
+    A RUNNING job yields an operation that is already COMPLETE (pollable, 0 bytes)
+    unless ``partial``: the backend reported that requested tags are not resident
+    (staged wake), in which case the restore is sent to the backend.
+    """
+    if job is None:
+        raise Refused(
+            Code.FAILED_PRECONDITION,
+            f"job {job_id} is not known on node {node}: nothing was saved for it here",
+        )
+    if job.state is State.TRANSITIONING:
+        raise _aborted(job)
+    if route_.explicit and job.backend and route_.backend != job.backend:
+        raise Refused(
+            Code.FAILED_PRECONDITION,
+            f"job {job_id} is held by backend {job.backend} on node {node}; restore it with "
+            f"that backend (or send no backend_config), not {route_.backend}",
+        )
+    _check_resident_neighbours(job_id, group or job.group, others=others, node=node)
+    if group and not job.group:
+        job = dataclasses.replace(job, group=group)
+    if job.state is State.RUNNING and not partial:
+        operation = Operation(
+            op_id=op_id,
+            job_id=job_id,
+            kind=Kind.RESTORE,
+            backend=job.backend or route_.backend,
+            status=OpStatus.COMPLETE,
+            started_at=now,
+            finished_at=now,
+            storage_bytes=0,
+            device_bytes=0,
+        )
+        return Done(job=dataclasses.replace(job, operation_id=op_id), operation=operation)
+    if job.state is State.FAULTED and recovered is not State.SAVED:
+        raise _faulted(job, node=node)
+    if job.state is State.IDLE:
+        raise Refused(
+            Code.FAILED_PRECONDITION,
+            f"job {job_id} is IDLE on node {node}: nothing was saved to restore; grant it instead",
+        )
+    resume = State.RUNNING if job.state is State.RUNNING else State.SAVED
+    return _start(
+        dataclasses.replace(job, error=""),
+        kind=Kind.RESTORE,
+        backend=route_.backend,
+        resume_state=resume,
+        op_id=op_id,
+        now=now,
+    )
+
+
+def plan_grant(
+    job: Job | None,
+    *,
+    job_id: str,
+    group: str,
+    epoch: int,
+    last: GrantMark | None,
+    footprint_bytes: int,
+    route_: Route,
+    node: str,
+    op_id: str,
+    now: float,
+    others: Iterable[Job],
+) -> Start | Unchanged:
+    """The orchestrator granted ``job_id`` the group: IDLE/unknown -> activate -> RUNNING.
+
+    ``epoch`` 0 means "unfenced" (clients that send none); otherwise it must not be
+    older than the last grant seen for the group, and one epoch names one job.
+    """
+    if group and epoch > 0 and last is not None:
+        if epoch < last.epoch:
+            raise Refused(
+                Code.FAILED_PRECONDITION,
+                f"stale grant: epoch {epoch} of group {group} is older than epoch {last.epoch} "
+                f"(job {last.job_id}) already seen on node {node}",
+            )
+        if epoch == last.epoch and last.job_id != job_id:
+            raise Refused(
+                Code.FAILED_PRECONDITION,
+                f"stale grant: epoch {epoch} of group {group} was already used for job "
+                f"{last.job_id} on node {node}",
+            )
+    if job is not None:
+        if job.state is State.TRANSITIONING:
+            raise _aborted(job)
+        if job.state is State.SAVED:
+            raise Refused(
+                Code.FAILED_PRECONDITION,
+                f"job {job_id} is SAVED on node {node}; restore it first (Restore), then grant",
+            )
+        if job.state is State.FAULTED:
+            raise _faulted(job, node=node)
+    _check_resident_neighbours(
+        job_id, group or (job.group if job else ""), others=others, node=node
+    )
+    if job is not None and job.state is State.RUNNING:
+        return Unchanged(job=dataclasses.replace(job, group=group or job.group))
+    if job is None:
+        job = Job(job_id=job_id, group=group)
+    footprint = footprint_bytes or _sim_footprint(route_.config) or job.footprint_bytes
+    job = dataclasses.replace(
+        _with_config(job, route_), group=group or job.group, footprint_bytes=footprint, error=""
+    )
+    return _start(
+        job,
+        kind=Kind.ACTIVATE,
+        backend=route_.backend,
+        resume_state=State.IDLE,
+        op_id=op_id,
+        now=now,
+    )
+
+
+def check_reset(job: Job | None, *, job_id: str, node: str) -> Job:
+    if job is None:
+        raise Refused(Code.NOT_FOUND, f"job {job_id} is not known on node {node}")
+    if job.state is not State.FAULTED:
+        raise Refused(
+            Code.FAILED_PRECONDITION,
+            f"job {job_id} is {job.state.value} on node {node}, not FAULTED; nothing to reset",
+        )
+    return job
+
+
+def after_reset(job: Job, *, recovered: State | None) -> Job:
+    """A FAULTED job takes the state its backend reports, else IDLE."""
+    state = recovered if recovered in (State.IDLE, State.RUNNING, State.SAVED) else State.IDLE
+    assert state is not None
+    device_bytes = job.device_bytes if state is State.RUNNING else 0
+    host_bytes = job.host_bytes if state is State.SAVED else 0
+    return dataclasses.replace(
+        job,
+        state=state,
+        error="",
+        previous_state=None,
+        device_bytes=device_bytes,
+        host_bytes=host_bytes,
+    )
+
+
+def finish(
+    job: Job, operation: Operation, *, outcome: Outcome, now: float
+) -> tuple[Job, Operation]:
+    """Apply a backend outcome to a TRANSITIONING job and its PENDING operation."""
+    if outcome.result is not None:
+        result = outcome.result
+        merged_state = {**job.backend_state, **result.state}
+        if operation.kind is Kind.SNAPSHOT:
+            job = dataclasses.replace(
+                job, state=State.SAVED, device_bytes=0, host_bytes=result.host_bytes
+            )
+        else:
+            job = dataclasses.replace(
+                job,
+                state=State.RUNNING,
+                device_bytes=result.device_bytes,
+                host_bytes=result.host_bytes,
+            )
+        job = dataclasses.replace(job, backend_state=merged_state, error="", previous_state=None)
+        operation = dataclasses.replace(
+            operation,
+            status=OpStatus.COMPLETE,
+            finished_at=now,
+            storage_bytes=result.host_bytes,
+            device_bytes=result.device_bytes,
+        )
+        return job, operation
+    error = outcome.error or "operation failed"
+    if outcome.state_changed or job.previous_state is None:
+        job = dataclasses.replace(job, state=State.FAULTED, error=error, previous_state=None)
+    else:
+        job = dataclasses.replace(job, state=job.previous_state, previous_state=None)
+    operation = dataclasses.replace(operation, status=OpStatus.FAILED, finished_at=now, error=error)
+    return job, operation
+
+
+def after_restart(
+    job: Job, operation: Operation | None, *, recovered: State | None, now: float
+) -> tuple[Job, Operation | None]:
+    """A job left TRANSITIONING by a dead agent takes the state its backend reports.
+
+    If the backend cannot tell, the job is FAULTED; its in-flight operation FAILS either way.
+    """
+    op_id = job.operation_id or "(none)"
+    message = f"agent restarted during operation {op_id}"
+    if recovered in (State.IDLE, State.RUNNING, State.SAVED):
+        assert recovered is not None
+        job = after_reset(job, recovered=recovered)
+        message += f"; the backend reports job {job.job_id} {recovered.value}"
+    else:
+        job = dataclasses.replace(
+            job, state=State.FAULTED, error=f"{message}; reset it", previous_state=None
+        )
+    if operation is not None and not operation.finished:
+        operation = dataclasses.replace(
+            operation, status=OpStatus.FAILED, finished_at=now, error=message
+        )
+    return job, operation

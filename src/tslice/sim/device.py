@@ -1,0 +1,279 @@
+"""Simulated accelerators of one node: capacity accounting, persistence and a journal.
+
+A :class:`SimNode` stands in for the GPUs of one machine. Jobs occupy bytes on every
+device of the node while resident; an allocation that would overcommit a device is
+refused with a message naming who holds the memory, so a mutual-exclusion bug in the
+layers above surfaces as an error instead of passing silently.
+
+The device state outlives the process that drives it (a real GPU outlives an agent
+crash), so every change is written atomically to a JSON file and read back on start.
+Every allocation and release is also appended to a JSON-lines *journal*; the
+mutual-exclusion checker replays journals of all nodes with :func:`read_journal`.
+
+This module is pure stdlib and imports no tslice layer, so the agent, the demo and
+the checker can all share it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, Literal
+
+GiB = 1024**3
+DEFAULT_CAPACITY_BYTES = 80 * GiB
+DEFAULT_BANDWIDTH_BYTES_PER_S = 25 * 10**9
+DEFAULT_LATENCY_S = 0.005
+#: Share of a device a job occupies when it declares nothing: above one half, so two
+#: such jobs can never be resident together.
+DEFAULT_FOOTPRINT_SHARE = 0.6
+
+STATE_FILE = "sim-devices.json"
+JOURNAL_FILE = "sim-journal.jsonl"
+
+EventKind = Literal["alloc", "free"]
+
+
+class CapacityError(Exception):
+    """An allocation would exceed a device's capacity; nothing was allocated."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Event:
+    """One journal line: ``bytes`` landed on (alloc) or left (free) ``device``."""
+
+    t: float
+    node: str
+    group: str
+    job: str
+    event: EventKind
+    device: str
+    bytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Residency:
+    """Bytes a job holds on every device of the node."""
+
+    group: str
+    bytes_per_device: int
+
+
+@dataclasses.dataclass(frozen=True)
+class SavedState:
+    """A job's state parked off the devices: the footprint to bring back, host bytes held."""
+
+    group: str
+    footprint_bytes: int
+    host_bytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceUsage:
+    id: str
+    used_bytes: int
+    total_bytes: int
+
+
+class SimNode:
+    """N identical simulated devices of ``capacity_bytes`` each.
+
+    Not thread-safe; callers on one event loop need no lock because no method awaits.
+    ``state_dir=None`` keeps everything in memory (no state file, no journal).
+    """
+
+    def __init__(
+        self,
+        *,
+        node: str,
+        devices: int = 1,
+        capacity_bytes: int = DEFAULT_CAPACITY_BYTES,
+        state_dir: Path | None = None,
+    ) -> None:
+        if devices < 1:
+            raise ValueError(f"devices must be at least 1 (got {devices})")
+        if capacity_bytes <= 0:
+            raise ValueError(f"capacity_bytes must be positive (got {capacity_bytes})")
+        self.node = node
+        self.devices = devices
+        self.capacity_bytes = capacity_bytes
+        self._state_path = state_dir / STATE_FILE if state_dir is not None else None
+        self._journal_path = state_dir / JOURNAL_FILE if state_dir is not None else None
+        self._resident: dict[str, Residency] = {}
+        self._saved: dict[str, SavedState] = {}
+        if state_dir is not None:
+            state_dir.mkdir(parents=True, exist_ok=True)
+            self._load()
+
+    # ---- queries ---------------------------------------------------------------
+
+    def device_ids(self) -> list[str]:
+        return [f"sim{i}" for i in range(self.devices)]
+
+    def residency(self, job: str) -> Residency | None:
+        return self._resident.get(job)
+
+    def saved(self, job: str) -> SavedState | None:
+        return self._saved.get(job)
+
+    def used_bytes(self) -> int:
+        """Bytes in use on each device (all devices hold the same jobs)."""
+        return sum(r.bytes_per_device for r in self._resident.values())
+
+    def usage(self) -> list[DeviceUsage]:
+        used = self.used_bytes()
+        return [
+            DeviceUsage(id=d, used_bytes=used, total_bytes=self.capacity_bytes)
+            for d in self.device_ids()
+        ]
+
+    # ---- changes ----------------------------------------------------------------
+
+    def check_fits(self, *, job: str, bytes_per_device: int, action: str = "restore") -> None:
+        """Raise :class:`CapacityError` if ``job`` cannot land ``bytes_per_device`` now."""
+        first = self.device_ids()[0]
+        if bytes_per_device > self.capacity_bytes:
+            raise CapacityError(
+                f"{action} of job {job} on {first} (node {self.node}) would need "
+                f"{bytes_per_device} bytes but the device holds only {self.capacity_bytes}; "
+                "lower the job's footprint or raise the simulated capacity"
+            )
+        others = {j: r for j, r in self._resident.items() if j != job}
+        used = sum(r.bytes_per_device for r in others.values())
+        if used + bytes_per_device > self.capacity_bytes:
+            holders = ", ".join(
+                f"job {j} ({r.bytes_per_device} bytes)" for j, r in sorted(others.items())
+            )
+            raise CapacityError(
+                f"{action} of job {job} on {first} (node {self.node}) would need "
+                f"{bytes_per_device} bytes; {used} of {self.capacity_bytes} in use by {holders}"
+            )
+
+    def allocate(
+        self, *, job: str, group: str, bytes_per_device: int, action: str = "restore"
+    ) -> None:
+        """Land the job's bytes on every device, or raise :class:`CapacityError` (no change)."""
+        if job in self._resident:
+            return
+        self.check_fits(job=job, bytes_per_device=bytes_per_device, action=action)
+        self._resident[job] = Residency(group=group, bytes_per_device=bytes_per_device)
+        self._save()
+        self._journal(job=job, group=group, event="alloc", bytes_per_device=bytes_per_device)
+
+    def free(self, *, job: str) -> int:
+        """Release the job's device bytes; returns the bytes freed per device (0 if none)."""
+        residency = self._resident.pop(job, None)
+        if residency is None:
+            return 0
+        self._save()
+        self._journal(
+            job=job,
+            group=residency.group,
+            event="free",
+            bytes_per_device=residency.bytes_per_device,
+        )
+        return residency.bytes_per_device
+
+    def park(self, *, job: str, saved: SavedState) -> None:
+        """Free the job's devices and record its saved state, in one persisted step."""
+        residency = self._resident.pop(job, None)
+        self._saved[job] = saved
+        self._save()
+        if residency is not None:
+            self._journal(
+                job=job,
+                group=residency.group,
+                event="free",
+                bytes_per_device=residency.bytes_per_device,
+            )
+
+    def unpark(self, *, job: str) -> None:
+        """The job's saved state is back on the devices; forget the host copy."""
+        if self._saved.pop(job, None) is not None:
+            self._save()
+
+    def forget(self, *, job: str) -> None:
+        self.free(job=job)
+        self.unpark(job=job)
+
+    # ---- persistence --------------------------------------------------------------
+
+    def _load(self) -> None:
+        assert self._state_path is not None
+        try:
+            raw = json.loads(self._state_path.read_text())
+        except FileNotFoundError:
+            return
+        except (OSError, ValueError) as err:
+            raise ValueError(
+                f"simulated device state {self._state_path} is unreadable ({err}); "
+                "delete it to start with empty devices"
+            ) from err
+        self._resident = {j: Residency(**r) for j, r in raw.get("resident", {}).items()}
+        self._saved = {j: SavedState(**s) for j, s in raw.get("saved", {}).items()}
+
+    def _save(self) -> None:
+        if self._state_path is None:
+            return
+        payload = {
+            "node": self.node,
+            "resident": {j: dataclasses.asdict(r) for j, r in self._resident.items()},
+            "saved": {j: dataclasses.asdict(s) for j, s in self._saved.items()},
+        }
+        tmp = self._state_path.with_suffix(".tmp")
+        with tmp.open("w") as f:
+            json.dump(payload, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self._state_path)
+
+    def _journal(self, *, job: str, group: str, event: EventKind, bytes_per_device: int) -> None:
+        if self._journal_path is None:
+            return
+        now = time.time()
+        with self._journal_path.open("a") as f:
+            for device in self.device_ids():
+                line = {
+                    "t": now,
+                    "node": self.node,
+                    "group": group,
+                    "job": job,
+                    "event": event,
+                    "device": device,
+                    "bytes": bytes_per_device,
+                }
+                f.write(json.dumps(line) + "\n")
+                # One flush per line: a checker tailing the file never sees half an event.
+                f.flush()
+
+
+def read_journal(path: Path) -> list[Event]:
+    """Every event of a journal file, in write order; a torn last line (crash) is skipped."""
+    return list(_iter_journal(path))
+
+
+def _iter_journal(path: Path) -> Iterator[Event]:
+    try:
+        lines = path.read_text().splitlines()
+    except FileNotFoundError:
+        return
+    for line in lines:
+        if not line.strip():
+            continue
+        try:
+            raw: dict[str, Any] = json.loads(line)
+        except ValueError:
+            continue
+        yield Event(
+            t=float(raw["t"]),
+            node=str(raw["node"]),
+            group=str(raw["group"]),
+            job=str(raw["job"]),
+            event="alloc" if raw["event"] == "alloc" else "free",
+            device=str(raw["device"]),
+            bytes=int(raw["bytes"]),
+        )
