@@ -1,0 +1,530 @@
+"""TorchAdapter: moves a PyTorch job's tensors off the device and back, bit for bit.
+
+Why this shape:
+
+* **Storages, not tensors, are the unit.** Several tensors may view one storage
+  (tied weights, non-contiguous views, a buffer sliced out of another). Copying
+  each storage's bytes once keeps aliasing, strides and offsets exactly as they
+  were, and freeing the storage (``untyped_storage().resize_(0)``) really
+  releases the memory even if some view we do not know about holds it.
+* **Identity is kept.** Optimizers (and user code) hold references to the
+  ``Parameter`` and state tensor objects, so nothing is ever replaced: while
+  suspended each known tensor is re-pointed (``tensor.data = ...``) at an empty
+  placeholder of its dtype and device, so a stray use fails with a shape error
+  rather than reading freed memory; restore re-points it at its original
+  storage, which is resized back and refilled.
+* **Host buffers are paid for once.** Each tag owns one flat byte buffer
+  (pinned when the tensors are on a CUDA device), sized at the first offload and
+  reused by every later one; it grows only if the tag's tensors grow.
+* **Copies are chunked.** On CUDA the chunks alternate between side streams so
+  that copies overlap and the training stream is not blocked; on CPU a chunked
+  ``copy_`` keeps the cost of a plain copy of the same bytes (see
+  ``bench/offload.py``).
+
+Tags: ``weights`` (parameters except LoRA ones, their gradients, and buffers),
+``lora`` (parameters whose name matches ``lora_patterns``, and their gradients),
+``optimizer`` (every tensor in ``optimizer.state``) and any custom tag given to
+:meth:`TorchAdapter.add_tensors` (e.g. ``kv_cache``).
+
+OFFLOAD keeps the bytes in host memory and restore brings back exactly what was
+offloaded. DISCARD frees the storage without copying (e.g. weights that the next
+weight sync re-sends); restore re-allocates it zero-filled and the tag stays in
+:attr:`TorchAdapter.discarded_tags` until :meth:`TorchAdapter.mark_resynced`, so
+tensors restored after DISCARD are *not* the old values, by design.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+
+import torch
+
+from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
+
+WEIGHTS = "weights"
+LORA = "lora"
+OPTIMIZER = "optimizer"
+BUILTIN_TAGS = (WEIGHTS, LORA, OPTIMIZER)
+
+DEFAULT_CHUNK_BYTES = 64 * 1024 * 1024
+DEFAULT_LORA_PATTERNS = ("lora_",)
+# Slots in a host buffer start on this boundary so that copies stay aligned for any dtype.
+_SLOT_ALIGN = 256
+
+OFFLOAD = pb.SUSPEND_MODE_OFFLOAD
+DISCARD = pb.SUSPEND_MODE_DISCARD
+
+
+@dataclasses.dataclass(frozen=True)
+class _Alias:
+    """A tensor we know about and where it points into its storage."""
+
+    name: str
+    tensor: torch.Tensor
+    dtype: torch.dtype
+    storage_offset: int
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+
+    @classmethod
+    def of(cls, name: str, tensor: torch.Tensor) -> _Alias:
+        return cls(
+            name=name,
+            tensor=tensor,
+            dtype=tensor.dtype,
+            storage_offset=int(tensor.storage_offset()),
+            size=tuple(int(n) for n in tensor.size()),
+            stride=tuple(int(n) for n in tensor.stride()),
+        )
+
+
+@dataclasses.dataclass
+class _Block:
+    """One storage moved as a unit, with every known tensor that views it."""
+
+    storage: torch.UntypedStorage
+    device: torch.device
+    nbytes: int
+    aliases: list[_Alias]
+    #: Where the bytes live in the tag's host buffer (OFFLOAD only).
+    host_offset: int = 0
+
+    def byte_view(self) -> torch.Tensor:
+        return torch.empty(0, dtype=torch.uint8, device=self.device).set_(self.storage)
+
+
+@dataclasses.dataclass
+class _Parked:
+    """A tag whose tensors are off the device."""
+
+    mode: int
+    blocks: list[_Block]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(block.nbytes for block in self.blocks)
+
+
+@dataclasses.dataclass(frozen=True)
+class MoveResult:
+    """Bytes a snapshot freed or a restore brought back, and host bytes now holding saved state."""
+
+    device_bytes: int
+    host_bytes: int
+
+
+class _HostBuffers:
+    """One flat byte buffer per tag, allocated once and reused across cycles."""
+
+    def __init__(self) -> None:
+        self._by_tag: dict[str, torch.Tensor] = {}
+
+    def reserve(self, tag: str, nbytes: int, *, pinned: bool) -> torch.Tensor:
+        current = self._by_tag.get(tag)
+        if (
+            current is not None
+            and current.numel() >= nbytes
+            and (current.is_pinned() or not pinned)
+        ):
+            return current
+        # Drop the old one first so that peak host memory is not old + new.
+        self._by_tag.pop(tag, None)
+        del current
+        buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
+        self._by_tag[tag] = buffer
+        return buffer
+
+    def get(self, tag: str) -> torch.Tensor:
+        return self._by_tag[tag]
+
+    def release(self, tags: Iterable[str]) -> None:
+        for tag in tags:
+            self._by_tag.pop(tag, None)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(buffer.numel() for buffer in self._by_tag.values())
+
+
+class _Copier:
+    """Chunked copies between storages and a host buffer; side streams on CUDA."""
+
+    def __init__(self, *, chunk_bytes: int, streams_per_device: int) -> None:
+        self._chunk_bytes = chunk_bytes
+        self._streams_per_device = streams_per_device
+        self._streams: dict[torch.device, list[torch.cuda.Stream]] = {}
+
+    def to_host(self, blocks: Sequence[_Block], buffer: torch.Tensor) -> None:
+        for device, group in _by_device(blocks).items():
+            if device.type == "cuda":
+                self._cuda_copy(device, group, buffer, to_host=True)
+            else:
+                for block in group:
+                    self._chunked(block.byte_view(), _slot(buffer, block), non_blocking=False)
+
+    def to_device(self, blocks: Sequence[_Block], buffer: torch.Tensor) -> None:
+        for device, group in _by_device(blocks).items():
+            if device.type == "cuda":
+                self._cuda_copy(device, group, buffer, to_host=False)
+            else:
+                for block in group:
+                    self._chunked(_slot(buffer, block), block.byte_view(), non_blocking=False)
+
+    def _chunked(self, src: torch.Tensor, dst: torch.Tensor, *, non_blocking: bool) -> None:
+        step = self._chunk_bytes
+        for start in range(0, src.numel(), step):
+            dst[start : start + step].copy_(src[start : start + step], non_blocking=non_blocking)
+
+    def _cuda_copy(
+        self, device: torch.device, blocks: Sequence[_Block], buffer: torch.Tensor, *, to_host: bool
+    ) -> None:
+        streams = self._side_streams(device)
+        with torch.cuda.device(device):
+            # Training may have queued work on any stream that still reads or
+            # writes these storages (or, for a restore, on memory just handed back
+            # by the caching allocator); wait for all of it, once per switch.
+            torch.cuda.synchronize(device)
+            turn = 0
+            for block in blocks:
+                device_bytes, host_bytes = block.byte_view(), _slot(buffer, block)
+                src, dst = (device_bytes, host_bytes) if to_host else (host_bytes, device_bytes)
+                for start in range(0, block.nbytes, self._chunk_bytes):
+                    stop = start + self._chunk_bytes
+                    with torch.cuda.stream(streams[turn % len(streams)]):
+                        dst[start:stop].copy_(src[start:stop], non_blocking=True)
+                    turn += 1
+            # The host buffer is reused and device memory may be freed right after;
+            # neither is safe before the copies have landed.
+            for stream in streams:
+                stream.synchronize()
+
+    def _side_streams(self, device: torch.device) -> list[torch.cuda.Stream]:
+        if device not in self._streams:
+            self._streams[device] = [
+                torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
+                for _ in range(self._streams_per_device)
+            ]
+        return self._streams[device]
+
+
+def _slot(buffer: torch.Tensor, block: _Block) -> torch.Tensor:
+    return buffer[block.host_offset : block.host_offset + block.nbytes]
+
+
+def _by_device(blocks: Iterable[_Block]) -> dict[torch.device, list[_Block]]:
+    grouped: dict[torch.device, list[_Block]] = {}
+    for block in blocks:
+        grouped.setdefault(block.device, []).append(block)
+    return grouped
+
+
+def _align(offset: int) -> int:
+    return -(-offset // _SLOT_ALIGN) * _SLOT_ALIGN
+
+
+def _storage_key(tensor: torch.Tensor) -> tuple[torch.device, int]:
+    return tensor.device, tensor.untyped_storage().data_ptr()
+
+
+class TorchAdapter:
+    """Offloads (or discards) a module's parameters and buffers, an optimizer's state
+    and custom tensors, by tag, and restores them bit for bit.
+
+    Usage::
+
+        adapter = TorchAdapter(model, optimizer)
+        adapter.add_tensors("kv_cache", {"k": k_cache, "v": v_cache})
+        handle = tslice.workload.register_workload(agent, job_id, workload=adapter)
+
+    The same tensor objects stay valid across a cycle; only their storage
+    moves. Do not touch the tensors of a suspended tag (the time-slicing client
+    blocks in ``acquire()`` while they are away).
+    """
+
+    name = "torch"
+
+    def __init__(
+        self,
+        module: torch.nn.Module | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
+        *,
+        lora_patterns: Sequence[str] = DEFAULT_LORA_PATTERNS,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        streams_per_device: int = 2,
+    ) -> None:
+        if chunk_bytes <= 0:
+            raise ValueError(f"chunk_bytes must be positive (got {chunk_bytes})")
+        if streams_per_device <= 0:
+            raise ValueError(f"streams_per_device must be positive (got {streams_per_device})")
+        self._module = module
+        self._optimizer = optimizer
+        self._lora_patterns = tuple(lora_patterns)
+        self._custom: dict[str, dict[str, torch.Tensor]] = {}
+        self._parked: dict[str, _Parked] = {}
+        self._needs_resync: set[str] = set()
+        self._buffers = _HostBuffers()
+        self._copier = _Copier(chunk_bytes=chunk_bytes, streams_per_device=streams_per_device)
+        # The workload channel runs commands on its own thread; one move at a time.
+        self._lock = threading.Lock()
+
+    # ---- tags -------------------------------------------------------------
+
+    @property
+    def tags(self) -> list[str]:
+        """Every tag this adapter can move, in a stable order."""
+        tags: list[str] = []
+        if self._module is not None:
+            tags.append(WEIGHTS)
+            if any(self._is_lora(name) for name, _ in self._module.named_parameters()):
+                tags.append(LORA)
+        if self._optimizer is not None:
+            tags.append(OPTIMIZER)
+        tags.extend(self._custom)
+        return tags
+
+    @property
+    def suspended_tags(self) -> list[str]:
+        """Tags whose tensors are off the device now."""
+        return [tag for tag in self.tags if tag in self._parked]
+
+    @property
+    def resident_tags(self) -> list[str]:
+        """Tags whose tensors are on the device now."""
+        return [tag for tag in self.tags if tag not in self._parked]
+
+    @property
+    def discarded_tags(self) -> list[str]:
+        """Tags dropped by DISCARD whose values have not been re-synced since
+        (see :meth:`mark_resynced`); their tensors hold zeros once restored."""
+        return sorted(self._needs_resync)
+
+    @property
+    def host_buffer_bytes(self) -> int:
+        """Host memory reserved for offloads, kept across cycles (see ``release_host_buffers``)."""
+        return self._buffers.nbytes
+
+    def mark_resynced(self, *tags: str) -> None:
+        """Say that the application has re-provisioned discarded tags (e.g. after a weight sync)."""
+        self._check_known(tags)
+        self._needs_resync.difference_update(tags)
+
+    def add_tensors(self, tag: str, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Add custom tensors (e.g. a KV cache) under ``tag``; calling again adds to the tag."""
+        if not tag or tag in BUILTIN_TAGS:
+            raise ValueError(
+                f"custom tag {tag!r} is not allowed: use a non-empty name other than "
+                f"{', '.join(BUILTIN_TAGS)}"
+            )
+        for name, tensor in tensors.items():
+            if not isinstance(tensor, torch.Tensor):
+                raise TypeError(f"{tag}/{name} is a {type(tensor).__name__}, not a torch.Tensor")
+        with self._lock:
+            if tag in self._parked:
+                raise RuntimeError(f"tag {tag!r} is suspended; restore it before adding tensors")
+            self._custom.setdefault(tag, {}).update(tensors)
+
+    def release_host_buffers(self) -> None:
+        """Free the host buffers of resident tags (the next offload allocates them again)."""
+        with self._lock:
+            self._buffers.release(tag for tag in self.tags if tag not in self._parked)
+
+    # ---- moves ------------------------------------------------------------
+
+    def move_out(self, mode: int, tags: Sequence[str] = ()) -> MoveResult:
+        """Take ``tags`` (all when empty) off the device: OFFLOAD copies them to host
+        memory first, DISCARD drops them. Tags already off the device are left as they are.
+
+        Nothing is freed unless every copy succeeded, so a failure leaves the tensors intact.
+        """
+        if mode not in (OFFLOAD, DISCARD):
+            raise ValueError(f"unsupported suspend mode {mode!r}: use OFFLOAD or DISCARD")
+        with self._lock:
+            wanted = [tag for tag in self._resolve(tags) if tag not in self._parked]
+            plan = self._plan(wanted)
+            if mode == OFFLOAD:
+                for tag, blocks in plan.items():
+                    self._copy_to_host(tag, blocks)
+            freed = 0
+            for tag, blocks in plan.items():
+                for block in blocks:
+                    _free(block)
+                    freed += block.nbytes
+                self._parked[tag] = _Parked(mode=mode, blocks=blocks)
+                if mode == DISCARD:
+                    self._needs_resync.add(tag)
+            return MoveResult(device_bytes=freed, host_bytes=self._saved_bytes())
+
+    def move_in(self, tags: Sequence[str] = ()) -> MoveResult:
+        """Bring ``tags`` (all suspended ones when empty) back onto their devices.
+
+        Tags already resident are left as they are. If allocation fails, the tags
+        whose memory could not be allocated stay suspended, with their saved bytes.
+        """
+        with self._lock:
+            wanted = [
+                tag for tag in self._resolve(tags, default=self._parked) if tag in self._parked
+            ]
+            restored = 0
+            for tag in wanted:
+                parked = self._parked[tag]
+                _allocate(parked.blocks)
+                try:
+                    if parked.mode == OFFLOAD:
+                        self._copier.to_device(parked.blocks, self._buffers.get(tag))
+                    else:
+                        for block in parked.blocks:
+                            block.byte_view().zero_()
+                except BaseException:
+                    for block in parked.blocks:
+                        block.storage.resize_(0)
+                    raise
+                for block in parked.blocks:
+                    _repoint(block)
+                del self._parked[tag]
+                restored += parked.nbytes
+            return MoveResult(device_bytes=restored, host_bytes=self._saved_bytes())
+
+    # ---- internals ----------------------------------------------------------
+
+    def _resolve(self, tags: Sequence[str], *, default: Iterable[str] | None = None) -> list[str]:
+        if not tags:
+            return list(self.tags if default is None else default)
+        self._check_known(tags)
+        return list(dict.fromkeys(tags))
+
+    def _check_known(self, tags: Iterable[str]) -> None:
+        available = self.tags
+        unknown = [tag for tag in tags if tag not in available]
+        if unknown:
+            raise ValueError(
+                f"unknown tag(s) {', '.join(map(repr, unknown))}; this workload has "
+                f"{', '.join(available) or 'no tags'}"
+            )
+
+    def _is_lora(self, name: str) -> bool:
+        return any(pattern in name for pattern in self._lora_patterns)
+
+    def _named_tensors(self, tag: str) -> Iterator[tuple[str, torch.Tensor]]:
+        if tag in (WEIGHTS, LORA) and self._module is not None:
+            for name, param in self._module.named_parameters():
+                if self._is_lora(name) == (tag == LORA):
+                    yield name, param
+                    if param.grad is not None:
+                        yield f"{name}.grad", param.grad
+            if tag == WEIGHTS:
+                for name, buffer in self._module.named_buffers():
+                    yield name, buffer
+        elif tag == OPTIMIZER and self._optimizer is not None:
+            names = self._param_names()
+            for index, (owner, state) in enumerate(self._optimizer.state.items()):
+                prefix = names.get(id(owner), f"param{index}")
+                for key, value in state.items():
+                    if isinstance(value, torch.Tensor):
+                        yield f"{prefix}.{key}", value
+        else:
+            yield from self._custom.get(tag, {}).items()
+
+    def _param_names(self) -> dict[int, str]:
+        if self._module is None:
+            return {}
+        return {id(param): name for name, param in self._module.named_parameters()}
+
+    def _plan(self, tags: Sequence[str]) -> dict[str, list[_Block]]:
+        """Group the tags' tensors by storage, checking everything before anything moves."""
+        plan: dict[str, list[_Block]] = {}
+        seen: dict[tuple[torch.device, int], _Block] = {}
+        for tag in tags:
+            blocks: list[_Block] = []
+            for name, tensor in self._named_tensors(tag):
+                block = self._block_for(f"{tag}/{name}", tensor, seen)
+                if block is not None:
+                    blocks.append(block)
+            plan[tag] = blocks
+        self._check_not_shared_with_resident(tags, seen)
+        return plan
+
+    @staticmethod
+    def _block_for(
+        name: str, tensor: torch.Tensor, seen: dict[tuple[torch.device, int], _Block]
+    ) -> _Block | None:
+        """Record ``tensor`` under its storage's block; return the block if it is new."""
+        if tensor.layout != torch.strided:
+            raise ValueError(f"{name} has layout {tensor.layout}; only strided tensors can move")
+        if tensor.device.type == "meta":
+            return None
+        storage = tensor.untyped_storage()
+        nbytes = storage.nbytes()
+        if nbytes == 0:
+            return None
+        key = _storage_key(tensor)
+        block = seen.get(key)
+        if block is not None:
+            block.aliases.append(_Alias.of(name, tensor))
+            return None
+        if not storage.resizable():
+            raise ValueError(
+                f"{name} uses memory that torch cannot free (e.g. torch.from_numpy or "
+                "shared memory); allocate it with torch instead"
+            )
+        block = _Block(
+            storage=storage, device=tensor.device, nbytes=nbytes, aliases=[_Alias.of(name, tensor)]
+        )
+        seen[key] = block
+        return block
+
+    def _check_not_shared_with_resident(
+        self, moving: Sequence[str], seen: Mapping[tuple[torch.device, int], _Block]
+    ) -> None:
+        # Freeing a storage that a tensor of a tag staying on the device also
+        # views would leave that tensor pointing at freed memory.
+        for tag in self.tags:
+            if tag in moving or tag in self._parked:
+                continue
+            for name, tensor in self._named_tensors(tag):
+                if tensor.layout != torch.strided or tensor.device.type == "meta":
+                    continue
+                block = seen.get(_storage_key(tensor))
+                if block is not None and tensor.untyped_storage().nbytes() > 0:
+                    raise ValueError(
+                        f"{block.aliases[0].name} shares memory with {tag}/{name}; "
+                        f"move tag {tag!r} together with it"
+                    )
+
+    def _copy_to_host(self, tag: str, blocks: list[_Block]) -> None:
+        total = 0
+        for block in blocks:
+            block.host_offset = total
+            total = _align(total + block.nbytes)
+        pinned = torch.cuda.is_available() and any(b.device.type == "cuda" for b in blocks)
+        buffer = self._buffers.reserve(tag, total, pinned=pinned)
+        self._copier.to_host(blocks, buffer)
+
+    def _saved_bytes(self) -> int:
+        return sum(p.nbytes for p in self._parked.values() if p.mode == OFFLOAD)
+
+
+def _free(block: _Block) -> None:
+    for alias in block.aliases:
+        alias.tensor.data = torch.empty(0, dtype=alias.dtype, device=block.device)
+    block.storage.resize_(0)
+
+
+def _allocate(blocks: Sequence[_Block]) -> None:
+    done: list[_Block] = []
+    try:
+        for block in blocks:
+            block.storage.resize_(block.nbytes)
+            done.append(block)
+    except BaseException:
+        for block in done:
+            block.storage.resize_(0)
+        raise
+
+
+def _repoint(block: _Block) -> None:
+    for alias in block.aliases:
+        alias.tensor.data = torch.empty(0, dtype=alias.dtype, device=block.device).set_(
+            block.storage, alias.storage_offset, alias.size, alias.stride
+        )

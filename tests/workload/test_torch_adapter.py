@@ -1,0 +1,376 @@
+"""TorchAdapter on CPU tensors: bit-exact round trips, freed storage, reused host buffers."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from tslice.workload.adapters import torch as torch_adapter  # noqa: E402
+
+OFFLOAD = torch_adapter.OFFLOAD
+DISCARD = torch_adapter.DISCARD
+
+
+class LoraLinear(torch.nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.base = torch.nn.Linear(dim, dim)
+        self.lora_a = torch.nn.Parameter(torch.randn(2, dim) * 0.1)
+        self.lora_b = torch.nn.Parameter(torch.randn(dim, 2) * 0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base(x) + x @ self.lora_a.T @ self.lora_b.T
+
+
+class Mixed(torch.nn.Module):
+    """float32 and bfloat16 parameters, an int64 buffer, a non-contiguous buffer
+    viewing another one, and tied weights."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(16, 8)
+        self.block = LoraLinear(8)
+        self.narrow = torch.nn.Linear(8, 8).to(torch.bfloat16)
+        self.head = torch.nn.Linear(8, 16, bias=False)
+        self.head.weight = self.embed.weight  # tied: one Parameter, one storage
+        self.register_buffer("counts", torch.arange(10, dtype=torch.int64) * 7)
+        grid = torch.randn(6, 6)
+        self.register_buffer("grid", grid)
+        self.register_buffer("grid_cols", grid[:, ::2])  # non-contiguous view of `grid`
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        hidden = self.block(self.embed(tokens))
+        hidden = hidden + self.narrow(hidden.to(torch.bfloat16)).float()
+        return self.head(hidden)
+
+
+def train_steps(model: Mixed, optimizer: torch.optim.Optimizer, steps: int, seed: int) -> None:
+    generator = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        tokens = torch.randint(0, 16, (4, 5), generator=generator)
+        optimizer.zero_grad()
+        model(tokens).square().mean().backward()
+        optimizer.step()
+
+
+def snapshot_of(model: Mixed, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    tensors = {f"model.{k}": v.clone() for k, v in model.state_dict().items()}
+    for index, state in enumerate(optimizer.state.values()):
+        for key, value in state.items():
+            tensors[f"opt.{index}.{key}"] = value.clone()
+    return tensors
+
+
+def assert_bit_identical(
+    expected: dict[str, torch.Tensor], actual: dict[str, torch.Tensor]
+) -> None:
+    assert expected.keys() == actual.keys()
+    for name, tensor in expected.items():
+        got = actual[name]
+        assert got.dtype == tensor.dtype, name
+        assert got.shape == tensor.shape, name
+        # Compare raw bytes so that NaN payloads and -0.0 count too.
+        assert torch.equal(_raw_bytes(got), _raw_bytes(tensor)), name
+
+
+def _raw_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.contiguous().reshape(-1).view(torch.uint8)
+
+
+@pytest.fixture
+def trained() -> tuple[Mixed, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = Mixed()
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    train_steps(model, optimizer, steps=3, seed=1)
+    return model, optimizer
+
+
+def all_tensors(model: Mixed, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    tensors = list(model.parameters()) + list(model.buffers())
+    tensors += [p.grad for p in model.parameters() if p.grad is not None]
+    for state in optimizer.state.values():
+        tensors += [v for v in state.values() if isinstance(v, torch.Tensor)]
+    return tensors
+
+
+def test_offload_frees_every_storage_and_restores_bit_exact(trained) -> None:
+    model, optimizer = trained
+    before = snapshot_of(model, optimizer)
+    params = list(model.parameters())
+    layouts = {
+        id(t): (t.dtype, t.shape, t.stride(), t.requires_grad)
+        for t in all_tensors(model, optimizer)
+    }
+    adapter = torch_adapter.TorchAdapter(model, optimizer)
+    assert adapter.tags == ["weights", "lora", "optimizer"]
+
+    out = adapter.move_out(OFFLOAD)
+
+    assert out.device_bytes > 0 and out.host_bytes == out.device_bytes
+    assert all(t.untyped_storage().nbytes() == 0 for t in all_tensors(model, optimizer))
+    assert adapter.suspended_tags == ["weights", "lora", "optimizer"]
+    assert adapter.resident_tags == []
+
+    back = adapter.move_in()
+
+    assert back.device_bytes == out.device_bytes and back.host_bytes == 0
+    assert adapter.resident_tags == ["weights", "lora", "optimizer"]
+    assert_bit_identical(before, snapshot_of(model, optimizer))
+    assert all(a is b for a, b in zip(params, model.parameters(), strict=True))
+    assert all(isinstance(p, torch.nn.Parameter) for p in model.parameters())
+    assert model.head.weight is model.embed.weight
+    grid, cols = model.get_buffer("grid"), model.get_buffer("grid_cols")
+    assert cols.untyped_storage().data_ptr() == grid.untyped_storage().data_ptr()
+    assert not cols.is_contiguous()
+    for tensor in all_tensors(model, optimizer):
+        assert (tensor.dtype, tensor.shape, tensor.stride(), tensor.requires_grad) == layouts[
+            id(tensor)
+        ]
+
+
+def test_training_after_a_cycle_matches_training_without_one(trained) -> None:
+    model, optimizer = trained
+    # One deepcopy of both keeps the twin optimizer pointing at the twin's parameters.
+    twin, twin_optimizer = copy.deepcopy((model, optimizer))
+    adapter = torch_adapter.TorchAdapter(model, optimizer)
+
+    for cycle in range(3):
+        adapter.move_out(OFFLOAD)
+        adapter.move_in()
+        train_steps(model, optimizer, steps=2, seed=10 + cycle)
+        train_steps(twin, twin_optimizer, steps=2, seed=10 + cycle)
+
+    assert_bit_identical(snapshot_of(twin, twin_optimizer), snapshot_of(model, optimizer))
+
+
+def test_host_buffers_are_reused_across_cycles(trained) -> None:
+    model, optimizer = trained
+    adapter = torch_adapter.TorchAdapter(model, optimizer)
+    adapter.move_out(OFFLOAD)
+    first = {tag: adapter._buffers.get(tag).data_ptr() for tag in adapter.tags}
+    reserved = adapter.host_buffer_bytes
+    adapter.move_in()
+
+    for _ in range(2):
+        adapter.move_out(OFFLOAD)
+        assert {tag: adapter._buffers.get(tag).data_ptr() for tag in adapter.tags} == first
+        assert adapter.host_buffer_bytes == reserved
+        adapter.move_in()
+
+
+def test_host_buffer_grows_when_a_tag_grows() -> None:
+    cache = {"k": torch.arange(100, dtype=torch.float32)}
+    adapter = torch_adapter.TorchAdapter()
+    adapter.add_tensors("kv_cache", cache)
+    adapter.move_out(OFFLOAD)
+    adapter.move_in()
+    small = adapter.host_buffer_bytes
+
+    adapter.add_tensors("kv_cache", {"v": torch.arange(5000, dtype=torch.float32)})
+    adapter.move_out(OFFLOAD)
+    adapter.move_in()
+
+    assert adapter.host_buffer_bytes > small
+    assert torch.equal(cache["k"], torch.arange(100, dtype=torch.float32))
+
+
+def test_lora_alone_moves_and_weights_stay(trained) -> None:
+    model, optimizer = trained
+    lora = {"a": model.block.lora_a.detach().clone(), "b": model.block.lora_b.detach().clone()}
+    adapter = torch_adapter.TorchAdapter(model, optimizer)
+
+    out = adapter.move_out(OFFLOAD, ["lora"])
+
+    assert model.block.lora_a.untyped_storage().nbytes() == 0
+    assert model.block.lora_b.untyped_storage().nbytes() == 0
+    assert model.block.base.weight.untyped_storage().nbytes() > 0
+    lora_bytes = sum(p.numel() * p.element_size() for p in (lora["a"], lora["b"]))
+    assert out.device_bytes == 2 * lora_bytes  # parameters and their gradients
+    assert adapter.suspended_tags == ["lora"]
+
+    adapter.move_in(["lora"])
+
+    assert torch.equal(model.block.lora_a, lora["a"]) and torch.equal(model.block.lora_b, lora["b"])
+
+
+def test_lora_patterns_are_configurable(trained) -> None:
+    model, optimizer = trained
+    adapter = torch_adapter.TorchAdapter(model, optimizer, lora_patterns=("narrow.",))
+    adapter.move_out(OFFLOAD, ["lora"])
+    assert model.narrow.weight.untyped_storage().nbytes() == 0
+    assert model.block.lora_a.untyped_storage().nbytes() > 0
+    adapter.move_in()
+
+
+def test_discard_frees_without_copying_and_restores_zeros(trained) -> None:
+    model, optimizer = trained
+    adapter = torch_adapter.TorchAdapter(model, optimizer)
+
+    out = adapter.move_out(DISCARD, ["weights"])
+
+    assert out.device_bytes > 0 and out.host_bytes == 0
+    assert adapter.host_buffer_bytes == 0
+    assert model.embed.weight.untyped_storage().nbytes() == 0
+    assert adapter.discarded_tags == ["weights"]
+
+    back = adapter.move_in(["weights"])
+
+    assert back.device_bytes == out.device_bytes
+    assert torch.count_nonzero(model.embed.weight) == 0
+    assert model.embed.weight.shape == (16, 8)
+    assert adapter.discarded_tags == ["weights"]  # until the application re-syncs
+    adapter.mark_resynced("weights")
+    assert adapter.discarded_tags == []
+
+
+def test_discard_really_returns_memory_to_the_system() -> None:
+    size = 96 * 1024 * 1024  # above glibc's mmap threshold: freeing unmaps at once
+    big = torch.ones(size, dtype=torch.uint8)
+    adapter = torch_adapter.TorchAdapter()
+    adapter.add_tensors("kv_cache", {"big": big})
+    before = _rss_bytes()
+
+    adapter.move_out(DISCARD)
+
+    assert before - _rss_bytes() > 0.9 * size
+    adapter.move_in()
+    assert big.numel() == size
+
+
+def _rss_bytes() -> int:
+    import os
+
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def test_custom_tags_round_trip_non_contiguous_tensors() -> None:
+    base = torch.randn(8, 8, dtype=torch.float64)
+    k_cache = base.T  # non-contiguous
+    v_cache = torch.randn(3, 4, 5).permute(2, 0, 1)
+    expected = {"k": k_cache.clone(), "v": v_cache.clone()}
+    adapter = torch_adapter.TorchAdapter()
+    adapter.add_tensors("kv_cache", {"k": k_cache, "v": v_cache})
+    assert adapter.tags == ["kv_cache"]
+
+    adapter.move_out(OFFLOAD, ["kv_cache"])
+    adapter.move_in(["kv_cache"])
+
+    assert torch.equal(k_cache, expected["k"]) and torch.equal(v_cache, expected["v"])
+    assert k_cache.stride() == expected["k"].T.contiguous().T.stride()
+    assert base.untyped_storage().data_ptr() == k_cache.untyped_storage().data_ptr()
+
+
+def test_moves_are_idempotent(trained) -> None:
+    model, optimizer = trained
+    adapter = torch_adapter.TorchAdapter(model, optimizer)
+    assert adapter.move_in().device_bytes == 0
+
+    first = adapter.move_out(OFFLOAD, ["weights"])
+    again = adapter.move_out(OFFLOAD, ["weights"])
+
+    assert again.device_bytes == 0 and again.host_bytes == first.host_bytes
+    assert adapter.move_in(["weights"]).device_bytes == first.device_bytes
+    assert adapter.move_in(["weights"]).device_bytes == 0
+
+
+def test_staged_restore_brings_back_only_the_asked_tags(trained) -> None:
+    model, optimizer = trained
+    before = snapshot_of(model, optimizer)
+    adapter = torch_adapter.TorchAdapter(model, optimizer)
+    adapter.move_out(OFFLOAD)
+
+    staged = adapter.move_in(["weights"])
+
+    assert adapter.resident_tags == ["weights"]
+    assert staged.host_bytes > 0  # lora and optimizer still saved
+    assert next(iter(optimizer.state.values()))["exp_avg"].untyped_storage().nbytes() == 0
+    adapter.move_in()
+    assert_bit_identical(before, snapshot_of(model, optimizer))
+
+
+def test_unknown_tag_is_refused_and_nothing_moves(trained) -> None:
+    model, optimizer = trained
+    adapter = torch_adapter.TorchAdapter(model, optimizer)
+    with pytest.raises(ValueError, match=r"unknown tag\(s\) 'kv_cache'.*weights, lora, optimizer"):
+        adapter.move_out(OFFLOAD, ["weights", "kv_cache"])
+    assert model.embed.weight.untyped_storage().nbytes() > 0
+    assert adapter.suspended_tags == []
+
+
+def test_memory_torch_cannot_free_is_refused_before_anything_moves() -> None:
+    np = pytest.importorskip("numpy")
+    fine = torch.randn(10)
+    foreign = torch.from_numpy(np.zeros(10, dtype=np.float32))
+    adapter = torch_adapter.TorchAdapter()
+    adapter.add_tensors("scratch", {"fine": fine, "foreign": foreign})
+
+    with pytest.raises(ValueError, match="scratch/foreign uses memory that torch cannot free"):
+        adapter.move_out(OFFLOAD)
+
+    assert fine.untyped_storage().nbytes() == 40
+    assert adapter.suspended_tags == []
+
+
+def test_storage_shared_with_a_resident_tag_is_refused() -> None:
+    base = torch.randn(10)
+    adapter = torch_adapter.TorchAdapter()
+    adapter.add_tensors("a", {"head": base[:5]})
+    adapter.add_tensors("b", {"tail": base[5:]})
+
+    with pytest.raises(ValueError, match="a/head shares memory with b/tail; move tag 'b' together"):
+        adapter.move_out(OFFLOAD, ["a"])
+    assert base.untyped_storage().nbytes() == 40
+
+    expected = base.clone()
+    adapter.move_out(OFFLOAD, ["a", "b"])
+    adapter.move_in()
+    assert torch.equal(base, expected)
+
+
+def test_custom_tag_names_and_values_are_checked() -> None:
+    adapter = torch_adapter.TorchAdapter()
+    with pytest.raises(ValueError, match="custom tag 'weights' is not allowed"):
+        adapter.add_tensors("weights", {"x": torch.zeros(1)})
+    with pytest.raises(TypeError, match=r"kv/x is a list, not a torch\.Tensor"):
+        adapter.add_tensors("kv", {"x": [1, 2]})  # type: ignore[dict-item]
+    adapter.add_tensors("kv", {"x": torch.zeros(4)})
+    adapter.move_out(OFFLOAD)
+    with pytest.raises(RuntimeError, match="tag 'kv' is suspended"):
+        adapter.add_tensors("kv", {"y": torch.zeros(1)})
+
+
+def test_stray_use_of_a_suspended_tensor_fails_loudly(trained) -> None:
+    model, optimizer = trained
+    adapter = torch_adapter.TorchAdapter(model, optimizer)
+    adapter.move_out(OFFLOAD)
+    assert model.embed.weight.shape == (0,)
+    with pytest.raises(RuntimeError):
+        model(torch.zeros(1, 2, dtype=torch.int64))
+    adapter.move_in()
+    model(torch.zeros(1, 2, dtype=torch.int64))
+
+
+def test_small_chunks_give_the_same_bytes(trained) -> None:
+    model, optimizer = trained
+    before = snapshot_of(model, optimizer)
+    adapter = torch_adapter.TorchAdapter(model, optimizer, chunk_bytes=7)
+    adapter.move_out(OFFLOAD)
+    adapter.move_in()
+    assert_bit_identical(before, snapshot_of(model, optimizer))
+
+
+def test_release_host_buffers_frees_only_resident_tags(trained) -> None:
+    model, optimizer = trained
+    adapter = torch_adapter.TorchAdapter(model, optimizer)
+    adapter.move_out(OFFLOAD)
+    adapter.move_in(["weights"])
+    adapter.release_host_buffers()
+    assert adapter.host_buffer_bytes > 0  # lora and optimizer still saved there
+    adapter.move_in()
+    adapter.release_host_buffers()
+    assert adapter.host_buffer_bytes == 0
