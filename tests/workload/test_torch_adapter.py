@@ -8,6 +8,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from tslice.workload.adapters import base  # noqa: E402
 from tslice.workload.adapters import torch as torch_adapter  # noqa: E402
 
 OFFLOAD = torch_adapter.OFFLOAD
@@ -108,14 +109,14 @@ def test_offload_frees_every_storage_and_restores_bit_exact(trained) -> None:
     adapter = torch_adapter.TorchAdapter(model, optimizer)
     assert adapter.tags == ["weights", "lora", "optimizer"]
 
-    out = adapter.move_out(OFFLOAD)
+    out = adapter.snapshot(OFFLOAD)
 
     assert out.device_bytes > 0 and out.host_bytes == out.device_bytes
     assert all(t.untyped_storage().nbytes() == 0 for t in all_tensors(model, optimizer))
     assert adapter.suspended_tags == ["weights", "lora", "optimizer"]
     assert adapter.resident_tags == []
 
-    back = adapter.move_in()
+    back = adapter.restore()
 
     assert back.device_bytes == out.device_bytes and back.host_bytes == 0
     assert adapter.resident_tags == ["weights", "lora", "optimizer"]
@@ -139,8 +140,8 @@ def test_training_after_a_cycle_matches_training_without_one(trained) -> None:
     adapter = torch_adapter.TorchAdapter(model, optimizer)
 
     for cycle in range(3):
-        adapter.move_out(OFFLOAD)
-        adapter.move_in()
+        adapter.snapshot(OFFLOAD)
+        adapter.restore()
         train_steps(model, optimizer, steps=2, seed=10 + cycle)
         train_steps(twin, twin_optimizer, steps=2, seed=10 + cycle)
 
@@ -150,29 +151,29 @@ def test_training_after_a_cycle_matches_training_without_one(trained) -> None:
 def test_host_buffers_are_reused_across_cycles(trained) -> None:
     model, optimizer = trained
     adapter = torch_adapter.TorchAdapter(model, optimizer)
-    adapter.move_out(OFFLOAD)
+    adapter.snapshot(OFFLOAD)
     first = {tag: adapter._buffers.get(tag).data_ptr() for tag in adapter.tags}
     reserved = adapter.host_buffer_bytes
-    adapter.move_in()
+    adapter.restore()
 
     for _ in range(2):
-        adapter.move_out(OFFLOAD)
+        adapter.snapshot(OFFLOAD)
         assert {tag: adapter._buffers.get(tag).data_ptr() for tag in adapter.tags} == first
         assert adapter.host_buffer_bytes == reserved
-        adapter.move_in()
+        adapter.restore()
 
 
 def test_host_buffer_grows_when_a_tag_grows() -> None:
     cache = {"k": torch.arange(100, dtype=torch.float32)}
     adapter = torch_adapter.TorchAdapter()
     adapter.add_tensors("kv_cache", cache)
-    adapter.move_out(OFFLOAD)
-    adapter.move_in()
+    adapter.snapshot(OFFLOAD)
+    adapter.restore()
     small = adapter.host_buffer_bytes
 
     adapter.add_tensors("kv_cache", {"v": torch.arange(5000, dtype=torch.float32)})
-    adapter.move_out(OFFLOAD)
-    adapter.move_in()
+    adapter.snapshot(OFFLOAD)
+    adapter.restore()
 
     assert adapter.host_buffer_bytes > small
     assert torch.equal(cache["k"], torch.arange(100, dtype=torch.float32))
@@ -183,7 +184,7 @@ def test_lora_alone_moves_and_weights_stay(trained) -> None:
     lora = {"a": model.block.lora_a.detach().clone(), "b": model.block.lora_b.detach().clone()}
     adapter = torch_adapter.TorchAdapter(model, optimizer)
 
-    out = adapter.move_out(OFFLOAD, ["lora"])
+    out = adapter.snapshot(OFFLOAD, ["lora"])
 
     assert model.block.lora_a.untyped_storage().nbytes() == 0
     assert model.block.lora_b.untyped_storage().nbytes() == 0
@@ -192,7 +193,7 @@ def test_lora_alone_moves_and_weights_stay(trained) -> None:
     assert out.device_bytes == 2 * lora_bytes  # parameters and their gradients
     assert adapter.suspended_tags == ["lora"]
 
-    adapter.move_in(["lora"])
+    adapter.restore(["lora"])
 
     assert torch.equal(model.block.lora_a, lora["a"]) and torch.equal(model.block.lora_b, lora["b"])
 
@@ -200,24 +201,24 @@ def test_lora_alone_moves_and_weights_stay(trained) -> None:
 def test_lora_patterns_are_configurable(trained) -> None:
     model, optimizer = trained
     adapter = torch_adapter.TorchAdapter(model, optimizer, lora_patterns=("narrow.",))
-    adapter.move_out(OFFLOAD, ["lora"])
+    adapter.snapshot(OFFLOAD, ["lora"])
     assert model.narrow.weight.untyped_storage().nbytes() == 0
     assert model.block.lora_a.untyped_storage().nbytes() > 0
-    adapter.move_in()
+    adapter.restore()
 
 
 def test_discard_frees_without_copying_and_restores_zeros(trained) -> None:
     model, optimizer = trained
     adapter = torch_adapter.TorchAdapter(model, optimizer)
 
-    out = adapter.move_out(DISCARD, ["weights"])
+    out = adapter.snapshot(DISCARD, ["weights"])
 
     assert out.device_bytes > 0 and out.host_bytes == 0
     assert adapter.host_buffer_bytes == 0
     assert model.embed.weight.untyped_storage().nbytes() == 0
     assert adapter.discarded_tags == ["weights"]
 
-    back = adapter.move_in(["weights"])
+    back = adapter.restore(["weights"])
 
     assert back.device_bytes == out.device_bytes
     assert torch.count_nonzero(model.embed.weight) == 0
@@ -234,10 +235,10 @@ def test_discard_really_returns_memory_to_the_system() -> None:
     adapter.add_tensors("kv_cache", {"big": big})
     before = _rss_bytes()
 
-    adapter.move_out(DISCARD)
+    adapter.snapshot(DISCARD)
 
     assert before - _rss_bytes() > 0.9 * size
-    adapter.move_in()
+    adapter.restore()
     assert big.numel() == size
 
 
@@ -257,8 +258,8 @@ def test_custom_tags_round_trip_non_contiguous_tensors() -> None:
     adapter.add_tensors("kv_cache", {"k": k_cache, "v": v_cache})
     assert adapter.tags == ["kv_cache"]
 
-    adapter.move_out(OFFLOAD, ["kv_cache"])
-    adapter.move_in(["kv_cache"])
+    adapter.snapshot(OFFLOAD, ["kv_cache"])
+    adapter.restore(["kv_cache"])
 
     assert torch.equal(k_cache, expected["k"]) and torch.equal(v_cache, expected["v"])
     assert k_cache.stride() == expected["k"].T.contiguous().T.stride()
@@ -268,28 +269,28 @@ def test_custom_tags_round_trip_non_contiguous_tensors() -> None:
 def test_moves_are_idempotent(trained) -> None:
     model, optimizer = trained
     adapter = torch_adapter.TorchAdapter(model, optimizer)
-    assert adapter.move_in().device_bytes == 0
+    assert adapter.restore().device_bytes == 0
 
-    first = adapter.move_out(OFFLOAD, ["weights"])
-    again = adapter.move_out(OFFLOAD, ["weights"])
+    first = adapter.snapshot(OFFLOAD, ["weights"])
+    again = adapter.snapshot(OFFLOAD, ["weights"])
 
     assert again.device_bytes == 0 and again.host_bytes == first.host_bytes
-    assert adapter.move_in(["weights"]).device_bytes == first.device_bytes
-    assert adapter.move_in(["weights"]).device_bytes == 0
+    assert adapter.restore(["weights"]).device_bytes == first.device_bytes
+    assert adapter.restore(["weights"]).device_bytes == 0
 
 
 def test_staged_restore_brings_back_only_the_asked_tags(trained) -> None:
     model, optimizer = trained
     before = snapshot_of(model, optimizer)
     adapter = torch_adapter.TorchAdapter(model, optimizer)
-    adapter.move_out(OFFLOAD)
+    adapter.snapshot(OFFLOAD)
 
-    staged = adapter.move_in(["weights"])
+    staged = adapter.restore(["weights"])
 
     assert adapter.resident_tags == ["weights"]
     assert staged.host_bytes > 0  # lora and optimizer still saved
     assert next(iter(optimizer.state.values()))["exp_avg"].untyped_storage().nbytes() == 0
-    adapter.move_in()
+    adapter.restore()
     assert_bit_identical(before, snapshot_of(model, optimizer))
 
 
@@ -297,7 +298,7 @@ def test_unknown_tag_is_refused_and_nothing_moves(trained) -> None:
     model, optimizer = trained
     adapter = torch_adapter.TorchAdapter(model, optimizer)
     with pytest.raises(ValueError, match=r"unknown tag\(s\) 'kv_cache'.*weights, lora, optimizer"):
-        adapter.move_out(OFFLOAD, ["weights", "kv_cache"])
+        adapter.snapshot(OFFLOAD, ["weights", "kv_cache"])
     assert model.embed.weight.untyped_storage().nbytes() > 0
     assert adapter.suspended_tags == []
 
@@ -310,7 +311,7 @@ def test_memory_torch_cannot_free_is_refused_before_anything_moves() -> None:
     adapter.add_tensors("scratch", {"fine": fine, "foreign": foreign})
 
     with pytest.raises(ValueError, match="scratch/foreign uses memory that torch cannot free"):
-        adapter.move_out(OFFLOAD)
+        adapter.snapshot(OFFLOAD)
 
     assert fine.untyped_storage().nbytes() == 40
     assert adapter.suspended_tags == []
@@ -323,12 +324,12 @@ def test_storage_shared_with_a_resident_tag_is_refused() -> None:
     adapter.add_tensors("b", {"tail": base[5:]})
 
     with pytest.raises(ValueError, match="a/head shares memory with b/tail; move tag 'b' together"):
-        adapter.move_out(OFFLOAD, ["a"])
+        adapter.snapshot(OFFLOAD, ["a"])
     assert base.untyped_storage().nbytes() == 40
 
     expected = base.clone()
-    adapter.move_out(OFFLOAD, ["a", "b"])
-    adapter.move_in()
+    adapter.snapshot(OFFLOAD, ["a", "b"])
+    adapter.restore()
     assert torch.equal(base, expected)
 
 
@@ -339,7 +340,7 @@ def test_custom_tag_names_and_values_are_checked() -> None:
     with pytest.raises(TypeError, match=r"kv/x is a list, not a torch\.Tensor"):
         adapter.add_tensors("kv", {"x": [1, 2]})  # type: ignore[dict-item]
     adapter.add_tensors("kv", {"x": torch.zeros(4)})
-    adapter.move_out(OFFLOAD)
+    adapter.snapshot(OFFLOAD)
     with pytest.raises(RuntimeError, match="tag 'kv' is suspended"):
         adapter.add_tensors("kv", {"y": torch.zeros(1)})
 
@@ -347,11 +348,11 @@ def test_custom_tag_names_and_values_are_checked() -> None:
 def test_stray_use_of_a_suspended_tensor_fails_loudly(trained) -> None:
     model, optimizer = trained
     adapter = torch_adapter.TorchAdapter(model, optimizer)
-    adapter.move_out(OFFLOAD)
+    adapter.snapshot(OFFLOAD)
     assert model.embed.weight.shape == (0,)
     with pytest.raises(RuntimeError):
         model(torch.zeros(1, 2, dtype=torch.int64))
-    adapter.move_in()
+    adapter.restore()
     model(torch.zeros(1, 2, dtype=torch.int64))
 
 
@@ -359,18 +360,42 @@ def test_small_chunks_give_the_same_bytes(trained) -> None:
     model, optimizer = trained
     before = snapshot_of(model, optimizer)
     adapter = torch_adapter.TorchAdapter(model, optimizer, chunk_bytes=7)
-    adapter.move_out(OFFLOAD)
-    adapter.move_in()
+    adapter.snapshot(OFFLOAD)
+    adapter.restore()
     assert_bit_identical(before, snapshot_of(model, optimizer))
 
 
 def test_release_host_buffers_frees_only_resident_tags(trained) -> None:
     model, optimizer = trained
     adapter = torch_adapter.TorchAdapter(model, optimizer)
-    adapter.move_out(OFFLOAD)
-    adapter.move_in(["weights"])
+    adapter.snapshot(OFFLOAD)
+    adapter.restore(["weights"])
     adapter.release_host_buffers()
     assert adapter.host_buffer_bytes > 0  # lora and optimizer still saved there
-    adapter.move_in()
+    adapter.restore()
     adapter.release_host_buffers()
     assert adapter.host_buffer_bytes == 0
+
+
+def test_declares_modes_and_tags_and_reports_residency(trained) -> None:
+    model, optimizer = trained
+    adapter = torch_adapter.TorchAdapter(model, optimizer)
+    assert isinstance(adapter, base.WorkloadAdapter)
+    caps = adapter.capabilities()
+    assert caps.supported_modes == (OFFLOAD, DISCARD) and caps.default_mode == OFFLOAD
+    assert caps.tags == ("weights", "lora", "optimizer")
+    assert adapter.state() == base.AdapterState(
+        suspended=False, resident_tags=("weights", "lora", "optimizer")
+    )
+
+    adapter.snapshot("offload", ["optimizer"])  # mode names are accepted too
+
+    assert adapter.state() == base.AdapterState(suspended=True, resident_tags=("weights", "lora"))
+    with pytest.raises(ValueError, match="unknown suspend mode 'hibernate'"):
+        adapter.snapshot("hibernate", ["weights"])
+    assert adapter.state().resident_tags == ("weights", "lora")
+
+
+def test_a_model_without_lora_parameters_declares_no_lora_tag() -> None:
+    adapter = torch_adapter.TorchAdapter(torch.nn.Linear(2, 2))
+    assert adapter.capabilities().tags == ("weights",)

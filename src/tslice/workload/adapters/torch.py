@@ -38,10 +38,11 @@ from __future__ import annotations
 import dataclasses
 import threading
 from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import ClassVar
 
 import torch
 
-from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
+from tslice.workload.adapters import base
 
 WEIGHTS = "weights"
 LORA = "lora"
@@ -53,8 +54,8 @@ DEFAULT_LORA_PATTERNS = ("lora_",)
 # Slots in a host buffer start on this boundary so that copies stay aligned for any dtype.
 _SLOT_ALIGN = 256
 
-OFFLOAD = pb.SUSPEND_MODE_OFFLOAD
-DISCARD = pb.SUSPEND_MODE_DISCARD
+OFFLOAD = base.SuspendMode.OFFLOAD
+DISCARD = base.SuspendMode.DISCARD
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,20 +100,12 @@ class _Block:
 class _Parked:
     """A tag whose tensors are off the device."""
 
-    mode: int
+    mode: base.SuspendMode
     blocks: list[_Block]
 
     @property
     def nbytes(self) -> int:
         return sum(block.nbytes for block in self.blocks)
-
-
-@dataclasses.dataclass(frozen=True)
-class MoveResult:
-    """Bytes a snapshot freed or a restore brought back, and host bytes now holding saved state."""
-
-    device_bytes: int
-    host_bytes: int
 
 
 class _HostBuffers:
@@ -228,7 +221,7 @@ def _storage_key(tensor: torch.Tensor) -> tuple[torch.device, int]:
     return tensor.device, tensor.untyped_storage().data_ptr()
 
 
-class TorchAdapter:
+class TorchAdapter(base.WorkloadAdapter):
     """Offloads (or discards) a module's parameters and buffers, an optimizer's state
     and custom tensors, by tag, and restores them bit for bit.
 
@@ -237,13 +230,14 @@ class TorchAdapter:
         adapter = TorchAdapter(model, optimizer)
         adapter.add_tensors("kv_cache", {"k": k_cache, "v": v_cache})
         handle = tslice.workload.register_workload(agent, job_id, workload=adapter)
+        # or simply register_workload(agent, job_id, workload=model) for the defaults
 
     The same tensor objects stay valid across a cycle; only their storage
     moves. Do not touch the tensors of a suspended tag (the time-slicing client
     blocks in ``acquire()`` while they are away).
     """
 
-    name = "torch"
+    name: ClassVar[str] = "torch"
 
     def __init__(
         self,
@@ -332,18 +326,29 @@ class TorchAdapter:
 
     # ---- moves ------------------------------------------------------------
 
-    def move_out(self, mode: int, tags: Sequence[str] = ()) -> MoveResult:
+    def capabilities(self) -> base.Capabilities:
+        return base.Capabilities(
+            supported_modes=(OFFLOAD, DISCARD), default_mode=OFFLOAD, tags=tuple(self.tags)
+        )
+
+    def state(self) -> base.AdapterState:
+        return base.AdapterState(
+            suspended=bool(self._parked), resident_tags=tuple(self.resident_tags)
+        )
+
+    def snapshot(
+        self, mode: base.SuspendMode | int | str, tags: Sequence[str] = ()
+    ) -> base.AdapterResult:
         """Take ``tags`` (all when empty) off the device: OFFLOAD copies them to host
         memory first, DISCARD drops them. Tags already off the device are left as they are.
 
         Nothing is freed unless every copy succeeded, so a failure leaves the tensors intact.
         """
-        if mode not in (OFFLOAD, DISCARD):
-            raise ValueError(f"unsupported suspend mode {mode!r}: use OFFLOAD or DISCARD")
+        resolved = base.SuspendMode.parse(mode)
         with self._lock:
             wanted = [tag for tag in self._resolve(tags) if tag not in self._parked]
             plan = self._plan(wanted)
-            if mode == OFFLOAD:
+            if resolved == OFFLOAD:
                 for tag, blocks in plan.items():
                     self._copy_to_host(tag, blocks)
             freed = 0
@@ -351,12 +356,12 @@ class TorchAdapter:
                 for block in blocks:
                     _free(block)
                     freed += block.nbytes
-                self._parked[tag] = _Parked(mode=mode, blocks=blocks)
-                if mode == DISCARD:
+                self._parked[tag] = _Parked(mode=resolved, blocks=blocks)
+                if resolved == DISCARD:
                     self._needs_resync.add(tag)
-            return MoveResult(device_bytes=freed, host_bytes=self._saved_bytes())
+            return base.AdapterResult(device_bytes=freed, host_bytes=self._saved_bytes())
 
-    def move_in(self, tags: Sequence[str] = ()) -> MoveResult:
+    def restore(self, tags: Sequence[str] = ()) -> base.AdapterResult:
         """Bring ``tags`` (all suspended ones when empty) back onto their devices.
 
         Tags already resident are left as they are. If allocation fails, the tags
@@ -384,7 +389,7 @@ class TorchAdapter:
                     _repoint(block)
                 del self._parked[tag]
                 restored += parked.nbytes
-            return MoveResult(device_bytes=restored, host_bytes=self._saved_bytes())
+            return base.AdapterResult(device_bytes=restored, host_bytes=self._saved_bytes())
 
     # ---- internals ----------------------------------------------------------
 
