@@ -1,0 +1,664 @@
+"""The ``cuda`` backend: whole-process CUDA state moved by the driver checkpoint API.
+
+Snapshot, for each process of the job, one at a time, in the job's PID order:
+read the state; RUNNING → lock (with a timeout) → checkpoint; LOCKED →
+checkpoint; CHECKPOINTED → already done; FAILED → error. Restore, same order:
+CHECKPOINTED → restore (optionally onto other GPUs) → unlock; LOCKED → unlock;
+RUNNING → nothing. Because every step reads the state first, a restore aimed at
+a running process is a no-op, never a checkpoint (the reference's ``--toggle``
+bug), and retrying a half-done operation finishes it.
+
+Failure rules (the agent branches on the exception class):
+
+* a snapshot that fails after touching some processes is rolled back: every
+  process handled so far (and the failing one) is brought back to RUNNING, so
+  the job is consistently resident;
+* a lock that times out (the process keeps running) then raises
+  ``TransientBackendError``: nothing changed, try again later;
+* any other snapshot failure raises ``FatalBackendError`` naming the failing
+  step and what the rollback did (the job is RUNNING again if it succeeded;
+  ResetJob confirms that from the driver);
+* a restore that fails before changing anything (the first process is still
+  CHECKPOINTED) is transient; later failures are fatal (nothing is re-checkpointed);
+* the operation deadline (``operation_timeout_s``) leaves the current process in
+  an unknown state: fatal, no rollback, ``recover()`` reads the truth later.
+
+Which processes: explicit PIDs from the request (checked to exist and not to be
+registered to another job), else the processes that announced themselves for the
+job (:mod:`tslice.agent.registration`) together with the PIDs recorded at the last
+operation that are still the same processes. The list is persisted in
+``OpResult.state`` so restore and ``recover()`` work after an agent restart,
+when no process is visible to NVML any more.
+
+Bytes are measured with NVML (per-process used memory summed over devices)
+before and after each operation; without NVML they are reported as 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import functools
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from typing import Any, Literal, TypeVar
+
+import pydantic
+from typing_extensions import Self
+
+from tslice.agent import discovery, registration
+from tslice.agent import nvml as nvml_mod
+from tslice.agent.backends import base, cuda_driver
+from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
+from tslice.common import errors
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+_RUNNING = cuda_driver.ProcessState.RUNNING
+_LOCKED = cuda_driver.ProcessState.LOCKED
+_CHECKPOINTED = cuda_driver.ProcessState.CHECKPOINTED
+_FAILED = cuda_driver.ProcessState.FAILED
+
+
+@dataclasses.dataclass(frozen=True)
+class CudaSettings:
+    """Settings of the cuda backend (agent config section ``backends.cuda``)."""
+
+    #: Which checkpoint driver: ``auto`` (cuda-bindings, else the cuda-checkpoint
+    #: binary), ``bindings``, ``binary``, or ``fake`` (in-memory, for demos and tests).
+    driver: Literal["auto", "bindings", "binary", "fake"] = "auto"
+    #: Path of ``cuda-checkpoint``; default: PATH, then /usr/local/bin.
+    binary: str | None = None
+    #: How long a lock may wait for the process's in-flight CUDA calls, ms. Default
+    #: 10 000. On timeout the process keeps running and the snapshot is retried.
+    lock_timeout_ms: int = 10_000
+    #: Deadline of one snapshot or restore of a job (all its processes), seconds.
+    #: Default 300, below the agent's own operation deadline so a rollback fits.
+    operation_timeout_s: float = 300.0
+    #: Budget for rolling a failed snapshot back, seconds. Default 120.
+    rollback_timeout_s: float = 120.0
+    #: GPU remap applied at every restore, old UUID → new UUID (driver >= 580).
+    #: The driver wants every GPU the process can see in the map. Default: none.
+    device_map: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    #: Where process information lives (tests point this at a fixture tree).
+    proc_root: str = "/proc"
+    #: Measure bytes moved with NVML. Default true; without NVML bytes read 0.
+    measure_bytes: bool = True
+    #: On recover(): unlock processes left LOCKED and checkpoint the resident rest of a
+    #: half-checkpointed job, so the job ends SAVED or RUNNING instead of FAULTED. Both
+    #: actions only keep or free device memory, never load it. Default true.
+    repair_on_recover: bool = True
+
+
+class _SettingsModel(pydantic.BaseModel):
+    """File/env boundary for :class:`CudaSettings`."""
+
+    model_config = pydantic.ConfigDict(extra="forbid")
+
+    driver: Literal["auto", "bindings", "binary", "fake"] = "auto"
+    binary: str | None = None
+    lock_timeout_ms: int = pydantic.Field(10_000, gt=0, le=2**31 - 1)
+    operation_timeout_s: float = pydantic.Field(300.0, gt=0)
+    rollback_timeout_s: float = pydantic.Field(120.0, gt=0)
+    device_map: dict[str, str] = pydantic.Field(default_factory=dict)
+    proc_root: str = "/proc"
+    measure_bytes: bool = True
+    repair_on_recover: bool = True
+
+    @pydantic.field_validator("device_map")
+    @classmethod
+    def _uuids(cls, value: dict[str, str]) -> dict[str, str]:
+        return {
+            cuda_driver.normalize_gpu_uuid(k): cuda_driver.normalize_gpu_uuid(v)
+            for k, v in value.items()
+        }
+
+
+def parse_settings(settings: Mapping[str, Any]) -> CudaSettings:
+    """Validate a settings mapping; ConfigError names the field and the fix."""
+    try:
+        model = _SettingsModel.model_validate(dict(settings))
+    except pydantic.ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in err['loc']) or '(section)'}: {err['msg']}"
+            for err in exc.errors()
+        )
+        raise errors.ConfigError(f"invalid cuda backend settings: {problems}") from exc
+    return CudaSettings(**model.model_dump())
+
+
+class _DeadlineHit(Exception):
+    def __init__(self, pid: int, op: str) -> None:
+        super().__init__(f"{op} of pid {pid}")
+        self.pid = pid
+        self.op = op
+
+
+class _Deadline:
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self._end = time.monotonic() + seconds
+
+    def remaining(self) -> float:
+        return max(0.0, self._end - time.monotonic())
+
+
+@dataclasses.dataclass(frozen=True)
+class _Target:
+    pid: int
+    start_time: int | None
+
+
+class CudaBackend(base.Backend):
+    """Checkpoints whole CUDA processes through the driver (see the module docstring)."""
+
+    name = "cuda"
+
+    def __init__(
+        self,
+        *,
+        settings: CudaSettings | None = None,
+        driver: cuda_driver.CheckpointDriver | None = None,
+        nvml: nvml_mod.Nvml | None = None,
+        registry: registration.ProcessRegistry | None = None,
+    ) -> None:
+        """``driver``/``nvml`` replace the node's real ones (None: chosen on first use)."""
+        self.settings = settings if settings is not None else CudaSettings()
+        self.registry = registry if registry is not None else registration.default_registry()
+        self._driver = driver
+        self._nvml = nvml
+        self._nvml_problem: str | None = None
+        self._busy: dict[int, str] = {}
+
+    @classmethod
+    def create(cls, settings: Mapping[str, Any]) -> Self:
+        """Build from the agent config section; ``registry`` may be passed as an object."""
+        plain = dict(settings)
+        registry = plain.pop("registry", None)
+        return cls(settings=parse_settings(plain), registry=registry)
+
+    # ----------------------------------------------------------------- resources
+
+    async def _get_driver(self) -> cuda_driver.CheckpointDriver:
+        if self._driver is None:
+            # cuInit can take a while on a big node; keep it off the event loop.
+            self._driver = await asyncio.to_thread(
+                cuda_driver.select_driver,
+                preference=self.settings.driver,
+                binary=self.settings.binary,
+            )
+            log.info("cuda checkpoint driver selected", extra={"driver": self._driver.name})
+        return self._driver
+
+    async def _get_nvml(self) -> nvml_mod.Nvml | None:
+        if not self.settings.measure_bytes:
+            return None
+        if self._nvml is None and self._nvml_problem is None:
+            try:
+                self._nvml = await asyncio.to_thread(nvml_mod.open_nvml)
+            except nvml_mod.NvmlUnavailableError as exc:
+                self._nvml_problem = str(exc)
+                log.warning(
+                    "NVML unavailable: bytes moved by the cuda backend read 0",
+                    extra={"reason": str(exc)},
+                )
+        return self._nvml
+
+    async def _measure(self, pids: list[int]) -> dict[int, int]:
+        """Device bytes per PID now (empty if NVML is unavailable)."""
+        nvml = await self._get_nvml()
+        if nvml is None:
+            return {}
+        try:
+            procs = await asyncio.to_thread(discovery.gpu_processes, nvml)
+        except Exception as exc:  # measuring must never fail an operation
+            log.warning("NVML query failed; bytes read 0", exc_info=exc)
+            return {}
+        totals = discovery.device_bytes_by_pid(procs)
+        return {pid: totals.get(pid, 0) for pid in pids}
+
+    # ----------------------------------------------------------------- targets
+
+    def _alive(self, target: _Target) -> bool:
+        now = discovery.process_start_time(target.pid, proc_root=self.settings.proc_root)
+        if now is None or not discovery.process_exists(
+            target.pid, proc_root=self.settings.proc_root
+        ):
+            return False
+        return target.start_time is None or target.start_time == now
+
+    def _target(self, pid: int) -> _Target:
+        return _Target(pid, discovery.process_start_time(pid, proc_root=self.settings.proc_root))
+
+    @staticmethod
+    def _recorded(job: base.JobContext) -> list[_Target]:
+        starts = job.state.get("start_times", {})
+        return [_Target(int(pid), starts.get(str(pid))) for pid in job.state.get("pids", [])]
+
+    @staticmethod
+    def _explicit(job: base.JobContext) -> list[int]:
+        config = job.config
+        if config is None or config.WhichOneof("backend") != "cuda":
+            return []
+        return list(config.cuda.explicit_target.pids)
+
+    def _snapshot_targets(self, job: base.JobContext) -> list[_Target]:
+        explicit = self._explicit(job)
+        if explicit:
+            try:
+                pids = discovery.validate_pids(explicit, proc_root=self.settings.proc_root)
+            except discovery.InvalidPidError as exc:
+                raise base.FatalBackendError(
+                    f"cannot snapshot job {job.job_id!r}: {exc}; nothing was changed"
+                ) from exc
+            for pid in pids:
+                owner = self.registry.job_of(pid)
+                if owner is not None and owner != job.job_id:
+                    raise base.FatalBackendError(
+                        f"cannot snapshot job {job.job_id!r}: pid {pid} registered itself as "
+                        f"part of job {owner!r}; nothing was changed"
+                    )
+            return [self._target(pid) for pid in pids]
+        targets = [t for t in self._recorded(job) if self._alive(t)]
+        known = {t.pid for t in targets}
+        targets += [self._target(pid) for pid in self.registry.pids(job.job_id) if pid not in known]
+        if not targets:
+            raise base.FatalBackendError(
+                f"no processes are known for job {job.job_id!r} on this node: pass "
+                "CudaBackendConfig.explicit_target.pids, or call "
+                "tslice.workload.process.announce_process(job_id) in each GPU process of "
+                "the job; nothing was changed"
+            )
+        return targets
+
+    def _restore_targets(self, job: base.JobContext) -> list[_Target]:
+        targets = self._recorded(job)
+        known = {t.pid for t in targets}
+        for pid in self._explicit(job):
+            if pid > 0 and pid not in known:
+                targets.append(self._target(pid))
+                known.add(pid)
+        if not targets:
+            raise base.FatalBackendError(
+                f"no processes were recorded for job {job.job_id!r}: it was not snapshotted "
+                "by the cuda backend on this node; pass CudaBackendConfig.explicit_target.pids"
+            )
+        gone = [t.pid for t in targets if not self._alive(t)]
+        if gone:
+            raise base.FatalBackendError(
+                f"cannot restore job {job.job_id!r}: process(es) {gone} have exited, so their "
+                "checkpointed device state is lost; nothing was restored. Restart the job "
+                "(or ResetJob after killing its remaining processes)"
+            )
+        return targets
+
+    @contextlib.asynccontextmanager
+    async def _claim(self, job_id: str, pids: list[int]) -> AsyncIterator[None]:
+        """Never drive one process from two operations at once."""
+        clash = {pid: self._busy[pid] for pid in pids if pid in self._busy}
+        if clash:
+            raise base.TransientBackendError(
+                f"process(es) {sorted(clash)} of job {job_id!r} are being checkpointed or "
+                f"restored by an operation of job(s) {sorted(set(clash.values()))}"
+            )
+        self._busy.update(dict.fromkeys(pids, job_id))
+        try:
+            yield
+        finally:
+            for pid in pids:
+                self._busy.pop(pid, None)
+
+    # ----------------------------------------------------------------- steps
+
+    @staticmethod
+    async def _step(
+        call: Callable[[], Awaitable[T]], deadline: _Deadline, *, pid: int, op: str
+    ) -> T:
+        remaining = deadline.remaining()
+        if remaining <= 0:
+            raise _DeadlineHit(pid, op)
+        try:
+            return await asyncio.wait_for(call(), timeout=remaining)
+        except asyncio.TimeoutError:
+            raise _DeadlineHit(pid, op) from None
+
+    def _lock_timeout_ms(self, deadline: _Deadline) -> int:
+        # Leave room under the deadline so a lock timeout is reported as such.
+        room_ms = int(deadline.remaining() * 900)
+        return max(1, min(self.settings.lock_timeout_ms, room_ms))
+
+    async def _save_one(
+        self, driver: cuda_driver.CheckpointDriver, pid: int, deadline: _Deadline
+    ) -> str:
+        """Bring one process to CHECKPOINTED; returns what was done."""
+        state = await self._step(lambda: driver.get_state(pid), deadline, pid=pid, op="get_state")
+        if state is _CHECKPOINTED:
+            return "already checkpointed"
+        if state is _FAILED:
+            raise cuda_driver.DriverError(
+                f"pid {pid} is in the driver's FAILED checkpoint state; the process must be "
+                "restarted",
+                pid=pid,
+                op="get_state",
+                code="CU_PROCESS_STATE_FAILED",
+            )
+        if state is _RUNNING:
+            timeout_ms = self._lock_timeout_ms(deadline)
+            await self._step(
+                lambda: driver.lock(pid, timeout_ms=timeout_ms), deadline, pid=pid, op="lock"
+            )
+        await self._step(lambda: driver.checkpoint(pid), deadline, pid=pid, op="checkpoint")
+        return "checkpointed"
+
+    async def _resume_one(
+        self,
+        driver: cuda_driver.CheckpointDriver,
+        pid: int,
+        deadline: _Deadline,
+        *,
+        gpu_pairs: Mapping[str, str] | None,
+    ) -> tuple[str, bool]:
+        """Bring one process to RUNNING; returns (what was done, whether it changed)."""
+        state = await self._step(lambda: driver.get_state(pid), deadline, pid=pid, op="get_state")
+        if state is _RUNNING:
+            return "already running", False
+        if state is _FAILED:
+            raise cuda_driver.DriverError(
+                f"pid {pid} is in the driver's FAILED checkpoint state; its device state is "
+                "lost and the process must be restarted",
+                pid=pid,
+                op="get_state",
+                code="CU_PROCESS_STATE_FAILED",
+            )
+        done = "unlocked"
+        if state is _CHECKPOINTED:
+            await self._step(
+                lambda: driver.restore(pid, gpu_pairs=gpu_pairs), deadline, pid=pid, op="restore"
+            )
+            done = "restored"
+        await self._step(lambda: driver.unlock(pid), deadline, pid=pid, op="unlock")
+        return done, True
+
+    async def _rollback(
+        self, driver: cuda_driver.CheckpointDriver, pids: list[int]
+    ) -> tuple[bool, str]:
+        """Bring ``pids`` back to RUNNING, last first; returns (all ok, report)."""
+        deadline = _Deadline(self.settings.rollback_timeout_s)
+        notes: list[str] = []
+        ok = True
+        for pid in reversed(pids):
+            try:
+                # Back onto the GPUs it came from: no remap.
+                done, _ = await self._resume_one(driver, pid, deadline, gpu_pairs=None)
+                notes.append(f"pid {pid} {done}")
+            except (cuda_driver.DriverError, base.BackendUnavailableError) as exc:
+                ok = False
+                notes.append(f"pid {pid} NOT rolled back ({exc})")
+            except _DeadlineHit as hit:
+                ok = False
+                notes.append(
+                    f"pid {pid} NOT rolled back ({hit} passed the "
+                    f"{deadline.seconds:g} s rollback budget)"
+                )
+        return ok, "rolled back: " + ", ".join(notes)
+
+    def _state(
+        self,
+        targets: list[_Target],
+        driver: cuda_driver.CheckpointDriver,
+        saved_bytes: Mapping[int, int],
+    ) -> dict[str, Any]:
+        return {
+            "pids": [t.pid for t in targets],
+            "start_times": {str(t.pid): t.start_time for t in targets},
+            "saved_bytes": {str(pid): n for pid, n in saved_bytes.items()},
+            "driver": driver.name,
+        }
+
+    # ----------------------------------------------------------------- contract
+
+    async def snapshot(self, job: base.JobContext, mode: int) -> base.OpResult:
+        """Checkpoint every process of the job (DISCARD is treated as OFFLOAD: the
+        driver always keeps the state in host memory)."""
+        driver = await self._get_driver()
+        targets = self._snapshot_targets(job)
+        pids = [t.pid for t in targets]
+        async with self._claim(job.job_id, pids):
+            deadline = _Deadline(self.settings.operation_timeout_s)
+            before = await self._measure(pids)
+            done: list[int] = []
+            for index, pid in enumerate(pids):
+                where = (
+                    f"snapshot of job {job.job_id!r} failed at pid {pid} ({index + 1} of "
+                    f"{len(pids)})"
+                )
+                try:
+                    outcome = await self._save_one(driver, pid, deadline)
+                except _DeadlineHit as hit:
+                    raise base.FatalBackendError(
+                        f"{where}: the {deadline.seconds:g} s deadline passed during {hit}; its "
+                        "state is unknown and nothing was rolled back; ResetJob reads the "
+                        "driver's state"
+                    ) from None
+                except base.BackendUnavailableError as exc:
+                    if not done:
+                        raise
+                    _, report = await self._rollback(driver, [*done, pid])
+                    raise base.FatalBackendError(f"{where}: {exc}; {report}") from exc
+                except cuda_driver.DriverError as exc:
+                    ok, report = await self._rollback(driver, [*done, pid])
+                    if ok and isinstance(exc, cuda_driver.LockTimeoutError):
+                        raise base.TransientBackendError(
+                            f"{where}: {exc} (the process kept running); {report}; nothing changed",
+                            retry_after=1.0,
+                        ) from exc
+                    suffix = (
+                        "; the job is RUNNING again" if ok else "; the job is partly checkpointed"
+                    )
+                    raise base.FatalBackendError(f"{where}: {exc}; {report}{suffix}") from exc
+                log.info(
+                    "process checkpointed",
+                    extra={"job_id": job.job_id, "pid": pid, "outcome": outcome},
+                )
+                done.append(pid)
+            after = await self._measure(pids)
+        previous = {int(k): int(v) for k, v in job.state.get("saved_bytes", {}).items()}
+        saved = {pid: before.get(pid, 0) or previous.get(pid, 0) for pid in pids}
+        freed = max(0, sum(before.values()) - sum(after.values()))
+        return base.OpResult(
+            device_bytes=freed,
+            host_bytes=sum(saved.values()),
+            state=self._state(targets, driver, saved),
+        )
+
+    async def restore(self, job: base.JobContext) -> base.OpResult:
+        """Restore and unlock every process of the job (no-op for running ones)."""
+        driver = await self._get_driver()
+        targets = self._restore_targets(job)
+        pids = [t.pid for t in targets]
+        pairs = dict(self.settings.device_map) or None
+        async with self._claim(job.job_id, pids):
+            deadline = _Deadline(self.settings.operation_timeout_s)
+            before = await self._measure(pids)
+            changed: list[int] = []
+            for index, pid in enumerate(pids):
+                where = (
+                    f"restore of job {job.job_id!r} failed at pid {pid} ({index + 1} of "
+                    f"{len(pids)})"
+                )
+                try:
+                    outcome, did_change = await self._resume_one(
+                        driver, pid, deadline, gpu_pairs=pairs
+                    )
+                except _DeadlineHit as hit:
+                    raise base.FatalBackendError(
+                        f"{where}: the {deadline.seconds:g} s deadline passed during {hit}; its "
+                        f"state is unknown; restored so far: {changed or 'none'}"
+                    ) from None
+                except base.BackendUnavailableError:
+                    if not changed:
+                        raise
+                    raise base.FatalBackendError(
+                        f"{where}: the driver became unavailable; restored so far: {changed}"
+                    ) from None
+                except cuda_driver.DriverError as exc:
+                    if not changed and await self._still(driver, pid, _CHECKPOINTED):
+                        raise base.TransientBackendError(
+                            f"{where}: {exc}; nothing changed (all processes are still "
+                            "checkpointed)",
+                            retry_after=1.0,
+                        ) from exc
+                    raise base.FatalBackendError(
+                        f"{where}: {exc}; restored so far: {changed or 'none'}; nothing is "
+                        "re-checkpointed"
+                    ) from exc
+                log.info(
+                    "process restored", extra={"job_id": job.job_id, "pid": pid, "outcome": outcome}
+                )
+                if did_change:
+                    changed.append(pid)
+            after = await self._measure(pids)
+        landed = max(0, sum(after.values()) - sum(before.values()))
+        return base.OpResult(
+            device_bytes=landed, host_bytes=0, state=self._state(targets, driver, {})
+        )
+
+    async def _still(
+        self, driver: cuda_driver.CheckpointDriver, pid: int, expected: cuda_driver.ProcessState
+    ) -> bool:
+        try:
+            state = await asyncio.wait_for(driver.get_state(pid), timeout=30)
+        except (cuda_driver.DriverError, base.BackendUnavailableError, asyncio.TimeoutError):
+            return False
+        return state is expected
+
+    async def recover(self, job: base.JobContext) -> pb.JobState | None:
+        """Read every recorded process's state back from the driver.
+
+        All RUNNING (or LOCKED, whose memory is still on the GPU) → RUNNING, LOCKED
+        ones unlocked; all CHECKPOINTED → SAVED; a mix → the resident ones are
+        checkpointed too → SAVED (with ``repair_on_recover``, else FAULTED); all
+        processes gone → IDLE; some gone or FAILED → FAULTED; nothing recorded or
+        no driver → None (the agent keeps its persisted state).
+        """
+        targets = self._recorded(job)
+        if not targets:
+            return None
+        try:
+            driver = await self._get_driver()
+        except base.BackendUnavailableError as exc:
+            log.warning(
+                "cannot recover job: no checkpoint driver",
+                extra={"job_id": job.job_id, "reason": str(exc)},
+            )
+            return None
+        alive = [t for t in targets if self._alive(t)]
+        if not alive:
+            return pb.JOB_STATE_IDLE
+        if len(alive) < len(targets):
+            log.warning(
+                "some processes of the job have exited",
+                extra={"job_id": job.job_id, "gone": [t.pid for t in targets if t not in alive]},
+            )
+            return pb.JOB_STATE_FAULTED
+        deadline = _Deadline(self.settings.operation_timeout_s)
+        states: dict[int, cuda_driver.ProcessState] = {}
+        try:
+            for t in targets:
+                states[t.pid] = await self._step(
+                    functools.partial(driver.get_state, t.pid), deadline, pid=t.pid, op="get_state"
+                )
+        except (cuda_driver.DriverError, base.BackendUnavailableError, _DeadlineHit) as exc:
+            log.warning(
+                "cannot read process states", extra={"job_id": job.job_id, "reason": str(exc)}
+            )
+            return pb.JOB_STATE_FAULTED
+        values = set(states.values())
+        if _FAILED in values:
+            return pb.JOB_STATE_FAULTED
+        if values == {_CHECKPOINTED}:
+            return pb.JOB_STATE_SAVED
+        if _CHECKPOINTED not in values:
+            if values == {_RUNNING}:
+                return pb.JOB_STATE_RUNNING
+            if not self.settings.repair_on_recover:
+                return pb.JOB_STATE_FAULTED
+            return await self._repair(
+                job, driver, [p for p, s in states.items() if s is _LOCKED], to_saved=False
+            )
+        if not self.settings.repair_on_recover:
+            return pb.JOB_STATE_FAULTED
+        return await self._repair(
+            job, driver, [p for p, s in states.items() if s is not _CHECKPOINTED], to_saved=True
+        )
+
+    async def _repair(
+        self,
+        job: base.JobContext,
+        driver: cuda_driver.CheckpointDriver,
+        pids: list[int],
+        *,
+        to_saved: bool,
+    ) -> pb.JobState:
+        deadline = _Deadline(self.settings.operation_timeout_s)
+        try:
+            async with self._claim(job.job_id, pids):
+                for pid in pids:
+                    if to_saved:
+                        await self._save_one(driver, pid, deadline)
+                    else:
+                        await self._resume_one(driver, pid, deadline, gpu_pairs=None)
+        except (cuda_driver.DriverError, base.BackendError, _DeadlineHit) as exc:
+            log.warning("could not repair job", extra={"job_id": job.job_id, "reason": str(exc)})
+            return pb.JOB_STATE_FAULTED
+        log.info(
+            "job repaired after restart",
+            extra={"job_id": job.job_id, "pids": pids, "now": "saved" if to_saved else "running"},
+        )
+        return pb.JOB_STATE_SAVED if to_saved else pb.JOB_STATE_RUNNING
+
+    async def forget(self, job: base.JobContext) -> None:
+        self.registry.forget(job.job_id)
+
+    async def check_health(self) -> None:
+        """Healthy = a checkpoint driver works and at least one GPU is visible."""
+        driver = await self._get_driver()
+        if isinstance(driver, cuda_driver.BinaryDriver):
+            await driver.check_tool()
+        count = await driver.device_count()
+        if count is None:
+            nvml = await self._get_nvml()
+            if nvml is not None:
+                count = await asyncio.to_thread(nvml.device_count)
+        if count == 0:
+            raise base.BackendUnavailableError(
+                "no NVIDIA GPU is visible on this node (is the agent's container given the "
+                "GPUs, e.g. NVIDIA_VISIBLE_DEVICES=all?)"
+            )
+
+    async def accelerators(self) -> list[base.Accelerator]:
+        nvml = await self._get_nvml()
+        if nvml is None:
+            return []
+
+        def read() -> list[base.Accelerator]:
+            found = []
+            for index in range(nvml.device_count()):
+                used, total = nvml.memory(index)
+                found.append(base.Accelerator(nvml.device_uuid(index), used, total))
+            return found
+
+        try:
+            return await asyncio.to_thread(read)
+        except Exception as exc:  # Status must not fail because NVML hiccuped
+            log.warning("NVML query failed", exc_info=exc)
+            return []
+
+    async def close(self) -> None:
+        if self._driver is not None:
+            await self._driver.close()
+        if self._nvml is not None:
+            await asyncio.to_thread(self._nvml.close)

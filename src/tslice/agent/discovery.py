@@ -1,0 +1,140 @@
+"""Finding the processes of a job on this node.
+
+Three sources, in the order the cuda backend trusts them:
+
+1. explicit PIDs from the request (``CudaBackendConfig.explicit_target.pids``),
+   checked with :func:`validate_pids` (positive, the process exists);
+2. processes that announced themselves over the agent's Unix socket
+   (:mod:`tslice.agent.registration`, PID taken from the socket's peer credentials);
+3. NVML process lists matched to a pod through ``/proc/<pid>/cgroup``
+   (:func:`gpu_processes` then :func:`pids_for_pod`), for Kubernetes mode.
+
+Processes that hold a CUDA context but no device memory (launchers, daemons)
+are dropped from NVML lists: locking them fails and there is nothing to move.
+All functions are synchronous and cheap except the NVML queries.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Iterable
+from pathlib import Path
+
+from tslice.agent import nvml as nvml_mod
+
+
+@dataclasses.dataclass(frozen=True)
+class GpuProcess:
+    """A process holding device memory on one GPU."""
+
+    pid: int
+    device: int
+    device_uuid: str
+    used_bytes: int
+
+
+def gpu_processes(nvml: nvml_mod.Nvml) -> list[GpuProcess]:
+    """Processes holding device memory, one entry per (pid, device), over all devices.
+
+    Compute and graphics lists are merged; entries reporting 0 bytes or "not
+    available" are dropped (they hold a context but nothing to checkpoint).
+    """
+    found: dict[tuple[int, int], GpuProcess] = {}
+    for index in range(nvml.device_count()):
+        uuid = nvml.device_uuid(index)
+        for proc in nvml.processes(index):
+            used = proc.used_bytes
+            if used is None or used == 0 or used >= nvml_mod.NVML_VALUE_NOT_AVAILABLE:
+                continue
+            key = (proc.pid, index)
+            previous = found.get(key)
+            if previous is None or previous.used_bytes < used:
+                found[key] = GpuProcess(proc.pid, index, uuid, used)
+    return sorted(found.values(), key=lambda p: (p.pid, p.device))
+
+
+def device_bytes_by_pid(processes: Iterable[GpuProcess]) -> dict[int, int]:
+    """Total device bytes per PID, summed over devices."""
+    totals: dict[int, int] = {}
+    for proc in processes:
+        totals[proc.pid] = totals.get(proc.pid, 0) + proc.used_bytes
+    return totals
+
+
+def pids_for_pod(
+    pod_uid: str, candidates: Iterable[int], *, proc_root: str | os.PathLike[str] = "/proc"
+) -> list[int]:
+    """The candidates whose ``<proc_root>/<pid>/cgroup`` names the pod.
+
+    A line matches if it contains the UID as written (cgroupfs driver:
+    ``.../pod<uid>/...``) or with dashes turned into underscores (systemd
+    driver: ``kubepods-pod<uid_with_underscores>.slice``). A PID whose cgroup
+    file cannot be read (exited, permission, not a file) is skipped.
+    """
+    uid = pod_uid.strip()
+    if not uid:
+        raise ValueError("pod_uid is empty; pass the pod's metadata.uid")
+    forms = {uid, uid.replace("-", "_")}
+    matched: list[int] = []
+    seen: set[int] = set()
+    for pid in candidates:
+        if pid in seen:
+            continue
+        seen.add(pid)
+        try:
+            text = (Path(proc_root) / str(pid) / "cgroup").read_text()
+        except (OSError, UnicodeDecodeError):
+            continue
+        if any(form in line for line in text.splitlines() for form in forms):
+            matched.append(pid)
+    return matched
+
+
+def process_exists(pid: int, *, proc_root: str | os.PathLike[str] = "/proc") -> bool:
+    """Whether ``pid`` is a live process (zombies count as gone)."""
+    try:
+        stat = (Path(proc_root) / str(pid) / "stat").read_text()
+    except OSError:
+        return False
+    # The state letter follows the last ')' (the command name may contain spaces).
+    fields = stat.rpartition(")")[2].split()
+    return bool(fields) and fields[0] not in ("Z", "X")
+
+
+def process_start_time(pid: int, *, proc_root: str | os.PathLike[str] = "/proc") -> int | None:
+    """Start time of ``pid`` in clock ticks since boot, or None if it is gone.
+
+    PID plus start time identifies a process across PID reuse.
+    """
+    try:
+        stat = (Path(proc_root) / str(pid) / "stat").read_text()
+    except OSError:
+        return None
+    fields = stat.rpartition(")")[2].split()
+    # Field 22 of stat overall = index 19 after the command name (fields 3..).
+    try:
+        return int(fields[19])
+    except (IndexError, ValueError):
+        return None
+
+
+class InvalidPidError(ValueError):
+    """A PID given by the caller is not usable; the message says which and why."""
+
+
+def validate_pids(pids: Iterable[int], *, proc_root: str | os.PathLike[str] = "/proc") -> list[int]:
+    """Return the PIDs in the order given, duplicates dropped, each positive and alive."""
+    result: list[int] = []
+    for pid in pids:
+        if pid <= 0:
+            raise InvalidPidError(f"pid {pid} is not a process id (must be positive)")
+        if pid in result:
+            continue
+        if not process_exists(pid, proc_root=proc_root):
+            raise InvalidPidError(
+                f"pid {pid} does not exist on this node (looked in {proc_root}); "
+                "is the agent running in the host PID namespace (hostPID)?"
+            )
+        result.append(pid)
+    return result

@@ -1,0 +1,278 @@
+"""Self-registration of a job's processes over a Unix socket, PID from peer credentials.
+
+Why: the cuda backend must know which processes to checkpoint. Asking users for
+PIDs is error-prone, and a process scan cannot tell jobs apart outside
+Kubernetes. So each process of a job says "I belong to job X" once, over a
+node-local Unix socket, and the agent takes the PID from the kernel
+(``SO_PEERCRED``), never from the message: a process can only register itself.
+
+Protocol (one exchange per connection, UTF-8 JSON lines):
+
+    client → {"job_id": "rl-a", "group": "pool-0"}           (group optional)
+    server → {"ok": true, "pid": 4242, "job_id": "rl-a"}
+          or {"ok": false, "error": "<what to fix>"}
+
+A registration is keyed by PID plus process start time, so a reused PID never
+inherits an old registration; processes that exit are dropped lazily.
+
+Agent side::
+
+    server = registration.RegistrationServer(path=state_dir / "register.sock")
+    await server.start()            # registry: registration.default_registry()
+    ...
+    registration.default_registry().pids("rl-a")   # registration order, live only
+    await server.close()
+
+Workload side: :func:`tslice.workload.process.announce_process`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+import socket
+import stat
+import struct
+import threading
+from pathlib import Path
+from typing import Any
+
+from tslice.agent import discovery
+from tslice.common import ids
+
+log = logging.getLogger(__name__)
+
+#: File name of the socket inside the agent's state directory.
+DEFAULT_SOCKET_NAME = "register.sock"
+#: Environment variable that tells workloads where the socket is.
+SOCKET_ENV = "TSLICE_AGENT_REGISTER_SOCKET"
+_MAX_LINE = 4096
+_READ_TIMEOUT_S = 5.0
+_UCRED = struct.Struct("3i")  # struct ucred {pid_t pid; uid_t uid; gid_t gid;}
+
+
+@dataclasses.dataclass(frozen=True)
+class Registration:
+    job_id: str
+    group: str
+    pid: int
+    uid: int
+    start_time: int | None
+
+
+class RegistrationError(ValueError):
+    """A registration was refused; the message is sent back to the workload."""
+
+
+class ProcessRegistry:
+    """Which live processes belong to which job (thread-safe)."""
+
+    def __init__(self, *, proc_root: str | os.PathLike[str] = "/proc") -> None:
+        self._proc_root = proc_root
+        self._lock = threading.Lock()
+        # Insertion order of the dict = registration order.
+        self._by_pid: dict[int, Registration] = {}
+
+    def _alive(self, reg: Registration) -> bool:
+        now = discovery.process_start_time(reg.pid, proc_root=self._proc_root)
+        if now is None or not discovery.process_exists(reg.pid, proc_root=self._proc_root):
+            return False
+        return reg.start_time is None or now == reg.start_time
+
+    def register(self, *, job_id: str, pid: int, group: str = "", uid: int = -1) -> Registration:
+        """Record that ``pid`` belongs to ``job_id``; idempotent for the same job.
+
+        Raises RegistrationError if the process is gone or already belongs to
+        another live job.
+        """
+        try:
+            ids.check_id("job_id", job_id)
+            if group:
+                ids.check_id("group", group)
+        except ids.InvalidIdError as exc:
+            raise RegistrationError(str(exc)) from exc
+        start = discovery.process_start_time(pid, proc_root=self._proc_root)
+        if start is None:
+            raise RegistrationError(
+                f"process {pid} is not visible to the agent (no {self._proc_root}/{pid}/stat)"
+            )
+        reg = Registration(job_id, group, pid, uid, start)
+        with self._lock:
+            old = self._by_pid.get(pid)
+            if old is not None and old.job_id != job_id and self._alive(old):
+                raise RegistrationError(
+                    f"process {pid} is already registered to job {old.job_id!r}; "
+                    "a process belongs to one job"
+                )
+            if old is not None and old.job_id == job_id and old.start_time == start:
+                return old
+            self._by_pid.pop(pid, None)
+            self._by_pid[pid] = reg
+        return reg
+
+    def _prune(self) -> None:
+        with self._lock:
+            for pid, reg in list(self._by_pid.items()):
+                if not self._alive(reg):
+                    del self._by_pid[pid]
+
+    def pids(self, job_id: str) -> list[int]:
+        """Live PIDs registered for ``job_id``, in registration order."""
+        self._prune()
+        with self._lock:
+            return [r.pid for r in self._by_pid.values() if r.job_id == job_id]
+
+    def job_of(self, pid: int) -> str | None:
+        """The job a live process registered for, if any."""
+        self._prune()
+        with self._lock:
+            reg = self._by_pid.get(pid)
+            return reg.job_id if reg is not None else None
+
+    def registrations(self) -> list[Registration]:
+        self._prune()
+        with self._lock:
+            return list(self._by_pid.values())
+
+    def forget(self, job_id: str) -> None:
+        """Drop every registration of ``job_id``."""
+        with self._lock:
+            for pid in [p for p, r in self._by_pid.items() if r.job_id == job_id]:
+                del self._by_pid[pid]
+
+
+_default = ProcessRegistry()
+
+
+def default_registry() -> ProcessRegistry:
+    """The registry shared by the agent's RegistrationServer and the cuda backend."""
+    return _default
+
+
+def peer_credentials(sock: Any) -> tuple[int, int, int]:
+    """``(pid, uid, gid)`` of the process at the other end of a Unix socket."""
+    so_peercred = getattr(socket, "SO_PEERCRED", None)
+    if so_peercred is None:
+        raise OSError("SO_PEERCRED is not available on this platform (Linux only)")
+    raw = sock.getsockopt(socket.SOL_SOCKET, so_peercred, _UCRED.size)
+    pid, uid, gid = _UCRED.unpack(raw)
+    return int(pid), int(uid), int(gid)
+
+
+class RegistrationServer:
+    """asyncio Unix-socket server feeding a :class:`ProcessRegistry`."""
+
+    def __init__(
+        self,
+        *,
+        path: str | os.PathLike[str],
+        registry: ProcessRegistry | None = None,
+        mode: int = 0o660,
+    ) -> None:
+        self.path = Path(path)
+        self.registry = registry if registry is not None else default_registry()
+        self._mode = mode
+        self._server: asyncio.AbstractServer | None = None
+
+    async def start(self) -> None:
+        """Bind and listen. A stale socket file left by a killed agent is replaced."""
+        if getattr(socket, "SO_PEERCRED", None) is None:
+            raise OSError("process registration needs SO_PEERCRED (Linux)")
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            existing = self.path.lstat()
+        except FileNotFoundError:
+            pass
+        else:
+            if not stat.S_ISSOCK(existing.st_mode):
+                raise FileExistsError(
+                    f"{self.path} exists and is not a socket; remove it or choose another "
+                    "registration socket path"
+                )
+            self.path.unlink()
+        self._server = await asyncio.start_unix_server(
+            self._handle, path=str(self.path), limit=_MAX_LINE
+        )
+        os.chmod(self.path, self._mode)
+        log.info("process registration listening", extra={"socket": str(self.path)})
+
+    async def close(self) -> None:
+        """Stop listening and remove the socket file (idempotent)."""
+        server, self._server = self._server, None
+        if server is None:
+            return
+        server.close()
+        await server.wait_closed()
+        try:
+            if stat.S_ISSOCK(self.path.lstat().st_mode):
+                self.path.unlink()
+        except FileNotFoundError:
+            pass
+
+    async def __aenter__(self) -> RegistrationServer:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            reply = await self._exchange(reader, writer)
+        except Exception as exc:  # one bad client must not disturb the server
+            log.warning("process registration failed", exc_info=exc)
+            reply = {"ok": False, "error": f"internal error: {exc}"}
+        try:
+            writer.write(json.dumps(reply).encode() + b"\n")
+            await writer.drain()
+        except OSError:
+            pass  # the client went away; nothing to tell it
+        finally:
+            writer.close()
+            with contextlib.suppress(OSError):
+                await writer.wait_closed()
+
+    async def _exchange(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> dict[str, Any]:
+        pid, uid, _gid = peer_credentials(writer.get_extra_info("socket"))
+        try:
+            line = await asyncio.wait_for(reader.readline(), timeout=_READ_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            return {"ok": False, "error": f"no registration line within {_READ_TIMEOUT_S:g} s"}
+        except ValueError:  # longer than the stream limit
+            return {"ok": False, "error": f"registration line longer than {_MAX_LINE} bytes"}
+        try:
+            message = json.loads(line)
+        except json.JSONDecodeError as exc:
+            return {
+                "ok": False,
+                "error": f"registration is not JSON ({exc.msg}); send "
+                '{"job_id": "...", "group": "..."} and a newline',
+            }
+        if not isinstance(message, dict):
+            return {"ok": False, "error": "registration must be a JSON object"}
+        job_id = message.get("job_id")
+        group = message.get("group", "") or ""
+        claimed = message.get("pid")
+        if not isinstance(job_id, str) or not isinstance(group, str):
+            return {"ok": False, "error": "job_id (string) is required; group must be a string"}
+        if claimed is not None and claimed != pid:
+            return {
+                "ok": False,
+                "error": f"claimed pid {claimed} is not the connecting "
+                f"process ({pid}); a process can only register itself",
+            }
+        try:
+            reg = self.registry.register(job_id=job_id, pid=pid, group=group, uid=uid)
+        except RegistrationError as exc:
+            return {"ok": False, "error": str(exc)}
+        log.info(
+            "process registered",
+            extra={"job_id": reg.job_id, "group": reg.group, "pid": pid, "uid": uid},
+        )
+        return {"ok": True, "pid": pid, "job_id": reg.job_id}
