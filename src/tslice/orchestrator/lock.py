@@ -1,0 +1,573 @@
+"""The per-group lock and wait queue as a pure state machine.
+
+Every decision about who holds a group, who waits and when a switch starts is
+taken here, with no I/O and no clock of its own (callers pass ``now``). Each
+``on_*`` method mutates the state and returns a list of *actions* that the
+async group driver executes in order, after it has persisted the new state:
+
+- :class:`Granted`  resolve every pending Acquire of ``job``;
+- :class:`StartSwitch`  move ``from_job`` out and ``to_job`` in on every node;
+- :class:`Abort`  fail the pending Acquires of ``job`` (it yielded during its own switch);
+- :class:`Emit`  publish an event (queued, yielded, cancelled...).
+
+Vocabulary: the *holder* owns the lock (during a switch, the switch target);
+the *resident* is the job whose state is on the devices; *verified* says the
+resident was confirmed on every node (after a completed switch or by reading the
+agents); a queue entry is *attached* while at least one Acquire RPC of its job
+is waiting, *detached* when it was restored from disk after a crash and its RPCs
+are gone. Only attached entries are promoted; detached ones keep their place for
+``reattach_grace_s`` and are then dropped.
+
+Because this module is pure, randomized tests drive it directly and check the
+invariants (one holder, FIFO, no departed job granted, every live waiter granted).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import TypeAlias
+
+# ---- actions -------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Granted:
+    """The pending Acquires of ``job`` return now (the job holds the group)."""
+
+    job: str
+    epoch: int
+    restored: bool
+    #: Seconds since the job started waiting (for events and metrics).
+    waited_s: float
+    #: No agent was touched: holder re-acquire or zero-cost re-acquire of the resident.
+    zero_cost: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class StartSwitch:
+    """Snapshot ``from_job`` (and any other resident job) and bring ``to_job`` in everywhere."""
+
+    from_job: str | None
+    to_job: str
+    epoch: int
+    footprint_bytes: int
+    #: True when this switch was found in progress at startup (crash recovery).
+    recovered: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Abort:
+    """Fail the pending Acquires of ``job`` with ``message``."""
+
+    job: str
+    message: str
+
+
+class EventKind(enum.Enum):
+    QUEUED = "queued"
+    YIELDED = "yielded"
+    CANCELLED = "cancelled"
+
+
+@dataclasses.dataclass(frozen=True)
+class Emit:
+    kind: EventKind
+    job: str
+    detail: str = ""
+
+
+Action: TypeAlias = "Granted | StartSwitch | Abort | Emit"
+
+
+class Phase(enum.Enum):
+    """Group state as derived from the lock alone (the driver adds UNKNOWN)."""
+
+    IDLE = "IDLE"
+    IDLE_YIELDED = "IDLE_YIELDED"
+    LOCKED = "LOCKED"
+    SWITCHING = "SWITCHING"
+
+
+# ---- persisted view ------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class QueueRecord:
+    job: str
+    seq: int
+    footprint_bytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class IntentRecord:
+    """A switch that has started and not finished: what recovery must finish or undo."""
+
+    from_job: str | None
+    to_job: str
+    epoch: int
+    seq: int
+
+
+@dataclasses.dataclass(frozen=True)
+class LockRecord:
+    """Everything about a group's lock that must survive a crash."""
+
+    holder: str | None
+    resident: str | None
+    grant_epoch: int
+    switch_count: int
+    next_seq: int
+    queue: tuple[QueueRecord, ...]
+    intent: IntentRecord | None
+    footprints: tuple[tuple[str, int], ...]
+
+    @classmethod
+    def empty(cls) -> LockRecord:
+        return cls(None, None, 0, 0, 1, (), None, ())
+
+
+# ---- outcomes ------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class YieldOutcome:
+    ok: bool
+    #: When not ok: the job that holds the lock.
+    holder: str | None
+    pending_waiters: int
+    snapshot_deferred: bool
+    actions: list[Action]
+
+
+# ---- state ---------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class _Entry:
+    job: str
+    seq: int
+    queued_at: float
+    attached: int
+    #: Set for entries restored after a crash until an Acquire re-attaches them.
+    detached_since: float | None = None
+
+
+@dataclasses.dataclass
+class _Switch:
+    from_job: str | None
+    to_job: str
+    epoch: int
+    seq: int
+    queued_at: float
+    attached: int
+    recovered: bool = False
+    #: The target left (cancelled or yielded): after the switch it is a yielded resident.
+    departed: bool = False
+
+
+class GroupLock:
+    """Lock, queue and residency of one group. Not thread-safe; one driver owns it."""
+
+    def __init__(self, *, reattach_grace_s: float = 30.0) -> None:
+        self._grace = reattach_grace_s
+        self._holder: str | None = None
+        self._resident: str | None = None
+        self._verified = False
+        self._epoch = 0
+        self._switch_count = 0
+        self._next_seq = 1
+        self._queue: dict[str, _Entry] = {}  # insertion order == seq order
+        self._switch: _Switch | None = None
+        self._footprints: dict[str, int] = {}
+        self._recovering = False
+        # Delivery tracking of the current grant: how many Acquire RPCs received it
+        # and how many of those were cancelled before the reply went out.
+        self._receivers = 0
+        self._undelivered = 0
+        # A grant made by a recovered switch waits this long for its job to re-attach.
+        self._confirm_deadline: float | None = None
+        self._recovered_at: float | None = None
+        self.detail = ""
+
+    # ---- construction from disk -----------------------------------------------------------
+
+    @classmethod
+    def from_record(
+        cls, record: LockRecord, *, now: float, reattach_grace_s: float = 30.0
+    ) -> GroupLock:
+        """Rebuild after a restart: every queue entry is detached; recovery is pending."""
+        lock = cls(reattach_grace_s=reattach_grace_s)
+        lock._holder = record.holder
+        lock._resident = record.resident
+        lock._epoch = record.grant_epoch
+        lock._switch_count = record.switch_count
+        lock._next_seq = record.next_seq
+        lock._footprints = dict(record.footprints)
+        for q in sorted(record.queue, key=lambda q: q.seq):
+            lock._queue[q.job] = _Entry(q.job, q.seq, now, attached=0, detached_since=now)
+            if q.footprint_bytes:
+                lock._footprints[q.job] = q.footprint_bytes
+        if record.intent is not None:
+            it = record.intent
+            lock._switch = _Switch(
+                it.from_job, it.to_job, it.epoch, it.seq, now, attached=0, recovered=True
+            )
+            lock._holder = it.to_job
+        lock._recovering = True
+        lock._recovered_at = now
+        # A holder that was granted before the crash keeps the lock; its client got the reply.
+        lock._receivers = 1 if lock._holder is not None and lock._switch is None else 0
+        return lock
+
+    def record(self) -> LockRecord:
+        intent = None
+        if self._switch is not None:
+            s = self._switch
+            intent = IntentRecord(s.from_job, s.to_job, s.epoch, s.seq)
+        holder = None if self._switch is not None else self._holder
+        return LockRecord(
+            holder=holder,
+            resident=self._resident,
+            grant_epoch=self._epoch,
+            switch_count=self._switch_count,
+            next_seq=self._next_seq,
+            queue=tuple(
+                QueueRecord(e.job, e.seq, self._footprints.get(e.job, 0))
+                for e in self._queue.values()
+            ),
+            intent=intent,
+            footprints=tuple(sorted(self._footprints.items())),
+        )
+
+    # ---- read-only views ------------------------------------------------------------------
+
+    @property
+    def holder(self) -> str | None:
+        return self._holder
+
+    @property
+    def resident(self) -> str | None:
+        return self._resident
+
+    @property
+    def active_job(self) -> str | None:
+        """The job that should be resident: the switch target while switching."""
+        return self._switch.to_job if self._switch is not None else self._resident
+
+    @property
+    def loaded_job(self) -> str | None:
+        """The job verified resident on every node (none while switching)."""
+        if self._switch is None and self._verified:
+            return self._resident
+        return None
+
+    @property
+    def verified(self) -> bool:
+        return self._verified
+
+    @property
+    def grant_epoch(self) -> int:
+        return self._epoch
+
+    @property
+    def switch_count(self) -> int:
+        return self._switch_count
+
+    @property
+    def recovering(self) -> bool:
+        return self._recovering
+
+    @property
+    def switching(self) -> StartSwitch | None:
+        s = self._switch
+        if s is None:
+            return None
+        return StartSwitch(s.from_job, s.to_job, s.epoch, self.footprint(s.to_job), s.recovered)
+
+    @property
+    def waiting_jobs(self) -> list[str]:
+        return list(self._queue)
+
+    @property
+    def attached_waiters(self) -> int:
+        return sum(1 for e in self._queue.values() if e.attached > 0)
+
+    def footprint(self, job: str) -> int:
+        return self._footprints.get(job, 0)
+
+    def phase(self) -> Phase:
+        if self._switch is not None:
+            return Phase.SWITCHING
+        if self._holder is not None:
+            return Phase.LOCKED
+        if self._resident is not None:
+            return Phase.IDLE_YIELDED
+        return Phase.IDLE
+
+    def wants_switch(self, *, now: float) -> bool:
+        """Is anybody still interested in the switch in progress (worth retrying)?"""
+        s = self._switch
+        if s is None:
+            return False
+        if s.attached > 0 or self.attached_waiters > 0:
+            return True
+        # A recovered switch whose target may still re-issue its Acquire.
+        return (
+            s.recovered
+            and not s.departed
+            and self._recovered_at is not None
+            and now < self._recovered_at + self._grace
+        )
+
+    def grace_deadline(self) -> float | None:
+        """When detached entries (and an unconfirmed recovered grant) expire."""
+        if self._recovered_at is None:
+            return None
+        return self._recovered_at + self._grace
+
+    # ---- events ---------------------------------------------------------------------------
+
+    def on_acquire(self, job: str, *, footprint_bytes: int = 0, now: float) -> list[Action]:
+        """One Acquire RPC of ``job`` arrived (it stays attached until granted or departed)."""
+        if footprint_bytes > 0:
+            self._footprints[job] = footprint_bytes
+        s = self._switch
+        if s is not None and s.to_job == job:
+            # Its own switch is running (or a recovered one): wait for it to finish.
+            s.attached += 1
+            s.departed = False
+            self._holder = job
+            return []
+        if self._holder == job:
+            self._receivers += 1
+            self._confirm_deadline = None
+            return [Granted(job, self._epoch, restored=False, waited_s=0.0, zero_cost=True)]
+        entry = self._queue.get(job)
+        if entry is not None:
+            entry.attached += 1
+            entry.detached_since = None
+            return self._promote(now)
+        if (
+            not self._recovering
+            and self._holder is None
+            and s is None
+            and self._resident == job
+            and self._verified
+            and self.attached_waiters == 0
+        ):
+            # Zero-cost re-acquire: still resident everywhere and nobody waits.
+            self._grant_to(job, attached=1, new_epoch=True)
+            return [Granted(job, self._epoch, restored=False, waited_s=0.0, zero_cost=True)]
+        self._queue[job] = _Entry(job, self._next_seq, now, attached=1)
+        self._next_seq += 1
+        return [Emit(EventKind.QUEUED, job), *self._promote(now)]
+
+    def on_cancel(self, job: str, *, now: float) -> list[Action]:
+        """An Acquire RPC of ``job`` went away before it was granted."""
+        s = self._switch
+        if s is not None and s.to_job == job and s.attached > 0:
+            s.attached -= 1
+            if s.attached == 0:
+                s.departed = True
+                self._holder = None
+                return [
+                    Emit(
+                        EventKind.CANCELLED,
+                        job,
+                        "left during its own switch; the switch finishes, then the group moves on",
+                    )
+                ]
+            return []
+        entry = self._queue.get(job)
+        if entry is not None and entry.attached > 0:
+            entry.attached -= 1
+            if entry.attached == 0:
+                del self._queue[job]
+                return [Emit(EventKind.CANCELLED, job, "left the queue")]
+        return []
+
+    def on_undelivered(self, job: str, *, epoch: int, now: float) -> list[Action]:
+        """An Acquire RPC of ``job`` was granted but cancelled before the reply went out.
+
+        When every receiver of the grant is gone, the job never learnt that it holds
+        the group: release it like a yield so that it does not become a ghost holder.
+        """
+        if self._holder != job or self._epoch != epoch or self._switch is not None:
+            return []
+        self._undelivered += 1
+        if self._undelivered < self._receivers:
+            return []
+        return self._release(job, now, EventKind.CANCELLED, "grant not delivered (RPC cancelled)")
+
+    def on_yield(self, job: str, *, now: float) -> YieldOutcome:
+        s = self._switch
+        if s is not None and s.to_job == job and not s.departed and self._holder == job:
+            # Yield during its own switch: finish the switch, then treat it as yielded.
+            s.departed = True
+            s.attached = 0
+            self._holder = None
+            pending = self.attached_waiters
+            actions: list[Action] = [
+                Abort(job, f"job {job!r} yielded the group while its own Acquire was pending"),
+                Emit(EventKind.YIELDED, job, "during its own switch"),
+            ]
+            return YieldOutcome(True, None, pending, pending == 0, actions)
+        if self._holder == job:
+            pending = self.attached_waiters
+            actions = self._release(job, now, EventKind.YIELDED, "")
+            return YieldOutcome(True, None, pending, pending == 0, actions)
+        if self._holder is not None:
+            return YieldOutcome(False, self._holder, self.attached_waiters, False, [])
+        # Nobody holds the group: idempotent no-op.
+        deferred = s is None and self._resident == job
+        return YieldOutcome(True, None, self.attached_waiters, deferred, [])
+
+    def on_switch_done(self, *, epoch: int, restored: bool, now: float) -> list[Action]:
+        s = self._switch
+        if s is None or s.epoch != epoch:
+            return []
+        self._switch = None
+        self._resident = s.to_job
+        self._verified = True
+        self._switch_count += 1
+        self.detail = ""
+        if s.departed:
+            self._holder = None
+            return self._promote(now)
+        if s.attached == 0 and s.recovered:
+            # Granted by a recovered switch: keep the lock for the job until it re-attaches.
+            self._grant_to(s.to_job, attached=0, new_epoch=False)
+            deadline = self.grace_deadline()
+            if deadline is not None and now >= deadline:
+                return self._release(
+                    s.to_job, now, EventKind.CANCELLED, "did not re-attach after recovery"
+                )
+            self._confirm_deadline = deadline
+            return []
+        self._grant_to(s.to_job, attached=s.attached, new_epoch=False)
+        return [Granted(s.to_job, epoch, restored=restored, waited_s=max(0.0, now - s.queued_at))]
+
+    def on_switch_failed(self, *, epoch: int, detail: str, now: float) -> list[Action]:
+        """The driver gave up on a switch (nobody wants it any more)."""
+        s = self._switch
+        if s is None or s.epoch != epoch:
+            return []
+        self._switch = None
+        self._holder = None
+        # Half done: the next switch re-reads every node and evicts whatever runs there.
+        self._resident = s.to_job
+        self._verified = False
+        self.detail = f"switch {s.from_job or '-'} -> {s.to_job} abandoned: {detail}"
+        actions: list[Action] = []
+        if not s.departed and s.attached == 0 and not s.recovered:
+            actions.append(Emit(EventKind.CANCELLED, s.to_job, "switch abandoned"))
+        return [*actions, *self._promote(now)]
+
+    def on_recovered(
+        self,
+        *,
+        resident: str | None,
+        verified: bool,
+        rollback: bool,
+        now: float,
+    ) -> list[Action]:
+        """Agents were read after a restart; decide the switch in progress and resume.
+
+        ``rollback`` (only meaningful with a switch in progress): nothing moved on any
+        node, so the switch is undone and its target goes back to the head of the queue.
+        """
+        self._recovering = False
+        self._resident = resident
+        self._verified = verified
+        s = self._switch
+        actions: list[Action] = []
+        if s is not None:
+            if rollback and s.attached == 0:
+                self._switch = None
+                self._holder = None
+                entry = _Entry(s.to_job, s.seq, s.queued_at, attached=0, detached_since=now)
+                self._queue = {s.to_job: entry, **self._queue}
+            else:
+                actions.append(
+                    StartSwitch(
+                        s.from_job, s.to_job, s.epoch, self.footprint(s.to_job), recovered=True
+                    )
+                )
+                return actions
+        return [*actions, *self._promote(now)]
+
+    def on_observed(self, *, epoch: int, resident: str | None, running_everywhere: bool) -> None:
+        """A live read of the agents (GetGroupStatus) confirmed or refuted the resident."""
+        if self._switch is not None or self._recovering:
+            return
+        if epoch != self._epoch or resident != self._resident:
+            return
+        self._verified = running_everywhere
+
+    def on_expire(self, *, now: float) -> list[Action]:
+        """Drop detached entries and unconfirmed recovered grants older than the grace."""
+        actions: list[Action] = []
+        for job, entry in list(self._queue.items()):
+            if (
+                entry.attached == 0
+                and entry.detached_since is not None
+                and now - entry.detached_since >= self._grace
+            ):
+                del self._queue[job]
+                actions.append(Emit(EventKind.CANCELLED, job, "did not re-attach after recovery"))
+        if (
+            self._holder is not None
+            and self._switch is None
+            and self._confirm_deadline is not None
+            and now >= self._confirm_deadline
+            and self._receivers == 0
+        ):
+            actions += self._release(
+                self._holder, now, EventKind.CANCELLED, "did not re-attach after recovery"
+            )
+        return [*actions, *self._promote(now)]
+
+    # ---- internals ------------------------------------------------------------------------
+
+    def _grant_to(self, job: str, *, attached: int, new_epoch: bool) -> None:
+        # A switch's grant was numbered when the switch started (the epoch travels to
+        # the agents in Grant); grants without a switch are numbered here.
+        if new_epoch:
+            self._epoch += 1
+        self._holder = job
+        self._receivers = attached
+        self._undelivered = 0
+        self._confirm_deadline = None
+
+    def _release(self, job: str, now: float, kind: EventKind, detail: str) -> list[Action]:
+        self._holder = None
+        self._receivers = 0
+        self._undelivered = 0
+        self._confirm_deadline = None
+        return [Emit(kind, job, detail), *self._promote(now)]
+
+    def _promote(self, now: float) -> list[Action]:
+        if self._recovering or self._holder is not None or self._switch is not None:
+            return []
+        entry = next((e for e in self._queue.values() if e.attached > 0), None)
+        if entry is None:
+            return []
+        del self._queue[entry.job]
+        if entry.job == self._resident and self._verified:
+            self._grant_to(entry.job, attached=entry.attached, new_epoch=True)
+            return [
+                Granted(
+                    entry.job,
+                    self._epoch,
+                    restored=False,
+                    waited_s=max(0.0, now - entry.queued_at),
+                    zero_cost=True,
+                )
+            ]
+        self._epoch += 1
+        self._holder = entry.job
+        self._switch = _Switch(
+            self._resident, entry.job, self._epoch, entry.seq, entry.queued_at, entry.attached
+        )
+        return [StartSwitch(self._resident, entry.job, self._epoch, self.footprint(entry.job))]
