@@ -230,11 +230,20 @@ class TorchAdapter(base.WorkloadAdapter):
         adapter = TorchAdapter(model, optimizer)
         adapter.add_tensors("kv_cache", {"k": k_cache, "v": v_cache})
         handle = tslice.workload.register_workload(agent, job_id, workload=adapter)
-        # or simply register_workload(agent, job_id, workload=model) for the defaults
 
     The same tensor objects stay valid across a cycle; only their storage
     moves. Do not touch the tensors of a suspended tag (the time-slicing client
     blocks in ``acquire()`` while they are away).
+
+    Args:
+        module: its parameters, gradients and buffers (tags ``weights``, ``lora``).
+        optimizer: its state tensors (tag ``optimizer``).
+        lora_patterns: a parameter whose name contains one of these is ``lora``.
+        chunk_bytes: size of one copy; on CUDA, chunks alternate between streams.
+        streams_per_device: CUDA side streams used for the copies.
+        release_cached_memory: after a snapshot, hand freed CUDA memory back to
+            the driver (``torch.cuda.empty_cache()``) so that another process
+            can use it; turn off only if the next job runs in this process.
     """
 
     name: ClassVar[str] = "torch"
@@ -247,6 +256,7 @@ class TorchAdapter(base.WorkloadAdapter):
         lora_patterns: Sequence[str] = DEFAULT_LORA_PATTERNS,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         streams_per_device: int = 2,
+        release_cached_memory: bool = True,
     ) -> None:
         if chunk_bytes <= 0:
             raise ValueError(f"chunk_bytes must be positive (got {chunk_bytes})")
@@ -260,6 +270,7 @@ class TorchAdapter(base.WorkloadAdapter):
         self._needs_resync: set[str] = set()
         self._buffers = _HostBuffers()
         self._copier = _Copier(chunk_bytes=chunk_bytes, streams_per_device=streams_per_device)
+        self._release_cached_memory = release_cached_memory
         # The workload channel runs commands on its own thread; one move at a time.
         self._lock = threading.Lock()
 
@@ -359,6 +370,8 @@ class TorchAdapter(base.WorkloadAdapter):
                 self._parked[tag] = _Parked(mode=resolved, blocks=blocks)
                 if resolved == DISCARD:
                     self._needs_resync.add(tag)
+            if self._release_cached_memory:
+                _empty_device_caches(plan.values())
             return base.AdapterResult(device_bytes=freed, host_bytes=self._saved_bytes())
 
     def restore(self, tags: Sequence[str] = ()) -> base.AdapterResult:
@@ -508,6 +521,16 @@ class TorchAdapter(base.WorkloadAdapter):
 
     def _saved_bytes(self) -> int:
         return sum(p.nbytes for p in self._parked.values() if p.mode == OFFLOAD)
+
+
+def _empty_device_caches(plans: Iterable[Sequence[_Block]]) -> None:
+    # Freed CUDA storages go back to this process's caching allocator; another
+    # job (another process) can use the memory only once it is handed back to
+    # the driver.
+    devices = {block.device for blocks in plans for block in blocks if block.device.type == "cuda"}
+    for device in devices:
+        with torch.cuda.device(device):
+            torch.cuda.empty_cache()
 
 
 def _free(block: _Block) -> None:
