@@ -28,6 +28,8 @@ import sys
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any, ClassVar, TypeAlias
 
+from tslice.common import residency
+
 
 class SuspendMode(enum.IntEnum):
     """What a snapshot does with the state; values equal ``snapshot_agent.v1alpha1.SuspendMode``."""
@@ -137,37 +139,15 @@ def normalize_tags(tags: Iterable[str] | None) -> tuple[str, ...]:
     return tuple(seen)
 
 
-class ResidencyTracker:
+class ResidencyTracker(residency.ResidencyTracker):
     """Follows what is on the device from the commands that succeeded.
 
-    Used by adapters that cannot ask their engine, and by the channel when an
-    adapter's ``state()`` returns ``None``. Same rules as the agent's view, so both
-    sides agree after a reconnect.
+    For adapters that cannot ask their engine; the agent applies the same rules
+    (``tslice.common.residency``), so both sides agree after a reconnect.
     """
 
-    def __init__(self, *, declared: Sequence[str] = (), suspended: bool = False) -> None:
-        self.declared = tuple(declared)
-        self.suspended = suspended
-        self.resident: set[str] = set() if suspended else set(self.declared)
-
-    def snapshot_done(self, tags: Sequence[str]) -> None:
-        if not tags or set(tags) >= set(self.declared):
-            self.resident.clear()
-        else:
-            self.resident.difference_update(tags)
-        self.suspended = True
-
-    def restore_done(self, tags: Sequence[str]) -> None:
-        if not tags or self.resident | set(tags) >= set(self.declared):
-            self.resident = set(self.declared)
-            self.suspended = False
-        else:
-            self.resident.update(tags)
-            self.suspended = True
-
     def state(self) -> AdapterState:
-        ordered = tuple(t for t in self.declared if t in self.resident)
-        return AdapterState(suspended=self.suspended, resident_tags=ordered)
+        return AdapterState(suspended=self.suspended, resident_tags=self.resident_tags)
 
 
 def device_free_bytes() -> int | None:

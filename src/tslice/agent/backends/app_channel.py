@@ -1,0 +1,210 @@
+"""The ``app-channel`` backend: the workload moves its own state when told over its channel.
+
+The agent core builds it with ``AppChannelBackend.create({**settings, "hub": hub})``
+where ``hub`` is the agent's :class:`tslice.agent.channel.ChannelHub`. Snapshot and
+restore become one command each on the job's workload stream; the workload's
+in-process adapter (PyTorch, vLLM, SGLang, callbacks) does the copying and reports
+the bytes it moved.
+
+Partial residency: the workload may declare tags (``weights``, ``kv_cache``...) and
+a request may name some of them, so a job can be *partly* resident (weights back,
+KV cache not yet). Every result carries ``OpResult.state`` with::
+
+    {"residency": "full" | "partial" | "none",
+     "resident_tags": [...], "missing_tags": [...], "suspended": bool}
+
+and the agent's state machine uses ``residency`` to decide: after a snapshot,
+``partial`` keeps the job RUNNING (it still holds device memory), ``none`` makes it
+SAVED; a Restore of a RUNNING job whose recorded residency is ``partial`` must be
+sent here rather than short-circuited.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+from typing_extensions import Self
+
+from tslice.agent import channel
+from tslice.agent.backends import base
+from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
+from tslice.common import errors, residency
+
+log = logging.getLogger(__name__)
+
+_SETTINGS = ("hub", "command_timeout_s", "register_wait_s", "recover_wait_s")
+
+
+class WorkloadNotRegisteredError(base.FatalBackendError):
+    """No workload channel for the job; nothing was sent, the job's state is unchanged."""
+
+    nothing_changed = True
+
+
+class CommandRefusedError(base.FatalBackendError):
+    """The request does not fit what the workload declared; nothing was sent."""
+
+    nothing_changed = True
+
+
+class AppChannelBackend(base.Backend):
+    """Sends snapshot/restore commands to the job's registered workload and waits for them."""
+
+    name = "app-channel"
+
+    def __init__(
+        self,
+        *,
+        hub: channel.ChannelHub,
+        command_timeout_s: float = 120.0,
+        register_wait_s: float = 10.0,
+        recover_wait_s: float = 0.0,
+    ) -> None:
+        if command_timeout_s <= 0:
+            raise errors.ConfigError(
+                f"app-channel command_timeout_s must be > 0 seconds, got {command_timeout_s}"
+            )
+        if register_wait_s < 0 or recover_wait_s < 0:
+            raise errors.ConfigError("app-channel register_wait_s/recover_wait_s must be >= 0")
+        self.hub = hub
+        #: How long the workload has to answer one command (sent to it as ``deadline_ms``).
+        self.command_timeout_s = command_timeout_s
+        #: How long a command waits for a workload that is (re)connecting before failing.
+        self.register_wait_s = register_wait_s
+        #: How long ``recover()`` waits for the workload to re-register (0 = not at all;
+        #: at agent start-up nobody can connect until the server is serving).
+        self.recover_wait_s = recover_wait_s
+
+    @classmethod
+    def create(cls, settings: Mapping[str, Any]) -> Self:
+        unknown = sorted(set(settings) - set(_SETTINGS))
+        if unknown:
+            raise errors.ConfigError(
+                f"unknown app-channel setting(s) {unknown}; known: {list(_SETTINGS[1:])}"
+            )
+        if not isinstance(settings.get("hub"), channel.ChannelHub):
+            raise errors.ConfigError(
+                "the app-channel backend needs the agent's ChannelHub as settings['hub']"
+            )
+        return cls(**settings)
+
+    async def snapshot(self, job: base.JobContext, mode: pb.SuspendMode) -> base.OpResult:
+        requested_mode, tags = _request(job)
+        if mode != pb.SUSPEND_MODE_UNSPECIFIED:
+            requested_mode = mode
+        await self._wait_for_workload(job)
+        known = self.hub.session_state(job.job_id)
+        if known is not None and _already(known, tags, off=True):
+            log.info("snapshot skipped: the workload reports nothing resident", extra=_log(job))
+            return base.OpResult(state=state_dict(known))
+        try:
+            outcome = await self.hub.snapshot(
+                job.job_id, mode=requested_mode, tags=tags, timeout_s=self.command_timeout_s
+            )
+        except channel.ChannelError as exc:
+            raise _translate(exc) from exc
+        return _result(job, "snapshot", outcome)
+
+    async def restore(self, job: base.JobContext) -> base.OpResult:
+        _mode, tags = _request(job)
+        await self._wait_for_workload(job)
+        known = self.hub.session_state(job.job_id)
+        if known is not None and _already(known, tags, off=False):
+            log.info("restore skipped: the workload reports its state resident", extra=_log(job))
+            return base.OpResult(state=state_dict(known))
+        try:
+            outcome = await self.hub.restore(
+                job.job_id, tags=tags, timeout_s=self.command_timeout_s
+            )
+        except channel.ChannelError as exc:
+            raise _translate(exc) from exc
+        return _result(job, "restore", outcome)
+
+    async def recover(self, job: base.JobContext) -> pb.JobState | None:
+        """RUNNING or SAVED from what the connected workload reports; None if it cannot tell."""
+        known = self.hub.session_state(job.job_id)
+        if known is None and self.recover_wait_s > 0:
+            try:
+                known = await self.hub.wait_registered(job.job_id, timeout=self.recover_wait_s)
+            except TimeoutError:
+                known = None
+        if known is None or not known.state_reported:
+            return None
+        if known.residency == residency.NONE:
+            return pb.JOB_STATE_SAVED
+        # Fully or partly resident: either way the job holds device memory.
+        return pb.JOB_STATE_RUNNING
+
+    async def _wait_for_workload(self, job: base.JobContext) -> None:
+        if self.hub.is_registered(job.job_id):
+            return
+        if self.register_wait_s > 0:
+            try:
+                await self.hub.wait_registered(job.job_id, timeout=self.register_wait_s)
+                return
+            except TimeoutError:
+                pass
+        raise WorkloadNotRegisteredError(
+            f"no workload channel registered for job {job.job_id!r} on this node"
+            + (f" (waited {self.register_wait_s:g} s)" if self.register_wait_s > 0 else "")
+            + "; the workload must call tslice.workload.register_workload(agent, "
+            f"{job.job_id!r}, ...) before the agent can move its state"
+        )
+
+
+def state_dict(state: channel.WorkloadState) -> dict[str, Any]:
+    """The residency record persisted with the job (``OpResult.state``)."""
+    return {
+        "residency": state.residency,
+        "resident_tags": list(state.resident_tags),
+        "missing_tags": list(state.missing_tags),
+        "suspended": state.suspended,
+    }
+
+
+def _request(job: base.JobContext) -> tuple[int, list[str]]:
+    if job.config is not None and job.config.WhichOneof("backend") == "app_channel":
+        return job.config.app_channel.mode, list(job.config.app_channel.tags)
+    return pb.SUSPEND_MODE_UNSPECIFIED, []
+
+
+def _already(state: channel.WorkloadState, tags: list[str], *, off: bool) -> bool:
+    """True when the workload reported that the requested move has nothing left to do."""
+    if not state.state_reported:
+        return False
+    if off:
+        wanted = set(tags) if tags else set(state.tags)
+        return state.residency == residency.NONE or (
+            bool(tags) and not wanted & set(state.resident_tags)
+        )
+    if state.residency == residency.FULL:
+        return True
+    return bool(tags) and set(tags) <= set(state.resident_tags)
+
+
+def _translate(exc: channel.ChannelError) -> base.BackendError:
+    if isinstance(exc, channel.CommandRefusedError):
+        return CommandRefusedError(str(exc))
+    if isinstance(exc, channel.NoWorkloadError):
+        return WorkloadNotRegisteredError(str(exc))
+    # Disconnected or timed out: the workload may have moved some of its state.
+    return base.FatalBackendError(str(exc))
+
+
+def _result(job: base.JobContext, kind: str, outcome: channel.CommandOutcome) -> base.OpResult:
+    if not outcome.ok:
+        raise base.FatalBackendError(
+            f"workload {job.job_id!r} failed {kind} command {outcome.command_id}: "
+            f"{outcome.error or 'no error message given'}"
+        )
+    return base.OpResult(
+        device_bytes=max(outcome.device_bytes, 0),
+        host_bytes=max(outcome.host_bytes, 0),
+        state=state_dict(outcome.state),
+    )
+
+
+def _log(job: base.JobContext) -> dict[str, Any]:
+    return {"job_id": job.job_id, "group": job.group}

@@ -1,0 +1,682 @@
+"""Agent side of the workload channel: one live stream per registered job.
+
+An in-process workload (``tslice.workload.register_workload``) opens the
+``WorkloadChannel`` bidirectional stream, registers its job, and from then on the
+agent pushes ``AgentCommand``s (snapshot/restore) down the stream and the workload
+answers each with a ``CommandResult`` carrying the same ``command_id``.
+
+Interface used by the agent core (keep it stable)::
+
+    hub = ChannelHub()                                   # one per agent, in app.py
+    # servicer (grpc.aio needs an async generator *function* here: a plain ``def``
+    # returning the generator is run as a sync iterator in a thread and fails):
+    async def WorkloadChannel(self, request_iterator, context):
+        async for command in hub.handle_stream(request_iterator, context):
+            yield command
+    # backend registry, name "app-channel":
+    AppChannelBackend.create({**settings, "hub": hub})
+    # queries: hub.is_registered(job_id), hub.known_jobs(), hub.session_state(job_id),
+    #          hub.add_listener(callback), await hub.wait_registered(job_id, timeout)
+
+Rules (WIRE.md "Workload channel rules", plus the tslice additions):
+
+- The first message must be ``register``; a bad one ends the stream with
+  INVALID_ARGUMENT and a message that says what to fix. A second ``register`` on
+  the same stream is refused the same way.
+- Re-registering a job replaces its earlier session: the old stream ends with
+  ABORTED ("replaced") and the old session's in-flight commands fail at once.
+- Commands are sent at most once, with a UUID ``command_id`` and ``deadline_ms``;
+  the hub fails a command at its deadline. Results are routed by id; a result for
+  an id nobody waits for is dropped, except that a *late* success still updates
+  what the hub believes the workload holds (so a reset reconciles to the truth).
+- The snapshot mode is resolved (request, else the workload's default, else
+  OFFLOAD) and checked against the declared modes, and tags against the declared
+  tags, *before* anything is sent.
+- Keepalive: right after accepting a registration the hub sends a ``Ping`` (the
+  workload library treats it as the registration acknowledgement). A workload that
+  answers with ``pong`` (or pings itself) has opted into keepalive: the hub pings it
+  every ``ping_interval_s`` and closes its session after ``missed_pings``
+  intervals of silence. A peer that never answers a ping (llm-d's client) gets no
+  further pings and is never closed for silence, because it runs commands on its
+  reading thread and would look dead during a long offload.
+- On (re-)registration the workload reports ``suspended``/``resident_tags``; the
+  hub tracks residency from then on (:meth:`ChannelHub.session_state`), which the
+  app-channel backend uses to answer ``recover()``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Iterable
+from typing import Literal, NoReturn, TypeVar
+
+import grpc
+
+from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
+from tslice.common import ids, residency, tasks
+
+log = logging.getLogger(__name__)
+_T = TypeVar("_T")
+
+_VALID_MODES = (pb.SUSPEND_MODE_OFFLOAD, pb.SUSPEND_MODE_DISCARD)
+# Timed-out command ids remembered per session, so a late success still updates residency.
+_EXPIRED_KEPT = 64
+
+
+class ChannelError(Exception):
+    """A command could not be completed over the workload channel."""
+
+
+class NoWorkloadError(ChannelError):
+    """No workload is registered for the job; nothing was sent."""
+
+
+class CommandRefusedError(ChannelError):
+    """The command does not fit what the workload declared; nothing was sent."""
+
+
+class WorkloadDisconnectedError(ChannelError):
+    """The stream ended (or was replaced) before the workload answered."""
+
+
+class CommandTimeoutError(ChannelError):
+    """The workload did not answer within the command's deadline."""
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkloadState:
+    """What the hub knows about one registered workload."""
+
+    job_id: str
+    group: str
+    pid: int
+    supported_modes: tuple[int, ...]
+    default_mode: int
+    #: Tags the workload declared; empty = all-or-nothing.
+    tags: tuple[str, ...]
+    #: True when the workload reported what it holds (tslice clients do; llm-d's do not).
+    state_reported: bool
+    suspended: bool
+    resident_tags: tuple[str, ...]
+    missing_tags: tuple[str, ...]
+    #: ``residency.FULL`` / ``PARTIAL`` / ``NONE``.
+    residency: str
+    #: The workload answers pings (keepalive in force).
+    keepalive: bool
+    #: Wall-clock time of the registration.
+    registered_at: float
+
+
+@dataclasses.dataclass(frozen=True)
+class CommandOutcome:
+    """A command the workload answered (``ok`` may be false)."""
+
+    command_id: str
+    ok: bool
+    error: str
+    device_bytes: int
+    host_bytes: int
+    #: Resolved snapshot mode (UNSPECIFIED for restore).
+    mode: int
+    #: Workload state after the result was applied.
+    state: WorkloadState
+
+
+@dataclasses.dataclass(frozen=True)
+class ChannelEvent:
+    """Passed to listeners when a workload registers or its session ends."""
+
+    kind: Literal["registered", "closed"]
+    job_id: str
+    state: WorkloadState
+    #: Why a session closed (empty for registrations).
+    reason: str = ""
+
+
+Listener = Callable[[ChannelEvent], None]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Close:
+    code: grpc.StatusCode
+    details: str
+
+
+@dataclasses.dataclass
+class _Pending:
+    kind: str
+    tags: tuple[str, ...]
+    future: asyncio.Future[pb.CommandResult] | None
+
+
+class _Session:
+    """One accepted stream. Lives on the event loop; not thread-safe."""
+
+    def __init__(self, register: pb.RegisterWorkload) -> None:
+        caps = register.capabilities
+        self.job_id = register.job_id
+        self.group = register.group
+        self.pid = register.pid
+        self.supported_modes = tuple(dict.fromkeys(caps.supported_modes))
+        self.default_mode = caps.default_mode
+        self.tags = tuple(dict.fromkeys(caps.tags))
+        self.state_reported = bool(register.pid or register.suspended or register.resident_tags)
+        resident: Iterable[str] | None = None
+        if register.suspended or register.resident_tags:
+            resident = register.resident_tags
+        self.tracker = residency.ResidencyTracker(
+            declared=self.tags, suspended=register.suspended, resident=resident
+        )
+        self.registered_at = time.time()
+        self.outbox: asyncio.Queue[pb.AgentCommand | _Close] = asyncio.Queue()
+        self.pending: dict[str, _Pending] = {}
+        self.expired: collections.OrderedDict[str, _Pending] = collections.OrderedDict()
+        self.closed = asyncio.Event()
+        self.close_reason = ""
+        self.keepalive = False
+        self.last_heard = asyncio.get_running_loop().time()
+        self.pings_sent = 0
+        self.pongs_received = 0
+        self.commands_sent = 0
+
+    def state(self) -> WorkloadState:
+        return WorkloadState(
+            job_id=self.job_id,
+            group=self.group,
+            pid=self.pid,
+            supported_modes=self.supported_modes,
+            default_mode=self.default_mode,
+            tags=self.tags,
+            state_reported=self.state_reported,
+            suspended=self.tracker.suspended,
+            resident_tags=self.tracker.resident_tags,
+            missing_tags=self.tracker.missing_tags,
+            residency=self.tracker.residency,
+            keepalive=self.keepalive,
+            registered_at=self.registered_at,
+        )
+
+    def heard(self) -> None:
+        self.last_heard = asyncio.get_running_loop().time()
+
+    def send(self, command: pb.AgentCommand) -> None:
+        if self.closed.is_set():
+            raise WorkloadDisconnectedError(
+                f"workload {self.job_id!r} disconnected ({self.close_reason})"
+            )
+        self.outbox.put_nowait(command)
+
+    def ping(self) -> None:
+        self.pings_sent += 1
+        self.send(pb.AgentCommand(ping=pb.Ping(nonce=self.pings_sent)))
+
+    def apply(self, pending: _Pending, result: pb.CommandResult) -> None:
+        if not result.ok:
+            return
+        # Once a command succeeded the hub knows what the workload holds.
+        self.state_reported = True
+        if pending.kind == "snapshot":
+            self.tracker.snapshot_done(pending.tags)
+        else:
+            self.tracker.restore_done(pending.tags)
+
+    def expire(self, command_id: str) -> None:
+        pending = self.pending.pop(command_id, None)
+        if pending is None:
+            return
+        pending.future = None
+        self.expired[command_id] = pending
+        while len(self.expired) > _EXPIRED_KEPT:
+            self.expired.popitem(last=False)
+
+    def close(self, code: grpc.StatusCode, reason: str) -> bool:
+        """End the session; False if it was already closed."""
+        if self.closed.is_set():
+            return False
+        self.closed.set()
+        self.close_reason = reason
+        for command_id, pending in self.pending.items():
+            if pending.future is not None and not pending.future.done():
+                pending.future.set_exception(
+                    WorkloadDisconnectedError(
+                        f"workload {self.job_id!r} disconnected before answering "
+                        f"{pending.kind} command {command_id} ({reason})"
+                    )
+                )
+        self.pending.clear()
+        self.outbox.put_nowait(_Close(code, reason))
+        return True
+
+
+class ChannelHub:
+    """Accepts workload streams and sends them commands (one session per job id)."""
+
+    def __init__(self, *, ping_interval_s: float = 5.0, missed_pings: int = 3) -> None:
+        if ping_interval_s <= 0:
+            raise ValueError("ping_interval_s must be > 0 (seconds between keepalive pings)")
+        if missed_pings < 1:
+            raise ValueError("missed_pings must be >= 1")
+        self.ping_interval_s = ping_interval_s
+        self.missed_pings = missed_pings
+        self._sessions: dict[str, _Session] = {}
+        self._listeners: list[Listener] = []
+        self._changed: asyncio.Event | None = None
+        #: Commands put on any stream since start (pings excluded), for tests and metrics.
+        self.commands_sent = 0
+
+    # ---- queries -------------------------------------------------------------------
+
+    def is_registered(self, job_id: str) -> bool:
+        return job_id in self._sessions
+
+    def known_jobs(self) -> list[str]:
+        """Job ids with a live workload session."""
+        return sorted(self._sessions)
+
+    def session_state(self, job_id: str) -> WorkloadState | None:
+        """What the live session of ``job_id`` reports, or ``None`` if none is connected."""
+        session = self._sessions.get(job_id)
+        return session.state() if session is not None else None
+
+    def add_listener(self, listener: Listener) -> None:
+        """Call ``listener(event)`` on every registration and session end (on the loop)."""
+        self._listeners.append(listener)
+
+    async def wait_registered(self, job_id: str, timeout: float | None = None) -> WorkloadState:
+        """Wait until ``job_id`` has a live session; raise ``TimeoutError`` after ``timeout`` s."""
+        return await self._wait(lambda: self.session_state(job_id), timeout, f"{job_id} registered")
+
+    async def wait_unregistered(self, job_id: str, timeout: float | None = None) -> None:
+        """Wait until ``job_id`` has no live session."""
+
+        def gone() -> bool | None:
+            return True if job_id not in self._sessions else None
+
+        await self._wait(gone, timeout, f"{job_id} disconnected")
+
+    # ---- commands ------------------------------------------------------------------
+
+    async def snapshot(
+        self,
+        job_id: str,
+        *,
+        mode: int = pb.SUSPEND_MODE_UNSPECIFIED,
+        tags: Iterable[str] = (),
+        timeout_s: float,
+    ) -> CommandOutcome:
+        """Ask the workload to move its (tagged) state off the device, and wait for the answer.
+
+        Raises NoWorkloadError / CommandRefusedError (nothing sent),
+        WorkloadDisconnectedError or CommandTimeoutError (state unknown).
+        """
+        session = self._live(job_id)
+        wanted = tuple(dict.fromkeys(tags))
+        resolved = mode if mode != pb.SUSPEND_MODE_UNSPECIFIED else session.default_mode
+        if resolved == pb.SUSPEND_MODE_UNSPECIFIED:
+            resolved = pb.SUSPEND_MODE_OFFLOAD
+        if resolved not in _VALID_MODES:
+            raise CommandRefusedError(f"suspend mode {resolved} is not a valid SuspendMode")
+        if session.supported_modes and resolved not in session.supported_modes:
+            raise CommandRefusedError(
+                f"workload {job_id!r} does not support suspend mode "
+                f"{pb.SuspendMode.Name(resolved)}; it declared "
+                f"{[pb.SuspendMode.Name(m) for m in session.supported_modes]}"
+            )
+        self._check_tags(session, wanted, "snapshot")
+        command = pb.AgentCommand(
+            snapshot=pb.SnapshotCommand(mode=pb.SuspendMode.Name(resolved), tags=wanted)
+        )
+        return await self._dispatch(
+            session, command, kind="snapshot", tags=wanted, mode=resolved, timeout_s=timeout_s
+        )
+
+    async def restore(
+        self, job_id: str, *, tags: Iterable[str] = (), timeout_s: float
+    ) -> CommandOutcome:
+        """Ask the workload to bring its (tagged) state back, and wait for the answer."""
+        session = self._live(job_id)
+        wanted = tuple(dict.fromkeys(tags))
+        self._check_tags(session, wanted, "restore")
+        command = pb.AgentCommand(restore=pb.RestoreCommand(tags=wanted))
+        return await self._dispatch(
+            session,
+            command,
+            kind="restore",
+            tags=wanted,
+            mode=pb.SUSPEND_MODE_UNSPECIFIED,
+            timeout_s=timeout_s,
+        )
+
+    async def close(self) -> None:
+        """End every session (agent shutdown); workloads reconnect to the next agent."""
+        for session in list(self._sessions.values()):
+            self._end(session, grpc.StatusCode.UNAVAILABLE, "the agent is shutting down")
+
+    # ---- the stream ----------------------------------------------------------------
+
+    async def handle_stream(
+        self,
+        request_iterator: AsyncIterator[pb.WorkloadMessage],
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[pb.AgentCommand]:
+        """Serve one ``WorkloadChannel`` call (an async generator of commands)."""
+        session = await self._accept(request_iterator, context)
+        reader = tasks.spawn(
+            self._read(session, request_iterator), name=f"channel-read-{session.job_id}"
+        )
+        keeper = tasks.spawn(self._keepalive(session), name=f"channel-keepalive-{session.job_id}")
+        close: _Close | None = None
+        try:
+            while True:
+                item = await session.outbox.get()
+                if isinstance(item, _Close):
+                    close = item
+                    break
+                yield item
+        finally:
+            self._end(session, grpc.StatusCode.CANCELLED, "the stream was cancelled")
+            await tasks.cancel_all([reader, keeper])
+        if close is not None and close.code != grpc.StatusCode.OK:
+            await context.abort(close.code, close.details)
+
+    async def _accept(
+        self,
+        request_iterator: AsyncIterator[pb.WorkloadMessage],
+        context: grpc.aio.ServicerContext,
+    ) -> _Session:
+        try:
+            first = await request_iterator.__anext__()
+        except StopAsyncIteration:
+            await _refuse(
+                context, "the workload closed the channel before sending RegisterWorkload"
+            )
+        kind = first.WhichOneof("message")
+        if kind != "register":
+            await _refuse(
+                context,
+                f"the first WorkloadChannel message must be a RegisterWorkload, got "
+                f"{kind or 'an empty message'}; use tslice.workload.register_workload(...)",
+            )
+        problem = _registration_problem(first.register)
+        if problem:
+            await _refuse(context, problem)
+        session = _Session(first.register)
+        previous = self._sessions.get(session.job_id)
+        if previous is not None:
+            self._end(
+                previous,
+                grpc.StatusCode.ABORTED,
+                f"replaced by a newer registration of job {session.job_id!r}",
+            )
+        self._sessions[session.job_id] = session
+        log.info(
+            "workload registered",
+            extra={
+                "job_id": session.job_id,
+                "group": session.group,
+                "pid": session.pid,
+                "modes": [pb.SuspendMode.Name(m) for m in session.supported_modes],
+                "tags": list(session.tags),
+                "residency": session.tracker.residency,
+                "resident_tags": list(session.tracker.resident_tags),
+                "replaced": previous is not None,
+            },
+        )
+        self._notify(ChannelEvent(kind="registered", job_id=session.job_id, state=session.state()))
+        return session
+
+    async def _read(
+        self, session: _Session, request_iterator: AsyncIterator[pb.WorkloadMessage]
+    ) -> None:
+        try:
+            async for message in request_iterator:
+                session.heard()
+                kind = message.WhichOneof("message")
+                if kind == "result":
+                    self._on_result(session, message.result)
+                elif kind == "ping":
+                    session.keepalive = True
+                    session.send(pb.AgentCommand(pong=pb.Ping(nonce=message.ping.nonce)))
+                elif kind == "pong":
+                    session.keepalive = True
+                    session.pongs_received += 1
+                elif kind == "register":
+                    self._end(
+                        session,
+                        grpc.StatusCode.INVALID_ARGUMENT,
+                        f"job {session.job_id!r} is already registered on this stream; "
+                        "open a new stream to register again",
+                    )
+                    return
+                else:
+                    log.debug("ignoring empty workload message", extra={"job_id": session.job_id})
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # the transport broke; the stream is gone either way
+            self._end(session, grpc.StatusCode.UNAVAILABLE, f"the stream broke: {exc}")
+            return
+        self._end(session, grpc.StatusCode.OK, "the workload closed the channel")
+
+    async def _keepalive(self, session: _Session) -> None:
+        loop = asyncio.get_running_loop()
+        if session.closed.is_set():
+            return
+        session.ping()  # the registration acknowledgement
+        while not session.closed.is_set():
+            try:
+                await asyncio.wait_for(session.closed.wait(), self.ping_interval_s)
+                return
+            except asyncio.TimeoutError:
+                pass
+            if not session.keepalive:
+                continue
+            silent = loop.time() - session.last_heard
+            if silent > self.ping_interval_s * self.missed_pings:
+                self._end(
+                    session,
+                    grpc.StatusCode.UNAVAILABLE,
+                    f"no message from workload {session.job_id!r} for {silent:.1f} s "
+                    f"(keepalive every {self.ping_interval_s:g} s, {self.missed_pings} missed)",
+                )
+                return
+            session.ping()
+
+    def _on_result(self, session: _Session, result: pb.CommandResult) -> None:
+        pending = session.pending.pop(result.command_id, None)
+        if pending is not None:
+            session.apply(pending, result)
+            if pending.future is not None and not pending.future.done():
+                pending.future.set_result(result)
+            return
+        late = session.expired.pop(result.command_id, None)
+        if late is not None:
+            session.apply(late, result)
+            log.info(
+                "late result applied to the workload's state",
+                extra={
+                    "job_id": session.job_id,
+                    "command_id": result.command_id,
+                    "ok": result.ok,
+                    "residency": session.tracker.residency,
+                },
+            )
+            return
+        log.debug(
+            "dropping result for unknown command",
+            extra={"job_id": session.job_id, "command_id": result.command_id},
+        )
+
+    async def _dispatch(
+        self,
+        session: _Session,
+        command: pb.AgentCommand,
+        *,
+        kind: str,
+        tags: tuple[str, ...],
+        mode: int,
+        timeout_s: float,
+    ) -> CommandOutcome:
+        if timeout_s <= 0:
+            raise ValueError("timeout_s must be > 0")
+        command_id = str(uuid.uuid4())
+        command.command_id = command_id
+        command.deadline_ms = max(1, int(timeout_s * 1000))
+        future: asyncio.Future[pb.CommandResult] = asyncio.get_running_loop().create_future()
+        session.pending[command_id] = _Pending(kind=kind, tags=tags, future=future)
+        session.send(command)
+        session.commands_sent += 1
+        self.commands_sent += 1
+        log.info(
+            "command sent",
+            extra={"job_id": session.job_id, "command_id": command_id, "kind": kind, "tags": tags},
+        )
+        try:
+            result = await asyncio.wait_for(future, timeout_s)
+        except asyncio.TimeoutError:
+            session.expire(command_id)
+            raise CommandTimeoutError(
+                f"workload {session.job_id!r} did not answer {kind} command {command_id} "
+                f"within {timeout_s:g} s"
+            ) from None
+        except asyncio.CancelledError:
+            session.expire(command_id)
+            raise
+        return CommandOutcome(
+            command_id=command_id,
+            ok=result.ok,
+            error=result.error,
+            device_bytes=result.device_bytes,
+            host_bytes=result.host_bytes,
+            mode=mode,
+            state=session.state(),
+        )
+
+    # ---- helpers -------------------------------------------------------------------
+
+    def _live(self, job_id: str) -> _Session:
+        session = self._sessions.get(job_id)
+        if session is None or session.closed.is_set():
+            raise NoWorkloadError(
+                f"no workload channel registered for job {job_id!r}; the workload must call "
+                "tslice.workload.register_workload(agent, job_id, ...) first"
+            )
+        return session
+
+    @staticmethod
+    def _check_tags(session: _Session, tags: tuple[str, ...], kind: str) -> None:
+        if any(not tag for tag in tags):
+            raise CommandRefusedError(f"{kind} tags must be non-empty strings, got {list(tags)}")
+        if not session.tags:
+            return
+        unknown = [tag for tag in tags if tag not in session.tags]
+        if unknown:
+            raise CommandRefusedError(
+                f"workload {session.job_id!r} declared tags {list(session.tags)}; "
+                f"{kind} of unknown tags {unknown} refused"
+            )
+
+    def _end(self, session: _Session, code: grpc.StatusCode, reason: str) -> None:
+        if not session.close(code, reason):
+            return
+        if self._sessions.get(session.job_id) is session:
+            del self._sessions[session.job_id]
+        level = (
+            logging.INFO
+            if code in (grpc.StatusCode.OK, grpc.StatusCode.ABORTED)
+            else logging.WARNING
+        )
+        log.log(
+            level, "workload session closed", extra={"job_id": session.job_id, "reason": reason}
+        )
+        self._notify(
+            ChannelEvent(kind="closed", job_id=session.job_id, state=session.state(), reason=reason)
+        )
+
+    def _notify(self, event: ChannelEvent) -> None:
+        if self._changed is not None:
+            self._changed.set()
+            self._changed = None
+        for listener in list(self._listeners):
+            try:
+                listener(event)
+            except Exception:
+                log.exception("workload channel listener failed", extra={"job_id": event.job_id})
+
+    async def _wait(self, probe: Callable[[], _T | None], timeout: float | None, what: str) -> _T:
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout is None else loop.time() + timeout
+        while True:
+            value = probe()
+            if value is not None:
+                return value
+            if self._changed is None:
+                self._changed = asyncio.Event()
+            changed = self._changed
+            remaining = None if deadline is None else deadline - loop.time()
+            if remaining is not None and remaining <= 0:
+                raise TimeoutError(f"timed out after {timeout:g} s waiting for workload {what}")
+            try:
+                await asyncio.wait_for(changed.wait(), remaining)
+            except asyncio.TimeoutError:
+                raise TimeoutError(
+                    f"timed out after {timeout:g} s waiting for workload {what}"
+                ) from None
+
+
+async def _refuse(context: grpc.aio.ServicerContext, message: str) -> NoReturn:
+    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, message)
+    raise AssertionError("context.abort() returned")  # it always raises
+
+
+def _registration_problem(register: pb.RegisterWorkload) -> str:
+    """Why a registration is refused, or '' if it is acceptable."""
+    try:
+        ids.check_id("job_id", register.job_id)
+        if register.group:
+            ids.check_id("group", register.group)
+    except ids.InvalidIdError as exc:
+        return f"invalid RegisterWorkload: {exc}"
+    caps = register.capabilities
+    for mode in caps.supported_modes:
+        if mode not in _VALID_MODES:
+            return (
+                f"invalid RegisterWorkload for job {register.job_id!r}: supported_modes "
+                f"contains {_mode_name(mode)}; declare SUSPEND_MODE_OFFLOAD and/or "
+                "SUSPEND_MODE_DISCARD"
+            )
+    if caps.default_mode != pb.SUSPEND_MODE_UNSPECIFIED:
+        if caps.default_mode not in _VALID_MODES:
+            return (
+                f"invalid RegisterWorkload for job {register.job_id!r}: default_mode "
+                f"{_mode_name(caps.default_mode)} is not a suspend mode"
+            )
+        if caps.supported_modes and caps.default_mode not in caps.supported_modes:
+            return (
+                f"invalid RegisterWorkload for job {register.job_id!r}: default_mode "
+                f"{_mode_name(caps.default_mode)} is not among supported_modes "
+                f"{[_mode_name(m) for m in caps.supported_modes]}"
+            )
+    if any(not tag for tag in caps.tags):
+        return f"invalid RegisterWorkload for job {register.job_id!r}: a tag is empty"
+    if caps.tags:
+        stray = [tag for tag in register.resident_tags if tag not in caps.tags]
+        if stray:
+            return (
+                f"invalid RegisterWorkload for job {register.job_id!r}: resident_tags {stray} "
+                f"are not among the declared tags {list(caps.tags)}"
+            )
+    if register.pid < 0:
+        return f"invalid RegisterWorkload for job {register.job_id!r}: pid {register.pid} < 0"
+    return ""
+
+
+def _mode_name(mode: int) -> str:
+    try:
+        return pb.SuspendMode.Name(mode)
+    except ValueError:
+        return str(mode)
