@@ -1,0 +1,336 @@
+"""Orchestrator configuration: YAML file and CLI flags in, frozen dataclasses out.
+
+pydantic validates at the boundary only; the rest of the orchestrator sees
+:class:`OrchestratorConfig` and :class:`Topology`. Every error names the path of
+the offending field (``groups.trainer.nodes[1].agent``) and the fix.
+
+Topology file::
+
+    groups:
+      sampler: {nodes: [{name: node-a, agent: 127.0.0.1:9001}]}
+      trainer:
+        nodes:
+          - {name: node-b, agent: 127.0.0.1:9002}
+          - {name: node-c, agent: "10.0.0.3:9001"}
+
+or, for a laptop (groups created on their first Acquire, spanning every agent)::
+
+    mode: local
+    nodes: [{name: node-a, agent: 127.0.0.1:9001}]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal
+
+import pydantic
+import yaml
+
+from tslice.common import errors, ids
+
+DEFAULT_PORT = 50051
+DEFAULT_METRICS_PORT = 8080
+DEFAULT_STATE_DIR = pathlib.Path(".tslice/orchestrator")
+
+_HOST_PORT = re.compile(r"^(?:\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):(\d{1,5})$")
+
+
+def check_address(value: str) -> str:
+    """``host:port`` (``[v6]:port``) or ``unix:/path``; raise ValueError with the fix."""
+    value = value.strip()
+    if value.startswith(("unix:", "unix-abstract:")):
+        if len(value.split(":", 1)[1]) == 0:
+            raise ValueError("unix address needs a path, e.g. unix:/run/tslice/agent.sock")
+        return value
+    m = _HOST_PORT.match(value)
+    if not m or not 1 <= int(m.group(1)) <= 65535:
+        raise ValueError(f"{value!r} is not an agent address; write host:port, e.g. 127.0.0.1:9001")
+    return value
+
+
+# ---- file models (pydantic) ---------------------------------------------------------------
+
+
+class _Model(pydantic.BaseModel):
+    model_config = pydantic.ConfigDict(extra="forbid", frozen=True)
+
+
+class NodeModel(_Model):
+    name: str
+    agent: str
+
+    @pydantic.field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        return ids.check_id("node name", v)
+
+    @pydantic.field_validator("agent")
+    @classmethod
+    def _agent(cls, v: str) -> str:
+        return check_address(v)
+
+
+class GroupModel(_Model):
+    nodes: list[NodeModel] = pydantic.Field(min_length=1)
+
+    @pydantic.field_validator("nodes")
+    @classmethod
+    def _unique(cls, v: list[NodeModel]) -> list[NodeModel]:
+        seen: set[str] = set()
+        for node in v:
+            if node.name in seen:
+                raise ValueError(
+                    f"node name {node.name!r} appears twice; give each node its own name"
+                )
+            seen.add(node.name)
+        return v
+
+
+class TopologyModel(_Model):
+    mode: Literal["static", "local"] = "static"
+    groups: dict[str, GroupModel] = {}
+    #: Agents of local mode (every group spans all of them).
+    nodes: list[NodeModel] = []
+
+    @pydantic.field_validator("groups")
+    @classmethod
+    def _group_ids(cls, v: dict[str, GroupModel]) -> dict[str, GroupModel]:
+        for gid in v:
+            ids.check_id("group id", gid)
+        return v
+
+    @pydantic.model_validator(mode="after")
+    def _consistent(self) -> TopologyModel:
+        if self.mode == "static" and not self.groups:
+            raise ValueError(
+                "no groups defined; add `groups: {NAME: {nodes: [{name: ..., agent: host:port}]}}`"
+                " or use `mode: local` with `nodes: [...]`"
+            )
+        if self.mode == "local":
+            if self.groups:
+                raise ValueError("`groups` cannot be used with `mode: local`; use `nodes` instead")
+            if not self.nodes:
+                raise ValueError("`mode: local` needs `nodes: [{name: ..., agent: host:port}]`")
+            GroupModel(nodes=self.nodes)  # same uniqueness rule
+        return self
+
+
+class OrchestratorModel(_Model):
+    host: str = "127.0.0.1"
+    port: int = pydantic.Field(DEFAULT_PORT, ge=0, le=65535)
+    state_dir: pathlib.Path = DEFAULT_STATE_DIR
+    topology_file: pathlib.Path | None = None
+    topology: TopologyModel | None = None
+    local_agents: list[str] = []
+    agent_rpc_timeout_s: float = pydantic.Field(10.0, gt=0)
+    operation_timeout_s: float = pydantic.Field(900.0, gt=0)
+    wait_chunk_s: float = pydantic.Field(30.0, gt=0)
+    status_timeout_s: float = pydantic.Field(2.0, gt=0)
+    reattach_grace_s: float = pydantic.Field(30.0, ge=0)
+    shutdown_grace_s: float = pydantic.Field(5.0, ge=0)
+    backoff_initial_s: float = pydantic.Field(0.05, gt=0)
+    backoff_max_s: float = pydantic.Field(5.0, gt=0)
+    metrics_port: int = pydantic.Field(DEFAULT_METRICS_PORT, ge=0, le=65535)
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    sqlite_synchronous: Literal["normal", "full"] = "normal"
+
+    @pydantic.field_validator("log_level", mode="before")
+    @classmethod
+    def _lower(cls, v: Any) -> Any:
+        return v.lower() if isinstance(v, str) else v
+
+
+# ---- internal config (frozen dataclasses) -------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class NodeRef:
+    name: str
+    address: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Topology:
+    """Static groups, or local mode (groups created on first Acquire over ``local_nodes``)."""
+
+    groups: Mapping[str, tuple[NodeRef, ...]] = dataclasses.field(default_factory=dict)
+    local_nodes: tuple[NodeRef, ...] = ()
+
+    @property
+    def local(self) -> bool:
+        return bool(self.local_nodes)
+
+
+@dataclasses.dataclass(frozen=True)
+class OrchestratorConfig:
+    """Validated orchestrator settings (see ``tslice orchestrator --help``)."""
+
+    topology: Topology
+    #: Interface to listen on.
+    host: str = "127.0.0.1"
+    #: gRPC port; 0 picks a free one (reported through the ready file).
+    port: int = DEFAULT_PORT
+    #: Directory of orchestrator.db (created if missing).
+    state_dir: pathlib.Path = DEFAULT_STATE_DIR
+    #: Deadline of every unary agent call, seconds.
+    agent_rpc_timeout_s: float = 10.0
+    #: How long a snapshot/restore may run before it counts as failed, seconds.
+    operation_timeout_s: float = 900.0
+    #: WaitOperation long-poll chunk, seconds (a dead agent is noticed within this).
+    wait_chunk_s: float = 30.0
+    #: Deadline of the live Status reads of GetGroupStatus, seconds.
+    status_timeout_s: float = 2.0
+    #: After a restart, how long queued jobs have to re-issue Acquire, seconds.
+    reattach_grace_s: float = 30.0
+    #: On SIGTERM, how long an in-flight switch may take to finish, seconds.
+    shutdown_grace_s: float = 5.0
+    #: Retry backoff for agent failures: first delay and cap, seconds (jittered).
+    backoff_initial_s: float = 0.05
+    backoff_max_s: float = 5.0
+    #: Prometheus port; 0 = off.
+    metrics_port: int = 0
+    log_level: str = "info"
+    #: SQLite synchronous mode ("normal": crash-safe against SIGKILL; "full": also power loss).
+    sqlite_synchronous: str = "normal"
+
+
+# ---- building ---------------------------------------------------------------------------
+
+
+def format_validation_error(err: pydantic.ValidationError, *, prefix: str = "") -> str:
+    """One line per problem: ``path.to[1].field: message``."""
+    lines = []
+    for e in err.errors():
+        path = prefix
+        for part in e["loc"]:
+            if isinstance(part, int):
+                path += f"[{part}]"
+            else:
+                path += f".{part}" if path else str(part)
+        msg = str(e["msg"]).removeprefix("Value error, ")
+        lines.append(f"{path or '(top level)'}: {msg}")
+    return "; ".join(lines)
+
+
+def _read_yaml(path: pathlib.Path, what: str) -> Any:
+    try:
+        text = path.read_text()
+    except OSError as err:
+        raise errors.ConfigError(f"cannot read {what} {path}: {err.strerror or err}") from err
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        raise errors.ConfigError(f"{what} {path} is not valid YAML: {err}") from err
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise errors.ConfigError(f"{what} {path} must be a YAML mapping at the top level")
+    return data
+
+
+def load_topology(path: pathlib.Path) -> Topology:
+    """Read and validate a topology YAML file."""
+    data = _read_yaml(path, "topology file")
+    try:
+        model = TopologyModel.model_validate(data)
+    except pydantic.ValidationError as err:
+        raise errors.ConfigError(f"{path}: {format_validation_error(err)}") from err
+    return _topology(model)
+
+
+def _topology(model: TopologyModel) -> Topology:
+    if model.mode == "local":
+        return Topology(local_nodes=tuple(NodeRef(n.name, n.agent) for n in model.nodes))
+    return Topology(
+        groups={
+            gid: tuple(NodeRef(n.name, n.agent) for n in g.nodes)
+            for gid, g in sorted(model.groups.items())
+        }
+    )
+
+
+def parse_local_agent(spec: str) -> NodeRef:
+    """``ADDR`` or ``NAME=ADDR``; without a name the address names the node."""
+    name, sep, addr = spec.partition("=")
+    if not sep:
+        name, addr = spec, spec
+    try:
+        return NodeRef(ids.check_id("node name", name.strip()), check_address(addr))
+    except ValueError as err:
+        raise errors.ConfigError(f"--local-agent {spec!r}: {err}") from err
+
+
+def build(
+    *,
+    config_file: pathlib.Path | None = None,
+    overrides: Mapping[str, Any] | None = None,
+) -> OrchestratorConfig:
+    """Merge the YAML config file (if any) with explicit overrides and validate once."""
+    data: dict[str, Any] = dict(_read_yaml(config_file, "config file")) if config_file else {}
+    for key, value in (overrides or {}).items():
+        if value is not None:
+            data[key] = value
+    where = f"{config_file}: " if config_file else ""
+    try:
+        model = OrchestratorModel.model_validate(data)
+    except pydantic.ValidationError as err:
+        raise errors.ConfigError(where + format_validation_error(err)) from err
+
+    local: list[NodeRef] = [parse_local_agent(s) for s in model.local_agents]
+    topology: Topology | None = None
+    if model.topology is not None:
+        topology = _topology(model.topology)
+    if model.topology_file is not None:
+        if topology is not None:
+            raise errors.ConfigError(
+                f"{where}both `topology` and `topology_file` are set; keep one of them"
+            )
+        path = model.topology_file
+        if config_file is not None and not path.is_absolute():
+            path = config_file.parent / path
+        topology = load_topology(path)
+    if local:
+        if topology is not None and not topology.local:
+            raise errors.ConfigError(
+                "--local-agent cannot be combined with a static topology (groups: ...); "
+                "use one or the other"
+            )
+        merged = list(topology.local_nodes if topology else ()) + local
+        _check_unique(merged)
+        topology = Topology(local_nodes=tuple(merged))
+    if topology is None:
+        raise errors.ConfigError(
+            "no topology: pass --topology FILE (groups -> nodes -> agent) "
+            "or --local-agent HOST:PORT (repeatable) for local mode"
+        )
+    return OrchestratorConfig(
+        topology=topology,
+        host=model.host,
+        port=model.port,
+        state_dir=model.state_dir,
+        agent_rpc_timeout_s=model.agent_rpc_timeout_s,
+        operation_timeout_s=model.operation_timeout_s,
+        wait_chunk_s=model.wait_chunk_s,
+        status_timeout_s=model.status_timeout_s,
+        reattach_grace_s=model.reattach_grace_s,
+        shutdown_grace_s=model.shutdown_grace_s,
+        backoff_initial_s=model.backoff_initial_s,
+        backoff_max_s=model.backoff_max_s,
+        metrics_port=model.metrics_port,
+        log_level=model.log_level,
+        sqlite_synchronous=model.sqlite_synchronous,
+    )
+
+
+def _check_unique(nodes: Sequence[NodeRef]) -> None:
+    seen: set[str] = set()
+    for n in nodes:
+        if n.name in seen:
+            raise errors.ConfigError(
+                f"local agent name {n.name!r} is used twice; name them NAME=HOST:PORT"
+            )
+        seen.add(n.name)

@@ -1,0 +1,239 @@
+"""SQLite persistence of every group's lock state (``<state_dir>/orchestrator.db``).
+
+One connection used from one dedicated thread: each save is a single transaction
+executed as one function call there, so transactions of different groups never
+interleave and calls are applied in the order they were made (the per-group
+driver awaits each save before acting, which keeps "write before acting").
+
+Journal mode WAL with ``synchronous=NORMAL`` by default: a commit is durable
+against a crash of the process (SIGKILL included) because the WAL lives in the
+OS page cache, and it costs no fsync on the hand-over path. Only a power loss or
+kernel crash can lose the last commits; recovery then re-reads the agents, which
+hold the ground truth about residency. ``synchronous="full"`` is available for
+deployments that want power-loss durability of queues and holders as well.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import json
+import pathlib
+import sqlite3
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
+from tslice.orchestrator import lock
+
+_T = TypeVar("_T")
+
+SCHEMA_VERSION = 1
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS groups (
+    group_id     TEXT PRIMARY KEY,
+    nodes        TEXT NOT NULL,      -- JSON [[name, address], ...]
+    holder       TEXT,
+    resident     TEXT,
+    grant_epoch  INTEGER NOT NULL,
+    switch_count INTEGER NOT NULL,
+    next_seq     INTEGER NOT NULL,
+    updated      REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS queue (
+    group_id  TEXT NOT NULL,
+    job_id    TEXT NOT NULL,
+    seq       INTEGER NOT NULL,
+    footprint INTEGER NOT NULL,
+    PRIMARY KEY (group_id, job_id)
+);
+CREATE TABLE IF NOT EXISTS footprints (
+    group_id TEXT NOT NULL,
+    job_id   TEXT NOT NULL,
+    bytes    INTEGER NOT NULL,
+    PRIMARY KEY (group_id, job_id)
+);
+CREATE TABLE IF NOT EXISTS intents (
+    group_id TEXT PRIMARY KEY,
+    from_job TEXT,
+    to_job   TEXT NOT NULL,
+    epoch    INTEGER NOT NULL,
+    seq      INTEGER NOT NULL,
+    started  REAL NOT NULL
+);
+"""
+
+
+class StoreError(Exception):
+    """The state database cannot be opened or written."""
+
+
+class Store:
+    """Async facade over the SQLite database; use :meth:`open`."""
+
+    def __init__(self, path: pathlib.Path, *, synchronous: str = "normal") -> None:
+        self.path = path
+        self._synchronous = synchronous
+        self._executor = concurrent.futures.ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="tslice-orch-db"
+        )
+        self._conn: sqlite3.Connection | None = None
+
+    @classmethod
+    async def open(cls, state_dir: pathlib.Path, *, synchronous: str = "normal") -> Store:
+        store = cls(state_dir / "orchestrator.db", synchronous=synchronous)
+        try:
+            await store._run(store._open_sync)
+        except (OSError, sqlite3.Error) as err:
+            store._executor.shutdown(wait=False)
+            raise StoreError(
+                f"cannot open state database {store.path}: {err} "
+                "(check --state-dir exists and is writable)"
+            ) from err
+        return store
+
+    async def close(self) -> None:
+        if self._conn is not None:
+            await self._run(self._close_sync)
+        self._executor.shutdown(wait=True)
+
+    async def load(self) -> dict[str, tuple[list[tuple[str, str]], lock.LockRecord]]:
+        """Every persisted group: ``group_id -> (nodes, record)``."""
+        return await self._run(self._load_sync)
+
+    async def save(
+        self,
+        group_id: str,
+        *,
+        nodes: list[tuple[str, str]],
+        record: lock.LockRecord,
+        previous: lock.LockRecord | None,
+    ) -> None:
+        """Write ``record`` in one transaction (``previous`` lets unchanged rows be skipped)."""
+        try:
+            await self._run(lambda: self._save_sync(group_id, nodes, record, previous))
+        except sqlite3.Error as err:
+            raise StoreError(
+                f"cannot write state of group {group_id!r} to {self.path}: {err}"
+            ) from err
+
+    # ---- thread side -----------------------------------------------------------------------
+
+    async def _run(self, fn: Callable[[], _T]) -> _T:
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn)
+
+    def _open_sync(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        conn = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
+        conn.execute("PRAGMA journal_mode=WAL")
+        conn.execute(f"PRAGMA synchronous={'FULL' if self._synchronous == 'full' else 'NORMAL'}")
+        conn.execute("PRAGMA busy_timeout=5000")
+        conn.executescript(_SCHEMA)
+        row = conn.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
+        if row is None:
+            conn.execute(
+                "INSERT INTO meta(key, value) VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),)
+            )
+        elif int(row[0]) != SCHEMA_VERSION:
+            conn.close()
+            raise sqlite3.DatabaseError(
+                f"schema version {row[0]} is not supported (expected {SCHEMA_VERSION})"
+            )
+        self._conn = conn
+
+    def _close_sync(self) -> None:
+        assert self._conn is not None
+        self._conn.close()
+        self._conn = None
+
+    def _load_sync(self) -> dict[str, tuple[list[tuple[str, str]], lock.LockRecord]]:
+        conn = self._conn
+        assert conn is not None
+        out: dict[str, tuple[list[tuple[str, str]], lock.LockRecord]] = {}
+        groups = conn.execute(
+            "SELECT group_id, nodes, holder, resident, grant_epoch, switch_count, next_seq "
+            "FROM groups ORDER BY group_id"
+        ).fetchall()
+        for gid, nodes_json, holder, resident, epoch, switches, next_seq in groups:
+            queue = tuple(
+                lock.QueueRecord(job, seq, fp)
+                for job, seq, fp in conn.execute(
+                    "SELECT job_id, seq, footprint FROM queue WHERE group_id=? ORDER BY seq", (gid,)
+                )
+            )
+            footprints = tuple(
+                (job, b)
+                for job, b in conn.execute(
+                    "SELECT job_id, bytes FROM footprints WHERE group_id=? ORDER BY job_id", (gid,)
+                )
+            )
+            it = conn.execute(
+                "SELECT from_job, to_job, epoch, seq FROM intents WHERE group_id=?", (gid,)
+            ).fetchone()
+            intent = lock.IntentRecord(it[0], it[1], it[2], it[3]) if it else None
+            record = lock.LockRecord(
+                holder, resident, epoch, switches, next_seq, queue, intent, footprints
+            )
+            nodes = [(str(n), str(a)) for n, a in json.loads(nodes_json)]
+            out[gid] = (nodes, record)
+        return out
+
+    def _save_sync(
+        self,
+        gid: str,
+        nodes: list[tuple[str, str]],
+        rec: lock.LockRecord,
+        prev: lock.LockRecord | None,
+    ) -> None:
+        conn = self._conn
+        assert conn is not None
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            conn.execute(
+                "INSERT INTO groups(group_id, nodes, holder, resident, grant_epoch, switch_count,"
+                " next_seq, updated) VALUES (?,?,?,?,?,?,?,?) ON CONFLICT(group_id) DO UPDATE SET"
+                " nodes=excluded.nodes, holder=excluded.holder, resident=excluded.resident,"
+                " grant_epoch=excluded.grant_epoch, switch_count=excluded.switch_count,"
+                " next_seq=excluded.next_seq, updated=excluded.updated",
+                (
+                    gid,
+                    json.dumps(nodes),
+                    rec.holder,
+                    rec.resident,
+                    rec.grant_epoch,
+                    rec.switch_count,
+                    rec.next_seq,
+                    time.time(),
+                ),
+            )
+            if prev is None or prev.queue != rec.queue:
+                conn.execute("DELETE FROM queue WHERE group_id=?", (gid,))
+                conn.executemany(
+                    "INSERT INTO queue(group_id, job_id, seq, footprint) VALUES (?,?,?,?)",
+                    [(gid, q.job, q.seq, q.footprint_bytes) for q in rec.queue],
+                )
+            if prev is None or prev.footprints != rec.footprints:
+                old = dict(prev.footprints) if prev is not None else {}
+                conn.executemany(
+                    "INSERT INTO footprints(group_id, job_id, bytes) VALUES (?,?,?)"
+                    " ON CONFLICT(group_id, job_id) DO UPDATE SET bytes=excluded.bytes",
+                    [(gid, j, b) for j, b in rec.footprints if old.get(j) != b],
+                )
+            if prev is None or prev.intent != rec.intent:
+                if rec.intent is None:
+                    conn.execute("DELETE FROM intents WHERE group_id=?", (gid,))
+                else:
+                    it = rec.intent
+                    conn.execute(
+                        "INSERT INTO intents(group_id, from_job, to_job, epoch, seq, started)"
+                        " VALUES (?,?,?,?,?,?) ON CONFLICT(group_id) DO UPDATE SET"
+                        " from_job=excluded.from_job, to_job=excluded.to_job,"
+                        " epoch=excluded.epoch, seq=excluded.seq, started=excluded.started",
+                        (gid, it.from_job, it.to_job, it.epoch, it.seq, time.time()),
+                    )
+            conn.execute("COMMIT")
+        except BaseException:
+            conn.execute("ROLLBACK")
+            raise

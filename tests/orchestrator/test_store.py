@@ -1,0 +1,70 @@
+"""SQLite persistence of group lock records."""
+
+from __future__ import annotations
+
+import pathlib
+import sqlite3
+
+import pytest
+
+from tslice.orchestrator import lock as lk
+from tslice.orchestrator import store as st
+
+NODES = [("node-a", "127.0.0.1:9001"), ("node-b", "127.0.0.1:9002")]
+
+
+async def test_save_and_load_round_trip(tmp_path: pathlib.Path) -> None:
+    s = await st.Store.open(tmp_path)
+    g = lk.GroupLock()
+    g.on_acquire("a", footprint_bytes=10, now=0)
+    g.on_switch_done(epoch=1, restored=False, now=0)
+    g.on_acquire("b", footprint_bytes=20, now=1)
+    g.on_acquire("c", now=1)
+    r1 = g.record()
+    await s.save("g1", nodes=NODES, record=r1, previous=None)
+    g.on_yield("a", now=2)  # switch a -> b: intent
+    r2 = g.record()
+    await s.save("g1", nodes=NODES, record=r2, previous=r1)
+    await s.save("g2", nodes=NODES[:1], record=lk.LockRecord.empty(), previous=None)
+    await s.close()
+
+    s2 = await st.Store.open(tmp_path)
+    loaded = await s2.load()
+    await s2.close()
+    assert set(loaded) == {"g1", "g2"}
+    nodes, rec = loaded["g1"]
+    assert nodes == NODES
+    assert rec == r2
+    assert rec.intent == lk.IntentRecord("a", "b", 2, 2)
+    assert [q.job for q in rec.queue] == ["c"]
+    assert dict(rec.footprints) == {"a": 10, "b": 20}
+    assert loaded["g2"][1] == lk.LockRecord.empty()
+
+
+async def test_intent_cleared_after_switch(tmp_path: pathlib.Path) -> None:
+    s = await st.Store.open(tmp_path)
+    g = lk.GroupLock()
+    g.on_acquire("a", now=0)
+    r1 = g.record()
+    await s.save("g", nodes=NODES, record=r1, previous=None)
+    g.on_switch_done(epoch=1, restored=False, now=0)
+    await s.save("g", nodes=NODES, record=g.record(), previous=r1)
+    (_, rec) = (await s.load())["g"]
+    await s.close()
+    assert rec.intent is None and rec.holder == "a" and rec.resident == "a"
+    assert rec.switch_count == 1 and rec.grant_epoch == 1
+
+
+async def test_database_uses_wal(tmp_path: pathlib.Path) -> None:
+    s = await st.Store.open(tmp_path)
+    await s.close()
+    conn = sqlite3.connect(tmp_path / "orchestrator.db")
+    assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    conn.close()
+
+
+async def test_unwritable_state_dir_is_a_clear_error(tmp_path: pathlib.Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(st.StoreError, match="--state-dir"):
+        await st.Store.open(blocker / "sub")
