@@ -89,9 +89,12 @@ class Job:
     job_id: str
     group: str = ""
     state: State = State.IDLE
-    #: Backend that holds (or last moved) the job's state; "" until the first decision.
+    #: Backend that holds (or last moved) the job's state; "" until the first operation.
     backend: str = ""
-    #: Serialized ``pb.BackendConfig`` recorded at grant or snapshot (b"" = none).
+    #: Backend chosen for the job explicitly (by a request config, or because the job
+    #: registered on the workload channel); "" = none, the node default applies.
+    choice: str = ""
+    #: Serialized ``pb.BackendConfig`` recorded with ``choice`` (b"" = none).
     config: bytes = b""
     #: Device bytes the job declared (per device); 0 = the backend's default.
     footprint_bytes: int = 0
@@ -156,7 +159,9 @@ class Route:
     backend: str
     config: pb.BackendConfig | None
     #: The request named the backend itself (config arm or deprecated enum).
-    explicit: bool
+    explicit: bool = False
+    #: The choice becomes the job's recorded choice (explicit, or the workload channel).
+    record: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -228,16 +233,30 @@ def route(
     channel_registered: bool,
     default_backend: str,
 ) -> Route:
-    """Explicit request > the job's recorded choice > workload channel > the node default."""
+    """Pick the backend for a request on ``job``.
+
+    Precedence: the request's explicit choice; the backend holding a SAVED, FAULTED or
+    TRANSITIONING job's state (it alone can bring it back); the job's recorded choice;
+    the workload channel, if the job registered there; the backend that last served
+    the job; the node default.
+    """
     explicit = requested_backend(request_config, deprecated_backend=deprecated_backend)
     if explicit is not None:
         has_arm = request_config is not None and request_config.WhichOneof("backend") is not None
-        return Route(backend=explicit, config=request_config if has_arm else None, explicit=True)
-    if job is not None and job.backend:
-        return Route(backend=job.backend, config=job.backend_config(), explicit=False)
+        config = request_config if has_arm else None
+        return Route(backend=explicit, config=config, explicit=True, record=True)
+    if job is not None:
+        holding = (State.SAVED, State.FAULTED, State.TRANSITIONING)
+        if job.backend and job.state in holding:
+            same = job.choice == job.backend
+            return Route(backend=job.backend, config=job.backend_config() if same else None)
+        if job.choice:
+            return Route(backend=job.choice, config=job.backend_config())
     if channel_registered:
-        return Route(backend="app-channel", config=None, explicit=False)
-    return Route(backend=default_backend, config=None, explicit=False)
+        return Route(backend="app-channel", config=None, record=True)
+    if job is not None and job.backend:
+        return Route(backend=job.backend, config=None)
+    return Route(backend=default_backend, config=None)
 
 
 def ensure_enabled(backend: str, *, enabled: Iterable[str], node: str) -> None:
@@ -307,12 +326,12 @@ def _check_resident_neighbours(
             )
 
 
-def _with_config(job: Job, route_: Route) -> Job:
-    """Record an explicitly requested backend config (the job's choice from now on)."""
-    if not route_.explicit:
+def _with_choice(job: Job, route_: Route) -> Job:
+    """Record an explicit (or workload-channel) choice: the job's backend from now on."""
+    if not route_.record:
         return job
     config = route_.config.SerializeToString() if route_.config is not None else b""
-    return dataclasses.replace(job, backend=route_.backend, config=config)
+    return dataclasses.replace(job, choice=route_.backend, config=config)
 
 
 def _sim_footprint(config: pb.BackendConfig | None) -> int:
@@ -367,7 +386,7 @@ def plan_snapshot(
         job = dataclasses.replace(job, group=group)
     if route_.explicit and _sim_footprint(route_.config):
         job = dataclasses.replace(job, footprint_bytes=_sim_footprint(route_.config))
-    job = dataclasses.replace(_with_config(job, route_), error="")
+    job = dataclasses.replace(_with_choice(job, route_), error="")
     return _start(
         job,
         kind=Kind.SNAPSHOT,
@@ -495,7 +514,7 @@ def plan_grant(
         job = Job(job_id=job_id, group=group)
     footprint = footprint_bytes or _sim_footprint(route_.config) or job.footprint_bytes
     job = dataclasses.replace(
-        _with_config(job, route_), group=group or job.group, footprint_bytes=footprint, error=""
+        _with_choice(job, route_), group=group or job.group, footprint_bytes=footprint, error=""
     )
     return _start(
         job,

@@ -1,0 +1,284 @@
+"""Assembles and runs the node agent: backends, store, core, gRPC server, health, metrics.
+
+``serve`` runs in any event loop until ``stop`` is set (``tslice up`` and the demo run
+agents in-process this way); ``run`` is the blocking entry point of ``tslice agent``
+that handles SIGTERM/SIGINT and writes the ready file.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib
+import json
+import logging
+import os
+import signal
+import stat
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from tslice.agent import config as agent_config
+from tslice.agent import metrics, runner, server, store
+from tslice.agent.backends import base, registry
+from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
+from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2_grpc as pb_grpc
+from tslice.common import errors, logs, tasks
+
+log = logging.getLogger(__name__)
+
+_PRUNE_INTERVAL_MAX_S = 3600.0
+
+
+def make_hub() -> Any | None:
+    """The workload-channel hub, if this build has ``tslice.agent.channel``."""
+    try:
+        channel = importlib.import_module("tslice.agent.channel")
+    except ImportError:
+        return None
+    return channel.ChannelHub()
+
+
+def backend_settings(
+    name: str, config: agent_config.AgentConfig, *, hub: Any | None
+) -> dict[str, Any]:
+    """What ``Backend.create`` receives: the config section plus what the agent injects."""
+    settings = config.settings_for(name)
+    if name == "sim":
+        settings = {
+            **config.sim.settings(),
+            "node": config.node_name,
+            "state_dir": str(config.state_dir),
+            **settings,
+        }
+    elif name == "app-channel":
+        if hub is None:
+            raise errors.ConfigError(
+                "backend 'app-channel' needs the workload channel (tslice.agent.channel), which "
+                "this build lacks; disable app-channel or upgrade tslice"
+            )
+        settings = {**settings, "hub": hub}
+    return settings
+
+
+async def build_backends(
+    config: agent_config.AgentConfig,
+    *,
+    hub: Any | None,
+    instances: Mapping[str, base.Backend] | None = None,
+    names: Mapping[str, str] | None = None,
+) -> dict[str, base.Backend]:
+    """Enabled backends by name; ``instances`` are used as given (tests, embedding)."""
+    built: dict[str, base.Backend] = dict(instances or {})
+    try:
+        for name in config.enabled_backends:
+            if name not in built:
+                built[name] = registry.create(
+                    name,
+                    backend_settings(name, config, hub=hub),
+                    registry=names if names is not None else registry.BUILTIN,
+                )
+    except BaseException:
+        for backend in built.values():
+            if instances is None or backend not in instances.values():
+                await backend.close()
+        raise
+    return built
+
+
+def _client_address(host: str, port: int) -> str:
+    if host in ("", "0.0.0.0", "::", "[::]"):
+        host = "127.0.0.1"
+    if ":" in host and not host.startswith("["):
+        host = f"[{host}]"
+    return f"{host}:{port}"
+
+
+def _bind(grpc_server: grpc.aio.Server, address: str, what: str) -> int:
+    try:
+        port = int(grpc_server.add_insecure_port(address))
+    except RuntimeError as err:
+        raise errors.ConfigError(f"cannot listen on {address} ({err}); {what}") from err
+    if port == 0 and not address.startswith("unix:"):
+        raise errors.ConfigError(f"cannot listen on {address}; {what}")
+    return port
+
+
+def _clear_stale_socket(path: Path) -> None:
+    try:
+        mode = path.stat().st_mode
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(mode):
+        raise errors.ConfigError(
+            f"unix_socket {path} exists and is not a socket; choose another path"
+        )
+    path.unlink()
+
+
+async def serve(
+    config: agent_config.AgentConfig,
+    *,
+    ready: Callable[[str], None] | None = None,
+    stop: asyncio.Event | None = None,
+    backends: Mapping[str, base.Backend] | None = None,
+    backend_registry: Mapping[str, str] | None = None,
+) -> None:
+    """Run the agent until ``stop`` is set; ``ready(address)`` once it accepts calls.
+
+    ``backends`` injects ready-made backend instances by name (they are enabled too);
+    ``backend_registry`` replaces the name -> "module:Class" mapping.
+    """
+    stop = stop if stop is not None else asyncio.Event()
+    await asyncio.to_thread(config.state_dir.mkdir, parents=True, exist_ok=True)
+    agent_metrics = metrics.AgentMetrics()
+    hub = make_hub()
+    async with contextlib.AsyncExitStack() as stack:
+        if hub is not None:
+            stack.push_async_callback(hub.close)
+        built = await build_backends(config, hub=hub, instances=backends, names=backend_registry)
+        stack.push_async_callback(_close_backends, built)
+        state = await store.Store.open(config.state_dir)
+        stack.push_async_callback(state.close)
+
+        health_servicer = health.aio.HealthServicer()
+        monitor = server.HealthMonitor(
+            servicer=health_servicer, backends=built, default_backend=config.default_backend
+        )
+        core = runner.AgentCore(
+            node=config.node_name,
+            backends=built,
+            default_backend=config.default_backend,
+            state=state,
+            agent_metrics=agent_metrics,
+            operation_timeout_s=config.operation_timeout_s,
+            operation_retention_s=config.operation_retention_s,
+            max_operations=config.max_operations,
+            channel_registered=getattr(hub, "is_registered", None),
+            on_backend_error=monitor.mark_unavailable,
+        )
+        await core.start()
+        await monitor.check_all()
+
+        grpc_server = grpc.aio.server()
+        pb_grpc.add_SnapshotAgentServiceServicer_to_server(  # type: ignore[no-untyped-call]
+            server.SnapshotAgentServicer(core=core, hub=hub), grpc_server
+        )
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, grpc_server)
+        reflection.enable_server_reflection(
+            (
+                pb.DESCRIPTOR.services_by_name["SnapshotAgentService"].full_name,
+                health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+                reflection.SERVICE_NAME,
+            ),
+            grpc_server,
+        )
+        port = _bind(
+            grpc_server,
+            _listen_address(config.host, config.port),
+            "pick another --port (0 = any free port) or stop what holds it",
+        )
+        if config.unix_socket is not None:
+            config.unix_socket.parent.mkdir(parents=True, exist_ok=True)
+            _clear_stale_socket(config.unix_socket)
+            _bind(grpc_server, f"unix:{config.unix_socket}", "choose another --unix-socket")
+        await grpc_server.start()
+        stack.push_async_callback(_stop_server, grpc_server, core, monitor, config.grace_period_s)
+        if config.unix_socket is not None:
+            stack.callback(_remove_quietly, config.unix_socket)
+        if config.metrics_port:
+            agent_metrics.serve(port=config.metrics_port, host=config.host or "0.0.0.0")
+            stack.callback(agent_metrics.stop)
+
+        loops = [
+            tasks.spawn(
+                monitor.run(interval_s=config.health_interval_s, stop=stop), name="agent-health"
+            ),
+            tasks.spawn(_prune_loop(core, stop=stop), name="agent-prune"),
+        ]
+        stack.push_async_callback(tasks.cancel_all, loops)
+
+        address = _client_address(config.host, port)
+        log.info(
+            "agent %s serving on %s (backends: %s, default %s)",
+            config.node_name,
+            address,
+            ", ".join(built),
+            config.default_backend,
+            extra={"node": config.node_name},
+        )
+        if ready is not None:
+            ready(address)
+        await stop.wait()
+        log.info("agent %s stopping", config.node_name)
+
+
+def _listen_address(host: str, port: int) -> str:
+    if ":" in host and not host.startswith("["):
+        host = f"[{host}]"
+    return f"{host or '0.0.0.0'}:{port}"
+
+
+async def _stop_server(
+    grpc_server: grpc.aio.Server,
+    core: runner.AgentCore,
+    monitor: server.HealthMonitor,
+    grace_s: float,
+) -> None:
+    await monitor.shutdown()
+    # New calls are refused at once; in-flight calls and operations share the grace period.
+    await asyncio.gather(grpc_server.stop(grace_s), core.close(grace_s=grace_s))
+
+
+async def _close_backends(built: Mapping[str, base.Backend]) -> None:
+    for name, backend in built.items():
+        try:
+            await backend.close()
+        except Exception:
+            log.exception("backend %s failed to close", name)
+
+
+def _remove_quietly(path: Path) -> None:
+    with contextlib.suppress(OSError):
+        path.unlink()
+
+
+async def _prune_loop(core: runner.AgentCore, *, stop: asyncio.Event) -> None:
+    interval = min(core.operation_retention_s / 10, _PRUNE_INTERVAL_MAX_S)
+    while not stop.is_set():
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(stop.wait(), timeout=interval)
+        if not stop.is_set():
+            await core.prune_operations()
+
+
+def write_ready_file(path: Path, address: str) -> None:
+    """Atomically publish ``{"address", "pid"}`` so that waiters never read half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps({"address": address, "pid": os.getpid()}))
+    os.replace(tmp, path)
+
+
+async def _main(config: agent_config.AgentConfig, ready_file: Path | None) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+
+    def ready(address: str) -> None:
+        if ready_file is not None:
+            write_ready_file(ready_file, address)
+
+    await serve(config, ready=ready, stop=stop)
+
+
+def run(config: agent_config.AgentConfig, *, ready_file: Path | None = None) -> None:
+    """Blocking entry point: serve until SIGTERM/SIGINT, then stop gracefully."""
+    logs.setup(config.log_level)
+    asyncio.run(_main(config, ready_file))

@@ -1,0 +1,74 @@
+"""Prometheus metrics of the node agent (own registry, so several agents fit in one process)."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping
+
+import prometheus_client
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+_DURATION_BUCKETS = (0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+
+
+class AgentMetrics:
+    """Operation counters and latencies by backend, bytes moved, jobs by state."""
+
+    def __init__(self, *, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self.operations = Counter(
+            "tslice_agent_operations_total",
+            "Finished operations; outcome is complete, failed (nothing changed) or faulted.",
+            ["backend", "kind", "outcome"],
+            registry=self.registry,
+        )
+        self.duration = Histogram(
+            "tslice_agent_operation_duration_seconds",
+            "Wall time of backend operations, retries included.",
+            ["backend", "kind"],
+            buckets=_DURATION_BUCKETS,
+            registry=self.registry,
+        )
+        self.bytes_moved = Counter(
+            "tslice_agent_bytes_moved_total",
+            "Device bytes moved off (snapshot) or onto (restore, activate) the accelerators.",
+            ["backend", "kind"],
+            registry=self.registry,
+        )
+        self.jobs = Gauge(
+            "tslice_agent_jobs",
+            "Jobs known on this node, by state.",
+            ["state"],
+            registry=self.registry,
+        )
+        self._server: object | None = None
+        self._thread: threading.Thread | None = None
+
+    def observe(
+        self, *, backend: str, kind: str, outcome: str, seconds: float, device_bytes: int
+    ) -> None:
+        self.operations.labels(backend=backend, kind=kind, outcome=outcome).inc()
+        self.duration.labels(backend=backend, kind=kind).observe(seconds)
+        if device_bytes > 0:
+            self.bytes_moved.labels(backend=backend, kind=kind).inc(device_bytes)
+
+    def set_jobs(self, counts: Mapping[str, int]) -> None:
+        for state, count in counts.items():
+            self.jobs.labels(state=state).set(count)
+
+    def serve(self, *, port: int, host: str = "0.0.0.0") -> None:
+        """Expose ``/metrics`` on ``port`` (a daemon thread) until :meth:`stop`."""
+        server, thread = prometheus_client.start_http_server(
+            port, addr=host, registry=self.registry
+        )
+        self._server, self._thread = server, thread
+
+    def stop(self) -> None:
+        server = self._server
+        if server is not None:
+            server.shutdown()  # type: ignore[attr-defined]
+            server.server_close()  # type: ignore[attr-defined]
+            self._server = None
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+            self._thread = None

@@ -1,0 +1,605 @@
+"""The async driver of the node agent: applies ``jobs`` plans, runs backends, persists.
+
+Each mutating request takes the job's lock, gathers what the pure planner needs (the
+route, and what the backend reports for a FAULTED job), plans synchronously, stores
+the result *before* replying, and spawns the backend call as a named task. Because
+planning and the in-memory update happen without an await in between, two requests
+can never both see a job (or a group) free: the second one is refused.
+
+Backend calls go through :meth:`AgentCore._call`, the private wrapper that enforces
+the operation deadline, retries :class:`~tslice.agent.backends.base.TransientBackendError`
+with backoff inside it, turns every other exception into a readable error, and
+records metrics. Waiters are woken through one ``asyncio.Event`` per operation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import dataclasses
+import logging
+import time
+import uuid
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+from tslice.agent import jobs, metrics, store
+from tslice.agent.backends import base
+from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
+from tslice.common import tasks
+
+log = logging.getLogger(__name__)
+
+#: Upper bound of one WaitOperation long-poll.
+MAX_WAIT_S = 60.0
+#: How long ``recover()`` may take when a request or ResetJob needs it.
+RECOVER_TIMEOUT_S = 30.0
+_BACKOFF_MIN_S = 0.05
+_BACKOFF_MAX_S = 5.0
+
+
+def _mode_of(config: pb.BackendConfig | None) -> pb.SuspendMode:
+    if config is not None:
+        arm = config.WhichOneof("backend")
+        if arm == "app_endpoint":
+            return config.app_endpoint.mode
+        if arm == "app_channel":
+            return config.app_channel.mode
+    return pb.SUSPEND_MODE_UNSPECIFIED
+
+
+def _tags_of(config: pb.BackendConfig | None) -> list[str]:
+    if config is not None:
+        arm = config.WhichOneof("backend")
+        if arm == "app_endpoint":
+            return list(config.app_endpoint.tags)
+        if arm == "app_channel":
+            return list(config.app_channel.tags)
+    return []
+
+
+class AgentCore:
+    """Jobs, operations and grant epochs of one node, and the backends that move state."""
+
+    def __init__(
+        self,
+        *,
+        node: str,
+        backends: Mapping[str, base.Backend],
+        default_backend: str,
+        state: store.Store,
+        agent_metrics: metrics.AgentMetrics,
+        operation_timeout_s: float = 600.0,
+        operation_retention_s: float = 24 * 3600.0,
+        max_operations: int = 10_000,
+        channel_registered: Callable[[str], bool] | None = None,
+        on_backend_error: Callable[[str, base.BackendError], None] | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        if default_backend not in backends:
+            raise ValueError(f"default backend {default_backend!r} is not among the backends")
+        self.node = node
+        self.backends = dict(backends)
+        self.default_backend = default_backend
+        self.operation_timeout_s = operation_timeout_s
+        self.operation_retention_s = operation_retention_s
+        self.max_operations = max_operations
+        self._store = state
+        self._metrics = agent_metrics
+        self._channel_registered = channel_registered or (lambda _job_id: False)
+        self._on_backend_error = on_backend_error or (lambda _name, _err: None)
+        self._clock = clock
+        self._jobs: dict[str, jobs.Job] = {}
+        self._ops: dict[str, jobs.Operation] = {}
+        self._grants: dict[str, jobs.GrantMark] = {}
+        self._done: dict[str, asyncio.Event] = {}
+        self._locks: collections.defaultdict[str, asyncio.Lock] = collections.defaultdict(
+            asyncio.Lock
+        )
+        self._running: set[asyncio.Task[Any]] = set()
+
+    # ---- lifecycle -----------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Load the persisted state; settle jobs a dead agent left TRANSITIONING."""
+        loaded = await self._store.load()
+        self._jobs, self._ops, self._grants = loaded.job_map, loaded.operation_map, loaded.grant_map
+        now = self._clock()
+        for job in list(self._jobs.values()):
+            if job.state is not jobs.State.TRANSITIONING:
+                continue
+            recovered: jobs.State | None = None
+            if job.backend in self.backends:
+                recovered = await self._recover(self.backends[job.backend], job)
+            new_job, op = jobs.after_restart(
+                job, self._ops.get(job.operation_id), recovered=recovered, now=now
+            )
+            if job.backend not in self.backends:
+                new_job = dataclasses.replace(
+                    new_job,
+                    error=f"{new_job.error} (backend {job.backend} is not enabled on this node)",
+                )
+            self._jobs[job.job_id] = new_job
+            records = [op] if op is not None else []
+            if op is not None:
+                self._ops[op.op_id] = op
+            await self._store.put(job_records=[new_job], operation_records=records)
+            log.warning(
+                "job %s was TRANSITIONING when the agent stopped; now %s",
+                job.job_id,
+                new_job.state.value,
+                extra={"job_id": job.job_id, "operation_id": job.operation_id},
+            )
+        # Operations whose job record was lost or moved on are settled the same way.
+        orphans = [op for op in self._ops.values() if not op.finished]
+        for op in orphans:
+            failed = dataclasses.replace(
+                op,
+                status=jobs.OpStatus.FAILED,
+                finished_at=now,
+                error=f"agent restarted during operation {op.op_id}",
+            )
+            self._ops[op.op_id] = failed
+            await self._store.put(operation_records=[failed])
+        await self.prune_operations()
+        self._publish_job_counts()
+
+    async def close(self, *, grace_s: float) -> None:
+        """Give in-flight operations ``grace_s`` to finish, then cancel them.
+
+        A cancelled operation is not recorded as failed: its job stays TRANSITIONING on
+        disk, and the next start asks the backend what really happened.
+        """
+        running = list(self._running)
+        if running:
+            await asyncio.wait(running, timeout=grace_s)
+        await tasks.cancel_all([t for t in running if not t.done()])
+
+    # ---- queries -------------------------------------------------------------------------
+
+    def list_jobs(self) -> list[jobs.Job]:
+        return sorted(self._jobs.values(), key=lambda j: j.job_id)
+
+    def job(self, job_id: str) -> jobs.Job | None:
+        return self._jobs.get(job_id)
+
+    def now(self) -> float:
+        return self._clock()
+
+    def get_operation(self, op_id: str) -> jobs.Operation:
+        op = self._ops.get(op_id)
+        if op is None:
+            hours = self.operation_retention_s / 3600
+            raise jobs.Refused(
+                jobs.Code.NOT_FOUND,
+                f"operation {op_id} is not known on node {self.node}; finished operations are "
+                f"kept for {hours:g} hours (at most {self.max_operations})",
+            )
+        return op
+
+    async def wait_operation(self, op_id: str, *, timeout_s: float) -> jobs.Operation:
+        """The operation once finished, or as it is (PENDING) after ``timeout_s``."""
+        op = self.get_operation(op_id)
+        event = self._done.get(op_id)
+        if op.finished or event is None or timeout_s <= 0:
+            return op
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(event.wait(), timeout=min(timeout_s, MAX_WAIT_S))
+        return self.get_operation(op_id)
+
+    async def accelerators(self) -> list[base.Accelerator]:
+        found: list[base.Accelerator] = []
+        for name, backend in self.backends.items():
+            try:
+                found.extend(await asyncio.wait_for(backend.accelerators(), timeout=5.0))
+            except Exception as err:
+                log.warning("backend %s could not list accelerators: %s", name, err)
+        return found
+
+    # ---- requests -------------------------------------------------------------------------
+
+    async def snapshot(
+        self,
+        *,
+        job_id: str,
+        group: str,
+        config: pb.BackendConfig | None,
+        deprecated_backend: int = 0,
+    ) -> jobs.Operation:
+        async with self._locks[job_id]:
+            job = self._jobs.get(job_id)
+            route = self._route(job_id, job, config, deprecated_backend)
+            recovered = await self._recovered_if_faulted(route, job)
+            plan = jobs.plan_snapshot(
+                job,
+                job_id=job_id,
+                group=group,
+                route_=route,
+                node=self.node,
+                op_id=self._new_op_id(),
+                now=self._clock(),
+                recovered=recovered,
+            )
+            return await self._launch(plan, config=route.config)
+
+    async def restore(
+        self,
+        *,
+        job_id: str,
+        group: str,
+        config: pb.BackendConfig | None,
+        deprecated_backend: int = 0,
+    ) -> jobs.Operation:
+        async with self._locks[job_id]:
+            job = self._jobs.get(job_id)
+            route = self._route(job_id, job, config, deprecated_backend)
+            recovered = await self._recovered_if_faulted(route, job)
+            partial = await self._needs_partial_restore(route, job)
+            plan = jobs.plan_restore(
+                job,
+                job_id=job_id,
+                group=group,
+                route_=route,
+                node=self.node,
+                op_id=self._new_op_id(),
+                now=self._clock(),
+                others=self._jobs.values(),
+                recovered=recovered,
+                partial=partial,
+            )
+            if isinstance(plan, jobs.Done):
+                await self._commit(jobs_=[plan.job], ops=[plan.operation], previous=job)
+                return plan.operation
+            # An explicit restore config applies to this operation only; the recorded one stays.
+            return await self._launch(plan, config=route.config)
+
+    async def grant(
+        self,
+        *,
+        job_id: str,
+        group: str,
+        epoch: int,
+        footprint_bytes: int,
+        config: pb.BackendConfig | None,
+    ) -> jobs.State:
+        """Record the grant; activate the job if it has nothing resident. Waits for that."""
+        async with self._locks[job_id]:
+            job = self._jobs.get(job_id)
+            route = self._route(job_id, job, config, 0)
+            last = self._grants.get(group)
+            plan = jobs.plan_grant(
+                job,
+                job_id=job_id,
+                group=group,
+                epoch=epoch,
+                last=last,
+                footprint_bytes=footprint_bytes,
+                route_=route,
+                node=self.node,
+                op_id=self._new_op_id(),
+                now=self._clock(),
+                others=self._jobs.values(),
+            )
+            mark = None
+            if group and epoch > 0 and (last is None or epoch > last.epoch):
+                mark = jobs.GrantMark(group=group, epoch=epoch, job_id=job_id)
+            if isinstance(plan, jobs.Unchanged):
+                await self._commit(jobs_=[plan.job], marks=[mark] if mark else [], previous=job)
+                return plan.job.state
+            op = await self._launch(plan, config=route.config, mark=mark)
+        finished = await self._await_finish(op.op_id)
+        final = self._jobs[job_id]
+        if finished.status is jobs.OpStatus.COMPLETE:
+            return final.state
+        if final.state is jobs.State.FAULTED:
+            raise jobs.Refused(
+                jobs.Code.FAILED_PRECONDITION,
+                f"grant of job {job_id} on node {self.node} failed: {finished.error}; the job "
+                "is FAULTED, clear it with ResetJob",
+            )
+        raise jobs.Refused(
+            jobs.Code.UNAVAILABLE,
+            f"grant of job {job_id} on node {self.node} failed and changed nothing: "
+            f"{finished.error}; retry",
+        )
+
+    async def reset(self, *, job_id: str) -> jobs.State:
+        async with self._locks[job_id]:
+            job = jobs.check_reset(self._jobs.get(job_id), job_id=job_id, node=self.node)
+            recovered: jobs.State | None = None
+            backend = self.backends.get(job.backend) if job.backend else None
+            if backend is not None:
+                recovered = await self._recover(backend, job)
+            new_job = jobs.after_reset(job, recovered=recovered)
+            await self._commit(jobs_=[new_job], previous=job)
+            log.info(
+                "job %s reset from FAULTED to %s",
+                job_id,
+                new_job.state.value,
+                extra={"job_id": job_id},
+            )
+            return new_job.state
+
+    async def prune_operations(self) -> int:
+        """Forget finished operations past retention (and beyond the count limit)."""
+        now = self._clock()
+        referenced = {j.operation_id for j in self._jobs.values()}
+        finished = sorted(
+            (op for op in self._ops.values() if op.finished and op.op_id not in referenced),
+            key=lambda op: op.finished_at or op.started_at,
+        )
+        cutoff = now - self.operation_retention_s
+        drop = [op.op_id for op in finished if (op.finished_at or op.started_at) < cutoff]
+        excess = len(self._ops) - len(drop) - self.max_operations
+        if excess > 0:
+            kept = [op.op_id for op in finished if op.op_id not in set(drop)]
+            drop.extend(kept[:excess])
+        for op_id in drop:
+            self._ops.pop(op_id, None)
+        await self._store.delete_operations(drop)
+        return len(drop)
+
+    # ---- internals --------------------------------------------------------------------------
+
+    def _new_op_id(self) -> str:
+        return str(uuid.uuid4())
+
+    def _route(
+        self,
+        job_id: str,
+        job: jobs.Job | None,
+        config: pb.BackendConfig | None,
+        deprecated_backend: int,
+    ) -> jobs.Route:
+        route = jobs.route(
+            request_config=config,
+            deprecated_backend=deprecated_backend,
+            job=job,
+            channel_registered=self._safe_channel_registered(job_id),
+            default_backend=self.default_backend,
+        )
+        jobs.ensure_enabled(route.backend, enabled=self.backends, node=self.node)
+        return route
+
+    def _safe_channel_registered(self, job_id: str) -> bool:
+        if "app-channel" not in self.backends:
+            return False
+        try:
+            return bool(self._channel_registered(job_id))
+        except Exception:
+            log.exception("workload channel registration lookup failed for job %s", job_id)
+            return False
+
+    def _context(self, job: jobs.Job, config: pb.BackendConfig | None) -> base.JobContext:
+        return base.JobContext(
+            job_id=job.job_id,
+            group=job.group,
+            config=config,
+            footprint_bytes=job.footprint_bytes,
+            state=dict(job.backend_state),
+        )
+
+    async def _recover(self, backend: base.Backend, job: jobs.Job) -> jobs.State | None:
+        """What the backend reports for the job; ``None`` if it cannot tell or fails."""
+        try:
+            reported = await asyncio.wait_for(
+                backend.recover(self._context(job, job.backend_config())),
+                timeout=min(RECOVER_TIMEOUT_S, self.operation_timeout_s),
+            )
+        except Exception as err:
+            log.warning("backend %s could not recover job %s: %s", backend.name, job.job_id, err)
+            return None
+        return jobs.from_pb(reported)
+
+    async def _recovered_if_faulted(
+        self, route: jobs.Route, job: jobs.Job | None
+    ) -> jobs.State | None:
+        if job is None or job.state is not jobs.State.FAULTED:
+            return None
+        return await self._recover(self.backends[route.backend], job)
+
+    async def _needs_partial_restore(self, route: jobs.Route, job: jobs.Job | None) -> bool:
+        """Staged wake hook: a RUNNING job whose backend says requested tags are missing.
+
+        A backend opts in by defining ``async def missing_tags(job, tags) -> list[str]``.
+        """
+        tags = _tags_of(route.config)
+        if job is None or job.state is not jobs.State.RUNNING or not tags:
+            return False
+        hook = getattr(self.backends[route.backend], "missing_tags", None)
+        if hook is None:
+            return False
+        try:
+            missing = await asyncio.wait_for(
+                hook(self._context(job, route.config), tags), timeout=RECOVER_TIMEOUT_S
+            )
+        except Exception as err:
+            log.warning("backend %s could not report missing tags: %s", route.backend, err)
+            return False
+        return bool(missing)
+
+    async def _commit(
+        self,
+        *,
+        jobs_: Iterable[jobs.Job] = (),
+        ops: Iterable[jobs.Operation] = (),
+        marks: Iterable[jobs.GrantMark] = (),
+        previous: jobs.Job | None,
+    ) -> None:
+        """Apply records in memory and on disk; undo the memory side if the disk refuses."""
+        job_list, op_list, mark_list = list(jobs_), list(ops), list(marks)
+        before_marks = {m.group: self._grants.get(m.group) for m in mark_list}
+        for job in job_list:
+            self._jobs[job.job_id] = job
+        for op in op_list:
+            self._ops[op.op_id] = op
+        for mark in mark_list:
+            self._grants[mark.group] = mark
+        try:
+            await self._store.put(
+                job_records=job_list, operation_records=op_list, grant_marks=mark_list
+            )
+        except Exception as err:
+            for job in job_list:
+                if previous is not None and previous.job_id == job.job_id:
+                    self._jobs[job.job_id] = previous
+                else:
+                    self._jobs.pop(job.job_id, None)
+            for op in op_list:
+                self._ops.pop(op.op_id, None)
+            for group, old in before_marks.items():
+                if old is None:
+                    self._grants.pop(group, None)
+                else:
+                    self._grants[group] = old
+            log.exception("could not persist agent state")
+            raise jobs.Refused(
+                jobs.Code.UNAVAILABLE,
+                f"node {self.node} cannot persist its state ({type(err).__name__}: {err}); "
+                "nothing was changed, fix the state directory and retry",
+            ) from err
+        self._publish_job_counts()
+
+    async def _launch(
+        self,
+        plan: jobs.Start,
+        *,
+        config: pb.BackendConfig | None,
+        mark: jobs.GrantMark | None = None,
+    ) -> jobs.Operation:
+        previous = self._jobs.get(plan.job.job_id)
+        self._done[plan.operation.op_id] = asyncio.Event()
+        try:
+            await self._commit(
+                jobs_=[plan.job],
+                ops=[plan.operation],
+                marks=[mark] if mark else [],
+                previous=previous,
+            )
+        except jobs.Refused:
+            self._done.pop(plan.operation.op_id, None)
+            raise
+        task = tasks.spawn(
+            self._execute(plan.job, plan.operation, config),
+            name=f"{plan.operation.kind.value}-{plan.job.job_id}-{plan.operation.op_id[:8]}",
+        )
+        self._running.add(task)
+        task.add_done_callback(self._running.discard)
+        log.info(
+            "%s of job %s started on backend %s",
+            plan.operation.kind.value,
+            plan.job.job_id,
+            plan.operation.backend,
+            extra={"job_id": plan.job.job_id, "operation_id": plan.operation.op_id},
+        )
+        return plan.operation
+
+    async def _await_finish(self, op_id: str) -> jobs.Operation:
+        event = self._done.get(op_id)
+        if event is not None:
+            await event.wait()
+        return self._ops[op_id]
+
+    async def _execute(
+        self, job: jobs.Job, op: jobs.Operation, config: pb.BackendConfig | None
+    ) -> None:
+        backend = self.backends[op.backend]
+        started = time.monotonic()
+        outcome = await self._call(backend, op, self._context(job, config), _mode_of(config))
+        current = self._jobs.get(job.job_id, job)
+        new_job, new_op = jobs.finish(current, op, outcome=outcome, now=self._clock())
+        if new_op.status is jobs.OpStatus.COMPLETE:
+            outcome_label = "complete"
+        else:
+            outcome_label = "faulted" if new_job.state is jobs.State.FAULTED else "failed"
+        self._metrics.observe(
+            backend=op.backend,
+            kind=op.kind.value,
+            outcome=outcome_label,
+            seconds=time.monotonic() - started,
+            device_bytes=new_op.device_bytes or 0,
+        )
+        self._jobs[new_job.job_id] = new_job
+        self._ops[new_op.op_id] = new_op
+        try:
+            await self._store.put(job_records=[new_job], operation_records=[new_op])
+        except Exception:
+            # The outcome stays served from memory; a restart re-asks the backend.
+            log.exception("could not persist the outcome of operation %s", op.op_id)
+        finally:
+            self._publish_job_counts()
+            event = self._done.pop(op.op_id, None)
+            if event is not None:
+                event.set()
+        log_fn = log.info if new_op.status is jobs.OpStatus.COMPLETE else log.warning
+        log_fn(
+            "%s of job %s %s: job %s%s",
+            op.kind.value,
+            job.job_id,
+            outcome_label,
+            new_job.state.value,
+            f" ({new_op.error})" if new_op.error else "",
+            extra={"job_id": job.job_id, "operation_id": op.op_id},
+        )
+
+    async def _call(
+        self,
+        backend: base.Backend,
+        op: jobs.Operation,
+        ctx: base.JobContext,
+        mode: pb.SuspendMode,
+    ) -> jobs.Outcome:
+        """Run the backend call under the deadline, retrying transient failures."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.operation_timeout_s
+        what = f"{op.kind.value} of job {ctx.job_id} by backend {backend.name}"
+        delay = _BACKOFF_MIN_S
+        while True:
+            remaining = deadline - loop.time()
+            try:
+                result = await asyncio.wait_for(
+                    self._invoke(backend, op.kind, ctx, mode), timeout=max(remaining, 0.0)
+                )
+                return jobs.Outcome(result=result)
+            except base.TransientBackendError as err:
+                delay = min(max(err.retry_after, delay), _BACKOFF_MAX_S)
+                if loop.time() + delay >= deadline:
+                    return jobs.Outcome(
+                        error=f"{what} kept failing until its {self.operation_timeout_s:g} s "
+                        f"deadline; nothing was changed: {err}",
+                        state_changed=False,
+                    )
+                log.info("%s: transient failure, retrying in %.2fs: %s", what, delay, err)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, _BACKOFF_MAX_S)
+            except asyncio.TimeoutError:
+                if loop.time() < deadline:
+                    return jobs.Outcome(error=f"{what} failed: the backend timed out internally")
+                return jobs.Outcome(
+                    error=f"{what} did not finish within {self.operation_timeout_s:g} s "
+                    "(operation_timeout_s); check the backend, then ResetJob"
+                )
+            except base.BackendError as err:
+                if isinstance(err, base.BackendUnavailableError):
+                    self._on_backend_error(backend.name, err)
+                return jobs.Outcome(error=f"{what} failed: {err}")
+            except Exception as err:
+                log.exception("%s crashed", what)
+                return jobs.Outcome(error=f"{what} crashed: {type(err).__name__}: {err}")
+
+    @staticmethod
+    async def _invoke(
+        backend: base.Backend, kind: jobs.Kind, ctx: base.JobContext, mode: pb.SuspendMode
+    ) -> base.OpResult:
+        if kind is jobs.Kind.SNAPSHOT:
+            return await backend.snapshot(ctx, mode)
+        if kind is jobs.Kind.RESTORE:
+            return await backend.restore(ctx)
+        return await backend.activate(ctx)
+
+    def _publish_job_counts(self) -> None:
+        counts = dict.fromkeys((s.value for s in jobs.State), 0)
+        for job in self._jobs.values():
+            counts[job.state.value] += 1
+        self._metrics.set_jobs(counts)

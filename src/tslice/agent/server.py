@@ -1,0 +1,284 @@
+"""gRPC face of the node agent: ``SnapshotAgentService`` and backend health.
+
+The servicer validates ids and arguments, hands the request to
+:class:`tslice.agent.runner.AgentCore`, and maps its refusals onto gRPC status codes;
+it holds no state of its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Awaitable, Mapping
+from typing import Any, NoReturn, TypeVar
+
+import grpc
+from grpc_health.v1 import health, health_pb2
+
+from tslice.agent import jobs, runner
+from tslice.agent.backends import base
+from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
+from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2_grpc as pb_grpc
+from tslice.common import ids, tasks
+
+log = logging.getLogger(__name__)
+_T = TypeVar("_T")
+
+_OP_STATUS: Mapping[jobs.OpStatus, pb.OperationStatus] = {
+    jobs.OpStatus.PENDING: pb.OPERATION_STATUS_PENDING,
+    jobs.OpStatus.COMPLETE: pb.OPERATION_STATUS_COMPLETE,
+    jobs.OpStatus.FAILED: pb.OPERATION_STATUS_FAILED,
+}
+
+
+def operation_to_pb(op: jobs.Operation, *, now: float) -> pb.GetOperationResponse:
+    """Bytes are present on every COMPLETE operation, ``error`` only on FAILED ones."""
+    response = pb.GetOperationResponse(
+        status=_OP_STATUS[op.status],
+        elapsed_ms=op.elapsed_ms(now=now),
+        job_id=op.job_id,
+        kind=op.kind.value,
+    )
+    if op.status is jobs.OpStatus.COMPLETE:
+        response.storage_bytes = op.storage_bytes or 0
+        response.snapshot_device_bytes = op.device_bytes or 0
+    elif op.status is jobs.OpStatus.FAILED:
+        response.error = op.error or "operation failed"
+    return response
+
+
+def job_to_pb(job: jobs.Job) -> pb.JobStatus:
+    return pb.JobStatus(
+        job_id=job.job_id,
+        state=jobs.to_pb(job.state),
+        group=job.group,
+        operation_id=job.operation_id,
+        device_bytes=job.device_bytes,
+        host_bytes=job.host_bytes,
+        backend=job.backend,
+        error=job.error,
+    )
+
+
+async def _abort(
+    context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str
+) -> NoReturn:
+    await context.abort(code, message)
+    raise AssertionError("context.abort returned")  # pragma: no cover
+
+
+async def _valid_id(context: grpc.aio.ServicerContext, kind: str, value: str) -> str:
+    try:
+        return ids.check_id(kind, value)
+    except ids.InvalidIdError as err:
+        await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(err))
+
+
+async def _valid_group(context: grpc.aio.ServicerContext, value: str) -> str:
+    """The group is optional on the agent's requests; when given it must be well formed."""
+    return await _valid_id(context, "group", value) if value else ""
+
+
+async def _valid_config(context: grpc.aio.ServicerContext, message: Any) -> pb.BackendConfig | None:
+    if not message.HasField("backend_config"):
+        return None
+    config: pb.BackendConfig = message.backend_config
+    if config.WhichOneof("backend") == "sim" and config.sim.footprint_bytes < 0:
+        await _abort(
+            context,
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"backend_config.sim.footprint_bytes must be >= 0 (got {config.sim.footprint_bytes})",
+        )
+    return config
+
+
+class SnapshotAgentServicer(pb_grpc.SnapshotAgentServiceServicer):
+    """The v1alpha1 agent API plus tslice's WaitOperation, Grant and ResetJob."""
+
+    def __init__(self, *, core: runner.AgentCore, hub: Any | None = None) -> None:
+        self._core = core
+        self._hub = hub
+
+    async def _run(self, context: grpc.aio.ServicerContext, call: Awaitable[_T]) -> _T:
+        try:
+            return await call
+        except jobs.Refused as refused:
+            await _abort(context, grpc.StatusCode[refused.code.value], refused.message)
+
+    async def Snapshot(
+        self, request: pb.SnapshotRequest, context: grpc.aio.ServicerContext
+    ) -> pb.SnapshotResponse:
+        job_id = await _valid_id(context, "job_id", request.job_id)
+        group = await _valid_group(context, request.group)
+        config = await _valid_config(context, request)
+        op = await self._run(
+            context,
+            self._core.snapshot(
+                job_id=job_id, group=group, config=config, deprecated_backend=request.backend
+            ),
+        )
+        return pb.SnapshotResponse(operation_id=op.op_id)
+
+    async def Restore(
+        self, request: pb.RestoreRequest, context: grpc.aio.ServicerContext
+    ) -> pb.RestoreResponse:
+        job_id = await _valid_id(context, "job_id", request.job_id)
+        group = await _valid_group(context, request.group)
+        config = await _valid_config(context, request)
+        op = await self._run(
+            context,
+            self._core.restore(
+                job_id=job_id, group=group, config=config, deprecated_backend=request.backend
+            ),
+        )
+        return pb.RestoreResponse(operation_id=op.op_id)
+
+    async def GetOperation(
+        self, request: pb.GetOperationRequest, context: grpc.aio.ServicerContext
+    ) -> pb.GetOperationResponse:
+        if not request.operation_id:
+            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, "operation_id is required")
+        op = await self._run(context, _ready(self._core.get_operation, request.operation_id))
+        return operation_to_pb(op, now=self._core.now())
+
+    async def WaitOperation(
+        self, request: pb.WaitOperationRequest, context: grpc.aio.ServicerContext
+    ) -> pb.GetOperationResponse:
+        if not request.operation_id:
+            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, "operation_id is required")
+        if request.timeout_ms < 0:
+            await _abort(
+                context,
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"timeout_ms must be >= 0 (got {request.timeout_ms}); 0 returns at once",
+            )
+        op = await self._run(
+            context,
+            self._core.wait_operation(request.operation_id, timeout_s=request.timeout_ms / 1000),
+        )
+        return operation_to_pb(op, now=self._core.now())
+
+    async def Status(
+        self, request: pb.StatusRequest, context: grpc.aio.ServicerContext
+    ) -> pb.StatusResponse:
+        accelerators = await self._core.accelerators()
+        return pb.StatusResponse(
+            job_statuses=[job_to_pb(job) for job in self._core.list_jobs()],
+            accelerator_statuses=[
+                pb.AcceleratorStatus(
+                    id=a.id,
+                    memory_used_bytes=a.memory_used_bytes,
+                    memory_total_bytes=a.memory_total_bytes,
+                )
+                for a in accelerators
+            ],
+            node=self._core.node,
+        )
+
+    async def Grant(
+        self, request: pb.GrantRequest, context: grpc.aio.ServicerContext
+    ) -> pb.GrantResponse:
+        job_id = await _valid_id(context, "job_id", request.job_id)
+        group = await _valid_group(context, request.group)
+        if request.grant_epoch < 0 or request.footprint_bytes < 0:
+            await _abort(
+                context,
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "grant_epoch and footprint_bytes must be >= 0 "
+                f"(got {request.grant_epoch} and {request.footprint_bytes})",
+            )
+        config = await _valid_config(context, request)
+        state = await self._run(
+            context,
+            self._core.grant(
+                job_id=job_id,
+                group=group,
+                epoch=request.grant_epoch,
+                footprint_bytes=request.footprint_bytes,
+                config=config,
+            ),
+        )
+        return pb.GrantResponse(state=jobs.to_pb(state))
+
+    async def ResetJob(
+        self, request: pb.ResetJobRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ResetJobResponse:
+        job_id = await _valid_id(context, "job_id", request.job_id)
+        state = await self._run(context, self._core.reset(job_id=job_id))
+        return pb.ResetJobResponse(state=jobs.to_pb(state))
+
+    async def WorkloadChannel(
+        self, request_iterator: AsyncIterator[pb.WorkloadMessage], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.AgentCommand]:
+        if self._hub is None:
+            await _abort(
+                context,
+                grpc.StatusCode.UNIMPLEMENTED,
+                "this agent has no workload channel (tslice.agent.channel is not installed); "
+                "use the app-endpoint or cuda backend, or upgrade tslice",
+            )
+        async for command in self._hub.handle_stream(request_iterator, context):
+            yield command
+
+
+async def _ready(fn: Any, *args: Any) -> Any:
+    """Run a synchronous core query inside ``_run`` so its refusals map the same way."""
+    return fn(*args)
+
+
+class HealthMonitor:
+    """Keeps ``grpc.health.v1`` statuses fresh: "" = default backend, plus one per backend.
+
+    Re-checked every ``interval_s`` and at once when an operation reports the backend
+    unavailable. Unknown service names answer NOT_FOUND (the standard servicer).
+    """
+
+    def __init__(
+        self,
+        *,
+        servicer: health.aio.HealthServicer,
+        backends: Mapping[str, base.Backend],
+        default_backend: str,
+    ) -> None:
+        self.servicer = servicer
+        self._backends = dict(backends)
+        self._default = default_backend
+        self._pending: set[asyncio.Task[Any]] = set()
+
+    async def _set(self, name: str, serving: bool) -> None:
+        status = (
+            health_pb2.HealthCheckResponse.SERVING
+            if serving
+            else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
+        await self.servicer.set(name, status)
+        if name == self._default:
+            await self.servicer.set("", status)
+
+    async def check_all(self) -> None:
+        for name, backend in self._backends.items():
+            try:
+                await asyncio.wait_for(backend.check_health(), timeout=10.0)
+            except Exception as err:
+                log.warning("backend %s is not serving: %s", name, err, extra={"backend": name})
+                await self._set(name, False)
+            else:
+                await self._set(name, True)
+
+    def mark_unavailable(self, name: str, err: base.BackendError) -> None:
+        """Called by the core when a backend says it cannot serve; flips health now."""
+        log.warning("backend %s reported unavailable: %s", name, err, extra={"backend": name})
+        task = tasks.spawn(self._set(name, False), name=f"health-{name}")
+        self._pending.add(task)
+        task.add_done_callback(self._pending.discard)
+
+    async def run(self, *, interval_s: float, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            await self.check_all()
+            try:
+                await asyncio.wait_for(stop.wait(), timeout=interval_s)
+            except asyncio.TimeoutError:
+                continue
+
+    async def shutdown(self) -> None:
+        await self.servicer.enter_graceful_shutdown()
