@@ -42,6 +42,8 @@ class RecordedRequest:
     """One request as the server received it."""
 
     method: str
+    #: The request target exactly as sent (path and query string).
+    target: str
     path: str
     query: tuple[tuple[str, str], ...]
     body: bytes
@@ -60,6 +62,7 @@ class _Fault:
     drop: bool
     apply: bool
     path: str | None
+    headers: Mapping[str, str]
     remaining: int
 
 
@@ -67,13 +70,16 @@ class _Fault:
 class _Reply:
     status: int
     payload: Mapping[str, Any] | None = None
+    headers: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
 
 class EngineServer:
     """A fake inference engine on ``http://127.0.0.1:<port>``; use as a context manager.
 
     ``tags`` are the engine's memory kinds and their device bytes (default: ``memory_bytes``
-    split evenly between ``weights`` and ``kv_cache``). All tags start resident.
+    split evenly between ``weights`` and ``kv_cache``). All tags start resident. With
+    ``base_path`` (e.g. ``/engine0``) the engine answers under that prefix only, like a server
+    behind a path-routing proxy.
     """
 
     def __init__(
@@ -83,6 +89,7 @@ class EngineServer:
         memory_bytes: int | None = None,
         tags: Mapping[str, int] | None = None,
         weights_cpu_backup: bool = True,
+        base_path: str = "",
         host: str = "127.0.0.1",
         port: int = 0,
     ) -> None:
@@ -98,6 +105,7 @@ class EngineServer:
         self.dialect: Dialect = dialect
         self.tag_bytes: dict[str, int] = dict(tags)
         self.weights_cpu_backup = weights_cpu_backup
+        self.base_path = base_path.rstrip("/")
         self._lock = threading.Condition()  # guards everything below
         self._engine = threading.Lock()  # one memory operation at a time, like a real engine
         self._resident: set[str] = set(self.tag_bytes)
@@ -121,8 +129,12 @@ class EngineServer:
 
     def start(self) -> EngineServer:
         if self._thread is None:
+            # A short poll interval: stop() returns that much sooner (the stdlib default is 0.5 s).
             self._thread = threading.Thread(
-                target=self._httpd.serve_forever, name=f"engine-server-{self.dialect}", daemon=True
+                target=self._httpd.serve_forever,
+                kwargs={"poll_interval": 0.02},
+                name=f"engine-server-{self.dialect}",
+                daemon=True,
             )
             self._thread.start()
         return self
@@ -201,6 +213,7 @@ class EngineServer:
         drop: bool = False,
         apply: bool = False,
         path: str | None = None,
+        headers: Mapping[str, str] | None = None,
         count: int = 1,
     ) -> None:
         """Apply a fault to the next ``count`` requests (to ``path`` only, if given).
@@ -211,12 +224,14 @@ class EngineServer:
         ``drop``: close the connection without any answer.
         ``apply``: with ``status`` or ``drop``, change the memory state anyway (the engine
         did the work but the answer was lost); by default the state is left alone.
+        ``headers``: extra response headers with ``status`` (e.g. a redirect's Location).
+        ``path`` is the full request path, base path included.
         """
         if count < 1:
             raise ValueError("count must be >= 1")
         with self._lock:
             self._faults.append(
-                _Fault(status, body, delay_s, gate, drop, apply, path, remaining=count)
+                _Fault(status, body, delay_s, gate, drop, apply, path, dict(headers or {}), count)
             )
             if gate is not None:
                 self._gates.append(gate)
@@ -258,14 +273,18 @@ class EngineServer:
                 if fault.drop:
                     return None
                 assert fault.status is not None
-                return _Reply(fault.status, {"error": fault.body})
+                return _Reply(fault.status, {"error": fault.body}, fault.headers)
             return self._dispatch(request)
 
     def _dispatch(self, request: RecordedRequest) -> _Reply:
         routes = _VLLM_ROUTES if self.dialect == "vllm" else _SGLANG_ROUTES
-        route = routes.get(request.path)
+        path = request.path
+        if self.base_path:
+            inside = path.startswith(self.base_path + "/")
+            path = path[len(self.base_path) :] if inside else ""
+        route = routes.get(path)
         if route is None:
-            if request.path == "/health" and request.method == "GET":
+            if path == "/health" and request.method == "GET":
                 return _Reply(200)
             return _Reply(404, {"detail": "Not Found"})
         method, handler = route
@@ -409,6 +428,9 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"  # keep-alive, like uvicorn; every reply has a Content-Length
     server: _HTTPServer
     timeout = 60  # an idle keep-alive connection does not pin a thread forever
+    # Headers and body go out in two writes; with Nagle each reply would wait ~40 ms for the
+    # client's delayed ACK.
+    disable_nagle_algorithm = True
 
     def do_GET(self) -> None:
         self._handle()
@@ -423,13 +445,17 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         self._handle()
 
     def _handle(self) -> None:
-        parsed = urllib.parse.urlsplit(self.path)
+        # The raw target from the request line: the stdlib collapses a leading "//" in
+        # self.path, which would hide a client bug that a real engine answers with 404.
+        target = self.requestline.split(" ")[1]
+        raw_path, _, raw_query = target.partition("?")
         length = int(self.headers.get("Content-Length") or 0)
         body = self.rfile.read(length) if length else b""
         request = RecordedRequest(
             method=self.command,
-            path=parsed.path,
-            query=tuple(urllib.parse.parse_qsl(parsed.query, keep_blank_values=True)),
+            target=target,
+            path=urllib.parse.unquote(raw_path),
+            query=tuple(urllib.parse.parse_qsl(raw_query, keep_blank_values=True)),
             body=body,
             content_type=self.headers.get("Content-Type"),
         )
@@ -439,12 +465,18 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             self.connection.shutdown(socket.SHUT_RDWR)
             return
         data = b"" if reply.payload is None else json.dumps(reply.payload).encode()
-        self.send_response(reply.status)
-        if reply.payload is not None:
-            self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
+        try:
+            self.send_response(reply.status)
+            if reply.payload is not None:
+                self.send_header("Content-Type", "application/json")
+            for name, value in reply.headers.items():
+                self.send_header(name, value)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+        except (BrokenPipeError, ConnectionResetError):
+            # The client gave up (timeout) before the engine answered; so would uvicorn.
+            self.close_connection = True
 
     def log_message(self, format: str, *args: Any) -> None:
         log.debug("engine-server: " + format, *args)

@@ -342,7 +342,8 @@ def _check_allowed(endpoint: str, url: httpx.URL, allowed: Sequence[HostPattern]
 
 
 def _join(base_url: httpx.URL, operation: str) -> httpx.URL:
-    return base_url.copy_with(path=f"{base_url.path}/{operation}")
+    # httpx spells an empty path "/", so strip again rather than trust the stored base.
+    return base_url.copy_with(path=f"{base_url.path.rstrip('/')}/{operation}")
 
 
 def _json_body(tags: Sequence[str]) -> bytes:
