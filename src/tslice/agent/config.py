@@ -228,8 +228,9 @@ def _merge(base: dict[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]
     for key, value in overrides.items():
         if value is None:  # a flag that was not given
             continue
-        if isinstance(value, Mapping) and isinstance(merged.get(key), Mapping):
-            merged[key] = _merge(dict(merged[key]), value)
+        if isinstance(value, Mapping):
+            below = merged.get(key)
+            merged[key] = _merge(dict(below) if isinstance(below, Mapping) else {}, value)
         else:
             merged[key] = value
     return merged

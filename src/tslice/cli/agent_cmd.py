@@ -1,0 +1,141 @@
+"""``tslice agent``: run the snapshot agent of this node."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from tslice.common import errors
+
+_SIM = "Simulated devices (sim backend)"
+
+
+def register(app: typer.Typer) -> None:
+    """Add the ``agent`` command to ``app``."""
+    app.command("agent")(agent)
+
+
+def agent(
+    *,
+    config: Annotated[
+        Path | None, typer.Option("--config", help="YAML config file; flags override it.")
+    ] = None,
+    node_name: Annotated[
+        str | None, typer.Option("--node-name", help="This node's name (default: hostname).")
+    ] = None,
+    host: Annotated[
+        str | None,
+        typer.Option("--host", help="Address to bind (default 127.0.0.1; 0.0.0.0 for remote)."),
+    ] = None,
+    port: Annotated[
+        int | None, typer.Option("--port", help="gRPC port (default 9001; 0 = any free port).")
+    ] = None,
+    state_dir: Annotated[
+        Path | None,
+        typer.Option("--state-dir", help="Where jobs, operations and sim devices persist."),
+    ] = None,
+    backend: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--backend",
+            metavar="NAME",
+            help="Default backend (noop, sim, cuda, app-endpoint, app-channel); repeat to "
+            "enable more, the first is the default.",
+        ),
+    ] = None,
+    unix_socket: Annotated[
+        Path | None,
+        typer.Option("--unix-socket", help="Also listen on this Unix socket (node-local)."),
+    ] = None,
+    operation_timeout: Annotated[
+        float | None,
+        typer.Option("--operation-timeout", help="Deadline of one operation, s (default 600)."),
+    ] = None,
+    sim_devices: Annotated[
+        int | None, typer.Option("--sim-devices", help="Number of devices.", rich_help_panel=_SIM)
+    ] = None,
+    sim_capacity: Annotated[
+        str | None,
+        typer.Option("--sim-capacity", help="Memory per device, e.g. 80GiB.", rich_help_panel=_SIM),
+    ] = None,
+    sim_bandwidth: Annotated[
+        str | None,
+        typer.Option("--sim-bandwidth", help="Copy rate, e.g. 25GB/s.", rich_help_panel=_SIM),
+    ] = None,
+    sim_latency: Annotated[
+        float | None,
+        typer.Option("--sim-latency", help="Fixed cost per copy, s.", rich_help_panel=_SIM),
+    ] = None,
+    sim_footprint: Annotated[
+        str | None,
+        typer.Option(
+            "--sim-footprint",
+            help="Footprint of jobs that declare none (default 60% of capacity).",
+            rich_help_panel=_SIM,
+        ),
+    ] = None,
+    sim_fail_prob: Annotated[
+        float | None,
+        typer.Option("--sim-fail-prob", help="Failure probability per copy.", rich_help_panel=_SIM),
+    ] = None,
+    sim_hang_prob: Annotated[
+        float | None,
+        typer.Option("--sim-hang-prob", help="Hang probability per copy.", rich_help_panel=_SIM),
+    ] = None,
+    sim_extra_latency: Annotated[
+        float | None,
+        typer.Option("--sim-extra-latency", help="Added to every copy, s.", rich_help_panel=_SIM),
+    ] = None,
+    sim_seed: Annotated[
+        int | None,
+        typer.Option("--sim-seed", help="Seed of the fault dice.", rich_help_panel=_SIM),
+    ] = None,
+    metrics_port: Annotated[
+        int | None, typer.Option("--metrics-port", help="Prometheus port (0 = off, default).")
+    ] = None,
+    ready_file: Annotated[
+        Path | None,
+        typer.Option("--ready-file", help='Write {"address", "pid"} here once serving.'),
+    ] = None,
+    log_level: Annotated[
+        str | None, typer.Option("--log-level", help="debug, info, warning or error.")
+    ] = None,
+) -> None:
+    """Run the snapshot agent of this node (SIGTERM/SIGINT stop it gracefully)."""
+    # Imported here so that `tslice --help` does not pay for grpc servers and backends.
+    from tslice.agent import app as agent_app
+    from tslice.agent import config as agent_config
+
+    overrides: dict[str, Any] = {
+        "node_name": node_name,
+        "host": host,
+        "port": port,
+        "state_dir": state_dir,
+        "unix_socket": unix_socket,
+        "operation_timeout_s": operation_timeout,
+        "metrics_port": metrics_port,
+        "log_level": log_level,
+        "sim": {
+            "devices": sim_devices,
+            "capacity": sim_capacity,
+            "bandwidth": sim_bandwidth,
+            "latency_s": sim_latency,
+            "default_footprint": sim_footprint,
+            "fail_probability": sim_fail_prob,
+            "hang_probability": sim_hang_prob,
+            "extra_latency_s": sim_extra_latency,
+            "seed": sim_seed,
+        },
+    }
+    if backend:
+        overrides["default_backend"] = backend[0]
+        if len(backend) > 1:
+            overrides["backends"] = list(backend[1:])
+    try:
+        settings = agent_config.load(path=config, overrides=overrides)
+        agent_app.run(settings, ready_file=ready_file)
+    except errors.ConfigError as err:
+        typer.echo(f"error: {err}", err=True)
+        raise typer.Exit(2) from None
