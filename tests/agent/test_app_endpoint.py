@@ -200,6 +200,39 @@ async def test_staged_wake_sends_the_tags_it_is_given(
     assert paths(server)[1:] == ["/wake_up?tags=weights", "/wake_up?tags=kv_cache"]
 
 
+async def test_staged_wake_state_drives_missing_tags(
+    backend: app_endpoint.AppEndpointBackend, engines: Engines
+) -> None:
+    server = engines("vllm")
+    both = ["weights", "kv_cache"]
+    awake = await backend.restore(job("vllm", server))  # a full wake of an awake engine
+    assert await backend.missing_tags(job("vllm", server, state=awake.state), both) == []
+    saved = await backend.snapshot(job("vllm", server), pb.SUSPEND_MODE_OFFLOAD)
+    weights = await backend.restore(job("vllm", server, tags=("weights",), state=saved.state))
+    assert weights.state["awake_tags"] == ["weights"]
+    assert await backend.missing_tags(job("vllm", server, state=weights.state), both) == [
+        "kv_cache"
+    ]
+    kv = await backend.restore(job("vllm", server, tags=("kv_cache",), state=weights.state))
+    assert await backend.missing_tags(job("vllm", server, state=kv.state), both) == []
+
+
+async def test_snapshot_during_a_staged_wake_frees_everything(
+    backend: app_endpoint.AppEndpointBackend, engines: Engines
+) -> None:
+    server = engines("vllm")
+    saved = await backend.snapshot(job("vllm", server), pb.SUSPEND_MODE_OFFLOAD)
+    weights = await backend.restore(job("vllm", server, tags=("weights",), state=saved.state))
+    assert server.device_bytes == 3 * GiB
+    # vLLM would ignore a bare /sleep here (it is still partly asleep) and keep the weights.
+    again = await backend.snapshot(
+        job("vllm", server, state=weights.state), pb.SUSPEND_MODE_OFFLOAD
+    )
+    assert paths(server)[-2:] == ["/wake_up", "/sleep?level=1"]
+    assert server.device_bytes == 0 and again.device_bytes == 4 * GiB
+    assert "awake_tags" not in again.state
+
+
 async def test_engine_without_byte_counts_reports_zero(
     backend: app_endpoint.AppEndpointBackend, engines: Engines
 ) -> None:

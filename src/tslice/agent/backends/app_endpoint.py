@@ -455,8 +455,14 @@ class AppEndpointBackend(base.Backend):
         engines = self._plan(job)
         resolved = mode if mode != pb.SUSPEND_MODE_UNSPECIFIED else engines.mode
         level = _level(resolved)
+        # vLLM ignores /sleep while any tag still sleeps: a job stopped half-way through a
+        # staged wake is woken fully first, or its woken tags would stay on the device.
+        finish_wake = engines.dialect is Dialect.VLLM and _awake_tags(job) is not None
         forward = [
-            suspend_request(engines.dialect, b, level=level, tags=engines.tags)
+            [
+                *([resume_request(engines.dialect, b, tags=())] if finish_wake else []),
+                suspend_request(engines.dialect, b, level=level, tags=engines.tags),
+            ]
             for b in engines.bases
         ]
         results = await self._call_all(job, engines.endpoints, forward)
@@ -488,13 +494,18 @@ class AppEndpointBackend(base.Backend):
         engines = self._plan(job)
         recorded_level = job.state.get("level")
         level = recorded_level if recorded_level in (1, 2) else _level(engines.mode)
-        forward = [resume_request(engines.dialect, b, tags=engines.tags) for b in engines.bases]
+        forward = [[resume_request(engines.dialect, b, tags=engines.tags)] for b in engines.bases]
         results = await self._call_all(job, engines.endpoints, forward)
         if all(r.outcome is Outcome.DONE for r in results):
+            state = self._state(engines, level=level)
+            if engines.tags:
+                # A staged wake: remember what is up so far (see missing_tags).
+                earlier = _awake_tags(job) or []
+                state["awake_tags"] = [*earlier, *(t for t in engines.tags if t not in earlier)]
             return base.OpResult(
                 device_bytes=sum(r.reported_bytes("restored_bytes") for r in results),
                 host_bytes=sum(r.reported_bytes("host_bytes") for r in results),
-                state=self._state(engines, level=level),
+                state=state,
             )
 
         def back_to_sleep(url: httpx.URL) -> list[EngineRequest]:
@@ -515,6 +526,15 @@ class AppEndpointBackend(base.Backend):
             undo=back_to_sleep,
         )
 
+    async def missing_tags(self, job: base.JobContext, tags: Sequence[str]) -> list[str]:
+        """Agent hook for staged wake: which of ``tags`` a RUNNING job has not woken yet.
+
+        Known only after a restore with tags (weights first, kv_cache after the weight
+        sync); after a full restore nothing is missing. No I/O.
+        """
+        awake = _awake_tags(job)
+        return [] if awake is None else [t for t in tags if t not in awake]
+
     async def recover(self, job: base.JobContext) -> pb.JobState | None:
         """vLLM: ``GET /is_sleeping`` on every endpoint; all asleep → SAVED, all awake →
         RUNNING, anything else (mixed, unreachable, SGLang) → ``None`` (cannot tell)."""
@@ -524,7 +544,7 @@ class AppEndpointBackend(base.Backend):
             return None
         if engines.dialect is not Dialect.VLLM:
             return None
-        probes = [EngineRequest("GET", _join(b, "is_sleeping")) for b in engines.bases]
+        probes = [[EngineRequest("GET", _join(b, "is_sleeping"))] for b in engines.bases]
         results = await self._call_all(job, engines.endpoints, probes)
         sleeping = {r.payload.get("is_sleeping") for r in results if r.outcome is Outcome.DONE}
         if any(r.outcome is not Outcome.DONE for r in results) or len(sleeping) != 1:
@@ -566,13 +586,17 @@ class AppEndpointBackend(base.Backend):
         return self._client
 
     async def _call_all(
-        self, job: base.JobContext, endpoints: Sequence[str], requests: Sequence[EngineRequest]
+        self,
+        job: base.JobContext,
+        endpoints: Sequence[str],
+        chains: Sequence[Sequence[EngineRequest]],
     ) -> list[CallResult]:
+        """Run one chain of requests per endpoint, all endpoints at once."""
         # Wait for every call even if one fails early: cancelling an in-flight sleep would
         # leave that engine in an unknown state.
         return list(
             await asyncio.gather(
-                *(self._call(job, e, r) for e, r in zip(endpoints, requests, strict=True))
+                *(self._call_chain(job, e, c) for e, c in zip(endpoints, chains, strict=True))
             )
         )
 
@@ -674,6 +698,12 @@ class AppEndpointBackend(base.Backend):
         retryable = all(r.retryable for r in failed)
         log.warning(message, extra={"job": job.job_id, "group": job.group, "kind": kind})
         raise EngineRejectedError(message, retry_after=1.0, retryable=retryable)
+
+
+def _awake_tags(job: base.JobContext) -> list[str] | None:
+    """Tags woken by a staged wake since the last snapshot; ``None`` = fully awake/unknown."""
+    awake = job.state.get("awake_tags")
+    return [str(t) for t in awake] if isinstance(awake, list) else None
 
 
 def _describe(exc: Exception) -> str:
