@@ -399,3 +399,17 @@ def test_declares_modes_and_tags_and_reports_residency(trained) -> None:
 def test_a_model_without_lora_parameters_declares_no_lora_tag() -> None:
     adapter = torch_adapter.TorchAdapter(torch.nn.Linear(2, 2))
     assert adapter.capabilities().tags == ("weights",)
+
+
+def test_host_buffers_can_be_reserved_before_the_first_switch(trained) -> None:
+    model, optimizer = trained
+    adapter = torch_adapter.TorchAdapter(model, optimizer)
+
+    reserved = adapter.reserve_host_buffers()
+
+    assert reserved == adapter.host_buffer_bytes > 0
+    pointers = {tag: adapter._buffers.get(tag).data_ptr() for tag in adapter.tags}
+    assert model.embed.weight.untyped_storage().nbytes() > 0  # nothing moved
+    adapter.snapshot(OFFLOAD)
+    assert {tag: adapter._buffers.get(tag).data_ptr() for tag in adapter.tags} == pointers
+    assert adapter.host_buffer_bytes == reserved

@@ -330,6 +330,16 @@ class TorchAdapter(base.WorkloadAdapter):
                 raise RuntimeError(f"tag {tag!r} is suspended; restore it before adding tensors")
             self._custom.setdefault(tag, {}).update(tensors)
 
+    def reserve_host_buffers(self, tags: Sequence[str] = ()) -> int:
+        """Allocate the host buffers of resident ``tags`` (all when empty) now, so that
+        the first switch does not pay for it (pinning memory is slow); returns the
+        bytes reserved in all."""
+        with self._lock:
+            wanted = [tag for tag in self._resolve(tags) if tag not in self._parked]
+            for tag, blocks in self._plan(wanted).items():
+                self._host_buffer_for(tag, blocks)
+            return self._buffers.nbytes
+
     def release_host_buffers(self) -> None:
         """Free the host buffers of resident tags (the next offload allocates them again)."""
         with self._lock:
@@ -511,13 +521,16 @@ class TorchAdapter(base.WorkloadAdapter):
                     )
 
     def _copy_to_host(self, tag: str, blocks: list[_Block]) -> None:
+        self._copier.to_host(blocks, self._host_buffer_for(tag, blocks))
+
+    def _host_buffer_for(self, tag: str, blocks: Sequence[_Block]) -> torch.Tensor:
+        """Lay ``blocks`` out in the tag's host buffer, growing it only if they do not fit."""
         total = 0
         for block in blocks:
             block.host_offset = total
             total = _align(total + block.nbytes)
         pinned = torch.cuda.is_available() and any(b.device.type == "cuda" for b in blocks)
-        buffer = self._buffers.reserve(tag, total, pinned=pinned)
-        self._copier.to_host(blocks, buffer)
+        return self._buffers.reserve(tag, total, pinned=pinned)
 
     def _saved_bytes(self) -> int:
         return sum(p.nbytes for p in self._parked.values() if p.mode == OFFLOAD)
