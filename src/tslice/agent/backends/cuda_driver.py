@@ -44,8 +44,8 @@ MIN_DRIVER_VERSION = 12080
 INSTALL_HINT = "install tslice[gpu] (cuda-bindings) or put NVIDIA's cuda-checkpoint on PATH"
 _MAX_OUTPUT_CHARS = 2000
 _UUID_RE = re.compile(
-    r"^(?:GPU-)?([0-9a-fA-F]{8}-?[0-9a-fA-F]{4}-?[0-9a-fA-F]{4}-?"
-    r"[0-9a-fA-F]{4}-?[0-9a-fA-F]{12})$"
+    r"^(?:GPU-)?([0-9a-f]{8}-?[0-9a-f]{4}-?[0-9a-f]{4}-?[0-9a-f]{4}-?[0-9a-f]{12})$",
+    re.IGNORECASE,
 )
 
 

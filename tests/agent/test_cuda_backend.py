@@ -1,0 +1,461 @@
+"""The cuda backend over the shipped FakeDriver/FakeNvml, with real (sleeping) processes.
+
+Every state path of the driver is driven: lock timeout, checkpoint failure →
+unlock, restore of a running process is a no-op, agent restart with a
+checkpointed process, deadlines, and the missing-GPU error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import subprocess
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from tslice.agent import nvml, registration
+from tslice.agent.backends import base, cuda, cuda_driver
+from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
+from tslice.common import errors
+
+GiB = 2**30
+GPU0 = "GPU-00000000-0000-0000-0000-000000000000"
+GPU1 = "GPU-00000000-0000-0000-0000-000000000001"
+S = cuda_driver.ProcessState
+OFFLOAD = pb.SUSPEND_MODE_OFFLOAD
+
+
+@pytest.fixture
+def pids() -> Iterator[list[int]]:
+    """Three real processes (the backend checks /proc), killed at the end."""
+    children = [subprocess.Popen(["sleep", "300"]) for _ in range(3)]
+    yield [c.pid for c in children]
+    for child in children:
+        child.kill()
+        child.wait()
+
+
+def _exited_pid() -> int:
+    """The pid of a process that has exited and been reaped."""
+    child = subprocess.Popen(["true"])
+    child.wait()
+    return child.pid
+
+
+@dataclasses.dataclass
+class Node:
+    """One simulated GPU node: the driver and NVML outlive any backend (agent) instance."""
+
+    pids: list[int]
+    nvml: nvml.FakeNvml = dataclasses.field(
+        default_factory=lambda: nvml.FakeNvml(
+            [nvml.FakeGpu(GPU0, 80 * GiB), nvml.FakeGpu(GPU1, 80 * GiB)]
+        )
+    )
+    driver: cuda_driver.FakeDriver = dataclasses.field(init=False)
+    registry: registration.ProcessRegistry = dataclasses.field(
+        default_factory=registration.ProcessRegistry
+    )
+
+    def __post_init__(self) -> None:
+        self.driver = cuda_driver.FakeDriver(nvml=self.nvml)
+        for i, pid in enumerate(self.pids):
+            self.driver.add_process(pid)
+            self.nvml.gpus[0].compute[pid] = (i + 1) * GiB
+
+    def backend(self, **settings: Any) -> cuda.CudaBackend:
+        return cuda.CudaBackend(
+            settings=cuda.CudaSettings(**settings),
+            driver=self.driver,
+            nvml=self.nvml,
+            registry=self.registry,
+        )
+
+    def states(self) -> list[S]:
+        return [self.driver.states[p] for p in self.pids]
+
+    def ops(self, *, skip: tuple[str, ...] = ("get_state",)) -> list[tuple[str, int]]:
+        return [c for c in self.driver.calls if c[0] not in skip]
+
+
+@pytest.fixture
+def node(pids: list[int]) -> Node:
+    return Node(pids)
+
+
+def job(
+    pids: list[int] | None = None, *, state: dict[str, Any] | None = None, job_id: str = "rl-a"
+) -> base.JobContext:
+    config = None
+    if pids is not None:
+        config = pb.BackendConfig(
+            cuda=pb.CudaBackendConfig(explicit_target=pb.ProcessTarget(pids=pids))
+        )
+    # The agent persists OpResult.state as JSON: round-trip it the same way.
+    persisted = json.loads(json.dumps(state or {}))
+    return base.JobContext(job_id=job_id, group="pool", config=config, state=persisted)
+
+
+# --------------------------------------------------------------------------- happy paths
+
+
+async def test_snapshot_then_restore_moves_every_process_in_order(node: Node) -> None:
+    backend = node.backend()
+    saved = await backend.snapshot(job(node.pids), OFFLOAD)
+    assert node.states() == [S.CHECKPOINTED] * 3
+    assert node.ops() == [op for pid in node.pids for op in (("lock", pid), ("checkpoint", pid))]
+    # One process at a time: each process is fully checkpointed before the next is touched.
+    assert saved.device_bytes == saved.host_bytes == 6 * GiB
+    assert saved.state["pids"] == node.pids
+    assert (await backend.accelerators())[0] == base.Accelerator(GPU0, 0, 80 * GiB)
+
+    node.driver.calls.clear()
+    restored = await backend.restore(job(state=saved.state))
+    assert node.states() == [S.RUNNING] * 3
+    assert node.ops() == [op for pid in node.pids for op in (("restore", pid), ("unlock", pid))]
+    assert restored.device_bytes == 6 * GiB
+    assert restored.host_bytes == 0
+    assert (await backend.accelerators())[0].memory_used_bytes == 6 * GiB
+
+
+async def test_restore_of_a_running_process_is_a_noop_never_a_checkpoint(node: Node) -> None:
+    backend = node.backend()
+    result = await backend.restore(job(node.pids))
+    assert node.states() == [S.RUNNING] * 3
+    assert node.ops() == []  # only get_state was called
+    assert result.device_bytes == 0
+
+
+async def test_restore_of_a_locked_process_unlocks_it(node: Node) -> None:
+    node.driver.states[node.pids[1]] = S.LOCKED
+    await node.backend().restore(job(node.pids))
+    assert node.states() == [S.RUNNING] * 3
+    assert node.ops() == [("unlock", node.pids[1])]
+
+
+async def test_snapshot_is_idempotent_and_keeps_the_host_bytes(node: Node) -> None:
+    backend = node.backend()
+    first = await backend.snapshot(job(node.pids), OFFLOAD)
+    node.driver.calls.clear()
+    again = await backend.snapshot(job(node.pids, state=first.state), OFFLOAD)
+    assert node.ops() == []
+    assert again.device_bytes == 0  # nothing left the device this time
+    assert again.host_bytes == 6 * GiB  # but the host still holds it all
+
+
+async def test_locked_process_is_checkpointed_without_a_second_lock(node: Node) -> None:
+    node.driver.states[node.pids[0]] = S.LOCKED
+    await node.backend().snapshot(job(node.pids[:1]), OFFLOAD)
+    assert node.ops() == [("checkpoint", node.pids[0])]
+
+
+async def test_discard_mode_still_keeps_the_state(node: Node) -> None:
+    result = await node.backend().snapshot(job(node.pids[:1]), pb.SUSPEND_MODE_DISCARD)
+    assert result.host_bytes == 1 * GiB
+
+
+async def test_device_map_restores_onto_another_gpu(node: Node) -> None:
+    backend = node.backend(device_map={GPU0: GPU1, GPU1: GPU0})
+    saved = await backend.snapshot(job(node.pids[:1]), OFFLOAD)
+    await backend.restore(job(state=saved.state))
+    assert node.driver.last_gpu_pairs[node.pids[0]] == {GPU0: GPU1, GPU1: GPU0}
+    gpus = await backend.accelerators()
+    assert [g.memory_used_bytes for g in gpus] == [2 * GiB + 3 * GiB, 1 * GiB]
+
+
+# --------------------------------------------------------------------------- failures
+
+
+async def test_lock_timeout_rolls_back_and_is_transient(node: Node) -> None:
+    node.driver.lock_times_out(pid=node.pids[1])
+    with pytest.raises(base.TransientBackendError) as caught:
+        await node.backend().snapshot(job(node.pids), OFFLOAD)
+    # pid 1 had been checkpointed; it is restored so the whole job runs again.
+    assert node.states() == [S.RUNNING] * 3
+    assert ("restore", node.pids[0]) in node.driver.calls
+    assert ("checkpoint", node.pids[1]) not in node.driver.calls
+    assert ("lock", node.pids[2]) not in node.driver.calls
+    message = str(caught.value)
+    assert f"failed at pid {node.pids[1]} (2 of 3)" in message
+    assert "nothing changed" in message
+    assert f"pid {node.pids[0]} restored" in message
+    assert caught.value.retry_after > 0
+
+
+async def test_checkpoint_failure_after_lock_unlocks_and_reports(node: Node) -> None:
+    node.driver.fail("checkpoint", pid=node.pids[0], message="out of host memory")
+    with pytest.raises(base.FatalBackendError) as caught:
+        await node.backend().snapshot(job(node.pids), OFFLOAD)
+    assert node.states() == [S.RUNNING] * 3
+    assert node.ops() == [
+        ("lock", node.pids[0]),
+        ("checkpoint", node.pids[0]),
+        ("unlock", node.pids[0]),
+    ]
+    message = str(caught.value)
+    assert "out of host memory" in message
+    assert f"pid {node.pids[0]} unlocked" in message
+    assert "the job is RUNNING again" in message
+
+
+async def test_failed_rollback_is_reported_as_partial(node: Node) -> None:
+    node.driver.fail("checkpoint", pid=node.pids[1])
+    node.driver.fail("restore", pid=node.pids[0], message="restore broke")
+    with pytest.raises(base.FatalBackendError) as caught:
+        await node.backend().snapshot(job(node.pids), OFFLOAD)
+    assert node.states()[:2] == [S.CHECKPOINTED, S.RUNNING]
+    assert f"pid {node.pids[0]} NOT rolled back" in str(caught.value)
+    assert "partly checkpointed" in str(caught.value)
+
+
+async def test_process_in_failed_state_is_fatal(node: Node) -> None:
+    node.driver.states[node.pids[0]] = S.FAILED
+    with pytest.raises(base.FatalBackendError, match="FAILED checkpoint state"):
+        await node.backend().snapshot(job(node.pids[:1]), OFFLOAD)
+
+
+async def test_operation_deadline_during_a_hung_checkpoint(node: Node) -> None:
+    node.driver.hang("checkpoint", pid=node.pids[0])
+    backend = node.backend(operation_timeout_s=0.2)
+    with pytest.raises(base.FatalBackendError) as caught:
+        await backend.snapshot(job(node.pids), OFFLOAD)
+    assert node.driver.hung.is_set()
+    assert "deadline passed during checkpoint of pid" in str(caught.value)
+    assert "nothing was rolled back" in str(caught.value)
+    node.driver.release()
+
+
+async def test_restore_failure_before_any_change_is_transient(node: Node) -> None:
+    backend = node.backend()
+    saved = await backend.snapshot(job(node.pids), OFFLOAD)
+    node.driver.fail("restore", pid=node.pids[0], message="out of device memory")
+    with pytest.raises(base.TransientBackendError, match="still checkpointed"):
+        await backend.restore(job(state=saved.state))
+    assert node.states() == [S.CHECKPOINTED] * 3
+    # The retry the agent makes then succeeds.
+    await backend.restore(job(state=saved.state))
+    assert node.states() == [S.RUNNING] * 3
+
+
+async def test_restore_failure_after_a_change_is_fatal(node: Node) -> None:
+    backend = node.backend()
+    saved = await backend.snapshot(job(node.pids), OFFLOAD)
+    node.driver.fail("unlock", pid=node.pids[1])
+    with pytest.raises(base.FatalBackendError) as caught:
+        await backend.restore(job(state=saved.state))
+    assert f"restored so far: [{node.pids[0]}]" in str(caught.value)
+    assert node.states() == [S.RUNNING, S.LOCKED, S.CHECKPOINTED]
+
+
+async def test_restore_of_an_exited_process_changes_nothing(node: Node, pids: list[int]) -> None:
+    backend = node.backend()
+    saved = await backend.snapshot(job(node.pids), OFFLOAD)
+    victim = _exited_pid()
+    state = {**saved.state, "pids": [*saved.state["pids"], victim]}
+    node.driver.calls.clear()
+    with pytest.raises(base.FatalBackendError, match=rf"\[{victim}\] have exited"):
+        await backend.restore(job(state=state))
+    assert node.driver.calls == []
+
+
+async def test_concurrent_operations_never_share_a_process(node: Node) -> None:
+    node.driver.hang("checkpoint", pid=node.pids[0])
+    backend = node.backend()
+    first = asyncio.create_task(backend.snapshot(job(node.pids[:1]), OFFLOAD))
+    await node.driver.hung.wait()
+    with pytest.raises(base.TransientBackendError, match="by an operation of job"):
+        await backend.snapshot(job(node.pids[:1], job_id="rl-b"), OFFLOAD)
+    node.driver.release()
+    await first
+    assert node.states()[0] is S.CHECKPOINTED
+
+
+# --------------------------------------------------------------------------- targets
+
+
+async def test_explicit_pid_that_does_not_exist_is_refused(node: Node) -> None:
+    gone = _exited_pid()
+    with pytest.raises(base.FatalBackendError, match=f"pid {gone} does not exist"):
+        await node.backend().snapshot(job([node.pids[0], gone]), OFFLOAD)
+    assert node.driver.calls == []
+
+
+async def test_explicit_pid_of_another_job_is_refused(node: Node) -> None:
+    node.registry.register(job_id="rl-b", pid=node.pids[0])
+    with pytest.raises(base.FatalBackendError, match="part of job 'rl-b'"):
+        await node.backend().snapshot(job(node.pids[:1]), OFFLOAD)
+    assert node.driver.calls == []
+
+
+async def test_registered_processes_are_used_in_registration_order(node: Node) -> None:
+    for pid in (node.pids[2], node.pids[0]):
+        node.registry.register(job_id="rl-a", pid=pid)
+    result = await node.backend().snapshot(job(), OFFLOAD)
+    assert [p for op, p in node.ops() if op == "checkpoint"] == [node.pids[2], node.pids[0]]
+    assert result.state["pids"] == [node.pids[2], node.pids[0]]
+
+
+async def test_no_known_process_says_how_to_name_them(node: Node) -> None:
+    with pytest.raises(base.FatalBackendError, match="announce_process"):
+        await node.backend().snapshot(job(), OFFLOAD)
+
+
+async def test_recorded_processes_survive_an_agent_restart_for_the_next_snapshot(
+    node: Node,
+) -> None:
+    first = node.backend()
+    saved = await first.snapshot(job(node.pids[:2]), OFFLOAD)
+    restored = await first.restore(job(state=saved.state))
+    # The agent restarts: empty registry, request without PIDs (the orchestrator's).
+    again = node.backend()
+    node.registry.forget("rl-a")
+    node.registry.register(job_id="rl-a", pid=node.pids[2])  # a process that joined later
+    result = await again.snapshot(job(state=restored.state), OFFLOAD)
+    assert result.state["pids"] == node.pids
+    assert node.states() == [S.CHECKPOINTED] * 3
+
+
+# --------------------------------------------------------------------------- recover
+
+
+async def test_agent_restart_with_a_checkpointed_job_can_still_restore(node: Node) -> None:
+    saved = await node.backend().snapshot(job(node.pids), OFFLOAD)
+    # New backend instance = restarted agent; the driver (the GPU) kept the state.
+    restarted = node.backend()
+    ctx = job(state=saved.state)
+    assert await restarted.recover(ctx) == pb.JOB_STATE_SAVED
+    await restarted.restore(ctx)
+    assert node.states() == [S.RUNNING] * 3
+    assert await restarted.recover(ctx) == pb.JOB_STATE_RUNNING
+
+
+async def test_recover_unlocks_a_process_left_locked(node: Node) -> None:
+    ctx = job(state={"pids": node.pids})
+    node.driver.states[node.pids[1]] = S.LOCKED
+    assert await node.backend().recover(ctx) == pb.JOB_STATE_RUNNING
+    assert node.states() == [S.RUNNING] * 3
+
+
+async def test_recover_finishes_a_half_checkpointed_job(node: Node) -> None:
+    ctx = job(state={"pids": node.pids})
+    node.driver.states[node.pids[0]] = S.CHECKPOINTED
+    node.driver.states[node.pids[1]] = S.LOCKED
+    assert await node.backend().recover(ctx) == pb.JOB_STATE_SAVED
+    assert node.states() == [S.CHECKPOINTED] * 3
+
+
+async def test_recover_without_repair_reports_mixed_states_as_faulted(node: Node) -> None:
+    ctx = job(state={"pids": node.pids})
+    node.driver.states[node.pids[0]] = S.CHECKPOINTED
+    assert await node.backend(repair_on_recover=False).recover(ctx) == pb.JOB_STATE_FAULTED
+    assert node.states() == [S.CHECKPOINTED, S.RUNNING, S.RUNNING]
+    node.driver.states[node.pids[0]] = S.LOCKED
+    assert await node.backend(repair_on_recover=False).recover(ctx) == pb.JOB_STATE_FAULTED
+
+
+async def test_recover_with_a_failed_process_is_faulted(node: Node) -> None:
+    node.driver.states[node.pids[2]] = S.FAILED
+    assert await node.backend().recover(job(state={"pids": node.pids})) == pb.JOB_STATE_FAULTED
+
+
+async def test_recover_when_processes_exited(node: Node) -> None:
+    gone = _exited_pid()
+    backend = node.backend()
+    assert await backend.recover(job(state={"pids": [gone]})) == pb.JOB_STATE_IDLE
+    assert await backend.recover(job(state={"pids": [node.pids[0], gone]})) == (
+        pb.JOB_STATE_FAULTED
+    )
+
+
+async def test_recover_detects_a_reused_pid(node: Node) -> None:
+    saved = await node.backend().snapshot(job(node.pids[:1]), OFFLOAD)
+    state = dict(saved.state)
+    state["start_times"] = {str(node.pids[0]): 1}  # recorded process started long ago
+    assert await node.backend().recover(job(state=state)) == pb.JOB_STATE_IDLE
+
+
+async def test_recover_with_nothing_recorded_trusts_the_agent(node: Node) -> None:
+    assert await node.backend().recover(job()) is None
+
+
+# --------------------------------------------------------------------------- availability
+
+
+async def test_missing_gpu_stack_is_a_clear_error(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # No cuda-bindings in this environment, no cuda-checkpoint anywhere.
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.setattr(cuda_driver, "FALLBACK_BINARY", str(tmp_path / "cuda-checkpoint"))
+    monkeypatch.setitem(__import__("sys").modules, "cuda.bindings.driver", None)
+    backend = cuda.CudaBackend.create({})
+    for call in (
+        backend.check_health(),
+        backend.snapshot(job([1]), OFFLOAD),
+        backend.restore(job([1])),
+    ):
+        with pytest.raises(base.BackendUnavailableError) as caught:
+            await call
+        assert "cuda-bindings is not installed" in str(caught.value)
+        assert r"install tslice[gpu]" in str(caught.value)
+        assert "cuda-checkpoint" in str(caught.value)
+    assert await backend.recover(job(state={"pids": [1]})) is None
+    await backend.close()
+
+
+async def test_health_needs_at_least_one_gpu(node: Node) -> None:
+    await node.backend().check_health()
+    empty = cuda.CudaBackend(
+        driver=cuda_driver.FakeDriver(devices=0), nvml=nvml.FakeNvml(), registry=node.registry
+    )
+    with pytest.raises(base.BackendUnavailableError, match="no NVIDIA GPU is visible"):
+        await empty.check_health()
+
+
+async def test_without_nvml_bytes_read_zero_and_no_accelerators(node: Node) -> None:
+    backend = node.backend(measure_bytes=False)
+    result = await backend.snapshot(job(node.pids[:1]), OFFLOAD)
+    assert (result.device_bytes, result.host_bytes) == (0, 0)
+    assert await backend.accelerators() == []
+
+
+async def test_fake_driver_from_settings_runs_without_a_gpu(node: Node) -> None:
+    backend = cuda.CudaBackend.create(
+        {"driver": "fake", "measure_bytes": False, "registry": node.registry}
+    )
+    saved = await backend.snapshot(job(node.pids[:1]), OFFLOAD)
+    assert await backend.recover(job(state=saved.state)) == pb.JOB_STATE_SAVED
+    await backend.forget(job())
+    await backend.close()
+
+
+# --------------------------------------------------------------------------- settings
+
+
+def test_settings_are_validated_with_the_field_named() -> None:
+    with pytest.raises(errors.ConfigError, match="lock_timeout_ms"):
+        cuda.CudaBackend.create({"lock_timeout_ms": 0})
+    with pytest.raises(errors.ConfigError, match="lock_timout_ms"):
+        cuda.CudaBackend.create({"lock_timout_ms": 5})
+    with pytest.raises(errors.ConfigError, match="driver"):
+        cuda.CudaBackend.create({"driver": "magic"})
+    with pytest.raises(errors.ConfigError, match="not a GPU UUID"):
+        cuda.CudaBackend.create({"device_map": {"gpu0": GPU1}})
+
+
+def test_settings_normalise_the_device_map() -> None:
+    backend = cuda.CudaBackend.create(
+        {
+            "device_map": {
+                "00000000-0000-0000-0000-000000000000": GPU1.upper().replace("GPU-", "")
+            },
+            "lock_timeout_ms": 500,
+        }
+    )
+    assert backend.settings.device_map == {GPU0: GPU1}
+    assert backend.settings.lock_timeout_ms == 500
+    assert backend.registry is registration.default_registry()
+    assert backend.name == "cuda"

@@ -1,0 +1,427 @@
+"""Checkpoint drivers: the cuda-checkpoint binary (a real subprocess standing in for the
+tool), the bindings driver's error mapping (over a stand-in for ``cuda.bindings.driver``,
+since no GPU is here), driver selection, and the FakeDriver's state machine."""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import enum
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tslice.agent import registration
+from tslice.agent.backends import base, cuda, cuda_driver
+from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
+
+S = cuda_driver.ProcessState
+GPU0 = "GPU-00000000-0000-0000-0000-000000000000"
+GPU1 = "GPU-12345678-9abc-def0-1234-56789abcdef0"
+
+# --------------------------------------------------------------------------- the binary
+
+FAKE_TOOL = textwrap.dedent("""\
+    import json, os, sys, time
+    path = os.environ["FAKE_CC_STATE"]
+    with open(path) as f:
+        data = json.load(f)
+    args = sys.argv[1:]
+    data.setdefault("calls", []).append(args)
+
+    def finish(code, text=""):
+        with open(path + ".tmp", "w") as f:
+            json.dump(data, f)
+        os.replace(path + ".tmp", path)
+        if text:
+            print(text)
+        sys.exit(code)
+
+    if args == ["--help"]:
+        finish(0, data.get("help", "--action lock | checkpoint | restore | unlock --pid <pid>"))
+    pid = args[args.index("--pid") + 1]
+    state = data["states"].get(pid)
+    if state is None:
+        finish(1, f"Could not find CUDA process {pid}")
+    if args[0] == "--get-state":
+        finish(0, state)
+    action = args[args.index("--action") + 1]
+    fault = data.get("faults", {}).pop(action, None)
+    if fault == "hang":
+        data["hung_pid"] = os.getpid()
+        with open(path + ".tmp", "w") as f:
+            json.dump(data, f)
+        os.replace(path + ".tmp", path)
+        time.sleep(120)
+    if fault == "timeout":
+        finish(1, "Error: lock operation timed out")
+    if fault:
+        finish(2, fault)
+    want, new = {"lock": ("running", "locked"), "checkpoint": ("locked", "checkpointed"),
+                 "restore": ("checkpointed", "locked"), "unlock": ("locked", "running")}[action]
+    if state != want:
+        finish(1, f"process {pid} is {state}, cannot {action}")
+    data["states"][pid] = new
+    finish(0)
+""")
+
+
+class FakeTool:
+    """A cuda-checkpoint look-alike whose per-PID states live in a JSON file."""
+
+    def __init__(self, directory: Path) -> None:
+        self.path = directory / "cuda-checkpoint"
+        self.path.write_text(f"#!{sys.executable}\n{FAKE_TOOL}")
+        self.path.chmod(0o755)
+        self.state_file = directory / "state.json"
+        self.write({"states": {}})
+
+    def read(self) -> dict[str, Any]:
+        data: dict[str, Any] = json.loads(self.state_file.read_text())
+        return data
+
+    def write(self, data: dict[str, Any]) -> None:
+        self.state_file.write_text(json.dumps(data))
+
+    def set(self, *, states: dict[int, str] | None = None, **extra: Any) -> None:
+        data = self.read()
+        if states is not None:
+            data["states"] = {str(k): v for k, v in states.items()}
+        data.update(extra)
+        self.write(data)
+
+    def states(self) -> dict[int, str]:
+        return {int(k): v for k, v in self.read()["states"].items()}
+
+
+@pytest.fixture
+def tool(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> FakeTool:
+    fake = FakeTool(tmp_path)
+    monkeypatch.setenv("FAKE_CC_STATE", str(fake.state_file))
+    return fake
+
+
+async def test_binary_driver_walks_the_state_machine_one_pid_per_call(tool: FakeTool) -> None:
+    tool.set(states={42: "running"})
+    driver = cuda_driver.BinaryDriver(path=str(tool.path))
+    assert await driver.get_state(42) is S.RUNNING
+    await driver.lock(42, timeout_ms=1500)
+    assert await driver.get_state(42) is S.LOCKED
+    await driver.checkpoint(42)
+    assert await driver.get_state(42) is S.CHECKPOINTED
+    await driver.restore(42, gpu_pairs={GPU0.lower(): GPU1})
+    await driver.unlock(42)
+    assert tool.states() == {42: "running"}
+    calls = [c for c in tool.read()["calls"] if c[0] != "--get-state"]
+    assert calls == [
+        ["--action", "lock", "--pid", "42", "--timeout", "1500"],
+        ["--action", "checkpoint", "--pid", "42"],
+        ["--action", "restore", "--pid", "42", "--device-map", f"{GPU0}={GPU1}"],
+        ["--action", "unlock", "--pid", "42"],
+    ]
+
+
+async def test_binary_driver_errors_carry_the_tool_output(tool: FakeTool) -> None:
+    tool.set(states={42: "locked"}, faults={"checkpoint": "CUDA error: UVM is not supported"})
+    driver = cuda_driver.BinaryDriver(path=str(tool.path))
+    with pytest.raises(cuda_driver.DriverError) as caught:
+        await driver.checkpoint(42)
+    assert not isinstance(caught.value, cuda_driver.LockTimeoutError)
+    assert "exited with 2: CUDA error: UVM is not supported" in str(caught.value)
+    assert (caught.value.pid, caught.value.op) == (42, "checkpoint")
+    with pytest.raises(cuda_driver.DriverError, match="Could not find CUDA process 7"):
+        await driver.get_state(7)
+
+
+async def test_binary_driver_recognises_a_lock_timeout(tool: FakeTool) -> None:
+    tool.set(states={42: "running"}, faults={"lock": "timeout"})
+    driver = cuda_driver.BinaryDriver(path=str(tool.path))
+    with pytest.raises(cuda_driver.LockTimeoutError, match="timed out"):
+        await driver.lock(42, timeout_ms=100)
+    assert tool.states() == {42: "running"}
+
+
+def _children_of_this_process() -> list[int]:
+    me = str(os.getpid())
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rpartition(")")[2].split()
+            except OSError:
+                continue
+            if fields[1] == me:
+                found.append(int(entry.name))
+    return found
+
+
+async def test_a_deadline_kills_the_tool(tool: FakeTool) -> None:
+    tool.set(states={42: "locked"}, faults={"checkpoint": "hang"})
+    driver = cuda_driver.BinaryDriver(path=str(tool.path))
+    before = set(_children_of_this_process())
+    with pytest.raises(asyncio.TimeoutError):
+        await asyncio.wait_for(driver.checkpoint(42), timeout=1.0)
+    # The tool was killed and reaped, not left running on its own.
+    assert set(_children_of_this_process()) <= before
+
+
+async def test_check_tool_refuses_a_pre_570_tool(tool: FakeTool) -> None:
+    driver = cuda_driver.BinaryDriver(path=str(tool.path))
+    await driver.check_tool()
+    tool.set(help="--toggle --pid <pid>")
+    with pytest.raises(base.BackendUnavailableError, match="older than r570"):
+        await driver.check_tool()
+
+
+def test_binary_driver_needs_the_tool(tmp_path: Path) -> None:
+    with pytest.raises(base.BackendUnavailableError, match=r"tslice\[gpu\]"):
+        cuda_driver.BinaryDriver(path=str(tmp_path / "nope"))
+
+
+@pytest.fixture
+def sleepers() -> Iterator[list[int]]:
+    children = [subprocess.Popen(["sleep", "300"]) for _ in range(2)]
+    yield [c.pid for c in children]
+    for child in children:
+        child.kill()
+        child.wait()
+
+
+async def test_backend_over_the_binary_end_to_end(tool: FakeTool, sleepers: list[int]) -> None:
+    tool.set(states=dict.fromkeys(sleepers, "running"))
+    backend = cuda.CudaBackend.create(
+        {
+            "driver": "binary",
+            "binary": str(tool.path),
+            "measure_bytes": False,
+            "registry": registration.ProcessRegistry(),
+        }
+    )
+    config = pb.BackendConfig(
+        cuda=pb.CudaBackendConfig(explicit_target=pb.ProcessTarget(pids=sleepers))
+    )
+    saved = await backend.snapshot(base.JobContext("rl-a", "g", config), pb.SUSPEND_MODE_OFFLOAD)
+    assert tool.states() == dict.fromkeys(sleepers, "checkpointed")
+    assert saved.state["driver"] == "binary"
+    ctx = base.JobContext("rl-a", "g", None, state=saved.state)
+    assert await backend.recover(ctx) == pb.JOB_STATE_SAVED
+    await backend.restore(ctx)
+    assert tool.states() == dict.fromkeys(sleepers, "running")
+    # Restoring again is a no-op: only --get-state calls, never a toggle/checkpoint.
+    count = len(tool.read()["calls"])
+    await backend.restore(ctx)
+    assert all(c[0] == "--get-state" for c in tool.read()["calls"][count:])
+    await backend.check_health()
+
+
+# --------------------------------------------------------------------------- selection
+
+
+def test_select_driver(tool: FakeTool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "cuda.bindings.driver", None)
+    monkeypatch.setattr(cuda_driver, "FALLBACK_BINARY", str(tmp_path / "absent"))
+    monkeypatch.setenv("PATH", str(tmp_path))  # the fake tool is on PATH
+    chosen = cuda_driver.select_driver()
+    assert isinstance(chosen, cuda_driver.BinaryDriver)
+    assert chosen.path == str(tool.path)
+    assert isinstance(cuda_driver.select_driver(preference="fake"), cuda_driver.FakeDriver)
+    with pytest.raises(base.BackendUnavailableError, match="cuda-bindings is not installed"):
+        cuda_driver.select_driver(preference="bindings")
+    with pytest.raises(base.BackendUnavailableError, match="unknown cuda driver"):
+        cuda_driver.select_driver(preference="magic")
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    with pytest.raises(base.BackendUnavailableError, match="put NVIDIA's cuda-checkpoint on PATH"):
+        cuda_driver.select_driver()
+
+
+@pytest.mark.parametrize(
+    ("given", "normal"),
+    [
+        (GPU1, GPU1),
+        (GPU1.upper(), GPU1),
+        (GPU1[4:], GPU1),
+        ("123456789abcdef0123456789abcdef0", GPU1),
+    ],
+)
+def test_normalize_gpu_uuid(given: str, normal: str) -> None:
+    assert cuda_driver.normalize_gpu_uuid(given) == normal
+
+
+def test_normalize_gpu_uuid_refuses_indexes() -> None:
+    with pytest.raises(ValueError, match="nvidia-smi -L"):
+        cuda_driver.normalize_gpu_uuid("0")
+
+
+# --------------------------------------------------------------------------- the bindings
+
+
+class _CUresult(enum.IntEnum):
+    CUDA_SUCCESS = 0
+    CUDA_ERROR_INVALID_VALUE = 1
+    CUDA_ERROR_NO_DEVICE = 100
+    CUDA_ERROR_ILLEGAL_STATE = 401
+    CUDA_ERROR_NOT_FOUND = 500
+    CUDA_ERROR_NOT_SUPPORTED = 801
+    CUDA_ERROR_TIMEOUT = 909
+
+
+class _CUprocessState(enum.IntEnum):
+    CU_PROCESS_STATE_RUNNING = 0
+    CU_PROCESS_STATE_LOCKED = 1
+    CU_PROCESS_STATE_CHECKPOINTED = 2
+    CU_PROCESS_STATE_FAILED = 3
+
+
+class FakeCudaModule:
+    """The shape of ``cuda.bindings.driver`` that BindingsDriver uses."""
+
+    CUresult = _CUresult
+    CUprocessState = _CUprocessState
+
+    class CUcheckpointLockArgs:
+        timeoutMs = 0
+
+    class CUcheckpointRestoreArgs:
+        gpuPairs: list[Any] | None = None
+        gpuPairsCount = 0
+
+    class CUcheckpointGpuPair:
+        oldUuid: Any = None
+        newUuid: Any = None
+
+    class CUuuid:
+        def __init__(self, address: int) -> None:
+            self.raw = ctypes.string_at(address, 16)
+
+    def __init__(self, *, init: _CUresult = _CUresult.CUDA_SUCCESS, version: int = 12080) -> None:
+        self.init = init
+        self.version = version
+        self.state = _CUprocessState.CU_PROCESS_STATE_RUNNING
+        self.errors: dict[str, _CUresult] = {}
+        self.seen: dict[str, Any] = {}
+
+    def cuInit(self, flags: int) -> tuple[_CUresult]:
+        return (self.init,)
+
+    def cuDriverGetVersion(self) -> tuple[_CUresult, int]:
+        return _CUresult.CUDA_SUCCESS, self.version
+
+    def cuDeviceGetCount(self) -> tuple[_CUresult, int]:
+        return _CUresult.CUDA_SUCCESS, 8
+
+    def cuGetErrorString(self, err: _CUresult) -> tuple[_CUresult, bytes]:
+        return _CUresult.CUDA_SUCCESS, f"description of {err.name}".encode()
+
+    def _result(self, op: str) -> _CUresult:
+        return self.errors.pop(op, _CUresult.CUDA_SUCCESS)
+
+    def cuCheckpointProcessGetState(self, pid: int) -> tuple[_CUresult, _CUprocessState]:
+        return self._result("get_state"), self.state
+
+    def cuCheckpointProcessLock(self, pid: int, args: Any) -> tuple[_CUresult]:
+        self.seen["lock_timeout"] = args.timeoutMs
+        return (self._result("lock"),)
+
+    def cuCheckpointProcessCheckpoint(self, pid: int, args: Any) -> tuple[_CUresult]:
+        return (self._result("checkpoint"),)
+
+    def cuCheckpointProcessRestore(self, pid: int, args: Any) -> tuple[_CUresult]:
+        if args is not None:
+            self.seen["pairs"] = [(p.oldUuid.raw, p.newUuid.raw) for p in args.gpuPairs]
+            self.seen["count"] = args.gpuPairsCount
+        return (self._result("restore"),)
+
+    def cuCheckpointProcessUnlock(self, pid: int, args: Any) -> tuple[_CUresult]:
+        return (self._result("unlock"),)
+
+
+async def test_bindings_driver_calls_and_state_mapping() -> None:
+    module = FakeCudaModule()
+    driver = cuda_driver.BindingsDriver(module=module)
+    for raw, state in zip(_CUprocessState, S, strict=True):
+        module.state = raw
+        assert await driver.get_state(5) is state
+    await driver.lock(5, timeout_ms=2500)
+    assert module.seen["lock_timeout"] == 2500
+    await driver.checkpoint(5)
+    await driver.restore(5)
+    assert "pairs" not in module.seen
+    await driver.restore(5, gpu_pairs={GPU0: GPU1})
+    assert module.seen["pairs"] == [(bytes(16), bytes.fromhex(GPU1[4:].replace("-", "")))]
+    assert module.seen["count"] == 1
+    await driver.unlock(5)
+    assert await driver.device_count() == 8
+
+
+async def test_bindings_driver_maps_errors() -> None:
+    module = FakeCudaModule()
+    driver = cuda_driver.BindingsDriver(module=module)
+    module.errors["lock"] = _CUresult.CUDA_ERROR_TIMEOUT
+    with pytest.raises(cuda_driver.LockTimeoutError, match="CUDA_ERROR_TIMEOUT"):
+        await driver.lock(5, timeout_ms=10)
+    module.errors["checkpoint"] = _CUresult.CUDA_ERROR_ILLEGAL_STATE
+    with pytest.raises(cuda_driver.DriverError) as caught:
+        await driver.checkpoint(5)
+    assert caught.value.code == "CUDA_ERROR_ILLEGAL_STATE"
+    assert "description of CUDA_ERROR_ILLEGAL_STATE" in str(caught.value)
+    module.errors["restore"] = _CUresult.CUDA_ERROR_NOT_SUPPORTED
+    with pytest.raises(base.BackendUnavailableError, match="need >= 570"):
+        await driver.restore(5)
+
+
+@pytest.mark.parametrize(
+    ("module", "message"),
+    [
+        (FakeCudaModule(init=_CUresult.CUDA_ERROR_NO_DEVICE), "no NVIDIA GPU is visible"),
+        (FakeCudaModule(version=12040), "needs driver >= 570"),
+    ],
+    ids=["no-device", "old-driver"],
+)
+def test_bindings_driver_unavailable_at_init(module: FakeCudaModule, message: str) -> None:
+    with pytest.raises(base.BackendUnavailableError, match=message):
+        cuda_driver.BindingsDriver(module=module)
+
+
+def test_bindings_driver_without_libcuda_or_checkpoint_api() -> None:
+    class NoLibcuda(FakeCudaModule):
+        def cuInit(self, flags: int) -> tuple[_CUresult]:
+            raise RuntimeError("Failed to dlopen libcuda.so.1")
+
+    with pytest.raises(base.BackendUnavailableError, match="could not be loaded"):
+        cuda_driver.BindingsDriver(module=NoLibcuda())
+
+    class Old:
+        pass
+
+    with pytest.raises(base.BackendUnavailableError, match="lacks the checkpoint API"):
+        cuda_driver.BindingsDriver(module=Old())
+
+
+# --------------------------------------------------------------------------- the fake
+
+
+async def test_fake_driver_enforces_the_driver_state_machine() -> None:
+    driver = cuda_driver.FakeDriver()
+    with pytest.raises(cuda_driver.DriverError, match="no CUDA process"):
+        await driver.get_state(1)
+    driver.add_process(1)
+    with pytest.raises(cuda_driver.DriverError, match="ILLEGAL_STATE"):
+        await driver.checkpoint(1)
+    with pytest.raises(cuda_driver.DriverError, match="ILLEGAL_STATE"):
+        await driver.restore(1)
+    await driver.lock(1, timeout_ms=1)
+    with pytest.raises(cuda_driver.DriverError, match="ILLEGAL_STATE"):
+        await driver.lock(1, timeout_ms=1)
+    driver.fail("checkpoint", leave_state=S.FAILED)
+    with pytest.raises(cuda_driver.DriverError):
+        await driver.checkpoint(1)
+    assert await driver.get_state(1) is S.FAILED
+    driver.remove_process(1)
+    assert 1 not in driver.states
