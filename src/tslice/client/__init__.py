@@ -1,1 +1,52 @@
-"""tslice.client."""
+"""The tslice client library: acquire and yield groups of accelerators.
+
+``Client`` (blocking) and ``AsyncClient`` (asyncio) are the native API;
+:mod:`tslice.client.compat` holds drop-in replacements for llm-d's clients.
+"""
+
+from tslice.client import compat
+from tslice.client._channel import DEFAULT_CHANNEL_OPTIONS
+from tslice.client._client import AsyncClient, Client
+from tslice.client._config import USE_CLIENT_DEFAULT, ClientConfig
+from tslice.client._retry import DEFAULT_RETRY, NO_RETRY, RetryPolicy
+from tslice.client._slice import AsyncSliceContext, SliceContext
+from tslice.client._types import (
+    AcquireResult,
+    AgentJobState,
+    AgentJobStatus,
+    EventKind,
+    GroupState,
+    GroupStatus,
+    OrchestratorEvent,
+    YieldResult,
+)
+from tslice.client.compat import (
+    SnapshotAgentClient,
+    SnapshotAgentError,
+    TimeSliceOrchestratorClient,
+)
+
+__all__ = [
+    "DEFAULT_CHANNEL_OPTIONS",
+    "DEFAULT_RETRY",
+    "NO_RETRY",
+    "USE_CLIENT_DEFAULT",
+    "AcquireResult",
+    "AgentJobState",
+    "AgentJobStatus",
+    "AsyncClient",
+    "AsyncSliceContext",
+    "Client",
+    "ClientConfig",
+    "EventKind",
+    "GroupState",
+    "GroupStatus",
+    "OrchestratorEvent",
+    "RetryPolicy",
+    "SliceContext",
+    "SnapshotAgentClient",
+    "SnapshotAgentError",
+    "TimeSliceOrchestratorClient",
+    "YieldResult",
+    "compat",
+]

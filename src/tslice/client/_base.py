@@ -1,0 +1,251 @@
+"""Everything :class:`~tslice.client.Client` and :class:`~tslice.client.AsyncClient`
+share that does no I/O: configuration, id resolution, request building, deadline
+arithmetic, the no-op answers and the per-(job, group) hold counts behind
+``slice()``.
+
+The two clients then differ only in the lines that make a call (``await`` or
+not), as in httpx.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import grpc
+
+from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2 as opb
+from tslice.client import _channel, _config, _retry, _types
+from tslice.common import errors
+
+log = logging.getLogger("tslice.client")
+
+NOOP_ACQUIRE = _types.AcquireResult(
+    success=True, waited_ms=0, context_restored=False, grant_epoch=0
+)
+# Nobody waits and nothing is snapshotted: exactly what snapshot_deferred means.
+NOOP_YIELD = _types.YieldResult(success=True, pending_waiters=0, snapshot_deferred=True)
+
+# Once per process: a training script may build many clients.
+_noop_announced: set[str] = set()
+_noop_lock = threading.Lock()
+
+
+def _log_noop_once(reason: str) -> None:
+    with _noop_lock:
+        if _noop_announced:
+            return
+        _noop_announced.add(reason)
+    log.info("time-slicing is off: %s; acquire/yield return at once", reason)
+
+
+HoldKey = tuple[str, str]
+
+
+class BaseClient:
+    """Configuration and bookkeeping shared by the sync and async clients."""
+
+    def __init__(
+        self,
+        address: str | None,
+        *,
+        job_id: str | None,
+        default_group: str | None,
+        timeout: float | None,
+        call_timeout: float,
+        channel_options: Sequence[tuple[str, Any]] | None,
+        footprint_bytes: int | None,
+        retry: _retry.RetryPolicy,
+    ) -> None:
+        self._config = _config.resolve(
+            address=address,
+            job_id=job_id,
+            default_group=default_group,
+            timeout=timeout,
+            call_timeout=call_timeout,
+            footprint_bytes=footprint_bytes,
+            retry=retry,
+            channel_options=channel_options,
+        )
+        self._closed = False
+        # slice() bookkeeping: how many open slices of this client hold (job, group),
+        # and the grant they share. Only slice() uses it; acquire()/yield_() are raw.
+        self._hold_counts: dict[HoldKey, int] = {}
+        self._hold_results: dict[HoldKey, _types.AcquireResult] = {}
+        if not self._config.enabled:
+            _log_noop_once(self._config.noop_reason)
+
+    # -- read-only facts --------------------------------------------------------
+
+    @property
+    def config(self) -> _config.ClientConfig:
+        """The resolved configuration (arguments, then environment)."""
+        return self._config
+
+    @property
+    def enabled(self) -> bool:
+        """False in no-op mode (no orchestrator configured, or ``TSLICE_DISABLED=1``)."""
+        return self._config.enabled
+
+    @property
+    def address(self) -> str | None:
+        return self._config.address
+
+    @property
+    def job_id(self) -> str | None:
+        return self._config.job_id
+
+    @property
+    def default_group(self) -> str | None:
+        return self._config.default_group
+
+    # -- resolution ---------------------------------------------------------------
+
+    def _job(self, job_id: str | None) -> str:
+        """The job a call is about; in no-op mode a missing one is fine ("")."""
+        if job_id is not None:
+            return _config.check_id("job_id", job_id, source="the job_id argument")
+        if self._config.job_id is not None:
+            return self._config.job_id
+        if not self.enabled:
+            return ""
+        raise errors.ConfigError(
+            "a job id is required: pass job_id= to the client or to the call, or set "
+            f"${_config.JOB_ID_ENV[0]} (or ${_config.JOB_ID_ENV[1]})"
+        )
+
+    def _group(self, group: str | None) -> str:
+        if group is not None:
+            return _config.check_id("group_id", group, source="the group argument")
+        if self._config.default_group is not None:
+            return self._config.default_group
+        if not self.enabled:
+            return ""
+        raise errors.ConfigError(
+            "a group is required: pass it to the call, default_group= to the client, "
+            f"or set ${_config.GROUP_ENV[0]}"
+        )
+
+    def _slice_groups(self, groups: Iterable[str]) -> tuple[str, ...]:
+        """Groups of a slice, de-duplicated and sorted.
+
+        Every client takes several groups in the same (sorted) order, so two jobs
+        that both want "sampler" and "trainer" can never each hold one and wait
+        for the other.
+        """
+        given = tuple(groups)
+        if not given:
+            return (self._group(None),)
+        return tuple(sorted({self._group(group) for group in given}))
+
+    def _require_enabled(self, what: str) -> None:
+        if self._closed:
+            raise errors.TsliceError(f"cannot {what}: the client is closed")
+        if not self.enabled:
+            raise errors.ConfigError(f"cannot {what} in no-op mode: {self._config.noop_reason}")
+
+    # -- deadlines ------------------------------------------------------------------
+
+    def _acquire_timeout(self, timeout: _config.Timeout) -> float | None:
+        if timeout is _config.USE_CLIENT_DEFAULT:
+            return self._config.timeout
+        return _config.check_timeout("timeout", timeout)
+
+    def _call_timeout(self, timeout: _config.Timeout) -> float | None:
+        if timeout is _config.USE_CLIENT_DEFAULT:
+            return self._config.call_timeout
+        return _config.check_timeout("timeout", timeout)
+
+    @staticmethod
+    def _deadline(timeout: float | None) -> float | None:
+        return None if timeout is None else time.monotonic() + timeout
+
+    @staticmethod
+    def _remaining(deadline: float | None, *, job: str, group: str, started: float) -> float | None:
+        """Time left for one acquire of a slice; raise AcquireTimeout once none is left."""
+        if deadline is None:
+            return None
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise errors.AcquireTimeout(
+                job_id=job, group_id=group, waited_ms=int((time.monotonic() - started) * 1000)
+            )
+        return left
+
+    # -- requests and errors ----------------------------------------------------------
+
+    def _acquire_request(
+        self, job: str, group: str, footprint_bytes: int | None
+    ) -> opb.AcquireRequest:
+        if footprint_bytes is not None and footprint_bytes < 0:
+            raise ValueError(f"footprint_bytes must be >= 0, got {footprint_bytes!r}")
+        footprint = self._config.footprint_bytes if footprint_bytes is None else footprint_bytes
+        return opb.AcquireRequest(job_id=job, group_id=group, footprint_bytes=footprint)
+
+    @staticmethod
+    def _yield_request(job: str, group: str) -> opb.YieldRequest:
+        return opb.YieldRequest(job_id=job, group_id=group)
+
+    @staticmethod
+    def _options(job: str | None, group: str | None, timeout: float | None) -> _channel.CallOptions:
+        return _channel.CallOptions(timeout=timeout, job_id=job or None, group_id=group or None)
+
+    @staticmethod
+    def _acquire_timed_out(
+        err: errors.DeadlineExceeded, *, job: str, group: str, started: float
+    ) -> errors.AcquireTimeout:
+        waited_ms = int((time.monotonic() - started) * 1000)
+        return errors.AcquireTimeout(
+            job_id=job,
+            group_id=group,
+            waited_ms=waited_ms,
+            message=(
+                f"job {job!r} was not granted group {group!r} within {waited_ms} ms "
+                f"({err.message}); it is no longer queued"
+            ),
+        )
+
+    @staticmethod
+    def _check_granted(result: _types.AcquireResult, *, job: str, group: str) -> None:
+        if not result.success:
+            raise errors.RPCError(
+                grpc.StatusCode.UNKNOWN,
+                f"the orchestrator answered Acquire({job!r}, {group!r}) with success=false",
+            )
+
+    # -- hold counts (slice) ------------------------------------------------------------
+
+    def _held(self, key: HoldKey) -> _types.AcquireResult | None:
+        """The grant an open slice already holds for ``key``; counts one more holder."""
+        if self._hold_counts.get(key, 0) == 0:
+            return None
+        self._hold_counts[key] += 1
+        return self._hold_results[key]
+
+    def _record_hold(self, key: HoldKey, result: _types.AcquireResult) -> None:
+        self._hold_counts[key] = 1
+        self._hold_results[key] = result
+
+    def _drop_hold(self, key: HoldKey) -> bool:
+        """Count one holder less; True when it was the last (time to yield)."""
+        count = self._hold_counts.get(key, 0) - 1
+        if count > 0:
+            self._hold_counts[key] = count
+            return False
+        self._hold_counts.pop(key, None)
+        self._hold_results.pop(key, None)
+        return True
+
+    @staticmethod
+    def _report_release_failures(failures: list[tuple[str, BaseException]], job: str) -> None:
+        for group, failure in failures:
+            log.warning(
+                "could not yield group %s for job %s: %s",
+                group,
+                job,
+                failure,
+                extra={"job_id": job, "group_id": group},
+            )

@@ -1,0 +1,557 @@
+"""The one wrapper every RPC of the client passes through.
+
+Deadlines, metadata (``x-tslice-job-id``, ``x-tslice-client-version``), retry and
+the translation of gRPC status codes into :mod:`tslice.common.errors` live here
+and nowhere else. Above the transports sit thin per-service classes with one
+typed method per RPC of the wire contract (a test checks that none is missing);
+their ``stub`` attribute is the raw generated stub, the escape hatch.
+
+The sync transport issues unary calls through ``.future()`` and waits on the
+future: unlike a plain blocking call that wait is interruptible, and on Ctrl-C
+the call is cancelled so that the orchestrator drops the waiter at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
+from typing import Any, Generic, TypeVar, cast
+
+import grpc
+import grpc.aio
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+import tslice
+from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
+from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2_grpc as pb_grpc
+from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2 as opb
+from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2_grpc as opb_grpc
+from tslice.client import _retry
+from tslice.common import errors
+
+T = TypeVar("T")
+
+# The generated stubs are untyped; the typed surface is the classes below.
+_OrchestratorStub: Any = opb_grpc.TimeSliceOrchestratorServiceStub
+_AgentStub: Any = pb_grpc.SnapshotAgentServiceStub
+_HealthStub: Any = health_pb2_grpc.HealthStub
+
+ORCHESTRATOR_SERVICE = "timeslice_orchestrator.v1alpha1.TimeSliceOrchestratorService"
+AGENT_SERVICE = "snapshot_agent.v1alpha1.SnapshotAgentService"
+HEALTH_SERVICE = "grpc.health.v1.Health"
+
+JOB_ID_HEADER = "x-tslice-job-id"
+CLIENT_VERSION_HEADER = "x-tslice-client-version"
+
+#: Channel options applied under the caller's (the caller's win on the same key).
+DEFAULT_CHANNEL_OPTIONS: tuple[tuple[str, Any], ...] = (
+    # A blocked Acquire sends no data for minutes; keepalive notices a dead peer
+    # (host gone, network cut). 60 s stays above what default servers tolerate: the
+    # client sends at most 2 pings without data, one strike, no GOAWAY.
+    ("grpc.keepalive_time_ms", 60_000),
+    ("grpc.keepalive_timeout_ms", 20_000),
+    # The channel's own reconnect back-off starts at 1 s and grows to 120 s; after
+    # an orchestrator restart our retries would keep failing fast until it fires.
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 2_000),
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Method:
+    """One RPC of the wire contract and whether re-issuing it is safe."""
+
+    service: str
+    name: str
+    #: Safe to re-issue after UNAVAILABLE (idempotent, or the server dedups it).
+    retryable: bool
+
+
+def _methods(service: str, retryable: dict[str, bool]) -> dict[str, Method]:
+    return {name: Method(service, name, ok) for name, ok in retryable.items()}
+
+
+ORCHESTRATOR_METHODS = _methods(
+    ORCHESTRATOR_SERVICE,
+    {
+        # The orchestrator keeps a re-issued Acquire's place or recognises the holder.
+        "Acquire": True,
+        "Yield": True,
+        "ListGroups": True,
+        "GetGroupStatus": True,
+        "WatchEvents": False,
+    },
+)
+AGENT_METHODS = _methods(
+    AGENT_SERVICE,
+    {
+        # Snapshot/Restore have no request id: a lost reply cannot be recovered by
+        # re-issuing (ABORTED / FAILED_PRECONDITION would follow), so never retried.
+        "Snapshot": False,
+        "Restore": False,
+        "GetOperation": True,
+        "Status": True,
+        "WorkloadChannel": False,
+        "WaitOperation": True,
+        "Grant": True,  # the agent ignores grants older than the last epoch
+        "ResetJob": True,
+    },
+)
+HEALTH_CHECK = Method(HEALTH_SERVICE, "Check", True)
+
+
+def channel_options(user: Sequence[tuple[str, Any]] | None) -> list[tuple[str, Any]]:
+    """Our defaults merged under ``user`` (same key: the user's value wins)."""
+    given = list(user or ())
+    keys = {key for key, _ in given}
+    return [item for item in DEFAULT_CHANNEL_OPTIONS if item[0] not in keys] + given
+
+
+@dataclasses.dataclass(frozen=True)
+class CallOptions:
+    """Per-call settings for one RPC."""
+
+    #: Deadline of the whole call, retries included, in seconds (``None`` = none).
+    timeout: float | None = None
+    #: Sent as ``x-tslice-job-id`` so that server logs name the caller.
+    job_id: str | None = None
+    #: Lets NOT_FOUND become :class:`~tslice.common.errors.UnknownGroup`.
+    group_id: str | None = None
+    #: ``None`` = the transport's policy.
+    retry: _retry.RetryPolicy | None = None
+
+
+_NO_OPTIONS = CallOptions()
+
+
+class _Transport:
+    """What the sync and async transports share: metadata and attempt planning."""
+
+    def __init__(self, *, target: str, retry: _retry.RetryPolicy) -> None:
+        self.target = target
+        self.retry = retry
+
+    def metadata(self, options: CallOptions) -> tuple[tuple[str, str], ...]:
+        items = [(CLIENT_VERSION_HEADER, tslice.__version__)]
+        if options.job_id:
+            items.append((JOB_ID_HEADER, options.job_id))
+        return tuple(items)
+
+    def attempts(self, method: Method, options: CallOptions) -> _retry.Attempts:
+        return _retry.Attempts(
+            method=method.name,
+            target=self.target,
+            retryable=method.retryable,
+            policy=options.retry or self.retry,
+            timeout=options.timeout,
+            group_id=options.group_id,
+        )
+
+
+class SyncStream(Generic[T]):
+    """Responses of a streaming call; errors arrive as tslice errors; ``cancel()`` ends it."""
+
+    def __init__(self, call: Any, *, group_id: str | None = None) -> None:
+        self._call = call
+        self._group_id = group_id
+        self._cancelled = False
+
+    def __iter__(self) -> Iterator[T]:
+        try:
+            for item in self._call:
+                yield cast(T, item)
+        except grpc.RpcError as err:
+            if self._cancelled and err.code() == grpc.StatusCode.CANCELLED:
+                return
+            raise errors.from_grpc(err, group_id=self._group_id) from err
+
+    def cancel(self) -> None:
+        self._cancelled = True
+        self._call.cancel()
+
+
+class AsyncStream(Generic[T]):
+    """Async twin of :class:`SyncStream`."""
+
+    def __init__(self, call: Any, *, group_id: str | None = None) -> None:
+        self._call = call
+        self._group_id = group_id
+        self._cancelled = False
+
+    async def __aiter__(self) -> AsyncIterator[T]:
+        try:
+            async for item in self._call:
+                yield cast(T, item)
+        except grpc.RpcError as err:
+            if self._cancelled and err.code() == grpc.StatusCode.CANCELLED:
+                return
+            raise errors.from_grpc(err, group_id=self._group_id) from err
+        except asyncio.CancelledError:
+            if not self._cancelled:
+                raise
+
+    def cancel(self) -> None:
+        self._cancelled = True
+        self._call.cancel()
+
+
+class SyncTransport(_Transport):
+    """Runs RPCs on a ``grpc.Channel`` (blocking)."""
+
+    def __init__(
+        self,
+        channel: grpc.Channel,
+        *,
+        target: str,
+        retry: _retry.RetryPolicy = _retry.DEFAULT_RETRY,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
+        super().__init__(target=target, retry=retry)
+        self.channel = channel
+        self._sleep = sleep
+
+    def unary(self, method: Method, call: Any, request: Any, options: CallOptions) -> Any:
+        attempts = self.attempts(method, options)
+        metadata = self.metadata(options)
+        while True:
+            try:
+                response = self._once(call, request, attempts.attempt_timeout(), metadata)
+            except grpc.RpcError as err:
+                delay = attempts.after_error(err)
+            else:
+                attempts.succeeded()
+                return response
+            self._sleep(delay)
+
+    @staticmethod
+    def _once(
+        call: Any, request: Any, timeout: float | None, metadata: tuple[tuple[str, str], ...]
+    ) -> Any:
+        future = call.future(request, timeout=timeout, metadata=metadata)
+        try:
+            return future.result()
+        except BaseException:
+            # Interrupted (Ctrl-C) or failed: make sure the server sees the caller leave.
+            future.cancel()
+            raise
+
+    def unary_stream(
+        self, method: Method, call: Any, request: Any, options: CallOptions
+    ) -> SyncStream[Any]:
+        # Streams are never retried: only the caller knows how to resume one.
+        stream = call(request, timeout=options.timeout, metadata=self.metadata(options))
+        return SyncStream(stream, group_id=options.group_id)
+
+    def stream_stream(
+        self, method: Method, call: Any, requests: Iterable[Any], options: CallOptions
+    ) -> SyncStream[Any]:
+        stream = call(iter(requests), timeout=options.timeout, metadata=self.metadata(options))
+        return SyncStream(stream, group_id=options.group_id)
+
+
+class AsyncTransport(_Transport):
+    """Runs RPCs on a ``grpc.aio.Channel``; differs from :class:`SyncTransport` only in awaiting."""
+
+    def __init__(
+        self,
+        channel: grpc.aio.Channel,
+        *,
+        target: str,
+        retry: _retry.RetryPolicy = _retry.DEFAULT_RETRY,
+    ) -> None:
+        super().__init__(target=target, retry=retry)
+        self.channel = channel
+
+    async def unary(self, method: Method, call: Any, request: Any, options: CallOptions) -> Any:
+        attempts = self.attempts(method, options)
+        metadata = self.metadata(options)
+        while True:
+            try:
+                response = await call(
+                    request, timeout=attempts.attempt_timeout(), metadata=metadata
+                )
+            except grpc.RpcError as err:
+                delay = attempts.after_error(err)
+            else:
+                attempts.succeeded()
+                return response
+            await asyncio.sleep(delay)
+
+    def unary_stream(
+        self, method: Method, call: Any, request: Any, options: CallOptions
+    ) -> AsyncStream[Any]:
+        stream = call(request, timeout=options.timeout, metadata=self.metadata(options))
+        return AsyncStream(stream, group_id=options.group_id)
+
+    def stream_stream(
+        self, method: Method, call: Any, requests: Any, options: CallOptions
+    ) -> AsyncStream[Any]:
+        stream = call(requests, timeout=options.timeout, metadata=self.metadata(options))
+        return AsyncStream(stream, group_id=options.group_id)
+
+
+_O = ORCHESTRATOR_METHODS
+_A = AGENT_METHODS
+
+
+class OrchestratorCalls:
+    """One blocking method per orchestrator RPC."""
+
+    def __init__(self, transport: SyncTransport) -> None:
+        self.transport = transport
+        self.stub = _OrchestratorStub(transport.channel)
+
+    def acquire(
+        self, request: opb.AcquireRequest, options: CallOptions = _NO_OPTIONS
+    ) -> opb.AcquireResponse:
+        return cast(
+            opb.AcquireResponse,
+            self.transport.unary(_O["Acquire"], self.stub.Acquire, request, options),
+        )
+
+    def yield_(
+        self, request: opb.YieldRequest, options: CallOptions = _NO_OPTIONS
+    ) -> opb.YieldResponse:
+        return cast(
+            opb.YieldResponse,
+            self.transport.unary(_O["Yield"], self.stub.Yield, request, options),
+        )
+
+    def list_groups(
+        self, request: opb.ListGroupsRequest, options: CallOptions = _NO_OPTIONS
+    ) -> opb.ListGroupsResponse:
+        return cast(
+            opb.ListGroupsResponse,
+            self.transport.unary(_O["ListGroups"], self.stub.ListGroups, request, options),
+        )
+
+    def get_group_status(
+        self, request: opb.GetGroupStatusRequest, options: CallOptions = _NO_OPTIONS
+    ) -> opb.GetGroupStatusResponse:
+        return cast(
+            opb.GetGroupStatusResponse,
+            self.transport.unary(_O["GetGroupStatus"], self.stub.GetGroupStatus, request, options),
+        )
+
+    def watch_events(
+        self, request: opb.WatchEventsRequest, options: CallOptions = _NO_OPTIONS
+    ) -> SyncStream[opb.OrchestratorEvent]:
+        return self.transport.unary_stream(
+            _O["WatchEvents"], self.stub.WatchEvents, request, options
+        )
+
+
+class AsyncOrchestratorCalls:
+    """One coroutine per orchestrator RPC."""
+
+    def __init__(self, transport: AsyncTransport) -> None:
+        self.transport = transport
+        self.stub = _OrchestratorStub(transport.channel)
+
+    async def acquire(
+        self, request: opb.AcquireRequest, options: CallOptions = _NO_OPTIONS
+    ) -> opb.AcquireResponse:
+        return cast(
+            opb.AcquireResponse,
+            await self.transport.unary(_O["Acquire"], self.stub.Acquire, request, options),
+        )
+
+    async def yield_(
+        self, request: opb.YieldRequest, options: CallOptions = _NO_OPTIONS
+    ) -> opb.YieldResponse:
+        return cast(
+            opb.YieldResponse,
+            await self.transport.unary(_O["Yield"], self.stub.Yield, request, options),
+        )
+
+    async def list_groups(
+        self, request: opb.ListGroupsRequest, options: CallOptions = _NO_OPTIONS
+    ) -> opb.ListGroupsResponse:
+        return cast(
+            opb.ListGroupsResponse,
+            await self.transport.unary(_O["ListGroups"], self.stub.ListGroups, request, options),
+        )
+
+    async def get_group_status(
+        self, request: opb.GetGroupStatusRequest, options: CallOptions = _NO_OPTIONS
+    ) -> opb.GetGroupStatusResponse:
+        return cast(
+            opb.GetGroupStatusResponse,
+            await self.transport.unary(
+                _O["GetGroupStatus"], self.stub.GetGroupStatus, request, options
+            ),
+        )
+
+    def watch_events(
+        self, request: opb.WatchEventsRequest, options: CallOptions = _NO_OPTIONS
+    ) -> AsyncStream[opb.OrchestratorEvent]:
+        return self.transport.unary_stream(
+            _O["WatchEvents"], self.stub.WatchEvents, request, options
+        )
+
+
+class AgentCalls:
+    """One blocking method per snapshot-agent RPC, plus the standard health check."""
+
+    def __init__(self, transport: SyncTransport) -> None:
+        self.transport = transport
+        self.stub = _AgentStub(transport.channel)
+        self.health_stub = _HealthStub(transport.channel)
+
+    def snapshot(
+        self, request: pb.SnapshotRequest, options: CallOptions = _NO_OPTIONS
+    ) -> pb.SnapshotResponse:
+        return cast(
+            pb.SnapshotResponse,
+            self.transport.unary(_A["Snapshot"], self.stub.Snapshot, request, options),
+        )
+
+    def restore(
+        self, request: pb.RestoreRequest, options: CallOptions = _NO_OPTIONS
+    ) -> pb.RestoreResponse:
+        return cast(
+            pb.RestoreResponse,
+            self.transport.unary(_A["Restore"], self.stub.Restore, request, options),
+        )
+
+    def get_operation(
+        self, request: pb.GetOperationRequest, options: CallOptions = _NO_OPTIONS
+    ) -> pb.GetOperationResponse:
+        return cast(
+            pb.GetOperationResponse,
+            self.transport.unary(_A["GetOperation"], self.stub.GetOperation, request, options),
+        )
+
+    def status(
+        self, request: pb.StatusRequest, options: CallOptions = _NO_OPTIONS
+    ) -> pb.StatusResponse:
+        return cast(
+            pb.StatusResponse,
+            self.transport.unary(_A["Status"], self.stub.Status, request, options),
+        )
+
+    def workload_channel(
+        self, requests: Iterable[pb.WorkloadMessage], options: CallOptions = _NO_OPTIONS
+    ) -> SyncStream[pb.AgentCommand]:
+        return self.transport.stream_stream(
+            _A["WorkloadChannel"], self.stub.WorkloadChannel, requests, options
+        )
+
+    def wait_operation(
+        self, request: pb.WaitOperationRequest, options: CallOptions = _NO_OPTIONS
+    ) -> pb.GetOperationResponse:
+        return cast(
+            pb.GetOperationResponse,
+            self.transport.unary(_A["WaitOperation"], self.stub.WaitOperation, request, options),
+        )
+
+    def grant(
+        self, request: pb.GrantRequest, options: CallOptions = _NO_OPTIONS
+    ) -> pb.GrantResponse:
+        return cast(
+            pb.GrantResponse,
+            self.transport.unary(_A["Grant"], self.stub.Grant, request, options),
+        )
+
+    def reset_job(
+        self, request: pb.ResetJobRequest, options: CallOptions = _NO_OPTIONS
+    ) -> pb.ResetJobResponse:
+        return cast(
+            pb.ResetJobResponse,
+            self.transport.unary(_A["ResetJob"], self.stub.ResetJob, request, options),
+        )
+
+    def check_health(
+        self, request: health_pb2.HealthCheckRequest, options: CallOptions = _NO_OPTIONS
+    ) -> health_pb2.HealthCheckResponse:
+        return cast(
+            health_pb2.HealthCheckResponse,
+            self.transport.unary(HEALTH_CHECK, self.health_stub.Check, request, options),
+        )
+
+
+class AsyncAgentCalls:
+    """One coroutine per snapshot-agent RPC, plus the standard health check."""
+
+    def __init__(self, transport: AsyncTransport) -> None:
+        self.transport = transport
+        self.stub = _AgentStub(transport.channel)
+        self.health_stub = _HealthStub(transport.channel)
+
+    async def snapshot(
+        self, request: pb.SnapshotRequest, options: CallOptions = _NO_OPTIONS
+    ) -> pb.SnapshotResponse:
+        return cast(
+            pb.SnapshotResponse,
+            await self.transport.unary(_A["Snapshot"], self.stub.Snapshot, request, options),
+        )
+
+    async def restore(
+        self, request: pb.RestoreRequest, options: CallOptions = _NO_OPTIONS
+    ) -> pb.RestoreResponse:
+        return cast(
+            pb.RestoreResponse,
+            await self.transport.unary(_A["Restore"], self.stub.Restore, request, options),
+        )
+
+    async def get_operation(
+        self, request: pb.GetOperationRequest, options: CallOptions = _NO_OPTIONS
+    ) -> pb.GetOperationResponse:
+        return cast(
+            pb.GetOperationResponse,
+            await self.transport.unary(
+                _A["GetOperation"], self.stub.GetOperation, request, options
+            ),
+        )
+
+    async def status(
+        self, request: pb.StatusRequest, options: CallOptions = _NO_OPTIONS
+    ) -> pb.StatusResponse:
+        return cast(
+            pb.StatusResponse,
+            await self.transport.unary(_A["Status"], self.stub.Status, request, options),
+        )
+
+    def workload_channel(
+        self, requests: Any, options: CallOptions = _NO_OPTIONS
+    ) -> AsyncStream[pb.AgentCommand]:
+        return self.transport.stream_stream(
+            _A["WorkloadChannel"], self.stub.WorkloadChannel, requests, options
+        )
+
+    async def wait_operation(
+        self, request: pb.WaitOperationRequest, options: CallOptions = _NO_OPTIONS
+    ) -> pb.GetOperationResponse:
+        return cast(
+            pb.GetOperationResponse,
+            await self.transport.unary(
+                _A["WaitOperation"], self.stub.WaitOperation, request, options
+            ),
+        )
+
+    async def grant(
+        self, request: pb.GrantRequest, options: CallOptions = _NO_OPTIONS
+    ) -> pb.GrantResponse:
+        return cast(
+            pb.GrantResponse,
+            await self.transport.unary(_A["Grant"], self.stub.Grant, request, options),
+        )
+
+    async def reset_job(
+        self, request: pb.ResetJobRequest, options: CallOptions = _NO_OPTIONS
+    ) -> pb.ResetJobResponse:
+        return cast(
+            pb.ResetJobResponse,
+            await self.transport.unary(_A["ResetJob"], self.stub.ResetJob, request, options),
+        )
+
+    async def check_health(
+        self, request: health_pb2.HealthCheckRequest, options: CallOptions = _NO_OPTIONS
+    ) -> health_pb2.HealthCheckResponse:
+        return cast(
+            health_pb2.HealthCheckResponse,
+            await self.transport.unary(HEALTH_CHECK, self.health_stub.Check, request, options),
+        )

@@ -1,0 +1,181 @@
+"""Configuration from arguments and environment, and the no-op mode."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+import tslice
+from tslice.client import _config
+from tslice.common import errors
+
+
+def test_no_address_means_noop_mode_and_calls_succeed_at_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.INFO, logger="tslice.client")
+    with tslice.Client() as client:
+        assert not client.enabled
+        assert client.acquire("trainer") == tslice.AcquireResult(
+            success=True, waited_ms=0, context_restored=False, grant_epoch=0
+        )
+        result = client.yield_("trainer")
+        assert result.success and result.pending_waiters == 0
+        with client.slice("sampler", "trainer") as held:
+            assert set(held) == {"sampler", "trainer"}
+            assert all(r.success for r in held.values())
+
+        @client.sliced("trainer")
+        def step(x: int) -> int:
+            return x + 1
+
+        assert step(1) == 2
+    assert "time-slicing is off" in caplog.text
+    assert "TSLICE_ORCHESTRATOR" in caplog.text
+
+
+async def test_async_noop_mode() -> None:
+    async with tslice.AsyncClient() as client:
+        assert not client.enabled
+        assert (await client.acquire("g")).success
+        assert (await client.release("g")).success
+        async with client.slice("g") as held:
+            assert held["g"].waited_ms == 0
+
+
+def test_noop_mode_is_logged_once_per_process(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="tslice.client")
+    tslice.Client()
+    tslice.Client()
+    assert caplog.text.count("time-slicing is off") == 1
+
+
+def test_disabled_env_forces_noop_even_with_an_address(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TSLICE_DISABLED", "1")
+    client = tslice.Client("127.0.0.1:1", job_id="j")
+    assert not client.enabled
+    assert "TSLICE_DISABLED" in client.config.noop_reason
+    # Nothing listens on port 1: success proves no RPC was attempted.
+    assert client.acquire("g").success
+
+
+def test_disabled_env_rejects_unclear_values(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TSLICE_DISABLED", "maybe")
+    with pytest.raises(errors.ConfigError, match="TSLICE_DISABLED"):
+        tslice.Client()
+
+
+def test_noop_mode_refuses_status_with_the_reason() -> None:
+    client = tslice.Client()
+    with pytest.raises(errors.ConfigError, match="no-op mode: no orchestrator configured"):
+        client.status("g")
+    with pytest.raises(errors.ConfigError, match="no-op mode"):
+        client.list_groups()
+
+
+@pytest.mark.parametrize(
+    ("env", "expected"),
+    [
+        ({"TSLICE_ORCHESTRATOR": "a:1"}, "a:1"),
+        ({"TIMESLICE_ORCH_ADDR": "b:2"}, "b:2"),
+        ({"TSLICE_ORCHESTRATOR": "a:1", "TIMESLICE_ORCH_ADDR": "b:2"}, "a:1"),
+        ({"TSLICE_ORCHESTRATOR": "  ", "TIMESLICE_ORCH_ADDR": "b:2"}, "b:2"),
+    ],
+    ids=["tslice", "llm-d", "tslice-wins", "blank-ignored"],
+)
+def test_address_from_environment(
+    monkeypatch: pytest.MonkeyPatch, env: dict[str, str], expected: str
+) -> None:
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    client = tslice.Client()
+    assert client.enabled and client.address == expected
+
+
+def test_argument_beats_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TSLICE_ORCHESTRATOR", "env:1")
+    monkeypatch.setenv("TSLICE_JOB_ID", "env-job")
+    monkeypatch.setenv("TSLICE_GROUP", "env-group")
+    client = tslice.Client("arg:1", job_id="arg-job", default_group="arg-group")
+    assert (client.address, client.job_id, client.default_group) == (
+        "arg:1",
+        "arg-job",
+        "arg-group",
+    )
+
+
+@pytest.mark.parametrize(
+    ("env", "expected"),
+    [
+        ({"TSLICE_JOB_ID": "one"}, "one"),
+        ({"TIMESLICE_JOB_ID": "two"}, "two"),
+        ({"TSLICE_JOB_ID": "one", "TIMESLICE_JOB_ID": "two"}, "one"),
+    ],
+)
+def test_job_id_from_environment(
+    monkeypatch: pytest.MonkeyPatch, env: dict[str, str], expected: str
+) -> None:
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert tslice.Client("x:1").job_id == expected
+
+
+def test_missing_job_id_in_active_mode_is_a_clear_error() -> None:
+    client = tslice.Client("127.0.0.1:1")
+    with pytest.raises(errors.ConfigError, match=r"job id is required.*TSLICE_JOB_ID"):
+        client.acquire("g")
+    with pytest.raises(errors.ConfigError, match="job id is required"):
+        client.slice("g")
+
+
+def test_missing_group_in_active_mode_is_a_clear_error() -> None:
+    client = tslice.Client("127.0.0.1:1", job_id="j")
+    with pytest.raises(errors.ConfigError, match=r"group is required.*TSLICE_GROUP"):
+        client.acquire()
+
+
+def test_malformed_ids_are_rejected_before_any_rpc(monkeypatch: pytest.MonkeyPatch) -> None:
+    client = tslice.Client("127.0.0.1:1", job_id="j")
+    with pytest.raises(errors.InvalidArgument, match="group_id 'bad group' is malformed"):
+        client.acquire("bad group")
+    with pytest.raises(errors.InvalidArgument, match="job_id is required"):
+        client.acquire("g", job_id="")
+    monkeypatch.setenv("TSLICE_JOB_ID", "no spaces please")
+    with pytest.raises(errors.InvalidArgument, match=r"from \$TSLICE_JOB_ID"):
+        tslice.Client("127.0.0.1:1")
+
+
+def test_malformed_ids_are_rejected_in_noop_mode_too() -> None:
+    with pytest.raises(errors.InvalidArgument):
+        tslice.Client().acquire("white space")
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [{"timeout": 0}, {"timeout": -1}, {"call_timeout": 0}, {"footprint_bytes": -1}],
+)
+def test_bad_numbers_are_value_errors(kwargs: dict[str, float]) -> None:
+    with pytest.raises(ValueError, match=next(iter(kwargs))):
+        tslice.Client("x:1", **kwargs)  # type: ignore[arg-type]
+
+
+def test_empty_address_argument_is_an_error() -> None:
+    with pytest.raises(errors.ConfigError, match="address is empty"):
+        tslice.Client(" ")
+
+
+def test_resolve_reads_only_the_given_environment() -> None:
+    config = _config.resolve(
+        address=None,
+        job_id=None,
+        default_group=None,
+        timeout=None,
+        call_timeout=5.0,
+        footprint_bytes=None,
+        retry=tslice.RetryPolicy(),
+        channel_options=None,
+        environ={"TIMESLICE_ORCH_ADDR": "h:9", "TIMESLICE_JOB_ID": "j"},
+    )
+    assert config.enabled and config.address == "h:9" and config.job_id == "j"
+    assert config.footprint_bytes == 0 and config.call_timeout == 5.0
