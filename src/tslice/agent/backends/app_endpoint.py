@@ -19,9 +19,9 @@ What it does better than the llm-d agent it replaces:
   timeout is 300 s, not 30 s.
 * **Reconciliation.** ``recover`` asks vLLM engines ``GET /is_sleeping``.
 
-The engines report no byte counts, so ``OpResult`` bytes are 0 unless a response carries
-``freed_bytes`` / ``restored_bytes`` / ``host_bytes`` numbers (the shipped dialect server
-``tslice.sim.engine_server`` does; real engines ignore nothing and send nothing).
+Real engines report no byte counts, so ``OpResult`` bytes are 0 unless an answer is a JSON
+object carrying ``freed_bytes`` / ``restored_bytes`` / ``host_bytes`` numbers, as the shipped
+dialect server ``tslice.sim.engine_server`` sends.
 """
 
 from __future__ import annotations
