@@ -1,0 +1,601 @@
+"""Workload side of the workload channel: ``register_workload`` and its handle.
+
+A training or serving process calls :func:`register_workload` once; from then on a
+background thread keeps a ``WorkloadChannel`` stream open to the node agent and
+runs the snapshot/restore commands the agent sends through an adapter (PyTorch,
+vLLM, SGLang, callbacks). The caller's code keeps running; only the adapter's
+memory moves.
+
+Threads, and why:
+
+- the *connection* thread reads the stream. It answers pings itself, so keepalive
+  keeps flowing while a long offload runs;
+- one *worker* thread runs commands, one at a time, in arrival order (the agent
+  sends at most one per job at a time anyway);
+- awaitable adapter methods run on the event loop that was running when
+  ``register_workload`` was called (engines such as vLLM's ``AsyncLLM`` are bound
+  to it), or on a private loop thread when there was none.
+
+Readiness is real: the wire has no registration reply, so the agent's first
+``Ping``, which a tslice agent sends right after accepting the registration, is the
+acknowledgement. :meth:`WorkloadHandle.wait_registered` waits for it. (llm-d's
+agent never pings, so against it ``wait_registered`` times out, and keepalive stays
+off, while commands still work.)
+
+Reconnects back off exponentially (0.5 s doubling to 30 s, with jitter), and each
+one re-registers with what the workload holds *now* (``suspended``,
+``resident_tags``), after any running command has finished, so the agent
+reconciles. A registration the agent refuses (INVALID_ARGUMENT) or replaces with a
+newer one of the same job (ABORTED) is final: the handle stops and says why in
+:attr:`WorkloadHandle.error`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import inspect
+import logging
+import os
+import queue
+import random
+import threading
+import time
+from collections.abc import Awaitable, Iterable, Iterator, Sequence
+from types import TracebackType
+from typing import Any, TypeAlias
+
+import grpc
+
+from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
+from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2_grpc as pb_grpc
+from tslice.common import ids
+from tslice.workload import adapters
+from tslice.workload.adapters import base, callbacks
+
+log = logging.getLogger(__name__)
+
+#: Environment variables read when ``agent`` is not given (first one set wins).
+AGENT_ENV_VARS = ("TSLICE_AGENT_ADDR", "SNAPSHOT_AGENT_ADDR")
+
+ModeLike: TypeAlias = "base.SuspendMode | str | int"
+
+
+class _Stop:
+    """Outbox sentinel: end the request stream (half-close)."""
+
+
+_STOP = _Stop()
+# Generated stubs are untyped; calling through Any keeps strict mypy quiet either way.
+_STUB: Any = pb_grpc.SnapshotAgentServiceStub
+
+
+@dataclasses.dataclass
+class _Connection:
+    """One stream attempt; commands answer on the connection they arrived on."""
+
+    outbox: queue.Queue[pb.WorkloadMessage | _Stop] = dataclasses.field(default_factory=queue.Queue)
+    call: Any = None
+    acked: bool = False
+    keepalive: bool = False
+    last_heard: float = dataclasses.field(default_factory=time.monotonic)
+    pings_sent: int = 0
+
+    def heard(self) -> None:
+        self.last_heard = time.monotonic()
+
+
+class WorkloadHandle:
+    """A registered workload: the background connection plus the command worker.
+
+    Create it with :func:`register_workload`. Use as a context manager, or call
+    :meth:`close` when done.
+    """
+
+    def __init__(
+        self,
+        *,
+        agent: str | grpc.Channel,
+        job_id: str,
+        group: str,
+        adapter: base.WorkloadAdapter,
+        capabilities: base.Capabilities,
+        loop: asyncio.AbstractEventLoop | None,
+        ping_interval_s: float,
+        missed_pings: int,
+        backoff_initial_s: float,
+        backoff_max_s: float,
+    ) -> None:
+        self.job_id = job_id
+        self.group = group
+        self.adapter = adapter
+        self.capabilities = capabilities
+        self._agent = agent
+        self._loop = loop
+        self._ping_interval_s = ping_interval_s
+        self._missed_pings = missed_pings
+        self._backoff_initial_s = backoff_initial_s
+        self._backoff_max_s = backoff_max_s
+        self._tracker = base.ResidencyTracker(declared=capabilities.tags)
+        self._stop = threading.Event()
+        self._state = threading.Condition()
+        self._registered = False
+        self._finished = False
+        self._in_flight = 0
+        self._connection: _Connection | None = None
+        self._private_loop: asyncio.AbstractEventLoop | None = None
+        self._private_loop_thread: threading.Thread | None = None
+        self._worker = concurrent.futures.ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix=f"tslice-workload-{job_id}-worker"
+        )
+        self._thread = threading.Thread(
+            target=self._run, name=f"workload-channel-{job_id}", daemon=True
+        )
+        #: Why the handle stopped for good (refused or replaced registration), else None.
+        self.error: str | None = None
+        #: Streams opened so far (1 + reconnects).
+        self.connections = 0
+        #: Commands run so far (successful or not).
+        self.commands_executed = 0
+        #: Keepalive pings received from the agent (the first one acknowledges registration).
+        self.pings_received = 0
+
+    # ---- public -------------------------------------------------------------------
+
+    def start(self) -> WorkloadHandle:
+        self._thread.start()
+        return self
+
+    @property
+    def registered(self) -> bool:
+        """True while the agent has acknowledged the current registration."""
+        with self._state:
+            return self._registered
+
+    def wait_registered(self, timeout: float | None = None) -> bool:
+        """Block until the agent acknowledged the registration; False on timeout or stop."""
+        with self._state:
+            self._state.wait_for(lambda: self._registered or self._finished, timeout)
+            return self._registered
+
+    def wait_stopped(self, timeout: float | None = None) -> bool:
+        """Block until the handle stopped for good (closed, refused or replaced)."""
+        with self._state:
+            return self._state.wait_for(lambda: self._finished, timeout)
+
+    def state(self) -> base.AdapterState:
+        """What the workload holds on the device now (the adapter's view, else tracked)."""
+        reported = self.adapter.state()
+        return reported if reported is not None else self._tracker.state()
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop the channel (the agent sees a clean end of stream) and the worker. Idempotent."""
+        self._stop.set()
+        connection = self._connection
+        if connection is not None:
+            connection.outbox.put(_STOP)
+        if self._thread.is_alive():
+            self._thread.join(timeout / 2)
+            connection = self._connection
+            if self._thread.is_alive() and connection is not None and connection.call is not None:
+                connection.call.cancel()
+            self._thread.join(timeout / 2)
+        self._worker.shutdown(wait=False, cancel_futures=True)
+        self._stop_private_loop()
+        with self._state:
+            self._registered = False
+            self._finished = True
+            self._state.notify_all()
+
+    def __enter__(self) -> WorkloadHandle:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (
+            f"<WorkloadHandle job_id={self.job_id!r} adapter={self.adapter.name} "
+            f"registered={self.registered} error={self.error!r}>"
+        )
+
+    # ---- connection loop ----------------------------------------------------------
+
+    def _run(self) -> None:
+        delay = self._backoff_initial_s
+        try:
+            while not self._stop.is_set():
+                self._wait_idle()
+                if self._stop.is_set():
+                    break
+                acked, final = self._connect_once()
+                if final or self._stop.is_set():
+                    break
+                if acked:
+                    delay = self._backoff_initial_s
+                pause = delay * random.uniform(0.5, 1.5)
+                log.info(
+                    "reconnecting to the agent",
+                    extra={"job_id": self.job_id, "in_s": round(pause, 2)},
+                )
+                if self._stop.wait(pause):
+                    break
+                delay = min(delay * 2, self._backoff_max_s)
+        finally:
+            with self._state:
+                self._registered = False
+                self._finished = True
+                self._state.notify_all()
+
+    def _connect_once(self) -> tuple[bool, bool]:
+        """One stream, until it ends. Returns (acknowledged, stop for good)."""
+        channel, owned = self._open_channel()
+        connection = _Connection()
+        self._connection = connection
+        self.connections += 1
+        registration = self._registration()
+        try:
+            stub = _STUB(channel)
+            connection.call = stub.WorkloadChannel(self._requests(connection, registration))
+            if self._stop.is_set():
+                connection.outbox.put(_STOP)
+            for command in connection.call:
+                self._on_command(connection, command)
+            log.info("the agent ended the workload channel", extra={"job_id": self.job_id})
+            return connection.acked, False
+        except grpc.RpcError as err:
+            return connection.acked, self._on_stream_error(err)
+        finally:
+            connection.outbox.put(_STOP)
+            self._set_registered(False)
+            if owned:
+                channel.close()
+
+    def _on_stream_error(self, err: grpc.RpcError) -> bool:
+        """Log why the stream ended; True if reconnecting cannot help."""
+        code = err.code() if callable(getattr(err, "code", None)) else grpc.StatusCode.UNKNOWN
+        details = err.details() if callable(getattr(err, "details", None)) else str(err)
+        if self._stop.is_set():
+            return True
+        if code == grpc.StatusCode.INVALID_ARGUMENT:
+            self._fail(f"the agent refused the registration of job {self.job_id!r}: {details}")
+            return True
+        if code == grpc.StatusCode.ABORTED and "replaced" in (details or ""):
+            self._fail(
+                f"job {self.job_id!r} was registered again by another process, which now "
+                f"owns the channel ({details}); this handle stops"
+            )
+            return True
+        log.warning(
+            "workload channel lost",
+            extra={"job_id": self.job_id, "code": code.name, "details": details},
+        )
+        return False
+
+    def _on_command(self, connection: _Connection, command: pb.AgentCommand) -> None:
+        connection.heard()
+        kind = command.WhichOneof("command")
+        if kind == "ping":
+            self.pings_received += 1
+            if not connection.acked:
+                connection.acked = True
+                self._set_registered(True)
+                log.info("registered with the agent", extra={"job_id": self.job_id})
+            connection.keepalive = True
+            connection.outbox.put(pb.WorkloadMessage(pong=command.ping))
+        elif kind in ("snapshot", "restore"):
+            with self._state:
+                self._in_flight += 1
+            try:
+                self._worker.submit(self._execute, connection, command)
+            except RuntimeError:  # the worker was shut down by close()
+                with self._state:
+                    self._in_flight -= 1
+        elif kind == "pong":
+            pass
+        elif command.command_id:
+            connection.outbox.put(
+                pb.WorkloadMessage(
+                    result=pb.CommandResult(
+                        command_id=command.command_id,
+                        ok=False,
+                        error="unsupported command: this workload library knows "
+                        "snapshot and restore only",
+                    )
+                )
+            )
+
+    def _requests(
+        self, connection: _Connection, registration: pb.WorkloadMessage
+    ) -> Iterator[pb.WorkloadMessage]:
+        """The outgoing stream: registration, then results/pongs, and our own pings."""
+        yield registration
+        next_ping = time.monotonic() + self._ping_interval_s
+        while True:
+            timeout = max(next_ping - time.monotonic(), 0) if connection.keepalive else None
+            try:
+                item = connection.outbox.get(timeout=timeout)
+            except queue.Empty:
+                item = None
+            if isinstance(item, _Stop):
+                return
+            if connection.keepalive:
+                silent = time.monotonic() - connection.last_heard
+                if silent > self._ping_interval_s * self._missed_pings:
+                    log.warning(
+                        "no message from the agent; dropping the connection",
+                        extra={"job_id": self.job_id, "silent_s": round(silent, 2)},
+                    )
+                    if connection.call is not None:
+                        connection.call.cancel()
+                    return
+            if item is not None:
+                yield item
+            if connection.keepalive and time.monotonic() >= next_ping:
+                connection.pings_sent += 1
+                next_ping = time.monotonic() + self._ping_interval_s
+                yield pb.WorkloadMessage(ping=pb.Ping(nonce=connection.pings_sent))
+
+    def _registration(self) -> pb.WorkloadMessage:
+        state = self.state()
+        caps = self.capabilities
+        return pb.WorkloadMessage(
+            register=pb.RegisterWorkload(
+                job_id=self.job_id,
+                group=self.group,
+                capabilities=pb.WorkloadCapabilities(
+                    supported_modes=[pb.SuspendMode.Name(int(m)) for m in caps.supported_modes],
+                    default_mode=pb.SuspendMode.Name(int(caps.default_mode or 0)),
+                    tags=caps.tags,
+                ),
+                resident_tags=state.resident_tags,
+                suspended=state.suspended,
+                pid=os.getpid(),
+            )
+        )
+
+    # ---- commands -----------------------------------------------------------------
+
+    def _execute(self, connection: _Connection, command: pb.AgentCommand) -> None:
+        started = time.monotonic()
+        deadline = started + command.deadline_ms / 1000 if command.deadline_ms > 0 else None
+        kind = command.WhichOneof("command")
+        try:
+            if kind == "snapshot":
+                tags: Sequence[str] = tuple(command.snapshot.tags)
+                mode = self._mode(command.snapshot.mode)
+                measured = self._settle(self.adapter.snapshot(mode, tags), deadline)
+                self._tracker.snapshot_done(tags)
+            else:
+                tags = tuple(command.restore.tags)
+                measured = self._settle(self.adapter.restore(tags), deadline)
+                self._tracker.restore_done(tags)
+            result = pb.CommandResult(
+                command_id=command.command_id,
+                ok=True,
+                device_bytes=measured.device_bytes if measured else 0,
+                host_bytes=measured.host_bytes if measured else 0,
+            )
+            log.info(
+                "command done",
+                extra={
+                    "job_id": self.job_id,
+                    "command_id": command.command_id,
+                    "kind": kind,
+                    "tags": list(tags),
+                    "elapsed_s": round(time.monotonic() - started, 3),
+                    "device_bytes": result.device_bytes,
+                },
+            )
+        except Exception as exc:
+            log.warning(
+                "command failed",
+                exc_info=True,
+                extra={"job_id": self.job_id, "command_id": command.command_id, "kind": kind},
+            )
+            result = pb.CommandResult(
+                command_id=command.command_id, ok=False, error=f"{type(exc).__name__}: {exc}"
+            )
+        finally:
+            with self._state:
+                self.commands_executed += 1
+                self._in_flight -= 1
+                self._state.notify_all()
+        # Answer on the stream the command came from; if it is gone, the agent has
+        # already failed the command and the next registration reports the new state.
+        connection.outbox.put(pb.WorkloadMessage(result=result))
+
+    def _mode(self, value: int) -> base.SuspendMode:
+        if value == pb.SUSPEND_MODE_UNSPECIFIED:
+            # The agent always resolves the mode; be lenient with one that does not.
+            return self.capabilities.default_mode or base.SuspendMode.OFFLOAD
+        return base.SuspendMode.parse(value)
+
+    def _settle(self, outcome: object, deadline: float | None) -> base.AdapterResult | None:
+        if not inspect.isawaitable(outcome):
+            return callbacks.coerce_result(outcome)
+        loop = self._loop if self._loop is not None else self._ensure_private_loop()
+        runner = _awaited(outcome)
+        try:
+            future = asyncio.run_coroutine_threadsafe(runner, loop)
+        except RuntimeError as exc:  # the captured loop has been closed
+            runner.close()
+            close = getattr(outcome, "close", None)
+            if callable(close):
+                close()
+            raise RuntimeError(
+                f"the event loop captured at register_workload() is gone ({exc}); "
+                "register from a loop that outlives the workload, or from no loop at all"
+            ) from exc
+        remaining = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+        try:
+            return callbacks.coerce_result(future.result(timeout=remaining))
+        except concurrent.futures.TimeoutError:
+            future.cancel()
+            raise TimeoutError(
+                "gave up at the agent's deadline; the operation was cancelled"
+            ) from None
+
+    # ---- helpers ------------------------------------------------------------------
+
+    def _open_channel(self) -> tuple[grpc.Channel, bool]:
+        if isinstance(self._agent, str):
+            return grpc.insecure_channel(self._agent), True
+        return self._agent, False
+
+    def _set_registered(self, value: bool) -> None:
+        with self._state:
+            self._registered = value
+            self._state.notify_all()
+
+    def _fail(self, message: str) -> None:
+        self.error = message
+        log.error(message, extra={"job_id": self.job_id})
+
+    def _wait_idle(self) -> None:
+        # Re-register only once no command is running, so the reported state is settled.
+        with self._state:
+            self._state.wait_for(lambda: self._in_flight == 0 or self._stop.is_set())
+
+    def _ensure_private_loop(self) -> asyncio.AbstractEventLoop:
+        with self._state:
+            if self._private_loop is None:
+                loop = asyncio.new_event_loop()
+                thread = threading.Thread(
+                    target=loop.run_forever, name=f"tslice-workload-{self.job_id}-loop", daemon=True
+                )
+                thread.start()
+                self._private_loop, self._private_loop_thread = loop, thread
+            return self._private_loop
+
+    def _stop_private_loop(self) -> None:
+        loop, thread = self._private_loop, self._private_loop_thread
+        if loop is None or thread is None:
+            return
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(5)
+        if not thread.is_alive():
+            loop.close()
+        self._private_loop = self._private_loop_thread = None
+
+
+async def _awaited(awaitable: Awaitable[object]) -> object:
+    return await awaitable
+
+
+def register_workload(  # noqa: PLR0917 - llm-d's positional signature, kept for drop-in use
+    agent: str | grpc.Channel | None,
+    job_id: str,
+    group: str = "",
+    workload: object | None = None,
+    on_snapshot: callbacks.SnapshotCallback | None = None,
+    on_restore: callbacks.RestoreCallback | None = None,
+    supported_modes: Iterable[ModeLike] | None = None,
+    default_mode: ModeLike | None = None,
+    tags: Iterable[str] | None = None,
+    *,
+    ping_interval_s: float = 5.0,
+    missed_pings: int = 3,
+    backoff_initial_s: float = 0.5,
+    backoff_max_s: float = 30.0,
+) -> WorkloadHandle:
+    """Register this process's workload with the node agent and serve its commands.
+
+    Args:
+        agent: the agent address (``"127.0.0.1:9001"``, ``"unix:/run/tslice/agent.sock"``)
+            or a ``grpc.Channel`` (not closed by the handle). ``None`` reads
+            ``TSLICE_AGENT_ADDR`` (or llm-d's ``SNAPSHOT_AGENT_ADDR``).
+        job_id: the job this workload belongs to (validated like every tslice id).
+        group: the group the job uses on this node (informational for the agent).
+        workload: what to drive: a ``torch.nn.Module``/optimizer/``(module, optimizer)``,
+            a vLLM engine, an SGLang engine, any object with ``snapshot``/``restore``,
+            or a :class:`~tslice.workload.adapters.base.WorkloadAdapter`.
+        on_snapshot, on_restore: callbacks instead of ``workload`` (both required):
+            ``on_snapshot(mode_name, tags)`` and ``on_restore(tags)``.
+        supported_modes, default_mode, tags: override what the adapter declares; modes
+            by name (``"offload"``, ``"SUSPEND_MODE_DISCARD"``) or number.
+        ping_interval_s, missed_pings: keepalive towards the agent.
+        backoff_initial_s, backoff_max_s: reconnect backoff bounds.
+
+    Returns at once with the connection running in the background; call
+    ``handle.wait_registered(timeout)`` to know the agent has accepted it.
+    """
+    ids.check_id("job_id", job_id)
+    if group:
+        ids.check_id("group", group)
+    target = _resolve_agent(agent)
+    if ping_interval_s <= 0 or missed_pings < 1:
+        raise ValueError("ping_interval_s must be > 0 and missed_pings >= 1")
+    if backoff_initial_s <= 0 or backoff_max_s < backoff_initial_s:
+        raise ValueError("need 0 < backoff_initial_s <= backoff_max_s")
+    adapter = adapters.resolve_adapter(
+        workload=workload, on_snapshot=on_snapshot, on_restore=on_restore
+    )
+    capabilities = _capabilities(adapter.capabilities(), supported_modes, default_mode, tags)
+    try:
+        loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+    except RuntimeError:
+        loop = None
+    handle = WorkloadHandle(
+        agent=target,
+        job_id=job_id,
+        group=group,
+        adapter=adapter,
+        capabilities=capabilities,
+        loop=loop,
+        ping_interval_s=ping_interval_s,
+        missed_pings=missed_pings,
+        backoff_initial_s=backoff_initial_s,
+        backoff_max_s=backoff_max_s,
+    )
+    return handle.start()
+
+
+def _resolve_agent(agent: str | grpc.Channel | None) -> str | grpc.Channel:
+    if agent is None or agent == "":
+        for name in AGENT_ENV_VARS:
+            value = os.environ.get(name, "").strip()
+            if value:
+                return value
+        raise ValueError(
+            "no agent address: pass agent='127.0.0.1:9001' (or 'unix:/path/agent.sock') "
+            f"or set {AGENT_ENV_VARS[0]}"
+        )
+    return agent
+
+
+def _capabilities(
+    declared: base.Capabilities,
+    supported_modes: Iterable[ModeLike] | None,
+    default_mode: ModeLike | None,
+    tags: Iterable[str] | None,
+) -> base.Capabilities:
+    modes = (
+        tuple(dict.fromkeys(base.SuspendMode.parse(m) for m in supported_modes))
+        if supported_modes is not None
+        else declared.supported_modes
+    )
+    default = base.SuspendMode.parse(default_mode) if default_mode is not None else None
+    # An adapter default that the overriding modes exclude would be refused by the agent.
+    if (
+        default is None
+        and declared.default_mode is not None
+        and (not modes or declared.default_mode in modes)
+    ):
+        default = declared.default_mode
+    if default is not None and modes and default not in modes:
+        raise ValueError(
+            f"default_mode {default.label!r} is not among supported_modes "
+            f"{[m.label for m in modes]}"
+        )
+    return base.Capabilities(
+        supported_modes=modes,
+        default_mode=default,
+        tags=base.normalize_tags(tags) if tags is not None else declared.tags,
+    )
