@@ -266,7 +266,7 @@ def test_custom_tags_round_trip_non_contiguous_tensors() -> None:
     assert base.untyped_storage().data_ptr() == k_cache.untyped_storage().data_ptr()
 
 
-def test_moves_are_idempotent(trained) -> None:
+def test_moves_are_idempotent_and_counted(trained) -> None:
     model, optimizer = trained
     adapter = torch_adapter.TorchAdapter(model, optimizer)
     assert adapter.restore().device_bytes == 0
@@ -277,6 +277,9 @@ def test_moves_are_idempotent(trained) -> None:
     assert again.device_bytes == 0 and again.host_bytes == first.host_bytes
     assert adapter.restore(["weights"]).device_bytes == first.device_bytes
     assert adapter.restore(["weights"]).device_bytes == 0
+    assert adapter.stats == torch_adapter.TorchAdapterStats(
+        snapshots=2, bytes_out=first.device_bytes, restores=3, bytes_in=first.device_bytes
+    )
 
 
 def test_staged_restore_brings_back_only_the_asked_tags(trained) -> None:

@@ -108,6 +108,18 @@ class _Parked:
         return sum(block.nbytes for block in self.blocks)
 
 
+@dataclasses.dataclass(frozen=True)
+class TorchAdapterStats:
+    """What an adapter has done since it was created (for logs, tests and metrics)."""
+
+    #: Successful snapshot calls, and device bytes they freed.
+    snapshots: int = 0
+    bytes_out: int = 0
+    #: Successful restore calls, and device bytes they brought back.
+    restores: int = 0
+    bytes_in: int = 0
+
+
 class _HostBuffers:
     """One flat byte buffer per tag, allocated once and reused across cycles."""
 
@@ -271,6 +283,7 @@ class TorchAdapter(base.WorkloadAdapter):
         self._buffers = _HostBuffers()
         self._copier = _Copier(chunk_bytes=chunk_bytes, streams_per_device=streams_per_device)
         self._release_cached_memory = release_cached_memory
+        self._stats = TorchAdapterStats()
         # The workload channel runs commands on its own thread; one move at a time.
         self._lock = threading.Lock()
 
@@ -304,6 +317,11 @@ class TorchAdapter(base.WorkloadAdapter):
         """Tags dropped by DISCARD whose values have not been re-synced since
         (see :meth:`mark_resynced`); their tensors hold zeros once restored."""
         return sorted(self._needs_resync)
+
+    @property
+    def stats(self) -> TorchAdapterStats:
+        """Counts of successful snapshots and restores and the bytes they moved."""
+        return self._stats
 
     @property
     def host_buffer_bytes(self) -> int:
@@ -382,6 +400,11 @@ class TorchAdapter(base.WorkloadAdapter):
                     self._needs_resync.add(tag)
             if self._release_cached_memory:
                 _empty_device_caches(plan.values())
+            self._stats = dataclasses.replace(
+                self._stats,
+                snapshots=self._stats.snapshots + 1,
+                bytes_out=self._stats.bytes_out + freed,
+            )
             return base.AdapterResult(device_bytes=freed, host_bytes=self._saved_bytes())
 
     def restore(self, tags: Sequence[str] = ()) -> base.AdapterResult:
@@ -412,6 +435,11 @@ class TorchAdapter(base.WorkloadAdapter):
                     _repoint(block)
                 del self._parked[tag]
                 restored += parked.nbytes
+            self._stats = dataclasses.replace(
+                self._stats,
+                restores=self._stats.restores + 1,
+                bytes_in=self._stats.bytes_in + restored,
+            )
             return base.AdapterResult(device_bytes=restored, host_bytes=self._saved_bytes())
 
     # ---- internals ----------------------------------------------------------
