@@ -1,0 +1,387 @@
+"""The pure per-job state machine (tslice.agent.jobs), driven directly."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from tslice.agent import jobs
+from tslice.agent.backends import base
+from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
+
+S = jobs.State
+NODE = "node-a"
+DEFAULT = jobs.Route(backend="sim", config=None)
+
+
+def job(state: S, **kw: object) -> jobs.Job:
+    fields: dict[str, object] = {"job_id": "j1", "group": "g", "state": state, "backend": "sim"}
+    fields.update(kw)
+    return jobs.Job(**fields)  # type: ignore[arg-type]
+
+
+def snapshot(current: jobs.Job | None, **kw: object) -> jobs.Start:
+    args: dict[str, object] = {
+        "job_id": "j1",
+        "group": "g",
+        "route_": DEFAULT,
+        "node": NODE,
+        "op_id": "op-1",
+        "now": 100.0,
+    }
+    args.update(kw)
+    return jobs.plan_snapshot(current, **args)  # type: ignore[arg-type]
+
+
+def restore(current: jobs.Job | None, **kw: object) -> jobs.Start | jobs.Done:
+    args: dict[str, object] = {
+        "job_id": "j1",
+        "group": "g",
+        "route_": DEFAULT,
+        "node": NODE,
+        "op_id": "op-2",
+        "now": 100.0,
+        "others": [],
+    }
+    args.update(kw)
+    return jobs.plan_restore(current, **args)  # type: ignore[arg-type]
+
+
+def grant(current: jobs.Job | None, **kw: object) -> jobs.Start | jobs.Unchanged:
+    args: dict[str, object] = {
+        "job_id": "j1",
+        "group": "g",
+        "epoch": 1,
+        "last": None,
+        "footprint_bytes": 0,
+        "route_": DEFAULT,
+        "node": NODE,
+        "op_id": "op-3",
+        "now": 100.0,
+        "others": [],
+    }
+    args.update(kw)
+    return jobs.plan_grant(current, **args)  # type: ignore[arg-type]
+
+
+def refused(fn: object, *args: object, **kw: object) -> jobs.Refused:
+    with pytest.raises(jobs.Refused) as info:
+        fn(*args, **kw)  # type: ignore[operator]
+    return info.value
+
+
+# ---- snapshot ----------------------------------------------------------------------------
+
+
+def test_snapshot_of_running_job_starts_a_transition() -> None:
+    plan = snapshot(job(S.RUNNING))
+    assert plan.job.state is S.TRANSITIONING
+    assert plan.job.previous_state is S.RUNNING
+    assert plan.job.operation_id == "op-1"
+    assert plan.operation.status is jobs.OpStatus.PENDING
+    assert plan.operation.kind is jobs.Kind.SNAPSHOT
+
+
+@pytest.mark.parametrize(
+    ("state", "code", "words"),
+    [
+        (S.TRANSITIONING, jobs.Code.ABORTED, "already running for job j1"),
+        (S.IDLE, jobs.Code.FAILED_PRECONDITION, "IDLE"),
+        (S.SAVED, jobs.Code.FAILED_PRECONDITION, "restore it"),
+        (S.FAULTED, jobs.Code.FAILED_PRECONDITION, "ResetJob"),
+    ],
+)
+def test_snapshot_refusals_name_the_state_and_the_fix(
+    state: S, code: jobs.Code, words: str
+) -> None:
+    err = refused(snapshot, job(state, operation_id="op-0"))
+    assert err.code is code
+    assert words in err.message
+
+
+def test_snapshot_of_unknown_job_without_config_is_refused() -> None:
+    err = refused(snapshot, None)
+    assert err.code is jobs.Code.FAILED_PRECONDITION
+    assert "not known on node node-a" in err.message
+    assert "granted" in err.message
+
+
+def test_snapshot_of_unknown_job_with_config_adopts_it_as_running() -> None:
+    config = pb.BackendConfig(sim=pb.SimBackendConfig(footprint_bytes=123))
+    route = jobs.Route(backend="sim", config=config, explicit=True, record=True)
+    plan = snapshot(None, route_=route)
+    assert plan.job.previous_state is S.RUNNING
+    assert plan.job.footprint_bytes == 123
+    assert plan.job.choice == "sim"
+    assert plan.job.backend_config() == config
+
+
+def test_faulted_job_is_retried_only_when_the_backend_reports_it_running() -> None:
+    faulted = job(S.FAULTED, error="boom")
+    assert refused(snapshot, faulted, recovered=S.SAVED).code is jobs.Code.FAILED_PRECONDITION
+    plan = snapshot(faulted, recovered=S.RUNNING)
+    assert plan.job.state is S.TRANSITIONING
+    assert plan.job.error == ""
+
+
+# ---- restore -------------------------------------------------------------------------------
+
+
+def test_restore_of_saved_job_starts_a_transition() -> None:
+    plan = restore(job(S.SAVED))
+    assert isinstance(plan, jobs.Start)
+    assert plan.job.state is S.TRANSITIONING
+    assert plan.job.previous_state is S.SAVED
+    assert plan.operation.kind is jobs.Kind.RESTORE
+
+
+def test_restore_of_running_job_is_a_real_complete_operation() -> None:
+    plan = restore(job(S.RUNNING))
+    assert isinstance(plan, jobs.Done)
+    assert plan.operation.status is jobs.OpStatus.COMPLETE
+    assert (plan.operation.storage_bytes, plan.operation.device_bytes) == (0, 0)
+    assert plan.job.state is S.RUNNING
+    assert plan.job.operation_id == plan.operation.op_id == "op-2"
+
+
+def test_restore_of_running_job_with_missing_tags_goes_to_the_backend() -> None:
+    plan = restore(job(S.RUNNING), partial=True)
+    assert isinstance(plan, jobs.Start)
+    assert plan.job.previous_state is S.RUNNING
+
+
+@pytest.mark.parametrize(
+    ("current", "code"),
+    [
+        (None, jobs.Code.FAILED_PRECONDITION),
+        (job(S.IDLE), jobs.Code.FAILED_PRECONDITION),
+        (job(S.TRANSITIONING), jobs.Code.ABORTED),
+        (job(S.FAULTED), jobs.Code.FAILED_PRECONDITION),
+    ],
+)
+def test_restore_refusals(current: jobs.Job | None, code: jobs.Code) -> None:
+    assert refused(restore, current).code is code
+
+
+def test_restore_must_use_the_backend_that_saved_the_job() -> None:
+    noop = jobs.Route(
+        backend="noop", config=pb.BackendConfig(noop=pb.NoopBackendConfig()), explicit=True
+    )
+    err = refused(restore, job(S.SAVED), route_=noop)
+    assert err.code is jobs.Code.FAILED_PRECONDITION
+    assert "held by backend sim" in err.message
+
+
+def test_restore_refused_while_another_job_of_the_group_is_resident() -> None:
+    other = job(S.RUNNING, job_id="j2")
+    err = refused(restore, job(S.SAVED), others=[other])
+    assert err.code is jobs.Code.FAILED_PRECONDITION
+    assert "j2" in err.message
+    # Another group does not matter.
+    assert isinstance(
+        restore(job(S.SAVED), others=[job(S.RUNNING, job_id="j2", group="h")]), jobs.Start
+    )
+
+
+# ---- grant ---------------------------------------------------------------------------------------
+
+
+def test_grant_of_unknown_job_activates_it() -> None:
+    plan = grant(None, footprint_bytes=77)
+    assert isinstance(plan, jobs.Start)
+    assert plan.operation.kind is jobs.Kind.ACTIVATE
+    assert plan.job.previous_state is S.IDLE
+    assert plan.job.footprint_bytes == 77
+    assert plan.job.group == "g"
+
+
+def test_grant_of_running_job_changes_nothing() -> None:
+    plan = grant(job(S.RUNNING))
+    assert isinstance(plan, jobs.Unchanged)
+    assert plan.job.state is S.RUNNING
+
+
+@pytest.mark.parametrize(
+    ("state", "code", "words"),
+    [
+        (S.SAVED, jobs.Code.FAILED_PRECONDITION, "restore it first"),
+        (S.TRANSITIONING, jobs.Code.ABORTED, "already running"),
+        (S.FAULTED, jobs.Code.FAILED_PRECONDITION, "ResetJob"),
+    ],
+)
+def test_grant_refusals(state: S, code: jobs.Code, words: str) -> None:
+    err = refused(grant, job(state))
+    assert err.code is code
+    assert words in err.message
+
+
+def test_grant_with_an_older_epoch_is_stale() -> None:
+    last = jobs.GrantMark(group="g", epoch=5, job_id="j0")
+    err = refused(grant, None, epoch=4, last=last)
+    assert err.code is jobs.Code.FAILED_PRECONDITION
+    assert "stale" in err.message
+    assert "epoch 5" in err.message
+    # One epoch names one job; the same grant repeated is fine.
+    assert refused(grant, None, epoch=5, last=last).code is jobs.Code.FAILED_PRECONDITION
+    assert isinstance(grant(None, epoch=5, last=dataclasses.replace(last, job_id="j1")), jobs.Start)
+    # Epoch 0 is unfenced (clients that send none).
+    assert isinstance(grant(None, epoch=0, last=last), jobs.Start)
+
+
+def test_grant_refused_while_another_job_of_the_group_is_resident() -> None:
+    for state in (S.RUNNING, S.TRANSITIONING):
+        err = refused(grant, None, others=[job(state, job_id="j2")])
+        assert "j2" in err.message
+    assert isinstance(grant(None, others=[job(S.SAVED, job_id="j2")]), jobs.Start)
+
+
+# ---- outcomes ----------------------------------------------------------------------------------
+
+
+def test_finish_success_moves_to_the_target_state_with_measured_bytes() -> None:
+    plan = snapshot(job(S.RUNNING, backend_state={"a": 1}))
+    result = base.OpResult(device_bytes=10, host_bytes=8, state={"b": 2})
+    done_job, done_op = jobs.finish(
+        plan.job, plan.operation, outcome=jobs.Outcome(result=result), now=101.5
+    )
+    assert done_job.state is S.SAVED
+    assert (done_job.device_bytes, done_job.host_bytes) == (0, 8)
+    assert done_job.backend_state == {"a": 1, "b": 2}
+    assert done_op.status is jobs.OpStatus.COMPLETE
+    assert (done_op.storage_bytes, done_op.device_bytes) == (8, 10)
+    assert done_op.elapsed_ms(now=500.0) == 1500
+
+    back = restore(done_job)
+    assert isinstance(back, jobs.Start)
+    running, _ = jobs.finish(
+        back.job,
+        back.operation,
+        outcome=jobs.Outcome(result=base.OpResult(device_bytes=10)),
+        now=102,
+    )
+    assert running.state is S.RUNNING
+    assert running.device_bytes == 10
+
+
+def test_transient_failure_returns_to_the_previous_state() -> None:
+    plan = restore(job(S.SAVED))
+    assert isinstance(plan, jobs.Start)
+    after, op = jobs.finish(
+        plan.job, plan.operation, outcome=jobs.Outcome(error="busy", state_changed=False), now=101
+    )
+    assert after.state is S.SAVED
+    assert op.status is jobs.OpStatus.FAILED
+    assert op.error == "busy"
+    assert op.storage_bytes is None
+
+
+def test_fatal_failure_faults_the_job_and_keeps_the_error() -> None:
+    plan = snapshot(job(S.RUNNING))
+    after, op = jobs.finish(
+        plan.job, plan.operation, outcome=jobs.Outcome(error="driver died"), now=101
+    )
+    assert after.state is S.FAULTED
+    assert after.error == "driver died"
+    assert op.error == "driver died"
+
+
+def test_reset_takes_the_backend_state_else_idle() -> None:
+    faulted = job(S.FAULTED, error="x", host_bytes=5, device_bytes=7)
+    assert jobs.after_reset(faulted, recovered=None).state is S.IDLE
+    saved = jobs.after_reset(faulted, recovered=S.SAVED)
+    assert (saved.state, saved.host_bytes, saved.device_bytes, saved.error) == (S.SAVED, 5, 0, "")
+    assert jobs.after_reset(faulted, recovered=S.RUNNING).state is S.RUNNING
+    assert jobs.after_reset(faulted, recovered=S.TRANSITIONING).state is S.IDLE
+    with pytest.raises(jobs.Refused) as info:
+        jobs.check_reset(job(S.RUNNING), job_id="j1", node=NODE)
+    assert info.value.code is jobs.Code.FAILED_PRECONDITION
+    with pytest.raises(jobs.Refused) as info:
+        jobs.check_reset(None, job_id="j1", node=NODE)
+    assert info.value.code is jobs.Code.NOT_FOUND
+
+
+def test_after_restart_faults_unless_the_backend_knows() -> None:
+    plan = snapshot(job(S.RUNNING))
+    faulted, op = jobs.after_restart(plan.job, plan.operation, recovered=None, now=200)
+    assert faulted.state is S.FAULTED
+    assert "agent restarted during operation op-1; reset it" in faulted.error
+    assert op is not None
+    assert op.status is jobs.OpStatus.FAILED
+    running, op = jobs.after_restart(plan.job, plan.operation, recovered=S.RUNNING, now=200)
+    assert running.state is S.RUNNING
+    assert op is not None
+    assert "reports job j1 RUNNING" in (op.error or "")
+
+
+# ---- routing -----------------------------------------------------------------------------------
+
+
+def test_route_precedence() -> None:
+    channel_cfg = pb.BackendConfig(app_channel=pb.AppChannelConfig())
+    request = jobs.route(
+        request_config=channel_cfg,
+        job=job(S.RUNNING),
+        channel_registered=False,
+        default_backend="sim",
+    )
+    assert (request.backend, request.explicit) == ("app-channel", True)
+    held = jobs.route(
+        request_config=None,
+        job=job(S.SAVED, backend="cuda", choice="app-channel"),
+        channel_registered=True,
+        default_backend="sim",
+    )
+    assert held.backend == "cuda"
+    chosen = jobs.route(
+        request_config=None,
+        job=job(S.RUNNING, backend="sim", choice="noop"),
+        channel_registered=True,
+        default_backend="sim",
+    )
+    assert chosen.backend == "noop"
+    via_channel = jobs.route(
+        request_config=None,
+        job=job(S.RUNNING, backend="noop"),
+        channel_registered=True,
+        default_backend="sim",
+    )
+    assert (via_channel.backend, via_channel.record) == ("app-channel", True)
+    last = jobs.route(
+        request_config=None,
+        job=job(S.RUNNING, backend="noop"),
+        channel_registered=False,
+        default_backend="sim",
+    )
+    assert last.backend == "noop"
+    default = jobs.route(
+        request_config=None, job=None, channel_registered=False, default_backend="sim"
+    )
+    assert (default.backend, default.explicit) == ("sim", False)
+
+
+def test_route_maps_every_arm_and_the_deprecated_enum() -> None:
+    arms = {
+        "cuda": pb.BackendConfig(cuda=pb.CudaBackendConfig()),
+        "app-endpoint": pb.BackendConfig(app_endpoint=pb.AppEndpointConfig()),
+        "app-channel": pb.BackendConfig(app_channel=pb.AppChannelConfig()),
+        "sim": pb.BackendConfig(sim=pb.SimBackendConfig()),
+        "noop": pb.BackendConfig(noop=pb.NoopBackendConfig()),
+    }
+    for name, config in arms.items():
+        assert jobs.requested_backend(config) == name
+    assert jobs.requested_backend(None, deprecated_backend=pb.BACKEND_CUDA) == "cuda"
+    assert jobs.requested_backend(pb.BackendConfig()) is None
+    for unsupported in (
+        pb.BackendConfig(direct_memory=pb.DirectMemoryBackendConfig()),
+        pb.BackendConfig(memory_regions=pb.MemoryRegionsBackendConfig()),
+    ):
+        err = refused(jobs.requested_backend, unsupported)
+        assert err.code is jobs.Code.FAILED_PRECONDITION
+        assert "not supported by this agent" in err.message
+
+
+def test_ensure_enabled_names_the_flag() -> None:
+    err = refused(jobs.ensure_enabled, "cuda", enabled=["sim"], node=NODE)
+    assert err.code is jobs.Code.FAILED_PRECONDITION
+    assert "--backend cuda" in err.message
