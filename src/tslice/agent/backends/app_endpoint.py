@@ -54,6 +54,8 @@ _RETRYABLE_STATUSES = frozenset({408, 425, 429, 503})
 #: Statuses after which the engine may well have done the work (a gateway gave up waiting,
 #: or the handler raised half-way), so the call is compensated like a timeout.
 _UNCERTAIN_STATUSES = frozenset({500, 502, 504})
+#: Seconds before the agent retries after a compensated failure (engines are busy or restarting).
+_RETRY_AFTER_S = 1.0
 
 
 class InvalidEndpointConfigError(base.BackendError):
@@ -388,7 +390,7 @@ def _level(mode: pb.SuspendMode) -> int:
 # --------------------------------------------------------------------------- outcomes
 
 
-class Outcome(enum.Enum):
+class _Outcome(enum.Enum):
     DONE = "done"
     #: The engine answered "no" or was never reached: it did not change.
     REFUSED = "refused"
@@ -397,10 +399,10 @@ class Outcome(enum.Enum):
 
 
 @dataclasses.dataclass(frozen=True)
-class CallResult:
+class _CallResult:
     endpoint: str
     request: EngineRequest
-    outcome: Outcome
+    outcome: _Outcome
     error: str = ""
     retryable: bool = True
     #: Parsed JSON object of a successful answer (empty when there was none).
@@ -413,7 +415,7 @@ class CallResult:
         return 0
 
 
-def _summarise(results: Sequence[CallResult]) -> str:
+def _summarise(results: Sequence[_CallResult]) -> str:
     return "; ".join(f"{r.endpoint}: {r.error}" for r in results)
 
 
@@ -466,7 +468,7 @@ class AppEndpointBackend(base.Backend):
             for b in engines.bases
         ]
         results = await self._call_all(job, engines.endpoints, forward)
-        if all(r.outcome is Outcome.DONE for r in results):
+        if all(r.outcome is _Outcome.DONE for r in results):
             return base.OpResult(
                 device_bytes=sum(r.reported_bytes("freed_bytes") for r in results),
                 host_bytes=sum(r.reported_bytes("host_bytes") for r in results),
@@ -496,7 +498,7 @@ class AppEndpointBackend(base.Backend):
         level = recorded_level if recorded_level in (1, 2) else _level(engines.mode)
         forward = [[resume_request(engines.dialect, b, tags=engines.tags)] for b in engines.bases]
         results = await self._call_all(job, engines.endpoints, forward)
-        if all(r.outcome is Outcome.DONE for r in results):
+        if all(r.outcome is _Outcome.DONE for r in results):
             state = self._state(engines, level=level)
             if engines.tags:
                 # A staged wake: remember what is up so far (see missing_tags).
@@ -546,8 +548,8 @@ class AppEndpointBackend(base.Backend):
             return None
         probes = [[EngineRequest("GET", _join(b, "is_sleeping"))] for b in engines.bases]
         results = await self._call_all(job, engines.endpoints, probes)
-        sleeping = {r.payload.get("is_sleeping") for r in results if r.outcome is Outcome.DONE}
-        if any(r.outcome is not Outcome.DONE for r in results) or len(sleeping) != 1:
+        sleeping = {r.payload.get("is_sleeping") for r in results if r.outcome is _Outcome.DONE}
+        if any(r.outcome is not _Outcome.DONE for r in results) or len(sleeping) != 1:
             return None
         state = sleeping.pop()
         if state is True:
@@ -590,7 +592,7 @@ class AppEndpointBackend(base.Backend):
         job: base.JobContext,
         endpoints: Sequence[str],
         chains: Sequence[Sequence[EngineRequest]],
-    ) -> list[CallResult]:
+    ) -> list[_CallResult]:
         """Run one chain of requests per endpoint, all endpoints at once."""
         # Wait for every call even if one fails early: cancelling an in-flight sleep would
         # leave that engine in an unknown state.
@@ -602,18 +604,18 @@ class AppEndpointBackend(base.Backend):
 
     async def _call_chain(
         self, job: base.JobContext, endpoint: str, requests: Sequence[EngineRequest]
-    ) -> CallResult:
-        result: CallResult | None = None
+    ) -> _CallResult:
+        result: _CallResult | None = None
         for request in requests:
             result = await self._call(job, endpoint, request)
-            if result.outcome is not Outcome.DONE:
+            if result.outcome is not _Outcome.DONE:
                 return result
         assert result is not None
         return result
 
     async def _call(
         self, job: base.JobContext, endpoint: str, request: EngineRequest
-    ) -> CallResult:
+    ) -> _CallResult:
         what = request.describe()
         headers = {"Content-Type": request.content_type} if request.content_type else None
         try:
@@ -625,18 +627,18 @@ class AppEndpointBackend(base.Backend):
                 headers=headers,
             )
         except (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout) as exc:
-            return CallResult(
-                endpoint, request, Outcome.REFUSED, f"{what}: cannot connect ({_describe(exc)})"
+            return _CallResult(
+                endpoint, request, _Outcome.REFUSED, f"{what}: cannot connect ({_describe(exc)})"
             )
         except httpx.TimeoutException as exc:
-            return CallResult(
+            return _CallResult(
                 endpoint,
                 request,
-                Outcome.UNCERTAIN,
+                _Outcome.UNCERTAIN,
                 f"{what}: no answer within {self.settings.timeout_s:g} s ({_describe(exc)})",
             )
         except httpx.HTTPError as exc:
-            return CallResult(endpoint, request, Outcome.UNCERTAIN, f"{what}: {_describe(exc)}")
+            return _CallResult(endpoint, request, _Outcome.UNCERTAIN, f"{what}: {_describe(exc)}")
         status = response.status_code
         log.info(
             "engine call",
@@ -649,19 +651,19 @@ class AppEndpointBackend(base.Backend):
             },
         )
         if 200 <= status < 300:
-            return CallResult(endpoint, request, Outcome.DONE, payload=_json_object(response))
+            return _CallResult(endpoint, request, _Outcome.DONE, payload=_json_object(response))
         body = response.content[:ERROR_BODY_LIMIT].decode("utf-8", errors="replace")
         error = f"{what} returned HTTP {status}: {body.strip() or '(empty body)'}"
         if status in _UNCERTAIN_STATUSES:
-            return CallResult(endpoint, request, Outcome.UNCERTAIN, error)
-        return CallResult(
-            endpoint, request, Outcome.REFUSED, error, retryable=status in _RETRYABLE_STATUSES
+            return _CallResult(endpoint, request, _Outcome.UNCERTAIN, error)
+        return _CallResult(
+            endpoint, request, _Outcome.REFUSED, error, retryable=status in _RETRYABLE_STATUSES
         )
 
     async def _compensate(
         self,
         job: base.JobContext,
-        results: Sequence[CallResult],
+        results: Sequence[_CallResult],
         engines: EnginePlan,
         *,
         kind: str,
@@ -670,11 +672,11 @@ class AppEndpointBackend(base.Backend):
         undo: Callable[[httpx.URL], Sequence[EngineRequest]],
     ) -> NoReturn:
         """Undo the calls that took (or may have taken) effect, then raise the right error."""
-        failed = [r for r in results if r.outcome is not Outcome.DONE]
+        failed = [r for r in results if r.outcome is not _Outcome.DONE]
         to_undo = [
             (e, url)
             for r, e, url in zip(results, engines.endpoints, engines.bases, strict=True)
-            if r.outcome is not Outcome.REFUSED
+            if r.outcome is not _Outcome.REFUSED
         ]
         message = (
             f"{kind} of job {job.job_id!r} failed: could not {verb} {len(failed)} of "
@@ -683,7 +685,7 @@ class AppEndpointBackend(base.Backend):
         undo_results = list(
             await asyncio.gather(*(self._call_chain(job, e, undo(url)) for e, url in to_undo))
         )
-        broken = [r for r in undo_results if r.outcome is not Outcome.DONE]
+        broken = [r for r in undo_results if r.outcome is not _Outcome.DONE]
         if broken:
             raise base.FatalBackendError(
                 f"{message}; then {len(broken)} endpoint(s) could not be {undone}, so the "
@@ -691,13 +693,13 @@ class AppEndpointBackend(base.Backend):
                 "reset the job"
             )
         if to_undo:
-            message += f"; {undone} {len(to_undo)} endpoint(s) that had changed: " + ", ".join(
-                e for e, _ in to_undo
-            )
+            changed = ", ".join(e for e, _ in to_undo)
+            message += f"; {undone} {len(to_undo)} endpoint(s) that had (or may have) changed: "
+            message += changed
         message += "; the job is unchanged"
         retryable = all(r.retryable for r in failed)
-        log.warning(message, extra={"job": job.job_id, "group": job.group, "kind": kind})
-        raise EngineRejectedError(message, retry_after=1.0, retryable=retryable)
+        log.warning("%s", message, extra={"job": job.job_id, "group": job.group, "kind": kind})
+        raise EngineRejectedError(message, retry_after=_RETRY_AFTER_S, retryable=retryable)
 
 
 def _awake_tags(job: base.JobContext) -> list[str] | None:
