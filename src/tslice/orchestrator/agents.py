@@ -1,0 +1,199 @@
+"""Connections to node agents: one channel per address, a deadline on every call.
+
+Every agent RPC goes through :meth:`AgentClient._call`, the one place where
+deadlines are applied and gRPC failures are translated:
+
+- :class:`AgentUnreachable`  the agent did not answer (UNAVAILABLE, DEADLINE_EXCEEDED...):
+  the truth on that node is unknown; retry with backoff, report UNKNOWN meanwhile;
+- :class:`AgentRejected`  the agent answered and refused (FAILED_PRECONDITION, ABORTED,
+  NOT_FOUND...): our view of the node is stale; re-read its Status and re-plan.
+
+Operations are awaited with the WaitOperation long-poll in chunks, never by polling.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, TypeVar, cast
+
+import grpc
+
+from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
+from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2_grpc as pb_grpc
+
+_R = TypeVar("_R")
+
+_UNREACHABLE = {
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.CANCELLED,
+    grpc.StatusCode.UNKNOWN,
+    grpc.StatusCode.INTERNAL,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+    grpc.StatusCode.UNIMPLEMENTED,
+}
+
+# Reconnect quickly after an agent restarts (grpc's default backoff grows to 2 min).
+_CHANNEL_OPTIONS = [
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 2000),
+]
+
+
+class AgentError(Exception):
+    def __init__(self, address: str, operation: str, detail: str) -> None:
+        super().__init__(f"agent {address}: {operation}: {detail}")
+        self.address = address
+        self.operation = operation
+        self.detail = detail
+
+
+class AgentUnreachable(AgentError):
+    """The agent did not answer; nothing is known about what happened there."""
+
+
+class AgentRejected(AgentError):
+    """The agent answered with an error status (its state differs from what we assumed)."""
+
+    def __init__(self, address: str, operation: str, detail: str, code: grpc.StatusCode) -> None:
+        super().__init__(address, operation, f"{code.name}: {detail}")
+        self.code = code
+
+
+class OperationFailed(AgentError):
+    """A snapshot/restore operation finished as FAILED (or never finished in time)."""
+
+
+class AgentClient:
+    """Typed calls to one agent, each with a deadline."""
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        rpc_timeout_s: float = 10.0,
+        operation_timeout_s: float = 900.0,
+        wait_chunk_s: float = 30.0,
+    ) -> None:
+        self.address = address
+        self.rpc_timeout_s = rpc_timeout_s
+        self.operation_timeout_s = operation_timeout_s
+        self.wait_chunk_s = wait_chunk_s
+        self._channel = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
+        self._stub: Any = pb_grpc.SnapshotAgentServiceStub(self._channel)  # type: ignore[no-untyped-call]
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def status(self, *, timeout_s: float | None = None) -> pb.StatusResponse:
+        resp = await self._call(
+            "status", self._stub.Status, pb.StatusRequest(), pb.StatusResponse, timeout_s
+        )
+        return resp
+
+    async def snapshot(self, *, job_id: str, group: str) -> str:
+        # backend_config stays empty: the agent records each job's backend at grant.
+        resp = await self._call(
+            "snapshot",
+            self._stub.Snapshot,
+            pb.SnapshotRequest(job_id=job_id, group=group),
+            pb.SnapshotResponse,
+        )
+        return resp.operation_id
+
+    async def restore(self, *, job_id: str, group: str) -> str:
+        resp = await self._call(
+            "restore",
+            self._stub.Restore,
+            pb.RestoreRequest(job_id=job_id, group=group),
+            pb.RestoreResponse,
+        )
+        return resp.operation_id
+
+    async def grant(
+        self, *, job_id: str, group: str, epoch: int, footprint_bytes: int
+    ) -> pb.JobState:
+        resp = await self._call(
+            "grant",
+            self._stub.Grant,
+            pb.GrantRequest(
+                job_id=job_id, group=group, grant_epoch=epoch, footprint_bytes=footprint_bytes
+            ),
+            pb.GrantResponse,
+        )
+        return resp.state
+
+    async def reset_job(self, *, job_id: str) -> pb.JobState:
+        resp = await self._call(
+            "reset", self._stub.ResetJob, pb.ResetJobRequest(job_id=job_id), pb.ResetJobResponse
+        )
+        return resp.state
+
+    async def wait_operation(self, operation_id: str) -> pb.GetOperationResponse:
+        """Long-poll until the operation finished; raise OperationFailed past the timeout."""
+        deadline = time.monotonic() + self.operation_timeout_s
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise OperationFailed(
+                    self.address,
+                    "wait",
+                    f"operation {operation_id} did not finish within "
+                    f"{self.operation_timeout_s:g} s (operation_timeout_s)",
+                )
+            chunk = min(self.wait_chunk_s, left)
+            resp = await self._call(
+                "wait",
+                self._stub.WaitOperation,
+                pb.WaitOperationRequest(operation_id=operation_id, timeout_ms=int(chunk * 1000)),
+                pb.GetOperationResponse,
+                chunk + self.rpc_timeout_s,
+            )
+            if resp.status != pb.OPERATION_STATUS_PENDING:
+                return resp
+
+    async def _call(
+        self,
+        operation: str,
+        method: Any,
+        request: object,
+        response_type: type[_R],
+        timeout_s: float | None = None,
+    ) -> _R:
+        try:
+            return cast(_R, await method(request, timeout=timeout_s or self.rpc_timeout_s))
+        except grpc.aio.AioRpcError as err:
+            detail = err.details() or err.code().name.lower()
+            if err.code() in _UNREACHABLE:
+                raise AgentUnreachable(self.address, operation, detail) from err
+            raise AgentRejected(self.address, operation, detail, err.code()) from err
+
+
+class AgentPool:
+    """One :class:`AgentClient` per agent address, shared by every group using it."""
+
+    def __init__(
+        self, *, rpc_timeout_s: float, operation_timeout_s: float, wait_chunk_s: float
+    ) -> None:
+        self._rpc_timeout_s = rpc_timeout_s
+        self._operation_timeout_s = operation_timeout_s
+        self._wait_chunk_s = wait_chunk_s
+        self._clients: dict[str, AgentClient] = {}
+
+    def get(self, address: str) -> AgentClient:
+        client = self._clients.get(address)
+        if client is None:
+            client = AgentClient(
+                address,
+                rpc_timeout_s=self._rpc_timeout_s,
+                operation_timeout_s=self._operation_timeout_s,
+                wait_chunk_s=self._wait_chunk_s,
+            )
+            self._clients[address] = client
+        return client
+
+    async def close(self) -> None:
+        for client in self._clients.values():
+            await client.close()
+        self._clients.clear()

@@ -1,0 +1,152 @@
+"""Orchestrator process: wiring, graceful shutdown, ready file.
+
+``serve()`` runs everything in the current event loop until ``stop`` is set (so
+``tslice up``, the demo and tests can run it in-process); ``run()`` is the
+blocking entry point of ``tslice orchestrator`` with signal handling.
+
+Shutdown order: health NOT_SERVING, then each group stops (new RPCs get
+UNAVAILABLE, an in-flight switch may finish within ``shutdown_grace_s``, waiters
+get UNAVAILABLE "orchestrator shutting down; retry" while their queue entries
+stay persisted so they keep their place after a restart), then the gRPC server
+stops with the same grace.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import pathlib
+import signal
+from collections.abc import Callable
+from typing import Any
+
+import grpc
+import prometheus_client as prom
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2 as opb
+from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2_grpc as opb_grpc
+from tslice.common import logs
+from tslice.orchestrator import agents, config, events, manager, metrics, server, store
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = opb.DESCRIPTOR.services_by_name["TimeSliceOrchestratorService"].full_name
+
+# Clients (tslice.client) keep their channel alive with pings; accept them.
+_SERVER_OPTIONS = [
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", 5000),
+    ("grpc.http2.max_ping_strikes", 0),
+]
+
+
+def _bind_address(host: str, port: int) -> str:
+    if ":" in host and not host.startswith("["):
+        host = f"[{host}]"
+    return f"{host}:{port}"
+
+
+def _public_address(host: str, port: int) -> str:
+    if host in ("", "0.0.0.0", "::", "[::]"):
+        host = "127.0.0.1"
+    return _bind_address(host, port)
+
+
+async def serve(
+    cfg: config.OrchestratorConfig,
+    *,
+    ready: Callable[[str], None] | None = None,
+    stop: asyncio.Event | None = None,
+) -> None:
+    """Serve until ``stop`` is set (forever if None); ``ready(address)`` once listening."""
+    db = await store.Store.open(cfg.state_dir, synchronous=cfg.sqlite_synchronous)
+    pool = agents.AgentPool(
+        rpc_timeout_s=cfg.agent_rpc_timeout_s,
+        operation_timeout_s=cfg.operation_timeout_s,
+        wait_chunk_s=cfg.wait_chunk_s,
+    )
+    bus = events.EventBus()
+    m = metrics.OrchestratorMetrics()
+    bus.on_drop = m.events_dropped.inc
+    groups = manager.GroupManager(cfg=cfg, db=db, pool=pool, bus=bus, metrics=m)
+    grpc_server = grpc.aio.server(options=_SERVER_OPTIONS)
+    health_servicer = health.aio.HealthServicer()
+    metrics_http: Any = None
+    try:
+        if cfg.metrics_port:
+            metrics_http, _ = prom.start_http_server(
+                cfg.metrics_port, addr=cfg.host, registry=m.registry
+            )
+        await groups.start()
+        opb_grpc.add_TimeSliceOrchestratorServiceServicer_to_server(  # type: ignore[no-untyped-call]
+            server.OrchestratorServicer(groups=groups, bus=bus), grpc_server
+        )
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, grpc_server)
+        reflection.enable_server_reflection(
+            [SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], grpc_server
+        )
+        try:
+            port = grpc_server.add_insecure_port(_bind_address(cfg.host, cfg.port))
+        except RuntimeError as err:
+            raise OSError(
+                f"cannot listen on {_bind_address(cfg.host, cfg.port)}: {err} "
+                "(port in use? pick another with --port, 0 = any free port)"
+            ) from err
+        await grpc_server.start()
+        for name in ("", SERVICE_NAME):
+            await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+        address = _public_address(cfg.host, port)
+        log.info(
+            "orchestrator serving on %s (%s mode, %d groups)",
+            address,
+            "local" if cfg.topology.local else "static",
+            len(groups.ids()),
+            extra={"address": address, "state_dir": str(cfg.state_dir)},
+        )
+        if ready is not None:
+            ready(address)
+        await (stop.wait() if stop is not None else asyncio.Event().wait())
+    finally:
+        await health_servicer.enter_graceful_shutdown()
+        await groups.stop(grace_s=cfg.shutdown_grace_s)
+        bus.close()
+        await grpc_server.stop(cfg.shutdown_grace_s)
+        await pool.close()
+        await db.close()
+        if metrics_http is not None:
+            metrics_http.shutdown()
+            metrics_http.server_close()
+        log.info("orchestrator stopped")
+
+
+def write_ready_file(path: pathlib.Path, address: str) -> None:
+    """Atomically write ``{"address": ..., "pid": ...}`` (tmp + rename)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps({"address": address, "pid": os.getpid()}))
+    os.replace(tmp, path)
+
+
+def run(cfg: config.OrchestratorConfig, *, ready_file: pathlib.Path | None = None) -> None:
+    """Blocking entry point: SIGTERM/SIGINT stop gracefully."""
+    logs.setup(cfg.log_level)
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            with contextlib.suppress(NotImplementedError):
+                loop.add_signal_handler(sig, stop.set)
+
+        def ready(address: str) -> None:
+            if ready_file is not None:
+                write_ready_file(ready_file, address)
+
+        await serve(cfg, ready=ready, stop=stop)
+
+    asyncio.run(main())

@@ -1,0 +1,637 @@
+"""The per-group driver: one worker task that owns a :class:`lock.GroupLock`.
+
+Every change to a group goes through the worker's inbox, so a group's events are
+serialised while groups run in parallel (a stuck agent of one group never blocks
+another). The worker handles a batch of commands in two phases:
+
+1. *apply*: mutate the pure lock and do the bookkeeping that must be exact at
+   that instant (which Acquire RPCs a grant went to, which one departed);
+2. *persist*, then *effect*: write the new state in one SQLite transaction and
+   only then reply to RPCs, publish events and start switches ("write before act").
+
+Switches run in their own task and post their outcome back to the inbox, so
+Acquire, Yield and cancellations keep flowing during a long switch. Waiters wait
+on futures resolved by the worker: no polling anywhere.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from google.protobuf import timestamp_pb2
+
+from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
+from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2 as opb
+from tslice.common import tasks
+from tslice.orchestrator import agents, config, events, lock, metrics, store, switch
+
+log = logging.getLogger(__name__)
+
+Kind = opb.OrchestratorEvent
+
+_STATE_PB = {
+    "UNKNOWN": opb.GroupStatus.STATE_UNKNOWN,
+    "IDLE": opb.GroupStatus.STATE_IDLE,
+    "IDLE_YIELDED": opb.GroupStatus.STATE_IDLE_YIELDED,
+    "LOCKED": opb.GroupStatus.STATE_LOCKED,
+    "SWITCHING": opb.GroupStatus.STATE_SWITCHING,
+}
+
+_T = TypeVar("_T")
+
+
+def _resolve(future: asyncio.Future[_T], value: _T) -> None:
+    if not future.done():
+        future.set_result(value)
+
+
+_JOB_STATE_PB = {
+    pb.JOB_STATE_UNSPECIFIED: opb.SnapshotAgentJobState.STATE_UNSPECIFIED,
+    pb.JOB_STATE_IDLE: opb.SnapshotAgentJobState.STATE_IDLE,
+    pb.JOB_STATE_RUNNING: opb.SnapshotAgentJobState.STATE_RUNNING,
+    pb.JOB_STATE_TRANSITIONING: opb.SnapshotAgentJobState.STATE_TRANSITIONING,
+    pb.JOB_STATE_SAVED: opb.SnapshotAgentJobState.STATE_SAVED,
+    pb.JOB_STATE_FAULTED: opb.SnapshotAgentJobState.STATE_FAULTED,
+}
+
+
+class ShuttingDown(Exception):
+    """The orchestrator is stopping; the caller should retry (UNAVAILABLE)."""
+
+
+class AcquireAborted(Exception):
+    """The job yielded the group while this Acquire was pending (ABORTED)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Grant:
+    epoch: int
+    restored: bool
+
+
+@dataclasses.dataclass(eq=False)
+class _Waiter:
+    job: str
+    future: asyncio.Future[Grant]
+    granted_epoch: int | None = None
+
+
+Effect = Callable[[], None]
+
+
+@dataclasses.dataclass(frozen=True)
+class RecoveryDecision:
+    resident: str | None
+    verified: bool
+    rollback: bool
+    reason: str
+
+
+def decide_recovery(
+    *,
+    group: str,
+    resident: str | None,
+    intent: lock.StartSwitch | None,
+    known_jobs: set[str],
+    views: list[switch.NodeView],
+) -> RecoveryDecision:
+    """What the agents say after a restart (pure; see DESIGN "crash safety").
+
+    With a switch in progress: roll back when nothing moved (the outgoing job still
+    runs on every node, the incoming one nowhere, no operation in flight), else roll
+    forward. Without: keep the resident if it runs everywhere; adopt the one job of
+    the group that runs everywhere; otherwise leave it unverified so the next
+    switch snapshots the extras first.
+    """
+
+    def ours(job: str, jv: switch.JobView) -> bool:
+        return jv.group == group or job in known_jobs
+
+    running = [
+        {j for j, v in view.items() if ours(j, v) and v.state == pb.JOB_STATE_RUNNING}
+        for view in views
+    ]
+    busy = any(
+        ours(j, v) and v.state in (pb.JOB_STATE_TRANSITIONING, pb.JOB_STATE_FAULTED)
+        for view in views
+        for j, v in view.items()
+    )
+    if intent is not None:
+        expected = {intent.from_job} if intent.from_job else set()
+        if not busy and all(r == expected for r in running):
+            return RecoveryDecision(intent.from_job, True, True, "nothing moved: rolled back")
+        return RecoveryDecision(resident, False, False, "switch rolled forward")
+    if resident is not None and not busy and all(r == {resident} for r in running):
+        return RecoveryDecision(resident, True, False, "resident verified")
+    everywhere = set.intersection(*running) if running else set()
+    anywhere = set.union(*running) if running else set()
+    if not busy and len(everywhere) == 1 and anywhere == everywhere:
+        (job,) = everywhere
+        return RecoveryDecision(job, True, False, f"adopted {job}, running on every node")
+    if not busy and not anywhere:
+        return RecoveryDecision(None, True, False, "nothing resident")
+    return RecoveryDecision(
+        resident, False, False, "agents disagree: extras evicted at next switch"
+    )
+
+
+class GroupDriver:
+    """Runs one group: lock, persistence, switches, recovery and status."""
+
+    def __init__(
+        self,
+        *,
+        group_id: str,
+        nodes: tuple[config.NodeRef, ...],
+        cfg: config.OrchestratorConfig,
+        db: store.Store,
+        pool: agents.AgentPool,
+        bus: events.EventBus,
+        metrics: metrics.OrchestratorMetrics,
+        record: lock.LockRecord | None = None,
+    ) -> None:
+        self.group_id = group_id
+        self.nodes = nodes
+        self._cfg = cfg
+        self._db = db
+        self._pool = pool
+        self._bus = bus
+        self._metrics = metrics
+        now = time.monotonic()
+        if record is None:
+            self.lock = lock.GroupLock(reattach_grace_s=cfg.reattach_grace_s)
+            self._saved: lock.LockRecord | None = None
+        else:
+            self.lock = lock.GroupLock.from_record(
+                record, now=now, reattach_grace_s=cfg.reattach_grace_s
+            )
+            self._saved = record
+        self._backoff = switch.Backoff(cfg.backoff_initial_s, cfg.backoff_max_s)
+        self._inbox: asyncio.Queue[Callable[[float], list[Effect]]] = asyncio.Queue()
+        self._waiters: dict[str, list[_Waiter]] = {}
+        self._views: dict[str, switch.NodeView] = {}
+        self._unreachable: dict[str, str] = {}
+        self._switch_detail = ""
+        self._tasks: list[asyncio.Task[Any]] = []
+        self._switch_task: asyncio.Task[None] | None = None
+        self._stopping = False
+        self._state = ""
+        self._state_ts = timestamp_pb2.Timestamp()
+        self._refresh_state()
+
+    # ---- lifecycle -------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._tasks.append(tasks.spawn(self._worker(), name=f"group:{self.group_id}:worker"))
+        if self.lock.recovering:
+            self._tasks.append(tasks.spawn(self._recover(), name=f"group:{self.group_id}:recover"))
+            self._tasks.append(tasks.spawn(self._expire(), name=f"group:{self.group_id}:expire"))
+
+    async def stop(self, *, grace_s: float) -> None:
+        """Refuse new work, let a switch in flight finish within the grace, fail waiters."""
+        self._stopping = True
+        sw = self._switch_task
+        if sw is not None and not sw.done():
+            await asyncio.wait({sw}, timeout=grace_s)
+        # Let the worker persist what the switch reported.
+        flushed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._inbox.put_nowait(lambda now: [lambda: _resolve(flushed, None)])
+        await asyncio.wait({flushed}, timeout=max(grace_s, 0.5))
+        live = [t for t in [*self._tasks, sw] if t is not None]
+        await tasks.cancel_all(live)
+        # Queue entries stay persisted: after a restart the jobs re-attach and keep their place.
+        for waiters in self._waiters.values():
+            for w in waiters:
+                if not w.future.done():
+                    w.future.set_exception(ShuttingDown("orchestrator shutting down; retry"))
+        self._waiters.clear()
+
+    # ---- RPC entry points ------------------------------------------------------------------
+
+    async def acquire(self, job: str, *, footprint_bytes: int) -> Grant:
+        if self._stopping:
+            raise ShuttingDown("orchestrator shutting down; retry")
+        started = time.monotonic()
+        waiter = _Waiter(job, asyncio.get_running_loop().create_future())
+
+        def apply(now: float) -> list[Effect]:
+            self._waiters.setdefault(job, []).append(waiter)
+            return self._bind(self.lock.on_acquire(job, footprint_bytes=footprint_bytes, now=now))
+
+        self._inbox.put_nowait(apply)
+        try:
+            grant = await waiter.future
+        except asyncio.CancelledError:
+            if not self._stopping:
+                self._inbox.put_nowait(lambda now: self._depart(waiter, now))
+            raise
+        self._metrics.acquire_wait.labels(group_id=self.group_id).observe(
+            time.monotonic() - started
+        )
+        return grant
+
+    async def yield_(self, job: str) -> lock.YieldOutcome:
+        if self._stopping:
+            raise ShuttingDown("orchestrator shutting down; retry")
+        reply: asyncio.Future[lock.YieldOutcome] = asyncio.get_running_loop().create_future()
+
+        def apply(now: float) -> list[Effect]:
+            was_holder = self.lock.holder == job
+            out = self.lock.on_yield(job, now=now)
+            effects = self._bind(out.actions)
+            if out.ok and was_holder and out.snapshot_deferred:
+                effects.append(
+                    lambda: self._metrics.deferred_snapshots.labels(group_id=self.group_id).inc()
+                )
+            effects.append(lambda: _resolve(reply, out))
+            return effects
+
+        self._inbox.put_nowait(apply)
+        # The yield is applied even if the caller goes away: shield the reply.
+        return await asyncio.shield(reply)
+
+    async def describe(self) -> opb.GetGroupStatusResponse:
+        """Group status plus a live Status read of every node (short deadline)."""
+        results = await asyncio.gather(
+            *(
+                self._pool.get(n.address).status(timeout_s=self._cfg.status_timeout_s)
+                for n in self.nodes
+            ),
+            return_exceptions=True,
+        )
+        agent_states: list[opb.SnapshotAgentJobState] = []
+        views: list[switch.NodeView] = []
+        known = self._known_jobs()
+        for node, res in zip(self.nodes, results, strict=True):
+            if isinstance(res, agents.AgentError):
+                self._unreachable[node.name] = str(res)
+                continue
+            if isinstance(res, BaseException):
+                raise res
+            self._unreachable.pop(node.name, None)
+            view = switch.view_from_status(res)
+            views.append(view)
+            for job, jv in sorted(view.items()):
+                if jv.group == self.group_id or job in known:
+                    agent_states.append(
+                        opb.SnapshotAgentJobState(
+                            agent=node.name,
+                            job_state=_JOB_STATE_PB.get(
+                                jv.state, opb.SnapshotAgentJobState.STATE_UNSPECIFIED
+                            ),
+                            job_id=job,
+                        )
+                    )
+        loaded = self.lock.loaded_job
+        if len(views) == len(self.nodes) and self.lock.switching is None:
+            resident = self.lock.resident
+            everywhere = resident is not None and all(
+                v.get(resident) is not None and v[resident].state == pb.JOB_STATE_RUNNING
+                for v in views
+            )
+            if everywhere != self.lock.verified:
+                epoch = self.lock.grant_epoch
+
+                def observed(now: float) -> list[Effect]:
+                    self.lock.on_observed(
+                        epoch=epoch, resident=resident, running_everywhere=everywhere
+                    )
+                    return []
+
+                self._post(observed)
+            loaded = resident if everywhere else None
+        elif len(views) != len(self.nodes):
+            loaded = None
+        self._refresh_state()
+        return opb.GetGroupStatusResponse(
+            group=self.status(loaded_job=loaded), agent_job_states=agent_states
+        )
+
+    def status(self, *, loaded_job: str | None = None) -> opb.GroupStatus:
+        state, detail = self._reported_state()
+        lk = self.lock
+        return opb.GroupStatus(
+            group_id=self.group_id,
+            group_state=_STATE_PB[state],
+            state_timestamp=self._state_ts,
+            locking_job=lk.holder or "",
+            active_job=lk.active_job or "",
+            waiter_queue_depth=len(lk.waiting_jobs),
+            loaded_job=loaded_job or "",
+            waiting_jobs=lk.waiting_jobs,
+            nodes=[n.name for n in self.nodes],
+            grant_epoch=lk.grant_epoch,
+            switch_count=lk.switch_count,
+            detail=detail,
+        )
+
+    # ---- worker ----------------------------------------------------------------------------
+
+    async def _worker(self) -> None:
+        while True:
+            batch = [await self._inbox.get()]
+            while not self._inbox.empty():
+                batch.append(self._inbox.get_nowait())
+            now = time.monotonic()
+            effects: list[Effect] = []
+            for apply in batch:
+                try:
+                    effects += apply(now)
+                except Exception:
+                    log.exception("group %s: command failed", self.group_id)
+            await self._persist()
+            for effect in effects:
+                try:
+                    effect()
+                except Exception:
+                    log.exception("group %s: effect failed", self.group_id)
+            self._refresh_state()
+
+    async def _persist(self) -> None:
+        record = self.lock.record()
+        if record == self._saved:
+            return
+        attempt = 0
+        nodes = [(n.name, n.address) for n in self.nodes]
+        while True:
+            try:
+                await self._db.save(self.group_id, nodes=nodes, record=record, previous=self._saved)
+                break
+            except store.StoreError as err:
+                # Nothing may act on state that is not on disk: hold this group until it is.
+                delay = self._backoff.delay(attempt)
+                attempt += 1
+                log.error("group %s: %s; retrying in %.2f s", self.group_id, err, delay)
+                await asyncio.sleep(delay)
+        self._saved = record
+
+    def _post(self, apply: Callable[[float], list[Effect]]) -> None:
+        self._inbox.put_nowait(apply)
+
+    def _depart(self, waiter: _Waiter, now: float) -> list[Effect]:
+        if waiter.granted_epoch is not None:
+            return self._bind(
+                self.lock.on_undelivered(waiter.job, epoch=waiter.granted_epoch, now=now)
+            )
+        pending = self._waiters.get(waiter.job, [])
+        if waiter not in pending:
+            return []  # already failed (aborted) elsewhere
+        pending.remove(waiter)
+        return self._bind(self.lock.on_cancel(waiter.job, now=now))
+
+    def _bind(self, actions: list[lock.Action]) -> list[Effect]:
+        """Bookkeeping now (who got the grant), side effects after persisting."""
+        effects: list[Effect] = []
+        for action in actions:
+            if isinstance(action, lock.Granted):
+                receivers = self._waiters.pop(action.job, [])
+                for w in receivers:
+                    w.granted_epoch = action.epoch
+                effects.append(self._grant_effect(action, receivers))
+            elif isinstance(action, lock.Abort):
+                aborted = self._waiters.pop(action.job, [])
+                effects.append(self._abort_effect(action, aborted))
+            elif isinstance(action, lock.StartSwitch):
+                effects.append(self._switch_effect(action))
+            else:
+                effects.append(self._emit_effect(action))
+        return effects
+
+    def _grant_effect(self, g: lock.Granted, receivers: list[_Waiter]) -> Effect:
+        def effect() -> None:
+            for w in receivers:
+                if not w.future.done():
+                    w.future.set_result(Grant(g.epoch, g.restored))
+            self._publish(
+                Kind.KIND_GRANTED,
+                job_id=g.job,
+                grant_epoch=g.epoch,
+                duration_ms=int(g.waited_s * 1000),
+                detail="zero-cost" if g.zero_cost else ("restored" if g.restored else ""),
+            )
+
+        return effect
+
+    def _abort_effect(self, a: lock.Abort, waiters: list[_Waiter]) -> Effect:
+        def effect() -> None:
+            for w in waiters:
+                if not w.future.done():
+                    w.future.set_exception(AcquireAborted(a.message))
+
+        return effect
+
+    def _emit_effect(self, e: lock.Emit) -> Effect:
+        kind = {
+            lock.EventKind.QUEUED: Kind.KIND_QUEUED,
+            lock.EventKind.YIELDED: Kind.KIND_YIELDED,
+            lock.EventKind.CANCELLED: Kind.KIND_CANCELLED,
+        }[e.kind]
+        return lambda: self._publish(kind, job_id=e.job, detail=e.detail)
+
+    def _switch_effect(self, s: lock.StartSwitch) -> Effect:
+        def effect() -> None:
+            self._switch_task = tasks.spawn(
+                self._run_switch(s), name=f"group:{self.group_id}:switch:{s.epoch}"
+            )
+
+        return effect
+
+    # ---- switches --------------------------------------------------------------------------
+
+    async def _run_switch(self, s: lock.StartSwitch) -> None:
+        plan = switch.SwitchPlan(self.group_id, s.from_job, s.to_job, s.epoch, s.footprint_bytes)
+        self._publish(
+            Kind.KIND_SWITCH_STARTED,
+            job_id=s.to_job,
+            from_job=s.from_job or "",
+            grant_epoch=s.epoch,
+            detail="recovered" if s.recovered else "",
+        )
+        started = time.monotonic()
+        try:
+            restored = await switch.run_switch(
+                plan=plan,
+                nodes=self.nodes,
+                pool=self._pool,
+                views=self._views,
+                hooks=self,
+                backoff=self._backoff,
+            )
+        except asyncio.CancelledError:
+            raise
+        except Exception as err:
+            if not isinstance(err, switch.GiveUp):
+                log.exception("group %s: switch to %s crashed", self.group_id, s.to_job)
+            detail = str(err)
+            self._switch_detail = ""
+            self._metrics.switches.labels(group_id=self.group_id, outcome="abandoned").inc()
+            self._publish(
+                Kind.KIND_SWITCH_FAILED,
+                job_id=s.to_job,
+                from_job=s.from_job or "",
+                grant_epoch=s.epoch,
+                detail=f"abandoned (nobody waits any more): {detail}",
+            )
+            self._views.clear()
+            self._post(
+                lambda now: self._bind(
+                    self.lock.on_switch_failed(epoch=s.epoch, detail=detail, now=now)
+                )
+            )
+            return
+        elapsed = time.monotonic() - started
+        self._switch_detail = ""
+        self._metrics.switches.labels(group_id=self.group_id, outcome="completed").inc()
+        self._metrics.switch_duration.labels(group_id=self.group_id).observe(elapsed)
+        self._publish(
+            Kind.KIND_SWITCH_DONE,
+            job_id=s.to_job,
+            from_job=s.from_job or "",
+            grant_epoch=s.epoch,
+            duration_ms=int(elapsed * 1000),
+            detail="restored" if restored else "",
+        )
+        self._post(
+            lambda now: self._bind(
+                self.lock.on_switch_done(epoch=s.epoch, restored=restored, now=now)
+            )
+        )
+
+    # SwitchHooks
+    def publish(self, event: opb.OrchestratorEvent) -> None:
+        self._bus.publish(event)
+
+    def observe(self, node: str, operation: str, seconds: float) -> None:
+        self._metrics.agent_operation.labels(
+            group_id=self.group_id, node=node, operation=operation
+        ).observe(seconds)
+
+    def node_ok(self, node: str) -> None:
+        if self._unreachable.pop(node, None) is not None:
+            self._refresh_state()
+
+    def node_failed(
+        self, node: str, operation: str, detail: str, *, unreachable: bool, retry_in: float
+    ) -> None:
+        self._metrics.switch_step_failures.labels(
+            group_id=self.group_id, node=node, operation=operation
+        ).inc()
+        self._switch_detail = f"{node}: {operation} failed: {detail}; retrying in {retry_in:.2f} s"
+        sw = self.lock.switching
+        self._publish(
+            Kind.KIND_SWITCH_FAILED,
+            job_id=sw.to_job if sw else "",
+            from_job=(sw.from_job or "") if sw else "",
+            node=node,
+            grant_epoch=sw.epoch if sw else 0,
+            detail=self._switch_detail,
+        )
+        log.warning("group %s: %s", self.group_id, self._switch_detail)
+        if unreachable:
+            self._unreachable[node] = detail
+        else:
+            self._unreachable.pop(node, None)
+        self._refresh_state()
+
+    def should_continue(self) -> bool:
+        return not self._stopping and self.lock.wants_switch(now=time.monotonic())
+
+    # ---- recovery --------------------------------------------------------------------------
+
+    async def _recover(self) -> None:
+        attempt = 0
+        while True:
+            results = await asyncio.gather(
+                *(self._pool.get(n.address).status() for n in self.nodes), return_exceptions=True
+            )
+            views: dict[str, switch.NodeView] = {}
+            for node, res in zip(self.nodes, results, strict=True):
+                if isinstance(res, agents.AgentError):
+                    self._unreachable[node.name] = str(res)
+                elif isinstance(res, BaseException):
+                    raise res
+                else:
+                    self._unreachable.pop(node.name, None)
+                    views[node.name] = switch.view_from_status(res)
+            self._refresh_state()
+            if len(views) == len(self.nodes):
+                break
+            delay = self._backoff.delay(attempt)
+            attempt += 1
+            log.warning(
+                "group %s: recovery waits for unreachable agents (%s); retrying in %.2f s",
+                self.group_id,
+                "; ".join(self._unreachable.values()),
+                delay,
+            )
+            await asyncio.sleep(delay)
+        decision = decide_recovery(
+            group=self.group_id,
+            resident=self.lock.resident,
+            intent=self.lock.switching,
+            known_jobs=self._known_jobs(),
+            views=list(views.values()),
+        )
+        log.info(
+            "group %s recovered: %s",
+            self.group_id,
+            decision.reason,
+            extra={"group_id": self.group_id, "resident": decision.resident},
+        )
+        self._views.update(views)
+        self._post(
+            lambda now: self._bind(
+                self.lock.on_recovered(
+                    resident=decision.resident,
+                    verified=decision.verified,
+                    rollback=decision.rollback,
+                    now=now,
+                )
+            )
+        )
+
+    async def _expire(self) -> None:
+        deadline = self.lock.grace_deadline()
+        if deadline is None:
+            return
+        await asyncio.sleep(max(0.0, deadline - time.monotonic()))
+        self._post(lambda now: self._bind(self.lock.on_expire(now=now)))
+
+    # ---- state -----------------------------------------------------------------------------
+
+    def _known_jobs(self) -> set[str]:
+        lk = self.lock
+        known = {j for j in (lk.holder, lk.resident) if j}
+        sw = lk.switching
+        if sw is not None:
+            known |= {j for j in (sw.from_job, sw.to_job) if j}
+        return known | set(lk.waiting_jobs)
+
+    def _reported_state(self) -> tuple[str, str]:
+        if self._unreachable:
+            return "UNKNOWN", "agents unreachable: " + "; ".join(
+                f"{n}: {d}" for n, d in sorted(self._unreachable.items())
+            )
+        if self.lock.recovering:
+            return "UNKNOWN", "recovering after restart: reading the agents"
+        phase = self.lock.phase()
+        if phase is lock.Phase.SWITCHING:
+            return phase.value, self._switch_detail
+        return phase.value, self.lock.detail
+
+    def _refresh_state(self) -> None:
+        state, _ = self._reported_state()
+        if state != self._state:
+            self._state = state
+            self._state_ts = timestamp_pb2.Timestamp()
+            self._state_ts.GetCurrentTime()
+            self._metrics.set_state(self.group_id, state)
+        self._metrics.queue_depth.labels(group_id=self.group_id).set(len(self.lock.waiting_jobs))
+
+    def _publish(self, kind: opb.OrchestratorEvent.Kind, **fields: Any) -> None:
+        self._bus.publish(events.make_event(kind, group_id=self.group_id, **fields))

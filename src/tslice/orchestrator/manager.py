@@ -1,0 +1,82 @@
+"""The set of groups: static from the topology, or created on first Acquire in local mode."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from tslice.orchestrator import agents, config, events, group, lock, metrics, store
+
+log = logging.getLogger(__name__)
+
+
+class GroupManager:
+    def __init__(
+        self,
+        *,
+        cfg: config.OrchestratorConfig,
+        db: store.Store,
+        pool: agents.AgentPool,
+        bus: events.EventBus,
+        metrics: metrics.OrchestratorMetrics,
+    ) -> None:
+        self._cfg = cfg
+        self._db = db
+        self._pool = pool
+        self._bus = bus
+        self._metrics = metrics
+        self._groups: dict[str, group.GroupDriver] = {}
+
+    @property
+    def local(self) -> bool:
+        return self._cfg.topology.local
+
+    async def start(self) -> None:
+        """Create every configured group, resuming persisted state (recovery starts here)."""
+        persisted = await self._db.load()
+        topo = self._cfg.topology
+        if topo.local:
+            for gid, (_, record) in persisted.items():
+                self._add(gid, topo.local_nodes, record)
+            return
+        for gid, nodes in topo.groups.items():
+            entry = persisted.get(gid)
+            self._add(gid, nodes, entry[1] if entry else None)
+        for gid in sorted(set(persisted) - set(topo.groups)):
+            log.warning("group %s has persisted state but is not in the topology; ignoring it", gid)
+
+    def _add(
+        self, gid: str, nodes: tuple[config.NodeRef, ...], record: lock.LockRecord | None
+    ) -> group.GroupDriver:
+        driver = group.GroupDriver(
+            group_id=gid,
+            nodes=nodes,
+            cfg=self._cfg,
+            db=self._db,
+            pool=self._pool,
+            bus=self._bus,
+            metrics=self._metrics,
+            record=record,
+        )
+        self._groups[gid] = driver
+        driver.start()
+        return driver
+
+    def get(self, gid: str, *, create: bool = False) -> group.GroupDriver | None:
+        driver = self._groups.get(gid)
+        if driver is None and create and self.local:
+            log.info("group %s created by its first Acquire (local mode)", gid)
+            driver = self._add(gid, self._cfg.topology.local_nodes, None)
+        return driver
+
+    def ids(self) -> list[str]:
+        return sorted(self._groups)
+
+    def not_found_message(self, gid: str) -> str:
+        if self.local:
+            return f"group {gid!r} does not exist yet; it is created by its first Acquire"
+        known = ", ".join(self.ids()) or "none"
+        return f"group {gid!r} is not in the topology (known groups: {known})"
+
+    async def stop(self, *, grace_s: float) -> None:
+        await asyncio.gather(*(d.stop(grace_s=grace_s) for d in self._groups.values()))

@@ -1,0 +1,81 @@
+"""Prometheus metrics of the orchestrator (own registry, so several servers fit in one process).
+
+The first four names are those already used by dashboards of the reference
+implementation; the operation histogram deliberately has no job label (bounded
+cardinality).
+"""
+
+from __future__ import annotations
+
+import prometheus_client as prom
+
+GROUP_STATES = ("UNKNOWN", "IDLE", "IDLE_YIELDED", "LOCKED", "SWITCHING")
+
+_OP_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 900)
+_WAIT_BUCKETS = (0.001, 0.01, 0.05, 0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 900, 3600)
+
+
+class OrchestratorMetrics:
+    def __init__(self, registry: prom.CollectorRegistry | None = None) -> None:
+        self.registry = registry or prom.CollectorRegistry()
+        r = self.registry
+        self.queue_depth = prom.Gauge(
+            "timeslice_orchestrator_queue_depth",
+            "Jobs waiting for the group",
+            ["group_id"],
+            registry=r,
+        )
+        self.acquire_wait = prom.Histogram(
+            "timeslice_orchestrator_acquire_wait_duration_seconds",
+            "Time from Acquire to grant",
+            ["group_id"],
+            buckets=_WAIT_BUCKETS,
+            registry=r,
+        )
+        self.agent_operation = prom.Histogram(
+            "timeslice_orchestrator_agent_operation_duration_seconds",
+            "Duration of agent operations (snapshot, restore, grant, status, reset)",
+            ["group_id", "node", "operation"],
+            buckets=_OP_BUCKETS,
+            registry=r,
+        )
+        self.deferred_snapshots = prom.Counter(
+            "timeslice_orchestrator_deferred_snapshots",
+            "Yields after which the snapshot was deferred because nobody waited",
+            ["group_id"],
+            registry=r,
+        )
+        self.switches = prom.Counter(
+            "tslice_orchestrator_switches",
+            "Switches by outcome (completed, abandoned)",
+            ["group_id", "outcome"],
+            registry=r,
+        )
+        self.switch_duration = prom.Histogram(
+            "tslice_orchestrator_switch_duration_seconds",
+            "Duration of completed switches (all nodes)",
+            ["group_id"],
+            buckets=_OP_BUCKETS,
+            registry=r,
+        )
+        self.switch_step_failures = prom.Counter(
+            "tslice_orchestrator_switch_step_failures",
+            "Failed switch steps on a node (each is retried with backoff)",
+            ["group_id", "node", "operation"],
+            registry=r,
+        )
+        self.group_state = prom.Gauge(
+            "tslice_orchestrator_group_state",
+            "1 for the group's current state, 0 for the others",
+            ["group_id", "state"],
+            registry=r,
+        )
+        self.events_dropped = prom.Counter(
+            "tslice_orchestrator_watch_events_dropped",
+            "Events dropped because a WatchEvents subscriber was too slow",
+            registry=r,
+        )
+
+    def set_state(self, group_id: str, state: str) -> None:
+        for s in GROUP_STATES:
+            self.group_state.labels(group_id=group_id, state=s).set(1 if s == state else 0)

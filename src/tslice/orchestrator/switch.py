@@ -1,0 +1,309 @@
+"""The coordinated context switch on every node of a group.
+
+Each node converges on its own, concurrently with the others, towards "only the
+incoming job is resident, and it has been granted":
+
+1. evict: snapshot every job of the group that is RUNNING there (the outgoing
+   resident, and any extra a crash or a disagreement left behind); wait on an
+   operation already in flight (``JobStatus.operation_id``); reset a FAULTED one;
+2. bring in: restore the incoming job if it is SAVED there (as soon as this node's
+   own snapshots are done, not waiting for the other nodes);
+3. Grant: tell the agent which job now holds the group (with the grant epoch), so
+   a job with nothing to restore becomes RUNNING there and is known resident.
+
+The switch is done when every node confirmed step 3. A failing step is retried
+with jittered exponential backoff for as long as somebody wants the switch
+(``SwitchHooks.should_continue``), re-reading the node's Status first, so the
+same code finishes a switch interrupted by a crash (roll forward is idempotent).
+
+To keep hand-overs cheap the group keeps a per-node view of job states learnt
+from its own operations; a view is dropped (and Status re-read) on any error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import random
+import time
+from typing import Protocol
+
+from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
+from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2 as opb
+from tslice.orchestrator import agents, config, events
+
+_MAX_REPLANS = 20
+
+
+@dataclasses.dataclass
+class JobView:
+    state: pb.JobState
+    group: str = ""
+    operation_id: str = ""
+
+
+NodeView = dict[str, JobView]
+
+
+def view_from_status(resp: pb.StatusResponse) -> NodeView:
+    return {js.job_id: JobView(js.state, js.group, js.operation_id) for js in resp.job_statuses}
+
+
+class GiveUp(Exception):
+    """Nobody wants the switch any more and a node keeps failing."""
+
+
+class StepFailed(Exception):
+    def __init__(self, operation: str, detail: str) -> None:
+        super().__init__(f"{operation}: {detail}")
+        self.operation = operation
+        self.detail = detail
+
+
+class SwitchHooks(Protocol):
+    """What the switch reports to (and asks of) its group driver."""
+
+    def publish(self, event: opb.OrchestratorEvent) -> None: ...
+
+    def observe(self, node: str, operation: str, seconds: float) -> None: ...
+
+    def node_ok(self, node: str) -> None: ...
+
+    def node_failed(
+        self, node: str, operation: str, detail: str, *, unreachable: bool, retry_in: float
+    ) -> None: ...
+
+    def should_continue(self) -> bool: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class Backoff:
+    initial_s: float = 0.05
+    max_s: float = 5.0
+
+    def delay(self, attempt: int) -> float:
+        base = min(self.max_s, self.initial_s * (2**attempt))
+        return float(base * random.uniform(0.5, 1.0))
+
+
+@dataclasses.dataclass(frozen=True)
+class SwitchPlan:
+    group: str
+    from_job: str | None
+    to_job: str
+    epoch: int
+    footprint_bytes: int
+
+
+class NodeSwitcher:
+    """Converges one node for one switch (see the module docstring)."""
+
+    def __init__(
+        self,
+        *,
+        node: config.NodeRef,
+        client: agents.AgentClient,
+        plan: SwitchPlan,
+        views: dict[str, NodeView],
+        hooks: SwitchHooks,
+        backoff: Backoff,
+    ) -> None:
+        self.node = node
+        self.client = client
+        self.plan = plan
+        self.views = views
+        self.hooks = hooks
+        self.backoff = backoff
+        self.restored = False
+        self._op = "status"
+
+    async def run(self) -> bool:
+        """Return whether a restore happened on this node; raise GiveUp."""
+        attempt = 0
+        while True:
+            fresh = self.node.name not in self.views
+            try:
+                await self._converge()
+                self.hooks.node_ok(self.node.name)
+                return self.restored
+            except agents.AgentUnreachable as err:
+                unreachable, detail = True, str(err)
+            except agents.AgentRejected as err:
+                unreachable, detail = False, str(err)
+                if not fresh:
+                    # Our cached view was stale: re-read Status and retry at once.
+                    self.views.pop(self.node.name, None)
+                    continue
+            except (agents.OperationFailed, StepFailed) as err:
+                unreachable, detail = False, str(err)
+            self.views.pop(self.node.name, None)
+            if not self.hooks.should_continue():
+                raise GiveUp(f"{self.node.name}: {detail}")
+            delay = self.backoff.delay(attempt)
+            attempt += 1
+            self.hooks.node_failed(
+                self.node.name, self._op, detail, unreachable=unreachable, retry_in=delay
+            )
+            await asyncio.sleep(delay)
+
+    async def _read(self) -> NodeView:
+        self._op = "status"
+        t0 = time.monotonic()
+        resp = await self.client.status()
+        self.hooks.observe(self.node.name, "status", time.monotonic() - t0)
+        view = view_from_status(resp)
+        self.views[self.node.name] = view
+        return view
+
+    async def _converge(self) -> None:
+        p = self.plan
+        view = self.views.get(self.node.name)
+        if view is None:
+            view = await self._read()
+        for _ in range(_MAX_REPLANS):
+            if await self._evict(view) or await self._settle(p.to_job, view):
+                view = await self._read()
+                continue
+            target = view.get(p.to_job)
+            if target is not None and target.state == pb.JOB_STATE_SAVED:
+                await self._restore(view)
+            self._op = "grant"
+            t0 = time.monotonic()
+            state = await self.client.grant(
+                job_id=p.to_job, group=p.group, epoch=p.epoch, footprint_bytes=p.footprint_bytes
+            )
+            self.hooks.observe(self.node.name, "grant", time.monotonic() - t0)
+            if state != pb.JOB_STATE_RUNNING:
+                raise StepFailed(
+                    "grant", f"job {p.to_job} is {pb.JobState.Name(state)} after Grant"
+                )
+            view[p.to_job] = JobView(pb.JOB_STATE_RUNNING, p.group)
+            return
+        raise StepFailed("plan", "job states keep changing under the switch")
+
+    async def _evict(self, view: NodeView) -> bool:
+        """Snapshot resident jobs other than the target; True if Status must be re-read."""
+        p = self.plan
+        for job, jv in view.items():
+            if job == p.to_job or not (jv.group == p.group or job == p.from_job):
+                continue
+            if jv.state in (pb.JOB_STATE_TRANSITIONING, pb.JOB_STATE_FAULTED):
+                return await self._settle(job, view)
+            if jv.state == pb.JOB_STATE_RUNNING:
+                await self._snapshot(job, view)
+        return False
+
+    async def _settle(self, job: str, view: NodeView) -> bool:
+        """Wait out an operation in flight or reset a FAULTED job; True if anything was done."""
+        jv = view.get(job)
+        if jv is None:
+            return False
+        if jv.state == pb.JOB_STATE_TRANSITIONING and jv.operation_id:
+            self._op = "wait"
+            await self.client.wait_operation(jv.operation_id)
+            return True
+        if jv.state == pb.JOB_STATE_FAULTED:
+            self._op = "reset"
+            t0 = time.monotonic()
+            await self.client.reset_job(job_id=job)
+            self.hooks.observe(self.node.name, "reset", time.monotonic() - t0)
+            return True
+        if jv.state == pb.JOB_STATE_TRANSITIONING:
+            raise StepFailed("wait", f"job {job} is TRANSITIONING with no operation id")
+        return False
+
+    async def _snapshot(self, job: str, view: NodeView) -> None:
+        p = self.plan
+        self._op = "snapshot"
+        t0 = time.monotonic()
+        op_id = await self.client.snapshot(job_id=job, group=p.group)
+        view[job] = JobView(pb.JOB_STATE_TRANSITIONING, p.group, op_id)
+        resp = await self.client.wait_operation(op_id)
+        self.hooks.observe(self.node.name, "snapshot", time.monotonic() - t0)
+        if resp.status != pb.OPERATION_STATUS_COMPLETE:
+            raise agents.OperationFailed(
+                self.client.address, "snapshot", f"snapshot of job {job} failed: {resp.error}"
+            )
+        view[job] = JobView(pb.JOB_STATE_SAVED, view[job].group)
+        self.hooks.publish(
+            _event(
+                opb.OrchestratorEvent.KIND_SNAPSHOT_DONE,
+                p,
+                job=job,
+                node=self.node.name,
+                elapsed_ms=resp.elapsed_ms,
+                size=resp.storage_bytes,
+            )
+        )
+
+    async def _restore(self, view: NodeView) -> None:
+        p = self.plan
+        self._op = "restore"
+        t0 = time.monotonic()
+        op_id = await self.client.restore(job_id=p.to_job, group=p.group)
+        view[p.to_job] = JobView(pb.JOB_STATE_TRANSITIONING, p.group, op_id)
+        resp = await self.client.wait_operation(op_id)
+        self.hooks.observe(self.node.name, "restore", time.monotonic() - t0)
+        if resp.status != pb.OPERATION_STATUS_COMPLETE:
+            raise agents.OperationFailed(
+                self.client.address, "restore", f"restore of job {p.to_job} failed: {resp.error}"
+            )
+        view[p.to_job] = JobView(pb.JOB_STATE_RUNNING, p.group)
+        self.restored = True
+        self.hooks.publish(
+            _event(
+                opb.OrchestratorEvent.KIND_RESTORE_DONE,
+                p,
+                job=p.to_job,
+                node=self.node.name,
+                elapsed_ms=resp.elapsed_ms,
+                size=resp.snapshot_device_bytes,
+            )
+        )
+
+
+def _event(
+    kind: opb.OrchestratorEvent.Kind,
+    plan: SwitchPlan,
+    *,
+    job: str,
+    node: str,
+    elapsed_ms: int,
+    size: int,
+) -> opb.OrchestratorEvent:
+    return events.make_event(
+        kind,
+        group_id=plan.group,
+        job_id=job,
+        node=node,
+        duration_ms=elapsed_ms,
+        from_job=plan.from_job or "",
+        grant_epoch=plan.epoch,
+        size_bytes=size,
+    )
+
+
+async def run_switch(
+    *,
+    plan: SwitchPlan,
+    nodes: tuple[config.NodeRef, ...],
+    pool: agents.AgentPool,
+    views: dict[str, NodeView],
+    hooks: SwitchHooks,
+    backoff: Backoff,
+) -> bool:
+    """Converge every node concurrently; return whether any node restored the target."""
+    switchers = [
+        NodeSwitcher(
+            node=n, client=pool.get(n.address), plan=plan, views=views, hooks=hooks, backoff=backoff
+        )
+        for n in nodes
+    ]
+    results = await asyncio.gather(*(s.run() for s in switchers), return_exceptions=True)
+    failures = [r for r in results if isinstance(r, BaseException)]
+    if failures:
+        for r in failures:
+            if not isinstance(r, GiveUp):
+                raise r
+        raise GiveUp("; ".join(str(r) for r in failures))
+    return any(r is True for r in results)
