@@ -1,0 +1,120 @@
+"""Client commands: ``tslice list``, ``status``, ``acquire``, ``yield``.
+
+Each parses its options, calls :class:`tslice.client.Client` and hands the result to
+:mod:`tslice.cli.render`. Errors become one line and exit code 1 (2 for bad input).
+The CLI never retries: a command answers now or says why it cannot.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Annotated
+
+import typer
+
+import tslice.client as tsclient
+from tslice.cli import render
+from tslice.common import errors
+
+DEFAULT_ADDRESS = "127.0.0.1:50051"
+
+Address = Annotated[
+    str,
+    typer.Option(
+        "--addr",
+        envvar="TSLICE_ORCHESTRATOR",
+        help="Orchestrator address host:port.",
+        show_envvar=True,
+    ),
+]
+Timeout = Annotated[
+    float,
+    typer.Option("--timeout", min=0.0, help="Give up after this many seconds."),
+]
+
+_UNREACHABLE_HINTS = ("failed to connect", "connection refused", "dns resolution", "unreachable")
+
+
+def register(app: typer.Typer) -> None:
+    app.command("list")(list_groups)
+    app.command("status")(status)
+    app.command("acquire")(acquire)
+    app.command("yield")(yield_)
+
+
+@contextlib.contextmanager
+def _client(address: str, *, job_id: str | None = None) -> Iterator[tsclient.Client]:
+    client = tsclient.Client(address, job_id=job_id, retry=tsclient.NO_RETRY)
+    try:
+        yield client
+    except errors.Unavailable as err:
+        text = err.message.lower()
+        if any(hint in text for hint in _UNREACHABLE_HINTS):
+            raise errors.TsliceError(
+                f"orchestrator at {address} is not reachable (is `tslice up` running?)"
+            ) from err
+        raise errors.TsliceError(
+            f"orchestrator at {address} is unavailable: {err.message}"
+        ) from err
+    except errors.UnknownGroup as err:
+        raise errors.TsliceError(f"{err.message} (see `tslice list`)") from err
+    except errors.InvalidArgument as err:
+        render.error(err.message)
+        raise typer.Exit(2) from err
+    except errors.RPCError as err:
+        raise errors.TsliceError(f"{err.status.name.lower()}: {err.message}") from err
+    finally:
+        client.close()
+
+
+def list_groups(*, addr: Address = DEFAULT_ADDRESS, timeout: Timeout = 10.0) -> None:
+    """List the groups the orchestrator knows, with their state."""
+    with _client(addr) as client:
+        statuses = [client.status(g, timeout=timeout) for g in client.list_groups(timeout=timeout)]
+    render.stdout().print(render.groups_table(statuses))
+
+
+def status(
+    group: Annotated[str, typer.Argument(help="Group id.")],
+    *,
+    addr: Address = DEFAULT_ADDRESS,
+    timeout: Timeout = 10.0,
+) -> None:
+    """Show a group: state, holder, active/loaded job, queue, and each node's job states."""
+    with _client(addr) as client:
+        result = client.status(group, timeout=timeout)
+    render.stdout().print(render.group_status(result))
+
+
+def acquire(
+    group: Annotated[str, typer.Argument(help="Group id.")],
+    job: Annotated[str, typer.Argument(help="Job id.")],
+    *,
+    addr: Address = DEFAULT_ADDRESS,
+    timeout: Annotated[
+        float | None,
+        typer.Option("--timeout", min=0.0, help="Give up waiting after this many seconds."),
+    ] = None,
+    footprint: Annotated[
+        int | None,
+        typer.Option("--footprint", min=0, help="Device bytes per node (simulated devices)."),
+    ] = None,
+) -> None:
+    """Wait until JOB holds GROUP (its state resident on every node), then return."""
+    with _client(addr, job_id=job) as client:
+        result = client.acquire(group, timeout=timeout, footprint_bytes=footprint)
+    render.stdout().print(render.acquire_result(group=group, job=job, result=result))
+
+
+def yield_(
+    group: Annotated[str, typer.Argument(help="Group id.")],
+    job: Annotated[str, typer.Argument(help="Job id.")],
+    *,
+    addr: Address = DEFAULT_ADDRESS,
+    timeout: Timeout = 10.0,
+) -> None:
+    """Release GROUP held by JOB; returns at once (the switch happens in the background)."""
+    with _client(addr, job_id=job) as client:
+        result = client.yield_(group, timeout=timeout)
+    render.stdout().print(render.yield_result(group=group, job=job, result=result))

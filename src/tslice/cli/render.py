@@ -1,0 +1,291 @@
+"""Rich rendering for the CLI: tables and views built from library results, no I/O of their own.
+
+Commands hand their results here; nothing in this module talks to a server.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Mapping, Sequence
+
+from rich import box
+from rich.console import Console, Group, RenderableType
+from rich.markup import escape
+from rich.panel import Panel
+from rich.progress_bar import ProgressBar
+from rich.table import Table
+from rich.text import Text
+
+import tslice.client as tsclient
+from tslice.sim import demo, trace
+
+_STATE_STYLE = {
+    "LOCKED": "green",
+    "SWITCHING": "yellow",
+    "IDLE_YIELDED": "cyan",
+    "IDLE": "dim",
+    "UNKNOWN": "bold red",
+    "RUNNING": "green",
+    "TRANSITIONING": "yellow",
+    "SAVED": "cyan",
+    "FAULTED": "bold red",
+}
+
+
+@functools.cache
+def stdout() -> Console:
+    return Console(highlight=False)
+
+
+@functools.cache
+def stderr() -> Console:
+    return Console(stderr=True, highlight=False)
+
+
+def error(message: str) -> None:
+    """Print ONE line ``error: message`` on stderr (no wrapping, no markup)."""
+    line = " ".join(message.split())
+    stderr().print(Text(f"error: {line}", style="red"), soft_wrap=True)
+
+
+def state(name: str) -> Text:
+    return Text(name, style=_STATE_STYLE.get(name, ""))
+
+
+def _or_dash(value: str) -> str:
+    return value or "-"
+
+
+# ---- client commands -------------------------------------------------------------------
+
+
+def groups_table(statuses: Sequence[tsclient.GroupStatus]) -> RenderableType:
+    if not statuses:
+        return Text("no groups yet (a group appears on its first acquire in local mode)")
+    table = Table(box=box.SIMPLE_HEAD)
+    for column in ("group", "state", "holder", "resident", "queue", "nodes", "switches"):
+        table.add_column(column, justify="right" if column in ("queue", "switches") else "left")
+    for s in statuses:
+        table.add_row(
+            s.group_id,
+            state(s.group_state.value),
+            _or_dash(s.locking_job),
+            _or_dash(s.loaded_job or s.active_job),
+            str(s.waiter_queue_depth),
+            ", ".join(s.nodes) or "-",
+            str(s.switch_count),
+        )
+    return table
+
+
+def group_status(status: tsclient.GroupStatus) -> RenderableType:
+    facts = Table.grid(padding=(0, 2))
+    facts.add_column(style="bold")
+    facts.add_column()
+    facts.add_row("state", state(status.group_state.value))
+    if status.detail:
+        facts.add_row("detail", Text(status.detail, style="yellow"))
+    facts.add_row("holder", _or_dash(status.locking_job))
+    facts.add_row("active", _or_dash(status.active_job))
+    facts.add_row("loaded", _or_dash(status.loaded_job))
+    queue = ", ".join(status.waiting_jobs) if status.waiting_jobs else ""
+    facts.add_row("queue", f"{status.waiter_queue_depth}" + (f"  ({queue})" if queue else ""))
+    facts.add_row("nodes", ", ".join(status.nodes) or "-")
+    facts.add_row("grant epoch", str(status.grant_epoch))
+    facts.add_row("switches", str(status.switch_count))
+    if status.state_timestamp is not None:
+        facts.add_row("since", status.state_timestamp.astimezone().strftime("%Y-%m-%d %H:%M:%S"))
+    parts: list[RenderableType] = [facts]
+    if status.agent_job_states:
+        agents = Table(title="jobs on the agents", box=box.SIMPLE_HEAD, title_justify="left")
+        agents.add_column("node")
+        agents.add_column("job")
+        agents.add_column("state")
+        for a in sorted(status.agent_job_states, key=lambda a: (a.agent, a.job_id)):
+            agents.add_row(a.agent, a.job_id, state(a.job_state.value))
+        parts.append(agents)
+    return Panel(Group(*parts), title=f"group {escape(status.group_id)}", expand=False)
+
+
+def acquire_result(*, group: str, job: str, result: tsclient.AcquireResult) -> Text:
+    restored = "restored its state" if result.context_restored else "no restore needed"
+    return Text(
+        f"job {job} holds group {group} (waited {result.waited_ms} ms, {restored}, "
+        f"grant epoch {result.grant_epoch})"
+    )
+
+
+def yield_result(*, group: str, job: str, result: tsclient.YieldResult) -> Text:
+    if result.snapshot_deferred:
+        tail = "nobody waits: its state stays resident (snapshot deferred)"
+    else:
+        tail = f"{result.pending_waiters} job(s) waiting; the next one is switched in"
+    return Text(f"job {job} yielded group {group}; {tail}")
+
+
+# ---- tslice up -------------------------------------------------------------------------
+
+
+def cluster_table(
+    *, rows: Sequence[tuple[str, str, int | None, str]], orchestrator: str
+) -> RenderableType:
+    """``rows`` = (component, address, pid, state dir)."""
+    table = Table(title="tslice local cluster", box=box.SIMPLE_HEAD, title_justify="left")
+    for column in ("component", "address", "pid", "state dir"):
+        table.add_column(column)
+    for name, address, pid, state_dir in rows:
+        table.add_row(name, address, str(pid or "-"), state_dir)
+    hint = Text.assemble(
+        ("Point a job at it:  ", "bold"),
+        (f"export TSLICE_ORCHESTRATOR={orchestrator}", "cyan"),
+        "\nThen e.g.  tslice acquire sampler my-job;  tslice status sampler",
+        "\nCtrl-C stops everything.",
+    )
+    return Group(table, hint)
+
+
+# ---- tslice demo -----------------------------------------------------------------------
+
+
+def demo_live(progress: demo.DemoProgress) -> RenderableType:
+    """The live view: who holds each pool, each job's step and activity, the last switches."""
+    now = time.time()
+    scale = progress.time_scale
+    header = Text.assemble(
+        ("tslice demo  ", "bold"),
+        (progress.stage, "cyan"),
+        f"   {now - progress.run_started:5.1f} s demo" if progress.run else "",
+    )
+    bar = ProgressBar(total=max(progress.total_steps, 1), completed=progress.done_steps, width=50)
+    steps = Text(f" {progress.done_steps}/{progress.total_steps} steps (both runs)")
+
+    pools = Table(box=box.SIMPLE_HEAD, title="pools", title_justify="left")
+    pools.add_column("pool")
+    pools.add_column("node")
+    pools.add_column("holder")
+    pools.add_column("held for", justify="right")
+    for pool in trace.POOLS:
+        holder = progress.holders.get(pool)
+        if holder is None:
+            pools.add_row(pool, demo.NODES[pool], Text("free", style="dim"), "")
+        else:
+            job, since = holder
+            pools.add_row(
+                pool,
+                demo.NODES[pool],
+                Text(f"job {job}", style="green"),
+                f"{(now - since) * scale / 60:.1f} min",
+            )
+
+    jobs = Table(box=box.SIMPLE_HEAD, title="jobs", title_justify="left")
+    jobs.add_column("job")
+    jobs.add_column("step", justify="right")
+    jobs.add_column("doing")
+    jobs.add_column("holding")
+    for view in progress.jobs.values():
+        style = "yellow" if view.activity.startswith("wait") else ""
+        jobs.add_row(
+            view.job,
+            f"{view.step}/{view.steps}",
+            Text(view.activity, style=style),
+            ", ".join(view.holding) or "-",
+        )
+
+    switches = Table(box=box.SIMPLE_HEAD, title="last switches", title_justify="left")
+    switches.add_column("ago", justify="right")
+    switches.add_column("pool")
+    switches.add_column("from -> to")
+    switches.add_column("took", justify="right")
+    for sw in progress.switches:
+        switches.add_row(
+            f"{now - sw.t:4.1f} s",
+            sw.group,
+            f"{sw.from_job or '-'} -> {sw.to_job}",
+            f"{sw.duration_s * scale:.1f} s trace",
+        )
+    made = "   ".join(f"{name}: {span:.1f} s" for name, span in progress.makespans.items())
+    parts: list[RenderableType] = [header, Group(bar, steps), pools, jobs, switches]
+    if made:
+        parts.append(Text(f"makespans so far: {made}", style="dim"))
+    return Panel(Group(*parts), expand=False)
+
+
+def demo_summary(result: demo.DemoResult) -> RenderableType:
+    scale = result.config.time_scale
+    runs = Table(
+        title=f"results (time scale {scale:g}: 1 demo second = {scale:g} trace seconds)",
+        box=box.SIMPLE_HEAD,
+        title_justify="left",
+    )
+    runs.add_column("run")
+    runs.add_column("makespan (trace)", justify="right")
+    runs.add_column("makespan (demo)", justify="right")
+    for pool in trace.POOLS:
+        runs.add_column(f"{pool} duty", justify="right")
+    runs.add_column("switches", justify="right")
+    for name, run in result.runs.items():
+        runs.add_row(
+            name,
+            f"{run.makespan_s * scale / 60:.1f} min",
+            f"{run.makespan_s:.1f} s",
+            *(f"{run.duty[p]:.0%}" for p in trace.POOLS),
+            str(run.switches),
+        )
+
+    ops = Table(title="device-state moves (median)", box=box.SIMPLE_HEAD, title_justify="left")
+    ops.add_column("operation")
+    ops.add_column("pool")
+    ops.add_column("simulated (trace s)", justify="right")
+    ops.add_column("simulated (demo ms)", justify="right")
+    ops.add_column("recorded (trace s)", justify="right")
+    ops.add_column("count", justify="right")
+    for label, table in (("snapshot", result.snapshot), ("restore", result.restore)):
+        for pool, op in table.items():
+            ops.add_row(
+                label,
+                pool,
+                f"{op.trace_s:.1f}",
+                f"{op.demo_ms:.0f}",
+                f"{op.recorded_trace_s:.1f}",
+                str(op.count),
+            )
+
+    lines: list[Text] = []
+    speedup = result.speedup
+    if speedup is not None:
+        lines.append(
+            Text.assemble(
+                ("speedup ", "bold"),
+                (f"{speedup:.2f}x", "bold green" if speedup > 1 else "bold red"),
+                f"  measured (exclusive makespan / time-sliced makespan); the recorded veRL "
+                f"run gave {result.model.recorded.speedup}x",
+            )
+        )
+    else:
+        lines.append(Text("one job: nothing to share, exclusive run only"))
+    if result.violations:
+        lines.append(
+            Text(f"mutual exclusion: {len(result.violations)} VIOLATIONS", style="bold red")
+        )
+        lines.extend(Text(f"  {v}", style="red") for v in result.violations[:10])
+    else:
+        lines.append(
+            Text.assemble(
+                ("mutual exclusion: ", "bold"),
+                ("0 violations", "bold green"),
+                " (device journals of both nodes vs every acquire window)",
+            )
+        )
+    lines.extend(Text(f"job error: {e}", style="red") for e in result.errors)
+    lines.append(Text(f"timeline: {result.timeline_path}", style="cyan"))
+    return Group(runs, ops, *lines)
+
+
+def key_values(rows: Mapping[str, str]) -> RenderableType:
+    table = Table.grid(padding=(0, 2))
+    table.add_column(style="bold")
+    table.add_column()
+    for key, value in rows.items():
+        table.add_row(key, value)
+    return table

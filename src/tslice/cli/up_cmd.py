@@ -1,0 +1,118 @@
+"""``tslice up``: an orchestrator and N simulated agents on this machine, in one command."""
+
+from __future__ import annotations
+
+import shutil
+import signal
+import threading
+from pathlib import Path
+from types import FrameType
+from typing import Annotated
+
+import typer
+
+from tslice.cli import render, sizes
+from tslice.common import errors
+from tslice.sim import cluster
+
+
+def register(app: typer.Typer) -> None:
+    app.command("up")(up)
+
+
+def up(
+    *,
+    agents: Annotated[int, typer.Option("--agents", min=1, help="Simulated nodes to start.")] = 2,
+    host: Annotated[str, typer.Option("--host", help="Address every server binds.")] = (
+        "127.0.0.1"
+    ),
+    port: Annotated[
+        int, typer.Option("--port", min=0, max=65535, help="Orchestrator port (0 = any free).")
+    ] = 50051,
+    state_dir: Annotated[
+        Path, typer.Option("--state-dir", help="State and logs of every process.")
+    ] = Path(".tslice/up"),
+    fresh: Annotated[
+        bool, typer.Option("--fresh", help="Delete the state dir first (forget all jobs).")
+    ] = False,
+    sim_capacity: Annotated[
+        str, typer.Option("--sim-capacity", help="Memory per simulated device.")
+    ] = "80GiB",
+    sim_footprint: Annotated[
+        str,
+        typer.Option(
+            "--sim-footprint",
+            help="Footprint of jobs that declare none. Every group spans every node in "
+            "local mode, so it is small enough for one job per group to fit a node.",
+        ),
+    ] = "20GiB",
+    sim_bandwidth: Annotated[
+        str, typer.Option("--sim-bandwidth", help="Simulated copy rate, e.g. 25GB/s.")
+    ] = "25GB/s",
+    sim_latency: Annotated[
+        float, typer.Option("--sim-latency", min=0.0, help="Fixed cost per copy, s.")
+    ] = 0.005,
+    log_level: Annotated[str, typer.Option("--log-level", help="Servers' log level.")] = "info",
+) -> None:
+    """Run an orchestrator (local mode) and N simulated agents until Ctrl-C."""
+    if fresh:
+        shutil.rmtree(state_dir, ignore_errors=True)
+    specs = [
+        cluster.SimAgent(
+            name=f"node-{i + 1}",
+            capacity_bytes=sizes.parse_bytes(sim_capacity, option="--sim-capacity"),
+            footprint_bytes=sizes.parse_bytes(sim_footprint, option="--sim-footprint"),
+            bandwidth_bytes_per_s=sizes.parse_rate(sim_bandwidth, option="--sim-bandwidth"),
+            latency_s=sim_latency,
+        )
+        for i in range(agents)
+    ]
+    local = cluster.LocalCluster(
+        agents=specs,
+        groups=None,
+        base_dir=state_dir,
+        host=host,
+        orchestrator_port=port,
+        log_level=log_level,
+    )
+    wake = threading.Event()
+    stop_requested = threading.Event()
+
+    def on_stop(signum: int, frame: FrameType | None) -> None:
+        stop_requested.set()
+        wake.set()
+
+    def on_child(signum: int, frame: FrameType | None) -> None:
+        wake.set()
+
+    previous = {
+        sig: signal.signal(sig, handler)
+        for sig, handler in (
+            (signal.SIGINT, on_stop),
+            (signal.SIGTERM, on_stop),
+            (signal.SIGCHLD, on_child),
+        )
+    }
+    try:
+        local.start()
+        rows = [
+            (name, local.address(name), local.pid(name), str(local.state_dir(name)))
+            for name in [cluster.ORCHESTRATOR, *(s.name for s in specs)]
+        ]
+        render.stdout().print(
+            render.cluster_table(rows=rows, orchestrator=local.orchestrator_address)
+        )
+        while not stop_requested.is_set():
+            wake.wait()
+            wake.clear()
+            dead = local.exited()
+            if dead and not stop_requested.is_set():
+                which = ", ".join(f"{n} (exit {c})" for n, c in dead.items())
+                raise errors.TsliceError(
+                    f"{which} stopped unexpectedly; logs in {state_dir}; stopping the rest"
+                )
+    finally:
+        local.stop()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    render.stdout().print("stopped.")

@@ -1,0 +1,581 @@
+"""The demo: simulated RL jobs on a sampler pool and a trainer pool, exclusive vs time-sliced.
+
+A real orchestrator and two real agents (sim backend) run as processes: node-a
+carries the ``sampler`` group, node-b the ``trainer`` group. Jobs follow the phase
+model derived from the recorded veRL trace (:mod:`tslice.sim.trace`), compressed by
+``time_scale``. First every job runs alone, one after the other (the baseline: what
+a job gets with the GPUs to itself), then all jobs run at once and share both pools
+through the orchestrator. The speedup is measured from the two makespans; the
+mutual-exclusion checker replays the agents' device journals against the windows
+the jobs saw; the HTML timeline shows both runs on one scale.
+
+Simulated copy speed: the sim moves bytes at one rate per node, while the trace
+recorded different snapshot and restore times. Each pool's node gets the bandwidth
+that makes one operation take the mean of the recorded snapshot and restore medians
+(scaled), so that a full hand-over (snapshot + restore) costs what it cost in the trace.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import dataclasses
+import json
+import shutil
+import statistics
+import string
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import tslice.client as tsclient
+from tslice.common import errors
+from tslice.sim import checker, cluster, device, rljob, timeline, trace
+
+GiB = device.GiB
+NODES = {trace.SAMPLER: "node-a", trace.TRAINER: "node-b"}
+EXCLUSIVE = "exclusive"
+TIME_SLICED = "time-sliced"
+DEFAULT_TIME_SCALE = 240.0
+DEFAULT_STEPS = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class DemoConfig:
+    """Everything a demo run needs; the defaults are what ``make demo`` runs."""
+
+    #: Trace to derive the phase model from (None = the recorded veRL run).
+    trace_path: Path | None = None
+    #: Number of simulated jobs (1 shows the baseline only: nothing to share).
+    jobs: int = 2
+    #: RL steps per job.
+    steps: int = DEFAULT_STEPS
+    #: Trace seconds per demo second.
+    time_scale: float = DEFAULT_TIME_SCALE
+    #: Sim copy bandwidth of both nodes, bytes/s (None = derived per pool from the trace).
+    sim_bandwidth_bytes_per_s: int | None = None
+    #: Fixed cost of every sim snapshot/restore, demo seconds.
+    sim_latency_s: float = 0.002
+    #: Memory of each simulated device, bytes (an H100 has 80 GiB).
+    capacity_bytes: int = 80 * GiB
+    #: Device bytes a job holds on the sampler / trainer node while resident.
+    sampler_footprint_bytes: int = 60 * GiB
+    trainer_footprint_bytes: int = 70 * GiB
+    #: Phase stretch while jobs share the host (None = measured from the trace).
+    contention: float | None = None
+    #: Where the timeline, the summary and the cluster's state and logs go.
+    out_dir: Path = Path("demo-out")
+    #: Seed of the phase jitter (both runs replay the same draws).
+    seed: int = 0
+    #: Log level of the orchestrator and agent processes (their logs go to out_dir).
+    log_level: str = "warning"
+
+    def check(self) -> None:
+        """Raise :class:`ConfigError` naming the option and the fix."""
+        if self.jobs < 1 or self.jobs > len(string.ascii_uppercase):
+            raise errors.ConfigError(f"--jobs must be between 1 and 26 (got {self.jobs})")
+        if self.steps < 1:
+            raise errors.ConfigError(f"--steps must be at least 1 (got {self.steps})")
+        if self.time_scale <= 0:
+            raise errors.ConfigError(f"--time-scale must be positive (got {self.time_scale:g})")
+        if self.sim_latency_s < 0:
+            raise errors.ConfigError(f"--sim-latency must be >= 0 (got {self.sim_latency_s:g})")
+        if self.sim_bandwidth_bytes_per_s is not None and self.sim_bandwidth_bytes_per_s <= 0:
+            raise errors.ConfigError("--sim-bandwidth must be positive")
+        if self.contention is not None and self.contention < 1.0:
+            raise errors.ConfigError(f"--contention must be >= 1 (got {self.contention:g})")
+        for label, size in (
+            ("sampler", self.sampler_footprint_bytes),
+            ("trainer", self.trainer_footprint_bytes),
+        ):
+            if not 0 < size <= self.capacity_bytes:
+                raise errors.ConfigError(
+                    f"the {label} footprint ({size} bytes) must fit the device capacity "
+                    f"({self.capacity_bytes} bytes): raise --capacity"
+                )
+
+    @property
+    def footprints(self) -> dict[str, int]:
+        return {
+            trace.SAMPLER: self.sampler_footprint_bytes,
+            trace.TRAINER: self.trainer_footprint_bytes,
+        }
+
+
+# ---- live progress -------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class JobView:
+    job: str
+    step: int = 0
+    steps: int = 0
+    activity: str = "starting"
+    holding: tuple[str, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class SwitchView:
+    t: float
+    group: str
+    from_job: str
+    to_job: str
+    duration_s: float
+
+
+class DemoProgress:
+    """Mutable view of a running demo, fed by job updates and orchestrator events.
+
+    Live renderers read it; nothing in it blocks.
+    """
+
+    def __init__(self, *, jobs: int, steps: int, time_scale: float) -> None:
+        self.stage = "starting the cluster"
+        self.run = ""
+        self.run_started = 0.0
+        self.time_scale = time_scale
+        self.total_steps = jobs * steps * 2
+        self.done_steps = 0
+        self.jobs: dict[str, JobView] = {}
+        self.holders: dict[str, tuple[str, float]] = {}
+        self.switches: collections.deque[SwitchView] = collections.deque(maxlen=4)
+        self.switch_count = 0
+        self.makespans: dict[str, float] = {}
+        self._completed: dict[tuple[str, str], int] = {}
+
+    def start_run(self, name: str, job_ids: Sequence[str], steps: int) -> None:
+        self.stage = name
+        self.run = name
+        self.run_started = time.time()
+        self.jobs = {j: JobView(job=j, steps=steps) for j in job_ids}
+        self.holders = {}
+
+    def on_job(self, update: rljob.JobUpdate) -> None:
+        view = self.jobs.setdefault(update.job, JobView(job=update.job, steps=update.steps))
+        done = update.activity == "done"
+        view.step = update.steps if done else update.step
+        view.activity = update.activity
+        view.holding = update.holding
+        self._completed[(update.run, update.job)] = view.step
+        self.done_steps = sum(self._completed.values())
+        for pool in trace.POOLS:
+            holder = self.holders.get(pool)
+            if pool in update.holding and (holder is None or holder[0] != update.job):
+                self.holders[pool] = (update.job, update.t)
+            elif pool not in update.holding and holder is not None and holder[0] == update.job:
+                del self.holders[pool]
+
+    def on_event(self, event: tsclient.OrchestratorEvent) -> None:
+        if event.kind == tsclient.EventKind.SWITCH_DONE:
+            self.switch_count += 1
+            self.switches.appendleft(
+                SwitchView(
+                    t=_event_time(event),
+                    group=event.group_id,
+                    from_job=event.from_job,
+                    to_job=event.job_id,
+                    duration_s=event.duration_ms / 1000.0,
+                )
+            )
+
+
+# ---- results -------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class RunSummary:
+    name: str
+    start: float
+    end: float
+    #: Share of the run's makespan each pool was held by some job.
+    duty: Mapping[str, float]
+    switches: int
+    steps_done: int
+    windows: tuple[rljob.Window, ...]
+    errors: tuple[str, ...]
+
+    @property
+    def makespan_s(self) -> float:
+        return self.end - self.start
+
+
+@dataclasses.dataclass(frozen=True)
+class OpStats:
+    """Median duration of one kind of device-state move on one pool."""
+
+    count: int
+    demo_ms: float
+    trace_s: float
+    recorded_trace_s: float
+
+
+@dataclasses.dataclass(frozen=True)
+class DemoResult:
+    config: DemoConfig
+    model: trace.PhaseModel
+    contention: float
+    bandwidths: Mapping[str, int]
+    runs: Mapping[str, RunSummary]
+    snapshot: Mapping[str, OpStats]
+    restore: Mapping[str, OpStats]
+    violations: tuple[checker.Violation, ...]
+    timeline_path: Path
+    wall_s: float
+
+    @property
+    def speedup(self) -> float | None:
+        """Exclusive makespan / time-sliced makespan, as measured (None with one job)."""
+        if TIME_SLICED not in self.runs:
+            return None
+        return self.runs[EXCLUSIVE].makespan_s / self.runs[TIME_SLICED].makespan_s
+
+    @property
+    def errors(self) -> tuple[str, ...]:
+        return tuple(e for run in self.runs.values() for e in run.errors)
+
+    @property
+    def ok(self) -> bool:
+        return not self.violations and not self.errors
+
+    def to_json(self) -> dict[str, Any]:
+        scale = self.config.time_scale
+        speedup = self.speedup
+        return {
+            "ok": self.ok,
+            "speedup": round(speedup, 4) if speedup is not None else None,
+            "recorded_speedup": self.model.recorded.speedup,
+            "jobs": self.config.jobs,
+            "steps": self.config.steps,
+            "time_scale": scale,
+            "contention": round(self.contention, 4),
+            "runs": {
+                name: {
+                    "makespan_s": round(run.makespan_s, 3),
+                    "makespan_trace_s": round(run.makespan_s * scale, 1),
+                    "duty": {pool: round(v, 4) for pool, v in run.duty.items()},
+                    "switches": run.switches,
+                    "steps_done": run.steps_done,
+                    "errors": list(run.errors),
+                }
+                for name, run in self.runs.items()
+            },
+            "snapshot_median": {p: dataclasses.asdict(s) for p, s in self.snapshot.items()},
+            "restore_median": {p: dataclasses.asdict(s) for p, s in self.restore.items()},
+            "sim_bandwidth_bytes_per_s": dict(self.bandwidths),
+            "violation_count": len(self.violations),
+            "violations": [str(v) for v in self.violations],
+            "timeline": str(self.timeline_path),
+            "trace": self.model.source,
+            "wall_s": round(self.wall_s, 2),
+        }
+
+
+# ---- running -------------------------------------------------------------------------
+
+
+def job_ids(count: int) -> list[str]:
+    return list(string.ascii_uppercase[:count])
+
+
+def derived_bandwidths(config: DemoConfig, model: trace.PhaseModel) -> dict[str, int]:
+    """Per-pool sim bandwidth (bytes/s) reproducing the recorded hand-over time, scaled."""
+    if config.sim_bandwidth_bytes_per_s is not None:
+        return {pool: config.sim_bandwidth_bytes_per_s for pool in trace.POOLS}
+    out: dict[str, int] = {}
+    for pool, footprint in config.footprints.items():
+        op_s = model.switch[pool].switch_s / 2 / config.time_scale
+        copy_s = max(op_s - config.sim_latency_s, 1e-4)
+        out[pool] = max(int(footprint / copy_s), 1)
+    return out
+
+
+async def run_demo(config: DemoConfig, *, progress: DemoProgress | None = None) -> DemoResult:
+    """Run both phases end to end and return the measured result (see the module doc)."""
+    config.check()
+    began = time.time()
+    model = trace.load_model(config.trace_path)
+    contention = config.contention if config.contention is not None else model.contention
+    bandwidths = derived_bandwidths(config, model)
+    progress = progress or DemoProgress(
+        jobs=config.jobs, steps=config.steps, time_scale=config.time_scale
+    )
+    ids = job_ids(config.jobs)
+    plans = {
+        job: model.job_steps(steps=config.steps, seed=config.seed + i) for i, job in enumerate(ids)
+    }
+    out_dir = config.out_dir
+    cluster_dir = out_dir / "cluster"
+    shutil.rmtree(cluster_dir, ignore_errors=True)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    local = cluster.LocalCluster(
+        agents=[
+            cluster.SimAgent(
+                name=NODES[pool],
+                capacity_bytes=config.capacity_bytes,
+                bandwidth_bytes_per_s=bandwidths[pool],
+                latency_s=config.sim_latency_s,
+            )
+            for pool in trace.POOLS
+        ],
+        groups={pool: (NODES[pool],) for pool in trace.POOLS},
+        base_dir=cluster_dir,
+        log_level=config.log_level,
+    )
+    await asyncio.to_thread(local.start)
+    events: list[tsclient.OrchestratorEvent] = []
+    try:
+        watcher = tsclient.AsyncClient(local.orchestrator_address, job_id="demo-watch")
+        watch = asyncio.create_task(_watch(watcher, events, progress), name="demo-watch")
+        try:
+            runs = await _run_phases(
+                config,
+                plans,
+                contention=contention,
+                address=local.orchestrator_address,
+                progress=progress,
+                events=events,
+            )
+        finally:
+            watch.cancel()
+            with contextlib.suppress(asyncio.CancelledError, errors.TsliceError):
+                await watch
+            await watcher.close()
+        progress.stage = "checking mutual exclusion"
+        journal = await asyncio.to_thread(local.read_journals)
+    finally:
+        await asyncio.to_thread(local.stop)
+
+    windows = [w for run in runs.values() for w in run.windows]
+    violations = checker.check(
+        journal=journal, windows=windows, group_nodes={p: [NODES[p]] for p in trace.POOLS}
+    )
+    snapshot, restore = _op_stats(events, model, config.time_scale)
+    result = DemoResult(
+        config=config,
+        model=model,
+        contention=contention,
+        bandwidths=bandwidths,
+        runs=runs,
+        snapshot=snapshot,
+        restore=restore,
+        violations=tuple(violations),
+        timeline_path=out_dir / "timeline.html",
+        wall_s=time.time() - began,
+    )
+    timeline.write(result.timeline_path, _timeline_html(result, events, ids))
+    (out_dir / "summary.json").write_text(json.dumps(result.to_json(), indent=2) + "\n")
+    progress.stage = "done"
+    return result
+
+
+async def _run_phases(
+    config: DemoConfig,
+    plans: Mapping[str, list[list[trace.Phase]]],
+    *,
+    contention: float,
+    address: str,
+    progress: DemoProgress,
+    events: list[tsclient.OrchestratorEvent],
+) -> dict[str, RunSummary]:
+    ids = list(plans)
+
+    def spec(job: str, slowdown: float) -> rljob.SimJob:
+        return rljob.SimJob(
+            job_id=job,
+            plan=plans[job],
+            groups={pool: pool for pool in trace.POOLS},
+            footprints=config.footprints,
+            time_scale=config.time_scale,
+            slowdown=slowdown,
+        )
+
+    runs: dict[str, RunSummary] = {}
+    progress.start_run(EXCLUSIVE, ids, config.steps)
+    start = time.time()
+    results = []
+    for job in ids:
+        results.append(
+            await rljob.run_job(
+                spec(job, 1.0), address=address, run=EXCLUSIVE, on_update=progress.on_job
+            )
+        )
+    runs[EXCLUSIVE] = _summarise(EXCLUSIVE, start, time.time(), results, events)
+    progress.makespans[EXCLUSIVE] = runs[EXCLUSIVE].makespan_s
+    if len(ids) > 1:
+        progress.start_run(TIME_SLICED, ids, config.steps)
+        start = time.time()
+        results = list(
+            await asyncio.gather(
+                *(
+                    rljob.run_job(
+                        spec(job, contention),
+                        address=address,
+                        run=TIME_SLICED,
+                        on_update=progress.on_job,
+                    )
+                    for job in ids
+                )
+            )
+        )
+        runs[TIME_SLICED] = _summarise(TIME_SLICED, start, time.time(), results, events)
+        progress.makespans[TIME_SLICED] = runs[TIME_SLICED].makespan_s
+    return runs
+
+
+async def _watch(
+    client: tsclient.AsyncClient,
+    sink: list[tsclient.OrchestratorEvent],
+    progress: DemoProgress,
+) -> None:
+    async for event in client.watch_events():
+        sink.append(event)
+        progress.on_event(event)
+
+
+def _event_time(event: tsclient.OrchestratorEvent) -> float:
+    return event.time.timestamp() if event.time is not None else time.time()
+
+
+def _summarise(
+    name: str,
+    start: float,
+    end: float,
+    results: Sequence[rljob.JobResult],
+    events: Sequence[tsclient.OrchestratorEvent],
+) -> RunSummary:
+    windows = tuple(w for r in results for w in r.windows)
+    span = max(end - start, 1e-9)
+    duty = {pool: _held(windows, pool, start, end) / span for pool in trace.POOLS}
+    switches = sum(
+        1
+        for e in list(events)
+        if e.kind == tsclient.EventKind.SWITCH_DONE and start <= _event_time(e) <= end
+    )
+    return RunSummary(
+        name=name,
+        start=start,
+        end=end,
+        duty=duty,
+        switches=switches,
+        steps_done=sum(r.steps_done for r in results),
+        windows=windows,
+        errors=tuple(f"job {r.job}: {r.error}" for r in results if r.error),
+    )
+
+
+def _held(windows: Sequence[rljob.Window], pool: str, start: float, end: float) -> float:
+    spans = sorted(
+        (max(w.acquired, start), min(w.yielded if w.yielded is not None else end, end))
+        for w in windows
+        if w.pool == pool and w.acquired is not None
+    )
+    total, reach = 0.0, start
+    for lo, hi in spans:
+        begin = max(lo, reach)
+        if hi > begin:
+            total += hi - begin
+            reach = hi
+    return total
+
+
+def _op_stats(
+    events: Sequence[tsclient.OrchestratorEvent], model: trace.PhaseModel, time_scale: float
+) -> tuple[dict[str, OpStats], dict[str, OpStats]]:
+    def stats(kind: tsclient.EventKind, recorded: Callable[[str], float]) -> dict[str, OpStats]:
+        out: dict[str, OpStats] = {}
+        for pool in trace.POOLS:
+            ms = [e.duration_ms for e in events if e.kind == kind and e.group_id == pool]
+            median = float(statistics.median(ms)) if ms else 0.0
+            out[pool] = OpStats(
+                count=len(ms),
+                demo_ms=round(median, 1),
+                trace_s=round(median / 1000.0 * time_scale, 2),
+                recorded_trace_s=round(recorded(pool), 2),
+            )
+        return out
+
+    return (
+        stats(tsclient.EventKind.SNAPSHOT_DONE, lambda p: model.switch[p].snapshot.median),
+        stats(tsclient.EventKind.RESTORE_DONE, lambda p: model.switch[p].restore.median),
+    )
+
+
+def _timeline_html(
+    result: DemoResult, events: Sequence[tsclient.OrchestratorEvent], ids: Sequence[str]
+) -> str:
+    ops: list[timeline.SwitchOp] = []
+    for e in events:
+        if e.kind not in (tsclient.EventKind.SNAPSHOT_DONE, tsclient.EventKind.RESTORE_DONE):
+            continue
+        end = _event_time(e)
+        kind = timeline.SNAPSHOT if e.kind == tsclient.EventKind.SNAPSHOT_DONE else timeline.RESTORE
+        ops.append(
+            timeline.SwitchOp(
+                node=e.node,
+                group=e.group_id,
+                job=e.job_id,
+                kind=kind,
+                start=end - e.duration_ms / 1000.0,
+                end=end,
+            )
+        )
+    views = [
+        timeline.RunView(
+            name=f"{name}: makespan {_minutes(run.makespan_s * result.config.time_scale)} "
+            f"trace ({run.makespan_s:.1f} s demo), {run.switches} switches",
+            start=run.start,
+            end=run.end,
+            windows=run.windows,
+            ops=[op for op in ops if run.start <= op.start <= run.end],
+        )
+        for name, run in result.runs.items()
+    ]
+    return timeline.render_html(
+        title="tslice demo: simulated RL jobs, exclusive vs time-sliced",
+        runs=views,
+        lanes=[timeline.Lane(pool=p, group=p, nodes=(NODES[p],)) for p in trace.POOLS],
+        jobs=ids,
+        time_scale=result.config.time_scale,
+        summary=summary_rows(result),
+    )
+
+
+def summary_rows(result: DemoResult) -> list[tuple[str, str]]:
+    """The headline numbers as (label, value) text, shared by the HTML and the terminal."""
+    scale = result.config.time_scale
+    rows: list[tuple[str, str]] = []
+    speedup = result.speedup
+    if speedup is not None:
+        rows.append(
+            (
+                "speedup (measured)",
+                f"{speedup:.2f}x (recorded run: {result.model.recorded.speedup}x)",
+            )
+        )
+    for name, run in result.runs.items():
+        duty = ", ".join(f"{p} {v:.0%}" for p, v in run.duty.items())
+        rows.append(
+            (
+                f"{name} makespan",
+                f"{_minutes(run.makespan_s * scale)} trace / {run.makespan_s:.1f} s demo; "
+                f"duty {duty}; {run.switches} switches",
+            )
+        )
+    for label, table in (("snapshot", result.snapshot), ("restore", result.restore)):
+        for pool, op in table.items():
+            rows.append(
+                (
+                    f"median {label} ({pool})",
+                    f"{op.trace_s:.1f} s trace / {op.demo_ms:.0f} ms demo "
+                    f"(recorded {op.recorded_trace_s:.1f} s; n={op.count})",
+                )
+            )
+    verdict = "0 violations" if not result.violations else f"{len(result.violations)} VIOLATIONS"
+    rows.append(("mutual exclusion", verdict))
+    return rows
+
+
+def _minutes(seconds: float) -> str:
+    return f"{seconds / 60:.1f} min"

@@ -1,0 +1,122 @@
+"""The CLI: help everywhere, one-line errors with the right exit codes, never a traceback."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from tslice.cli import main
+
+COMMANDS = ["version", "up", "list", "status", "acquire", "yield", "demo", "agent", "orchestrator"]
+
+
+def run_cli(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
+    with pytest.raises(SystemExit) as exit_info:
+        main.main(list(args))
+    out, err = capsys.readouterr()
+    code = exit_info.value.code
+    return (code if isinstance(code, int) else 0), out, err
+
+
+def closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def registered() -> set[str]:
+    import typer.main
+
+    return set(typer.main.get_command(main.app).commands)  # type: ignore[attr-defined]
+
+
+def test_top_level_help(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run_cli(capsys, "--help")
+    assert code == 0
+    for command in registered():
+        assert command in out
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_every_command_has_help(capsys: pytest.CaptureFixture[str], command: str) -> None:
+    if command not in registered():
+        pytest.skip(f"`tslice {command}` is not registered in this tree")
+    code, out, _ = run_cli(capsys, command, "--help")
+    assert code == 0
+    assert "Usage" in out
+
+
+def test_version(capsys: pytest.CaptureFixture[str]) -> None:
+    import tslice
+
+    code, out, _ = run_cli(capsys, "version")
+    assert code == 0
+    assert out.strip() == f"tslice {tslice.__version__}"
+
+
+def test_unreachable_orchestrator_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    port = closed_port()
+    for args in (["status", "g"], ["list"], ["yield", "g", "job-1"]):
+        code, out, err = run_cli(capsys, *args, "--addr", f"127.0.0.1:{port}", "--timeout", "5")
+        assert code == 1, (args, err)
+        assert out == ""
+        assert err.strip().splitlines() == [
+            f"error: orchestrator at 127.0.0.1:{port} is not reachable (is `tslice up` running?)"
+        ]
+
+
+def test_address_comes_from_the_environment(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    port = closed_port()
+    monkeypatch.setenv("TSLICE_ORCHESTRATOR", f"127.0.0.1:{port}")
+    code, _, err = run_cli(capsys, "status", "g")
+    assert code == 1
+    assert f"127.0.0.1:{port}" in err
+
+
+def test_bad_ids_are_usage_errors(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run_cli(capsys, "acquire", "bad group!", "job-1", "--addr", "127.0.0.1:1")
+    assert code == 2
+    assert out == ""
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "group" in lines[0]
+
+
+def test_usage_errors_are_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = run_cli(capsys, "status", "--no-such-flag")
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ")
+    assert "--no-such-flag" in lines[0] and "tslice status --help" in lines[0]
+    code, _, err = run_cli(capsys, "demo", "--jobs", "0")
+    assert code == 2 and len(err.strip().splitlines()) == 1
+
+
+def test_bad_demo_size_is_a_config_error(capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = run_cli(capsys, "demo", "--capacity", "lots")
+    assert code == 2
+    assert (
+        err.strip() == "error: --capacity 'lots' is not a size: use e.g. 80GiB, 60GB or a "
+        "number of bytes"
+    )
+
+
+def test_python_dash_m_runs_the_cli_without_traceback() -> None:
+    port = closed_port()
+    proc = subprocess.run(
+        [sys.executable, "-m", "tslice", "status", "g", "--addr", f"127.0.0.1:{port}"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert proc.returncode == 1
+    assert proc.stdout == ""
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        f"error: orchestrator at 127.0.0.1:{port} is not reachable (is `tslice up` running?)"
+    ]
