@@ -20,7 +20,16 @@ class FakeVllm:
 
     def __init__(self) -> None:
         self.calls: list[tuple[str, Any]] = []
-        self.sleeping = False
+        # Like vLLM's executor: the tags still asleep; awake again once none are left.
+        self.sleeping_tags: set[str] = set()
+
+    @property
+    def sleeping(self) -> bool:
+        return bool(self.sleeping_tags)
+
+    @sleeping.setter
+    def sleeping(self, value: bool) -> None:
+        self.sleeping_tags = {"weights", "kv_cache"} if value else set()
 
     def sleep(self, level: int = 1) -> None:
         self.calls.append(("sleep", level))
@@ -28,8 +37,7 @@ class FakeVllm:
 
     def wake_up(self, tags: list[str] | None = None) -> None:
         self.calls.append(("wake_up", tags))
-        if tags is None or set(tags) >= {"weights", "kv_cache"}:
-            self.sleeping = False
+        self.sleeping_tags -= set(tags if tags is not None else ["weights", "kv_cache"])
 
     def is_sleeping(self) -> bool:
         return self.sleeping
