@@ -58,14 +58,14 @@ _UNCERTAIN_STATUSES = frozenset({500, 502, 504})
 _RETRY_AFTER_S = 1.0
 
 
-class InvalidEndpointConfigError(base.BackendError):
+class InvalidEndpointConfigError(base.InvalidBackendConfigError):
     """The request's ``AppEndpointConfig`` is unusable; nothing was sent, nothing changed.
 
     The agent should answer ``INVALID_ARGUMENT`` with this message and create no operation.
     """
 
 
-class EndpointNotAllowedError(InvalidEndpointConfigError):
+class EndpointNotAllowedError(InvalidEndpointConfigError, base.BackendConfigRefusedError):
     """An endpoint's host is not on this agent's allow-list; nothing was sent.
 
     The agent should answer ``FAILED_PRECONDITION`` (the fix is in the agent's config).

@@ -40,6 +40,15 @@ class FatalBackendError(BackendError):
     """The operation failed and the job's device state may be partly moved."""
 
 
+class InvalidBackendConfigError(BackendError):
+    """The request's backend config cannot be served; nothing was done (INVALID_ARGUMENT)."""
+
+
+class BackendConfigRefusedError(InvalidBackendConfigError):
+    """The config is well-formed but refused by policy, e.g. a host outside the allow-list
+    (FAILED_PRECONDITION); nothing was done."""
+
+
 class BackendUnavailableError(BackendError):
     """The backend cannot work on this node at all (no driver, no GPU, missing binary)."""
 
@@ -95,7 +104,7 @@ class Backend(abc.ABC):
         return cls(**settings)
 
     @abc.abstractmethod
-    async def snapshot(self, job: JobContext, mode: pb.SuspendMode.ValueType) -> OpResult:
+    async def snapshot(self, job: JobContext, mode: pb.SuspendMode) -> OpResult:
         """Move the job's device state off the device.
 
         Called only for a RUNNING job. Raise TransientBackendError if nothing
@@ -110,6 +119,13 @@ class Backend(abc.ABC):
         overcommit the device. Called only for a SAVED job.
         """
 
+    async def validate(self, job: JobContext) -> None:
+        """Check ``job.config`` before any operation is created; no I/O, no side effects.
+
+        Raise InvalidBackendConfigError / BackendConfigRefusedError; the agent answers the
+        RPC with INVALID_ARGUMENT / FAILED_PRECONDITION and the job's state is untouched.
+        """
+
     async def activate(self, job: JobContext) -> OpResult:
         """The job was granted with nothing to restore: it now owns the device.
 
@@ -121,7 +137,7 @@ class Backend(abc.ABC):
     async def forget(self, job: JobContext) -> None:
         """The job is gone; drop whatever the backend holds for it. Idempotent."""
 
-    async def recover(self, job: JobContext) -> pb.JobState.ValueType | None:
+    async def recover(self, job: JobContext) -> pb.JobState | None:
         """After an agent restart, read back the real state of a job the agent knew.
 
         Return the state the backend observes (e.g. from the driver), or ``None``
