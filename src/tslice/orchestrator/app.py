@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -30,7 +31,7 @@ from grpc_reflection.v1alpha import reflection
 
 from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2 as opb
 from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2_grpc as opb_grpc
-from tslice.common import logs
+from tslice.common import ids, logs
 from tslice.orchestrator import agents, config, events, manager, metrics, server, store
 
 log = logging.getLogger(__name__)
@@ -73,11 +74,13 @@ async def serve(
     bus = events.EventBus()
     m = metrics.OrchestratorMetrics()
     bus.on_drop = m.events_dropped.inc
-    groups = manager.GroupManager(cfg=cfg, db=db, pool=pool, bus=bus, metrics=m)
     grpc_server = grpc.aio.server(options=_SERVER_OPTIONS)
     health_servicer = health.aio.HealthServicer()
     metrics_http: Any = None
+    groups: manager.GroupManager | None = None
     try:
+        cfg = await _name_local_agents(cfg, pool)
+        groups = manager.GroupManager(cfg=cfg, db=db, pool=pool, bus=bus, metrics=m)
         if cfg.metrics_port:
             metrics_http, _ = prom.start_http_server(
                 cfg.metrics_port, addr=cfg.host, registry=m.registry
@@ -113,7 +116,8 @@ async def serve(
         await (stop.wait() if stop is not None else asyncio.Event().wait())
     finally:
         await health_servicer.enter_graceful_shutdown()
-        await groups.stop(grace_s=cfg.shutdown_grace_s)
+        if groups is not None:
+            await groups.stop(grace_s=cfg.shutdown_grace_s)
         bus.close()
         await grpc_server.stop(cfg.shutdown_grace_s)
         await pool.close()
@@ -122,6 +126,32 @@ async def serve(
             metrics_http.shutdown()
             metrics_http.server_close()
         log.info("orchestrator stopped")
+
+
+async def _name_local_agents(
+    cfg: config.OrchestratorConfig, pool: agents.AgentPool
+) -> config.OrchestratorConfig:
+    """Local agents given without a name take the name they report (else their address)."""
+    nodes = cfg.topology.local_nodes
+    unnamed = [n for n in nodes if n.name == n.address]
+    if not unnamed:
+        return cfg
+    replies = await asyncio.gather(
+        *(pool.get(n.address).status(timeout_s=min(1.0, cfg.status_timeout_s)) for n in unnamed),
+        return_exceptions=True,
+    )
+    taken = {n.name for n in nodes if n.name != n.address}
+    names: dict[str, str] = {}
+    for node, reply in zip(unnamed, replies, strict=True):
+        if isinstance(reply, BaseException) or not reply.node or reply.node in taken:
+            continue
+        try:
+            names[node.address] = ids.check_id("node name", reply.node)
+        except ids.InvalidIdError:
+            continue
+        taken.add(reply.node)
+    named = tuple(config.NodeRef(names.get(n.address, n.name), n.address) for n in nodes)
+    return dataclasses.replace(cfg, topology=config.Topology(local_nodes=named))
 
 
 def write_ready_file(path: pathlib.Path, address: str) -> None:

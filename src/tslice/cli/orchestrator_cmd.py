@@ -1,0 +1,124 @@
+"""``tslice orchestrator``: run the cluster-layer orchestrator."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from tslice.common import errors
+
+_TIMEOUTS = "Timeouts"
+
+
+def register(app: typer.Typer) -> None:
+    """Add the ``orchestrator`` command to ``app``."""
+    app.command("orchestrator")(orchestrator)
+
+
+def orchestrator(
+    *,
+    config: Annotated[
+        Path | None, typer.Option("--config", help="YAML config file; flags override it.")
+    ] = None,
+    topology: Annotated[
+        Path | None,
+        typer.Option(
+            "--topology", help="Topology YAML (groups -> nodes -> agent host:port, or mode: local)."
+        ),
+    ] = None,
+    local_agent: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--local-agent",
+            metavar="[NAME=]HOST:PORT",
+            help="Local mode: an agent every group spans (repeatable); groups are created "
+            "on their first Acquire.",
+        ),
+    ] = None,
+    host: Annotated[
+        str | None, typer.Option("--host", help="Address to bind (default 127.0.0.1).")
+    ] = None,
+    port: Annotated[
+        int | None, typer.Option("--port", help="gRPC port (default 50051; 0 = any free port).")
+    ] = None,
+    state_dir: Annotated[
+        Path | None,
+        typer.Option(
+            "--state-dir", help="Where orchestrator.db lives (default .tslice/orchestrator)."
+        ),
+    ] = None,
+    metrics_port: Annotated[
+        int | None, typer.Option("--metrics-port", help="Prometheus port (default 8080; 0 = off).")
+    ] = None,
+    ready_file: Annotated[
+        Path | None,
+        typer.Option("--ready-file", help='Write {"address", "pid"} here once serving.'),
+    ] = None,
+    log_level: Annotated[
+        str | None, typer.Option("--log-level", help="debug, info, warning or error.")
+    ] = None,
+    agent_rpc_timeout: Annotated[
+        float | None,
+        typer.Option(
+            "--agent-rpc-timeout",
+            help="Deadline of agent calls, s (default 10).",
+            rich_help_panel=_TIMEOUTS,
+        ),
+    ] = None,
+    operation_timeout: Annotated[
+        float | None,
+        typer.Option(
+            "--operation-timeout",
+            help="Max duration of one snapshot/restore, s (default 900).",
+            rich_help_panel=_TIMEOUTS,
+        ),
+    ] = None,
+    reattach_grace: Annotated[
+        float | None,
+        typer.Option(
+            "--reattach-grace",
+            help="After a restart, how long queued jobs have to re-issue Acquire, s (default 30).",
+            rich_help_panel=_TIMEOUTS,
+        ),
+    ] = None,
+    shutdown_grace: Annotated[
+        float | None,
+        typer.Option(
+            "--shutdown-grace",
+            help="On SIGTERM, time for an in-flight switch to finish, s (default 5).",
+            rich_help_panel=_TIMEOUTS,
+        ),
+    ] = None,
+) -> None:
+    """Run the orchestrator (SIGTERM/SIGINT stop it gracefully)."""
+    # Imported here so that `tslice --help` does not pay for grpc servers.
+    from tslice.orchestrator import app as orch_app
+    from tslice.orchestrator import config as orch_config
+    from tslice.orchestrator import store
+
+    overrides: dict[str, Any] = {
+        # Relative to the working directory, not to --config's directory.
+        "topology_file": topology.resolve() if topology is not None else None,
+        "local_agents": local_agent or None,
+        "host": host,
+        "port": port,
+        "state_dir": state_dir,
+        "metrics_port": metrics_port,
+        "log_level": log_level,
+        "agent_rpc_timeout_s": agent_rpc_timeout,
+        "operation_timeout_s": operation_timeout,
+        "reattach_grace_s": reattach_grace,
+        "shutdown_grace_s": shutdown_grace,
+    }
+    try:
+        settings = orch_config.build(config_file=config, overrides=overrides)
+    except errors.ConfigError as err:
+        typer.echo(f"error: {err}", err=True)
+        raise typer.Exit(2) from None
+    try:
+        orch_app.run(settings, ready_file=ready_file)
+    except (store.StoreError, OSError) as err:
+        typer.echo(f"error: {err}", err=True)
+        raise typer.Exit(1) from None
