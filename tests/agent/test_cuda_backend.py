@@ -377,6 +377,19 @@ async def test_recover_detects_a_reused_pid(node: Node) -> None:
     assert await node.backend().recover(job(state=state)) == pb.JOB_STATE_IDLE
 
 
+async def test_recover_after_a_failed_first_snapshot_uses_the_requested_pids(
+    node: Node,
+) -> None:
+    # A failed operation records no state; the request's PIDs still name the job.
+    node.driver.fail("checkpoint", pid=node.pids[1])
+    with pytest.raises(base.FatalBackendError):
+        await node.backend().snapshot(job(node.pids), OFFLOAD)
+    assert await node.backend().recover(job(node.pids)) == pb.JOB_STATE_RUNNING
+    node.registry.register(job_id="rl-b", pid=node.pids[2])
+    node.driver.states[node.pids[2]] = S.CHECKPOINTED
+    assert await node.backend().recover(job(job_id="rl-b")) == pb.JOB_STATE_SAVED
+
+
 async def test_recover_with_nothing_recorded_trusts_the_agent(node: Node) -> None:
     assert await node.backend().recover(job()) is None
 

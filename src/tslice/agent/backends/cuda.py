@@ -543,8 +543,15 @@ class CudaBackend(base.Backend):
         checkpointed too → SAVED (with ``repair_on_recover``, else FAULTED); all
         processes gone → IDLE; some gone or FAILED → FAULTED; nothing recorded or
         no driver → None (the agent keeps its persisted state).
+
+        Known processes: those recorded by the last successful operation, else (a
+        job whose first snapshot failed) the request's explicit PIDs and the
+        processes registered for the job.
         """
         targets = self._recorded(job)
+        if not targets:
+            pids = dict.fromkeys([*self._explicit(job), *self.registry.pids(job.job_id)])
+            targets = [self._target(pid) for pid in pids if pid > 0]
         if not targets:
             return None
         try:
