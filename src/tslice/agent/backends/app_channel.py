@@ -22,7 +22,7 @@ sent here rather than short-circuited.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from typing_extensions import Self
@@ -121,6 +121,22 @@ class AppChannelBackend(base.Backend):
         except channel.ChannelError as exc:
             raise _translate(exc) from exc
         return _result(job, "restore", outcome)
+
+    async def missing_tags(self, job: base.JobContext, tags: Sequence[str]) -> list[str]:
+        """Agent hook for staged restore: which of ``tags`` a RUNNING job does not hold.
+
+        The live workload's report wins; without a connection, the residency recorded
+        by the last operation (``JobContext.state``) answers. No I/O.
+        """
+        known = self.hub.session_state(job.job_id)
+        if known is not None and known.state_reported:
+            if known.residency == residency.FULL:
+                return []
+            return [tag for tag in tags if tag not in known.resident_tags]
+        if job.state.get("residency") != residency.PARTIAL:
+            return []
+        resident = set(job.state.get("resident_tags") or ())
+        return [tag for tag in tags if tag not in resident]
 
     async def recover(self, job: base.JobContext) -> pb.JobState | None:
         """RUNNING or SAVED from what the connected workload reports; None if it cannot tell."""

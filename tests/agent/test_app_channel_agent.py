@@ -1,0 +1,183 @@
+"""The workload channel through the real agent (tslice.agent.app.serve), over its Unix socket.
+
+Covers what only the whole agent shows: a channel-registered job is routed to the
+app-channel backend with no config, staged restore is *sent* (not short-circuited),
+and a mode the workload did not declare fails the operation without touching the
+engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import tempfile
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from tslice.agent import app as agent_app
+from tslice.agent import config as agent_config
+from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
+from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2_grpc as pb_grpc
+from tslice.workload import WorkloadHandle, register_workload
+
+GROUP = "sampler"
+
+
+class Agent:
+    def __init__(self, stub: Any, socket: Path) -> None:
+        self.stub = stub
+        self.socket = socket
+
+    async def run(self, call: Any) -> pb.GetOperationResponse:
+        started = await call
+        return await self.stub.WaitOperation(
+            pb.WaitOperationRequest(operation_id=started.operation_id, timeout_ms=20_000)
+        )
+
+    async def state(self, job_id: str) -> int:
+        status = await self.stub.Status(pb.StatusRequest())
+        (job,) = [j for j in status.job_statuses if j.job_id == job_id]
+        return int(job.state)
+
+
+@pytest.fixture
+async def agent() -> AsyncIterator[Agent]:
+    # Unix socket paths are limited to ~100 bytes: keep the directory short.
+    tmp = Path(tempfile.mkdtemp(prefix="tsl-"))
+    socket = tmp / "agent.sock"
+    # Default backend noop: a job reaches app-channel only because its workload registered.
+    config = agent_config.AgentConfig(
+        node_name="node-a",
+        port=0,
+        state_dir=tmp / "state",
+        unix_socket=socket,
+        backends=("app-channel",),
+        backend_settings={"app-channel": {"command_timeout_s": 30}},
+    )
+    stop = asyncio.Event()
+    ready: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+    task = asyncio.create_task(agent_app.serve(config, ready=ready.set_result, stop=stop))
+    try:
+        await asyncio.wait_for(ready, timeout=20)
+        async with grpc.aio.insecure_channel(f"unix:{socket}") as channel:
+            yield Agent(pb_grpc.SnapshotAgentServiceStub(channel), socket)
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, timeout=20)
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+class FakeVllm:
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, Any]] = []
+
+    def sleep(self, level: int = 1) -> None:
+        self.calls.append(("sleep", level))
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        self.calls.append(("wake_up", tags))
+
+
+class FakeSglang:
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, Any]] = []
+
+    def release_memory_occupation(self, tags: list[str] | None = None) -> None:
+        self.calls.append(("release", tags))
+
+    def resume_memory_occupation(self, tags: list[str] | None = None) -> None:
+        self.calls.append(("resume", tags))
+
+
+async def _register(agent: Agent, job_id: str, engine: object) -> WorkloadHandle:
+    handle = register_workload(f"unix:{agent.socket}", job_id, GROUP, workload=engine)
+    assert await asyncio.to_thread(handle.wait_registered, 20), handle.error
+    await agent.stub.Grant(pb.GrantRequest(job_id=job_id, group=GROUP, grant_epoch=1))
+    return handle
+
+
+def _channel_config(*, tags: tuple[str, ...] = (), mode: int = 0) -> pb.BackendConfig:
+    return pb.BackendConfig(app_channel=pb.AppChannelConfig(mode=mode, tags=tags))
+
+
+async def test_agent_routes_a_registered_job_to_its_workload(agent: Agent) -> None:
+    engine = FakeVllm()
+    handle = await _register(agent, "job-v", engine)
+    try:
+        saved = await agent.run(
+            agent.stub.Snapshot(pb.SnapshotRequest(job_id="job-v", group=GROUP))
+        )
+        assert saved.status == pb.OPERATION_STATUS_COMPLETE, saved.error
+        assert await agent.state("job-v") == pb.JOB_STATE_SAVED
+        back = await agent.run(agent.stub.Restore(pb.RestoreRequest(job_id="job-v", group=GROUP)))
+        assert back.status == pb.OPERATION_STATUS_COMPLETE, back.error
+        assert await agent.state("job-v") == pb.JOB_STATE_RUNNING
+        assert engine.calls == [("sleep", 1), ("wake_up", None)]
+    finally:
+        await asyncio.to_thread(handle.close)
+
+
+async def test_agent_sends_the_second_stage_of_a_staged_restore(agent: Agent) -> None:
+    engine = FakeVllm()
+    handle = await _register(agent, "job-st", engine)
+    try:
+        saved = await agent.run(
+            agent.stub.Snapshot(pb.SnapshotRequest(job_id="job-st", group=GROUP))
+        )
+        assert saved.status == pb.OPERATION_STATUS_COMPLETE, saved.error
+        weights = await agent.run(
+            agent.stub.Restore(
+                pb.RestoreRequest(
+                    job_id="job-st", group=GROUP, backend_config=_channel_config(tags=("weights",))
+                )
+            )
+        )
+        assert weights.status == pb.OPERATION_STATUS_COMPLETE, weights.error
+        assert await agent.state("job-st") == pb.JOB_STATE_RUNNING
+        # RUNNING, but the KV cache is still off the device: this restore must reach the engine.
+        kv = await agent.run(
+            agent.stub.Restore(
+                pb.RestoreRequest(
+                    job_id="job-st", group=GROUP, backend_config=_channel_config(tags=("kv_cache",))
+                )
+            )
+        )
+        assert kv.status == pb.OPERATION_STATUS_COMPLETE, kv.error
+        assert engine.calls == [("sleep", 1), ("wake_up", ["weights"]), ("wake_up", ["kv_cache"])]
+        # Everything is back: a further restore of the KV cache is a no-op.
+        again = await agent.run(
+            agent.stub.Restore(
+                pb.RestoreRequest(
+                    job_id="job-st", group=GROUP, backend_config=_channel_config(tags=("kv_cache",))
+                )
+            )
+        )
+        assert again.status == pb.OPERATION_STATUS_COMPLETE, again.error
+        assert len(engine.calls) == 3
+    finally:
+        await asyncio.to_thread(handle.close)
+
+
+async def test_agent_refuses_an_undeclared_mode_without_touching_the_engine(agent: Agent) -> None:
+    engine = FakeSglang()  # started for OFFLOAD: DISCARD is not declared
+    handle = await _register(agent, "job-sg", engine)
+    try:
+        op = await agent.run(
+            agent.stub.Snapshot(
+                pb.SnapshotRequest(
+                    job_id="job-sg",
+                    group=GROUP,
+                    backend_config=_channel_config(mode=pb.SUSPEND_MODE_DISCARD),
+                )
+            )
+        )
+        assert op.status == pb.OPERATION_STATUS_FAILED
+        assert "does not support suspend mode SUSPEND_MODE_DISCARD" in op.error
+        assert engine.calls == []
+        assert handle.commands_executed == 0
+    finally:
+        await asyncio.to_thread(handle.close)
