@@ -56,12 +56,13 @@ class AgentMetrics:
         for state, count in counts.items():
             self.jobs.labels(state=state).set(count)
 
-    def serve(self, *, port: int, host: str = "0.0.0.0") -> None:
-        """Expose ``/metrics`` on ``port`` (a daemon thread) until :meth:`stop`."""
+    def serve(self, *, port: int, host: str = "0.0.0.0") -> int:
+        """Expose ``/metrics`` on ``port`` (0 = any free one) until :meth:`stop`; the port."""
         server, thread = prometheus_client.start_http_server(
             port, addr=host, registry=self.registry
         )
         self._server, self._thread = server, thread
+        return int(server.server_port)
 
     def stop(self) -> None:
         server = self._server

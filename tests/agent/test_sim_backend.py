@@ -1,0 +1,200 @@
+"""Simulated devices (tslice.sim.device) and the sim backend, without a server."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from tslice.agent.backends import base, sim
+from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
+from tslice.sim import device
+
+GiB = 1024**3
+
+
+def ctx(job_id: str = "a", *, footprint: int = 0, **kw: object) -> base.JobContext:
+    job = base.JobContext(job_id=job_id, group="g", footprint_bytes=footprint)
+    return dataclasses.replace(job, **kw)  # type: ignore[arg-type]
+
+
+def fast(tmp_path: Path | None = None, **kw: object) -> sim.SimBackend:
+    settings: dict[str, object] = {
+        "node": "n1",
+        "state_dir": tmp_path,
+        "capacity_bytes": 10 * GiB,
+        "bandwidth_bytes_per_s": 10**12,
+        "latency_s": 0.0,
+    }
+    settings.update(kw)
+    return sim.SimBackend.create(settings)
+
+
+# ---- SimNode --------------------------------------------------------------------------------
+
+
+def test_capacity_error_names_the_device_the_need_and_the_holder() -> None:
+    node = device.SimNode(node="n1", devices=2, capacity_bytes=100)
+    node.allocate(job="a", group="g", bytes_per_device=60)
+    with pytest.raises(device.CapacityError) as info:
+        node.allocate(job="b", group="g", bytes_per_device=50)
+    assert str(info.value) == (
+        "restore of job b on sim0 (node n1) would need 50 bytes; "
+        "60 of 100 in use by job a (60 bytes)"
+    )
+    assert node.residency("b") is None
+    assert [u.used_bytes for u in node.usage()] == [60, 60]
+    with pytest.raises(device.CapacityError, match="lower the job's footprint"):
+        node.allocate(job="c", group="g", bytes_per_device=101)
+
+
+def test_state_persists_and_the_journal_records_every_change(tmp_path: Path) -> None:
+    node = device.SimNode(node="n1", devices=2, capacity_bytes=100, state_dir=tmp_path)
+    node.allocate(job="a", group="g", bytes_per_device=60)
+    node.park(job="a", saved=device.SavedState(group="g", footprint_bytes=60, host_bytes=120))
+    node.allocate(job="b", group="g", bytes_per_device=30)
+
+    reborn = device.SimNode(node="n1", devices=2, capacity_bytes=100, state_dir=tmp_path)
+    assert reborn.saved("a") == device.SavedState(group="g", footprint_bytes=60, host_bytes=120)
+    assert reborn.residency("b") == device.Residency(group="g", bytes_per_device=30)
+    assert reborn.residency("a") is None
+
+    events = device.read_journal(tmp_path / device.JOURNAL_FILE)
+    assert [(e.job, e.event, e.device, e.bytes) for e in events] == [
+        ("a", "alloc", "sim0", 60),
+        ("a", "alloc", "sim1", 60),
+        ("a", "free", "sim0", 60),
+        ("a", "free", "sim1", 60),
+        ("b", "alloc", "sim0", 30),
+        ("b", "alloc", "sim1", 30),
+    ]
+    assert all(e.node == "n1" and e.group == "g" for e in events)
+    assert events == sorted(events, key=lambda e: e.t)
+
+
+def test_read_journal_skips_a_torn_last_line(tmp_path: Path) -> None:
+    path = tmp_path / device.JOURNAL_FILE
+    node = device.SimNode(node="n1", capacity_bytes=100, state_dir=tmp_path)
+    node.allocate(job="a", group="g", bytes_per_device=1)
+    with path.open("a") as f:
+        f.write('{"t": 1, "node": "n1", "gr')
+    assert len(device.read_journal(path)) == 1
+    assert device.read_journal(tmp_path / "missing.jsonl") == []
+
+
+def test_unreadable_state_file_is_a_clear_error(tmp_path: Path) -> None:
+    (tmp_path / device.STATE_FILE).write_text("{not json")
+    with pytest.raises(ValueError, match="delete it to start with empty devices"):
+        device.SimNode(node="n1", state_dir=tmp_path)
+
+
+# ---- SimBackend ------------------------------------------------------------------------------
+
+
+async def test_footprint_precedence() -> None:
+    backend = fast(default_footprint_bytes=3 * GiB)
+    assert backend.footprint(ctx()) == 3 * GiB
+    assert backend.footprint(ctx(footprint=2 * GiB)) == 2 * GiB
+    config = pb.BackendConfig(sim=pb.SimBackendConfig(footprint_bytes=GiB))
+    assert backend.footprint(ctx(footprint=2 * GiB, config=config)) == GiB
+    assert fast().default_footprint_bytes == int(10 * GiB * 0.6)
+
+
+async def test_snapshot_modes_and_node_totals(tmp_path: Path) -> None:
+    backend = fast(tmp_path, devices=2)
+    activated = await backend.activate(ctx(footprint=GiB))
+    assert activated.device_bytes == 2 * GiB
+    assert await backend.activate(ctx(footprint=GiB)) == base.OpResult(device_bytes=2 * GiB)
+    offload = await backend.snapshot(ctx(), pb.SUSPEND_MODE_OFFLOAD)
+    assert (offload.device_bytes, offload.host_bytes) == (2 * GiB, 2 * GiB)
+    assert await backend.recover(ctx()) == pb.JOB_STATE_SAVED
+    restored = await backend.restore(ctx())
+    assert restored.device_bytes == 2 * GiB
+    discard = await backend.snapshot(ctx(), pb.SUSPEND_MODE_DISCARD)
+    assert (discard.device_bytes, discard.host_bytes) == (2 * GiB, 0)
+    accelerators = await backend.accelerators()
+    assert [(a.id, a.memory_used_bytes) for a in accelerators] == [("sim0", 0), ("sim1", 0)]
+
+
+async def test_failed_restore_gives_its_bytes_back_and_stays_saved(tmp_path: Path) -> None:
+    backend = fast(tmp_path)
+    await backend.activate(ctx(footprint=GiB))
+    await backend.snapshot(ctx(), pb.SUSPEND_MODE_OFFLOAD)
+    backend.fail_probability = 1.0
+    with pytest.raises(base.FatalBackendError, match="injected failure"):
+        await backend.restore(ctx())
+    assert backend.node.used_bytes() == 0
+    assert await backend.recover(ctx()) == pb.JOB_STATE_SAVED
+
+
+async def test_failed_snapshot_leaves_the_job_resident(tmp_path: Path) -> None:
+    backend = fast(tmp_path, fail_probability=1.0)
+    await backend.activate(ctx(footprint=GiB))
+    with pytest.raises(base.FatalBackendError):
+        await backend.snapshot(ctx(), pb.SUSPEND_MODE_OFFLOAD)
+    assert await backend.recover(ctx()) == pb.JOB_STATE_RUNNING
+
+
+async def test_hang_lasts_until_cancelled_and_a_cut_restore_frees_its_bytes(tmp_path: Path) -> None:
+    backend = fast(tmp_path)
+    await backend.activate(ctx(footprint=GiB))
+    await backend.snapshot(ctx(), pb.SUSPEND_MODE_OFFLOAD)
+    backend.hang_probability = 1.0
+    with pytest.raises(asyncio.TimeoutError):
+        await asyncio.wait_for(backend.restore(ctx()), timeout=0.05)
+    assert backend.node.used_bytes() == 0
+    assert await backend.recover(ctx()) == pb.JOB_STATE_SAVED
+
+
+async def test_recover_after_a_crash_mid_restore(tmp_path: Path) -> None:
+    # As left by an agent killed mid-restore: the bytes landed, the saved copy remains.
+    node = device.SimNode(node="n1", capacity_bytes=10 * GiB, state_dir=tmp_path)
+    node.allocate(job="a", group="g", bytes_per_device=GiB)
+    node.park(job="a", saved=device.SavedState(group="g", footprint_bytes=GiB, host_bytes=GiB))
+    node.allocate(job="a", group="g", bytes_per_device=GiB)
+    backend = fast(tmp_path)
+    assert await backend.recover(ctx()) == pb.JOB_STATE_SAVED
+    assert backend.node.used_bytes() == 0
+    assert await backend.recover(ctx("other")) == pb.JOB_STATE_IDLE
+
+
+async def test_restore_and_snapshot_refuse_what_the_node_does_not_hold() -> None:
+    backend = fast()
+    with pytest.raises(base.FatalBackendError, match="holds no memory"):
+        await backend.snapshot(ctx(), pb.SUSPEND_MODE_OFFLOAD)
+    with pytest.raises(base.FatalBackendError, match="no saved state"):
+        await backend.restore(ctx())
+    await backend.activate(ctx(footprint=GiB))
+    await backend.snapshot(ctx(), pb.SUSPEND_MODE_OFFLOAD)
+    with pytest.raises(base.FatalBackendError, match="restore it instead"):
+        await backend.activate(ctx())
+    await backend.forget(ctx())
+    assert await backend.recover(ctx()) == pb.JOB_STATE_IDLE
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"bandwidth_bytes_per_s": 0},
+        {"fail_probability": 1.5},
+        {"default_footprint_bytes": 11 * GiB},
+        {"devices": 0},
+        {"latency_s": -1},
+    ],
+)
+def test_invalid_settings_are_value_errors(bad: dict[str, object]) -> None:
+    with pytest.raises(ValueError):
+        fast(**bad)
+
+
+async def test_noop_backend_moves_nothing() -> None:
+    from tslice.agent.backends import noop
+
+    backend = noop.NoopBackend.create({"delay_s": 0.0})
+    assert await backend.snapshot(ctx(), pb.SUSPEND_MODE_OFFLOAD) == base.OpResult()
+    assert await backend.restore(ctx()) == base.OpResult()
+    assert await backend.recover(ctx()) is None
+    with pytest.raises(ValueError):
+        noop.NoopBackend(delay_s=-1)
