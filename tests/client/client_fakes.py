@@ -48,19 +48,10 @@ class Group:
     epoch: int = 0
 
 
-class FakeOrchestrator(opb_grpc.TimeSliceOrchestratorServiceServicer):
-    """FIFO lock per group, enough of the orchestrator's contract to test clients."""
+class Observable:
+    """Lets tests wait (on the server loop) until the double reaches some state."""
 
-    def __init__(self, groups: tuple[str, ...] = ("g", "a", "b")) -> None:
-        self.groups = {name: Group() for name in groups}
-        self.calls: list[Call] = []
-        self.failures: dict[str, collections.deque[tuple[grpc.StatusCode, str]]] = (
-            collections.defaultdict(collections.deque)
-        )
-        self.events: list[opb.OrchestratorEvent] = []
-        self._changed: asyncio.Condition | None = None
-
-    # -- helpers (run on the server loop) --
+    _changed: asyncio.Condition | None = None
 
     @property
     def changed(self) -> asyncio.Condition:
@@ -72,9 +63,23 @@ class FakeOrchestrator(opb_grpc.TimeSliceOrchestratorServiceServicer):
         async with self.changed:
             self.changed.notify_all()
 
-    async def wait_for(self, predicate: Callable[[FakeOrchestrator], bool]) -> None:
+    async def wait_for(self, predicate: Callable[[Any], bool]) -> None:
         async with self.changed:
             await self.changed.wait_for(lambda: predicate(self))
+
+
+class FakeOrchestrator(Observable, opb_grpc.TimeSliceOrchestratorServiceServicer):
+    """FIFO lock per group, enough of the orchestrator's contract to test clients."""
+
+    def __init__(self, groups: tuple[str, ...] = ("g", "a", "b")) -> None:
+        self.groups = {name: Group() for name in groups}
+        self.calls: list[Call] = []
+        self.failures: dict[str, collections.deque[tuple[grpc.StatusCode, str]]] = (
+            collections.defaultdict(collections.deque)
+        )
+        self.events: list[opb.OrchestratorEvent] = []
+
+    # -- helpers (run on the server loop) --
 
     async def _enter(self, method: str, request: Any, context: grpc.aio.ServicerContext) -> None:
         metadata = {key: value for key, value in context.invocation_metadata() or ()}
@@ -215,7 +220,7 @@ class Operation:
     done: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
 
 
-class FakeAgent(pb_grpc.SnapshotAgentServiceServicer):
+class FakeAgent(Observable, pb_grpc.SnapshotAgentServiceServicer):
     """Snapshot agent double: operations finish when the test says so.
 
     With ``long_poll=False`` it behaves like an llm-d agent (no WaitOperation).
@@ -288,6 +293,7 @@ class FakeAgent(pb_grpc.SnapshotAgentServiceServicer):
         if not self.long_poll:
             await context.abort(grpc.StatusCode.UNIMPLEMENTED, "Method not implemented!")
         self.requests.append(("wait", request))
+        await self._notify()
         op = self.operations.get(request.operation_id)
         if op is None:
             await context.abort(

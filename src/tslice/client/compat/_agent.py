@@ -116,6 +116,9 @@ class SnapshotAgentClient:
                 code=err.status,
                 details=err.message,
             ) from err
+        except Exception as err:
+            # llm-d wraps everything (e.g. a call on a closed channel) the same way.
+            raise SnapshotAgentError(f"Unexpected error in {method}: {err}") from err
 
     # -- the RPCs ---------------------------------------------------------------------
 
@@ -251,16 +254,14 @@ class SnapshotAgentClient:
         # The RPC may take the whole chunk by design: its deadline is chunk + the usual.
         options = self._options(timeout=chunk_ms / 1000 + self._timeout)
         try:
-            response = self._calls.wait_operation(request, options)
-        except errors.RPCError as err:
-            if err.status == grpc.StatusCode.UNIMPLEMENTED and self._long_poll is None:
+            response = self._call(
+                "WaitOperation", lambda: self._calls.wait_operation(request, options)
+            )
+        except SnapshotAgentError as err:
+            if err.code == grpc.StatusCode.UNIMPLEMENTED and self._long_poll is None:
                 self._long_poll = False
                 return None
-            raise SnapshotAgentError(
-                f"gRPC error calling WaitOperation: {err.status} - {err.message}",
-                code=err.status,
-                details=err.message,
-            ) from err
+            raise
         self._long_poll = True
         return types.operation(response)
 
