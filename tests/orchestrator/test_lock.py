@@ -199,7 +199,7 @@ def test_record_round_trip_and_recovery_detaches_queue() -> None:
     # holder keeps the lock: its re-acquire returns at once
     assert isinstance(r.on_acquire("a", now=101)[0], lk.Granted)
     # c re-attaches during recovery: nothing is promoted until recovery is done
-    assert r.on_acquire("c", now=101) == []
+    assert kinds(r.on_acquire("c", now=101)) == ["queued"]  # re-attached, not promoted yet
     assert r.on_yield("a", now=102).ok
     acts = r.on_recovered(resident="a", verified=True, rollback=False, now=103)
     (sw,) = only(acts, lk.StartSwitch)

@@ -346,8 +346,11 @@ class GroupLock:
         entry = self._queue.get(job)
         if entry is not None:
             entry.attached += 1
-            entry.detached_since = None
-            return self._promote(now)
+            actions: list[Action] = []
+            if entry.detached_since is not None:
+                entry.detached_since = None
+                actions.append(Emit(EventKind.QUEUED, job, "re-attached after restart"))
+            return [*actions, *self._promote(now)]
         if (
             not self._recovering
             and self._holder is None
