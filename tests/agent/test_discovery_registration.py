@@ -94,22 +94,21 @@ async def test_child_processes_register_in_order_and_exit_is_noticed(
         print(pid, flush=True)
         sys.stdin.read()  # stay alive until the test closes stdin
     """)
-    children = [
-        await asyncio.create_subprocess_exec(
-            sys.executable,
-            "-c",
-            code,
-            stdin=asyncio.subprocess.PIPE,
-            stdout=asyncio.subprocess.PIPE,
-        )
-        for _ in range(2)
-    ]
+    children: list[asyncio.subprocess.Process] = []
     try:
         reported = []
-        for child in children:  # registration order = the order the lines arrive
+        for _ in range(2):  # one after the other, so the registration order is known
+            child = await asyncio.create_subprocess_exec(
+                sys.executable,
+                "-c",
+                code,
+                stdin=asyncio.subprocess.PIPE,
+                stdout=asyncio.subprocess.PIPE,
+            )
+            children.append(child)
             assert child.stdout is not None
             reported.append(int(await child.stdout.readline()))
-        assert sorted(reported) == sorted(c.pid for c in children)
+        assert reported == [c.pid for c in children]
         assert server.registry.pids("rl-b") == reported
         first = next(c for c in children if c.pid == reported[0])
         first.send_signal(signal.SIGKILL)
