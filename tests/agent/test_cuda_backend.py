@@ -290,6 +290,21 @@ async def test_explicit_pid_of_another_job_is_refused(node: Node) -> None:
     assert node.driver.calls == []
 
 
+async def test_validate_refuses_bad_explicit_pids_before_any_operation(node: Node) -> None:
+    backend = node.backend()
+    await backend.validate(job(node.pids))
+    await backend.validate(job())  # no explicit PIDs: nothing to check
+    with pytest.raises(base.InvalidBackendConfigError, match="must be positive"):
+        await backend.validate(job([node.pids[0], 0]))
+    gone = _exited_pid()
+    with pytest.raises(base.InvalidBackendConfigError, match=f"pid {gone} does not exist"):
+        await backend.validate(job([gone]))
+    node.registry.register(job_id="rl-b", pid=node.pids[1])
+    with pytest.raises(base.BackendConfigRefusedError, match="part of job 'rl-b'"):
+        await backend.validate(job(node.pids))
+    assert node.driver.calls == []
+
+
 async def test_registered_processes_are_used_in_registration_order(node: Node) -> None:
     for pid in (node.pids[2], node.pids[0]):
         node.registry.register(job_id="rl-a", pid=pid)

@@ -420,6 +420,23 @@ class CudaBackend(base.Backend):
 
     # ----------------------------------------------------------------- contract
 
+    async def validate(self, job: base.JobContext) -> None:
+        """Refuse explicit PIDs that are not processes on this node, or belong to another job."""
+        explicit = self._explicit(job)
+        try:
+            discovery.validate_pids(explicit, proc_root=self.settings.proc_root)
+        except discovery.InvalidPidError as exc:
+            raise base.InvalidBackendConfigError(
+                f"CudaBackendConfig.explicit_target.pids for job {job.job_id!r}: {exc}"
+            ) from exc
+        for pid in dict.fromkeys(explicit):
+            owner = self.registry.job_of(pid)
+            if owner is not None and owner != job.job_id:
+                raise base.BackendConfigRefusedError(
+                    f"pid {pid} registered itself as part of job {owner!r}, not "
+                    f"{job.job_id!r}; a process belongs to one job"
+                )
+
     async def snapshot(self, job: base.JobContext, mode: int) -> base.OpResult:
         """Checkpoint every process of the job (DISCARD is treated as OFFLOAD: the
         driver always keeps the state in host memory)."""
