@@ -1,0 +1,296 @@
+"""Acceptance: our REAL orchestrator and agents, driven through the drop-in llm-d
+client classes (and the native clients).
+
+Two sim agents and a local-mode orchestrator run with their own ``serve()`` on an
+event loop in a background thread, bound to 127.0.0.1:0, so that the blocking
+drop-in clients can call them from the test thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import pathlib
+from collections.abc import Callable, Iterator
+from concurrent import futures
+from typing import Any
+
+import pytest
+
+import tslice
+from tslice.agent import app as agent_app
+from tslice.agent import config as agent_config
+from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2 as opb
+from tslice.client import compat
+from tslice.orchestrator import app as orch_app
+from tslice.orchestrator import config as orch_config
+
+#: Small fast simulated devices: a switch takes milliseconds.
+FAST_SIM: dict[str, Any] = {"capacity": "4GiB", "bandwidth": "2TB/s", "latency_s": 0.001}
+
+
+class Servers:
+    """Real agents and orchestrator on an event loop in a background thread."""
+
+    def __init__(self, tmp_path: pathlib.Path) -> None:
+        self.tmp_path = tmp_path
+        self.loop = asyncio.new_event_loop()
+        self._thread = futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="servers")
+        self._thread.submit(self.loop.run_forever)
+        self.agents: dict[str, str] = {}
+        self._running: list[tuple[asyncio.Event, futures.Future[None]]] = []
+        self.orchestrator = ""
+        self._orchestrator: tuple[asyncio.Event, futures.Future[None]] | None = None
+        self.orchestrator_port = 0
+
+    def _serve(self, start: Callable[..., Any]) -> tuple[str, asyncio.Event, futures.Future[None]]:
+        ready: futures.Future[str] = futures.Future()
+
+        async def make_stop() -> asyncio.Event:
+            return asyncio.Event()
+
+        stop = asyncio.run_coroutine_threadsafe(make_stop(), self.loop).result(10)
+        task = asyncio.run_coroutine_threadsafe(start(ready.set_result, stop), self.loop)
+        done, _ = futures.wait({ready, task}, timeout=30, return_when=futures.FIRST_COMPLETED)
+        if task in done:
+            task.result()
+            raise AssertionError("server stopped before it was ready")
+        return ready.result(0), stop, task
+
+    def start_agent(self, name: str) -> str:
+        cfg = agent_config.load(
+            overrides={
+                "node_name": name,
+                "host": "127.0.0.1",
+                "port": 0,
+                "state_dir": str(self.tmp_path / f"agent-{name}"),
+                "default_backend": "sim",
+                "sim": dict(FAST_SIM),
+                "grace_period_s": 1.0,
+            }
+        )
+        address, stop, task = self._serve(
+            lambda ready, stop: agent_app.serve(cfg, ready=ready, stop=stop)
+        )
+        self.agents[name] = address
+        self._running.append((stop, task))
+        return address
+
+    def start_orchestrator(self, *, port: int = 0) -> str:
+        cfg = orch_config.build(
+            overrides={
+                "host": "127.0.0.1",
+                "port": port,
+                "state_dir": str(self.tmp_path / "orchestrator"),
+                "metrics_port": 0,
+                "shutdown_grace_s": 1.0,
+                "local_agents": [f"{name}={address}" for name, address in self.agents.items()],
+            }
+        )
+        address, stop, task = self._serve(
+            lambda ready, stop: orch_app.serve(cfg, ready=ready, stop=stop)
+        )
+        self.orchestrator = address
+        self.orchestrator_port = int(address.rsplit(":", 1)[1])
+        self._orchestrator = (stop, task)
+        return address
+
+    def stop_orchestrator(self) -> None:
+        assert self._orchestrator is not None
+        stop, task = self._orchestrator
+        self.loop.call_soon_threadsafe(stop.set)
+        task.result(30)
+        self._orchestrator = None
+
+    def close(self) -> None:
+        if self._orchestrator is not None:
+            self.stop_orchestrator()
+        for stop, task in self._running:
+            self.loop.call_soon_threadsafe(stop.set)
+            task.result(30)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.shutdown(wait=True)
+        self.loop.close()
+
+
+@pytest.fixture
+def servers(tmp_path: pathlib.Path) -> Iterator[Servers]:
+    cluster = Servers(tmp_path)
+    try:
+        cluster.start_agent("node-a")
+        cluster.start_agent("node-b")
+        cluster.start_orchestrator()
+        yield cluster
+    finally:
+        cluster.close()
+
+
+def drop_in(servers: Servers, job: str) -> compat.TimeSliceOrchestratorClient:
+    return compat.TimeSliceOrchestratorClient(servers.orchestrator, job_id=job, group_id="trainer")
+
+
+def agent_states(servers: Servers, job: str) -> dict[str, str]:
+    states = {}
+    for node, address in servers.agents.items():
+        with compat.SnapshotAgentClient(address) as agent:
+            jobs = {s.job_id: s.state for s in agent.status().job_statuses}
+        states[node] = jobs.get(job, "absent")
+    return states
+
+
+def test_two_jobs_take_turns_through_the_drop_in_client(
+    servers: Servers, executor: futures.ThreadPoolExecutor
+) -> None:
+    with drop_in(servers, "job-a") as a, drop_in(servers, "job-b") as b:
+        first = a.acquire()
+        assert first.success and not first.context_restored  # nothing to restore yet
+        status = a.get_status()
+        assert status.group.group_state is compat.GroupLockState.LOCKED
+        assert status.group.locking_job == "job-a"
+        assert sorted(s.agent for s in status.agent_job_states) == ["node-a", "node-b"]
+        assert agent_states(servers, "job-a") == {
+            "node-a": "JOB_STATE_RUNNING",
+            "node-b": "JOB_STATE_RUNNING",
+        }
+        assert a.list_groups() == ["trainer"]
+
+        with watching(servers, "trainer") as events:
+            waiting = executor.submit(b.acquire)
+            wait_for_event(events, QUEUED, "job-b")
+        assert a.get_status().group.waiter_queue_depth == 1
+        released = a.release()
+        assert (released.pending_waiters, released.snapshot_deferred) == (1, False)
+        granted = waiting.result(30)
+        assert granted.success
+        # The switch happened on both nodes before the grant.
+        assert agent_states(servers, "job-a") == {
+            "node-a": "JOB_STATE_SAVED",
+            "node-b": "JOB_STATE_SAVED",
+        }
+
+        # job-b yields with nobody waiting: deferred, it stays resident...
+        assert b.release().snapshot_deferred
+        # ...until job-a comes back, which really restores job-a's state.
+        again = a.acquire()
+        assert again.context_restored
+        assert agent_states(servers, "job-b")["node-a"] == "JOB_STATE_SAVED"
+        a.release()
+
+
+def test_on_accelerators_block_and_decorator_on_real_servers(servers: Servers) -> None:
+    with drop_in(servers, "job-a") as a:
+        with a.on_accelerators() as result:
+            assert result.success
+            assert a.get_status().group.locking_job == "job-a"
+        assert a.get_status().group.locking_job == ""
+
+        @a.on_accelerators()
+        def step() -> str:
+            return a.get_status().group.locking_job
+
+        assert step() == "job-a"
+        assert a.get_status().group.group_state is compat.GroupLockState.IDLE_YIELDED
+
+
+def test_errors_from_real_servers_keep_llm_d_types(servers: Servers) -> None:
+    with drop_in(servers, "job-a") as a, drop_in(servers, "job-b") as b:
+        a.acquire()
+        with pytest.raises(compat.OrchestratorPermissionDeniedError):
+            b.release()  # job-a holds the lock
+        with pytest.raises(compat.OrchestratorTimeoutError):
+            b.acquire(timeout_sec=0.3)
+        # The departed waiter is not left in the queue.
+        assert a.get_status().group.waiter_queue_depth == 0
+        with pytest.raises(compat.OrchestratorNotFoundError):
+            a.get_status(group_id="never-used")
+        with pytest.raises(compat.OrchestratorInvalidArgumentError):
+            a.acquire(job_id="white space")
+        assert a.release().success
+
+
+def test_snapshot_agent_client_against_a_real_agent(servers: Servers) -> None:
+    with compat.SnapshotAgentClient(servers.agents["node-a"]) as agent:
+        assert agent.check_health().status == "SERVING"
+        assert agent.check_health("sim").status == "SERVING"
+        assert agent.grant("solo", "own-group", grant_epoch=1) == "JOB_STATE_RUNNING"
+
+        saved = agent.snapshot_and_wait("solo", "own-group", poll_interval_sec=60.0)
+        assert saved.status == "OPERATION_STATUS_COMPLETE"
+        assert saved.error is None and saved.kind == "snapshot"
+        states = {s.job_id: s for s in agent.status().job_statuses}
+        assert states["solo"].state == "JOB_STATE_SAVED"
+
+        restored = agent.restore_and_wait("solo", "own-group", poll_interval_sec=60.0)
+        assert restored.status == "OPERATION_STATUS_COMPLETE"
+        assert {s.job_id: s.state for s in agent.status().job_statuses}["solo"] == (
+            "JOB_STATE_RUNNING"
+        )
+        # A 60 s poll interval would have stalled: the client long-polled WaitOperation.
+        assert agent._long_poll is True
+
+        with pytest.raises(compat.SnapshotAgentError) as caught:
+            agent.get_operation("no-such-operation")
+        assert caught.value.code is not None and caught.value.code.name == "NOT_FOUND"
+
+
+def test_native_client_rides_out_an_orchestrator_restart(
+    servers: Servers, executor: futures.ThreadPoolExecutor, caplog: pytest.LogCaptureFixture
+) -> None:
+    """job-b waits; the orchestrator stops and comes back on the same port and state;
+    job-b's acquire is re-issued transparently and granted when job-a yields."""
+    with (
+        tslice.Client(servers.orchestrator, job_id="job-a") as a,
+        tslice.Client(servers.orchestrator, job_id="job-b") as b,
+    ):
+        a.acquire("trainer")
+        with watching(servers, "trainer") as events:
+            waiting = executor.submit(b.acquire, "trainer")
+            wait_for_event(events, QUEUED, "job-b")
+        servers.stop_orchestrator()
+        servers.start_orchestrator(port=servers.orchestrator_port)
+        assert not waiting.done()
+        # job-a still holds the group after the restart; its yield hands it to job-b.
+        assert a.yield_("trainer").success
+        assert waiting.result(30).success
+        assert b.status("trainer").locking_job == "job-b"
+    assert "Acquire to" in caplog.text and "retrying" in caplog.text
+
+
+async def test_async_client_slices_two_groups_on_real_servers(servers: Servers) -> None:
+    async with tslice.AsyncClient(servers.orchestrator, job_id="job-a") as client:
+        async with client.slice("trainer", "sampler") as held:
+            assert set(held) == {"sampler", "trainer"}
+            assert (await client.status("sampler")).locking_job == "job-a"
+            assert (await client.status("trainer")).locking_job == "job-a"
+        assert (await client.status("trainer")).locking_job == ""
+        assert sorted(await client.list_groups()) == ["sampler", "trainer"]
+
+
+QUEUED = opb.OrchestratorEvent.KIND_QUEUED
+
+
+@contextlib.contextmanager
+def watching(servers: Servers, group: str) -> Iterator[Any]:
+    """An orchestrator event stream that is subscribed when the block starts.
+
+    Uses the raw stub (the escape hatch): our orchestrator sends the response
+    headers once the subscription exists, so waiting for them rules out a race
+    with the events the block then causes.
+    """
+    with tslice.Client(servers.orchestrator, job_id="watcher") as client:
+        call = client.orchestrator_stub.WatchEvents(
+            opb.WatchEventsRequest(group_id=group), timeout=30
+        )
+        call.initial_metadata()
+        try:
+            yield call
+        finally:
+            call.cancel()
+
+
+def wait_for_event(events: Any, kind: int, job: str) -> None:
+    for event in events:
+        if event.kind == kind and event.job_id == job:
+            return
+    name = opb.OrchestratorEvent.Kind.Name(kind)  # type: ignore[arg-type]
+    raise AssertionError(f"the stream ended before {job} was {name}")
