@@ -302,8 +302,8 @@ class LocalCluster:
         addresses = {s.name: self._procs[s.name].address for s in self.agents}
         if self.groups is None:
             out: list[str] = []
-            for address in addresses.values():
-                out += ["--local-agent", address]
+            for name, address in addresses.items():
+                out += ["--local-agent", f"{name}={address}"]
             return out
         topology = {
             "groups": {

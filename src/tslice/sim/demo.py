@@ -168,7 +168,7 @@ class DemoProgress:
                 del self.holders[pool]
 
     def on_event(self, event: tsclient.OrchestratorEvent) -> None:
-        if event.kind == tsclient.EventKind.SWITCH_DONE:
+        if event.kind == tsclient.EventKind.SWITCH_DONE and event.from_job:
             self.switch_count += 1
             self.switches.appendleft(
                 SwitchView(
@@ -448,10 +448,14 @@ def _summarise(
     windows = tuple(w for r in results for w in r.windows)
     span = max(end - start, 1e-9)
     duty = {pool: _held(windows, pool, start, end) / span for pool in trace.POOLS}
+    # A hand-over from one job to another; a first grant on an empty pool is no switch.
     switches = sum(
         1
         for e in list(events)
-        if e.kind == tsclient.EventKind.SWITCH_DONE and start <= _event_time(e) <= end
+        if e.kind == tsclient.EventKind.SWITCH_DONE
+        and e.from_job
+        and e.from_job != e.job_id
+        and start <= _event_time(e) <= end
     )
     return RunSummary(
         name=name,

@@ -1,0 +1,81 @@
+"""`tslice demo --json` end to end: real processes, measured speedup, zero violations."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+
+def test_demo_json_end_to_end(tmp_path: Path) -> None:
+    out = tmp_path / "demo-out"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tslice",
+            "demo",
+            "--json",
+            "--steps",
+            "2",
+            "--time-scale",
+            "1000",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=90,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    # Nothing but one JSON object on stdout.
+    lines = proc.stdout.splitlines()
+    assert len(lines) == 1
+    summary = json.loads(lines[0])
+    for key in (
+        "ok",
+        "speedup",
+        "recorded_speedup",
+        "jobs",
+        "steps",
+        "time_scale",
+        "contention",
+        "runs",
+        "snapshot_median",
+        "restore_median",
+        "violation_count",
+        "violations",
+        "timeline",
+        "sim_bandwidth_bytes_per_s",
+    ):
+        assert key in summary, key
+    assert summary["ok"] is True
+    assert summary["violation_count"] == 0 and summary["violations"] == []
+    assert summary["speedup"] > 1.0
+    assert summary["recorded_speedup"] == 1.45
+    runs = summary["runs"]
+    assert set(runs) == {"exclusive", "time-sliced"}
+    for run in runs.values():
+        assert run["steps_done"] == 4 and run["errors"] == []
+        assert set(run["duty"]) == {"sampler", "trainer"}
+    # The measured speedup is the ratio of the measured makespans.
+    ratio = runs["exclusive"]["makespan_s"] / runs["time-sliced"]["makespan_s"]
+    assert abs(summary["speedup"] - ratio) < 0.01
+    # Sharing fills the idle time: each pool is held a larger share of the time.
+    for pool in ("sampler", "trainer"):
+        assert runs["time-sliced"]["duty"][pool] > runs["exclusive"]["duty"][pool]
+    # One switch per pool in the exclusive run (A -> B), many when sliced.
+    assert runs["exclusive"]["switches"] == 2
+    assert runs["time-sliced"]["switches"] >= 6
+    for table in ("snapshot_median", "restore_median"):
+        for pool in ("sampler", "trainer"):
+            assert summary[table][pool]["count"] >= 2
+            assert summary[table][pool]["demo_ms"] > 0
+    timeline = Path(summary["timeline"])
+    assert timeline == out / "timeline.html" and timeline.is_file()
+    html = timeline.read_text()
+    assert "https://" not in html and "http://" not in html
+    assert "sampler" in html and "trainer" in html and "job A" in html and "job B" in html
+    assert json.loads((out / "summary.json").read_text())["speedup"] == summary["speedup"]
