@@ -211,6 +211,19 @@ async def test_failed_rollback_is_reported_as_partial(node: Node) -> None:
     assert "partly checkpointed" in str(caught.value)
 
 
+async def test_driver_unavailable_mid_snapshot_is_rolled_back(node: Node) -> None:
+    gone = base.BackendUnavailableError("the driver went away")
+    node.driver.fail("get_state", pid=node.pids[0], error=gone)
+    with pytest.raises(base.BackendUnavailableError, match="went away"):
+        await node.backend().snapshot(job(node.pids), OFFLOAD)  # nothing touched yet
+    node.driver.fail("checkpoint", pid=node.pids[1], error=gone)
+    with pytest.raises(base.FatalBackendError) as caught:
+        await node.backend().snapshot(job(node.pids), OFFLOAD)
+    assert "went away" in str(caught.value)
+    assert f"pid {node.pids[1]} unlocked" in str(caught.value)
+    assert node.states() == [S.RUNNING] * 3
+
+
 async def test_process_in_failed_state_is_fatal(node: Node) -> None:
     node.driver.states[node.pids[0]] = S.FAILED
     with pytest.raises(base.FatalBackendError, match="FAILED checkpoint state"):

@@ -245,6 +245,17 @@ class CudaBackend(base.Backend):
             return []
         return list(config.cuda.explicit_target.pids)
 
+    def _foreign_owner(self, job: base.JobContext, pids: list[int]) -> str:
+        """Why one of ``pids`` may not be driven for ``job`` ('' if none)."""
+        for pid in pids:
+            owner = self.registry.job_of(pid)
+            if owner is not None and owner != job.job_id:
+                return (
+                    f"pid {pid} registered itself as part of job {owner!r}, not "
+                    f"{job.job_id!r}; a process belongs to one job"
+                )
+        return ""
+
     def _snapshot_targets(self, job: base.JobContext) -> list[_Target]:
         explicit = self._explicit(job)
         if explicit:
@@ -254,13 +265,11 @@ class CudaBackend(base.Backend):
                 raise base.FatalBackendError(
                     f"cannot snapshot job {job.job_id!r}: {exc}; nothing was changed"
                 ) from exc
-            for pid in pids:
-                owner = self.registry.job_of(pid)
-                if owner is not None and owner != job.job_id:
-                    raise base.FatalBackendError(
-                        f"cannot snapshot job {job.job_id!r}: pid {pid} registered itself as "
-                        f"part of job {owner!r}; nothing was changed"
-                    )
+            foreign = self._foreign_owner(job, pids)
+            if foreign:
+                raise base.FatalBackendError(
+                    f"cannot snapshot job {job.job_id!r}: {foreign}; nothing was changed"
+                )
             return [self._target(pid) for pid in pids]
         targets = [t for t in self._recorded(job) if self._alive(t)]
         known = {t.pid for t in targets}
@@ -331,10 +340,20 @@ class CudaBackend(base.Backend):
         return max(1, min(self.settings.lock_timeout_ms, room_ms))
 
     async def _save_one(
-        self, driver: cuda_driver.CheckpointDriver, pid: int, deadline: _Deadline
+        self,
+        driver: cuda_driver.CheckpointDriver,
+        pid: int,
+        deadline: _Deadline,
+        *,
+        touched: list[int] | None = None,
     ) -> str:
-        """Bring one process to CHECKPOINTED; returns what was done."""
+        """Bring one process to CHECKPOINTED; returns what was done.
+
+        ``pid`` is appended to ``touched`` before the first call that may change it.
+        """
         state = await self._step(lambda: driver.get_state(pid), deadline, pid=pid, op="get_state")
+        if touched is not None and state is not _CHECKPOINTED:
+            touched.append(pid)
         if state is _CHECKPOINTED:
             return "already checkpointed"
         if state is _FAILED:
@@ -429,13 +448,9 @@ class CudaBackend(base.Backend):
             raise base.InvalidBackendConfigError(
                 f"CudaBackendConfig.explicit_target.pids for job {job.job_id!r}: {exc}"
             ) from exc
-        for pid in dict.fromkeys(explicit):
-            owner = self.registry.job_of(pid)
-            if owner is not None and owner != job.job_id:
-                raise base.BackendConfigRefusedError(
-                    f"pid {pid} registered itself as part of job {owner!r}, not "
-                    f"{job.job_id!r}; a process belongs to one job"
-                )
+        foreign = self._foreign_owner(job, explicit)
+        if foreign:
+            raise base.BackendConfigRefusedError(foreign)
 
     async def snapshot(self, job: base.JobContext, mode: int) -> base.OpResult:
         """Checkpoint every process of the job (DISCARD is treated as OFFLOAD: the
@@ -447,13 +462,14 @@ class CudaBackend(base.Backend):
             deadline = _Deadline(self.settings.operation_timeout_s)
             before = await self._measure(pids)
             done: list[int] = []
+            touched: list[int] = []
             for index, pid in enumerate(pids):
                 where = (
                     f"snapshot of job {job.job_id!r} failed at pid {pid} ({index + 1} of "
                     f"{len(pids)})"
                 )
                 try:
-                    outcome = await self._save_one(driver, pid, deadline)
+                    outcome = await self._save_one(driver, pid, deadline, touched=touched)
                 except _DeadlineHit as hit:
                     raise base.FatalBackendError(
                         f"{where}: the {deadline.seconds:g} s deadline passed during {hit}; its "
@@ -461,8 +477,8 @@ class CudaBackend(base.Backend):
                         "driver's state"
                     ) from None
                 except base.BackendUnavailableError as exc:
-                    if not done:
-                        raise
+                    if not touched:
+                        raise  # failed reading the first state: nothing changed
                     _, report = await self._rollback(driver, [*done, pid])
                     raise base.FatalBackendError(f"{where}: {exc}; {report}") from exc
                 except cuda_driver.DriverError as exc:

@@ -498,6 +498,8 @@ class _Fault:
     message: str
     #: For "error": the state the process is left in (None = unchanged).
     leave_state: ProcessState | None = None
+    #: For "error": raise this instead of a DriverError.
+    error: Exception | None = None
 
 
 class FakeDriver(CheckpointDriver):
@@ -545,9 +547,11 @@ class FakeDriver(CheckpointDriver):
         times: int = 1,
         message: str = "injected failure",
         leave_state: ProcessState | None = None,
+        error: Exception | None = None,
     ) -> None:
-        """Make the next ``times`` calls of ``op`` (for ``pid`` or any) raise DriverError."""
-        self._faults.append(_Fault(op, pid, times, "error", message, leave_state))
+        """Make the next ``times`` calls of ``op`` (for ``pid`` or any) raise DriverError
+        (or ``error``), leaving the process in ``leave_state`` if given."""
+        self._faults.append(_Fault(op, pid, times, "error", message, leave_state, error))
 
     def lock_times_out(self, *, pid: int | None = None, times: int = 1) -> None:
         """Make the next ``times`` locks raise LockTimeoutError (the process stays RUNNING)."""
@@ -594,6 +598,8 @@ class FakeDriver(CheckpointDriver):
             else:
                 if fault.leave_state is not None:
                     self.states[pid] = fault.leave_state
+                if fault.error is not None:
+                    raise fault.error
                 raise DriverError(
                     f"{op} of pid {pid} failed with CUDA_ERROR_UNKNOWN: {fault.message}",
                     pid=pid,
