@@ -78,6 +78,8 @@ class FakeOrchestrator(Observable, opb_grpc.TimeSliceOrchestratorServiceServicer
             collections.defaultdict(collections.deque)
         )
         self.events: list[opb.OrchestratorEvent] = []
+        #: Calls whose effect happens but whose reply is "lost" (UNAVAILABLE instead).
+        self.lost_replies: collections.Counter[str] = collections.Counter()
 
     # -- helpers (run on the server loop) --
 
@@ -160,6 +162,9 @@ class FakeOrchestrator(Observable, opb_grpc.TimeSliceOrchestratorServiceServicer
                 group.epoch += 1
                 waiter.set_result(None)
         await self._notify()
+        if self.lost_replies["Yield"]:
+            self.lost_replies["Yield"] -= 1
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "connection reset (reply lost)")
         return opb.YieldResponse(
             success=True, pending_waiters=pending, snapshot_deferred=pending == 0
         )

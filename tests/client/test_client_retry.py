@@ -50,7 +50,7 @@ def attempts(
     )
 
 
-def fail(plan: _retry.Attempts, code: grpc.StatusCode, details: str = "details") -> float:
+def fail(plan: _retry.Attempts, code: grpc.StatusCode, details: str = "details") -> float | None:
     try:
         raise FakeRpcError(code, details)
     except FakeRpcError as err:
@@ -87,7 +87,8 @@ def test_policy_validation_names_the_field(kwargs: dict[str, float], field: str)
 def test_unavailable_is_retried_without_deadline_forever() -> None:
     plan = attempts()
     for n in range(1, 50):
-        assert fail(plan, grpc.StatusCode.UNAVAILABLE) > 0
+        delay = fail(plan, grpc.StatusCode.UNAVAILABLE)
+        assert delay is not None and delay > 0
         assert plan.failures == n
 
 
@@ -131,6 +132,30 @@ def test_max_attempts_counts_the_first_attempt() -> None:
     fail(plan, grpc.StatusCode.UNAVAILABLE)
     with pytest.raises(errors.Unavailable, match="after 3 attempts"):
         fail(plan, grpc.StatusCode.UNAVAILABLE)
+
+
+def test_settled_codes_count_only_after_a_retry() -> None:
+    settled = frozenset({grpc.StatusCode.PERMISSION_DENIED})
+    first = _retry.Attempts(
+        method="Yield",
+        target="t",
+        retryable=True,
+        policy=_retry.DEFAULT_RETRY,
+        timeout=None,
+        settled_codes=settled,
+    )
+    with pytest.raises(errors.NotHolder):
+        fail(first, grpc.StatusCode.PERMISSION_DENIED)
+    retried = _retry.Attempts(
+        method="Yield",
+        target="t",
+        retryable=True,
+        policy=_retry.DEFAULT_RETRY,
+        timeout=None,
+        settled_codes=settled,
+    )
+    assert fail(retried, grpc.StatusCode.UNAVAILABLE) is not None
+    assert fail(retried, grpc.StatusCode.PERMISSION_DENIED) is None
 
 
 def test_not_found_on_a_group_becomes_unknown_group() -> None:

@@ -193,6 +193,29 @@ def test_no_retry_policy_fails_at_once(orchestrator: ServerThread) -> None:
     assert len(fake_calls(orchestrator, "Acquire")) == 1
 
 
+def test_a_yield_whose_reply_was_lost_is_not_reported_as_a_failure(
+    client: tslice.Client, orchestrator: ServerThread, executor: futures.ThreadPoolExecutor
+) -> None:
+    """The first Yield hands the group to the waiter but its reply is lost; the
+    re-issued Yield meets PERMISSION_DENIED, which here means "already let go"."""
+    client.acquire("g")
+    with tslice.Client(orchestrator.address, job_id="other") as other:
+        pending = executor.submit(other.acquire, "g")
+        orchestrator.wait_for(lambda f: "other" in f.groups["g"].waiters)
+        orchestrator.call(lambda: fake(orchestrator).lost_replies.update(["Yield"]))
+        assert client.yield_("g").success
+        assert pending.result(10).success
+    assert [c.method for c in fake_calls(orchestrator, "Yield")] == ["Yield", "Yield"]
+
+
+def test_permission_denied_without_a_retry_is_still_an_error(
+    client: tslice.Client, orchestrator: ServerThread
+) -> None:
+    hold(orchestrator, "g", "other")
+    with pytest.raises(errors.NotHolder):
+        client.yield_("g")
+
+
 def test_acquire_survives_an_orchestrator_restart(
     orchestrator: ServerThread, executor: futures.ThreadPoolExecutor
 ) -> None:

@@ -67,40 +67,50 @@ class Method:
     service: str
     name: str
     #: Safe to re-issue after UNAVAILABLE (idempotent, or the server dedups it).
-    retryable: bool
+    retryable: bool = False
+    #: Codes that, answering a re-issued attempt, mean an earlier attempt took effect
+    #: (its reply was lost with the connection); the call then returns ``settled()``.
+    settled_codes: frozenset[grpc.StatusCode] = frozenset()
+    settled: Callable[[], Any] | None = None
 
 
-def _methods(service: str, retryable: dict[str, bool]) -> dict[str, Method]:
-    return {name: Method(service, name, ok) for name, ok in retryable.items()}
-
-
-ORCHESTRATOR_METHODS = _methods(
-    ORCHESTRATOR_SERVICE,
-    {
+_ORCH = ORCHESTRATOR_SERVICE
+ORCHESTRATOR_METHODS = {
+    m.name: m
+    for m in (
         # The orchestrator keeps a re-issued Acquire's place or recognises the holder.
-        "Acquire": True,
-        "Yield": True,
-        "ListGroups": True,
-        "GetGroupStatus": True,
-        "WatchEvents": False,
-    },
-)
-AGENT_METHODS = _methods(
-    AGENT_SERVICE,
-    {
+        Method(_ORCH, "Acquire", retryable=True),
+        # A Yield whose reply was lost may already have handed the group on: the
+        # re-issued one then meets PERMISSION_DENIED, yet the job did let go.
+        Method(
+            _ORCH,
+            "Yield",
+            retryable=True,
+            settled_codes=frozenset({grpc.StatusCode.PERMISSION_DENIED}),
+            settled=lambda: opb.YieldResponse(success=True),
+        ),
+        Method(_ORCH, "ListGroups", retryable=True),
+        Method(_ORCH, "GetGroupStatus", retryable=True),
+        Method(_ORCH, "WatchEvents"),
+    )
+}
+AGENT_METHODS = {
+    m.name: m
+    for m in (
         # Snapshot/Restore have no request id: a lost reply cannot be recovered by
         # re-issuing (ABORTED / FAILED_PRECONDITION would follow), so never retried.
-        "Snapshot": False,
-        "Restore": False,
-        "GetOperation": True,
-        "Status": True,
-        "WorkloadChannel": False,
-        "WaitOperation": True,
-        "Grant": True,  # the agent ignores grants older than the last epoch
-        "ResetJob": True,
-    },
-)
-HEALTH_CHECK = Method(HEALTH_SERVICE, "Check", True)
+        Method(AGENT_SERVICE, "Snapshot"),
+        Method(AGENT_SERVICE, "Restore"),
+        Method(AGENT_SERVICE, "GetOperation", retryable=True),
+        Method(AGENT_SERVICE, "Status", retryable=True),
+        Method(AGENT_SERVICE, "WorkloadChannel"),
+        Method(AGENT_SERVICE, "WaitOperation", retryable=True),
+        # The agent ignores grants older than the last epoch.
+        Method(AGENT_SERVICE, "Grant", retryable=True),
+        Method(AGENT_SERVICE, "ResetJob", retryable=True),
+    )
+}
+HEALTH_CHECK = Method(HEALTH_SERVICE, "Check", retryable=True)
 
 
 def channel_options(user: Sequence[tuple[str, Any]] | None) -> list[tuple[str, Any]]:
@@ -145,10 +155,16 @@ class _Transport:
             method=method.name,
             target=self.target,
             retryable=method.retryable,
+            settled_codes=method.settled_codes,
             policy=options.retry or self.retry,
             timeout=options.timeout,
             group_id=options.group_id,
         )
+
+
+def _settled(method: Method) -> Any:
+    assert method.settled is not None, f"{method.name} declares no settled response"
+    return method.settled()
 
 
 class SyncStream(Generic[T]):
@@ -224,6 +240,8 @@ class SyncTransport(_Transport):
             else:
                 attempts.succeeded()
                 return response
+            if delay is None:
+                return _settled(method)
             self._sleep(delay)
 
     @staticmethod
@@ -278,6 +296,8 @@ class AsyncTransport(_Transport):
             else:
                 attempts.succeeded()
                 return response
+            if delay is None:
+                return _settled(method)
             await asyncio.sleep(delay)
 
     def unary_stream(

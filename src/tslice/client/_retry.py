@@ -77,6 +77,7 @@ class Attempts:
         target: str,
         retryable: bool,
         policy: RetryPolicy,
+        settled_codes: frozenset[grpc.StatusCode] = frozenset(),
         timeout: float | None,
         group_id: str | None = None,
         clock: Callable[[], float] = time.monotonic,
@@ -85,6 +86,7 @@ class Attempts:
         self._method = method
         self._target = target
         self._retryable = retryable
+        self._settled_codes = settled_codes
         self._policy = policy
         self._group_id = group_id
         self._clock = clock
@@ -102,13 +104,23 @@ class Attempts:
             return None
         return max(0.0, self.deadline - self._clock())
 
-    def after_error(self, err: grpc.RpcError) -> float:
-        """Seconds to wait before the next attempt, or raise the mapped error.
+    def after_error(self, err: grpc.RpcError) -> float | None:
+        """Seconds to wait before the next attempt, ``None`` when an earlier attempt
+        evidently took effect (see ``settled_codes``), or raise the mapped error.
 
         Must be called inside the ``except`` block that caught ``err`` so that the
         raised error chains to it.
         """
         mapped = errors.from_grpc(err, group_id=self._group_id)
+        if self.failures and mapped.status in self._settled_codes:
+            log.info(
+                "%s to %s answered %s after a retry: the earlier attempt took effect",
+                self._method,
+                self._target,
+                mapped,
+                extra={"method": self._method, "target": self._target},
+            )
+            return None
         if mapped.status != grpc.StatusCode.UNAVAILABLE or not self._retryable:
             raise mapped from err
         self.failures += 1
