@@ -214,8 +214,6 @@ async def cuda_part(args: argparse.Namespace, report: Report) -> None:
         except base.BackendUnavailableError as exc:
             report.check("cuda backend available", False, str(exc))
             return
-        driver_name = (await backend._get_driver()).name
-        report.environment["checkpoint driver"] = driver_name
 
         def resident() -> int | None:
             if nvml is None:
@@ -232,6 +230,7 @@ async def cuda_part(args: argparse.Namespace, report: Report) -> None:
             t0 = time.perf_counter()
             saved = await backend.snapshot(ctx, pb.SUSPEND_MODE_OFFLOAD)
             snaps.append(time.perf_counter() - t0)
+            report.environment["checkpoint driver"] = saved.state["driver"]
             # NVML may not report per-process memory (then: the tensors' bytes).
             moved.append(saved.device_bytes or int(ready["bytes"]))
             left = resident()
@@ -268,7 +267,7 @@ async def cuda_part(args: argparse.Namespace, report: Report) -> None:
                 again.device_bytes == 0 and await fingerprint() == ready["fingerprint"],
             )
         nbytes = int(statistics.median(moved))
-        note = f"driver={driver_name}, median of {args.reps}"
+        note = f"driver={report.environment['checkpoint driver']}, median of {args.reps}"
         report.rows += [
             Row("cuda snapshot (lock+checkpoint)", _median(snaps), nbytes, note),
             Row("cuda restore (restore+unlock)", _median(restores), nbytes, note),
