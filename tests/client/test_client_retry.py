@@ -110,6 +110,12 @@ def test_other_codes_are_never_retried(code: grpc.StatusCode) -> None:
     assert isinstance(caught.value.__cause__, FakeRpcError)
 
 
+def test_deadline_exceeded_names_the_call_and_the_deadline() -> None:
+    expected = r"Acquire to 127\.0\.0\.1:1 did not finish within 2\.5 s"
+    with pytest.raises(errors.DeadlineExceeded, match=expected):
+        fail(attempts(timeout=2.5), grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
+
+
 def test_non_retryable_methods_fail_on_the_first_unavailable() -> None:
     with pytest.raises(errors.Unavailable, match="details"):
         fail(attempts(retryable=False), grpc.StatusCode.UNAVAILABLE)

@@ -203,8 +203,8 @@ class BaseClient:
             group_id=group,
             waited_ms=waited_ms,
             message=(
-                f"job {job!r} was not granted group {group!r} within {waited_ms} ms "
-                f"({err.message}); it is no longer queued"
+                f"job {job!r} was not granted group {group!r} within {waited_ms} ms; "
+                "it is no longer queued"
             ),
         )
 

@@ -121,6 +121,12 @@ class Attempts:
                 extra={"method": self._method, "target": self._target},
             )
             return None
+        if mapped.status == grpc.StatusCode.DEADLINE_EXCEEDED and self.deadline is not None:
+            raise errors.DeadlineExceeded(
+                mapped.status,
+                f"{mapped.message}: {self._method} to {self._target} did not finish within "
+                f"{self.deadline - self.started:.3g} s",
+            ) from err
         if mapped.status != grpc.StatusCode.UNAVAILABLE or not self._retryable:
             raise mapped from err
         self.failures += 1
