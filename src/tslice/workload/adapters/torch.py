@@ -35,6 +35,7 @@ tensors restored after DISCARD are *not* the old values, by design.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import threading
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -162,25 +163,21 @@ class _Copier:
         self._streams: dict[torch.device, list[torch.cuda.Stream]] = {}
 
     def to_host(self, blocks: Sequence[_Block], buffer: torch.Tensor) -> None:
-        for device, group in _by_device(blocks).items():
-            if device.type == "cuda":
-                self._cuda_copy(device, group, buffer, to_host=True)
-            else:
-                for block in group:
-                    self._chunked(block.byte_view(), _slot(buffer, block), non_blocking=False)
+        self._copy(blocks, buffer, to_host=True)
 
     def to_device(self, blocks: Sequence[_Block], buffer: torch.Tensor) -> None:
+        self._copy(blocks, buffer, to_host=False)
+
+    def _copy(self, blocks: Sequence[_Block], buffer: torch.Tensor, *, to_host: bool) -> None:
         for device, group in _by_device(blocks).items():
             if device.type == "cuda":
-                self._cuda_copy(device, group, buffer, to_host=False)
-            else:
-                for block in group:
-                    self._chunked(_slot(buffer, block), block.byte_view(), non_blocking=False)
-
-    def _chunked(self, src: torch.Tensor, dst: torch.Tensor, *, non_blocking: bool) -> None:
-        step = self._chunk_bytes
-        for start in range(0, src.numel(), step):
-            dst[start : start + step].copy_(src[start : start + step], non_blocking=non_blocking)
+                self._cuda_copy(device, group, buffer, to_host=to_host)
+                continue
+            for block in group:
+                src, dst = _ends(block, buffer, to_host=to_host)
+                for start in range(0, block.nbytes, self._chunk_bytes):
+                    stop = start + self._chunk_bytes
+                    dst[start:stop].copy_(src[start:stop])
 
     def _cuda_copy(
         self, device: torch.device, blocks: Sequence[_Block], buffer: torch.Tensor, *, to_host: bool
@@ -193,10 +190,10 @@ class _Copier:
             torch.cuda.synchronize(device)
             turn = 0
             for block in blocks:
-                device_bytes, host_bytes = block.byte_view(), _slot(buffer, block)
-                src, dst = (device_bytes, host_bytes) if to_host else (host_bytes, device_bytes)
+                src, dst = _ends(block, buffer, to_host=to_host)
                 for start in range(0, block.nbytes, self._chunk_bytes):
                     stop = start + self._chunk_bytes
+                    # Alternate streams so that consecutive chunks overlap.
                     with torch.cuda.stream(streams[turn % len(streams)]):
                         dst[start:stop].copy_(src[start:stop], non_blocking=True)
                     turn += 1
@@ -214,8 +211,13 @@ class _Copier:
         return self._streams[device]
 
 
-def _slot(buffer: torch.Tensor, block: _Block) -> torch.Tensor:
-    return buffer[block.host_offset : block.host_offset + block.nbytes]
+def _ends(
+    block: _Block, buffer: torch.Tensor, *, to_host: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(source, destination) byte views between a storage and its slot in ``buffer``."""
+    device_bytes = block.byte_view()
+    host_bytes = buffer[block.host_offset : block.host_offset + block.nbytes]
+    return (device_bytes, host_bytes) if to_host else (host_bytes, device_bytes)
 
 
 def _by_device(blocks: Iterable[_Block]) -> dict[torch.device, list[_Block]]:
@@ -574,6 +576,11 @@ def _empty_device_caches(plans: Iterable[Sequence[_Block]]) -> None:
             torch.cuda.empty_cache()
 
 
+def _on(device: torch.device) -> contextlib.AbstractContextManager[object]:
+    """Make ``device`` current for allocations on it (a no-op off CUDA)."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
 def _free(block: _Block) -> None:
     for alias in block.aliases:
         alias.tensor.data = torch.empty(0, dtype=alias.dtype, device=block.device)
@@ -584,7 +591,8 @@ def _allocate(blocks: Sequence[_Block]) -> None:
     done: list[_Block] = []
     try:
         for block in blocks:
-            block.storage.resize_(block.nbytes)
+            with _on(block.device):
+                block.storage.resize_(block.nbytes)
             done.append(block)
     except BaseException:
         for block in done:
