@@ -155,6 +155,9 @@ async def agents(tmp_path: Path) -> AsyncIterator[AgentRunner]:
         yield runner
     finally:
         await runner.stop_all()
+    # A stopped agent leaves no task behind (operations, health, pruning, streams).
+    leftovers = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+    assert not leftovers, f"tasks left running after the agents stopped: {leftovers}"
 
 
 @pytest.fixture

@@ -385,3 +385,12 @@ def test_ensure_enabled_names_the_flag() -> None:
     err = refused(jobs.ensure_enabled, "cuda", enabled=["sim"], node=NODE)
     assert err.code is jobs.Code.FAILED_PRECONDITION
     assert "--backend cuda" in err.message
+
+
+def test_channel_registration_records_app_channel_unless_a_choice_exists() -> None:
+    new = jobs.after_channel_registration(None, job_id="w", group="g")
+    assert (new.state, new.choice, new.group) == (S.IDLE, "app-channel", "g")
+    granted = job(S.RUNNING, backend="sim")
+    assert jobs.after_channel_registration(granted, job_id="j1", group="g").choice == "app-channel"
+    chosen = job(S.RUNNING, choice="cuda")
+    assert jobs.after_channel_registration(chosen, job_id="j1", group="g") is chosen

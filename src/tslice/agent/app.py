@@ -163,6 +163,8 @@ async def serve(
             on_backend_error=monitor.mark_unavailable,
         )
         await core.start()
+        if hub is not None and hasattr(hub, "add_listener"):
+            hub.add_listener(core.on_workload_event)
         await monitor.check_all()
 
         grpc_server = grpc.aio.server()

@@ -526,6 +526,18 @@ def plan_grant(
     )
 
 
+def after_channel_registration(job: Job | None, *, job_id: str, group: str) -> Job:
+    """A workload registered over the channel: it is the job's backend unless one was chosen.
+
+    An unknown job becomes known (IDLE) so that Status shows it and a grant activates it.
+    """
+    if job is None:
+        return Job(job_id=job_id, group=group, choice="app-channel")
+    if job.choice:
+        return job
+    return dataclasses.replace(job, choice="app-channel", config=b"", group=job.group or group)
+
+
 def check_reset(job: Job | None, *, job_id: str, node: str) -> Job:
     if job is None:
         raise Refused(Code.NOT_FOUND, f"job {job_id} is not known on node {node}")

@@ -321,6 +321,31 @@ class AgentCore:
             )
             return new_job.state
 
+    def on_workload_event(self, event: Any) -> None:
+        """Listener for the workload-channel hub: a registration records the choice."""
+        if getattr(event, "kind", None) != "registered" or "app-channel" not in self.backends:
+            return
+        job_id = str(event.job_id)
+        group = str(getattr(getattr(event, "state", None), "group", "") or "")
+        task = tasks.spawn(
+            self.note_channel_registration(job_id=job_id, group=group),
+            name=f"channel-registration-{job_id}",
+        )
+        self._running.add(task)
+        task.add_done_callback(self._running.discard)
+
+    async def note_channel_registration(self, *, job_id: str, group: str) -> None:
+        async with self._locks[job_id]:
+            job = self._jobs.get(job_id)
+            updated = jobs.after_channel_registration(job, job_id=job_id, group=group)
+            if updated != job:
+                await self._commit(jobs_=[updated], previous=job)
+                log.info(
+                    "job %s registered on the workload channel; its backend is app-channel",
+                    job_id,
+                    extra={"job_id": job_id},
+                )
+
     async def prune_operations(self) -> int:
         """Forget finished operations past retention (and beyond the count limit)."""
         now = self._clock()

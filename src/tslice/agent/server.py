@@ -55,7 +55,7 @@ def job_to_pb(job: jobs.Job) -> pb.JobStatus:
         operation_id=job.operation_id,
         device_bytes=job.device_bytes,
         host_bytes=job.host_bytes,
-        backend=job.backend,
+        backend=job.backend or job.choice,
         error=job.error,
     )
 
