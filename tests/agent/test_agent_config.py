@@ -141,6 +141,18 @@ def test_cli_unknown_backend_is_exit_2(tmp_path: Path) -> None:
     assert "unknown backend 'gpu'" in result.output
 
 
+async def test_unusable_state_dir_is_a_config_error(agents: AgentRunner, tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    with pytest.raises(errors.ConfigError, match="choose another --state-dir"):
+        await agents.start(state_dir=str(blocker / "agent"))
+    corrupt = tmp_path / "corrupt"
+    corrupt.mkdir()
+    (corrupt / "agent.sqlite3").write_text("this is not a database" * 100)
+    with pytest.raises(errors.ConfigError, match="cannot open the agent state"):
+        await agents.start(state_dir=str(corrupt), default_backend="noop")
+
+
 def test_ready_file_is_written_atomically(tmp_path: Path) -> None:
     target = tmp_path / "sub" / "ready.json"
     app.write_ready_file(target, "127.0.0.1:1234")

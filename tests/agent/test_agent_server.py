@@ -339,7 +339,9 @@ async def test_injected_failure_faults_then_reset_and_snapshot_work(agents: Agen
 async def test_faulted_job_can_be_retried_when_the_backend_says_it_runs(
     agents: AgentRunner,
 ) -> None:
-    backend = sim.SimBackend(node="node-a", capacity_bytes=10 * GiB, fail_probability=1.0)
+    backend = sim.SimBackend(
+        node="node-a", capacity_bytes=10 * GiB, bandwidth_bytes_per_s=10**12, fail_probability=1.0
+    )
     agent = await agents.start(instances={"sim": backend})
     await agent.grant("job-a")
     assert (await agent.snapshot("job-a")).status == FAILED

@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import signal
+import sqlite3
 import stat
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -135,7 +136,13 @@ async def serve(
     ``backend_registry`` replaces the name -> "module:Class" mapping.
     """
     stop = stop if stop is not None else asyncio.Event()
-    await asyncio.to_thread(config.state_dir.mkdir, parents=True, exist_ok=True)
+    try:
+        await asyncio.to_thread(config.state_dir.mkdir, parents=True, exist_ok=True)
+    except OSError as err:
+        raise errors.ConfigError(
+            f"cannot create state_dir {config.state_dir} ({err.strerror}); choose another "
+            "--state-dir"
+        ) from err
     agent_metrics = metrics.AgentMetrics()
     hub = make_hub()
     async with contextlib.AsyncExitStack() as stack:
@@ -143,7 +150,13 @@ async def serve(
             stack.push_async_callback(hub.close)
         built = await build_backends(config, hub=hub, instances=backends, names=backend_registry)
         stack.push_async_callback(_close_backends, built)
-        state = await store.Store.open(config.state_dir)
+        try:
+            state = await store.Store.open(config.state_dir)
+        except (OSError, RuntimeError, sqlite3.Error) as err:
+            raise errors.ConfigError(
+                f"cannot open the agent state in {config.state_dir} ({err}); fix it or choose "
+                "another --state-dir"
+            ) from err
         stack.push_async_callback(state.close)
 
         health_servicer = health.aio.HealthServicer()
