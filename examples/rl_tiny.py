@@ -238,7 +238,7 @@ async def run_proof(
             workdir=workdir,
             servers=["--orchestrator", orchestrator_address, "--agent", agent_address],
         )
-        await asyncio.gather(sliced, references)
+        await _all_or_nothing(sliced, references)
     finally:
         stop.set()
         await asyncio.gather(*servers, return_exceptions=True)
@@ -307,8 +307,25 @@ async def _run_references(jobs: Sequence[tuple[str, int]], *, steps: int, workdi
         log=log,
         barrier=False,
     )
-    await process.communicate()
+    try:
+        await process.communicate()
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
     _check_exit(process, log)
+
+
+async def _all_or_nothing(*coroutines: Coroutine[Any, Any, None]) -> None:
+    """Run together; if one fails, cancel the others (their processes get killed)."""
+    running = [asyncio.ensure_future(c) for c in coroutines]
+    try:
+        await asyncio.gather(*running)
+    except BaseException:
+        for task in running:
+            task.cancel()
+        await asyncio.gather(*running, return_exceptions=True)
+        raise
 
 
 async def _run_sliced(
