@@ -80,3 +80,22 @@ class BrokenBackend(base.Backend):
     async def check_health(self) -> None:
         if not self.healthy:
             raise base.BackendUnavailableError("no device")
+
+
+class PickyBackend(base.Backend):
+    """``validate`` raises ``refusal`` (when set); operations succeed instantly."""
+
+    name: ClassVar[str] = "picky"
+
+    def __init__(self) -> None:
+        self.refusal: Exception | None = None
+
+    async def validate(self, job: base.JobContext) -> None:
+        if self.refusal is not None:
+            raise self.refusal
+
+    async def snapshot(self, job: base.JobContext, mode: pb.SuspendMode) -> base.OpResult:
+        return base.OpResult()
+
+    async def restore(self, job: base.JobContext) -> base.OpResult:
+        return base.OpResult()

@@ -7,7 +7,7 @@ import time
 
 import grpc
 import pytest
-from agent_doubles import BrokenBackend, FlakyBackend, GatedBackend
+from agent_doubles import BrokenBackend, FlakyBackend, GatedBackend, PickyBackend
 from grpc_health.v1 import health_pb2
 
 from conftest import DEFAULT_FOOTPRINT, Agent, AgentRunner, GiB
@@ -254,6 +254,29 @@ async def test_adopted_job_the_sim_does_not_hold_fails_clearly(agent: Agent) -> 
     job = (await agent.jobs())["stray"]
     assert job.state == pb.JOB_STATE_FAULTED
     assert "holds no memory" in job.error
+
+
+async def test_backend_validation_refuses_before_anything_changes(agents: AgentRunner) -> None:
+    picky = PickyBackend()
+    agent = await agents.start(default_backend="picky", instances={"picky": picky})
+    picky.refusal = base.InvalidBackendConfigError("pid 7 is not a process of this node")
+    err = await rpc_error(agent.stub.Grant(pb.GrantRequest(job_id="job-a", group="g")))
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.details() == "pid 7 is not a process of this node"
+    assert await agent.jobs() == {}
+
+    picky.refusal = None
+    await agent.grant("job-a")
+    picky.refusal = base.BackendConfigRefusedError("endpoint host not in the allow-list")
+    err = await rpc_error(agent.stub.Snapshot(pb.SnapshotRequest(job_id="job-a")))
+    assert err.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "allow-list" in err.details()
+    picky.refusal = RuntimeError("bug")
+    err = await rpc_error(agent.stub.Restore(pb.RestoreRequest(job_id="job-a")))
+    assert err.code() == grpc.StatusCode.INTERNAL
+    assert "nothing was changed" in err.details()
+    job = (await agent.jobs())["job-a"]
+    assert job.state == pb.JOB_STATE_RUNNING
 
 
 # ---- grants -------------------------------------------------------------------------------------

@@ -52,6 +52,7 @@ class Code(enum.Enum):
     FAILED_PRECONDITION = "FAILED_PRECONDITION"
     ABORTED = "ABORTED"
     UNAVAILABLE = "UNAVAILABLE"
+    INTERNAL = "INTERNAL"
 
 
 class Refused(Exception):

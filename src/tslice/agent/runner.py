@@ -210,6 +210,7 @@ class AgentCore:
         async with self._locks[job_id]:
             job = self._jobs.get(job_id)
             route = self._route(job_id, job, config, deprecated_backend)
+            await self._validate(route, job, job_id=job_id, group=group)
             recovered = await self._recovered_if_faulted(route, job)
             plan = jobs.plan_snapshot(
                 job,
@@ -234,6 +235,7 @@ class AgentCore:
         async with self._locks[job_id]:
             job = self._jobs.get(job_id)
             route = self._route(job_id, job, config, deprecated_backend)
+            await self._validate(route, job, job_id=job_id, group=group)
             recovered = await self._recovered_if_faulted(route, job)
             partial = await self._needs_partial_restore(route, job)
             plan = jobs.plan_restore(
@@ -267,6 +269,7 @@ class AgentCore:
         async with self._locks[job_id]:
             job = self._jobs.get(job_id)
             route = self._route(job_id, job, config, 0)
+            await self._validate(route, job, job_id=job_id, group=group)
             last = self._grants.get(group)
             plan = jobs.plan_grant(
                 job,
@@ -404,6 +407,28 @@ class AgentCore:
             footprint_bytes=job.footprint_bytes,
             state=dict(job.backend_state),
         )
+
+    async def _validate(
+        self, route: jobs.Route, job: jobs.Job | None, *, job_id: str, group: str
+    ) -> None:
+        """Let the backend refuse the config before anything is created or changed."""
+        known = job if job is not None else jobs.Job(job_id=job_id, group=group)
+        backend = self.backends[route.backend]
+        try:
+            await asyncio.wait_for(
+                backend.validate(self._context(known, route.config)), timeout=RECOVER_TIMEOUT_S
+            )
+        except base.BackendConfigRefusedError as err:
+            raise jobs.Refused(jobs.Code.FAILED_PRECONDITION, str(err)) from err
+        except base.InvalidBackendConfigError as err:
+            raise jobs.Refused(jobs.Code.INVALID_ARGUMENT, str(err)) from err
+        except Exception as err:
+            log.exception("backend %s failed to validate a request", route.backend)
+            raise jobs.Refused(
+                jobs.Code.INTERNAL,
+                f"backend {route.backend} could not check the request for job {job_id} "
+                f"({type(err).__name__}: {err}); nothing was changed",
+            ) from err
 
     async def _recover(self, backend: base.Backend, job: jobs.Job) -> jobs.State | None:
         """What the backend reports for the job; ``None`` if it cannot tell or fails."""
