@@ -67,6 +67,10 @@ async def _abort(
     raise AssertionError("context.abort returned")  # pragma: no cover
 
 
+async def _refuse(context: grpc.aio.ServicerContext, refused: jobs.Refused) -> NoReturn:
+    await _abort(context, grpc.StatusCode[refused.code.value], refused.message)
+
+
 async def _valid_id(context: grpc.aio.ServicerContext, kind: str, value: str) -> str:
     try:
         return ids.check_id(kind, value)
@@ -103,7 +107,7 @@ class SnapshotAgentServicer(pb_grpc.SnapshotAgentServiceServicer):
         try:
             return await call
         except jobs.Refused as refused:
-            await _abort(context, grpc.StatusCode[refused.code.value], refused.message)
+            await _refuse(context, refused)
 
     async def Snapshot(
         self, request: pb.SnapshotRequest, context: grpc.aio.ServicerContext
@@ -138,7 +142,10 @@ class SnapshotAgentServicer(pb_grpc.SnapshotAgentServiceServicer):
     ) -> pb.GetOperationResponse:
         if not request.operation_id:
             await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, "operation_id is required")
-        op = await self._run(context, _ready(self._core.get_operation, request.operation_id))
+        try:
+            op = self._core.get_operation(request.operation_id)
+        except jobs.Refused as refused:
+            await _refuse(context, refused)
         return operation_to_pb(op, now=self._core.now())
 
     async def WaitOperation(
@@ -219,11 +226,6 @@ class SnapshotAgentServicer(pb_grpc.SnapshotAgentServiceServicer):
             )
         async for command in self._hub.handle_stream(request_iterator, context):
             yield command
-
-
-async def _ready(fn: Any, *args: Any) -> Any:
-    """Run a synchronous core query inside ``_run`` so its refusals map the same way."""
-    return fn(*args)
 
 
 class HealthMonitor:
