@@ -9,7 +9,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import tslice.client as tsclient
+from tslice.cli import main
 
 
 def pid_alive(pid: int) -> bool:
@@ -20,7 +23,15 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
-def test_up_serves_until_ctrl_c(tmp_path: Path) -> None:
+def cli(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
+    with pytest.raises(SystemExit) as exit_info:
+        main.main(list(args))
+    out, err = capsys.readouterr()
+    code = exit_info.value.code
+    return (code if isinstance(code, int) else 0), out, err
+
+
+def test_up_serves_until_ctrl_c(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     proc = subprocess.Popen(
         [
             sys.executable,
@@ -63,6 +74,28 @@ def test_up_serves_until_ctrl_c(tmp_path: Path) -> None:
             assert status.locking_job == "job-1"
             assert sorted(status.nodes) == ["node-1", "node-2"]
             client.yield_("g")
+
+        # The client commands against the live cluster.
+        code, out, _ = cli(capsys, "acquire", "g", "job-2", "--addr", address, "--timeout", "30")
+        assert code == 0 and "job job-2 holds group g" in out
+        assert "restored its state" not in out  # job-2 never ran before: nothing to restore
+        code, out, _ = cli(capsys, "status", "g", "--addr", address)
+        assert code == 0
+        assert "LOCKED" in out and "job-2" in out and "node-1" in out and "node-2" in out
+        code, out, _ = cli(capsys, "list", "--addr", address)
+        assert code == 0 and "g" in out and "job-2" in out
+        code, out, err = cli(capsys, "yield", "g", "job-1", "--addr", address)
+        assert code == 1 and out == ""
+        lines = err.strip().splitlines()
+        # One line with the orchestrator's explanation (who holds it), no status jargon.
+        assert len(lines) == 1 and lines[0].startswith("error: ") and "job-2" in lines[0]
+        assert "permission_denied" not in lines[0]
+        code, out, _ = cli(capsys, "yield", "g", "job-2", "--addr", address)
+        assert code == 0 and "nobody waits" in out
+        code, out, err = cli(capsys, "status", "nope", "--addr", address)
+        assert code == 1 and out == ""
+        lines = err.strip().splitlines()
+        assert len(lines) == 1 and "nope" in lines[0] and "tslice list" in lines[0]
 
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=60)

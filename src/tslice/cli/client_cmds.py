@@ -59,6 +59,8 @@ def _client(address: str, *, job_id: str | None = None) -> Iterator[tsclient.Cli
         ) from err
     except errors.UnknownGroup as err:
         raise errors.TsliceError(f"{err.message} (see `tslice list`)") from err
+    except errors.NotHolder as err:
+        raise errors.TsliceError(err.message) from err
     except errors.InvalidArgument as err:
         render.error(err.message)
         raise typer.Exit(2) from err

@@ -191,7 +191,9 @@ def _run_svg(
 
 def _axis(top: float, span_s: float, px_per_s: float, time_scale: float) -> str:
     trace_span = span_s * time_scale
-    step = _nice_step(trace_span / 8)
+    # Round ticks in the unit the labels use: minutes for long runs, seconds otherwise.
+    unit = 60.0 if trace_span >= 600 else 1.0
+    step = _nice_step(trace_span / unit / 8) * unit
     out = [f'<line class="axis" x1="{_LABEL_W}" y1="{top}" x2="{_LABEL_W + _PLOT_W}" y2="{top}"/>']
     n = 0
     while n * step <= trace_span + 1e-9:
