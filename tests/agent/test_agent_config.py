@@ -103,7 +103,7 @@ def test_registry_resolves_lazily_and_explains_failures() -> None:
     with pytest.raises(errors.ConfigError, match="not a Backend subclass"):
         registry.load_class("x", registry={"x": "tslice.agent.config:AgentConfig"})
     with pytest.raises(errors.ConfigError, match="invalid settings for backend 'noop'"):
-        registry.create("noop", {"delay": 1})
+        registry.create("noop", settings={"delay": 1})
 
 
 async def test_unknown_default_backend_stops_startup(agents: AgentRunner) -> None:

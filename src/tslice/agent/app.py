@@ -81,7 +81,7 @@ async def build_backends(
             if name not in built:
                 built[name] = registry.create(
                     name,
-                    backend_settings(name, config, hub=hub),
+                    settings=backend_settings(name, config, hub=hub),
                     registry=names if names is not None else registry.BUILTIN,
                 )
     except BaseException:

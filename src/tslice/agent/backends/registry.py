@@ -52,7 +52,7 @@ def load_class(name: str, *, registry: Mapping[str, str] = BUILTIN) -> type[base
 
 
 def create(
-    name: str, settings: Mapping[str, Any], *, registry: Mapping[str, str] = BUILTIN
+    name: str, *, settings: Mapping[str, Any], registry: Mapping[str, str] = BUILTIN
 ) -> base.Backend:
     """Build the backend ``name`` from its settings; bad settings become a ConfigError."""
     cls = load_class(name, registry=registry)
