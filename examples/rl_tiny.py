@@ -45,8 +45,7 @@ from typing import Any
 import torch
 
 import tslice
-from tslice.workload import channel
-from tslice.workload.adapters import torch as torch_adapter
+import tslice.workload
 
 GROUP = "trainer"
 CONTEXT_DIM = 8
@@ -133,10 +132,12 @@ def run_job(args: argparse.Namespace) -> int:
         None if args.standalone else args.orchestrator, job_id=args.job_id, default_group=args.group
     )
     job = make_job(args.seed)
-    adapter = torch_adapter.TorchAdapter(job.policy, job.optimizer)
+    adapter = tslice.workload.TorchAdapter(job.policy, job.optimizer)
     handle = None
     if not args.standalone:
-        handle = channel.register_workload(args.agent, args.job_id, args.group, workload=adapter)
+        handle = tslice.workload.register_workload(
+            args.agent, args.job_id, args.group, workload=adapter
+        )
         if not handle.wait_registered(timeout=args.register_timeout):
             raise SystemExit(f"agent {args.agent} did not accept the workload registration")
     _barrier(args, say="ready", expect="go")
