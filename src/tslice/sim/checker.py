@@ -180,9 +180,8 @@ def _replay(
             interval = _Interval(start=e.t)
             resident[e.job] = interval
             intervals[slot][e.job].append(interval)
-        elif e.event == "free":
-            if e.job in resident:
-                resident.pop(e.job).end = e.t
+        elif e.event == "free" and e.job in resident:
+            resident.pop(e.job).end = e.t
     return intervals, found
 
 
