@@ -452,17 +452,16 @@ class AgentCore:
     async def _needs_partial_restore(self, route: jobs.Route, job: jobs.Job | None) -> bool:
         """Staged wake hook: a RUNNING job whose backend says requested tags are missing.
 
-        A backend opts in by defining ``async def missing_tags(job, tags) -> list[str]``.
+        See ``Backend.missing_tags``.
         """
         tags = _tags_of(route.config)
         if job is None or job.state is not jobs.State.RUNNING or not tags:
             return False
-        hook = getattr(self.backends[route.backend], "missing_tags", None)
-        if hook is None:
-            return False
+        backend = self.backends[route.backend]
         try:
             missing = await asyncio.wait_for(
-                hook(self._context(job, route.config), tags), timeout=RECOVER_TIMEOUT_S
+                backend.missing_tags(self._context(job, route.config), tags),
+                timeout=RECOVER_TIMEOUT_S,
             )
         except Exception as err:
             log.warning("backend %s could not report missing tags: %s", route.backend, err)

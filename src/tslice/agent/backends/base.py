@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
 from typing_extensions import Self
@@ -133,6 +133,15 @@ class Backend(abc.ABC):
         Must be idempotent.
         """
         return OpResult()
+
+    async def missing_tags(self, job: JobContext, tags: Sequence[str]) -> list[str]:
+        """Staged restore: which of ``tags`` are not resident although the job is RUNNING.
+
+        A Restore with tags of a RUNNING job reaches the backend only if this returns a
+        non-empty list (e.g. ``kv_cache`` after an earlier ``weights``-only wake).
+        Default: every tag is resident whenever the job runs.
+        """
+        return []
 
     async def forget(self, job: JobContext) -> None:
         """The job is gone; drop whatever the backend holds for it. Idempotent."""
