@@ -120,3 +120,11 @@ def test_python_dash_m_runs_the_cli_without_traceback() -> None:
     assert proc.stderr.strip().splitlines() == [
         f"error: orchestrator at 127.0.0.1:{port} is not reachable (is `tslice up` running?)"
     ]
+
+
+def test_demo_command_defaults_match_the_library() -> None:
+    from tslice.cli import demo_cmd
+    from tslice.sim import demo
+
+    assert demo_cmd.DEFAULT_STEPS == demo.DEFAULT_STEPS == demo.DemoConfig().steps
+    assert demo_cmd.DEFAULT_TIME_SCALE == demo.DEFAULT_TIME_SCALE == demo.DemoConfig().time_scale

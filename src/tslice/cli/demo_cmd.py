@@ -9,10 +9,13 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.live import Live
 
 from tslice.cli import render, sizes
-from tslice.sim import demo
+
+# Mirrors tslice.sim.demo.DEFAULT_* (a test pins them): importing the demo here would
+# slow down the start of every `tslice` process, servers included.
+DEFAULT_STEPS = 4
+DEFAULT_TIME_SCALE = 240.0
 
 
 def register(app: typer.Typer) -> None:
@@ -26,13 +29,11 @@ def run(
         typer.Option("--trace", help="Recorded trace to model the jobs on (default: veRL 2xH100)."),
     ] = None,
     jobs: Annotated[int, typer.Option("--jobs", min=1, max=26, help="Simulated RL jobs.")] = 2,
-    steps: Annotated[
-        int, typer.Option("--steps", min=1, help="RL steps per job.")
-    ] = demo.DEFAULT_STEPS,
+    steps: Annotated[int, typer.Option("--steps", min=1, help="RL steps per job.")] = DEFAULT_STEPS,
     time_scale: Annotated[
         float,
         typer.Option("--time-scale", min=0.001, help="Trace seconds per demo second."),
-    ] = demo.DEFAULT_TIME_SCALE,
+    ] = DEFAULT_TIME_SCALE,
     sim_bandwidth: Annotated[
         str | None,
         typer.Option(
@@ -66,6 +67,8 @@ def run(
     no_live: Annotated[bool, typer.Option("--no-live", help="No live view.")] = False,
 ) -> None:
     """Two simulated RL jobs share a sampler and a trainer GPU: exclusive vs time-sliced."""
+    from tslice.sim import demo
+
     config = demo.DemoConfig(
         trace_path=trace,
         jobs=jobs,
@@ -85,6 +88,8 @@ def run(
     console = render.stdout()
     live = not as_json and not no_live and console.is_terminal
     if live:
+        from rich.live import Live
+
         with Live(
             get_renderable=lambda: render.demo_live(progress),
             console=console,

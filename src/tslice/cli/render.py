@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 import time
 from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
 
 from rich import box
 from rich.console import Console, Group, RenderableType
@@ -18,7 +19,11 @@ from rich.table import Table
 from rich.text import Text
 
 import tslice.client as tsclient
-from tslice.sim import demo, trace
+
+if TYPE_CHECKING:
+    # The demo pulls in the local cluster and the timeline; server commands should
+    # not pay for that at start-up, so it is imported where it is drawn.
+    from tslice.sim import demo
 
 _STATE_STYLE = {
     "LOCKED": "green",
@@ -150,6 +155,8 @@ def cluster_table(
 
 def demo_live(progress: demo.DemoProgress) -> RenderableType:
     """The live view: who holds each pool, each job's step and activity, the last switches."""
+    from tslice.sim import demo, trace
+
     now = time.time()
     scale = progress.time_scale
     header = Text.assemble(
@@ -212,6 +219,8 @@ def demo_live(progress: demo.DemoProgress) -> RenderableType:
 
 
 def demo_summary(result: demo.DemoResult) -> RenderableType:
+    from tslice.sim import trace
+
     scale = result.config.time_scale
     runs = Table(
         title=f"results (time scale {scale:g}: 1 demo second = {scale:g} trace seconds)",
