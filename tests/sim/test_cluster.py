@@ -40,7 +40,7 @@ def test_cluster_serves_and_restarts_on_the_same_port(two_pools: cluster.LocalCl
     for name in ("node-a", "orchestrator"):
         before_address, before_pid = local.address(name), local.pid(name)
         assert before_pid is not None
-        local.kill(name, signal.SIGKILL)
+        local.kill(name, signal=signal.SIGKILL)
         assert not local.alive(name)
         assert local.exited()[name] == -signal.SIGKILL
         local.restart(name)
@@ -55,12 +55,14 @@ def test_cluster_serves_and_restarts_on_the_same_port(two_pools: cluster.LocalCl
         client.yield_("sampler")
 
 
-def test_stop_terminates_every_process(tmp_path: Path) -> None:
-    local = cluster.LocalCluster(agents=1, base_dir=tmp_path, grace_s=10)
-    with local:
+async def test_stop_terminates_every_process(tmp_path: Path) -> None:
+    async with cluster.LocalCluster(agents=1, base_dir=tmp_path, grace_s=10) as local:
         pids = [local.pid(n) for n in local.names]
         assert all(p is not None and pid_alive(p) for p in pids)
-        assert local.group_nodes() is None  # local mode
+        assert local.group_nodes() is None  # local mode: groups appear on first acquire
+        async with tsclient.AsyncClient(local.orchestrator_address, job_id="j") as client:
+            assert (await client.acquire("any-group", timeout=30)).success
+            assert (await client.status("any-group")).nodes == ("node-1",)
     assert not any(pid_alive(p) for p in pids if p is not None)
     # A given base dir is kept: logs and state stay for inspection.
     assert (tmp_path / "orchestrator.log").is_file()

@@ -13,12 +13,13 @@ a topology YAML is written once the agents' addresses are known.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import json
 import os
 import shutil
-import signal
+import signal as _signal
 import subprocess
 import sys
 import tempfile
@@ -166,6 +167,17 @@ class LocalCluster:
     ) -> None:
         self.stop()
 
+    async def __aenter__(self) -> LocalCluster:
+        return await asyncio.to_thread(self.start)
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await asyncio.to_thread(self.stop)
+
     def start(self) -> LocalCluster:
         """Start the agents (in parallel), then the orchestrator; return once all serve."""
         if self._started:
@@ -199,7 +211,7 @@ class LocalCluster:
         for proc in order:
             if proc.alive():
                 assert proc.popen is not None
-                proc.popen.send_signal(signal.SIGTERM)
+                proc.popen.send_signal(_signal.SIGTERM)
         deadline = time.monotonic() + self.grace_s
         for proc in order:
             if proc.popen is None:
@@ -212,19 +224,19 @@ class LocalCluster:
         if self._own_dir:
             shutil.rmtree(self.base_dir, ignore_errors=True)
 
-    def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
-        """Send ``sig`` to process ``name`` and wait for it to exit."""
+    def kill(self, name: str, signal: int = _signal.SIGKILL) -> None:
+        """Send ``signal`` to process ``name`` and wait for it to exit."""
         proc = self._proc(name)
         if proc.popen is None or not proc.alive():
             return
-        proc.popen.send_signal(sig)
+        proc.popen.send_signal(signal)
         proc.popen.wait(timeout=max(self.grace_s, 1.0) * 4)
 
     def restart(self, name: str) -> None:
         """(Re)start process ``name`` on its previous port and state directory."""
         proc = self._proc(name)
         if proc.alive():
-            self.kill(name, signal.SIGTERM)
+            self.kill(name, _signal.SIGTERM)
         self._spawn(proc)
         self._wait_ready(proc)
 
