@@ -471,13 +471,13 @@ async def test_silent_peer_is_closed_after_missed_pings() -> None:
 
 
 async def test_pings_continue_while_a_command_runs_and_keep_the_session() -> None:
-    running = await _start(channel.ChannelHub(ping_interval_s=0.05, missed_pings=2), "127.0.0.1:0")
+    running = await _start(channel.ChannelHub(ping_interval_s=0.1, missed_pings=3), "127.0.0.1:0")
     workload = RawWorkload(running.address)
     try:
         await workload.register("job-a")
         task = asyncio.create_task(running.hub.snapshot("job-a", timeout_s=60))
         command = await workload.next_command()
-        # Answer ten pings (ten intervals, five times the silence limit) before the result.
+        # Answer ten pings (ten intervals, over three times the silence limit) before the result.
         for _ in range(10):
             message = await workload.call.read()
             assert message.WhichOneof("command") == "ping"

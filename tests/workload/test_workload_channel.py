@@ -279,14 +279,14 @@ async def test_async_command_is_cancelled_at_its_deadline(
 
 
 async def test_pings_keep_flowing_while_a_long_command_runs(register: Register) -> None:
-    running = await HubServer.start("127.0.0.1:0", ping_interval_s=0.05, missed_pings=2)
+    running = await HubServer.start("127.0.0.1:0", ping_interval_s=0.1, missed_pings=3)
     try:
         pings_during: list[int] = []
         holder: list[WorkloadHandle] = []
 
         def slow_snapshot(mode: str, tags: list[str]) -> None:
             before = holder[0].pings_received
-            time.sleep(0.6)  # the "offload": 12 ping intervals, 6x the silence limit
+            time.sleep(1.5)  # the "offload": 15 ping intervals, 5x the silence limit
             pings_during.append(holder[0].pings_received - before)
 
         handle = register(
@@ -294,8 +294,8 @@ async def test_pings_keep_flowing_while_a_long_command_runs(register: Register) 
             "job-slow",
             on_snapshot=slow_snapshot,
             on_restore=lambda tags: None,
-            ping_interval_s=0.05,
-            missed_pings=2,
+            ping_interval_s=0.1,
+            missed_pings=3,
         )
         holder.append(handle)
         await _registered(running, handle)
@@ -491,3 +491,37 @@ def test_agent_address_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> 
 def test_unknown_workload_type_is_a_type_error() -> None:
     with pytest.raises(TypeError, match="cannot drive a object"):
         register_workload("127.0.0.1:1", "job", workload=object())
+
+
+async def test_a_caller_owned_channel_is_used_and_left_open(
+    tcp_hub: HubServer, register: Register
+) -> None:
+    owned = grpc.insecure_channel(tcp_hub.address)
+    try:
+        recorder = Recorder()
+        handle = register(
+            owned, "job-own", on_snapshot=recorder.on_snapshot, on_restore=recorder.on_restore
+        )
+        await _registered(tcp_hub, handle)
+        assert (await tcp_hub.hub.snapshot("job-own", timeout_s=10)).ok
+        await asyncio.to_thread(handle.close)
+        # Still usable by its owner after the handle closed.
+        again = register(
+            owned, "job-own", on_snapshot=recorder.on_snapshot, on_restore=recorder.on_restore
+        )
+        await _registered(tcp_hub, again)
+        assert len(recorder.calls) == 1
+        await asyncio.to_thread(again.close)
+    finally:
+        owned.close()
+
+
+async def test_closing_the_callers_channel_stops_the_handle_with_a_reason(
+    tcp_hub: HubServer, register: Register
+) -> None:
+    owned = grpc.insecure_channel(tcp_hub.address)
+    handle = register(owned, "job-gone", on_snapshot=lambda m, t: None, on_restore=lambda t: None)
+    await _registered(tcp_hub, handle)
+    owned.close()
+    assert await asyncio.to_thread(handle.wait_stopped, 10)
+    assert handle.error is not None and "unusable" in handle.error

@@ -251,6 +251,15 @@ class WorkloadHandle:
             return connection.acked, False
         except grpc.RpcError as err:
             return connection.acked, self._on_stream_error(err)
+        except ValueError as exc:
+            if owned or self._stop.is_set():
+                raise
+            # grpc raises ValueError for a call on a closed channel.
+            self._fail(f"the grpc.Channel given to register_workload() is unusable: {exc}")
+            return connection.acked, True
+        except Exception:
+            log.exception("workload channel failed", extra={"job_id": self.job_id})
+            return connection.acked, self._stop.is_set()
         finally:
             connection.outbox.put(_STOP)
             self._set_registered(False)
