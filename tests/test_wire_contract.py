@@ -189,7 +189,10 @@ AGENT_MESSAGES: dict[str, dict[str, tuple[int, int, str | None, str | None]]] = 
 }
 
 AGENT_ONEOFS = {
-    "BackendConfig": ("backend", {"cuda", "app_endpoint", "app_channel", "direct_memory", "memory_regions"}),
+    "BackendConfig": (
+        "backend",
+        {"cuda", "app_endpoint", "app_channel", "direct_memory", "memory_regions"},
+    ),
     "WorkloadMessage": ("message", {"register", "result"}),
     "AgentCommand": ("command", {"snapshot", "restore"}),
 }
@@ -230,13 +233,19 @@ AGENT_RPCS = {
 def _label(field: d.FieldDescriptor) -> str | None:
     if field.is_repeated:
         return REP
-    if field.has_presence and field.containing_oneof is not None and field.containing_oneof.name.startswith("_"):
+    if (
+        field.has_presence
+        and field.containing_oneof is not None
+        and field.containing_oneof.name.startswith("_")
+    ):
         return OPT
     return None
 
 
 def _check_messages(
-    file: d.FileDescriptor, package: str, expected: dict[str, dict[str, tuple[int, int, str | None, str | None]]]
+    file: d.FileDescriptor,
+    package: str,
+    expected: dict[str, dict[str, tuple[int, int, str | None, str | None]]],
 ) -> None:
     assert file.package == package
     for msg_name, fields in expected.items():
@@ -253,10 +262,14 @@ def _check_messages(
         # Additions must be numbered >= 100 so that nothing collides with future upstream fields.
         for field in msg.fields:
             if field.name not in fields:
-                assert field.number >= 100, f"tslice addition {msg_name}.{field.name} must be >= 100"
+                assert field.number >= 100, (
+                    f"tslice addition {msg_name}.{field.name} must be >= 100"
+                )
 
 
-def _check_enum(file: d.FileDescriptor, package: str, name: str, values: list[tuple[str, int]]) -> None:
+def _check_enum(
+    file: d.FileDescriptor, package: str, name: str, values: list[tuple[str, int]]
+) -> None:
     pool = file.pool
     enum = pool.FindEnumTypeByName(f"{package}.{name}")
     assert [(v.name, v.number) for v in enum.values] == values, name

@@ -11,7 +11,6 @@ from agent_doubles import BrokenBackend, FlakyBackend, GatedBackend, PickyBacken
 from grpc_health.v1 import health_pb2
 
 from conftest import DEFAULT_FOOTPRINT, Agent, AgentRunner, GiB
-from tslice.agent import app
 from tslice.agent.backends import base, sim
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
 
@@ -452,14 +451,3 @@ async def test_unavailable_backend_flips_its_health(agents: AgentRunner) -> None
     assert (await agent.health.Check(health_pb2.HealthCheckRequest())).status == NOT_SERVING
 
 
-async def test_workload_channel_without_a_hub_is_unimplemented(
-    agents: AgentRunner, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setattr(app, "make_hub", lambda: None)
-    agent = await agents.start()
-    call = agent.stub.WorkloadChannel(
-        iter([pb.WorkloadMessage(register=pb.RegisterWorkload(job_id="w"))])
-    )
-    err = await rpc_error(call.read())
-    assert err.code() == grpc.StatusCode.UNIMPLEMENTED
-    assert "workload channel" in err.details()

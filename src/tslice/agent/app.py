@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib
 import json
 import logging
 import os
@@ -24,8 +23,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from tslice.agent import channel, metrics, registration, runner, server, store
 from tslice.agent import config as agent_config
-from tslice.agent import metrics, runner, server, store
 from tslice.agent.backends import base, registry
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2_grpc as pb_grpc
@@ -36,17 +35,12 @@ log = logging.getLogger(__name__)
 _PRUNE_INTERVAL_MAX_S = 3600.0
 
 
-def make_hub() -> Any | None:
-    """The workload-channel hub, if this build has ``tslice.agent.channel``."""
-    try:
-        channel = importlib.import_module("tslice.agent.channel")
-    except ImportError:
-        return None
-    return channel.ChannelHub()
-
-
 def backend_settings(
-    name: str, config: agent_config.AgentConfig, *, hub: Any | None
+    name: str,
+    config: agent_config.AgentConfig,
+    *,
+    hub: channel.ChannelHub | None,
+    processes: registration.ProcessRegistry | None = None,
 ) -> dict[str, Any]:
     """What ``Backend.create`` receives: the config section plus what the agent injects."""
     settings = config.settings_for(name)
@@ -57,20 +51,18 @@ def backend_settings(
             "state_dir": str(config.state_dir),
             **settings,
         }
-    elif name == "app-channel":
-        if hub is None:
-            raise errors.ConfigError(
-                "backend 'app-channel' needs the workload channel (tslice.agent.channel), which "
-                "this build lacks; disable app-channel or upgrade tslice"
-            )
+    elif name == "app-channel" and hub is not None:
         settings = {**settings, "hub": hub}
+    elif name == "cuda" and processes is not None:
+        settings = {**settings, "registry": processes}
     return settings
 
 
 async def build_backends(
     config: agent_config.AgentConfig,
     *,
-    hub: Any | None,
+    hub: channel.ChannelHub | None,
+    processes: registration.ProcessRegistry | None = None,
     instances: Mapping[str, base.Backend] | None = None,
     names: Mapping[str, str] | None = None,
 ) -> dict[str, base.Backend]:
@@ -81,7 +73,7 @@ async def build_backends(
             if name not in built:
                 built[name] = registry.create(
                     name,
-                    settings=backend_settings(name, config, hub=hub),
+                    settings=backend_settings(name, config, hub=hub, processes=processes),
                     registry=names if names is not None else registry.BUILTIN,
                 )
     except BaseException:
@@ -144,11 +136,13 @@ async def serve(
             "--state-dir"
         ) from err
     agent_metrics = metrics.AgentMetrics()
-    hub = make_hub()
+    hub = channel.ChannelHub()
+    processes = registration.ProcessRegistry()
     async with contextlib.AsyncExitStack() as stack:
-        if hub is not None:
-            stack.push_async_callback(hub.close)
-        built = await build_backends(config, hub=hub, instances=backends, names=backend_registry)
+        stack.push_async_callback(hub.close)
+        built = await build_backends(
+            config, hub=hub, processes=processes, instances=backends, names=backend_registry
+        )
         stack.push_async_callback(_close_backends, built)
         try:
             state = await store.Store.open(config.state_dir)
@@ -172,12 +166,11 @@ async def serve(
             operation_timeout_s=config.operation_timeout_s,
             operation_retention_s=config.operation_retention_s,
             max_operations=config.max_operations,
-            channel_registered=getattr(hub, "is_registered", None),
+            channel_registered=hub.is_registered,
             on_backend_error=monitor.mark_unavailable,
         )
         await core.start()
-        if hub is not None and hasattr(hub, "add_listener"):
-            hub.add_listener(core.on_workload_event)
+        hub.add_listener(core.on_workload_event)
         await monitor.check_all()
 
         grpc_server = grpc.aio.server()
@@ -206,6 +199,16 @@ async def serve(
         stack.push_async_callback(_stop_server, grpc_server, core, monitor, config.grace_period_s)
         if config.unix_socket is not None:
             stack.callback(_remove_quietly, config.unix_socket)
+        register_path = config.register_socket or config.state_dir / "register.sock"
+        announcements = registration.RegistrationServer(path=register_path, registry=processes)
+        try:
+            await announcements.start()
+        except OSError as err:
+            raise errors.ConfigError(
+                f"cannot listen for process registrations on {register_path} ({err}); set "
+                "register_socket to a writable path"
+            ) from err
+        stack.push_async_callback(announcements.close)
         if config.metrics_port:
             agent_metrics.serve(port=config.metrics_port, host=config.host or "0.0.0.0")
             stack.callback(agent_metrics.stop)

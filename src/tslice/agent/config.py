@@ -88,6 +88,9 @@ class AgentConfig:
     port: int = 9001
     #: Also listen on this Unix socket, for node-local workloads (None = off).
     unix_socket: Path | None = None
+    #: Unix socket where GPU processes announce themselves (PID from SO_PEERCRED); None =
+    #: ``<state_dir>/register.sock``. Workloads find it via TSLICE_AGENT_REGISTER_SOCKET.
+    register_socket: Path | None = None
     #: Where jobs, operations and simulated device state persist.
     state_dir: Path = dataclasses.field(default_factory=default_state_dir)
     #: Backend for requests that name none and jobs with no recorded choice.
@@ -164,6 +167,7 @@ class _AgentModel(BaseModel):
     host: str = "127.0.0.1"
     port: int = Field(default=9001, ge=0, le=65535)
     unix_socket: Path | None = None
+    register_socket: Path | None = None
     state_dir: Path = Field(default_factory=default_state_dir)
     default_backend: str = "noop"
     backends: list[str] = Field(default_factory=list)
@@ -208,6 +212,7 @@ class _AgentModel(BaseModel):
             host=self.host,
             port=self.port,
             unix_socket=self.unix_socket,
+            register_socket=self.register_socket,
             state_dir=self.state_dir.expanduser(),
             default_backend=self.default_backend,
             backends=tuple(self.backends),

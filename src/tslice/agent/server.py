@@ -15,7 +15,7 @@ from typing import Any, NoReturn, TypeVar
 import grpc
 from grpc_health.v1 import health, health_pb2
 
-from tslice.agent import jobs, runner
+from tslice.agent import channel, jobs, runner
 from tslice.agent.backends import base
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2_grpc as pb_grpc
@@ -99,7 +99,7 @@ async def _valid_config(context: grpc.aio.ServicerContext, message: Any) -> pb.B
 class SnapshotAgentServicer(pb_grpc.SnapshotAgentServiceServicer):
     """The v1alpha1 agent API plus tslice's WaitOperation, Grant and ResetJob."""
 
-    def __init__(self, *, core: runner.AgentCore, hub: Any | None = None) -> None:
+    def __init__(self, *, core: runner.AgentCore, hub: channel.ChannelHub) -> None:
         self._core = core
         self._hub = hub
 
@@ -217,13 +217,6 @@ class SnapshotAgentServicer(pb_grpc.SnapshotAgentServiceServicer):
     async def WorkloadChannel(
         self, request_iterator: AsyncIterator[pb.WorkloadMessage], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.AgentCommand]:
-        if self._hub is None:
-            await _abort(
-                context,
-                grpc.StatusCode.UNIMPLEMENTED,
-                "this agent has no workload channel (tslice.agent.channel is not installed); "
-                "use the app-endpoint or cuda backend, or upgrade tslice",
-            )
         async for command in self._hub.handle_stream(request_iterator, context):
             yield command
 

@@ -49,6 +49,14 @@ def agent(
         Path | None,
         typer.Option("--unix-socket", help="Also listen on this Unix socket (node-local)."),
     ] = None,
+    register_socket: Annotated[
+        Path | None,
+        typer.Option(
+            "--register-socket",
+            help="Unix socket where GPU processes announce themselves "
+            "(default <state-dir>/register.sock).",
+        ),
+    ] = None,
     operation_timeout: Annotated[
         float | None,
         typer.Option("--operation-timeout", help="Deadline of one operation, s (default 600)."),
@@ -114,6 +122,7 @@ def agent(
         "port": port,
         "state_dir": state_dir,
         "unix_socket": unix_socket,
+        "register_socket": register_socket,
         "operation_timeout_s": operation_timeout,
         "metrics_port": metrics_port,
         "log_level": log_level,

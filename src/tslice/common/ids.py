@@ -24,7 +24,9 @@ def check_id(kind: str, value: str) -> str:
     if not value:
         raise InvalidIdError(f"{kind} is required (got an empty string)")
     if len(value) > MAX_ID_LENGTH:
-        raise InvalidIdError(f"{kind} is {len(value)} characters long; the limit is {MAX_ID_LENGTH}")
+        raise InvalidIdError(
+            f"{kind} is {len(value)} characters long; the limit is {MAX_ID_LENGTH}"
+        )
     if not _ID_RE.match(value):
         raise InvalidIdError(
             f"{kind} {value!r} is malformed: use letters, digits and . _ : @ / + = -, "

@@ -125,6 +125,7 @@ class Backend(abc.ABC):
         Raise InvalidBackendConfigError / BackendConfigRefusedError; the agent answers the
         RPC with INVALID_ARGUMENT / FAILED_PRECONDITION and the job's state is untouched.
         """
+        return None  # optional hook
 
     async def activate(self, job: JobContext) -> OpResult:
         """The job was granted with nothing to restore: it now owns the device.
@@ -145,6 +146,7 @@ class Backend(abc.ABC):
 
     async def forget(self, job: JobContext) -> None:
         """The job is gone; drop whatever the backend holds for it. Idempotent."""
+        return None  # optional hook
 
     async def recover(self, job: JobContext) -> pb.JobState | None:
         """After an agent restart, read back the real state of a job the agent knew.
@@ -156,6 +158,7 @@ class Backend(abc.ABC):
 
     async def check_health(self) -> None:
         """Raise BackendUnavailableError (with the reason) if the backend cannot serve."""
+        return None  # optional hook
 
     async def accelerators(self) -> list[Accelerator]:
         """Device memory on this node, for ``StatusResponse.accelerator_statuses``."""
@@ -163,3 +166,4 @@ class Backend(abc.ABC):
 
     async def close(self) -> None:
         """Release resources at agent shutdown."""
+        return None  # optional hook
