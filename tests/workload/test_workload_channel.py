@@ -525,3 +525,27 @@ async def test_closing_the_callers_channel_stops_the_handle_with_a_reason(
     owned.close()
     assert await asyncio.to_thread(handle.wait_stopped, 10)
     assert handle.error is not None and "unusable" in handle.error
+
+
+async def test_close_returns_while_a_command_hangs_after_a_disconnect(register: Register) -> None:
+    running = await HubServer.start("127.0.0.1:0")
+    release = threading.Event()
+    try:
+        handle = register(
+            running.address,
+            "job-hang",
+            on_snapshot=lambda m, t: release.wait(30),
+            on_restore=lambda t: None,
+        )
+        await _registered(running, handle)
+        with pytest.raises(channel.CommandTimeoutError):
+            await running.hub.snapshot("job-hang", timeout_s=0.2)
+        await running.hub.close()  # the stream ends; the reconnect waits for the command
+        started = time.monotonic()
+        await asyncio.to_thread(handle.close, 4.0)
+        # Prompt even though the worker is stuck in the adapter (a connection thread that
+        # did not notice the stop would cost close() its 2 s join, then a cancel).
+        assert time.monotonic() - started < 1.5
+    finally:
+        release.set()
+        await running.stop()

@@ -172,6 +172,8 @@ class WorkloadHandle:
     def close(self, timeout: float = 5.0) -> None:
         """Stop the channel (the agent sees a clean end of stream) and the worker. Idempotent."""
         self._stop.set()
+        with self._state:
+            self._state.notify_all()  # wakes a reconnect waiting for a command to finish
         connection = self._connection
         if connection is not None:
             connection.outbox.put(_STOP)
@@ -302,7 +304,7 @@ class WorkloadHandle:
             with self._state:
                 self._in_flight += 1
             try:
-                self._worker.submit(self._execute, connection, command)
+                self._worker.submit(self._execute, connection, command, time.monotonic())
             except RuntimeError:  # the worker was shut down by close()
                 with self._state:
                     self._in_flight -= 1
@@ -371,9 +373,10 @@ class WorkloadHandle:
 
     # ---- commands -----------------------------------------------------------------
 
-    def _execute(self, connection: _Connection, command: pb.AgentCommand) -> None:
+    def _execute(self, connection: _Connection, command: pb.AgentCommand, received: float) -> None:
         started = time.monotonic()
-        deadline = started + command.deadline_ms / 1000 if command.deadline_ms > 0 else None
+        # The agent's clock started when it sent the command, not when our worker got to it.
+        deadline = received + command.deadline_ms / 1000 if command.deadline_ms > 0 else None
         kind = command.WhichOneof("command")
         try:
             if kind == "snapshot":
