@@ -391,6 +391,10 @@ async def _run_phases(
             slowdown=slowdown,
         )
 
+    # A job waits at most for the others' steps; far beyond that something is stuck, and
+    # the demo should fail with the checker's report instead of hanging.
+    longest_step = max(sum(p.duration_s for p in step) for plan in plans.values() for step in plan)
+    patience = 60.0 + 2 * len(ids) * longest_step * contention / config.time_scale
     runs: dict[str, RunSummary] = {}
     progress.start_run(EXCLUSIVE, ids, config.steps)
     start = time.time()
@@ -398,7 +402,11 @@ async def _run_phases(
     for job in ids:
         results.append(
             await rljob.run_job(
-                spec(job, 1.0), address=address, run=EXCLUSIVE, on_update=progress.on_job
+                spec(job, 1.0),
+                address=address,
+                run=EXCLUSIVE,
+                on_update=progress.on_job,
+                acquire_timeout_s=patience,
             )
         )
     runs[EXCLUSIVE] = _summarise(EXCLUSIVE, start, time.time(), results, events)
@@ -414,6 +422,7 @@ async def _run_phases(
                         address=address,
                         run=TIME_SLICED,
                         on_update=progress.on_job,
+                        acquire_timeout_s=patience,
                     )
                     for job in ids
                 )
