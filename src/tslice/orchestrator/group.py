@@ -430,6 +430,7 @@ class GroupDriver:
             lock.EventKind.QUEUED: Kind.KIND_QUEUED,
             lock.EventKind.YIELDED: Kind.KIND_YIELDED,
             lock.EventKind.CANCELLED: Kind.KIND_CANCELLED,
+            lock.EventKind.ROLLED_BACK: Kind.KIND_SWITCH_FAILED,
         }[e.kind]
         return lambda: self._publish(kind, job_id=e.job, detail=e.detail)
 

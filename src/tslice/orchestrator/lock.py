@@ -68,6 +68,8 @@ class EventKind(enum.Enum):
     QUEUED = "queued"
     YIELDED = "yielded"
     CANCELLED = "cancelled"
+    #: A switch found in progress after a restart was undone (nothing had moved).
+    ROLLED_BACK = "rolled_back"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -491,6 +493,14 @@ class GroupLock:
                 self._holder = None
                 entry = _Entry(s.to_job, s.seq, s.queued_at, attached=0, detached_since=now)
                 self._queue = {s.to_job: entry, **self._queue}
+                actions.append(
+                    Emit(
+                        EventKind.ROLLED_BACK,
+                        s.to_job,
+                        f"switch {s.from_job or '-'} -> {s.to_job} rolled back after restart: "
+                        "nothing had moved; the job keeps its place in the queue",
+                    )
+                )
             else:
                 actions.append(
                     StartSwitch(
