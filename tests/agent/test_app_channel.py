@@ -223,6 +223,22 @@ async def test_undeclared_mode_is_refused_before_sending(agent: Agent, register:
     assert workload.calls == [] and agent.hub.commands_sent == 0
 
 
+async def test_validate_refuses_undeclared_modes_and_tags(agent: Agent, register: Register) -> None:
+    await _connect(
+        agent, register, "job-v", Workload(), supported_modes=["offload"], tags=["weights"]
+    )
+    with pytest.raises(base.BackendConfigRefusedError, match="does not support suspend mode"):
+        await agent.backend.validate(_job("job-v", mode=DISCARD))
+    with pytest.raises(base.BackendConfigRefusedError, match=r"unknown tags \['kv_cache'\]"):
+        await agent.backend.validate(_job("job-v", tags=("kv_cache",)))
+    # Accepted: a declared mode and tag, or no mode at all (resolved at snapshot time).
+    await agent.backend.validate(_job("job-v", mode=OFFLOAD, tags=("weights",)))
+    await agent.backend.validate(_job("job-v"))
+    # Nothing to check against without a workload.
+    await agent.backend.validate(_job("nobody", mode=DISCARD, tags=("x",)))
+    assert agent.hub.commands_sent == 0
+
+
 async def test_unanswered_command_is_fatal_at_its_deadline(
     agent: Agent, register: Register
 ) -> None:

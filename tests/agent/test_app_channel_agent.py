@@ -2,8 +2,8 @@
 
 Covers what only the whole agent shows: a channel-registered job is routed to the
 app-channel backend with no config, staged restore is *sent* (not short-circuited),
-and a mode the workload did not declare fails the operation without touching the
-engine.
+and a mode or tag the workload did not declare is refused at the RPC
+(FAILED_PRECONDITION) without touching the engine or the job.
 """
 
 from __future__ import annotations
@@ -162,22 +162,33 @@ async def test_agent_sends_the_second_stage_of_a_staged_restore(agent: Agent) ->
         await asyncio.to_thread(handle.close)
 
 
-async def test_agent_refuses_an_undeclared_mode_without_touching_the_engine(agent: Agent) -> None:
+async def test_agent_refuses_an_undeclared_mode_or_tag_at_the_rpc(agent: Agent) -> None:
     engine = FakeSglang()  # started for OFFLOAD: DISCARD is not declared
     handle = await _register(agent, "job-sg", engine)
     try:
-        op = await agent.run(
-            agent.stub.Snapshot(
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await agent.stub.Snapshot(
                 pb.SnapshotRequest(
                     job_id="job-sg",
                     group=GROUP,
                     backend_config=_channel_config(mode=pb.SUSPEND_MODE_DISCARD),
                 )
             )
-        )
-        assert op.status == pb.OPERATION_STATUS_FAILED
-        assert "does not support suspend mode SUSPEND_MODE_DISCARD" in op.error
-        assert engine.calls == []
-        assert handle.commands_executed == 0
+        assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "does not support suspend mode SUSPEND_MODE_DISCARD" in (info.value.details() or "")
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await agent.stub.Snapshot(
+                pb.SnapshotRequest(
+                    job_id="job-sg", group=GROUP, backend_config=_channel_config(tags=("lora",))
+                )
+            )
+        assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "unknown tags ['lora']" in (info.value.details() or "")
+        # Nothing reached the engine and the job is untouched.
+        assert engine.calls == [] and handle.commands_executed == 0
+        assert await agent.state("job-sg") == pb.JOB_STATE_RUNNING
+        ok = await agent.run(agent.stub.Snapshot(pb.SnapshotRequest(job_id="job-sg", group=GROUP)))
+        assert ok.status == pb.OPERATION_STATUS_COMPLETE, ok.error
+        assert engine.calls == [("release", None)]
     finally:
         await asyncio.to_thread(handle.close)

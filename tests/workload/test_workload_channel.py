@@ -117,6 +117,23 @@ async def test_registration_reports_capabilities_given_as_names_or_numbers(
     assert recorder.calls == [("snapshot", "discard", [])]
 
 
+async def test_a_single_declared_mode_becomes_the_default(
+    tcp_hub: HubServer, register: Register
+) -> None:
+    recorder = Recorder()
+    handle = register(
+        tcp_hub.address,
+        "job-one",
+        on_snapshot=recorder.on_snapshot,
+        on_restore=recorder.on_restore,
+        supported_modes=["discard"],
+    )
+    state = await _registered(tcp_hub, handle)
+    assert state.default_mode == DISCARD
+    assert (await tcp_hub.hub.snapshot("job-one", timeout_s=10)).ok
+    assert recorder.calls == [("snapshot", "discard", [])]
+
+
 async def test_wait_registered_is_false_while_no_agent_answers(register: Register) -> None:
     recorder = Recorder()
     # Nothing listens on this socket path.

@@ -316,18 +316,9 @@ class ChannelHub:
         """
         session = self._live(job_id)
         wanted = tuple(dict.fromkeys(tags))
-        resolved = mode if mode != pb.SUSPEND_MODE_UNSPECIFIED else session.default_mode
-        if resolved == pb.SUSPEND_MODE_UNSPECIFIED:
-            resolved = pb.SUSPEND_MODE_OFFLOAD
-        if resolved not in _VALID_MODES:
-            raise CommandRefusedError(f"suspend mode {resolved} is not a valid SuspendMode")
-        if session.supported_modes and resolved not in session.supported_modes:
-            raise CommandRefusedError(
-                f"workload {job_id!r} does not support suspend mode "
-                f"{pb.SuspendMode.Name(resolved)}; it declared "
-                f"{[pb.SuspendMode.Name(m) for m in session.supported_modes]}"
-            )
-        self._check_tags(session, wanted, "snapshot")
+        resolved = resolve_mode(session.state(), mode)
+        check_mode(session.state(), resolved)
+        check_tags(session.state(), wanted, kind="snapshot")
         command = pb.AgentCommand(
             snapshot=pb.SnapshotCommand(mode=pb.SuspendMode.Name(resolved), tags=wanted)
         )
@@ -341,7 +332,7 @@ class ChannelHub:
         """Ask the workload to bring its (tagged) state back, and wait for the answer."""
         session = self._live(job_id)
         wanted = tuple(dict.fromkeys(tags))
-        self._check_tags(session, wanted, "restore")
+        check_tags(session.state(), wanted, kind="restore")
         command = pb.AgentCommand(restore=pb.RestoreCommand(tags=wanted))
         return await self._dispatch(
             session,
@@ -567,19 +558,6 @@ class ChannelHub:
             )
         return session
 
-    @staticmethod
-    def _check_tags(session: _Session, tags: tuple[str, ...], kind: str) -> None:
-        if any(not tag for tag in tags):
-            raise CommandRefusedError(f"{kind} tags must be non-empty strings, got {list(tags)}")
-        if not session.tags:
-            return
-        unknown = [tag for tag in tags if tag not in session.tags]
-        if unknown:
-            raise CommandRefusedError(
-                f"workload {session.job_id!r} declared tags {list(session.tags)}; "
-                f"{kind} of unknown tags {unknown} refused"
-            )
-
     def _end(self, session: _Session, code: grpc.StatusCode, reason: str) -> None:
         if not session.close(code, reason):
             return
@@ -626,6 +604,41 @@ class ChannelHub:
                 raise TimeoutError(
                     f"timed out after {timeout:g} s waiting for workload {what}"
                 ) from None
+
+
+def resolve_mode(state: WorkloadState, mode: int) -> int:
+    """The snapshot mode on the wire: the request's, else the workload's default, else OFFLOAD."""
+    if mode != pb.SUSPEND_MODE_UNSPECIFIED:
+        return mode
+    if state.default_mode != pb.SUSPEND_MODE_UNSPECIFIED:
+        return state.default_mode
+    return pb.SUSPEND_MODE_OFFLOAD
+
+
+def check_mode(state: WorkloadState, mode: int) -> None:
+    """Raise CommandRefusedError unless the workload declared ``mode`` (or declared none)."""
+    if mode not in _VALID_MODES:
+        raise CommandRefusedError(f"suspend mode {_mode_name(mode)} is not a valid SuspendMode")
+    if state.supported_modes and mode not in state.supported_modes:
+        raise CommandRefusedError(
+            f"workload {state.job_id!r} does not support suspend mode {_mode_name(mode)}; "
+            f"it declared {[_mode_name(m) for m in state.supported_modes]}"
+        )
+
+
+def check_tags(state: WorkloadState, tags: Iterable[str], *, kind: str) -> None:
+    """Raise CommandRefusedError unless every tag is declared (when the workload declared any)."""
+    wanted = list(tags)
+    if any(not tag for tag in wanted):
+        raise CommandRefusedError(f"{kind} tags must be non-empty strings, got {wanted}")
+    if not state.tags:
+        return
+    unknown = [tag for tag in wanted if tag not in state.tags]
+    if unknown:
+        raise CommandRefusedError(
+            f"workload {state.job_id!r} declared tags {list(state.tags)}; "
+            f"{kind} of unknown tags {unknown} refused"
+        )
 
 
 async def _refuse(context: grpc.aio.ServicerContext, message: str) -> NoReturn:

@@ -601,6 +601,9 @@ def _capabilities(
         and (not modes or declared.default_mode in modes)
     ):
         default = declared.default_mode
+    if default is None and len(modes) == 1:
+        # The agent falls back to OFFLOAD, which a DISCARD-only workload would refuse.
+        default = modes[0]
     if default is not None and modes and default not in modes:
         raise ValueError(
             f"default_mode {default.label!r} is not among supported_modes "

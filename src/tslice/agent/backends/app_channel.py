@@ -122,6 +122,25 @@ class AppChannelBackend(base.Backend):
             raise _translate(exc) from exc
         return _result(job, "restore", outcome)
 
+    async def validate(self, job: base.JobContext) -> None:
+        """Refuse, before any operation exists, what the registered workload did not declare.
+
+        Tags must be among the declared tags, and a mode *named* in the config among the
+        declared modes (an unnamed one is resolved at snapshot time). With no workload
+        connected there is nothing to check against; the operation itself then waits for
+        one (``register_wait_s``).
+        """
+        known = self.hub.session_state(job.job_id)
+        if known is None:
+            return
+        mode, tags = _request(job)
+        try:
+            if mode != pb.SUSPEND_MODE_UNSPECIFIED:
+                channel.check_mode(known, mode)
+            channel.check_tags(known, tags, kind="request")
+        except channel.CommandRefusedError as exc:
+            raise base.BackendConfigRefusedError(str(exc)) from exc
+
     async def missing_tags(self, job: base.JobContext, tags: Sequence[str]) -> list[str]:
         """Agent hook for staged restore: which of ``tags`` a RUNNING job does not hold.
 
