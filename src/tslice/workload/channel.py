@@ -254,11 +254,12 @@ class WorkloadHandle:
         except grpc.RpcError as err:
             return connection.acked, self._on_stream_error(err)
         except ValueError as exc:
-            if owned or self._stop.is_set():
-                raise
-            # grpc raises ValueError for a call on a closed channel.
-            self._fail(f"the grpc.Channel given to register_workload() is unusable: {exc}")
-            return connection.acked, True
+            if not owned and not self._stop.is_set():
+                # grpc raises ValueError for a call on a closed channel.
+                self._fail(f"the grpc.Channel given to register_workload() is unusable: {exc}")
+                return connection.acked, True
+            log.exception("workload channel failed", extra={"job_id": self.job_id})
+            return connection.acked, self._stop.is_set()
         except Exception:
             log.exception("workload channel failed", extra={"job_id": self.job_id})
             return connection.acked, self._stop.is_set()
@@ -279,8 +280,8 @@ class WorkloadHandle:
             return True
         if code == grpc.StatusCode.ABORTED and "replaced" in (details or ""):
             self._fail(
-                f"job {self.job_id!r} was registered again by another process, which now "
-                f"owns the channel ({details}); this handle stops"
+                f"job {self.job_id!r} was registered again (by another process or handle), "
+                f"which now owns the channel ({details}); this handle stops"
             )
             return True
         log.warning(
