@@ -387,3 +387,13 @@ def test_randomized_sequences_keep_invariants(seed: int) -> None:
         m.step()
     m.drain()
     assert m.grants > 0
+
+
+def test_switch_failed_while_target_waits_again_restarts_it_first() -> None:
+    g = locked()
+    g.on_acquire("b", now=1)
+    g.on_acquire("c", now=1)
+    g.on_yield("a", now=1)  # switch a -> b
+    acts = g.on_switch_failed(epoch=2, detail="boom", now=2)  # b still attached
+    (sw,) = only(acts, lk.StartSwitch)
+    assert (sw.to_job, sw.epoch) == ("b", 3) and g.waiting_jobs == ["c"]

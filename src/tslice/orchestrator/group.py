@@ -257,6 +257,9 @@ class GroupDriver:
 
     async def describe(self) -> opb.GetGroupStatusResponse:
         """Group status plus a live Status read of every node (short deadline)."""
+        # What the reads are compared with; if a switch or a grant happens meanwhile,
+        # the reads say nothing about the new resident.
+        before = (self.lock.grant_epoch, self.lock.switch_count, self.lock.switching)
         results = await asyncio.gather(
             *(
                 self._pool.get(n.address).status(timeout_s=self._cfg.status_timeout_s)
@@ -288,7 +291,8 @@ class GroupDriver:
                         )
                     )
         loaded = self.lock.loaded_job
-        if len(views) == len(self.nodes) and self.lock.switching is None:
+        unchanged = before == (self.lock.grant_epoch, self.lock.switch_count, self.lock.switching)
+        if len(views) == len(self.nodes) and self.lock.switching is None and unchanged:
             resident = self.lock.resident
             everywhere = resident is not None and all(
                 v.get(resident) is not None and v[resident].state == pb.JOB_STATE_RUNNING
@@ -552,10 +556,14 @@ class GroupDriver:
             )
             views: dict[str, switch.NodeView] = {}
             for node, res in zip(self.nodes, results, strict=True):
-                if isinstance(res, agents.AgentError):
-                    self._unreachable[node.name] = str(res)
-                elif isinstance(res, BaseException):
+                if isinstance(res, asyncio.CancelledError):
                     raise res
+                if isinstance(res, BaseException):
+                    if not isinstance(res, agents.AgentError):
+                        log.error(
+                            "group %s: reading %s failed", self.group_id, node.name, exc_info=res
+                        )
+                    self._unreachable[node.name] = str(res)
                 else:
                     self._unreachable.pop(node.name, None)
                     views[node.name] = switch.view_from_status(res)

@@ -464,10 +464,12 @@ class GroupLock:
         self._resident = s.to_job
         self._verified = False
         self.detail = f"switch {s.from_job or '-'} -> {s.to_job} abandoned: {detail}"
-        actions: list[Action] = []
-        if not s.departed and s.attached == 0 and not s.recovered:
-            actions.append(Emit(EventKind.CANCELLED, s.to_job, "switch abandoned"))
-        return [*actions, *self._promote(now)]
+        if s.attached > 0:
+            # Its job came back meanwhile: it keeps the head of the queue and is promoted
+            # again (a new switch, which re-reads every node).
+            entry = _Entry(s.to_job, s.seq, s.queued_at, attached=s.attached)
+            self._queue = {s.to_job: entry, **self._queue}
+        return self._promote(now)
 
     def on_recovered(
         self,

@@ -1,0 +1,93 @@
+"""Small pure pieces: recovery decisions, the event bus, backoff."""
+
+from __future__ import annotations
+
+import asyncio
+
+from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
+from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2 as opb
+from tslice.orchestrator import events, group, lock, switch
+
+R, S, T, F = (
+    pb.JOB_STATE_RUNNING,
+    pb.JOB_STATE_SAVED,
+    pb.JOB_STATE_TRANSITIONING,
+    pb.JOB_STATE_FAULTED,
+)
+
+
+def view(**jobs: int) -> switch.NodeView:
+    return {j: switch.JobView(state, "g") for j, state in jobs.items()}
+
+
+def decide(
+    resident: str | None, views: list[switch.NodeView], intent: tuple[str | None, str] | None = None
+) -> group.RecoveryDecision:
+    sw = lock.StartSwitch(intent[0], intent[1], 2, 0, recovered=True) if intent else None
+    return group.decide_recovery(
+        group="g", resident=resident, intent=sw, known_jobs=set(), views=views
+    )
+
+
+def test_intent_rolled_back_only_when_nothing_moved() -> None:
+    d = decide("a", [view(a=R), view(a=R, b=S)], ("a", "b"))
+    assert (d.rollback, d.resident, d.verified) == (True, "a", True)
+    assert not decide("a", [view(a=S), view(a=R)], ("a", "b")).rollback  # node 0 moved
+    assert not decide("a", [view(a=T), view(a=R)], ("a", "b")).rollback  # op in flight
+    assert not decide("a", [view(a=R), view(b=R)], ("a", "b")).rollback
+    assert decide(None, [view(), view(b=S)], (None, "b")).rollback  # from an idle group
+    assert not decide(None, [view(b=R), view()], (None, "b")).rollback
+
+
+def test_resident_verified_adopted_or_left_unverified() -> None:
+    assert decide("a", [view(a=R), view(a=R)]) == group.RecoveryDecision(
+        "a", True, False, "resident verified"
+    )
+    adopted = decide(None, [view(c=R, a=S), view(c=R)])
+    assert (adopted.resident, adopted.verified) == ("c", True)
+    nothing = decide("a", [view(a=S), view(a=S)])
+    assert (nothing.resident, nothing.verified) == (None, True)
+    disagree = decide("a", [view(a=R), view(c=R)])
+    assert (disagree.resident, disagree.verified) == ("a", False)
+    faulted = decide("a", [view(a=R), view(a=F)])
+    assert not faulted.verified
+
+
+def test_jobs_of_other_groups_are_ignored() -> None:
+    other = {"z": switch.JobView(R, "other-group")}
+    assert decide("a", [{**view(a=R), **other}]).verified
+
+
+async def test_slow_watcher_drops_oldest_and_never_blocks() -> None:
+    bus = events.EventBus(maxlen=3)
+    dropped: list[int] = []
+    bus.on_drop = dropped.append
+    sub = bus.subscribe(group_id="g")
+    for i in range(5):
+        bus.publish(
+            events.make_event(opb.OrchestratorEvent.KIND_QUEUED, group_id="g", job_id=f"j{i}")
+        )
+    bus.publish(events.make_event(opb.OrchestratorEvent.KIND_QUEUED, group_id="h", job_id="x"))
+    assert sub.dropped == 2 and sum(dropped) == 2
+    bus.close()
+    got = [e.job_id async for e in sub]
+    assert got == ["j2", "j3", "j4"]
+
+
+async def test_subscription_wakes_on_publish() -> None:
+    bus = events.EventBus()
+    sub = bus.subscribe()
+    it = sub.__aiter__()
+    nxt = asyncio.ensure_future(it.__anext__())
+    await asyncio.sleep(0)
+    assert not nxt.done()
+    bus.publish(events.make_event(opb.OrchestratorEvent.KIND_GRANTED, group_id="g", job_id="a"))
+    assert (await asyncio.wait_for(nxt, 5)).job_id == "a"
+    bus.close()
+
+
+def test_backoff_grows_and_is_capped() -> None:
+    b = switch.Backoff(0.05, 1.0)
+    assert 0.025 <= b.delay(0) <= 0.05
+    assert 0.2 <= b.delay(3) <= 0.4
+    assert 0.5 <= b.delay(20) <= 1.0
