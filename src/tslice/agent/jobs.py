@@ -573,7 +573,10 @@ def finish(
     if outcome.result is not None:
         result = outcome.result
         merged_state = {**job.backend_state, **result.state}
-        if operation.kind is Kind.SNAPSHOT:
+        if operation.kind is Kind.SNAPSHOT and result.still_resident:
+            # Selected tags left (e.g. only the KV cache); the rest still occupies the device.
+            job = dataclasses.replace(job, state=State.RUNNING, host_bytes=result.host_bytes)
+        elif operation.kind is Kind.SNAPSHOT:
             job = dataclasses.replace(
                 job, state=State.SAVED, device_bytes=0, host_bytes=result.host_bytes
             )

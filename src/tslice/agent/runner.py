@@ -629,6 +629,10 @@ class AgentCore:
                     error=f"{what} did not finish within {self.operation_timeout_s:g} s "
                     "(operation_timeout_s); check the backend, then ResetJob"
                 )
+            except base.RefusedBackendError as err:
+                return jobs.Outcome(
+                    error=f"{what} was refused; nothing was changed: {err}", state_changed=False
+                )
             except base.BackendError as err:
                 if isinstance(err, base.BackendUnavailableError):
                     self._on_backend_error(backend.name, err)

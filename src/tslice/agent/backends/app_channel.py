@@ -37,16 +37,12 @@ log = logging.getLogger(__name__)
 _SETTINGS = ("hub", "command_timeout_s", "register_wait_s", "recover_wait_s")
 
 
-class WorkloadNotRegisteredError(base.FatalBackendError):
+class WorkloadNotRegisteredError(base.RefusedBackendError):
     """No workload channel for the job; nothing was sent, the job's state is unchanged."""
 
-    nothing_changed = True
 
-
-class CommandRefusedError(base.FatalBackendError):
+class CommandRefusedError(base.RefusedBackendError):
     """The request does not fit what the workload declared; nothing was sent."""
-
-    nothing_changed = True
 
 
 class AppChannelBackend(base.Backend):
@@ -238,6 +234,7 @@ def _result(job: base.JobContext, kind: str, outcome: channel.CommandOutcome) ->
         device_bytes=max(outcome.device_bytes, 0),
         host_bytes=max(outcome.host_bytes, 0),
         state=state_dict(outcome.state),
+        still_resident=kind == "snapshot" and outcome.state.residency == residency.PARTIAL,
     )
 
 

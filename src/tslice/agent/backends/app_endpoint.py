@@ -73,15 +73,12 @@ class EndpointNotAllowedError(InvalidEndpointConfigError, base.BackendConfigRefu
 
 
 class EngineRejectedError(base.TransientBackendError):
-    """Every endpoint is back where it was, but an engine refused the call.
+    """Every endpoint is back where it was, but an engine failed the call (worth retrying)."""
 
-    ``retryable`` is False when the refusal will not go away by waiting (e.g. 404 because the
-    server was started without sleep mode); an agent may then fail the operation at once.
-    """
 
-    def __init__(self, message: str, *, retry_after: float, retryable: bool) -> None:
-        super().__init__(message, retry_after=retry_after)
-        self.retryable = retryable
+class EngineRefusedError(base.RefusedBackendError):
+    """Every endpoint is back where it was, and an engine refused in a way that waiting will
+    not fix (e.g. 404 because the server was started without sleep mode)."""
 
 
 # --------------------------------------------------------------------------- allow-list
@@ -697,9 +694,10 @@ class AppEndpointBackend(base.Backend):
             message += f"; {undone} {len(to_undo)} endpoint(s) that had (or may have) changed: "
             message += changed
         message += "; the job is unchanged"
-        retryable = all(r.retryable for r in failed)
         log.warning("%s", message, extra={"job": job.job_id, "group": job.group, "kind": kind})
-        raise EngineRejectedError(message, retry_after=_RETRY_AFTER_S, retryable=retryable)
+        if not all(r.retryable for r in failed):
+            raise EngineRefusedError(message)
+        raise EngineRejectedError(message, retry_after=_RETRY_AFTER_S)
 
 
 def _awake_tags(job: base.JobContext) -> list[str] | None:

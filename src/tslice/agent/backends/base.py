@@ -8,6 +8,7 @@ wrapper that enforces the operation deadline, converts stray exceptions into
 
 Retry semantics live in the exception type, never in message text:
 :class:`TransientBackendError` means "nothing changed, try again later";
+:class:`RefusedBackendError` means "nothing changed, and trying again won't help";
 :class:`FatalBackendError` means the job's state may be inconsistent (the job
 becomes FAULTED until reset).
 """
@@ -34,6 +35,11 @@ class TransientBackendError(BackendError):
     def __init__(self, message: str, *, retry_after: float = 0.5) -> None:
         super().__init__(message)
         self.retry_after = retry_after
+
+
+class RefusedBackendError(BackendError):
+    """Nothing was changed and retrying will not help (e.g. no workload registered, an engine
+    started without sleep mode): the operation fails, the job keeps its state."""
 
 
 class FatalBackendError(BackendError):
@@ -78,6 +84,8 @@ class OpResult:
     #: Opaque JSON-able state the agent persists with the job and hands back in
     #: ``JobContext.state`` (e.g. PIDs of a checkpointed process).
     state: dict[str, Any] = dataclasses.field(default_factory=dict)
+    #: A snapshot of selected tags left part of the job on the device: it stays RUNNING.
+    still_resident: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
