@@ -51,6 +51,8 @@ class SimAgent:
     """One simulated node: its name and sim-backend settings (None = the agent's default)."""
 
     name: str
+    #: Backend of the node: "sim" (simulated devices) or "noop" (nothing moves; benchmarks).
+    backend: str = "sim"
     devices: int | None = None
     capacity_bytes: int | None = None
     bandwidth_bytes_per_s: int | None = None
@@ -73,7 +75,7 @@ class SimAgent:
             ("--sim-hang-prob", self.hang_probability),
             ("--sim-extra-latency", self.extra_latency_s),
         )
-        out = ["--backend", "sim"]
+        out = ["--backend", self.backend]
         for flag, value in pairs:
             if value is not None:
                 out += [flag, str(value)]
