@@ -128,7 +128,7 @@ class Cluster:
                     for g, nodes in groups.items()
                 }
             }
-        else:
+        elif "topology" not in overrides:
             values["local_agents"] = [f"{a.name}={a.address}" for a in self.agents.values()]
         values.update(overrides)
         return orch_config.build(overrides=values)

@@ -131,12 +131,14 @@ async def test_intent_with_nothing_moved_is_rolled_back(cluster: Cluster) -> Non
         await cluster.start_agent(n)
         await grant(cluster, n, "a")
     await seed_db(cluster, record_with_intent(), ["node-a", "node-b"])
+    nodes = [{"name": n, "agent": cluster.agents[n].address} for n in ("node-a", "node-b")]
     port_b = int(cluster.agents["node-b"].address.rsplit(":", 1)[1])
-    await cluster.start_orchestrator(groups={"g": ["node-a", "node-b"]})
     # Recovery cannot decide while node-b is down: watch it decide once node-b is back,
     # before b re-issues its Acquire (b "gone from the queue").
     await cluster.stop_agent("node-b")
-    await cluster.restart_orchestrator()
+    await cluster.start_orchestrator(
+        cluster.config(topology={"groups": {"g": {"nodes": nodes}}}, backoff_max_s=0.05)
+    )
     stub = cluster.stub()
     ev = await Events.open(stub, "g")
     await cluster.start_agent("node-b", port=port_b)
@@ -329,7 +331,7 @@ class OrchestratorProcess:
 async def test_sigkill_mid_switch_then_restart_finishes_the_switch(
     cluster: Cluster, tmp_path: pathlib.Path
 ) -> None:
-    await cluster.start_agent("node-a", sim={"extra_latency_s": 0.5})
+    await cluster.start_agent("node-a", sim={"extra_latency_s": 1.5})
     await cluster.start_agent("node-b")
     topology = {
         "groups": {
@@ -350,9 +352,12 @@ async def test_sigkill_mid_switch_then_restart_finishes_the_switch(
         b_task = asyncio.ensure_future(acquire(stub, "b", "g"))
         await ev.wait_for(K.KIND_QUEUED, job="b")
         await yield_(stub, "a", "g")
-        # Kill once node-b's snapshot is done, while node-a still snapshots a (0.5 s): the
-        # agents' Snapshot RPCs have returned by then, only node-a's WaitOperation is cut.
-        await ev.wait_for(K.KIND_SNAPSHOT_DONE, job="a", node="node-b")
+        await ev.wait_for(K.KIND_SWITCH_STARTED, job="b")
+        # Crash in the middle of node-a's 1.5-s snapshot, when node-b is done: no event marks
+        # that instant, so the crash is positioned in time (this is fault injection, not
+        # synchronisation). Killing while an agent RPC that changes state is in flight can
+        # wedge the agent (see the orchestrator report), which is not what this test is about.
+        await asyncio.sleep(0.3)
         orch.kill()
         with pytest.raises(grpc.aio.AioRpcError) as info:
             await b_task

@@ -250,3 +250,31 @@ async def test_observed_loss_of_residency_forces_a_real_switch(cluster: Cluster)
     again = await acquire(stub, "a", "g")
     assert again.context_restored  # restored for real, not a zero-cost re-acquire
     await assert_only_resident(cluster, "a")
+
+
+async def test_agent_restart_mid_operation_is_reset_and_retried(cluster: Cluster) -> None:
+    await cluster.start_agent("node-a", sim={"extra_latency_s": 30.0}, grace_period_s=0.1)
+    await cluster.start_agent("node-b")
+    await cluster.start_orchestrator(
+        groups={"g": ["node-a", "node-b"]}, backoff_initial_s=0.01, backoff_max_s=0.05
+    )
+    stub = cluster.stub()
+    await acquire(stub, "a", "g")
+    ev = await Events.open(stub, "g")
+    b_task = asyncio.ensure_future(acquire(stub, "b", "g"))
+    await ev.wait_for(K.KIND_QUEUED, job="b")
+    await yield_(stub, "a", "g")
+    # node-b's snapshot done => node-a's (30 s) snapshot was started at the same time
+    await ev.wait_for(K.KIND_SNAPSHOT_DONE, job="a", node="node-b")
+    agent = cluster.agents["node-a"]
+    assert await agent.state("a") == pb.JOB_STATE_TRANSITIONING
+    # The agent dies mid-snapshot and comes back (same port and state, no slowness now).
+    port = int(agent.address.rsplit(":", 1)[1])
+    state_dir = str(agent.config.state_dir)
+    await cluster.stop_agent("node-a")
+    await cluster.start_agent("node-a", port=port, state_dir=state_dir)
+    b = await b_task
+    assert b.success
+    await assert_only_resident(cluster, "b")
+    assert await cluster.agents["node-a"].state("a") == pb.JOB_STATE_SAVED
+    ev.cancel()

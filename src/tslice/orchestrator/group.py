@@ -140,6 +140,14 @@ def decide_recovery(
     )
 
 
+def _grant_detail(g: lock.Granted) -> str:
+    if g.held:
+        return "already held"
+    if g.zero_cost:
+        return "zero-cost"
+    return "restored" if g.restored else ""
+
+
 class GroupDriver:
     """Runs one group: lock, persistence, switches, recovery and status."""
 
@@ -416,7 +424,7 @@ class GroupDriver:
                 job_id=g.job,
                 grant_epoch=g.epoch,
                 duration_ms=int(g.waited_s * 1000),
-                detail="zero-cost" if g.zero_cost else ("restored" if g.restored else ""),
+                detail=_grant_detail(g),
             )
 
         return effect

@@ -42,6 +42,8 @@ class Granted:
     waited_s: float
     #: No agent was touched: holder re-acquire or zero-cost re-acquire of the resident.
     zero_cost: bool = False
+    #: The job already held the group (a repeated Acquire); not a new grant.
+    held: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -344,7 +346,9 @@ class GroupLock:
         if self._holder == job:
             self._receivers += 1
             self._confirm_deadline = None
-            return [Granted(job, self._epoch, restored=False, waited_s=0.0, zero_cost=True)]
+            return [
+                Granted(job, self._epoch, restored=False, waited_s=0.0, zero_cost=True, held=True)
+            ]
         entry = self._queue.get(job)
         if entry is not None:
             entry.attached += 1
