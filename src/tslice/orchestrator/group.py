@@ -182,6 +182,7 @@ class GroupDriver:
         self._backoff = switch.Backoff(cfg.backoff_initial_s, cfg.backoff_max_s)
         self._inbox: asyncio.Queue[Callable[[float], list[Effect]]] = asyncio.Queue()
         self._waiters: dict[str, list[_Waiter]] = {}
+        self._replies: set[asyncio.Future[lock.YieldOutcome]] = set()
         self._views: dict[str, switch.NodeView] = {}
         self._unreachable: dict[str, str] = {}
         self._switch_detail = ""
@@ -210,7 +211,7 @@ class GroupDriver:
         flushed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._inbox.put_nowait(lambda now: [lambda: _resolve(flushed, None)])
         await asyncio.wait({flushed}, timeout=max(grace_s, 0.5))
-        live = [t for t in [*self._tasks, sw] if t is not None]
+        live = [t for t in [*self._tasks, self._switch_task] if t is not None]
         await tasks.cancel_all(live)
         # Queue entries stay persisted: after a restart the jobs re-attach and keep their place.
         for waiters in self._waiters.values():
@@ -218,6 +219,9 @@ class GroupDriver:
                 if not w.future.done():
                     w.future.set_exception(ShuttingDown("orchestrator shutting down; retry"))
         self._waiters.clear()
+        for reply in list(self._replies):
+            if not reply.done():
+                reply.set_exception(ShuttingDown("orchestrator shutting down; retry"))
 
     # ---- RPC entry points ------------------------------------------------------------------
 
@@ -247,6 +251,8 @@ class GroupDriver:
         if self._stopping:
             raise ShuttingDown("orchestrator shutting down; retry")
         reply: asyncio.Future[lock.YieldOutcome] = asyncio.get_running_loop().create_future()
+        self._replies.add(reply)
+        reply.add_done_callback(self._replies.discard)
 
         def apply(now: float) -> list[Effect]:
             was_holder = self.lock.holder == job
@@ -448,6 +454,9 @@ class GroupDriver:
 
     def _switch_effect(self, s: lock.StartSwitch) -> Effect:
         def effect() -> None:
+            if self._stopping:
+                # The intent is on disk: recovery rolls it back (nothing moved) at restart.
+                return
             self._switch_task = tasks.spawn(
                 self._run_switch(s), name=f"group:{self.group_id}:switch:{s.epoch}"
             )
@@ -498,6 +507,15 @@ class GroupDriver:
             )
             return
         elapsed = time.monotonic() - started
+        log.info(
+            "group %s: switch %s -> %s done in %.1f ms%s",
+            self.group_id,
+            s.from_job or "-",
+            s.to_job,
+            elapsed * 1000,
+            " (restored)" if restored else "",
+            extra={"group_id": self.group_id, "job_id": s.to_job, "grant_epoch": s.epoch},
+        )
         self._switch_detail = ""
         self._metrics.switches.labels(group_id=self.group_id, outcome="completed").inc()
         self._metrics.switch_duration.labels(group_id=self.group_id).observe(elapsed)
