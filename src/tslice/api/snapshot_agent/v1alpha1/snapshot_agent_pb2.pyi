@@ -232,40 +232,48 @@ class AgentCommand(_message.Message):
     def __init__(self, command_id: _Optional[str] = ..., snapshot: _Optional[_Union[SnapshotCommand, _Mapping]] = ..., restore: _Optional[_Union[RestoreCommand, _Mapping]] = ..., ping: _Optional[_Union[Ping, _Mapping]] = ..., pong: _Optional[_Union[Ping, _Mapping]] = ..., deadline_ms: _Optional[int] = ...) -> None: ...
 
 class SnapshotRequest(_message.Message):
-    __slots__ = ("job_id", "group", "backend", "backend_config")
+    __slots__ = ("job_id", "group", "backend", "backend_config", "wait_ms")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     GROUP_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     BACKEND_CONFIG_FIELD_NUMBER: _ClassVar[int]
+    WAIT_MS_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     group: str
     backend: Backend
     backend_config: BackendConfig
-    def __init__(self, job_id: _Optional[str] = ..., group: _Optional[str] = ..., backend: _Optional[_Union[Backend, str]] = ..., backend_config: _Optional[_Union[BackendConfig, _Mapping]] = ...) -> None: ...
+    wait_ms: int
+    def __init__(self, job_id: _Optional[str] = ..., group: _Optional[str] = ..., backend: _Optional[_Union[Backend, str]] = ..., backend_config: _Optional[_Union[BackendConfig, _Mapping]] = ..., wait_ms: _Optional[int] = ...) -> None: ...
 
 class SnapshotResponse(_message.Message):
-    __slots__ = ("operation_id",)
+    __slots__ = ("operation_id", "operation")
     OPERATION_ID_FIELD_NUMBER: _ClassVar[int]
+    OPERATION_FIELD_NUMBER: _ClassVar[int]
     operation_id: str
-    def __init__(self, operation_id: _Optional[str] = ...) -> None: ...
+    operation: GetOperationResponse
+    def __init__(self, operation_id: _Optional[str] = ..., operation: _Optional[_Union[GetOperationResponse, _Mapping]] = ...) -> None: ...
 
 class RestoreRequest(_message.Message):
-    __slots__ = ("job_id", "group", "backend", "backend_config")
+    __slots__ = ("job_id", "group", "backend", "backend_config", "wait_ms")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     GROUP_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     BACKEND_CONFIG_FIELD_NUMBER: _ClassVar[int]
+    WAIT_MS_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     group: str
     backend: Backend
     backend_config: BackendConfig
-    def __init__(self, job_id: _Optional[str] = ..., group: _Optional[str] = ..., backend: _Optional[_Union[Backend, str]] = ..., backend_config: _Optional[_Union[BackendConfig, _Mapping]] = ...) -> None: ...
+    wait_ms: int
+    def __init__(self, job_id: _Optional[str] = ..., group: _Optional[str] = ..., backend: _Optional[_Union[Backend, str]] = ..., backend_config: _Optional[_Union[BackendConfig, _Mapping]] = ..., wait_ms: _Optional[int] = ...) -> None: ...
 
 class RestoreResponse(_message.Message):
-    __slots__ = ("operation_id",)
+    __slots__ = ("operation_id", "operation")
     OPERATION_ID_FIELD_NUMBER: _ClassVar[int]
+    OPERATION_FIELD_NUMBER: _ClassVar[int]
     operation_id: str
-    def __init__(self, operation_id: _Optional[str] = ...) -> None: ...
+    operation: GetOperationResponse
+    def __init__(self, operation_id: _Optional[str] = ..., operation: _Optional[_Union[GetOperationResponse, _Mapping]] = ...) -> None: ...
 
 class GetOperationRequest(_message.Message):
     __slots__ = ("operation_id",)
@@ -344,24 +352,38 @@ class WaitOperationRequest(_message.Message):
     def __init__(self, operation_id: _Optional[str] = ..., timeout_ms: _Optional[int] = ...) -> None: ...
 
 class GrantRequest(_message.Message):
-    __slots__ = ("job_id", "group", "grant_epoch", "footprint_bytes", "backend_config")
+    __slots__ = ("job_id", "group", "grant_epoch", "footprint_bytes", "backend_config", "evict", "restore", "wait_ms")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     GROUP_FIELD_NUMBER: _ClassVar[int]
     GRANT_EPOCH_FIELD_NUMBER: _ClassVar[int]
     FOOTPRINT_BYTES_FIELD_NUMBER: _ClassVar[int]
     BACKEND_CONFIG_FIELD_NUMBER: _ClassVar[int]
+    EVICT_FIELD_NUMBER: _ClassVar[int]
+    RESTORE_FIELD_NUMBER: _ClassVar[int]
+    WAIT_MS_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     group: str
     grant_epoch: int
     footprint_bytes: int
     backend_config: BackendConfig
-    def __init__(self, job_id: _Optional[str] = ..., group: _Optional[str] = ..., grant_epoch: _Optional[int] = ..., footprint_bytes: _Optional[int] = ..., backend_config: _Optional[_Union[BackendConfig, _Mapping]] = ...) -> None: ...
+    evict: _containers.RepeatedScalarFieldContainer[str]
+    restore: bool
+    wait_ms: int
+    def __init__(self, job_id: _Optional[str] = ..., group: _Optional[str] = ..., grant_epoch: _Optional[int] = ..., footprint_bytes: _Optional[int] = ..., backend_config: _Optional[_Union[BackendConfig, _Mapping]] = ..., evict: _Optional[_Iterable[str]] = ..., restore: _Optional[bool] = ..., wait_ms: _Optional[int] = ...) -> None: ...
 
 class GrantResponse(_message.Message):
-    __slots__ = ("state",)
+    __slots__ = ("state", "granted", "operations", "operation_ids", "restored")
     STATE_FIELD_NUMBER: _ClassVar[int]
+    GRANTED_FIELD_NUMBER: _ClassVar[int]
+    OPERATIONS_FIELD_NUMBER: _ClassVar[int]
+    OPERATION_IDS_FIELD_NUMBER: _ClassVar[int]
+    RESTORED_FIELD_NUMBER: _ClassVar[int]
     state: JobState
-    def __init__(self, state: _Optional[_Union[JobState, str]] = ...) -> None: ...
+    granted: bool
+    operations: _containers.RepeatedCompositeFieldContainer[GetOperationResponse]
+    operation_ids: _containers.RepeatedScalarFieldContainer[str]
+    restored: bool
+    def __init__(self, state: _Optional[_Union[JobState, str]] = ..., granted: _Optional[bool] = ..., operations: _Optional[_Iterable[_Union[GetOperationResponse, _Mapping]]] = ..., operation_ids: _Optional[_Iterable[str]] = ..., restored: _Optional[bool] = ...) -> None: ...
 
 class ResetJobRequest(_message.Message):
     __slots__ = ("job_id",)

@@ -120,7 +120,10 @@ class SnapshotAgentServiceServicer:
 
     def Grant(self, request, context):
         """tslice: the orchestrator tells the node which job was just granted the
-        group. A job with nothing to restore becomes RUNNING (resident) here.
+        group, and makes it resident in one call: the jobs in `evict` are
+        snapshotted (if RUNNING here), then the granted job is restored if it has
+        saved state; a job with nothing to restore becomes RUNNING (resident).
+        Idempotent: re-issuing it after a timeout continues where it stands.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
