@@ -12,7 +12,7 @@ from typing import Any
 import grpc
 import pytest
 
-from conftest import Agent, AgentRunner
+from tests.agent.conftest import Agent, AgentRunner
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
 
 

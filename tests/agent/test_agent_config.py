@@ -12,7 +12,7 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from conftest import AgentRunner
+from tests.agent.conftest import AgentRunner
 from tslice.agent import app, config, metrics
 from tslice.agent.backends import noop, registry
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb

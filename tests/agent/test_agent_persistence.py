@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import grpc
 import pytest
-from agent_doubles import GatedBackend
 
-from conftest import AgentRunner
+from tests.agent.agent_doubles import GatedBackend
+from tests.agent.conftest import AgentRunner
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
 
 

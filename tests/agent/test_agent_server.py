@@ -7,10 +7,10 @@ import time
 
 import grpc
 import pytest
-from agent_doubles import BrokenBackend, FlakyBackend, GatedBackend, PickyBackend
 from grpc_health.v1 import health_pb2
 
-from conftest import DEFAULT_FOOTPRINT, Agent, AgentRunner, GiB
+from tests.agent.agent_doubles import BrokenBackend, FlakyBackend, GatedBackend, PickyBackend
+from tests.agent.conftest import DEFAULT_FOOTPRINT, Agent, AgentRunner, GiB
 from tslice.agent.backends import base, sim
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
 
@@ -449,5 +449,3 @@ async def test_unavailable_backend_flips_its_health(agents: AgentRunner) -> None
     assert "driver unloaded" in snap.error
     assert (await agent.health.Check(check)).status == NOT_SERVING
     assert (await agent.health.Check(health_pb2.HealthCheckRequest())).status == NOT_SERVING
-
-

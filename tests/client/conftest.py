@@ -6,8 +6,8 @@ from collections.abc import Iterator
 from concurrent import futures
 
 import pytest
-from client_fakes import FakeAgent, FakeOrchestrator, ServerThread
 
+from tests.client.client_fakes import FakeAgent, FakeOrchestrator, ServerThread
 from tslice.client import _base
 
 ENV_VARS = (

@@ -6,9 +6,9 @@ import asyncio
 
 import grpc
 import pytest
-from client_fakes import FakeOrchestrator, ServerThread
 
 import tslice
+from tests.client.client_fakes import FakeOrchestrator, ServerThread
 from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2 as opb
 from tslice.common import errors
 

@@ -7,9 +7,9 @@ from concurrent import futures
 
 import grpc
 import pytest
-from client_fakes import FakeAgent, FakeOrchestrator, ServerThread
 
 import tslice
+from tests.client.client_fakes import FakeAgent, FakeOrchestrator, ServerThread
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
 from tslice.client import compat
 from tslice.common import errors

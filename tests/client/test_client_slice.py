@@ -7,9 +7,9 @@ from concurrent import futures
 
 import grpc
 import pytest
-from client_fakes import FakeOrchestrator, ServerThread
 
 import tslice
+from tests.client.client_fakes import FakeOrchestrator, ServerThread
 from tslice.common import errors
 
 

@@ -8,9 +8,9 @@ from concurrent import futures
 
 import grpc
 import pytest
-from client_fakes import FakeOrchestrator, ServerThread
 
 import tslice
+from tests.client.client_fakes import FakeOrchestrator, ServerThread
 from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2 as opb
 from tslice.client import _channel
 from tslice.common import errors

@@ -7,7 +7,8 @@ import pathlib
 from collections.abc import AsyncIterator
 
 import pytest
-from orch_harness import Cluster
+
+from tests.orchestrator.orch_harness import Cluster
 
 
 @pytest.fixture

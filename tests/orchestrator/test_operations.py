@@ -10,8 +10,8 @@ import sys
 import grpc
 import httpx
 import pytest
-from orch_harness import Cluster, Events, acquire, yield_
 
+from tests.orchestrator.orch_harness import Cluster, Events, acquire, yield_
 from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2 as opb
 
 K = opb.OrchestratorEvent

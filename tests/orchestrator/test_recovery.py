@@ -14,8 +14,8 @@ import sys
 import grpc
 import pytest
 import yaml
-from orch_harness import Cluster, Events, acquire, yield_
 
+from tests.orchestrator.orch_harness import Cluster, Events, acquire, yield_
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
 from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2 as opb
 from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2_grpc as opb_grpc

@@ -7,8 +7,8 @@ import asyncio
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from orch_harness import Cluster, Events, acquire, yield_
 
+from tests.orchestrator.orch_harness import Cluster, Events, acquire, yield_
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
 from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2 as opb
 

@@ -12,7 +12,8 @@ import tempfile
 from collections.abc import AsyncIterator, Iterator
 
 import pytest
-from workload_support import HubServer
+
+from tests.workload.workload_support import HubServer
 
 
 @pytest.fixture

@@ -7,7 +7,7 @@ import sys
 from typing import Any
 
 import pytest
-import workload_support
+from tests.workload import workload_support
 
 from tslice.common import residency
 from tslice.workload import adapters
