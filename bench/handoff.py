@@ -25,7 +25,9 @@ import time
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from tslice.client import AsyncClient, EventKind
+from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2 as opb
+from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2_grpc as opb_grpc
+from tslice.client import AsyncClient
 from tslice.sim.cluster import LocalCluster, SimAgent
 
 GROUP = "pool"
@@ -58,32 +60,36 @@ async def _bare_round_trips(address: str, rounds: int) -> list[float]:
 async def _handoffs(address: str, rounds: int, warmup: int) -> list[float]:
     a = AsyncClient(address, job_id="job-a")
     b = AsyncClient(address, job_id="job-b")
-    watcher = AsyncClient(address, job_id="watcher")
     samples: list[float] = []
-    try:
-        await a.acquire(GROUP)
-        holder, waiter = a, b
-        events = watcher.watch_events(GROUP)
-        for i in range(rounds + warmup):
-            pending = asyncio.create_task(waiter.acquire(GROUP))
-            # Yield only once the orchestrator has queued the waiter.
-            async for event in events:
-                if event.kind is EventKind.QUEUED and event.job_id == waiter.job_id:
-                    break
-            start = time.perf_counter()
+    async with grpc.aio.insecure_channel(address) as channel:
+        watcher = opb_grpc.TimeSliceOrchestratorServiceStub(channel)  # type: ignore[no-untyped-call]
+        events = watcher.WatchEvents(opb.WatchEventsRequest(group_id=GROUP))
+        # The server sends headers once subscribed: no QUEUED event can be missed after this.
+        await events.initial_metadata()
+        try:
+            await a.acquire(GROUP)
+            holder, waiter = a, b
+            for i in range(rounds + warmup):
+                pending = asyncio.create_task(waiter.acquire(GROUP))
+                # Yield only once the orchestrator has queued the waiter.
+                async for event in events:
+                    queued = opb.OrchestratorEvent.KIND_QUEUED
+                    if event.kind == queued and event.job_id == waiter.job_id:
+                        break
+                start = time.perf_counter()
+                await holder.yield_(GROUP)
+                result = await pending
+                elapsed = time.perf_counter() - start
+                if not result.success:
+                    raise RuntimeError(f"acquire failed: {result}")
+                if i >= warmup:
+                    samples.append(elapsed)
+                holder, waiter = waiter, holder
             await holder.yield_(GROUP)
-            result = await pending
-            elapsed = time.perf_counter() - start
-            if not result.success:
-                raise RuntimeError(f"acquire failed: {result}")
-            if i >= warmup:
-                samples.append(elapsed)
-            holder, waiter = waiter, holder
-        await events.aclose()  # type: ignore[attr-defined]
-        await holder.yield_(GROUP)
-    finally:
-        for client in (a, b, watcher):
-            await client.close()
+        finally:
+            events.cancel()
+            for client in (a, b):
+                await client.close()
     return samples
 
 
