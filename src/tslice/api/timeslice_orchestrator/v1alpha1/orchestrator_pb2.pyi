@@ -12,14 +12,16 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class AcquireRequest(_message.Message):
-    __slots__ = ("job_id", "group_id", "footprint_bytes")
+    __slots__ = ("job_id", "group_id", "footprint_bytes", "lease_ms")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     FOOTPRINT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LEASE_MS_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     group_id: str
     footprint_bytes: int
-    def __init__(self, job_id: _Optional[str] = ..., group_id: _Optional[str] = ..., footprint_bytes: _Optional[int] = ...) -> None: ...
+    lease_ms: int
+    def __init__(self, job_id: _Optional[str] = ..., group_id: _Optional[str] = ..., footprint_bytes: _Optional[int] = ..., lease_ms: _Optional[int] = ...) -> None: ...
 
 class AcquireResponse(_message.Message):
     __slots__ = ("success", "waited_ms", "context_restored", "grant_epoch")
@@ -192,3 +194,23 @@ class OrchestratorEvent(_message.Message):
     grant_epoch: int
     bytes: int
     def __init__(self, time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., kind: _Optional[_Union[OrchestratorEvent.Kind, str]] = ..., group_id: _Optional[str] = ..., job_id: _Optional[str] = ..., node: _Optional[str] = ..., duration_ms: _Optional[int] = ..., from_job: _Optional[str] = ..., detail: _Optional[str] = ..., grant_epoch: _Optional[int] = ..., bytes: _Optional[int] = ...) -> None: ...
+
+class HoldRequest(_message.Message):
+    __slots__ = ("job_id", "group_id", "grant_epoch")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    GROUP_ID_FIELD_NUMBER: _ClassVar[int]
+    GRANT_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    group_id: str
+    grant_epoch: int
+    def __init__(self, job_id: _Optional[str] = ..., group_id: _Optional[str] = ..., grant_epoch: _Optional[int] = ...) -> None: ...
+
+class HoldEvent(_message.Message):
+    __slots__ = ("lease_ms", "released", "lost")
+    LEASE_MS_FIELD_NUMBER: _ClassVar[int]
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
+    LOST_FIELD_NUMBER: _ClassVar[int]
+    lease_ms: int
+    released: bool
+    lost: str
+    def __init__(self, lease_ms: _Optional[int] = ..., released: _Optional[bool] = ..., lost: _Optional[str] = ...) -> None: ...

@@ -60,6 +60,11 @@ class TimeSliceOrchestratorServiceStub:
                 request_serializer=timeslice__orchestrator_dot_v1alpha1_dot_orchestrator__pb2.WatchEventsRequest.SerializeToString,
                 response_deserializer=timeslice__orchestrator_dot_v1alpha1_dot_orchestrator__pb2.OrchestratorEvent.FromString,
                 _registered_method=True)
+        self.Hold = channel.unary_stream(
+                '/timeslice_orchestrator.v1alpha1.TimeSliceOrchestratorService/Hold',
+                request_serializer=timeslice__orchestrator_dot_v1alpha1_dot_orchestrator__pb2.HoldRequest.SerializeToString,
+                response_deserializer=timeslice__orchestrator_dot_v1alpha1_dot_orchestrator__pb2.HoldEvent.FromString,
+                _registered_method=True)
 
 
 class TimeSliceOrchestratorServiceServicer:
@@ -99,6 +104,15 @@ class TimeSliceOrchestratorServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Hold(self, request, context):
+        """tslice: a holder that acquired with a lease keeps the group while this
+        stream is open; when it closes without a Yield (the client died), the
+        lock is released after lease_ms unless a new Hold stream arrives.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TimeSliceOrchestratorServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -126,6 +140,11 @@ def add_TimeSliceOrchestratorServiceServicer_to_server(servicer, server):
                     servicer.WatchEvents,
                     request_deserializer=timeslice__orchestrator_dot_v1alpha1_dot_orchestrator__pb2.WatchEventsRequest.FromString,
                     response_serializer=timeslice__orchestrator_dot_v1alpha1_dot_orchestrator__pb2.OrchestratorEvent.SerializeToString,
+            ),
+            'Hold': grpc.unary_stream_rpc_method_handler(
+                    servicer.Hold,
+                    request_deserializer=timeslice__orchestrator_dot_v1alpha1_dot_orchestrator__pb2.HoldRequest.FromString,
+                    response_serializer=timeslice__orchestrator_dot_v1alpha1_dot_orchestrator__pb2.HoldEvent.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -263,6 +282,33 @@ class TimeSliceOrchestratorService:
             '/timeslice_orchestrator.v1alpha1.TimeSliceOrchestratorService/WatchEvents',
             timeslice__orchestrator_dot_v1alpha1_dot_orchestrator__pb2.WatchEventsRequest.SerializeToString,
             timeslice__orchestrator_dot_v1alpha1_dot_orchestrator__pb2.OrchestratorEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Hold(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/timeslice_orchestrator.v1alpha1.TimeSliceOrchestratorService/Hold',
+            timeslice__orchestrator_dot_v1alpha1_dot_orchestrator__pb2.HoldRequest.SerializeToString,
+            timeslice__orchestrator_dot_v1alpha1_dot_orchestrator__pb2.HoldEvent.FromString,
             options,
             channel_credentials,
             insecure,
