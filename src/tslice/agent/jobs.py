@@ -464,6 +464,34 @@ def plan_restore(
     )
 
 
+def check_epoch(*, job_id: str, group: str, epoch: int, last: GrantMark | None, node: str) -> None:
+    """Fencing: refuse a grant older than the last one seen for the group on this node.
+
+    ``epoch`` 0 means "unfenced" (clients that send none); one epoch names one job.
+    """
+    if not group or epoch <= 0 or last is None:
+        return
+    if epoch < last.epoch:
+        raise Refused(
+            Code.FAILED_PRECONDITION,
+            f"stale grant: epoch {epoch} of group {group} is older than epoch {last.epoch} "
+            f"(job {last.job_id}) already seen on node {node}",
+        )
+    if epoch == last.epoch and last.job_id != job_id:
+        raise Refused(
+            Code.FAILED_PRECONDITION,
+            f"stale grant: epoch {epoch} of group {group} was already used for job "
+            f"{last.job_id} on node {node}",
+        )
+
+
+def new_mark(*, job_id: str, group: str, epoch: int, last: GrantMark | None) -> GrantMark | None:
+    """The mark a grant records, or ``None`` when it is unfenced or already recorded."""
+    if group and epoch > 0 and (last is None or epoch > last.epoch):
+        return GrantMark(group=group, epoch=epoch, job_id=job_id)
+    return None
+
+
 def plan_grant(
     job: Job | None,
     *,
@@ -483,19 +511,7 @@ def plan_grant(
     ``epoch`` 0 means "unfenced" (clients that send none); otherwise it must not be
     older than the last grant seen for the group, and one epoch names one job.
     """
-    if group and epoch > 0 and last is not None:
-        if epoch < last.epoch:
-            raise Refused(
-                Code.FAILED_PRECONDITION,
-                f"stale grant: epoch {epoch} of group {group} is older than epoch {last.epoch} "
-                f"(job {last.job_id}) already seen on node {node}",
-            )
-        if epoch == last.epoch and last.job_id != job_id:
-            raise Refused(
-                Code.FAILED_PRECONDITION,
-                f"stale grant: epoch {epoch} of group {group} was already used for job "
-                f"{last.job_id} on node {node}",
-            )
+    check_epoch(job_id=job_id, group=group, epoch=epoch, last=last, node=node)
     if job is not None:
         if job.state is State.TRANSITIONING:
             raise _aborted(job)

@@ -6,23 +6,32 @@ the result *before* replying, and spawns the backend call as a named task. Becau
 planning and the in-memory update happen without an await in between, two requests
 can never both see a job (or a group) free: the second one is refused.
 
+A request's state change runs in a task of its own that the RPC only awaits
+(:meth:`AgentCore._detached`): a caller that goes away (a cancelled RPC, an
+orchestrator killed mid-call) can never leave a change half-made, e.g. a job stored
+TRANSITIONING whose operation was never started.
+
 Backend calls go through :meth:`AgentCore._call`, the private wrapper that enforces
 the operation deadline, retries :class:`~tslice.agent.backends.base.TransientBackendError`
 with backoff inside it, turns every other exception into a readable error, and
-records metrics. Waiters are woken through one ``asyncio.Event`` per operation.
+records metrics. Waiters are woken through one future per operation, resolved once
+the outcome is on disk.
+
+A Grant is one node step of a switch: it snapshots the jobs it is asked to evict,
+restores (or activates) the granted job, and records the grant, each move being an
+ordinary, pollable, persisted operation; see :meth:`AgentCore.grant`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 import dataclasses
 import logging
 import time
 import uuid
-from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from collections.abc import Callable, Coroutine, Iterable, Mapping, Sequence
+from typing import Any, TypeVar
 
 from tslice.agent import jobs, metrics, store
 from tslice.agent.backends import base
@@ -30,9 +39,12 @@ from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
 from tslice.common import tasks
 
 log = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
-#: Upper bound of one WaitOperation long-poll.
+#: Upper bound of one WaitOperation long-poll (and of a request's ``wait_ms``).
 MAX_WAIT_S = 60.0
+#: Moves one Grant may make (evict, bring in) before it reports that states keep changing.
+_MAX_GRANT_STEPS = 8
 #: How long ``recover()`` may take when a request or ResetJob needs it.
 RECOVER_TIMEOUT_S = 30.0
 _BACKOFF_MIN_S = 0.05
@@ -57,6 +69,20 @@ def _tags_of(config: pb.BackendConfig | None) -> list[str]:
         if arm == "app_channel":
             return list(config.app_channel.tags)
     return []
+
+
+@dataclasses.dataclass(frozen=True)
+class GrantOutcome:
+    """What one Grant did on this node."""
+
+    #: State of the granted job at the reply.
+    state: jobs.State
+    #: The grant is recorded and the job is resident.
+    granted: bool
+    #: Operations the Grant started or found running, as of the reply, in order.
+    operations: tuple[jobs.Operation, ...] = ()
+    #: A restore of the granted job finished during this Grant.
+    restored: bool = False
 
 
 class AgentCore:
@@ -93,7 +119,8 @@ class AgentCore:
         self._jobs: dict[str, jobs.Job] = {}
         self._ops: dict[str, jobs.Operation] = {}
         self._grants: dict[str, jobs.GrantMark] = {}
-        self._done: dict[str, asyncio.Event] = {}
+        #: Resolved once an operation's outcome is stored (and applied in memory).
+        self._done: dict[str, asyncio.Future[None]] = {}
         self._locks: collections.defaultdict[str, asyncio.Lock] = collections.defaultdict(
             asyncio.Lock
         )
@@ -180,13 +207,19 @@ class AgentCore:
 
     async def wait_operation(self, op_id: str, *, timeout_s: float) -> jobs.Operation:
         """The operation once finished, or as it is (PENDING) after ``timeout_s``."""
-        op = self.get_operation(op_id)
-        event = self._done.get(op_id)
-        if op.finished or event is None or timeout_s <= 0:
-            return op
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(event.wait(), timeout=min(timeout_s, MAX_WAIT_S))
-        return self.get_operation(op_id)
+        (op,) = await self.settle([self.get_operation(op_id)], timeout_s=timeout_s)
+        return op
+
+    async def settle(
+        self, ops: Sequence[jobs.Operation], *, timeout_s: float | None
+    ) -> list[jobs.Operation]:
+        """``ops`` once all finished, or as they are after ``timeout_s`` (None: no limit)."""
+        waits = [f for op in ops if not op.finished and (f := self._done.get(op.op_id)) is not None]
+        if waits and (timeout_s is None or timeout_s > 0):
+            limit = None if timeout_s is None else min(timeout_s, MAX_WAIT_S)
+            # asyncio.wait never cancels the shared futures, whoever stops waiting.
+            await asyncio.wait(waits, timeout=limit)
+        return [self._ops.get(op.op_id, op) for op in ops]
 
     async def accelerators(self) -> list[base.Accelerator]:
         found: list[base.Accelerator] = []
@@ -206,23 +239,17 @@ class AgentCore:
         group: str,
         config: pb.BackendConfig | None,
         deprecated_backend: int = 0,
+        wait_s: float = 0.0,
     ) -> jobs.Operation:
-        async with self._locks[job_id]:
-            job = self._jobs.get(job_id)
-            route = self._route(job_id, job, config, deprecated_backend)
-            await self._validate(route, job, job_id=job_id, group=group)
-            recovered = await self._recovered_if_faulted(route, job)
-            plan = jobs.plan_snapshot(
-                job,
-                job_id=job_id,
-                group=group,
-                route_=route,
-                node=self.node,
-                op_id=self._new_op_id(),
-                now=self._clock(),
-                recovered=recovered,
-            )
-            return await self._launch(plan, config=route.config)
+        """Start a snapshot; return its operation once finished or after ``wait_s``."""
+        op = await self._detached(
+            self._start_snapshot(
+                job_id=job_id, group=group, config=config, deprecated_backend=deprecated_backend
+            ),
+            name=f"snapshot-request-{job_id}",
+        )
+        (op,) = await self.settle([op], timeout_s=wait_s)
+        return op
 
     async def restore(
         self,
@@ -231,30 +258,17 @@ class AgentCore:
         group: str,
         config: pb.BackendConfig | None,
         deprecated_backend: int = 0,
+        wait_s: float = 0.0,
     ) -> jobs.Operation:
-        async with self._locks[job_id]:
-            job = self._jobs.get(job_id)
-            route = self._route(job_id, job, config, deprecated_backend)
-            await self._validate(route, job, job_id=job_id, group=group)
-            recovered = await self._recovered_if_faulted(route, job)
-            partial = await self._needs_partial_restore(route, job)
-            plan = jobs.plan_restore(
-                job,
-                job_id=job_id,
-                group=group,
-                route_=route,
-                node=self.node,
-                op_id=self._new_op_id(),
-                now=self._clock(),
-                others=self._jobs.values(),
-                recovered=recovered,
-                partial=partial,
-            )
-            if isinstance(plan, jobs.Done):
-                await self._commit(jobs_=[plan.job], ops=[plan.operation], previous=job)
-                return plan.operation
-            # An explicit restore config applies to this operation only; the recorded one stays.
-            return await self._launch(plan, config=route.config)
+        """Start a restore; return its operation once finished or after ``wait_s``."""
+        op = await self._detached(
+            self._start_restore(
+                job_id=job_id, group=group, config=config, deprecated_backend=deprecated_backend
+            ),
+            name=f"restore-request-{job_id}",
+        )
+        (op,) = await self.settle([op], timeout_s=wait_s)
+        return op
 
     async def grant(
         self,
@@ -264,65 +278,84 @@ class AgentCore:
         epoch: int,
         footprint_bytes: int,
         config: pb.BackendConfig | None,
-    ) -> jobs.State:
-        """Record the grant; activate the job if it has nothing resident. Waits for that."""
-        async with self._locks[job_id]:
-            job = self._jobs.get(job_id)
-            route = self._route(job_id, job, config, 0)
-            await self._validate(route, job, job_id=job_id, group=group)
-            last = self._grants.get(group)
-            plan = jobs.plan_grant(
-                job,
-                job_id=job_id,
-                group=group,
-                epoch=epoch,
-                last=last,
-                footprint_bytes=footprint_bytes,
-                route_=route,
-                node=self.node,
-                op_id=self._new_op_id(),
-                now=self._clock(),
-                others=self._jobs.values(),
+        evict: Sequence[str] = (),
+        restore: bool = False,
+        wait_s: float | None = None,
+    ) -> GrantOutcome:
+        """Make ``job_id`` resident on this node and record the grant.
+
+        First the jobs in ``evict`` that are resident here are snapshotted (an operation
+        already running on one is waited for), then the job is restored if it is SAVED
+        and ``restore`` is set, or activated if it has nothing resident; the grant mark
+        is stored with that step. Each move is an ordinary operation with its own id.
+
+        ``wait_s=None`` is the original Grant: wait for the activation however long it
+        takes and raise :class:`jobs.Refused` if it fails. Otherwise the outcome comes
+        back after at most ``wait_s`` with ``granted=False`` and the operations so far
+        when the node is not done or an operation FAILED; re-issuing the same Grant
+        continues from where the node stands.
+        """
+        legacy = wait_s is None
+        loop = asyncio.get_running_loop()
+        deadline = None if wait_s is None else loop.time() + min(wait_s, MAX_WAIT_S)
+        # A stale grant must not evict anything.
+        jobs.check_epoch(
+            job_id=job_id, group=group, epoch=epoch, last=self._grants.get(group), node=self.node
+        )
+        evictees = [other for other in dict.fromkeys(evict) if other != job_id]
+        seen: dict[str, jobs.Operation] = {}
+        restored = False
+        for _ in range(_MAX_GRANT_STEPS):
+            moves: list[jobs.Operation] = []
+            for other in evictees:
+                if self._resident_or_faulted(other):
+                    op = await self._detached(
+                        self._start_eviction(job_id=other, group=group),
+                        name=f"evict-request-{other}",
+                    )
+                    if op is not None:
+                        moves.append(op)
+            if not moves:
+                target = await self._detached(
+                    self._start_grant(
+                        job_id=job_id,
+                        group=group,
+                        epoch=epoch,
+                        footprint_bytes=footprint_bytes,
+                        config=config,
+                        restore=restore,
+                        follow=not legacy,
+                    ),
+                    name=f"grant-request-{job_id}",
+                )
+                if target is None:
+                    return self._grant_outcome(job_id, seen, granted=True, restored=restored)
+                moves.append(target)
+            left = None if deadline is None else max(0.0, deadline - loop.time())
+            moves = await self.settle(moves, timeout_s=left)
+            seen.update((op.op_id, op) for op in moves)
+            failed = [op for op in moves if op.status is jobs.OpStatus.FAILED]
+            if failed and legacy:
+                raise self._grant_failure(job_id, failed[0])
+            if failed or any(not op.finished for op in moves):
+                return self._grant_outcome(job_id, seen, granted=False, restored=restored)
+            for op in moves:
+                if op.job_id == job_id and op.kind is jobs.Kind.RESTORE:
+                    restored = True
+            brought_in = any(
+                op.job_id == job_id and op.kind is not jobs.Kind.SNAPSHOT for op in moves
             )
-            mark = None
-            if group and epoch > 0 and (last is None or epoch > last.epoch):
-                mark = jobs.GrantMark(group=group, epoch=epoch, job_id=job_id)
-            if isinstance(plan, jobs.Unchanged):
-                await self._commit(jobs_=[plan.job], marks=[mark] if mark else [], previous=job)
-                return plan.job.state
-            op = await self._launch(plan, config=route.config, mark=mark)
-        finished = await self._await_finish(op.op_id)
-        final = self._jobs[job_id]
-        if finished.status is jobs.OpStatus.COMPLETE:
-            return final.state
-        if final.state is jobs.State.FAULTED:
-            raise jobs.Refused(
-                jobs.Code.FAILED_PRECONDITION,
-                f"grant of job {job_id} on node {self.node} failed: {finished.error}; the job "
-                "is FAULTED, clear it with ResetJob",
-            )
+            # The mark was stored when the operation bringing the job in started.
+            if brought_in and self._granted_here(job_id=job_id, group=group, epoch=epoch):
+                return self._grant_outcome(job_id, seen, granted=True, restored=restored)
         raise jobs.Refused(
-            jobs.Code.UNAVAILABLE,
-            f"grant of job {job_id} on node {self.node} failed and changed nothing: "
-            f"{finished.error}; retry",
+            jobs.Code.ABORTED,
+            f"job states on node {self.node} kept changing during the grant of job {job_id}; "
+            "read Status and retry",
         )
 
     async def reset(self, *, job_id: str) -> jobs.State:
-        async with self._locks[job_id]:
-            job = jobs.check_reset(self._jobs.get(job_id), job_id=job_id, node=self.node)
-            recovered: jobs.State | None = None
-            backend = self.backends.get(job.backend) if job.backend else None
-            if backend is not None:
-                recovered = await self._recover(backend, job)
-            new_job = jobs.after_reset(job, recovered=recovered)
-            await self._commit(jobs_=[new_job], previous=job)
-            log.info(
-                "job %s reset from FAULTED to %s",
-                job_id,
-                new_job.state.value,
-                extra={"job_id": job_id},
-            )
-            return new_job.state
+        return await self._detached(self._reset(job_id=job_id), name=f"reset-request-{job_id}")
 
     def on_workload_event(self, event: Any) -> None:
         """Listener for the workload-channel hub: a registration records the choice."""
@@ -367,6 +400,231 @@ class AgentCore:
             self._ops.pop(op_id, None)
         await self._store.delete_operations(drop)
         return len(drop)
+
+    # ---- locked state changes (run detached, see _detached) --------------------------------
+
+    async def _detached(self, coro: Coroutine[Any, Any, _T], *, name: str) -> _T:
+        """Run a state change to its end even if the caller is cancelled meanwhile."""
+        task = asyncio.get_running_loop().create_task(coro, name=name)
+        self._running.add(task)
+        task.add_done_callback(self._detached_done)
+        return await asyncio.shield(task)
+
+    def _detached_done(self, task: asyncio.Task[Any]) -> None:
+        self._running.discard(task)
+        if task.cancelled():
+            return
+        # Retrieved here so that a refusal nobody waits for any more is not reported
+        # as "never retrieved"; an unexpected one is logged.
+        err = task.exception()
+        if err is not None and not isinstance(err, jobs.Refused):
+            log.error("request %s failed", task.get_name(), exc_info=err)
+
+    async def _start_snapshot(
+        self,
+        *,
+        job_id: str,
+        group: str,
+        config: pb.BackendConfig | None,
+        deprecated_backend: int,
+    ) -> jobs.Operation:
+        async with self._locks[job_id]:
+            job = self._jobs.get(job_id)
+            route = self._route(job_id, job, config, deprecated_backend)
+            await self._validate(route, job, job_id=job_id, group=group)
+            recovered = await self._recovered_if_faulted(route, job)
+            plan = jobs.plan_snapshot(
+                job,
+                job_id=job_id,
+                group=group,
+                route_=route,
+                node=self.node,
+                op_id=self._new_op_id(),
+                now=self._clock(),
+                recovered=recovered,
+            )
+            return await self._launch(plan, config=route.config)
+
+    async def _start_restore(
+        self,
+        *,
+        job_id: str,
+        group: str,
+        config: pb.BackendConfig | None,
+        deprecated_backend: int,
+    ) -> jobs.Operation:
+        async with self._locks[job_id]:
+            job = self._jobs.get(job_id)
+            route = self._route(job_id, job, config, deprecated_backend)
+            await self._validate(route, job, job_id=job_id, group=group)
+            recovered = await self._recovered_if_faulted(route, job)
+            partial = await self._needs_partial_restore(route, job)
+            plan = jobs.plan_restore(
+                job,
+                job_id=job_id,
+                group=group,
+                route_=route,
+                node=self.node,
+                op_id=self._new_op_id(),
+                now=self._clock(),
+                others=self._jobs.values(),
+                recovered=recovered,
+                partial=partial,
+            )
+            if isinstance(plan, jobs.Done):
+                await self._commit(jobs_=[plan.job], ops=[plan.operation], previous=job)
+                return plan.operation
+            # An explicit restore config applies to this operation only; the recorded one stays.
+            return await self._launch(plan, config=route.config)
+
+    def _resident_or_faulted(self, job_id: str) -> bool:
+        job = self._jobs.get(job_id)
+        return job is not None and job.state in (
+            jobs.State.RUNNING,
+            jobs.State.TRANSITIONING,
+            jobs.State.FAULTED,
+        )
+
+    async def _start_eviction(self, *, job_id: str, group: str) -> jobs.Operation | None:
+        """Snapshot a resident job for a Grant; the operation running on it if there is one."""
+        async with self._locks[job_id]:
+            job = self._jobs.get(job_id)
+            if job is None or job.state in (jobs.State.IDLE, jobs.State.SAVED):
+                return None
+            if job.state is jobs.State.TRANSITIONING:
+                running = self._ops.get(job.operation_id)
+                if running is None:
+                    raise jobs.Refused(
+                        jobs.Code.INTERNAL,
+                        f"job {job_id} is TRANSITIONING on node {self.node} with no known "
+                        "operation; restart the agent to settle it",
+                    )
+                return running
+            route = self._route(job_id, job, None, 0)
+            await self._validate(route, job, job_id=job_id, group=group)
+            # A FAULTED job is snapshotted only if its backend says it still runs.
+            recovered = await self._recovered_if_faulted(route, job)
+            plan = jobs.plan_snapshot(
+                job,
+                job_id=job_id,
+                group=group,
+                route_=route,
+                node=self.node,
+                op_id=self._new_op_id(),
+                now=self._clock(),
+                recovered=recovered,
+            )
+            return await self._launch(plan, config=route.config)
+
+    async def _start_grant(
+        self,
+        *,
+        job_id: str,
+        group: str,
+        epoch: int,
+        footprint_bytes: int,
+        config: pb.BackendConfig | None,
+        restore: bool,
+        follow: bool,
+    ) -> jobs.Operation | None:
+        """Record the grant; ``None`` if the job is resident, else the operation bringing it in.
+
+        ``follow``: an operation already running on the job is returned to wait on
+        (instead of ABORTED).
+        """
+        async with self._locks[job_id]:
+            job = self._jobs.get(job_id)
+            if follow and job is not None and job.state is jobs.State.TRANSITIONING:
+                running = self._ops.get(job.operation_id)
+                if running is not None:
+                    return running
+            route = self._route(job_id, job, config, 0)
+            await self._validate(route, job, job_id=job_id, group=group)
+            last = self._grants.get(group)
+            mark = jobs.new_mark(job_id=job_id, group=group, epoch=epoch, last=last)
+            marks = [mark] if mark is not None else []
+            if restore and job is not None and job.state is jobs.State.SAVED:
+                jobs.check_epoch(job_id=job_id, group=group, epoch=epoch, last=last, node=self.node)
+                bring_back = jobs.plan_restore(
+                    job,
+                    job_id=job_id,
+                    group=group,
+                    route_=route,
+                    node=self.node,
+                    op_id=self._new_op_id(),
+                    now=self._clock(),
+                    others=self._jobs.values(),
+                )
+                assert isinstance(bring_back, jobs.Start)  # a SAVED job has something to move
+                return await self._launch(bring_back, config=route.config, mark=mark)
+            plan = jobs.plan_grant(
+                job,
+                job_id=job_id,
+                group=group,
+                epoch=epoch,
+                last=last,
+                footprint_bytes=footprint_bytes,
+                route_=route,
+                node=self.node,
+                op_id=self._new_op_id(),
+                now=self._clock(),
+                others=self._jobs.values(),
+            )
+            if isinstance(plan, jobs.Unchanged):
+                if plan.job != job or marks:
+                    await self._commit(jobs_=[plan.job], marks=marks, previous=job)
+                return None
+            return await self._launch(plan, config=route.config, mark=mark)
+
+    def _granted_here(self, *, job_id: str, group: str, epoch: int) -> bool:
+        job = self._jobs.get(job_id)
+        if job is None or job.state is not jobs.State.RUNNING:
+            return False
+        mark = self._grants.get(group)
+        return not group or epoch <= 0 or (mark is not None and mark.epoch >= epoch)
+
+    def _grant_outcome(
+        self, job_id: str, seen: Mapping[str, jobs.Operation], *, granted: bool, restored: bool
+    ) -> GrantOutcome:
+        job = self._jobs.get(job_id)
+        return GrantOutcome(
+            state=job.state if job is not None else jobs.State.IDLE,
+            granted=granted,
+            operations=tuple(seen.values()),
+            restored=restored,
+        )
+
+    def _grant_failure(self, job_id: str, failed: jobs.Operation) -> jobs.Refused:
+        """How the original Grant reports a failed activation (an RPC error)."""
+        job = self._jobs.get(job_id)
+        if job is not None and job.state is jobs.State.FAULTED:
+            return jobs.Refused(
+                jobs.Code.FAILED_PRECONDITION,
+                f"grant of job {job_id} on node {self.node} failed: {failed.error}; the job "
+                "is FAULTED, clear it with ResetJob",
+            )
+        return jobs.Refused(
+            jobs.Code.UNAVAILABLE,
+            f"grant of job {job_id} on node {self.node} failed and changed nothing: "
+            f"{failed.error}; retry",
+        )
+
+    async def _reset(self, *, job_id: str) -> jobs.State:
+        async with self._locks[job_id]:
+            job = jobs.check_reset(self._jobs.get(job_id), job_id=job_id, node=self.node)
+            recovered: jobs.State | None = None
+            backend = self.backends.get(job.backend) if job.backend else None
+            if backend is not None:
+                recovered = await self._recover(backend, job)
+            new_job = jobs.after_reset(job, recovered=recovered)
+            await self._commit(jobs_=[new_job], previous=job)
+            log.info(
+                "job %s reset from FAULTED to %s",
+                job_id,
+                new_job.state.value,
+                extra={"job_id": job_id},
+            )
+            return new_job.state
 
     # ---- internals --------------------------------------------------------------------------
 
@@ -518,7 +776,7 @@ class AgentCore:
         mark: jobs.GrantMark | None = None,
     ) -> jobs.Operation:
         previous = self._jobs.get(plan.job.job_id)
-        self._done[plan.operation.op_id] = asyncio.Event()
+        self._done[plan.operation.op_id] = asyncio.get_running_loop().create_future()
         try:
             await self._commit(
                 jobs_=[plan.job],
@@ -544,43 +802,40 @@ class AgentCore:
         )
         return plan.operation
 
-    async def _await_finish(self, op_id: str) -> jobs.Operation:
-        event = self._done.get(op_id)
-        if event is not None:
-            await event.wait()
-        return self._ops[op_id]
-
     async def _execute(
         self, job: jobs.Job, op: jobs.Operation, config: pb.BackendConfig | None
     ) -> None:
         backend = self.backends[op.backend]
         started = time.monotonic()
         outcome = await self._call(backend, op, self._context(job, config), _mode_of(config))
-        current = self._jobs.get(job.job_id, job)
-        new_job, new_op = jobs.finish(current, op, outcome=outcome, now=self._clock())
-        if new_op.status is jobs.OpStatus.COMPLETE:
-            outcome_label = "complete"
-        else:
-            outcome_label = "faulted" if new_job.state is jobs.State.FAULTED else "failed"
-        self._metrics.observe(
-            backend=op.backend,
-            kind=op.kind.value,
-            outcome=outcome_label,
-            seconds=time.monotonic() - started,
-            device_bytes=new_op.device_bytes or 0,
-        )
-        self._jobs[new_job.job_id] = new_job
-        self._ops[new_op.op_id] = new_op
-        try:
-            await self._store.put(job_records=[new_job], operation_records=[new_op])
-        except Exception:
-            # The outcome stays served from memory; a restart re-asks the backend.
-            log.exception("could not persist the outcome of operation %s", op.op_id)
-        finally:
-            self._publish_job_counts()
-            event = self._done.pop(op.op_id, None)
-            if event is not None:
-                event.set()
+        # The lock keeps a concurrent record change (a channel registration) from being lost.
+        async with self._locks[job.job_id]:
+            current = self._jobs.get(job.job_id, job)
+            new_job, new_op = jobs.finish(current, op, outcome=outcome, now=self._clock())
+            if new_op.status is jobs.OpStatus.COMPLETE:
+                outcome_label = "complete"
+            else:
+                outcome_label = "faulted" if new_job.state is jobs.State.FAULTED else "failed"
+            self._metrics.observe(
+                backend=op.backend,
+                kind=op.kind.value,
+                outcome=outcome_label,
+                seconds=time.monotonic() - started,
+                device_bytes=new_op.device_bytes or 0,
+            )
+            try:
+                # On disk before anybody can see it: a reply never gets ahead of the store.
+                await self._store.put(job_records=[new_job], operation_records=[new_op])
+            except Exception:
+                # The outcome stays served from memory; a restart re-asks the backend.
+                log.exception("could not persist the outcome of operation %s", op.op_id)
+            finally:
+                self._jobs[new_job.job_id] = new_job
+                self._ops[new_op.op_id] = new_op
+                self._publish_job_counts()
+                done = self._done.pop(op.op_id, None)
+                if done is not None and not done.done():
+                    done.set_result(None)
         log_fn = log.info if new_op.status is jobs.OpStatus.COMPLETE else log.warning
         log_fn(
             "%s of job %s %s: job %s%s",

@@ -96,6 +96,17 @@ async def _valid_config(context: grpc.aio.ServicerContext, message: Any) -> pb.B
     return config
 
 
+async def _valid_wait(context: grpc.aio.ServicerContext, field: str, value: int) -> float:
+    """A wait in ms as seconds; negative waits are refused, long ones capped by the core."""
+    if value < 0:
+        await _abort(
+            context,
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"{field} must be >= 0 (got {value}); 0 returns at once",
+        )
+    return value / 1000
+
+
 class SnapshotAgentServicer(pb_grpc.SnapshotAgentServiceServicer):
     """The v1alpha1 agent API plus tslice's WaitOperation, Grant and ResetJob."""
 
@@ -115,13 +126,20 @@ class SnapshotAgentServicer(pb_grpc.SnapshotAgentServiceServicer):
         job_id = await _valid_id(context, "job_id", request.job_id)
         group = await _valid_group(context, request.group)
         config = await _valid_config(context, request)
+        wait_s = await _valid_wait(context, "wait_ms", request.wait_ms)
         op = await self._run(
             context,
             self._core.snapshot(
-                job_id=job_id, group=group, config=config, deprecated_backend=request.backend
+                job_id=job_id,
+                group=group,
+                config=config,
+                deprecated_backend=request.backend,
+                wait_s=wait_s,
             ),
         )
-        return pb.SnapshotResponse(operation_id=op.op_id)
+        return pb.SnapshotResponse(
+            operation_id=op.op_id, operation=operation_to_pb(op, now=self._core.now())
+        )
 
     async def Restore(
         self, request: pb.RestoreRequest, context: grpc.aio.ServicerContext
@@ -129,13 +147,20 @@ class SnapshotAgentServicer(pb_grpc.SnapshotAgentServiceServicer):
         job_id = await _valid_id(context, "job_id", request.job_id)
         group = await _valid_group(context, request.group)
         config = await _valid_config(context, request)
+        wait_s = await _valid_wait(context, "wait_ms", request.wait_ms)
         op = await self._run(
             context,
             self._core.restore(
-                job_id=job_id, group=group, config=config, deprecated_backend=request.backend
+                job_id=job_id,
+                group=group,
+                config=config,
+                deprecated_backend=request.backend,
+                wait_s=wait_s,
             ),
         )
-        return pb.RestoreResponse(operation_id=op.op_id)
+        return pb.RestoreResponse(
+            operation_id=op.op_id, operation=operation_to_pb(op, now=self._core.now())
+        )
 
     async def GetOperation(
         self, request: pb.GetOperationRequest, context: grpc.aio.ServicerContext
@@ -153,15 +178,9 @@ class SnapshotAgentServicer(pb_grpc.SnapshotAgentServiceServicer):
     ) -> pb.GetOperationResponse:
         if not request.operation_id:
             await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, "operation_id is required")
-        if request.timeout_ms < 0:
-            await _abort(
-                context,
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"timeout_ms must be >= 0 (got {request.timeout_ms}); 0 returns at once",
-            )
+        timeout_s = await _valid_wait(context, "timeout_ms", request.timeout_ms)
         op = await self._run(
-            context,
-            self._core.wait_operation(request.operation_id, timeout_s=request.timeout_ms / 1000),
+            context, self._core.wait_operation(request.operation_id, timeout_s=timeout_s)
         )
         return operation_to_pb(op, now=self._core.now())
 
@@ -194,8 +213,12 @@ class SnapshotAgentServicer(pb_grpc.SnapshotAgentServiceServicer):
                 "grant_epoch and footprint_bytes must be >= 0 "
                 f"(got {request.grant_epoch} and {request.footprint_bytes})",
             )
+        evict = [await _valid_id(context, "evict", other) for other in request.evict]
+        wait_s = await _valid_wait(context, "wait_ms", request.wait_ms)
         config = await _valid_config(context, request)
-        state = await self._run(
+        # A Grant without the one-step fields keeps its original meaning (see AgentCore.grant).
+        one_step = bool(evict) or request.restore or request.wait_ms > 0
+        outcome = await self._run(
             context,
             self._core.grant(
                 job_id=job_id,
@@ -203,9 +226,19 @@ class SnapshotAgentServicer(pb_grpc.SnapshotAgentServiceServicer):
                 epoch=request.grant_epoch,
                 footprint_bytes=request.footprint_bytes,
                 config=config,
+                evict=evict,
+                restore=request.restore,
+                wait_s=wait_s if one_step else None,
             ),
         )
-        return pb.GrantResponse(state=jobs.to_pb(state))
+        now = self._core.now()
+        return pb.GrantResponse(
+            state=jobs.to_pb(outcome.state),
+            granted=outcome.granted,
+            operations=[operation_to_pb(op, now=now) for op in outcome.operations],
+            operation_ids=[op.op_id for op in outcome.operations],
+            restored=outcome.restored,
+        )
 
     async def ResetJob(
         self, request: pb.ResetJobRequest, context: grpc.aio.ServicerContext

@@ -2,21 +2,30 @@
 
 The agent writes every change here *before* it replies, so an agent killed at any
 moment (SIGKILL included) restarts knowing every job, every saved state and every
-operation a caller may still ask about. Writes are serialised by one lock so that
-they reach the database in the order the agent made its decisions.
+operation a caller may still ask about.
+
+One connection, used from one dedicated thread: every ``put`` is one transaction run
+as one function call there (one thread hop, not one per statement), and calls reach
+the database in the order the agent made them, because the single-thread executor
+runs them in submission order. WAL with ``synchronous=NORMAL``: a commit survives a
+crash of the process; only a power loss can drop the last ones, and a GPU's memory
+does not survive that either.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import json
-from collections.abc import Iterable, Sequence
+import sqlite3
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-
-import aiosqlite
+from typing import TypeVar
 
 from tslice.agent import jobs
+
+_T = TypeVar("_T")
 
 DB_FILE = "agent.sqlite3"
 _SCHEMA_VERSION = 1
@@ -67,57 +76,30 @@ class Loaded:
 class Store:
     """Open with :meth:`open`; every ``put`` is one transaction."""
 
-    def __init__(self, db: aiosqlite.Connection, path: Path) -> None:
-        self._db = db
-        self._lock = asyncio.Lock()
+    def __init__(self, path: Path) -> None:
         self.path = path
+        self._executor = concurrent.futures.ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="tslice-agent-db"
+        )
+        self._conn: sqlite3.Connection | None = None
 
     @classmethod
     async def open(cls, state_dir: Path) -> Store:
-        await asyncio.to_thread(state_dir.mkdir, parents=True, exist_ok=True)
-        path = state_dir / DB_FILE
-        db = await aiosqlite.connect(path)
+        store = cls(state_dir / DB_FILE)
         try:
-            await db.execute("PRAGMA journal_mode=WAL")
-            # NORMAL is durable against a process crash in WAL mode; only power loss can drop
-            # the last commits, and a GPU's memory does not survive that either.
-            await db.execute("PRAGMA synchronous=NORMAL")
-            async with db.execute("PRAGMA user_version") as cursor:
-                row = await cursor.fetchone()
-            version = int(row[0]) if row else 0
-            if version > _SCHEMA_VERSION:
-                raise RuntimeError(
-                    f"{path} was written by a newer tslice (schema {version}); upgrade tslice "
-                    "or use another --state-dir"
-                )
-            await db.executescript(_SCHEMA)
-            await db.execute(f"PRAGMA user_version={_SCHEMA_VERSION}")
-            await db.commit()
+            await store._run(store._open_sync)
         except BaseException:
-            await db.close()
+            store._executor.shutdown(wait=False)
             raise
-        return cls(db, path)
+        return store
 
     async def close(self) -> None:
-        async with self._lock:
-            await self._db.close()
+        if self._conn is not None:
+            await self._run(self._close_sync)
+        self._executor.shutdown(wait=True)
 
     async def load(self) -> Loaded:
-        loaded = Loaded(job_map={}, operation_map={}, grant_map={})
-        async with self._db.execute("SELECT * FROM jobs") as cursor:
-            async for row in cursor:
-                job = _job_from_row(tuple(row))
-                loaded.job_map[job.job_id] = job
-        async with self._db.execute("SELECT * FROM operations") as cursor:
-            async for row in cursor:
-                op = _operation_from_row(tuple(row))
-                loaded.operation_map[op.op_id] = op
-        async with self._db.execute("SELECT grp, epoch, job_id FROM grants") as cursor:
-            async for row in cursor:
-                loaded.grant_map[str(row[0])] = jobs.GrantMark(
-                    group=str(row[0]), epoch=int(row[1]), job_id=str(row[2])
-                )
-        return loaded
+        return await self._run(self._load_sync)
 
     async def put(
         self,
@@ -126,31 +108,102 @@ class Store:
         operation_records: Sequence[jobs.Operation] = (),
         grant_marks: Sequence[jobs.GrantMark] = (),
     ) -> None:
-        async with self._lock:
-            if job_records:
-                await self._db.executemany(
-                    "INSERT OR REPLACE INTO jobs VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)",
-                    [_job_row(j) for j in job_records],
-                )
-            if operation_records:
-                await self._db.executemany(
-                    "INSERT OR REPLACE INTO operations VALUES (?,?,?,?,?,?,?,?,?,?)",
-                    [_operation_row(o) for o in operation_records],
-                )
-            if grant_marks:
-                await self._db.executemany(
-                    "INSERT OR REPLACE INTO grants VALUES (?,?,?)",
-                    [(g.group, g.epoch, g.job_id) for g in grant_marks],
-                )
-            await self._db.commit()
+        # Rows are built here, on the loop, from frozen records: the thread only writes.
+        job_rows = [_job_row(j) for j in job_records]
+        op_rows = [_operation_row(o) for o in operation_records]
+        mark_rows = [(g.group, g.epoch, g.job_id) for g in grant_marks]
+        if job_rows or op_rows or mark_rows:
+            await self._run(lambda: self._put_sync(job_rows, op_rows, mark_rows))
 
     async def delete_operations(self, op_ids: Iterable[str]) -> None:
         ids = [(op_id,) for op_id in op_ids]
-        if not ids:
-            return
-        async with self._lock:
-            await self._db.executemany("DELETE FROM operations WHERE op_id = ?", ids)
-            await self._db.commit()
+        if ids:
+            await self._run(lambda: self._delete_sync(ids))
+
+    # ---- thread side ---------------------------------------------------------------------
+
+    async def _run(self, fn: Callable[[], _T]) -> _T:
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn)
+
+    def _open_sync(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        conn = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
+        try:
+            conn.execute("PRAGMA journal_mode=WAL")
+            # NORMAL is durable against a process crash in WAL mode (see the module docstring).
+            conn.execute("PRAGMA synchronous=NORMAL")
+            row = conn.execute("PRAGMA user_version").fetchone()
+            version = int(row[0]) if row else 0
+            if version > _SCHEMA_VERSION:
+                raise RuntimeError(
+                    f"{self.path} was written by a newer tslice (schema {version}); upgrade "
+                    "tslice or use another --state-dir"
+                )
+            conn.executescript(_SCHEMA)
+            conn.execute(f"PRAGMA user_version={_SCHEMA_VERSION}")
+        except BaseException:
+            conn.close()
+            raise
+        self._conn = conn
+
+    def _close_sync(self) -> None:
+        assert self._conn is not None
+        self._conn.close()
+        self._conn = None
+
+    def _load_sync(self) -> Loaded:
+        conn = self._conn
+        assert conn is not None
+        loaded = Loaded(job_map={}, operation_map={}, grant_map={})
+        for row in conn.execute("SELECT * FROM jobs"):
+            job = _job_from_row(tuple(row))
+            loaded.job_map[job.job_id] = job
+        for row in conn.execute("SELECT * FROM operations"):
+            op = _operation_from_row(tuple(row))
+            loaded.operation_map[op.op_id] = op
+        for grp, epoch, job_id in conn.execute("SELECT grp, epoch, job_id FROM grants"):
+            loaded.grant_map[str(grp)] = jobs.GrantMark(
+                group=str(grp), epoch=int(epoch), job_id=str(job_id)
+            )
+        return loaded
+
+    def _put_sync(
+        self,
+        job_rows: list[tuple[object, ...]],
+        op_rows: list[tuple[object, ...]],
+        mark_rows: list[tuple[str, int, str]],
+    ) -> None:
+        conn = self._conn
+        assert conn is not None
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            if job_rows:
+                conn.executemany(
+                    "INSERT OR REPLACE INTO jobs VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)", job_rows
+                )
+            if op_rows:
+                conn.executemany(
+                    "INSERT OR REPLACE INTO operations VALUES (?,?,?,?,?,?,?,?,?,?)", op_rows
+                )
+            if mark_rows:
+                conn.executemany("INSERT OR REPLACE INTO grants VALUES (?,?,?)", mark_rows)
+            conn.execute("COMMIT")
+        except BaseException:
+            if conn.in_transaction:
+                conn.execute("ROLLBACK")
+            raise
+
+    def _delete_sync(self, ids: list[tuple[str]]) -> None:
+        conn = self._conn
+        assert conn is not None
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            conn.executemany("DELETE FROM operations WHERE op_id = ?", ids)
+            conn.execute("COMMIT")
+        except BaseException:
+            if conn.in_transaction:
+                conn.execute("ROLLBACK")
+            raise
 
 
 def _job_row(job: jobs.Job) -> tuple[object, ...]:

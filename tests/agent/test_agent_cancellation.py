@@ -1,0 +1,171 @@
+"""A caller that goes away mid-request never leaves a job half-changed.
+
+gRPC aio cancels the handler coroutine when the client disconnects (an orchestrator
+SIGKILLed mid-call), so these tests cancel the core's request coroutine at the worst
+moment: while the store is writing the job as TRANSITIONING, before the backend call
+is started. The store is a real SQLite store whose next such write waits on an event,
+so the moment is hit deterministically.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tslice.agent import jobs, metrics, runner, store
+from tslice.agent.backends import noop
+
+
+class GatedStore(store.Store):
+    """A real store; once armed, the next put of a TRANSITIONING job waits for ``release``."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(path)
+        self.armed = False
+        self.entered = asyncio.Event()
+        self.release = asyncio.Event()
+
+    async def put(
+        self,
+        *,
+        job_records: Sequence[jobs.Job] = (),
+        operation_records: Sequence[jobs.Operation] = (),
+        grant_marks: Sequence[jobs.GrantMark] = (),
+    ) -> None:
+        if self.armed and any(j.state is jobs.State.TRANSITIONING for j in job_records):
+            self.armed = False
+            self.entered.set()
+            await self.release.wait()
+        await super().put(
+            job_records=job_records, operation_records=operation_records, grant_marks=grant_marks
+        )
+
+
+class Node:
+    """An agent core on a gated store, restartable on the same state directory."""
+
+    def __init__(self, state_dir: Path) -> None:
+        self.state_dir = state_dir
+        self.db: GatedStore | None = None
+        self.core: runner.AgentCore | None = None
+
+    async def start(self) -> runner.AgentCore:
+        self.db = await GatedStore.open(self.state_dir)
+        self.core = runner.AgentCore(
+            node="node-a",
+            backends={"noop": noop.NoopBackend()},
+            default_backend="noop",
+            state=self.db,
+            agent_metrics=metrics.AgentMetrics(),
+        )
+        await self.core.start()
+        return self.core
+
+    async def stop(self) -> None:
+        if self.core is not None:
+            await self.core.close(grace_s=5.0)
+        if self.db is not None:
+            await self.db.close()
+        self.core = self.db = None
+
+
+@pytest.fixture
+async def node(tmp_path: Path) -> AsyncIterator[Node]:
+    n = Node(tmp_path / "agent")
+    await n.start()
+    try:
+        yield n
+    finally:
+        await n.stop()
+
+
+async def grant(core: runner.AgentCore, job_id: str, **kw: Any) -> runner.GrantOutcome:
+    return await core.grant(
+        job_id=job_id, group="g", epoch=kw.pop("epoch", 0), footprint_bytes=0, config=None, **kw
+    )
+
+
+async def cancel_while_storing(
+    db: GatedStore, request: Callable[[], Coroutine[Any, Any, object]]
+) -> None:
+    """Start ``request``, cancel it while it stores a TRANSITIONING job, then let the store go."""
+    db.armed = True
+    call = asyncio.ensure_future(request())
+    await db.entered.wait()
+    call.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await call
+    db.release.set()
+
+
+async def settled(core: runner.AgentCore, job_id: str) -> jobs.Job:
+    """The job once its last operation has finished (bounded, event-driven wait)."""
+    job = core.job(job_id)
+    assert job is not None
+    op = await core.wait_operation(job.operation_id, timeout_s=5.0)
+    assert op.finished, f"operation {op.op_id} of job {job_id} never finished: {op}"
+    final = core.job(job_id)
+    assert final is not None
+    return final
+
+
+async def assert_persisted(node: Node, expected: dict[str, jobs.State]) -> None:
+    await node.stop()
+    core = await node.start()
+    assert {j: core.job(j).state for j in expected} == expected  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("kind", ["snapshot", "restore", "activate"])
+async def test_cancelled_request_still_finishes_its_operation(node: Node, kind: str) -> None:
+    core, db = node.core, node.db
+    assert core is not None and db is not None
+    if kind == "activate":
+
+        def request() -> Coroutine[Any, Any, object]:
+            return grant(core, "job-a")
+
+        expected = jobs.State.RUNNING
+    else:
+        await grant(core, "job-a")
+        if kind == "restore":
+            await core.snapshot(job_id="job-a", group="g", config=None, wait_s=5.0)
+
+        def request() -> Coroutine[Any, Any, object]:
+            method = core.snapshot if kind == "snapshot" else core.restore
+            return method(job_id="job-a", group="g", config=None)
+
+        expected = jobs.State.SAVED if kind == "snapshot" else jobs.State.RUNNING
+
+    await cancel_while_storing(db, request)
+
+    job = await settled(core, "job-a")
+    assert job.state is expected
+    assert core.get_operation(job.operation_id).status is jobs.OpStatus.COMPLETE
+    await assert_persisted(node, {"job-a": expected})
+
+
+async def test_cancelled_one_step_grant_leaves_every_move_whole_and_can_be_reissued(
+    node: Node,
+) -> None:
+    core, db = node.core, node.db
+    assert core is not None and db is not None
+    assert (await grant(core, "job-a", epoch=1)).granted
+    await core.snapshot(job_id="job-a", group="g", config=None, wait_s=5.0)
+    assert (await grant(core, "job-b", epoch=2)).granted
+    await core.snapshot(job_id="job-b", group="g", config=None, wait_s=5.0)
+    await core.restore(job_id="job-a", group="g", config=None, wait_s=5.0)
+
+    # Cut while the eviction of job-a is being stored.
+    await cancel_while_storing(
+        db,
+        lambda: grant(core, "job-b", epoch=3, evict=["job-a"], restore=True, wait_s=5.0),
+    )
+    assert (await settled(core, "job-a")).state is jobs.State.SAVED
+
+    again = await grant(core, "job-b", epoch=3, evict=["job-a"], restore=True, wait_s=5.0)
+    assert again.granted and again.restored and again.state is jobs.State.RUNNING
+    await assert_persisted(node, {"job-a": jobs.State.SAVED, "job-b": jobs.State.RUNNING})
