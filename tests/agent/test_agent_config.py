@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 
 from tests.agent.conftest import AgentRunner
 from tslice.agent import app, config, metrics
-from tslice.agent.backends import noop, registry
+from tslice.agent.backends import noop, registry, sim
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2_grpc as pb_grpc
 from tslice.cli import agent_cmd
@@ -34,6 +34,7 @@ def test_defaults() -> None:
     assert cfg.operation_timeout_s == 600
     assert cfg.sim.capacity_bytes == 80 * GiB
     assert cfg.sim.bandwidth_bytes_per_s == 25 * 10**9
+    assert cfg.sim.restore_bandwidth_bytes_per_s is None
     assert cfg.sim.default_footprint_bytes is None
     assert cfg.enabled_backends == ("noop",)
 
@@ -44,7 +45,8 @@ def test_file_and_flags_merge_with_sizes(tmp_path: Path) -> None:
         "node_name: gpu-1\n"
         "default_backend: sim\n"
         "backends: [noop, sim]\n"
-        "sim: {devices: 2, capacity: 40GiB, bandwidth: 50GB/s, default_footprint: 30GiB}\n"
+        "sim: {devices: 2, capacity: 40GiB, bandwidth: 50GB/s, restore_bandwidth: 150GB/s,\n"
+        "      default_footprint: 30GiB}\n"
         "backend_settings: {noop: {delay_s: 0.5}}\n"
     )
     cfg = config.load(path=path, overrides={"port": 0, "sim": {"devices": 4}})
@@ -52,7 +54,11 @@ def test_file_and_flags_merge_with_sizes(tmp_path: Path) -> None:
     assert cfg.port == 0
     assert (cfg.sim.devices, cfg.sim.capacity_bytes) == (4, 40 * GiB)
     assert cfg.sim.bandwidth_bytes_per_s == 50 * 10**9
+    assert cfg.sim.restore_bandwidth_bytes_per_s == 150 * 10**9
     assert cfg.sim.default_footprint_bytes == 30 * GiB
+    # The frozen section is exactly the keyword arguments of the sim backend.
+    backend = sim.SimBackend.create({**cfg.sim.settings(), "state_dir": None})
+    assert backend.speed.rate("restore") == 150 * 10**9
     assert cfg.enabled_backends == ("sim", "noop")
     assert cfg.settings_for("noop") == {"delay_s": 0.5}
     with pytest.raises(AttributeError):
@@ -64,6 +70,8 @@ def test_file_and_flags_merge_with_sizes(tmp_path: Path) -> None:
     [
         ({"sim": {"capacity": "80XB"}}, "sim.capacity"),
         ({"sim": {"capacity": "80XB"}}, "write a size such as 80GiB"),
+        ({"sim": {"restore_bandwidth": "fast"}}, "sim.restore_bandwidth"),
+        ({"sim": {"restore_bandwidth": "0GB/s"}}, "sim.restore_bandwidth"),
         ({"port": 70000}, "port"),
         ({"prot": 1}, "prot: unknown key"),
         ({"node_name": "bad name"}, "node_name"),
@@ -131,6 +139,14 @@ def test_cli_bad_config_is_one_line_and_exit_2(tmp_path: Path) -> None:
     assert lines[0].startswith("error: invalid agent config")
     assert "sim.capacity" in lines[0]
     assert "Traceback" not in result.output
+
+
+def test_cli_restore_bandwidth_flag_reaches_the_config(tmp_path: Path) -> None:
+    result = CliRunner().invoke(
+        _cli(), ["agent", "--state-dir", str(tmp_path), "--sim-restore-bandwidth", "quick"]
+    )
+    assert result.exit_code == 2
+    assert "sim.restore_bandwidth" in result.output
 
 
 def test_cli_unknown_backend_is_exit_2(tmp_path: Path) -> None:

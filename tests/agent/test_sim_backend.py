@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
 from pathlib import Path
 
 import pytest
@@ -90,7 +91,78 @@ def test_unreadable_state_file_is_a_clear_error(tmp_path: Path) -> None:
         device.SimNode(node="n1", state_dir=tmp_path)
 
 
+# ---- CopySpeed -----------------------------------------------------------------------------
+
+
+def test_copy_speed_times_each_direction_at_its_own_rate() -> None:
+    speed = device.CopySpeed(
+        bandwidth_bytes_per_s=100, restore_bandwidth_bytes_per_s=400, latency_s=0.5
+    )
+    assert speed.seconds(bytes_per_device=200, direction="snapshot") == pytest.approx(2.5)
+    assert speed.seconds(bytes_per_device=200, direction="restore") == pytest.approx(1.0)
+    same = device.CopySpeed(bandwidth_bytes_per_s=100, latency_s=0.0)
+    assert same.rate("restore") == same.rate("snapshot") == 100
+
+
+def test_copy_speed_matching_reproduces_the_target_durations() -> None:
+    speed = device.CopySpeed.matching(
+        bytes_per_device=60 * GiB, snapshot_s=0.092, restore_s=0.030, latency_s=0.002
+    )
+    assert speed.latency_s == 0.002
+    targets: list[tuple[device.Direction, float]] = [("snapshot", 0.092), ("restore", 0.030)]
+    for direction, target in targets:
+        seconds = speed.seconds(bytes_per_device=60 * GiB, direction=direction)
+        assert seconds == pytest.approx(target, rel=1e-6)
+    # A target below the fixed cost cannot be met: the copy part is clamped, not negative.
+    floor = device.CopySpeed.matching(
+        bytes_per_device=GiB, snapshot_s=0.001, restore_s=0.001, latency_s=0.002
+    )
+    assert floor.rate("snapshot") == floor.rate("restore") == int(GiB / 1e-4)
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"bandwidth_bytes_per_s": 0},
+        {"restore_bandwidth_bytes_per_s": -1},
+        {"latency_s": -0.1},
+    ],
+)
+def test_copy_speed_refuses_impossible_rates(bad: dict[str, float]) -> None:
+    with pytest.raises(ValueError, match=next(iter(bad))):
+        device.CopySpeed(**bad)  # type: ignore[arg-type]
+
+
 # ---- SimBackend ------------------------------------------------------------------------------
+
+
+async def test_restore_copies_at_the_restore_bandwidth(tmp_path: Path) -> None:
+    # Snapshot ~0.3 s, restore 100x faster: the ordering holds on any machine.
+    backend = fast(
+        tmp_path,
+        bandwidth_bytes_per_s=int(GiB / 0.3),
+        restore_bandwidth_bytes_per_s=int(GiB / 0.003),
+    )
+    await backend.activate(ctx(footprint=GiB))
+    began = time.monotonic()
+    await backend.snapshot(ctx(), pb.SUSPEND_MODE_OFFLOAD)
+    snapshot_s = time.monotonic() - began
+    began = time.monotonic()
+    await backend.restore(ctx())
+    restore_s = time.monotonic() - began
+    assert snapshot_s >= 0.25
+    assert restore_s * 4 < snapshot_s
+    assert backend.node.used_bytes() == GiB
+
+
+async def test_restore_bandwidth_defaults_to_the_snapshot_bandwidth() -> None:
+    backend = fast(bandwidth_bytes_per_s=7 * 10**9)
+    assert backend.speed.rate("restore") == backend.speed.rate("snapshot") == 7 * 10**9
+    faster = fast(bandwidth_bytes_per_s=7 * 10**9, restore_bandwidth_bytes_per_s=21 * 10**9)
+    assert (faster.speed.rate("snapshot"), faster.speed.rate("restore")) == (
+        7 * 10**9,
+        21 * 10**9,
+    )
 
 
 async def test_footprint_precedence() -> None:
@@ -178,6 +250,8 @@ async def test_restore_and_snapshot_refuse_what_the_node_does_not_hold() -> None
     "bad",
     [
         {"bandwidth_bytes_per_s": 0},
+        {"restore_bandwidth_bytes_per_s": 0},
+        {"extra_latency_s": -1},
         {"fail_probability": 1.5},
         {"default_footprint_bytes": 11 * GiB},
         {"devices": 0},

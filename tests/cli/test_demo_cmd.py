@@ -49,6 +49,7 @@ def test_demo_json_end_to_end(tmp_path: Path) -> None:
         "violations",
         "timeline",
         "sim_bandwidth_bytes_per_s",
+        "sim_restore_bandwidth_bytes_per_s",
     ):
         assert key in summary, key
     assert summary["ok"] is True
@@ -69,6 +70,10 @@ def test_demo_json_end_to_end(tmp_path: Path) -> None:
     # One switch per pool in the exclusive run (A -> B), many when sliced.
     assert runs["exclusive"]["switches"] == 2
     assert runs["time-sliced"]["switches"] >= 6
+    # Derived from the trace: restores copy faster than snapshots on both nodes.
+    for pool in ("sampler", "trainer"):
+        snapshot_rate = summary["sim_bandwidth_bytes_per_s"][pool]
+        assert summary["sim_restore_bandwidth_bytes_per_s"][pool] > 2 * snapshot_rate
     for table in ("snapshot_median", "restore_median"):
         for pool in ("sampler", "trainer"):
             assert summary[table][pool]["count"] >= 2

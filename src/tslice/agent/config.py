@@ -16,8 +16,8 @@ File shape (every key optional)::
     operation_timeout_s: 600
     metrics_port: 0
     log_level: info
-    sim: {devices: 2, capacity: 80GiB, bandwidth: 25GB/s, latency_s: 0.005,
-          default_footprint: 48GiB, fail_probability: 0, hang_probability: 0,
+    sim: {devices: 2, capacity: 80GiB, bandwidth: 25GB/s, restore_bandwidth: 50GB/s,
+          latency_s: 0.005, default_footprint: 48GiB, fail_probability: 0, hang_probability: 0,
           extra_latency_s: 0, seed: null}
     backend_settings:              # free-form section per backend, handed to Backend.create
       noop: {delay_s: 0.1}
@@ -54,8 +54,11 @@ class SimConfig:
     devices: int = 1
     #: Memory of each device, bytes (default 80 GiB, an H100).
     capacity_bytes: int = 80 * 1024**3
-    #: Host<->device copy rate per device, bytes/s (default 25 GB/s, PCIe Gen4 x16).
+    #: Host<->device copy rate per device, bytes/s (default 25 GB/s, PCIe Gen4 x16);
+    #: snapshots always move at this rate...
     bandwidth_bytes_per_s: int = 25 * 10**9
+    #: ...and restores too, unless this is set (bytes/s).
+    restore_bandwidth_bytes_per_s: int | None = None
     #: Fixed cost of every snapshot/restore, seconds.
     latency_s: float = 0.005
     #: Footprint per device of jobs that declare none; None = 60% of capacity, so two
@@ -138,6 +141,7 @@ class _SimModel(BaseModel):
     devices: int = Field(default=1, ge=1, le=1024)
     capacity: ByteSize = Field(default=ByteSize(80 * 1024**3), gt=0)
     bandwidth: ByteSize = Field(default=ByteSize(25 * 10**9), gt=0)
+    restore_bandwidth: ByteSize | None = Field(default=None, gt=0)
     latency_s: float = Field(default=0.005, ge=0)
     default_footprint: ByteSize | None = Field(default=None, gt=0)
     fail_probability: float = Field(default=0.0, ge=0, le=1)
@@ -145,7 +149,7 @@ class _SimModel(BaseModel):
     hang_probability: float = Field(default=0.0, ge=0, le=1)
     seed: int | None = None
 
-    @pydantic.field_validator("bandwidth", mode="before")
+    @pydantic.field_validator("bandwidth", "restore_bandwidth", mode="before")
     @classmethod
     def _per_second(cls, value: Any) -> Any:
         return _strip_per_second(value)
@@ -198,6 +202,9 @@ class _AgentModel(BaseModel):
             devices=self.sim.devices,
             capacity_bytes=int(self.sim.capacity),
             bandwidth_bytes_per_s=int(self.sim.bandwidth),
+            restore_bandwidth_bytes_per_s=(
+                int(self.sim.restore_bandwidth) if self.sim.restore_bandwidth is not None else None
+            ),
             latency_s=self.sim.latency_s,
             default_footprint_bytes=(
                 int(self.sim.default_footprint) if self.sim.default_footprint is not None else None

@@ -70,7 +70,20 @@ def agent(
     ] = None,
     sim_bandwidth: Annotated[
         str | None,
-        typer.Option("--sim-bandwidth", help="Copy rate, e.g. 25GB/s.", rich_help_panel=_SIM),
+        typer.Option(
+            "--sim-bandwidth",
+            help="Copy rate, e.g. 25GB/s (snapshots; restores too unless "
+            "--sim-restore-bandwidth is given).",
+            rich_help_panel=_SIM,
+        ),
+    ] = None,
+    sim_restore_bandwidth: Annotated[
+        str | None,
+        typer.Option(
+            "--sim-restore-bandwidth",
+            help="Copy rate of restores, e.g. 75GB/s (default: --sim-bandwidth).",
+            rich_help_panel=_SIM,
+        ),
     ] = None,
     sim_latency: Annotated[
         float | None,
@@ -130,6 +143,7 @@ def agent(
             "devices": sim_devices,
             "capacity": sim_capacity,
             "bandwidth": sim_bandwidth,
+            "restore_bandwidth": sim_restore_bandwidth,
             "latency_s": sim_latency,
             "default_footprint": sim_footprint,
             "fail_probability": sim_fail_prob,

@@ -38,8 +38,17 @@ def run(
         str | None,
         typer.Option(
             "--sim-bandwidth",
-            help="Simulated copy rate of both nodes, e.g. 500GB/s (default: per pool, "
-            "so that a hand-over costs what it cost in the trace, scaled).",
+            help="Simulated copy rate of both nodes, snapshots and restores, e.g. 500GB/s "
+            "(default: per pool and direction, so that snapshots and restores take what "
+            "they took in the trace, scaled).",
+        ),
+    ] = None,
+    sim_restore_bandwidth: Annotated[
+        str | None,
+        typer.Option(
+            "--sim-restore-bandwidth",
+            help="Simulated restore rate of both nodes, e.g. 1500GB/s (default: "
+            "--sim-bandwidth if given, else derived per pool from the trace).",
         ),
     ] = None,
     sim_latency: Annotated[
@@ -76,6 +85,11 @@ def run(
         time_scale=time_scale,
         sim_bandwidth_bytes_per_s=(
             sizes.parse_rate(sim_bandwidth, option="--sim-bandwidth") if sim_bandwidth else None
+        ),
+        sim_restore_bandwidth_bytes_per_s=(
+            sizes.parse_rate(sim_restore_bandwidth, option="--sim-restore-bandwidth")
+            if sim_restore_bandwidth
+            else None
         ),
         sim_latency_s=sim_latency,
         capacity_bytes=sizes.parse_bytes(capacity, option="--capacity"),

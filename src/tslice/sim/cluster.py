@@ -56,6 +56,8 @@ class SimAgent:
     devices: int | None = None
     capacity_bytes: int | None = None
     bandwidth_bytes_per_s: int | None = None
+    #: Restore copy rate (None = the agent's default: the snapshot rate).
+    restore_bandwidth_bytes_per_s: int | None = None
     latency_s: float | None = None
     footprint_bytes: int | None = None
     fail_probability: float | None = None
@@ -69,6 +71,7 @@ class SimAgent:
             ("--sim-devices", self.devices),
             ("--sim-capacity", self.capacity_bytes),
             ("--sim-bandwidth", self.bandwidth_bytes_per_s),
+            ("--sim-restore-bandwidth", self.restore_bandwidth_bytes_per_s),
             ("--sim-latency", self.latency_s),
             ("--sim-footprint", self.footprint_bytes),
             ("--sim-fail-prob", self.fail_probability),

@@ -9,10 +9,10 @@ through the orchestrator. The speedup is measured from the two makespans; the
 mutual-exclusion checker replays the agents' device journals against the windows
 the jobs saw; the HTML timeline shows both runs on one scale.
 
-Simulated copy speed: the sim moves bytes at one rate per node, while the trace
-recorded different snapshot and restore times. Each pool's node gets the bandwidth
-that makes one operation take the mean of the recorded snapshot and restore medians
-(scaled), so that a full hand-over (snapshot + restore) costs what it cost in the trace.
+Simulated copy speed: each pool's node gets a snapshot bandwidth and a restore
+bandwidth that make a snapshot and a restore of the pool's footprint take the recorded
+medians of that pool (scaled, latency included), so that both directions, and thus a
+full hand-over, cost what they cost in the trace.
 """
 
 from __future__ import annotations
@@ -54,8 +54,12 @@ class DemoConfig:
     steps: int = DEFAULT_STEPS
     #: Trace seconds per demo second.
     time_scale: float = DEFAULT_TIME_SCALE
-    #: Sim copy bandwidth of both nodes, bytes/s (None = derived per pool from the trace).
+    #: Sim copy bandwidth of both nodes and both directions, bytes/s (None = derived per
+    #: pool and direction from the trace).
     sim_bandwidth_bytes_per_s: int | None = None
+    #: Sim restore bandwidth of both nodes, bytes/s; overrides the above for restores
+    #: (None = --sim-bandwidth if given, else derived per pool from the trace).
+    sim_restore_bandwidth_bytes_per_s: int | None = None
     #: Fixed cost of every sim snapshot/restore, demo seconds.
     sim_latency_s: float = 0.002
     #: Memory of each simulated device, bytes (an H100 has 80 GiB).
@@ -82,8 +86,12 @@ class DemoConfig:
             raise errors.ConfigError(f"--time-scale must be positive (got {self.time_scale:g})")
         if self.sim_latency_s < 0:
             raise errors.ConfigError(f"--sim-latency must be >= 0 (got {self.sim_latency_s:g})")
-        if self.sim_bandwidth_bytes_per_s is not None and self.sim_bandwidth_bytes_per_s <= 0:
-            raise errors.ConfigError("--sim-bandwidth must be positive")
+        for option, rate in (
+            ("--sim-bandwidth", self.sim_bandwidth_bytes_per_s),
+            ("--sim-restore-bandwidth", self.sim_restore_bandwidth_bytes_per_s),
+        ):
+            if rate is not None and rate <= 0:
+                raise errors.ConfigError(f"{option} must be positive (got {rate})")
         if self.contention is not None and self.contention < 1.0:
             raise errors.ConfigError(f"--contention must be >= 1 (got {self.contention:g})")
         for label, size in (
@@ -216,7 +224,8 @@ class DemoResult:
     config: DemoConfig
     model: trace.PhaseModel
     contention: float
-    bandwidths: Mapping[str, int]
+    #: Copy speed of each pool's node.
+    speeds: Mapping[str, device.CopySpeed]
     runs: Mapping[str, RunSummary]
     snapshot: Mapping[str, OpStats]
     restore: Mapping[str, OpStats]
@@ -263,7 +272,12 @@ class DemoResult:
             },
             "snapshot_median": {p: dataclasses.asdict(s) for p, s in self.snapshot.items()},
             "restore_median": {p: dataclasses.asdict(s) for p, s in self.restore.items()},
-            "sim_bandwidth_bytes_per_s": dict(self.bandwidths),
+            "sim_bandwidth_bytes_per_s": {
+                pool: speed.rate("snapshot") for pool, speed in self.speeds.items()
+            },
+            "sim_restore_bandwidth_bytes_per_s": {
+                pool: speed.rate("restore") for pool, speed in self.speeds.items()
+            },
             "violation_count": len(self.violations),
             "violations": [str(v) for v in self.violations],
             "timeline": str(self.timeline_path),
@@ -279,15 +293,32 @@ def job_ids(count: int) -> list[str]:
     return list(string.ascii_uppercase[:count])
 
 
-def derived_bandwidths(config: DemoConfig, model: trace.PhaseModel) -> dict[str, int]:
-    """Per-pool sim bandwidth (bytes/s) reproducing the recorded hand-over time, scaled."""
-    if config.sim_bandwidth_bytes_per_s is not None:
-        return {pool: config.sim_bandwidth_bytes_per_s for pool in trace.POOLS}
-    out: dict[str, int] = {}
+def derived_speeds(config: DemoConfig, model: trace.PhaseModel) -> dict[str, device.CopySpeed]:
+    """Per-pool sim copy speed reproducing the recorded snapshot and restore medians, scaled.
+
+    ``--sim-bandwidth`` replaces both derived rates, ``--sim-restore-bandwidth`` the
+    restore rate.
+    """
+    out: dict[str, device.CopySpeed] = {}
     for pool, footprint in config.footprints.items():
-        op_s = model.switch[pool].switch_s / 2 / config.time_scale
-        copy_s = max(op_s - config.sim_latency_s, 1e-4)
-        out[pool] = max(int(footprint / copy_s), 1)
+        cost = model.switch[pool]
+        speed = device.CopySpeed.matching(
+            bytes_per_device=footprint,
+            snapshot_s=cost.snapshot.median / config.time_scale,
+            restore_s=cost.restore.median / config.time_scale,
+            latency_s=config.sim_latency_s,
+        )
+        if config.sim_bandwidth_bytes_per_s is not None:
+            speed = dataclasses.replace(
+                speed,
+                bandwidth_bytes_per_s=config.sim_bandwidth_bytes_per_s,
+                restore_bandwidth_bytes_per_s=config.sim_bandwidth_bytes_per_s,
+            )
+        if config.sim_restore_bandwidth_bytes_per_s is not None:
+            speed = dataclasses.replace(
+                speed, restore_bandwidth_bytes_per_s=config.sim_restore_bandwidth_bytes_per_s
+            )
+        out[pool] = speed
     return out
 
 
@@ -297,7 +328,7 @@ async def run_demo(config: DemoConfig, *, progress: DemoProgress | None = None) 
     began = time.time()
     model = trace.load_model(config.trace_path)
     contention = config.contention if config.contention is not None else model.contention
-    bandwidths = derived_bandwidths(config, model)
+    speeds = derived_speeds(config, model)
     progress = progress or DemoProgress(
         jobs=config.jobs, steps=config.steps, time_scale=config.time_scale
     )
@@ -314,7 +345,8 @@ async def run_demo(config: DemoConfig, *, progress: DemoProgress | None = None) 
             cluster.SimAgent(
                 name=NODES[pool],
                 capacity_bytes=config.capacity_bytes,
-                bandwidth_bytes_per_s=bandwidths[pool],
+                bandwidth_bytes_per_s=speeds[pool].rate("snapshot"),
+                restore_bandwidth_bytes_per_s=speeds[pool].rate("restore"),
                 latency_s=config.sim_latency_s,
             )
             for pool in trace.POOLS
@@ -356,7 +388,7 @@ async def run_demo(config: DemoConfig, *, progress: DemoProgress | None = None) 
         config=config,
         model=model,
         contention=contention,
-        bandwidths=bandwidths,
+        speeds=speeds,
         runs=runs,
         snapshot=snapshot,
         restore=restore,

@@ -9,6 +9,8 @@ The device state outlives the process that drives it (a real GPU outlives an age
 crash), so every change is written atomically to a JSON file and read back on start.
 Every allocation and release is also appended to a JSON-lines *journal*; the
 mutual-exclusion checker replays journals of all nodes with :func:`read_journal`.
+:class:`CopySpeed` says how long moving a job's bytes off (snapshot) or back onto
+(restore) a device takes; the two directions may run at different rates.
 
 This module is pure stdlib and imports no tslice layer, so the agent, the demo and
 the checker can all share it.
@@ -36,6 +38,7 @@ STATE_FILE = "sim-devices.json"
 JOURNAL_FILE = "sim-journal.jsonl"
 
 EventKind = Literal["alloc", "free"]
+Direction = Literal["snapshot", "restore"]
 
 
 class CapacityError(Exception):
@@ -77,6 +80,65 @@ class DeviceUsage:
     id: str
     used_bytes: int
     total_bytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class CopySpeed:
+    """Time of a copy: ``bytes_per_device / rate + latency_s``, the rate set per direction.
+
+    Devices copy in parallel, each over its own link, so only the bytes of one device
+    count. A restore moves at ``restore_bandwidth_bytes_per_s``, or at the snapshot
+    rate when that is ``None``: real hosts often read pinned memory back faster than
+    they write it (the recorded veRL run restored ~3x faster than it snapshotted).
+    """
+
+    bandwidth_bytes_per_s: int = DEFAULT_BANDWIDTH_BYTES_PER_S
+    restore_bandwidth_bytes_per_s: int | None = None
+    latency_s: float = DEFAULT_LATENCY_S
+
+    def __post_init__(self) -> None:
+        for label, rate in (
+            ("bandwidth_bytes_per_s", self.bandwidth_bytes_per_s),
+            ("restore_bandwidth_bytes_per_s", self.restore_bandwidth_bytes_per_s),
+        ):
+            if rate is not None and rate <= 0:
+                raise ValueError(f"{label} must be positive (got {rate})")
+        if self.latency_s < 0:
+            raise ValueError(f"latency_s must be >= 0 (got {self.latency_s})")
+
+    def rate(self, direction: Direction) -> int:
+        """Bytes per second per device in ``direction``."""
+        if direction == "restore" and self.restore_bandwidth_bytes_per_s is not None:
+            return self.restore_bandwidth_bytes_per_s
+        return self.bandwidth_bytes_per_s
+
+    def seconds(self, *, bytes_per_device: int, direction: Direction) -> float:
+        """How long moving ``bytes_per_device`` in ``direction`` takes."""
+        return bytes_per_device / self.rate(direction) + self.latency_s
+
+    @classmethod
+    def matching(
+        cls,
+        *,
+        bytes_per_device: int,
+        snapshot_s: float,
+        restore_s: float,
+        latency_s: float,
+        min_copy_s: float = 1e-4,
+    ) -> CopySpeed:
+        """The speed at which ``bytes_per_device`` snapshot in ``snapshot_s`` and restore in
+        ``restore_s`` (latency included). A target below the latency is clamped to
+        ``latency_s + min_copy_s``: no rate can make a copy faster than its fixed cost.
+        """
+
+        def rate(total_s: float) -> int:
+            return max(int(bytes_per_device / max(total_s - latency_s, min_copy_s)), 1)
+
+        return cls(
+            bandwidth_bytes_per_s=rate(snapshot_s),
+            restore_bandwidth_bytes_per_s=rate(restore_s),
+            latency_s=latency_s,
+        )
 
 
 class SimNode:

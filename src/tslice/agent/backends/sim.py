@@ -1,7 +1,9 @@
 """The ``sim`` backend: jobs occupy bytes of simulated devices (``tslice.sim.device``).
 
-A snapshot or restore takes ``bytes_per_device / bandwidth + latency`` seconds (devices
-copy in parallel, each over its own link). A restore checks capacity first and lands
+A snapshot takes ``bytes_per_device / bandwidth + latency`` seconds, a restore
+``bytes_per_device / restore_bandwidth + latency`` (``restore_bandwidth`` unset = the
+snapshot rate; devices copy in parallel, each over its own link; see
+:class:`tslice.sim.device.CopySpeed`). A restore checks capacity first and lands
 its bytes at the *start* of the copy, so two jobs of a group that are ever resident
 together overcommit the device and fail loudly. Fault injection (failure probability,
 extra latency, hangs) lets tests drive every failure path of the agent.
@@ -40,6 +42,7 @@ class SimBackend(base.Backend):
         devices: int = 1,
         capacity_bytes: int = device.DEFAULT_CAPACITY_BYTES,
         bandwidth_bytes_per_s: int = device.DEFAULT_BANDWIDTH_BYTES_PER_S,
+        restore_bandwidth_bytes_per_s: int | None = None,
         latency_s: float = device.DEFAULT_LATENCY_S,
         default_footprint_bytes: int | None = None,
         fail_probability: float = 0.0,
@@ -47,12 +50,14 @@ class SimBackend(base.Backend):
         hang_probability: float = 0.0,
         seed: int | None = None,
     ) -> None:
-        if bandwidth_bytes_per_s <= 0:
-            raise ValueError(
-                f"bandwidth_bytes_per_s must be positive (got {bandwidth_bytes_per_s})"
-            )
-        if latency_s < 0 or extra_latency_s < 0:
-            raise ValueError("latency_s and extra_latency_s must be >= 0")
+        # Validates both rates and the latency.
+        self.speed = device.CopySpeed(
+            bandwidth_bytes_per_s=bandwidth_bytes_per_s,
+            restore_bandwidth_bytes_per_s=restore_bandwidth_bytes_per_s,
+            latency_s=latency_s,
+        )
+        if extra_latency_s < 0:
+            raise ValueError(f"extra_latency_s must be >= 0 (got {extra_latency_s})")
         probabilities = {"fail_probability": fail_probability, "hang_probability": hang_probability}
         for label, p in probabilities.items():
             if not 0.0 <= p <= 1.0:
@@ -70,8 +75,6 @@ class SimBackend(base.Backend):
                 f"default_footprint_bytes must be between 1 and the capacity {capacity_bytes} "
                 f"(got {default_footprint_bytes})"
             )
-        self.bandwidth_bytes_per_s = bandwidth_bytes_per_s
-        self.latency_s = latency_s
         self.default_footprint_bytes = default_footprint_bytes
         self.fail_probability = fail_probability
         self.extra_latency_s = extra_latency_s
@@ -96,13 +99,16 @@ class SimBackend(base.Backend):
     def _total(self, bytes_per_device: int) -> int:
         return bytes_per_device * self.node.devices
 
-    async def _copy(self, *, job: base.JobContext, bytes_per_device: int, what: str) -> None:
-        """Take the time the copy takes, then apply injected faults."""
+    async def _copy(
+        self, *, job: base.JobContext, bytes_per_device: int, what: device.Direction
+    ) -> None:
+        """Take the time the copy takes in direction ``what``, then apply injected faults."""
         # Roll both dice up front so that a seeded run is reproducible whatever the timing.
         hang = self._random.random() < self.hang_probability
         fail = self._random.random() < self.fail_probability
         await asyncio.sleep(
-            bytes_per_device / self.bandwidth_bytes_per_s + self.latency_s + self.extra_latency_s
+            self.speed.seconds(bytes_per_device=bytes_per_device, direction=what)
+            + self.extra_latency_s
         )
         if hang:
             # Stuck like a wedged driver call: only the agent's operation deadline ends it.
