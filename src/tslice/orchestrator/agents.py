@@ -9,6 +9,9 @@ deadlines are applied and gRPC failures are translated:
   NOT_FOUND...): our view of the node is stale; re-read its Status and re-plan.
 
 Operations are awaited with the WaitOperation long-poll in chunks, never by polling.
+A switch makes a job resident on a node with one Grant (:meth:`AgentClient.grant_step`:
+evict, restore, record); :attr:`AgentClient.one_step` says whether the agent is known
+to do that, so that agents without the feature get the original step sequence.
 """
 
 from __future__ import annotations
@@ -80,6 +83,8 @@ class AgentClient:
         self.rpc_timeout_s = rpc_timeout_s
         self.operation_timeout_s = operation_timeout_s
         self.wait_chunk_s = wait_chunk_s
+        #: The agent makes a job resident in one Grant: None until a reply tells.
+        self.one_step: bool | None = None
         self._channel = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
         self._stub: Any = pb_grpc.SnapshotAgentServiceStub(self._channel)  # type: ignore[no-untyped-call]
 
@@ -113,7 +118,8 @@ class AgentClient:
 
     async def grant(
         self, *, job_id: str, group: str, epoch: int, footprint_bytes: int
-    ) -> pb.JobState:
+    ) -> pb.GrantResponse:
+        """The original Grant: records the grant of a job with nothing left to restore."""
         resp = await self._call(
             "grant",
             self._stub.Grant,
@@ -122,7 +128,39 @@ class AgentClient:
             ),
             pb.GrantResponse,
         )
-        return resp.state
+        return resp
+
+    async def grant_step(
+        self,
+        *,
+        job_id: str,
+        group: str,
+        epoch: int,
+        footprint_bytes: int,
+        evict: list[str],
+        wait_s: float,
+    ) -> pb.GrantResponse:
+        """One node step of a switch: evict, restore ``job_id`` if SAVED, record the grant.
+
+        The agent replies once done (``granted``) or after ``wait_s`` with the operations
+        so far; re-issuing the same request continues where the node stands.
+        """
+        resp = await self._call(
+            "grant",
+            self._stub.Grant,
+            pb.GrantRequest(
+                job_id=job_id,
+                group=group,
+                grant_epoch=epoch,
+                footprint_bytes=footprint_bytes,
+                evict=evict,
+                restore=True,
+                wait_ms=max(1, int(wait_s * 1000)),
+            ),
+            pb.GrantResponse,
+            wait_s + self.rpc_timeout_s,
+        )
+        return resp
 
     async def reset_job(self, *, job_id: str) -> pb.JobState:
         resp = await self._call(

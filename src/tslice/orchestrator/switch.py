@@ -1,18 +1,23 @@
 """The coordinated context switch on every node of a group.
 
 Each node converges on its own, concurrently with the others, towards "only the
-incoming job is resident, and it has been granted":
+incoming job is resident, and it has been granted". With a tslice agent that is
+one Grant per node (``evict`` the outgoing resident and any other job of the group
+running there, ``restore`` the incoming job if it is SAVED, record the grant with
+its epoch); the agent answers once the node is done, or after a wait chunk with the
+operations in flight, which are then awaited (WaitOperation) before the Grant is
+re-issued (it is idempotent). FAULTED jobs are reset first (the agent refuses to
+move them blindly).
 
-1. evict: snapshot every job of the group that is RUNNING there (the outgoing
-   resident, and any extra a crash or a disagreement left behind); wait on an
+Agents that lack the one-step Grant get the original sequence:
+
+1. evict: snapshot every job of the group that is RUNNING there; wait on an
    operation already in flight (``JobStatus.operation_id``); reset a FAULTED one;
-2. bring in: restore the incoming job if it is SAVED there (as soon as this node's
-   own snapshots are done, not waiting for the other nodes);
-3. Grant: tell the agent which job now holds the group (with the grant epoch), so
-   a job with nothing to restore becomes RUNNING there and is known resident.
+2. bring in: restore the incoming job if it is SAVED there;
+3. Grant: tell the agent which job now holds the group (with the grant epoch).
 
-The switch is done when every node confirmed step 3. A failing step is retried
-with jittered exponential backoff for as long as somebody wants the switch
+The switch is done when every node confirmed. A failing step is retried with
+jittered exponential backoff for as long as somebody wants the switch
 (``SwitchHooks.should_continue``), re-reading the node's Status first, so the
 same code finishes a switch interrupted by a crash (roll forward is idempotent).
 
@@ -27,6 +32,8 @@ import dataclasses
 import random
 import time
 from typing import Protocol
+
+import grpc
 
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
 from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2 as opb
@@ -116,6 +123,8 @@ class NodeSwitcher:
         self.backoff = backoff
         self.restored = False
         self._op = "status"
+        #: Operations already reported (a re-issued Grant lists them again).
+        self._noted: set[str] = set()
 
     async def run(self) -> bool:
         """Return whether a restore happened on this node; raise GiveUp."""
@@ -156,30 +165,145 @@ class NodeSwitcher:
         return view
 
     async def _converge(self) -> None:
-        p = self.plan
         view = self.views.get(self.node.name)
+        fresh = view is None
         if view is None:
             view = await self._read()
         for _ in range(_MAX_REPLANS):
-            if await self._evict(view) or await self._settle(p.to_job, view):
-                view = await self._read()
+            if await self._reset_faulted(view):
+                view, fresh = await self._read(), True
                 continue
-            target = view.get(p.to_job)
-            if target is not None and target.state == pb.JOB_STATE_SAVED:
-                await self._restore(view)
+            if self.client.one_step is not False:
+                try:
+                    if await self._grant_step(view):
+                        return
+                except agents.AgentRejected as err:
+                    # An agent that ignores evict/restore refuses such a Grant (a SAVED
+                    # target, a resident neighbour); unless it is known to do one-step
+                    # Grants, that refusal on a fresh view means: use the steps below.
+                    unknown = self.client.one_step is None
+                    if not (unknown and fresh and err.code == grpc.StatusCode.FAILED_PRECONDITION):
+                        raise
+                view, fresh = await self._read(), True
+            if await self._step_by_step(view):
+                return
+            view, fresh = await self._read(), True
+        raise StepFailed("plan", "job states keep changing under the switch")
+
+    async def _reset_faulted(self, view: NodeView) -> bool:
+        """Reset FAULTED jobs the switch touches; True if any was reset."""
+        p = self.plan
+        touched = [
+            job
+            for job, jv in view.items()
+            if jv.state == pb.JOB_STATE_FAULTED
+            and (jv.group == p.group or job in (p.from_job, p.to_job))
+        ]
+        for job in touched:
+            await self._settle(job, view)
+        return bool(touched)
+
+    def _evictees(self, view: NodeView) -> list[str]:
+        p = self.plan
+        resident = (pb.JOB_STATE_RUNNING, pb.JOB_STATE_TRANSITIONING)
+        return [
+            job
+            for job, jv in view.items()
+            if job != p.to_job
+            and (jv.group == p.group or job == p.from_job)
+            and jv.state in resident
+        ]
+
+    async def _grant_step(self, view: NodeView) -> bool:
+        """One Grant (re-issued after waiting); False if the agent lacks the feature."""
+        p = self.plan
+        evict = self._evictees(view)
+        deadline = time.monotonic() + self.client.operation_timeout_s
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise agents.OperationFailed(
+                    self.client.address,
+                    "grant",
+                    f"job {p.to_job} was not made resident within "
+                    f"{self.client.operation_timeout_s:g} s (operation_timeout_s)",
+                )
             self._op = "grant"
             t0 = time.monotonic()
-            state = await self.client.grant(
-                job_id=p.to_job, group=p.group, epoch=p.epoch, footprint_bytes=p.footprint_bytes
+            resp = await self.client.grant_step(
+                job_id=p.to_job,
+                group=p.group,
+                epoch=p.epoch,
+                footprint_bytes=p.footprint_bytes,
+                evict=evict,
+                wait_s=min(self.client.wait_chunk_s, left),
             )
             self.hooks.observe(self.node.name, "grant", time.monotonic() - t0)
-            if state != pb.JOB_STATE_RUNNING:
-                raise StepFailed(
-                    "grant", f"job {p.to_job} is {pb.JobState.Name(state)} after Grant"
-                )
-            view[p.to_job] = JobView(pb.JOB_STATE_RUNNING, p.group)
+            if not resp.granted and not resp.operations:
+                # Our agents answer granted or with the operations in flight: this one
+                # ignored the one-step fields.
+                self.client.one_step = False
+                return False
+            self.client.one_step = True
+            for op_id, op in zip(resp.operation_ids, resp.operations, strict=False):
+                self._note(op_id, op, view)
+            if resp.granted:
+                view[p.to_job] = JobView(pb.JOB_STATE_RUNNING, p.group)
+                return True
+            for op_id, op in zip(resp.operation_ids, resp.operations, strict=False):
+                if op.status == pb.OPERATION_STATUS_PENDING:
+                    self._op = "wait"
+                    self._note(op_id, await self.client.wait_operation(op_id), view)
+
+    def _note(self, op_id: str, op: pb.GetOperationResponse, view: NodeView) -> None:
+        """Learn from an operation of the Grant: view, events and metrics, once each."""
+        if op.status == pb.OPERATION_STATUS_PENDING or op_id in self._noted:
             return
-        raise StepFailed("plan", "job states keep changing under the switch")
+        self._noted.add(op_id)
+        p = self.plan
+        if op.status == pb.OPERATION_STATUS_FAILED:
+            raise agents.OperationFailed(
+                self.client.address, op.kind, f"{op.kind} of job {op.job_id} failed: {op.error}"
+            )
+        group = view[op.job_id].group if op.job_id in view else p.group
+        if op.kind == "snapshot":
+            view[op.job_id] = JobView(pb.JOB_STATE_SAVED, group, op_id)
+            kind, size = opb.OrchestratorEvent.KIND_SNAPSHOT_DONE, op.storage_bytes
+        elif op.kind == "restore":
+            view[op.job_id] = JobView(pb.JOB_STATE_RUNNING, group, op_id)
+            kind, size = opb.OrchestratorEvent.KIND_RESTORE_DONE, op.snapshot_device_bytes
+            if op.job_id == p.to_job:
+                self.restored = True
+        else:
+            view[op.job_id] = JobView(pb.JOB_STATE_RUNNING, group, op_id)
+            return
+        self.hooks.observe(self.node.name, op.kind, op.elapsed_ms / 1000)
+        self.hooks.publish(
+            _event(kind, p, job=op.job_id, node=self.node.name, elapsed_ms=op.elapsed_ms, size=size)
+        )
+
+    async def _step_by_step(self, view: NodeView) -> bool:
+        """The original sequence (snapshot, restore, Grant); False if Status must be re-read."""
+        p = self.plan
+        if await self._evict(view) or await self._settle(p.to_job, view):
+            return False
+        target = view.get(p.to_job)
+        if target is not None and target.state == pb.JOB_STATE_SAVED:
+            await self._restore(view)
+        self._op = "grant"
+        t0 = time.monotonic()
+        resp = await self.client.grant(
+            job_id=p.to_job, group=p.group, epoch=p.epoch, footprint_bytes=p.footprint_bytes
+        )
+        self.hooks.observe(self.node.name, "grant", time.monotonic() - t0)
+        if not resp.granted:
+            self.client.one_step = False  # tslice agents set granted on every success
+        if resp.state != pb.JOB_STATE_RUNNING:
+            raise StepFailed(
+                "grant", f"job {p.to_job} is {pb.JobState.Name(resp.state)} after Grant"
+            )
+        view[p.to_job] = JobView(pb.JOB_STATE_RUNNING, p.group)
+        return True
 
     async def _evict(self, view: NodeView) -> bool:
         """Snapshot resident jobs other than the target; True if Status must be re-read."""
