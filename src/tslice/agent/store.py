@@ -4,12 +4,13 @@ The agent writes every change here *before* it replies, so an agent killed at an
 moment (SIGKILL included) restarts knowing every job, every saved state and every
 operation a caller may still ask about.
 
-One connection, used from one dedicated thread: every ``put`` is one transaction run
-as one function call there (one thread hop, not one per statement), and calls reach
-the database in the order the agent made them, because the single-thread executor
-runs them in submission order. WAL with ``synchronous=NORMAL``: a commit survives a
-crash of the process; only a power loss can drop the last ones, and a GPU's memory
-does not survive that either.
+Every ``put`` is one transaction, written on the event loop: with WAL and
+``synchronous=NORMAL`` a commit is a few tens of microseconds and no fsync, far less
+than a hop to a thread and back, and writes reach the database in exactly the order
+the agent made its decisions. A commit survives a crash of the process; only a power
+loss can drop the last ones, and a GPU's memory does not survive that either. WAL
+checkpoints (which do fsync) run in a thread of their own
+(:class:`tslice.common.sqlite_wal.WalCheckpointer`); opening and loading use a thread.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from tslice.agent import jobs
+from tslice.common import sqlite_wal
 
 _T = TypeVar("_T")
 
@@ -82,6 +84,7 @@ class Store:
             max_workers=1, thread_name_prefix="tslice-agent-db"
         )
         self._conn: sqlite3.Connection | None = None
+        self._checkpoints = sqlite_wal.WalCheckpointer(path)
 
     @classmethod
     async def open(cls, state_dir: Path) -> Store:
@@ -95,7 +98,9 @@ class Store:
 
     async def close(self) -> None:
         if self._conn is not None:
-            await self._run(self._close_sync)
+            self._conn.close()
+            self._conn = None
+            await self._checkpoints.close()
         self._executor.shutdown(wait=True)
 
     async def load(self) -> Loaded:
@@ -108,19 +113,19 @@ class Store:
         operation_records: Sequence[jobs.Operation] = (),
         grant_marks: Sequence[jobs.GrantMark] = (),
     ) -> None:
-        # Rows are built here, on the loop, from frozen records: the thread only writes.
+        """Store the records in one transaction (on the loop: see the module docstring)."""
         job_rows = [_job_row(j) for j in job_records]
         op_rows = [_operation_row(o) for o in operation_records]
         mark_rows = [(g.group, g.epoch, g.job_id) for g in grant_marks]
         if job_rows or op_rows or mark_rows:
-            await self._run(lambda: self._put_sync(job_rows, op_rows, mark_rows))
+            self._put_sync(job_rows, op_rows, mark_rows)
 
     async def delete_operations(self, op_ids: Iterable[str]) -> None:
         ids = [(op_id,) for op_id in op_ids]
         if ids:
-            await self._run(lambda: self._delete_sync(ids))
+            self._delete_sync(ids)
 
-    # ---- thread side ---------------------------------------------------------------------
+    # ---- SQLite side -----------------------------------------------------------------------
 
     async def _run(self, fn: Callable[[], _T]) -> _T:
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn)
@@ -132,6 +137,8 @@ class Store:
             conn.execute("PRAGMA journal_mode=WAL")
             # NORMAL is durable against a process crash in WAL mode (see the module docstring).
             conn.execute("PRAGMA synchronous=NORMAL")
+            # Checkpoints (the only fsyncs) run in the checkpointer's thread, not here.
+            conn.execute("PRAGMA wal_autocheckpoint=0")
             row = conn.execute("PRAGMA user_version").fetchone()
             version = int(row[0]) if row else 0
             if version > _SCHEMA_VERSION:
@@ -145,11 +152,6 @@ class Store:
             conn.close()
             raise
         self._conn = conn
-
-    def _close_sync(self) -> None:
-        assert self._conn is not None
-        self._conn.close()
-        self._conn = None
 
     def _load_sync(self) -> Loaded:
         conn = self._conn
@@ -167,14 +169,18 @@ class Store:
             )
         return loaded
 
+    def _connection(self) -> sqlite3.Connection:
+        if self._conn is None:
+            raise sqlite3.ProgrammingError(f"the agent state database {self.path} is closed")
+        return self._conn
+
     def _put_sync(
         self,
         job_rows: list[tuple[object, ...]],
         op_rows: list[tuple[object, ...]],
         mark_rows: list[tuple[str, int, str]],
     ) -> None:
-        conn = self._conn
-        assert conn is not None
+        conn = self._connection()
         conn.execute("BEGIN IMMEDIATE")
         try:
             if job_rows:
@@ -192,10 +198,10 @@ class Store:
             if conn.in_transaction:
                 conn.execute("ROLLBACK")
             raise
+        self._checkpoints.committed()
 
     def _delete_sync(self, ids: list[tuple[str]]) -> None:
-        conn = self._conn
-        assert conn is not None
+        conn = self._connection()
         conn.execute("BEGIN IMMEDIATE")
         try:
             conn.executemany("DELETE FROM operations WHERE op_id = ?", ids)
@@ -204,6 +210,7 @@ class Store:
             if conn.in_transaction:
                 conn.execute("ROLLBACK")
             raise
+        self._checkpoints.committed()
 
 
 def _job_row(job: jobs.Job) -> tuple[object, ...]:

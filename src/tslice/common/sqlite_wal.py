@@ -1,0 +1,73 @@
+"""WAL checkpoints of a SQLite database, run in a thread of their own.
+
+The agent and the orchestrator write their state on the event loop (a WAL commit
+with ``synchronous=NORMAL`` is a few tens of microseconds and no fsync), which keeps
+a hand-over free of thread hops. What must stay off the loop is the checkpoint, which
+copies the WAL into the database and fsyncs both: the writing connection runs with
+``wal_autocheckpoint=0`` and reports its commits here; every ``every_commits`` a
+PASSIVE checkpoint (it never blocks writers) runs on a second connection in this
+helper's thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import sqlite3
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+
+class WalCheckpointer:
+    """Checkpoints ``path`` every ``every_commits`` commits reported by :meth:`committed`."""
+
+    def __init__(self, path: Path, *, every_commits: int = 256) -> None:
+        if every_commits < 1:
+            raise ValueError(f"every_commits must be >= 1 (got {every_commits})")
+        self.path = path
+        self.every_commits = every_commits
+        self._commits = 0
+        self._pending: concurrent.futures.Future[None] | None = None
+        self._conn: sqlite3.Connection | None = None
+        self._executor = concurrent.futures.ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="tslice-wal-checkpoint"
+        )
+
+    def committed(self) -> None:
+        """Count one commit; start a checkpoint when due and none is running."""
+        self._commits += 1
+        if self._commits < self.every_commits:
+            return
+        if self._pending is not None and not self._pending.done():
+            return
+        self._commits = 0
+        self._pending = self._executor.submit(self._checkpoint, "PASSIVE")
+
+    async def close(self) -> None:
+        """A last checkpoint that empties the WAL, then release the thread."""
+        try:
+            await asyncio.get_running_loop().run_in_executor(
+                self._executor, self._checkpoint, "TRUNCATE"
+            )
+        finally:
+            await asyncio.get_running_loop().run_in_executor(self._executor, self._close)
+            self._executor.shutdown(wait=True)
+
+    # ---- thread side ---------------------------------------------------------------------
+
+    def _checkpoint(self, mode: str) -> None:
+        try:
+            if self._conn is None:
+                self._conn = sqlite3.connect(self.path, isolation_level=None)
+                self._conn.execute("PRAGMA busy_timeout=5000")
+            self._conn.execute(f"PRAGMA wal_checkpoint({mode})").fetchall()
+        except sqlite3.Error as err:
+            # Not fatal: the WAL keeps every commit; the next checkpoint catches up.
+            log.warning("checkpoint of %s failed: %s", self.path, err)
+
+    def _close(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
