@@ -1,10 +1,12 @@
 """A caller that goes away mid-request never leaves a job half-changed.
 
 gRPC aio cancels the handler coroutine when the client disconnects (an orchestrator
-SIGKILLed mid-call), so these tests cancel the core's request coroutine at the worst
-moment: while the store is writing the job as TRANSITIONING, before the backend call
-is started. The store is a real SQLite store whose next such write waits on an event,
-so the moment is hit deterministically.
+SIGKILLed mid-call). These tests deliver that cancellation at the worst moment: while
+the store writes the job as TRANSITIONING, before the backend call is started. The
+store is the real SQLite store; a hook in its ``put`` cancels the task that is
+writing, so the moment is hit deterministically. (Before the fix, the write was
+awaited, the cancellation landed there, and the job stayed TRANSITIONING with an
+operation that never ran.)
 """
 
 from __future__ import annotations
@@ -20,16 +22,15 @@ from tslice.agent import jobs, metrics, runner, store
 from tslice.agent.backends import noop
 
 
-class GatedStore(store.Store):
-    """A real store; once armed, the next put of a TRANSITIONING job waits for ``release``."""
+class CancellingStore(store.Store):
+    """A real store; once armed, its next write of a TRANSITIONING job cancels the writer."""
 
     def __init__(self, path: Path) -> None:
         super().__init__(path)
         self.armed = False
-        self.entered = asyncio.Event()
-        self.release = asyncio.Event()
+        self.fired = False
 
-    async def put(
+    def put(
         self,
         *,
         job_records: Sequence[jobs.Job] = (),
@@ -38,9 +39,11 @@ class GatedStore(store.Store):
     ) -> None:
         if self.armed and any(j.state is jobs.State.TRANSITIONING for j in job_records):
             self.armed = False
-            self.entered.set()
-            await self.release.wait()
-        await super().put(
+            writer = asyncio.current_task()
+            assert writer is not None
+            writer.cancel()  # the caller disconnects while the write is in progress
+            self.fired = True
+        return super().put(
             job_records=job_records, operation_records=operation_records, grant_marks=grant_marks
         )
 
@@ -50,11 +53,11 @@ class Node:
 
     def __init__(self, state_dir: Path) -> None:
         self.state_dir = state_dir
-        self.db: GatedStore | None = None
+        self.db: CancellingStore | None = None
         self.core: runner.AgentCore | None = None
 
     async def start(self) -> runner.AgentCore:
-        self.db = await GatedStore.open(self.state_dir)
+        self.db = await CancellingStore.open(self.state_dir)
         self.core = runner.AgentCore(
             node="node-a",
             backends={"noop": noop.NoopBackend()},
@@ -90,16 +93,14 @@ async def grant(core: runner.AgentCore, job_id: str, **kw: Any) -> runner.GrantO
 
 
 async def cancel_while_storing(
-    db: GatedStore, request: Callable[[], Coroutine[Any, Any, object]]
+    db: CancellingStore, request: Callable[[], Coroutine[Any, Any, object]]
 ) -> None:
-    """Start ``request``, cancel it while it stores a TRANSITIONING job, then let the store go."""
+    """Run ``request``, cancelled while it stores a TRANSITIONING job."""
     db.armed = True
     call = asyncio.ensure_future(request())
-    await db.entered.wait()
-    call.cancel()
     with pytest.raises(asyncio.CancelledError):
         await call
-    db.release.set()
+    assert db.fired
 
 
 async def settled(core: runner.AgentCore, job_id: str) -> jobs.Job:

@@ -43,6 +43,8 @@ class AgentMetrics:
         )
         self._server: object | None = None
         self._thread: threading.Thread | None = None
+        # Gauge values as last set: a change of one job's state touches one or two series.
+        self._job_counts: dict[str, int] = {}
 
     def observe(
         self, *, backend: str, kind: str, outcome: str, seconds: float, device_bytes: int
@@ -54,7 +56,9 @@ class AgentMetrics:
 
     def set_jobs(self, counts: Mapping[str, int]) -> None:
         for state, count in counts.items():
-            self.jobs.labels(state=state).set(count)
+            if self._job_counts.get(state) != count:
+                self.jobs.labels(state=state).set(count)
+                self._job_counts[state] = count
 
     def serve(self, *, port: int, host: str = "0.0.0.0") -> int:
         """Expose ``/metrics`` on ``port`` (0 = any free one) until :meth:`stop`; the port."""

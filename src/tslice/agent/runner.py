@@ -6,10 +6,13 @@ the result *before* replying, and spawns the backend call as a named task. Becau
 planning and the in-memory update happen without an await in between, two requests
 can never both see a job (or a group) free: the second one is refused.
 
-A request's state change runs in a task of its own that the RPC only awaits
-(:meth:`AgentCore._detached`): a caller that goes away (a cancelled RPC, an
-orchestrator killed mid-call) can never leave a change half-made, e.g. a job stored
-TRANSITIONING whose operation was never started.
+Between planning and starting the backend call there is no ``await`` at all: the
+memory update, the store's transaction (synchronous, see ``tslice.agent.store``) and
+the spawn of the operation's task happen in one step. A caller that goes away (a
+cancelled RPC, an orchestrator killed mid-call) is cancelled at an ``await``, so
+either before anything changed or after the operation was started, never in
+between (no job stored TRANSITIONING whose operation never runs). Keep it so:
+``_commit`` and ``_launch`` are plain functions on purpose.
 
 Backend calls go through :meth:`AgentCore._call`, the private wrapper that enforces
 the operation deadline, retries :class:`~tslice.agent.backends.base.TransientBackendError`
@@ -30,8 +33,8 @@ import dataclasses
 import logging
 import time
 import uuid
-from collections.abc import Callable, Coroutine, Iterable, Mapping, Sequence
-from typing import Any, TypeVar
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
 
 from tslice.agent import jobs, metrics, store
 from tslice.agent.backends import base
@@ -39,7 +42,6 @@ from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
 from tslice.common import tasks
 
 log = logging.getLogger(__name__)
-_T = TypeVar("_T")
 
 #: Upper bound of one WaitOperation long-poll (and of a request's ``wait_ms``).
 MAX_WAIT_S = 60.0
@@ -151,7 +153,7 @@ class AgentCore:
             records = [op] if op is not None else []
             if op is not None:
                 self._ops[op.op_id] = op
-            await self._store.put(job_records=[new_job], operation_records=records)
+            self._store.put(job_records=[new_job], operation_records=records)
             log.warning(
                 "job %s was TRANSITIONING when the agent stopped; now %s",
                 job.job_id,
@@ -168,7 +170,7 @@ class AgentCore:
                 error=f"agent restarted during operation {op.op_id}",
             )
             self._ops[op.op_id] = failed
-            await self._store.put(operation_records=[failed])
+            self._store.put(operation_records=[failed])
         await self.prune_operations()
         self._publish_job_counts()
 
@@ -242,11 +244,8 @@ class AgentCore:
         wait_s: float = 0.0,
     ) -> jobs.Operation:
         """Start a snapshot; return its operation once finished or after ``wait_s``."""
-        op = await self._detached(
-            self._start_snapshot(
-                job_id=job_id, group=group, config=config, deprecated_backend=deprecated_backend
-            ),
-            name=f"snapshot-request-{job_id}",
+        op = await self._start_snapshot(
+            job_id=job_id, group=group, config=config, deprecated_backend=deprecated_backend
         )
         (op,) = await self.settle([op], timeout_s=wait_s)
         return op
@@ -261,11 +260,8 @@ class AgentCore:
         wait_s: float = 0.0,
     ) -> jobs.Operation:
         """Start a restore; return its operation once finished or after ``wait_s``."""
-        op = await self._detached(
-            self._start_restore(
-                job_id=job_id, group=group, config=config, deprecated_backend=deprecated_backend
-            ),
-            name=f"restore-request-{job_id}",
+        op = await self._start_restore(
+            job_id=job_id, group=group, config=config, deprecated_backend=deprecated_backend
         )
         (op,) = await self.settle([op], timeout_s=wait_s)
         return op
@@ -309,24 +305,18 @@ class AgentCore:
             moves: list[jobs.Operation] = []
             for other in evictees:
                 if self._resident_or_faulted(other):
-                    op = await self._detached(
-                        self._start_eviction(job_id=other, group=group),
-                        name=f"evict-request-{other}",
-                    )
+                    op = await self._start_eviction(job_id=other, group=group)
                     if op is not None:
                         moves.append(op)
             if not moves:
-                target = await self._detached(
-                    self._start_grant(
-                        job_id=job_id,
-                        group=group,
-                        epoch=epoch,
-                        footprint_bytes=footprint_bytes,
-                        config=config,
-                        restore=restore,
-                        follow=not legacy,
-                    ),
-                    name=f"grant-request-{job_id}",
+                target = await self._start_grant(
+                    job_id=job_id,
+                    group=group,
+                    epoch=epoch,
+                    footprint_bytes=footprint_bytes,
+                    config=config,
+                    restore=restore,
+                    follow=not legacy,
                 )
                 if target is None:
                     return self._grant_outcome(job_id, seen, granted=True, restored=restored)
@@ -355,7 +345,21 @@ class AgentCore:
         )
 
     async def reset(self, *, job_id: str) -> jobs.State:
-        return await self._detached(self._reset(job_id=job_id), name=f"reset-request-{job_id}")
+        async with self._locks[job_id]:
+            job = jobs.check_reset(self._jobs.get(job_id), job_id=job_id, node=self.node)
+            recovered: jobs.State | None = None
+            backend = self.backends.get(job.backend) if job.backend else None
+            if backend is not None:
+                recovered = await self._recover(backend, job)
+            new_job = jobs.after_reset(job, recovered=recovered)
+            self._commit(jobs_=[new_job], previous=job)
+            log.info(
+                "job %s reset from FAULTED to %s",
+                job_id,
+                new_job.state.value,
+                extra={"job_id": job_id},
+            )
+            return new_job.state
 
     def on_workload_event(self, event: Any) -> None:
         """Listener for the workload-channel hub: a registration records the choice."""
@@ -375,7 +379,7 @@ class AgentCore:
             job = self._jobs.get(job_id)
             updated = jobs.after_channel_registration(job, job_id=job_id, group=group)
             if updated != job:
-                await self._commit(jobs_=[updated], previous=job)
+                self._commit(jobs_=[updated], previous=job)
                 log.info(
                     "job %s registered on the workload channel; its backend is app-channel",
                     job_id,
@@ -398,27 +402,10 @@ class AgentCore:
             drop.extend(kept[:excess])
         for op_id in drop:
             self._ops.pop(op_id, None)
-        await self._store.delete_operations(drop)
+        self._store.delete_operations(drop)
         return len(drop)
 
-    # ---- locked state changes (run detached, see _detached) --------------------------------
-
-    async def _detached(self, coro: Coroutine[Any, Any, _T], *, name: str) -> _T:
-        """Run a state change to its end even if the caller is cancelled meanwhile."""
-        task = asyncio.get_running_loop().create_task(coro, name=name)
-        self._running.add(task)
-        task.add_done_callback(self._detached_done)
-        return await asyncio.shield(task)
-
-    def _detached_done(self, task: asyncio.Task[Any]) -> None:
-        self._running.discard(task)
-        if task.cancelled():
-            return
-        # Retrieved here so that a refusal nobody waits for any more is not reported
-        # as "never retrieved"; an unexpected one is logged.
-        err = task.exception()
-        if err is not None and not isinstance(err, jobs.Refused):
-            log.error("request %s failed", task.get_name(), exc_info=err)
+    # ---- state changes, each under its job's lock ---------------------------------------
 
     async def _start_snapshot(
         self,
@@ -443,7 +430,7 @@ class AgentCore:
                 now=self._clock(),
                 recovered=recovered,
             )
-            return await self._launch(plan, config=route.config)
+            return self._launch(plan, config=route.config)
 
     async def _start_restore(
         self,
@@ -472,10 +459,10 @@ class AgentCore:
                 partial=partial,
             )
             if isinstance(plan, jobs.Done):
-                await self._commit(jobs_=[plan.job], ops=[plan.operation], previous=job)
+                self._commit(jobs_=[plan.job], ops=[plan.operation], previous=job)
                 return plan.operation
             # An explicit restore config applies to this operation only; the recorded one stays.
-            return await self._launch(plan, config=route.config)
+            return self._launch(plan, config=route.config)
 
     def _resident_or_faulted(self, job_id: str) -> bool:
         job = self._jobs.get(job_id)
@@ -514,7 +501,7 @@ class AgentCore:
                 now=self._clock(),
                 recovered=recovered,
             )
-            return await self._launch(plan, config=route.config)
+            return self._launch(plan, config=route.config)
 
     async def _start_grant(
         self,
@@ -556,7 +543,7 @@ class AgentCore:
                     others=self._jobs.values(),
                 )
                 assert isinstance(bring_back, jobs.Start)  # a SAVED job has something to move
-                return await self._launch(bring_back, config=route.config, mark=mark)
+                return self._launch(bring_back, config=route.config, mark=mark)
             plan = jobs.plan_grant(
                 job,
                 job_id=job_id,
@@ -572,9 +559,9 @@ class AgentCore:
             )
             if isinstance(plan, jobs.Unchanged):
                 if plan.job != job or marks:
-                    await self._commit(jobs_=[plan.job], marks=marks, previous=job)
+                    self._commit(jobs_=[plan.job], marks=marks, previous=job)
                 return None
-            return await self._launch(plan, config=route.config, mark=mark)
+            return self._launch(plan, config=route.config, mark=mark)
 
     def _granted_here(self, *, job_id: str, group: str, epoch: int) -> bool:
         job = self._jobs.get(job_id)
@@ -608,23 +595,6 @@ class AgentCore:
             f"grant of job {job_id} on node {self.node} failed and changed nothing: "
             f"{failed.error}; retry",
         )
-
-    async def _reset(self, *, job_id: str) -> jobs.State:
-        async with self._locks[job_id]:
-            job = jobs.check_reset(self._jobs.get(job_id), job_id=job_id, node=self.node)
-            recovered: jobs.State | None = None
-            backend = self.backends.get(job.backend) if job.backend else None
-            if backend is not None:
-                recovered = await self._recover(backend, job)
-            new_job = jobs.after_reset(job, recovered=recovered)
-            await self._commit(jobs_=[new_job], previous=job)
-            log.info(
-                "job %s reset from FAULTED to %s",
-                job_id,
-                new_job.state.value,
-                extra={"job_id": job_id},
-            )
-            return new_job.state
 
     # ---- internals --------------------------------------------------------------------------
 
@@ -670,8 +640,10 @@ class AgentCore:
         self, route: jobs.Route, job: jobs.Job | None, *, job_id: str, group: str
     ) -> None:
         """Let the backend refuse the config before anything is created or changed."""
-        known = job if job is not None else jobs.Job(job_id=job_id, group=group)
         backend = self.backends[route.backend]
+        if type(backend).validate is base.Backend.validate:
+            return  # the backend checks nothing: spare the hand-over a task and a timer
+        known = job if job is not None else jobs.Job(job_id=job_id, group=group)
         try:
             await asyncio.wait_for(
                 backend.validate(self._context(known, route.config)), timeout=RECOVER_TIMEOUT_S
@@ -726,7 +698,7 @@ class AgentCore:
             return False
         return bool(missing)
 
-    async def _commit(
+    def _commit(
         self,
         *,
         jobs_: Iterable[jobs.Job] = (),
@@ -744,9 +716,7 @@ class AgentCore:
         for mark in mark_list:
             self._grants[mark.group] = mark
         try:
-            await self._store.put(
-                job_records=job_list, operation_records=op_list, grant_marks=mark_list
-            )
+            self._store.put(job_records=job_list, operation_records=op_list, grant_marks=mark_list)
         except Exception as err:
             for job in job_list:
                 if previous is not None and previous.job_id == job.job_id:
@@ -768,7 +738,7 @@ class AgentCore:
             ) from err
         self._publish_job_counts()
 
-    async def _launch(
+    def _launch(
         self,
         plan: jobs.Start,
         *,
@@ -778,7 +748,7 @@ class AgentCore:
         previous = self._jobs.get(plan.job.job_id)
         self._done[plan.operation.op_id] = asyncio.get_running_loop().create_future()
         try:
-            await self._commit(
+            self._commit(
                 jobs_=[plan.job],
                 ops=[plan.operation],
                 marks=[mark] if mark else [],
@@ -825,7 +795,7 @@ class AgentCore:
             )
             try:
                 # On disk before anybody can see it: a reply never gets ahead of the store.
-                await self._store.put(job_records=[new_job], operation_records=[new_op])
+                self._store.put(job_records=[new_job], operation_records=[new_op])
             except Exception:
                 # The outcome stays served from memory; a restart re-asks the backend.
                 log.exception("could not persist the outcome of operation %s", op.op_id)

@@ -4,13 +4,15 @@ The agent writes every change here *before* it replies, so an agent killed at an
 moment (SIGKILL included) restarts knowing every job, every saved state and every
 operation a caller may still ask about.
 
-Every ``put`` is one transaction, written on the event loop: with WAL and
-``synchronous=NORMAL`` a commit is a few tens of microseconds and no fsync, far less
-than a hop to a thread and back, and writes reach the database in exactly the order
-the agent made its decisions. A commit survives a crash of the process; only a power
-loss can drop the last ones, and a GPU's memory does not survive that either. WAL
-checkpoints (which do fsync) run in a thread of their own
-(:class:`tslice.common.sqlite_wal.WalCheckpointer`); opening and loading use a thread.
+Every ``put`` is one transaction, written synchronously on the event loop: with WAL
+and ``synchronous=NORMAL`` a commit is a few tens of microseconds and no fsync, far
+less than a hop to a thread and back; writes reach the database in exactly the order
+the agent made its decisions; and a caller can store and act without an ``await`` in
+between, so that a cancellation never separates the two (see ``tslice.agent.runner``).
+A commit survives a crash of the process; only a power loss can drop the last ones,
+and a GPU's memory does not survive that either. WAL checkpoints (which do fsync) run
+in a thread of their own (:class:`tslice.common.sqlite_wal.WalCheckpointer`); opening
+and loading use a thread too.
 """
 
 from __future__ import annotations
@@ -106,21 +108,21 @@ class Store:
     async def load(self) -> Loaded:
         return await self._run(self._load_sync)
 
-    async def put(
+    def put(
         self,
         *,
         job_records: Sequence[jobs.Job] = (),
         operation_records: Sequence[jobs.Operation] = (),
         grant_marks: Sequence[jobs.GrantMark] = (),
     ) -> None:
-        """Store the records in one transaction (on the loop: see the module docstring)."""
+        """Store the records in one transaction, synchronously (see the module docstring)."""
         job_rows = [_job_row(j) for j in job_records]
         op_rows = [_operation_row(o) for o in operation_records]
         mark_rows = [(g.group, g.epoch, g.job_id) for g in grant_marks]
         if job_rows or op_rows or mark_rows:
             self._put_sync(job_rows, op_rows, mark_rows)
 
-    async def delete_operations(self, op_ids: Iterable[str]) -> None:
+    def delete_operations(self, op_ids: Iterable[str]) -> None:
         ids = [(op_id,) for op_id in op_ids]
         if ids:
             self._delete_sync(ids)
