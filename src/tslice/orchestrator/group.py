@@ -403,22 +403,27 @@ class GroupDriver:
         return self._bind(self.lock.on_cancel(waiter.job, now=now))
 
     def _bind(self, actions: list[lock.Action]) -> list[Effect]:
-        """Bookkeeping now (who got the grant), side effects after persisting."""
+        """Bookkeeping now (who got the grant), side effects after persisting.
+
+        Grants and switch starts come first: what they wake (an Acquire reply, the
+        switch's first step) then runs before event deliveries and other replies.
+        """
+        urgent: list[Effect] = []
         effects: list[Effect] = []
         for action in actions:
             if isinstance(action, lock.Granted):
                 receivers = self._waiters.pop(action.job, [])
                 for w in receivers:
                     w.granted_epoch = action.epoch
-                effects.append(self._grant_effect(action, receivers))
+                urgent.append(self._grant_effect(action, receivers))
             elif isinstance(action, lock.Abort):
                 aborted = self._waiters.pop(action.job, [])
                 effects.append(self._abort_effect(action, aborted))
             elif isinstance(action, lock.StartSwitch):
-                effects.append(self._switch_effect(action))
+                urgent.append(self._switch_effect(action))
             else:
                 effects.append(self._emit_effect(action))
-        return effects
+        return urgent + effects
 
     def _grant_effect(self, g: lock.Granted, receivers: list[_Waiter]) -> Effect:
         def effect() -> None:
@@ -467,13 +472,16 @@ class GroupDriver:
 
     async def _run_switch(self, s: lock.StartSwitch) -> None:
         plan = switch.SwitchPlan(self.group_id, s.from_job, s.to_job, s.epoch, s.footprint_bytes)
-        self._publish(
-            Kind.KIND_SWITCH_STARTED,
-            job_id=s.to_job,
-            from_job=s.from_job or "",
-            grant_epoch=s.epoch,
-            detail="recovered" if s.recovered else "",
-        )
+
+        def announce() -> None:
+            self._publish(
+                Kind.KIND_SWITCH_STARTED,
+                job_id=s.to_job,
+                from_job=s.from_job or "",
+                grant_epoch=s.epoch,
+                detail="recovered" if s.recovered else "",
+            )
+
         started = time.monotonic()
         try:
             restored = await switch.run_switch(
@@ -483,6 +491,7 @@ class GroupDriver:
                 views=self._views,
                 hooks=self,
                 backoff=self._backoff,
+                started=announce,
             )
         except asyncio.CancelledError:
             raise
@@ -507,6 +516,12 @@ class GroupDriver:
             )
             return
         elapsed = time.monotonic() - started
+        # The grant first (the worker persists it and answers the Acquire), then the rest.
+        self._post(
+            lambda now: self._bind(
+                self.lock.on_switch_done(epoch=s.epoch, restored=restored, now=now)
+            )
+        )
         log.info(
             "group %s: switch %s -> %s done in %.1f ms%s",
             self.group_id,
@@ -526,11 +541,6 @@ class GroupDriver:
             grant_epoch=s.epoch,
             duration_ms=int(elapsed * 1000),
             detail="restored" if restored else "",
-        )
-        self._post(
-            lambda now: self._bind(
-                self.lock.on_switch_done(epoch=s.epoch, restored=restored, now=now)
-            )
         )
 
     # SwitchHooks

@@ -31,6 +31,7 @@ import asyncio
 import dataclasses
 import random
 import time
+from collections.abc import Callable
 from typing import Protocol
 
 import grpc
@@ -415,15 +416,23 @@ async def run_switch(
     views: dict[str, NodeView],
     hooks: SwitchHooks,
     backoff: Backoff,
+    started: Callable[[], None] | None = None,
 ) -> bool:
-    """Converge every node concurrently; return whether any node restored the target."""
+    """Converge every node concurrently; return whether any node restored the target.
+
+    ``started`` is called once the nodes' steps are under way (their calls are sent
+    before anything it wakes, e.g. event deliveries, gets to run).
+    """
     switchers = [
         NodeSwitcher(
             node=n, client=pool.get(n.address), plan=plan, views=views, hooks=hooks, backoff=backoff
         )
         for n in nodes
     ]
-    results = await asyncio.gather(*(s.run() for s in switchers), return_exceptions=True)
+    steps = asyncio.gather(*(s.run() for s in switchers), return_exceptions=True)
+    if started is not None:
+        started()
+    results = await steps
     failures = [r for r in results if isinstance(r, BaseException)]
     if failures:
         for r in failures:
