@@ -483,6 +483,7 @@ class GroupDriver:
             )
 
         started = time.monotonic()
+        held: list[opb.OrchestratorEvent] = []
         try:
             restored = await switch.run_switch(
                 plan=plan,
@@ -492,6 +493,7 @@ class GroupDriver:
                 hooks=self,
                 backoff=self._backoff,
                 started=announce,
+                held=held,
             )
         except asyncio.CancelledError:
             raise
@@ -522,6 +524,8 @@ class GroupDriver:
                 self.lock.on_switch_done(epoch=s.epoch, restored=restored, now=now)
             )
         )
+        for event in held:
+            self._bus.publish(event)
         log.info(
             "group %s: switch %s -> %s done in %.1f ms%s",
             self.group_id,

@@ -126,6 +126,8 @@ class NodeSwitcher:
         self._op = "status"
         #: Operations already reported (a re-issued Grant lists them again).
         self._noted: set[str] = set()
+        #: Progress events not yet published (see :meth:`flush` and ``run_switch``).
+        self.events: list[opb.OrchestratorEvent] = []
 
     async def run(self) -> bool:
         """Return whether a restore happened on this node; raise GiveUp."""
@@ -147,6 +149,7 @@ class NodeSwitcher:
             except (agents.OperationFailed, StepFailed) as err:
                 unreachable, detail = False, str(err)
             self.views.pop(self.node.name, None)
+            self.flush()  # what was done before the failure is reported before it
             if not self.hooks.should_continue():
                 raise GiveUp(f"{self.node.name}: {detail}")
             delay = self.backoff.delay(attempt)
@@ -155,6 +158,12 @@ class NodeSwitcher:
                 self.node.name, self._op, detail, unreachable=unreachable, retry_in=delay
             )
             await asyncio.sleep(delay)
+
+    def flush(self) -> None:
+        """Publish the progress events held so far."""
+        events, self.events = self.events, []
+        for event in events:
+            self.hooks.publish(event)
 
     async def _read(self) -> NodeView:
         self._op = "status"
@@ -279,7 +288,7 @@ class NodeSwitcher:
             view[op.job_id] = JobView(pb.JOB_STATE_RUNNING, group, op_id)
             return
         self.hooks.observe(self.node.name, op.kind, op.elapsed_ms / 1000)
-        self.hooks.publish(
+        self.events.append(
             _event(kind, p, job=op.job_id, node=self.node.name, elapsed_ms=op.elapsed_ms, size=size)
         )
 
@@ -350,7 +359,7 @@ class NodeSwitcher:
                 self.client.address, "snapshot", f"snapshot of job {job} failed: {resp.error}"
             )
         view[job] = JobView(pb.JOB_STATE_SAVED, view[job].group)
-        self.hooks.publish(
+        self.events.append(
             _event(
                 opb.OrchestratorEvent.KIND_SNAPSHOT_DONE,
                 p,
@@ -375,7 +384,7 @@ class NodeSwitcher:
             )
         view[p.to_job] = JobView(pb.JOB_STATE_RUNNING, p.group)
         self.restored = True
-        self.hooks.publish(
+        self.events.append(
             _event(
                 opb.OrchestratorEvent.KIND_RESTORE_DONE,
                 p,
@@ -417,11 +426,16 @@ async def run_switch(
     hooks: SwitchHooks,
     backoff: Backoff,
     started: Callable[[], None] | None = None,
+    held: list[opb.OrchestratorEvent] | None = None,
 ) -> bool:
     """Converge every node concurrently; return whether any node restored the target.
 
     ``started`` is called once the nodes' steps are under way (their calls are sent
-    before anything it wakes, e.g. event deliveries, gets to run).
+    before anything it wakes, e.g. event deliveries, gets to run). A node's progress
+    events (SNAPSHOT_DONE, RESTORE_DONE) are published when the node is done, except
+    those of the last node of a successful switch when ``held`` is given: they go
+    there, for the caller to publish once it has acted on the completion, so that
+    event deliveries do not delay the grant. Their timestamps are those of the facts.
     """
     switchers = [
         NodeSwitcher(
@@ -429,12 +443,34 @@ async def run_switch(
         )
         for n in nodes
     ]
-    steps = asyncio.gather(*(s.run() for s in switchers), return_exceptions=True)
+    running = len(switchers)
+
+    async def converge(switcher: NodeSwitcher) -> bool:
+        nonlocal running
+        try:
+            restored = await switcher.run()
+        except BaseException:
+            running -= 1
+            switcher.flush()
+            raise
+        running -= 1
+        if running > 0 or held is None:
+            switcher.flush()
+        else:
+            held.extend(switcher.events)
+            switcher.events.clear()
+        return restored
+
+    steps = asyncio.gather(*(converge(s) for s in switchers), return_exceptions=True)
     if started is not None:
         started()
     results = await steps
     failures = [r for r in results if isinstance(r, BaseException)]
     if failures:
+        if held:
+            for event in held:
+                hooks.publish(event)
+            held.clear()
         for r in failures:
             if not isinstance(r, GiveUp):
                 raise r
