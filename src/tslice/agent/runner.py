@@ -31,10 +31,11 @@ import asyncio
 import collections
 import dataclasses
 import logging
+import sys
 import time
 import uuid
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Coroutine, Iterable, Mapping, Sequence
+from typing import Any, TypeVar
 
 from tslice.agent import jobs, metrics, store
 from tslice.agent.backends import base
@@ -42,6 +43,7 @@ from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
 from tslice.common import tasks
 
 log = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
 #: Upper bound of one WaitOperation long-poll (and of a request's ``wait_ms``).
 MAX_WAIT_S = 60.0
@@ -51,6 +53,18 @@ _MAX_GRANT_STEPS = 8
 RECOVER_TIMEOUT_S = 30.0
 _BACKOFF_MIN_S = 0.05
 _BACKOFF_MAX_S = 5.0
+
+
+async def _within(call: Coroutine[Any, Any, _T], *, timeout_s: float) -> _T:
+    """``call`` under a deadline, run in the calling task where the loop allows it.
+
+    ``asyncio.timeout`` (3.11+) needs no extra task: a backend call that finishes
+    without suspending (noop, a refusal) costs no trip through the event loop.
+    """
+    if sys.version_info >= (3, 11):
+        async with asyncio.timeout(timeout_s):
+            return await call
+    return await asyncio.wait_for(call, timeout=timeout_s)
 
 
 def _mode_of(config: pb.BackendConfig | None) -> pb.SuspendMode:
@@ -832,8 +846,8 @@ class AgentCore:
         while True:
             remaining = deadline - loop.time()
             try:
-                result = await asyncio.wait_for(
-                    self._invoke(backend, op.kind, ctx, mode), timeout=max(remaining, 0.0)
+                result = await _within(
+                    self._invoke(backend, op.kind, ctx, mode), timeout_s=max(remaining, 0.0)
                 )
                 return jobs.Outcome(result=result)
             except base.TransientBackendError as err:
