@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Mapping
+from typing import Any
 
 import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -45,14 +46,25 @@ class AgentMetrics:
         self._thread: threading.Thread | None = None
         # Gauge values as last set: a change of one job's state touches one or two series.
         self._job_counts: dict[str, int] = {}
+        self._series: dict[tuple[str, str, str], tuple[Any, Any, Any]] = {}
 
     def observe(
         self, *, backend: str, kind: str, outcome: str, seconds: float, device_bytes: int
     ) -> None:
-        self.operations.labels(backend=backend, kind=kind, outcome=outcome).inc()
-        self.duration.labels(backend=backend, kind=kind).observe(seconds)
+        series = self._series.get((backend, kind, outcome))
+        if series is None:
+            # labels() costs more than the update itself: look each child up once.
+            series = (
+                self.operations.labels(backend=backend, kind=kind, outcome=outcome),
+                self.duration.labels(backend=backend, kind=kind),
+                self.bytes_moved.labels(backend=backend, kind=kind),
+            )
+            self._series[(backend, kind, outcome)] = series
+        count, duration, moved = series
+        count.inc()
+        duration.observe(seconds)
         if device_bytes > 0:
-            self.bytes_moved.labels(backend=backend, kind=kind).inc(device_bytes)
+            moved.inc(device_bytes)
 
     def set_jobs(self, counts: Mapping[str, int]) -> None:
         for state, count in counts.items():

@@ -17,6 +17,7 @@ to do that, so that agents without the feature get the original step sequence.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any, TypeVar, cast
 
 import grpc
@@ -91,9 +92,16 @@ class AgentClient:
     async def close(self) -> None:
         await self._channel.close()
 
-    async def status(self, *, timeout_s: float | None = None) -> pb.StatusResponse:
+    async def status(
+        self, *, timeout_s: float | None = None, issued: Callable[[], None] | None = None
+    ) -> pb.StatusResponse:
         resp = await self._call(
-            "status", self._stub.Status, pb.StatusRequest(), pb.StatusResponse, timeout_s
+            "status",
+            self._stub.Status,
+            pb.StatusRequest(),
+            pb.StatusResponse,
+            timeout_s,
+            issued=issued,
         )
         return resp
 
@@ -139,6 +147,7 @@ class AgentClient:
         footprint_bytes: int,
         evict: list[str],
         wait_s: float,
+        issued: Callable[[], None] | None = None,
     ) -> pb.GrantResponse:
         """One node step of a switch: evict, restore ``job_id`` if SAVED, record the grant.
 
@@ -159,6 +168,7 @@ class AgentClient:
             ),
             pb.GrantResponse,
             wait_s + self.rpc_timeout_s,
+            issued=issued,
         )
         return resp
 
@@ -198,9 +208,15 @@ class AgentClient:
         request: object,
         response_type: type[_R],
         timeout_s: float | None = None,
+        *,
+        issued: Callable[[], None] | None = None,
     ) -> _R:
+        """``issued`` is called once the call is under way (created, its send scheduled)."""
         try:
-            return cast(_R, await method(request, timeout=timeout_s or self.rpc_timeout_s))
+            call = method(request, timeout=timeout_s or self.rpc_timeout_s)
+            if issued is not None:
+                issued()
+            return cast(_R, await call)
         except grpc.aio.AioRpcError as err:
             detail = err.details() or err.code().name.lower()
             if err.code() in _UNREACHABLE:

@@ -32,7 +32,7 @@ def make_event(
     size_bytes: int = 0,
 ) -> opb.OrchestratorEvent:
     ts = timestamp_pb2.Timestamp()
-    ts.GetCurrentTime()
+    ts.FromNanoseconds(time.time_ns())  # GetCurrentTime goes through datetime: 5x slower
     return opb.OrchestratorEvent(
         time=ts,
         kind=kind,

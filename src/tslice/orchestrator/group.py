@@ -84,6 +84,16 @@ class _Waiter:
 Effect = Callable[[], None]
 
 
+class _Urgent:
+    """An effect on the hand-over path (resolve an Acquire, start a switch): it runs first."""
+
+    def __init__(self, fn: Effect) -> None:
+        self._fn = fn
+
+    def __call__(self) -> None:
+        self._fn()
+
+
 @dataclasses.dataclass(frozen=True)
 class RecoveryDecision:
     resident: str | None
@@ -188,8 +198,13 @@ class GroupDriver:
         self._switch_detail = ""
         self._tasks: list[asyncio.Task[Any]] = []
         self._switch_task: asyncio.Task[None] | None = None
+        #: Effects held back until a starting switch has sent its first calls (see _worker).
+        self._deferred: list[Effect] | None = None
         self._stopping = False
         self._state = ""
+        self._queue_depth = -1
+        # Labelled histogram children, looked up once (labels() costs more than observe()).
+        self._durations: dict[tuple[str, str], Any] = {}
         self._state_ts = timestamp_pb2.Timestamp()
         self._refresh_state()
 
@@ -207,6 +222,7 @@ class GroupDriver:
         sw = self._switch_task
         if sw is not None and not sw.done():
             await asyncio.wait({sw}, timeout=grace_s)
+        self._release_deferred()
         # Let the worker persist what the switch reported.
         flushed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._inbox.put_nowait(lambda now: [lambda: _resolve(flushed, None)])
@@ -363,12 +379,28 @@ class GroupDriver:
                 except Exception:
                     log.exception("group %s: command failed", self.group_id)
             await self._persist()
-            for effect in effects:
-                try:
-                    effect()
-                except Exception:
-                    log.exception("group %s: effect failed", self.group_id)
+            # Urgent effects first. While a switch they started has not sent its first
+            # agent calls, the others (Yield replies, event deliveries) wait, so that
+            # the calls leave before them: every Acquire waits on those calls.
+            self._run_effects([e for e in effects if isinstance(e, _Urgent)])
+            others = [e for e in effects if not isinstance(e, _Urgent)]
+            if self._deferred is not None:
+                self._deferred += others
+            else:
+                self._run_effects(others)
             self._refresh_state()
+
+    def _run_effects(self, effects: list[Effect]) -> None:
+        for effect in effects:
+            try:
+                effect()
+            except Exception:
+                log.exception("group %s: effect failed", self.group_id)
+
+    def _release_deferred(self) -> None:
+        deferred, self._deferred = self._deferred, None
+        if deferred:
+            self._run_effects(deferred)
 
     async def _persist(self) -> None:
         record = self.lock.record()
@@ -405,31 +437,32 @@ class GroupDriver:
     def _bind(self, actions: list[lock.Action]) -> list[Effect]:
         """Bookkeeping now (who got the grant), side effects after persisting.
 
-        Grants and switch starts come first: what they wake (an Acquire reply, the
-        switch's first step) then runs before event deliveries and other replies.
+        Resolving a grant's Acquires and starting a switch are urgent (see _worker);
+        events keep their order among the other effects.
         """
-        urgent: list[Effect] = []
         effects: list[Effect] = []
         for action in actions:
             if isinstance(action, lock.Granted):
                 receivers = self._waiters.pop(action.job, [])
                 for w in receivers:
                     w.granted_epoch = action.epoch
-                urgent.append(self._grant_effect(action, receivers))
+                effects += self._grant_effects(action, receivers)
             elif isinstance(action, lock.Abort):
                 aborted = self._waiters.pop(action.job, [])
                 effects.append(self._abort_effect(action, aborted))
             elif isinstance(action, lock.StartSwitch):
-                urgent.append(self._switch_effect(action))
+                effects.append(self._switch_effect(action))
             else:
                 effects.append(self._emit_effect(action))
-        return urgent + effects
+        return effects
 
-    def _grant_effect(self, g: lock.Granted, receivers: list[_Waiter]) -> Effect:
-        def effect() -> None:
+    def _grant_effects(self, g: lock.Granted, receivers: list[_Waiter]) -> list[Effect]:
+        def resolve() -> None:
             for w in receivers:
                 if not w.future.done():
                     w.future.set_result(Grant(g.epoch, g.restored))
+
+        def announce() -> None:
             self._publish(
                 Kind.KIND_GRANTED,
                 job_id=g.job,
@@ -438,7 +471,7 @@ class GroupDriver:
                 detail=_grant_detail(g),
             )
 
-        return effect
+        return [_Urgent(resolve), announce]
 
     def _abort_effect(self, a: lock.Abort, waiters: list[_Waiter]) -> Effect:
         def effect() -> None:
@@ -462,11 +495,13 @@ class GroupDriver:
             if self._stopping:
                 # The intent is on disk: recovery rolls it back (nothing moved) at restart.
                 return
+            if self._deferred is None:
+                self._deferred = []
             self._switch_task = tasks.spawn(
                 self._run_switch(s), name=f"group:{self.group_id}:switch:{s.epoch}"
             )
 
-        return effect
+        return _Urgent(effect)
 
     # ---- switches --------------------------------------------------------------------------
 
@@ -474,6 +509,8 @@ class GroupDriver:
         plan = switch.SwitchPlan(self.group_id, s.from_job, s.to_job, s.epoch, s.footprint_bytes)
 
         def announce() -> None:
+            # Every node's first call is on its way: what waited for that may run now.
+            self._release_deferred()
             self._publish(
                 Kind.KIND_SWITCH_STARTED,
                 job_id=s.to_job,
@@ -517,15 +554,9 @@ class GroupDriver:
                 )
             )
             return
+        finally:
+            self._release_deferred()  # in case the switch ended before its first calls
         elapsed = time.monotonic() - started
-        # The grant first (the worker persists it and answers the Acquire), then the rest.
-        self._post(
-            lambda now: self._bind(
-                self.lock.on_switch_done(epoch=s.epoch, restored=restored, now=now)
-            )
-        )
-        for event in held:
-            self._bus.publish(event)
         log.info(
             "group %s: switch %s -> %s done in %.1f ms%s",
             self.group_id,
@@ -538,13 +569,26 @@ class GroupDriver:
         self._switch_detail = ""
         self._metrics.switches.labels(group_id=self.group_id, outcome="completed").inc()
         self._metrics.switch_duration.labels(group_id=self.group_id).observe(elapsed)
-        self._publish(
-            Kind.KIND_SWITCH_DONE,
-            job_id=s.to_job,
-            from_job=s.from_job or "",
-            grant_epoch=s.epoch,
-            duration_ms=int(elapsed * 1000),
-            detail="restored" if restored else "",
+
+        def announce_done() -> None:
+            for event in held:
+                self._bus.publish(event)
+            self._publish(
+                Kind.KIND_SWITCH_DONE,
+                job_id=s.to_job,
+                from_job=s.from_job or "",
+                grant_epoch=s.epoch,
+                duration_ms=int(elapsed * 1000),
+                detail="restored" if restored else "",
+            )
+
+        # The worker persists the grant and answers the Acquire (urgent), then publishes
+        # the last node's events, SWITCH_DONE and GRANTED, in that order.
+        self._post(
+            lambda now: [
+                announce_done,
+                *self._bind(self.lock.on_switch_done(epoch=s.epoch, restored=restored, now=now)),
+            ]
         )
 
     # SwitchHooks
@@ -552,9 +596,13 @@ class GroupDriver:
         self._bus.publish(event)
 
     def observe(self, node: str, operation: str, seconds: float) -> None:
-        self._metrics.agent_operation.labels(
-            group_id=self.group_id, node=node, operation=operation
-        ).observe(seconds)
+        series = self._durations.get((node, operation))
+        if series is None:
+            series = self._metrics.agent_operation.labels(
+                group_id=self.group_id, node=node, operation=operation
+            )
+            self._durations[(node, operation)] = series
+        series.observe(seconds)
 
     def node_ok(self, node: str) -> None:
         if self._unreachable.pop(node, None) is not None:
@@ -678,9 +726,12 @@ class GroupDriver:
         if state != self._state:
             self._state = state
             self._state_ts = timestamp_pb2.Timestamp()
-            self._state_ts.GetCurrentTime()
+            self._state_ts.FromNanoseconds(time.time_ns())
             self._metrics.set_state(self.group_id, state)
-        self._metrics.queue_depth.labels(group_id=self.group_id).set(len(self.lock.waiting_jobs))
+        depth = len(self.lock.waiting_jobs)
+        if depth != self._queue_depth:
+            self._queue_depth = depth
+            self._metrics.queue_depth.labels(group_id=self.group_id).set(depth)
 
     def _publish(self, kind: opb.OrchestratorEvent.Kind, **fields: Any) -> None:
         self._bus.publish(events.make_event(kind, group_id=self.group_id, **fields))

@@ -70,6 +70,7 @@ class OrchestratorMetrics:
             ["group_id", "state"],
             registry=r,
         )
+        self._states: dict[str, str] = {}
         self.events_dropped = prom.Counter(
             "tslice_orchestrator_watch_events_dropped",
             "Events dropped because a WatchEvents subscriber was too slow",
@@ -77,5 +78,12 @@ class OrchestratorMetrics:
         )
 
     def set_state(self, group_id: str, state: str) -> None:
-        for s in GROUP_STATES:
-            self.group_state.labels(group_id=group_id, state=s).set(1 if s == state else 0)
+        previous = self._states.get(group_id)
+        if previous is None:
+            for s in GROUP_STATES:
+                self.group_state.labels(group_id=group_id, state=s).set(1 if s == state else 0)
+        elif previous != state:
+            # Two series move on a hand-over; the others stay 0.
+            self.group_state.labels(group_id=group_id, state=previous).set(0)
+            self.group_state.labels(group_id=group_id, state=state).set(1)
+        self._states[group_id] = state

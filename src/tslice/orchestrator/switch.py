@@ -128,9 +128,19 @@ class NodeSwitcher:
         self._noted: set[str] = set()
         #: Progress events not yet published (see :meth:`flush` and ``run_switch``).
         self.events: list[opb.OrchestratorEvent] = []
+        #: Called once, when the node's first call is under way (or the node is done).
+        self.first_call: Callable[[], None] | None = None
 
     async def run(self) -> bool:
         """Return whether a restore happened on this node; raise GiveUp."""
+        try:
+            return await self._run()
+        finally:
+            notify = self._issued()
+            if notify is not None:
+                notify()
+
+    async def _run(self) -> bool:
         attempt = 0
         while True:
             fresh = self.node.name not in self.views
@@ -157,7 +167,19 @@ class NodeSwitcher:
             self.hooks.node_failed(
                 self.node.name, self._op, detail, unreachable=unreachable, retry_in=delay
             )
+            self._calling()  # nothing is held back while this node waits to retry
             await asyncio.sleep(delay)
+
+    def _issued(self) -> Callable[[], None] | None:
+        """The callback for the next call: ``first_call`` for the first one, else None."""
+        notify, self.first_call = self.first_call, None
+        return notify
+
+    def _calling(self) -> None:
+        """A call is about to be made (paths off the hand-over's fast path)."""
+        notify = self._issued()
+        if notify is not None:
+            notify()
 
     def flush(self) -> None:
         """Publish the progress events held so far."""
@@ -168,7 +190,7 @@ class NodeSwitcher:
     async def _read(self) -> NodeView:
         self._op = "status"
         t0 = time.monotonic()
-        resp = await self.client.status()
+        resp = await self.client.status(issued=self._issued())
         self.hooks.observe(self.node.name, "status", time.monotonic() - t0)
         view = view_from_status(resp)
         self.views[self.node.name] = view
@@ -247,6 +269,7 @@ class NodeSwitcher:
                 footprint_bytes=p.footprint_bytes,
                 evict=evict,
                 wait_s=min(self.client.wait_chunk_s, left),
+                issued=self._issued(),
             )
             self.hooks.observe(self.node.name, "grant", time.monotonic() - t0)
             if not resp.granted and not resp.operations:
@@ -263,6 +286,7 @@ class NodeSwitcher:
             for op_id, op in zip(resp.operation_ids, resp.operations, strict=False):
                 if op.status == pb.OPERATION_STATUS_PENDING:
                     self._op = "wait"
+                    self._calling()
                     self._note(op_id, await self.client.wait_operation(op_id), view)
 
     def _note(self, op_id: str, op: pb.GetOperationResponse, view: NodeView) -> None:
@@ -302,6 +326,7 @@ class NodeSwitcher:
             await self._restore(view)
         self._op = "grant"
         t0 = time.monotonic()
+        self._calling()
         resp = await self.client.grant(
             job_id=p.to_job, group=p.group, epoch=p.epoch, footprint_bytes=p.footprint_bytes
         )
@@ -334,11 +359,13 @@ class NodeSwitcher:
             return False
         if jv.state == pb.JOB_STATE_TRANSITIONING and jv.operation_id:
             self._op = "wait"
+            self._calling()
             await self.client.wait_operation(jv.operation_id)
             return True
         if jv.state == pb.JOB_STATE_FAULTED:
             self._op = "reset"
             t0 = time.monotonic()
+            self._calling()
             await self.client.reset_job(job_id=job)
             self.hooks.observe(self.node.name, "reset", time.monotonic() - t0)
             return True
@@ -350,6 +377,7 @@ class NodeSwitcher:
         p = self.plan
         self._op = "snapshot"
         t0 = time.monotonic()
+        self._calling()
         op_id = await self.client.snapshot(job_id=job, group=p.group)
         view[job] = JobView(pb.JOB_STATE_TRANSITIONING, p.group, op_id)
         resp = await self.client.wait_operation(op_id)
@@ -374,6 +402,7 @@ class NodeSwitcher:
         p = self.plan
         self._op = "restore"
         t0 = time.monotonic()
+        self._calling()
         op_id = await self.client.restore(job_id=p.to_job, group=p.group)
         view[p.to_job] = JobView(pb.JOB_STATE_TRANSITIONING, p.group, op_id)
         resp = await self.client.wait_operation(op_id)
@@ -430,8 +459,9 @@ async def run_switch(
 ) -> bool:
     """Converge every node concurrently; return whether any node restored the target.
 
-    ``started`` is called once the nodes' steps are under way (their calls are sent
-    before anything it wakes, e.g. event deliveries, gets to run). A node's progress
+    ``started`` is called once every node's first call is under way (created, its send
+    scheduled), so that what it releases (event deliveries, replies) runs after the
+    sends; a node that ends before any call counts as under way. A node's progress
     events (SNAPSHOT_DONE, RESTORE_DONE) are published when the node is done, except
     those of the last node of a successful switch when ``held`` is given: they go
     there, for the caller to publish once it has acted on the completion, so that
@@ -444,6 +474,16 @@ async def run_switch(
         for n in nodes
     ]
     running = len(switchers)
+    unsent = len(switchers)
+
+    def one_sent() -> None:
+        nonlocal unsent
+        unsent -= 1
+        if unsent == 0 and started is not None:
+            started()
+
+    for switcher in switchers:
+        switcher.first_call = one_sent
 
     async def converge(switcher: NodeSwitcher) -> bool:
         nonlocal running
@@ -461,10 +501,7 @@ async def run_switch(
             switcher.events.clear()
         return restored
 
-    steps = asyncio.gather(*(converge(s) for s in switchers), return_exceptions=True)
-    if started is not None:
-        started()
-    results = await steps
+    results = await asyncio.gather(*(converge(s) for s in switchers), return_exceptions=True)
     failures = [r for r in results if isinstance(r, BaseException)]
     if failures:
         if held:
