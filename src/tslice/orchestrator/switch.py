@@ -41,6 +41,8 @@ from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2 as opb
 from tslice.orchestrator import agents, config, events
 
 _MAX_REPLANS = 20
+#: How long a node's progress events may wait for the other nodes of a switch.
+EVENT_HOLD_S = 0.005
 
 
 @dataclasses.dataclass
@@ -465,7 +467,8 @@ async def run_switch(
     events (SNAPSHOT_DONE, RESTORE_DONE) are published when the node is done, except
     those of the last node of a successful switch when ``held`` is given: they go
     there, for the caller to publish once it has acted on the completion, so that
-    event deliveries do not delay the grant. Their timestamps are those of the facts.
+    event deliveries do not delay the grant; so do those of nodes done earlier, for at
+    most ``EVENT_HOLD_S``. Their timestamps are those of the facts.
     """
     switchers = [
         NodeSwitcher(
@@ -485,8 +488,19 @@ async def run_switch(
     for switcher in switchers:
         switcher.first_call = one_sent
 
+    loop = asyncio.get_running_loop()
+    timer: asyncio.TimerHandle | None = None
+
+    def release_held() -> None:
+        nonlocal timer
+        timer = None
+        if held:
+            for event in held:
+                hooks.publish(event)
+            held.clear()
+
     async def converge(switcher: NodeSwitcher) -> bool:
-        nonlocal running
+        nonlocal running, timer
         try:
             restored = await switcher.run()
         except BaseException:
@@ -494,20 +508,25 @@ async def run_switch(
             switcher.flush()
             raise
         running -= 1
-        if running > 0 or held is None:
+        if held is None:
             switcher.flush()
-        else:
-            held.extend(switcher.events)
-            switcher.events.clear()
+            return restored
+        held.extend(switcher.events)
+        switcher.events.clear()
+        if running > 0 and timer is None:
+            # Other nodes are still at it: their replies are usually close behind, so
+            # this node's events wait a moment rather than compete with them.
+            timer = loop.call_later(EVENT_HOLD_S, release_held)
         return restored
 
-    results = await asyncio.gather(*(converge(s) for s in switchers), return_exceptions=True)
+    try:
+        results = await asyncio.gather(*(converge(s) for s in switchers), return_exceptions=True)
+    finally:
+        if timer is not None:
+            timer.cancel()
     failures = [r for r in results if isinstance(r, BaseException)]
     if failures:
-        if held:
-            for event in held:
-                hooks.publish(event)
-            held.clear()
+        release_held()
         for r in failures:
             if not isinstance(r, GiveUp):
                 raise r
