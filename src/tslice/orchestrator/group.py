@@ -44,6 +44,9 @@ _STATE_PB = {
 
 _T = TypeVar("_T")
 
+#: How long a group's events may be held back while a switch gets going (see _hold_events).
+EVENT_HOLD_S = 0.005
+
 
 def _resolve(future: asyncio.Future[_T], value: _T) -> None:
     if not future.done():
@@ -200,6 +203,9 @@ class GroupDriver:
         self._switch_task: asyncio.Task[None] | None = None
         #: Effects held back until a starting switch has sent its first calls (see _worker).
         self._deferred: list[Effect] | None = None
+        #: Events held back while a switch gets going (see _hold_events); None: not holding.
+        self._held: list[opb.OrchestratorEvent] | None = None
+        self._hold_timer: asyncio.TimerHandle | None = None
         self._stopping = False
         self._state = ""
         self._queue_depth = -1
@@ -223,6 +229,7 @@ class GroupDriver:
         if sw is not None and not sw.done():
             await asyncio.wait({sw}, timeout=grace_s)
         self._release_deferred()
+        self._release_events()
         # Let the worker persist what the switch reported.
         flushed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._inbox.put_nowait(lambda now: [lambda: _resolve(flushed, None)])
@@ -497,6 +504,7 @@ class GroupDriver:
                 return
             if self._deferred is None:
                 self._deferred = []
+            self._hold_events()
             self._switch_task = tasks.spawn(
                 self._run_switch(s), name=f"group:{self.group_id}:switch:{s.epoch}"
             )
@@ -520,7 +528,6 @@ class GroupDriver:
             )
 
         started = time.monotonic()
-        held: list[opb.OrchestratorEvent] = []
         try:
             restored = await switch.run_switch(
                 plan=plan,
@@ -530,7 +537,6 @@ class GroupDriver:
                 hooks=self,
                 backoff=self._backoff,
                 started=announce,
-                held=held,
             )
         except asyncio.CancelledError:
             raise
@@ -548,6 +554,7 @@ class GroupDriver:
                 detail=f"abandoned (nobody waits any more): {detail}",
             )
             self._views.clear()
+            self._release_events()
             self._post(
                 lambda now: self._bind(
                     self.lock.on_switch_failed(epoch=s.epoch, detail=detail, now=now)
@@ -571,8 +578,6 @@ class GroupDriver:
         self._metrics.switch_duration.labels(group_id=self.group_id).observe(elapsed)
 
         def announce_done() -> None:
-            for event in held:
-                self._bus.publish(event)
             self._publish(
                 Kind.KIND_SWITCH_DONE,
                 job_id=s.to_job,
@@ -583,17 +588,21 @@ class GroupDriver:
             )
 
         # The worker persists the grant and answers the Acquire (urgent), then publishes
-        # the last node's events, SWITCH_DONE and GRANTED, in that order.
+        # SWITCH_DONE and GRANTED and lets the held events go, in that order.
         self._post(
             lambda now: [
                 announce_done,
                 *self._bind(self.lock.on_switch_done(epoch=s.epoch, restored=restored, now=now)),
+                self._release_events,
             ]
         )
 
     # SwitchHooks
     def publish(self, event: opb.OrchestratorEvent) -> None:
-        self._bus.publish(event)
+        if self._held is not None:
+            self._held.append(event)
+        else:
+            self._bus.publish(event)
 
     def observe(self, node: str, operation: str, seconds: float) -> None:
         series = self._durations.get((node, operation))
@@ -734,4 +743,25 @@ class GroupDriver:
             self._metrics.queue_depth.labels(group_id=self.group_id).set(depth)
 
     def _publish(self, kind: opb.OrchestratorEvent.Kind, **fields: Any) -> None:
-        self._bus.publish(events.make_event(kind, group_id=self.group_id, **fields))
+        self.publish(events.make_event(kind, group_id=self.group_id, **fields))
+
+    def _hold_events(self) -> None:
+        """Hold this group's events back for at most EVENT_HOLD_S.
+
+        Started with a switch: delivering events to watchers takes CPU that the
+        hand-over needs (agent calls, the Acquire reply), and a short switch is over
+        before the hold ends, so its events go out after the grant, in order and with
+        the timestamps of the facts. A long switch streams them from EVENT_HOLD_S on.
+        """
+        if self._held is None:
+            self._held = []
+            loop = asyncio.get_running_loop()
+            self._hold_timer = loop.call_later(EVENT_HOLD_S, self._release_events)
+
+    def _release_events(self) -> None:
+        if self._hold_timer is not None:
+            self._hold_timer.cancel()
+            self._hold_timer = None
+        held, self._held = self._held, None
+        for event in held or ():
+            self._bus.publish(event)

@@ -41,8 +41,6 @@ from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2 as opb
 from tslice.orchestrator import agents, config, events
 
 _MAX_REPLANS = 20
-#: How long a node's progress events may wait for the other nodes of a switch.
-EVENT_HOLD_S = 0.005
 
 
 @dataclasses.dataclass
@@ -128,8 +126,6 @@ class NodeSwitcher:
         self._op = "status"
         #: Operations already reported (a re-issued Grant lists them again).
         self._noted: set[str] = set()
-        #: Progress events not yet published (see :meth:`flush` and ``run_switch``).
-        self.events: list[opb.OrchestratorEvent] = []
         #: Called once, when the node's first call is under way (or the node is done).
         self.first_call: Callable[[], None] | None = None
 
@@ -161,7 +157,6 @@ class NodeSwitcher:
             except (agents.OperationFailed, StepFailed) as err:
                 unreachable, detail = False, str(err)
             self.views.pop(self.node.name, None)
-            self.flush()  # what was done before the failure is reported before it
             if not self.hooks.should_continue():
                 raise GiveUp(f"{self.node.name}: {detail}")
             delay = self.backoff.delay(attempt)
@@ -182,12 +177,6 @@ class NodeSwitcher:
         notify = self._issued()
         if notify is not None:
             notify()
-
-    def flush(self) -> None:
-        """Publish the progress events held so far."""
-        events, self.events = self.events, []
-        for event in events:
-            self.hooks.publish(event)
 
     async def _read(self) -> NodeView:
         self._op = "status"
@@ -314,7 +303,7 @@ class NodeSwitcher:
             view[op.job_id] = JobView(pb.JOB_STATE_RUNNING, group, op_id)
             return
         self.hooks.observe(self.node.name, op.kind, op.elapsed_ms / 1000)
-        self.events.append(
+        self.hooks.publish(
             _event(kind, p, job=op.job_id, node=self.node.name, elapsed_ms=op.elapsed_ms, size=size)
         )
 
@@ -389,7 +378,7 @@ class NodeSwitcher:
                 self.client.address, "snapshot", f"snapshot of job {job} failed: {resp.error}"
             )
         view[job] = JobView(pb.JOB_STATE_SAVED, view[job].group)
-        self.events.append(
+        self.hooks.publish(
             _event(
                 opb.OrchestratorEvent.KIND_SNAPSHOT_DONE,
                 p,
@@ -415,7 +404,7 @@ class NodeSwitcher:
             )
         view[p.to_job] = JobView(pb.JOB_STATE_RUNNING, p.group)
         self.restored = True
-        self.events.append(
+        self.hooks.publish(
             _event(
                 opb.OrchestratorEvent.KIND_RESTORE_DONE,
                 p,
@@ -457,18 +446,12 @@ async def run_switch(
     hooks: SwitchHooks,
     backoff: Backoff,
     started: Callable[[], None] | None = None,
-    held: list[opb.OrchestratorEvent] | None = None,
 ) -> bool:
     """Converge every node concurrently; return whether any node restored the target.
 
     ``started`` is called once every node's first call is under way (created, its send
-    scheduled), so that what it releases (event deliveries, replies) runs after the
-    sends; a node that ends before any call counts as under way. A node's progress
-    events (SNAPSHOT_DONE, RESTORE_DONE) are published when the node is done, except
-    those of the last node of a successful switch when ``held`` is given: they go
-    there, for the caller to publish once it has acted on the completion, so that
-    event deliveries do not delay the grant; so do those of nodes done earlier, for at
-    most ``EVENT_HOLD_S``. Their timestamps are those of the facts.
+    scheduled), so that what it releases (replies, event deliveries) runs after the
+    sends; a node that ends before any call counts as under way.
     """
     switchers = [
         NodeSwitcher(
@@ -476,7 +459,6 @@ async def run_switch(
         )
         for n in nodes
     ]
-    running = len(switchers)
     unsent = len(switchers)
 
     def one_sent() -> None:
@@ -487,46 +469,9 @@ async def run_switch(
 
     for switcher in switchers:
         switcher.first_call = one_sent
-
-    loop = asyncio.get_running_loop()
-    timer: asyncio.TimerHandle | None = None
-
-    def release_held() -> None:
-        nonlocal timer
-        timer = None
-        if held:
-            for event in held:
-                hooks.publish(event)
-            held.clear()
-
-    async def converge(switcher: NodeSwitcher) -> bool:
-        nonlocal running, timer
-        try:
-            restored = await switcher.run()
-        except BaseException:
-            running -= 1
-            switcher.flush()
-            raise
-        running -= 1
-        if held is None:
-            switcher.flush()
-            return restored
-        held.extend(switcher.events)
-        switcher.events.clear()
-        if running > 0 and timer is None:
-            # Other nodes are still at it: their replies are usually close behind, so
-            # this node's events wait a moment rather than compete with them.
-            timer = loop.call_later(EVENT_HOLD_S, release_held)
-        return restored
-
-    try:
-        results = await asyncio.gather(*(converge(s) for s in switchers), return_exceptions=True)
-    finally:
-        if timer is not None:
-            timer.cancel()
+    results = await asyncio.gather(*(s.run() for s in switchers), return_exceptions=True)
     failures = [r for r in results if isinstance(r, BaseException)]
     if failures:
-        release_held()
         for r in failures:
             if not isinstance(r, GiveUp):
                 raise r
