@@ -353,11 +353,8 @@ async def test_sigkill_mid_switch_then_restart_finishes_the_switch(
         await ev.wait_for(K.KIND_QUEUED, job="b")
         await yield_(stub, "a", "g")
         await ev.wait_for(K.KIND_SWITCH_STARTED, job="b")
-        # Crash in the middle of node-a's 1.5-s snapshot, when node-b is done: no event marks
-        # that instant, so the crash is positioned in time (this is fault injection, not
-        # synchronisation). Killing while an agent RPC that changes state is in flight can
-        # wedge the agent (see the orchestrator report), which is not what this test is about.
-        await asyncio.sleep(0.3)
+        # SWITCH_STARTED goes out once every node's Grant is under way: node-a's is in the
+        # middle of a 1.5-s snapshot, so the kill cuts an agent call that is changing state.
         orch.kill()
         with pytest.raises(grpc.aio.AioRpcError) as info:
             await b_task
