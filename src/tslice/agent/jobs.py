@@ -588,22 +588,22 @@ def finish(
     """Apply a backend outcome to a TRANSITIONING job and its PENDING operation."""
     if outcome.result is not None:
         result = outcome.result
-        merged_state = {**job.backend_state, **result.state}
         if operation.kind is Kind.SNAPSHOT and result.still_resident:
             # Selected tags left (e.g. only the KV cache); the rest still occupies the device.
-            job = dataclasses.replace(job, state=State.RUNNING, host_bytes=result.host_bytes)
+            state, device_bytes = State.RUNNING, job.device_bytes
         elif operation.kind is Kind.SNAPSHOT:
-            job = dataclasses.replace(
-                job, state=State.SAVED, device_bytes=0, host_bytes=result.host_bytes
-            )
+            state, device_bytes = State.SAVED, 0
         else:
-            job = dataclasses.replace(
-                job,
-                state=State.RUNNING,
-                device_bytes=result.device_bytes,
-                host_bytes=result.host_bytes,
-            )
-        job = dataclasses.replace(job, backend_state=merged_state, error="", previous_state=None)
+            state, device_bytes = State.RUNNING, result.device_bytes
+        job = dataclasses.replace(
+            job,
+            state=state,
+            device_bytes=device_bytes,
+            host_bytes=result.host_bytes,
+            backend_state={**job.backend_state, **result.state},
+            error="",
+            previous_state=None,
+        )
         operation = dataclasses.replace(
             operation,
             status=OpStatus.COMPLETE,

@@ -46,6 +46,7 @@ class AgentMetrics:
         self._thread: threading.Thread | None = None
         # Gauge values as last set: a change of one job's state touches one or two series.
         self._job_counts: dict[str, int] = {}
+        self._job_gauges: dict[str, Any] = {}
         self._series: dict[tuple[str, str, str], tuple[Any, Any, Any]] = {}
 
     def observe(
@@ -69,7 +70,10 @@ class AgentMetrics:
     def set_jobs(self, counts: Mapping[str, int]) -> None:
         for state, count in counts.items():
             if self._job_counts.get(state) != count:
-                self.jobs.labels(state=state).set(count)
+                gauge = self._job_gauges.get(state)
+                if gauge is None:
+                    gauge = self._job_gauges[state] = self.jobs.labels(state=state)
+                gauge.set(count)
                 self._job_counts[state] = count
 
     def serve(self, *, port: int, host: str = "0.0.0.0") -> int:

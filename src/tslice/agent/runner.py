@@ -51,6 +51,7 @@ MAX_WAIT_S = 60.0
 _MAX_GRANT_STEPS = 8
 #: How long ``recover()`` may take when a request or ResetJob needs it.
 RECOVER_TIMEOUT_S = 30.0
+_STATE_NAMES = tuple(s.value for s in jobs.State)
 _BACKOFF_MIN_S = 0.05
 _BACKOFF_MAX_S = 5.0
 
@@ -891,7 +892,7 @@ class AgentCore:
         return await backend.activate(ctx)
 
     def _publish_job_counts(self) -> None:
-        counts = dict.fromkeys((s.value for s in jobs.State), 0)
+        counts = dict.fromkeys(_STATE_NAMES, 0)
         for job in self._jobs.values():
             counts[job.state.value] += 1
         self._metrics.set_jobs(counts)
