@@ -141,6 +141,9 @@ class Store:
             conn.execute("PRAGMA synchronous=NORMAL")
             # Checkpoints (the only fsyncs) run in the checkpointer's thread, not here.
             conn.execute("PRAGMA wal_autocheckpoint=0")
+            # A checkpoint never blocks a writer; anything else holding the file (an
+            # operator's sqlite3 shell) is waited for briefly rather than failing at once.
+            conn.execute("PRAGMA busy_timeout=1000")
             row = conn.execute("PRAGMA user_version").fetchone()
             version = int(row[0]) if row else 0
             if version > _SCHEMA_VERSION:
