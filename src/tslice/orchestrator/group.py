@@ -71,6 +71,21 @@ class AcquireAborted(Exception):
     """The job yielded the group while this Acquire was pending (ABORTED)."""
 
 
+class NotHolder(Exception):
+    """A Hold stream for a job that does not hold the group (FAILED_PRECONDITION)."""
+
+
+@dataclasses.dataclass(eq=False)
+class HoldSession:
+    """One open Hold stream of the holder: while any is open, its lease cannot expire."""
+
+    job: str
+    epoch: int
+    lease_ms: int
+    #: Resolved when the stream must end: "" = the job yielded, else why the lock was lost.
+    ended: asyncio.Future[str]
+
+
 @dataclasses.dataclass(frozen=True)
 class Grant:
     epoch: int
@@ -206,6 +221,10 @@ class GroupDriver:
         #: Events held back while a switch gets going (see _hold_events); None: not holding.
         self._held: list[opb.OrchestratorEvent] | None = None
         self._hold_timer: asyncio.TimerHandle | None = None
+        #: Open Hold streams of the holder, and the lease timer that runs while none is open.
+        self._holds: set[HoldSession] = set()
+        self._lease_timer: asyncio.TimerHandle | None = None
+        self._lease_key: tuple[str, int] | None = None
         self._stopping = False
         self._state = ""
         self._queue_depth = -1
@@ -221,6 +240,8 @@ class GroupDriver:
         if self.lock.recovering:
             self._tasks.append(tasks.spawn(self._recover(), name=f"group:{self.group_id}:recover"))
             self._tasks.append(tasks.spawn(self._expire(), name=f"group:{self.group_id}:expire"))
+        # A holder restored from disk has its lease (from now) to re-open its Hold stream.
+        self._sync_leases()
 
     async def stop(self, *, grace_s: float) -> None:
         """Refuse new work, let a switch in flight finish within the grace, fail waiters."""
@@ -236,6 +257,13 @@ class GroupDriver:
         await asyncio.wait({flushed}, timeout=max(grace_s, 0.5))
         live = [t for t in [*self._tasks, self._switch_task] if t is not None]
         await tasks.cancel_all(live)
+        if self._lease_timer is not None:
+            self._lease_timer.cancel()
+            self._lease_timer = None
+        for session in self._holds:
+            if not session.ended.done():
+                session.ended.set_exception(ShuttingDown("orchestrator shutting down; retry"))
+        self._holds.clear()
         # Queue entries stay persisted: after a restart the jobs re-attach and keep their place.
         for waiters in self._waiters.values():
             for w in waiters:
@@ -248,7 +276,7 @@ class GroupDriver:
 
     # ---- RPC entry points ------------------------------------------------------------------
 
-    async def acquire(self, job: str, *, footprint_bytes: int) -> Grant:
+    async def acquire(self, job: str, *, footprint_bytes: int, lease_ms: int = 0) -> Grant:
         if self._stopping:
             raise ShuttingDown("orchestrator shutting down; retry")
         started = time.monotonic()
@@ -256,7 +284,11 @@ class GroupDriver:
 
         def apply(now: float) -> list[Effect]:
             self._waiters.setdefault(job, []).append(waiter)
-            return self._bind(self.lock.on_acquire(job, footprint_bytes=footprint_bytes, now=now))
+            return self._bind(
+                self.lock.on_acquire(
+                    job, footprint_bytes=footprint_bytes, lease_ms=lease_ms, now=now
+                )
+            )
 
         self._inbox.put_nowait(apply)
         try:
@@ -285,12 +317,74 @@ class GroupDriver:
                 effects.append(
                     lambda: self._metrics.deferred_snapshots.labels(group_id=self.group_id).inc()
                 )
+            if out.ok and was_holder:
+                released = [h for h in self._holds if h.job == job]
+                self._holds.difference_update(released)
+
+                def end_holds() -> None:
+                    for h in released:
+                        _resolve(h.ended, "")
+
+                effects.append(end_holds)
             effects.append(lambda: _resolve(reply, out))
             return effects
 
         self._inbox.put_nowait(apply)
         # The yield is applied even if the caller goes away: shield the reply.
         return await asyncio.shield(reply)
+
+    async def open_hold(self, job: str, *, epoch: int) -> HoldSession:
+        """Register a Hold stream of ``job`` (``epoch`` 0 = the current grant).
+
+        Raises :class:`NotHolder` unless ``job`` holds the group under that grant.
+        """
+        if self._stopping:
+            raise ShuttingDown("orchestrator shutting down; retry")
+        loop = asyncio.get_running_loop()
+        opened: asyncio.Future[HoldSession] = loop.create_future()
+
+        def apply(now: float) -> list[Effect]:
+            lk = self.lock
+            if lk.holder != job or lk.switching is not None:
+                why = (
+                    "its Acquire has not returned yet"
+                    if lk.holder == job
+                    else f"the holder is {lk.holder!r}"
+                    if lk.holder
+                    else "nobody holds it"
+                )
+                opened.set_exception(
+                    NotHolder(
+                        f"job {job!r} does not hold group {self.group_id!r} ({why}); "
+                        "Acquire it first"
+                    )
+                )
+                return []
+            if epoch and epoch != lk.grant_epoch:
+                opened.set_exception(
+                    NotHolder(
+                        f"job {job!r} does not hold group {self.group_id!r} under grant "
+                        f"{epoch} (the current grant is {lk.grant_epoch}); Acquire it again"
+                    )
+                )
+                return []
+            session = HoldSession(job, lk.grant_epoch, lk.holder_lease_ms, loop.create_future())
+            self._holds.add(session)
+            opened.set_result(session)
+            return []
+
+        self._post(apply)
+        return await opened
+
+    def close_hold(self, session: HoldSession) -> None:
+        """The Hold stream ended: if it was the last one, the lease timer starts."""
+
+        def apply(now: float) -> list[Effect]:
+            self._holds.discard(session)
+            return []
+
+        if not self._stopping:
+            self._post(apply)
 
     async def describe(self) -> opb.GetGroupStatusResponse:
         """Group status plus a live Status read of every node (short deadline)."""
@@ -395,6 +489,7 @@ class GroupDriver:
                 self._deferred += others
             else:
                 self._run_effects(others)
+            self._sync_leases()
             self._refresh_state()
 
     def _run_effects(self, effects: list[Effect]) -> None:
@@ -700,6 +795,56 @@ class GroupDriver:
                 )
             )
         )
+
+    # ---- leases ----------------------------------------------------------------------------
+
+    def _sync_leases(self) -> None:
+        """End Hold streams of a job that lost the lock; run the lease timer while none is open."""
+        lk = self.lock
+        holder, epoch, lease_ms = lk.holder, lk.grant_epoch, lk.holder_lease_ms
+        for session in list(self._holds):
+            if session.job != holder or session.epoch != epoch or lk.switching is not None:
+                self._holds.discard(session)
+                _resolve(
+                    session.ended, f"job {session.job!r} no longer holds group {self.group_id!r}"
+                )
+        key = None
+        if holder is not None and lease_ms > 0 and not self._holds:
+            key = (holder, epoch)
+        if key == self._lease_key:
+            return
+        if self._lease_timer is not None:
+            self._lease_timer.cancel()
+            self._lease_timer = None
+        self._lease_key = key
+        if key is not None and not self._stopping:
+            job = holder or ""
+            self._lease_timer = asyncio.get_running_loop().call_later(
+                lease_ms / 1000,
+                self._post,
+                lambda now: self._lease_expired(job, epoch, lease_ms, now),
+            )
+
+    def _lease_expired(self, job: str, epoch: int, lease_ms: int, now: float) -> list[Effect]:
+        if any(h.job == job and h.epoch == epoch for h in self._holds):
+            return []  # a Hold stream arrived meanwhile
+        deferred = self.lock.attached_waiters == 0
+        actions = self.lock.on_lease_expired(job, epoch=epoch, now=now)
+        if not actions:
+            return []
+        log.warning(
+            "group %s: job %s kept no Hold stream open for its lease (%d ms); lock released",
+            self.group_id,
+            job,
+            lease_ms,
+            extra={"group_id": self.group_id, "job_id": job, "grant_epoch": epoch},
+        )
+        effects = self._bind(actions)
+        if deferred:
+            effects.append(
+                lambda: self._metrics.deferred_snapshots.labels(group_id=self.group_id).inc()
+            )
+        return effects
 
     async def _expire(self) -> None:
         deadline = self.lock.grace_deadline()

@@ -125,6 +125,8 @@ class LockRecord:
     queue: tuple[QueueRecord, ...]
     intent: IntentRecord | None
     footprints: tuple[tuple[str, int], ...]
+    #: The holder's lease (0 = none): after a restart it has this long to re-open Hold.
+    holder_lease_ms: int = 0
 
     @classmethod
     def empty(cls) -> LockRecord:
@@ -184,6 +186,8 @@ class GroupLock:
         self._queue: dict[str, _Entry] = {}  # insertion order == seq order
         self._switch: _Switch | None = None
         self._footprints: dict[str, int] = {}
+        #: lease_ms of each job's latest Acquire (0 = no lease); see holder_lease_ms.
+        self._leases: dict[str, int] = {}
         self._recovering = False
         # Delivery tracking of the current grant: how many Acquire RPCs received it
         # and how many of those were cancelled before the reply went out.
@@ -208,6 +212,8 @@ class GroupLock:
         lock._switch_count = record.switch_count
         lock._next_seq = record.next_seq
         lock._footprints = dict(record.footprints)
+        if record.holder is not None and record.holder_lease_ms > 0:
+            lock._leases[record.holder] = record.holder_lease_ms
         for q in sorted(record.queue, key=lambda q: q.seq):
             lock._queue[q.job] = _Entry(q.job, q.seq, now, attached=0, detached_since=now)
             if q.footprint_bytes:
@@ -242,6 +248,7 @@ class GroupLock:
             ),
             intent=intent,
             footprints=tuple(sorted(self._footprints.items())),
+            holder_lease_ms=self._leases.get(holder, 0) if holder is not None else 0,
         )
 
     # ---- read-only views ------------------------------------------------------------------
@@ -297,6 +304,13 @@ class GroupLock:
     def attached_waiters(self) -> int:
         return sum(1 for e in self._queue.values() if e.attached > 0)
 
+    @property
+    def holder_lease_ms(self) -> int:
+        """The lease of the granted holder (0 = none, or no grant yet: switching)."""
+        if self._holder is None or self._switch is not None:
+            return 0
+        return self._leases.get(self._holder, 0)
+
     def footprint(self, job: str) -> int:
         return self._footprints.get(job, 0)
 
@@ -332,10 +346,16 @@ class GroupLock:
 
     # ---- events ---------------------------------------------------------------------------
 
-    def on_acquire(self, job: str, *, footprint_bytes: int = 0, now: float) -> list[Action]:
+    def on_acquire(
+        self, job: str, *, footprint_bytes: int = 0, lease_ms: int = 0, now: float
+    ) -> list[Action]:
         """One Acquire RPC of ``job`` arrived (it stays attached until granted or departed)."""
         if footprint_bytes > 0:
             self._footprints[job] = footprint_bytes
+        if lease_ms > 0:
+            self._leases[job] = lease_ms
+        else:
+            self._leases.pop(job, None)
         s = self._switch
         if s is not None and s.to_job == job:
             # Its own switch is running (or a recovered one): wait for it to finish.
@@ -431,6 +451,12 @@ class GroupLock:
         # Nobody holds the group: idempotent no-op.
         deferred = s is None and self._resident == job
         return YieldOutcome(True, None, self.attached_waiters, deferred, [])
+
+    def on_lease_expired(self, job: str, *, epoch: int, now: float) -> list[Action]:
+        """``job`` kept no Hold stream open for its lease: release it as if it had yielded."""
+        if self._holder != job or self._epoch != epoch or self._switch is not None:
+            return []
+        return self._release(job, now, EventKind.YIELDED, "lease expired")
 
     def on_switch_done(self, *, epoch: int, restored: bool, now: float) -> list[Action]:
         s = self._switch
@@ -560,6 +586,7 @@ class GroupLock:
         self._confirm_deadline = None
 
     def _release(self, job: str, now: float, kind: EventKind, detail: str) -> list[Action]:
+        self._leases.pop(job, None)
         self._holder = None
         self._receivers = 0
         self._undelivered = 0

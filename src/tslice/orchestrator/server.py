@@ -4,11 +4,13 @@ Validation and status-code mapping live here; decisions live in the group
 drivers. Status codes: INVALID_ARGUMENT (bad ids or footprint), NOT_FOUND
 (unknown group), PERMISSION_DENIED (yield of a lock another job holds),
 UNAVAILABLE (shutting down; retry), ABORTED (the job yielded while its own
-Acquire was pending); CANCELLED / DEADLINE_EXCEEDED come from the caller.
+Acquire was pending), FAILED_PRECONDITION (Hold by a job that does not hold the
+group); CANCELLED / DEADLINE_EXCEEDED come from the caller.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 from typing import NoReturn
@@ -58,9 +60,17 @@ class OrchestratorServicer(opb_grpc.TimeSliceOrchestratorServiceServicer):
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"footprint_bytes must be >= 0 (got {request.footprint_bytes}); 0 = default",
             )
+        if request.lease_ms < 0:
+            await _abort(
+                context,
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"lease_ms must be >= 0 (got {request.lease_ms}); 0 = no lease",
+            )
         driver = await self._group(context, gid, create=True)
         try:
-            grant = await driver.acquire(job, footprint_bytes=request.footprint_bytes)
+            grant = await driver.acquire(
+                job, footprint_bytes=request.footprint_bytes, lease_ms=request.lease_ms
+            )
         except group.ShuttingDown as err:
             await _abort(context, grpc.StatusCode.UNAVAILABLE, str(err))
         except group.AcquireAborted as err:
@@ -124,3 +134,42 @@ class OrchestratorServicer(opb_grpc.TimeSliceOrchestratorServiceServicer):
                 yield event
         finally:
             self._bus.unsubscribe(sub)
+
+    async def Hold(
+        self, request: opb.HoldRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[opb.HoldEvent]:
+        job = await _valid_id(context, "job_id", request.job_id)
+        gid = await _valid_id(context, "group_id", request.group_id)
+        if request.grant_epoch < 0:
+            await _abort(
+                context,
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"grant_epoch must be >= 0 (got {request.grant_epoch}); 0 = the current grant",
+            )
+        driver = await self._group(context, gid)
+        try:
+            session = await driver.open_hold(job, epoch=request.grant_epoch)
+        except group.ShuttingDown as err:
+            await _abort(context, grpc.StatusCode.UNAVAILABLE, str(err))
+        except group.NotHolder as err:
+            await _abort(context, grpc.StatusCode.FAILED_PRECONDITION, str(err))
+        try:
+            # Keepalives well within the lease show the holder that the lock is still its own.
+            interval = max(session.lease_ms / 3000, 0.05) if session.lease_ms > 0 else 10.0
+            yield opb.HoldEvent(lease_ms=session.lease_ms)
+            while True:
+                done, _ = await asyncio.wait({session.ended}, timeout=interval)
+                if not done:
+                    yield opb.HoldEvent(lease_ms=session.lease_ms)
+                    continue
+                try:
+                    lost = session.ended.result()
+                except group.ShuttingDown as err:
+                    await _abort(context, grpc.StatusCode.UNAVAILABLE, str(err))
+                if lost:
+                    yield opb.HoldEvent(lost=lost)
+                else:
+                    yield opb.HoldEvent(released=True)
+                return
+        finally:
+            driver.close_hold(session)

@@ -44,7 +44,8 @@ CREATE TABLE IF NOT EXISTS groups (
     grant_epoch  INTEGER NOT NULL,
     switch_count INTEGER NOT NULL,
     next_seq     INTEGER NOT NULL,
-    updated      REAL NOT NULL
+    updated      REAL NOT NULL,
+    holder_lease_ms INTEGER NOT NULL DEFAULT 0
 );
 CREATE TABLE IF NOT EXISTS queue (
     group_id  TEXT NOT NULL,
@@ -144,6 +145,10 @@ class Store:
         conn.execute("PRAGMA wal_autocheckpoint=0")
         conn.execute("PRAGMA busy_timeout=5000")
         conn.executescript(_SCHEMA)
+        columns = {row[1] for row in conn.execute("PRAGMA table_info(groups)")}
+        if "holder_lease_ms" not in columns:
+            # Databases written before holder leases: no holder had one.
+            conn.execute("ALTER TABLE groups ADD COLUMN holder_lease_ms INTEGER NOT NULL DEFAULT 0")
         row = conn.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
         if row is None:
             conn.execute(
@@ -166,10 +171,10 @@ class Store:
         assert conn is not None
         out: dict[str, tuple[list[tuple[str, str]], lock.LockRecord]] = {}
         groups = conn.execute(
-            "SELECT group_id, nodes, holder, resident, grant_epoch, switch_count, next_seq "
-            "FROM groups ORDER BY group_id"
+            "SELECT group_id, nodes, holder, resident, grant_epoch, switch_count, next_seq, "
+            "holder_lease_ms FROM groups ORDER BY group_id"
         ).fetchall()
-        for gid, nodes_json, holder, resident, epoch, switches, next_seq in groups:
+        for gid, nodes_json, holder, resident, epoch, switches, next_seq, lease_ms in groups:
             queue = tuple(
                 lock.QueueRecord(job, seq, fp)
                 for job, seq, fp in conn.execute(
@@ -187,7 +192,7 @@ class Store:
             ).fetchone()
             intent = lock.IntentRecord(it[0], it[1], it[2], it[3]) if it else None
             record = lock.LockRecord(
-                holder, resident, epoch, switches, next_seq, queue, intent, footprints
+                holder, resident, epoch, switches, next_seq, queue, intent, footprints, lease_ms
             )
             nodes = [(str(n), str(a)) for n, a in json.loads(nodes_json)]
             out[gid] = (nodes, record)
@@ -206,10 +211,12 @@ class Store:
         try:
             conn.execute(
                 "INSERT INTO groups(group_id, nodes, holder, resident, grant_epoch, switch_count,"
-                " next_seq, updated) VALUES (?,?,?,?,?,?,?,?) ON CONFLICT(group_id) DO UPDATE SET"
+                " next_seq, updated, holder_lease_ms) VALUES (?,?,?,?,?,?,?,?,?)"
+                " ON CONFLICT(group_id) DO UPDATE SET"
                 " nodes=excluded.nodes, holder=excluded.holder, resident=excluded.resident,"
                 " grant_epoch=excluded.grant_epoch, switch_count=excluded.switch_count,"
-                " next_seq=excluded.next_seq, updated=excluded.updated",
+                " next_seq=excluded.next_seq, updated=excluded.updated,"
+                " holder_lease_ms=excluded.holder_lease_ms",
                 (
                     gid,
                     json.dumps(nodes),
@@ -219,6 +226,7 @@ class Store:
                     rec.switch_count,
                     rec.next_seq,
                     time.time(),
+                    rec.holder_lease_ms,
                 ),
             )
             if prev is None or prev.queue != rec.queue:
