@@ -45,7 +45,8 @@ def register(app: typer.Typer) -> None:
 
 @contextlib.contextmanager
 def _client(address: str, *, job_id: str | None = None) -> Iterator[tsclient.Client]:
-    client = tsclient.Client(address, job_id=job_id, retry=tsclient.NO_RETRY)
+    # No lease: `tslice acquire` exits while the job keeps the group until `tslice yield`.
+    client = tsclient.Client(address, job_id=job_id, retry=tsclient.NO_RETRY, lease_s=None)
     try:
         yield client
     except errors.Unavailable as err:

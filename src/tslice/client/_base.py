@@ -44,6 +44,9 @@ def _log_noop_once(reason: str) -> None:
 
 HoldKey = tuple[str, str]
 
+#: Default holder lease: a holder whose process died loses its groups after this long.
+DEFAULT_LEASE_S = 30.0
+
 
 class BaseClient:
     """Configuration and bookkeeping shared by the sync and async clients."""
@@ -59,7 +62,14 @@ class BaseClient:
         channel_options: Sequence[tuple[str, Any]] | None,
         footprint_bytes: int | None,
         retry: _retry.RetryPolicy,
+        lease_s: float | None = DEFAULT_LEASE_S,
     ) -> None:
+        if lease_s is not None and not lease_s > 0:
+            raise ValueError(f"lease_s must be > 0 seconds or None (no lease), got {lease_s!r}")
+        #: Acquire's lease_ms: 0 = no lease (the lock is kept even if this process dies).
+        self._lease_ms = 0 if lease_s is None else max(1, round(lease_s * 1000))
+        self._lost: dict[str, str] = {}
+        self._lost_guard = threading.Lock()
         self._config = _config.resolve(
             address=address,
             job_id=job_id,
@@ -89,6 +99,22 @@ class BaseClient:
     def enabled(self) -> bool:
         """False in no-op mode (no orchestrator configured, or ``TSLICE_DISABLED=1``)."""
         return self._config.enabled
+
+    @property
+    def lease_s(self) -> float | None:
+        """The holder lease sent with every Acquire (None: no lease)."""
+        return self._lease_ms / 1000 if self._lease_ms else None
+
+    @property
+    def lost_leases(self) -> dict[str, str]:
+        """Groups whose lock this client lost while holding them (group -> why).
+
+        The lease expired (no Hold stream reached the orchestrator for ``lease_s``) or
+        the grant was taken away. ``yield_`` of such a group returns success; the
+        entry stays until the group is acquired again.
+        """
+        with self._lost_guard:
+            return dict(self._lost)
 
     @property
     def address(self) -> str | None:
@@ -183,7 +209,35 @@ class BaseClient:
         if footprint_bytes is not None and footprint_bytes < 0:
             raise ValueError(f"footprint_bytes must be >= 0, got {footprint_bytes!r}")
         footprint = self._config.footprint_bytes if footprint_bytes is None else footprint_bytes
-        return opb.AcquireRequest(job_id=job, group_id=group, footprint_bytes=footprint)
+        return opb.AcquireRequest(
+            job_id=job, group_id=group, footprint_bytes=footprint, lease_ms=self._lease_ms
+        )
+
+    # -- leases ---------------------------------------------------------------------------
+
+    def _lease_lost(self, job: str, group: str, reason: str) -> None:
+        log.warning(
+            "job %s lost its lock on group %s: %s",
+            job,
+            group,
+            reason,
+            extra={"job_id": job, "group_id": group},
+        )
+        with self._lost_guard:
+            self._lost[group] = reason
+
+    def _forget_lost(self, group: str) -> None:
+        with self._lost_guard:
+            self._lost.pop(group, None)
+
+    def _was_lost(self, group: str) -> bool:
+        with self._lost_guard:
+            return group in self._lost
+
+    @staticmethod
+    def _lost_yield() -> _types.YieldResult:
+        """Yield of a group whose lock was lost: it is released already (idempotent)."""
+        return _types.YieldResult(success=True, pending_waiters=0, snapshot_deferred=False)
 
     @staticmethod
     def _yield_request(job: str, group: str) -> opb.YieldRequest:

@@ -92,6 +92,8 @@ ORCHESTRATOR_METHODS = {
         Method(_ORCH, "ListGroups", retryable=True),
         Method(_ORCH, "GetGroupStatus", retryable=True),
         Method(_ORCH, "WatchEvents"),
+        # The lease keeper (_lease) re-opens it with its own back-off.
+        Method(_ORCH, "Hold"),
     )
 }
 AGENT_METHODS = {
@@ -363,6 +365,11 @@ class OrchestratorCalls:
             _O["WatchEvents"], self.stub.WatchEvents, request, options
         )
 
+    def hold(
+        self, request: opb.HoldRequest, options: CallOptions = _NO_OPTIONS
+    ) -> SyncStream[opb.HoldEvent]:
+        return self.transport.unary_stream(_O["Hold"], self.stub.Hold, request, options)
+
 
 class AsyncOrchestratorCalls:
     """One coroutine per orchestrator RPC."""
@@ -411,6 +418,11 @@ class AsyncOrchestratorCalls:
         return self.transport.unary_stream(
             _O["WatchEvents"], self.stub.WatchEvents, request, options
         )
+
+    def hold(
+        self, request: opb.HoldRequest, options: CallOptions = _NO_OPTIONS
+    ) -> AsyncStream[opb.HoldEvent]:
+        return self.transport.unary_stream(_O["Hold"], self.stub.Hold, request, options)
 
 
 class AgentCalls:

@@ -19,7 +19,7 @@ import grpc.aio
 from typing_extensions import Self
 
 from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2 as opb
-from tslice.client import _base, _channel, _config, _retry, _slice, _types
+from tslice.client import _base, _channel, _config, _lease, _retry, _slice, _types
 from tslice.common import errors
 
 
@@ -50,6 +50,7 @@ class Client(_base.BaseClient):
         channel_options: Sequence[tuple[str, Any]] | None = None,
         footprint_bytes: int | None = None,
         retry: _retry.RetryPolicy = _retry.DEFAULT_RETRY,
+        lease_s: float | None = _base.DEFAULT_LEASE_S,
     ) -> None:
         super().__init__(
             address,
@@ -60,11 +61,13 @@ class Client(_base.BaseClient):
             channel_options=channel_options,
             footprint_bytes=footprint_bytes,
             retry=retry,
+            lease_s=lease_s,
         )
         self._channel: grpc.Channel | None = None
         self._calls: _channel.OrchestratorCalls | None = None
         self._guard = threading.Lock()
         self._key_locks: dict[_base.HoldKey, threading.Lock] = {}
+        self._keepers: dict[_base.HoldKey, _lease.HoldKeeper] = {}
 
     def _orchestrator(self, what: str) -> _channel.OrchestratorCalls:
         self._require_enabled(what)
@@ -113,6 +116,8 @@ class Client(_base.BaseClient):
             )
         except errors.DeadlineExceeded as err:
             raise self._acquire_timed_out(err, job=job, group=group_id, started=started) from err
+        if response.success and self._lease_ms:
+            self._keep(job, group_id, response.grant_epoch)
         return _types.acquire_result(response)
 
     def yield_(
@@ -128,7 +133,11 @@ class Client(_base.BaseClient):
         wait = self._call_timeout(timeout)
         if not self.enabled:
             return _base.NOOP_YIELD
+        if self._was_lost(group_id):
+            self._unkeep(job, group_id)
+            return self._lost_yield()
         response = self._orchestrator("yield").yield_(request, self._options(job, group_id, wait))
+        self._unkeep(job, group_id)
         return _types.yield_result(response)
 
     release = yield_
@@ -198,8 +207,13 @@ class Client(_base.BaseClient):
         return self.slice(*groups, job_id=job_id, timeout=timeout)
 
     def close(self) -> None:
-        """Close the channel; idempotent. Groups still held stay held (yield first)."""
+        """Close the channel; idempotent. Groups still held stay held (yield first)
+        until their lease runs out."""
         self._closed = True
+        with self._guard:
+            keepers, self._keepers = list(self._keepers.values()), {}
+        for keeper in keepers:
+            keeper.stop()
         with self._guard:
             channel, self._channel, self._calls = self._channel, None, None
         if channel is not None:
@@ -218,6 +232,31 @@ class Client(_base.BaseClient):
 
     def __repr__(self) -> str:
         return f"Client(address={self.address!r}, job_id={self.job_id!r}, enabled={self.enabled})"
+
+    # -- leases ----------------------------------------------------------------------------
+
+    def _keep(self, job: str, group: str, epoch: int) -> None:
+        """Hold the lease of a new grant from a daemon thread (replaces an older keeper)."""
+        self._forget_lost(group)
+        keeper = _lease.HoldKeeper(
+            stub=self._orchestrator("hold").stub,
+            job=job,
+            group=group,
+            epoch=epoch,
+            lease_ms=self._lease_ms,
+            on_lost=lambda reason: self._lease_lost(job, group, reason),
+        )
+        with self._guard:
+            old = self._keepers.get((job, group))
+            self._keepers[(job, group)] = keeper
+        if old is not None:
+            old.stop()
+
+    def _unkeep(self, job: str, group: str) -> None:
+        with self._guard:
+            keeper = self._keepers.pop((job, group), None)
+        if keeper is not None:
+            keeper.stop()
 
     # -- slice plumbing (called by SliceContext) ------------------------------------
 
@@ -307,6 +346,7 @@ class AsyncClient(_base.BaseClient):
         channel_options: Sequence[tuple[str, Any]] | None = None,
         footprint_bytes: int | None = None,
         retry: _retry.RetryPolicy = _retry.DEFAULT_RETRY,
+        lease_s: float | None = _base.DEFAULT_LEASE_S,
     ) -> None:
         super().__init__(
             address,
@@ -317,11 +357,13 @@ class AsyncClient(_base.BaseClient):
             channel_options=channel_options,
             footprint_bytes=footprint_bytes,
             retry=retry,
+            lease_s=lease_s,
         )
         # Created on first use, inside the running loop the client will serve.
         self._channel: grpc.aio.Channel | None = None
         self._calls: _channel.AsyncOrchestratorCalls | None = None
         self._key_locks: dict[_base.HoldKey, asyncio.Lock] = {}
+        self._keepers: dict[_base.HoldKey, _lease.AsyncHoldKeeper] = {}
 
     def _orchestrator(self, what: str) -> _channel.AsyncOrchestratorCalls:
         self._require_enabled(what)
@@ -364,6 +406,8 @@ class AsyncClient(_base.BaseClient):
             )
         except errors.DeadlineExceeded as err:
             raise self._acquire_timed_out(err, job=job, group=group_id, started=started) from err
+        if response.success and self._lease_ms:
+            await self._keep(job, group_id, response.grant_epoch)
         return _types.acquire_result(response)
 
     async def yield_(
@@ -379,9 +423,13 @@ class AsyncClient(_base.BaseClient):
         wait = self._call_timeout(timeout)
         if not self.enabled:
             return _base.NOOP_YIELD
+        if self._was_lost(group_id):
+            await self._unkeep(job, group_id)
+            return self._lost_yield()
         response = await self._orchestrator("yield").yield_(
             request, self._options(job, group_id, wait)
         )
+        await self._unkeep(job, group_id)
         return _types.yield_result(response)
 
     release = yield_
@@ -441,8 +489,12 @@ class AsyncClient(_base.BaseClient):
         return self.slice(*groups, job_id=job_id, timeout=timeout)
 
     async def close(self) -> None:
-        """Close the channel; idempotent. Groups still held stay held (yield first)."""
+        """Close the channel; idempotent. Groups still held stay held (yield first)
+        until their lease runs out."""
         self._closed = True
+        keepers, self._keepers = list(self._keepers.values()), {}
+        for keeper in keepers:
+            await keeper.stop()
         channel, self._channel, self._calls = self._channel, None, None
         if channel is not None:
             await channel.close()
@@ -462,6 +514,29 @@ class AsyncClient(_base.BaseClient):
         return (
             f"AsyncClient(address={self.address!r}, job_id={self.job_id!r}, enabled={self.enabled})"
         )
+
+    # -- leases ----------------------------------------------------------------------------
+
+    async def _keep(self, job: str, group: str, epoch: int) -> None:
+        """Hold the lease of a new grant from a task (replaces an older keeper)."""
+        self._forget_lost(group)
+        keeper = _lease.AsyncHoldKeeper(
+            stub=self._orchestrator("hold").stub,
+            job=job,
+            group=group,
+            epoch=epoch,
+            lease_ms=self._lease_ms,
+            on_lost=lambda reason: self._lease_lost(job, group, reason),
+        )
+        old = self._keepers.get((job, group))
+        self._keepers[(job, group)] = keeper
+        if old is not None:
+            await old.stop()
+
+    async def _unkeep(self, job: str, group: str) -> None:
+        keeper = self._keepers.pop((job, group), None)
+        if keeper is not None:
+            await keeper.stop()
 
     # -- slice plumbing (called by AsyncSliceContext) -------------------------------
 

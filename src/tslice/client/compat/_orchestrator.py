@@ -141,7 +141,8 @@ class TimeSliceOrchestratorClient:
         self.job_id = job_id
         self.group_id = group_id
         with _translated():
-            self._client = _client.Client(target, channel_options=channel_options)
+            # llm-d clients send no lease: the lock outlives the process, as there.
+            self._client = _client.Client(target, channel_options=channel_options, lease_s=None)
 
     @property
     def client(self) -> _client.Client:

@@ -1,0 +1,155 @@
+"""Keeping a holder lease: the Hold stream a client keeps open while it holds a group.
+
+An Acquire with ``lease_ms > 0`` obliges the holder to keep a Hold stream open;
+without one for ``lease_ms`` the orchestrator releases the lock (so a dead client
+cannot keep a group). A keeper re-opens the stream with back-off (well within the
+lease) when the orchestrator restarts or the network blips, and stops when the
+job yields (the server ends the stream with ``released``), when the client closes,
+or when the lease is lost (``FAILED_PRECONDITION`` or a ``lost`` event): then it
+calls ``on_lost`` with the reason.
+
+:class:`HoldKeeper` runs in a daemon thread (sync client: no hidden event loop);
+:class:`AsyncHoldKeeper` is a task of the caller's loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import grpc
+
+from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2 as opb
+
+log = logging.getLogger("tslice.client")
+
+#: Answers that mean the lock is gone for good: stop and report the loss.
+_LOST_CODES = (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND)
+
+OnLost = Callable[[str], None]
+
+
+def retry_delay(attempt: int, lease_ms: int) -> float:
+    """Back-off before re-opening: short, and always several tries within the lease."""
+    return float(min(0.05 * 2**attempt, max(lease_ms / 5000, 0.02), 1.0))
+
+
+def _outcome(err: grpc.RpcError) -> str | None:
+    """Why the lease is lost, or None when the stream is worth re-opening."""
+    code = err.code()
+    if code in _LOST_CODES:
+        return str(err.details() or code.name)
+    return None
+
+
+class HoldKeeper:
+    """Keeps one Hold stream open from a daemon thread until :meth:`stop`."""
+
+    def __init__(
+        self, *, stub: Any, job: str, group: str, epoch: int, lease_ms: int, on_lost: OnLost
+    ) -> None:
+        self._stub = stub
+        self._request = opb.HoldRequest(job_id=job, group_id=group, grant_epoch=epoch)
+        self._lease_ms = lease_ms
+        self._on_lost = on_lost
+        self._stopped = threading.Event()
+        self._guard = threading.Lock()
+        self._call: Any = None
+        self._thread = threading.Thread(
+            target=self._run, name=f"tslice-hold:{group}:{job}", daemon=True
+        )
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Close the stream (the lease timer starts on the orchestrator unless yielded)."""
+        self._stopped.set()
+        with self._guard:
+            call = self._call
+        if call is not None:
+            call.cancel()
+
+    def join(self, timeout: float | None = None) -> None:
+        self._thread.join(timeout)
+
+    def _run(self) -> None:
+        attempt = 0
+        while not self._stopped.is_set():
+            call = self._stub.Hold(self._request)
+            with self._guard:
+                self._call = call
+            if self._stopped.is_set():
+                call.cancel()
+                return
+            try:
+                for event in call:
+                    attempt = 0
+                    if event.released:
+                        return
+                    if event.lost:
+                        self._lose(event.lost)
+                        return
+            except grpc.RpcError as err:
+                if self._stopped.is_set():
+                    return
+                if err.code() == grpc.StatusCode.UNIMPLEMENTED:
+                    log.info("the orchestrator has no Hold RPC; the lease is not kept")
+                    return
+                lost = _outcome(err)
+                if lost is not None:
+                    self._lose(lost)
+                    return
+            self._stopped.wait(retry_delay(attempt, self._lease_ms))
+            attempt += 1
+
+    def _lose(self, reason: str) -> None:
+        if not self._stopped.is_set():
+            self._on_lost(reason)
+
+
+class AsyncHoldKeeper:
+    """Keeps one Hold stream open from a task of the running loop until :meth:`stop`."""
+
+    def __init__(
+        self, *, stub: Any, job: str, group: str, epoch: int, lease_ms: int, on_lost: OnLost
+    ) -> None:
+        self._stub = stub
+        self._request = opb.HoldRequest(job_id=job, group_id=group, grant_epoch=epoch)
+        self._lease_ms = lease_ms
+        self._on_lost = on_lost
+        self._task = asyncio.get_running_loop().create_task(
+            self._run(), name=f"tslice-hold:{group}:{job}"
+        )
+
+    async def stop(self) -> None:
+        if not self._task.done():
+            self._task.cancel()
+        # wait() does not raise the keeper's own cancellation (only the caller's).
+        await asyncio.wait({self._task})
+
+    async def _run(self) -> None:
+        attempt = 0
+        while True:
+            call = self._stub.Hold(self._request)
+            try:
+                async for event in call:
+                    attempt = 0
+                    if event.released:
+                        return
+                    if event.lost:
+                        self._on_lost(event.lost)
+                        return
+            except grpc.RpcError as err:
+                if err.code() == grpc.StatusCode.UNIMPLEMENTED:
+                    log.info("the orchestrator has no Hold RPC; the lease is not kept")
+                    return
+                lost = _outcome(err)
+                if lost is not None:
+                    self._on_lost(lost)
+                    return
+            finally:
+                call.cancel()
+            await asyncio.sleep(retry_delay(attempt, self._lease_ms))
+            attempt += 1

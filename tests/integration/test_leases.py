@@ -1,0 +1,75 @@
+"""Holder leases on real processes: a SIGKILLed holder loses the group within its lease,
+and a live holder keeps it across an orchestrator restart through its background Hold."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+
+import pytest
+
+import tslice
+from tslice.sim.cluster import ORCHESTRATOR, LocalCluster
+
+LEASE_S = 1.0
+
+
+@pytest.fixture
+def cluster() -> Iterator[LocalCluster]:
+    with LocalCluster(agents=1, groups={"g": ("node-1",)}) as local:
+        yield local
+
+
+def test_sigkilled_holder_loses_the_group_within_its_lease(cluster: LocalCluster) -> None:
+    script = textwrap.dedent(
+        f"""
+        import sys, time, tslice
+        client = tslice.Client({cluster.orchestrator_address!r}, job_id="doomed",
+                               lease_s={LEASE_S})
+        client.acquire("g")
+        print("held", flush=True)
+        time.sleep(600)
+        """
+    )
+    holder = subprocess.Popen(
+        [sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, env=os.environ.copy()
+    )
+    try:
+        assert holder.stdout is not None
+        assert holder.stdout.readline().strip() == "held"
+        with tslice.Client(cluster.orchestrator_address, job_id="waiter", lease_s=None) as client:
+            assert client.status("g").locking_job == "doomed"
+            holder.send_signal(signal.SIGKILL)
+            holder.wait(10)
+            killed = time.monotonic()
+            granted = client.acquire("g", timeout=30)
+            waited = time.monotonic() - killed
+            assert granted.success and client.status("g").locking_job == "waiter"
+            # The lease runs from the moment the dead client's Hold stream closed.
+            assert LEASE_S * 0.5 <= waited < LEASE_S + 10
+            client.yield_("g")
+    finally:
+        if holder.poll() is None:
+            holder.kill()
+            holder.wait()
+        if holder.stdout is not None:
+            holder.stdout.close()
+
+
+def test_background_hold_keeps_the_group_across_an_orchestrator_restart(
+    cluster: LocalCluster,
+) -> None:
+    with tslice.Client(cluster.orchestrator_address, job_id="trainer", lease_s=LEASE_S) as client:
+        client.acquire("g")
+        cluster.restart(ORCHESTRATOR)
+        # The holder works (sleeps) for longer than its lease; its Hold thread reconnects.
+        time.sleep(LEASE_S * 2.5)
+        assert client.status("g").locking_job == "trainer"
+        assert client.lost_leases == {}
+        assert client.yield_("g").success
+        assert client.status("g").locking_job == ""
