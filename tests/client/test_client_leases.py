@@ -1,0 +1,159 @@
+"""Client side of holder leases against a real in-process orchestrator and agent.
+
+A TCP proxy between client and orchestrator simulates a network cut long enough for
+the lease to run out; the client then learns the loss from its Hold stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import pathlib
+from collections.abc import AsyncIterator
+
+import pytest
+
+import tslice
+from tests.orchestrator.orch_harness import Cluster, Events, acquire
+from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2 as opb
+from tslice.client.compat import TimeSliceOrchestratorClient
+
+K = opb.OrchestratorEvent
+
+
+class Proxy:
+    """Forwards TCP connections to ``target``; :meth:`cut` drops them all and refuses new ones."""
+
+    def __init__(self, target: str) -> None:
+        self.host, port = target.rsplit(":", 1)
+        self.target_port = int(port)
+        self.port = 0
+        self._server: asyncio.Server | None = None
+        self._writers: set[asyncio.StreamWriter] = set()
+        self._pipes: set[asyncio.Task[None]] = set()
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    async def start(self) -> None:
+        self._server = await asyncio.start_server(self._serve, self.host, self.port)
+        self.port = self._server.sockets[0].getsockname()[1]
+
+    async def cut(self) -> None:
+        assert self._server is not None
+        self._server.close()
+        await self._server.wait_closed()
+        self._server = None
+        for writer in list(self._writers):
+            writer.transport.abort()
+        for task in list(self._pipes):
+            task.cancel()
+        await asyncio.gather(*self._pipes, return_exceptions=True)
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            up_reader, up_writer = await asyncio.open_connection(self.host, self.target_port)
+        except OSError:
+            writer.transport.abort()
+            return
+        self._writers |= {writer, up_writer}
+        for src, dst in ((reader, up_writer), (up_reader, writer)):
+            task = asyncio.ensure_future(self._pipe(src, dst))
+            self._pipes.add(task)
+            task.add_done_callback(self._pipes.discard)
+
+    async def _pipe(self, src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(OSError, asyncio.IncompleteReadError):
+            while data := await src.read(65536):
+                dst.write(data)
+                await dst.drain()
+        dst.transport.abort()
+        self._writers.discard(dst)
+
+
+@pytest.fixture
+async def cluster(tmp_path: pathlib.Path) -> AsyncIterator[Cluster]:
+    c = Cluster(tmp_path)
+    await c.start_agent("node-a")
+    await c.start_orchestrator()
+    try:
+        yield c
+    finally:
+        await c.close()
+
+
+async def lease_of(cluster: Cluster, job: str, group: str = "g") -> int:
+    """The lease the orchestrator keeps for ``job`` (from a Hold stream's first event)."""
+    call = cluster.stub().Hold(opb.HoldRequest(job_id=job, group_id=group))
+    try:
+        return int((await call.read()).lease_ms)
+    finally:
+        call.cancel()
+
+
+async def test_async_client_sends_its_lease_and_yield_ends_the_hold(cluster: Cluster) -> None:
+    async with tslice.AsyncClient(cluster.orch_address, job_id="j", lease_s=0.3) as client:
+        assert client.lease_s == 0.3
+        ev = await Events.open(cluster.stub(), "g")
+        await client.acquire("g")
+        assert await lease_of(cluster, "j") == 300
+        keeper = client._keepers[("j", "g")]
+        result = await client.yield_("g")
+        assert result.success and ("j", "g") not in client._keepers
+        assert keeper._task.done()
+        await ev.wait_for(K.KIND_YIELDED, job="j")
+        assert "lease expired" not in [e.detail for e in ev.seen]
+        ev.cancel()
+
+
+async def test_lost_lease_is_reported_and_its_yield_succeeds(cluster: Cluster) -> None:
+    proxy = Proxy(cluster.orch_address)
+    await proxy.start()
+    stub = cluster.stub()
+    ev = await Events.open(stub, "g")
+    async with tslice.AsyncClient(proxy.address, job_id="j", lease_s=0.3) as client:
+        await client.acquire("g")
+        keeper = client._keepers[("j", "g")]
+        await proxy.cut()  # longer than the lease: the orchestrator releases the group
+        assert (await ev.wait_for(K.KIND_YIELDED, job="j")).detail == "lease expired"
+        await acquire(stub, "other", "g")  # somebody else holds it now
+        await proxy.start()  # the network is back: the Hold stream is refused
+        await asyncio.wait_for(asyncio.shield(keeper._task), 10)
+        lost = client.lost_leases
+        assert list(lost) == ["g"] and "does not hold group 'g'" in lost["g"]
+        # Yield of the lost group: success, although 'other' holds it (no PERMISSION_DENIED).
+        assert (await client.yield_("g")).success
+        assert client.lost_leases == lost  # stays visible until the group is acquired again
+        await stub.Yield(opb.YieldRequest(job_id="other", group_id="g"))
+        await client.acquire("g")
+        assert client.lost_leases == {}
+        await client.yield_("g")
+    ev.cancel()
+    await proxy.cut()
+
+
+async def test_no_lease_and_the_llm_d_client_send_lease_zero(cluster: Cluster) -> None:
+    async with tslice.AsyncClient(cluster.orch_address, job_id="j", lease_s=None) as client:
+        assert client.lease_s is None
+        await client.acquire("g")
+        assert await lease_of(cluster, "j") == 0 and client._keepers == {}
+        await client.yield_("g")
+    compat = TimeSliceOrchestratorClient(cluster.orch_address)
+    try:
+        assert compat.client.lease_s is None
+    finally:
+        compat.client.close()
+
+
+def test_lease_must_be_positive_or_none() -> None:
+    for bad in (0, -1.0):
+        with pytest.raises(ValueError, match="lease_s must be > 0"):
+            tslice.Client("127.0.0.1:1", job_id="j", lease_s=bad)
+
+
+def test_noop_client_keeps_no_lease() -> None:
+    client = tslice.Client(job_id="j", lease_s=5.0)
+    assert not client.enabled
+    assert client.acquire("g").success and client._keepers == {}
+    assert client.yield_("g").success and client.lost_leases == {}
