@@ -8,10 +8,9 @@ Acquire reply. Next to it, in the same run and process, a bare gRPC unary round 
 watch: machine noise moves both figures together.
 
 A and B use the client library (``AsyncClient``); B's Acquire is known to be queued from
-the QUEUED event of a WatchEvents stream that stays open (so the orchestrator delivers
-every event of each hand-over to it, as it would to a dashboard). On a 2-core machine the
-four processes compete for CPU, and that contention is most of what separates the two
-figures; see the orchestrator's and agent's module docs for what the hand-over does.
+the QUEUED event of a WatchEvents stream filtered to that kind on the server. On a 2-core
+machine the four processes compete for CPU, and that contention is most of what separates
+the two figures; see the orchestrator's and agent's module docs for what the hand-over does.
 
     python bench/handoff.py [--rounds 300] [--json]
 
@@ -69,7 +68,9 @@ async def _handoffs(address: str, rounds: int, warmup: int) -> list[float]:
     samples: list[float] = []
     async with grpc.aio.insecure_channel(address) as channel:
         watcher = opb_grpc.TimeSliceOrchestratorServiceStub(channel)  # type: ignore[no-untyped-call]
-        events = watcher.WatchEvents(opb.WatchEventsRequest(group_id=GROUP))
+        events = watcher.WatchEvents(
+            opb.WatchEventsRequest(group_id=GROUP, kinds=[opb.OrchestratorEvent.KIND_QUEUED])
+        )
         # The server sends headers once subscribed: no QUEUED event can be missed after this.
         await events.initial_metadata()
         try:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
 from types import TracebackType
 from typing import Any
 
@@ -165,9 +165,14 @@ class Client(_base.BaseClient):
         return tuple(response.group_ids)
 
     def watch_events(
-        self, group: str | None = None, *, timeout: float | None = None
+        self,
+        group: str | None = None,
+        *,
+        kinds: Iterable[_types.EventKind] = (),
+        timeout: float | None = None,
     ) -> Iterator[_types.OrchestratorEvent]:
-        """Stream orchestrator events (of ``group``, or of every group when ``None``).
+        """Stream orchestrator events (of ``group``, or of every group when ``None``;
+        only ``kinds`` when given, filtered by the server).
 
         Close the returned generator to end the stream. Not retried: a stream cut by
         an orchestrator restart ends with :class:`~tslice.common.errors.Unavailable`.
@@ -175,7 +180,7 @@ class Client(_base.BaseClient):
         calls = self._orchestrator("watch events")
         group_id = "" if group is None else self._group(group)
         stream = calls.watch_events(
-            opb.WatchEventsRequest(group_id=group_id),
+            opb.WatchEventsRequest(group_id=group_id, kinds=_types.event_kinds(kinds)),
             self._options(self.job_id, group_id, _config.check_timeout("timeout", timeout)),
         )
         return _events(stream)
@@ -457,13 +462,17 @@ class AsyncClient(_base.BaseClient):
         return tuple(response.group_ids)
 
     def watch_events(
-        self, group: str | None = None, *, timeout: float | None = None
+        self,
+        group: str | None = None,
+        *,
+        kinds: Iterable[_types.EventKind] = (),
+        timeout: float | None = None,
     ) -> AsyncIterator[_types.OrchestratorEvent]:
         """See :meth:`Client.watch_events` (``aclose()`` ends the stream)."""
         calls = self._orchestrator("watch events")
         group_id = "" if group is None else self._group(group)
         stream = calls.watch_events(
-            opb.WatchEventsRequest(group_id=group_id),
+            opb.WatchEventsRequest(group_id=group_id, kinds=_types.event_kinds(kinds)),
             self._options(self.job_id, group_id, _config.check_timeout("timeout", timeout)),
         )
         return _async_events(stream)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import enum
+from collections.abc import Iterable
 
 from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2 as opb
 
@@ -216,3 +217,8 @@ def orchestrator_event(message: opb.OrchestratorEvent) -> OrchestratorEvent:
         grant_epoch=message.grant_epoch,
         bytes=message.bytes,
     )
+
+
+def event_kinds(kinds: Iterable[EventKind]) -> list[str]:
+    """Wire names of ``kinds`` (for ``WatchEventsRequest.kinds``)."""
+    return [f"KIND_{EventKind(k).value}" for k in kinds]

@@ -48,15 +48,18 @@ def make_event(
 
 
 class Subscription:
-    def __init__(self, *, group_id: str, maxlen: int) -> None:
+    def __init__(self, *, group_id: str, maxlen: int, kinds: frozenset[int] = frozenset()) -> None:
         self.group_id = group_id
+        self.kinds = kinds
         self._buffer: collections.deque[opb.OrchestratorEvent] = collections.deque(maxlen=maxlen)
         self._wakeup = asyncio.Event()
         self.dropped = 0
         self.closed = False
 
     def offer(self, event: opb.OrchestratorEvent) -> None:
-        if self.group_id and event.group_id != self.group_id:
+        if (self.group_id and event.group_id != self.group_id) or (
+            self.kinds and event.kind not in self.kinds
+        ):
             return
         if len(self._buffer) == self._buffer.maxlen:
             self.dropped += 1  # the deque drops the oldest on append
@@ -92,8 +95,8 @@ class EventBus:
             if sub.dropped != before and self.on_drop is not None:
                 self.on_drop(sub.dropped - before)
 
-    def subscribe(self, *, group_id: str = "") -> Subscription:
-        sub = Subscription(group_id=group_id, maxlen=self._maxlen)
+    def subscribe(self, *, group_id: str = "", kinds: frozenset[int] = frozenset()) -> Subscription:
+        sub = Subscription(group_id=group_id, maxlen=self._maxlen, kinds=kinds)
         self._subs.add(sub)
         return sub
 

@@ -125,7 +125,7 @@ class OrchestratorServicer(opb_grpc.TimeSliceOrchestratorServiceServicer):
             await _valid_id(context, "group_id", gid)
             if not self._groups.local:
                 await self._group(context, gid)
-        sub = self._bus.subscribe(group_id=gid)
+        sub = self._bus.subscribe(group_id=gid, kinds=frozenset(request.kinds))
         try:
             # Headers go out once subscribed: a client awaiting initial_metadata() then
             # knows that no later event will be missed.

@@ -144,10 +144,12 @@ class SnapshotAgentJobState(_message.Message):
     def __init__(self, agent: _Optional[str] = ..., job_state: _Optional[_Union[SnapshotAgentJobState.State, str]] = ..., job_id: _Optional[str] = ...) -> None: ...
 
 class WatchEventsRequest(_message.Message):
-    __slots__ = ("group_id",)
+    __slots__ = ("group_id", "kinds")
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
+    KINDS_FIELD_NUMBER: _ClassVar[int]
     group_id: str
-    def __init__(self, group_id: _Optional[str] = ...) -> None: ...
+    kinds: _containers.RepeatedScalarFieldContainer[OrchestratorEvent.Kind]
+    def __init__(self, group_id: _Optional[str] = ..., kinds: _Optional[_Iterable[_Union[OrchestratorEvent.Kind, str]]] = ...) -> None: ...
 
 class OrchestratorEvent(_message.Message):
     __slots__ = ("time", "kind", "group_id", "job_id", "node", "duration_ms", "from_job", "detail", "grant_epoch", "bytes")
