@@ -13,12 +13,12 @@ import typer
 from typer.testing import CliRunner
 
 from tests.agent.conftest import AgentRunner
-from tslice.agent import app, config, metrics
+from tslice.agent import config, metrics
 from tslice.agent.backends import noop, registry, sim
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2_grpc as pb_grpc
 from tslice.cli import agent_cmd
-from tslice.common import errors
+from tslice.common import errors, serving
 
 GiB = 1024**3
 
@@ -171,7 +171,7 @@ async def test_unusable_state_dir_is_a_config_error(agents: AgentRunner, tmp_pat
 
 def test_ready_file_is_written_atomically(tmp_path: Path) -> None:
     target = tmp_path / "sub" / "ready.json"
-    app.write_ready_file(target, "127.0.0.1:1234")
+    serving.write_ready_file(target, "127.0.0.1:1234")
     assert json.loads(target.read_text())["address"] == "127.0.0.1:1234"
     assert [p.name for p in target.parent.iterdir()] == ["ready.json"]
 

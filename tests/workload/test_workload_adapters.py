@@ -7,8 +7,8 @@ import sys
 from typing import Any
 
 import pytest
-from tests.workload import workload_support
 
+from tests.workload import workload_support
 from tslice.common import residency
 from tslice.workload import adapters
 from tslice.workload.adapters import base, callbacks, sglang, vllm

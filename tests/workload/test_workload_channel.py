@@ -18,8 +18,8 @@ from typing import Any
 
 import grpc
 import pytest
-from tests.workload import workload_support
 
+from tests.workload import workload_support
 from tests.workload.workload_support import HubServer
 from tslice.agent import channel
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb

@@ -9,10 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
-import os
-import signal
 import sqlite3
 import stat
 from collections.abc import Callable, Mapping
@@ -28,7 +25,7 @@ from tslice.agent import config as agent_config
 from tslice.agent.backends import base, registry
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2_grpc as pb_grpc
-from tslice.common import errors, logs, tasks
+from tslice.common import errors, logs, serving, tasks
 
 log = logging.getLogger(__name__)
 
@@ -275,28 +272,9 @@ async def _prune_loop(core: runner.AgentCore, *, stop: asyncio.Event) -> None:
             await core.prune_operations()
 
 
-def write_ready_file(path: Path, address: str) -> None:
-    """Atomically publish ``{"address", "pid"}`` so that waiters never read half a file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps({"address": address, "pid": os.getpid()}))
-    os.replace(tmp, path)
-
-
-async def _main(config: agent_config.AgentConfig, ready_file: Path | None) -> None:
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(signum, stop.set)
-
-    def ready(address: str) -> None:
-        if ready_file is not None:
-            write_ready_file(ready_file, address)
-
-    await serve(config, ready=ready, stop=stop)
-
-
 def run(config: agent_config.AgentConfig, *, ready_file: Path | None = None) -> None:
     """Blocking entry point: serve until SIGTERM/SIGINT, then stop gracefully."""
     logs.setup(config.log_level)
-    asyncio.run(_main(config, ready_file))
+    serving.run_until_signalled(
+        lambda ready, stop: serve(config, ready=ready, stop=stop), ready_file=ready_file
+    )

@@ -14,13 +14,9 @@ stops with the same grace.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
-import json
 import logging
-import os
 import pathlib
-import signal
 from collections.abc import Callable
 from typing import Any
 
@@ -31,7 +27,7 @@ from grpc_reflection.v1alpha import reflection
 
 from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2 as opb
 from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2_grpc as opb_grpc
-from tslice.common import ids, logs
+from tslice.common import ids, logs, serving
 from tslice.orchestrator import agents, config, events, manager, metrics, server, store
 
 log = logging.getLogger(__name__)
@@ -154,29 +150,9 @@ async def _name_local_agents(
     return dataclasses.replace(cfg, topology=config.Topology(local_nodes=named))
 
 
-def write_ready_file(path: pathlib.Path, address: str) -> None:
-    """Atomically write ``{"address": ..., "pid": ...}`` (tmp + rename)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps({"address": address, "pid": os.getpid()}))
-    os.replace(tmp, path)
-
-
 def run(cfg: config.OrchestratorConfig, *, ready_file: pathlib.Path | None = None) -> None:
     """Blocking entry point: SIGTERM/SIGINT stop gracefully."""
     logs.setup(cfg.log_level)
-
-    async def main() -> None:
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            with contextlib.suppress(NotImplementedError):
-                loop.add_signal_handler(sig, stop.set)
-
-        def ready(address: str) -> None:
-            if ready_file is not None:
-                write_ready_file(ready_file, address)
-
-        await serve(cfg, ready=ready, stop=stop)
-
-    asyncio.run(main())
+    serving.run_until_signalled(
+        lambda ready, stop: serve(cfg, ready=ready, stop=stop), ready_file=ready_file
+    )
