@@ -77,7 +77,10 @@ class HoldKeeper:
     def _run(self) -> None:
         attempt = 0
         while not self._stopped.is_set():
-            call = self._stub.Hold(self._request)
+            try:
+                call = self._stub.Hold(self._request)
+            except ValueError:
+                return  # the client closed its channel meanwhile
             with self._guard:
                 self._call = call
             if self._stopped.is_set():
