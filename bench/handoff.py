@@ -62,9 +62,11 @@ async def _bare_round_trips(address: str, rounds: int) -> list[float]:
         return samples
 
 
-async def _handoffs(address: str, rounds: int, warmup: int) -> list[float]:
-    a = AsyncClient(address, job_id="job-a")
-    b = AsyncClient(address, job_id="job-b")
+async def _handoffs(
+    address: str, rounds: int, warmup: int, lease_s: float | None = 30.0
+) -> list[float]:
+    a = AsyncClient(address, job_id="job-a", lease_s=lease_s)
+    b = AsyncClient(address, job_id="job-b", lease_s=lease_s)
     samples: list[float] = []
     async with grpc.aio.insecure_channel(address) as channel:
         watcher = opb_grpc.TimeSliceOrchestratorServiceStub(channel)  # type: ignore[no-untyped-call]
@@ -100,7 +102,7 @@ async def _handoffs(address: str, rounds: int, warmup: int) -> list[float]:
     return samples
 
 
-async def _measure(rounds: int, warmup: int) -> dict[str, object]:
+async def _measure(rounds: int, warmup: int, lease_s: float | None) -> dict[str, object]:
     agents = [SimAgent(name="node-1", backend="noop"), SimAgent(name="node-2", backend="noop")]
     with LocalCluster(agents=agents, groups={GROUP: ("node-1", "node-2")}) as cluster:
         address = cluster.orchestrator_address
@@ -110,7 +112,7 @@ async def _measure(rounds: int, warmup: int) -> dict[str, object]:
         chunk = max(1, rounds // 5)
         for _ in range(0, rounds, chunk):
             bare += await _bare_round_trips(address, chunk)
-            handoff += await _handoffs(address, chunk, warmup)
+            handoff += await _handoffs(address, chunk, warmup, lease_s)
     hand = _summary(handoff)
     rtt = _summary(bare)
     return {
@@ -120,6 +122,7 @@ async def _measure(rounds: int, warmup: int) -> dict[str, object]:
         "ratio_p99": hand["p99_ms"] / rtt["p99_ms"],
         "nodes": 2,
         "backend": "noop",
+        "lease": lease_s is not None,
     }
 
 
@@ -128,8 +131,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=300, help="hand-overs to measure")
     parser.add_argument("--warmup", type=int, default=5, help="hand-overs discarded per chunk")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument(
+        "--no-lease",
+        action="store_true",
+        help="clients without holder leases (no Hold stream), as llm-d clients are",
+    )
     args = parser.parse_args(argv)
-    result = asyncio.run(_measure(args.rounds, args.warmup))
+    result = asyncio.run(_measure(args.rounds, args.warmup, None if args.no_lease else 30.0))
     if args.json:
         print(json.dumps(result))
         return 0
