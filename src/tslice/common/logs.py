@@ -28,9 +28,26 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(payload, default=str)
 
 
+class _StderrHandler(logging.StreamHandler):  # type: ignore[type-arg]
+    """Writes to whatever ``sys.stderr`` is at emit time (not when the handler was made),
+    so a redirected or replaced stderr (test runners, CLI runners) never gets a write to a
+    closed stream."""
+
+    def __init__(self) -> None:
+        super().__init__(sys.stderr)
+
+    @property
+    def stream(self) -> Any:
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _value: Any) -> None:
+        pass
+
+
 def setup(level: str = "info", *, json_format: bool = True) -> None:
     """Configure the root logger once for a server process."""
-    handler = logging.StreamHandler(sys.stderr)
+    handler = _StderrHandler()
     if json_format:
         handler.setFormatter(JsonFormatter())
     else:
