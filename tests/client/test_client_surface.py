@@ -214,3 +214,16 @@ def test_only_safe_rpcs_are_retried() -> None:
         "Grant",
         "ResetJob",
     }
+
+
+def test_event_kind_filter_maps_to_wire_names() -> None:
+    from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2 as opb
+    from tslice.client import EventKind, _types
+
+    request = opb.WatchEventsRequest(
+        kinds=_types.event_kinds([EventKind.QUEUED, EventKind.SWITCH_DONE])
+    )
+    assert list(request.kinds) == [
+        opb.OrchestratorEvent.KIND_QUEUED,
+        opb.OrchestratorEvent.KIND_SWITCH_DONE,
+    ]
