@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Awaitable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any, NoReturn, TypeVar
 
 import grpc
@@ -123,20 +123,7 @@ class SnapshotAgentServicer(pb_grpc.SnapshotAgentServiceServicer):
     async def Snapshot(
         self, request: pb.SnapshotRequest, context: grpc.aio.ServicerContext
     ) -> pb.SnapshotResponse:
-        job_id = await _valid_id(context, "job_id", request.job_id)
-        group = await _valid_group(context, request.group)
-        config = await _valid_config(context, request)
-        wait_s = await _valid_wait(context, "wait_ms", request.wait_ms)
-        op = await self._run(
-            context,
-            self._core.snapshot(
-                job_id=job_id,
-                group=group,
-                config=config,
-                deprecated_backend=request.backend,
-                wait_s=wait_s,
-            ),
-        )
+        op = await self._start(context, request, self._core.snapshot)
         return pb.SnapshotResponse(
             operation_id=op.op_id, operation=operation_to_pb(op, now=self._core.now())
         )
@@ -144,22 +131,31 @@ class SnapshotAgentServicer(pb_grpc.SnapshotAgentServiceServicer):
     async def Restore(
         self, request: pb.RestoreRequest, context: grpc.aio.ServicerContext
     ) -> pb.RestoreResponse:
+        op = await self._start(context, request, self._core.restore)
+        return pb.RestoreResponse(
+            operation_id=op.op_id, operation=operation_to_pb(op, now=self._core.now())
+        )
+
+    async def _start(
+        self,
+        context: grpc.aio.ServicerContext,
+        request: pb.SnapshotRequest | pb.RestoreRequest,
+        start: Callable[..., Awaitable[jobs.Operation]],
+    ) -> jobs.Operation:
+        """Validate a Snapshot or Restore request (same fields) and start the operation."""
         job_id = await _valid_id(context, "job_id", request.job_id)
         group = await _valid_group(context, request.group)
         config = await _valid_config(context, request)
         wait_s = await _valid_wait(context, "wait_ms", request.wait_ms)
-        op = await self._run(
+        return await self._run(
             context,
-            self._core.restore(
+            start(
                 job_id=job_id,
                 group=group,
                 config=config,
                 deprecated_backend=request.backend,
                 wait_s=wait_s,
             ),
-        )
-        return pb.RestoreResponse(
-            operation_id=op.op_id, operation=operation_to_pb(op, now=self._core.now())
         )
 
     async def GetOperation(
