@@ -11,10 +11,12 @@ import contextlib
 import pathlib
 from collections.abc import AsyncIterator
 
+import httpx
 import pytest
 
 import tslice
 from tests.orchestrator.orch_harness import Cluster, Events, acquire
+from tests.orchestrator.test_operations import free_port
 from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2 as opb
 from tslice.client.compat import TimeSliceOrchestratorClient
 
@@ -131,6 +133,58 @@ async def test_lost_lease_is_reported_and_its_yield_succeeds(cluster: Cluster) -
         await client.yield_("g")
     ev.cancel()
     await proxy.cut()
+
+
+async def hold_streams_opened(port: int) -> float:
+    async with httpx.AsyncClient() as http:
+        text = (await http.get(f"http://127.0.0.1:{port}/metrics")).text
+    prefix = 'tslice_orchestrator_hold_streams_opened_total{group_id="g"} '
+    values = [
+        float(line.removeprefix(prefix)) for line in text.splitlines() if line.startswith(prefix)
+    ]
+    return values[0] if values else 0.0
+
+
+async def test_a_slice_shorter_than_a_quarter_lease_opens_no_hold_stream(
+    cluster: Cluster,
+) -> None:
+    await cluster.stop_orchestrator()
+    port = free_port()
+    await cluster.start_orchestrator(metrics_port=port)
+    # lease 60 s: the keeper would open its stream 15 s after the grant.
+    async with tslice.AsyncClient(cluster.orch_address, job_id="j", lease_s=60) as client:
+        for _ in range(3):
+            await client.acquire("g")
+            assert (await client.yield_("g")).success
+    with tslice.Client(cluster.orch_address, job_id="k", lease_s=60) as sync_client:
+        await asyncio.to_thread(sync_client.acquire, "g")
+        assert (await asyncio.to_thread(sync_client.yield_, "g")).success
+    assert await hold_streams_opened(port) == 0
+    # A slice that outlasts a quarter of its lease does open one (and keeps the group).
+    async with tslice.AsyncClient(cluster.orch_address, job_id="j", lease_s=0.2) as client:
+        await client.acquire("g")
+        keeper = client._keepers[("j", "g")]
+        await asyncio.sleep(0.6)  # the subject: time passing, three leases long
+        assert await hold_streams_opened(port) == 1 and not keeper._task.done()
+        assert (await client.status("g")).locking_job == "j" and client.lost_leases == {}
+        assert (await client.yield_("g")).success
+
+
+async def test_a_loss_while_yielding_is_held_back_and_reported_if_the_yield_fails(
+    cluster: Cluster,
+) -> None:
+    stub = cluster.stub()
+    async with tslice.AsyncClient(cluster.orch_address, job_id="j", lease_s=0.2) as client:
+        await client.acquire("g")
+        keeper = client._keepers[("j", "g")]
+        keeper.releasing()  # as yield_ does before its Yield RPC
+        # The Yield reaches the orchestrator before the keeper's (delayed) Hold stream:
+        # that stream is refused, which is no loss for a job giving the group up.
+        await stub.Yield(opb.YieldRequest(job_id="j", group_id="g"))
+        await asyncio.wait_for(asyncio.shield(keeper._task), 10)
+        assert client.lost_leases == {}
+        keeper.resume()  # had the Yield failed, the loss is reported after all
+        assert "does not hold group 'g'" in client.lost_leases["g"]
 
 
 async def test_no_lease_and_the_llm_d_client_send_lease_zero(cluster: Cluster) -> None:

@@ -136,7 +136,18 @@ class Client(_base.BaseClient):
         if self._was_lost(group_id):
             self._unkeep(job, group_id)
             return self._lost_yield()
-        response = self._orchestrator("yield").yield_(request, self._options(job, group_id, wait))
+        with self._guard:
+            keeper = self._keepers.get((job, group_id))
+        if keeper is not None:
+            keeper.releasing()
+        try:
+            response = self._orchestrator("yield").yield_(
+                request, self._options(job, group_id, wait)
+            )
+        except BaseException:
+            if keeper is not None:
+                keeper.resume()
+            raise
         self._unkeep(job, group_id)
         return _types.yield_result(response)
 
@@ -431,9 +442,17 @@ class AsyncClient(_base.BaseClient):
         if self._was_lost(group_id):
             await self._unkeep(job, group_id)
             return self._lost_yield()
-        response = await self._orchestrator("yield").yield_(
-            request, self._options(job, group_id, wait)
-        )
+        keeper = self._keepers.get((job, group_id))
+        if keeper is not None:
+            keeper.releasing()
+        try:
+            response = await self._orchestrator("yield").yield_(
+                request, self._options(job, group_id, wait)
+            )
+        except BaseException:
+            if keeper is not None:
+                keeper.resume()
+            raise
         await self._unkeep(job, group_id)
         return _types.yield_result(response)
 

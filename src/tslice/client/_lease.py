@@ -2,11 +2,16 @@
 
 An Acquire with ``lease_ms > 0`` obliges the holder to keep a Hold stream open;
 without one for ``lease_ms`` the orchestrator releases the lock (so a dead client
-cannot keep a group). A keeper re-opens the stream with back-off (well within the
-lease) when the orchestrator restarts or the network blips, and stops when the
-job yields (the server ends the stream with ``released``), when the client closes,
-or when the lease is lost (``FAILED_PRECONDITION`` or a ``lost`` event): then it
-calls ``on_lost`` with the reason.
+cannot keep a group). The orchestrator counts the lease from the grant, so a keeper
+opens its stream only after a quarter of the lease (:func:`open_delay`): a slice
+shorter than that costs no stream at all, and the hand-over at its end carries no
+stream teardown. A keeper re-opens the stream with back-off (well within the lease)
+when the orchestrator restarts or the network blips, and stops when the job yields
+(the server ends the stream with ``released``), when the client closes, or when the
+lease is lost (``FAILED_PRECONDITION`` or a ``lost`` event): then it calls
+``on_lost`` with the reason. While the job is yielding (:meth:`releasing`) a loss is
+held back: the Hold stream may reach the orchestrator after the Yield, and a lock
+being given up is not lost; if the Yield fails, :meth:`resume` reports it.
 
 :class:`HoldKeeper` runs in a daemon thread (sync client: no hidden event loop);
 :class:`AsyncHoldKeeper` is a task of the caller's loop.
@@ -37,6 +42,11 @@ def retry_delay(attempt: int, lease_ms: int) -> float:
     return float(min(0.05 * 2**attempt, max(lease_ms / 5000, 0.02), 1.0))
 
 
+def open_delay(lease_ms: int) -> float:
+    """Seconds from the grant to opening the Hold stream: a quarter of the lease."""
+    return lease_ms / 4000
+
+
 def _outcome(err: grpc.RpcError) -> str | None:
     """Why the lease is lost, or None when the stream is worth re-opening."""
     code = err.code()
@@ -58,6 +68,8 @@ class HoldKeeper:
         self._stopped = threading.Event()
         self._guard = threading.Lock()
         self._call: Any = None
+        self._releasing = False
+        self._held_loss: str | None = None
         self._thread = threading.Thread(
             target=self._run, name=f"tslice-hold:{group}:{job}", daemon=True
         )
@@ -74,7 +86,21 @@ class HoldKeeper:
     def join(self, timeout: float | None = None) -> None:
         self._thread.join(timeout)
 
+    def releasing(self) -> None:
+        """The job is yielding: hold a loss back until :meth:`resume` (or drop it at stop)."""
+        with self._guard:
+            self._releasing = True
+
+    def resume(self) -> None:
+        """The Yield failed: the lease is kept again; report a loss held back meanwhile."""
+        with self._guard:
+            self._releasing, lost, self._held_loss = False, self._held_loss, None
+        if lost is not None and not self._stopped.is_set():
+            self._on_lost(lost)
+
     def _run(self) -> None:
+        if self._stopped.wait(open_delay(self._lease_ms)):
+            return  # yielded (or closed) before a stream was needed
         attempt = 0
         while not self._stopped.is_set():
             try:
@@ -108,6 +134,10 @@ class HoldKeeper:
             attempt += 1
 
     def _lose(self, reason: str) -> None:
+        with self._guard:
+            if self._releasing:
+                self._held_loss = reason
+                return
         if not self._stopped.is_set():
             self._on_lost(reason)
 
@@ -122,6 +152,8 @@ class AsyncHoldKeeper:
         self._request = opb.HoldRequest(job_id=job, group_id=group, grant_epoch=epoch)
         self._lease_ms = lease_ms
         self._on_lost = on_lost
+        self._releasing = False
+        self._held_loss: str | None = None
         self._task = asyncio.get_running_loop().create_task(
             self._run(), name=f"tslice-hold:{group}:{job}"
         )
@@ -132,7 +164,24 @@ class AsyncHoldKeeper:
         # wait() does not raise the keeper's own cancellation (only the caller's).
         await asyncio.wait({self._task})
 
+    def releasing(self) -> None:
+        """The job is yielding: hold a loss back until :meth:`resume` (or drop it at stop)."""
+        self._releasing = True
+
+    def resume(self) -> None:
+        """The Yield failed: the lease is kept again; report a loss held back meanwhile."""
+        self._releasing, lost, self._held_loss = False, self._held_loss, None
+        if lost is not None:
+            self._on_lost(lost)
+
+    def _lose(self, reason: str) -> None:
+        if self._releasing:
+            self._held_loss = reason
+        else:
+            self._on_lost(reason)
+
     async def _run(self) -> None:
+        await asyncio.sleep(open_delay(self._lease_ms))
         attempt = 0
         while True:
             call = self._stub.Hold(self._request)
@@ -142,7 +191,7 @@ class AsyncHoldKeeper:
                     if event.released:
                         return
                     if event.lost:
-                        self._on_lost(event.lost)
+                        self._lose(event.lost)
                         return
             except grpc.RpcError as err:
                 if err.code() == grpc.StatusCode.UNIMPLEMENTED:
@@ -150,7 +199,7 @@ class AsyncHoldKeeper:
                     return
                 lost = _outcome(err)
                 if lost is not None:
-                    self._on_lost(lost)
+                    self._lose(lost)
                     return
             finally:
                 call.cancel()

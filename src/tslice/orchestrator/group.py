@@ -223,6 +223,7 @@ class GroupDriver:
         self._hold_timer: asyncio.TimerHandle | None = None
         #: Open Hold streams of the holder, and the lease timer that runs while none is open.
         self._holds: set[HoldSession] = set()
+        self._holds_reported = 0
         self._lease_timer: asyncio.TimerHandle | None = None
         self._lease_key: tuple[str, int] | None = None
         self._stopping = False
@@ -370,6 +371,7 @@ class GroupDriver:
                 return []
             session = HoldSession(job, lk.grant_epoch, lk.holder_lease_ms, loop.create_future())
             self._holds.add(session)
+            self._metrics.hold_streams_opened.labels(group_id=self.group_id).inc()
             opened.set_result(session)
             return []
 
@@ -808,6 +810,9 @@ class GroupDriver:
                 _resolve(
                     session.ended, f"job {session.job!r} no longer holds group {self.group_id!r}"
                 )
+        if len(self._holds) != self._holds_reported:
+            self._holds_reported = len(self._holds)
+            self._metrics.hold_streams.labels(group_id=self.group_id).set(self._holds_reported)
         key = None
         if holder is not None and lease_ms > 0 and not self._holds:
             key = (holder, epoch)

@@ -70,6 +70,19 @@ class OrchestratorMetrics:
             ["group_id", "state"],
             registry=r,
         )
+        self.hold_streams = prom.Gauge(
+            "tslice_orchestrator_hold_streams",
+            "Open Hold streams of holders keeping a lease",
+            ["group_id"],
+            registry=r,
+        )
+        self.hold_streams_opened = prom.Counter(
+            "tslice_orchestrator_hold_streams_opened",
+            "Hold streams accepted (a client opens one only for a slice longer than a "
+            "quarter of its lease)",
+            ["group_id"],
+            registry=r,
+        )
         self._states: dict[str, str] = {}
         self.events_dropped = prom.Counter(
             "tslice_orchestrator_watch_events_dropped",
