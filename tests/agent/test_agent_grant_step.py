@@ -262,3 +262,70 @@ async def test_failed_restore_is_reported_in_the_reply(agents: AgentRunner) -> N
         ("job-b", "restore", FAILED)
     ]
     assert await agent.state("job-b") == pb.JOB_STATE_FAULTED
+
+
+# ---- GrantStream: the same Grants over one long-lived call ----------------------------------
+
+
+async def test_grant_stream_replies_by_request_id_and_survives_a_refusal(agent: Agent) -> None:
+    await a_running_b_saved(agent)
+    call = agent.stub.GrantStream()
+    try:
+        # A refused Grant is a reply with the unary Grant's status, not the end of the stream.
+        await call.write(
+            pb.GrantStreamRequest(request_id=7, grant=step("bad id", epoch=3, evict=[]))
+        )
+        refused = await call.read()
+        assert refused.request_id == 7 and not refused.HasField("grant")
+        assert refused.status_code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+        assert "job_id 'bad id' is malformed" in refused.status_message
+        unary = await rpc_error(agent.stub.Grant(step("bad id", epoch=3, evict=[])))
+        assert (unary.code(), unary.details()) == (
+            grpc.StatusCode.INVALID_ARGUMENT,
+            refused.status_message,
+        )
+        # The hand-over a -> b on the same stream: evicted, restored, recorded.
+        await call.write(
+            pb.GrantStreamRequest(request_id=8, grant=step("job-b", epoch=3, evict=["job-a"]))
+        )
+        done = await call.read()
+        assert done.request_id == 8 and done.status_code == 0
+        assert done.grant.granted and done.grant.restored and done.grant.state == RUNNING
+        assert [op.kind for op in done.grant.operations] == ["snapshot", "restore"]
+        assert (await agent.state("job-a"), await agent.state("job-b")) == (SAVED, RUNNING)
+        # A stale epoch is refused as by the unary Grant (nothing evicted).
+        await call.write(
+            pb.GrantStreamRequest(request_id=9, grant=step("job-a", epoch=2, evict=["job-b"]))
+        )
+        stale = await call.read()
+        assert stale.status_code == grpc.StatusCode.FAILED_PRECONDITION.value[0]
+        assert await agent.state("job-b") == RUNNING
+    finally:
+        call.cancel()
+
+
+async def test_grant_stream_runs_grants_concurrently(agents: AgentRunner) -> None:
+    gated = GatedBackend()
+    agent = await agents.start(default_backend="gated", instances={"gated": gated})
+    gated.release()
+    assert await agent.grant("slow", epoch=1) == RUNNING
+    closed_gate(gated)
+    call = agent.stub.GrantStream()
+    try:
+        # The eviction of "slow" waits on the gate; a Grant of another group is not held up.
+        slow = pb.GrantRequest(
+            job_id="next", group="g", grant_epoch=2, evict=["slow"], restore=True, wait_ms=10_000
+        )
+        await call.write(pb.GrantStreamRequest(request_id=1, grant=slow))
+        await gated.started.wait()
+        other = pb.GrantRequest(
+            job_id="other", group="h", grant_epoch=1, restore=True, wait_ms=10_000
+        )
+        await call.write(pb.GrantStreamRequest(request_id=2, grant=other))
+        first = await call.read()
+        assert first.request_id == 2 and first.grant.granted
+        gated.gate.set()
+        second = await call.read()
+        assert second.request_id == 1 and second.grant.granted
+    finally:
+        call.cancel()

@@ -84,9 +84,14 @@ class CountingServicer(agent_server.SnapshotAgentServicer):
         self.calls["WaitOperation"] += 1
         return await super().WaitOperation(request, context)
 
-    async def Grant(self, request: Any, context: Any) -> Any:
-        self.calls["Grant"] += 1
-        return await super().Grant(request, context)
+    async def grant_reply(self, request: Any) -> Any:
+        self.calls["Grant"] += 1  # unary or streamed
+        return await super().grant_reply(request)
+
+    async def GrantStream(self, request_iterator: Any, context: Any) -> Any:
+        self.calls["GrantStream"] += 1
+        async for reply in super().GrantStream(request_iterator, context):
+            yield reply
 
 
 async def test_each_node_takes_one_grant_per_switch_and_no_status_read(
@@ -105,8 +110,9 @@ async def test_each_node_takes_one_grant_per_switch_and_no_status_read(
     a = await hand_over(stub, ev, to="a", frm="b")
     assert not b.context_restored and a.context_restored
 
-    # Three switches on two nodes: six Grants and nothing else that changes state.
-    assert CountingServicer.calls == {"Grant": 6}, CountingServicer.calls
+    # Three switches on two nodes: six Grants over one stream per node, and nothing else
+    # that changes state.
+    assert CountingServicer.calls == {"Grant": 6, "GrantStream": 2}, CountingServicer.calls
     calls = await agent_calls(port)
     for node in ("node-a", "node-b"):
         assert calls[(node, "grant")] == 3, calls
@@ -167,6 +173,11 @@ class OlderAgentServicer(agent_server.SnapshotAgentServicer):
             older.ClearField(field)
         reply = await super().Grant(older, context)
         return pb.GrantResponse(state=reply.state)
+
+    async def GrantStream(self, request_iterator: Any, context: Any) -> Any:
+        # What a server without the method answers: the orchestrator falls back to Grant.
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "Method not found!")
+        yield  # pragma: no cover (makes this an async generator, like the real handler)
 
 
 async def test_an_agent_without_one_step_grant_gets_the_original_steps(

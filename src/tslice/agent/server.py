@@ -71,40 +71,50 @@ async def _refuse(context: grpc.aio.ServicerContext, refused: jobs.Refused) -> N
     await _abort(context, grpc.StatusCode[refused.code.value], refused.message)
 
 
-async def _valid_id(context: grpc.aio.ServicerContext, kind: str, value: str) -> str:
+def _checked_id(kind: str, value: str) -> str:
     try:
         return ids.check_id(kind, value)
     except ids.InvalidIdError as err:
-        await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(err))
+        raise jobs.Refused(jobs.Code.INVALID_ARGUMENT, str(err)) from None
 
 
-async def _valid_group(context: grpc.aio.ServicerContext, value: str) -> str:
+def _checked_group(value: str) -> str:
     """The group is optional on the agent's requests; when given it must be well formed."""
-    return await _valid_id(context, "group", value) if value else ""
+    return _checked_id("group", value) if value else ""
 
 
-async def _valid_config(context: grpc.aio.ServicerContext, message: Any) -> pb.BackendConfig | None:
+def _checked_config(message: Any) -> pb.BackendConfig | None:
     if not message.HasField("backend_config"):
         return None
     config: pb.BackendConfig = message.backend_config
     if config.WhichOneof("backend") == "sim" and config.sim.footprint_bytes < 0:
-        await _abort(
-            context,
-            grpc.StatusCode.INVALID_ARGUMENT,
+        raise jobs.Refused(
+            jobs.Code.INVALID_ARGUMENT,
             f"backend_config.sim.footprint_bytes must be >= 0 (got {config.sim.footprint_bytes})",
         )
     return config
 
 
-async def _valid_wait(context: grpc.aio.ServicerContext, field: str, value: int) -> float:
+def _checked_wait(field: str, value: int) -> float:
     """A wait in ms as seconds; negative waits are refused, long ones capped by the core."""
     if value < 0:
-        await _abort(
-            context,
-            grpc.StatusCode.INVALID_ARGUMENT,
-            f"{field} must be >= 0 (got {value}); 0 returns at once",
+        raise jobs.Refused(
+            jobs.Code.INVALID_ARGUMENT, f"{field} must be >= 0 (got {value}); 0 returns at once"
         )
     return value / 1000
+
+
+async def _valid(context: grpc.aio.ServicerContext, check: Callable[..., _T], *args: Any) -> _T:
+    """``check(*args)``, its refusal sent as the RPC's status."""
+    try:
+        return check(*args)
+    except jobs.Refused as refused:
+        await _refuse(context, refused)
+
+
+def _status_code(code: jobs.Code) -> int:
+    number: int = grpc.StatusCode[code.value].value[0]
+    return number
 
 
 class SnapshotAgentServicer(pb_grpc.SnapshotAgentServiceServicer):
@@ -143,10 +153,10 @@ class SnapshotAgentServicer(pb_grpc.SnapshotAgentServiceServicer):
         start: Callable[..., Awaitable[jobs.Operation]],
     ) -> jobs.Operation:
         """Validate a Snapshot or Restore request (same fields) and start the operation."""
-        job_id = await _valid_id(context, "job_id", request.job_id)
-        group = await _valid_group(context, request.group)
-        config = await _valid_config(context, request)
-        wait_s = await _valid_wait(context, "wait_ms", request.wait_ms)
+        job_id = await _valid(context, _checked_id, "job_id", request.job_id)
+        group = await _valid(context, _checked_group, request.group)
+        config = await _valid(context, _checked_config, request)
+        wait_s = await _valid(context, _checked_wait, "wait_ms", request.wait_ms)
         return await self._run(
             context,
             start(
@@ -174,7 +184,7 @@ class SnapshotAgentServicer(pb_grpc.SnapshotAgentServiceServicer):
     ) -> pb.GetOperationResponse:
         if not request.operation_id:
             await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, "operation_id is required")
-        timeout_s = await _valid_wait(context, "timeout_ms", request.timeout_ms)
+        timeout_s = await _valid(context, _checked_wait, "timeout_ms", request.timeout_ms)
         op = await self._run(
             context, self._core.wait_operation(request.operation_id, timeout_s=timeout_s)
         )
@@ -200,32 +210,83 @@ class SnapshotAgentServicer(pb_grpc.SnapshotAgentServiceServicer):
     async def Grant(
         self, request: pb.GrantRequest, context: grpc.aio.ServicerContext
     ) -> pb.GrantResponse:
-        job_id = await _valid_id(context, "job_id", request.job_id)
-        group = await _valid_group(context, request.group)
+        return await self._run(context, self.grant_reply(request))
+
+    async def GrantStream(
+        self,
+        request_iterator: AsyncIterator[pb.GrantStreamRequest],
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[pb.GrantStreamResponse]:
+        """Grants of one caller: each runs as it arrives, replies go out as they finish."""
+        replies: asyncio.Queue[pb.GrantStreamResponse | None] = asyncio.Queue()
+        running: set[asyncio.Task[None]] = set()
+
+        async def serve(request: pb.GrantStreamRequest) -> None:
+            replies.put_nowait(await self._stream_reply(request))
+
+        async def read() -> None:
+            try:
+                async for request in request_iterator:
+                    task = tasks.spawn(serve(request), name=f"grant-{request.grant.job_id}")
+                    running.add(task)
+                    task.add_done_callback(running.discard)
+                if running:  # the caller half-closed: answer what it asked, then end
+                    await asyncio.wait(set(running))
+            except grpc.RpcError as err:
+                log.debug("grant stream ended by the caller: %s", err)
+            finally:
+                replies.put_nowait(None)
+
+        reader = tasks.spawn(read(), name="grant-stream-reader")
+        try:
+            while (reply := await replies.get()) is not None:
+                yield reply
+        finally:
+            # The caller is gone: its Grants stop at a safe point (as a cancelled Grant).
+            await tasks.cancel_all([reader, *running])
+
+    async def _stream_reply(self, request: pb.GrantStreamRequest) -> pb.GrantStreamResponse:
+        try:
+            grant = await self.grant_reply(request.grant)
+        except jobs.Refused as refused:
+            return pb.GrantStreamResponse(
+                request_id=request.request_id,
+                status_code=_status_code(refused.code),
+                status_message=refused.message,
+            )
+        except Exception as err:
+            log.exception("grant of job %s crashed", request.grant.job_id)
+            return pb.GrantStreamResponse(
+                request_id=request.request_id,
+                status_code=_status_code(jobs.Code.INTERNAL),
+                status_message=f"grant crashed on the agent ({type(err).__name__}: {err})",
+            )
+        return pb.GrantStreamResponse(request_id=request.request_id, grant=grant)
+
+    async def grant_reply(self, request: pb.GrantRequest) -> pb.GrantResponse:
+        """Validate and run one Grant (unary or streamed); raises ``jobs.Refused``."""
+        job_id = _checked_id("job_id", request.job_id)
+        group = _checked_group(request.group)
         if request.grant_epoch < 0 or request.footprint_bytes < 0:
-            await _abort(
-                context,
-                grpc.StatusCode.INVALID_ARGUMENT,
+            raise jobs.Refused(
+                jobs.Code.INVALID_ARGUMENT,
                 "grant_epoch and footprint_bytes must be >= 0 "
                 f"(got {request.grant_epoch} and {request.footprint_bytes})",
             )
-        evict = [await _valid_id(context, "evict", other) for other in request.evict]
-        wait_s = await _valid_wait(context, "wait_ms", request.wait_ms)
-        config = await _valid_config(context, request)
+        evict = [_checked_id("evict", other) for other in request.evict]
+        wait_s = _checked_wait("wait_ms", request.wait_ms)
+        config = _checked_config(request)
         # A Grant without the one-step fields keeps its original meaning (see AgentCore.grant).
         one_step = bool(evict) or request.restore or request.wait_ms > 0
-        outcome = await self._run(
-            context,
-            self._core.grant(
-                job_id=job_id,
-                group=group,
-                epoch=request.grant_epoch,
-                footprint_bytes=request.footprint_bytes,
-                config=config,
-                evict=evict,
-                restore=request.restore,
-                wait_s=wait_s if one_step else None,
-            ),
+        outcome = await self._core.grant(
+            job_id=job_id,
+            group=group,
+            epoch=request.grant_epoch,
+            footprint_bytes=request.footprint_bytes,
+            config=config,
+            evict=evict,
+            restore=request.restore,
+            wait_s=wait_s if one_step else None,
         )
         now = self._core.now()
         return pb.GrantResponse(
@@ -239,7 +300,7 @@ class SnapshotAgentServicer(pb_grpc.SnapshotAgentServiceServicer):
     async def ResetJob(
         self, request: pb.ResetJobRequest, context: grpc.aio.ServicerContext
     ) -> pb.ResetJobResponse:
-        job_id = await _valid_id(context, "job_id", request.job_id)
+        job_id = await _valid(context, _checked_id, "job_id", request.job_id)
         state = await self._run(context, self._core.reset(job_id=job_id))
         return pb.ResetJobResponse(state=jobs.to_pb(state))
 

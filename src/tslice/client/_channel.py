@@ -109,6 +109,7 @@ AGENT_METHODS = {
         Method(AGENT_SERVICE, "WaitOperation", retryable=True),
         # The agent ignores grants older than the last epoch.
         Method(AGENT_SERVICE, "Grant", retryable=True),
+        Method(AGENT_SERVICE, "GrantStream"),
         Method(AGENT_SERVICE, "ResetJob", retryable=True),
     )
 }
@@ -488,6 +489,13 @@ class AgentCalls:
             self.transport.unary(_A["Grant"], self.stub.Grant, request, options),
         )
 
+    def grant_stream(
+        self, requests: Iterable[pb.GrantStreamRequest], options: CallOptions = _NO_OPTIONS
+    ) -> SyncStream[pb.GrantStreamResponse]:
+        return self.transport.stream_stream(
+            _A["GrantStream"], self.stub.GrantStream, requests, options
+        )
+
     def reset_job(
         self, request: pb.ResetJobRequest, options: CallOptions = _NO_OPTIONS
     ) -> pb.ResetJobResponse:
@@ -570,6 +578,13 @@ class AsyncAgentCalls:
         return cast(
             pb.GrantResponse,
             await self.transport.unary(_A["Grant"], self.stub.Grant, request, options),
+        )
+
+    def grant_stream(
+        self, requests: Any, options: CallOptions = _NO_OPTIONS
+    ) -> AsyncStream[pb.GrantStreamResponse]:
+        return self.transport.stream_stream(
+            _A["GrantStream"], self.stub.GrantStream, requests, options
         )
 
     async def reset_job(

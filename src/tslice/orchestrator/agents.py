@@ -24,6 +24,7 @@ import grpc
 
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2_grpc as pb_grpc
+from tslice.orchestrator import grant_stream
 
 _R = TypeVar("_R")
 
@@ -39,6 +40,10 @@ _UNREACHABLE = {
 
 # Reconnect quickly after an agent restarts (grpc's default backoff grows to 2 min).
 _CHANNEL_OPTIONS = [
+    # The grant stream sends nothing between switches; keepalive notices a dead peer.
+    # 60 s stays within what default servers (llm-d's agents too) tolerate.
+    ("grpc.keepalive_time_ms", 60_000),
+    ("grpc.keepalive_timeout_ms", 20_000),
     ("grpc.initial_reconnect_backoff_ms", 100),
     ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 2000),
@@ -88,8 +93,10 @@ class AgentClient:
         self.one_step: bool | None = None
         self._channel = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
         self._stub: Any = pb_grpc.SnapshotAgentServiceStub(self._channel)  # type: ignore[no-untyped-call]
+        self._grants = grant_stream.GrantStream(self._stub.GrantStream, name=address)
 
     async def close(self) -> None:
+        await self._grants.close()
         await self._channel.close()
 
     async def status(
@@ -154,21 +161,33 @@ class AgentClient:
         The agent replies once done (``granted``) or after ``wait_s`` with the operations
         so far; re-issuing the same request continues where the node stands.
         """
+        request = pb.GrantRequest(
+            job_id=job_id,
+            group=group,
+            grant_epoch=epoch,
+            footprint_bytes=footprint_bytes,
+            evict=evict,
+            restore=True,
+            wait_ms=max(1, int(wait_s * 1000)),
+        )
+        timeout_s = wait_s + self.rpc_timeout_s
+        if self._grants.supported is not False:
+            notify = _once(issued)
+            try:
+                reply = await self._grants.grant(request, timeout_s=timeout_s, issued=notify)
+            except grant_stream.Unsupported:
+                issued = notify  # the unary call below is the first call after all
+            except grant_stream.Broken as err:
+                raise _error(self.address, "grant", err.code, err.detail) from err
+            except TimeoutError as err:
+                raise AgentUnreachable(self.address, "grant", str(err)) from err
+            else:
+                if reply.status_code != grpc.StatusCode.OK.value[0]:
+                    code = _STATUS_BY_NUMBER.get(reply.status_code, grpc.StatusCode.UNKNOWN)
+                    raise _error(self.address, "grant", code, reply.status_message)
+                return reply.grant
         resp = await self._call(
-            "grant",
-            self._stub.Grant,
-            pb.GrantRequest(
-                job_id=job_id,
-                group=group,
-                grant_epoch=epoch,
-                footprint_bytes=footprint_bytes,
-                evict=evict,
-                restore=True,
-                wait_ms=max(1, int(wait_s * 1000)),
-            ),
-            pb.GrantResponse,
-            wait_s + self.rpc_timeout_s,
-            issued=issued,
+            "grant", self._stub.Grant, request, pb.GrantResponse, timeout_s, issued=issued
         )
         return resp
 
@@ -219,9 +238,31 @@ class AgentClient:
             return cast(_R, await call)
         except grpc.aio.AioRpcError as err:
             detail = err.details() or err.code().name.lower()
-            if err.code() in _UNREACHABLE:
-                raise AgentUnreachable(self.address, operation, detail) from err
-            raise AgentRejected(self.address, operation, detail, err.code()) from err
+            raise _error(self.address, operation, err.code(), detail) from err
+
+
+_STATUS_BY_NUMBER = {code.value[0]: code for code in grpc.StatusCode}
+
+
+def _error(address: str, operation: str, code: grpc.StatusCode, detail: str) -> AgentError:
+    if code in _UNREACHABLE:
+        return AgentUnreachable(address, operation, detail)
+    return AgentRejected(address, operation, detail, code)
+
+
+def _once(fn: Callable[[], None] | None) -> Callable[[], None] | None:
+    """``fn`` callable once: the stream path and its unary fallback share one callback."""
+    if fn is None:
+        return None
+    called = False
+
+    def call() -> None:
+        nonlocal called
+        if not called:
+            called = True
+            fn()
+
+    return call
 
 
 class AgentPool:

@@ -37,7 +37,7 @@ SERVICE_NAME = opb.DESCRIPTOR.services_by_name["TimeSliceOrchestratorService"].f
 # Clients (tslice.client) keep their channel alive with pings; accept them.
 _SERVER_OPTIONS = [
     ("grpc.keepalive_permit_without_calls", 1),
-    ("grpc.http2.min_recv_ping_interval_without_data_ms", 5000),
+    ("grpc.http2.min_ping_interval_without_data_ms", 5000),
     ("grpc.http2.max_ping_strikes", 0),
 ]
 

@@ -385,6 +385,26 @@ class GrantResponse(_message.Message):
     restored: bool
     def __init__(self, state: _Optional[_Union[JobState, str]] = ..., granted: _Optional[bool] = ..., operations: _Optional[_Iterable[_Union[GetOperationResponse, _Mapping]]] = ..., operation_ids: _Optional[_Iterable[str]] = ..., restored: _Optional[bool] = ...) -> None: ...
 
+class GrantStreamRequest(_message.Message):
+    __slots__ = ("request_id", "grant")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    GRANT_FIELD_NUMBER: _ClassVar[int]
+    request_id: int
+    grant: GrantRequest
+    def __init__(self, request_id: _Optional[int] = ..., grant: _Optional[_Union[GrantRequest, _Mapping]] = ...) -> None: ...
+
+class GrantStreamResponse(_message.Message):
+    __slots__ = ("request_id", "grant", "status_code", "status_message")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    GRANT_FIELD_NUMBER: _ClassVar[int]
+    STATUS_CODE_FIELD_NUMBER: _ClassVar[int]
+    STATUS_MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    request_id: int
+    grant: GrantResponse
+    status_code: int
+    status_message: str
+    def __init__(self, request_id: _Optional[int] = ..., grant: _Optional[_Union[GrantResponse, _Mapping]] = ..., status_code: _Optional[int] = ..., status_message: _Optional[str] = ...) -> None: ...
+
 class ResetJobRequest(_message.Message):
     __slots__ = ("job_id",)
     JOB_ID_FIELD_NUMBER: _ClassVar[int]

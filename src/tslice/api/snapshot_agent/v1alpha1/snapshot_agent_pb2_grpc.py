@@ -70,6 +70,11 @@ class SnapshotAgentServiceStub:
                 request_serializer=snapshot__agent_dot_v1alpha1_dot_snapshot__agent__pb2.GrantRequest.SerializeToString,
                 response_deserializer=snapshot__agent_dot_v1alpha1_dot_snapshot__agent__pb2.GrantResponse.FromString,
                 _registered_method=True)
+        self.GrantStream = channel.stream_stream(
+                '/snapshot_agent.v1alpha1.SnapshotAgentService/GrantStream',
+                request_serializer=snapshot__agent_dot_v1alpha1_dot_snapshot__agent__pb2.GrantStreamRequest.SerializeToString,
+                response_deserializer=snapshot__agent_dot_v1alpha1_dot_snapshot__agent__pb2.GrantStreamResponse.FromString,
+                _registered_method=True)
         self.ResetJob = channel.unary_unary(
                 '/snapshot_agent.v1alpha1.SnapshotAgentService/ResetJob',
                 request_serializer=snapshot__agent_dot_v1alpha1_dot_snapshot__agent__pb2.ResetJobRequest.SerializeToString,
@@ -129,6 +134,16 @@ class SnapshotAgentServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GrantStream(self, request_iterator, context):
+        """tslice: Grants over one long-lived stream (the orchestrator's fast path: a
+        message on an open stream costs half a unary call). Same semantics as
+        Grant; requests run concurrently and each reply echoes its request_id. A
+        refused Grant is a reply with its status code, not the end of the stream.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def ResetJob(self, request, context):
         """tslice: clears a FAULTED job (back to IDLE, or SAVED if the backend still
         holds its state) without restarting the agent.
@@ -174,6 +189,11 @@ def add_SnapshotAgentServiceServicer_to_server(servicer, server):
                     servicer.Grant,
                     request_deserializer=snapshot__agent_dot_v1alpha1_dot_snapshot__agent__pb2.GrantRequest.FromString,
                     response_serializer=snapshot__agent_dot_v1alpha1_dot_snapshot__agent__pb2.GrantResponse.SerializeToString,
+            ),
+            'GrantStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.GrantStream,
+                    request_deserializer=snapshot__agent_dot_v1alpha1_dot_snapshot__agent__pb2.GrantStreamRequest.FromString,
+                    response_serializer=snapshot__agent_dot_v1alpha1_dot_snapshot__agent__pb2.GrantStreamResponse.SerializeToString,
             ),
             'ResetJob': grpc.unary_unary_rpc_method_handler(
                     servicer.ResetJob,
@@ -370,6 +390,33 @@ class SnapshotAgentService:
             '/snapshot_agent.v1alpha1.SnapshotAgentService/Grant',
             snapshot__agent_dot_v1alpha1_dot_snapshot__agent__pb2.GrantRequest.SerializeToString,
             snapshot__agent_dot_v1alpha1_dot_snapshot__agent__pb2.GrantResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GrantStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/snapshot_agent.v1alpha1.SnapshotAgentService/GrantStream',
+            snapshot__agent_dot_v1alpha1_dot_snapshot__agent__pb2.GrantStreamRequest.SerializeToString,
+            snapshot__agent_dot_v1alpha1_dot_snapshot__agent__pb2.GrantStreamResponse.FromString,
             options,
             channel_credentials,
             insecure,
