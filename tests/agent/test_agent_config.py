@@ -196,7 +196,7 @@ async def test_metrics_count_operations_and_bytes() -> None:
     agent_metrics.observe(
         backend="sim", kind="snapshot", outcome="complete", seconds=0.1, device_bytes=5
     )
-    agent_metrics.set_jobs({"RUNNING": 2})
+    agent_metrics.count_jobs(lambda: {"RUNNING": 2, "SAVED": 0})
     port = agent_metrics.serve(port=0, host="127.0.0.1")
     try:
         async with httpx.AsyncClient() as client:
@@ -209,6 +209,7 @@ async def test_metrics_count_operations_and_bytes() -> None:
     )
     assert 'tslice_agent_bytes_moved_total{backend="sim",kind="snapshot"} 5.0' in text
     assert 'tslice_agent_jobs{state="RUNNING"} 2.0' in text
+    assert 'tslice_agent_jobs{state="SAVED"} 0.0' in text
     assert "tslice_agent_operation_duration_seconds_bucket" in text
 
 

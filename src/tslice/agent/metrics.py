@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import prometheus_client
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 _DURATION_BUCKETS = (0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 
@@ -36,17 +38,11 @@ class AgentMetrics:
             ["backend", "kind"],
             registry=self.registry,
         )
-        self.jobs = Gauge(
-            "tslice_agent_jobs",
-            "Jobs known on this node, by state.",
-            ["state"],
-            registry=self.registry,
-        )
+        #: Counted when scraped (see count_jobs): nothing to update on a hand-over.
+        self._jobs = _JobsCollector()
+        self.registry.register(self._jobs)
         self._server: object | None = None
         self._thread: threading.Thread | None = None
-        # Gauge values as last set: a change of one job's state touches one or two series.
-        self._job_counts: dict[str, int] = {}
-        self._job_gauges: dict[str, Any] = {}
         self._series: dict[tuple[str, str, str], tuple[Any, Any, Any]] = {}
 
     def observe(
@@ -67,14 +63,9 @@ class AgentMetrics:
         if device_bytes > 0:
             moved.inc(device_bytes)
 
-    def set_jobs(self, counts: Mapping[str, int]) -> None:
-        for state, count in counts.items():
-            if self._job_counts.get(state) != count:
-                gauge = self._job_gauges.get(state)
-                if gauge is None:
-                    gauge = self._job_gauges[state] = self.jobs.labels(state=state)
-                gauge.set(count)
-                self._job_counts[state] = count
+    def count_jobs(self, counts: Callable[[], Mapping[str, int]]) -> None:
+        """Where ``tslice_agent_jobs`` comes from: called (from the HTTP thread) per scrape."""
+        self._jobs.counts = counts
 
     def serve(self, *, port: int, host: str = "0.0.0.0") -> int:
         """Expose ``/metrics`` on ``port`` (0 = any free one) until :meth:`stop`; the port."""
@@ -93,3 +84,16 @@ class AgentMetrics:
         if self._thread is not None:
             self._thread.join(timeout=5)
             self._thread = None
+
+
+class _JobsCollector(Collector):
+    def __init__(self) -> None:
+        self.counts: Callable[[], Mapping[str, int]] = dict
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        family = GaugeMetricFamily(
+            "tslice_agent_jobs", "Jobs known on this node, by state.", labels=["state"]
+        )
+        for state, count in sorted(self.counts().items()):
+            family.add_metric([state], count)
+        yield family

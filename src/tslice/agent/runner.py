@@ -130,6 +130,7 @@ class AgentCore:
         self.max_operations = max_operations
         self._store = state
         self._metrics = agent_metrics
+        agent_metrics.count_jobs(self.job_counts)
         self._channel_registered = channel_registered or (lambda _job_id: False)
         self._on_backend_error = on_backend_error or (lambda _name, _err: None)
         self._clock = clock
@@ -187,7 +188,6 @@ class AgentCore:
             self._ops[op.op_id] = failed
             self._store.put(operation_records=[failed])
         await self.prune_operations()
-        self._publish_job_counts()
 
     async def close(self, *, grace_s: float) -> None:
         """Give in-flight operations ``grace_s`` to finish, then cancel them.
@@ -751,7 +751,6 @@ class AgentCore:
                 f"node {self.node} cannot persist its state ({type(err).__name__}: {err}); "
                 "nothing was changed, fix the state directory and retry",
             ) from err
-        self._publish_job_counts()
 
     def _launch(
         self,
@@ -817,7 +816,6 @@ class AgentCore:
             finally:
                 self._jobs[new_job.job_id] = new_job
                 self._ops[new_op.op_id] = new_op
-                self._publish_job_counts()
                 done = self._done.pop(op.op_id, None)
                 if done is not None and not done.done():
                     done.set_result(None)
@@ -891,8 +889,9 @@ class AgentCore:
             return await backend.restore(ctx)
         return await backend.activate(ctx)
 
-    def _publish_job_counts(self) -> None:
+    def job_counts(self) -> dict[str, int]:
+        """Jobs by state (every state listed); safe to call from another thread."""
         counts = dict.fromkeys(_STATE_NAMES, 0)
-        for job in self._jobs.values():
+        for job in list(self._jobs.values()):  # one C-level copy: the loop may be mutating
             counts[job.state.value] += 1
-        self._metrics.set_jobs(counts)
+        return counts

@@ -227,7 +227,7 @@ def _job_row(job: jobs.Job) -> tuple[object, ...]:
         job.choice,
         job.config,
         job.footprint_bytes,
-        json.dumps(dict(job.backend_state)),
+        json.dumps(dict(job.backend_state)) if job.backend_state else "{}",
         job.error,
         job.operation_id,
         job.device_bytes,

@@ -229,8 +229,13 @@ class GroupDriver:
         self._stopping = False
         self._state = ""
         self._queue_depth = -1
-        # Labelled histogram children, looked up once (labels() costs more than observe()).
+        # Labelled children, looked up once (labels() costs more than observe()).
         self._durations: dict[tuple[str, str], Any] = {}
+        gid = self.group_id
+        self._acquire_wait = self._metrics.acquire_wait.labels(group_id=gid)
+        self._switches_completed = self._metrics.switches.labels(group_id=gid, outcome="completed")
+        self._switch_duration = self._metrics.switch_duration.labels(group_id=gid)
+        self._queue_depth_series = self._metrics.queue_depth.labels(group_id=gid)
         self._state_ts = timestamp_pb2.Timestamp()
         self._refresh_state()
 
@@ -298,9 +303,7 @@ class GroupDriver:
             if not self._stopping:
                 self._inbox.put_nowait(lambda now: self._depart(waiter, now))
             raise
-        self._metrics.acquire_wait.labels(group_id=self.group_id).observe(
-            time.monotonic() - started
-        )
+        self._acquire_wait.observe(time.monotonic() - started)
         return grant
 
     async def yield_(self, job: str) -> lock.YieldOutcome:
@@ -671,8 +674,8 @@ class GroupDriver:
             extra={"group_id": self.group_id, "job_id": s.to_job, "grant_epoch": s.epoch},
         )
         self._switch_detail = ""
-        self._metrics.switches.labels(group_id=self.group_id, outcome="completed").inc()
-        self._metrics.switch_duration.labels(group_id=self.group_id).observe(elapsed)
+        self._switches_completed.inc()
+        self._switch_duration.observe(elapsed)
 
         def announce_done() -> None:
             self._publish(
@@ -890,7 +893,7 @@ class GroupDriver:
         depth = len(self.lock.waiting_jobs)
         if depth != self._queue_depth:
             self._queue_depth = depth
-            self._metrics.queue_depth.labels(group_id=self.group_id).set(depth)
+            self._queue_depth_series.set(depth)
 
     def _publish(self, kind: opb.OrchestratorEvent.Kind, **fields: Any) -> None:
         self.publish(events.make_event(kind, group_id=self.group_id, **fields))

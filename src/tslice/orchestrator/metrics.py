@@ -7,6 +7,8 @@ cardinality).
 
 from __future__ import annotations
 
+from typing import Any
+
 import prometheus_client as prom
 
 GROUP_STATES = ("UNKNOWN", "IDLE", "IDLE_YIELDED", "LOCKED", "SWITCHING")
@@ -84,6 +86,7 @@ class OrchestratorMetrics:
             registry=r,
         )
         self._states: dict[str, str] = {}
+        self._state_children: dict[tuple[str, str], Any] = {}
         self.events_dropped = prom.Counter(
             "tslice_orchestrator_watch_events_dropped",
             "Events dropped because a WatchEvents subscriber was too slow",
@@ -94,9 +97,17 @@ class OrchestratorMetrics:
         previous = self._states.get(group_id)
         if previous is None:
             for s in GROUP_STATES:
-                self.group_state.labels(group_id=group_id, state=s).set(1 if s == state else 0)
+                self._state_series(group_id, s).set(1 if s == state else 0)
         elif previous != state:
             # Two series move on a hand-over; the others stay 0.
-            self.group_state.labels(group_id=group_id, state=previous).set(0)
-            self.group_state.labels(group_id=group_id, state=state).set(1)
+            self._state_series(group_id, previous).set(0)
+            self._state_series(group_id, state).set(1)
         self._states[group_id] = state
+
+    def _state_series(self, group_id: str, state: str) -> Any:
+        # labels() costs more than set(): look each child up once.
+        series = self._state_children.get((group_id, state))
+        if series is None:
+            series = self.group_state.labels(group_id=group_id, state=state)
+            self._state_children[(group_id, state)] = series
+        return series
