@@ -56,10 +56,13 @@ class Subscription:
         self.dropped = 0
         self.closed = False
 
+    def accepts(self, group_id: str, kind: int) -> bool:
+        return (not self.group_id or group_id == self.group_id) and (
+            not self.kinds or kind in self.kinds
+        )
+
     def offer(self, event: opb.OrchestratorEvent) -> None:
-        if (self.group_id and event.group_id != self.group_id) or (
-            self.kinds and event.kind not in self.kinds
-        ):
+        if not self.accepts(event.group_id, event.kind):
             return
         if len(self._buffer) == self._buffer.maxlen:
             self.dropped += 1  # the deque drops the oldest on append
@@ -94,6 +97,10 @@ class EventBus:
             sub.offer(event)
             if sub.dropped != before and self.on_drop is not None:
                 self.on_drop(sub.dropped - before)
+
+    def wants(self, group_id: str, kind: int) -> bool:
+        """Whether any subscriber would get such an event (if not, it need not be built)."""
+        return any(sub.accepts(group_id, kind) for sub in self._subs)
 
     def subscribe(self, *, group_id: str = "", kinds: frozenset[int] = frozenset()) -> Subscription:
         sub = Subscription(group_id=group_id, maxlen=self._maxlen, kinds=kinds)

@@ -698,6 +698,9 @@ class GroupDriver:
         )
 
     # SwitchHooks
+    def wants(self, kind: opb.OrchestratorEvent.Kind) -> bool:
+        return self._bus.wants(self.group_id, kind)
+
     def publish(self, event: opb.OrchestratorEvent) -> None:
         if self._held is not None:
             self._held.append(event)
@@ -896,7 +899,8 @@ class GroupDriver:
             self._queue_depth_series.set(depth)
 
     def _publish(self, kind: opb.OrchestratorEvent.Kind, **fields: Any) -> None:
-        self.publish(events.make_event(kind, group_id=self.group_id, **fields))
+        if self.wants(kind):  # nobody watching: not even built
+            self.publish(events.make_event(kind, group_id=self.group_id, **fields))
 
     def _hold_events(self) -> None:
         """Hold this group's events back for at most EVENT_HOLD_S.

@@ -88,6 +88,7 @@ class Store:
         # A commit that fsyncs ("full") must not stall the loop: it goes to the thread.
         self._inline = synchronous != "full"
         self._checkpoints = sqlite_wal.WalCheckpointer(self.path)
+        self._nodes_cache: dict[str, tuple[tuple[tuple[str, str], ...], str]] = {}
 
     @classmethod
     async def open(cls, state_dir: pathlib.Path, *, synchronous: str = "normal") -> Store:
@@ -198,6 +199,14 @@ class Store:
             out[gid] = (nodes, record)
         return out
 
+    def _nodes_json(self, gid: str, nodes: list[tuple[str, str]]) -> str:
+        # A group's nodes hardly ever change: serialise them once.
+        key = tuple(nodes)
+        cached = self._nodes_cache.get(gid)
+        if cached is None or cached[0] != key:
+            cached = self._nodes_cache[gid] = (key, json.dumps(nodes))
+        return cached[1]
+
     def _save_sync(
         self,
         gid: str,
@@ -219,7 +228,7 @@ class Store:
                 " holder_lease_ms=excluded.holder_lease_ms",
                 (
                     gid,
-                    json.dumps(nodes),
+                    self._nodes_json(gid, nodes),
                     rec.holder,
                     rec.resident,
                     rec.grant_epoch,

@@ -71,6 +71,8 @@ class StepFailed(Exception):
 class SwitchHooks(Protocol):
     """What the switch reports to (and asks of) its group driver."""
 
+    def wants(self, kind: opb.OrchestratorEvent.Kind) -> bool: ...
+
     def publish(self, event: opb.OrchestratorEvent) -> None: ...
 
     def observe(self, node: str, operation: str, seconds: float) -> None: ...
@@ -303,9 +305,16 @@ class NodeSwitcher:
             view[op.job_id] = JobView(pb.JOB_STATE_RUNNING, group, op_id)
             return
         self.hooks.observe(self.node.name, op.kind, op.elapsed_ms / 1000)
-        self.hooks.publish(
-            _event(kind, p, job=op.job_id, node=self.node.name, elapsed_ms=op.elapsed_ms, size=size)
-        )
+        self._publish(kind, job=op.job_id, elapsed_ms=op.elapsed_ms, size=size)
+
+    def _publish(
+        self, kind: opb.OrchestratorEvent.Kind, *, job: str, elapsed_ms: int, size: int
+    ) -> None:
+        if self.hooks.wants(kind):  # nobody watching: not even built
+            event = _event(
+                kind, self.plan, job=job, node=self.node.name, elapsed_ms=elapsed_ms, size=size
+            )
+            self.hooks.publish(event)
 
     async def _step_by_step(self, view: NodeView) -> bool:
         """The original sequence (snapshot, restore, Grant); False if Status must be re-read."""
@@ -378,15 +387,11 @@ class NodeSwitcher:
                 self.client.address, "snapshot", f"snapshot of job {job} failed: {resp.error}"
             )
         view[job] = JobView(pb.JOB_STATE_SAVED, view[job].group)
-        self.hooks.publish(
-            _event(
-                opb.OrchestratorEvent.KIND_SNAPSHOT_DONE,
-                p,
-                job=job,
-                node=self.node.name,
-                elapsed_ms=resp.elapsed_ms,
-                size=resp.storage_bytes,
-            )
+        self._publish(
+            opb.OrchestratorEvent.KIND_SNAPSHOT_DONE,
+            job=job,
+            elapsed_ms=resp.elapsed_ms,
+            size=resp.storage_bytes,
         )
 
     async def _restore(self, view: NodeView) -> None:
@@ -404,15 +409,11 @@ class NodeSwitcher:
             )
         view[p.to_job] = JobView(pb.JOB_STATE_RUNNING, p.group)
         self.restored = True
-        self.hooks.publish(
-            _event(
-                opb.OrchestratorEvent.KIND_RESTORE_DONE,
-                p,
-                job=p.to_job,
-                node=self.node.name,
-                elapsed_ms=resp.elapsed_ms,
-                size=resp.snapshot_device_bytes,
-            )
+        self._publish(
+            opb.OrchestratorEvent.KIND_RESTORE_DONE,
+            job=p.to_job,
+            elapsed_ms=resp.elapsed_ms,
+            size=resp.snapshot_device_bytes,
         )
 
 
