@@ -19,7 +19,7 @@ from tslice.agent import channel, jobs, runner
 from tslice.agent.backends import base
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2_grpc as pb_grpc
-from tslice.common import ids, tasks
+from tslice.common import ids, multiplex, tasks
 
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")
@@ -218,32 +218,13 @@ class SnapshotAgentServicer(pb_grpc.SnapshotAgentServiceServicer):
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[pb.GrantStreamResponse]:
         """Grants of one caller: each runs as it arrives, replies go out as they finish."""
-        replies: asyncio.Queue[pb.GrantStreamResponse | None] = asyncio.Queue()
-        running: set[asyncio.Task[None]] = set()
-
-        async def serve(request: pb.GrantStreamRequest) -> None:
-            replies.put_nowait(await self._stream_reply(request))
-
-        async def read() -> None:
-            try:
-                async for request in request_iterator:
-                    task = tasks.spawn(serve(request), name=f"grant-{request.grant.job_id}")
-                    running.add(task)
-                    task.add_done_callback(running.discard)
-                if running:  # the caller half-closed: answer what it asked, then end
-                    await asyncio.wait(set(running))
-            except grpc.RpcError as err:
-                log.debug("grant stream ended by the caller: %s", err)
-            finally:
-                replies.put_nowait(None)
-
-        reader = tasks.spawn(read(), name="grant-stream-reader")
-        try:
-            while (reply := await replies.get()) is not None:
-                yield reply
-        finally:
-            # The caller is gone: its Grants stop at a safe point (as a cancelled Grant).
-            await tasks.cancel_all([reader, *running])
+        async for reply in multiplex.serve(
+            request_iterator,
+            self._stream_reply,
+            request_id=lambda r: r.request_id,
+            name="grant-stream",
+        ):
+            yield reply
 
     async def _stream_reply(self, request: pb.GrantStreamRequest) -> pb.GrantStreamResponse:
         try:

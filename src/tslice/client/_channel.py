@@ -28,7 +28,7 @@ from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2_grpc as pb_grpc
 from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2 as opb
 from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2_grpc as opb_grpc
-from tslice.client import _retry
+from tslice.client import _retry, _session
 from tslice.common import errors
 
 T = TypeVar("T")
@@ -92,6 +92,7 @@ ORCHESTRATOR_METHODS = {
         Method(_ORCH, "ListGroups", retryable=True),
         Method(_ORCH, "GetGroupStatus", retryable=True),
         Method(_ORCH, "WatchEvents"),
+        Method(_ORCH, "Session"),
         # The lease keeper (_lease) re-opens it with its own back-off.
         Method(_ORCH, "Hold"),
     )
@@ -371,6 +372,12 @@ class OrchestratorCalls:
     ) -> SyncStream[opb.HoldEvent]:
         return self.transport.unary_stream(_O["Hold"], self.stub.Hold, request, options)
 
+    def session(
+        self, requests: Iterable[opb.SessionRequest], options: CallOptions = _NO_OPTIONS
+    ) -> SyncStream[opb.SessionResponse]:
+        """The raw Session stream (the sync client's Acquire and Yield stay unary)."""
+        return self.transport.stream_stream(_O["Session"], self.stub.Session, requests, options)
+
 
 class AsyncOrchestratorCalls:
     """One coroutine per orchestrator RPC."""
@@ -378,13 +385,15 @@ class AsyncOrchestratorCalls:
     def __init__(self, transport: AsyncTransport) -> None:
         self.transport = transport
         self.stub = _OrchestratorStub(transport.channel)
+        # Acquire and Yield go over one Session stream (unary where there is none).
+        self._multiplexed = _session.Session(self.stub, metadata=transport.metadata(_NO_OPTIONS))
 
     async def acquire(
         self, request: opb.AcquireRequest, options: CallOptions = _NO_OPTIONS
     ) -> opb.AcquireResponse:
         return cast(
             opb.AcquireResponse,
-            await self.transport.unary(_O["Acquire"], self.stub.Acquire, request, options),
+            await self.transport.unary(_O["Acquire"], self._multiplexed.acquire, request, options),
         )
 
     async def yield_(
@@ -392,7 +401,7 @@ class AsyncOrchestratorCalls:
     ) -> opb.YieldResponse:
         return cast(
             opb.YieldResponse,
-            await self.transport.unary(_O["Yield"], self.stub.Yield, request, options),
+            await self.transport.unary(_O["Yield"], self._multiplexed.yield_, request, options),
         )
 
     async def list_groups(
@@ -424,6 +433,16 @@ class AsyncOrchestratorCalls:
         self, request: opb.HoldRequest, options: CallOptions = _NO_OPTIONS
     ) -> AsyncStream[opb.HoldEvent]:
         return self.transport.unary_stream(_O["Hold"], self.stub.Hold, request, options)
+
+    def session(
+        self, requests: Any, options: CallOptions = _NO_OPTIONS
+    ) -> AsyncStream[opb.SessionResponse]:
+        """The raw Session stream (acquire() and yield_() already use one of their own)."""
+        return self.transport.stream_stream(_O["Session"], self.stub.Session, requests, options)
+
+    async def close(self) -> None:
+        """End the Session stream (before the channel closes)."""
+        await self._multiplexed.close()
 
 
 class AgentCalls:

@@ -523,7 +523,9 @@ class AsyncClient(_base.BaseClient):
         keepers, self._keepers = list(self._keepers.values()), {}
         for keeper in keepers:
             await keeper.stop()
-        channel, self._channel, self._calls = self._channel, None, None
+        channel, calls, self._channel, self._calls = self._channel, self._calls, None, None
+        if calls is not None:
+            await calls.close()
         if channel is not None:
             await channel.close()
 

@@ -24,6 +24,7 @@ import grpc
 
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2_grpc as pb_grpc
+from tslice.common import multiplex
 from tslice.orchestrator import grant_stream
 
 _R = TypeVar("_R")
@@ -183,7 +184,7 @@ class AgentClient:
                 raise AgentUnreachable(self.address, "grant", str(err)) from err
             else:
                 if reply.status_code != grpc.StatusCode.OK.value[0]:
-                    code = _STATUS_BY_NUMBER.get(reply.status_code, grpc.StatusCode.UNKNOWN)
+                    code = multiplex.status_code(reply.status_code)
                     raise _error(self.address, "grant", code, reply.status_message)
                 return reply.grant
         resp = await self._call(
@@ -239,9 +240,6 @@ class AgentClient:
         except grpc.aio.AioRpcError as err:
             detail = err.details() or err.code().name.lower()
             raise _error(self.address, operation, err.code(), detail) from err
-
-
-_STATUS_BY_NUMBER = {code.value[0]: code for code in grpc.StatusCode}
 
 
 def _error(address: str, operation: str, code: grpc.StatusCode, detail: str) -> AgentError:

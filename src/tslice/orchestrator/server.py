@@ -12,15 +12,26 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
-from typing import NoReturn
+from collections.abc import AsyncIterator, Awaitable
+from typing import NoReturn, TypeVar
 
 import grpc
 
 from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2 as opb
 from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2_grpc as opb_grpc
-from tslice.common import ids
+from tslice.common import ids, multiplex
 from tslice.orchestrator import events, group, manager
+
+_T = TypeVar("_T")
+
+
+class Refusal(Exception):
+    """A request answered with an error status (unary: the call's status; Session: a reply)."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
 
 
 async def _abort(context: grpc.aio.ServicerContext, code: grpc.StatusCode, msg: str) -> NoReturn:
@@ -28,11 +39,25 @@ async def _abort(context: grpc.aio.ServicerContext, code: grpc.StatusCode, msg: 
     raise AssertionError("unreachable")  # context.abort always raises
 
 
-async def _valid_id(context: grpc.aio.ServicerContext, kind: str, value: str) -> str:
+def _checked_id(kind: str, value: str) -> str:
     try:
         return ids.check_id(kind, value)
     except ids.InvalidIdError as err:
-        await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(err))
+        raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, str(err)) from None
+
+
+async def _valid_id(context: grpc.aio.ServicerContext, kind: str, value: str) -> str:
+    try:
+        return _checked_id(kind, value)
+    except Refusal as refusal:
+        await _abort(context, refusal.code, refusal.message)
+
+
+async def _answered(context: grpc.aio.ServicerContext, call: Awaitable[_T]) -> _T:
+    try:
+        return await call
+    except Refusal as refusal:
+        await _abort(context, refusal.code, refusal.message)
 
 
 class OrchestratorServicer(opb_grpc.TimeSliceOrchestratorServiceServicer):
@@ -40,41 +65,88 @@ class OrchestratorServicer(opb_grpc.TimeSliceOrchestratorServiceServicer):
         self._groups = groups
         self._bus = bus
 
+    def _driver(self, gid: str, *, create: bool = False) -> group.GroupDriver:
+        driver = self._groups.get(gid, create=create)
+        if driver is None:
+            raise Refusal(grpc.StatusCode.NOT_FOUND, self._groups.not_found_message(gid))
+        return driver
+
     async def _group(
         self, context: grpc.aio.ServicerContext, gid: str, *, create: bool = False
     ) -> group.GroupDriver:
-        driver = self._groups.get(gid, create=create)
-        if driver is None:
-            await _abort(context, grpc.StatusCode.NOT_FOUND, self._groups.not_found_message(gid))
-        return driver
+        try:
+            return self._driver(gid, create=create)
+        except Refusal as refusal:
+            await _abort(context, refusal.code, refusal.message)
 
     async def Acquire(
         self, request: opb.AcquireRequest, context: grpc.aio.ServicerContext
     ) -> opb.AcquireResponse:
+        return await _answered(context, self.acquire(request))
+
+    async def Yield(
+        self, request: opb.YieldRequest, context: grpc.aio.ServicerContext
+    ) -> opb.YieldResponse:
+        return await _answered(context, self.yield_(request))
+
+    async def Session(
+        self,
+        request_iterator: AsyncIterator[opb.SessionRequest],
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[opb.SessionResponse]:
+        async for reply in multiplex.serve(
+            request_iterator,
+            self._session_reply,
+            request_id=lambda r: r.request_id,
+            is_cancel=lambda r: r.WhichOneof("call") == "cancel",
+            name="session",
+        ):
+            yield reply
+
+    async def _session_reply(self, request: opb.SessionRequest) -> opb.SessionResponse:
+        reply = opb.SessionResponse(request_id=request.request_id)
+        try:
+            kind = request.WhichOneof("call")
+            if kind == "acquire":
+                reply.acquire.CopyFrom(await self.acquire(request.acquire))
+            elif kind == "release":
+                reply.release.CopyFrom(await self.yield_(request.release))
+            else:
+                raise Refusal(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    "a Session request carries acquire, release or cancel",
+                )
+        except Refusal as refusal:
+            reply.Clear()
+            reply.request_id = request.request_id
+            reply.status_code = refusal.code.value[0]
+            reply.status_message = refusal.message
+        return reply
+
+    async def acquire(self, request: opb.AcquireRequest) -> opb.AcquireResponse:
+        """One Acquire (unary or over a Session); raises :class:`Refusal`."""
         started = time.monotonic()
-        job = await _valid_id(context, "job_id", request.job_id)
-        gid = await _valid_id(context, "group_id", request.group_id)
+        job = _checked_id("job_id", request.job_id)
+        gid = _checked_id("group_id", request.group_id)
         if request.footprint_bytes < 0:
-            await _abort(
-                context,
+            raise Refusal(
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"footprint_bytes must be >= 0 (got {request.footprint_bytes}); 0 = default",
             )
         if request.lease_ms < 0:
-            await _abort(
-                context,
+            raise Refusal(
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"lease_ms must be >= 0 (got {request.lease_ms}); 0 = no lease",
             )
-        driver = await self._group(context, gid, create=True)
+        driver = self._driver(gid, create=True)
         try:
             grant = await driver.acquire(
                 job, footprint_bytes=request.footprint_bytes, lease_ms=request.lease_ms
             )
         except group.ShuttingDown as err:
-            await _abort(context, grpc.StatusCode.UNAVAILABLE, str(err))
+            raise Refusal(grpc.StatusCode.UNAVAILABLE, str(err)) from err
         except group.AcquireAborted as err:
-            await _abort(context, grpc.StatusCode.ABORTED, str(err))
+            raise Refusal(grpc.StatusCode.ABORTED, str(err)) from err
         return opb.AcquireResponse(
             success=True,
             waited_ms=int((time.monotonic() - started) * 1000),
@@ -82,19 +154,17 @@ class OrchestratorServicer(opb_grpc.TimeSliceOrchestratorServiceServicer):
             grant_epoch=grant.epoch,
         )
 
-    async def Yield(
-        self, request: opb.YieldRequest, context: grpc.aio.ServicerContext
-    ) -> opb.YieldResponse:
-        job = await _valid_id(context, "job_id", request.job_id)
-        gid = await _valid_id(context, "group_id", request.group_id)
-        driver = await self._group(context, gid)
+    async def yield_(self, request: opb.YieldRequest) -> opb.YieldResponse:
+        """One Yield (unary or over a Session); raises :class:`Refusal`."""
+        job = _checked_id("job_id", request.job_id)
+        gid = _checked_id("group_id", request.group_id)
+        driver = self._driver(gid)
         try:
             out = await driver.yield_(job)
         except group.ShuttingDown as err:
-            await _abort(context, grpc.StatusCode.UNAVAILABLE, str(err))
+            raise Refusal(grpc.StatusCode.UNAVAILABLE, str(err)) from err
         if not out.ok:
-            await _abort(
-                context,
+            raise Refusal(
                 grpc.StatusCode.PERMISSION_DENIED,
                 f"group {gid!r} is held by job {out.holder!r}, not {job!r}; "
                 "only the holder can yield it",

@@ -11,6 +11,32 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class SessionRequest(_message.Message):
+    __slots__ = ("request_id", "acquire", "release", "cancel")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    ACQUIRE_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_FIELD_NUMBER: _ClassVar[int]
+    CANCEL_FIELD_NUMBER: _ClassVar[int]
+    request_id: int
+    acquire: AcquireRequest
+    release: YieldRequest
+    cancel: bool
+    def __init__(self, request_id: _Optional[int] = ..., acquire: _Optional[_Union[AcquireRequest, _Mapping]] = ..., release: _Optional[_Union[YieldRequest, _Mapping]] = ..., cancel: _Optional[bool] = ...) -> None: ...
+
+class SessionResponse(_message.Message):
+    __slots__ = ("request_id", "acquire", "release", "status_code", "status_message")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    ACQUIRE_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_FIELD_NUMBER: _ClassVar[int]
+    STATUS_CODE_FIELD_NUMBER: _ClassVar[int]
+    STATUS_MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    request_id: int
+    acquire: AcquireResponse
+    release: YieldResponse
+    status_code: int
+    status_message: str
+    def __init__(self, request_id: _Optional[int] = ..., acquire: _Optional[_Union[AcquireResponse, _Mapping]] = ..., release: _Optional[_Union[YieldResponse, _Mapping]] = ..., status_code: _Optional[int] = ..., status_message: _Optional[str] = ...) -> None: ...
+
 class AcquireRequest(_message.Message):
     __slots__ = ("job_id", "group_id", "footprint_bytes", "lease_ms")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]

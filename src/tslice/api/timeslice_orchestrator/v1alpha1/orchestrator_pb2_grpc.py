@@ -65,6 +65,11 @@ class TimeSliceOrchestratorServiceStub:
                 request_serializer=timeslice__orchestrator_dot_v1alpha1_dot_orchestrator__pb2.HoldRequest.SerializeToString,
                 response_deserializer=timeslice__orchestrator_dot_v1alpha1_dot_orchestrator__pb2.HoldEvent.FromString,
                 _registered_method=True)
+        self.Session = channel.stream_stream(
+                '/timeslice_orchestrator.v1alpha1.TimeSliceOrchestratorService/Session',
+                request_serializer=timeslice__orchestrator_dot_v1alpha1_dot_orchestrator__pb2.SessionRequest.SerializeToString,
+                response_deserializer=timeslice__orchestrator_dot_v1alpha1_dot_orchestrator__pb2.SessionResponse.FromString,
+                _registered_method=True)
 
 
 class TimeSliceOrchestratorServiceServicer:
@@ -113,6 +118,18 @@ class TimeSliceOrchestratorServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Session(self, request_iterator, context):
+        """tslice: Acquire and Yield over one long-lived stream per client (a message
+        on an open stream costs about half a unary call, and these are the first
+        and last legs of every hand-over). Same semantics and status codes as the
+        unary calls; requests run concurrently, each reply echoes its request_id.
+        A `cancel` message, or the end of the stream (the client died), cancels
+        the pending Acquire: the job leaves the queue at once.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TimeSliceOrchestratorServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -145,6 +162,11 @@ def add_TimeSliceOrchestratorServiceServicer_to_server(servicer, server):
                     servicer.Hold,
                     request_deserializer=timeslice__orchestrator_dot_v1alpha1_dot_orchestrator__pb2.HoldRequest.FromString,
                     response_serializer=timeslice__orchestrator_dot_v1alpha1_dot_orchestrator__pb2.HoldEvent.SerializeToString,
+            ),
+            'Session': grpc.stream_stream_rpc_method_handler(
+                    servicer.Session,
+                    request_deserializer=timeslice__orchestrator_dot_v1alpha1_dot_orchestrator__pb2.SessionRequest.FromString,
+                    response_serializer=timeslice__orchestrator_dot_v1alpha1_dot_orchestrator__pb2.SessionResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -309,6 +331,33 @@ class TimeSliceOrchestratorService:
             '/timeslice_orchestrator.v1alpha1.TimeSliceOrchestratorService/Hold',
             timeslice__orchestrator_dot_v1alpha1_dot_orchestrator__pb2.HoldRequest.SerializeToString,
             timeslice__orchestrator_dot_v1alpha1_dot_orchestrator__pb2.HoldEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Session(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/timeslice_orchestrator.v1alpha1.TimeSliceOrchestratorService/Session',
+            timeslice__orchestrator_dot_v1alpha1_dot_orchestrator__pb2.SessionRequest.SerializeToString,
+            timeslice__orchestrator_dot_v1alpha1_dot_orchestrator__pb2.SessionResponse.FromString,
             options,
             channel_credentials,
             insecure,

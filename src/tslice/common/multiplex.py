@@ -1,0 +1,226 @@
+"""Request/reply calls multiplexed over one long-lived bidirectional gRPC stream.
+
+A message on an open stream costs about half a unary call (no new HTTP/2 stream, no
+headers and trailers, no call object on either side); tslice uses this for the two
+legs of every hand-over: Acquire/Yield (client -> orchestrator, ``Session``) and Grant
+(orchestrator -> agent, ``GrantStream``). Both sides are here, once:
+
+* :class:`Caller` sends requests tagged with an id and hands each reply to the future of
+  its request. It opens the stream on first use and again after it broke; a break fails
+  the calls in flight with :class:`Broken` (callers retry them as a failed unary call).
+  A peer without the RPC answers ``UNIMPLEMENTED``: :class:`Unsupported`, for good.
+* :func:`serve` runs each incoming request in its own task as it arrives and streams the
+  replies back as they finish; a cancel message, or the end of the stream, cancels the
+  requests still running (as a cancelled unary call would be).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, Generic, TypeVar
+
+import grpc
+
+from tslice.common import tasks
+
+log = logging.getLogger(__name__)
+
+Req = TypeVar("Req")
+Rep = TypeVar("Rep")
+
+
+_STATUS_BY_NUMBER = {code.value[0]: code for code in grpc.StatusCode}
+
+
+def status_code(number: int) -> grpc.StatusCode:
+    """The ``grpc.StatusCode`` of a status number carried in a reply message."""
+    return _STATUS_BY_NUMBER.get(number, grpc.StatusCode.UNKNOWN)
+
+
+class Unsupported(Exception):
+    """The peer has no such streaming RPC (UNIMPLEMENTED)."""
+
+
+class Broken(Exception):
+    """The stream ended or failed before the reply came; ``code`` says how."""
+
+    def __init__(self, code: grpc.StatusCode, detail: str) -> None:
+        super().__init__(f"{code.name}: {detail}")
+        self.code = code
+        self.detail = detail
+
+
+class Caller(Generic[Req, Rep]):
+    """Client side: ``call()`` sends one request and waits for the reply with its id."""
+
+    def __init__(
+        self,
+        open_call: Callable[[], Any],
+        *,
+        reply_id: Callable[[Rep], int],
+        name: str,
+    ) -> None:
+        self._open_call = open_call
+        self._reply_id = reply_id
+        self._name = name
+        #: None until the peer answered (or refused the RPC) once.
+        self.supported: bool | None = None
+        self._call: Any = None
+        self._reader: asyncio.Task[None] | None = None
+        self._pending: dict[int, asyncio.Future[Rep]] = {}
+        self._ids = itertools.count(1)
+        self._writing: asyncio.Lock | None = None
+        self._abandoned: set[asyncio.Task[None]] = set()
+
+    async def call(
+        self,
+        request: Callable[[int], Req],
+        *,
+        timeout_s: float | None,
+        issued: Callable[[], None] | None = None,
+        abandon: Callable[[int], Req] | None = None,
+    ) -> Rep:
+        """Send ``request(id)``; raise Unsupported, Broken or TimeoutError.
+
+        ``abandon(id)`` is the message that tells the peer to drop the request when the
+        caller stops waiting (timeout, cancellation).
+        """
+        if self.supported is False:
+            raise Unsupported(self._name)
+        call = self._ensure_open()
+        request_id = next(self._ids)
+        loop = asyncio.get_running_loop()
+        reply: asyncio.Future[Rep] = loop.create_future()
+        self._pending[request_id] = reply
+        timer = None if timeout_s is None else loop.call_later(timeout_s, _expire, reply, timeout_s)
+        answered = False
+        try:
+            await self._write(call, request(request_id))
+            if issued is not None:
+                issued()
+            result = await reply
+            answered = True
+            return result
+        except Broken:
+            answered = True  # the stream is gone: nothing to abandon
+            raise
+        finally:
+            if timer is not None:
+                timer.cancel()
+            self._pending.pop(request_id, None)
+            if not answered and abandon is not None and self._call is call:
+                self._send_later(call, abandon(request_id))
+
+    async def close(self) -> None:
+        call, reader = self._call, self._reader
+        self._call = self._reader = None
+        if call is not None:
+            call.cancel()
+        await tasks.cancel_all([t for t in (reader, *self._abandoned) if t is not None])
+        _fail(self._pending, Broken(grpc.StatusCode.CANCELLED, "the stream was closed"))
+
+    async def _write(self, call: Any, message: Req) -> None:
+        if self._writing is None:
+            self._writing = asyncio.Lock()  # made on first use: bound to the running loop
+        async with self._writing:  # one write at a time on a stream
+            try:
+                await call.write(message)
+            except (grpc.RpcError, asyncio.InvalidStateError) as err:
+                # The stream is over: its reader fails the pending reply with the reason.
+                log.debug("stream %s: write failed: %s", self._name, err)
+
+    def _send_later(self, call: Any, message: Req) -> None:
+        task = tasks.spawn(self._write(call, message), name=f"abandon:{self._name}")
+        self._abandoned.add(task)
+        task.add_done_callback(self._abandoned.discard)
+
+    def _ensure_open(self) -> Any:
+        if self._call is None:
+            self._call = self._open_call()
+            self._reader = tasks.spawn(self._read(self._call), name=f"stream:{self._name}")
+        return self._call
+
+    async def _read(self, call: Any) -> None:
+        code, detail = grpc.StatusCode.UNAVAILABLE, f"{self._name} closed the stream"
+        try:
+            async for reply in call:
+                self.supported = True
+                waiter = self._pending.get(self._reply_id(reply))
+                if waiter is not None and not waiter.done():
+                    waiter.set_result(reply)
+        except grpc.RpcError as err:
+            code = err.code()
+            detail = err.details() or code.name.lower()
+        if self._call is call:
+            self._call = self._reader = None
+        failure: Exception
+        if code == grpc.StatusCode.UNIMPLEMENTED and not self.supported:
+            self.supported = False
+            log.info("%s has no such stream; using unary calls", self._name)
+            failure = Unsupported(self._name)
+        else:
+            failure = Broken(code, detail)
+        _fail(self._pending, failure)
+
+
+def _fail(pending: dict[int, asyncio.Future[Any]], err: Exception) -> None:
+    for waiter in list(pending.values()):
+        if not waiter.done():
+            waiter.set_exception(err)
+
+
+def _expire(reply: asyncio.Future[Any], timeout_s: float) -> None:
+    if not reply.done():
+        reply.set_exception(TimeoutError(f"no reply within {timeout_s:g} s"))
+
+
+async def serve(
+    requests: AsyncIterator[Req],
+    handle: Callable[[Req], Awaitable[Rep]],
+    *,
+    request_id: Callable[[Req], int],
+    is_cancel: Callable[[Req], bool] = lambda _request: False,
+    name: str,
+) -> AsyncIterator[Rep]:
+    """Server side: the replies of ``handle`` for each request, in the order they finish.
+
+    A request for which ``is_cancel`` holds cancels the running request with its id
+    (no reply). When the caller half-closes, the running requests are answered first;
+    when it goes away, they are cancelled.
+    """
+    replies: asyncio.Queue[Rep | None] = asyncio.Queue()
+    running: dict[int, asyncio.Task[None]] = {}
+
+    async def run(rid: int, request: Req) -> None:
+        try:
+            replies.put_nowait(await handle(request))
+        finally:
+            running.pop(rid, None)
+
+    async def read() -> None:
+        try:
+            async for request in requests:
+                rid = request_id(request)
+                if is_cancel(request):
+                    task = running.get(rid)
+                    if task is not None:
+                        task.cancel()
+                    continue
+                running[rid] = tasks.spawn(run(rid, request), name=f"{name}:{rid}")
+            if running:  # half-closed: answer what was asked, then end
+                await asyncio.wait(set(running.values()))
+        except grpc.RpcError as err:
+            log.debug("%s: the caller ended the stream: %s", name, err)
+        finally:
+            replies.put_nowait(None)
+
+    reader = tasks.spawn(read(), name=f"{name}:reader")
+    try:
+        while (reply := await replies.get()) is not None:
+            yield reply
+    finally:
+        # The caller is gone: what it asked for stops at a safe point.
+        await tasks.cancel_all([reader, *running.values()])

@@ -1,0 +1,142 @@
+"""AsyncClient's Acquire and Yield over the orchestrator's Session stream (real servers)."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import pathlib
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+import pytest
+
+import tslice
+from tests.orchestrator.orch_harness import Cluster, Events
+from tests.orchestrator.test_operations import free_port
+from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2 as opb
+from tslice.common import errors
+from tslice.orchestrator import server as orch_server
+
+K = opb.OrchestratorEvent
+
+
+class CountingServicer(orch_server.OrchestratorServicer):
+    """The orchestrator's servicer, counting unary calls and Session streams."""
+
+    calls: collections.Counter[str] = collections.Counter()
+
+    async def Acquire(self, request: Any, context: Any) -> Any:
+        self.calls["Acquire"] += 1
+        return await super().Acquire(request, context)
+
+    async def Yield(self, request: Any, context: Any) -> Any:
+        self.calls["Yield"] += 1
+        return await super().Yield(request, context)
+
+    async def Session(self, request_iterator: Any, context: Any) -> Any:
+        self.calls["Session"] += 1
+        async for reply in super().Session(request_iterator, context):
+            yield reply
+
+
+@pytest.fixture
+async def cluster(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> AsyncIterator[Cluster]:
+    monkeypatch.setattr(orch_server, "OrchestratorServicer", CountingServicer)
+    CountingServicer.calls.clear()
+    c = Cluster(tmp_path)
+    await c.start_agent("node-a")
+    await c.start_orchestrator()
+    try:
+        yield c
+    finally:
+        await c.close()
+
+
+async def test_acquire_and_yield_share_one_session_stream(cluster: Cluster) -> None:
+    ev = await Events.open(cluster.stub(), "g")
+    async with (
+        tslice.AsyncClient(cluster.orch_address, job_id="a", lease_s=None) as a,
+        tslice.AsyncClient(cluster.orch_address, job_id="b", lease_s=None) as b,
+    ):
+        first = await a.acquire("g")
+        assert first.success and first.grant_epoch == 1
+        waiting = asyncio.ensure_future(b.acquire("g"))
+        await ev.wait_for(K.KIND_QUEUED, job="b")
+        released = await a.yield_("g")
+        assert released.success and released.pending_waiters == 1
+        second = await waiting
+        assert second.success and second.grant_epoch == 2
+        assert (await b.yield_("g")).snapshot_deferred
+    # One stream per client, and no unary Acquire or Yield at all.
+    assert CountingServicer.calls == {"Session": 2}, CountingServicer.calls
+    ev.cancel()
+
+
+async def test_refusals_come_back_as_the_unary_errors(cluster: Cluster) -> None:
+    async with tslice.AsyncClient(cluster.orch_address, job_id="a", lease_s=None) as a:
+        with pytest.raises(errors.InvalidArgument, match="group_id 'no group' is malformed"):
+            await a.acquire("no group")
+        # The stream survived the refusal.
+        assert (await a.acquire("g")).success
+        async with tslice.AsyncClient(cluster.orch_address, job_id="b", lease_s=None) as b:
+            with pytest.raises(errors.NotFound):
+                await b.yield_("never-created")
+        await a.yield_("g")
+    assert CountingServicer.calls["Acquire"] == 0
+
+
+async def test_a_cancelled_or_timed_out_acquire_leaves_the_queue(cluster: Cluster) -> None:
+    ev = await Events.open(cluster.stub(), "g")
+    async with (
+        tslice.AsyncClient(cluster.orch_address, job_id="a", lease_s=None) as a,
+        tslice.AsyncClient(cluster.orch_address, job_id="b", lease_s=None) as b,
+    ):
+        await a.acquire("g")
+        waiting = asyncio.ensure_future(b.acquire("g"))
+        await ev.wait_for(K.KIND_QUEUED, job="b")
+        waiting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        await ev.wait_for(K.KIND_CANCELLED, job="b")
+        with pytest.raises(errors.AcquireTimeout):
+            await b.acquire("g", timeout=0.2)
+        cancelled = [e for e in ev.seen if e.kind == K.KIND_CANCELLED and e.job_id == "b"]
+        if len(cancelled) < 2:
+            await ev.wait_for(K.KIND_CANCELLED, job="b")  # the second departure
+        status = await a.status("g")
+        assert status.waiting_jobs == () and status.locking_job == "a"
+        # The group goes to nobody (no ghost waiter), so a's yield defers the snapshot.
+        assert (await a.yield_("g")).snapshot_deferred
+    ev.cancel()
+
+
+async def test_a_session_broken_by_an_orchestrator_restart_is_reopened(cluster: Cluster) -> None:
+    await cluster.stop_orchestrator()
+    await cluster.start_orchestrator(port=free_port())  # restarts keep this port
+    async with tslice.AsyncClient(cluster.orch_address, job_id="a", lease_s=None) as a:
+        assert (await a.acquire("g")).success
+        await cluster.restart_orchestrator()
+        # The old stream is gone: the next calls retry on a new one, transparently.
+        assert (await a.yield_("g")).success
+        assert (await a.acquire("g")).success
+        await a.yield_("g")
+    assert CountingServicer.calls["Session"] == 2 and CountingServicer.calls["Acquire"] == 0
+
+
+async def test_an_orchestrator_without_session_gets_unary_calls(
+    cluster: Cluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async def no_session(self: Any, request_iterator: Any, context: Any) -> Any:
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "Method not found!")
+        yield  # pragma: no cover
+
+    monkeypatch.setattr(CountingServicer, "Session", no_session)
+    await cluster.restart_orchestrator()
+    async with tslice.AsyncClient(cluster.orch_address, job_id="a", lease_s=None) as a:
+        assert (await a.acquire("g")).success
+        assert (await a.yield_("g")).success
+        assert (await a.acquire("g")).success
+    assert CountingServicer.calls["Acquire"] == 2 and CountingServicer.calls["Yield"] == 1
