@@ -70,6 +70,57 @@ CREATE TABLE IF NOT EXISTS grants (
 """
 
 
+def _upsert(table: str, columns: tuple[str, ...], *, fixed: tuple[str, ...] = ()) -> str:
+    """Insert, or update the row in place: half the work of INSERT OR REPLACE, which
+    deletes the row (and its index entry) and inserts it again. ``fixed`` columns never
+    change once written."""
+    key, *rest = columns
+    updates = ", ".join(f"{c}=excluded.{c}" for c in rest if c not in fixed)
+    marks = ",".join("?" * len(columns))
+    return (
+        f"INSERT INTO {table} ({', '.join(columns)}) VALUES ({marks}) "
+        f"ON CONFLICT({key}) DO UPDATE SET {updates}"
+    )
+
+
+# Column order of the rows built by _job_row / _operation_row (the tables' order).
+_UPSERT_JOB = _upsert(
+    "jobs",
+    (
+        "job_id",
+        "grp",
+        "state",
+        "backend",
+        "choice",
+        "config",
+        "footprint_bytes",
+        "backend_state",
+        "error",
+        "operation_id",
+        "device_bytes",
+        "host_bytes",
+        "previous_state",
+    ),
+)
+_UPSERT_OPERATION = _upsert(
+    "operations",
+    (
+        "op_id",
+        "job_id",
+        "kind",
+        "backend",
+        "status",
+        "started_at",
+        "finished_at",
+        "storage_bytes",
+        "device_bytes",
+        "error",
+    ),
+    fixed=("job_id", "kind", "backend", "started_at"),  # an operation's identity
+)
+_UPSERT_MARK = _upsert("grants", ("grp", "epoch", "job_id"))
+
+
 @dataclasses.dataclass(frozen=True)
 class Loaded:
     job_map: dict[str, jobs.Job]
@@ -189,15 +240,11 @@ class Store:
         conn.execute("BEGIN IMMEDIATE")
         try:
             if job_rows:
-                conn.executemany(
-                    "INSERT OR REPLACE INTO jobs VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)", job_rows
-                )
+                conn.executemany(_UPSERT_JOB, job_rows)
             if op_rows:
-                conn.executemany(
-                    "INSERT OR REPLACE INTO operations VALUES (?,?,?,?,?,?,?,?,?,?)", op_rows
-                )
+                conn.executemany(_UPSERT_OPERATION, op_rows)
             if mark_rows:
-                conn.executemany("INSERT OR REPLACE INTO grants VALUES (?,?,?)", mark_rows)
+                conn.executemany(_UPSERT_MARK, mark_rows)
             conn.execute("COMMIT")
         except BaseException:
             if conn.in_transaction:
