@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pathlib
+import random
 import sqlite3
 
 import pytest
@@ -68,3 +69,30 @@ async def test_unwritable_state_dir_is_a_clear_error(tmp_path: pathlib.Path) -> 
     blocker.write_text("x")
     with pytest.raises(st.StoreError, match="--state-dir"):
         await st.Store.open(blocker / "sub")
+
+
+async def test_every_saved_record_loads_back_after_random_changes(tmp_path: pathlib.Path) -> None:
+    """Saves write only what changed since ``previous``; what loads is the last record."""
+    rng = random.Random(7)
+    s = await st.Store.open(tmp_path)
+    g = lk.GroupLock()
+    previous = None
+    jobs = ["a", "b", "c", "d"]
+    for step in range(300):
+        job = rng.choice(jobs)
+        move = rng.random()
+        if g.switching is not None and move < 0.3:
+            g.on_switch_done(epoch=g.switching.epoch, restored=rng.random() < 0.5, now=step)
+        elif move < 0.6:
+            g.on_acquire(job, footprint_bytes=rng.randrange(4) * 10, now=step)
+        elif move < 0.8:
+            g.on_yield(job, now=step)
+        else:
+            g.on_cancel(job, now=step)
+        record = g.record()
+        await s.save("g", nodes=NODES, record=record, previous=previous)
+        previous = record
+        if step % 50 == 49:
+            (_, loaded) = (await s.load())["g"]
+            assert loaded == record, step
+    await s.close()

@@ -238,11 +238,21 @@ class Store:
                     rec.holder_lease_ms,
                 ),
             )
-            if prev is None or prev.queue != rec.queue:
+            if prev is None:
                 conn.execute("DELETE FROM queue WHERE group_id=?", (gid,))
+            if prev is None or prev.queue != rec.queue:
+                # Only the entries that came or went (a hand-over moves one or two).
+                before = set(prev.queue) if prev is not None else set()
+                after = set(rec.queue)
                 conn.executemany(
-                    "INSERT INTO queue(group_id, job_id, seq, footprint) VALUES (?,?,?,?)",
-                    [(gid, q.job, q.seq, q.footprint_bytes) for q in rec.queue],
+                    "DELETE FROM queue WHERE group_id=? AND job_id=?",
+                    [(gid, q.job) for q in before - after],
+                )
+                conn.executemany(
+                    "INSERT INTO queue(group_id, job_id, seq, footprint) VALUES (?,?,?,?)"
+                    " ON CONFLICT(group_id, job_id) DO UPDATE SET"
+                    " seq=excluded.seq, footprint=excluded.footprint",
+                    [(gid, q.job, q.seq, q.footprint_bytes) for q in after - before],
                 )
             if prev is None or prev.footprints != rec.footprints:
                 old = dict(prev.footprints) if prev is not None else {}
