@@ -7,10 +7,12 @@ Acquire reply. Next to it, in the same run and process, a bare gRPC unary round 
 (the standard health Check against the same orchestrator). The ratio is the number to
 watch: machine noise moves both figures together.
 
-A and B use the client library (``AsyncClient``); B's Acquire is known to be queued from
-the QUEUED event of a WatchEvents stream filtered to that kind on the server. On a 2-core
-machine the four processes compete for CPU, and that contention is most of what separates
-the two figures; see the orchestrator's and agent's module docs for what the hand-over does.
+A and B use the client library (``AsyncClient``, whose Acquire and Yield travel on its
+``Session`` stream; the orchestrator sends each node its Grant on a ``GrantStream``); B's
+Acquire is known to be queued from the QUEUED event of a WatchEvents stream filtered to
+that kind on the server. On a 2-core machine the four processes compete for CPU, and that
+contention is most of what separates the two figures; see the orchestrator's and agent's
+module docs for what the hand-over does.
 
     python bench/handoff.py [--rounds 300] [--json]
 

@@ -107,11 +107,10 @@ class FakeOrchestrator(Observable, opb_grpc.TimeSliceOrchestratorServiceServicer
 
     # -- the RPCs --
 
-    async def Session(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> Any:
+    async def Session(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> None:
         # Like an orchestrator without the stream (llm-d's): clients fall back to the
         # unary calls, whose metadata, failures and lost replies this fake scripts.
         await context.abort(grpc.StatusCode.UNIMPLEMENTED, "Method not found!")
-        yield  # pragma: no cover (an async generator, like the real handler)
 
     async def Acquire(
         self, request: opb.AcquireRequest, context: grpc.aio.ServicerContext

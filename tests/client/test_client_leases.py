@@ -103,7 +103,7 @@ async def test_async_client_sends_its_lease_and_yield_ends_the_hold(cluster: Clu
         keeper = client._keepers[("j", "g")]
         result = await client.yield_("g")
         assert result.success and ("j", "g") not in client._keepers
-        assert keeper._task.done()
+        assert keeper.done
         await ev.wait_for(K.KIND_YIELDED, job="j")
         assert "lease expired" not in [e.detail for e in ev.seen]
         ev.cancel()
@@ -121,7 +121,7 @@ async def test_lost_lease_is_reported_and_its_yield_succeeds(cluster: Cluster) -
         assert (await ev.wait_for(K.KIND_YIELDED, job="j")).detail == "lease expired"
         await acquire(stub, "other", "g")  # somebody else holds it now
         await proxy.start()  # the network is back: the Hold stream is refused
-        await asyncio.wait_for(asyncio.shield(keeper._task), 10)
+        await asyncio.wait_for(keeper.wait(), 10)
         lost = client.lost_leases
         assert list(lost) == ["g"] and "does not hold group 'g'" in lost["g"]
         # Yield of the lost group: success, although 'other' holds it (no PERMISSION_DENIED).
@@ -165,7 +165,7 @@ async def test_a_slice_shorter_than_a_quarter_lease_opens_no_hold_stream(
         await client.acquire("g")
         keeper = client._keepers[("j", "g")]
         await asyncio.sleep(0.6)  # the subject: time passing, three leases long
-        assert await hold_streams_opened(port) == 1 and not keeper._task.done()
+        assert await hold_streams_opened(port) == 1 and not keeper.done
         assert (await client.status("g")).locking_job == "j" and client.lost_leases == {}
         assert (await client.yield_("g")).success
 
@@ -181,7 +181,7 @@ async def test_a_loss_while_yielding_is_held_back_and_reported_if_the_yield_fail
         # The Yield reaches the orchestrator before the keeper's (delayed) Hold stream:
         # that stream is refused, which is no loss for a job giving the group up.
         await stub.Yield(opb.YieldRequest(job_id="j", group_id="g"))
-        await asyncio.wait_for(asyncio.shield(keeper._task), 10)
+        await asyncio.wait_for(keeper.wait(), 10)
         assert client.lost_leases == {}
         keeper.resume()  # had the Yield failed, the loss is reported after all
         assert "does not hold group 'g'" in client.lost_leases["g"]

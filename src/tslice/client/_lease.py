@@ -154,15 +154,38 @@ class AsyncHoldKeeper:
         self._on_lost = on_lost
         self._releasing = False
         self._held_loss: str | None = None
-        self._task = asyncio.get_running_loop().create_task(
-            self._run(), name=f"tslice-hold:{group}:{job}"
+        self._name = f"tslice-hold:{group}:{job}"
+        self._ended = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        # A timer, not a sleeping task: a slice shorter than the delay costs no task.
+        self._timer: asyncio.TimerHandle | None = asyncio.get_running_loop().call_later(
+            open_delay(lease_ms), self._open
         )
 
+    @property
+    def done(self) -> bool:
+        """Stopped, or the stream ended for good (yielded, lost, or no Hold RPC)."""
+        return self._ended.is_set()
+
+    async def wait(self) -> None:
+        await self._ended.wait()
+
     async def stop(self) -> None:
-        if not self._task.done():
-            self._task.cancel()
-        # wait() does not raise the keeper's own cancellation (only the caller's).
-        await asyncio.wait({self._task})
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        task = self._task
+        if task is not None:
+            if not task.done():
+                task.cancel()
+            # wait() does not raise the keeper's own cancellation (only the caller's).
+            await asyncio.wait({task})
+        self._ended.set()
+
+    def _open(self) -> None:
+        self._timer = None
+        self._task = asyncio.get_running_loop().create_task(self._run(), name=self._name)
+        self._task.add_done_callback(lambda _task: self._ended.set())
 
     def releasing(self) -> None:
         """The job is yielding: hold a loss back until :meth:`resume` (or drop it at stop)."""
@@ -181,7 +204,6 @@ class AsyncHoldKeeper:
             self._on_lost(reason)
 
     async def _run(self) -> None:
-        await asyncio.sleep(open_delay(self._lease_ms))
         attempt = 0
         while True:
             call = self._stub.Hold(self._request)

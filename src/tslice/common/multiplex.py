@@ -8,7 +8,8 @@ legs of every hand-over: Acquire/Yield (client -> orchestrator, ``Session``) and
 * :class:`Caller` sends requests tagged with an id and hands each reply to the future of
   its request. It opens the stream on first use and again after it broke; a break fails
   the calls in flight with :class:`Broken` (callers retry them as a failed unary call).
-  A peer without the RPC answers ``UNIMPLEMENTED``: :class:`Unsupported`, for good.
+  A peer without the RPC answers ``UNIMPLEMENTED`` (or a stream that never worked fails
+  for another reason than a lost connection): :class:`Unsupported`, for good.
 * :func:`serve` runs each incoming request in its own task as it arrives and streams the
   replies back as they finish; a cancel message, or the end of the stream, cancels the
   requests still running (as a cancelled unary call would be).
@@ -33,6 +34,10 @@ Rep = TypeVar("Rep")
 
 
 _STATUS_BY_NUMBER = {code.value[0]: code for code in grpc.StatusCode}
+#: How a stream to a peer that is down or going away ends: worth re-opening.
+_TRANSIENT = frozenset(
+    {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED}
+)
 
 
 def status_code(number: int) -> grpc.StatusCode:
@@ -157,9 +162,13 @@ class Caller(Generic[Req, Rep]):
         if self._call is call:
             self._call = self._reader = None
         failure: Exception
-        if code == grpc.StatusCode.UNIMPLEMENTED and not self.supported:
+        if not self.supported and code not in _TRANSIENT:
+            # Never worked, and not for want of a connection: UNIMPLEMENTED (no such
+            # RPC) or a peer that mishandles it. The unary calls always work.
             self.supported = False
-            log.info("%s has no such stream; using unary calls", self._name)
+            log.info(
+                "%s: no usable stream (%s: %s); using unary calls", self._name, code.name, detail
+            )
             failure = Unsupported(self._name)
         else:
             failure = Broken(code, detail)
