@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import pathlib
+import threading
 from collections.abc import AsyncIterator
 
 import httpx
@@ -159,6 +160,8 @@ async def test_a_slice_shorter_than_a_quarter_lease_opens_no_hold_stream(
     with tslice.Client(cluster.orch_address, job_id="k", lease_s=60) as sync_client:
         await asyncio.to_thread(sync_client.acquire, "g")
         assert (await asyncio.to_thread(sync_client.yield_, "g")).success
+        # Nor a thread: the keeper's thread starts only when its stream is due.
+        assert not [t for t in threading.enumerate() if t.name.startswith("tslice-hold:")]
     assert await hold_streams_opened(port) == 0
     # A slice that outlasts a quarter of its lease does open one (and keeps the group).
     async with tslice.AsyncClient(cluster.orch_address, job_id="j", lease_s=0.2) as client:

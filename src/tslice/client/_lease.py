@@ -13,15 +13,19 @@ lease is lost (``FAILED_PRECONDITION`` or a ``lost`` event): then it calls
 held back: the Hold stream may reach the orchestrator after the Yield, and a lock
 being given up is not lost; if the Yield fails, :meth:`resume` reports it.
 
-:class:`HoldKeeper` runs in a daemon thread (sync client: no hidden event loop);
+:class:`HoldKeeper` runs in a daemon thread (sync client: no hidden event loop), started by
+one scheduler thread per process when the stream is due;
 :class:`AsyncHoldKeeper` is a task of the caller's loop.
 """
 
 from __future__ import annotations
 
 import asyncio
+import heapq
+import itertools
 import logging
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -55,8 +59,67 @@ def _outcome(err: grpc.RpcError) -> str | None:
     return None
 
 
+class _Due:
+    """A scheduled start; :meth:`cancel` makes it a no-op."""
+
+    __slots__ = ("cancelled", "start")
+
+    def __init__(self, start: Callable[[], None]) -> None:
+        self.start = start
+        self.cancelled = False
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+class _Scheduler:
+    """One daemon thread per process that starts the keepers whose stream is due."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._heap: list[tuple[float, int, _Due]] = []
+        self._order = itertools.count()
+        self._thread: threading.Thread | None = None
+
+    def schedule(self, at: float, start: Callable[[], None]) -> _Due:
+        due = _Due(start)
+        with self._cond:
+            heapq.heappush(self._heap, (at, next(self._order), due))
+            if self._thread is None or not self._thread.is_alive():  # first use, or forked
+                self._thread = threading.Thread(
+                    target=self._run, name="tslice-hold-scheduler", daemon=True
+                )
+                self._thread.start()
+            elif self._heap[0][2] is due:
+                self._cond.notify()
+        return due
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while self._heap and self._heap[0][2].cancelled:
+                    heapq.heappop(self._heap)  # a yield came first: nothing to start
+                if not self._heap:
+                    self._cond.wait()
+                    continue
+                at, _, due = self._heap[0]
+                wait_s = at - time.monotonic()
+                if wait_s > 0:
+                    self._cond.wait(wait_s)
+                    continue
+                heapq.heappop(self._heap)
+            if not due.cancelled:
+                try:
+                    due.start()
+                except Exception:
+                    log.exception("could not start a Hold stream")
+
+
+_SCHEDULER = _Scheduler()
+
+
 class HoldKeeper:
-    """Keeps one Hold stream open from a daemon thread until :meth:`stop`."""
+    """Keeps one Hold stream open from a daemon thread (started when due) until :meth:`stop`."""
 
     def __init__(
         self, *, stub: Any, job: str, group: str, epoch: int, lease_ms: int, on_lost: OnLost
@@ -70,21 +133,32 @@ class HoldKeeper:
         self._call: Any = None
         self._releasing = False
         self._held_loss: str | None = None
-        self._thread = threading.Thread(
-            target=self._run, name=f"tslice-hold:{group}:{job}", daemon=True
-        )
-        self._thread.start()
+        self._name = f"tslice-hold:{group}:{job}"
+        self._thread: threading.Thread | None = None
+        # No thread until the stream is due: a slice shorter than that costs none.
+        self._due = _SCHEDULER.schedule(time.monotonic() + open_delay(lease_ms), self._begin)
 
     def stop(self) -> None:
         """Close the stream (the lease timer starts on the orchestrator unless yielded)."""
         self._stopped.set()
+        self._due.cancel()
         with self._guard:
             call = self._call
         if call is not None:
             call.cancel()
 
     def join(self, timeout: float | None = None) -> None:
-        self._thread.join(timeout)
+        with self._guard:
+            thread = self._thread
+        if thread is not None:
+            thread.join(timeout)
+
+    def _begin(self) -> None:
+        with self._guard:
+            if self._stopped.is_set():
+                return
+            self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
+            self._thread.start()
 
     def releasing(self) -> None:
         """The job is yielding: hold a loss back until :meth:`resume` (or drop it at stop)."""
@@ -99,8 +173,6 @@ class HoldKeeper:
             self._on_lost(lost)
 
     def _run(self) -> None:
-        if self._stopped.wait(open_delay(self._lease_ms)):
-            return  # yielded (or closed) before a stream was needed
         attempt = 0
         while not self._stopped.is_set():
             try:
