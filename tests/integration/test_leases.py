@@ -11,9 +11,12 @@ import textwrap
 import time
 from collections.abc import Iterator
 
+import grpc
 import pytest
 
 import tslice
+from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2 as opb
+from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2_grpc as opb_grpc
 from tslice.sim.cluster import ORCHESTRATOR, LocalCluster
 
 LEASE_S = 1.0
@@ -73,3 +76,42 @@ def test_background_hold_keeps_the_group_across_an_orchestrator_restart(
         assert client.lost_leases == {}
         assert client.yield_("g").success
         assert client.status("g").locking_job == ""
+
+
+def test_sigkilled_waiter_on_a_session_stream_leaves_the_queue(cluster: LocalCluster) -> None:
+    """An AsyncClient's Acquire waits on its Session stream; when the process dies, the
+    stream ends and the orchestrator drops the waiter (no ghost waiter)."""
+    script = textwrap.dedent(
+        f"""
+        import asyncio, tslice
+        async def main():
+            async with tslice.AsyncClient({cluster.orchestrator_address!r}, job_id="doomed",
+                                          lease_s=None) as client:
+                await client.acquire("g")
+        asyncio.run(main())
+        """
+    )
+    with (
+        tslice.Client(cluster.orchestrator_address, job_id="holder", lease_s=None) as client,
+        grpc.insecure_channel(cluster.orchestrator_address) as channel,
+    ):
+        client.acquire("g")
+        stub = opb_grpc.TimeSliceOrchestratorServiceStub(channel)
+        events = stub.WatchEvents(opb.WatchEventsRequest(group_id="g"))
+        events.initial_metadata()  # subscribed: no later event is missed
+        waiter = subprocess.Popen([sys.executable, "-c", script], env=os.environ.copy())
+        try:
+            queued = next(e for e in events if e.job_id == "doomed")
+            assert queued.kind == opb.OrchestratorEvent.KIND_QUEUED
+            waiter.send_signal(signal.SIGKILL)
+            waiter.wait(10)
+            left = next(e for e in events if e.job_id == "doomed")
+            assert left.kind == opb.OrchestratorEvent.KIND_CANCELLED
+            assert client.status("g").waiting_jobs == ()
+            # Nobody waits: the holder's yield defers its snapshot.
+            assert client.yield_("g").snapshot_deferred
+        finally:
+            events.cancel()
+            if waiter.poll() is None:
+                waiter.kill()
+                waiter.wait()
