@@ -352,3 +352,21 @@ def test_wire_md_tables_match_when_available() -> None:
                 checked += 1
             break
     assert checked > 60
+
+
+@pytest.mark.parametrize(
+    ("file", "service", "upstream"),
+    [
+        (opb.DESCRIPTOR, f"{ORCH_PKG}.TimeSliceOrchestratorService", ORCH_RPCS),
+        (apb.DESCRIPTOR, f"{AGENT_PKG}.SnapshotAgentService", AGENT_RPCS),
+    ],
+    ids=["orchestrator", "agent"],
+)
+def test_every_tslice_rpc_is_documented(
+    file: d.FileDescriptor, service: str, upstream: dict[str, object]
+) -> None:
+    api_doc = (pathlib.Path(__file__).parent.parent / "docs" / "api.md").read_text()
+    added = [m.name for m in file.pool.FindServiceByName(service).methods if m.name not in upstream]
+    assert added, "the wire pin lists every RPC: nothing to check"
+    for name in added:
+        assert f"`rpc {name}(" in api_doc, f"tslice RPC {name} is not described in docs/api.md"
