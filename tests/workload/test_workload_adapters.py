@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import sys
 from typing import Any
 
@@ -289,7 +290,13 @@ def test_workload_package_exports_are_pinned() -> None:
         "announce_process",
         "register_workload",
     ]
+    has_torch = importlib.util.find_spec("torch") is not None
     for name in workload_pkg.__all__:
+        if name == "TorchAdapter" and not has_torch:
+            # A core install (no torch extra): a clear error that says what to install.
+            with pytest.raises(ImportError, match=r"pip install 'tslice\[torch\]'"):
+                getattr(workload_pkg, name)
+            continue
         assert getattr(workload_pkg, name) is not None
     with pytest.raises(AttributeError):
         _ = workload_pkg.NoSuchThing

@@ -82,4 +82,4 @@ def _torch_adapter(workload: object) -> base.WorkloadAdapter | None:
         return None
     from tslice.workload.adapters import torch as torch_adapters
 
-    return torch_adapters.TorchAdapter(module, optimizer)  # type: ignore[arg-type]
+    return torch_adapters.TorchAdapter(module, optimizer)  # type: ignore[arg-type,unused-ignore]

@@ -205,7 +205,7 @@ class _Copier:
     def _side_streams(self, device: torch.device) -> list[torch.cuda.Stream]:
         if device not in self._streams:
             self._streams[device] = [
-                torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
+                torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call,unused-ignore]
                 for _ in range(self._streams_per_device)
             ]
         return self._streams[device]
