@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 # Extras the test suite exercises (torch: the CPU build for the TorchAdapter tests).
 TEST_EXTRAS ?= dev,torch
 
-.PHONY: all venv demo test unit lint typecheck api api-check bench clean
+.PHONY: all venv demo test test-oldest unit lint typecheck api api-check bench clean
 
 all: test
 
@@ -29,6 +29,16 @@ test: $(STAMP)
 	$(VENV)/bin/lint-imports
 	$(PY) -m pytest -q
 
+## The oldest supported Python, core install (no torch: its tests skip), in its own venv.
+OLDEST_PYTHON ?= python3.10
+OLDEST_VENV   := .venv-oldest
+test-oldest:
+	@test -x $(OLDEST_VENV)/bin/python || $(OLDEST_PYTHON) -m venv $(OLDEST_VENV)
+	@$(OLDEST_VENV)/bin/python -m pip install --quiet --upgrade pip
+	@$(OLDEST_VENV)/bin/python -m pip install --quiet -e ".[dev]"
+	$(OLDEST_VENV)/bin/mypy
+	$(OLDEST_VENV)/bin/python -m pytest -q
+
 unit: $(STAMP)
 	$(PY) -m pytest -q -m "not slow"
 
@@ -48,4 +58,4 @@ bench: $(STAMP)
 	$(PY) bench/offload.py
 
 clean:
-	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache src/*.egg-info
+	rm -rf $(VENV) $(OLDEST_VENV) .mypy_cache .ruff_cache .pytest_cache src/*.egg-info
