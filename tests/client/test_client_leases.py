@@ -214,3 +214,19 @@ def test_noop_client_keeps_no_lease() -> None:
     assert not client.enabled
     assert client.acquire("g").success and client._keepers == {}
     assert client.yield_("g").success and client.lost_leases == {}
+
+
+def test_lease_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TSLICE_LEASE_S", "12.5")
+    assert tslice.Client("127.0.0.1:1", job_id="j").lease_s == 12.5
+    assert tslice.Client("127.0.0.1:1", job_id="j", lease_s=3).lease_s == 3  # argument wins
+    assert tslice.Client("127.0.0.1:1", job_id="j", lease_s=None).lease_s is None
+    for no_lease in ("none", "OFF", "0"):
+        monkeypatch.setenv("TSLICE_LEASE_S", no_lease)
+        assert tslice.Client("127.0.0.1:1", job_id="j").lease_s is None
+    for bad in ("soon", "-5", "inf", "nan"):
+        monkeypatch.setenv("TSLICE_LEASE_S", bad)
+        with pytest.raises(tslice.ConfigError, match=r"TSLICE_LEASE_S=.* is not understood"):
+            tslice.Client("127.0.0.1:1", job_id="j")
+    monkeypatch.delenv("TSLICE_LEASE_S")
+    assert tslice.Client("127.0.0.1:1", job_id="j").lease_s == 30.0

@@ -44,9 +44,6 @@ def _log_noop_once(reason: str) -> None:
 
 HoldKey = tuple[str, str]
 
-#: Default holder lease: a holder whose process died loses its groups after this long.
-DEFAULT_LEASE_S = 30.0
-
 
 class BaseClient:
     """Configuration and bookkeeping shared by the sync and async clients."""
@@ -62,12 +59,11 @@ class BaseClient:
         channel_options: Sequence[tuple[str, Any]] | None,
         footprint_bytes: int | None,
         retry: _retry.RetryPolicy,
-        lease_s: float | None = DEFAULT_LEASE_S,
+        lease_s: _config.Timeout = _config.USE_CLIENT_DEFAULT,
     ) -> None:
-        if lease_s is not None and not lease_s > 0:
-            raise ValueError(f"lease_s must be > 0 seconds or None (no lease), got {lease_s!r}")
+        lease = _config.resolve_lease(lease_s)
         #: Acquire's lease_ms: 0 = no lease (the lock is kept even if this process dies).
-        self._lease_ms = 0 if lease_s is None else max(1, round(lease_s * 1000))
+        self._lease_ms = 0 if lease is None else max(1, round(lease * 1000))
         self._lost: dict[str, str] = {}
         self._lost_guard = threading.Lock()
         self._config = _config.resolve(

@@ -50,7 +50,7 @@ class Client(_base.BaseClient):
         channel_options: Sequence[tuple[str, Any]] | None = None,
         footprint_bytes: int | None = None,
         retry: _retry.RetryPolicy = _retry.DEFAULT_RETRY,
-        lease_s: float | None = _base.DEFAULT_LEASE_S,
+        lease_s: _config.Timeout = _config.USE_CLIENT_DEFAULT,
     ) -> None:
         super().__init__(
             address,
@@ -362,7 +362,7 @@ class AsyncClient(_base.BaseClient):
         channel_options: Sequence[tuple[str, Any]] | None = None,
         footprint_bytes: int | None = None,
         retry: _retry.RetryPolicy = _retry.DEFAULT_RETRY,
-        lease_s: float | None = _base.DEFAULT_LEASE_S,
+        lease_s: _config.Timeout = _config.USE_CLIENT_DEFAULT,
     ) -> None:
         super().__init__(
             address,

@@ -42,6 +42,35 @@ USE_CLIENT_DEFAULT: Final = _Default.TOKEN
 Timeout: TypeAlias = float | Literal[_Default.TOKEN] | None
 
 
+#: Holder lease of a client that sets none (``lease_s`` argument, then ``$TSLICE_LEASE_S``).
+DEFAULT_LEASE_S: Final = 30.0
+LEASE_ENV: Final = "TSLICE_LEASE_S"
+_NO_LEASE = {"none", "off", "0"}
+
+
+def resolve_lease(lease_s: Timeout, environ: Mapping[str, str] | None = None) -> float | None:
+    """The holder lease in seconds (None: no lease): the argument, else the environment."""
+    if lease_s is not USE_CLIENT_DEFAULT:
+        if lease_s is not None and not lease_s > 0:
+            raise ValueError(f"lease_s must be > 0 seconds or None (no lease), got {lease_s!r}")
+        return lease_s
+    raw = (os.environ if environ is None else environ).get(LEASE_ENV, "").strip()
+    if not raw:
+        return DEFAULT_LEASE_S
+    if raw.lower() in _NO_LEASE:
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not 0 < value < float("inf"):
+        raise errors.ConfigError(
+            f"{LEASE_ENV}={raw!r} is not understood; use a number of seconds (e.g. 30) or "
+            "'none' for no lease"
+        )
+    return value
+
+
 @dataclasses.dataclass(frozen=True)
 class ClientConfig:
     """Resolved client settings (arguments, then environment, then defaults)."""
