@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import pathlib
 import re
 import signal
 import subprocess
@@ -46,6 +47,8 @@ def test_up_serves_until_ctrl_c(tmp_path: Path, capsys: pytest.CaptureFixture[st
             str(tmp_path / "up"),
             "--log-level",
             "warning",
+            "--sim-restore-bandwidth",
+            "5GB/s",
         ],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -67,6 +70,16 @@ def test_up_serves_until_ctrl_c(tmp_path: Path, capsys: pytest.CaptureFixture[st
             assert component in text
         pids = [int(p) for p in re.findall(r"127\.0\.0\.1:\d+\s+(\d+)", text)]
         assert len(pids) == 3
+        # The agents copy back onto the devices at the rate asked for.
+        agent_args = [
+            pathlib.Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0") for pid in pids
+        ]
+        restore = [
+            args[args.index(b"--sim-restore-bandwidth") + 1]
+            for args in agent_args
+            if b"agent" in args
+        ]
+        assert restore == [b"5000000000", b"5000000000"], agent_args
 
         with tsclient.Client(address, job_id="job-1") as client:
             assert client.acquire("g", timeout=30).success
@@ -106,3 +119,9 @@ def test_up_serves_until_ctrl_c(tmp_path: Path, capsys: pytest.CaptureFixture[st
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_up_refuses_a_malformed_rate(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = cli(capsys, "up", "--sim-restore-bandwidth", "fast")
+    assert code == 2 and out == ""
+    assert "--sim-restore-bandwidth 'fast' is not a rate" in err and "Traceback" not in err

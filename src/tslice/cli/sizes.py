@@ -9,13 +9,14 @@ from tslice.common import errors
 _BYTES: pydantic.TypeAdapter[pydantic.ByteSize] = pydantic.TypeAdapter(pydantic.ByteSize)
 
 
-def parse_bytes(text: str, *, option: str) -> int:
+def parse_bytes(text: str, *, option: str, what: str = "") -> int:
     """``80GiB`` / ``60GB`` / ``1048576`` -> bytes; :class:`ConfigError` naming ``option``."""
     try:
         value = int(_BYTES.validate_python(text.strip()))
     except pydantic.ValidationError as err:
         raise errors.ConfigError(
-            f"{option} {text!r} is not a size: use e.g. 80GiB, 60GB or a number of bytes"
+            f"{option} {text!r} is not "
+            + (what or "a size: use e.g. 80GiB, 60GB or a number of bytes")
         ) from err
     if value <= 0:
         raise errors.ConfigError(f"{option} must be positive (got {text!r})")
@@ -29,4 +30,6 @@ def parse_rate(text: str, *, option: str) -> int:
         if stripped.lower().endswith(suffix):
             stripped = stripped[: -len(suffix)]
             break
-    return parse_bytes(stripped, option=option)
+    return parse_bytes(
+        stripped, option=option, what="a rate: use e.g. 25GB/s, 500MB/s or bytes per second"
+    )

@@ -49,6 +49,13 @@ def up(
     sim_bandwidth: Annotated[
         str, typer.Option("--sim-bandwidth", help="Simulated copy rate, e.g. 25GB/s.")
     ] = "25GB/s",
+    sim_restore_bandwidth: Annotated[
+        str | None,
+        typer.Option(
+            "--sim-restore-bandwidth",
+            help="Simulated copy rate back onto the devices (default: --sim-bandwidth).",
+        ),
+    ] = None,
     sim_latency: Annotated[
         float, typer.Option("--sim-latency", min=0.0, help="Fixed cost per copy, s.")
     ] = 0.005,
@@ -63,6 +70,11 @@ def up(
             capacity_bytes=sizes.parse_bytes(sim_capacity, option="--sim-capacity"),
             footprint_bytes=sizes.parse_bytes(sim_footprint, option="--sim-footprint"),
             bandwidth_bytes_per_s=sizes.parse_rate(sim_bandwidth, option="--sim-bandwidth"),
+            restore_bandwidth_bytes_per_s=(
+                sizes.parse_rate(sim_restore_bandwidth, option="--sim-restore-bandwidth")
+                if sim_restore_bandwidth is not None
+                else None
+            ),
             latency_s=sim_latency,
         )
         for i in range(agents)
