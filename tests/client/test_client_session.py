@@ -139,3 +139,56 @@ async def test_an_orchestrator_without_session_gets_unary_calls(
         assert (await a.yield_("g")).success
         assert (await a.acquire("g")).success
     assert CountingServicer.calls["Acquire"] == 2 and CountingServicer.calls["Yield"] == 1
+
+
+# ---- the sync Client: the same stream, read by a thread ---------------------------------
+
+
+async def test_sync_client_uses_one_session_stream_too(cluster: Cluster) -> None:
+    ev = await Events.open(cluster.stub(), "g")
+    with (
+        tslice.Client(cluster.orch_address, job_id="a", lease_s=None) as a,
+        tslice.Client(cluster.orch_address, job_id="b", lease_s=None) as b,
+    ):
+        assert (await asyncio.to_thread(a.acquire, "g")).grant_epoch == 1
+        waiting = asyncio.ensure_future(asyncio.to_thread(b.acquire, "g"))
+        await ev.wait_for(K.KIND_QUEUED, job="b")
+        assert (await asyncio.to_thread(a.yield_, "g")).pending_waiters == 1
+        assert (await waiting).grant_epoch == 2
+        with pytest.raises(errors.InvalidArgument, match="malformed"):
+            await asyncio.to_thread(b.acquire, "no group")
+        # A timed-out acquire sends its cancel: a leaves the queue at once.
+        with pytest.raises(errors.AcquireTimeout):
+            await asyncio.to_thread(a.acquire, "g", timeout=0.2)
+        await ev.wait_for(K.KIND_CANCELLED, job="a")
+        assert (await asyncio.to_thread(b.status, "g")).waiting_jobs == ()
+        assert (await asyncio.to_thread(b.yield_, "g")).snapshot_deferred
+    assert CountingServicer.calls == {"Session": 2}, CountingServicer.calls
+    ev.cancel()
+
+
+async def test_sync_client_reopens_its_session_after_a_restart(cluster: Cluster) -> None:
+    await cluster.stop_orchestrator()
+    await cluster.start_orchestrator(port=free_port())
+    with tslice.Client(cluster.orch_address, job_id="a", lease_s=None) as a:
+        assert (await asyncio.to_thread(a.acquire, "g")).success
+        await cluster.restart_orchestrator()
+        assert (await asyncio.to_thread(a.yield_, "g")).success
+        assert (await asyncio.to_thread(a.acquire, "g")).success
+        await asyncio.to_thread(a.yield_, "g")
+    assert CountingServicer.calls["Session"] == 2 and CountingServicer.calls["Acquire"] == 0
+
+
+async def test_sync_client_falls_back_to_unary_calls(
+    cluster: Cluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async def no_session(self: Any, request_iterator: Any, context: Any) -> None:
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "Method not found!")
+
+    monkeypatch.setattr(CountingServicer, "Session", no_session)
+    await cluster.restart_orchestrator()
+    with tslice.Client(cluster.orch_address, job_id="a", lease_s=None) as a:
+        assert (await asyncio.to_thread(a.acquire, "g")).success
+        assert (await asyncio.to_thread(a.yield_, "g")).success
+        assert (await asyncio.to_thread(a.acquire, "g")).success
+    assert CountingServicer.calls["Acquire"] == 2 and CountingServicer.calls["Yield"] == 1

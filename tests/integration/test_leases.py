@@ -78,19 +78,29 @@ def test_background_hold_keeps_the_group_across_an_orchestrator_restart(
         assert client.status("g").locking_job == ""
 
 
-def test_sigkilled_waiter_on_a_session_stream_leaves_the_queue(cluster: LocalCluster) -> None:
-    """An AsyncClient's Acquire waits on its Session stream; when the process dies, the
-    stream ends and the orchestrator drops the waiter (no ghost waiter)."""
-    script = textwrap.dedent(
-        f"""
+_WAITERS = {
+    "async": """
         import asyncio, tslice
         async def main():
-            async with tslice.AsyncClient({cluster.orchestrator_address!r}, job_id="doomed",
-                                          lease_s=None) as client:
+            async with tslice.AsyncClient({address!r}, job_id="doomed", lease_s=None) as client:
                 await client.acquire("g")
         asyncio.run(main())
-        """
-    )
+        """,
+    "sync": """
+        import tslice
+        with tslice.Client({address!r}, job_id="doomed", lease_s=None) as client:
+            client.acquire("g")
+        """,
+}
+
+
+@pytest.mark.parametrize("kind", sorted(_WAITERS))
+def test_sigkilled_waiter_on_a_session_stream_leaves_the_queue(
+    cluster: LocalCluster, kind: str
+) -> None:
+    """A client's Acquire waits on its Session stream; when the process dies, the stream
+    ends and the orchestrator drops the waiter (no ghost waiter)."""
+    script = textwrap.dedent(_WAITERS[kind].format(address=cluster.orchestrator_address))
     with (
         tslice.Client(cluster.orchestrator_address, job_id="holder", lease_s=None) as client,
         grpc.insecure_channel(cluster.orchestrator_address) as channel,

@@ -327,13 +327,21 @@ class OrchestratorCalls:
     def __init__(self, transport: SyncTransport) -> None:
         self.transport = transport
         self.stub = _OrchestratorStub(transport.channel)
+        # Acquire and Yield go over one Session stream (unary where there is none).
+        self._multiplexed = _session.SyncSession(
+            self.stub, metadata=transport.metadata(_NO_OPTIONS)
+        )
+
+    def close(self) -> None:
+        """End the Session stream (before the channel closes)."""
+        self._multiplexed.close()
 
     def acquire(
         self, request: opb.AcquireRequest, options: CallOptions = _NO_OPTIONS
     ) -> opb.AcquireResponse:
         return cast(
             opb.AcquireResponse,
-            self.transport.unary(_O["Acquire"], self.stub.Acquire, request, options),
+            self.transport.unary(_O["Acquire"], self._multiplexed.acquire, request, options),
         )
 
     def yield_(
@@ -341,7 +349,7 @@ class OrchestratorCalls:
     ) -> opb.YieldResponse:
         return cast(
             opb.YieldResponse,
-            self.transport.unary(_O["Yield"], self.stub.Yield, request, options),
+            self.transport.unary(_O["Yield"], self._multiplexed.yield_, request, options),
         )
 
     def list_groups(
@@ -375,7 +383,7 @@ class OrchestratorCalls:
     def session(
         self, requests: Iterable[opb.SessionRequest], options: CallOptions = _NO_OPTIONS
     ) -> SyncStream[opb.SessionResponse]:
-        """The raw Session stream (the sync client's Acquire and Yield stay unary)."""
+        """The raw Session stream (acquire() and yield_() already use one of their own)."""
         return self.transport.stream_stream(_O["Session"], self.stub.Session, requests, options)
 
 

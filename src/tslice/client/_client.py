@@ -231,7 +231,9 @@ class Client(_base.BaseClient):
         for keeper in keepers:
             keeper.stop()
         with self._guard:
-            channel, self._channel, self._calls = self._channel, None, None
+            channel, calls, self._channel, self._calls = self._channel, self._calls, None, None
+        if calls is not None:
+            calls.close()
         if channel is not None:
             channel.close()
 

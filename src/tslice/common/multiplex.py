@@ -35,7 +35,7 @@ Rep = TypeVar("Rep")
 
 _STATUS_BY_NUMBER = {code.value[0]: code for code in grpc.StatusCode}
 #: How a stream to a peer that is down or going away ends: worth re-opening.
-_TRANSIENT = frozenset(
+TRANSIENT = frozenset(
     {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED}
 )
 
@@ -162,7 +162,7 @@ class Caller(Generic[Req, Rep]):
         if self._call is call:
             self._call = self._reader = None
         failure: Exception
-        if not self.supported and code not in _TRANSIENT:
+        if not self.supported and code not in TRANSIENT:
             # Never worked, and not for want of a connection: UNIMPLEMENTED (no such
             # RPC) or a peer that mishandles it. The unary calls always work.
             self.supported = False
