@@ -192,3 +192,30 @@ async def test_sync_client_falls_back_to_unary_calls(
         assert (await asyncio.to_thread(a.yield_, "g")).success
         assert (await asyncio.to_thread(a.acquire, "g")).success
     assert CountingServicer.calls["Acquire"] == 2 and CountingServicer.calls["Yield"] == 1
+
+
+async def test_open_streams_do_not_hold_a_shutdown(cluster: Cluster) -> None:
+    """Session and GrantStream calls live as long as their clients: stopping a server ends
+    them at once instead of waiting out the grace period (here far longer than the bound)."""
+    await cluster.stop_orchestrator()
+    await cluster.stop_agent("node-a")
+    await cluster.start_agent("node-a", grace_period_s=300.0)
+    await cluster.start_orchestrator(shutdown_grace_s=300.0)
+    async with (
+        tslice.AsyncClient(cluster.orch_address, job_id="a", lease_s=None) as a,
+        tslice.AsyncClient(cluster.orch_address, job_id="b", lease_s=None) as b,
+    ):
+        await a.acquire("g")  # a Session stream, and a GrantStream to node-a
+        # The agent stops while the orchestrator's GrantStream to it is open...
+        agent = cluster.agents["node-a"]
+        await asyncio.wait_for(cluster.stop_agent("node-a"), 30)
+        assert agent.task.done()
+        # ... and the orchestrator while b waits on its Session stream.
+        ev = await Events.open(cluster.stub(), "g")
+        waiting = asyncio.ensure_future(b.acquire("g", timeout=60))
+        await ev.wait_for(K.KIND_QUEUED, job="b")
+        ev.cancel()
+        await asyncio.wait_for(cluster.stop_orchestrator(), 30)
+        waiting.cancel()  # it was retrying against the stopped orchestrator
+        await asyncio.wait({waiting})
+        assert waiting.cancelled()

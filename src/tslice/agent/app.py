@@ -171,8 +171,9 @@ async def serve(
         await monitor.check_all()
 
         grpc_server = grpc.aio.server()
+        servicer = server.SnapshotAgentServicer(core=core, hub=hub)
         pb_grpc.add_SnapshotAgentServiceServicer_to_server(  # type: ignore[no-untyped-call]
-            server.SnapshotAgentServicer(core=core, hub=hub), grpc_server
+            servicer, grpc_server
         )
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, grpc_server)
         reflection.enable_server_reflection(
@@ -193,7 +194,9 @@ async def serve(
             _clear_stale_socket(config.unix_socket)
             _bind(grpc_server, f"unix:{config.unix_socket}", "choose another --unix-socket")
         await grpc_server.start()
-        stack.push_async_callback(_stop_server, grpc_server, core, monitor, config.grace_period_s)
+        stack.push_async_callback(
+            _stop_server, grpc_server, servicer, core, monitor, config.grace_period_s
+        )
         if config.unix_socket is not None:
             stack.callback(_remove_quietly, config.unix_socket)
         register_path = config.register_socket or config.state_dir / "register.sock"
@@ -241,11 +244,13 @@ def _listen_address(host: str, port: int) -> str:
 
 async def _stop_server(
     grpc_server: grpc.aio.Server,
+    servicer: server.SnapshotAgentServicer,
     core: runner.AgentCore,
     monitor: server.HealthMonitor,
     grace_s: float,
 ) -> None:
     await monitor.shutdown()
+    servicer.close()  # long-lived GrantStreams must not hold the shutdown
     # New calls are refused at once; in-flight calls and operations share the grace period.
     await asyncio.gather(grpc_server.stop(grace_s), core.close(grace_s=grace_s))
 

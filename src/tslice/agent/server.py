@@ -123,6 +123,11 @@ class SnapshotAgentServicer(pb_grpc.SnapshotAgentServiceServicer):
     def __init__(self, *, core: runner.AgentCore, hub: channel.ChannelHub) -> None:
         self._core = core
         self._hub = hub
+        #: Set when the agent stops: GrantStreams end at once (the caller re-opens one).
+        self._closing = asyncio.Event()
+
+    def close(self) -> None:
+        self._closing.set()
 
     async def _run(self, context: grpc.aio.ServicerContext, call: Awaitable[_T]) -> _T:
         try:
@@ -223,6 +228,7 @@ class SnapshotAgentServicer(pb_grpc.SnapshotAgentServiceServicer):
             self._stream_reply,
             request_id=lambda r: r.request_id,
             name="grant-stream",
+            closing=self._closing,
         ):
             yield reply
 

@@ -193,12 +193,15 @@ async def serve(
     request_id: Callable[[Req], int],
     is_cancel: Callable[[Req], bool] = lambda _request: False,
     name: str,
+    closing: asyncio.Event | None = None,
 ) -> AsyncIterator[Rep]:
     """Server side: the replies of ``handle`` for each request, in the order they finish.
 
     A request for which ``is_cancel`` holds cancels the running request with its id
     (no reply). When the caller half-closes, the running requests are answered first;
-    when it goes away, they are cancelled.
+    when it goes away, or when ``closing`` is set (the server is stopping: a long-lived
+    stream must not hold its shutdown for the whole grace period), they are cancelled and
+    the stream ends; the caller's requests in flight then fail as UNAVAILABLE.
     """
     replies: asyncio.Queue[Rep | None] = asyncio.Queue()
     running: dict[int, asyncio.Task[None]] = {}
@@ -227,9 +230,17 @@ async def serve(
             replies.put_nowait(None)
 
     reader = tasks.spawn(read(), name=f"{name}:reader")
+    watchers: list[asyncio.Task[Any]] = []
+    if closing is not None:
+
+        async def end_when_closing() -> None:
+            await closing.wait()
+            reader.cancel()  # its finally ends the replies
+
+        watchers.append(tasks.spawn(end_when_closing(), name=f"{name}:closing"))
     try:
         while (reply := await replies.get()) is not None:
             yield reply
     finally:
-        # The caller is gone: what it asked for stops at a safe point.
-        await tasks.cancel_all([reader, *running.values()])
+        # The caller is gone (or the server stops): what it asked for stops at a safe point.
+        await tasks.cancel_all([reader, *watchers, *running.values()])

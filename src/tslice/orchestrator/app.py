@@ -74,6 +74,7 @@ async def serve(
     health_servicer = health.aio.HealthServicer()
     metrics_http: Any = None
     groups: manager.GroupManager | None = None
+    servicer: server.OrchestratorServicer | None = None
     try:
         cfg = await _name_local_agents(cfg, pool)
         groups = manager.GroupManager(cfg=cfg, db=db, pool=pool, bus=bus, metrics=m)
@@ -82,8 +83,9 @@ async def serve(
                 cfg.metrics_port, addr=cfg.host, registry=m.registry
             )
         await groups.start()
+        servicer = server.OrchestratorServicer(groups=groups, bus=bus)
         opb_grpc.add_TimeSliceOrchestratorServiceServicer_to_server(  # type: ignore[no-untyped-call]
-            server.OrchestratorServicer(groups=groups, bus=bus), grpc_server
+            servicer, grpc_server
         )
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, grpc_server)
         reflection.enable_server_reflection(
@@ -114,6 +116,8 @@ async def serve(
         await health_servicer.enter_graceful_shutdown()
         if groups is not None:
             await groups.stop(grace_s=cfg.shutdown_grace_s)
+        if servicer is not None:
+            servicer.close()
         bus.close()
         await grpc_server.stop(cfg.shutdown_grace_s)
         await pool.close()

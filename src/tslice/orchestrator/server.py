@@ -64,6 +64,12 @@ class OrchestratorServicer(opb_grpc.TimeSliceOrchestratorServiceServicer):
     def __init__(self, *, groups: manager.GroupManager, bus: events.EventBus) -> None:
         self._groups = groups
         self._bus = bus
+        #: Set when the orchestrator stops: Session streams end at once.
+        self._closing = asyncio.Event()
+
+    def close(self) -> None:
+        """End the long-lived Session streams (after the groups stopped)."""
+        self._closing.set()
 
     def _driver(self, gid: str, *, create: bool = False) -> group.GroupDriver:
         driver = self._groups.get(gid, create=create)
@@ -100,6 +106,7 @@ class OrchestratorServicer(opb_grpc.TimeSliceOrchestratorServiceServicer):
             request_id=lambda r: r.request_id,
             is_cancel=lambda r: r.WhichOneof("call") == "cancel",
             name="session",
+            closing=self._closing,
         ):
             yield reply
 
