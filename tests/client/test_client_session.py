@@ -113,31 +113,58 @@ async def test_a_cancelled_or_timed_out_acquire_leaves_the_queue(cluster: Cluste
     ev.cancel()
 
 
-async def test_a_session_broken_by_an_orchestrator_restart_is_reopened(cluster: Cluster) -> None:
+class Either:
+    """``tslice.Client`` or ``tslice.AsyncClient``, awaited alike (sync calls in a thread)."""
+
+    def __init__(self, kind: str, address: str, job: str) -> None:
+        self.sync = kind == "sync"
+        self.client: Any = (tslice.Client if self.sync else tslice.AsyncClient)(
+            address, job_id=job, lease_s=None
+        )
+
+    async def call(self, method: str, *args: Any) -> Any:
+        bound = getattr(self.client, method)
+        return await (asyncio.to_thread(bound, *args) if self.sync else bound(*args))
+
+    async def close(self) -> None:
+        await (asyncio.to_thread(self.client.close) if self.sync else self.client.close())
+
+
+@pytest.mark.parametrize("kind", ["async", "sync"])
+async def test_a_session_broken_by_an_orchestrator_restart_is_reopened(
+    cluster: Cluster, kind: str
+) -> None:
     await cluster.stop_orchestrator()
     await cluster.start_orchestrator(port=free_port())  # restarts keep this port
-    async with tslice.AsyncClient(cluster.orch_address, job_id="a", lease_s=None) as a:
-        assert (await a.acquire("g")).success
+    a = Either(kind, cluster.orch_address, "a")
+    try:
+        assert (await a.call("acquire", "g")).success
         await cluster.restart_orchestrator()
         # The old stream is gone: the next calls retry on a new one, transparently.
-        assert (await a.yield_("g")).success
-        assert (await a.acquire("g")).success
-        await a.yield_("g")
+        assert (await a.call("yield_", "g")).success
+        assert (await a.call("acquire", "g")).success
+        await a.call("yield_", "g")
+    finally:
+        await a.close()
     assert CountingServicer.calls["Session"] == 2 and CountingServicer.calls["Acquire"] == 0
 
 
+@pytest.mark.parametrize("kind", ["async", "sync"])
 async def test_an_orchestrator_without_session_gets_unary_calls(
-    cluster: Cluster, monkeypatch: pytest.MonkeyPatch
+    cluster: Cluster, monkeypatch: pytest.MonkeyPatch, kind: str
 ) -> None:
     async def no_session(self: Any, request_iterator: Any, context: Any) -> None:
         await context.abort(grpc.StatusCode.UNIMPLEMENTED, "Method not found!")
 
     monkeypatch.setattr(CountingServicer, "Session", no_session)
     await cluster.restart_orchestrator()
-    async with tslice.AsyncClient(cluster.orch_address, job_id="a", lease_s=None) as a:
-        assert (await a.acquire("g")).success
-        assert (await a.yield_("g")).success
-        assert (await a.acquire("g")).success
+    a = Either(kind, cluster.orch_address, "a")
+    try:
+        assert (await a.call("acquire", "g")).success
+        assert (await a.call("yield_", "g")).success
+        assert (await a.call("acquire", "g")).success
+    finally:
+        await a.close()
     assert CountingServicer.calls["Acquire"] == 2 and CountingServicer.calls["Yield"] == 1
 
 
@@ -165,33 +192,6 @@ async def test_sync_client_uses_one_session_stream_too(cluster: Cluster) -> None
         assert (await asyncio.to_thread(b.yield_, "g")).snapshot_deferred
     assert CountingServicer.calls == {"Session": 2}, CountingServicer.calls
     ev.cancel()
-
-
-async def test_sync_client_reopens_its_session_after_a_restart(cluster: Cluster) -> None:
-    await cluster.stop_orchestrator()
-    await cluster.start_orchestrator(port=free_port())
-    with tslice.Client(cluster.orch_address, job_id="a", lease_s=None) as a:
-        assert (await asyncio.to_thread(a.acquire, "g")).success
-        await cluster.restart_orchestrator()
-        assert (await asyncio.to_thread(a.yield_, "g")).success
-        assert (await asyncio.to_thread(a.acquire, "g")).success
-        await asyncio.to_thread(a.yield_, "g")
-    assert CountingServicer.calls["Session"] == 2 and CountingServicer.calls["Acquire"] == 0
-
-
-async def test_sync_client_falls_back_to_unary_calls(
-    cluster: Cluster, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    async def no_session(self: Any, request_iterator: Any, context: Any) -> None:
-        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "Method not found!")
-
-    monkeypatch.setattr(CountingServicer, "Session", no_session)
-    await cluster.restart_orchestrator()
-    with tslice.Client(cluster.orch_address, job_id="a", lease_s=None) as a:
-        assert (await asyncio.to_thread(a.acquire, "g")).success
-        assert (await asyncio.to_thread(a.yield_, "g")).success
-        assert (await asyncio.to_thread(a.acquire, "g")).success
-    assert CountingServicer.calls["Acquire"] == 2 and CountingServicer.calls["Yield"] == 1
 
 
 async def test_open_streams_do_not_hold_a_shutdown(cluster: Cluster) -> None:
