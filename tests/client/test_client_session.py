@@ -219,3 +219,19 @@ async def test_open_streams_do_not_hold_a_shutdown(cluster: Cluster) -> None:
         waiting.cancel()  # it was retrying against the stopped orchestrator
         await asyncio.wait({waiting})
         assert waiting.cancelled()
+
+
+async def test_a_failing_request_is_answered_not_left_hanging(
+    cluster: Cluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async def broken(self: Any, request: Any) -> Any:
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(CountingServicer, "acquire", broken)
+    async with tslice.AsyncClient(cluster.orch_address, job_id="a", lease_s=None) as a:
+        with pytest.raises(errors.RPCError, match="RuntimeError: a bug") as caught:
+            await asyncio.wait_for(a.acquire("g"), 30)
+        assert caught.value.status == grpc.StatusCode.INTERNAL
+        monkeypatch.undo()  # the bug is fixed; the same stream carries on
+        assert (await a.acquire("g")).success
+    assert CountingServicer.calls == {"Session": 1}

@@ -11,6 +11,7 @@ group); CANCELLED / DEADLINE_EXCEEDED come from the caller.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator, Awaitable
 from typing import NoReturn, TypeVar
@@ -23,6 +24,7 @@ from tslice.common import ids, multiplex
 from tslice.orchestrator import events, group, manager
 
 _T = TypeVar("_T")
+log = logging.getLogger(__name__)
 
 
 class Refusal(Exception):
@@ -58,6 +60,12 @@ async def _answered(context: grpc.aio.ServicerContext, call: Awaitable[_T]) -> _
         return await call
     except Refusal as refusal:
         await _abort(context, refusal.code, refusal.message)
+
+
+def _refused(request_id: int, code: grpc.StatusCode, message: str) -> opb.SessionResponse:
+    return opb.SessionResponse(
+        request_id=request_id, status_code=code.value[0], status_message=message
+    )
 
 
 class OrchestratorServicer(opb_grpc.TimeSliceOrchestratorServiceServicer):
@@ -124,10 +132,15 @@ class OrchestratorServicer(opb_grpc.TimeSliceOrchestratorServiceServicer):
                     "a Session request carries acquire, release or cancel",
                 )
         except Refusal as refusal:
-            reply.Clear()
-            reply.request_id = request.request_id
-            reply.status_code = refusal.code.value[0]
-            reply.status_message = refusal.message
+            return _refused(request.request_id, refusal.code, refusal.message)
+        except Exception as err:
+            # A unary call would end UNKNOWN; a Session request must not go unanswered.
+            log.exception("session request %d failed", request.request_id)
+            return _refused(
+                request.request_id,
+                grpc.StatusCode.INTERNAL,
+                f"the orchestrator failed on this request ({type(err).__name__}: {err})",
+            )
         return reply
 
     async def acquire(self, request: opb.AcquireRequest) -> opb.AcquireResponse:
