@@ -14,6 +14,7 @@ the call is cancelled so that the orchestrator drops the waiter at once.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
@@ -192,6 +193,12 @@ class SyncStream(Generic[T]):
         self._cancelled = True
         self._call.cancel()
 
+    def started(self) -> None:
+        """Block until the server has answered with its headers (or the call failed: the
+        iteration raises the error)."""
+        with contextlib.suppress(grpc.RpcError):
+            self._call.initial_metadata()
+
 
 class AsyncStream(Generic[T]):
     """Async twin of :class:`SyncStream`."""
@@ -216,6 +223,11 @@ class AsyncStream(Generic[T]):
     def cancel(self) -> None:
         self._cancelled = True
         self._call.cancel()
+
+    async def started(self) -> None:
+        """See :meth:`SyncStream.started`."""
+        with contextlib.suppress(grpc.RpcError):
+            await self._call.initial_metadata()
 
 
 class SyncTransport(_Transport):

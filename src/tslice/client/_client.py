@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Iterable, Iterator, Sequence
 from types import TracebackType
 from typing import Any
 
@@ -194,6 +194,7 @@ class Client(_base.BaseClient):
             opb.WatchEventsRequest(group_id=group_id, kinds=_types.event_kinds(kinds)),
             self._options(self.job_id, group_id, _config.check_timeout("timeout", timeout)),
         )
+        stream.started()  # subscribed: no event published from here on is missed
         return _events(stream)
 
     def slice(
@@ -488,15 +489,16 @@ class AsyncClient(_base.BaseClient):
         *,
         kinds: Iterable[_types.EventKind] = (),
         timeout: float | None = None,
-    ) -> AsyncIterator[_types.OrchestratorEvent]:
-        """See :meth:`Client.watch_events` (``aclose()`` ends the stream)."""
+    ) -> EventStream:
+        """See :meth:`Client.watch_events`; ``await events.started()`` returns once the
+        orchestrator has subscribed the stream, ``aclose()`` ends it."""
         calls = self._orchestrator("watch events")
         group_id = "" if group is None else self._group(group)
         stream = calls.watch_events(
             opb.WatchEventsRequest(group_id=group_id, kinds=_types.event_kinds(kinds)),
             self._options(self.job_id, group_id, _config.check_timeout("timeout", timeout)),
         )
-        return _async_events(stream)
+        return EventStream(stream)
 
     def slice(
         self,
@@ -632,9 +634,30 @@ class AsyncClient(_base.BaseClient):
 
 async def _async_events(
     stream: _channel.AsyncStream[opb.OrchestratorEvent],
-) -> AsyncIterator[_types.OrchestratorEvent]:
+) -> AsyncGenerator[_types.OrchestratorEvent, None]:
     try:
         async for message in stream:
             yield _types.orchestrator_event(message)
     finally:
         stream.cancel()
+
+
+class EventStream(AsyncIterator[_types.OrchestratorEvent]):
+    """Events of :meth:`AsyncClient.watch_events`, for ``async for``."""
+
+    def __init__(self, stream: _channel.AsyncStream[opb.OrchestratorEvent]) -> None:
+        self._stream = stream
+        self._events = _async_events(stream)
+
+    async def started(self) -> None:
+        """Return once the orchestrator has subscribed this stream: no event published
+        after that is missed."""
+        await self._stream.started()
+
+    async def __anext__(self) -> _types.OrchestratorEvent:
+        return await self._events.__anext__()
+
+    async def aclose(self) -> None:
+        """End the stream."""
+        self._stream.cancel()
+        await self._events.aclose()
