@@ -10,18 +10,13 @@ from collections.abc import AsyncIterator
 import pytest
 
 import tslice
-from tests.orchestrator.orch_harness import Cluster
+from tests.orchestrator.orch_harness import Cluster, one_node
 
 
 @pytest.fixture
 async def cluster(tmp_path: pathlib.Path) -> AsyncIterator[Cluster]:
-    c = Cluster(tmp_path)
-    await c.start_agent("node-a")
-    await c.start_orchestrator()
-    try:
+    async with one_node(tmp_path) as c:
         yield c
-    finally:
-        await c.close()
 
 
 async def test_async_events_after_started_are_all_seen(cluster: Cluster) -> None:

@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 import tslice
-from tests.orchestrator.orch_harness import Cluster, Events, acquire
+from tests.orchestrator.orch_harness import Cluster, Events, acquire, one_node
 from tests.orchestrator.test_operations import free_port
 from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2 as opb
 from tslice.client.compat import TimeSliceOrchestratorClient
@@ -77,13 +77,8 @@ class Proxy:
 
 @pytest.fixture
 async def cluster(tmp_path: pathlib.Path) -> AsyncIterator[Cluster]:
-    c = Cluster(tmp_path)
-    await c.start_agent("node-a")
-    await c.start_orchestrator()
-    try:
+    async with one_node(tmp_path) as c:
         yield c
-    finally:
-        await c.close()
 
 
 async def lease_of(cluster: Cluster, job: str, group: str = "g") -> int:

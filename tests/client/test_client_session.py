@@ -12,7 +12,7 @@ import grpc
 import pytest
 
 import tslice
-from tests.orchestrator.orch_harness import Cluster, Events
+from tests.orchestrator.orch_harness import Cluster, Events, one_node
 from tests.orchestrator.test_operations import free_port
 from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2 as opb
 from tslice.common import errors
@@ -46,13 +46,8 @@ async def cluster(
 ) -> AsyncIterator[Cluster]:
     monkeypatch.setattr(orch_server, "OrchestratorServicer", CountingServicer)
     CountingServicer.calls.clear()
-    c = Cluster(tmp_path)
-    await c.start_agent("node-a")
-    await c.start_orchestrator()
-    try:
+    async with one_node(tmp_path) as c:
         yield c
-    finally:
-        await c.close()
 
 
 async def test_acquire_and_yield_share_one_session_stream(cluster: Cluster) -> None:

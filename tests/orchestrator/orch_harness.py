@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import pathlib
+from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
@@ -164,6 +166,18 @@ class Cluster:
         await self.stop_orchestrator()
         for name in list(self.agents):
             await self.stop_agent(name)
+
+
+@contextlib.asynccontextmanager
+async def one_node(tmp_path: pathlib.Path) -> AsyncIterator[Cluster]:
+    """An orchestrator in local mode over one agent, ``node-a``; everything stops at exit."""
+    cluster = Cluster(tmp_path)
+    try:
+        await cluster.start_agent("node-a")
+        await cluster.start_orchestrator()
+        yield cluster
+    finally:
+        await cluster.close()
 
 
 def acquire(stub: Any, job: str, group: str, **kw: Any) -> Any:

@@ -186,7 +186,7 @@ class SyncSession:
                 self._call = self._outbox = None
             waiters = list(self._pending.values())
         failure: Exception
-        if not self.supported and code not in multiplex.TRANSIENT:
+        if multiplex.unusable(code, worked=self.supported):
             self.supported = False
             failure = multiplex.Unsupported("the orchestrator")
         else:

@@ -35,7 +35,7 @@ Rep = TypeVar("Rep")
 
 _STATUS_BY_NUMBER = {code.value[0]: code for code in grpc.StatusCode}
 #: How a stream to a peer that is down or going away ends: worth re-opening.
-TRANSIENT = frozenset(
+_TRANSIENT = frozenset(
     {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED}
 )
 
@@ -43,6 +43,13 @@ TRANSIENT = frozenset(
 def status_code(number: int) -> grpc.StatusCode:
     """The ``grpc.StatusCode`` of a status number carried in a reply message."""
     return _STATUS_BY_NUMBER.get(number, grpc.StatusCode.UNKNOWN)
+
+
+def unusable(code: grpc.StatusCode, *, worked: bool | None) -> bool:
+    """Whether a stream that ended with ``code`` is not worth opening again: it never
+    worked, and not for want of a connection (UNIMPLEMENTED: no such RPC, or a peer that
+    mishandles it). The unary calls always work."""
+    return not worked and code not in _TRANSIENT
 
 
 class Unsupported(Exception):
@@ -162,9 +169,7 @@ class Caller(Generic[Req, Rep]):
         if self._call is call:
             self._call = self._reader = None
         failure: Exception
-        if not self.supported and code not in TRANSIENT:
-            # Never worked, and not for want of a connection: UNIMPLEMENTED (no such
-            # RPC) or a peer that mishandles it. The unary calls always work.
+        if unusable(code, worked=self.supported):
             self.supported = False
             log.info(
                 "%s: no usable stream (%s: %s); using unary calls", self._name, code.name, detail

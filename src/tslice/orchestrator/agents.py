@@ -25,7 +25,6 @@ import grpc
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2_grpc as pb_grpc
 from tslice.common import multiplex
-from tslice.orchestrator import grant_stream
 
 _R = TypeVar("_R")
 
@@ -94,7 +93,13 @@ class AgentClient:
         self.one_step: bool | None = None
         self._channel = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
         self._stub: Any = pb_grpc.SnapshotAgentServiceStub(self._channel)  # type: ignore[no-untyped-call]
-        self._grants = grant_stream.GrantStream(self._stub.GrantStream, name=address)
+        # Grants go over one long-lived GrantStream (half a unary call each; they are on
+        # every hand-over's path); an agent without it gets unary Grants.
+        self._grants: multiplex.Caller[pb.GrantStreamRequest, pb.GrantStreamResponse] = (
+            multiplex.Caller(
+                self._stub.GrantStream, reply_id=lambda r: r.request_id, name=f"agent {address}"
+            )
+        )
 
     async def close(self) -> None:
         await self._grants.close()
@@ -175,10 +180,14 @@ class AgentClient:
         if self._grants.supported is not False:
             notify = _once(issued)
             try:
-                reply = await self._grants.grant(request, timeout_s=timeout_s, issued=notify)
-            except grant_stream.Unsupported:
+                reply = await self._grants.call(
+                    lambda rid: pb.GrantStreamRequest(request_id=rid, grant=request),
+                    timeout_s=timeout_s,
+                    issued=notify,
+                )
+            except multiplex.Unsupported:
                 issued = notify  # the unary call below is the first call after all
-            except grant_stream.Broken as err:
+            except multiplex.Broken as err:
                 raise _error(self.address, "grant", err.code, err.detail) from err
             except TimeoutError as err:
                 raise AgentUnreachable(self.address, "grant", str(err)) from err

@@ -13,8 +13,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable
-from typing import NoReturn, TypeVar
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, NoReturn, TypeVar
 
 import grpc
 
@@ -48,9 +48,10 @@ def _checked_id(kind: str, value: str) -> str:
         raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, str(err)) from None
 
 
-async def _valid_id(context: grpc.aio.ServicerContext, kind: str, value: str) -> str:
+async def _valid(context: grpc.aio.ServicerContext, check: Callable[..., _T], *args: Any) -> _T:
+    """``check(*args)``, its refusal sent as the RPC's status."""
     try:
-        return _checked_id(kind, value)
+        return check(*args)
     except Refusal as refusal:
         await _abort(context, refusal.code, refusal.message)
 
@@ -84,14 +85,6 @@ class OrchestratorServicer(opb_grpc.TimeSliceOrchestratorServiceServicer):
         if driver is None:
             raise Refusal(grpc.StatusCode.NOT_FOUND, self._groups.not_found_message(gid))
         return driver
-
-    async def _group(
-        self, context: grpc.aio.ServicerContext, gid: str, *, create: bool = False
-    ) -> group.GroupDriver:
-        try:
-            return self._driver(gid, create=create)
-        except Refusal as refusal:
-            await _abort(context, refusal.code, refusal.message)
 
     async def Acquire(
         self, request: opb.AcquireRequest, context: grpc.aio.ServicerContext
@@ -203,8 +196,8 @@ class OrchestratorServicer(opb_grpc.TimeSliceOrchestratorServiceServicer):
     async def GetGroupStatus(
         self, request: opb.GetGroupStatusRequest, context: grpc.aio.ServicerContext
     ) -> opb.GetGroupStatusResponse:
-        gid = await _valid_id(context, "group_id", request.group_id)
-        driver = await self._group(context, gid)
+        gid = await _valid(context, _checked_id, "group_id", request.group_id)
+        driver = await _valid(context, self._driver, gid)
         return await driver.describe()
 
     async def WatchEvents(
@@ -212,9 +205,9 @@ class OrchestratorServicer(opb_grpc.TimeSliceOrchestratorServiceServicer):
     ) -> AsyncIterator[opb.OrchestratorEvent]:
         gid = request.group_id
         if gid:
-            await _valid_id(context, "group_id", gid)
+            await _valid(context, _checked_id, "group_id", gid)
             if not self._groups.local:
-                await self._group(context, gid)
+                await _valid(context, self._driver, gid)
         sub = self._bus.subscribe(group_id=gid, kinds=frozenset(request.kinds))
         try:
             # Headers go out once subscribed: a client awaiting initial_metadata() then
@@ -228,15 +221,15 @@ class OrchestratorServicer(opb_grpc.TimeSliceOrchestratorServiceServicer):
     async def Hold(
         self, request: opb.HoldRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[opb.HoldEvent]:
-        job = await _valid_id(context, "job_id", request.job_id)
-        gid = await _valid_id(context, "group_id", request.group_id)
+        job = await _valid(context, _checked_id, "job_id", request.job_id)
+        gid = await _valid(context, _checked_id, "group_id", request.group_id)
         if request.grant_epoch < 0:
             await _abort(
                 context,
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"grant_epoch must be >= 0 (got {request.grant_epoch}); 0 = the current grant",
             )
-        driver = await self._group(context, gid)
+        driver = await _valid(context, self._driver, gid)
         try:
             session = await driver.open_hold(job, epoch=request.grant_epoch)
         except group.ShuttingDown as err:
