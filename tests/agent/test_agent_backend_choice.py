@@ -34,6 +34,8 @@ async def _register(agent: Agent, job_id: str) -> Any:
                     supported_modes=[pb.SUSPEND_MODE_OFFLOAD],
                     default_mode=pb.SUSPEND_MODE_OFFLOAD,
                 ),
+                # Declared so that the hub's first ping acknowledges the registration.
+                features=pb.WorkloadFeatures(keepalive=True),
             )
         )
     )
@@ -64,7 +66,8 @@ async def test_registered_workload_gets_the_orchestrator_commands(agents: AgentR
     await call.read()  # the hub acknowledges the registration with a ping
 
     job = (await agent.jobs())["worker"]
-    assert (job.state, job.backend, job.group) == (pb.JOB_STATE_IDLE, "app-channel", "g")
+    # Registered with its model loaded: resident until told to offload (DESIGN invariant 5).
+    assert (job.state, job.backend, job.group) == (pb.JOB_STATE_RUNNING, "app-channel", "g")
     assert await agent.grant("worker", epoch=1) == pb.JOB_STATE_RUNNING
 
     snap = await agent.stub.Snapshot(pb.SnapshotRequest(job_id="worker", group="g"))

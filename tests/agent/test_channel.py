@@ -24,6 +24,8 @@ from tslice.common import residency
 OFFLOAD = pb.SUSPEND_MODE_OFFLOAD
 DISCARD = pb.SUSPEND_MODE_DISCARD
 UNSPECIFIED = pb.SUSPEND_MODE_UNSPECIFIED
+#: What tslice's workload library declares; ``None`` = llm-d's (the field is not set).
+TSLICE = pb.WorkloadFeatures(keepalive=True, reports_state=True)
 
 
 class _Servicer(pb_grpc.SnapshotAgentServiceServicer):
@@ -77,23 +79,24 @@ class RawWorkload:
         resident_tags: Sequence[str] = (),
         suspended: bool = False,
         pid: int = 0,
+        features: pb.WorkloadFeatures | None = TSLICE,
         ack: bool = True,
     ) -> None:
-        await self.call.write(
-            pb.WorkloadMessage(
-                register=pb.RegisterWorkload(
-                    job_id=job_id,
-                    group=group,
-                    capabilities=pb.WorkloadCapabilities(
-                        supported_modes=modes, default_mode=default_mode, tags=tags
-                    ),
-                    resident_tags=resident_tags,
-                    suspended=suspended,
-                    pid=pid,
-                )
-            )
+        """Register; with declared keepalive, wait for the acknowledging ping and answer it."""
+        register = pb.RegisterWorkload(
+            job_id=job_id,
+            group=group,
+            capabilities=pb.WorkloadCapabilities(
+                supported_modes=modes, default_mode=default_mode, tags=tags
+            ),
+            resident_tags=resident_tags,
+            suspended=suspended,
+            pid=pid,
         )
-        if ack:
+        if features is not None:
+            register.features.CopyFrom(features)
+        await self.call.write(pb.WorkloadMessage(register=register))
+        if ack and features is not None and features.keepalive:
             first = await self.call.read()
             assert first.WhichOneof("command") == "ping", first
             await self.call.write(pb.WorkloadMessage(pong=pb.Ping(nonce=first.ping.nonce)))
@@ -439,9 +442,36 @@ async def test_legacy_registration_reports_no_state(
     hub_server: HubServer, raw: RawWorkload
 ) -> None:
     # llm-d's client sends neither pid nor residency: the hub must not pretend to know.
-    await raw.register("job-a")
+    await raw.register("job-a", features=None)
     state = await hub_server.hub.wait_registered("job-a", timeout=5)
-    assert not state.state_reported
+    assert not state.state_reported and not state.keepalive
+
+
+async def test_a_pid_alone_does_not_declare_a_state_report(
+    hub_server: HubServer, raw: RawWorkload
+) -> None:
+    await raw.register("job-a", pid=42, features=pb.WorkloadFeatures(keepalive=True))
+    state = await hub_server.hub.wait_registered("job-a", timeout=5)
+    assert state.pid == 42 and not state.state_reported
+
+
+async def test_reported_state_without_the_declaration_is_refused(hub_server: HubServer) -> None:
+    register = pb.RegisterWorkload(job_id="job-a", suspended=True)
+    err = await _status_of_refused(hub_server.address, pb.WorkloadMessage(register=register))
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "features.reports_state" in (err.details() or "")
+    assert hub_server.hub.known_jobs() == []
+
+
+async def test_declared_features_are_known_from_the_registration_on(
+    hub_server: HubServer, raw: RawWorkload
+) -> None:
+    events: list[channel.ChannelEvent] = []
+    hub_server.hub.add_listener(events.append)
+    await raw.register("job-a", ack=False)
+    await hub_server.hub.wait_registered("job-a", timeout=5)
+    # Before the workload answered anything.
+    assert events[0].state.keepalive and events[0].state.state_reported
 
 
 # ---- keepalive ----------------------------------------------------------------------
@@ -491,17 +521,67 @@ async def test_pings_continue_while_a_command_runs_and_keep_the_session() -> Non
         await running.server.stop(grace=None)
 
 
-async def test_peer_that_never_pongs_is_not_pinged_again_nor_closed() -> None:
+class Inbox:
+    """Reads the stream in the background (a cancelled ``read()`` would cancel the call)."""
+
+    def __init__(self, workload: RawWorkload) -> None:
+        self.received: asyncio.Queue[pb.AgentCommand] = asyncio.Queue()
+        self._task = asyncio.create_task(self._read(workload))
+
+    async def _read(self, workload: RawWorkload) -> None:
+        while (message := await workload.call.read()) is not grpc.aio.EOF:
+            await self.received.put(message)
+
+    async def next(self) -> pb.AgentCommand:
+        return await asyncio.wait_for(self.received.get(), 10)
+
+    async def assert_nothing_arrives(self, window_s: float) -> None:
+        with pytest.raises(asyncio.TimeoutError):
+            message = await asyncio.wait_for(self.received.get(), window_s)
+            pytest.fail(f"the agent sent {message}")
+
+    async def close(self) -> None:
+        self._task.cancel()
+        await asyncio.gather(self._task, return_exceptions=True)
+
+
+async def test_llmd_workload_gets_nothing_but_snapshot_and_restore() -> None:
+    # llm-d's workload library logs an error for every command it does not know.
     running = await _start(channel.ChannelHub(ping_interval_s=0.02, missed_pings=1), "127.0.0.1:0")
     workload = RawWorkload(running.address)
     try:
-        await workload.register("job-a", ack=False)
-        first = await workload.call.read()
-        assert first.WhichOneof("command") == "ping"
-        # An observation window of 25 ping intervals: a keepalive peer would be closed by now.
-        with pytest.raises(asyncio.TimeoutError):
-            await asyncio.wait_for(workload.call.read(), 0.5)
+        await workload.register("job-a", modes=[OFFLOAD], features=None)
+        await running.hub.wait_registered("job-a", timeout=5)
+        inbox = Inbox(workload)
+        # 25 ping intervals: a keepalive peer would have been pinged, and closed for silence.
+        await inbox.assert_nothing_arrives(0.5)
+        for kind in ("snapshot", "restore"):
+            task = asyncio.create_task(getattr(running.hub, kind)("job-a", timeout_s=5))
+            command = await inbox.next()
+            assert command.WhichOneof("command") == kind
+            await workload.answer(command)
+            assert (await task).ok
+        await inbox.assert_nothing_arrives(0.5)
+        await inbox.close()
         state = running.hub.session_state("job-a")
+        assert state is not None and not state.keepalive
+    finally:
+        await workload.close()
+        await running.hub.close()
+        await running.server.stop(grace=None)
+
+
+async def test_undeclared_peer_that_pings_is_answered_but_never_pinged() -> None:
+    running = await _start(channel.ChannelHub(ping_interval_s=0.02, missed_pings=1), "127.0.0.1:0")
+    workload = RawWorkload(running.address)
+    try:
+        await workload.register("job-a", features=None)
+        await workload.sync()  # its own ping is answered
+        inbox = Inbox(workload)
+        await inbox.assert_nothing_arrives(0.5)
+        await inbox.close()
+        state = running.hub.session_state("job-a")
+        # A pong-shaped conversation does not turn keepalive on: only the declaration does.
         assert state is not None and not state.keepalive
     finally:
         await workload.close()

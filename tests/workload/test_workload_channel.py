@@ -64,6 +64,10 @@ class Recorder:
         return self.result
 
 
+def _ignore(*args: Any) -> None:
+    return None
+
+
 async def _registered(hub: HubServer, handle: WorkloadHandle) -> channel.WorkloadState:
     assert await asyncio.to_thread(handle.wait_registered, 10), handle.error
     return await hub.hub.wait_registered(handle.job_id, timeout=10)
@@ -92,6 +96,20 @@ async def test_callbacks_round_trip_over_tcp_and_unix_socket(
     assert rest.ok
     assert recorder.calls == [("snapshot", "offload", []), ("restore", None, ["weights"])]
     assert handle.commands_executed == 2
+
+
+async def test_registration_declares_keepalive_and_state_report(
+    tcp_hub: HubServer, register: Register
+) -> None:
+    registered: list[channel.WorkloadState] = []
+    tcp_hub.hub.add_listener(
+        lambda event: registered.append(event.state) if event.kind == "registered" else None
+    )
+    handle = register(tcp_hub.address, "job-feat", on_snapshot=_ignore, on_restore=_ignore)
+    await _registered(tcp_hub, handle)
+    # Known from the registration itself, before the workload answered any ping.
+    assert registered[0].keepalive and registered[0].state_reported
+    assert handle.pings_received >= 1  # the agent pings a workload that declared keepalive
 
 
 async def test_registration_reports_capabilities_given_as_names_or_numbers(

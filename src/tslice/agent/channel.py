@@ -32,16 +32,20 @@ Rules (WIRE.md "Workload channel rules", plus the tslice additions):
 - The snapshot mode is resolved (request, else the workload's default, else
   OFFLOAD) and checked against the declared modes, and tags against the declared
   tags, *before* anything is sent.
-- Keepalive: right after accepting a registration the hub sends a ``Ping`` (the
-  workload library treats it as the registration acknowledgement). A workload that
-  answers with ``pong`` (or pings itself) has opted into keepalive: the hub pings it
-  every ``ping_interval_s`` and closes its session after ``missed_pings``
-  intervals of silence. A peer that never answers a ping (llm-d's client) gets no
-  further pings and is never closed for silence, because it runs commands on its
-  reading thread and would look dead during a long offload.
-- On (re-)registration the workload reports ``suspended``/``resident_tags``; the
-  hub tracks residency from then on (:meth:`ChannelHub.session_state`), which the
-  app-channel backend uses to answer ``recover()``.
+- The hub speaks only what the workload declared in ``RegisterWorkload.features``,
+  never what it infers from the shape of replies: llm-d's workload library logs an
+  error for every command it does not know, so a workload that declares nothing
+  gets snapshot and restore commands and nothing else.
+- Keepalive (``features.keepalive``): right after accepting the registration the
+  hub sends a ``Ping`` (the workload library treats it as the registration
+  acknowledgement), pings every ``ping_interval_s`` and closes the session after
+  ``missed_pings`` intervals of silence. A workload without it is never pinged and
+  never closed for silence (llm-d's runs commands on its reading thread and would
+  look dead during a long offload); a ping it sends itself is still answered.
+- State report (``features.reports_state``): ``suspended``/``resident_tags`` in the
+  registration are the truth and the hub tracks residency from them
+  (:meth:`ChannelHub.session_state`), which the app-channel backend uses to answer
+  ``recover()``. Without it the hub knows only what its own commands did.
 """
 
 from __future__ import annotations
@@ -99,14 +103,15 @@ class WorkloadState:
     default_mode: int
     #: Tags the workload declared; empty = all-or-nothing.
     tags: tuple[str, ...]
-    #: True when the workload reported what it holds (tslice clients do; llm-d's do not).
+    #: True when the hub knows what the workload holds: it declared ``reports_state``
+    #: (tslice clients do; llm-d's do not), or a command of this session succeeded.
     state_reported: bool
     suspended: bool
     resident_tags: tuple[str, ...]
     missing_tags: tuple[str, ...]
     #: ``residency.FULL`` / ``PARTIAL`` / ``NONE``.
     residency: str
-    #: The workload answers pings (keepalive in force).
+    #: The workload declared keepalive: it is pinged and closed after missed pings.
     keepalive: bool
     #: Wall-clock time of the registration.
     registered_at: float
@@ -165,9 +170,9 @@ class _Session:
         self.supported_modes = tuple(dict.fromkeys(caps.supported_modes))
         self.default_mode = caps.default_mode
         self.tags = tuple(dict.fromkeys(caps.tags))
-        self.state_reported = bool(register.pid or register.suspended or register.resident_tags)
+        self.state_reported = register.features.reports_state
         resident: Iterable[str] | None = None
-        if register.suspended or register.resident_tags:
+        if self.state_reported and (register.suspended or register.resident_tags):
             resident = register.resident_tags
         self.tracker = residency.ResidencyTracker(
             declared=self.tags, suspended=register.suspended, resident=resident
@@ -178,7 +183,7 @@ class _Session:
         self.expired: collections.OrderedDict[str, _Pending] = collections.OrderedDict()
         self.closed = asyncio.Event()
         self.close_reason = ""
-        self.keepalive = False
+        self.keepalive = register.features.keepalive
         self.last_heard = asyncio.get_running_loop().time()
         self.pings_sent = 0
         self.pongs_received = 0
@@ -431,10 +436,9 @@ class ChannelHub:
                 if kind == "result":
                     self._on_result(session, message.result)
                 elif kind == "ping":
-                    session.keepalive = True
+                    # Answered even undeclared: the peer that pings speaks pong.
                     session.send(pb.AgentCommand(pong=pb.Ping(nonce=message.ping.nonce)))
                 elif kind == "pong":
-                    session.keepalive = True
                     session.pongs_received += 1
                 elif kind == "register":
                     self._end(
@@ -455,7 +459,7 @@ class ChannelHub:
 
     async def _keepalive(self, session: _Session) -> None:
         loop = asyncio.get_running_loop()
-        if session.closed.is_set():
+        if session.closed.is_set() or not session.keepalive:
             return
         session.ping()  # the registration acknowledgement
         while not session.closed.is_set():
@@ -464,8 +468,6 @@ class ChannelHub:
                 return
             except asyncio.TimeoutError:
                 pass
-            if not session.keepalive:
-                continue
             silent = loop.time() - session.last_heard
             if silent > self.ping_interval_s * self.missed_pings:
                 self._end(
@@ -683,6 +685,12 @@ def _registration_problem(register: pb.RegisterWorkload) -> str:
                 f"invalid RegisterWorkload for job {register.job_id!r}: resident_tags {stray} "
                 f"are not among the declared tags {list(caps.tags)}"
             )
+    if not register.features.reports_state and (register.suspended or register.resident_tags):
+        return (
+            f"invalid RegisterWorkload for job {register.job_id!r}: suspended/resident_tags "
+            "are given but features.reports_state is not set; set it if they are the truth, "
+            "or leave them out"
+        )
     if register.pid < 0:
         return f"invalid RegisterWorkload for job {register.job_id!r}: pid {register.pid} < 0"
     return ""

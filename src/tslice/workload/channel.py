@@ -17,10 +17,11 @@ Threads, and why:
   to it), or on a private loop thread when there was none.
 
 Readiness is real: the wire has no registration reply, so the agent's first
-``Ping``, which a tslice agent sends right after accepting the registration, is the
-acknowledgement. :meth:`WorkloadHandle.wait_registered` waits for it. (llm-d's
-agent never pings, so against it ``wait_registered`` times out, and keepalive stays
-off, while commands still work.)
+``Ping``, which a tslice agent sends right after accepting a registration that
+declares ``features.keepalive`` (this library declares it, and ``reports_state``),
+is the acknowledgement. :meth:`WorkloadHandle.wait_registered` waits for it.
+(llm-d's agent never pings, so against it ``wait_registered`` times out, and
+keepalive stays off, while commands still work.)
 
 Reconnects back off exponentially (0.5 s doubling to 30 s, with jitter), and each
 one re-registers with what the workload holds *now* (``suspended``,
@@ -369,6 +370,8 @@ class WorkloadHandle:
                 resident_tags=state.resident_tags,
                 suspended=state.suspended,
                 pid=os.getpid(),
+                # The agent uses keepalive and our state report only because we declare them.
+                features=pb.WorkloadFeatures(keepalive=True, reports_state=True),
             )
         )
 

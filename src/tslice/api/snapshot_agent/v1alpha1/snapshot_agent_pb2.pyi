@@ -154,20 +154,30 @@ class WorkloadCapabilities(_message.Message):
     def __init__(self, supported_modes: _Optional[_Iterable[_Union[SuspendMode, str]]] = ..., default_mode: _Optional[_Union[SuspendMode, str]] = ..., tags: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class RegisterWorkload(_message.Message):
-    __slots__ = ("job_id", "group", "capabilities", "resident_tags", "suspended", "pid")
+    __slots__ = ("job_id", "group", "capabilities", "resident_tags", "suspended", "pid", "features")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     GROUP_FIELD_NUMBER: _ClassVar[int]
     CAPABILITIES_FIELD_NUMBER: _ClassVar[int]
     RESIDENT_TAGS_FIELD_NUMBER: _ClassVar[int]
     SUSPENDED_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
+    FEATURES_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     group: str
     capabilities: WorkloadCapabilities
     resident_tags: _containers.RepeatedScalarFieldContainer[str]
     suspended: bool
     pid: int
-    def __init__(self, job_id: _Optional[str] = ..., group: _Optional[str] = ..., capabilities: _Optional[_Union[WorkloadCapabilities, _Mapping]] = ..., resident_tags: _Optional[_Iterable[str]] = ..., suspended: _Optional[bool] = ..., pid: _Optional[int] = ...) -> None: ...
+    features: WorkloadFeatures
+    def __init__(self, job_id: _Optional[str] = ..., group: _Optional[str] = ..., capabilities: _Optional[_Union[WorkloadCapabilities, _Mapping]] = ..., resident_tags: _Optional[_Iterable[str]] = ..., suspended: _Optional[bool] = ..., pid: _Optional[int] = ..., features: _Optional[_Union[WorkloadFeatures, _Mapping]] = ...) -> None: ...
+
+class WorkloadFeatures(_message.Message):
+    __slots__ = ("keepalive", "reports_state")
+    KEEPALIVE_FIELD_NUMBER: _ClassVar[int]
+    REPORTS_STATE_FIELD_NUMBER: _ClassVar[int]
+    keepalive: bool
+    reports_state: bool
+    def __init__(self, keepalive: _Optional[bool] = ..., reports_state: _Optional[bool] = ...) -> None: ...
 
 class CommandResult(_message.Message):
     __slots__ = ("command_id", "ok", "error", "device_bytes", "host_bytes")
