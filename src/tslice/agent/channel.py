@@ -61,60 +61,44 @@ from typing import Literal, NoReturn, TypeVar
 
 import grpc
 
+from tslice.agent import channel_rules
+from tslice.agent.channel_rules import (
+    ChannelError,
+    CommandRefusedError,
+    CommandTimeoutError,
+    NoWorkloadError,
+    WorkloadDisconnectedError,
+    WorkloadState,
+    check_mode,
+    check_tags,
+    resolve_mode,
+)
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
-from tslice.common import ids, residency, tasks
+from tslice.common import residency, tasks
+
+# The rules' public names are part of this module's interface (callers catch
+# ``channel.CommandRefusedError``); they live in channel_rules to keep this module small.
+__all__ = [
+    "ChannelError",
+    "ChannelEvent",
+    "ChannelHub",
+    "CommandOutcome",
+    "CommandRefusedError",
+    "CommandTimeoutError",
+    "Listener",
+    "NoWorkloadError",
+    "WorkloadDisconnectedError",
+    "WorkloadState",
+    "check_mode",
+    "check_tags",
+    "resolve_mode",
+]
 
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")
 
-_VALID_MODES = (pb.SUSPEND_MODE_OFFLOAD, pb.SUSPEND_MODE_DISCARD)
 # Timed-out command ids remembered per session, so a late success still updates residency.
 _EXPIRED_KEPT = 64
-
-
-class ChannelError(Exception):
-    """A command could not be completed over the workload channel."""
-
-
-class NoWorkloadError(ChannelError):
-    """No workload is registered for the job; nothing was sent."""
-
-
-class CommandRefusedError(ChannelError):
-    """The command does not fit what the workload declared; nothing was sent."""
-
-
-class WorkloadDisconnectedError(ChannelError):
-    """The stream ended (or was replaced) before the workload answered."""
-
-
-class CommandTimeoutError(ChannelError):
-    """The workload did not answer within the command's deadline."""
-
-
-@dataclasses.dataclass(frozen=True)
-class WorkloadState:
-    """What the hub knows about one registered workload."""
-
-    job_id: str
-    group: str
-    pid: int
-    supported_modes: tuple[int, ...]
-    default_mode: int
-    #: Tags the workload declared; empty = all-or-nothing.
-    tags: tuple[str, ...]
-    #: True when the hub knows what the workload holds: it declared ``reports_state``
-    #: (tslice clients do; llm-d's do not), or a command of this session succeeded.
-    state_reported: bool
-    suspended: bool
-    resident_tags: tuple[str, ...]
-    missing_tags: tuple[str, ...]
-    #: ``residency.FULL`` / ``PARTIAL`` / ``NONE``.
-    residency: str
-    #: The workload declared keepalive: it is pinged and closed after missed pings.
-    keepalive: bool
-    #: Wall-clock time of the registration.
-    registered_at: float
 
 
 @dataclasses.dataclass(frozen=True)
@@ -398,7 +382,7 @@ class ChannelHub:
                 f"the first WorkloadChannel message must be a RegisterWorkload, got "
                 f"{kind or 'an empty message'}; use tslice.workload.register_workload(...)",
             )
-        problem = _registration_problem(first.register)
+        problem = channel_rules.registration_problem(first.register)
         if problem:
             await _refuse(context, problem)
         session = _Session(first.register)
@@ -608,96 +592,6 @@ class ChannelHub:
                 ) from None
 
 
-def resolve_mode(state: WorkloadState, mode: int) -> int:
-    """The snapshot mode on the wire: the request's, else the workload's default, else OFFLOAD."""
-    if mode != pb.SUSPEND_MODE_UNSPECIFIED:
-        return mode
-    if state.default_mode != pb.SUSPEND_MODE_UNSPECIFIED:
-        return state.default_mode
-    return pb.SUSPEND_MODE_OFFLOAD
-
-
-def check_mode(state: WorkloadState, mode: int) -> None:
-    """Raise CommandRefusedError unless the workload declared ``mode`` (or declared none)."""
-    if mode not in _VALID_MODES:
-        raise CommandRefusedError(f"suspend mode {_mode_name(mode)} is not a valid SuspendMode")
-    if state.supported_modes and mode not in state.supported_modes:
-        raise CommandRefusedError(
-            f"workload {state.job_id!r} does not support suspend mode {_mode_name(mode)}; "
-            f"it declared {[_mode_name(m) for m in state.supported_modes]}"
-        )
-
-
-def check_tags(state: WorkloadState, tags: Iterable[str], *, kind: str) -> None:
-    """Raise CommandRefusedError unless every tag is declared (when the workload declared any)."""
-    wanted = list(tags)
-    if any(not tag for tag in wanted):
-        raise CommandRefusedError(f"{kind} tags must be non-empty strings, got {wanted}")
-    if not state.tags:
-        return
-    unknown = [tag for tag in wanted if tag not in state.tags]
-    if unknown:
-        raise CommandRefusedError(
-            f"workload {state.job_id!r} declared tags {list(state.tags)}; "
-            f"{kind} of unknown tags {unknown} refused"
-        )
-
-
 async def _refuse(context: grpc.aio.ServicerContext, message: str) -> NoReturn:
     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, message)
     raise AssertionError("context.abort() returned")  # it always raises
-
-
-def _registration_problem(register: pb.RegisterWorkload) -> str:
-    """Why a registration is refused, or '' if it is acceptable."""
-    try:
-        ids.check_id("job_id", register.job_id)
-        if register.group:
-            ids.check_id("group", register.group)
-    except ids.InvalidIdError as exc:
-        return f"invalid RegisterWorkload: {exc}"
-    caps = register.capabilities
-    for mode in caps.supported_modes:
-        if mode not in _VALID_MODES:
-            return (
-                f"invalid RegisterWorkload for job {register.job_id!r}: supported_modes "
-                f"contains {_mode_name(mode)}; declare SUSPEND_MODE_OFFLOAD and/or "
-                "SUSPEND_MODE_DISCARD"
-            )
-    if caps.default_mode != pb.SUSPEND_MODE_UNSPECIFIED:
-        if caps.default_mode not in _VALID_MODES:
-            return (
-                f"invalid RegisterWorkload for job {register.job_id!r}: default_mode "
-                f"{_mode_name(caps.default_mode)} is not a suspend mode"
-            )
-        if caps.supported_modes and caps.default_mode not in caps.supported_modes:
-            return (
-                f"invalid RegisterWorkload for job {register.job_id!r}: default_mode "
-                f"{_mode_name(caps.default_mode)} is not among supported_modes "
-                f"{[_mode_name(m) for m in caps.supported_modes]}"
-            )
-    if any(not tag for tag in caps.tags):
-        return f"invalid RegisterWorkload for job {register.job_id!r}: a tag is empty"
-    if caps.tags:
-        stray = [tag for tag in register.resident_tags if tag not in caps.tags]
-        if stray:
-            return (
-                f"invalid RegisterWorkload for job {register.job_id!r}: resident_tags {stray} "
-                f"are not among the declared tags {list(caps.tags)}"
-            )
-    if not register.features.reports_state and (register.suspended or register.resident_tags):
-        return (
-            f"invalid RegisterWorkload for job {register.job_id!r}: suspended/resident_tags "
-            "are given but features.reports_state is not set; set it if they are the truth, "
-            "or leave them out"
-        )
-    if register.pid < 0:
-        return f"invalid RegisterWorkload for job {register.job_id!r}: pid {register.pid} < 0"
-    return ""
-
-
-def _mode_name(mode: int) -> str:
-    try:
-        return pb.SuspendMode.Name(mode)
-    except ValueError:
-        return str(mode)

@@ -1,0 +1,154 @@
+"""The workload channel's rules, as pure functions: what a registration and a command must be.
+
+WIRE.md "Workload channel rules" plus tslice's additions, kept apart from the stream
+handling in :mod:`tslice.agent.channel` (which re-exports the public names) so that
+they can be read, and tested, without a stream: the snapshot mode on the wire is
+resolved (request, else the workload's default, else OFFLOAD) and checked against
+the declared modes, tags against the declared tags, and a registration is refused
+with a message that says what to fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+
+from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
+from tslice.common import ids
+
+VALID_MODES = (pb.SUSPEND_MODE_OFFLOAD, pb.SUSPEND_MODE_DISCARD)
+
+
+class ChannelError(Exception):
+    """A command could not be completed over the workload channel."""
+
+
+class NoWorkloadError(ChannelError):
+    """No workload is registered for the job; nothing was sent."""
+
+
+class CommandRefusedError(ChannelError):
+    """The command does not fit what the workload declared; nothing was sent."""
+
+
+class WorkloadDisconnectedError(ChannelError):
+    """The stream ended (or was replaced) before the workload answered."""
+
+
+class CommandTimeoutError(ChannelError):
+    """The workload did not answer within the command's deadline."""
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkloadState:
+    """What the hub knows about one registered workload."""
+
+    job_id: str
+    group: str
+    pid: int
+    supported_modes: tuple[int, ...]
+    default_mode: int
+    #: Tags the workload declared; empty = all-or-nothing.
+    tags: tuple[str, ...]
+    #: True when the hub knows what the workload holds: it declared ``reports_state``
+    #: (tslice clients do; llm-d's do not), or a command of this session succeeded.
+    state_reported: bool
+    suspended: bool
+    resident_tags: tuple[str, ...]
+    missing_tags: tuple[str, ...]
+    #: ``residency.FULL`` / ``PARTIAL`` / ``NONE``.
+    residency: str
+    #: The workload declared keepalive: it is pinged and closed after missed pings.
+    keepalive: bool
+    #: Wall-clock time of the registration.
+    registered_at: float
+
+
+def resolve_mode(state: WorkloadState, mode: int) -> int:
+    """The snapshot mode on the wire: the request's, else the workload's default, else OFFLOAD."""
+    if mode != pb.SUSPEND_MODE_UNSPECIFIED:
+        return mode
+    if state.default_mode != pb.SUSPEND_MODE_UNSPECIFIED:
+        return state.default_mode
+    return pb.SUSPEND_MODE_OFFLOAD
+
+
+def check_mode(state: WorkloadState, mode: int) -> None:
+    """Raise CommandRefusedError unless the workload declared ``mode`` (or declared none)."""
+    if mode not in VALID_MODES:
+        raise CommandRefusedError(f"suspend mode {mode_name(mode)} is not a valid SuspendMode")
+    if state.supported_modes and mode not in state.supported_modes:
+        raise CommandRefusedError(
+            f"workload {state.job_id!r} does not support suspend mode {mode_name(mode)}; "
+            f"it declared {[mode_name(m) for m in state.supported_modes]}"
+        )
+
+
+def check_tags(state: WorkloadState, tags: Iterable[str], *, kind: str) -> None:
+    """Raise CommandRefusedError unless every tag is declared (when the workload declared any)."""
+    wanted = list(tags)
+    if any(not tag for tag in wanted):
+        raise CommandRefusedError(f"{kind} tags must be non-empty strings, got {wanted}")
+    if not state.tags:
+        return
+    unknown = [tag for tag in wanted if tag not in state.tags]
+    if unknown:
+        raise CommandRefusedError(
+            f"workload {state.job_id!r} declared tags {list(state.tags)}; "
+            f"{kind} of unknown tags {unknown} refused"
+        )
+
+
+def registration_problem(register: pb.RegisterWorkload) -> str:
+    """Why a registration is refused, or '' if it is acceptable."""
+    try:
+        ids.check_id("job_id", register.job_id)
+        if register.group:
+            ids.check_id("group", register.group)
+    except ids.InvalidIdError as exc:
+        return f"invalid RegisterWorkload: {exc}"
+    caps = register.capabilities
+    for mode in caps.supported_modes:
+        if mode not in VALID_MODES:
+            return (
+                f"invalid RegisterWorkload for job {register.job_id!r}: supported_modes "
+                f"contains {mode_name(mode)}; declare SUSPEND_MODE_OFFLOAD and/or "
+                "SUSPEND_MODE_DISCARD"
+            )
+    if caps.default_mode != pb.SUSPEND_MODE_UNSPECIFIED:
+        if caps.default_mode not in VALID_MODES:
+            return (
+                f"invalid RegisterWorkload for job {register.job_id!r}: default_mode "
+                f"{mode_name(caps.default_mode)} is not a suspend mode"
+            )
+        if caps.supported_modes and caps.default_mode not in caps.supported_modes:
+            return (
+                f"invalid RegisterWorkload for job {register.job_id!r}: default_mode "
+                f"{mode_name(caps.default_mode)} is not among supported_modes "
+                f"{[mode_name(m) for m in caps.supported_modes]}"
+            )
+    if any(not tag for tag in caps.tags):
+        return f"invalid RegisterWorkload for job {register.job_id!r}: a tag is empty"
+    if caps.tags:
+        stray = [tag for tag in register.resident_tags if tag not in caps.tags]
+        if stray:
+            return (
+                f"invalid RegisterWorkload for job {register.job_id!r}: resident_tags {stray} "
+                f"are not among the declared tags {list(caps.tags)}"
+            )
+    if not register.features.reports_state and (register.suspended or register.resident_tags):
+        return (
+            f"invalid RegisterWorkload for job {register.job_id!r}: suspended/resident_tags "
+            "are given but features.reports_state is not set; set it if they are the truth, "
+            "or leave them out"
+        )
+    if register.pid < 0:
+        return f"invalid RegisterWorkload for job {register.job_id!r}: pid {register.pid} < 0"
+    return ""
+
+
+def mode_name(mode: int) -> str:
+    try:
+        return pb.SuspendMode.Name(mode)
+    except ValueError:
+        return str(mode)
