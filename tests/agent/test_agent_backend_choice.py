@@ -129,5 +129,5 @@ async def test_channel_registration_is_ignored_when_app_channel_is_disabled(
     assert "worker" not in await agent.jobs()
     with pytest.raises(grpc.aio.AioRpcError) as info:
         await agent.stub.Snapshot(pb.SnapshotRequest(job_id="worker"))
-    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert info.value.code() == grpc.StatusCode.NOT_FOUND
     call.cancel()

@@ -36,6 +36,7 @@ class CancellingStore(store.Store):
         job_records: Sequence[jobs.Job] = (),
         operation_records: Sequence[jobs.Operation] = (),
         grant_marks: Sequence[jobs.GrantMark] = (),
+        deleted_jobs: Sequence[jobs.Key] = (),
     ) -> None:
         if self.armed and any(j.state is jobs.State.TRANSITIONING for j in job_records):
             self.armed = False
@@ -44,7 +45,10 @@ class CancellingStore(store.Store):
             writer.cancel()  # the caller disconnects while the write is in progress
             self.fired = True
         return super().put(
-            job_records=job_records, operation_records=operation_records, grant_marks=grant_marks
+            job_records=job_records,
+            operation_records=operation_records,
+            grant_marks=grant_marks,
+            deleted_jobs=deleted_jobs,
         )
 
 

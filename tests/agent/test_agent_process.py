@@ -13,9 +13,9 @@ from pathlib import Path
 import grpc
 import pytest
 
+from tslice.agent.backends import simdevice as device
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2_grpc as pb_grpc
-from tslice.sim import device
 
 # Fallback while `python -m tslice` cannot start (the CLI is assembled by another module).
 _LAUNCHER = (

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import sqlite3
 import time
 from pathlib import Path
@@ -41,7 +42,7 @@ async def test_records_survive_a_close_and_the_wal_is_emptied(tmp_path: Path) ->
     db = await store.Store.open(tmp_path)
     loaded = await db.load()
     await db.close()
-    assert sorted(loaded.job_map) == ["job-0", "job-1", "job-2"]
+    assert sorted(loaded.job_map) == [("job-0", "g"), ("job-1", "g"), ("job-2", "g")]
     assert len(loaded.operation_map) == 298 and "op-0" not in loaded.operation_map
     assert loaded.grant_map["g"] == jobs.GrantMark(group="g", epoch=7, job_id="job-1")
 
@@ -56,7 +57,7 @@ async def test_a_failed_put_changes_nothing(tmp_path: Path) -> None:
     db.put(job_records=[job("job-c")])
     loaded = await db.load()
     await db.close()
-    assert sorted(loaded.job_map) == ["job-a", "job-c"]
+    assert sorted(loaded.job_map) == [("job-a", "g"), ("job-c", "g")]
 
 
 async def test_a_put_after_close_is_refused_clearly(tmp_path: Path) -> None:
@@ -64,3 +65,69 @@ async def test_a_put_after_close_is_refused_clearly(tmp_path: Path) -> None:
     await db.close()
     with pytest.raises(sqlite3.ProgrammingError, match="closed"):
         db.put(job_records=[job("job-a")])
+
+
+async def test_one_row_per_job_and_group_and_a_moved_record_is_deleted(tmp_path: Path) -> None:
+    db = await store.Store.open(tmp_path)
+    sampler = jobs.Job(job_id="job-a", group="sampler", state=jobs.State.SAVED)
+    trainer = jobs.Job(job_id="job-a", group="trainer", state=jobs.State.RUNNING)
+    ungrouped = jobs.Job(job_id="job-b", group="", state=jobs.State.RUNNING)
+    db.put(job_records=[sampler, trainer, ungrouped])
+    db.put(
+        job_records=[jobs.Job(job_id="job-b", group="g", state=jobs.State.RUNNING)],
+        deleted_jobs=[("job-b", "")],
+    )
+    op = jobs.Operation(
+        op_id="op-1",
+        job_id="job-a",
+        group="trainer",
+        kind=jobs.Kind.RESTORE,
+        backend="noop",
+        status=jobs.OpStatus.COMPLETE,
+        started_at=1.0,
+        finished_at=2.0,
+    )
+    db.put(operation_records=[op])
+    await db.close()
+    loaded = await (await store.Store.open(tmp_path)).load()
+    assert sorted(loaded.job_map) == [("job-a", "sampler"), ("job-a", "trainer"), ("job-b", "g")]
+    assert loaded.job_map[("job-a", "sampler")].state is jobs.State.SAVED
+    assert loaded.operation_map["op-1"].group == "trainer"
+
+
+def test_a_version_1_database_is_migrated(tmp_path: Path) -> None:
+    path = tmp_path / store.DB_FILE
+    conn = sqlite3.connect(path)
+    conn.executescript(
+        """
+        CREATE TABLE jobs (job_id TEXT PRIMARY KEY, grp TEXT NOT NULL, state TEXT NOT NULL,
+            backend TEXT NOT NULL, choice TEXT NOT NULL, config BLOB NOT NULL,
+            footprint_bytes INTEGER NOT NULL, backend_state TEXT NOT NULL, error TEXT NOT NULL,
+            operation_id TEXT NOT NULL, device_bytes INTEGER NOT NULL,
+            host_bytes INTEGER NOT NULL, previous_state TEXT);
+        CREATE TABLE operations (op_id TEXT PRIMARY KEY, job_id TEXT NOT NULL,
+            kind TEXT NOT NULL, backend TEXT NOT NULL, status TEXT NOT NULL,
+            started_at REAL NOT NULL, finished_at REAL, storage_bytes INTEGER,
+            device_bytes INTEGER, error TEXT);
+        CREATE TABLE grants (grp TEXT PRIMARY KEY, epoch INTEGER NOT NULL, job_id TEXT NOT NULL);
+        INSERT INTO jobs VALUES ('job-a', 'sampler', 'SAVED', 'sim', '', x'', 5, '{}', '',
+            'op-1', 0, 5, NULL);
+        INSERT INTO operations VALUES ('op-1', 'job-a', 'snapshot', 'sim', 'COMPLETE', 1.0,
+            2.0, 5, 5, NULL);
+        PRAGMA user_version=1;
+        """
+    )
+    conn.close()
+
+    async def load() -> store.Loaded:
+        db = await store.Store.open(tmp_path)
+        try:
+            return await db.load()
+        finally:
+            await db.close()
+
+    loaded = asyncio.run(load())
+    assert list(loaded.job_map) == [("job-a", "sampler")]
+    assert loaded.job_map[("job-a", "sampler")].host_bytes == 5
+    assert loaded.operation_map["op-1"].group == ""
+    assert sqlite3.connect(path).execute("PRAGMA user_version").fetchone() == (2,)

@@ -100,21 +100,26 @@ def test_snapshot_refusals_name_the_state_and_the_fix(
     assert words in err.message
 
 
-def test_snapshot_of_unknown_job_without_config_is_refused() -> None:
+def test_snapshot_of_unknown_job_is_not_found_and_says_how_jobs_become_known() -> None:
     err = refused(snapshot, None)
-    assert err.code is jobs.Code.FAILED_PRECONDITION
-    assert "not known on node node-a" in err.message
+    assert err.code is jobs.Code.NOT_FOUND
+    assert "job j1 (group g) is not known on node node-a; check the job id" in err.message
     assert "granted" in err.message
-
-
-def test_snapshot_of_unknown_job_with_config_adopts_it_as_running() -> None:
+    # Naming a backend is not enough: a sim or noop config points at nothing.
     config = pb.BackendConfig(sim=pb.SimBackendConfig(footprint_bytes=123))
     route = jobs.Route(backend="sim", config=config, explicit=True, record=True)
+    assert refused(snapshot, None, route_=route).code is jobs.Code.NOT_FOUND
+
+
+def test_unknown_job_is_adopted_when_its_backend_holds_it_or_the_request_names_it() -> None:
+    plan = snapshot(None, recovered=S.RUNNING)
+    assert (plan.job.previous_state, plan.job.group) == (S.RUNNING, "g")
+    pids = pb.BackendConfig(cuda=pb.CudaBackendConfig(explicit_target=pb.ProcessTarget(pids=[7])))
+    route = jobs.Route(backend="cuda", config=pids, explicit=True, record=True)
     plan = snapshot(None, route_=route)
-    assert plan.job.previous_state is S.RUNNING
-    assert plan.job.footprint_bytes == 123
-    assert plan.job.choice == "sim"
-    assert plan.job.backend_config() == config
+    assert plan.job.choice == "cuda"
+    assert plan.job.backend_config() == pids
+    assert refused(snapshot, None, recovered=S.IDLE).code is jobs.Code.NOT_FOUND
 
 
 def test_faulted_job_is_retried_only_when_the_backend_reports_it_running() -> None:
@@ -154,7 +159,7 @@ def test_restore_of_running_job_with_missing_tags_goes_to_the_backend() -> None:
 @pytest.mark.parametrize(
     ("current", "code"),
     [
-        (None, jobs.Code.FAILED_PRECONDITION),
+        (None, jobs.Code.NOT_FOUND),
         (job(S.IDLE), jobs.Code.FAILED_PRECONDITION),
         (job(S.TRANSITIONING), jobs.Code.ABORTED),
         (job(S.FAULTED), jobs.Code.FAILED_PRECONDITION),
@@ -387,10 +392,27 @@ def test_ensure_enabled_names_the_flag() -> None:
     assert "--backend cuda" in err.message
 
 
-def test_channel_registration_records_app_channel_unless_a_choice_exists() -> None:
+def test_channel_registration_is_resident_and_records_app_channel_unless_chosen() -> None:
     new = jobs.after_channel_registration(None, job_id="w", group="g")
-    assert (new.state, new.choice, new.group) == (S.IDLE, "app-channel", "g")
+    assert (new.state, new.choice, new.backend, new.key) == (
+        S.RUNNING,
+        "app-channel",
+        "app-channel",
+        ("w", "g"),
+    )
     granted = job(S.RUNNING, backend="sim")
     assert jobs.after_channel_registration(granted, job_id="j1", group="g").choice == "app-channel"
     chosen = job(S.RUNNING, choice="cuda")
     assert jobs.after_channel_registration(chosen, job_id="j1", group="g") is chosen
+    # A known IDLE record becomes resident; a SAVED one stays SAVED unless the workload
+    # reports its state (llm-d's do not: only the commands sent changed it).
+    idle = job(S.IDLE, backend="")
+    assert jobs.after_channel_registration(idle, job_id="j1", group="g").state is S.RUNNING
+    saved = job(S.SAVED, backend="app-channel")
+    assert jobs.after_channel_registration(saved, job_id="j1", group="g").state is S.SAVED
+    woke = jobs.after_channel_registration(saved, job_id="j1", group="g", suspended=False)
+    assert woke.state is S.RUNNING
+    back = jobs.after_channel_registration(None, job_id="w", group="g", suspended=True)
+    assert back.state is S.SAVED
+    busy = job(S.TRANSITIONING, backend="app-channel")
+    assert jobs.after_channel_registration(busy, job_id="j1", group="g").state is S.TRANSITIONING

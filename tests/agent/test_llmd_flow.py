@@ -30,13 +30,9 @@ COMPLETE = pb.OperationStatus.Name(pb.OPERATION_STATUS_COMPLETE)
 _T = TypeVar("_T")
 
 # A workload registered over the channel is resident (RUNNING) from registration
-# (DESIGN invariant 5). PENDING the lead's job-model change (runner/jobs): until it
-# lands, the agent records such a job IDLE and refuses a Snapshot right after the
-# registration with "nothing is resident". Only the assertions that carry this
-# message depend on it.
+# (DESIGN invariant 5): a Snapshot right after the registration finds its model there.
 RESIDENT_FROM_REGISTRATION = (
-    "PENDING lead's change: a workload registered on the channel must be RUNNING "
-    "(resident) from registration"
+    "a workload registered on the channel must be RUNNING (resident) from registration"
 )
 
 

@@ -1,17 +1,18 @@
-"""Simulated devices (tslice.sim.device) and the sim backend, without a server."""
+"""Simulated devices (tslice.agent.backends.simdevice) and the sim backend, without a server."""
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import time
 from pathlib import Path
 
 import pytest
 
 from tslice.agent.backends import base, sim
+from tslice.agent.backends import simdevice as device
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
-from tslice.sim import device
 
 GiB = 1024**3
 
@@ -42,10 +43,10 @@ def test_capacity_error_names_the_device_the_need_and_the_holder() -> None:
     with pytest.raises(device.CapacityError) as info:
         node.allocate(job="b", group="g", bytes_per_device=50)
     assert str(info.value) == (
-        "restore of job b on sim0 (node n1) would need 50 bytes; "
-        "60 of 100 in use by job a (60 bytes)"
+        "restore of job b (group g) on sim0 (node n1) would need 50 bytes; "
+        "60 of 100 in use by job a of group g (60 bytes)"
     )
-    assert node.residency("b") is None
+    assert node.residency(job="b", group="g") is None
     assert [u.used_bytes for u in node.usage()] == [60, 60]
     with pytest.raises(device.CapacityError, match="lower the job's footprint"):
         node.allocate(job="c", group="g", bytes_per_device=101)
@@ -54,13 +55,14 @@ def test_capacity_error_names_the_device_the_need_and_the_holder() -> None:
 def test_state_persists_and_the_journal_records_every_change(tmp_path: Path) -> None:
     node = device.SimNode(node="n1", devices=2, capacity_bytes=100, state_dir=tmp_path)
     node.allocate(job="a", group="g", bytes_per_device=60)
-    node.park(job="a", saved=device.SavedState(group="g", footprint_bytes=60, host_bytes=120))
+    saved = device.SavedState(group="g", footprint_bytes=60, host_bytes=120)
+    node.park(job="a", group="g", saved=saved)
     node.allocate(job="b", group="g", bytes_per_device=30)
 
     reborn = device.SimNode(node="n1", devices=2, capacity_bytes=100, state_dir=tmp_path)
-    assert reborn.saved("a") == device.SavedState(group="g", footprint_bytes=60, host_bytes=120)
-    assert reborn.residency("b") == device.Residency(group="g", bytes_per_device=30)
-    assert reborn.residency("a") is None
+    assert reborn.saved(job="a", group="g") == saved
+    assert reborn.residency(job="b", group="g") == device.Residency(group="g", bytes_per_device=30)
+    assert reborn.residency(job="a", group="g") is None
 
     events = device.read_journal(tmp_path / device.JOURNAL_FILE)
     assert [(e.job, e.event, e.device, e.bytes) for e in events] == [
@@ -73,6 +75,32 @@ def test_state_persists_and_the_journal_records_every_change(tmp_path: Path) -> 
     ]
     assert all(e.node == "n1" and e.group == "g" for e in events)
     assert events == sorted(events, key=lambda e: e.t)
+
+
+def test_one_jobs_groups_are_separate_allocations(tmp_path: Path) -> None:
+    node = device.SimNode(node="n1", capacity_bytes=100, state_dir=tmp_path)
+    node.allocate(job="a", group="sampler", bytes_per_device=40)
+    node.allocate(job="a", group="trainer", bytes_per_device=50)
+    assert node.used_bytes() == 90
+    with pytest.raises(device.CapacityError, match="job a of group sampler"):
+        node.allocate(job="b", group="sampler", bytes_per_device=20)
+    node.park(job="a", group="trainer", saved=device.SavedState("trainer", 50, 50))
+    reborn = device.SimNode(node="n1", capacity_bytes=100, state_dir=tmp_path)
+    assert reborn.residency(job="a", group="sampler") == device.Residency("sampler", 40)
+    assert reborn.residency(job="a", group="trainer") is None
+    assert reborn.saved(job="a", group="trainer") == device.SavedState("trainer", 50, 50)
+
+
+def test_state_file_of_the_job_keyed_format_is_read(tmp_path: Path) -> None:
+    legacy = {
+        "node": "n1",
+        "resident": {"a": {"group": "g", "bytes_per_device": 7}},
+        "saved": {"b": {"group": "h", "footprint_bytes": 5, "host_bytes": 5}},
+    }
+    (tmp_path / device.STATE_FILE).write_text(json.dumps(legacy))
+    node = device.SimNode(node="n1", capacity_bytes=100, state_dir=tmp_path)
+    assert node.residency(job="a", group="g") == device.Residency("g", 7)
+    assert node.saved(job="b", group="h") == device.SavedState("h", 5, 5)
 
 
 def test_read_journal_skips_a_torn_last_line(tmp_path: Path) -> None:
@@ -224,7 +252,9 @@ async def test_recover_after_a_crash_mid_restore(tmp_path: Path) -> None:
     # As left by an agent killed mid-restore: the bytes landed, the saved copy remains.
     node = device.SimNode(node="n1", capacity_bytes=10 * GiB, state_dir=tmp_path)
     node.allocate(job="a", group="g", bytes_per_device=GiB)
-    node.park(job="a", saved=device.SavedState(group="g", footprint_bytes=GiB, host_bytes=GiB))
+    node.park(
+        job="a", group="g", saved=device.SavedState(group="g", footprint_bytes=GiB, host_bytes=GiB)
+    )
     node.allocate(job="a", group="g", bytes_per_device=GiB)
     backend = fast(tmp_path)
     assert await backend.recover(ctx()) == pb.JOB_STATE_SAVED

@@ -6,7 +6,8 @@ import dataclasses
 import json
 from pathlib import Path
 
-from tslice.sim import checker, device
+from tslice.agent.backends import simdevice as device
+from tslice.sim import checker
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,7 +129,7 @@ def test_unknown_group_cannot_be_proven() -> None:
 def test_works_on_a_real_journal_file(tmp_path: Path) -> None:
     node = device.SimNode(node="node-a", state_dir=tmp_path)
     node.allocate(job="A", group="sampler", bytes_per_device=10)
-    node.free(job="A")
+    node.free(job="A", group="sampler")
     node.allocate(job="B", group="sampler", bytes_per_device=10)
     node.allocate(job="C", group="sampler", bytes_per_device=10)  # co-resident: a bug
     journal = device.read_journal(tmp_path / device.JOURNAL_FILE)

@@ -10,9 +10,10 @@ import grpc
 import pytest
 
 import tslice.client as tsclient
+from tslice.agent.backends import simdevice as device
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2_grpc as pb_grpc
-from tslice.sim import cluster, device
+from tslice.sim import cluster
 
 
 def pid_alive(pid: int) -> bool:

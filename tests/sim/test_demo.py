@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from tslice.agent.backends import simdevice as device
 from tslice.common import errors
-from tslice.sim import demo, device, trace
+from tslice.sim import demo, trace
 
 GB = 10**9
 

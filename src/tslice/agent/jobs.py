@@ -6,6 +6,10 @@ time, what the backend reported) and either raises :class:`Refused` with the sta
 code and an actionable message, or returns the records to store. The async runner
 (``tslice.agent.runner``) applies them, so every rule can be tested directly.
 
+Records are kept per (job, group): a job that uses a sampler pool and a trainer pool
+has one piece of device state per group, even on a node both groups span, and a
+move on one group never touches the other's (:data:`Key`).
+
 States: IDLE (known, nothing resident) -> RUNNING (resident) -> TRANSITIONING (one
 operation in flight) -> SAVED (state off the devices) or back; FAULTED when an
 operation may have left the state inconsistent, until ResetJob or a retry the
@@ -51,6 +55,7 @@ class Code(enum.Enum):
     NOT_FOUND = "NOT_FOUND"
     FAILED_PRECONDITION = "FAILED_PRECONDITION"
     ABORTED = "ABORTED"
+    RESOURCE_EXHAUSTED = "RESOURCE_EXHAUSTED"
     UNAVAILABLE = "UNAVAILABLE"
     INTERNAL = "INTERNAL"
 
@@ -83,9 +88,13 @@ def from_pb(value: int | None) -> State | None:
     return None if value is None else _FROM_PB.get(int(value))
 
 
+#: A record's identity on a node: ``(job_id, group)`` ("" = a job that named no group).
+Key = tuple[str, str]
+
+
 @dataclasses.dataclass(frozen=True)
 class Job:
-    """What the node knows about one job; persisted on every change."""
+    """What the node knows about one job's state for one group; persisted on every change."""
 
     job_id: str
     group: str = ""
@@ -110,6 +119,10 @@ class Job:
     #: While TRANSITIONING: the state a failure that changed nothing returns to.
     previous_state: State | None = None
 
+    @property
+    def key(self) -> Key:
+        return (self.job_id, self.group)
+
     def backend_config(self) -> pb.BackendConfig | None:
         if not self.config:
             return None
@@ -129,6 +142,8 @@ class Operation:
     status: OpStatus
     started_at: float
     finished_at: float | None = None
+    #: The group whose state of the job the operation moves.
+    group: str = ""
     #: Host bytes holding the job's state after the operation (COMPLETE only).
     storage_bytes: int | None = None
     #: Device bytes freed (snapshot) or brought back (restore/activate) (COMPLETE only).
@@ -279,6 +294,7 @@ def _start(
     operation = Operation(
         op_id=op_id,
         job_id=job.job_id,
+        group=job.group,
         kind=kind,
         backend=backend,
         status=OpStatus.PENDING,
@@ -341,6 +357,28 @@ def _sim_footprint(config: pb.BackendConfig | None) -> int:
     return 0
 
 
+def names_target(config: pb.BackendConfig | None) -> bool:
+    """The config points at the job's state itself (processes, engine endpoints)."""
+    if config is None:
+        return False
+    arm = config.WhichOneof("backend")
+    if arm == "cuda":
+        return bool(config.cuda.explicit_target.pids)
+    if arm == "app_endpoint":
+        return bool(config.app_endpoint.endpoints)
+    return False
+
+
+def unknown_job(job_id: str, group: str, *, node: str) -> Refused:
+    of_group = f" (group {group})" if group else ""
+    return Refused(
+        Code.NOT_FOUND,
+        f"job {job_id}{of_group} is not known on node {node}; check the job id (and group). "
+        "A job becomes known when it is granted, when its workload registers, or when a "
+        "request names its processes or endpoints",
+    )
+
+
 def plan_snapshot(
     job: Job | None,
     *,
@@ -354,17 +392,14 @@ def plan_snapshot(
 ) -> Start:
     """RUNNING -> TRANSITIONING (-> SAVED when the backend finishes).
 
-    An unknown job is adopted as RUNNING only when the request names a backend (an
-    llm-d style client asserting that the job runs; the backend validates). A FAULTED
-    job is retried when the backend reports it RUNNING (``recovered``).
+    An unknown job is adopted as RUNNING only when its backend reports it RUNNING
+    (``recovered``) or the request names its target (processes, endpoints: an llm-d
+    style client asserting that the job runs there); anything else is a typo and
+    creates nothing. A FAULTED job is retried when the backend reports it RUNNING.
     """
     if job is None:
-        if not route_.explicit:
-            raise Refused(
-                Code.FAILED_PRECONDITION,
-                f"job {job_id} is not known on node {node}; it becomes RUNNING when granted "
-                "(or send a backend_config naming the backend that runs it)",
-            )
+        if not (recovered is State.RUNNING or (route_.explicit and names_target(route_.config))):
+            raise unknown_job(job_id, group, node=node)
         job = Job(job_id=job_id, group=group, state=State.RUNNING)
         job = dataclasses.replace(job, footprint_bytes=_sim_footprint(route_.config))
     if job.state is State.TRANSITIONING:
@@ -418,10 +453,7 @@ def plan_restore(
     (staged wake), in which case the restore is sent to the backend.
     """
     if job is None:
-        raise Refused(
-            Code.FAILED_PRECONDITION,
-            f"job {job_id} is not known on node {node}: nothing was saved for it here",
-        )
+        raise unknown_job(job_id, group, node=node)
     if job.state is State.TRANSITIONING:
         raise _aborted(job)
     if route_.explicit and job.backend and route_.backend != job.backend:
@@ -437,6 +469,7 @@ def plan_restore(
         operation = Operation(
             op_id=op_id,
             job_id=job_id,
+            group=job.group,
             kind=Kind.RESTORE,
             backend=job.backend or route_.backend,
             status=OpStatus.COMPLETE,
@@ -543,21 +576,40 @@ def plan_grant(
     )
 
 
-def after_channel_registration(job: Job | None, *, job_id: str, group: str) -> Job:
-    """A workload registered over the channel: it is the job's backend unless one was chosen.
+def after_channel_registration(
+    job: Job | None, *, job_id: str, group: str, suspended: bool | None = None
+) -> Job:
+    """A workload registered over the channel with its model on the device.
 
-    An unknown job becomes known (IDLE) so that Status shows it and a grant activates it.
+    It is resident (RUNNING) from registration until it is told to offload. A workload
+    that reports what it holds (``suspended`` not ``None``: a reconnect after a
+    snapshot) is taken at its word; one that does not (llm-d's) keeps the state a
+    known record has, since only the commands sent to it changed that. The channel is
+    the job's backend for the group unless one was chosen explicitly. A record that is
+    TRANSITIONING or FAULTED keeps its state: the running operation, or ResetJob,
+    settles it.
     """
     if job is None:
-        return Job(job_id=job_id, group=group, choice="app-channel")
+        state = State.SAVED if suspended else State.RUNNING
+        return Job(
+            job_id=job_id, group=group, state=state, backend="app-channel", choice="app-channel"
+        )
+    settled = job.state in (State.IDLE, State.RUNNING, State.SAVED)
+    if settled and job.backend in ("", "app-channel"):
+        if suspended is not None:
+            job = dataclasses.replace(
+                job, state=State.SAVED if suspended else State.RUNNING, backend="app-channel"
+            )
+        elif job.state is State.IDLE:
+            job = dataclasses.replace(job, state=State.RUNNING, backend="app-channel")
     if job.choice:
         return job
     return dataclasses.replace(job, choice="app-channel", config=b"", group=job.group or group)
 
 
-def check_reset(job: Job | None, *, job_id: str, node: str) -> Job:
+def check_reset(job: Job | None, *, job_id: str, node: str, group: str = "") -> Job:
     if job is None:
-        raise Refused(Code.NOT_FOUND, f"job {job_id} is not known on node {node}")
+        raise unknown_job(job_id, group, node=node)
     if job.state is not State.FAULTED:
         raise Refused(
             Code.FAILED_PRECONDITION,

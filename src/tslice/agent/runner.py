@@ -31,13 +31,12 @@ import asyncio
 import collections
 import dataclasses
 import logging
-import sys
 import time
 import uuid
-from collections.abc import Callable, Coroutine, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, TypeVar
 
-from tslice.agent import jobs, metrics, store
+from tslice.agent import guarded, jobs, metrics, store
 from tslice.agent.backends import base
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
 from tslice.common import tasks
@@ -49,43 +48,7 @@ _T = TypeVar("_T")
 MAX_WAIT_S = 60.0
 #: Moves one Grant may make (evict, bring in) before it reports that states keep changing.
 _MAX_GRANT_STEPS = 8
-#: How long ``recover()`` may take when a request or ResetJob needs it.
-RECOVER_TIMEOUT_S = 30.0
 _STATE_NAMES = tuple(s.value for s in jobs.State)
-_BACKOFF_MIN_S = 0.05
-_BACKOFF_MAX_S = 5.0
-
-
-async def _within(call: Coroutine[Any, Any, _T], *, timeout_s: float) -> _T:
-    """``call`` under a deadline, run in the calling task where the loop allows it.
-
-    ``asyncio.timeout`` (3.11+) needs no extra task: a backend call that finishes
-    without suspending (noop, a refusal) costs no trip through the event loop.
-    """
-    if sys.version_info >= (3, 11):
-        async with asyncio.timeout(timeout_s):
-            return await call
-    return await asyncio.wait_for(call, timeout=timeout_s)
-
-
-def _mode_of(config: pb.BackendConfig | None) -> pb.SuspendMode:
-    if config is not None:
-        arm = config.WhichOneof("backend")
-        if arm == "app_endpoint":
-            return config.app_endpoint.mode
-        if arm == "app_channel":
-            return config.app_channel.mode
-    return pb.SUSPEND_MODE_UNSPECIFIED
-
-
-def _tags_of(config: pb.BackendConfig | None) -> list[str]:
-    if config is not None:
-        arm = config.WhichOneof("backend")
-        if arm == "app_endpoint":
-            return list(config.app_endpoint.tags)
-        if arm == "app_channel":
-            return list(config.app_channel.tags)
-    return []
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,19 +89,23 @@ class AgentCore:
         self.backends = dict(backends)
         self.default_backend = default_backend
         self.operation_timeout_s = operation_timeout_s
+        self._guarded = guarded.GuardedBackends(
+            backends, operation_timeout_s=operation_timeout_s, on_unavailable=on_backend_error
+        )
         self.operation_retention_s = operation_retention_s
         self.max_operations = max_operations
         self._store = state
         self._metrics = agent_metrics
         agent_metrics.count_jobs(self.job_counts)
         self._channel_registered = channel_registered or (lambda _job_id: False)
-        self._on_backend_error = on_backend_error or (lambda _name, _err: None)
         self._clock = clock
-        self._jobs: dict[str, jobs.Job] = {}
+        #: One record per (job, group): see ``jobs.Key``.
+        self._jobs: dict[jobs.Key, jobs.Job] = {}
         self._ops: dict[str, jobs.Operation] = {}
         self._grants: dict[str, jobs.GrantMark] = {}
         #: Resolved once an operation's outcome is stored (and applied in memory).
         self._done: dict[str, asyncio.Future[None]] = {}
+        #: One lock per job id: a job's records of several groups change one at a time.
         self._locks: collections.defaultdict[str, asyncio.Lock] = collections.defaultdict(
             asyncio.Lock
         )
@@ -156,7 +123,7 @@ class AgentCore:
                 continue
             recovered: jobs.State | None = None
             if job.backend in self.backends:
-                recovered = await self._recover(self.backends[job.backend], job)
+                recovered = await self._recover(job.backend, job)
             new_job, op = jobs.after_restart(
                 job, self._ops.get(job.operation_id), recovered=recovered, now=now
             )
@@ -165,7 +132,7 @@ class AgentCore:
                     new_job,
                     error=f"{new_job.error} (backend {job.backend} is not enabled on this node)",
                 )
-            self._jobs[job.job_id] = new_job
+            self._jobs[job.key] = new_job
             records = [op] if op is not None else []
             if op is not None:
                 self._ops[op.op_id] = op
@@ -203,10 +170,32 @@ class AgentCore:
     # ---- queries -------------------------------------------------------------------------
 
     def list_jobs(self) -> list[jobs.Job]:
-        return sorted(self._jobs.values(), key=lambda j: j.job_id)
+        return sorted(self._jobs.values(), key=lambda j: j.key)
 
-    def job(self, job_id: str) -> jobs.Job | None:
-        return self._jobs.get(job_id)
+    def job(self, job_id: str, group: str = "") -> jobs.Job | None:
+        return self._jobs.get(self._key(job_id, group))
+
+    def _key(self, job_id: str, group: str) -> jobs.Key:
+        """The record a request means: its (job, group), or the job's only record.
+
+        A request that names no group (llm-d's clients may not) means the job's one
+        record on this node; a record made without a group serves the first request
+        that names one (and takes that group, see ``_commit``).
+        """
+        if group:
+            key = (job_id, group)
+            if key not in self._jobs and (job_id, "") in self._jobs:
+                return (job_id, "")
+            return key
+        found = [k for k in self._jobs if k[0] == job_id]
+        if len(found) > 1:
+            groups = ", ".join(sorted(k[1] or '""' for k in found))
+            raise jobs.Refused(
+                jobs.Code.FAILED_PRECONDITION,
+                f"job {job_id} has state for groups {groups} on node {self.node}; "
+                "name the group in the request",
+            )
+        return found[0] if found else (job_id, "")
 
     def now(self) -> float:
         return self._clock()
@@ -239,13 +228,7 @@ class AgentCore:
         return [self._ops.get(op.op_id, op) for op in ops]
 
     async def accelerators(self) -> list[base.Accelerator]:
-        found: list[base.Accelerator] = []
-        for name, backend in self.backends.items():
-            try:
-                found.extend(await asyncio.wait_for(backend.accelerators(), timeout=5.0))
-            except Exception as err:
-                log.warning("backend %s could not list accelerators: %s", name, err)
-        return found
+        return await self._guarded.accelerators()
 
     # ---- requests -------------------------------------------------------------------------
 
@@ -290,15 +273,18 @@ class AgentCore:
         footprint_bytes: int,
         config: pb.BackendConfig | None,
         evict: Sequence[str] = (),
+        give_way: Sequence[jobs.Key] = (),
         restore: bool = False,
         wait_s: float | None = None,
     ) -> GrantOutcome:
-        """Make ``job_id`` resident on this node and record the grant.
+        """Make ``job_id``'s state for ``group`` resident on this node and record the grant.
 
-        First the jobs in ``evict`` that are resident here are snapshotted (an operation
-        already running on one is waited for), then the job is restored if it is SAVED
-        and ``restore`` is set, or activated if it has nothing resident; the grant mark
-        is stored with that step. Each move is an ordinary operation with its own id.
+        First the jobs in ``evict`` whose state for the group is resident here are
+        snapshotted (an operation already running on one is waited for); then, while the
+        job would not fit on the devices, the residents in ``give_way`` (other groups'
+        deferred residents, in order); then the job is restored if it is SAVED and
+        ``restore`` is set, or activated if it has nothing resident; the grant mark is
+        stored with that step. Each move is an ordinary operation with its own id.
 
         ``wait_s=None`` is the original Grant: wait for the activation however long it
         takes and raise :class:`jobs.Refused` if it fails. Otherwise the outcome comes
@@ -313,16 +299,22 @@ class AgentCore:
         jobs.check_epoch(
             job_id=job_id, group=group, epoch=epoch, last=self._grants.get(group), node=self.node
         )
-        evictees = [other for other in dict.fromkeys(evict) if other != job_id]
+        key = self._key(job_id, group)
+        evictees = [self._key(other, group) for other in dict.fromkeys(evict) if other != job_id]
+        yielding = [k for k in dict.fromkeys(give_way) if k[1] != group]
         seen: dict[str, jobs.Operation] = {}
         restored = False
-        for _ in range(_MAX_GRANT_STEPS):
+        for _ in range(_MAX_GRANT_STEPS + len(yielding)):
             moves: list[jobs.Operation] = []
             for other in evictees:
                 if self._resident_or_faulted(other):
-                    op = await self._start_eviction(job_id=other, group=group)
+                    op = await self._start_eviction(job_id=other[0], group=other[1])
                     if op is not None:
                         moves.append(op)
+            if not moves and yielding:
+                op = await self._make_room(key, yielding, footprint_bytes, config)
+                if op is not None:
+                    moves.append(op)
             if not moves:
                 target = await self._start_grant(
                     job_id=job_id,
@@ -333,71 +325,128 @@ class AgentCore:
                     restore=restore,
                     follow=not legacy,
                 )
+                key = self._key(job_id, group)
                 if target is None:
-                    return self._grant_outcome(job_id, seen, granted=True, restored=restored)
+                    return self._grant_outcome(key, seen, granted=True, restored=restored)
                 moves.append(target)
             left = None if deadline is None else max(0.0, deadline - loop.time())
             moves = await self.settle(moves, timeout_s=left)
             seen.update((op.op_id, op) for op in moves)
             failed = [op for op in moves if op.status is jobs.OpStatus.FAILED]
             if failed and legacy:
-                raise self._grant_failure(job_id, failed[0])
+                raise self._grant_failure(key, failed[0])
             if failed or any(not op.finished for op in moves):
-                return self._grant_outcome(job_id, seen, granted=False, restored=restored)
+                return self._grant_outcome(key, seen, granted=False, restored=restored)
             for op in moves:
-                if op.job_id == job_id and op.kind is jobs.Kind.RESTORE:
+                if op.job_id == job_id and op.group == group and op.kind is jobs.Kind.RESTORE:
                     restored = True
             brought_in = any(
-                op.job_id == job_id and op.kind is not jobs.Kind.SNAPSHOT for op in moves
+                op.job_id == job_id and op.group == group and op.kind is not jobs.Kind.SNAPSHOT
+                for op in moves
             )
             # The mark was stored when the operation bringing the job in started.
             if brought_in and self._granted_here(job_id=job_id, group=group, epoch=epoch):
-                return self._grant_outcome(job_id, seen, granted=True, restored=restored)
+                return self._grant_outcome(key, seen, granted=True, restored=restored)
         raise jobs.Refused(
             jobs.Code.ABORTED,
             f"job states on node {self.node} kept changing during the grant of job {job_id}; "
             "read Status and retry",
         )
 
-    async def reset(self, *, job_id: str) -> jobs.State:
+    async def _make_room(
+        self,
+        key: jobs.Key,
+        yielding: Sequence[jobs.Key],
+        footprint_bytes: int,
+        config: pb.BackendConfig | None,
+    ) -> jobs.Operation | None:
+        """Snapshot the first resident of ``yielding`` while the granted job would not fit.
+
+        ``None`` when nothing needs to (or can) give way: the job is resident already,
+        it fits, or no listed resident is left.
+        """
+        job = self._jobs.get(key)
+        if job is not None and job.state is jobs.State.RUNNING:
+            return None
+        residents = [k for k in yielding if self._resident_or_faulted(k)]
+        if not residents:
+            return None
+        probe = job if job is not None else jobs.Job(job_id=key[0], group=key[1])
+        route = self._route(key[0], job, config, 0)
+        fits = await self._guarded.fits(
+            route.backend,
+            guarded.context(
+                dataclasses.replace(
+                    probe, footprint_bytes=footprint_bytes or probe.footprint_bytes
+                ),
+                route.config,
+            ),
+        )
+        if fits:
+            return None
+        other = residents[0]
+        log.info(
+            "job %s (group %s) gives way on node %s to job %s of group %s",
+            other[0],
+            other[1],
+            self.node,
+            key[0],
+            key[1],
+            extra={"job_id": other[0]},
+        )
+        return await self._start_eviction(job_id=other[0], group=other[1])
+
+    async def reset(self, *, job_id: str, group: str = "") -> jobs.State:
         async with self._locks[job_id]:
-            job = jobs.check_reset(self._jobs.get(job_id), job_id=job_id, node=self.node)
+            job = jobs.check_reset(
+                self._jobs.get(self._key(job_id, group)), job_id=job_id, group=group, node=self.node
+            )
             recovered: jobs.State | None = None
-            backend = self.backends.get(job.backend) if job.backend else None
-            if backend is not None:
-                recovered = await self._recover(backend, job)
+            if job.backend in self._guarded:
+                recovered = await self._recover(job.backend, job)
             new_job = jobs.after_reset(job, recovered=recovered)
             self._commit(jobs_=[new_job], previous=job)
             log.info(
-                "job %s reset from FAULTED to %s",
+                "job %s (group %s) reset from FAULTED to %s",
                 job_id,
+                job.group,
                 new_job.state.value,
                 extra={"job_id": job_id},
             )
             return new_job.state
 
     def on_workload_event(self, event: Any) -> None:
-        """Listener for the workload-channel hub: a registration records the choice."""
+        """Listener for the workload-channel hub: a registration makes the job resident."""
         if getattr(event, "kind", None) != "registered" or "app-channel" not in self.backends:
             return
         job_id = str(event.job_id)
-        group = str(getattr(getattr(event, "state", None), "group", "") or "")
+        state = getattr(event, "state", None)
+        group = str(getattr(state, "group", "") or "")
+        # What a workload says it holds counts only if it declared that it reports it.
+        reported = bool(getattr(state, "state_reported", False))
+        suspended: bool | None = bool(getattr(state, "suspended", False)) if reported else None
         task = tasks.spawn(
-            self.note_channel_registration(job_id=job_id, group=group),
+            self.note_channel_registration(job_id=job_id, group=group, suspended=suspended),
             name=f"channel-registration-{job_id}",
         )
         self._running.add(task)
         task.add_done_callback(self._running.discard)
 
-    async def note_channel_registration(self, *, job_id: str, group: str) -> None:
+    async def note_channel_registration(
+        self, *, job_id: str, group: str, suspended: bool | None = None
+    ) -> None:
         async with self._locks[job_id]:
-            job = self._jobs.get(job_id)
-            updated = jobs.after_channel_registration(job, job_id=job_id, group=group)
+            job = self._jobs.get(self._key(job_id, group))
+            updated = jobs.after_channel_registration(
+                job, job_id=job_id, group=group, suspended=suspended
+            )
             if updated != job:
                 self._commit(jobs_=[updated], previous=job)
                 log.info(
-                    "job %s registered on the workload channel; its backend is app-channel",
+                    "job %s (group %s) registered on the workload channel: %s on app-channel",
                     job_id,
+                    group,
+                    updated.state.value,
                     extra={"job_id": job_id},
                 )
 
@@ -431,10 +480,14 @@ class AgentCore:
         deprecated_backend: int,
     ) -> jobs.Operation:
         async with self._locks[job_id]:
-            job = self._jobs.get(job_id)
+            job = self._jobs.get(self._key(job_id, group))
             route = self._route(job_id, job, config, deprecated_backend)
             await self._validate(route, job, job_id=job_id, group=group)
-            recovered = await self._recovered_if_faulted(route, job)
+            if job is None:
+                # Adopted only if the backend holds it: a typo creates nothing.
+                recovered = await self._recover(route.backend, jobs.Job(job_id=job_id, group=group))
+            else:
+                recovered = await self._recovered_if_faulted(route, job)
             plan = jobs.plan_snapshot(
                 job,
                 job_id=job_id,
@@ -456,7 +509,7 @@ class AgentCore:
         deprecated_backend: int,
     ) -> jobs.Operation:
         async with self._locks[job_id]:
-            job = self._jobs.get(job_id)
+            job = self._jobs.get(self._key(job_id, group))
             route = self._route(job_id, job, config, deprecated_backend)
             await self._validate(route, job, job_id=job_id, group=group)
             recovered = await self._recovered_if_faulted(route, job)
@@ -479,8 +532,8 @@ class AgentCore:
             # An explicit restore config applies to this operation only; the recorded one stays.
             return self._launch(plan, config=route.config)
 
-    def _resident_or_faulted(self, job_id: str) -> bool:
-        job = self._jobs.get(job_id)
+    def _resident_or_faulted(self, key: jobs.Key) -> bool:
+        job = self._jobs.get(key)
         return job is not None and job.state in (
             jobs.State.RUNNING,
             jobs.State.TRANSITIONING,
@@ -490,7 +543,7 @@ class AgentCore:
     async def _start_eviction(self, *, job_id: str, group: str) -> jobs.Operation | None:
         """Snapshot a resident job for a Grant; the operation running on it if there is one."""
         async with self._locks[job_id]:
-            job = self._jobs.get(job_id)
+            job = self._jobs.get(self._key(job_id, group))
             if job is None or job.state in (jobs.State.IDLE, jobs.State.SAVED):
                 return None
             if job.state is jobs.State.TRANSITIONING:
@@ -535,13 +588,15 @@ class AgentCore:
         (instead of ABORTED).
         """
         async with self._locks[job_id]:
-            job = self._jobs.get(job_id)
+            job = self._jobs.get(self._key(job_id, group))
             if follow and job is not None and job.state is jobs.State.TRANSITIONING:
                 running = self._ops.get(job.operation_id)
                 if running is not None:
                     return running
             route = self._route(job_id, job, config, 0)
-            await self._validate(route, job, job_id=job_id, group=group)
+            await self._validate(
+                route, job, job_id=job_id, group=group, footprint_bytes=footprint_bytes
+            )
             last = self._grants.get(group)
             mark = jobs.new_mark(job_id=job_id, group=group, epoch=epoch, last=last)
             marks = [mark] if mark is not None else []
@@ -579,16 +634,21 @@ class AgentCore:
             return self._launch(plan, config=route.config, mark=mark)
 
     def _granted_here(self, *, job_id: str, group: str, epoch: int) -> bool:
-        job = self._jobs.get(job_id)
+        job = self._jobs.get((job_id, group))
         if job is None or job.state is not jobs.State.RUNNING:
             return False
         mark = self._grants.get(group)
         return not group or epoch <= 0 or (mark is not None and mark.epoch >= epoch)
 
     def _grant_outcome(
-        self, job_id: str, seen: Mapping[str, jobs.Operation], *, granted: bool, restored: bool
+        self,
+        key: jobs.Key,
+        seen: Mapping[str, jobs.Operation],
+        *,
+        granted: bool,
+        restored: bool,
     ) -> GrantOutcome:
-        job = self._jobs.get(job_id)
+        job = self._jobs.get(key)
         return GrantOutcome(
             state=job.state if job is not None else jobs.State.IDLE,
             granted=granted,
@@ -596,9 +656,10 @@ class AgentCore:
             restored=restored,
         )
 
-    def _grant_failure(self, job_id: str, failed: jobs.Operation) -> jobs.Refused:
+    def _grant_failure(self, key: jobs.Key, failed: jobs.Operation) -> jobs.Refused:
         """How the original Grant reports a failed activation (an RPC error)."""
-        job = self._jobs.get(job_id)
+        job_id = key[0]
+        job = self._jobs.get(key)
         if job is not None and job.state is jobs.State.FAULTED:
             return jobs.Refused(
                 jobs.Code.FAILED_PRECONDITION,
@@ -642,76 +703,43 @@ class AgentCore:
             log.exception("workload channel registration lookup failed for job %s", job_id)
             return False
 
-    def _context(self, job: jobs.Job, config: pb.BackendConfig | None) -> base.JobContext:
-        return base.JobContext(
-            job_id=job.job_id,
-            group=job.group,
-            config=config,
-            footprint_bytes=job.footprint_bytes,
-            state=dict(job.backend_state),
-        )
-
     async def _validate(
-        self, route: jobs.Route, job: jobs.Job | None, *, job_id: str, group: str
+        self,
+        route: jobs.Route,
+        job: jobs.Job | None,
+        *,
+        job_id: str,
+        group: str,
+        footprint_bytes: int = 0,
     ) -> None:
-        """Let the backend refuse the config before anything is created or changed."""
-        backend = self.backends[route.backend]
-        if type(backend).validate is base.Backend.validate:
-            return  # the backend checks nothing: spare the hand-over a task and a timer
         known = job if job is not None else jobs.Job(job_id=job_id, group=group)
-        try:
-            await asyncio.wait_for(
-                backend.validate(self._context(known, route.config)), timeout=RECOVER_TIMEOUT_S
-            )
-        except base.BackendConfigRefusedError as err:
-            raise jobs.Refused(jobs.Code.FAILED_PRECONDITION, str(err)) from err
-        except base.InvalidBackendConfigError as err:
-            raise jobs.Refused(jobs.Code.INVALID_ARGUMENT, str(err)) from err
-        except Exception as err:
-            log.exception("backend %s failed to validate a request", route.backend)
-            raise jobs.Refused(
-                jobs.Code.INTERNAL,
-                f"backend {route.backend} could not check the request for job {job_id} "
-                f"({type(err).__name__}: {err}); nothing was changed",
-            ) from err
+        if footprint_bytes:
+            known = dataclasses.replace(known, footprint_bytes=footprint_bytes)
+        await self._guarded.validate(route.backend, guarded.context(known, route.config))
 
-    async def _recover(self, backend: base.Backend, job: jobs.Job) -> jobs.State | None:
-        """What the backend reports for the job; ``None`` if it cannot tell or fails."""
-        try:
-            reported = await asyncio.wait_for(
-                backend.recover(self._context(job, job.backend_config())),
-                timeout=min(RECOVER_TIMEOUT_S, self.operation_timeout_s),
-            )
-        except Exception as err:
-            log.warning("backend %s could not recover job %s: %s", backend.name, job.job_id, err)
-            return None
-        return jobs.from_pb(reported)
+    async def _recover(self, backend: str, job: jobs.Job) -> jobs.State | None:
+        return await self._guarded.recover(backend, guarded.context(job, job.backend_config()))
 
     async def _recovered_if_faulted(
         self, route: jobs.Route, job: jobs.Job | None
     ) -> jobs.State | None:
         if job is None or job.state is not jobs.State.FAULTED:
             return None
-        return await self._recover(self.backends[route.backend], job)
+        return await self._recover(route.backend, job)
 
     async def _needs_partial_restore(self, route: jobs.Route, job: jobs.Job | None) -> bool:
-        """Staged wake hook: a RUNNING job whose backend says requested tags are missing.
-
-        See ``Backend.missing_tags``.
-        """
-        tags = _tags_of(route.config)
+        tags = guarded.tags_of(route.config)
         if job is None or job.state is not jobs.State.RUNNING or not tags:
             return False
-        backend = self.backends[route.backend]
-        try:
-            missing = await asyncio.wait_for(
-                backend.missing_tags(self._context(job, route.config), tags),
-                timeout=RECOVER_TIMEOUT_S,
-            )
-        except Exception as err:
-            log.warning("backend %s could not report missing tags: %s", route.backend, err)
-            return False
-        return bool(missing)
+        ctx = guarded.context(job, route.config)
+        return await self._guarded.missing_tags(route.backend, ctx, tags)
+
+    def _previous(self, job: jobs.Job) -> jobs.Job | None:
+        """The record ``job`` replaces (its own key, or the job's record made without group)."""
+        found = self._jobs.get(job.key)
+        if found is None and job.group:
+            found = self._jobs.get((job.job_id, ""))
+        return found
 
     def _commit(
         self,
@@ -724,20 +752,34 @@ class AgentCore:
         """Apply records in memory and on disk; undo the memory side if the disk refuses."""
         job_list, op_list, mark_list = list(jobs_), list(ops), list(marks)
         before_marks = {m.group: self._grants.get(m.group) for m in mark_list}
+        # A record made without a group takes the group of the first request naming one.
+        moved = (
+            [previous.key]
+            if previous is not None
+            and previous.key not in {j.key for j in job_list}
+            and any(j.job_id == previous.job_id for j in job_list)
+            else []
+        )
+        for key in moved:
+            self._jobs.pop(key, None)
         for job in job_list:
-            self._jobs[job.job_id] = job
+            self._jobs[job.key] = job
         for op in op_list:
             self._ops[op.op_id] = op
         for mark in mark_list:
             self._grants[mark.group] = mark
         try:
-            self._store.put(job_records=job_list, operation_records=op_list, grant_marks=mark_list)
+            self._store.put(
+                job_records=job_list,
+                operation_records=op_list,
+                grant_marks=mark_list,
+                deleted_jobs=moved,
+            )
         except Exception as err:
             for job in job_list:
-                if previous is not None and previous.job_id == job.job_id:
-                    self._jobs[job.job_id] = previous
-                else:
-                    self._jobs.pop(job.job_id, None)
+                self._jobs.pop(job.key, None)
+            if previous is not None:
+                self._jobs[previous.key] = previous
             for op in op_list:
                 self._ops.pop(op.op_id, None)
             for group, old in before_marks.items():
@@ -759,7 +801,7 @@ class AgentCore:
         config: pb.BackendConfig | None,
         mark: jobs.GrantMark | None = None,
     ) -> jobs.Operation:
-        previous = self._jobs.get(plan.job.job_id)
+        previous = self._previous(plan.job)
         self._done[plan.operation.op_id] = asyncio.get_running_loop().create_future()
         try:
             self._commit(
@@ -789,12 +831,11 @@ class AgentCore:
     async def _execute(
         self, job: jobs.Job, op: jobs.Operation, config: pb.BackendConfig | None
     ) -> None:
-        backend = self.backends[op.backend]
         started = time.monotonic()
-        outcome = await self._call(backend, op, self._context(job, config), _mode_of(config))
+        outcome = await self._guarded.run(op, guarded.context(job, config), guarded.mode_of(config))
         # The lock keeps a concurrent record change (a channel registration) from being lost.
         async with self._locks[job.job_id]:
-            current = self._jobs.get(job.job_id, job)
+            current = self._jobs.get(job.key, job)
             new_job, new_op = jobs.finish(current, op, outcome=outcome, now=self._clock())
             if new_op.status is jobs.OpStatus.COMPLETE:
                 outcome_label = "complete"
@@ -814,7 +855,7 @@ class AgentCore:
                 # The outcome stays served from memory; a restart re-asks the backend.
                 log.exception("could not persist the outcome of operation %s", op.op_id)
             finally:
-                self._jobs[new_job.job_id] = new_job
+                self._jobs[new_job.key] = new_job
                 self._ops[new_op.op_id] = new_op
                 done = self._done.pop(op.op_id, None)
                 if done is not None and not done.done():
@@ -829,65 +870,6 @@ class AgentCore:
             f" ({new_op.error})" if new_op.error else "",
             extra={"job_id": job.job_id, "operation_id": op.op_id},
         )
-
-    async def _call(
-        self,
-        backend: base.Backend,
-        op: jobs.Operation,
-        ctx: base.JobContext,
-        mode: pb.SuspendMode,
-    ) -> jobs.Outcome:
-        """Run the backend call under the deadline, retrying transient failures."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.operation_timeout_s
-        what = f"{op.kind.value} of job {ctx.job_id} by backend {backend.name}"
-        delay = _BACKOFF_MIN_S
-        while True:
-            remaining = deadline - loop.time()
-            try:
-                result = await _within(
-                    self._invoke(backend, op.kind, ctx, mode), timeout_s=max(remaining, 0.0)
-                )
-                return jobs.Outcome(result=result)
-            except base.TransientBackendError as err:
-                delay = min(max(err.retry_after, delay), _BACKOFF_MAX_S)
-                if loop.time() + delay >= deadline:
-                    return jobs.Outcome(
-                        error=f"{what} kept failing until its {self.operation_timeout_s:g} s "
-                        f"deadline; nothing was changed: {err}",
-                        state_changed=False,
-                    )
-                log.info("%s: transient failure, retrying in %.2fs: %s", what, delay, err)
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, _BACKOFF_MAX_S)
-            except asyncio.TimeoutError:
-                if loop.time() < deadline:
-                    return jobs.Outcome(error=f"{what} failed: the backend timed out internally")
-                return jobs.Outcome(
-                    error=f"{what} did not finish within {self.operation_timeout_s:g} s "
-                    "(operation_timeout_s); check the backend, then ResetJob"
-                )
-            except base.RefusedBackendError as err:
-                return jobs.Outcome(
-                    error=f"{what} was refused; nothing was changed: {err}", state_changed=False
-                )
-            except base.BackendError as err:
-                if isinstance(err, base.BackendUnavailableError):
-                    self._on_backend_error(backend.name, err)
-                return jobs.Outcome(error=f"{what} failed: {err}")
-            except Exception as err:
-                log.exception("%s crashed", what)
-                return jobs.Outcome(error=f"{what} crashed: {type(err).__name__}: {err}")
-
-    @staticmethod
-    async def _invoke(
-        backend: base.Backend, kind: jobs.Kind, ctx: base.JobContext, mode: pb.SuspendMode
-    ) -> base.OpResult:
-        if kind is jobs.Kind.SNAPSHOT:
-            return await backend.snapshot(ctx, mode)
-        if kind is jobs.Kind.RESTORE:
-            return await backend.restore(ctx)
-        return await backend.activate(ctx)
 
     def job_counts(self) -> dict[str, int]:
         """Jobs by state (every state listed); safe to call from another thread."""

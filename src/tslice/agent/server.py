@@ -38,6 +38,7 @@ def operation_to_pb(op: jobs.Operation, *, now: float) -> pb.GetOperationRespons
         elapsed_ms=op.elapsed_ms(now=now),
         job_id=op.job_id,
         kind=op.kind.value,
+        group=op.group,
     )
     if op.status is jobs.OpStatus.COMPLETE:
         response.storage_bytes = op.storage_bytes or 0
@@ -261,10 +262,14 @@ class SnapshotAgentServicer(pb_grpc.SnapshotAgentServiceServicer):
                 f"(got {request.grant_epoch} and {request.footprint_bytes})",
             )
         evict = [_checked_id("evict", other) for other in request.evict]
+        give_way = [
+            (_checked_id("give_way.job_id", ref.job_id), _checked_id("give_way.group", ref.group))
+            for ref in request.give_way
+        ]
         wait_s = _checked_wait("wait_ms", request.wait_ms)
         config = _checked_config(request)
         # A Grant without the one-step fields keeps its original meaning (see AgentCore.grant).
-        one_step = bool(evict) or request.restore or request.wait_ms > 0
+        one_step = bool(evict or give_way) or request.restore or request.wait_ms > 0
         outcome = await self._core.grant(
             job_id=job_id,
             group=group,
@@ -272,6 +277,7 @@ class SnapshotAgentServicer(pb_grpc.SnapshotAgentServiceServicer):
             footprint_bytes=request.footprint_bytes,
             config=config,
             evict=evict,
+            give_way=give_way,
             restore=request.restore,
             wait_s=wait_s if one_step else None,
         )
@@ -288,7 +294,8 @@ class SnapshotAgentServicer(pb_grpc.SnapshotAgentServiceServicer):
         self, request: pb.ResetJobRequest, context: grpc.aio.ServicerContext
     ) -> pb.ResetJobResponse:
         job_id = await _valid(context, _checked_id, "job_id", request.job_id)
-        state = await self._run(context, self._core.reset(job_id=job_id))
+        group = await _valid(context, _checked_group, request.group)
+        state = await self._run(context, self._core.reset(job_id=job_id, group=group))
         return pb.ResetJobResponse(state=jobs.to_pb(state))
 
     async def WorkloadChannel(

@@ -32,11 +32,12 @@ from tslice.common import sqlite_wal
 _T = TypeVar("_T")
 
 DB_FILE = "agent.sqlite3"
-_SCHEMA_VERSION = 1
+#: 2: one job row per (job, group); operations record their group.
+_SCHEMA_VERSION = 2
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS jobs (
-    job_id TEXT PRIMARY KEY,
+    job_id TEXT NOT NULL,
     grp TEXT NOT NULL,
     state TEXT NOT NULL,
     backend TEXT NOT NULL,
@@ -48,7 +49,8 @@ CREATE TABLE IF NOT EXISTS jobs (
     operation_id TEXT NOT NULL,
     device_bytes INTEGER NOT NULL,
     host_bytes INTEGER NOT NULL,
-    previous_state TEXT
+    previous_state TEXT,
+    PRIMARY KEY (job_id, grp)
 );
 CREATE TABLE IF NOT EXISTS operations (
     op_id TEXT PRIMARY KEY,
@@ -60,7 +62,8 @@ CREATE TABLE IF NOT EXISTS operations (
     finished_at REAL,
     storage_bytes INTEGER,
     device_bytes INTEGER,
-    error TEXT
+    error TEXT,
+    grp TEXT NOT NULL DEFAULT ''
 );
 CREATE TABLE IF NOT EXISTS grants (
     grp TEXT PRIMARY KEY,
@@ -70,16 +73,28 @@ CREATE TABLE IF NOT EXISTS grants (
 """
 
 
-def _upsert(table: str, columns: tuple[str, ...], *, fixed: tuple[str, ...] = ()) -> str:
+#: Version 1 keyed jobs by job id alone; its rows become the (job, group) rows they name.
+_MIGRATE_FROM_1 = """
+ALTER TABLE jobs RENAME TO jobs_v1;
+{schema}
+INSERT INTO jobs SELECT * FROM jobs_v1;
+DROP TABLE jobs_v1;
+ALTER TABLE operations ADD COLUMN grp TEXT NOT NULL DEFAULT '';
+"""
+
+
+def _upsert(
+    table: str, columns: tuple[str, ...], *, fixed: tuple[str, ...] = (), key: int = 1
+) -> str:
     """Insert, or update the row in place: half the work of INSERT OR REPLACE, which
     deletes the row (and its index entry) and inserts it again. ``fixed`` columns never
     change once written."""
-    key, *rest = columns
+    keys, rest = columns[:key], columns[key:]
     updates = ", ".join(f"{c}=excluded.{c}" for c in rest if c not in fixed)
     marks = ",".join("?" * len(columns))
     return (
         f"INSERT INTO {table} ({', '.join(columns)}) VALUES ({marks}) "
-        f"ON CONFLICT({key}) DO UPDATE SET {updates}"
+        f"ON CONFLICT({', '.join(keys)}) DO UPDATE SET {updates}"
     )
 
 
@@ -101,6 +116,7 @@ _UPSERT_JOB = _upsert(
         "host_bytes",
         "previous_state",
     ),
+    key=2,
 )
 _UPSERT_OPERATION = _upsert(
     "operations",
@@ -115,15 +131,16 @@ _UPSERT_OPERATION = _upsert(
         "storage_bytes",
         "device_bytes",
         "error",
+        "grp",
     ),
-    fixed=("job_id", "kind", "backend", "started_at"),  # an operation's identity
+    fixed=("job_id", "kind", "backend", "started_at", "grp"),  # an operation's identity
 )
 _UPSERT_MARK = _upsert("grants", ("grp", "epoch", "job_id"))
 
 
 @dataclasses.dataclass(frozen=True)
 class Loaded:
-    job_map: dict[str, jobs.Job]
+    job_map: dict[jobs.Key, jobs.Job]
     operation_map: dict[str, jobs.Operation]
     grant_map: dict[str, jobs.GrantMark]
 
@@ -165,13 +182,14 @@ class Store:
         job_records: Sequence[jobs.Job] = (),
         operation_records: Sequence[jobs.Operation] = (),
         grant_marks: Sequence[jobs.GrantMark] = (),
+        deleted_jobs: Sequence[jobs.Key] = (),
     ) -> None:
         """Store the records in one transaction, synchronously (see the module docstring)."""
         job_rows = [_job_row(j) for j in job_records]
         op_rows = [_operation_row(o) for o in operation_records]
         mark_rows = [(g.group, g.epoch, g.job_id) for g in grant_marks]
-        if job_rows or op_rows or mark_rows:
-            self._put_sync(job_rows, op_rows, mark_rows)
+        if job_rows or op_rows or mark_rows or deleted_jobs:
+            self._put_sync(job_rows, op_rows, mark_rows, list(deleted_jobs))
 
     def delete_operations(self, op_ids: Iterable[str]) -> None:
         ids = [(op_id,) for op_id in op_ids]
@@ -202,6 +220,8 @@ class Store:
                     f"{self.path} was written by a newer tslice (schema {version}); upgrade "
                     "tslice or use another --state-dir"
                 )
+            if version == 1:
+                conn.executescript(f"BEGIN;{_MIGRATE_FROM_1.format(schema=_SCHEMA)}COMMIT;")
             conn.executescript(_SCHEMA)
             conn.execute(f"PRAGMA user_version={_SCHEMA_VERSION}")
         except BaseException:
@@ -215,7 +235,7 @@ class Store:
         loaded = Loaded(job_map={}, operation_map={}, grant_map={})
         for row in conn.execute("SELECT * FROM jobs"):
             job = _job_from_row(tuple(row))
-            loaded.job_map[job.job_id] = job
+            loaded.job_map[job.key] = job
         for row in conn.execute("SELECT * FROM operations"):
             op = _operation_from_row(tuple(row))
             loaded.operation_map[op.op_id] = op
@@ -235,10 +255,13 @@ class Store:
         job_rows: list[tuple[object, ...]],
         op_rows: list[tuple[object, ...]],
         mark_rows: list[tuple[str, int, str]],
+        deleted_jobs: list[jobs.Key],
     ) -> None:
         conn = self._connection()
         conn.execute("BEGIN IMMEDIATE")
         try:
+            if deleted_jobs:
+                conn.executemany("DELETE FROM jobs WHERE job_id = ? AND grp = ?", deleted_jobs)
             if job_rows:
                 conn.executemany(_UPSERT_JOB, job_rows)
             if op_rows:
@@ -328,6 +351,7 @@ def _operation_row(op: jobs.Operation) -> tuple[object, ...]:
         op.storage_bytes,
         op.device_bytes,
         op.error,
+        op.group,
     )
 
 
@@ -336,10 +360,11 @@ def _optional_int(value: object) -> int | None:
 
 
 def _operation_from_row(row: tuple[object, ...]) -> jobs.Operation:
-    (op_id, job_id, kind, backend, status, started, finished, storage, device, error) = row
+    (op_id, job_id, kind, backend, status, started, finished, storage, device, error, grp) = row
     return jobs.Operation(
         op_id=str(op_id),
         job_id=str(job_id),
+        group=str(grp),
         kind=jobs.Kind(kind),
         backend=str(backend),
         status=jobs.OpStatus(status),

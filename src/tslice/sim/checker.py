@@ -1,8 +1,8 @@
 """Mutual-exclusion checker: replays simulated-device journals against client windows.
 
 Evidence comes from two independent sides. The simulated devices journal every
-allocation and release (``tslice.sim.device``, one file per agent), and the jobs record
-every acquire window ``[acquired, yielded]`` they saw. The checker proves:
+allocation and release (``tslice.agent.backends.simdevice``, one file per agent), and
+the jobs record every acquire window ``[acquired, yielded]`` they saw. The checker proves:
 
 1. ``overlap``: on each node, device and group, no two jobs are ever allocated at once;
 2. ``not_resident``: during every window of job J on group G, J is allocated on every
@@ -31,7 +31,7 @@ DOUBLE_HOLDER = "double_holder"
 
 
 class JournalEvent(Protocol):
-    """One line of a simulated-device journal (``tslice.sim.device.Event`` fits)."""
+    """One line of a simulated-device journal (``tslice.agent.backends.simdevice.Event`` fits)."""
 
     @property
     def t(self) -> float: ...

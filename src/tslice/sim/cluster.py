@@ -30,8 +30,8 @@ from types import TracebackType
 
 import yaml
 
+from tslice.agent.backends import simdevice as device
 from tslice.common import errors
-from tslice.sim import device
 
 ORCHESTRATOR = "orchestrator"
 _READY_POLL_S = 0.02

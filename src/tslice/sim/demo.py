@@ -31,8 +31,9 @@ from pathlib import Path
 from typing import Any
 
 import tslice.client as tsclient
+from tslice.agent.backends import simdevice as device
 from tslice.common import errors
-from tslice.sim import checker, cluster, device, rljob, timeline, trace
+from tslice.sim import checker, cluster, rljob, timeline, trace
 
 GiB = device.GiB
 NODES = {trace.SAMPLER: "node-a", trace.TRAINER: "node-b"}

@@ -55,6 +55,11 @@ class BackendConfigRefusedError(InvalidBackendConfigError):
     (FAILED_PRECONDITION); nothing was done."""
 
 
+class NeverFitsError(BackendConfigRefusedError):
+    """The job's state is larger than the devices: it can never be resident here
+    (RESOURCE_EXHAUSTED); nothing was done."""
+
+
 class BackendUnavailableError(BackendError):
     """The backend cannot work on this node at all (no driver, no GPU, missing binary)."""
 
@@ -142,6 +147,16 @@ class Backend(abc.ABC):
         Must be idempotent.
         """
         return OpResult()
+
+    async def fits(self, job: JobContext) -> bool | None:
+        """Whether the job's state would fit on the devices next to what is resident now.
+
+        Asked before a Grant makes another group's deferred resident give way (only
+        then): ``False`` makes room first, ``True`` brings the job in beside it.
+        ``None`` (the default) means the backend cannot tell, and room is made. No side
+        effects; may raise NeverFitsError.
+        """
+        return None
 
     async def missing_tags(self, job: JobContext, tags: Sequence[str]) -> list[str]:
         """Staged restore: which of ``tags`` are not resident although the job is RUNNING.

@@ -1,9 +1,9 @@
-"""The ``sim`` backend: jobs occupy bytes of simulated devices (``tslice.sim.device``).
+"""The ``sim`` backend: jobs occupy bytes of simulated devices (``simdevice``).
 
 A snapshot takes ``bytes_per_device / bandwidth + latency`` seconds, a restore
 ``bytes_per_device / restore_bandwidth + latency`` (``restore_bandwidth`` unset = the
 snapshot rate; devices copy in parallel, each over its own link; see
-:class:`tslice.sim.device.CopySpeed`). A restore checks capacity first and lands
+:class:`tslice.agent.backends.simdevice.CopySpeed`). A restore checks capacity first and lands
 its bytes at the *start* of the copy, so two jobs of a group that are ever resident
 together overcommit the device and fail loudly. Fault injection (failure probability,
 extra latency, hangs) lets tests drive every failure path of the agent.
@@ -21,8 +21,8 @@ from pathlib import Path
 from typing import ClassVar
 
 from tslice.agent.backends import base
+from tslice.agent.backends import simdevice as device
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
-from tslice.sim import device
 
 
 class SimBackend(base.Backend):
@@ -121,37 +121,53 @@ class SimBackend(base.Backend):
 
     # ---- backend contract --------------------------------------------------------------
 
+    async def validate(self, job: base.JobContext) -> None:
+        footprint = self.footprint(job)
+        reason = self.node.never_fits(job=job.job_id, group=job.group, bytes_per_device=footprint)
+        if reason:
+            raise base.NeverFitsError(reason)
+
+    async def fits(self, job: base.JobContext) -> bool:
+        saved = self.node.saved(job=job.job_id, group=job.group)
+        footprint = saved.footprint_bytes if saved is not None else self.footprint(job)
+        try:
+            self.node.check_fits(job=job.job_id, group=job.group, bytes_per_device=footprint)
+        except device.CapacityError:
+            return False
+        return True
+
     async def activate(self, job: base.JobContext) -> base.OpResult:
-        residency = self.node.residency(job.job_id)
+        key = {"job": job.job_id, "group": job.group}
+        residency = self.node.residency(**key)
         if residency is not None:
             return base.OpResult(device_bytes=self._total(residency.bytes_per_device))
-        if self.node.saved(job.job_id) is not None:
+        if self.node.saved(**key) is not None:
             raise base.FatalBackendError(
-                f"job {job.job_id} has saved state on sim node {self.node.node}; restore it "
-                "instead of granting it as new"
+                f"job {job.job_id} has saved state for group {job.group} on sim node "
+                f"{self.node.node}; restore it instead of granting it as new"
             )
         footprint = self.footprint(job)
         try:
-            self.node.allocate(
-                job=job.job_id, group=job.group, bytes_per_device=footprint, action="activation"
-            )
+            self.node.allocate(**key, bytes_per_device=footprint, action="activation")
         except device.CapacityError as err:
-            raise base.FatalBackendError(str(err)) from err
+            # Nothing landed: the job keeps its state and the grant may be retried.
+            raise base.RefusedBackendError(str(err)) from err
         return base.OpResult(device_bytes=self._total(footprint), state={"footprint": footprint})
 
     async def snapshot(self, job: base.JobContext, mode: pb.SuspendMode) -> base.OpResult:
-        residency = self.node.residency(job.job_id)
+        key = {"job": job.job_id, "group": job.group}
+        residency = self.node.residency(**key)
         if residency is None:
             raise base.FatalBackendError(
-                f"job {job.job_id} holds no memory on sim node {self.node.node}, so there is "
-                "nothing to snapshot; grant the job first"
+                f"job {job.job_id} holds no memory for group {job.group} on sim node "
+                f"{self.node.node}, so there is nothing to snapshot; grant the job first"
             )
         footprint = residency.bytes_per_device
         # A failure or cancellation before park() leaves the allocation: nothing moved.
         await self._copy(job=job, bytes_per_device=footprint, what="snapshot")
         host_bytes = 0 if mode == pb.SUSPEND_MODE_DISCARD else self._total(footprint)
         self.node.park(
-            job=job.job_id,
+            **key,
             saved=device.SavedState(
                 group=residency.group, footprint_bytes=footprint, host_bytes=host_bytes
             ),
@@ -163,38 +179,39 @@ class SimBackend(base.Backend):
         )
 
     async def restore(self, job: base.JobContext) -> base.OpResult:
-        saved = self.node.saved(job.job_id)
+        key = {"job": job.job_id, "group": job.group}
+        saved = self.node.saved(**key)
         if saved is None:
-            residency = self.node.residency(job.job_id)
+            residency = self.node.residency(**key)
             if residency is not None:
                 return base.OpResult(device_bytes=self._total(residency.bytes_per_device))
             raise base.FatalBackendError(
-                f"job {job.job_id} has no saved state on sim node {self.node.node}; "
-                "nothing to restore"
+                f"job {job.job_id} has no saved state for group {job.group} on sim node "
+                f"{self.node.node}; nothing to restore"
             )
         footprint = saved.footprint_bytes
         try:
             # The bytes start landing now, so they count against capacity for the whole copy.
-            self.node.allocate(
-                job=job.job_id, group=job.group or saved.group, bytes_per_device=footprint
-            )
+            self.node.allocate(**key, bytes_per_device=footprint)
         except device.CapacityError as err:
-            raise base.FatalBackendError(str(err)) from err
+            # Nothing landed and the host copy is intact: the job stays SAVED.
+            raise base.RefusedBackendError(str(err)) from err
         try:
             await self._copy(job=job, bytes_per_device=footprint, what="restore")
         except BaseException:
             # A failed restore gives its partial allocation back; the host copy is intact.
-            self.node.free(job=job.job_id)
+            self.node.free(**key)
             raise
-        self.node.unpark(job=job.job_id)
+        self.node.unpark(**key)
         return base.OpResult(device_bytes=self._total(footprint), state={"footprint": footprint})
 
     async def recover(self, job: base.JobContext) -> pb.JobState | None:
-        resident = self.node.residency(job.job_id) is not None
-        saved = self.node.saved(job.job_id) is not None
+        key = {"job": job.job_id, "group": job.group}
+        resident = self.node.residency(**key) is not None
+        saved = self.node.saved(**key) is not None
         if resident and saved:
             # A restore was cut short (agent killed mid-copy): the landed bytes are not usable.
-            self.node.free(job=job.job_id)
+            self.node.free(**key)
             return pb.JOB_STATE_SAVED
         if resident:
             return pb.JOB_STATE_RUNNING
@@ -203,7 +220,7 @@ class SimBackend(base.Backend):
         return pb.JOB_STATE_IDLE
 
     async def forget(self, job: base.JobContext) -> None:
-        self.node.forget(job=job.job_id)
+        self.node.forget(job=job.job_id, group=job.group)
 
     async def accelerators(self) -> list[base.Accelerator]:
         return [

@@ -292,7 +292,7 @@ class GetOperationRequest(_message.Message):
     def __init__(self, operation_id: _Optional[str] = ...) -> None: ...
 
 class GetOperationResponse(_message.Message):
-    __slots__ = ("status", "storage_bytes", "snapshot_device_bytes", "elapsed_ms", "error", "job_id", "kind")
+    __slots__ = ("status", "storage_bytes", "snapshot_device_bytes", "elapsed_ms", "error", "job_id", "kind", "group")
     STATUS_FIELD_NUMBER: _ClassVar[int]
     STORAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     SNAPSHOT_DEVICE_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -300,6 +300,7 @@ class GetOperationResponse(_message.Message):
     ERROR_FIELD_NUMBER: _ClassVar[int]
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
+    GROUP_FIELD_NUMBER: _ClassVar[int]
     status: OperationStatus
     storage_bytes: int
     snapshot_device_bytes: int
@@ -307,7 +308,8 @@ class GetOperationResponse(_message.Message):
     error: str
     job_id: str
     kind: str
-    def __init__(self, status: _Optional[_Union[OperationStatus, str]] = ..., storage_bytes: _Optional[int] = ..., snapshot_device_bytes: _Optional[int] = ..., elapsed_ms: _Optional[int] = ..., error: _Optional[str] = ..., job_id: _Optional[str] = ..., kind: _Optional[str] = ...) -> None: ...
+    group: str
+    def __init__(self, status: _Optional[_Union[OperationStatus, str]] = ..., storage_bytes: _Optional[int] = ..., snapshot_device_bytes: _Optional[int] = ..., elapsed_ms: _Optional[int] = ..., error: _Optional[str] = ..., job_id: _Optional[str] = ..., kind: _Optional[str] = ..., group: _Optional[str] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
     __slots__ = ()
@@ -362,7 +364,7 @@ class WaitOperationRequest(_message.Message):
     def __init__(self, operation_id: _Optional[str] = ..., timeout_ms: _Optional[int] = ...) -> None: ...
 
 class GrantRequest(_message.Message):
-    __slots__ = ("job_id", "group", "grant_epoch", "footprint_bytes", "backend_config", "evict", "restore", "wait_ms")
+    __slots__ = ("job_id", "group", "grant_epoch", "footprint_bytes", "backend_config", "evict", "restore", "wait_ms", "give_way")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     GROUP_FIELD_NUMBER: _ClassVar[int]
     GRANT_EPOCH_FIELD_NUMBER: _ClassVar[int]
@@ -371,6 +373,7 @@ class GrantRequest(_message.Message):
     EVICT_FIELD_NUMBER: _ClassVar[int]
     RESTORE_FIELD_NUMBER: _ClassVar[int]
     WAIT_MS_FIELD_NUMBER: _ClassVar[int]
+    GIVE_WAY_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     group: str
     grant_epoch: int
@@ -379,7 +382,16 @@ class GrantRequest(_message.Message):
     evict: _containers.RepeatedScalarFieldContainer[str]
     restore: bool
     wait_ms: int
-    def __init__(self, job_id: _Optional[str] = ..., group: _Optional[str] = ..., grant_epoch: _Optional[int] = ..., footprint_bytes: _Optional[int] = ..., backend_config: _Optional[_Union[BackendConfig, _Mapping]] = ..., evict: _Optional[_Iterable[str]] = ..., restore: _Optional[bool] = ..., wait_ms: _Optional[int] = ...) -> None: ...
+    give_way: _containers.RepeatedCompositeFieldContainer[JobRef]
+    def __init__(self, job_id: _Optional[str] = ..., group: _Optional[str] = ..., grant_epoch: _Optional[int] = ..., footprint_bytes: _Optional[int] = ..., backend_config: _Optional[_Union[BackendConfig, _Mapping]] = ..., evict: _Optional[_Iterable[str]] = ..., restore: _Optional[bool] = ..., wait_ms: _Optional[int] = ..., give_way: _Optional[_Iterable[_Union[JobRef, _Mapping]]] = ...) -> None: ...
+
+class JobRef(_message.Message):
+    __slots__ = ("job_id", "group")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    group: str
+    def __init__(self, job_id: _Optional[str] = ..., group: _Optional[str] = ...) -> None: ...
 
 class GrantResponse(_message.Message):
     __slots__ = ("state", "granted", "operations", "operation_ids", "restored")
@@ -416,10 +428,12 @@ class GrantStreamResponse(_message.Message):
     def __init__(self, request_id: _Optional[int] = ..., grant: _Optional[_Union[GrantResponse, _Mapping]] = ..., status_code: _Optional[int] = ..., status_message: _Optional[str] = ...) -> None: ...
 
 class ResetJobRequest(_message.Message):
-    __slots__ = ("job_id",)
+    __slots__ = ("job_id", "group")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    GROUP_FIELD_NUMBER: _ClassVar[int]
     job_id: str
-    def __init__(self, job_id: _Optional[str] = ...) -> None: ...
+    group: str
+    def __init__(self, job_id: _Optional[str] = ..., group: _Optional[str] = ...) -> None: ...
 
 class ResetJobResponse(_message.Message):
     __slots__ = ("state",)

@@ -1,9 +1,11 @@
 """Simulated accelerators of one node: capacity accounting, persistence and a journal.
 
-A :class:`SimNode` stands in for the GPUs of one machine. Jobs occupy bytes on every
-device of the node while resident; an allocation that would overcommit a device is
-refused with a message naming who holds the memory, so a mutual-exclusion bug in the
-layers above surfaces as an error instead of passing silently.
+A :class:`SimNode` stands in for the GPUs of one machine. A job's state for a group
+occupies bytes on every device of the node while resident (residency is per
+(job, group): one job's sampler and trainer states are two allocations); an
+allocation that would overcommit a device is refused with a message naming who holds
+the memory, so a mutual-exclusion bug in the layers above surfaces as an error
+instead of passing silently.
 
 The device state outlives the process that drives it (a real GPU outlives an agent
 crash), so every change is written atomically to a JSON file and read back on start.
@@ -12,8 +14,8 @@ mutual-exclusion checker replays journals of all nodes with :func:`read_journal`
 :class:`CopySpeed` says how long moving a job's bytes off (snapshot) or back onto
 (restore) a device takes; the two directions may run at different rates.
 
-This module is pure stdlib and imports no tslice layer, so the agent, the demo and
-the checker can all share it.
+This module is pure stdlib and imports no tslice layer: the agent's sim backend owns
+it, and the demo and the checker (``tslice.sim``, a layer above) read its journals.
 """
 
 from __future__ import annotations
@@ -68,7 +70,7 @@ class Residency:
 
 @dataclasses.dataclass(frozen=True)
 class SavedState:
-    """A job's state parked off the devices: the footprint to bring back, host bytes held."""
+    """A job's state for a group parked off the devices: footprint to bring back, host bytes."""
 
     group: str
     footprint_bytes: int
@@ -165,8 +167,8 @@ class SimNode:
         self.capacity_bytes = capacity_bytes
         self._state_path = state_dir / STATE_FILE if state_dir is not None else None
         self._journal_path = state_dir / JOURNAL_FILE if state_dir is not None else None
-        self._resident: dict[str, Residency] = {}
-        self._saved: dict[str, SavedState] = {}
+        self._resident: dict[tuple[str, str], Residency] = {}
+        self._saved: dict[tuple[str, str], SavedState] = {}
         if state_dir is not None:
             state_dir.mkdir(parents=True, exist_ok=True)
             self._load()
@@ -176,11 +178,11 @@ class SimNode:
     def device_ids(self) -> list[str]:
         return [f"sim{i}" for i in range(self.devices)]
 
-    def residency(self, job: str) -> Residency | None:
-        return self._resident.get(job)
+    def residency(self, *, job: str, group: str) -> Residency | None:
+        return self._resident.get((job, group))
 
-    def saved(self, job: str) -> SavedState | None:
-        return self._saved.get(job)
+    def saved(self, *, job: str, group: str) -> SavedState | None:
+        return self._saved.get((job, group))
 
     def used_bytes(self) -> int:
         """Bytes in use on each device (all devices hold the same jobs)."""
@@ -195,40 +197,50 @@ class SimNode:
 
     # ---- changes ----------------------------------------------------------------
 
-    def check_fits(self, *, job: str, bytes_per_device: int, action: str = "restore") -> None:
-        """Raise :class:`CapacityError` if ``job`` cannot land ``bytes_per_device`` now."""
+    def never_fits(self, *, job: str, group: str, bytes_per_device: int) -> str:
+        """Why ``bytes_per_device`` can never be resident here ("" if it can)."""
+        if bytes_per_device <= self.capacity_bytes:
+            return ""
+        return (
+            f"job {job} (group {group}) needs {bytes_per_device} bytes per device but each "
+            f"device of node {self.node} holds only {self.capacity_bytes}; lower the job's "
+            "footprint or raise the simulated capacity"
+        )
+
+    def check_fits(
+        self, *, job: str, group: str, bytes_per_device: int, action: str = "restore"
+    ) -> None:
+        """Raise :class:`CapacityError` if the job cannot land ``bytes_per_device`` now."""
         first = self.device_ids()[0]
-        if bytes_per_device > self.capacity_bytes:
-            raise CapacityError(
-                f"{action} of job {job} on {first} (node {self.node}) would need "
-                f"{bytes_per_device} bytes but the device holds only {self.capacity_bytes}; "
-                "lower the job's footprint or raise the simulated capacity"
-            )
-        others = {j: r for j, r in self._resident.items() if j != job}
+        if reason := self.never_fits(job=job, group=group, bytes_per_device=bytes_per_device):
+            raise CapacityError(f"{action} on {first}: {reason}")
+        others = {k: r for k, r in self._resident.items() if k != (job, group)}
         used = sum(r.bytes_per_device for r in others.values())
         if used + bytes_per_device > self.capacity_bytes:
             holders = ", ".join(
-                f"job {j} ({r.bytes_per_device} bytes)" for j, r in sorted(others.items())
+                f"job {j} of group {g} ({r.bytes_per_device} bytes)"
+                for (j, g), r in sorted(others.items())
             )
             raise CapacityError(
-                f"{action} of job {job} on {first} (node {self.node}) would need "
-                f"{bytes_per_device} bytes; {used} of {self.capacity_bytes} in use by {holders}"
+                f"{action} of job {job} (group {group}) on {first} (node {self.node}) would "
+                f"need {bytes_per_device} bytes; {used} of {self.capacity_bytes} in use by "
+                f"{holders}"
             )
 
     def allocate(
         self, *, job: str, group: str, bytes_per_device: int, action: str = "restore"
     ) -> None:
         """Land the job's bytes on every device, or raise :class:`CapacityError` (no change)."""
-        if job in self._resident:
+        if (job, group) in self._resident:
             return
-        self.check_fits(job=job, bytes_per_device=bytes_per_device, action=action)
-        self._resident[job] = Residency(group=group, bytes_per_device=bytes_per_device)
+        self.check_fits(job=job, group=group, bytes_per_device=bytes_per_device, action=action)
+        self._resident[(job, group)] = Residency(group=group, bytes_per_device=bytes_per_device)
         self._save()
         self._journal(job=job, group=group, event="alloc", bytes_per_device=bytes_per_device)
 
-    def free(self, *, job: str) -> int:
+    def free(self, *, job: str, group: str) -> int:
         """Release the job's device bytes; returns the bytes freed per device (0 if none)."""
-        residency = self._resident.pop(job, None)
+        residency = self._resident.pop((job, group), None)
         if residency is None:
             return 0
         self._save()
@@ -240,10 +252,10 @@ class SimNode:
         )
         return residency.bytes_per_device
 
-    def park(self, *, job: str, saved: SavedState) -> None:
+    def park(self, *, job: str, group: str, saved: SavedState) -> None:
         """Free the job's devices and record its saved state, in one persisted step."""
-        residency = self._resident.pop(job, None)
-        self._saved[job] = saved
+        residency = self._resident.pop((job, group), None)
+        self._saved[(job, group)] = saved
         self._save()
         if residency is not None:
             self._journal(
@@ -253,14 +265,14 @@ class SimNode:
                 bytes_per_device=residency.bytes_per_device,
             )
 
-    def unpark(self, *, job: str) -> None:
+    def unpark(self, *, job: str, group: str) -> None:
         """The job's saved state is back on the devices; forget the host copy."""
-        if self._saved.pop(job, None) is not None:
+        if self._saved.pop((job, group), None) is not None:
             self._save()
 
-    def forget(self, *, job: str) -> None:
-        self.free(job=job)
-        self.unpark(job=job)
+    def forget(self, *, job: str, group: str) -> None:
+        self.free(job=job, group=group)
+        self.unpark(job=job, group=group)
 
     # ---- persistence --------------------------------------------------------------
 
@@ -275,16 +287,22 @@ class SimNode:
                 f"simulated device state {self._state_path} is unreadable ({err}); "
                 "delete it to start with empty devices"
             ) from err
-        self._resident = {j: Residency(**r) for j, r in raw.get("resident", {}).items()}
-        self._saved = {j: SavedState(**s) for j, s in raw.get("saved", {}).items()}
+        resident, saved = raw.get("resident", []), raw.get("saved", [])
+        if isinstance(resident, dict):  # written before residency was per (job, group)
+            resident = [{"job": j, **r} for j, r in resident.items()]
+            saved = [{"job": j, **s} for j, s in saved.items()]
+        self._resident = {(r.pop("job"), r["group"]): Residency(**r) for r in resident}
+        self._saved = {(s.pop("job"), s["group"]): SavedState(**s) for s in saved}
 
     def _save(self) -> None:
         if self._state_path is None:
             return
         payload = {
             "node": self.node,
-            "resident": {j: dataclasses.asdict(r) for j, r in self._resident.items()},
-            "saved": {j: dataclasses.asdict(s) for j, s in self._saved.items()},
+            "resident": [
+                {"job": j, **dataclasses.asdict(r)} for (j, _), r in self._resident.items()
+            ],
+            "saved": [{"job": j, **dataclasses.asdict(s)} for (j, _), s in self._saved.items()],
         }
         tmp = self._state_path.with_suffix(".tmp")
         with tmp.open("w") as f:

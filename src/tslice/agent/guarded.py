@@ -1,0 +1,219 @@
+"""Every call the agent makes into a backend, under one set of rules.
+
+Backends are plug-ins: they may hang, raise anything, or refuse. The agent never
+calls one directly; it goes through :class:`GuardedBackends`, which owns
+
+- the deadlines: ``operation_timeout_s`` for a snapshot, restore or activation (with
+  :class:`~tslice.agent.backends.base.TransientBackendError` retried with back-off
+  inside it), ``QUERY_TIMEOUT_S`` for the questions asked while a request is planned
+  (validate, recover, fits, missing tags);
+- the translation of what a backend raises: a refused or invalid config becomes a
+  :class:`jobs.Refused` with its status code before anything changed; an operation's
+  failure becomes a :class:`jobs.Outcome` that says whether anything moved;
+- what a question answers when the backend cannot tell (``None``, logged).
+
+The runner (``tslice.agent.runner``) decides; this module only calls.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+from collections.abc import Callable, Coroutine, Mapping, Sequence
+from typing import Any, TypeVar
+
+from tslice.agent import jobs
+from tslice.agent.backends import base
+from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
+
+log = logging.getLogger(__name__)
+_T = TypeVar("_T")
+
+#: How long a question to a backend (validate, recover, fits, missing tags) may take.
+QUERY_TIMEOUT_S = 30.0
+_BACKOFF_MIN_S = 0.05
+_BACKOFF_MAX_S = 5.0
+
+
+async def _within(call: Coroutine[Any, Any, _T], *, timeout_s: float) -> _T:
+    """``call`` under a deadline, run in the calling task where the loop allows it.
+
+    ``asyncio.timeout`` (3.11+) needs no extra task: a backend call that finishes
+    without suspending (noop, a refusal) costs no trip through the event loop.
+    """
+    if sys.version_info >= (3, 11):
+        async with asyncio.timeout(timeout_s):
+            return await call
+    return await asyncio.wait_for(call, timeout=timeout_s)
+
+
+def mode_of(config: pb.BackendConfig | None) -> pb.SuspendMode:
+    if config is not None:
+        arm = config.WhichOneof("backend")
+        if arm == "app_endpoint":
+            return config.app_endpoint.mode
+        if arm == "app_channel":
+            return config.app_channel.mode
+    return pb.SUSPEND_MODE_UNSPECIFIED
+
+
+def tags_of(config: pb.BackendConfig | None) -> list[str]:
+    if config is not None:
+        arm = config.WhichOneof("backend")
+        if arm == "app_endpoint":
+            return list(config.app_endpoint.tags)
+        if arm == "app_channel":
+            return list(config.app_channel.tags)
+    return []
+
+
+def context(job: jobs.Job, config: pb.BackendConfig | None) -> base.JobContext:
+    """What a backend is told about the job's state for one group."""
+    return base.JobContext(
+        job_id=job.job_id,
+        group=job.group,
+        config=config,
+        footprint_bytes=job.footprint_bytes,
+        state=dict(job.backend_state),
+    )
+
+
+class GuardedBackends:
+    """The node's backends, called only under the rules of the module docstring."""
+
+    def __init__(
+        self,
+        backends: Mapping[str, base.Backend],
+        *,
+        operation_timeout_s: float,
+        on_unavailable: Callable[[str, base.BackendError], None] | None = None,
+    ) -> None:
+        self.backends = dict(backends)
+        self.operation_timeout_s = operation_timeout_s
+        self._on_unavailable = on_unavailable or (lambda _name, _err: None)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.backends
+
+    # ---- questions, asked while a request is planned -----------------------------------
+
+    async def validate(self, name: str, ctx: base.JobContext) -> None:
+        """Let the backend refuse the config before anything is created or changed."""
+        backend = self.backends[name]
+        if type(backend).validate is base.Backend.validate:
+            return  # the backend checks nothing: spare the hand-over a task and a timer
+        try:
+            await asyncio.wait_for(backend.validate(ctx), timeout=QUERY_TIMEOUT_S)
+        except base.NeverFitsError as err:
+            raise jobs.Refused(jobs.Code.RESOURCE_EXHAUSTED, str(err)) from err
+        except base.BackendConfigRefusedError as err:
+            raise jobs.Refused(jobs.Code.FAILED_PRECONDITION, str(err)) from err
+        except base.InvalidBackendConfigError as err:
+            raise jobs.Refused(jobs.Code.INVALID_ARGUMENT, str(err)) from err
+        except Exception as err:
+            log.exception("backend %s failed to validate a request", name)
+            raise jobs.Refused(
+                jobs.Code.INTERNAL,
+                f"backend {name} could not check the request for job {ctx.job_id} "
+                f"({type(err).__name__}: {err}); nothing was changed",
+            ) from err
+
+    async def recover(self, name: str, ctx: base.JobContext) -> jobs.State | None:
+        """What the backend reports for the job; ``None`` if it cannot tell or fails."""
+        backend = self.backends[name]
+        try:
+            reported = await asyncio.wait_for(
+                backend.recover(ctx), timeout=min(QUERY_TIMEOUT_S, self.operation_timeout_s)
+            )
+        except Exception as err:
+            log.warning("backend %s could not recover job %s: %s", name, ctx.job_id, err)
+            return None
+        return jobs.from_pb(reported)
+
+    async def fits(self, name: str, ctx: base.JobContext) -> bool:
+        """Whether the job's state would fit on the devices now; ``False`` if unknown."""
+        try:
+            answer = await asyncio.wait_for(self.backends[name].fits(ctx), timeout=QUERY_TIMEOUT_S)
+        except Exception as err:
+            log.warning("backend %s could not tell whether job %s fits: %s", name, ctx.job_id, err)
+            return False
+        return bool(answer)
+
+    async def missing_tags(self, name: str, ctx: base.JobContext, tags: Sequence[str]) -> bool:
+        """Staged wake: whether requested tags are not resident (``Backend.missing_tags``)."""
+        try:
+            missing = await asyncio.wait_for(
+                self.backends[name].missing_tags(ctx, tags), timeout=QUERY_TIMEOUT_S
+            )
+        except Exception as err:
+            log.warning("backend %s could not report missing tags: %s", name, err)
+            return False
+        return bool(missing)
+
+    async def accelerators(self) -> list[base.Accelerator]:
+        found: list[base.Accelerator] = []
+        for name, backend in self.backends.items():
+            try:
+                found.extend(await asyncio.wait_for(backend.accelerators(), timeout=5.0))
+            except Exception as err:
+                log.warning("backend %s could not list accelerators: %s", name, err)
+        return found
+
+    # ---- operations ------------------------------------------------------------------------
+
+    async def run(
+        self, op: jobs.Operation, ctx: base.JobContext, mode: pb.SuspendMode
+    ) -> jobs.Outcome:
+        """Run the operation's backend call under its deadline, retrying transient failures."""
+        backend = self.backends[op.backend]
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.operation_timeout_s
+        what = f"{op.kind.value} of job {ctx.job_id} by backend {backend.name}"
+        delay = _BACKOFF_MIN_S
+        while True:
+            remaining = deadline - loop.time()
+            try:
+                result = await _within(
+                    _invoke(backend, op.kind, ctx, mode), timeout_s=max(remaining, 0.0)
+                )
+                return jobs.Outcome(result=result)
+            except base.TransientBackendError as err:
+                delay = min(max(err.retry_after, delay), _BACKOFF_MAX_S)
+                if loop.time() + delay >= deadline:
+                    return jobs.Outcome(
+                        error=f"{what} kept failing until its {self.operation_timeout_s:g} s "
+                        f"deadline; nothing was changed: {err}",
+                        state_changed=False,
+                    )
+                log.info("%s: transient failure, retrying in %.2fs: %s", what, delay, err)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, _BACKOFF_MAX_S)
+            except asyncio.TimeoutError:
+                if loop.time() < deadline:
+                    return jobs.Outcome(error=f"{what} failed: the backend timed out internally")
+                return jobs.Outcome(
+                    error=f"{what} did not finish within {self.operation_timeout_s:g} s "
+                    "(operation_timeout_s); check the backend, then ResetJob"
+                )
+            except base.RefusedBackendError as err:
+                return jobs.Outcome(
+                    error=f"{what} was refused; nothing was changed: {err}", state_changed=False
+                )
+            except base.BackendError as err:
+                if isinstance(err, base.BackendUnavailableError):
+                    self._on_unavailable(backend.name, err)
+                return jobs.Outcome(error=f"{what} failed: {err}")
+            except Exception as err:
+                log.exception("%s crashed", what)
+                return jobs.Outcome(error=f"{what} crashed: {type(err).__name__}: {err}")
+
+
+async def _invoke(
+    backend: base.Backend, kind: jobs.Kind, ctx: base.JobContext, mode: pb.SuspendMode
+) -> base.OpResult:
+    if kind is jobs.Kind.SNAPSHOT:
+        return await backend.snapshot(ctx, mode)
+    if kind is jobs.Kind.RESTORE:
+        return await backend.restore(ctx)
+    return await backend.activate(ctx)
