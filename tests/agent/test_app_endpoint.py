@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from tslice.agent.backends import app_endpoint, base
+from tslice.agent.backends import app_endpoint, app_endpoint_dialects, base
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
 from tslice.sim import engine_server
 
@@ -414,7 +414,7 @@ async def test_refused_host_sends_nothing(
         "snapshot": lambda: backend.snapshot(target, pb.SUSPEND_MODE_OFFLOAD),
         "restore": lambda: backend.restore(target),
     }
-    with pytest.raises(app_endpoint.EndpointNotAllowedError, match="is refused"):
+    with pytest.raises(app_endpoint_dialects.EndpointNotAllowedError, match="is refused"):
         await calls[operation]()
     assert socket_audit == []  # no connect, no DNS lookup, anywhere in this process
     assert local.requests == [] and local.connections == 0
@@ -437,7 +437,7 @@ async def test_allow_list_with_port(engines: Engines) -> None:
     backend = app_endpoint.AppEndpointBackend.create({"allowed_hosts": [f"127.0.0.1:{port}"]})
     try:
         await backend.snapshot(job("vllm", allowed), pb.SUSPEND_MODE_OFFLOAD)
-        with pytest.raises(app_endpoint.EndpointNotAllowedError):
+        with pytest.raises(app_endpoint_dialects.EndpointNotAllowedError):
             await backend.snapshot(job("vllm", other), pb.SUSPEND_MODE_OFFLOAD)
     finally:
         await backend.close()
@@ -458,9 +458,9 @@ async def test_invalid_config_is_refused_before_io(
     backend: app_endpoint.AppEndpointBackend,
 ) -> None:
     empty = base.JobContext(job_id="job-a", group="pool", config=None)
-    with pytest.raises(app_endpoint.InvalidEndpointConfigError, match="job 'job-a'"):
+    with pytest.raises(app_endpoint_dialects.InvalidEndpointConfigError, match="job 'job-a'"):
         await backend.snapshot(empty, pb.SUSPEND_MODE_OFFLOAD)
-    with pytest.raises(app_endpoint.InvalidEndpointConfigError):
+    with pytest.raises(app_endpoint_dialects.InvalidEndpointConfigError):
         await backend.validate(empty)
 
 

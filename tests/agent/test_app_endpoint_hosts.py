@@ -4,21 +4,21 @@ from __future__ import annotations
 
 import pytest
 
-from tslice.agent.backends import app_endpoint
+from tslice.agent.backends import app_endpoint, app_endpoint_dialects, app_endpoint_hosts
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
 from tslice.common import errors
 
-LOOPBACK = app_endpoint.AppEndpointSettings().allowed_hosts
+LOOPBACK = app_endpoint_hosts.AppEndpointSettings().allowed_hosts
 
 
 def allowed(patterns: list[str], endpoint: str) -> bool:
     config = pb.BackendConfig(
         app_endpoint=pb.AppEndpointConfig(app=pb.APP_VLLM, endpoints=[endpoint])
     )
-    hosts = [app_endpoint.HostPattern.parse(p) for p in patterns]
+    hosts = [app_endpoint_hosts.HostPattern.parse(p) for p in patterns]
     try:
-        app_endpoint.plan(config, allowed_hosts=hosts)
-    except app_endpoint.EndpointNotAllowedError:
+        app_endpoint_dialects.plan(config, allowed_hosts=hosts)
+    except app_endpoint_dialects.EndpointNotAllowedError:
         return False
     return True
 
@@ -70,14 +70,14 @@ def test_default_allow_list_is_loopback_only() -> None:
 )
 def test_bad_host_patterns(text: str) -> None:
     with pytest.raises(ValueError, match=r"host pattern|empty"):
-        app_endpoint.HostPattern.parse(text)
+        app_endpoint_hosts.HostPattern.parse(text)
 
 
 def test_settings_defaults_and_values() -> None:
-    settings = app_endpoint.AppEndpointSettings.from_mapping({})
+    settings = app_endpoint_hosts.AppEndpointSettings.from_mapping({})
     assert settings.timeout_s == 300 and settings.connect_timeout_s == 10
     assert [p.text for p in settings.allowed_hosts] == ["127.0.0.1", "localhost", "::1"]
-    settings = app_endpoint.AppEndpointSettings.from_mapping(
+    settings = app_endpoint_hosts.AppEndpointSettings.from_mapping(
         {"allowed_hosts": ["10.0.0.0/8", "*.local:8000"], "timeout_s": 900, "connect_timeout_s": 1}
     )
     assert [p.text for p in settings.allowed_hosts] == ["10.0.0.0/8", "*.local:8000"]
@@ -127,28 +127,32 @@ def endpoint_config(**fields: object) -> pb.BackendConfig:
     ],
 )
 def test_invalid_configs(config: pb.BackendConfig | None, message: str) -> None:
-    with pytest.raises(app_endpoint.InvalidEndpointConfigError, match=message) as info:
-        app_endpoint.plan(config, allowed_hosts=LOOPBACK, job_id="job-1")
-    assert not isinstance(info.value, app_endpoint.EndpointNotAllowedError)
+    with pytest.raises(app_endpoint_dialects.InvalidEndpointConfigError, match=message) as info:
+        app_endpoint_dialects.plan(config, allowed_hosts=LOOPBACK, job_id="job-1")
+    assert not isinstance(info.value, app_endpoint_dialects.EndpointNotAllowedError)
 
 
 def test_plan_normalises_trailing_slash_and_keeps_base_path() -> None:
-    engines = app_endpoint.plan(
+    engines = app_endpoint_dialects.plan(
         endpoint_config(endpoints=["http://127.0.0.1:8000/engine0//"], tags=["weights"]),
         allowed_hosts=LOOPBACK,
     )
     (url,) = engines.bases
     assert str(url) == "http://127.0.0.1:8000/engine0"
-    request = app_endpoint.suspend_request(engines.dialect, url, level=2, tags=engines.tags)
+    request = app_endpoint_dialects.suspend_request(
+        engines.dialect, url, level=2, tags=engines.tags
+    )
     assert request.describe() == "POST /engine0/sleep?level=2"
-    assert str(app_endpoint.resume_request(engines.dialect, url, tags=()).url).endswith(
+    assert str(app_endpoint_dialects.resume_request(engines.dialect, url, tags=()).url).endswith(
         "/engine0/wake_up"
     )
 
 
 def test_refusal_message_says_how_to_fix() -> None:
-    with pytest.raises(app_endpoint.EndpointNotAllowedError) as info:
-        app_endpoint.plan(endpoint_config(endpoints=["http://10.0.0.1"]), allowed_hosts=LOOPBACK)
+    with pytest.raises(app_endpoint_dialects.EndpointNotAllowedError) as info:
+        app_endpoint_dialects.plan(
+            endpoint_config(endpoints=["http://10.0.0.1"]), allowed_hosts=LOOPBACK
+        )
     text = str(info.value)
     assert "'10.0.0.1' port 80" in text
     assert "allowed_hosts (127.0.0.1, localhost, ::1)" in text

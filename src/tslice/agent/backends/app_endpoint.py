@@ -2,15 +2,17 @@
 
 The engine (vLLM started with ``--enable-sleep-mode`` and ``VLLM_SERVER_DEV_MODE=1``, or SGLang
 with ``--enable-memory-saver``) moves its own memory; this backend only asks it to, using the
-exact requests of WIRE.md "Engine HTTP dialects".
+exact requests of WIRE.md "Engine HTTP dialects"
+(:mod:`~tslice.agent.backends.app_endpoint_dialects`).
 
 What it does better than the llm-d agent it replaces:
 
-* **Allow-list.** The agent is privileged and reachable over the network, so it must not become a
-  proxy to arbitrary URLs. Every endpoint's host (and optionally port) must match
-  ``allowed_hosts`` (default: loopback only) *before* any socket is opened. Matching is on the URL
-  text, never on a DNS answer, so ``http://2130706433/`` is not mistaken for ``127.0.0.1``.
-  Redirects are not followed and proxy environment variables are ignored, for the same reason.
+* **Allow-list** (:mod:`~tslice.agent.backends.app_endpoint_hosts`). The agent is privileged
+  and reachable over the network, so it must not become a proxy to arbitrary URLs. Every
+  endpoint's host (and optionally port) must match ``allowed_hosts`` (default: loopback only)
+  *before* any socket is opened. Matching is on the URL text, never on a DNS answer, so
+  ``http://2130706433/`` is not mistaken for ``127.0.0.1``. Redirects are not followed and
+  proxy environment variables are ignored, for the same reason.
 * **Concurrent endpoints with compensation.** All endpoints of a job (e.g. one per TP/DP rank
   server) are driven at once. If some fail, the ones that changed (or may have changed) are
   moved back, so the job is left consistently in its previous state and the error is transient.
@@ -29,24 +31,21 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import enum
-import fnmatch
-import ipaddress
 import json
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar, NoReturn
 
 import httpx
-import pydantic
 from typing_extensions import Self
 
+from tslice.agent.backends import app_endpoint_dialects as dialects
+from tslice.agent.backends import app_endpoint_hosts as hosts
 from tslice.agent.backends import base
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
-from tslice.common import errors
 
 log = logging.getLogger(__name__)
 
-DEFAULT_ALLOWED_HOSTS: tuple[str, ...] = ("127.0.0.1", "localhost", "::1")
 #: How much of an engine's error body is quoted in an operation error.
 ERROR_BODY_LIMIT = 1024
 #: Statuses an engine (or a proxy in front of it) uses for "not now"; retrying may help.
@@ -58,20 +57,6 @@ _UNCERTAIN_STATUSES = frozenset({500, 502, 504})
 _RETRY_AFTER_S = 1.0
 
 
-class InvalidEndpointConfigError(base.InvalidBackendConfigError):
-    """The request's ``AppEndpointConfig`` is unusable; nothing was sent, nothing changed.
-
-    The agent should answer ``INVALID_ARGUMENT`` with this message and create no operation.
-    """
-
-
-class EndpointNotAllowedError(InvalidEndpointConfigError, base.BackendConfigRefusedError):
-    """An endpoint's host is not on this agent's allow-list; nothing was sent.
-
-    The agent should answer ``FAILED_PRECONDITION`` (the fix is in the agent's config).
-    """
-
-
 class EngineRejectedError(base.TransientBackendError):
     """Every endpoint is back where it was, but an engine failed the call (worth retrying)."""
 
@@ -79,309 +64,6 @@ class EngineRejectedError(base.TransientBackendError):
 class EngineRefusedError(base.RefusedBackendError):
     """Every endpoint is back where it was, and an engine refused in a way that waiting will
     not fix (e.g. 404 because the server was started without sleep mode)."""
-
-
-# --------------------------------------------------------------------------- allow-list
-
-
-@dataclasses.dataclass(frozen=True)
-class HostPattern:
-    """One ``allowed_hosts`` entry: a host name glob, an IP address or a CIDR network,
-    optionally with ``:port`` (IPv6 in brackets when a port is given: ``[::1]:8000``)."""
-
-    text: str
-    #: Lower-case glob for host names (``*.svc.cluster.local``); ``None`` for IP entries.
-    name_glob: str | None
-    #: IP entries; a single address is a /32 (/128) network.
-    network: ipaddress.IPv4Network | ipaddress.IPv6Network | None
-    #: ``None`` = any port.
-    port: int | None
-
-    @classmethod
-    def parse(cls, text: str) -> Self:
-        """Parse an entry; ``ValueError`` says what is wrong with it."""
-        raw = text.strip()
-        if not raw:
-            raise ValueError("empty host pattern")
-        host, port = _split_host_port(raw)
-        if not host:
-            raise ValueError(f"host pattern {text!r} has no host")
-        try:
-            network = ipaddress.ip_network(host, strict=False)
-        except ValueError:
-            network = None
-        if network is not None:
-            return cls(text=raw, name_glob=None, network=network, port=port)
-        if "/" in host or any(c.isspace() for c in host):
-            raise ValueError(f"host pattern {text!r} is neither a host name glob nor an IP/CIDR")
-        return cls(text=raw, name_glob=_normalise_name(host), network=None, port=port)
-
-    def matches(self, *, host: str, port: int) -> bool:
-        """True if an endpoint at ``host`` (as parsed from its URL) and ``port`` is allowed."""
-        if self.port is not None and self.port != port:
-            return False
-        address = _ip_address(host)
-        if self.network is not None:
-            return address is not None and address in self.network
-        assert self.name_glob is not None
-        return fnmatch.fnmatchcase(_normalise_name(host), self.name_glob)
-
-
-def _split_host_port(raw: str) -> tuple[str, int | None]:
-    if raw.startswith("["):
-        host, sep, rest = raw[1:].partition("]")
-        if not sep:
-            raise ValueError(f"host pattern {raw!r} has an unclosed '['")
-        if not rest:
-            return host, None
-        if not rest.startswith(":"):
-            raise ValueError(f"host pattern {raw!r}: expected ':PORT' after ']'")
-        return host, _parse_port(rest[1:], raw)
-    if raw.count(":") == 1:
-        host, _, port_text = raw.partition(":")
-        return host, _parse_port(port_text, raw)
-    # No colon, or a bare IPv6 address/network (several colons, no port).
-    return raw, None
-
-
-def _parse_port(text: str, raw: str) -> int:
-    if not text.isdigit() or not 0 < int(text) < 65536:
-        raise ValueError(f"host pattern {raw!r} has an invalid port {text!r} (1-65535)")
-    return int(text)
-
-
-def _normalise_name(host: str) -> str:
-    return host.lower().rstrip(".")
-
-
-def _ip_address(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
-    try:
-        return ipaddress.ip_address(host)
-    except ValueError:
-        return None
-
-
-# --------------------------------------------------------------------------- settings
-
-
-@dataclasses.dataclass(frozen=True)
-class AppEndpointSettings:
-    """Agent-side settings of the backend (the ``app-endpoint`` section of the agent config)."""
-
-    #: Hosts the backend may talk to (see :class:`HostPattern`); default loopback only.
-    allowed_hosts: tuple[HostPattern, ...] = tuple(
-        HostPattern.parse(h) for h in DEFAULT_ALLOWED_HOSTS
-    )
-    #: Seconds to wait for an engine's answer (reading, writing); default 300, because a
-    #: level-1 sleep of a large model copies its weights to host memory first.
-    timeout_s: float = 300.0
-    #: Seconds to wait for a TCP connection; short, since a local engine accepts at once.
-    connect_timeout_s: float = 10.0
-
-    @classmethod
-    def from_mapping(cls, settings: Mapping[str, Any]) -> Self:
-        """Validate the config section; a ``ConfigError`` names the bad field and the fix."""
-        try:
-            model = _SettingsModel.model_validate(dict(settings))
-        except pydantic.ValidationError as exc:
-            problems = "; ".join(
-                f"{'.'.join(str(p) for p in e['loc']) or 'settings'}: {e['msg']}"
-                for e in exc.errors()
-            )
-            raise errors.ConfigError(f"app-endpoint backend settings: {problems}") from exc
-        patterns = []
-        for index, text in enumerate(model.allowed_hosts):
-            try:
-                patterns.append(HostPattern.parse(text))
-            except ValueError as exc:
-                raise errors.ConfigError(
-                    f"app-endpoint backend settings: allowed_hosts.{index}: {exc}; "
-                    "use HOST, HOST:PORT, *.DOMAIN, an IP address or a CIDR network"
-                ) from exc
-        return cls(
-            allowed_hosts=tuple(patterns),
-            timeout_s=model.timeout_s,
-            connect_timeout_s=model.connect_timeout_s,
-        )
-
-
-class _SettingsModel(pydantic.BaseModel):
-    model_config = pydantic.ConfigDict(extra="forbid", frozen=True)
-
-    allowed_hosts: list[str] = pydantic.Field(default_factory=lambda: list(DEFAULT_ALLOWED_HOSTS))
-    timeout_s: float = pydantic.Field(default=300.0, gt=0)
-    connect_timeout_s: float = pydantic.Field(default=10.0, gt=0)
-
-
-# --------------------------------------------------------------------------- request building
-
-
-class Dialect(enum.Enum):
-    VLLM = "vllm"
-    SGLANG = "sglang"
-
-
-_DIALECT_BY_APP: dict[int, Dialect] = {pb.APP_VLLM: Dialect.VLLM, pb.APP_SGLANG: Dialect.SGLANG}
-
-
-@dataclasses.dataclass(frozen=True)
-class EnginePlan:
-    """A validated ``AppEndpointConfig``: what to call, where, with which tags."""
-
-    dialect: Dialect
-    #: Base URLs as given by the user, for messages.
-    endpoints: tuple[str, ...]
-    #: The same, parsed, with the trailing slash removed from the path.
-    bases: tuple[httpx.URL, ...]
-    mode: pb.SuspendMode
-    tags: tuple[str, ...]
-
-
-@dataclasses.dataclass(frozen=True)
-class EngineRequest:
-    """One HTTP call to one engine."""
-
-    method: str
-    url: httpx.URL
-    params: tuple[tuple[str, str], ...] = ()
-    content: bytes | None = None
-    content_type: str | None = None
-
-    def describe(self) -> str:
-        query = "?" + "&".join(f"{k}={v}" for k, v in self.params) if self.params else ""
-        return f"{self.method} {self.url.path}{query}"
-
-
-def plan(
-    config: pb.BackendConfig | None,
-    *,
-    allowed_hosts: Sequence[HostPattern],
-    job_id: str = "",
-) -> EnginePlan:
-    """Validate a request's backend config against the allow-list; no I/O.
-
-    Raises :class:`InvalidEndpointConfigError` or :class:`EndpointNotAllowedError`.
-    """
-    who = f" of job {job_id!r}" if job_id else ""
-    if config is None or config.WhichOneof("backend") != "app_endpoint":
-        raise InvalidEndpointConfigError(
-            f"the app-endpoint backend needs backend_config.app_endpoint{who} "
-            "(app and endpoints); none was given"
-        )
-    cfg = config.app_endpoint
-    dialect = _DIALECT_BY_APP.get(cfg.app)
-    if dialect is None:
-        raise InvalidEndpointConfigError(
-            f"app_endpoint.app{who} is unknown or unspecified ({cfg.app}); "
-            "set it to APP_VLLM or APP_SGLANG"
-        )
-    if not cfg.endpoints:
-        raise InvalidEndpointConfigError(
-            f"app_endpoint.endpoints{who} is empty; give at least one engine URL "
-            "such as http://127.0.0.1:8000"
-        )
-    if any(not tag for tag in cfg.tags):
-        raise InvalidEndpointConfigError(f"app_endpoint.tags{who} contains an empty tag")
-    bases: list[httpx.URL] = []
-    for endpoint in cfg.endpoints:
-        url = _parse_endpoint(endpoint)
-        _check_allowed(endpoint, url, allowed_hosts)
-        if url in bases:
-            raise InvalidEndpointConfigError(
-                f"app_endpoint.endpoints{who} names {endpoint!r} twice; "
-                "each engine must be listed once"
-            )
-        bases.append(url)
-    return EnginePlan(
-        dialect=dialect,
-        endpoints=tuple(cfg.endpoints),
-        bases=tuple(bases),
-        mode=cfg.mode,
-        tags=tuple(cfg.tags),
-    )
-
-
-def _parse_endpoint(endpoint: str) -> httpx.URL:
-    def invalid(why: str) -> InvalidEndpointConfigError:
-        return InvalidEndpointConfigError(f"app_endpoint endpoint {endpoint!r} {why}")
-
-    try:
-        url = httpx.URL(endpoint)
-    except (httpx.InvalidURL, TypeError, ValueError) as exc:
-        raise invalid(f"is not a valid URL ({exc})") from exc
-    if url.scheme not in ("http", "https"):
-        raise invalid("must start with http:// or https://")
-    if not url.host:
-        raise invalid("has no host")
-    if url.userinfo:
-        raise invalid("must not carry credentials (user:password@)")
-    if url.query or url.fragment:
-        raise invalid("must not have a query string or fragment; give the server's base URL")
-    if url.port is not None and not 0 < url.port < 65536:
-        raise invalid(f"has an invalid port {url.port}")
-    return url.copy_with(path=url.path.rstrip("/") or "")
-
-
-def _effective_port(url: httpx.URL) -> int:
-    if url.port is not None:
-        return url.port
-    return 443 if url.scheme == "https" else 80
-
-
-def _check_allowed(endpoint: str, url: httpx.URL, allowed: Sequence[HostPattern]) -> None:
-    port = _effective_port(url)
-    if any(p.matches(host=url.host, port=port) for p in allowed):
-        return
-    listed = ", ".join(p.text for p in allowed) or "(nothing)"
-    raise EndpointNotAllowedError(
-        f"app_endpoint endpoint {endpoint!r} is refused: host {url.host!r} port {port} is not "
-        f"in this agent's app-endpoint allowed_hosts ({listed}); add it to the agent config "
-        "if this engine is meant to be driven by this agent"
-    )
-
-
-def _join(base_url: httpx.URL, operation: str) -> httpx.URL:
-    # httpx spells an empty path "/", so strip again rather than trust the stored base.
-    return base_url.copy_with(path=f"{base_url.path.rstrip('/')}/{operation}")
-
-
-def _json_body(tags: Sequence[str]) -> bytes:
-    body: dict[str, list[str]] = {"tags": list(tags)} if tags else {}
-    return json.dumps(body, separators=(",", ":")).encode()
-
-
-def suspend_request(
-    dialect: Dialect, base_url: httpx.URL, *, level: int, tags: Sequence[str]
-) -> EngineRequest:
-    """vLLM: ``POST /sleep?level=N``, empty body (vLLM takes no tags on sleep).
-    SGLang: ``POST /release_memory_occupation`` with ``{}`` or ``{"tags": [...]}``."""
-    if dialect is Dialect.VLLM:
-        return EngineRequest("POST", _join(base_url, "sleep"), params=(("level", str(level)),))
-    return EngineRequest(
-        "POST",
-        _join(base_url, "release_memory_occupation"),
-        content=_json_body(tags),
-        content_type="application/json",
-    )
-
-
-def resume_request(dialect: Dialect, base_url: httpx.URL, *, tags: Sequence[str]) -> EngineRequest:
-    """vLLM: ``POST /wake_up`` plus one ``tags=`` parameter per tag, in order, empty body.
-    SGLang: ``POST /resume_memory_occupation`` with ``{}`` or ``{"tags": [...]}``."""
-    if dialect is Dialect.VLLM:
-        return EngineRequest(
-            "POST", _join(base_url, "wake_up"), params=tuple(("tags", t) for t in tags)
-        )
-    return EngineRequest(
-        "POST",
-        _join(base_url, "resume_memory_occupation"),
-        content=_json_body(tags),
-        content_type="application/json",
-    )
-
-
-def _level(mode: pb.SuspendMode) -> int:
-    return 2 if mode == pb.SUSPEND_MODE_DISCARD else 1
 
 
 # --------------------------------------------------------------------------- outcomes
@@ -398,7 +80,7 @@ class _Outcome(enum.Enum):
 @dataclasses.dataclass(frozen=True)
 class _CallResult:
     endpoint: str
-    request: EngineRequest
+    request: dialects.EngineRequest
     outcome: _Outcome
     error: str = ""
     retryable: bool = True
@@ -423,26 +105,27 @@ class AppEndpointBackend(base.Backend):
     """Suspends/resumes the engines listed in the request's ``AppEndpointConfig``.
 
     Build it with :meth:`create` from the agent config section (``allowed_hosts``,
-    ``timeout_s``, ``connect_timeout_s``) or directly with an :class:`AppEndpointSettings`.
+    ``timeout_s``, ``connect_timeout_s``) or directly with an :class:`hosts.AppEndpointSettings`.
     Call :meth:`validate` before accepting a request: it raises
-    :class:`InvalidEndpointConfigError` / :class:`EndpointNotAllowedError` without any I/O.
+    :class:`~.app_endpoint_dialects.InvalidEndpointConfigError` (or its subclass
+    ``EndpointNotAllowedError``) without any I/O.
     """
 
     name: ClassVar[str] = "app-endpoint"
 
-    def __init__(self, *, settings: AppEndpointSettings | None = None) -> None:
-        self.settings = settings or AppEndpointSettings()
+    def __init__(self, *, settings: hosts.AppEndpointSettings | None = None) -> None:
+        self.settings = settings or hosts.AppEndpointSettings()
         self._client: httpx.AsyncClient | None = None
 
     @classmethod
     def create(cls, settings: Mapping[str, Any]) -> Self:
-        return cls(settings=AppEndpointSettings.from_mapping(settings))
+        return cls(settings=hosts.AppEndpointSettings.from_mapping(settings))
 
     # -- public contract
 
     async def validate(self, job: base.JobContext) -> None:
-        """Raise :class:`InvalidEndpointConfigError` (or its subclass
-        :class:`EndpointNotAllowedError`) if ``job.config`` cannot be served; no I/O."""
+        """Raise ``InvalidEndpointConfigError`` (or its subclass ``EndpointNotAllowedError``)
+        if ``job.config`` cannot be served; no I/O."""
         self._plan(job)
 
     async def snapshot(self, job: base.JobContext, mode: pb.SuspendMode) -> base.OpResult:
@@ -453,14 +136,14 @@ class AppEndpointBackend(base.Backend):
         """
         engines = self._plan(job)
         resolved = mode if mode != pb.SUSPEND_MODE_UNSPECIFIED else engines.mode
-        level = _level(resolved)
+        level = dialects.sleep_level(resolved)
         # vLLM ignores /sleep while any tag still sleeps: a job stopped half-way through a
         # staged wake is woken fully first, or its woken tags would stay on the device.
-        finish_wake = engines.dialect is Dialect.VLLM and _awake_tags(job) is not None
+        finish_wake = engines.dialect is dialects.Dialect.VLLM and _awake_tags(job) is not None
         forward = [
             [
-                *([resume_request(engines.dialect, b, tags=())] if finish_wake else []),
-                suspend_request(engines.dialect, b, level=level, tags=engines.tags),
+                *([dialects.resume_request(engines.dialect, b, tags=())] if finish_wake else []),
+                dialects.suspend_request(engines.dialect, b, level=level, tags=engines.tags),
             ]
             for b in engines.bases
         ]
@@ -473,7 +156,7 @@ class AppEndpointBackend(base.Backend):
             )
         # vLLM sleeps whole (it takes no tags on sleep), so it wakes whole; SGLang released
         # exactly ``tags`` and resumes exactly those.
-        wake_tags = engines.tags if engines.dialect is Dialect.SGLANG else ()
+        wake_tags = engines.tags if engines.dialect is dialects.Dialect.SGLANG else ()
         await self._compensate(
             job,
             results,
@@ -481,7 +164,7 @@ class AppEndpointBackend(base.Backend):
             kind="snapshot",
             verb="suspend",
             undone="resumed",
-            undo=lambda url: [resume_request(engines.dialect, url, tags=wake_tags)],
+            undo=lambda url: [dialects.resume_request(engines.dialect, url, tags=wake_tags)],
         )
 
     async def restore(self, job: base.JobContext) -> base.OpResult:
@@ -492,8 +175,10 @@ class AppEndpointBackend(base.Backend):
         """
         engines = self._plan(job)
         recorded_level = job.state.get("level")
-        level = recorded_level if recorded_level in (1, 2) else _level(engines.mode)
-        forward = [[resume_request(engines.dialect, b, tags=engines.tags)] for b in engines.bases]
+        level = recorded_level if recorded_level in (1, 2) else dialects.sleep_level(engines.mode)
+        forward = [
+            [dialects.resume_request(engines.dialect, b, tags=engines.tags)] for b in engines.bases
+        ]
         results = await self._call_all(job, engines.endpoints, forward)
         if all(r.outcome is _Outcome.DONE for r in results):
             state = self._state(engines, level=level)
@@ -507,12 +192,12 @@ class AppEndpointBackend(base.Backend):
                 state=state,
             )
 
-        def back_to_sleep(url: httpx.URL) -> list[EngineRequest]:
-            suspend = suspend_request(engines.dialect, url, level=level, tags=engines.tags)
-            if engines.dialect is Dialect.VLLM:
+        def back_to_sleep(url: httpx.URL) -> list[dialects.EngineRequest]:
+            suspend = dialects.suspend_request(engines.dialect, url, level=level, tags=engines.tags)
+            if engines.dialect is dialects.Dialect.VLLM:
                 # vLLM ignores /sleep while any tag still sleeps, so a partly woken engine
                 # must finish waking before it can be put back to sleep.
-                return [resume_request(engines.dialect, url, tags=()), suspend]
+                return [dialects.resume_request(engines.dialect, url, tags=()), suspend]
             return [suspend]
 
         await self._compensate(
@@ -539,11 +224,13 @@ class AppEndpointBackend(base.Backend):
         RUNNING, anything else (mixed, unreachable, SGLang) → ``None`` (cannot tell)."""
         try:
             engines = self._plan(job)
-        except InvalidEndpointConfigError:
+        except dialects.InvalidEndpointConfigError:
             return None
-        if engines.dialect is not Dialect.VLLM:
+        if engines.dialect is not dialects.Dialect.VLLM:
             return None
-        probes = [[EngineRequest("GET", _join(b, "is_sleeping"))] for b in engines.bases]
+        probes = [
+            [dialects.EngineRequest("GET", dialects.join(b, "is_sleeping"))] for b in engines.bases
+        ]
         results = await self._call_all(job, engines.endpoints, probes)
         sleeping = {r.payload.get("is_sleeping") for r in results if r.outcome is _Outcome.DONE}
         if any(r.outcome is not _Outcome.DONE for r in results) or len(sleeping) != 1:
@@ -562,11 +249,13 @@ class AppEndpointBackend(base.Backend):
 
     # -- internals
 
-    def _plan(self, job: base.JobContext) -> EnginePlan:
-        return plan(job.config, allowed_hosts=self.settings.allowed_hosts, job_id=job.job_id)
+    def _plan(self, job: base.JobContext) -> dialects.EnginePlan:
+        return dialects.plan(
+            job.config, allowed_hosts=self.settings.allowed_hosts, job_id=job.job_id
+        )
 
     @staticmethod
-    def _state(engines: EnginePlan, *, level: int) -> dict[str, Any]:
+    def _state(engines: dialects.EnginePlan, *, level: int) -> dict[str, Any]:
         # Persisted by the agent: restore re-suspends at the level the job was suspended with.
         return {"app": engines.dialect.value, "endpoints": list(engines.endpoints), "level": level}
 
@@ -588,7 +277,7 @@ class AppEndpointBackend(base.Backend):
         self,
         job: base.JobContext,
         endpoints: Sequence[str],
-        chains: Sequence[Sequence[EngineRequest]],
+        chains: Sequence[Sequence[dialects.EngineRequest]],
     ) -> list[_CallResult]:
         """Run one chain of requests per endpoint, all endpoints at once."""
         # Wait for every call even if one fails early: cancelling an in-flight sleep would
@@ -600,7 +289,7 @@ class AppEndpointBackend(base.Backend):
         )
 
     async def _call_chain(
-        self, job: base.JobContext, endpoint: str, requests: Sequence[EngineRequest]
+        self, job: base.JobContext, endpoint: str, requests: Sequence[dialects.EngineRequest]
     ) -> _CallResult:
         result: _CallResult | None = None
         for request in requests:
@@ -611,7 +300,7 @@ class AppEndpointBackend(base.Backend):
         return result
 
     async def _call(
-        self, job: base.JobContext, endpoint: str, request: EngineRequest
+        self, job: base.JobContext, endpoint: str, request: dialects.EngineRequest
     ) -> _CallResult:
         what = request.describe()
         headers = {"Content-Type": request.content_type} if request.content_type else None
@@ -661,12 +350,12 @@ class AppEndpointBackend(base.Backend):
         self,
         job: base.JobContext,
         results: Sequence[_CallResult],
-        engines: EnginePlan,
+        engines: dialects.EnginePlan,
         *,
         kind: str,
         verb: str,
         undone: str,
-        undo: Callable[[httpx.URL], Sequence[EngineRequest]],
+        undo: Callable[[httpx.URL], Sequence[dialects.EngineRequest]],
     ) -> NoReturn:
         """Undo the calls that took (or may have taken) effect, then raise the right error."""
         failed = [r for r in results if r.outcome is not _Outcome.DONE]
