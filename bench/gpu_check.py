@@ -143,7 +143,7 @@ async def cuda_part(args: argparse.Namespace, report: Report) -> None:
     try:
         from tslice.agent import discovery, registration
         from tslice.agent import nvml as nvml_mod
-        from tslice.agent.backends import base, cuda, cuda_driver
+        from tslice.agent.backends import base, cuda, cuda_fake
         from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
     except ImportError as exc:
         report.check(
@@ -193,7 +193,7 @@ async def cuda_part(args: argparse.Namespace, report: Report) -> None:
         if args.simulate:
             nvml = nvml_mod.FakeNvml([nvml_mod.FakeGpu("GPU-00000000-0000-0000-0000-000000000000")])
             nvml.gpus[0].compute[pid] = int(ready["bytes"])
-            driver: Any = cuda_driver.FakeDriver(nvml=nvml)
+            driver: Any = cuda_fake.FakeDriver(nvml=nvml)
             driver.add_process(pid)
 
             def make() -> cuda.CudaBackend:

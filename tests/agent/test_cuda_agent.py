@@ -15,7 +15,7 @@ import pytest
 from grpc_health.v1 import health_pb2
 
 from tslice.agent import nvml, registration
-from tslice.agent.backends import cuda, cuda_driver
+from tslice.agent.backends import cuda, cuda_driver, cuda_fake, cuda_settings
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
 
 GiB = 2**30
@@ -27,13 +27,13 @@ S = cuda_driver.ProcessState
 class GpuNode:
     pids: list[int]
     nvml: nvml.FakeNvml
-    driver: cuda_driver.FakeDriver
+    driver: cuda_fake.FakeDriver
     registry: registration.ProcessRegistry
 
     def backend(self, **settings: Any) -> cuda.CudaBackend:
         """A fresh backend instance, as a (re)started agent builds it."""
         return cuda.CudaBackend(
-            settings=cuda.CudaSettings(**settings),
+            settings=cuda_settings.CudaSettings(**settings),
             driver=self.driver,
             nvml=self.nvml,
             registry=self.registry,
@@ -50,7 +50,7 @@ def node() -> Iterator[GpuNode]:
     children = [subprocess.Popen(["sleep", "300"]) for _ in range(2)]
     pids = [c.pid for c in children]
     gpus = nvml.FakeNvml([nvml.FakeGpu(GPU0, 80 * GiB)])
-    driver = cuda_driver.FakeDriver(nvml=gpus)
+    driver = cuda_fake.FakeDriver(nvml=gpus)
     for pid in pids:
         driver.add_process(pid)
         gpus.gpus[0].compute[pid] = 2 * GiB

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from tslice.agent import nvml, registration
-from tslice.agent.backends import base, cuda, cuda_driver
+from tslice.agent.backends import base, cuda, cuda_binary, cuda_driver, cuda_fake, cuda_settings
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
 from tslice.common import errors
 
@@ -55,20 +55,20 @@ class Node:
             [nvml.FakeGpu(GPU0, 80 * GiB), nvml.FakeGpu(GPU1, 80 * GiB)]
         )
     )
-    driver: cuda_driver.FakeDriver = dataclasses.field(init=False)
+    driver: cuda_fake.FakeDriver = dataclasses.field(init=False)
     registry: registration.ProcessRegistry = dataclasses.field(
         default_factory=registration.ProcessRegistry
     )
 
     def __post_init__(self) -> None:
-        self.driver = cuda_driver.FakeDriver(nvml=self.nvml)
+        self.driver = cuda_fake.FakeDriver(nvml=self.nvml)
         for i, pid in enumerate(self.pids):
             self.driver.add_process(pid)
             self.nvml.gpus[0].compute[pid] = (i + 1) * GiB
 
     def backend(self, **settings: Any) -> cuda.CudaBackend:
         return cuda.CudaBackend(
-            settings=cuda.CudaSettings(**settings),
+            settings=cuda_settings.CudaSettings(**settings),
             driver=self.driver,
             nvml=self.nvml,
             registry=self.registry,
@@ -430,7 +430,7 @@ async def test_missing_gpu_stack_is_a_clear_error(
 ) -> None:
     # No cuda-bindings in this environment, no cuda-checkpoint anywhere.
     monkeypatch.setenv("PATH", str(tmp_path))
-    monkeypatch.setattr(cuda_driver, "FALLBACK_BINARY", str(tmp_path / "cuda-checkpoint"))
+    monkeypatch.setattr(cuda_binary, "FALLBACK_BINARY", str(tmp_path / "cuda-checkpoint"))
     monkeypatch.setitem(__import__("sys").modules, "cuda.bindings.driver", None)
     backend = cuda.CudaBackend.create({})
     for call in (
@@ -450,7 +450,7 @@ async def test_missing_gpu_stack_is_a_clear_error(
 async def test_health_needs_at_least_one_gpu(node: Node) -> None:
     await node.backend().check_health()
     empty = cuda.CudaBackend(
-        driver=cuda_driver.FakeDriver(devices=0), nvml=nvml.FakeNvml(), registry=node.registry
+        driver=cuda_fake.FakeDriver(devices=0), nvml=nvml.FakeNvml(), registry=node.registry
     )
     with pytest.raises(base.BackendUnavailableError, match="no NVIDIA GPU is visible"):
         await empty.check_health()

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from tslice.agent import registration
-from tslice.agent.backends import base, cuda, cuda_driver
+from tslice.agent.backends import base, cuda, cuda_binary, cuda_bindings, cuda_driver, cuda_fake
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
 
 S = cuda_driver.ProcessState
@@ -110,7 +110,7 @@ def tool(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> FakeTool:
 
 async def test_binary_driver_walks_the_state_machine_one_pid_per_call(tool: FakeTool) -> None:
     tool.set(states={42: "running"})
-    driver = cuda_driver.BinaryDriver(path=str(tool.path))
+    driver = cuda_binary.BinaryDriver(path=str(tool.path))
     assert await driver.get_state(42) is S.RUNNING
     await driver.lock(42, timeout_ms=1500)
     assert await driver.get_state(42) is S.LOCKED
@@ -130,7 +130,7 @@ async def test_binary_driver_walks_the_state_machine_one_pid_per_call(tool: Fake
 
 async def test_binary_driver_errors_carry_the_tool_output(tool: FakeTool) -> None:
     tool.set(states={42: "locked"}, faults={"checkpoint": "CUDA error: UVM is not supported"})
-    driver = cuda_driver.BinaryDriver(path=str(tool.path))
+    driver = cuda_binary.BinaryDriver(path=str(tool.path))
     with pytest.raises(cuda_driver.DriverError) as caught:
         await driver.checkpoint(42)
     assert not isinstance(caught.value, cuda_driver.LockTimeoutError)
@@ -142,7 +142,7 @@ async def test_binary_driver_errors_carry_the_tool_output(tool: FakeTool) -> Non
 
 async def test_binary_driver_recognises_a_lock_timeout(tool: FakeTool) -> None:
     tool.set(states={42: "running"}, faults={"lock": "timeout"})
-    driver = cuda_driver.BinaryDriver(path=str(tool.path))
+    driver = cuda_binary.BinaryDriver(path=str(tool.path))
     with pytest.raises(cuda_driver.LockTimeoutError, match="timed out"):
         await driver.lock(42, timeout_ms=100)
     assert tool.states() == {42: "running"}
@@ -164,7 +164,7 @@ def _children_of_this_process() -> list[int]:
 
 async def test_a_deadline_kills_the_tool(tool: FakeTool) -> None:
     tool.set(states={42: "locked"}, faults={"checkpoint": "hang"})
-    driver = cuda_driver.BinaryDriver(path=str(tool.path))
+    driver = cuda_binary.BinaryDriver(path=str(tool.path))
     before = set(_children_of_this_process())
     with pytest.raises(asyncio.TimeoutError):
         await asyncio.wait_for(driver.checkpoint(42), timeout=1.0)
@@ -173,7 +173,7 @@ async def test_a_deadline_kills_the_tool(tool: FakeTool) -> None:
 
 
 async def test_check_tool_refuses_a_pre_570_tool(tool: FakeTool) -> None:
-    driver = cuda_driver.BinaryDriver(path=str(tool.path))
+    driver = cuda_binary.BinaryDriver(path=str(tool.path))
     await driver.check_tool()
     tool.set(help="--toggle --pid <pid>")
     with pytest.raises(base.BackendUnavailableError, match="older than r570"):
@@ -182,7 +182,7 @@ async def test_check_tool_refuses_a_pre_570_tool(tool: FakeTool) -> None:
 
 def test_binary_driver_needs_the_tool(tmp_path: Path) -> None:
     with pytest.raises(base.BackendUnavailableError, match=r"tslice\[gpu\]"):
-        cuda_driver.BinaryDriver(path=str(tmp_path / "nope"))
+        cuda_binary.BinaryDriver(path=str(tmp_path / "nope"))
 
 
 @pytest.fixture
@@ -226,12 +226,12 @@ async def test_backend_over_the_binary_end_to_end(tool: FakeTool, sleepers: list
 
 def test_select_driver(tool: FakeTool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "cuda.bindings.driver", None)
-    monkeypatch.setattr(cuda_driver, "FALLBACK_BINARY", str(tmp_path / "absent"))
+    monkeypatch.setattr(cuda_binary, "FALLBACK_BINARY", str(tmp_path / "absent"))
     monkeypatch.setenv("PATH", str(tmp_path))  # the fake tool is on PATH
     chosen = cuda_driver.select_driver()
-    assert isinstance(chosen, cuda_driver.BinaryDriver)
+    assert isinstance(chosen, cuda_binary.BinaryDriver)
     assert chosen.path == str(tool.path)
-    assert isinstance(cuda_driver.select_driver(preference="fake"), cuda_driver.FakeDriver)
+    assert isinstance(cuda_driver.select_driver(preference="fake"), cuda_fake.FakeDriver)
     with pytest.raises(base.BackendUnavailableError, match="cuda-bindings is not installed"):
         cuda_driver.select_driver(preference="bindings")
     with pytest.raises(base.BackendUnavailableError, match="unknown cuda driver"):
@@ -344,7 +344,7 @@ class FakeCudaModule:
 
 async def test_bindings_driver_calls_and_state_mapping() -> None:
     module = FakeCudaModule()
-    driver = cuda_driver.BindingsDriver(module=module)
+    driver = cuda_bindings.BindingsDriver(module=module)
     for raw, state in zip(_CUprocessState, S, strict=True):
         module.state = raw
         assert await driver.get_state(5) is state
@@ -362,7 +362,7 @@ async def test_bindings_driver_calls_and_state_mapping() -> None:
 
 async def test_bindings_driver_maps_errors() -> None:
     module = FakeCudaModule()
-    driver = cuda_driver.BindingsDriver(module=module)
+    driver = cuda_bindings.BindingsDriver(module=module)
     module.errors["lock"] = _CUresult.CUDA_ERROR_TIMEOUT
     with pytest.raises(cuda_driver.LockTimeoutError, match="CUDA_ERROR_TIMEOUT"):
         await driver.lock(5, timeout_ms=10)
@@ -386,7 +386,7 @@ async def test_bindings_driver_maps_errors() -> None:
 )
 def test_bindings_driver_unavailable_at_init(module: FakeCudaModule, message: str) -> None:
     with pytest.raises(base.BackendUnavailableError, match=message):
-        cuda_driver.BindingsDriver(module=module)
+        cuda_bindings.BindingsDriver(module=module)
 
 
 def test_bindings_driver_without_libcuda_or_checkpoint_api() -> None:
@@ -395,20 +395,20 @@ def test_bindings_driver_without_libcuda_or_checkpoint_api() -> None:
             raise RuntimeError("Failed to dlopen libcuda.so.1")
 
     with pytest.raises(base.BackendUnavailableError, match="could not be loaded"):
-        cuda_driver.BindingsDriver(module=NoLibcuda())
+        cuda_bindings.BindingsDriver(module=NoLibcuda())
 
     class Old:
         pass
 
     with pytest.raises(base.BackendUnavailableError, match="lacks the checkpoint API"):
-        cuda_driver.BindingsDriver(module=Old())
+        cuda_bindings.BindingsDriver(module=Old())
 
 
 # --------------------------------------------------------------------------- the fake
 
 
 async def test_fake_driver_enforces_the_driver_state_machine() -> None:
-    driver = cuda_driver.FakeDriver()
+    driver = cuda_fake.FakeDriver()
     with pytest.raises(cuda_driver.DriverError, match="no CUDA process"):
         await driver.get_state(1)
     driver.add_process(1)

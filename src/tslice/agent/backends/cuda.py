@@ -39,111 +39,23 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import functools
 import logging
-import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
-from typing import Any, Literal, TypeVar
+from collections.abc import AsyncIterator, Mapping
+from typing import Any
 
-import pydantic
 from typing_extensions import Self
 
 from tslice.agent import discovery, registration
 from tslice.agent import nvml as nvml_mod
-from tslice.agent.backends import base, cuda_driver
+from tslice.agent.backends import base, cuda_binary, cuda_driver, cuda_settings, cuda_steps
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
-from tslice.common import errors
 
 log = logging.getLogger(__name__)
 
-T = TypeVar("T")
-_RUNNING = cuda_driver.ProcessState.RUNNING
-_LOCKED = cuda_driver.ProcessState.LOCKED
-_CHECKPOINTED = cuda_driver.ProcessState.CHECKPOINTED
-_FAILED = cuda_driver.ProcessState.FAILED
-
-
-@dataclasses.dataclass(frozen=True)
-class CudaSettings:
-    """Settings of the cuda backend (agent config section ``backends.cuda``)."""
-
-    #: Which checkpoint driver: ``auto`` (cuda-bindings, else the cuda-checkpoint
-    #: binary), ``bindings``, ``binary``, or ``fake`` (in-memory, for demos and tests).
-    driver: Literal["auto", "bindings", "binary", "fake"] = "auto"
-    #: Path of ``cuda-checkpoint``; default: PATH, then /usr/local/bin.
-    binary: str | None = None
-    #: How long a lock may wait for the process's in-flight CUDA calls, ms. Default
-    #: 10 000. On timeout the process keeps running and the snapshot is retried.
-    lock_timeout_ms: int = 10_000
-    #: Deadline of one snapshot or restore of a job (all its processes), seconds.
-    #: Default 300, below the agent's own operation deadline so a rollback fits.
-    operation_timeout_s: float = 300.0
-    #: Budget for rolling a failed snapshot back, seconds. Default 120.
-    rollback_timeout_s: float = 120.0
-    #: GPU remap applied at every restore, old UUID → new UUID (driver >= 580).
-    #: The driver wants every GPU the process can see in the map. Default: none.
-    device_map: Mapping[str, str] = dataclasses.field(default_factory=dict)
-    #: Where process information lives (tests point this at a fixture tree).
-    proc_root: str = "/proc"
-    #: Measure bytes moved with NVML. Default true; without NVML bytes read 0.
-    measure_bytes: bool = True
-    #: On recover(): unlock processes left LOCKED and checkpoint the resident rest of a
-    #: half-checkpointed job, so the job ends SAVED or RUNNING instead of FAULTED. Both
-    #: actions only keep or free device memory, never load it. Default true.
-    repair_on_recover: bool = True
-
-
-class _SettingsModel(pydantic.BaseModel):
-    """File/env boundary for :class:`CudaSettings`."""
-
-    model_config = pydantic.ConfigDict(extra="forbid")
-
-    driver: Literal["auto", "bindings", "binary", "fake"] = "auto"
-    binary: str | None = None
-    lock_timeout_ms: int = pydantic.Field(10_000, gt=0, le=2**31 - 1)
-    operation_timeout_s: float = pydantic.Field(300.0, gt=0)
-    rollback_timeout_s: float = pydantic.Field(120.0, gt=0)
-    device_map: dict[str, str] = pydantic.Field(default_factory=dict)
-    proc_root: str = "/proc"
-    measure_bytes: bool = True
-    repair_on_recover: bool = True
-
-    @pydantic.field_validator("device_map")
-    @classmethod
-    def _uuids(cls, value: dict[str, str]) -> dict[str, str]:
-        return {
-            cuda_driver.normalize_gpu_uuid(k): cuda_driver.normalize_gpu_uuid(v)
-            for k, v in value.items()
-        }
-
-
-def parse_settings(settings: Mapping[str, Any]) -> CudaSettings:
-    """Validate a settings mapping; ConfigError names the field and the fix."""
-    try:
-        model = _SettingsModel.model_validate(dict(settings))
-    except pydantic.ValidationError as exc:
-        problems = "; ".join(
-            f"{'.'.join(str(p) for p in err['loc']) or '(section)'}: {err['msg']}"
-            for err in exc.errors()
-        )
-        raise errors.ConfigError(f"invalid cuda backend settings: {problems}") from exc
-    return CudaSettings(**model.model_dump())
-
-
-class _DeadlineHit(Exception):
-    def __init__(self, pid: int, op: str) -> None:
-        super().__init__(f"{op} of pid {pid}")
-        self.pid = pid
-        self.op = op
-
-
-class _Deadline:
-    def __init__(self, seconds: float) -> None:
-        self.seconds = seconds
-        self._end = time.monotonic() + seconds
-
-    def remaining(self) -> float:
-        return max(0.0, self._end - time.monotonic())
+_RUNNING = cuda_steps.RUNNING
+_LOCKED = cuda_steps.LOCKED
+_CHECKPOINTED = cuda_steps.CHECKPOINTED
+_FAILED = cuda_steps.FAILED
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,13 +72,13 @@ class CudaBackend(base.Backend):
     def __init__(
         self,
         *,
-        settings: CudaSettings | None = None,
+        settings: cuda_settings.CudaSettings | None = None,
         driver: cuda_driver.CheckpointDriver | None = None,
         nvml: nvml_mod.Nvml | None = None,
         registry: registration.ProcessRegistry | None = None,
     ) -> None:
         """``driver``/``nvml`` replace the node's real ones (None: chosen on first use)."""
-        self.settings = settings if settings is not None else CudaSettings()
+        self.settings = settings if settings is not None else cuda_settings.CudaSettings()
         self.registry = registry if registry is not None else registration.default_registry()
         self._driver = driver
         self._nvml = nvml
@@ -178,7 +90,7 @@ class CudaBackend(base.Backend):
         """Build from the agent config section; ``registry`` may be passed as an object."""
         plain = dict(settings)
         registry = plain.pop("registry", None)
-        return cls(settings=parse_settings(plain), registry=registry)
+        return cls(settings=cuda_settings.parse_settings(plain), registry=registry)
 
     # ----------------------------------------------------------------- resources
 
@@ -192,6 +104,13 @@ class CudaBackend(base.Backend):
             )
             log.info("cuda checkpoint driver selected", extra={"driver": self._driver.name})
         return self._driver
+
+    async def _steps(self) -> cuda_steps.ProcessSteps:
+        driver = await self._get_driver()
+        return cuda_steps.ProcessSteps(driver, lock_timeout_ms=self.settings.lock_timeout_ms)
+
+    async def _rollback(self, steps: cuda_steps.ProcessSteps, pids: list[int]) -> tuple[bool, str]:
+        return await steps.rollback(pids, budget_s=self.settings.rollback_timeout_s)
 
     async def _get_nvml(self) -> nvml_mod.Nvml | None:
         if not self.settings.measure_bytes:
@@ -320,110 +239,6 @@ class CudaBackend(base.Backend):
             for pid in pids:
                 self._busy.pop(pid, None)
 
-    # ----------------------------------------------------------------- steps
-
-    @staticmethod
-    async def _step(
-        call: Callable[[], Awaitable[T]], deadline: _Deadline, *, pid: int, op: str
-    ) -> T:
-        remaining = deadline.remaining()
-        if remaining <= 0:
-            raise _DeadlineHit(pid, op)
-        try:
-            return await asyncio.wait_for(call(), timeout=remaining)
-        except asyncio.TimeoutError:
-            raise _DeadlineHit(pid, op) from None
-
-    def _lock_timeout_ms(self, deadline: _Deadline) -> int:
-        # Leave room under the deadline so a lock timeout is reported as such.
-        room_ms = int(deadline.remaining() * 900)
-        return max(1, min(self.settings.lock_timeout_ms, room_ms))
-
-    async def _save_one(
-        self,
-        driver: cuda_driver.CheckpointDriver,
-        pid: int,
-        deadline: _Deadline,
-        *,
-        touched: list[int] | None = None,
-    ) -> str:
-        """Bring one process to CHECKPOINTED; returns what was done.
-
-        ``pid`` is appended to ``touched`` before the first call that may change it.
-        """
-        state = await self._step(lambda: driver.get_state(pid), deadline, pid=pid, op="get_state")
-        if touched is not None and state is not _CHECKPOINTED:
-            touched.append(pid)
-        if state is _CHECKPOINTED:
-            return "already checkpointed"
-        if state is _FAILED:
-            raise cuda_driver.DriverError(
-                f"pid {pid} is in the driver's FAILED checkpoint state; the process must be "
-                "restarted",
-                pid=pid,
-                op="get_state",
-                code="CU_PROCESS_STATE_FAILED",
-            )
-        if state is _RUNNING:
-            timeout_ms = self._lock_timeout_ms(deadline)
-            await self._step(
-                lambda: driver.lock(pid, timeout_ms=timeout_ms), deadline, pid=pid, op="lock"
-            )
-        await self._step(lambda: driver.checkpoint(pid), deadline, pid=pid, op="checkpoint")
-        return "checkpointed"
-
-    async def _resume_one(
-        self,
-        driver: cuda_driver.CheckpointDriver,
-        pid: int,
-        deadline: _Deadline,
-        *,
-        gpu_pairs: Mapping[str, str] | None,
-    ) -> tuple[str, bool]:
-        """Bring one process to RUNNING; returns (what was done, whether it changed)."""
-        state = await self._step(lambda: driver.get_state(pid), deadline, pid=pid, op="get_state")
-        if state is _RUNNING:
-            return "already running", False
-        if state is _FAILED:
-            raise cuda_driver.DriverError(
-                f"pid {pid} is in the driver's FAILED checkpoint state; its device state is "
-                "lost and the process must be restarted",
-                pid=pid,
-                op="get_state",
-                code="CU_PROCESS_STATE_FAILED",
-            )
-        done = "unlocked"
-        if state is _CHECKPOINTED:
-            await self._step(
-                lambda: driver.restore(pid, gpu_pairs=gpu_pairs), deadline, pid=pid, op="restore"
-            )
-            done = "restored"
-        await self._step(lambda: driver.unlock(pid), deadline, pid=pid, op="unlock")
-        return done, True
-
-    async def _rollback(
-        self, driver: cuda_driver.CheckpointDriver, pids: list[int]
-    ) -> tuple[bool, str]:
-        """Bring ``pids`` back to RUNNING, last first; returns (all ok, report)."""
-        deadline = _Deadline(self.settings.rollback_timeout_s)
-        notes: list[str] = []
-        ok = True
-        for pid in reversed(pids):
-            try:
-                # Back onto the GPUs it came from: no remap.
-                done, _ = await self._resume_one(driver, pid, deadline, gpu_pairs=None)
-                notes.append(f"pid {pid} {done}")
-            except (cuda_driver.DriverError, base.BackendUnavailableError) as exc:
-                ok = False
-                notes.append(f"pid {pid} NOT rolled back ({exc})")
-            except _DeadlineHit as hit:
-                ok = False
-                notes.append(
-                    f"pid {pid} NOT rolled back ({hit} passed the "
-                    f"{deadline.seconds:g} s rollback budget)"
-                )
-        return ok, "rolled back: " + ", ".join(notes)
-
     def _state(
         self,
         targets: list[_Target],
@@ -455,34 +270,29 @@ class CudaBackend(base.Backend):
     async def snapshot(self, job: base.JobContext, mode: int) -> base.OpResult:
         """Checkpoint every process of the job (DISCARD is treated as OFFLOAD: the
         driver always keeps the state in host memory)."""
-        driver = await self._get_driver()
+        steps = await self._steps()
         targets = self._snapshot_targets(job)
         pids = [t.pid for t in targets]
         async with self._claim(job.job_id, pids):
-            deadline = _Deadline(self.settings.operation_timeout_s)
+            deadline = cuda_steps.Deadline(self.settings.operation_timeout_s)
             before = await self._measure(pids)
             done: list[int] = []
             touched: list[int] = []
             for index, pid in enumerate(pids):
-                where = (
-                    f"snapshot of job {job.job_id!r} failed at pid {pid} ({index + 1} of "
-                    f"{len(pids)})"
-                )
+                where = _where("snapshot", job, pid, index, len(pids))
                 try:
-                    outcome = await self._save_one(driver, pid, deadline, touched=touched)
-                except _DeadlineHit as hit:
-                    raise base.FatalBackendError(
-                        f"{where}: the {deadline.seconds:g} s deadline passed during {hit}; its "
-                        "state is unknown and nothing was rolled back; ResetJob reads the "
-                        "driver's state"
+                    outcome = await steps.save(pid, deadline, touched=touched)
+                except cuda_steps.DeadlineHit as hit:
+                    raise _deadline_passed(
+                        where, deadline, hit, "nothing was rolled back"
                     ) from None
                 except base.BackendUnavailableError as exc:
                     if not touched:
                         raise  # failed reading the first state: nothing changed
-                    _, report = await self._rollback(driver, [*done, pid])
+                    _, report = await self._rollback(steps, [*done, pid])
                     raise base.FatalBackendError(f"{where}: {exc}; {report}") from exc
                 except cuda_driver.DriverError as exc:
-                    ok, report = await self._rollback(driver, [*done, pid])
+                    ok, report = await self._rollback(steps, [*done, pid])
                     if ok and isinstance(exc, cuda_driver.LockTimeoutError):
                         raise base.TransientBackendError(
                             f"{where}: {exc} (the process kept running); {report}; nothing changed",
@@ -504,33 +314,26 @@ class CudaBackend(base.Backend):
         return base.OpResult(
             device_bytes=freed,
             host_bytes=sum(saved.values()),
-            state=self._state(targets, driver, saved),
+            state=self._state(targets, steps.driver, saved),
         )
 
     async def restore(self, job: base.JobContext) -> base.OpResult:
         """Restore and unlock every process of the job (no-op for running ones)."""
-        driver = await self._get_driver()
+        steps = await self._steps()
         targets = self._restore_targets(job)
         pids = [t.pid for t in targets]
         pairs = dict(self.settings.device_map) or None
         async with self._claim(job.job_id, pids):
-            deadline = _Deadline(self.settings.operation_timeout_s)
+            deadline = cuda_steps.Deadline(self.settings.operation_timeout_s)
             before = await self._measure(pids)
             changed: list[int] = []
             for index, pid in enumerate(pids):
-                where = (
-                    f"restore of job {job.job_id!r} failed at pid {pid} ({index + 1} of "
-                    f"{len(pids)})"
-                )
+                where = _where("restore", job, pid, index, len(pids))
                 try:
-                    outcome, did_change = await self._resume_one(
-                        driver, pid, deadline, gpu_pairs=pairs
-                    )
-                except _DeadlineHit as hit:
-                    raise base.FatalBackendError(
-                        f"{where}: the {deadline.seconds:g} s deadline passed during {hit}; its "
-                        f"state is unknown; restored so far: {changed or 'none'}"
-                    ) from None
+                    outcome, did_change = await steps.resume(pid, deadline, gpu_pairs=pairs)
+                except cuda_steps.DeadlineHit as hit:
+                    so_far = f"restored so far: {changed or 'none'}"
+                    raise _deadline_passed(where, deadline, hit, so_far) from None
                 except base.BackendUnavailableError:
                     if not changed:
                         raise
@@ -538,7 +341,7 @@ class CudaBackend(base.Backend):
                         f"{where}: the driver became unavailable; restored so far: {changed}"
                     ) from None
                 except cuda_driver.DriverError as exc:
-                    if not changed and await self._still(driver, pid, _CHECKPOINTED):
+                    if not changed and await steps.still(pid, _CHECKPOINTED):
                         raise base.TransientBackendError(
                             f"{where}: {exc}; nothing changed (all processes are still "
                             "checkpointed)",
@@ -556,17 +359,8 @@ class CudaBackend(base.Backend):
             after = await self._measure(pids)
         landed = max(0, sum(after.values()) - sum(before.values()))
         return base.OpResult(
-            device_bytes=landed, host_bytes=0, state=self._state(targets, driver, {})
+            device_bytes=landed, host_bytes=0, state=self._state(targets, steps.driver, {})
         )
-
-    async def _still(
-        self, driver: cuda_driver.CheckpointDriver, pid: int, expected: cuda_driver.ProcessState
-    ) -> bool:
-        try:
-            state = await asyncio.wait_for(driver.get_state(pid), timeout=30)
-        except (cuda_driver.DriverError, base.BackendUnavailableError, asyncio.TimeoutError):
-            return False
-        return state is expected
 
     async def recover(self, job: base.JobContext) -> pb.JobState | None:
         """Read every recorded process's state back from the driver.
@@ -588,7 +382,7 @@ class CudaBackend(base.Backend):
         if not targets:
             return None
         try:
-            driver = await self._get_driver()
+            steps = await self._steps()
         except base.BackendUnavailableError as exc:
             log.warning(
                 "cannot recover job: no checkpoint driver",
@@ -604,14 +398,16 @@ class CudaBackend(base.Backend):
                 extra={"job_id": job.job_id, "gone": [t.pid for t in targets if t not in alive]},
             )
             return pb.JOB_STATE_FAULTED
-        deadline = _Deadline(self.settings.operation_timeout_s)
+        deadline = cuda_steps.Deadline(self.settings.operation_timeout_s)
         states: dict[int, cuda_driver.ProcessState] = {}
         try:
             for t in targets:
-                states[t.pid] = await self._step(
-                    functools.partial(driver.get_state, t.pid), deadline, pid=t.pid, op="get_state"
-                )
-        except (cuda_driver.DriverError, base.BackendUnavailableError, _DeadlineHit) as exc:
+                states[t.pid] = await steps.state(t.pid, deadline)
+        except (
+            cuda_driver.DriverError,
+            base.BackendUnavailableError,
+            cuda_steps.DeadlineHit,
+        ) as exc:
             log.warning(
                 "cannot read process states", extra={"job_id": job.job_id, "reason": str(exc)}
             )
@@ -621,37 +417,33 @@ class CudaBackend(base.Backend):
             return pb.JOB_STATE_FAULTED
         if values == {_CHECKPOINTED}:
             return pb.JOB_STATE_SAVED
-        if _CHECKPOINTED not in values:
-            if values == {_RUNNING}:
-                return pb.JOB_STATE_RUNNING
-            if not self.settings.repair_on_recover:
-                return pb.JOB_STATE_FAULTED
-            return await self._repair(
-                job, driver, [p for p, s in states.items() if s is _LOCKED], to_saved=False
-            )
+        if values == {_RUNNING}:
+            return pb.JOB_STATE_RUNNING
         if not self.settings.repair_on_recover:
             return pb.JOB_STATE_FAULTED
-        return await self._repair(
-            job, driver, [p for p, s in states.items() if s is not _CHECKPOINTED], to_saved=True
-        )
+        if _CHECKPOINTED not in values:
+            locked = [p for p, s in states.items() if s is _LOCKED]
+            return await self._repair(job, steps, locked, to_saved=False)
+        resident = [p for p, s in states.items() if s is not _CHECKPOINTED]
+        return await self._repair(job, steps, resident, to_saved=True)
 
     async def _repair(
         self,
         job: base.JobContext,
-        driver: cuda_driver.CheckpointDriver,
+        steps: cuda_steps.ProcessSteps,
         pids: list[int],
         *,
         to_saved: bool,
     ) -> pb.JobState:
-        deadline = _Deadline(self.settings.operation_timeout_s)
+        deadline = cuda_steps.Deadline(self.settings.operation_timeout_s)
         try:
             async with self._claim(job.job_id, pids):
                 for pid in pids:
                     if to_saved:
-                        await self._save_one(driver, pid, deadline)
+                        await steps.save(pid, deadline)
                     else:
-                        await self._resume_one(driver, pid, deadline, gpu_pairs=None)
-        except (cuda_driver.DriverError, base.BackendError, _DeadlineHit) as exc:
+                        await steps.resume(pid, deadline, gpu_pairs=None)
+        except (cuda_driver.DriverError, base.BackendError, cuda_steps.DeadlineHit) as exc:
             log.warning("could not repair job", extra={"job_id": job.job_id, "reason": str(exc)})
             return pb.JOB_STATE_FAULTED
         log.info(
@@ -666,7 +458,7 @@ class CudaBackend(base.Backend):
     async def check_health(self) -> None:
         """Healthy = a checkpoint driver works and at least one GPU is visible."""
         driver = await self._get_driver()
-        if isinstance(driver, cuda_driver.BinaryDriver):
+        if isinstance(driver, cuda_binary.BinaryDriver):
             await driver.check_tool()
         count = await driver.device_count()
         if count is None:
@@ -702,3 +494,16 @@ class CudaBackend(base.Backend):
             await self._driver.close()
         if self._nvml is not None:
             await asyncio.to_thread(self._nvml.close)
+
+
+def _where(kind: str, job: base.JobContext, pid: int, index: int, count: int) -> str:
+    return f"{kind} of job {job.job_id!r} failed at pid {pid} ({index + 1} of {count})"
+
+
+def _deadline_passed(
+    where: str, deadline: cuda_steps.Deadline, hit: cuda_steps.DeadlineHit, consequence: str
+) -> base.FatalBackendError:
+    return base.FatalBackendError(
+        f"{where}: the {deadline.seconds:g} s deadline passed during {hit}; its state is "
+        f"unknown; {consequence}"
+    )

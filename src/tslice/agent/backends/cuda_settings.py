@@ -1,0 +1,71 @@
+"""Settings of the ``cuda`` backend: the frozen values it uses, and their file boundary."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any, Literal
+
+import pydantic
+
+from tslice.agent.backends import cuda_driver, sections
+
+
+@dataclasses.dataclass(frozen=True)
+class CudaSettings:
+    """Settings of the cuda backend (agent config section ``backends.cuda``)."""
+
+    #: Which checkpoint driver: ``auto`` (cuda-bindings, else the cuda-checkpoint
+    #: binary), ``bindings``, ``binary``, or ``fake`` (in-memory, for demos and tests).
+    driver: Literal["auto", "bindings", "binary", "fake"] = "auto"
+    #: Path of ``cuda-checkpoint``; default: PATH, then /usr/local/bin.
+    binary: str | None = None
+    #: How long a lock may wait for the process's in-flight CUDA calls, ms. Default
+    #: 10 000. On timeout the process keeps running and the snapshot is retried.
+    lock_timeout_ms: int = 10_000
+    #: Deadline of one snapshot or restore of a job (all its processes), seconds.
+    #: Default 300, below the agent's own operation deadline so a rollback fits.
+    operation_timeout_s: float = 300.0
+    #: Budget for rolling a failed snapshot back, seconds. Default 120.
+    rollback_timeout_s: float = 120.0
+    #: GPU remap applied at every restore, old UUID → new UUID (driver >= 580).
+    #: The driver wants every GPU the process can see in the map. Default: none.
+    device_map: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    #: Where process information lives (tests point this at a fixture tree).
+    proc_root: str = "/proc"
+    #: Measure bytes moved with NVML. Default true; without NVML bytes read 0.
+    measure_bytes: bool = True
+    #: On recover(): unlock processes left LOCKED and checkpoint the resident rest of a
+    #: half-checkpointed job, so the job ends SAVED or RUNNING instead of FAULTED. Both
+    #: actions only keep or free device memory, never load it. Default true.
+    repair_on_recover: bool = True
+
+
+class _SettingsModel(pydantic.BaseModel):
+    """File/env boundary for :class:`CudaSettings`."""
+
+    model_config = pydantic.ConfigDict(extra="forbid")
+
+    driver: Literal["auto", "bindings", "binary", "fake"] = "auto"
+    binary: str | None = None
+    lock_timeout_ms: int = pydantic.Field(10_000, gt=0, le=2**31 - 1)
+    operation_timeout_s: float = pydantic.Field(300.0, gt=0)
+    rollback_timeout_s: float = pydantic.Field(120.0, gt=0)
+    device_map: dict[str, str] = pydantic.Field(default_factory=dict)
+    proc_root: str = "/proc"
+    measure_bytes: bool = True
+    repair_on_recover: bool = True
+
+    @pydantic.field_validator("device_map")
+    @classmethod
+    def _uuids(cls, value: dict[str, str]) -> dict[str, str]:
+        return {
+            cuda_driver.normalize_gpu_uuid(k): cuda_driver.normalize_gpu_uuid(v)
+            for k, v in value.items()
+        }
+
+
+def parse_settings(settings: Mapping[str, Any]) -> CudaSettings:
+    """Validate a settings mapping; ConfigError names the field and the fix."""
+    model = sections.validate(_SettingsModel, settings, backend="cuda")
+    return CudaSettings(**model.model_dump())

@@ -1,0 +1,147 @@
+"""One process through the CUDA checkpoint state machine, each step bounded by a deadline.
+
+Every step reads the process's state first and does only what is left: saving a
+CHECKPOINTED process does nothing, resuming a RUNNING one does nothing (never a
+checkpoint, the reference's ``--toggle`` bug), and a half-done operation retried
+finishes. The cuda backend strings these steps together over a job's processes and
+decides what a failure means for the job.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import TypeVar
+
+from tslice.agent.backends import base, cuda_driver
+
+T = TypeVar("T")
+RUNNING = cuda_driver.ProcessState.RUNNING
+LOCKED = cuda_driver.ProcessState.LOCKED
+CHECKPOINTED = cuda_driver.ProcessState.CHECKPOINTED
+FAILED = cuda_driver.ProcessState.FAILED
+
+
+class DeadlineHit(Exception):
+    """The deadline passed during a driver call: the process's state is unknown."""
+
+    def __init__(self, pid: int, op: str) -> None:
+        super().__init__(f"{op} of pid {pid}")
+        self.pid = pid
+        self.op = op
+
+
+class Deadline:
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self._end = time.monotonic() + seconds
+
+    def remaining(self) -> float:
+        return max(0.0, self._end - time.monotonic())
+
+
+class ProcessSteps:
+    """The per-process steps on one driver; calls for one PID run one at a time."""
+
+    def __init__(self, driver: cuda_driver.CheckpointDriver, *, lock_timeout_ms: int) -> None:
+        self.driver = driver
+        self.lock_timeout_ms = lock_timeout_ms
+
+    @staticmethod
+    async def step(call: Callable[[], Awaitable[T]], deadline: Deadline, *, pid: int, op: str) -> T:
+        remaining = deadline.remaining()
+        if remaining <= 0:
+            raise DeadlineHit(pid, op)
+        try:
+            return await asyncio.wait_for(call(), timeout=remaining)
+        except asyncio.TimeoutError:
+            raise DeadlineHit(pid, op) from None
+
+    async def state(self, pid: int, deadline: Deadline) -> cuda_driver.ProcessState:
+        return await self.step(
+            lambda: self.driver.get_state(pid), deadline, pid=pid, op="get_state"
+        )
+
+    def _lock_timeout_ms(self, deadline: Deadline) -> int:
+        # Leave room under the deadline so a lock timeout is reported as such.
+        room_ms = int(deadline.remaining() * 900)
+        return max(1, min(self.lock_timeout_ms, room_ms))
+
+    async def save(self, pid: int, deadline: Deadline, *, touched: list[int] | None = None) -> str:
+        """Bring one process to CHECKPOINTED; returns what was done.
+
+        ``pid`` is appended to ``touched`` before the first call that may change it.
+        """
+        driver = self.driver
+        state = await self.state(pid, deadline)
+        if touched is not None and state is not CHECKPOINTED:
+            touched.append(pid)
+        if state is CHECKPOINTED:
+            return "already checkpointed"
+        if state is FAILED:
+            raise _failed(pid, "the process must be restarted")
+        if state is RUNNING:
+            timeout_ms = self._lock_timeout_ms(deadline)
+            await self.step(
+                lambda: driver.lock(pid, timeout_ms=timeout_ms), deadline, pid=pid, op="lock"
+            )
+        await self.step(lambda: driver.checkpoint(pid), deadline, pid=pid, op="checkpoint")
+        return "checkpointed"
+
+    async def resume(
+        self, pid: int, deadline: Deadline, *, gpu_pairs: Mapping[str, str] | None
+    ) -> tuple[str, bool]:
+        """Bring one process to RUNNING; returns (what was done, whether it changed)."""
+        driver = self.driver
+        state = await self.state(pid, deadline)
+        if state is RUNNING:
+            return "already running", False
+        if state is FAILED:
+            raise _failed(pid, "its device state is lost and the process must be restarted")
+        done = "unlocked"
+        if state is CHECKPOINTED:
+            await self.step(
+                lambda: driver.restore(pid, gpu_pairs=gpu_pairs), deadline, pid=pid, op="restore"
+            )
+            done = "restored"
+        await self.step(lambda: driver.unlock(pid), deadline, pid=pid, op="unlock")
+        return done, True
+
+    async def rollback(self, pids: Sequence[int], *, budget_s: float) -> tuple[bool, str]:
+        """Bring ``pids`` back to RUNNING, last first; returns (all ok, report)."""
+        deadline = Deadline(budget_s)
+        notes: list[str] = []
+        ok = True
+        for pid in reversed(pids):
+            try:
+                # Back onto the GPUs it came from: no remap.
+                done, _ = await self.resume(pid, deadline, gpu_pairs=None)
+                notes.append(f"pid {pid} {done}")
+            except (cuda_driver.DriverError, base.BackendUnavailableError) as exc:
+                ok = False
+                notes.append(f"pid {pid} NOT rolled back ({exc})")
+            except DeadlineHit as hit:
+                ok = False
+                notes.append(
+                    f"pid {pid} NOT rolled back ({hit} passed the "
+                    f"{deadline.seconds:g} s rollback budget)"
+                )
+        return ok, "rolled back: " + ", ".join(notes)
+
+    async def still(self, pid: int, expected: cuda_driver.ProcessState) -> bool:
+        """True if the process is (still) in ``expected``; False if it cannot be read."""
+        try:
+            state = await asyncio.wait_for(self.driver.get_state(pid), timeout=30)
+        except (cuda_driver.DriverError, base.BackendUnavailableError, asyncio.TimeoutError):
+            return False
+        return state is expected
+
+
+def _failed(pid: int, consequence: str) -> cuda_driver.DriverError:
+    return cuda_driver.DriverError(
+        f"pid {pid} is in the driver's FAILED checkpoint state; {consequence}",
+        pid=pid,
+        op="get_state",
+        code="CU_PROCESS_STATE_FAILED",
+    )
