@@ -14,7 +14,8 @@ Threads, and why:
   sends at most one per job at a time anyway);
 - awaitable adapter methods run on the event loop that was running when
   ``register_workload`` was called (engines such as vLLM's ``AsyncLLM`` are bound
-  to it), or on a private loop thread when there was none.
+  to it), or on a private loop thread when there was none
+  (:mod:`tslice.workload.commands` runs the commands).
 
 Readiness is real: the wire has no registration reply, so the agent's first
 ``Ping``, which a tslice agent sends right after accepting a registration that
@@ -36,14 +37,13 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
-import inspect
 import logging
 import os
 import queue
 import random
 import threading
 import time
-from collections.abc import Awaitable, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator
 from types import TracebackType
 from typing import Any, TypeAlias
 
@@ -52,7 +52,7 @@ import grpc
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2_grpc as pb_grpc
 from tslice.common import ids
-from tslice.workload import adapters
+from tslice.workload import adapters, commands
 from tslice.workload.adapters import base, callbacks
 
 log = logging.getLogger(__name__)
@@ -113,20 +113,19 @@ class WorkloadHandle:
         self.adapter = adapter
         self.capabilities = capabilities
         self._agent = agent
-        self._loop = loop
         self._ping_interval_s = ping_interval_s
         self._missed_pings = missed_pings
         self._backoff_initial_s = backoff_initial_s
         self._backoff_max_s = backoff_max_s
-        self._tracker = base.ResidencyTracker(declared=capabilities.tags)
+        self._commands = commands.CommandRunner(
+            job_id=job_id, adapter=adapter, capabilities=capabilities, loop=loop
+        )
         self._stop = threading.Event()
         self._state = threading.Condition()
         self._registered = False
         self._finished = False
         self._in_flight = 0
         self._connection: _Connection | None = None
-        self._private_loop: asyncio.AbstractEventLoop | None = None
-        self._private_loop_thread: threading.Thread | None = None
         self._worker = concurrent.futures.ThreadPoolExecutor(
             max_workers=1, thread_name_prefix=f"tslice-workload-{job_id}-worker"
         )
@@ -167,8 +166,7 @@ class WorkloadHandle:
 
     def state(self) -> base.AdapterState:
         """What the workload holds on the device now (the adapter's view, else tracked)."""
-        reported = self.adapter.state()
-        return reported if reported is not None else self._tracker.state()
+        return self._commands.state()
 
     def close(self, timeout: float = 5.0) -> None:
         """Stop the channel (the agent sees a clean end of stream) and the worker. Idempotent."""
@@ -185,7 +183,7 @@ class WorkloadHandle:
                 connection.call.cancel()
             self._thread.join(timeout / 2)
         self._worker.shutdown(wait=False, cancel_futures=True)
-        self._stop_private_loop()
+        self._commands.close()
         with self._state:
             self._registered = False
             self._finished = True
@@ -378,46 +376,8 @@ class WorkloadHandle:
     # ---- commands -----------------------------------------------------------------
 
     def _execute(self, connection: _Connection, command: pb.AgentCommand, received: float) -> None:
-        started = time.monotonic()
-        # The agent's clock started when it sent the command, not when our worker got to it.
-        deadline = received + command.deadline_ms / 1000 if command.deadline_ms > 0 else None
-        kind = command.WhichOneof("command")
         try:
-            if kind == "snapshot":
-                tags: Sequence[str] = tuple(command.snapshot.tags)
-                mode = self._mode(command.snapshot.mode)
-                measured = self._settle(self.adapter.snapshot(mode, tags), deadline)
-                self._tracker.snapshot_done(tags)
-            else:
-                tags = tuple(command.restore.tags)
-                measured = self._settle(self.adapter.restore(tags), deadline)
-                self._tracker.restore_done(tags)
-            result = pb.CommandResult(
-                command_id=command.command_id,
-                ok=True,
-                device_bytes=measured.device_bytes if measured else 0,
-                host_bytes=measured.host_bytes if measured else 0,
-            )
-            log.info(
-                "command done",
-                extra={
-                    "job_id": self.job_id,
-                    "command_id": command.command_id,
-                    "kind": kind,
-                    "tags": list(tags),
-                    "elapsed_s": round(time.monotonic() - started, 3),
-                    "device_bytes": result.device_bytes,
-                },
-            )
-        except Exception as exc:
-            log.warning(
-                "command failed",
-                exc_info=True,
-                extra={"job_id": self.job_id, "command_id": command.command_id, "kind": kind},
-            )
-            result = pb.CommandResult(
-                command_id=command.command_id, ok=False, error=f"{type(exc).__name__}: {exc}"
-            )
+            result = self._commands.run(command, received)
         finally:
             with self._state:
                 self.commands_executed += 1
@@ -426,37 +386,6 @@ class WorkloadHandle:
         # Answer on the stream the command came from; if it is gone, the agent has
         # already failed the command and the next registration reports the new state.
         connection.outbox.put(pb.WorkloadMessage(result=result))
-
-    def _mode(self, value: int) -> base.SuspendMode:
-        if value == pb.SUSPEND_MODE_UNSPECIFIED:
-            # The agent always resolves the mode; be lenient with one that does not.
-            return self.capabilities.default_mode or base.SuspendMode.OFFLOAD
-        return base.SuspendMode.parse(value)
-
-    def _settle(self, outcome: object, deadline: float | None) -> base.AdapterResult | None:
-        if not inspect.isawaitable(outcome):
-            return callbacks.coerce_result(outcome)
-        loop = self._loop if self._loop is not None else self._ensure_private_loop()
-        runner = _awaited(outcome)
-        try:
-            future = asyncio.run_coroutine_threadsafe(runner, loop)
-        except RuntimeError as exc:  # the captured loop has been closed
-            runner.close()
-            close = getattr(outcome, "close", None)
-            if callable(close):
-                close()
-            raise RuntimeError(
-                f"the event loop captured at register_workload() is gone ({exc}); "
-                "register from a loop that outlives the workload, or from no loop at all"
-            ) from exc
-        remaining = None if deadline is None else max(deadline - time.monotonic(), 0.0)
-        try:
-            return callbacks.coerce_result(future.result(timeout=remaining))
-        except concurrent.futures.TimeoutError:
-            future.cancel()
-            raise TimeoutError(
-                "gave up at the agent's deadline; the operation was cancelled"
-            ) from None
 
     # ---- helpers ------------------------------------------------------------------
 
@@ -478,31 +407,6 @@ class WorkloadHandle:
         # Re-register only once no command is running, so the reported state is settled.
         with self._state:
             self._state.wait_for(lambda: self._in_flight == 0 or self._stop.is_set())
-
-    def _ensure_private_loop(self) -> asyncio.AbstractEventLoop:
-        with self._state:
-            if self._private_loop is None:
-                loop = asyncio.new_event_loop()
-                thread = threading.Thread(
-                    target=loop.run_forever, name=f"tslice-workload-{self.job_id}-loop", daemon=True
-                )
-                thread.start()
-                self._private_loop, self._private_loop_thread = loop, thread
-            return self._private_loop
-
-    def _stop_private_loop(self) -> None:
-        loop, thread = self._private_loop, self._private_loop_thread
-        if loop is None or thread is None:
-            return
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(5)
-        if not thread.is_alive():
-            loop.close()
-        self._private_loop = self._private_loop_thread = None
-
-
-async def _awaited(awaitable: Awaitable[object]) -> object:
-    return await awaitable
 
 
 def register_workload(  # noqa: PLR0917 - llm-d's positional signature, kept for drop-in use
