@@ -21,6 +21,9 @@ Why this shape:
   ``copy_`` keeps the cost of a plain copy of the same bytes (see
   ``bench/offload.py``).
 
+The storage machinery (blocks, host buffers, the copier) is in
+:mod:`tslice.workload.adapters.torch_storage`; this module decides what to move.
+
 Tags: ``weights`` (parameters except LoRA ones, their gradients, and buffers),
 ``lora`` (parameters whose name matches ``lora_patterns``, and their gradients),
 ``optimizer`` (every tensor in ``optimizer.state``) and any custom tag given to
@@ -35,7 +38,6 @@ tensors restored after DISCARD are *not* the old values, by design.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import threading
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -43,7 +45,7 @@ from typing import ClassVar
 
 import torch
 
-from tslice.workload.adapters import base
+from tslice.workload.adapters import base, torch_storage
 
 WEIGHTS = "weights"
 LORA = "lora"
@@ -52,61 +54,9 @@ BUILTIN_TAGS = (WEIGHTS, LORA, OPTIMIZER)
 
 DEFAULT_CHUNK_BYTES = 64 * 1024 * 1024
 DEFAULT_LORA_PATTERNS = ("lora_",)
-# Slots in a host buffer start on this boundary so that copies stay aligned for any dtype.
-_SLOT_ALIGN = 256
 
 OFFLOAD = base.SuspendMode.OFFLOAD
 DISCARD = base.SuspendMode.DISCARD
-
-
-@dataclasses.dataclass(frozen=True)
-class _Alias:
-    """A tensor we know about and where it points into its storage."""
-
-    name: str
-    tensor: torch.Tensor
-    dtype: torch.dtype
-    storage_offset: int
-    size: tuple[int, ...]
-    stride: tuple[int, ...]
-
-    @classmethod
-    def of(cls, name: str, tensor: torch.Tensor) -> _Alias:
-        return cls(
-            name=name,
-            tensor=tensor,
-            dtype=tensor.dtype,
-            storage_offset=int(tensor.storage_offset()),
-            size=tuple(int(n) for n in tensor.size()),
-            stride=tuple(int(n) for n in tensor.stride()),
-        )
-
-
-@dataclasses.dataclass
-class _Block:
-    """One storage moved as a unit, with every known tensor that views it."""
-
-    storage: torch.UntypedStorage
-    device: torch.device
-    nbytes: int
-    aliases: list[_Alias]
-    #: Where the bytes live in the tag's host buffer (OFFLOAD only).
-    host_offset: int = 0
-
-    def byte_view(self) -> torch.Tensor:
-        return torch.empty(0, dtype=torch.uint8, device=self.device).set_(self.storage)
-
-
-@dataclasses.dataclass
-class _Parked:
-    """A tag whose tensors are off the device."""
-
-    mode: base.SuspendMode
-    blocks: list[_Block]
-
-    @property
-    def nbytes(self) -> int:
-        return sum(block.nbytes for block in self.blocks)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,120 +69,6 @@ class TorchAdapterStats:
     #: Successful restore calls, and device bytes they brought back.
     restores: int = 0
     bytes_in: int = 0
-
-
-class _HostBuffers:
-    """One flat byte buffer per tag, allocated once and reused across cycles."""
-
-    def __init__(self) -> None:
-        self._by_tag: dict[str, torch.Tensor] = {}
-
-    def reserve(self, tag: str, nbytes: int, *, pinned: bool) -> torch.Tensor:
-        current = self._by_tag.get(tag)
-        if (
-            current is not None
-            and current.numel() >= nbytes
-            and (current.is_pinned() or not pinned)
-        ):
-            return current
-        # Drop the old one first so that peak host memory is not old + new.
-        self._by_tag.pop(tag, None)
-        del current
-        buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
-        self._by_tag[tag] = buffer
-        return buffer
-
-    def get(self, tag: str) -> torch.Tensor:
-        return self._by_tag[tag]
-
-    def release(self, tags: Iterable[str]) -> None:
-        for tag in tags:
-            self._by_tag.pop(tag, None)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(buffer.numel() for buffer in self._by_tag.values())
-
-
-class _Copier:
-    """Chunked copies between storages and a host buffer; side streams on CUDA."""
-
-    def __init__(self, *, chunk_bytes: int, streams_per_device: int) -> None:
-        self._chunk_bytes = chunk_bytes
-        self._streams_per_device = streams_per_device
-        self._streams: dict[torch.device, list[torch.cuda.Stream]] = {}
-
-    def to_host(self, blocks: Sequence[_Block], buffer: torch.Tensor) -> None:
-        self._copy(blocks, buffer, to_host=True)
-
-    def to_device(self, blocks: Sequence[_Block], buffer: torch.Tensor) -> None:
-        self._copy(blocks, buffer, to_host=False)
-
-    def _copy(self, blocks: Sequence[_Block], buffer: torch.Tensor, *, to_host: bool) -> None:
-        for device, group in _by_device(blocks).items():
-            if device.type == "cuda":
-                self._cuda_copy(device, group, buffer, to_host=to_host)
-                continue
-            for block in group:
-                src, dst = _ends(block, buffer, to_host=to_host)
-                for start in range(0, block.nbytes, self._chunk_bytes):
-                    stop = start + self._chunk_bytes
-                    dst[start:stop].copy_(src[start:stop])
-
-    def _cuda_copy(
-        self, device: torch.device, blocks: Sequence[_Block], buffer: torch.Tensor, *, to_host: bool
-    ) -> None:
-        streams = self._side_streams(device)
-        with torch.cuda.device(device):
-            # Training may have queued work on any stream that still reads or
-            # writes these storages (or, for a restore, on memory just handed back
-            # by the caching allocator); wait for all of it, once per switch.
-            torch.cuda.synchronize(device)
-            turn = 0
-            for block in blocks:
-                src, dst = _ends(block, buffer, to_host=to_host)
-                for start in range(0, block.nbytes, self._chunk_bytes):
-                    stop = start + self._chunk_bytes
-                    # Alternate streams so that consecutive chunks overlap.
-                    with torch.cuda.stream(streams[turn % len(streams)]):
-                        dst[start:stop].copy_(src[start:stop], non_blocking=True)
-                    turn += 1
-            # The host buffer is reused and device memory may be freed right after;
-            # neither is safe before the copies have landed.
-            for stream in streams:
-                stream.synchronize()
-
-    def _side_streams(self, device: torch.device) -> list[torch.cuda.Stream]:
-        if device not in self._streams:
-            self._streams[device] = [
-                torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call,unused-ignore]
-                for _ in range(self._streams_per_device)
-            ]
-        return self._streams[device]
-
-
-def _ends(
-    block: _Block, buffer: torch.Tensor, *, to_host: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(source, destination) byte views between a storage and its slot in ``buffer``."""
-    device_bytes = block.byte_view()
-    host_bytes = buffer[block.host_offset : block.host_offset + block.nbytes]
-    return (device_bytes, host_bytes) if to_host else (host_bytes, device_bytes)
-
-
-def _by_device(blocks: Iterable[_Block]) -> dict[torch.device, list[_Block]]:
-    grouped: dict[torch.device, list[_Block]] = {}
-    for block in blocks:
-        grouped.setdefault(block.device, []).append(block)
-    return grouped
-
-
-def _align(offset: int) -> int:
-    return -(-offset // _SLOT_ALIGN) * _SLOT_ALIGN
-
-
-def _storage_key(tensor: torch.Tensor) -> tuple[torch.device, int]:
-    return tensor.device, tensor.untyped_storage().data_ptr()
 
 
 class TorchAdapter(base.WorkloadAdapter):
@@ -280,10 +116,12 @@ class TorchAdapter(base.WorkloadAdapter):
         self._optimizer = optimizer
         self._lora_patterns = tuple(lora_patterns)
         self._custom: dict[str, dict[str, torch.Tensor]] = {}
-        self._parked: dict[str, _Parked] = {}
+        self._parked: dict[str, torch_storage.Parked] = {}
         self._needs_resync: set[str] = set()
-        self._buffers = _HostBuffers()
-        self._copier = _Copier(chunk_bytes=chunk_bytes, streams_per_device=streams_per_device)
+        self._buffers = torch_storage.HostBuffers()
+        self._copier = torch_storage.Copier(
+            chunk_bytes=chunk_bytes, streams_per_device=streams_per_device
+        )
         self._release_cached_memory = release_cached_memory
         self._stats = TorchAdapterStats()
         # The workload channel runs commands on its own thread; one move at a time.
@@ -395,13 +233,13 @@ class TorchAdapter(base.WorkloadAdapter):
             freed = 0
             for tag, blocks in plan.items():
                 for block in blocks:
-                    _free(block)
+                    torch_storage.free(block)
                     freed += block.nbytes
-                self._parked[tag] = _Parked(mode=resolved, blocks=blocks)
+                self._parked[tag] = torch_storage.Parked(mode=resolved, blocks=blocks)
                 if resolved == DISCARD:
                     self._needs_resync.add(tag)
             if self._release_cached_memory:
-                _empty_device_caches(plan.values())
+                torch_storage.empty_device_caches(plan.values())
             self._stats = dataclasses.replace(
                 self._stats,
                 snapshots=self._stats.snapshots + 1,
@@ -422,7 +260,7 @@ class TorchAdapter(base.WorkloadAdapter):
             restored = 0
             for tag in wanted:
                 parked = self._parked[tag]
-                _allocate(parked.blocks)
+                torch_storage.allocate(parked.blocks)
                 try:
                     if parked.mode == OFFLOAD:
                         self._copier.to_device(parked.blocks, self._buffers.get(tag))
@@ -434,7 +272,7 @@ class TorchAdapter(base.WorkloadAdapter):
                         block.storage.resize_(0)
                     raise
                 for block in parked.blocks:
-                    _repoint(block)
+                    torch_storage.repoint(block)
                 del self._parked[tag]
                 restored += parked.nbytes
             self._stats = dataclasses.replace(
@@ -489,12 +327,12 @@ class TorchAdapter(base.WorkloadAdapter):
             return {}
         return {id(param): name for name, param in self._module.named_parameters()}
 
-    def _plan(self, tags: Sequence[str]) -> dict[str, list[_Block]]:
+    def _plan(self, tags: Sequence[str]) -> dict[str, list[torch_storage.Block]]:
         """Group the tags' tensors by storage, checking everything before anything moves."""
-        plan: dict[str, list[_Block]] = {}
-        seen: dict[tuple[torch.device, int], _Block] = {}
+        plan: dict[str, list[torch_storage.Block]] = {}
+        seen: dict[tuple[torch.device, int], torch_storage.Block] = {}
         for tag in tags:
-            blocks: list[_Block] = []
+            blocks: list[torch_storage.Block] = []
             for name, tensor in self._named_tensors(tag):
                 block = self._block_for(f"{tag}/{name}", tensor, seen)
                 if block is not None:
@@ -505,8 +343,8 @@ class TorchAdapter(base.WorkloadAdapter):
 
     @staticmethod
     def _block_for(
-        name: str, tensor: torch.Tensor, seen: dict[tuple[torch.device, int], _Block]
-    ) -> _Block | None:
+        name: str, tensor: torch.Tensor, seen: dict[tuple[torch.device, int], torch_storage.Block]
+    ) -> torch_storage.Block | None:
         """Record ``tensor`` under its storage's block; return the block if it is new."""
         if tensor.layout != torch.strided:
             raise ValueError(f"{name} has layout {tensor.layout}; only strided tensors can move")
@@ -516,24 +354,27 @@ class TorchAdapter(base.WorkloadAdapter):
         nbytes = storage.nbytes()
         if nbytes == 0:
             return None
-        key = _storage_key(tensor)
+        key = torch_storage.storage_key(tensor)
         block = seen.get(key)
         if block is not None:
-            block.aliases.append(_Alias.of(name, tensor))
+            block.aliases.append(torch_storage.Alias.of(name, tensor))
             return None
         if not storage.resizable():
             raise ValueError(
                 f"{name} uses memory that torch cannot free (e.g. torch.from_numpy or "
                 "shared memory); allocate it with torch instead"
             )
-        block = _Block(
-            storage=storage, device=tensor.device, nbytes=nbytes, aliases=[_Alias.of(name, tensor)]
+        block = torch_storage.Block(
+            storage=storage,
+            device=tensor.device,
+            nbytes=nbytes,
+            aliases=[torch_storage.Alias.of(name, tensor)],
         )
         seen[key] = block
         return block
 
     def _check_not_shared_with_resident(
-        self, moving: Sequence[str], seen: Mapping[tuple[torch.device, int], _Block]
+        self, moving: Sequence[str], seen: Mapping[tuple[torch.device, int], torch_storage.Block]
     ) -> None:
         # Freeing a storage that a tensor of a tag staying on the device also
         # views would leave that tensor pointing at freed memory.
@@ -543,65 +384,24 @@ class TorchAdapter(base.WorkloadAdapter):
             for name, tensor in self._named_tensors(tag):
                 if tensor.layout != torch.strided or tensor.device.type == "meta":
                     continue
-                block = seen.get(_storage_key(tensor))
+                block = seen.get(torch_storage.storage_key(tensor))
                 if block is not None and tensor.untyped_storage().nbytes() > 0:
                     raise ValueError(
                         f"{block.aliases[0].name} shares memory with {tag}/{name}; "
                         f"move tag {tag!r} together with it"
                     )
 
-    def _copy_to_host(self, tag: str, blocks: list[_Block]) -> None:
+    def _copy_to_host(self, tag: str, blocks: list[torch_storage.Block]) -> None:
         self._copier.to_host(blocks, self._host_buffer_for(tag, blocks))
 
-    def _host_buffer_for(self, tag: str, blocks: Sequence[_Block]) -> torch.Tensor:
+    def _host_buffer_for(self, tag: str, blocks: Sequence[torch_storage.Block]) -> torch.Tensor:
         """Lay ``blocks`` out in the tag's host buffer, growing it only if they do not fit."""
         total = 0
         for block in blocks:
             block.host_offset = total
-            total = _align(total + block.nbytes)
+            total = torch_storage.align(total + block.nbytes)
         pinned = torch.cuda.is_available() and any(b.device.type == "cuda" for b in blocks)
         return self._buffers.reserve(tag, total, pinned=pinned)
 
     def _saved_bytes(self) -> int:
         return sum(p.nbytes for p in self._parked.values() if p.mode == OFFLOAD)
-
-
-def _empty_device_caches(plans: Iterable[Sequence[_Block]]) -> None:
-    # Freed CUDA storages go back to this process's caching allocator; another
-    # job (another process) can use the memory only once it is handed back to
-    # the driver.
-    devices = {block.device for blocks in plans for block in blocks if block.device.type == "cuda"}
-    for device in devices:
-        with torch.cuda.device(device):
-            torch.cuda.empty_cache()
-
-
-def _on(device: torch.device) -> contextlib.AbstractContextManager[object]:
-    """Make ``device`` current for allocations on it (a no-op off CUDA)."""
-    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
-
-
-def _free(block: _Block) -> None:
-    for alias in block.aliases:
-        alias.tensor.data = torch.empty(0, dtype=alias.dtype, device=block.device)
-    block.storage.resize_(0)
-
-
-def _allocate(blocks: Sequence[_Block]) -> None:
-    done: list[_Block] = []
-    try:
-        for block in blocks:
-            with _on(block.device):
-                block.storage.resize_(block.nbytes)
-            done.append(block)
-    except BaseException:
-        for block in done:
-            block.storage.resize_(0)
-        raise
-
-
-def _repoint(block: _Block) -> None:
-    for alias in block.aliases:
-        alias.tensor.data = torch.empty(0, dtype=alias.dtype, device=block.device).set_(
-            block.storage, alias.storage_offset, alias.size, alias.stride
-        )

@@ -1,0 +1,227 @@
+"""Storages moved as a unit: what a TorchAdapter moves, where it parks it, how it copies.
+
+Several tensors may view one storage (tied weights, non-contiguous views), so a
+:class:`Block` is one storage with every known tensor that views it. Each tag owns
+one flat :class:`HostBuffers` byte buffer, allocated once and reused; the
+:class:`Copier` moves blocks in chunks, alternating CUDA side streams so that
+copies overlap. Freeing a block re-points its tensors at empty placeholders, so a
+stray use fails with a shape error instead of reading freed memory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Iterable, Sequence
+
+import torch
+
+from tslice.workload.adapters import base
+
+# Slots in a host buffer start on this boundary so that copies stay aligned for any dtype.
+SLOT_ALIGN = 256
+
+
+@dataclasses.dataclass(frozen=True)
+class Alias:
+    """A tensor we know about and where it points into its storage."""
+
+    name: str
+    tensor: torch.Tensor
+    dtype: torch.dtype
+    storage_offset: int
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+
+    @classmethod
+    def of(cls, name: str, tensor: torch.Tensor) -> Alias:
+        return cls(
+            name=name,
+            tensor=tensor,
+            dtype=tensor.dtype,
+            storage_offset=int(tensor.storage_offset()),
+            size=tuple(int(n) for n in tensor.size()),
+            stride=tuple(int(n) for n in tensor.stride()),
+        )
+
+
+@dataclasses.dataclass
+class Block:
+    """One storage moved as a unit, with every known tensor that views it."""
+
+    storage: torch.UntypedStorage
+    device: torch.device
+    nbytes: int
+    aliases: list[Alias]
+    #: Where the bytes live in the tag's host buffer (OFFLOAD only).
+    host_offset: int = 0
+
+    def byte_view(self) -> torch.Tensor:
+        return torch.empty(0, dtype=torch.uint8, device=self.device).set_(self.storage)
+
+
+@dataclasses.dataclass
+class Parked:
+    """A tag whose tensors are off the device."""
+
+    mode: base.SuspendMode
+    blocks: list[Block]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(block.nbytes for block in self.blocks)
+
+
+class HostBuffers:
+    """One flat byte buffer per tag, allocated once and reused across cycles."""
+
+    def __init__(self) -> None:
+        self._by_tag: dict[str, torch.Tensor] = {}
+
+    def reserve(self, tag: str, nbytes: int, *, pinned: bool) -> torch.Tensor:
+        current = self._by_tag.get(tag)
+        if (
+            current is not None
+            and current.numel() >= nbytes
+            and (current.is_pinned() or not pinned)
+        ):
+            return current
+        # Drop the old one first so that peak host memory is not old + new.
+        self._by_tag.pop(tag, None)
+        del current
+        buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
+        self._by_tag[tag] = buffer
+        return buffer
+
+    def get(self, tag: str) -> torch.Tensor:
+        return self._by_tag[tag]
+
+    def release(self, tags: Iterable[str]) -> None:
+        for tag in tags:
+            self._by_tag.pop(tag, None)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(buffer.numel() for buffer in self._by_tag.values())
+
+
+class Copier:
+    """Chunked copies between storages and a host buffer; side streams on CUDA."""
+
+    def __init__(self, *, chunk_bytes: int, streams_per_device: int) -> None:
+        self._chunk_bytes = chunk_bytes
+        self._streams_per_device = streams_per_device
+        self._streams: dict[torch.device, list[torch.cuda.Stream]] = {}
+
+    def to_host(self, blocks: Sequence[Block], buffer: torch.Tensor) -> None:
+        self._copy(blocks, buffer, to_host=True)
+
+    def to_device(self, blocks: Sequence[Block], buffer: torch.Tensor) -> None:
+        self._copy(blocks, buffer, to_host=False)
+
+    def _copy(self, blocks: Sequence[Block], buffer: torch.Tensor, *, to_host: bool) -> None:
+        for device, group in _by_device(blocks).items():
+            if device.type == "cuda":
+                self._cuda_copy(device, group, buffer, to_host=to_host)
+                continue
+            for block in group:
+                src, dst = _ends(block, buffer, to_host=to_host)
+                for start in range(0, block.nbytes, self._chunk_bytes):
+                    stop = start + self._chunk_bytes
+                    dst[start:stop].copy_(src[start:stop])
+
+    def _cuda_copy(
+        self, device: torch.device, blocks: Sequence[Block], buffer: torch.Tensor, *, to_host: bool
+    ) -> None:
+        streams = self._side_streams(device)
+        with torch.cuda.device(device):
+            # Training may have queued work on any stream that still reads or
+            # writes these storages (or, for a restore, on memory just handed back
+            # by the caching allocator); wait for all of it, once per switch.
+            torch.cuda.synchronize(device)
+            turn = 0
+            for block in blocks:
+                src, dst = _ends(block, buffer, to_host=to_host)
+                for start in range(0, block.nbytes, self._chunk_bytes):
+                    stop = start + self._chunk_bytes
+                    # Alternate streams so that consecutive chunks overlap.
+                    with torch.cuda.stream(streams[turn % len(streams)]):
+                        dst[start:stop].copy_(src[start:stop], non_blocking=True)
+                    turn += 1
+            # The host buffer is reused and device memory may be freed right after;
+            # neither is safe before the copies have landed.
+            for stream in streams:
+                stream.synchronize()
+
+    def _side_streams(self, device: torch.device) -> list[torch.cuda.Stream]:
+        if device not in self._streams:
+            self._streams[device] = [
+                torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call,unused-ignore]
+                for _ in range(self._streams_per_device)
+            ]
+        return self._streams[device]
+
+
+def _ends(
+    block: Block, buffer: torch.Tensor, *, to_host: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(source, destination) byte views between a storage and its slot in ``buffer``."""
+    device_bytes = block.byte_view()
+    host_bytes = buffer[block.host_offset : block.host_offset + block.nbytes]
+    return (device_bytes, host_bytes) if to_host else (host_bytes, device_bytes)
+
+
+def _by_device(blocks: Iterable[Block]) -> dict[torch.device, list[Block]]:
+    grouped: dict[torch.device, list[Block]] = {}
+    for block in blocks:
+        grouped.setdefault(block.device, []).append(block)
+    return grouped
+
+
+def align(offset: int) -> int:
+    return -(-offset // SLOT_ALIGN) * SLOT_ALIGN
+
+
+def storage_key(tensor: torch.Tensor) -> tuple[torch.device, int]:
+    return tensor.device, tensor.untyped_storage().data_ptr()
+
+
+def empty_device_caches(plans: Iterable[Sequence[Block]]) -> None:
+    # Freed CUDA storages go back to this process's caching allocator; another
+    # job (another process) can use the memory only once it is handed back to
+    # the driver.
+    devices = {block.device for blocks in plans for block in blocks if block.device.type == "cuda"}
+    for device in devices:
+        with torch.cuda.device(device):
+            torch.cuda.empty_cache()
+
+
+def on_device(device: torch.device) -> contextlib.AbstractContextManager[object]:
+    """Make ``device`` current for allocations on it (a no-op off CUDA)."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
+def free(block: Block) -> None:
+    for alias in block.aliases:
+        alias.tensor.data = torch.empty(0, dtype=alias.dtype, device=block.device)
+    block.storage.resize_(0)
+
+
+def allocate(blocks: Sequence[Block]) -> None:
+    done: list[Block] = []
+    try:
+        for block in blocks:
+            with on_device(block.device):
+                block.storage.resize_(block.nbytes)
+            done.append(block)
+    except BaseException:
+        for block in done:
+            block.storage.resize_(0)
+        raise
+
+
+def repoint(block: Block) -> None:
+    for alias in block.aliases:
+        alias.tensor.data = torch.empty(0, dtype=alias.dtype, device=block.device).set_(
+            block.storage, alias.storage_offset, alias.size, alias.stride
+        )
