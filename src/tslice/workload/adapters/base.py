@@ -169,16 +169,24 @@ def device_free_bytes() -> int | None:
 
 
 def finish_engine_call(
-    outcome: object, *, before: int | None, snapshot: bool, on_success: Callable[[], None]
+    outcome: object,
+    *,
+    before: int | None,
+    snapshot: bool,
+    tracker: ResidencyTracker,
+    tags: Sequence[str],
 ) -> Outcome:
     """Complete an engine call that may be sync or async, then measure what it moved.
 
-    ``before`` is :func:`device_free_bytes` read before the call; ``on_success`` runs
-    once the call has finished without raising (e.g. to update residency tracking).
+    ``before`` is :func:`device_free_bytes` read before the call; once the call has
+    finished without raising, ``tracker`` records that ``tags`` moved.
     """
+    done = tracker.snapshot_done if snapshot else tracker.restore_done
     if inspect.isawaitable(outcome):
-        return _finish_async(outcome, before=before, snapshot=snapshot, on_success=on_success)
-    on_success()
+        return _finish_async(
+            outcome, before=before, snapshot=snapshot, on_success=lambda: done(tags)
+        )
+    done(tags)
     return _moved(before, snapshot=snapshot)
 
 

@@ -70,26 +70,13 @@ class SglangAdapter(base.WorkloadAdapter):
             )
         before = base.device_free_bytes()
         outcome = self.engine.release_memory_occupation(tags=list(tags) or None)
-        return self._finish(outcome, before, snapshot=True, tags=tags)
+        return base.finish_engine_call(
+            outcome, before=before, snapshot=True, tracker=self._residency, tags=tags
+        )
 
     def restore(self, tags: Sequence[str]) -> base.Outcome:
         before = base.device_free_bytes()
         outcome = self.engine.resume_memory_occupation(tags=list(tags) or None)
-        return self._finish(outcome, before, snapshot=False, tags=tags)
-
-    def _finish(
-        self, outcome: object, before: int | None, *, snapshot: bool, tags: Sequence[str]
-    ) -> base.Outcome:
-        if snapshot:
-            return base.finish_engine_call(
-                outcome,
-                before=before,
-                snapshot=True,
-                on_success=lambda: self._residency.snapshot_done(tags),
-            )
         return base.finish_engine_call(
-            outcome,
-            before=before,
-            snapshot=False,
-            on_success=lambda: self._residency.restore_done(tags),
+            outcome, before=before, snapshot=False, tracker=self._residency, tags=tags
         )

@@ -72,28 +72,19 @@ class VllmAdapter(base.WorkloadAdapter):
             )
         level = 2 if mode == base.SuspendMode.DISCARD else 1
         before = base.device_free_bytes()
-        return self._finish(self.engine.sleep(level=level), before, snapshot=True, tags=tags)
+        return base.finish_engine_call(
+            self.engine.sleep(level=level),
+            before=before,
+            snapshot=True,
+            tracker=self._residency,
+            tags=tags,
+        )
 
     def restore(self, tags: Sequence[str]) -> base.Outcome:
         before = base.device_free_bytes()
         outcome = self.engine.wake_up(tags=list(tags)) if tags else self.engine.wake_up()
-        return self._finish(outcome, before, snapshot=False, tags=tags)
-
-    def _finish(
-        self, outcome: object, before: int | None, *, snapshot: bool, tags: Sequence[str]
-    ) -> base.Outcome:
-        if snapshot:
-            return base.finish_engine_call(
-                outcome,
-                before=before,
-                snapshot=True,
-                on_success=lambda: self._residency.snapshot_done(tags),
-            )
         return base.finish_engine_call(
-            outcome,
-            before=before,
-            snapshot=False,
-            on_success=lambda: self._residency.restore_done(tags),
+            outcome, before=before, snapshot=False, tracker=self._residency, tags=tags
         )
 
     def _engine_sleeping(self) -> bool | None:
