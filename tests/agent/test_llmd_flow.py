@@ -29,8 +29,8 @@ GROUP = "pool"
 COMPLETE = pb.OperationStatus.Name(pb.OPERATION_STATUS_COMPLETE)
 _T = TypeVar("_T")
 
-# A workload registered over the channel is resident (RUNNING) from registration
-# (DESIGN invariant 5): a Snapshot right after the registration finds its model there.
+# DESIGN invariant 5: a workload that registers over the channel with its model loaded
+# is resident (RUNNING) from registration, so llm-d's first Snapshot finds it RUNNING.
 RESIDENT_FROM_REGISTRATION = (
     "a workload registered on the channel must be RUNNING (resident) from registration"
 )
