@@ -22,7 +22,7 @@ from grpc_reflection.v1alpha import reflection
 
 from tslice.agent import channel, metrics, registration, runner, server, store
 from tslice.agent import config as agent_config
-from tslice.agent.backends import base, registry
+from tslice.agent.backends import base, registry, services
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2_grpc as pb_grpc
 from tslice.common import errors, logs, serving, tasks
@@ -32,45 +32,48 @@ log = logging.getLogger(__name__)
 _PRUNE_INTERVAL_MAX_S = 3600.0
 
 
-def backend_settings(
-    name: str,
-    config: agent_config.AgentConfig,
-    *,
-    hub: channel.ChannelHub | None,
-    processes: registration.ProcessRegistry | None = None,
-) -> dict[str, Any]:
-    """What ``Backend.create`` receives: the config section plus what the agent injects."""
+def backend_settings(name: str, config: agent_config.AgentConfig) -> dict[str, Any]:
+    """The config section ``Backend.create_on_node`` receives for backend ``name``."""
     settings = config.settings_for(name)
     if name == "sim":
+        # SimBackend does not take NodeServices yet (its own module, being reworked):
+        # until it overrides create_on_node, its node, state_dir and the agent-wide
+        # ``sim`` section reach it as settings.
         settings = {
             **config.sim.settings(),
             "node": config.node_name,
             "state_dir": str(config.state_dir),
             **settings,
         }
-    elif name == "app-channel" and hub is not None:
-        settings = {**settings, "hub": hub}
-    elif name == "cuda" and processes is not None:
-        settings = {**settings, "registry": processes}
     return settings
 
 
 async def build_backends(
     config: agent_config.AgentConfig,
     *,
-    hub: channel.ChannelHub | None,
+    hub: channel.ChannelHub,
     processes: registration.ProcessRegistry | None = None,
     instances: Mapping[str, base.Backend] | None = None,
     names: Mapping[str, str] | None = None,
 ) -> dict[str, base.Backend]:
-    """Enabled backends by name; ``instances`` are used as given (tests, embedding)."""
+    """Enabled backends by name; ``instances`` are used as given (tests, embedding).
+
+    Every other backend is built with the node's services, and takes what it uses.
+    """
+    node_services = services.NodeServices(
+        node=config.node_name,
+        state_dir=config.state_dir,
+        hub=hub,
+        processes=processes if processes is not None else registration.default_registry(),
+    )
     built: dict[str, base.Backend] = dict(instances or {})
     try:
         for name in config.enabled_backends:
             if name not in built:
                 built[name] = registry.create(
                     name,
-                    settings=backend_settings(name, config, hub=hub, processes=processes),
+                    settings=backend_settings(name, config),
+                    node_services=node_services,
                     registry=names if names is not None else registry.BUILTIN,
                 )
     except BaseException:
@@ -125,17 +128,12 @@ async def serve(
     ``backend_registry`` replaces the name -> "module:Class" mapping.
     """
     stop = stop if stop is not None else asyncio.Event()
-    try:
-        await asyncio.to_thread(config.state_dir.mkdir, parents=True, exist_ok=True)
-    except OSError as err:
-        raise errors.ConfigError(
-            f"cannot create state_dir {config.state_dir} ({err.strerror}); choose another "
-            "--state-dir"
-        ) from err
     agent_metrics = metrics.AgentMetrics()
     hub = channel.ChannelHub()
     processes = registration.ProcessRegistry()
     async with contextlib.AsyncExitStack() as stack:
+        # Before anything touches the state: a second agent on it is refused.
+        stack.enter_context(serving.locked_state_dir(config.state_dir, what="agent"))
         stack.push_async_callback(hub.close)
         built = await build_backends(
             config, hub=hub, processes=processes, instances=backends, names=backend_registry
@@ -170,7 +168,7 @@ async def serve(
         hub.add_listener(core.on_workload_event)
         await monitor.check_all()
 
-        grpc_server = grpc.aio.server()
+        grpc_server = grpc.aio.server(options=serving.SERVER_OPTIONS)
         servicer = server.SnapshotAgentServicer(core=core, hub=hub)
         pb_grpc.add_SnapshotAgentServiceServicer_to_server(  # type: ignore[no-untyped-call]
             servicer, grpc_server
@@ -184,10 +182,8 @@ async def serve(
             ),
             grpc_server,
         )
-        port = _bind(
-            grpc_server,
-            _listen_address(config.host, config.port),
-            "pick another --port (0 = any free port) or stop what holds it",
+        port = serving.bind_grpc(
+            grpc_server, host=config.host or "0.0.0.0", port=config.port, what="agent"
         )
         if config.unix_socket is not None:
             config.unix_socket.parent.mkdir(parents=True, exist_ok=True)
@@ -210,7 +206,11 @@ async def serve(
             ) from err
         stack.push_async_callback(announcements.close)
         if config.metrics_port:
-            agent_metrics.serve(port=config.metrics_port, host=config.host or "0.0.0.0")
+            metrics_host = config.host or "0.0.0.0"
+            try:
+                agent_metrics.serve(port=config.metrics_port, host=metrics_host)
+            except OSError as err:
+                raise serving.metrics_bind_error(metrics_host, config.metrics_port, err) from err
             stack.callback(agent_metrics.stop)
 
         loops = [
@@ -234,12 +234,6 @@ async def serve(
             ready(address)
         await stop.wait()
         log.info("agent %s stopping", config.node_name)
-
-
-def _listen_address(host: str, port: int) -> str:
-    if ":" in host and not host.startswith("["):
-        host = f"[{host}]"
-    return f"{host or '0.0.0.0'}:{port}"
 
 
 async def _stop_server(

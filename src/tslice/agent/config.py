@@ -26,7 +26,6 @@ File shape (every key optional)::
 from __future__ import annotations
 
 import dataclasses
-import os
 import socket
 from collections.abc import Mapping
 from pathlib import Path
@@ -36,14 +35,15 @@ import pydantic
 import yaml
 from pydantic import BaseModel, ByteSize, ConfigDict, Field
 
-from tslice.common import errors, ids
+from tslice.common import errors, ids, serving
 
 _LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
 
 def default_state_dir() -> Path:
-    base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
-    return Path(base) / "tslice" / "agent"
+    """``$XDG_STATE_HOME/tslice/agent``, else ``/var/lib/tslice/agent`` for root,
+    ``~/.local/state/tslice/agent`` otherwise (as the orchestrator's)."""
+    return serving.default_state_dir("agent")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -60,7 +60,20 @@ async def serve(
     ready: Callable[[str], None] | None = None,
     stop: asyncio.Event | None = None,
 ) -> None:
-    """Serve until ``stop`` is set (forever if None); ``ready(address)`` once listening."""
+    """Serve until ``stop`` is set (forever if None); ``ready(address)`` once listening.
+
+    The state directory stays locked meanwhile: a second orchestrator on it is refused.
+    """
+    with serving.locked_state_dir(cfg.state_dir, what="orchestrator"):
+        await _serve_locked(cfg, ready=ready, stop=stop)
+
+
+async def _serve_locked(
+    cfg: config.OrchestratorConfig,
+    *,
+    ready: Callable[[str], None] | None,
+    stop: asyncio.Event | None,
+) -> None:
     db = await store.Store.open(cfg.state_dir, synchronous=cfg.sqlite_synchronous)
     pool = agents.AgentPool(
         rpc_timeout_s=cfg.agent_rpc_timeout_s,
@@ -70,18 +83,23 @@ async def serve(
     bus = events.EventBus()
     m = metrics.OrchestratorMetrics()
     bus.on_drop = m.events_dropped.inc
-    grpc_server = grpc.aio.server(options=_SERVER_OPTIONS)
+    grpc_server = grpc.aio.server(options=[*_SERVER_OPTIONS, *serving.SERVER_OPTIONS])
     health_servicer = health.aio.HealthServicer()
     metrics_http: Any = None
     groups: manager.GroupManager | None = None
     servicer: server.OrchestratorServicer | None = None
     try:
+        # Bound first: a port in use fails the start before anything else happens.
+        port = serving.bind_grpc(grpc_server, host=cfg.host, port=cfg.port, what="orchestrator")
         cfg = await _name_local_agents(cfg, pool)
         groups = manager.GroupManager(cfg=cfg, db=db, pool=pool, bus=bus, metrics=m)
         if cfg.metrics_port:
-            metrics_http, _ = prom.start_http_server(
-                cfg.metrics_port, addr=cfg.host, registry=m.registry
-            )
+            try:
+                metrics_http, _ = prom.start_http_server(
+                    cfg.metrics_port, addr=cfg.host, registry=m.registry
+                )
+            except OSError as err:
+                raise serving.metrics_bind_error(cfg.host, cfg.metrics_port, err) from err
         await groups.start()
         servicer = server.OrchestratorServicer(groups=groups, bus=bus)
         opb_grpc.add_TimeSliceOrchestratorServiceServicer_to_server(  # type: ignore[no-untyped-call]
@@ -91,13 +109,6 @@ async def serve(
         reflection.enable_server_reflection(
             [SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], grpc_server
         )
-        try:
-            port = grpc_server.add_insecure_port(_bind_address(cfg.host, cfg.port))
-        except RuntimeError as err:
-            raise OSError(
-                f"cannot listen on {_bind_address(cfg.host, cfg.port)}: {err} "
-                "(port in use? pick another with --port, 0 = any free port)"
-            ) from err
         await grpc_server.start()
         for name in ("", SERVICE_NAME):
             await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)

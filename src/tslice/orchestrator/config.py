@@ -30,11 +30,17 @@ from typing import Any, Literal
 import pydantic
 import yaml
 
-from tslice.common import errors, ids
+from tslice.common import errors, ids, serving
 
 DEFAULT_PORT = 50051
 DEFAULT_METRICS_PORT = 8080
-DEFAULT_STATE_DIR = pathlib.Path(".tslice/orchestrator")
+
+
+def default_state_dir() -> pathlib.Path:
+    """Absolute, as for the agent: ``$XDG_STATE_HOME/tslice/orchestrator``, else
+    ``/var/lib/tslice/orchestrator`` for root, ``~/.local/state/tslice/orchestrator`` otherwise."""
+    return serving.default_state_dir("orchestrator")
+
 
 _HOST_PORT = re.compile(r"^(?:\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):(\d{1,5})$")
 
@@ -62,6 +68,9 @@ class _Model(pydantic.BaseModel):
 class NodeModel(_Model):
     name: str
     agent: str
+    #: Device indices of the node that the group uses (None = all of them). Groups
+    #: whose devices on a node intersect take turns there (tslice.orchestrator.overlap).
+    devices: list[pydantic.NonNegativeInt] | None = pydantic.Field(default=None, min_length=1)
 
     @pydantic.field_validator("name")
     @classmethod
@@ -122,7 +131,7 @@ class TopologyModel(_Model):
 class OrchestratorModel(_Model):
     host: str = "127.0.0.1"
     port: int = pydantic.Field(DEFAULT_PORT, ge=0, le=65535)
-    state_dir: pathlib.Path = DEFAULT_STATE_DIR
+    state_dir: pathlib.Path = pydantic.Field(default_factory=default_state_dir)
     topology_file: pathlib.Path | None = None
     topology: TopologyModel | None = None
     local_agents: list[str] = []
@@ -151,6 +160,8 @@ class OrchestratorModel(_Model):
 class NodeRef:
     name: str
     address: str
+    #: Device indices the group uses on the node; ``None`` = all of them.
+    devices: tuple[int, ...] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -175,7 +186,7 @@ class OrchestratorConfig:
     #: gRPC port; 0 picks a free one (reported through the ready file).
     port: int = DEFAULT_PORT
     #: Directory of orchestrator.db (created if missing).
-    state_dir: pathlib.Path = DEFAULT_STATE_DIR
+    state_dir: pathlib.Path = dataclasses.field(default_factory=default_state_dir)
     #: Deadline of every unary agent call, seconds.
     agent_rpc_timeout_s: float = 10.0
     #: How long a snapshot/restore may run before it counts as failed, seconds.
@@ -247,7 +258,10 @@ def _topology(model: TopologyModel) -> Topology:
         return Topology(local_nodes=tuple(NodeRef(n.name, n.agent) for n in model.nodes))
     return Topology(
         groups={
-            gid: tuple(NodeRef(n.name, n.agent) for n in g.nodes)
+            gid: tuple(
+                NodeRef(n.name, n.agent, tuple(n.devices) if n.devices is not None else None)
+                for n in g.nodes
+            )
             for gid, g in sorted(model.groups.items())
         }
     )
