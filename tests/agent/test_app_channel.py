@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 from typing import Any
 
 import grpc
 import pytest
 
-from tslice.agent import channel
-from tslice.agent.backends import app_channel, base
+from tslice.agent import channel, registration
+from tslice.agent.backends import app_channel, base, services
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2_grpc as pb_grpc
 from tslice.common import errors
@@ -39,8 +40,8 @@ class Agent:
     def __init__(self, hub: channel.ChannelHub, address: str) -> None:
         self.hub = hub
         self.address = address
-        self.backend = app_channel.AppChannelBackend.create(
-            {"hub": hub, "command_timeout_s": 10, "register_wait_s": 0}
+        self.backend = app_channel.AppChannelBackend.create_on_node(
+            {"command_timeout_s": 10, "register_wait_s": 0}, _services(hub)
         )
 
 
@@ -290,16 +291,30 @@ async def test_recover_does_not_guess_for_a_legacy_workload(agent: Agent) -> Non
         await client.close()
 
 
+def _services(hub: channel.ChannelHub) -> services.NodeServices:
+    return services.NodeServices(
+        node="node-a",
+        state_dir=Path("/nonexistent"),
+        hub=hub,
+        processes=registration.ProcessRegistry(),
+    )
+
+
 @pytest.mark.parametrize(
     ("settings", "match"),
     [
-        ({"hub": channel.ChannelHub(), "command_timeout": 5}, "unknown app-channel setting"),
-        ({"command_timeout_s": 5}, "needs the agent's ChannelHub"),
-        ({"hub": channel.ChannelHub(), "command_timeout_s": 0}, "command_timeout_s must be > 0"),
-        ({"hub": channel.ChannelHub(), "register_wait_s": -1}, ">= 0"),
+        ({"command_timeout": 5}, "unknown app-channel setting"),
+        ({"hub": "from a file"}, "unknown app-channel setting"),
+        ({"command_timeout_s": 0}, "command_timeout_s must be > 0"),
+        ({"register_wait_s": -1}, ">= 0"),
     ],
-    ids=["unknown-key", "no-hub", "zero-timeout", "negative-wait"],
+    ids=["unknown-key", "hub-is-no-setting", "zero-timeout", "negative-wait"],
 )
 def test_bad_settings_are_config_errors(settings: dict[str, Any], match: str) -> None:
     with pytest.raises(errors.ConfigError, match=match):
-        app_channel.AppChannelBackend.create(settings)
+        app_channel.AppChannelBackend.create_on_node(settings, _services(channel.ChannelHub()))
+
+
+def test_without_the_agent_s_hub_it_says_how_to_build_it() -> None:
+    with pytest.raises(errors.ConfigError, match="create_on_node"):
+        app_channel.AppChannelBackend.create({"command_timeout_s": 5})

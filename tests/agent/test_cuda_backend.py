@@ -12,12 +12,21 @@ import dataclasses
 import json
 import subprocess
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tslice.agent import nvml, registration
-from tslice.agent.backends import base, cuda, cuda_binary, cuda_driver, cuda_fake, cuda_settings
+from tslice.agent import channel, nvml, registration
+from tslice.agent.backends import (
+    base,
+    cuda,
+    cuda_binary,
+    cuda_driver,
+    cuda_fake,
+    cuda_settings,
+    services,
+)
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
 from tslice.common import errors
 
@@ -464,8 +473,14 @@ async def test_without_nvml_bytes_read_zero_and_no_accelerators(node: Node) -> N
 
 
 async def test_fake_driver_from_settings_runs_without_a_gpu(node: Node) -> None:
-    backend = cuda.CudaBackend.create(
-        {"driver": "fake", "measure_bytes": False, "registry": node.registry}
+    node_services = services.NodeServices(
+        node="node-a",
+        state_dir=Path("/nonexistent"),
+        hub=channel.ChannelHub(),
+        processes=node.registry,
+    )
+    backend = cuda.CudaBackend.create_on_node(
+        {"driver": "fake", "measure_bytes": False}, node_services
     )
     saved = await backend.snapshot(job(node.pids[:1]), OFFLOAD)
     assert await backend.recover(job(state=saved.state)) == pb.JOB_STATE_SAVED

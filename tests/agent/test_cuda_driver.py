@@ -19,7 +19,15 @@ from typing import Any
 import pytest
 
 from tslice.agent import registration
-from tslice.agent.backends import base, cuda, cuda_binary, cuda_bindings, cuda_driver, cuda_fake
+from tslice.agent.backends import (
+    base,
+    cuda,
+    cuda_binary,
+    cuda_bindings,
+    cuda_driver,
+    cuda_fake,
+    cuda_settings,
+)
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
 
 S = cuda_driver.ProcessState
@@ -196,13 +204,11 @@ def sleepers() -> Iterator[list[int]]:
 
 async def test_backend_over_the_binary_end_to_end(tool: FakeTool, sleepers: list[int]) -> None:
     tool.set(states=dict.fromkeys(sleepers, "running"))
-    backend = cuda.CudaBackend.create(
-        {
-            "driver": "binary",
-            "binary": str(tool.path),
-            "measure_bytes": False,
-            "registry": registration.ProcessRegistry(),
-        }
+    backend = cuda.CudaBackend(
+        settings=cuda_settings.parse_settings(
+            {"driver": "binary", "binary": str(tool.path), "measure_bytes": False}
+        ),
+        registry=registration.ProcessRegistry(),
     )
     config = pb.BackendConfig(
         cuda=pb.CudaBackendConfig(explicit_target=pb.ProcessTarget(pids=sleepers))

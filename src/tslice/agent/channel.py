@@ -13,8 +13,8 @@ Interface used by the agent core (keep it stable)::
     async def WorkloadChannel(self, request_iterator, context):
         async for command in hub.handle_stream(request_iterator, context):
             yield command
-    # backend registry, name "app-channel":
-    AppChannelBackend.create({**settings, "hub": hub})
+    # backend registry, name "app-channel" (the hub comes with the node's services):
+    AppChannelBackend.create_on_node(settings, NodeServices(..., hub=hub, ...))
     # queries: hub.is_registered(job_id), hub.known_jobs(), hub.session_state(job_id),
     #          hub.add_listener(callback), await hub.wait_registered(job_id, timeout)
 

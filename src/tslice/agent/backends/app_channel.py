@@ -1,7 +1,7 @@
 """The ``app-channel`` backend: the workload moves its own state when told over its channel.
 
-The agent core builds it with ``AppChannelBackend.create({**settings, "hub": hub})``
-where ``hub`` is the agent's :class:`tslice.agent.channel.ChannelHub`. Snapshot and
+The agent builds it with :meth:`AppChannelBackend.create_on_node`, which takes the
+agent's :class:`tslice.agent.channel.ChannelHub` from the node's services. Snapshot and
 restore become one command each on the job's workload stream; the workload's
 in-process adapter (PyTorch, vLLM, SGLang, callbacks) does the copying and reports
 the bytes it moved.
@@ -28,13 +28,13 @@ from typing import Any
 from typing_extensions import Self
 
 from tslice.agent import channel
-from tslice.agent.backends import base
+from tslice.agent.backends import base, services
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
 from tslice.common import errors, residency
 
 log = logging.getLogger(__name__)
 
-_SETTINGS = ("hub", "command_timeout_s", "register_wait_s", "recover_wait_s")
+_SETTINGS = ("command_timeout_s", "register_wait_s", "recover_wait_s")
 
 
 class WorkloadNotRegisteredError(base.RefusedBackendError):
@@ -75,16 +75,22 @@ class AppChannelBackend(base.Backend):
 
     @classmethod
     def create(cls, settings: Mapping[str, Any]) -> Self:
+        raise errors.ConfigError(
+            "the app-channel backend reaches workloads through the agent's ChannelHub: "
+            "build it with AppChannelBackend.create_on_node(settings, node_services), or "
+            "AppChannelBackend(hub=...)"
+        )
+
+    @classmethod
+    def create_on_node(
+        cls, settings: Mapping[str, Any], node_services: services.NodeServices
+    ) -> Self:
         unknown = sorted(set(settings) - set(_SETTINGS))
         if unknown:
             raise errors.ConfigError(
-                f"unknown app-channel setting(s) {unknown}; known: {list(_SETTINGS[1:])}"
+                f"unknown app-channel setting(s) {unknown}; known: {list(_SETTINGS)}"
             )
-        if not isinstance(settings.get("hub"), channel.ChannelHub):
-            raise errors.ConfigError(
-                "the app-channel backend needs the agent's ChannelHub as settings['hub']"
-            )
-        return cls(**settings)
+        return cls(hub=node_services.hub, **settings)
 
     async def snapshot(self, job: base.JobContext, mode: pb.SuspendMode) -> base.OpResult:
         requested_mode, tags = _request(job)

@@ -18,11 +18,14 @@ from __future__ import annotations
 import abc
 import dataclasses
 from collections.abc import Mapping, Sequence
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from typing_extensions import Self
 
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
+
+if TYPE_CHECKING:
+    from tslice.agent.backends import services
 
 
 class BackendError(Exception):
@@ -115,6 +118,17 @@ class Backend(abc.ABC):
     def create(cls, settings: Mapping[str, Any]) -> Self:
         """Build the backend from its section of the agent config (validated by the backend)."""
         return cls(**settings)
+
+    @classmethod
+    def create_on_node(
+        cls, settings: Mapping[str, Any], node_services: services.NodeServices
+    ) -> Self:
+        """How the agent builds the backend: its config section plus the node's services.
+
+        Default: the backend needs none of them, ``create(settings)``. A backend that uses
+        one (the workload channel hub, the process registry) overrides this.
+        """
+        return cls.create(settings)
 
     @abc.abstractmethod
     async def snapshot(self, job: JobContext, mode: pb.SuspendMode) -> OpResult:

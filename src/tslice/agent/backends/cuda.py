@@ -47,7 +47,14 @@ from typing_extensions import Self
 
 from tslice.agent import discovery, registration
 from tslice.agent import nvml as nvml_mod
-from tslice.agent.backends import base, cuda_binary, cuda_driver, cuda_settings, cuda_steps
+from tslice.agent.backends import (
+    base,
+    cuda_binary,
+    cuda_driver,
+    cuda_settings,
+    cuda_steps,
+    services,
+)
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -87,10 +94,17 @@ class CudaBackend(base.Backend):
 
     @classmethod
     def create(cls, settings: Mapping[str, Any]) -> Self:
-        """Build from the agent config section; ``registry`` may be passed as an object."""
-        plain = dict(settings)
-        registry = plain.pop("registry", None)
-        return cls(settings=cuda_settings.parse_settings(plain), registry=registry)
+        """Build from the agent config section, with the process-wide registry."""
+        return cls(settings=cuda_settings.parse_settings(settings))
+
+    @classmethod
+    def create_on_node(
+        cls, settings: Mapping[str, Any], node_services: services.NodeServices
+    ) -> Self:
+        """Build for the agent: processes are looked up in the agent's registry."""
+        return cls(
+            settings=cuda_settings.parse_settings(settings), registry=node_services.processes
+        )
 
     # ----------------------------------------------------------------- resources
 

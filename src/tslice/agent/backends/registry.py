@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tslice.agent.backends import base
 from tslice.common import errors
+
+if TYPE_CHECKING:
+    from tslice.agent.backends import services
 
 BUILTIN: Mapping[str, str] = {
     "noop": "tslice.agent.backends.noop:NoopBackend",
@@ -52,12 +55,22 @@ def load_class(name: str, *, registry: Mapping[str, str] = BUILTIN) -> type[base
 
 
 def create(
-    name: str, *, settings: Mapping[str, Any], registry: Mapping[str, str] = BUILTIN
+    name: str,
+    *,
+    settings: Mapping[str, Any],
+    node_services: services.NodeServices | None = None,
+    registry: Mapping[str, str] = BUILTIN,
 ) -> base.Backend:
-    """Build the backend ``name`` from its settings; bad settings become a ConfigError."""
+    """Build the backend ``name`` from its settings and, in the agent, the node's services.
+
+    Bad settings become a ConfigError. Without ``node_services`` (tools, tests) the
+    backend is built from its settings alone (``Backend.create``).
+    """
     cls = load_class(name, registry=registry)
     try:
-        return cls.create(settings)
+        if node_services is None:
+            return cls.create(settings)
+        return cls.create_on_node(settings, node_services)
     except base.BackendUnavailableError as err:
         raise errors.ConfigError(f"backend {name!r} cannot run on this node: {err}") from err
     except (TypeError, ValueError) as err:
