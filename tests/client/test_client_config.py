@@ -12,9 +12,8 @@ from tslice.common import errors
 
 
 def test_no_address_means_noop_mode_and_calls_succeed_at_once(
-    caplog: pytest.LogCaptureFixture,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
-    caplog.set_level(logging.INFO, logger="tslice.client")
     with tslice.Client() as client:
         assert not client.enabled
         assert client.acquire("trainer") == tslice.AcquireResult(
@@ -31,8 +30,9 @@ def test_no_address_means_noop_mode_and_calls_succeed_at_once(
             return x + 1
 
         assert step(1) == 2
-    assert "time-slicing is off" in caplog.text
-    assert "TSLICE_ORCHESTRATOR" in caplog.text
+    stderr = capsys.readouterr().err
+    assert "time-slicing is off" in stderr
+    assert "TSLICE_ORCHESTRATOR" in stderr
 
 
 async def test_async_noop_mode() -> None:
@@ -44,20 +44,44 @@ async def test_async_noop_mode() -> None:
             assert held["g"].waited_ms == 0
 
 
-def test_noop_mode_is_logged_once_per_process(caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.INFO, logger="tslice.client")
-    tslice.Client()
-    tslice.Client()
-    assert caplog.text.count("time-slicing is off") == 1
+def test_noop_mode_is_said_on_stderr_once_per_process_at_the_first_acquire(
+    capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.DEBUG)
+    first, second = tslice.Client(), tslice.Client()
+    assert capsys.readouterr().err == ""  # nothing yet: building a client is not using it
+    first.acquire("g")
+    with second.slice("g"):
+        pass
+    first.acquire("g")
+    stderr = capsys.readouterr().err
+    assert stderr.count("time-slicing is off") == 1, stderr
+    assert stderr.startswith("tslice: time-slicing is off: no orchestrator configured")
+    assert "set $TSLICE_ORCHESTRATOR" in stderr and "TSLICE_DISABLED=1" in stderr
+    assert "time-slicing is off" not in caplog.text  # said once, on stderr only
 
 
-def test_disabled_env_forces_noop_even_with_an_address(monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_a_slice_is_the_first_use_too(capsys: pytest.CaptureFixture[str]) -> None:
+    async with tslice.AsyncClient() as client:
+        assert capsys.readouterr().err == ""
+        async with client.slice("g"):
+            pass
+    assert "time-slicing is off" in capsys.readouterr().err
+
+
+def test_disabled_env_forces_noop_even_with_an_address(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     monkeypatch.setenv("TSLICE_DISABLED", "1")
     client = tslice.Client("127.0.0.1:1", job_id="j")
     assert not client.enabled
     assert "TSLICE_DISABLED" in client.config.noop_reason
     # Nothing listens on port 1: success proves no RPC was attempted.
     assert client.acquire("g").success
+    with client.slice("g"):
+        pass
+    # Off on purpose: nothing to announce.
+    assert capsys.readouterr().err == ""
 
 
 def test_disabled_env_rejects_unclear_values(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -89,7 +113,7 @@ def test_address_from_environment(
 ) -> None:
     for name, value in env.items():
         monkeypatch.setenv(name, value)
-    client = tslice.Client()
+    client = tslice.Client(job_id="j")
     assert client.enabled and client.address == expected
 
 
@@ -121,12 +145,27 @@ def test_job_id_from_environment(
     assert tslice.Client("x:1").job_id == expected
 
 
-def test_missing_job_id_in_active_mode_is_a_clear_error() -> None:
-    client = tslice.Client("127.0.0.1:1")
-    with pytest.raises(errors.ConfigError, match=r"job id is required.*TSLICE_JOB_ID"):
+def test_missing_job_id_in_active_mode_fails_at_construction() -> None:
+    for make in (tslice.Client, tslice.AsyncClient):
+        with pytest.raises(
+            errors.ConfigError, match=r"job id is required: pass job_id=.*TSLICE_JOB_ID"
+        ):
+            make("127.0.0.1:1")
+
+
+def test_job_id_none_means_each_call_names_its_job(monkeypatch: pytest.MonkeyPatch) -> None:
+    client = tslice.Client("127.0.0.1:1", job_id=None)
+    assert client.job_id is None
+    with pytest.raises(errors.ConfigError, match=r"job_id=None, so pass job_id= to the call"):
         client.acquire("g")
     with pytest.raises(errors.ConfigError, match="job id is required"):
         client.slice("g")
+    monkeypatch.setenv("TSLICE_JOB_ID", "from-env")
+    assert tslice.Client("127.0.0.1:1", job_id=None).job_id == "from-env"
+
+
+def test_no_job_id_is_fine_in_noop_mode() -> None:
+    assert tslice.Client().acquire("g").success
 
 
 def test_missing_group_in_active_mode_is_a_clear_error() -> None:
@@ -157,7 +196,7 @@ def test_malformed_ids_are_rejected_in_noop_mode_too() -> None:
 )
 def test_bad_numbers_are_value_errors(kwargs: dict[str, float]) -> None:
     with pytest.raises(ValueError, match=next(iter(kwargs))):
-        tslice.Client("x:1", **kwargs)  # type: ignore[arg-type]
+        tslice.Client("x:1", job_id="j", **kwargs)  # type: ignore[arg-type]
 
 
 def test_empty_address_argument_is_an_error() -> None:

@@ -173,8 +173,9 @@ def test_unavailable_is_retried_until_it_succeeds(
 
 
 def test_unavailable_gives_up_at_the_deadline(orchestrator: ServerThread) -> None:
-    orchestrator.stop()
     with tslice.Client(orchestrator.address, job_id="me") as client:
+        client.list_groups()  # connected once: from now on UNAVAILABLE is retried
+        orchestrator.stop()
         with pytest.raises(tslice.Unavailable, match="gave up on Yield") as caught:
             client.yield_("g", timeout=0.5)
         assert isinstance(caught.value.__cause__, grpc.RpcError)

@@ -10,6 +10,7 @@ not), as in httpx.
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 import time
 from collections.abc import Iterable, Sequence
@@ -34,12 +35,22 @@ _noop_announced: set[str] = set()
 _noop_lock = threading.Lock()
 
 
-def _log_noop_once(reason: str) -> None:
+def _announce_noop_once(reason: str) -> None:
+    """Say on stderr, once, that acquire/yield do nothing and how to change that.
+
+    stderr rather than a log record: a script that configured no logging would show
+    nothing, and a job that silently runs alone is exactly what must not go unnoticed.
+    """
     with _noop_lock:
         if _noop_announced:
             return
         _noop_announced.add(reason)
-    log.info("time-slicing is off: %s; acquire/yield return at once", reason)
+    print(
+        f"tslice: time-slicing is off: {reason}; acquire/yield return at once "
+        f"(set ${_config.DISABLED_ENV}=1 if that is intended)",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 HoldKey = tuple[str, str]
@@ -52,7 +63,7 @@ class BaseClient:
         self,
         address: str | None,
         *,
-        job_id: str | None,
+        job_id: _config.JobId,
         default_group: str | None,
         timeout: float | None,
         call_timeout: float,
@@ -60,6 +71,7 @@ class BaseClient:
         footprint_bytes: int | None,
         retry: _retry.RetryPolicy,
         lease_s: _config.Timeout = _config.USE_CLIENT_DEFAULT,
+        connect_timeout: _config.Timeout = _config.USE_CLIENT_DEFAULT,
     ) -> None:
         lease = _config.resolve_lease(lease_s)
         #: Acquire's lease_ms: 0 = no lease (the lock is kept even if this process dies).
@@ -75,14 +87,13 @@ class BaseClient:
             footprint_bytes=footprint_bytes,
             retry=retry,
             channel_options=channel_options,
+            connect_timeout=connect_timeout,
         )
         self._closed = False
         # slice() bookkeeping: how many open slices of this client hold (job, group),
         # and the grant they share. Only slice() uses it; acquire()/yield_() are raw.
         self._hold_counts: dict[HoldKey, int] = {}
         self._hold_results: dict[HoldKey, _types.AcquireResult] = {}
-        if not self._config.enabled:
-            _log_noop_once(self._config.noop_reason)
 
     # -- read-only facts --------------------------------------------------------
 
@@ -135,8 +146,8 @@ class BaseClient:
         if not self.enabled:
             return ""
         raise errors.ConfigError(
-            "a job id is required: pass job_id= to the client or to the call, or set "
-            f"${_config.JOB_ID_ENV[0]} (or ${_config.JOB_ID_ENV[1]})"
+            "a job id is required: this client was made with job_id=None, so pass job_id= "
+            "to the call"
         )
 
     def _group(self, group: str | None) -> str:
@@ -162,6 +173,14 @@ class BaseClient:
         if not given:
             return (self._group(None),)
         return tuple(sorted({self._group(group) for group in given}))
+
+    def _noop(self) -> bool:
+        """True in no-op mode; the first time, unless asked for, says so on stderr."""
+        if self.enabled:
+            return False
+        if not self._config.disabled_on_purpose:
+            _announce_noop_once(self._config.noop_reason)
+        return True
 
     def _require_enabled(self, what: str) -> None:
         if self._closed:

@@ -17,7 +17,7 @@ import asyncio
 import contextlib
 import dataclasses
 import time
-from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Sequence
 from typing import Any, Generic, TypeVar, cast
 
 import grpc
@@ -29,7 +29,7 @@ from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2_grpc as pb_grpc
 from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2 as opb
 from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2_grpc as opb_grpc
-from tslice.client import _retry, _session
+from tslice.client import _config, _retry, _session
 from tslice.common import errors
 
 T = TypeVar("T")
@@ -141,13 +141,70 @@ class CallOptions:
 
 _NO_OPTIONS = CallOptions()
 
+# The first connection is proven by any answer to a health check (every server has
+# the method or answers UNIMPLEMENTED); wait_for_ready makes it wait out refusals.
+_PROBE = health_pb2.HealthCheckRequest()
+_NOT_CONNECTED = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
+
+
+def _last_probe_s(budget: float) -> float:
+    """The end of the connect budget kept for a last probe without wait_for_ready: it
+    fails at once, saying why (refused, no such host), where the waiting one cannot."""
+    return min(0.2, budget / 4)
+
 
 class _Transport:
-    """What the sync and async transports share: metadata and attempt planning."""
+    """What the sync and async transports share: metadata, attempt planning, and the
+    bound on the first connection.
 
-    def __init__(self, *, target: str, retry: _retry.RetryPolicy) -> None:
+    Until the channel has been ready once, a call first waits for it, at most
+    ``connect_timeout`` (and never past the call's deadline): an address where nothing
+    answers then fails with a clear :class:`~tslice.common.errors.Unavailable` instead
+    of being retried silently. Once connected, UNAVAILABLE is retried as the method
+    allows (an orchestrator restart is ridden out).
+    """
+
+    def __init__(
+        self,
+        *,
+        target: str,
+        retry: _retry.RetryPolicy,
+        connect_timeout: float | None = None,
+        peer: str = "the server",
+    ) -> None:
         self.target = target
         self.retry = retry
+        self.connect_timeout = connect_timeout
+        self.peer = peer
+        self._connected = connect_timeout is None
+
+    def connect_budget(self, call_timeout: float | None) -> float | None:
+        """How long to wait for the first connection (None: no need, it happened)."""
+        if self._connected or self.connect_timeout is None:
+            return None
+        return (
+            self.connect_timeout
+            if call_timeout is None
+            else min(call_timeout, self.connect_timeout)
+        )
+
+    def connected(self) -> None:
+        self._connected = True
+
+    def not_connected(self, waited_s: float, last: grpc.RpcError) -> errors.Unavailable:
+        """The error of a first connection that did not happen; ``last`` says why."""
+        reason = (
+            last.details()
+            if last.code() == grpc.StatusCode.UNAVAILABLE
+            else "the connection was not completed"
+        )
+        return errors.Unavailable(
+            grpc.StatusCode.UNAVAILABLE,
+            f"failed to connect to {self.peer} at {self.target} within {waited_s:.3g} s"
+            + (f" ({reason})" if reason else "")
+            + ": is it running, and is the address right? "
+            f"(${_config.CONNECT_TIMEOUT_ENV} waits longer)",
+        )
 
     def metadata(self, options: CallOptions) -> tuple[tuple[str, str], ...]:
         items = [(CLIENT_VERSION_HEADER, tslice.__version__)]
@@ -201,16 +258,33 @@ class SyncStream(Generic[T]):
 
 
 class AsyncStream(Generic[T]):
-    """Async twin of :class:`SyncStream`."""
+    """Async twin of :class:`SyncStream`; the call starts at the first ``async for`` or
+    ``started()``, once the transport is connected."""
 
-    def __init__(self, call: Any, *, group_id: str | None = None) -> None:
-        self._call = call
+    def __init__(
+        self,
+        open_call: Callable[[], Any],
+        *,
+        connect: Callable[[], Awaitable[None]],
+        group_id: str | None = None,
+    ) -> None:
+        self._open_call = open_call
+        self._connect = connect
+        self._call: Any = None
         self._group_id = group_id
         self._cancelled = False
 
+    async def _opened(self) -> Any:
+        if self._call is None:
+            await self._connect()
+            self._call = self._open_call()
+            if self._cancelled:
+                self._call.cancel()
+        return self._call
+
     async def __aiter__(self) -> AsyncIterator[T]:
         try:
-            async for item in self._call:
+            async for item in await self._opened():
                 yield cast(T, item)
         except grpc.RpcError as err:
             if self._cancelled and err.code() == grpc.StatusCode.CANCELLED:
@@ -222,12 +296,14 @@ class AsyncStream(Generic[T]):
 
     def cancel(self) -> None:
         self._cancelled = True
-        self._call.cancel()
+        if self._call is not None:
+            self._call.cancel()
 
     async def started(self) -> None:
         """See :meth:`SyncStream.started`."""
+        call = await self._opened()
         with contextlib.suppress(grpc.RpcError):
-            await self._call.initial_metadata()
+            await call.initial_metadata()
 
 
 class SyncTransport(_Transport):
@@ -240,14 +316,40 @@ class SyncTransport(_Transport):
         target: str,
         retry: _retry.RetryPolicy = _retry.DEFAULT_RETRY,
         sleep: Callable[[float], None] = time.sleep,
+        connect_timeout: float | None = None,
+        peer: str = "the server",
     ) -> None:
-        super().__init__(target=target, retry=retry)
+        super().__init__(target=target, retry=retry, connect_timeout=connect_timeout, peer=peer)
         self.channel = channel
         self._sleep = sleep
+
+    def connect(self, call_timeout: float | None) -> None:
+        """Wait for the first connection (see :class:`_Transport`)."""
+        budget = self.connect_budget(call_timeout)
+        if budget is None:
+            return
+        probe = _HealthStub(self.channel).Check
+        try:
+            self._once(probe, _PROBE, budget - _last_probe_s(budget), (), wait_for_ready=True)
+        except grpc.RpcError as err:
+            if err.code() in _NOT_CONNECTED:
+                last = self._last_error(probe, _last_probe_s(budget))
+                if last is not None and last.code() in _NOT_CONNECTED:
+                    raise self.not_connected(budget, last) from err
+        # Any answer, if only a refusal, proves the connection.
+        self.connected()
+
+    def _last_error(self, probe: Any, timeout: float) -> grpc.RpcError | None:
+        try:
+            self._once(probe, _PROBE, timeout, ())
+        except grpc.RpcError as err:
+            return err
+        return None
 
     def unary(self, method: Method, call: Any, request: Any, options: CallOptions) -> Any:
         attempts = self.attempts(method, options)
         metadata = self.metadata(options)
+        self.connect(attempts.attempt_timeout())
         while True:
             try:
                 response = self._once(call, request, attempts.attempt_timeout(), metadata)
@@ -262,9 +364,13 @@ class SyncTransport(_Transport):
 
     @staticmethod
     def _once(
-        call: Any, request: Any, timeout: float | None, metadata: tuple[tuple[str, str], ...]
+        call: Any,
+        request: Any,
+        timeout: float | None,
+        metadata: tuple[tuple[str, str], ...],
+        **flags: bool,
     ) -> Any:
-        future = call.future(request, timeout=timeout, metadata=metadata)
+        future = call.future(request, timeout=timeout, metadata=metadata, **flags)
         try:
             return future.result()
         except BaseException:
@@ -276,12 +382,14 @@ class SyncTransport(_Transport):
         self, method: Method, call: Any, request: Any, options: CallOptions
     ) -> SyncStream[Any]:
         # Streams are never retried: only the caller knows how to resume one.
+        self.connect(options.timeout)
         stream = call(request, timeout=options.timeout, metadata=self.metadata(options))
         return SyncStream(stream, group_id=options.group_id)
 
     def stream_stream(
         self, method: Method, call: Any, requests: Iterable[Any], options: CallOptions
     ) -> SyncStream[Any]:
+        self.connect(options.timeout)
         stream = call(iter(requests), timeout=options.timeout, metadata=self.metadata(options))
         return SyncStream(stream, group_id=options.group_id)
 
@@ -295,13 +403,40 @@ class AsyncTransport(_Transport):
         *,
         target: str,
         retry: _retry.RetryPolicy = _retry.DEFAULT_RETRY,
+        connect_timeout: float | None = None,
+        peer: str = "the server",
     ) -> None:
-        super().__init__(target=target, retry=retry)
+        super().__init__(target=target, retry=retry, connect_timeout=connect_timeout, peer=peer)
         self.channel = channel
+
+    async def connect(self, call_timeout: float | None) -> None:
+        """Wait for the first connection (see :class:`_Transport`)."""
+        budget = self.connect_budget(call_timeout)
+        if budget is None:
+            return
+        probe = _HealthStub(self.channel).Check
+        try:
+            await probe(_PROBE, timeout=budget - _last_probe_s(budget), wait_for_ready=True)
+        except grpc.RpcError as err:
+            if err.code() in _NOT_CONNECTED:
+                last = await self._last_error(probe, _last_probe_s(budget))
+                if last is not None and last.code() in _NOT_CONNECTED:
+                    raise self.not_connected(budget, last) from err
+        # Any answer, if only a refusal, proves the connection.
+        self.connected()
+
+    @staticmethod
+    async def _last_error(probe: Any, timeout: float) -> grpc.RpcError | None:
+        try:
+            await probe(_PROBE, timeout=timeout)
+        except grpc.RpcError as err:
+            return err
+        return None
 
     async def unary(self, method: Method, call: Any, request: Any, options: CallOptions) -> Any:
         attempts = self.attempts(method, options)
         metadata = self.metadata(options)
+        await self.connect(attempts.attempt_timeout())
         while True:
             try:
                 response = await call(
@@ -319,14 +454,20 @@ class AsyncTransport(_Transport):
     def unary_stream(
         self, method: Method, call: Any, request: Any, options: CallOptions
     ) -> AsyncStream[Any]:
-        stream = call(request, timeout=options.timeout, metadata=self.metadata(options))
-        return AsyncStream(stream, group_id=options.group_id)
+        return AsyncStream(
+            lambda: call(request, timeout=options.timeout, metadata=self.metadata(options)),
+            connect=lambda: self.connect(options.timeout),
+            group_id=options.group_id,
+        )
 
     def stream_stream(
         self, method: Method, call: Any, requests: Any, options: CallOptions
     ) -> AsyncStream[Any]:
-        stream = call(requests, timeout=options.timeout, metadata=self.metadata(options))
-        return AsyncStream(stream, group_id=options.group_id)
+        return AsyncStream(
+            lambda: call(requests, timeout=options.timeout, metadata=self.metadata(options)),
+            connect=lambda: self.connect(options.timeout),
+            group_id=options.group_id,
+        )
 
 
 _O = ORCHESTRATOR_METHODS

@@ -43,7 +43,7 @@ class Client(_base.BaseClient):
         self,
         address: str | None = None,
         *,
-        job_id: str | None = None,
+        job_id: _config.JobId = _config.USE_CLIENT_DEFAULT,
         default_group: str | None = None,
         timeout: float | None = None,
         call_timeout: float = _config.DEFAULT_CALL_TIMEOUT_S,
@@ -51,6 +51,7 @@ class Client(_base.BaseClient):
         footprint_bytes: int | None = None,
         retry: _retry.RetryPolicy = _retry.DEFAULT_RETRY,
         lease_s: _config.Timeout = _config.USE_CLIENT_DEFAULT,
+        connect_timeout: _config.Timeout = _config.USE_CLIENT_DEFAULT,
     ) -> None:
         super().__init__(
             address,
@@ -62,6 +63,7 @@ class Client(_base.BaseClient):
             footprint_bytes=footprint_bytes,
             retry=retry,
             lease_s=lease_s,
+            connect_timeout=connect_timeout,
         )
         self._channel: grpc.Channel | None = None
         self._calls: _channel.OrchestratorCalls | None = None
@@ -80,7 +82,11 @@ class Client(_base.BaseClient):
                 )
                 self._calls = _channel.OrchestratorCalls(
                     _channel.SyncTransport(
-                        self._channel, target=self._config.address, retry=self._config.retry
+                        self._channel,
+                        target=self._config.address,
+                        retry=self._config.retry,
+                        connect_timeout=self._config.connect_timeout,
+                        peer="the orchestrator",
                     )
                 )
             return self._calls
@@ -107,7 +113,7 @@ class Client(_base.BaseClient):
         job, group_id = self._job(job_id), self._group(group)
         request = self._acquire_request(job, group_id, footprint_bytes)
         wait = self._acquire_timeout(timeout)
-        if not self.enabled:
+        if self._noop():
             return _base.NOOP_ACQUIRE
         started = time.monotonic()
         try:
@@ -286,7 +292,7 @@ class Client(_base.BaseClient):
     def _enter_slice(
         self, groups: tuple[str, ...], job: str, timeout: _config.Timeout
     ) -> dict[str, _types.AcquireResult]:
-        if not self.enabled:
+        if self._noop():
             return dict.fromkeys(groups, _base.NOOP_ACQUIRE)
         started = time.monotonic()
         deadline = self._deadline(self._acquire_timeout(timeout))
@@ -358,7 +364,7 @@ class AsyncClient(_base.BaseClient):
         self,
         address: str | None = None,
         *,
-        job_id: str | None = None,
+        job_id: _config.JobId = _config.USE_CLIENT_DEFAULT,
         default_group: str | None = None,
         timeout: float | None = None,
         call_timeout: float = _config.DEFAULT_CALL_TIMEOUT_S,
@@ -366,6 +372,7 @@ class AsyncClient(_base.BaseClient):
         footprint_bytes: int | None = None,
         retry: _retry.RetryPolicy = _retry.DEFAULT_RETRY,
         lease_s: _config.Timeout = _config.USE_CLIENT_DEFAULT,
+        connect_timeout: _config.Timeout = _config.USE_CLIENT_DEFAULT,
     ) -> None:
         super().__init__(
             address,
@@ -377,6 +384,7 @@ class AsyncClient(_base.BaseClient):
             footprint_bytes=footprint_bytes,
             retry=retry,
             lease_s=lease_s,
+            connect_timeout=connect_timeout,
         )
         # Created on first use, inside the running loop the client will serve.
         self._channel: grpc.aio.Channel | None = None
@@ -394,7 +402,11 @@ class AsyncClient(_base.BaseClient):
             )
             self._calls = _channel.AsyncOrchestratorCalls(
                 _channel.AsyncTransport(
-                    self._channel, target=self._config.address, retry=self._config.retry
+                    self._channel,
+                    target=self._config.address,
+                    retry=self._config.retry,
+                    connect_timeout=self._config.connect_timeout,
+                    peer="the orchestrator",
                 )
             )
         return self._calls
@@ -416,7 +428,7 @@ class AsyncClient(_base.BaseClient):
         job, group_id = self._job(job_id), self._group(group)
         request = self._acquire_request(job, group_id, footprint_bytes)
         wait = self._acquire_timeout(timeout)
-        if not self.enabled:
+        if self._noop():
             return _base.NOOP_ACQUIRE
         started = time.monotonic()
         try:
@@ -580,7 +592,7 @@ class AsyncClient(_base.BaseClient):
     async def _enter_slice(
         self, groups: tuple[str, ...], job: str, timeout: _config.Timeout
     ) -> dict[str, _types.AcquireResult]:
-        if not self.enabled:
+        if self._noop():
             return dict.fromkeys(groups, _base.NOOP_ACQUIRE)
         started = time.monotonic()
         deadline = self._deadline(self._acquire_timeout(timeout))

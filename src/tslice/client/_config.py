@@ -14,7 +14,7 @@ from typing import Any, Final, Literal, TypeAlias
 
 import grpc
 
-from tslice.client import _retry
+from tslice.client import _address, _retry
 from tslice.common import errors, ids
 
 #: Orchestrator address; the first variable set wins (the second is llm-d's name).
@@ -40,35 +40,74 @@ class _Default(enum.Enum):
 #: Marks "not given, use the client's default" where ``None`` means "no deadline".
 USE_CLIENT_DEFAULT: Final = _Default.TOKEN
 Timeout: TypeAlias = float | Literal[_Default.TOKEN] | None
+#: A job id; ``None``: calls name theirs (``job_id=``); the default: ``$TSLICE_JOB_ID``, required.
+JobId: TypeAlias = str | Literal[_Default.TOKEN] | None
 
 
 #: Holder lease of a client that sets none (``lease_s`` argument, then ``$TSLICE_LEASE_S``).
 DEFAULT_LEASE_S: Final = 30.0
 LEASE_ENV: Final = "TSLICE_LEASE_S"
-_NO_LEASE = {"none", "off", "0"}
+#: Bound on the first connection to a server (``connect_timeout``, then this variable).
+DEFAULT_CONNECT_TIMEOUT_S: Final = 5.0
+CONNECT_TIMEOUT_ENV: Final = "TSLICE_CONNECT_TIMEOUT_S"
+_NONE = {"none", "off", "0"}
+
+
+def resolve_seconds(
+    value: Timeout,
+    *,
+    name: str,
+    env: str,
+    default: float,
+    none_means: str,
+    environ: Mapping[str, str] | None = None,
+) -> float | None:
+    """Seconds (None: ``none_means``): the argument ``name``, else ``$env``, else ``default``."""
+    if value is not USE_CLIENT_DEFAULT:
+        if value is not None and not value > 0:
+            raise ValueError(f"{name} must be > 0 seconds or None ({none_means}), got {value!r}")
+        return value
+    raw = (os.environ if environ is None else environ).get(env, "").strip()
+    if not raw:
+        return default
+    if raw.lower() in _NONE:
+        return None
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = float("nan")
+    if not 0 < seconds < float("inf"):
+        raise errors.ConfigError(
+            f"{env}={raw!r} is not understood; use a number of seconds (e.g. {default:g}) or "
+            f"'none' for {none_means}"
+        )
+    return seconds
 
 
 def resolve_lease(lease_s: Timeout, environ: Mapping[str, str] | None = None) -> float | None:
     """The holder lease in seconds (None: no lease): the argument, else the environment."""
-    if lease_s is not USE_CLIENT_DEFAULT:
-        if lease_s is not None and not lease_s > 0:
-            raise ValueError(f"lease_s must be > 0 seconds or None (no lease), got {lease_s!r}")
-        return lease_s
-    raw = (os.environ if environ is None else environ).get(LEASE_ENV, "").strip()
-    if not raw:
-        return DEFAULT_LEASE_S
-    if raw.lower() in _NO_LEASE:
-        return None
-    try:
-        value = float(raw)
-    except ValueError:
-        value = float("nan")
-    if not 0 < value < float("inf"):
-        raise errors.ConfigError(
-            f"{LEASE_ENV}={raw!r} is not understood; use a number of seconds (e.g. 30) or "
-            "'none' for no lease"
-        )
-    return value
+    return resolve_seconds(
+        lease_s,
+        name="lease_s",
+        env=LEASE_ENV,
+        default=DEFAULT_LEASE_S,
+        none_means="no lease",
+        environ=environ,
+    )
+
+
+def resolve_connect_timeout(
+    connect_timeout: Timeout, environ: Mapping[str, str] | None = None
+) -> float | None:
+    """How long the first connection may take (None: retry as long as the call may)."""
+    return resolve_seconds(
+        connect_timeout,
+        name="connect_timeout",
+        env=CONNECT_TIMEOUT_ENV,
+        default=DEFAULT_CONNECT_TIMEOUT_S,
+        none_means="no bound",
+        environ=environ,
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,7 +116,7 @@ class ClientConfig:
 
     #: Orchestrator address (``host:port``, ``unix:/path``...); ``None`` = no-op mode.
     address: str | None
-    #: Job id used when a call names none; required by acquire/yield in active mode.
+    #: Job id used when a call names none (``None``: each acquire/yield/slice names one).
     job_id: str | None
     #: Group used when a call names none.
     default_group: str | None
@@ -92,6 +131,10 @@ class ClientConfig:
     channel_options: tuple[tuple[str, Any], ...]
     #: Why the client is in no-op mode ("" when it is active).
     noop_reason: str = ""
+    #: Bound on the first connection, in seconds (``None``: retried as long as a call may).
+    connect_timeout: float | None = DEFAULT_CONNECT_TIMEOUT_S
+    #: True when no-op mode was asked for (``$TSLICE_DISABLED``), so it goes unannounced.
+    disabled_on_purpose: bool = False
 
     @property
     def enabled(self) -> bool:
@@ -124,16 +167,22 @@ def check_timeout(name: str, value: float | None) -> float | None:
 def resolve(
     *,
     address: str | None,
-    job_id: str | None,
+    job_id: JobId,
     default_group: str | None,
     timeout: float | None,
     call_timeout: float,
     footprint_bytes: int | None,
     retry: _retry.RetryPolicy,
     channel_options: Sequence[tuple[str, Any]] | None,
+    connect_timeout: Timeout = USE_CLIENT_DEFAULT,
     environ: Mapping[str, str] | None = None,
 ) -> ClientConfig:
-    """Build a :class:`ClientConfig`; raise a clear error for anything malformed."""
+    """Build a :class:`ClientConfig`; raise a clear error for anything malformed.
+
+    An active client (an orchestrator is configured) needs a job id unless ``job_id``
+    is ``None`` on purpose (each call then names its job): without one, the error
+    comes here rather than at the first slice.
+    """
     env = os.environ if environ is None else environ
     disabled = env.get(DISABLED_ENV, "").strip().lower()
     if disabled not in _TRUE | _FALSE:
@@ -142,31 +191,45 @@ def resolve(
             "time-slicing off or 0 (or unset it) to leave it on"
         )
 
-    if job_id is not None:
-        job_id = check_id("job_id", job_id, source="the job_id argument")
+    job_required = job_id is USE_CLIENT_DEFAULT
+    resolved_job: str | None = None
+    if isinstance(job_id, str):
+        resolved_job = check_id("job_id", job_id, source="the job_id argument")
     elif found := _first_env(env, JOB_ID_ENV):
-        job_id = check_id("job_id", found[1], source=f"${found[0]}")
+        resolved_job = check_id("job_id", found[1], source=f"${found[0]}")
     if default_group is not None:
         default_group = check_id("group_id", default_group, source="the default_group argument")
     elif found := _first_env(env, GROUP_ENV):
         default_group = check_id("group_id", found[1], source=f"${found[0]}")
 
-    if address is not None and not address.strip():
-        raise errors.ConfigError(
-            "address is empty; pass 'host:port' (or 'unix:/path'), or None to read "
-            f"${ADDRESS_ENV[0]}"
+    target: str | None = None
+    if address is not None:
+        if not address.strip():
+            raise errors.ConfigError(
+                "address is empty; pass 'host:port' (or 'unix:/path'), or None to read "
+                f"${ADDRESS_ENV[0]}"
+            )
+        target = _address.grpc_target(
+            address, default_port=_address.ORCHESTRATOR_PORT, source="address"
         )
-    if address is None and (found := _first_env(env, ADDRESS_ENV)):
-        address = found[1]
+    elif found := _first_env(env, ADDRESS_ENV):
+        target = _address.grpc_target(
+            found[1], default_port=_address.ORCHESTRATOR_PORT, source=f"${found[0]}"
+        )
 
     noop_reason = ""
     if disabled in _TRUE:
         noop_reason = f"${DISABLED_ENV} is set"
-        address = None
-    elif address is None:
+        target = None
+    elif target is None:
         noop_reason = (
             f"no orchestrator configured (pass address= or set ${ADDRESS_ENV[0]} "
             f"or ${ADDRESS_ENV[1]})"
+        )
+    elif resolved_job is None and job_required:
+        raise errors.ConfigError(
+            f"a job id is required: pass job_id= to the client or set ${JOB_ID_ENV[0]} "
+            f"(or ${JOB_ID_ENV[1]}); job_id=None makes each acquire/yield/slice name its job"
         )
 
     if footprint_bytes is not None and footprint_bytes < 0:
@@ -174,8 +237,8 @@ def resolve(
     check_timeout("timeout", timeout)
     check_timeout("call_timeout", call_timeout)
     return ClientConfig(
-        address=address.strip() if address is not None else None,
-        job_id=job_id,
+        address=target,
+        job_id=resolved_job,
         default_group=default_group,
         timeout=timeout,
         call_timeout=call_timeout,
@@ -183,4 +246,6 @@ def resolve(
         retry=retry,
         channel_options=tuple(channel_options or ()),
         noop_reason=noop_reason,
+        connect_timeout=resolve_connect_timeout(connect_timeout, env),
+        disabled_on_purpose=disabled in _TRUE,
     )

@@ -17,7 +17,7 @@ import grpc
 from grpc_health.v1 import health_pb2
 
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
-from tslice.client import _channel, _config, _retry
+from tslice.client import _address, _channel, _config, _retry
 from tslice.client.compat import _agent_types as types
 from tslice.common import errors
 
@@ -77,13 +77,17 @@ class SnapshotAgentClient:
         timeout_sec: float = _config.DEFAULT_CALL_TIMEOUT_S,
         retry: _retry.RetryPolicy = _retry.DEFAULT_RETRY,
         channel_options: list[tuple[str, Any]] | None = None,
+        connect_timeout_sec: _config.Timeout = _config.USE_CLIENT_DEFAULT,
     ) -> None:
         if channel is not None:
             self.channel = channel
             self._own_channel = False
         elif endpoint:
+            target = _address.grpc_target(
+                endpoint, default_port=_address.AGENT_PORT, source="endpoint"
+            )
             self.channel = grpc.insecure_channel(
-                endpoint, options=_channel.channel_options(channel_options)
+                target, options=_channel.channel_options(channel_options)
             )
             self._own_channel = True
         else:
@@ -93,7 +97,11 @@ class SnapshotAgentClient:
         self._timeout = timeout_sec
         self._calls = _channel.AgentCalls(
             _channel.SyncTransport(
-                self.channel, target=endpoint or "the given channel", retry=retry
+                self.channel,
+                target=endpoint or "the given channel",
+                retry=retry,
+                connect_timeout=_config.resolve_connect_timeout(connect_timeout_sec),
+                peer="the snapshot agent",
             )
         )
         self.stub = self._calls.stub

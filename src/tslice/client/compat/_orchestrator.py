@@ -141,8 +141,11 @@ class TimeSliceOrchestratorClient:
         self.job_id = job_id
         self.group_id = group_id
         with _translated():
-            # llm-d clients send no lease: the lock outlives the process, as there.
-            self._client = _client.Client(target, channel_options=channel_options, lease_s=None)
+            # llm-d clients send no lease: the lock outlives the process, as there; and
+            # they may name the job in each call (job_id=None: $TSLICE_JOB_ID if set).
+            self._client = _client.Client(
+                target, job_id=None, channel_options=channel_options, lease_s=None
+            )
 
     @property
     def client(self) -> _client.Client:
