@@ -51,17 +51,15 @@ Rules (WIRE.md "Workload channel rules", plus the tslice additions):
 from __future__ import annotations
 
 import asyncio
-import collections
 import dataclasses
 import logging
-import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterable
 from typing import Literal, NoReturn, TypeVar
 
 import grpc
 
-from tslice.agent import channel_rules
+from tslice.agent import channel_rules, channel_session
 from tslice.agent.channel_rules import (
     ChannelError,
     CommandRefusedError,
@@ -74,7 +72,7 @@ from tslice.agent.channel_rules import (
     resolve_mode,
 )
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
-from tslice.common import residency, tasks
+from tslice.common import tasks
 
 # The rules' public names are part of this module's interface (callers catch
 # ``channel.CommandRefusedError``); they live in channel_rules to keep this module small.
@@ -96,9 +94,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")
-
-# Timed-out command ids remembered per session, so a late success still updates residency.
-_EXPIRED_KEPT = 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,118 +125,6 @@ class ChannelEvent:
 Listener = Callable[[ChannelEvent], None]
 
 
-@dataclasses.dataclass(frozen=True)
-class _Close:
-    code: grpc.StatusCode
-    details: str
-
-
-@dataclasses.dataclass
-class _Pending:
-    kind: str
-    tags: tuple[str, ...]
-    future: asyncio.Future[pb.CommandResult] | None
-
-
-class _Session:
-    """One accepted stream. Lives on the event loop; not thread-safe."""
-
-    def __init__(self, register: pb.RegisterWorkload) -> None:
-        caps = register.capabilities
-        self.job_id = register.job_id
-        self.group = register.group
-        self.pid = register.pid
-        self.supported_modes = tuple(dict.fromkeys(caps.supported_modes))
-        self.default_mode = caps.default_mode
-        self.tags = tuple(dict.fromkeys(caps.tags))
-        self.state_reported = register.features.reports_state
-        resident: Iterable[str] | None = None
-        if self.state_reported and (register.suspended or register.resident_tags):
-            resident = register.resident_tags
-        self.tracker = residency.ResidencyTracker(
-            declared=self.tags, suspended=register.suspended, resident=resident
-        )
-        self.registered_at = time.time()
-        self.outbox: asyncio.Queue[pb.AgentCommand | _Close] = asyncio.Queue()
-        self.pending: dict[str, _Pending] = {}
-        self.expired: collections.OrderedDict[str, _Pending] = collections.OrderedDict()
-        self.closed = asyncio.Event()
-        self.close_reason = ""
-        self.keepalive = register.features.keepalive
-        self.last_heard = asyncio.get_running_loop().time()
-        self.pings_sent = 0
-        self.pongs_received = 0
-        self.commands_sent = 0
-
-    def state(self) -> WorkloadState:
-        return WorkloadState(
-            job_id=self.job_id,
-            group=self.group,
-            pid=self.pid,
-            supported_modes=self.supported_modes,
-            default_mode=self.default_mode,
-            tags=self.tags,
-            state_reported=self.state_reported,
-            suspended=self.tracker.suspended,
-            resident_tags=self.tracker.resident_tags,
-            missing_tags=self.tracker.missing_tags,
-            residency=self.tracker.residency,
-            keepalive=self.keepalive,
-            registered_at=self.registered_at,
-        )
-
-    def heard(self) -> None:
-        self.last_heard = asyncio.get_running_loop().time()
-
-    def send(self, command: pb.AgentCommand) -> None:
-        if self.closed.is_set():
-            raise WorkloadDisconnectedError(
-                f"workload {self.job_id!r} disconnected ({self.close_reason})"
-            )
-        self.outbox.put_nowait(command)
-
-    def ping(self) -> None:
-        self.pings_sent += 1
-        self.send(pb.AgentCommand(ping=pb.Ping(nonce=self.pings_sent)))
-
-    def apply(self, pending: _Pending, result: pb.CommandResult) -> None:
-        if not result.ok:
-            return
-        # Once a command succeeded the hub knows what the workload holds.
-        self.state_reported = True
-        if pending.kind == "snapshot":
-            self.tracker.snapshot_done(pending.tags)
-        else:
-            self.tracker.restore_done(pending.tags)
-
-    def expire(self, command_id: str) -> None:
-        pending = self.pending.pop(command_id, None)
-        if pending is None:
-            return
-        pending.future = None
-        self.expired[command_id] = pending
-        while len(self.expired) > _EXPIRED_KEPT:
-            self.expired.popitem(last=False)
-
-    def close(self, code: grpc.StatusCode, reason: str) -> bool:
-        """End the session; False if it was already closed."""
-        if self.closed.is_set():
-            return False
-        self.closed.set()
-        self.close_reason = reason
-        for command_id, pending in self.pending.items():
-            if pending.future is not None and not pending.future.done():
-                pending.future.set_exception(
-                    WorkloadDisconnectedError(
-                        f"workload {self.job_id!r} disconnected before answering "
-                        f"{pending.kind} command {command_id} ({reason})"
-                    )
-                )
-        self.pending.clear()
-        self.outbox.put_nowait(_Close(code, reason))
-        return True
-
-
 class ChannelHub:
     """Accepts workload streams and sends them commands (one session per job id)."""
 
@@ -252,7 +135,7 @@ class ChannelHub:
             raise ValueError("missed_pings must be >= 1")
         self.ping_interval_s = ping_interval_s
         self.missed_pings = missed_pings
-        self._sessions: dict[str, _Session] = {}
+        self._sessions: dict[str, channel_session.Session] = {}
         self._listeners: list[Listener] = []
         self._changed: asyncio.Event | None = None
         #: Commands put on any stream since start (pings excluded), for tests and metrics.
@@ -350,11 +233,11 @@ class ChannelHub:
             self._read(session, request_iterator), name=f"channel-read-{session.job_id}"
         )
         keeper = tasks.spawn(self._keepalive(session), name=f"channel-keepalive-{session.job_id}")
-        close: _Close | None = None
+        close: channel_session.Close | None = None
         try:
             while True:
                 item = await session.outbox.get()
-                if isinstance(item, _Close):
+                if isinstance(item, channel_session.Close):
                     close = item
                     break
                 yield item
@@ -368,7 +251,7 @@ class ChannelHub:
         self,
         request_iterator: AsyncIterator[pb.WorkloadMessage],
         context: grpc.aio.ServicerContext,
-    ) -> _Session:
+    ) -> channel_session.Session:
         try:
             first = await request_iterator.__anext__()
         except StopAsyncIteration:
@@ -385,7 +268,7 @@ class ChannelHub:
         problem = channel_rules.registration_problem(first.register)
         if problem:
             await _refuse(context, problem)
-        session = _Session(first.register)
+        session = channel_session.Session(first.register)
         previous = self._sessions.get(session.job_id)
         if previous is not None:
             self._end(
@@ -411,7 +294,7 @@ class ChannelHub:
         return session
 
     async def _read(
-        self, session: _Session, request_iterator: AsyncIterator[pb.WorkloadMessage]
+        self, session: channel_session.Session, request_iterator: AsyncIterator[pb.WorkloadMessage]
     ) -> None:
         try:
             async for message in request_iterator:
@@ -441,7 +324,7 @@ class ChannelHub:
             return
         self._end(session, grpc.StatusCode.OK, "the workload closed the channel")
 
-    async def _keepalive(self, session: _Session) -> None:
+    async def _keepalive(self, session: channel_session.Session) -> None:
         loop = asyncio.get_running_loop()
         if session.closed.is_set() or not session.keepalive:
             return
@@ -463,7 +346,7 @@ class ChannelHub:
                 return
             session.ping()
 
-    def _on_result(self, session: _Session, result: pb.CommandResult) -> None:
+    def _on_result(self, session: channel_session.Session, result: pb.CommandResult) -> None:
         pending = session.pending.pop(result.command_id, None)
         if pending is not None:
             session.apply(pending, result)
@@ -490,7 +373,7 @@ class ChannelHub:
 
     async def _dispatch(
         self,
-        session: _Session,
+        session: channel_session.Session,
         command: pb.AgentCommand,
         *,
         kind: str,
@@ -504,7 +387,7 @@ class ChannelHub:
         command.command_id = command_id
         command.deadline_ms = max(1, int(timeout_s * 1000))
         future: asyncio.Future[pb.CommandResult] = asyncio.get_running_loop().create_future()
-        session.pending[command_id] = _Pending(kind=kind, tags=tags, future=future)
+        session.pending[command_id] = channel_session.Pending(kind=kind, tags=tags, future=future)
         session.send(command)
         session.commands_sent += 1
         self.commands_sent += 1
@@ -535,7 +418,7 @@ class ChannelHub:
 
     # ---- helpers -------------------------------------------------------------------
 
-    def _live(self, job_id: str) -> _Session:
+    def _live(self, job_id: str) -> channel_session.Session:
         session = self._sessions.get(job_id)
         if session is None or session.closed.is_set():
             raise NoWorkloadError(
@@ -544,7 +427,7 @@ class ChannelHub:
             )
         return session
 
-    def _end(self, session: _Session, code: grpc.StatusCode, reason: str) -> None:
+    def _end(self, session: channel_session.Session, code: grpc.StatusCode, reason: str) -> None:
         if not session.close(code, reason):
             return
         if self._sessions.get(session.job_id) is session:
