@@ -22,8 +22,8 @@ sent here rather than short-circuited.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import Any, Literal
 
 from typing_extensions import Self
 
@@ -96,33 +96,46 @@ class AppChannelBackend(base.Backend):
         requested_mode, tags = _request(job)
         if mode != pb.SUSPEND_MODE_UNSPECIFIED:
             requested_mode = mode
-        await self._wait_for_workload(job)
-        known = self.hub.session_state(job.job_id)
-        if known is not None and _already(known, tags, off=True):
-            log.info("snapshot skipped: the workload reports nothing resident", extra=_log(job))
-            return base.OpResult(state=state_dict(known))
-        try:
-            outcome = await self.hub.snapshot(
+        return await self._move(
+            job,
+            "snapshot",
+            tags,
+            lambda: self.hub.snapshot(
                 job.job_id, mode=requested_mode, tags=tags, timeout_s=self.command_timeout_s
-            )
-        except channel.ChannelError as exc:
-            raise _translate(exc) from exc
-        return _result(job, "snapshot", outcome)
+            ),
+        )
 
     async def restore(self, job: base.JobContext) -> base.OpResult:
         _mode, tags = _request(job)
+        return await self._move(
+            job,
+            "restore",
+            tags,
+            lambda: self.hub.restore(job.job_id, tags=tags, timeout_s=self.command_timeout_s),
+        )
+
+    async def _move(
+        self,
+        job: base.JobContext,
+        kind: Literal["snapshot", "restore"],
+        tags: list[str],
+        send: Callable[[], Awaitable[channel.CommandOutcome]],
+    ) -> base.OpResult:
+        """One command to the job's workload, unless what it reports leaves nothing to do."""
         await self._wait_for_workload(job)
         known = self.hub.session_state(job.job_id)
-        if known is not None and _already(known, tags, off=False):
-            log.info("restore skipped: the workload reports its state resident", extra=_log(job))
+        if known is not None and _already(known, tags, off=kind == "snapshot"):
+            log.info(
+                "%s skipped: the workload reports it has nothing to move",
+                kind,
+                extra={**_log(job), "residency": known.residency},
+            )
             return base.OpResult(state=state_dict(known))
         try:
-            outcome = await self.hub.restore(
-                job.job_id, tags=tags, timeout_s=self.command_timeout_s
-            )
+            outcome = await send()
         except channel.ChannelError as exc:
             raise _translate(exc) from exc
-        return _result(job, "restore", outcome)
+        return _result(job, kind, outcome)
 
     async def validate(self, job: base.JobContext) -> None:
         """Refuse, before any operation exists, what the registered workload did not declare.

@@ -189,20 +189,28 @@ class CudaBackend(base.Backend):
                 )
         return ""
 
+    def _explicit_pids(self, job: base.JobContext) -> list[int]:
+        """The request's PIDs, checked: InvalidBackendConfigError if one is not a process
+        here, BackendConfigRefusedError if one belongs to another job."""
+        try:
+            pids = discovery.validate_pids(self._explicit(job), proc_root=self.settings.proc_root)
+        except discovery.InvalidPidError as exc:
+            raise base.InvalidBackendConfigError(
+                f"CudaBackendConfig.explicit_target.pids for job {job.job_id!r}: {exc}"
+            ) from exc
+        foreign = self._foreign_owner(job, pids)
+        if foreign:
+            raise base.BackendConfigRefusedError(foreign)
+        return pids
+
     def _snapshot_targets(self, job: base.JobContext) -> list[_Target]:
-        explicit = self._explicit(job)
-        if explicit:
+        if self._explicit(job):
             try:
-                pids = discovery.validate_pids(explicit, proc_root=self.settings.proc_root)
-            except discovery.InvalidPidError as exc:
+                pids = self._explicit_pids(job)
+            except base.InvalidBackendConfigError as exc:
                 raise base.FatalBackendError(
                     f"cannot snapshot job {job.job_id!r}: {exc}; nothing was changed"
                 ) from exc
-            foreign = self._foreign_owner(job, pids)
-            if foreign:
-                raise base.FatalBackendError(
-                    f"cannot snapshot job {job.job_id!r}: {foreign}; nothing was changed"
-                )
             return [self._target(pid) for pid in pids]
         targets = [t for t in self._recorded(job) if self._alive(t)]
         known = {t.pid for t in targets}
@@ -270,16 +278,7 @@ class CudaBackend(base.Backend):
 
     async def validate(self, job: base.JobContext) -> None:
         """Refuse explicit PIDs that are not processes on this node, or belong to another job."""
-        explicit = self._explicit(job)
-        try:
-            discovery.validate_pids(explicit, proc_root=self.settings.proc_root)
-        except discovery.InvalidPidError as exc:
-            raise base.InvalidBackendConfigError(
-                f"CudaBackendConfig.explicit_target.pids for job {job.job_id!r}: {exc}"
-            ) from exc
-        foreign = self._foreign_owner(job, explicit)
-        if foreign:
-            raise base.BackendConfigRefusedError(foreign)
+        self._explicit_pids(job)
 
     async def snapshot(self, job: base.JobContext, mode: int) -> base.OpResult:
         """Checkpoint every process of the job (DISCARD is treated as OFFLOAD: the
