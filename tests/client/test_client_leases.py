@@ -12,6 +12,7 @@ import pathlib
 import threading
 from collections.abc import AsyncIterator
 
+import grpc
 import httpx
 import pytest
 
@@ -19,6 +20,7 @@ import tslice
 from tests.orchestrator.orch_harness import Cluster, Events, acquire, one_node
 from tests.orchestrator.test_operations import free_port
 from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2 as opb
+from tslice.client import _lease
 from tslice.client.compat import TimeSliceOrchestratorClient
 
 K = opb.OrchestratorEvent
@@ -225,3 +227,54 @@ def test_lease_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
             tslice.Client("127.0.0.1:1", job_id="j")
     monkeypatch.delenv("TSLICE_LEASE_S")
     assert tslice.Client("127.0.0.1:1", job_id="j").lease_s == 30.0
+
+
+# ---- LeaseFlow: the keepers' decisions, without I/O ------------------------------------
+
+
+def test_flow_reopens_with_growing_capped_back_off_reset_by_an_event() -> None:
+    flow = _lease.LeaseFlow(lease_ms=30_000)
+    assert flow.open_delay == 7.5
+    delays = [flow.on_error(grpc.StatusCode.UNAVAILABLE, "down").reopen_in for _ in range(7)]
+    assert delays == [0.05, 0.1, 0.2, 0.4, 0.8, 1.0, 1.0]
+    assert flow.on_event(released=False, lost="") is None  # a keep-alive event: read on
+    assert flow.on_end().reopen_in == 0.05  # the server went away: again from the start
+
+
+def test_flow_back_off_stays_well_within_a_short_lease() -> None:
+    flow = _lease.LeaseFlow(lease_ms=200)
+    assert [flow.on_end().reopen_in for _ in range(3)] == [0.04, 0.04, 0.04]
+
+
+@pytest.mark.parametrize("code", [grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND])
+def test_flow_reports_a_lost_lease_once_and_stops(code: grpc.StatusCode) -> None:
+    flow = _lease.LeaseFlow(lease_ms=1000)
+    assert flow.on_error(code, "job j does not hold group g") == _lease.Step(
+        reopen_in=None, report="job j does not hold group g"
+    )
+    lost = _lease.LeaseFlow(lease_ms=1000).on_event(released=False, lost="lease expired")
+    assert lost == _lease.Step(reopen_in=None, report="lease expired")
+
+
+def test_flow_ends_quietly_on_release_on_stop_and_without_the_rpc() -> None:
+    flow = _lease.LeaseFlow(lease_ms=1000)
+    assert flow.on_event(released=True, lost="") is _lease.DONE
+    unimplemented = flow.on_error(grpc.StatusCode.UNIMPLEMENTED, "")
+    assert unimplemented.reopen_in is None and unimplemented.report is None
+    assert unimplemented.note is not None and "no Hold RPC" in unimplemented.note
+    flow.stop()
+    assert flow.on_error(grpc.StatusCode.CANCELLED, "") is _lease.DONE
+    assert flow.on_error(grpc.StatusCode.FAILED_PRECONDITION, "gone") is _lease.DONE
+    assert flow.on_end() is _lease.DONE
+
+
+def test_flow_holds_a_loss_back_while_yielding() -> None:
+    flow = _lease.LeaseFlow(lease_ms=1000)
+    flow.releasing()
+    assert flow.on_error(grpc.StatusCode.FAILED_PRECONDITION, "not held") is _lease.DONE
+    assert flow.resume() == "not held"  # the Yield failed: the loss is real after all
+    assert flow.resume() is None  # reported once
+    flow.releasing()
+    flow.on_event(released=False, lost="lease expired")
+    flow.stop()  # the Yield succeeded: the keeper stops, the loss is dropped
+    assert flow.resume() is None

@@ -13,6 +13,8 @@ lease is lost (``FAILED_PRECONDITION`` or a ``lost`` event): then it calls
 held back: the Hold stream may reach the orchestrator after the Yield, and a lock
 being given up is not lost; if the Yield fails, :meth:`resume` reports it.
 
+Every decision (when to open, back-off, lost lease, yielding) is :class:`LeaseFlow`'s,
+which does no I/O; the keepers only open and read streams and act on its steps.
 :class:`HoldKeeper` runs in a daemon thread (sync client: no hidden event loop), started by
 one scheduler thread per process when the stream is due;
 :class:`AsyncHoldKeeper` is a task of the caller's loop.
@@ -21,6 +23,7 @@ one scheduler thread per process when the stream is due;
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import heapq
 import itertools
 import logging
@@ -36,7 +39,7 @@ from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2 as opb
 log = logging.getLogger("tslice.client")
 
 #: Answers that mean the lock is gone for good: stop and report the loss.
-_LOST_CODES = (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND)
+_LOST_CODES = frozenset({grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND})
 
 OnLost = Callable[[str], None]
 
@@ -51,12 +54,90 @@ def open_delay(lease_ms: int) -> float:
     return lease_ms / 4000
 
 
-def _outcome(err: grpc.RpcError) -> str | None:
-    """Why the lease is lost, or None when the stream is worth re-opening."""
-    code = err.code()
-    if code in _LOST_CODES:
-        return str(err.details() or code.name)
-    return None
+@dataclasses.dataclass(frozen=True)
+class Step:
+    """What a keeper does next, as :class:`LeaseFlow` decides it."""
+
+    #: Seconds to wait before re-opening the stream; ``None``: the keeper is done.
+    reopen_in: float | None
+    #: A lost lease to report through ``on_lost`` (before stopping).
+    report: str | None = None
+    #: Why the keeper stops although nothing was lost (logged at INFO).
+    note: str | None = None
+
+
+DONE = Step(reopen_in=None)
+
+
+class LeaseFlow:
+    """Every decision of keeping one lease, and no I/O: the keepers feed it what their
+    Hold stream did and act on the :class:`Step` it returns (httpx's ``auth_flow``,
+    kopf's cause detectors), so the sync and async keepers share one behaviour.
+
+    Not thread-safe: the sync keeper calls it under its lock.
+    """
+
+    def __init__(self, *, lease_ms: int) -> None:
+        self.lease_ms = lease_ms
+        #: Failed openings since the stream last delivered an event.
+        self.attempt = 0
+        self.stopped = False
+        self._releasing = False
+        self._held_loss: str | None = None
+
+    @property
+    def open_delay(self) -> float:
+        return open_delay(self.lease_ms)
+
+    def on_event(self, *, released: bool, lost: str) -> Step | None:
+        """A Hold event; ``None``: keep reading the stream."""
+        self.attempt = 0
+        if released:
+            return DONE
+        if lost:
+            return self._lose(lost)
+        return None
+
+    def on_error(self, code: grpc.StatusCode, details: str) -> Step:
+        """The stream failed with ``code``."""
+        if self.stopped:
+            return DONE
+        if code == grpc.StatusCode.UNIMPLEMENTED:
+            return Step(
+                reopen_in=None, note="the orchestrator has no Hold RPC; the lease is not kept"
+            )
+        if code in _LOST_CODES:
+            return self._lose(details or code.name)
+        return self._reopen()
+
+    def on_end(self) -> Step:
+        """The stream ended without saying released or lost (the server went away)."""
+        return DONE if self.stopped else self._reopen()
+
+    def releasing(self) -> None:
+        """The job is yielding: a loss is held back until :meth:`resume` (or dropped)."""
+        self._releasing = True
+
+    def resume(self) -> str | None:
+        """The Yield failed: the lease is kept again; the loss held back meanwhile, if any."""
+        self._releasing, lost, self._held_loss = False, self._held_loss, None
+        return None if self.stopped else lost
+
+    def stop(self) -> None:
+        self.stopped = True
+
+    def _reopen(self) -> Step:
+        delay = retry_delay(self.attempt, self.lease_ms)
+        self.attempt += 1
+        return Step(reopen_in=delay)
+
+    def _lose(self, reason: str) -> Step:
+        if self._releasing:
+            # The Hold may reach the orchestrator after the Yield: a lock being given
+            # up is not lost (unless the Yield fails, see resume()).
+            self._held_loss = reason
+            return DONE
+        return DONE if self.stopped else Step(reopen_in=None, report=reason)
 
 
 class _Due:
@@ -126,24 +207,23 @@ class HoldKeeper:
     ) -> None:
         self._stub = stub
         self._request = opb.HoldRequest(job_id=job, group_id=group, grant_epoch=epoch)
-        self._lease_ms = lease_ms
+        self._flow = LeaseFlow(lease_ms=lease_ms)
         self._on_lost = on_lost
         self._stopped = threading.Event()
         self._guard = threading.Lock()
         self._call: Any = None
-        self._releasing = False
-        self._held_loss: str | None = None
         self._name = f"tslice-hold:{group}:{job}"
         self._thread: threading.Thread | None = None
         # No thread until the stream is due: a slice shorter than that costs none.
-        self._due = _SCHEDULER.schedule(time.monotonic() + open_delay(lease_ms), self._begin)
+        self._due = _SCHEDULER.schedule(time.monotonic() + self._flow.open_delay, self._begin)
 
     def stop(self) -> None:
         """Close the stream (the lease timer starts on the orchestrator unless yielded)."""
+        with self._guard:
+            self._flow.stop()
+            call = self._call
         self._stopped.set()
         self._due.cancel()
-        with self._guard:
-            call = self._call
         if call is not None:
             call.cancel()
 
@@ -155,25 +235,24 @@ class HoldKeeper:
 
     def _begin(self) -> None:
         with self._guard:
-            if self._stopped.is_set():
+            if self._flow.stopped:
                 return
             self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
             self._thread.start()
 
     def releasing(self) -> None:
-        """The job is yielding: hold a loss back until :meth:`resume` (or drop it at stop)."""
+        """See :meth:`LeaseFlow.releasing`."""
         with self._guard:
-            self._releasing = True
+            self._flow.releasing()
 
     def resume(self) -> None:
-        """The Yield failed: the lease is kept again; report a loss held back meanwhile."""
+        """See :meth:`LeaseFlow.resume`."""
         with self._guard:
-            self._releasing, lost, self._held_loss = False, self._held_loss, None
-        if lost is not None and not self._stopped.is_set():
+            lost = self._flow.resume()
+        if lost is not None:
             self._on_lost(lost)
 
     def _run(self) -> None:
-        attempt = 0
         while not self._stopped.is_set():
             try:
                 call = self._stub.Hold(self._request)
@@ -181,37 +260,28 @@ class HoldKeeper:
                 return  # the client closed its channel meanwhile
             with self._guard:
                 self._call = call
-            if self._stopped.is_set():
+                stopped = self._flow.stopped
+            if stopped:
                 call.cancel()
                 return
-            try:
-                for event in call:
-                    attempt = 0
-                    if event.released:
-                        return
-                    if event.lost:
-                        self._lose(event.lost)
-                        return
-            except grpc.RpcError as err:
-                if self._stopped.is_set():
-                    return
-                if err.code() == grpc.StatusCode.UNIMPLEMENTED:
-                    log.info("the orchestrator has no Hold RPC; the lease is not kept")
-                    return
-                lost = _outcome(err)
-                if lost is not None:
-                    self._lose(lost)
-                    return
-            self._stopped.wait(retry_delay(attempt, self._lease_ms))
-            attempt += 1
-
-    def _lose(self, reason: str) -> None:
-        with self._guard:
-            if self._releasing:
-                self._held_loss = reason
+            step = self._read(call)
+            if _done(step, self._on_lost):
                 return
-        if not self._stopped.is_set():
-            self._on_lost(reason)
+            assert step.reopen_in is not None
+            self._stopped.wait(step.reopen_in)
+
+    def _read(self, call: Any) -> Step:
+        try:
+            for event in call:
+                with self._guard:
+                    step = self._flow.on_event(released=event.released, lost=event.lost)
+                if step is not None:
+                    return step
+        except grpc.RpcError as err:
+            with self._guard:
+                return self._flow.on_error(err.code(), err.details() or "")
+        with self._guard:
+            return self._flow.on_end()
 
 
 class AsyncHoldKeeper:
@@ -222,16 +292,14 @@ class AsyncHoldKeeper:
     ) -> None:
         self._stub = stub
         self._request = opb.HoldRequest(job_id=job, group_id=group, grant_epoch=epoch)
-        self._lease_ms = lease_ms
+        self._flow = LeaseFlow(lease_ms=lease_ms)
         self._on_lost = on_lost
-        self._releasing = False
-        self._held_loss: str | None = None
         self._name = f"tslice-hold:{group}:{job}"
         self._ended = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         # A timer, not a sleeping task: a slice shorter than the delay costs no task.
         self._timer: asyncio.TimerHandle | None = asyncio.get_running_loop().call_later(
-            open_delay(lease_ms), self._open
+            self._flow.open_delay, self._open
         )
 
     @property
@@ -243,6 +311,7 @@ class AsyncHoldKeeper:
         await self._ended.wait()
 
     async def stop(self) -> None:
+        self._flow.stop()
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
@@ -260,42 +329,42 @@ class AsyncHoldKeeper:
         self._task.add_done_callback(lambda _task: self._ended.set())
 
     def releasing(self) -> None:
-        """The job is yielding: hold a loss back until :meth:`resume` (or drop it at stop)."""
-        self._releasing = True
+        """See :meth:`LeaseFlow.releasing`."""
+        self._flow.releasing()
 
     def resume(self) -> None:
-        """The Yield failed: the lease is kept again; report a loss held back meanwhile."""
-        self._releasing, lost, self._held_loss = False, self._held_loss, None
+        """See :meth:`LeaseFlow.resume`."""
+        lost = self._flow.resume()
         if lost is not None:
             self._on_lost(lost)
 
-    def _lose(self, reason: str) -> None:
-        if self._releasing:
-            self._held_loss = reason
-        else:
-            self._on_lost(reason)
-
     async def _run(self) -> None:
-        attempt = 0
         while True:
             call = self._stub.Hold(self._request)
             try:
-                async for event in call:
-                    attempt = 0
-                    if event.released:
-                        return
-                    if event.lost:
-                        self._lose(event.lost)
-                        return
-            except grpc.RpcError as err:
-                if err.code() == grpc.StatusCode.UNIMPLEMENTED:
-                    log.info("the orchestrator has no Hold RPC; the lease is not kept")
-                    return
-                lost = _outcome(err)
-                if lost is not None:
-                    self._lose(lost)
-                    return
+                step = await self._read(call)
             finally:
                 call.cancel()
-            await asyncio.sleep(retry_delay(attempt, self._lease_ms))
-            attempt += 1
+            if _done(step, self._on_lost):
+                return
+            assert step.reopen_in is not None
+            await asyncio.sleep(step.reopen_in)
+
+    async def _read(self, call: Any) -> Step:
+        try:
+            async for event in call:
+                step = self._flow.on_event(released=event.released, lost=event.lost)
+                if step is not None:
+                    return step
+        except grpc.RpcError as err:
+            return self._flow.on_error(err.code(), err.details() or "")
+        return self._flow.on_end()
+
+
+def _done(step: Step, on_lost: OnLost) -> bool:
+    """Carry out the end of a step (log, report); True when the keeper is done."""
+    if step.note is not None:
+        log.info("%s", step.note)
+    if step.report is not None:
+        on_lost(step.report)
+    return step.reopen_in is None
