@@ -20,7 +20,7 @@ from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2_grpc as pb_grp
 GiB = 1024**3
 #: 10 GiB devices (default footprint 6 GiB), copies of a few milliseconds.
 FAST_SIM: dict[str, Any] = {"capacity": "10GiB", "bandwidth": "2TB/s", "latency_s": 0.001}
-DEFAULT_FOOTPRINT = int(10 * GiB * 0.6)
+DEFAULT_FOOTPRINT = int(10 * GiB * 0.4)
 
 
 def _merge(base_: Mapping[str, Any], extra: Mapping[str, Any]) -> dict[str, Any]:

@@ -320,17 +320,20 @@ async def test_grant_epochs_and_the_same_group_safety_net(agent: Agent) -> None:
 
 async def test_capacity_overflow_is_a_clear_error_and_changes_nothing(agent: Agent) -> None:
     # Different groups, so the safety net does not apply: the device itself refuses.
-    await agent.grant("job-a", group="g1")
-    err = await rpc_error(agent.stub.Grant(pb.GrantRequest(job_id="job-b", group="g2")))
+    six = 6 * GiB
+    await agent.grant("job-a", group="g1", footprint_bytes=six)
+    err = await rpc_error(
+        agent.stub.Grant(pb.GrantRequest(job_id="job-b", group="g2", footprint_bytes=six))
+    )
     assert err.code() == grpc.StatusCode.UNAVAILABLE
     assert "activation of job job-b (group g2) on sim0" in err.details()
-    assert f"{DEFAULT_FOOTPRINT} of {10 * GiB} in use by job job-a of group g1" in err.details()
+    assert f"{six} of {10 * GiB} in use by job job-a of group g1" in err.details()
     assert "changed nothing" in err.details()
     # Nothing landed, so nothing is FAULTED: the grant can simply be retried later.
     assert await agent.state("job-b") == pb.JOB_STATE_IDLE
 
     await agent.snapshot("job-a", group="g1")
-    assert await agent.grant("job-b", group="g2") == pb.JOB_STATE_RUNNING
+    assert await agent.grant("job-b", group="g2", footprint_bytes=six) == pb.JOB_STATE_RUNNING
     back = await agent.restore("job-a", group="g1")
     assert back.status == FAILED
     assert "restore of job job-a (group g1) on sim0" in back.error

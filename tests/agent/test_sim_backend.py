@@ -199,7 +199,7 @@ async def test_footprint_precedence() -> None:
     assert backend.footprint(ctx(footprint=2 * GiB)) == 2 * GiB
     config = pb.BackendConfig(sim=pb.SimBackendConfig(footprint_bytes=GiB))
     assert backend.footprint(ctx(footprint=2 * GiB, config=config)) == GiB
-    assert fast().default_footprint_bytes == int(10 * GiB * 0.6)
+    assert fast().default_footprint_bytes == int(10 * GiB * 0.4)
 
 
 async def test_snapshot_modes_and_node_totals(tmp_path: Path) -> None:

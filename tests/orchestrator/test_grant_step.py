@@ -18,7 +18,7 @@ from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
 from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2 as opb
 
 K = opb.OrchestratorEvent
-FOOTPRINT = 6 * GiB  # the sim's default: 60 % of a 10 GiB device
+FOOTPRINT = 4 * GiB  # the sim's default: 40 % of a 10 GiB device
 
 
 def free_port() -> int:

@@ -106,9 +106,11 @@ async def test_reopened_hold_stream_keeps_the_lock(cluster: Cluster) -> None:
 
 async def test_lease_zero_never_expires(cluster: Cluster) -> None:
     await cluster.start_agent("node-a")
-    await cluster.start_orchestrator()
+    await cluster.start_agent("node-b")
+    # Disjoint nodes: the two groups are held at the same time.
+    await cluster.start_orchestrator(groups={"g": ["node-a"], "clock": ["node-b"]})
     stub = cluster.stub()
-    small = 1 << 30  # both groups share the node's memory
+    small = 1 << 30
     await acquire(stub, "a", "g", footprint_bytes=small)  # lease_ms 0: the llm-d behaviour
     ev = await Events.open(stub, "")
     # A leased holder of another group is the clock: its lease ran out meanwhile.

@@ -30,8 +30,9 @@ async def test_local_mode_creates_groups_on_first_acquire(cluster: Cluster) -> N
         await yield_(stub, "a", "sampler")
     assert info.value.code() == grpc.StatusCode.NOT_FOUND
     assert "created by its first Acquire" in (info.value.details() or "")
-    await acquire(stub, "a", "sampler")
-    await acquire(stub, "a", "trainer")
+    # Local groups share every device: one job may hold both when its states fit.
+    await acquire(stub, "a", "sampler", footprint_bytes=1 << 30)
+    await acquire(stub, "a", "trainer", footprint_bytes=1 << 30)
     groups = await stub.ListGroups(opb.ListGroupsRequest())
     assert list(groups.group_ids) == ["sampler", "trainer"]
     st = (await stub.GetGroupStatus(opb.GetGroupStatusRequest(group_id="sampler"))).group

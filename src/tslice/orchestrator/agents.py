@@ -17,7 +17,7 @@ to do that, so that agents without the feature get the original step sequence.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar, cast
 
 import grpc
@@ -160,6 +160,7 @@ class AgentClient:
         footprint_bytes: int,
         evict: list[str],
         wait_s: float,
+        give_way: Sequence[tuple[str, str]] = (),
         issued: Callable[[], None] | None = None,
     ) -> pb.GrantResponse:
         """One node step of a switch: evict, restore ``job_id`` if SAVED, record the grant.
@@ -175,6 +176,7 @@ class AgentClient:
             evict=evict,
             restore=True,
             wait_ms=max(1, int(wait_s * 1000)),
+            give_way=[pb.JobRef(job_id=j, group=g) for j, g in give_way],
         )
         timeout_s = wait_s + self.rpc_timeout_s
         if self._grants.supported is not False:
@@ -201,9 +203,12 @@ class AgentClient:
         )
         return resp
 
-    async def reset_job(self, *, job_id: str) -> pb.JobState:
+    async def reset_job(self, *, job_id: str, group: str = "") -> pb.JobState:
         resp = await self._call(
-            "reset", self._stub.ResetJob, pb.ResetJobRequest(job_id=job_id), pb.ResetJobResponse
+            "reset",
+            self._stub.ResetJob,
+            pb.ResetJobRequest(job_id=job_id, group=group),
+            pb.ResetJobResponse,
         )
         return resp.state
 

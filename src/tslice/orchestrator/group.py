@@ -28,7 +28,7 @@ from google.protobuf import timestamp_pb2
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
 from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2 as opb
 from tslice.common import tasks
-from tslice.orchestrator import agents, config, events, lock, metrics, store, switch
+from tslice.orchestrator import agents, config, events, lock, metrics, overlap, store, switch
 
 log = logging.getLogger(__name__)
 
@@ -190,6 +190,7 @@ class GroupDriver:
         bus: events.EventBus,
         metrics: metrics.OrchestratorMetrics,
         record: lock.LockRecord | None = None,
+        arbiter: overlap.DeviceArbiter | None = None,
     ) -> None:
         self.group_id = group_id
         self.nodes = nodes
@@ -237,6 +238,21 @@ class GroupDriver:
         self._switch_duration = self._metrics.switch_duration.labels(group_id=gid)
         self._queue_depth_series = self._metrics.queue_depth.labels(group_id=gid)
         self._state_ts = timestamp_pb2.Timestamp()
+        # Groups that share devices take turns through the device claim (see overlap).
+        self._arbiter = arbiter if arbiter is not None else overlap.DeviceArbiter()
+        self._arbiter.join(
+            group_id,
+            nodes,
+            granted=lambda job: self._post(
+                lambda now: self._bind(self.lock.on_claim_granted(job, now=now))
+            ),
+            contended=lambda: self._post(lambda now: self._bind(self.lock.on_contended(now=now))),
+        )
+        if self.lock.holder is not None:
+            self._arbiter.seize(group_id, self.lock.holder)
+            self.lock.keep_claim(self.lock.holder)
+        else:
+            self.lock.drop_claim()
         self._refresh_state()
 
     # ---- lifecycle -------------------------------------------------------------------------
@@ -252,6 +268,7 @@ class GroupDriver:
     async def stop(self, *, grace_s: float) -> None:
         """Refuse new work, let a switch in flight finish within the grace, fail waiters."""
         self._stopping = True
+        self._arbiter.leave(self.group_id)
         sw = self._switch_task
         if sw is not None and not sw.done():
             await asyncio.wait({sw}, timeout=grace_s)
@@ -413,7 +430,7 @@ class GroupDriver:
             if isinstance(res, BaseException):
                 raise res
             self._unreachable.pop(node.name, None)
-            view = switch.view_from_status(res)
+            view = switch.view_from_status(res, self.group_id)
             views.append(view)
             for job, jv in sorted(view.items()):
                 if jv.group == self.group_id or job in known:
@@ -484,6 +501,8 @@ class GroupDriver:
                     effects += apply(now)
                 except Exception:
                     log.exception("group %s: command failed", self.group_id)
+                # Overlapping groups see who holds this one at once (see overlap).
+                self._arbiter.note_holder(self.group_id, self.lock.holder)
             await self._persist()
             # Urgent effects first. While a switch they started has not sent its first
             # agent calls, the others (Yield replies, event deliveries) wait, so that
@@ -559,6 +578,17 @@ class GroupDriver:
                 effects.append(self._abort_effect(action, aborted))
             elif isinstance(action, lock.StartSwitch):
                 effects.append(self._switch_effect(action))
+            elif isinstance(action, lock.NeedClaim):
+                if self._arbiter.request(self.group_id, action.job):
+                    now = time.monotonic()
+                    effects += self._bind(self.lock.on_claim_granted(action.job, now=now))
+                else:
+                    self._views.clear()
+                    self.lock.on_claim_waiting()
+            elif isinstance(action, lock.ReleaseClaim):
+                # Another group may now move what is on the shared devices: re-read first.
+                self._views.clear()
+                self._arbiter.release(self.group_id)
             else:
                 effects.append(self._emit_effect(action))
         return effects
@@ -613,8 +643,26 @@ class GroupDriver:
 
     # ---- switches --------------------------------------------------------------------------
 
+    def _give_way(self) -> dict[str, frozenset[str]]:
+        """Per node, the overlapping groups whose residents may give way to this switch.
+
+        While this group holds the device claim, none of them has a holder.
+        """
+        by_node: dict[str, set[str]] = {}
+        for other in self._arbiter.released(self.group_id):
+            for node in self._arbiter.shared_nodes(self.group_id, other):
+                by_node.setdefault(node, set()).add(other)
+        return {node: frozenset(groups) for node, groups in by_node.items()}
+
     async def _run_switch(self, s: lock.StartSwitch) -> None:
-        plan = switch.SwitchPlan(self.group_id, s.from_job, s.to_job, s.epoch, s.footprint_bytes)
+        plan = switch.SwitchPlan(
+            self.group_id,
+            s.from_job,
+            s.to_job,
+            s.epoch,
+            s.footprint_bytes,
+            give_way=self._give_way(),
+        )
 
         def announce() -> None:
             # Every node's first call is on its way: what waited for that may run now.
@@ -766,7 +814,7 @@ class GroupDriver:
                     self._unreachable[node.name] = str(res)
                 else:
                     self._unreachable.pop(node.name, None)
-                    views[node.name] = switch.view_from_status(res)
+                    views[node.name] = switch.view_from_status(res, self.group_id)
             self._refresh_state()
             if len(views) == len(self.nodes):
                 break
@@ -884,6 +932,9 @@ class GroupDriver:
         phase = self.lock.phase()
         if phase is lock.Phase.SWITCHING:
             return phase.value, self._switch_detail
+        if not self.lock.claimed and self.lock.attached_waiters:
+            others = ", ".join(sorted(self._arbiter.conflicts(self.group_id)))
+            return phase.value, f"waiting for the devices it shares with group(s) {others}"
         return phase.value, self.lock.detail
 
     def _refresh_state(self) -> None:

@@ -8,7 +8,10 @@ async group driver executes in order, after it has persisted the new state:
 - :class:`Granted`  resolve every pending Acquire of ``job``;
 - :class:`StartSwitch`  move ``from_job`` out and ``to_job`` in on every node;
 - :class:`Abort`  fail the pending Acquires of ``job`` (it yielded during its own switch);
-- :class:`Emit`  publish an event (queued, yielded, cancelled...).
+- :class:`Emit`  publish an event (queued, yielded, cancelled...);
+- :class:`NeedClaim` / :class:`ReleaseClaim`  ask for / give back the device claim
+  that groups sharing devices take turns on (``tslice.orchestrator.overlap``); a group
+  grants only while it holds the claim.
 
 Vocabulary: the *holder* owns the lock (during a switch, the switch target);
 the *resident* is the job whose state is on the devices; *verified* says the
@@ -66,6 +69,18 @@ class Abort:
     message: str
 
 
+@dataclasses.dataclass(frozen=True)
+class NeedClaim:
+    """Ask for the device claim for ``job``, the waiter to promote next."""
+
+    job: str
+
+
+@dataclasses.dataclass(frozen=True)
+class ReleaseClaim:
+    """Give the device claim back: nobody holds the group and another group wants it."""
+
+
 class EventKind(enum.Enum):
     QUEUED = "queued"
     YIELDED = "yielded"
@@ -81,7 +96,7 @@ class Emit:
     detail: str = ""
 
 
-Action: TypeAlias = "Granted | StartSwitch | Abort | Emit"
+Action: TypeAlias = "Granted | StartSwitch | Abort | Emit | NeedClaim | ReleaseClaim"
 
 
 class Phase(enum.Enum):
@@ -197,6 +212,14 @@ class GroupLock:
         self._confirm_deadline: float | None = None
         self._recovered_at: float | None = None
         self.detail = ""
+        #: The device claim (see overlap): held, and for which job (None: any). A lock
+        #: on its own holds it for anybody; a driver starts without it (drop_claim)
+        #: unless it has a holder, and asks for it per job (at most once at a time).
+        self._claimed = True
+        self._claim_job: str | None = None
+        self._claim_asked: str | None = None
+        #: Another group waits for the claim: let go at the next release.
+        self._contended = False
 
     # ---- construction from disk -----------------------------------------------------------
 
@@ -314,6 +337,10 @@ class GroupLock:
     def footprint(self, job: str) -> int:
         return self._footprints.get(job, 0)
 
+    @property
+    def claimed(self) -> bool:
+        return self._claimed
+
     def phase(self) -> Phase:
         if self._switch is not None:
             return Phase.SWITCHING
@@ -379,6 +406,8 @@ class GroupLock:
             return [*actions, *self._promote(now)]
         if (
             not self._recovering
+            and self._claimed
+            and self._claim_job in (None, job)
             and self._holder is None
             and s is None
             and self._resident == job
@@ -573,7 +602,50 @@ class GroupLock:
             )
         return [*actions, *self._promote(now)]
 
+    def drop_claim(self) -> None:
+        """Start without the device claim (a driver whose group may share devices)."""
+        self._claimed = False
+        self._claim_job = None
+        self._claim_asked = None
+        self._contended = False
+
+    def keep_claim(self, job: str) -> None:
+        """The claim is held for ``job`` (its holder, found on disk after a restart)."""
+        self._claimed = True
+        self._claim_job = job
+
+    def on_claim_granted(self, job: str, *, now: float) -> list[Action]:
+        """The device claim is this group's for ``job``: promote the head of the queue."""
+        self._claimed = True
+        self._claim_job = job
+        self._claim_asked = None
+        return self._promote(now)
+
+    def on_claim_waiting(self) -> None:
+        """The claim was asked for and must be waited for: meanwhile another group may
+        move what is on the shared devices, the deferred resident included."""
+        self._claimed = False
+        self._verified = False
+
+    def on_contended(self, *, now: float) -> list[Action]:
+        """An overlapping group asks for the claim: let go now if nobody holds the group."""
+        if not self._claimed:
+            return []
+        self._contended = True
+        return self._let_go()
+
     # ---- internals ------------------------------------------------------------------------
+
+    def _let_go(self) -> list[Action]:
+        """Give the claim back if contended and free; the resident may then be evicted."""
+        if not (self._contended and self._holder is None and self._switch is None):
+            return []
+        self._claimed = False
+        self._contended = False
+        self._claim_asked = None
+        # Another group's Grant may make the deferred resident give way: re-check it.
+        self._verified = False
+        return [ReleaseClaim()]
 
     def _grant_to(self, job: str, *, attached: int, new_epoch: bool) -> None:
         # A switch's grant was numbered when the switch started (the epoch travels to
@@ -596,9 +668,15 @@ class GroupLock:
     def _promote(self, now: float) -> list[Action]:
         if self._recovering or self._holder is not None or self._switch is not None:
             return []
+        released = self._let_go()
         entry = next((e for e in self._queue.values() if e.attached > 0), None)
         if entry is None:
-            return []
+            return released
+        if not (self._claimed and self._claim_job in (None, entry.job)):
+            if self._claim_asked == entry.job:
+                return released
+            self._claim_asked = entry.job
+            return [*released, NeedClaim(entry.job)]
         del self._queue[entry.job]
         if entry.job == self._resident and self._verified:
             self._grant_to(entry.job, attached=entry.attached, new_epoch=True)

@@ -1,11 +1,15 @@
 """The coordinated context switch on every node of a group.
 
 Each node converges on its own, concurrently with the others, towards "only the
-incoming job is resident, and it has been granted". With a tslice agent that is
-one Grant per node (``evict`` the outgoing resident and any other job of the group
-running there, ``restore`` the incoming job if it is SAVED, record the grant with
-its epoch); the agent answers once the node is done, or after a wait chunk with the
-operations in flight, which are then awaited (WaitOperation) before the Grant is
+incoming job is resident, and it has been granted". Residency is per (job, group):
+a switch moves only this group's state of each job, and a job's state for another
+group stays where it is, unless that group shares the node's devices, has no holder
+and the incoming job would not fit beside it (``give_way``, see
+``tslice.orchestrator.overlap``). With a tslice agent that is one Grant per node
+(``evict`` the outgoing resident and any other job of the group running there,
+``give_way`` the deferred residents of overlapping groups, ``restore`` the incoming
+job if it is SAVED, record the grant with its epoch); the agent answers once the
+node is done, or after a wait chunk with the operations in flight, which are then awaited (WaitOperation) before the Grant is
 re-issued (it is idempotent). FAULTED jobs are reset first (the agent refuses to
 move them blindly).
 
@@ -31,7 +35,7 @@ import asyncio
 import dataclasses
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Protocol
 
 import grpc
@@ -50,11 +54,25 @@ class JobView:
     operation_id: str = ""
 
 
-NodeView = dict[str, JobView]
+class NodeView(dict[str, JobView]):
+    """A group's records on one node by job id (its own group's, or made without a group);
+    ``others`` holds the other groups' records by (job, group)."""
+
+    def __init__(self, own: dict[str, JobView] | None = None) -> None:
+        super().__init__(own or {})
+        self.others: dict[tuple[str, str], JobView] = {}
 
 
-def view_from_status(resp: pb.StatusResponse) -> NodeView:
-    return {js.job_id: JobView(js.state, js.group, js.operation_id) for js in resp.job_statuses}
+def view_from_status(resp: pb.StatusResponse, group: str) -> NodeView:
+    """The node's records as ``group`` sees them; its own record wins over an ungrouped one."""
+    view = NodeView()
+    for js in resp.job_statuses:
+        jv = JobView(js.state, js.group, js.operation_id)
+        if js.group == group or (not js.group and js.job_id not in view):
+            view[js.job_id] = jv
+        elif js.group:
+            view.others[(js.job_id, js.group)] = jv
+    return view
 
 
 class GiveUp(Exception):
@@ -103,6 +121,8 @@ class SwitchPlan:
     to_job: str
     epoch: int
     footprint_bytes: int
+    #: Per node: the overlapping groups (with no holder) whose residents may give way.
+    give_way: Mapping[str, frozenset[str]] = dataclasses.field(default_factory=dict)
 
 
 class NodeSwitcher:
@@ -185,7 +205,7 @@ class NodeSwitcher:
         t0 = time.monotonic()
         resp = await self.client.status(issued=self._issued())
         self.hooks.observe(self.node.name, "status", time.monotonic() - t0)
-        view = view_from_status(resp)
+        view = view_from_status(resp, self.plan.group)
         self.views[self.node.name] = view
         return view
 
@@ -239,10 +259,19 @@ class NodeSwitcher:
             and jv.state in resident
         ]
 
+    def _give_way(self, view: NodeView) -> list[tuple[str, str]]:
+        """Other groups' residents here that may be snapshotted to make room."""
+        groups = self.plan.give_way.get(self.node.name, frozenset())
+        resident = (pb.JOB_STATE_RUNNING, pb.JOB_STATE_TRANSITIONING)
+        return sorted(
+            key for key, jv in view.others.items() if key[1] in groups and jv.state in resident
+        )
+
     async def _grant_step(self, view: NodeView) -> bool:
         """One Grant (re-issued after waiting); False if the agent lacks the feature."""
         p = self.plan
         evict = self._evictees(view)
+        give_way = self._give_way(view)
         deadline = time.monotonic() + self.client.operation_timeout_s
         while True:
             left = deadline - time.monotonic()
@@ -261,6 +290,7 @@ class NodeSwitcher:
                 epoch=p.epoch,
                 footprint_bytes=p.footprint_bytes,
                 evict=evict,
+                give_way=give_way,
                 wait_s=min(self.client.wait_chunk_s, left),
                 issued=self._issued(),
             )
@@ -292,6 +322,17 @@ class NodeSwitcher:
             raise agents.OperationFailed(
                 self.client.address, op.kind, f"{op.kind} of job {op.job_id} failed: {op.error}"
             )
+        if op.group and op.group != p.group:
+            # Another group's resident gave way: only its record changes.
+            view.others[(op.job_id, op.group)] = JobView(pb.JOB_STATE_SAVED, op.group, op_id)
+            self.hooks.observe(self.node.name, op.kind, op.elapsed_ms / 1000)
+            self._publish(
+                opb.OrchestratorEvent.KIND_SNAPSHOT_DONE,
+                job=op.job_id,
+                elapsed_ms=op.elapsed_ms,
+                size=op.storage_bytes,
+            )
+            return
         group = view[op.job_id].group if op.job_id in view else p.group
         if op.kind == "snapshot":
             view[op.job_id] = JobView(pb.JOB_STATE_SAVED, group, op_id)
@@ -366,7 +407,7 @@ class NodeSwitcher:
             self._op = "reset"
             t0 = time.monotonic()
             self._calling()
-            await self.client.reset_job(job_id=job)
+            await self.client.reset_job(job_id=job, group=jv.group)
             self.hooks.observe(self.node.name, "reset", time.monotonic() - t0)
             return True
         if jv.state == pb.JOB_STATE_TRANSITIONING:

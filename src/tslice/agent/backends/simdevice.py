@@ -32,9 +32,11 @@ GiB = 1024**3
 DEFAULT_CAPACITY_BYTES = 80 * GiB
 DEFAULT_BANDWIDTH_BYTES_PER_S = 25 * 10**9
 DEFAULT_LATENCY_S = 0.005
-#: Share of a device a job occupies when it declares nothing: above one half, so two
-#: such jobs can never be resident together.
-DEFAULT_FOOTPRINT_SHARE = 0.6
+#: Share of a device a job's state for a group occupies when it declares nothing: below
+#: one half, so that one job's states for two groups that share the devices fit together
+#: (weight sync holds both), and above one third, so that a third state never fits
+#: beside them and deferred residents of other groups must give way.
+DEFAULT_FOOTPRINT_SHARE = 0.4
 
 STATE_FILE = "sim-devices.json"
 JOURNAL_FILE = "sim-journal.jsonl"

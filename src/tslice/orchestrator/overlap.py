@@ -1,0 +1,162 @@
+"""Groups that share physical devices take turns: the device claim.
+
+Two groups *overlap* when some node is in both and the device indices they name on
+it intersect (a node that names no indices means all of its devices). In local mode
+every group spans every device of every agent, so all local groups overlap.
+
+A job's state is per (job, group), so a switch on one group never touches another
+group's state. But two holders of overlapping groups would compute on the same
+devices at once, so an overlapping group grants a job only while it holds the
+*device claim* for that job, and overlapping groups hold it together only for the
+same job (one job may hold a sampler and a trainer group that share GPUs: nobody
+else is on them). A group keeps its claim while it has a holder (or a switch); an
+idle group keeps it too, so that its yielded resident re-acquires for free, until
+an overlapping group asks for it: then it lets go at once, and its deferred
+resident becomes fair game (the other group's Grant lists it in ``give_way``, and
+the agent snapshots it only if the devices are needed). A group with a holder lets
+go when the holder releases, even if it has waiters of its own: they ask again and
+queue behind, so overlapping groups alternate and none starves.
+
+:class:`DeviceArbiter` is the bookkeeping; it never calls a driver directly but
+through callbacks that post to the driver's inbox, so every state change of a
+group still happens in its own worker.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable, Iterable
+
+from tslice.orchestrator import config
+
+log = logging.getLogger(__name__)
+
+
+def overlap(a: Iterable[config.NodeRef], b: Iterable[config.NodeRef]) -> tuple[str, ...]:
+    """Names of the nodes on which the two groups share devices."""
+    by_name = {n.name: n for n in a}
+    shared: list[str] = []
+    for node in b:
+        other = by_name.get(node.name)
+        if other is None:
+            continue
+        if other.devices is None or node.devices is None or set(other.devices) & set(node.devices):
+            shared.append(node.name)
+    return tuple(shared)
+
+
+@dataclasses.dataclass
+class _Member:
+    nodes: tuple[config.NodeRef, ...]
+    #: Post "you hold the claim for this job now" to the group's inbox.
+    granted: Callable[[str], None]
+    #: Post "somebody waits for your claim" to the group's inbox.
+    contended: Callable[[], None]
+
+
+class DeviceArbiter:
+    """Who holds the device claim among overlapping groups (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self._members: dict[str, _Member] = {}
+        self._conflicts: dict[str, set[str]] = {}
+        #: Groups holding the claim, with the job they hold it for (None: idle).
+        self._claims: dict[str, str | None] = {}
+        #: (group, job) waiting for the claim, in request order.
+        self._waiting: list[tuple[str, str]] = []
+
+    def join(
+        self,
+        group: str,
+        nodes: tuple[config.NodeRef, ...],
+        *,
+        granted: Callable[[str], None],
+        contended: Callable[[], None],
+    ) -> None:
+        """Add a group; ``granted(job)`` and ``contended()`` post to its inbox."""
+        self._members[group] = _Member(nodes, granted, contended)
+        self._conflicts[group] = set()
+        for other, member in self._members.items():
+            if other != group and overlap(nodes, member.nodes):
+                self._conflicts[group].add(other)
+                self._conflicts[other].add(group)
+
+    def leave(self, group: str) -> None:
+        self._waiting = [w for w in self._waiting if w[0] != group]
+        self.release(group)
+
+    # ---- queries ---------------------------------------------------------------------------
+
+    def conflicts(self, group: str) -> frozenset[str]:
+        """The groups that share devices with ``group`` on some node."""
+        return frozenset(self._conflicts.get(group, ()))
+
+    def shared_nodes(self, group: str, other: str) -> tuple[str, ...]:
+        return overlap(self._members[group].nodes, self._members[other].nodes)
+
+    def released(self, group: str) -> frozenset[str]:
+        """Overlapping groups that do not hold the claim: their residents may give way."""
+        return frozenset(c for c in self._conflicts.get(group, ()) if c not in self._claims)
+
+    # ---- changes ---------------------------------------------------------------------------
+
+    def request(self, group: str, job: str) -> bool:
+        """May ``group`` grant ``job`` now? If not, ``granted(job)`` is posted later.
+
+        A group asking anew gives up the claim it holds idle, so that two idle
+        groups asking for each other's claim never wait on each other.
+        """
+        if group in self._claims:
+            if not self._blockers(group, job):
+                self._claims[group] = job
+                return True
+            del self._claims[group]
+        self._waiting = [w for w in self._waiting if w[0] != group]
+        self._waiting.append((group, job))
+        self._grant_waiting(asking=group)
+        if group in self._claims:
+            return True
+        for other in self._blockers(group, job):
+            self._members[other].contended()
+        return False
+
+    def seize(self, group: str, job: str) -> None:
+        """Take the claim unconditionally (a holder found on disk after a restart)."""
+        self._waiting = [w for w in self._waiting if w[0] != group]
+        self._claims[group] = job
+
+    def note_holder(self, group: str, job: str | None) -> None:
+        """The group's holder changed (``None``: it keeps its claim idle)."""
+        if group in self._claims:
+            self._claims[group] = job
+
+    def release(self, group: str) -> None:
+        if self._claims.pop(group, "") != "":
+            self._grant_waiting()
+
+    # ---- internals -------------------------------------------------------------------------
+
+    def _blockers(self, group: str, job: str) -> list[str]:
+        """Overlapping groups holding the claim for anybody but ``job`` (idle ones too)."""
+        return sorted(
+            c for c in self._conflicts[group] if c in self._claims and self._claims[c] != job
+        )
+
+    def _grant_waiting(self, *, asking: str = "") -> None:
+        granted: list[tuple[str, str]] = []
+        blocked: set[str] = set()
+        for group, job in list(self._waiting):
+            conflicts = self._conflicts[group]
+            # A job that already holds an overlapping group (a nested acquire) goes
+            # first; anybody else waits behind earlier overlapping waiters (FIFO).
+            nested = any(self._claims.get(c) == job for c in conflicts)
+            if self._blockers(group, job) or (not nested and conflicts & blocked):
+                blocked.add(group)
+                continue
+            self._waiting.remove((group, job))
+            self._claims[group] = job
+            granted.append((group, job))
+        for group, job in granted:
+            if group != asking:  # the asking group learns it from request()'s answer
+                self._members[group].granted(job)
