@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import pathlib
 from collections.abc import AsyncIterator
 from typing import Any
@@ -15,7 +16,7 @@ import tslice
 from tests.orchestrator.orch_harness import Cluster, Events, one_node
 from tests.orchestrator.test_operations import free_port
 from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2 as opb
-from tslice.common import errors
+from tslice.common import errors, multiplex
 from tslice.orchestrator import server as orch_server
 
 K = opb.OrchestratorEvent
@@ -230,3 +231,36 @@ async def test_a_failing_request_is_answered_not_left_hanging(
         monkeypatch.undo()  # the bug is fixed; the same stream carries on
         assert (await a.acquire("g")).success
     assert CountingServicer.calls == {"Session": 1}
+
+
+# ---- multiplex.Pending: the bookkeeping both callers share ---------------------------------
+
+
+def test_pending_routes_replies_by_id_and_fails_the_rest_when_the_stream_breaks() -> None:
+    pending: multiplex.Pending[opb.SessionResponse] = multiplex.Pending(
+        reply_id=lambda r: r.request_id, name="the orchestrator"
+    )
+    first, second = concurrent.futures.Future(), concurrent.futures.Future()
+    one, two = pending.add(first), pending.add(second)
+    assert (one, two) == (1, 2) and pending.supported is None
+    pending.deliver(opb.SessionResponse(request_id=two))
+    pending.deliver(opb.SessionResponse(request_id=99))  # abandoned meanwhile: dropped
+    assert second.result(0).request_id == 2 and pending.supported is True
+    pending.ended(grpc.StatusCode.UNAVAILABLE, "restart")
+    with pytest.raises(multiplex.Broken, match="UNAVAILABLE: restart"):
+        first.result(0)
+    assert pending.supported is True  # it worked once: worth re-opening
+
+
+def test_pending_gives_up_on_a_stream_that_never_worked() -> None:
+    pending: multiplex.Pending[opb.SessionResponse] = multiplex.Pending(
+        reply_id=lambda r: r.request_id, name="the orchestrator"
+    )
+    waiting: concurrent.futures.Future[opb.SessionResponse] = concurrent.futures.Future()
+    pending.add(waiting)
+    pending.ended(grpc.StatusCode.UNIMPLEMENTED, "Method not found!")
+    with pytest.raises(multiplex.Unsupported):
+        waiting.result(0)
+    assert pending.supported is False
+    with pytest.raises(multiplex.Unsupported):
+        pending.add(concurrent.futures.Future())

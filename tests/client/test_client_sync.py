@@ -177,7 +177,7 @@ def test_unavailable_gives_up_at_the_deadline(orchestrator: ServerThread) -> Non
         client.list_groups()  # connected once: from now on UNAVAILABLE is retried
         orchestrator.stop()
         with pytest.raises(tslice.Unavailable, match="gave up on Yield") as caught:
-            client.yield_("g", timeout=0.5)
+            client.yield_("g", timeout=2.0)
         assert isinstance(caught.value.__cause__, grpc.RpcError)
 
 

@@ -30,6 +30,7 @@ from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2_grpc as pb_grp
 from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2 as opb
 from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2_grpc as opb_grpc
 from tslice.client import _config, _retry, _session
+from tslice.client.compat import _unary
 from tslice.common import errors
 
 T = TypeVar("T")
@@ -481,20 +482,20 @@ class OrchestratorCalls:
         self.transport = transport
         self.stub = _OrchestratorStub(transport.channel)
         # Acquire and Yield go over one Session stream (unary where there is none).
-        self._multiplexed = _session.SyncSession(
-            self.stub, metadata=transport.metadata(_NO_OPTIONS)
-        )
+        self._session = _session.SyncSession(self.stub, metadata=transport.metadata(_NO_OPTIONS))
+        self._acquire = _unary.SyncUnaryFallback(self._session.acquire, self.stub.Acquire)
+        self._yield = _unary.SyncUnaryFallback(self._session.yield_, self.stub.Yield)
 
     def close(self) -> None:
         """End the Session stream (before the channel closes)."""
-        self._multiplexed.close()
+        self._session.close()
 
     def acquire(
         self, request: opb.AcquireRequest, options: CallOptions = _NO_OPTIONS
     ) -> opb.AcquireResponse:
         return cast(
             opb.AcquireResponse,
-            self.transport.unary(_O["Acquire"], self._multiplexed.acquire, request, options),
+            self.transport.unary(_O["Acquire"], self._acquire, request, options),
         )
 
     def yield_(
@@ -502,7 +503,7 @@ class OrchestratorCalls:
     ) -> opb.YieldResponse:
         return cast(
             opb.YieldResponse,
-            self.transport.unary(_O["Yield"], self._multiplexed.yield_, request, options),
+            self.transport.unary(_O["Yield"], self._yield, request, options),
         )
 
     def list_groups(
@@ -547,14 +548,16 @@ class AsyncOrchestratorCalls:
         self.transport = transport
         self.stub = _OrchestratorStub(transport.channel)
         # Acquire and Yield go over one Session stream (unary where there is none).
-        self._multiplexed = _session.Session(self.stub, metadata=transport.metadata(_NO_OPTIONS))
+        self._session = _session.Session(self.stub, metadata=transport.metadata(_NO_OPTIONS))
+        self._acquire = _unary.UnaryFallback(self._session.acquire, self.stub.Acquire)
+        self._yield = _unary.UnaryFallback(self._session.yield_, self.stub.Yield)
 
     async def acquire(
         self, request: opb.AcquireRequest, options: CallOptions = _NO_OPTIONS
     ) -> opb.AcquireResponse:
         return cast(
             opb.AcquireResponse,
-            await self.transport.unary(_O["Acquire"], self._multiplexed.acquire, request, options),
+            await self.transport.unary(_O["Acquire"], self._acquire, request, options),
         )
 
     async def yield_(
@@ -562,7 +565,7 @@ class AsyncOrchestratorCalls:
     ) -> opb.YieldResponse:
         return cast(
             opb.YieldResponse,
-            await self.transport.unary(_O["Yield"], self._multiplexed.yield_, request, options),
+            await self.transport.unary(_O["Yield"], self._yield, request, options),
         )
 
     async def list_groups(
@@ -603,7 +606,7 @@ class AsyncOrchestratorCalls:
 
     async def close(self) -> None:
         """End the Session stream (before the channel closes)."""
-        await self._multiplexed.close()
+        await self._session.close()
 
 
 class AgentCalls:

@@ -263,8 +263,9 @@ class Client(_base.BaseClient):
     def _keep(self, job: str, group: str, epoch: int) -> None:
         """Hold the lease of a new grant from a daemon thread (replaces an older keeper)."""
         self._forget_lost(group)
+        calls, options = self._orchestrator("hold"), self._options(job, group, None)
         keeper = _lease.HoldKeeper(
-            stub=self._orchestrator("hold").stub,
+            hold=lambda request: calls.hold(request, options),
             job=job,
             group=group,
             epoch=epoch,
@@ -566,8 +567,9 @@ class AsyncClient(_base.BaseClient):
     async def _keep(self, job: str, group: str, epoch: int) -> None:
         """Hold the lease of a new grant from a task (replaces an older keeper)."""
         self._forget_lost(group)
+        calls, options = self._orchestrator("hold"), self._options(job, group, None)
         keeper = _lease.AsyncHoldKeeper(
-            stub=self._orchestrator("hold").stub,
+            hold=lambda request: calls.hold(request, options),
             job=job,
             group=group,
             epoch=epoch,

@@ -30,11 +30,12 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
 
 import grpc
 
 from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2 as opb
+from tslice.client import _channel
+from tslice.common import errors
 
 log = logging.getLogger("tslice.client")
 
@@ -203,15 +204,22 @@ class HoldKeeper:
     """Keeps one Hold stream open from a daemon thread (started when due) until :meth:`stop`."""
 
     def __init__(
-        self, *, stub: Any, job: str, group: str, epoch: int, lease_ms: int, on_lost: OnLost
+        self,
+        *,
+        hold: Callable[[opb.HoldRequest], _channel.SyncStream[opb.HoldEvent]],
+        job: str,
+        group: str,
+        epoch: int,
+        lease_ms: int,
+        on_lost: OnLost,
     ) -> None:
-        self._stub = stub
+        self._hold = hold
         self._request = opb.HoldRequest(job_id=job, group_id=group, grant_epoch=epoch)
         self._flow = LeaseFlow(lease_ms=lease_ms)
         self._on_lost = on_lost
         self._stopped = threading.Event()
         self._guard = threading.Lock()
-        self._call: Any = None
+        self._stream: _channel.SyncStream[opb.HoldEvent] | None = None
         self._name = f"tslice-hold:{group}:{job}"
         self._thread: threading.Thread | None = None
         # No thread until the stream is due: a slice shorter than that costs none.
@@ -221,11 +229,11 @@ class HoldKeeper:
         """Close the stream (the lease timer starts on the orchestrator unless yielded)."""
         with self._guard:
             self._flow.stop()
-            call = self._call
+            stream = self._stream
         self._stopped.set()
         self._due.cancel()
-        if call is not None:
-            call.cancel()
+        if stream is not None:
+            stream.cancel()
 
     def join(self, timeout: float | None = None) -> None:
         with self._guard:
@@ -255,31 +263,31 @@ class HoldKeeper:
     def _run(self) -> None:
         while not self._stopped.is_set():
             try:
-                call = self._stub.Hold(self._request)
+                stream = self._hold(self._request)
             except ValueError:
                 return  # the client closed its channel meanwhile
             with self._guard:
-                self._call = call
+                self._stream = stream
                 stopped = self._flow.stopped
             if stopped:
-                call.cancel()
+                stream.cancel()
                 return
-            step = self._read(call)
+            step = self._read(stream)
             if _done(step, self._on_lost):
                 return
             assert step.reopen_in is not None
             self._stopped.wait(step.reopen_in)
 
-    def _read(self, call: Any) -> Step:
+    def _read(self, stream: _channel.SyncStream[opb.HoldEvent]) -> Step:
         try:
-            for event in call:
+            for event in stream:
                 with self._guard:
                     step = self._flow.on_event(released=event.released, lost=event.lost)
                 if step is not None:
                     return step
-        except grpc.RpcError as err:
+        except errors.RPCError as err:
             with self._guard:
-                return self._flow.on_error(err.code(), err.details() or "")
+                return self._flow.on_error(err.status, err.message)
         with self._guard:
             return self._flow.on_end()
 
@@ -288,9 +296,16 @@ class AsyncHoldKeeper:
     """Keeps one Hold stream open from a task of the running loop until :meth:`stop`."""
 
     def __init__(
-        self, *, stub: Any, job: str, group: str, epoch: int, lease_ms: int, on_lost: OnLost
+        self,
+        *,
+        hold: Callable[[opb.HoldRequest], _channel.AsyncStream[opb.HoldEvent]],
+        job: str,
+        group: str,
+        epoch: int,
+        lease_ms: int,
+        on_lost: OnLost,
     ) -> None:
-        self._stub = stub
+        self._hold = hold
         self._request = opb.HoldRequest(job_id=job, group_id=group, grant_epoch=epoch)
         self._flow = LeaseFlow(lease_ms=lease_ms)
         self._on_lost = on_lost
@@ -340,24 +355,24 @@ class AsyncHoldKeeper:
 
     async def _run(self) -> None:
         while True:
-            call = self._stub.Hold(self._request)
+            stream = self._hold(self._request)
             try:
-                step = await self._read(call)
+                step = await self._read(stream)
             finally:
-                call.cancel()
+                stream.cancel()
             if _done(step, self._on_lost):
                 return
             assert step.reopen_in is not None
             await asyncio.sleep(step.reopen_in)
 
-    async def _read(self, call: Any) -> Step:
+    async def _read(self, stream: _channel.AsyncStream[opb.HoldEvent]) -> Step:
         try:
-            async for event in call:
+            async for event in stream:
                 step = self._flow.on_event(released=event.released, lost=event.lost)
                 if step is not None:
                     return step
-        except grpc.RpcError as err:
-            return self._flow.on_error(err.code(), err.details() or "")
+        except errors.RPCError as err:
+            return self._flow.on_error(err.status, err.message)
         return self._flow.on_end()
 
 

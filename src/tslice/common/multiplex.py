@@ -10,6 +10,8 @@ legs of every hand-over: Acquire/Yield (client -> orchestrator, ``Session``) and
   the calls in flight with :class:`Broken` (callers retry them as a failed unary call).
   A peer without the RPC answers ``UNIMPLEMENTED`` (or a stream that never worked fails
   for another reason than a lost connection): :class:`Unsupported`, for good.
+  :class:`ThreadCaller` is its blocking twin (a ``grpc.Channel`` stream read by a daemon
+  thread); both keep their bookkeeping in one I/O-free :class:`Pending`.
 * :func:`serve` runs each incoming request in its own task as it arrives and streams the
   replies back as they finish; a cancel message, or the end of the stream, cancels the
   requests still running (as a cancelled unary call would be).
@@ -18,10 +20,13 @@ legs of every hand-over: Acquire/Yield (client -> orchestrator, ``Session``) and
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import itertools
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, Generic, TypeVar
+import queue
+import threading
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from typing import Any, Generic, Protocol, TypeVar
 
 import grpc
 
@@ -31,6 +36,7 @@ log = logging.getLogger(__name__)
 
 Req = TypeVar("Req")
 Rep = TypeVar("Rep")
+_Rep_contra = TypeVar("_Rep_contra", contravariant=True)
 
 
 _STATUS_BY_NUMBER = {code.value[0]: code for code in grpc.StatusCode}
@@ -65,6 +71,66 @@ class Broken(Exception):
         self.detail = detail
 
 
+class Waiter(Protocol[_Rep_contra]):
+    """Where a reply goes: an ``asyncio.Future`` or a ``concurrent.futures.Future``."""
+
+    def done(self) -> bool: ...
+
+    def set_result(self, result: _Rep_contra, /) -> None: ...
+
+    def set_exception(self, exception: BaseException, /) -> None: ...
+
+
+class Pending(Generic[Rep]):
+    """What both callers decide without I/O: request ids, the replies still awaited, and
+    what the end of a stream means for them (:class:`Broken`, or :class:`Unsupported`
+    for good). Not thread-safe: :class:`ThreadCaller` calls it under its lock."""
+
+    def __init__(self, *, reply_id: Callable[[Rep], int], name: str) -> None:
+        self.name = name
+        #: None until the peer answered (or refused the RPC) once.
+        self.supported: bool | None = None
+        self._reply_id = reply_id
+        self._waiting: dict[int, Waiter[Rep]] = {}
+        self._ids = itertools.count(1)
+
+    def add(self, waiter: Waiter[Rep]) -> int:
+        """Await a reply in ``waiter``; returns the id to send the request with."""
+        if self.supported is False:
+            raise Unsupported(self.name)
+        request_id = next(self._ids)
+        self._waiting[request_id] = waiter
+        return request_id
+
+    def forget(self, request_id: int) -> None:
+        self._waiting.pop(request_id, None)
+
+    def deliver(self, reply: Rep) -> None:
+        """A reply arrived: the peer has the RPC; the waiter of its id gets it."""
+        self.supported = True
+        waiter = self._waiting.get(self._reply_id(reply))
+        if waiter is not None and not waiter.done():
+            waiter.set_result(reply)
+
+    def ended(self, code: grpc.StatusCode, detail: str) -> None:
+        """The stream ended with ``code``: fail every call still waiting, with the reason."""
+        failure: Exception
+        if unusable(code, worked=self.supported):
+            self.supported = False
+            log.info(
+                "%s: no usable stream (%s: %s); using unary calls", self.name, code.name, detail
+            )
+            failure = Unsupported(self.name)
+        else:
+            failure = Broken(code, detail)
+        self.fail(failure)
+
+    def fail(self, err: Exception) -> None:
+        for waiter in list(self._waiting.values()):
+            if not waiter.done():
+                waiter.set_exception(err)
+
+
 class Caller(Generic[Req, Rep]):
     """Client side: ``call()`` sends one request and waits for the reply with its id."""
 
@@ -76,16 +142,21 @@ class Caller(Generic[Req, Rep]):
         name: str,
     ) -> None:
         self._open_call = open_call
-        self._reply_id = reply_id
         self._name = name
-        #: None until the peer answered (or refused the RPC) once.
-        self.supported: bool | None = None
+        self._pending: Pending[Rep] = Pending(reply_id=reply_id, name=name)
         self._call: Any = None
         self._reader: asyncio.Task[None] | None = None
-        self._pending: dict[int, asyncio.Future[Rep]] = {}
-        self._ids = itertools.count(1)
         self._writing: asyncio.Lock | None = None
         self._abandoned: set[asyncio.Task[None]] = set()
+
+    @property
+    def supported(self) -> bool | None:
+        """None until the peer answered (or refused the RPC) once."""
+        return self._pending.supported
+
+    @supported.setter
+    def supported(self, value: bool | None) -> None:
+        self._pending.supported = value
 
     async def call(
         self,
@@ -103,10 +174,9 @@ class Caller(Generic[Req, Rep]):
         if self.supported is False:
             raise Unsupported(self._name)
         call = self._ensure_open()
-        request_id = next(self._ids)
         loop = asyncio.get_running_loop()
         reply: asyncio.Future[Rep] = loop.create_future()
-        self._pending[request_id] = reply
+        request_id = self._pending.add(reply)
         timer = None if timeout_s is None else loop.call_later(timeout_s, _expire, reply, timeout_s)
         answered = False
         try:
@@ -122,7 +192,7 @@ class Caller(Generic[Req, Rep]):
         finally:
             if timer is not None:
                 timer.cancel()
-            self._pending.pop(request_id, None)
+            self._pending.forget(request_id)
             if not answered and abandon is not None and self._call is call:
                 self._send_later(call, abandon(request_id))
 
@@ -132,7 +202,7 @@ class Caller(Generic[Req, Rep]):
         if call is not None:
             call.cancel()
         await tasks.cancel_all([t for t in (reader, *self._abandoned) if t is not None])
-        _fail(self._pending, Broken(grpc.StatusCode.CANCELLED, "the stream was closed"))
+        self._pending.fail(Broken(grpc.StatusCode.CANCELLED, "the stream was closed"))
 
     async def _write(self, call: Any, message: Req) -> None:
         if self._writing is None:
@@ -159,31 +229,108 @@ class Caller(Generic[Req, Rep]):
         code, detail = grpc.StatusCode.UNAVAILABLE, f"{self._name} closed the stream"
         try:
             async for reply in call:
-                self.supported = True
-                waiter = self._pending.get(self._reply_id(reply))
-                if waiter is not None and not waiter.done():
-                    waiter.set_result(reply)
+                self._pending.deliver(reply)
         except grpc.RpcError as err:
             code = err.code()
             detail = err.details() or code.name.lower()
         if self._call is call:
             self._call = self._reader = None
-        failure: Exception
-        if unusable(code, worked=self.supported):
-            self.supported = False
-            log.info(
-                "%s: no usable stream (%s: %s); using unary calls", self._name, code.name, detail
-            )
-            failure = Unsupported(self._name)
-        else:
-            failure = Broken(code, detail)
-        _fail(self._pending, failure)
+        self._pending.ended(code, detail)
 
 
-def _fail(pending: dict[int, asyncio.Future[Any]], err: Exception) -> None:
-    for waiter in list(pending.values()):
-        if not waiter.done():
-            waiter.set_exception(err)
+class ThreadCaller(Generic[Req, Rep]):
+    """Blocking twin of :class:`Caller` for a ``grpc.Channel``: requests are queued to
+    the stream's request iterator and a daemon thread reads the replies, so no event
+    loop hides behind a sync client. ``open_call(requests)`` starts the stream."""
+
+    def __init__(
+        self,
+        open_call: Callable[[Iterator[Req]], Any],
+        *,
+        reply_id: Callable[[Rep], int],
+        name: str,
+    ) -> None:
+        self._open_call = open_call
+        self._name = name
+        self._pending: Pending[Rep] = Pending(reply_id=reply_id, name=name)
+        self._guard = threading.Lock()
+        self._call: Any = None
+        self._outbox: queue.SimpleQueue[Req | None] | None = None
+
+    @property
+    def supported(self) -> bool | None:
+        """None until the peer answered (or refused the RPC) once."""
+        return self._pending.supported
+
+    def call(
+        self,
+        request: Callable[[int], Req],
+        *,
+        timeout_s: float | None,
+        abandon: Callable[[int], Req] | None = None,
+    ) -> Rep:
+        """See :meth:`Caller.call`; an interrupt (Ctrl-C) abandons the request too."""
+        reply: concurrent.futures.Future[Rep] = concurrent.futures.Future()
+        with self._guard:
+            request_id = self._pending.add(reply)
+            call, outbox = self._ensure_open()
+        outbox.put(request(request_id))
+        answered = False
+        try:
+            result = reply.result(timeout_s)
+            answered = True
+            return result
+        except concurrent.futures.TimeoutError as err:  # not TimeoutError before 3.11
+            raise TimeoutError(f"no reply within {timeout_s:g} s") from err
+        except Broken:
+            answered = True  # the stream is gone: nothing to abandon
+            raise
+        finally:
+            with self._guard:
+                self._pending.forget(request_id)
+                current = self._call is call
+            if not answered and abandon is not None and current:
+                outbox.put(abandon(request_id))
+
+    def close(self) -> None:
+        with self._guard:
+            call, self._call, self._outbox = self._call, None, None
+            self._pending.fail(Broken(grpc.StatusCode.CANCELLED, "the stream was closed"))
+        if call is not None:
+            call.cancel()  # the peer drops what this caller still waits for
+
+    def _ensure_open(self) -> tuple[Any, queue.SimpleQueue[Req | None]]:
+        if self._call is None or self._outbox is None:
+            outbox: queue.SimpleQueue[Req | None] = queue.SimpleQueue()
+            self._call = self._open_call(_drain(outbox))
+            self._outbox = outbox
+            threading.Thread(
+                target=self._read,
+                args=(self._call, outbox),
+                name=f"stream:{self._name}",
+                daemon=True,
+            ).start()
+        return self._call, self._outbox
+
+    def _read(self, call: Any, outbox: queue.SimpleQueue[Req | None]) -> None:
+        code, detail = grpc.StatusCode.UNAVAILABLE, f"{self._name} closed the stream"
+        try:
+            for reply in call:
+                with self._guard:
+                    self._pending.deliver(reply)
+        except grpc.RpcError as err:
+            code = err.code()
+            detail = err.details() or code.name.lower()
+        outbox.put(None)  # ends the request iterator
+        with self._guard:
+            if self._call is call:
+                self._call = self._outbox = None
+            self._pending.ended(code, detail)
+
+
+def _drain(outbox: queue.SimpleQueue[Req | None]) -> Iterator[Req]:
+    while (request := outbox.get()) is not None:
+        yield request
 
 
 def _expire(reply: asyncio.Future[Any], timeout_s: float) -> None:
