@@ -8,6 +8,8 @@ The CLI never retries: a command answers now or says why it cannot.
 from __future__ import annotations
 
 import contextlib
+import threading
+import time
 from collections.abc import Iterator
 from typing import Annotated
 
@@ -32,6 +34,13 @@ Timeout = Annotated[
     float,
     typer.Option("--timeout", min=0.0, help="Give up after this many seconds."),
 ]
+AsJson = Annotated[
+    bool,
+    typer.Option("--json", help="Print one JSON document on stdout (for scripts)."),
+]
+
+#: How often a waiting `tslice acquire` on a terminal reads its queue position.
+_POSITION_POLL_S = 0.5
 
 _UNREACHABLE_HINTS = ("failed to connect", "connection refused", "dns resolution", "unreachable")
 
@@ -71,10 +80,15 @@ def _client(address: str, *, job_id: str | None = None) -> Iterator[tsclient.Cli
         client.close()
 
 
-def list_groups(*, addr: Address = DEFAULT_ADDRESS, timeout: Timeout = 10.0) -> None:
+def list_groups(
+    *, addr: Address = DEFAULT_ADDRESS, timeout: Timeout = 10.0, as_json: AsJson = False
+) -> None:
     """List the groups the orchestrator knows, with their state."""
     with _client(addr) as client:
         statuses = [client.status(g, timeout=timeout) for g in client.list_groups(timeout=timeout)]
+    if as_json:
+        render.print_json({"groups": [render.jsonable(s) for s in statuses]})
+        return
     render.stdout().print(render.groups_table(statuses))
 
 
@@ -83,10 +97,14 @@ def status(
     *,
     addr: Address = DEFAULT_ADDRESS,
     timeout: Timeout = 10.0,
+    as_json: AsJson = False,
 ) -> None:
     """Show a group: state, holder, active/loaded job, queue, and each node's job states."""
     with _client(addr) as client:
         result = client.status(group, timeout=timeout)
+    if as_json:
+        render.print_json(render.jsonable(result))
+        return
     render.stdout().print(render.group_status(result))
 
 
@@ -103,10 +121,17 @@ def acquire(
         int | None,
         typer.Option("--footprint", min=0, help="Device bytes per node (simulated devices)."),
     ] = None,
+    as_json: AsJson = False,
 ) -> None:
-    """Wait until JOB holds GROUP (its state resident on every node), then return."""
-    with _client(addr, job_id=job) as client:
+    """Wait until JOB holds GROUP (its state resident on every node), then return.
+
+    While it waits on a terminal, a status line shows its place in the queue.
+    """
+    with _client(addr, job_id=job) as client, _waiting_line(addr, group=group, job=job):
         result = client.acquire(group, timeout=timeout, footprint_bytes=footprint)
+    if as_json:
+        render.print_json({"group_id": group, "job_id": job, **render.jsonable(result)})
+        return
     render.stdout().print(render.acquire_result(group=group, job=job, result=result))
 
 
@@ -116,8 +141,64 @@ def yield_(
     *,
     addr: Address = DEFAULT_ADDRESS,
     timeout: Timeout = 10.0,
+    as_json: AsJson = False,
 ) -> None:
-    """Release GROUP held by JOB; returns at once (the switch happens in the background)."""
+    """Release GROUP held by JOB; returns at once (the switch happens in the background).
+
+    A job that did not hold GROUP is told so (the orchestrator answers such a yield with
+    success when nobody holds the group, as llm-d's does).
+    """
     with _client(addr, job_id=job) as client:
+        # Read first: the Yield reply alone does not tell whether JOB held the group.
+        held = client.status(group, timeout=timeout).locking_job == job
         result = client.yield_(group, timeout=timeout)
-    render.stdout().print(render.yield_result(group=group, job=job, result=result))
+    if as_json:
+        render.print_json(
+            {"group_id": group, "job_id": job, "held": held, **render.jsonable(result)}
+        )
+        return
+    render.stdout().print(render.yield_result(group=group, job=job, result=result, held=held))
+
+
+@contextlib.contextmanager
+def _waiting_line(address: str, *, group: str, job: str) -> Iterator[None]:
+    """On a terminal, a live line on stderr with the queue position and the time waited."""
+    console = render.stderr()
+    if not console.is_terminal:
+        yield
+        return
+    from rich.live import Live
+
+    started = time.monotonic()
+    latest: list[tsclient.GroupStatus | None] = [None]
+    done = threading.Event()
+
+    def poll() -> None:
+        # Its own client: the main thread's one is blocked in Acquire. Only a display:
+        # a failure here must never disturb the acquire, so it just ends the updates.
+        try:
+            with tsclient.Client(
+                address, job_id=None, retry=tsclient.NO_RETRY, lease_s=None
+            ) as reader:
+                while not done.is_set():
+                    with contextlib.suppress(errors.TsliceError):
+                        latest[0] = reader.status(group, timeout=_POSITION_POLL_S * 4)
+                    done.wait(_POSITION_POLL_S)
+        except Exception:
+            return
+
+    poller = threading.Thread(target=poll, name="tslice-acquire-position", daemon=True)
+    with Live(
+        get_renderable=lambda: render.acquire_waiting(
+            group=group, job=job, status=latest[0], waited_s=time.monotonic() - started
+        ),
+        console=console,
+        refresh_per_second=4,
+        transient=True,
+    ):
+        poller.start()
+        try:
+            yield
+        finally:
+            done.set()
+            poller.join(timeout=_POSITION_POLL_S * 8)

@@ -12,6 +12,7 @@ import importlib
 import os
 import sys
 from collections.abc import Sequence
+from typing import Annotated
 
 import typer
 import typer.exceptions
@@ -33,8 +34,26 @@ app = typer.Typer(
 )
 
 
+def _print_version(value: bool) -> None:
+    if value:
+        version()
+        raise typer.Exit(0)
+
+
 @app.callback()
-def _root(ctx: typer.Context) -> None:
+def _root(
+    ctx: typer.Context,
+    *,
+    show_version: Annotated[
+        bool,
+        typer.Option(
+            "--version",
+            is_eager=True,
+            callback=_print_version,
+            help="Print the tslice version and exit.",
+        ),
+    ] = False,
+) -> None:
     if ctx.invoked_subcommand is None:
         render.stdout().print(ctx.get_help())
         raise typer.Exit(0)

@@ -37,6 +37,15 @@ def orchestrator(
             "on their first Acquire.",
         ),
     ] = None,
+    group: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--group",
+            metavar="NAME",
+            help="Local mode: the groups there are (repeatable); an Acquire of any other "
+            "group is NOT_FOUND. Without it, groups are created on their first Acquire.",
+        ),
+    ] = None,
     host: Annotated[
         str | None, typer.Option("--host", help="Address to bind (default 127.0.0.1).")
     ] = None,
@@ -46,7 +55,10 @@ def orchestrator(
     state_dir: Annotated[
         Path | None,
         typer.Option(
-            "--state-dir", help="Where orchestrator.db lives (default .tslice/orchestrator)."
+            "--state-dir",
+            help="Where orchestrator.db lives (default $XDG_STATE_HOME/tslice/orchestrator, "
+            "else /var/lib/tslice/orchestrator as root, ~/.local/state/tslice/orchestrator "
+            "otherwise).",
         ),
     ] = None,
     metrics_port: Annotated[
@@ -102,6 +114,7 @@ def orchestrator(
         # Relative to the working directory, not to --config's directory.
         "topology_file": topology.resolve() if topology is not None else None,
         "local_agents": local_agent or None,
+        "local_groups": group or None,
         "host": host,
         "port": port,
         "state_dir": state_dir,

@@ -5,10 +5,15 @@ Commands hand their results here; nothing in this module talks to a server.
 
 from __future__ import annotations
 
+import dataclasses
+import datetime
+import enum
 import functools
+import json
+import sys
 import time
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from rich import box
 from rich.console import Console, Group, RenderableType
@@ -113,6 +118,32 @@ def group_status(status: tsclient.GroupStatus) -> RenderableType:
     return Panel(Group(*parts), title=f"group {escape(status.group_id)}", expand=False)
 
 
+def queue_position(status: tsclient.GroupStatus, job: str) -> int | None:
+    """Queue position of ``job`` (1 = next), or None when it is not queued (yet)."""
+    try:
+        return status.waiting_jobs.index(job) + 1
+    except ValueError:
+        return None
+
+
+def acquire_waiting(
+    *, group: str, job: str, status: tsclient.GroupStatus | None, waited_s: float
+) -> Text:
+    """The live line of a waiting ``tslice acquire``."""
+    waited = f"waited {waited_s:.1f} s"
+    if status is None:
+        return Text(f"job {job} waiting for group {group}; {waited}", style="yellow")
+    position = queue_position(status, job)
+    holder = f"held by {status.locking_job}" if status.locking_job else "free"
+    if position is not None:
+        where = f"position {position} of {len(status.waiting_jobs)} in the queue ({holder})"
+    elif status.locking_job == job:
+        where = "granted, moving its state onto the devices"
+    else:
+        where = f"joining the queue ({holder})"
+    return Text(f"job {job} waiting for group {group}: {where}; {waited}", style="yellow")
+
+
 def acquire_result(*, group: str, job: str, result: tsclient.AcquireResult) -> Text:
     restored = "restored its state" if result.context_restored else "no restore needed"
     return Text(
@@ -121,7 +152,9 @@ def acquire_result(*, group: str, job: str, result: tsclient.AcquireResult) -> T
     )
 
 
-def yield_result(*, group: str, job: str, result: tsclient.YieldResult) -> Text:
+def yield_result(*, group: str, job: str, result: tsclient.YieldResult, held: bool = True) -> Text:
+    if not held:
+        return Text(f"job {job} did not hold group {group} (nobody does); nothing was released")
     if result.snapshot_deferred:
         tail = "nobody waits: its state stays resident (snapshot deferred)"
     else:
@@ -129,22 +162,51 @@ def yield_result(*, group: str, job: str, result: tsclient.YieldResult) -> Text:
     return Text(f"job {job} yielded group {group}; {tail}")
 
 
+def jsonable(value: Any) -> Any:
+    """A client result (frozen dataclasses, enums, datetimes) as plain JSON values."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: jsonable(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, enum.Enum):
+        return value.value
+    if isinstance(value, datetime.datetime):
+        return value.isoformat()
+    if isinstance(value, (list, tuple)):
+        return [jsonable(v) for v in value]
+    return value
+
+
+def print_json(document: Any) -> None:
+    """ONE JSON document on stdout (no colour, no wrapping): what ``--json`` prints."""
+    sys.stdout.write(json.dumps(document) + "\n")
+    sys.stdout.flush()
+
+
 # ---- tslice up -------------------------------------------------------------------------
 
 
 def cluster_table(
-    *, rows: Sequence[tuple[str, str, int | None, str]], orchestrator: str
+    *,
+    rows: Sequence[tuple[str, str, int | None, str]],
+    orchestrator: str,
+    groups: Sequence[str] = (),
 ) -> RenderableType:
-    """``rows`` = (component, address, pid, state dir)."""
+    """``rows`` = (component, address, pid, state dir); ``groups``: those given (--group)."""
     table = Table(title="tslice local cluster", box=box.SIMPLE_HEAD, title_justify="left")
     for column in ("component", "address", "pid", "state dir"):
         table.add_column(column)
     for name, address, pid, state_dir in rows:
         table.add_row(name, address, str(pid or "-"), state_dir)
+    example = groups[0] if groups else "sampler"
+    which = (
+        f"\nGroups: {', '.join(groups)} (no others)"
+        if groups
+        else "\nA group is created by its first acquire."
+    )
     hint = Text.assemble(
         ("Point a job at it:  ", "bold"),
         (f"export TSLICE_ORCHESTRATOR={orchestrator}", "cyan"),
-        "\nThen e.g.  tslice acquire sampler my-job;  tslice status sampler",
+        which,
+        f"\nThen e.g.  tslice acquire {example} my-job;  tslice status {example}",
         "\nCtrl-C stops everything.",
     )
     return Group(table, hint)

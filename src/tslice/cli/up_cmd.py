@@ -23,6 +23,15 @@ def register(app: typer.Typer) -> None:
 def up(
     *,
     agents: Annotated[int, typer.Option("--agents", min=1, help="Simulated nodes to start.")] = 2,
+    group: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--group",
+            metavar="NAME",
+            help="The groups there are (repeatable); an Acquire of any other group is "
+            "NOT_FOUND. Without it, a group is created by its first Acquire.",
+        ),
+    ] = None,
     host: Annotated[str, typer.Option("--host", help="Address every server binds.")] = (
         "127.0.0.1"
     ),
@@ -86,6 +95,7 @@ def up(
         host=host,
         orchestrator_port=port,
         log_level=log_level,
+        orchestrator_args=[arg for name in group or () for arg in ("--group", name)],
     )
     wake = threading.Event()
     stop_requested = threading.Event()
@@ -112,7 +122,9 @@ def up(
             for name in [cluster.ORCHESTRATOR, *(s.name for s in specs)]
         ]
         render.stdout().print(
-            render.cluster_table(rows=rows, orchestrator=local.orchestrator_address)
+            render.cluster_table(
+                rows=rows, orchestrator=local.orchestrator_address, groups=group or ()
+            )
         )
         while not stop_requested.is_set():
             wake.wait()

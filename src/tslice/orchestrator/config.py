@@ -13,7 +13,8 @@ Topology file::
           - {name: node-b, agent: 127.0.0.1:9002}
           - {name: node-c, agent: "10.0.0.3:9001"}
 
-or, for a laptop (groups created on their first Acquire, spanning every agent)::
+or, for a laptop (groups created on their first Acquire, spanning every agent; with
+``local_groups`` / ``--group NAME`` only the groups named exist)::
 
     mode: local
     nodes: [{name: node-a, agent: 127.0.0.1:9001}]
@@ -135,6 +136,8 @@ class OrchestratorModel(_Model):
     topology_file: pathlib.Path | None = None
     topology: TopologyModel | None = None
     local_agents: list[str] = []
+    #: Local mode: the only groups there are (none given: created on first Acquire).
+    local_groups: list[str] = []
     agent_rpc_timeout_s: float = pydantic.Field(10.0, gt=0)
     operation_timeout_s: float = pydantic.Field(900.0, gt=0)
     wait_chunk_s: float = pydantic.Field(30.0, gt=0)
@@ -146,6 +149,13 @@ class OrchestratorModel(_Model):
     metrics_port: int = pydantic.Field(DEFAULT_METRICS_PORT, ge=0, le=65535)
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     sqlite_synchronous: Literal["normal", "full"] = "normal"
+
+    @pydantic.field_validator("local_groups")
+    @classmethod
+    def _local_group_ids(cls, v: list[str]) -> list[str]:
+        for gid in v:
+            ids.check_id("group id", gid)
+        return list(dict.fromkeys(v))
 
     @pydantic.field_validator("log_level", mode="before")
     @classmethod
@@ -170,6 +180,8 @@ class Topology:
 
     groups: Mapping[str, tuple[NodeRef, ...]] = dataclasses.field(default_factory=dict)
     local_nodes: tuple[NodeRef, ...] = ()
+    #: Local mode: the groups there are, each over every local node (none: on demand).
+    local_groups: tuple[str, ...] = ()
 
     @property
     def local(self) -> bool:
@@ -321,6 +333,13 @@ def build(
             "no topology: pass --topology FILE (groups -> nodes -> agent) "
             "or --local-agent HOST:PORT (repeatable) for local mode"
         )
+    if model.local_groups:
+        if not topology.local:
+            raise errors.ConfigError(
+                "--group (local_groups) names the groups of local mode; a static topology "
+                "names its own groups: drop --group or add the group to the topology file"
+            )
+        topology = dataclasses.replace(topology, local_groups=tuple(model.local_groups))
     return OrchestratorConfig(
         topology=topology,
         host=model.host,

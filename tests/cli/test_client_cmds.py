@@ -1,0 +1,143 @@
+"""Client commands against a real local cluster: --json, a yield of a group not held, and
+the live queue position of a waiting `tslice acquire` on a terminal (a real pty)."""
+
+from __future__ import annotations
+
+import json
+import os
+import pty
+import re
+import select
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+
+import pytest
+
+import tslice
+import tslice.client as tsclient
+from tslice.cli import main
+from tslice.sim import cluster
+
+_ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
+
+
+def cli(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
+    with pytest.raises(SystemExit) as exit_info:
+        main.main(list(args))
+    out, err = capsys.readouterr()
+    code = exit_info.value.code
+    return (code if isinstance(code, int) else 0), out, err
+
+
+@pytest.fixture(scope="module")
+def address() -> Iterator[str]:
+    with cluster.LocalCluster(agents=[cluster.SimAgent(name="node-1", backend="noop")]) as local:
+        yield local.orchestrator_address
+
+
+def test_version_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = cli(capsys, "--version")
+    assert code == 0 and out.strip() == f"tslice {tslice.__version__}"
+
+
+def test_json_documents(address: str, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = cli(capsys, "acquire", "json-g", "job-1", "--addr", address, "--json")
+    assert code == 0
+    acquired = json.loads(out)
+    assert acquired["group_id"] == "json-g" and acquired["job_id"] == "job-1"
+    assert acquired["success"] is True and acquired["grant_epoch"] >= 1
+    assert {"waited_ms", "context_restored"} <= set(acquired)
+
+    code, out, _ = cli(capsys, "status", "json-g", "--addr", address, "--json")
+    assert code == 0
+    status = json.loads(out)
+    assert status["group_id"] == "json-g" and status["group_state"] == "LOCKED"
+    assert status["locking_job"] == "job-1" and status["waiting_jobs"] == []
+    assert status["nodes"] == ["node-1"]
+    assert status["state_timestamp"] is None or isinstance(status["state_timestamp"], str)
+
+    code, out, _ = cli(capsys, "list", "--addr", address, "--json")
+    assert code == 0
+    listed = json.loads(out)
+    assert [g["locking_job"] for g in listed["groups"] if g["group_id"] == "json-g"] == ["job-1"]
+
+    code, out, _ = cli(capsys, "yield", "json-g", "job-1", "--addr", address, "--json")
+    assert code == 0
+    assert json.loads(out) == {
+        "group_id": "json-g",
+        "job_id": "job-1",
+        "held": True,
+        "success": True,
+        "pending_waiters": 0,
+        "snapshot_deferred": True,
+    }
+    code, out, _ = cli(capsys, "yield", "json-g", "job-1", "--addr", address, "--json")
+    assert code == 0 and json.loads(out)["held"] is False
+
+
+def test_yield_of_a_group_not_held_says_so(
+    address: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, _, _ = cli(capsys, "acquire", "free-g", "job-1", "--addr", address)
+    assert code == 0
+    code, out, _ = cli(capsys, "yield", "free-g", "job-1", "--addr", address)
+    assert code == 0 and "job job-1 yielded group free-g" in out
+    code, out, err = cli(capsys, "yield", "free-g", "job-1", "--addr", address)
+    assert code == 0, err
+    assert out.strip() == "job job-1 did not hold group free-g (nobody does); nothing was released"
+
+
+def _read_until(fd: int, pattern: str, *, seen: list[str], timeout_s: float = 60) -> str:
+    """Read the pty until ``pattern`` shows up in the text without escape codes."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        text = _ANSI.sub("", "".join(seen))
+        if re.search(pattern, text):
+            return text
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise AssertionError(f"{pattern!r} not shown within {timeout_s} s: {text!r}")
+        ready, _, _ = select.select([fd], [], [], remaining)
+        if ready:
+            try:
+                chunk = os.read(fd, 4096)
+            except OSError:  # EIO: the child closed the terminal
+                chunk = b""
+            if not chunk:
+                raise AssertionError(f"{pattern!r} never shown: {text!r}")
+            seen.append(chunk.decode(errors="replace"))
+
+
+def test_a_waiting_acquire_shows_its_queue_position_on_a_terminal(address: str) -> None:
+    with tsclient.Client(address, job_id="job-a", lease_s=None) as holder:
+        holder.acquire("tty-g", timeout=30)
+        controller, terminal = pty.openpty()
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "tslice", "acquire", "tty-g", "job-b", "--addr", address],
+            stdin=terminal,
+            stdout=terminal,
+            stderr=terminal,
+            env={**os.environ, "COLUMNS": "200", "TERM": "xterm"},
+        )
+        os.close(terminal)
+        seen: list[str] = []
+        try:
+            shown = _read_until(
+                controller,
+                r"job job-b waiting for group tty-g: position 1 of 1 in the queue "
+                r"\(held by job-a\); waited \d+\.\d s",
+                seen=seen,
+            )
+            assert "Traceback" not in shown
+            holder.yield_("tty-g")
+            _read_until(controller, r"job job-b holds group tty-g", seen=seen)
+            assert proc.wait(timeout=30) == 0
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            os.close(controller)
+    with tsclient.Client(address, job_id="job-b", lease_s=None) as client:
+        client.yield_("tty-g")
