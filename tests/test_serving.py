@@ -142,9 +142,7 @@ def test_a_second_server_on_a_port_in_use_is_refused(
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_a_metrics_port_in_use_is_refused(
-    kind: str, tmp_path: Path, servers: list[Server]
-) -> None:
+def test_a_metrics_port_in_use_is_refused(kind: str, tmp_path: Path, servers: list[Server]) -> None:
     metrics_port = free_port()
     first = Server(kind, tmp_path / "first", "--port", "0", "--metrics-port", str(metrics_port))
     servers.append(first)
