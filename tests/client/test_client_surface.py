@@ -12,7 +12,7 @@ import tslice.client
 import tslice.client.compat
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
 from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2 as opb
-from tslice.client import _channel
+from tslice.client import _services
 
 
 def test_tslice_exports_are_pinned() -> None:
@@ -184,11 +184,11 @@ _SERVICES = [
 @pytest.mark.parametrize(("service", "kind"), _SERVICES, ids=["orchestrator", "agent"])
 def test_every_rpc_has_a_wrapper_method(service: object, kind: str) -> None:
     methods = service.methods  # type: ignore[attr-defined]
-    table = getattr(_channel, f"{kind}_METHODS")
+    table = getattr(_services, f"{kind}_METHODS")
     assert sorted(table) == sorted(m.name for m in methods)
     classes = {
-        "ORCHESTRATOR": (_channel.OrchestratorCalls, _channel.AsyncOrchestratorCalls),
-        "AGENT": (_channel.AgentCalls, _channel.AsyncAgentCalls),
+        "ORCHESTRATOR": (_services.OrchestratorCalls, _services.AsyncOrchestratorCalls),
+        "AGENT": (_services.AgentCalls, _services.AsyncAgentCalls),
     }[kind]
     for method in methods:
         assert table[method.name].service == service.full_name  # type: ignore[attr-defined]
@@ -199,7 +199,7 @@ def test_every_rpc_has_a_wrapper_method(service: object, kind: str) -> None:
 def test_only_safe_rpcs_are_retried() -> None:
     retried = {
         name
-        for table in (_channel.ORCHESTRATOR_METHODS, _channel.AGENT_METHODS)
+        for table in (_services.ORCHESTRATOR_METHODS, _services.AGENT_METHODS)
         for name, method in table.items()
         if method.retryable
     }

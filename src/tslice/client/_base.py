@@ -14,7 +14,6 @@ import sys
 import threading
 import time
 from collections.abc import Iterable, Sequence
-from typing import Any
 
 import grpc
 
@@ -67,7 +66,7 @@ class BaseClient:
         default_group: str | None,
         timeout: float | None,
         call_timeout: float,
-        channel_options: Sequence[tuple[str, Any]] | None,
+        channel_options: Sequence[_config.ChannelOption] | None,
         footprint_bytes: int | None,
         retry: _retry.RetryPolicy,
         lease_s: _config.Timeout = _config.USE_CLIENT_DEFAULT,

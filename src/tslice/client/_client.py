@@ -12,14 +12,14 @@ import threading
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Iterable, Iterator, Sequence
 from types import TracebackType
-from typing import Any
 
 import grpc
 import grpc.aio
 from typing_extensions import Self
 
 from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2 as opb
-from tslice.client import _base, _channel, _config, _lease, _retry, _slice, _types
+from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2_grpc as opb_grpc
+from tslice.client import _base, _channel, _config, _lease, _retry, _services, _slice, _types
 from tslice.common import errors
 
 
@@ -47,7 +47,7 @@ class Client(_base.BaseClient):
         default_group: str | None = None,
         timeout: float | None = None,
         call_timeout: float = _config.DEFAULT_CALL_TIMEOUT_S,
-        channel_options: Sequence[tuple[str, Any]] | None = None,
+        channel_options: Sequence[_channel.ChannelOption] | None = None,
         footprint_bytes: int | None = None,
         retry: _retry.RetryPolicy = _retry.DEFAULT_RETRY,
         lease_s: _config.Timeout = _config.USE_CLIENT_DEFAULT,
@@ -66,12 +66,12 @@ class Client(_base.BaseClient):
             connect_timeout=connect_timeout,
         )
         self._channel: grpc.Channel | None = None
-        self._calls: _channel.OrchestratorCalls | None = None
+        self._calls: _services.OrchestratorCalls | None = None
         self._guard = threading.Lock()
         self._key_locks: dict[_base.HoldKey, threading.Lock] = {}
         self._keepers: dict[_base.HoldKey, _lease.HoldKeeper] = {}
 
-    def _orchestrator(self, what: str) -> _channel.OrchestratorCalls:
+    def _orchestrator(self, what: str) -> _services.OrchestratorCalls:
         self._require_enabled(what)
         with self._guard:
             if self._calls is None:
@@ -80,7 +80,7 @@ class Client(_base.BaseClient):
                     self._config.address,
                     options=_channel.channel_options(self._config.channel_options),
                 )
-                self._calls = _channel.OrchestratorCalls(
+                self._calls = _services.OrchestratorCalls(
                     _channel.SyncTransport(
                         self._channel,
                         target=self._config.address,
@@ -92,7 +92,7 @@ class Client(_base.BaseClient):
             return self._calls
 
     @property
-    def orchestrator_stub(self) -> Any:
+    def orchestrator_stub(self) -> opb_grpc.TimeSliceOrchestratorServiceStub:
         """The raw generated stub on this client's channel (escape hatch; no retry)."""
         return self._orchestrator("use the raw stub").stub
 
@@ -369,7 +369,7 @@ class AsyncClient(_base.BaseClient):
         default_group: str | None = None,
         timeout: float | None = None,
         call_timeout: float = _config.DEFAULT_CALL_TIMEOUT_S,
-        channel_options: Sequence[tuple[str, Any]] | None = None,
+        channel_options: Sequence[_channel.ChannelOption] | None = None,
         footprint_bytes: int | None = None,
         retry: _retry.RetryPolicy = _retry.DEFAULT_RETRY,
         lease_s: _config.Timeout = _config.USE_CLIENT_DEFAULT,
@@ -389,11 +389,11 @@ class AsyncClient(_base.BaseClient):
         )
         # Created on first use, inside the running loop the client will serve.
         self._channel: grpc.aio.Channel | None = None
-        self._calls: _channel.AsyncOrchestratorCalls | None = None
+        self._calls: _services.AsyncOrchestratorCalls | None = None
         self._key_locks: dict[_base.HoldKey, asyncio.Lock] = {}
         self._keepers: dict[_base.HoldKey, _lease.AsyncHoldKeeper] = {}
 
-    def _orchestrator(self, what: str) -> _channel.AsyncOrchestratorCalls:
+    def _orchestrator(self, what: str) -> _services.AsyncOrchestratorCalls:
         self._require_enabled(what)
         if self._calls is None:
             assert self._config.address is not None
@@ -401,7 +401,7 @@ class AsyncClient(_base.BaseClient):
                 self._config.address,
                 options=_channel.channel_options(self._config.channel_options),
             )
-            self._calls = _channel.AsyncOrchestratorCalls(
+            self._calls = _services.AsyncOrchestratorCalls(
                 _channel.AsyncTransport(
                     self._channel,
                     target=self._config.address,
@@ -413,7 +413,7 @@ class AsyncClient(_base.BaseClient):
         return self._calls
 
     @property
-    def orchestrator_stub(self) -> Any:
+    def orchestrator_stub(self) -> opb_grpc.TimeSliceOrchestratorServiceAsyncStub:
         """The raw generated stub on this client's aio channel (escape hatch; no retry)."""
         return self._orchestrator("use the raw stub").stub
 

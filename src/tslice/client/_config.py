@@ -10,7 +10,7 @@ import dataclasses
 import enum
 import os
 from collections.abc import Mapping, Sequence
-from typing import Any, Final, Literal, TypeAlias
+from typing import Final, Literal, TypeAlias
 
 import grpc
 
@@ -40,6 +40,8 @@ class _Default(enum.Enum):
 #: Marks "not given, use the client's default" where ``None`` means "no deadline".
 USE_CLIENT_DEFAULT: Final = _Default.TOKEN
 Timeout: TypeAlias = float | Literal[_Default.TOKEN] | None
+#: One gRPC channel option (``("grpc.keepalive_time_ms", 60000)``); grpc checks the values.
+ChannelOption: TypeAlias = tuple[str, object]
 #: A job id; ``None``: calls name theirs (``job_id=``); the default: ``$TSLICE_JOB_ID``, required.
 JobId: TypeAlias = str | Literal[_Default.TOKEN] | None
 
@@ -128,7 +130,7 @@ class ClientConfig:
     footprint_bytes: int
     retry: _retry.RetryPolicy
     #: gRPC channel options laid over :data:`tslice.client._channel.DEFAULT_CHANNEL_OPTIONS`.
-    channel_options: tuple[tuple[str, Any], ...]
+    channel_options: tuple[ChannelOption, ...]
     #: Why the client is in no-op mode ("" when it is active).
     noop_reason: str = ""
     #: Bound on the first connection, in seconds (``None``: retried as long as a call may).
@@ -173,7 +175,7 @@ def resolve(
     call_timeout: float,
     footprint_bytes: int | None,
     retry: _retry.RetryPolicy,
-    channel_options: Sequence[tuple[str, Any]] | None,
+    channel_options: Sequence[ChannelOption] | None,
     connect_timeout: Timeout = USE_CLIENT_DEFAULT,
     environ: Mapping[str, str] | None = None,
 ) -> ClientConfig:

@@ -16,12 +16,13 @@ raise :class:`~tslice.common.multiplex.Unsupported`:
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import grpc
 import grpc.aio
 
 from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2 as opb
+from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2_grpc as opb_grpc
 from tslice.common import multiplex
 
 R = TypeVar("R")
@@ -69,7 +70,12 @@ class _Replies:
 class Session(_Replies):
     """``acquire``/``yield_`` over one Session stream (``grpc.aio``)."""
 
-    def __init__(self, stub: Any, *, metadata: Sequence[tuple[str, str]]) -> None:
+    def __init__(
+        self,
+        stub: opb_grpc.TimeSliceOrchestratorServiceAsyncStub,
+        *,
+        metadata: Sequence[tuple[str, str]],
+    ) -> None:
         self._caller: multiplex.Caller[opb.SessionRequest, opb.SessionResponse] = multiplex.Caller(
             lambda: stub.Session(metadata=tuple(metadata)), reply_id=_request_id, name=_NAME
         )
@@ -103,8 +109,15 @@ class Session(_Replies):
 class SyncSession(_Replies):
     """Blocking twin of :class:`Session` (the stream is read by a daemon thread)."""
 
-    def __init__(self, stub: Any, *, metadata: Sequence[tuple[str, str]]) -> None:
-        def open_call(requests: Iterator[opb.SessionRequest]) -> Any:
+    def __init__(
+        self,
+        stub: opb_grpc.TimeSliceOrchestratorServiceStub,
+        *,
+        metadata: Sequence[tuple[str, str]],
+    ) -> None:
+        def open_call(
+            requests: Iterator[opb.SessionRequest],
+        ) -> Iterator[opb.SessionResponse]:
             return stub.Session(requests, metadata=tuple(metadata))
 
         self._caller: multiplex.ThreadCaller[opb.SessionRequest, opb.SessionResponse] = (

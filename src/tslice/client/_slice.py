@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import functools
 import inspect
-from collections.abc import Awaitable, Callable, Coroutine, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from types import MappingProxyType, TracebackType
-from typing import Any, ParamSpec, Protocol, TypeVar
+from typing import ParamSpec, Protocol, TypeVar
 
-from tslice.client import _types
+from tslice.client import _config, _types
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -23,7 +23,7 @@ R = TypeVar("R")
 
 class _SyncOwner(Protocol):
     def _enter_slice(
-        self, groups: tuple[str, ...], job: str, timeout: Any
+        self, groups: tuple[str, ...], job: str, timeout: _config.Timeout
     ) -> dict[str, _types.AcquireResult]: ...
 
     def _exit_slice(self, groups: tuple[str, ...], job: str, *, raise_errors: bool) -> None: ...
@@ -31,7 +31,7 @@ class _SyncOwner(Protocol):
 
 class _AsyncOwner(Protocol):
     async def _enter_slice(
-        self, groups: tuple[str, ...], job: str, timeout: Any
+        self, groups: tuple[str, ...], job: str, timeout: _config.Timeout
     ) -> dict[str, _types.AcquireResult]: ...
 
     async def _exit_slice(
@@ -40,7 +40,7 @@ class _AsyncOwner(Protocol):
 
 
 class _SliceSpec:
-    def __init__(self, *, groups: tuple[str, ...], job: str, timeout: Any) -> None:
+    def __init__(self, *, groups: tuple[str, ...], job: str, timeout: _config.Timeout) -> None:
         self.groups = groups
         self.job = job
         self.timeout = timeout
@@ -56,7 +56,7 @@ class SliceContext(_SliceSpec):
     """
 
     def __init__(
-        self, owner: _SyncOwner, *, groups: tuple[str, ...], job: str, timeout: Any
+        self, owner: _SyncOwner, *, groups: tuple[str, ...], job: str, timeout: _config.Timeout
     ) -> None:
         super().__init__(groups=groups, job=job, timeout=timeout)
         self._owner = owner
@@ -93,7 +93,7 @@ class AsyncSliceContext(_SliceSpec):
     """Async twin of :class:`SliceContext` (``async with`` / decorated coroutine)."""
 
     def __init__(
-        self, owner: _AsyncOwner, *, groups: tuple[str, ...], job: str, timeout: Any
+        self, owner: _AsyncOwner, *, groups: tuple[str, ...], job: str, timeout: _config.Timeout
     ) -> None:
         super().__init__(groups=groups, job=job, timeout=timeout)
         self._owner = owner
@@ -110,7 +110,7 @@ class AsyncSliceContext(_SliceSpec):
     ) -> None:
         await self._owner._exit_slice(self.groups, self.job, raise_errors=exc is None)
 
-    def __call__(self, func: Callable[P, Awaitable[R]]) -> Callable[P, Coroutine[Any, Any, R]]:
+    def __call__(self, func: Callable[P, Awaitable[R]]) -> Callable[P, Awaitable[R]]:
         if not inspect.iscoroutinefunction(func):
             raise TypeError(
                 f"{getattr(func, '__qualname__', func)!s} is not a coroutine function; "

@@ -12,6 +12,8 @@ import datetime
 import enum
 from collections.abc import Iterable
 
+from google.protobuf import timestamp_pb2
+
 from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2 as opb
 
 
@@ -128,11 +130,8 @@ def _enum_suffix(full_name: str, prefix: str) -> str:
     return full_name[len(prefix) :] if full_name.startswith(prefix) else full_name
 
 
-def _timestamp(message: opb.GroupStatus, field: str) -> datetime.datetime | None:
-    if not message.HasField(field):
-        return None
-    stamp = getattr(message, field)
-    return stamp.ToDatetime(tzinfo=datetime.timezone.utc)  # type: ignore[no-any-return]
+def _time(stamp: timestamp_pb2.Timestamp, *, present: bool) -> datetime.datetime | None:
+    return stamp.ToDatetime(tzinfo=datetime.timezone.utc) if present else None
 
 
 def group_state(value: int) -> GroupState:
@@ -175,7 +174,7 @@ def group_status(response: opb.GetGroupStatusResponse) -> GroupStatus:
     return GroupStatus(
         group_id=group.group_id,
         group_state=group_state(group.group_state),
-        state_timestamp=_timestamp(group, "state_timestamp"),
+        state_timestamp=_time(group.state_timestamp, present=group.HasField("state_timestamp")),
         locking_job=group.locking_job,
         active_job=group.active_job,
         waiter_queue_depth=group.waiter_queue_depth,
@@ -202,11 +201,7 @@ def orchestrator_event(message: opb.OrchestratorEvent) -> OrchestratorEvent:
     except ValueError:
         kind = EventKind.UNSPECIFIED
     return OrchestratorEvent(
-        time=(
-            message.time.ToDatetime(tzinfo=datetime.timezone.utc)
-            if message.HasField("time")
-            else None
-        ),
+        time=_time(message.time, present=message.HasField("time")),
         kind=kind,
         group_id=message.group_id,
         job_id=message.job_id,

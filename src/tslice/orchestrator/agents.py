@@ -92,7 +92,7 @@ class AgentClient:
         #: The agent makes a job resident in one Grant: None until a reply tells.
         self.one_step: bool | None = None
         self._channel = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
-        self._stub: Any = pb_grpc.SnapshotAgentServiceStub(self._channel)  # type: ignore[no-untyped-call]
+        self._stub: Any = pb_grpc.SnapshotAgentServiceStub(self._channel)
         # Grants go over one long-lived GrantStream (half a unary call each; they are on
         # every hand-over's path); an agent without it gets unary Grants.
         self._grants: multiplex.Caller[pb.GrantStreamRequest, pb.GrantStreamResponse] = (

@@ -10,14 +10,14 @@ to polling ``GetOperation`` on UNIMPLEMENTED; it also takes a ``timeout_sec``.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
-from typing import Any, TypeVar
+from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 import grpc
 from grpc_health.v1 import health_pb2
 
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
-from tslice.client import _address, _channel, _config, _retry
+from tslice.client import _address, _channel, _config, _retry, _services
 from tslice.client.compat import _agent_types as types
 from tslice.common import errors
 
@@ -76,7 +76,7 @@ class SnapshotAgentClient:
         *,
         timeout_sec: float = _config.DEFAULT_CALL_TIMEOUT_S,
         retry: _retry.RetryPolicy = _retry.DEFAULT_RETRY,
-        channel_options: list[tuple[str, Any]] | None = None,
+        channel_options: Sequence[_config.ChannelOption] | None = None,
         connect_timeout_sec: _config.Timeout = _config.USE_CLIENT_DEFAULT,
     ) -> None:
         if channel is not None:
@@ -95,7 +95,7 @@ class SnapshotAgentClient:
         self.endpoint = endpoint
         _config.check_timeout("timeout_sec", timeout_sec)
         self._timeout = timeout_sec
-        self._calls = _channel.AgentCalls(
+        self._calls = _services.AgentCalls(
             _channel.SyncTransport(
                 self.channel,
                 target=endpoint or "the given channel",
@@ -109,7 +109,9 @@ class SnapshotAgentClient:
         # None: not tried yet; False: the agent answered UNIMPLEMENTED (an llm-d agent).
         self._long_poll: bool | None = None
 
-    def _options(self, timeout: float | None = None, job_id: str | None = None) -> Any:
+    def _options(
+        self, timeout: float | None = None, job_id: str | None = None
+    ) -> _channel.CallOptions:
         return _channel.CallOptions(timeout=timeout or self._timeout, job_id=job_id or None)
 
     @staticmethod

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Iterator
-from typing import Any, ClassVar
+from collections.abc import Iterator, Sequence
+from typing import ClassVar
 
 import grpc
 
@@ -135,7 +135,7 @@ class TimeSliceOrchestratorClient:
         target: str | None,
         job_id: str | None = None,
         group_id: str | None = None,
-        channel_options: list[tuple[str, Any]] | None = None,
+        channel_options: Sequence[_config.ChannelOption] | None = None,
     ) -> None:
         self.target = target
         self.job_id = job_id

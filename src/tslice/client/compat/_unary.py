@@ -13,15 +13,16 @@ methods (``(request, timeout=, metadata=)``, and ``future()`` for the sync one).
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, Generic, TypeVar
+from collections.abc import Awaitable, Callable
+from typing import Generic, TypeVar
 
+from tslice.client import _channel
 from tslice.common import multiplex
 
 Req = TypeVar("Req")
 Rep = TypeVar("Rep")
 
-Metadata = Sequence[tuple[str, str]] | None
+Metadata = _channel.Metadata | None
 
 
 class UnaryFallback(Generic[Req, Rep]):
@@ -30,7 +31,7 @@ class UnaryFallback(Generic[Req, Rep]):
     def __init__(
         self,
         session: Callable[[Req, float | None], Awaitable[Rep]],
-        unary: Callable[..., Awaitable[Rep]],
+        unary: _channel.AsyncUnary[Req, Rep],
     ) -> None:
         self._session = session
         self._unary = unary
@@ -47,7 +48,9 @@ class UnaryFallback(Generic[Req, Rep]):
 class SyncUnaryFallback(Generic[Req, Rep]):
     """``call.future(request, timeout=, metadata=).result()``: over the session, else unary."""
 
-    def __init__(self, session: Callable[[Req, float | None], Rep], unary: Any) -> None:
+    def __init__(
+        self, session: Callable[[Req, float | None], Rep], unary: _channel.SyncUnary[Req, Rep]
+    ) -> None:
         self._session = session
         self._unary = unary
 
@@ -72,7 +75,7 @@ class _Outcome(Generic[Req, Rep]):
         self._request = request
         self._timeout = timeout
         self._metadata = metadata
-        self._unary: Any = None
+        self._unary: _channel.Outcome[Rep] | None = None
 
     def result(self) -> Rep:
         try:
@@ -81,7 +84,7 @@ class _Outcome(Generic[Req, Rep]):
             self._unary = self._call._unary.future(
                 self._request, timeout=self._timeout, metadata=self._metadata
             )
-            return self._unary.result()  # type: ignore[no-any-return]
+            return self._unary.result()
 
     def cancel(self) -> None:
         if self._unary is not None:
