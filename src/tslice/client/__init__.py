@@ -5,8 +5,9 @@
 """
 
 from tslice.client import compat
+from tslice.client._async_client import AsyncClient
 from tslice.client._channel import DEFAULT_CHANNEL_OPTIONS
-from tslice.client._client import AsyncClient, Client
+from tslice.client._client import Client
 from tslice.client._config import USE_CLIENT_DEFAULT, ClientConfig
 from tslice.client._retry import DEFAULT_RETRY, NO_RETRY, RetryPolicy
 from tslice.client._slice import AsyncSliceContext, SliceContext

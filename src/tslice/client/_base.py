@@ -1,7 +1,8 @@
 """Everything :class:`~tslice.client.Client` and :class:`~tslice.client.AsyncClient`
-share that does no I/O: configuration, id resolution, request building, deadline
-arithmetic, the no-op answers and the per-(job, group) hold counts behind
-``slice()``.
+share that does no I/O: the constructor and configuration, id resolution, request
+building (:class:`AcquireCall`, :class:`YieldCall`), deadline arithmetic, the no-op
+answers, the registry of lease keepers, lost leases, and the per-(job, group) hold
+counts behind ``slice()``.
 
 The two clients then differ only in the lines that make a call (``await`` or
 not), as in httpx.
@@ -9,16 +10,19 @@ not), as in httpx.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import logging
 import sys
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Generic, Protocol, TypeVar
 
 import grpc
 
 from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2 as opb
-from tslice.client import _channel, _config, _retry, _types
+from tslice.client import _channel, _config, _lease, _retry, _types
 from tslice.common import errors
 
 log = logging.getLogger("tslice.client")
@@ -55,20 +59,82 @@ def _announce_noop_once(reason: str) -> None:
 HoldKey = tuple[str, str]
 
 
-class BaseClient:
+class Keeper(Protocol):
+    """What the clients ask of a lease keeper (sync or async) while yielding."""
+
+    def releasing(self) -> None: ...
+
+    def resume(self) -> None: ...
+
+
+K = TypeVar("K", bound=Keeper)
+
+
+@dataclasses.dataclass(frozen=True)
+class AcquireCall:
+    """One acquire, resolved and checked, ready to send."""
+
+    job: str
+    group: str
+    request: opb.AcquireRequest
+    options: _channel.CallOptions
+    started: float
+
+
+@dataclasses.dataclass(frozen=True)
+class YieldCall(Generic[K]):
+    """One yield, resolved: sent unless ``answer`` is already known (no-op mode, or a
+    lost lease: ``keeper`` is then the one to stop)."""
+
+    job: str
+    group: str
+    request: opb.YieldRequest
+    options: _channel.CallOptions
+    answer: _types.YieldResult | None
+    #: The group's lease keeper, told that the job is releasing.
+    keeper: K | None
+
+    def failed(self) -> None:
+        """The Yield failed: the keeper holds the lease again."""
+        if self.keeper is not None:
+            self.keeper.resume()
+
+
+class SliceClock:
+    """The deadline that bounds acquiring all the groups of one slice together."""
+
+    def __init__(self, timeout: float | None) -> None:
+        self.started = time.monotonic()
+        self.deadline = None if timeout is None else self.started + timeout
+
+    def remaining(self, *, job: str, group: str) -> float | None:
+        """Time left for the acquire of ``group``; AcquireTimeout once none is left."""
+        if self.deadline is None:
+            return None
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise errors.AcquireTimeout(
+                job_id=job,
+                group_id=group,
+                waited_ms=int((time.monotonic() - self.started) * 1000),
+            )
+        return left
+
+
+class BaseClient(Generic[K]):
     """Configuration and bookkeeping shared by the sync and async clients."""
 
     def __init__(
         self,
-        address: str | None,
+        address: str | None = None,
         *,
-        job_id: _config.JobId,
-        default_group: str | None,
-        timeout: float | None,
-        call_timeout: float,
-        channel_options: Sequence[_config.ChannelOption] | None,
-        footprint_bytes: int | None,
-        retry: _retry.RetryPolicy,
+        job_id: _config.JobId = _config.USE_CLIENT_DEFAULT,
+        default_group: str | None = None,
+        timeout: float | None = None,
+        call_timeout: float = _config.DEFAULT_CALL_TIMEOUT_S,
+        channel_options: Sequence[_config.ChannelOption] | None = None,
+        footprint_bytes: int | None = None,
+        retry: _retry.RetryPolicy = _retry.DEFAULT_RETRY,
         lease_s: _config.Timeout = _config.USE_CLIENT_DEFAULT,
         connect_timeout: _config.Timeout = _config.USE_CLIENT_DEFAULT,
     ) -> None:
@@ -93,6 +159,14 @@ class BaseClient:
         # and the grant they share. Only slice() uses it; acquire()/yield_() are raw.
         self._hold_counts: dict[HoldKey, int] = {}
         self._hold_results: dict[HoldKey, _types.AcquireResult] = {}
+        # Lease keepers of the groups held; the sync client reaches them from threads.
+        self._guard = threading.Lock()
+        self._keepers: dict[HoldKey, K] = {}
+        self._init_io()
+
+    def _init_io(self) -> None:
+        """Set up what the client's I/O needs (channel created on first use...)."""
+        raise NotImplementedError
 
     # -- read-only facts --------------------------------------------------------
 
@@ -199,33 +273,76 @@ class BaseClient:
             return self._config.call_timeout
         return _config.check_timeout("timeout", timeout)
 
-    @staticmethod
-    def _deadline(timeout: float | None) -> float | None:
-        return None if timeout is None else time.monotonic() + timeout
-
-    @staticmethod
-    def _remaining(deadline: float | None, *, job: str, group: str, started: float) -> float | None:
-        """Time left for one acquire of a slice; raise AcquireTimeout once none is left."""
-        if deadline is None:
-            return None
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise errors.AcquireTimeout(
-                job_id=job, group_id=group, waited_ms=int((time.monotonic() - started) * 1000)
-            )
-        return left
+    def _slice_clock(self, timeout: _config.Timeout) -> SliceClock:
+        return SliceClock(self._acquire_timeout(timeout))
 
     # -- requests and errors ----------------------------------------------------------
 
-    def _acquire_request(
-        self, job: str, group: str, footprint_bytes: int | None
-    ) -> opb.AcquireRequest:
+    def _prepare_acquire(
+        self,
+        group: str | None,
+        job_id: str | None,
+        timeout: _config.Timeout,
+        footprint_bytes: int | None,
+    ) -> AcquireCall | None:
+        """The acquire to send, checked; ``None`` in no-op mode (answer NOOP_ACQUIRE)."""
+        job, group_id = self._job(job_id), self._group(group)
         if footprint_bytes is not None and footprint_bytes < 0:
             raise ValueError(f"footprint_bytes must be >= 0, got {footprint_bytes!r}")
         footprint = self._config.footprint_bytes if footprint_bytes is None else footprint_bytes
-        return opb.AcquireRequest(
-            job_id=job, group_id=group, footprint_bytes=footprint, lease_ms=self._lease_ms
+        request = opb.AcquireRequest(
+            job_id=job, group_id=group_id, footprint_bytes=footprint, lease_ms=self._lease_ms
         )
+        wait = self._acquire_timeout(timeout)
+        if self._noop():
+            return None
+        options = self._options(job, group_id, wait)
+        return AcquireCall(job, group_id, request, options, started=time.monotonic())
+
+    @staticmethod
+    @contextlib.contextmanager
+    def _acquire_deadline(call: AcquireCall) -> Iterator[None]:
+        """An acquire that ran out of time is an AcquireTimeout (the job left the queue)."""
+        try:
+            yield
+        except errors.DeadlineExceeded as err:
+            waited_ms = int((time.monotonic() - call.started) * 1000)
+            raise errors.AcquireTimeout(
+                job_id=call.job,
+                group_id=call.group,
+                waited_ms=waited_ms,
+                message=(
+                    f"job {call.job!r} was not granted group {call.group!r} within "
+                    f"{waited_ms} ms; it is no longer queued"
+                ),
+            ) from err
+
+    def _wants_lease(self, response: opb.AcquireResponse) -> bool:
+        return response.success and bool(self._lease_ms)
+
+    def _prepare_yield(
+        self, group: str | None, job_id: str | None, timeout: _config.Timeout
+    ) -> YieldCall[K]:
+        """The yield to send; its keeper (if any) is told the job is releasing."""
+        job, group_id = self._job(job_id), self._group(group)
+        request = opb.YieldRequest(job_id=job, group_id=group_id)
+        options = self._options(job, group_id, self._call_timeout(timeout))
+        if not self.enabled:
+            return YieldCall(job, group_id, request, options, answer=NOOP_YIELD, keeper=None)
+        if self._was_lost(group_id):
+            # Released already (idempotent): success without a call; its keeper is done.
+            lost = _types.YieldResult(success=True, pending_waiters=0, snapshot_deferred=False)
+            keeper = self._pop_keeper((job, group_id))
+            return YieldCall(job, group_id, request, options, answer=lost, keeper=keeper)
+        with self._guard:
+            keeper = self._keepers.get((job, group_id))
+        if keeper is not None:
+            keeper.releasing()
+        return YieldCall(job, group_id, request, options, answer=None, keeper=keeper)
+
+    @staticmethod
+    def _options(job: str | None, group: str | None, timeout: float | None) -> _channel.CallOptions:
+        return _channel.CallOptions(timeout=timeout, job_id=job or None, group_id=group or None)
 
     # -- leases ---------------------------------------------------------------------------
 
@@ -248,41 +365,32 @@ class BaseClient:
         with self._lost_guard:
             return group in self._lost
 
-    @staticmethod
-    def _lost_yield() -> _types.YieldResult:
-        """Yield of a group whose lock was lost: it is released already (idempotent)."""
-        return _types.YieldResult(success=True, pending_waiters=0, snapshot_deferred=False)
-
-    @staticmethod
-    def _yield_request(job: str, group: str) -> opb.YieldRequest:
-        return opb.YieldRequest(job_id=job, group_id=group)
-
-    @staticmethod
-    def _options(job: str | None, group: str | None, timeout: float | None) -> _channel.CallOptions:
-        return _channel.CallOptions(timeout=timeout, job_id=job or None, group_id=group or None)
-
-    @staticmethod
-    def _acquire_timed_out(
-        err: errors.DeadlineExceeded, *, job: str, group: str, started: float
-    ) -> errors.AcquireTimeout:
-        waited_ms = int((time.monotonic() - started) * 1000)
-        return errors.AcquireTimeout(
-            job_id=job,
-            group_id=group,
-            waited_ms=waited_ms,
-            message=(
-                f"job {job!r} was not granted group {group!r} within {waited_ms} ms; "
-                "it is no longer queued"
-            ),
+    def _lease(self, job: str, group: str, epoch: int) -> _lease.Lease:
+        """The lease of a new grant, for its keeper."""
+        return _lease.Lease(
+            job=job,
+            group=group,
+            epoch=epoch,
+            lease_ms=self._lease_ms,
+            on_lost=lambda reason: self._lease_lost(job, group, reason),
         )
 
-    @staticmethod
-    def _check_granted(result: _types.AcquireResult, *, job: str, group: str) -> None:
-        if not result.success:
-            raise errors.RPCError(
-                grpc.StatusCode.UNKNOWN,
-                f"the orchestrator answered Acquire({job!r}, {group!r}) with success=false",
-            )
+    def _swap_keeper(self, key: HoldKey, keeper: K) -> K | None:
+        """Register the keeper of a new grant; returns the one it replaces (to stop)."""
+        self._forget_lost(key[1])
+        with self._guard:
+            old = self._keepers.get(key)
+            self._keepers[key] = keeper
+        return old
+
+    def _pop_keeper(self, key: HoldKey) -> K | None:
+        with self._guard:
+            return self._keepers.pop(key, None)
+
+    def _pop_keepers(self) -> list[K]:
+        with self._guard:
+            keepers, self._keepers = list(self._keepers.values()), {}
+        return keepers
 
     # -- hold counts (slice) ------------------------------------------------------------
 
@@ -294,6 +402,11 @@ class BaseClient:
         return self._hold_results[key]
 
     def _record_hold(self, key: HoldKey, result: _types.AcquireResult) -> None:
+        if not result.success:
+            raise errors.RPCError(
+                grpc.StatusCode.UNKNOWN,
+                f"the orchestrator answered Acquire({key[0]!r}, {key[1]!r}) with success=false",
+            )
         self._hold_counts[key] = 1
         self._hold_results[key] = result
 
@@ -306,6 +419,17 @@ class BaseClient:
         self._hold_counts.pop(key, None)
         self._hold_results.pop(key, None)
         return True
+
+    @classmethod
+    def _released(
+        cls, failures: list[tuple[str, BaseException]], job: str, *, raise_errors: bool
+    ) -> None:
+        """After a slice yielded its groups: raise the first failure (when the block
+        did not raise already), log the others."""
+        if failures and raise_errors:
+            cls._report_release_failures(failures[1:], job)
+            raise failures[0][1]
+        cls._report_release_failures(failures, job)
 
     @staticmethod
     def _report_release_failures(failures: list[tuple[str, BaseException]], job: str) -> None:

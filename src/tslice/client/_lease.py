@@ -200,27 +200,42 @@ class _Scheduler:
 _SCHEDULER = _Scheduler()
 
 
+@dataclasses.dataclass(frozen=True)
+class Lease:
+    """The lease of one grant, as a keeper holds it."""
+
+    job: str
+    group: str
+    #: The grant's epoch: a Hold for an older grant is refused.
+    epoch: int
+    lease_ms: int
+    #: Called with the reason when the lease is lost.
+    on_lost: OnLost
+
+    @property
+    def request(self) -> opb.HoldRequest:
+        return opb.HoldRequest(job_id=self.job, group_id=self.group, grant_epoch=self.epoch)
+
+    @property
+    def name(self) -> str:
+        """The keeper's thread or task name."""
+        return f"tslice-hold:{self.group}:{self.job}"
+
+
 class HoldKeeper:
     """Keeps one Hold stream open from a daemon thread (started when due) until :meth:`stop`."""
 
     def __init__(
-        self,
-        *,
-        hold: Callable[[opb.HoldRequest], _channel.SyncStream[opb.HoldEvent]],
-        job: str,
-        group: str,
-        epoch: int,
-        lease_ms: int,
-        on_lost: OnLost,
+        self, lease: Lease, *, hold: Callable[[opb.HoldRequest], _channel.SyncStream[opb.HoldEvent]]
     ) -> None:
         self._hold = hold
-        self._request = opb.HoldRequest(job_id=job, group_id=group, grant_epoch=epoch)
-        self._flow = LeaseFlow(lease_ms=lease_ms)
-        self._on_lost = on_lost
+        self._request = lease.request
+        self._flow = LeaseFlow(lease_ms=lease.lease_ms)
+        self._on_lost = lease.on_lost
         self._stopped = threading.Event()
         self._guard = threading.Lock()
         self._stream: _channel.SyncStream[opb.HoldEvent] | None = None
-        self._name = f"tslice-hold:{group}:{job}"
+        self._name = lease.name
         self._thread: threading.Thread | None = None
         # No thread until the stream is due: a slice shorter than that costs none.
         self._due = _SCHEDULER.schedule(time.monotonic() + self._flow.open_delay, self._begin)
@@ -297,19 +312,15 @@ class AsyncHoldKeeper:
 
     def __init__(
         self,
+        lease: Lease,
         *,
         hold: Callable[[opb.HoldRequest], _channel.AsyncStream[opb.HoldEvent]],
-        job: str,
-        group: str,
-        epoch: int,
-        lease_ms: int,
-        on_lost: OnLost,
     ) -> None:
         self._hold = hold
-        self._request = opb.HoldRequest(job_id=job, group_id=group, grant_epoch=epoch)
-        self._flow = LeaseFlow(lease_ms=lease_ms)
-        self._on_lost = on_lost
-        self._name = f"tslice-hold:{group}:{job}"
+        self._request = lease.request
+        self._flow = LeaseFlow(lease_ms=lease.lease_ms)
+        self._on_lost = lease.on_lost
+        self._name = lease.name
         self._ended = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         # A timer, not a sleeping task: a slice shorter than the delay costs no task.

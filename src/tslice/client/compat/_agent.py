@@ -62,6 +62,25 @@ def _backend_enum(backend: str | int | None, config: pb.BackendConfig | None) ->
     raise ValueError(f"unknown backend {backend!r}; use 'cuda' or pass backend_config=")
 
 
+_Operation = TypeVar("_Operation", pb.SnapshotRequest, pb.RestoreRequest)
+
+
+def _operation_request(
+    kind: type[_Operation],
+    job_id: str,
+    group: str,
+    backend_config: pb.BackendConfig | None,
+    backend: str | int | None,
+) -> _Operation:
+    """A Snapshot or Restore request (they have the same fields)."""
+    return kind(
+        job_id=job_id,
+        group=group,
+        backend=pb.Backend.Name(_backend_enum(backend, backend_config)),
+        backend_config=backend_config,
+    )
+
+
 class SnapshotAgentClient:
     """Client of one node's snapshot agent (llm-d API).
 
@@ -141,12 +160,7 @@ class SnapshotAgentClient:
         backend: str | int | None = None,
     ) -> types.SnapshotResponse:
         """Start a snapshot of ``job_id``; poll the returned operation id."""
-        request = pb.SnapshotRequest(
-            job_id=job_id,
-            group=group,
-            backend=_backend_enum(backend, backend_config),  # type: ignore[arg-type]
-            backend_config=backend_config,
-        )
+        request = _operation_request(pb.SnapshotRequest, job_id, group, backend_config, backend)
         response = self._call(
             "Snapshot", lambda: self._calls.snapshot(request, self._options(job_id=job_id))
         )
@@ -161,12 +175,7 @@ class SnapshotAgentClient:
         backend: str | int | None = None,
     ) -> types.RestoreResponse:
         """Start a restore of ``job_id``; poll the returned operation id."""
-        request = pb.RestoreRequest(
-            job_id=job_id,
-            group=group,
-            backend=_backend_enum(backend, backend_config),  # type: ignore[arg-type]
-            backend_config=backend_config,
-        )
+        request = _operation_request(pb.RestoreRequest, job_id, group, backend_config, backend)
         response = self._call(
             "Restore", lambda: self._calls.restore(request, self._options(job_id=job_id))
         )

@@ -1,0 +1,255 @@
+"""``AsyncClient``: the asyncio twin of :class:`~tslice.client.Client` (``grpc.aio``).
+
+The method bodies differ from :mod:`tslice.client._client`'s only in ``await``; keep
+the two side by side when editing (a parity test compares their public surfaces).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterable
+from types import TracebackType
+
+import grpc.aio
+from typing_extensions import Self
+
+from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2 as opb
+from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2_grpc as opb_grpc
+from tslice.client import _base, _channel, _config, _events, _lease, _services, _slice, _types
+
+
+class AsyncClient(_base.BaseClient[_lease.AsyncHoldKeeper]):
+    """asyncio twin of :class:`Client` (``grpc.aio``; use it inside one event loop).
+
+    ::
+
+        async with tslice.AsyncClient() as client:
+            async with client.slice("sampler"):
+                await generate()
+    """
+
+    def _init_io(self) -> None:
+        # Created on first use, inside the running loop the client will serve.
+        self._channel: grpc.aio.Channel | None = None
+        self._calls: _services.AsyncOrchestratorCalls | None = None
+        self._key_locks: dict[_base.HoldKey, asyncio.Lock] = {}
+
+    def _orchestrator(self, what: str) -> _services.AsyncOrchestratorCalls:
+        self._require_enabled(what)
+        if self._calls is None:
+            assert self._config.address is not None
+            self._channel = grpc.aio.insecure_channel(
+                self._config.address,
+                options=_channel.channel_options(self._config.channel_options),
+            )
+            self._calls = _services.AsyncOrchestratorCalls(
+                _channel.AsyncTransport(
+                    self._channel,
+                    target=self._config.address,
+                    retry=self._config.retry,
+                    connect_timeout=self._config.connect_timeout,
+                    peer="the orchestrator",
+                )
+            )
+        return self._calls
+
+    @property
+    def orchestrator_stub(self) -> opb_grpc.TimeSliceOrchestratorServiceAsyncStub:
+        """The raw generated stub on this client's aio channel (escape hatch; no retry)."""
+        return self._orchestrator("use the raw stub").stub
+
+    async def acquire(
+        self,
+        group: str | None = None,
+        *,
+        job_id: str | None = None,
+        timeout: _config.Timeout = _config.USE_CLIENT_DEFAULT,
+        footprint_bytes: int | None = None,
+    ) -> _types.AcquireResult:
+        """See :meth:`Client.acquire`."""
+        call = self._prepare_acquire(group, job_id, timeout, footprint_bytes)
+        if call is None:
+            return _base.NOOP_ACQUIRE
+        with self._acquire_deadline(call):
+            response = await self._orchestrator("acquire").acquire(call.request, call.options)
+        if self._wants_lease(response):
+            await self._keep(call.job, call.group, response.grant_epoch)
+        return _types.acquire_result(response)
+
+    async def yield_(
+        self,
+        group: str | None = None,
+        *,
+        job_id: str | None = None,
+        timeout: _config.Timeout = _config.USE_CLIENT_DEFAULT,
+    ) -> _types.YieldResult:
+        """See :meth:`Client.yield_`."""
+        call = self._prepare_yield(group, job_id, timeout)
+        if call.answer is not None:
+            if call.keeper is not None:
+                await call.keeper.stop()
+            return call.answer
+        try:
+            response = await self._orchestrator("yield").yield_(call.request, call.options)
+        except BaseException:
+            call.failed()
+            raise
+        await self._unkeep(call.job, call.group)
+        return _types.yield_result(response)
+
+    release = yield_
+
+    async def status(
+        self, group: str | None = None, *, timeout: _config.Timeout = _config.USE_CLIENT_DEFAULT
+    ) -> _types.GroupStatus:
+        """See :meth:`Client.status`."""
+        calls = self._orchestrator("read a group's status")
+        group_id = self._group(group)
+        response = await calls.get_group_status(
+            opb.GetGroupStatusRequest(group_id=group_id),
+            self._options(self.job_id, group_id, self._call_timeout(timeout)),
+        )
+        return _types.group_status(response)
+
+    async def list_groups(
+        self, *, timeout: _config.Timeout = _config.USE_CLIENT_DEFAULT
+    ) -> tuple[str, ...]:
+        """See :meth:`Client.list_groups`."""
+        calls = self._orchestrator("list groups")
+        response = await calls.list_groups(
+            opb.ListGroupsRequest(), self._options(self.job_id, None, self._call_timeout(timeout))
+        )
+        return tuple(response.group_ids)
+
+    def watch_events(
+        self,
+        group: str | None = None,
+        *,
+        kinds: Iterable[_types.EventKind] = (),
+        timeout: float | None = None,
+    ) -> _events.EventStream:
+        """See :meth:`Client.watch_events`; ``await events.started()`` returns once the
+        orchestrator has subscribed the stream, ``aclose()`` ends it."""
+        calls = self._orchestrator("watch events")
+        group_id = "" if group is None else self._group(group)
+        stream = calls.watch_events(
+            opb.WatchEventsRequest(group_id=group_id, kinds=_types.event_kinds(kinds)),
+            self._options(self.job_id, group_id, _config.check_timeout("timeout", timeout)),
+        )
+        return _events.EventStream(stream)
+
+    def slice(
+        self,
+        *groups: str,
+        job_id: str | None = None,
+        timeout: _config.Timeout = _config.USE_CLIENT_DEFAULT,
+    ) -> _slice.AsyncSliceContext:
+        """See :meth:`Client.slice`; use with ``async with``."""
+        return _slice.AsyncSliceContext(
+            self, groups=self._slice_groups(groups), job=self._job(job_id), timeout=timeout
+        )
+
+    def sliced(
+        self,
+        *groups: str,
+        job_id: str | None = None,
+        timeout: _config.Timeout = _config.USE_CLIENT_DEFAULT,
+    ) -> _slice.AsyncSliceContext:
+        """Decorator form of :meth:`slice` for coroutine functions."""
+        return self.slice(*groups, job_id=job_id, timeout=timeout)
+
+    async def close(self) -> None:
+        """Close the channel; idempotent. Groups still held stay held (yield first)
+        until their lease runs out."""
+        self._closed = True
+        for keeper in self._pop_keepers():
+            await keeper.stop()
+        channel, calls, self._channel, self._calls = self._channel, self._calls, None, None
+        if calls is not None:
+            await calls.close()
+        if channel is not None:
+            await channel.close()
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()
+
+    def __repr__(self) -> str:
+        return (
+            f"AsyncClient(address={self.address!r}, job_id={self.job_id!r}, enabled={self.enabled})"
+        )
+
+    # -- leases ----------------------------------------------------------------------------
+
+    async def _keep(self, job: str, group: str, epoch: int) -> None:
+        """Hold the lease of a new grant from a task (replaces an older keeper)."""
+        calls, options = self._orchestrator("hold"), self._options(job, group, None)
+        keeper = _lease.AsyncHoldKeeper(
+            self._lease(job, group, epoch), hold=lambda request: calls.hold(request, options)
+        )
+        old = self._swap_keeper((job, group), keeper)
+        if old is not None:
+            await old.stop()
+
+    async def _unkeep(self, job: str, group: str) -> None:
+        keeper = self._pop_keeper((job, group))
+        if keeper is not None:
+            await keeper.stop()
+
+    # -- slice plumbing (called by AsyncSliceContext) -------------------------------
+
+    def _key_lock(self, key: _base.HoldKey) -> asyncio.Lock:
+        return self._key_locks.setdefault(key, asyncio.Lock())
+
+    async def _enter_slice(
+        self, groups: tuple[str, ...], job: str, timeout: _config.Timeout
+    ) -> dict[str, _types.AcquireResult]:
+        if self._noop():
+            return dict.fromkeys(groups, _base.NOOP_ACQUIRE)
+        clock = self._slice_clock(timeout)
+        results: dict[str, _types.AcquireResult] = {}
+        try:
+            for group in groups:
+                results[group] = await self._hold(job, group, clock)
+        except BaseException:
+            await self._exit_slice(tuple(results), job, raise_errors=False)
+            raise
+        return results
+
+    async def _hold(self, job: str, group: str, clock: _base.SliceClock) -> _types.AcquireResult:
+        key = (job, group)
+        async with self._key_lock(key):
+            held = self._held(key)
+            if held is None:
+                wait = clock.remaining(job=job, group=group)
+                held = await self.acquire(group, job_id=job, timeout=wait)
+                self._record_hold(key, held)
+            return held
+
+    async def _exit_slice(self, groups: tuple[str, ...], job: str, *, raise_errors: bool) -> None:
+        if not self.enabled:
+            return
+        # Shielded: a slice left because its task was cancelled must still yield, or
+        # the job would keep the group while doing nothing with it.
+        failures = await asyncio.shield(self._release(groups, job))
+        self._released(failures, job, raise_errors=raise_errors)
+
+    async def _release(self, groups: tuple[str, ...], job: str) -> list[tuple[str, BaseException]]:
+        failures: list[tuple[str, BaseException]] = []
+        for group in reversed(groups):
+            key = (job, group)
+            async with self._key_lock(key):
+                if not self._drop_hold(key):
+                    continue
+                try:
+                    await self.yield_(group, job_id=job)
+                except Exception as exc:
+                    failures.append((group, exc))
+        return failures
