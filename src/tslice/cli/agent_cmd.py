@@ -34,7 +34,12 @@ def agent(
     ] = None,
     state_dir: Annotated[
         Path | None,
-        typer.Option("--state-dir", help="Where jobs, operations and sim devices persist."),
+        typer.Option(
+            "--state-dir",
+            help="Where jobs, operations and sim devices persist (default "
+            "$XDG_STATE_HOME/tslice/agent, else /var/lib/tslice/agent as root, "
+            "~/.local/state/tslice/agent otherwise).",
+        ),
     ] = None,
     backend: Annotated[
         list[str] | None,
