@@ -138,3 +138,26 @@ def test_works_on_a_real_journal_file(tmp_path: Path) -> None:
     # The journal lines carry what the checker needs.
     first = json.loads((tmp_path / device.JOURNAL_FILE).read_text().splitlines()[0])
     assert first["event"] == "alloc" and first["group"] == "sampler"
+
+
+def test_holders_of_groups_that_share_devices_must_not_overlap() -> None:
+    @dataclasses.dataclass
+    class W:
+        job: str
+        group: str
+        requested: float
+        acquired: float | None
+        yielded: float | None
+        error: str = ""
+
+    windows = [
+        W("a", "sampler", 0.0, 1.0, 5.0),
+        W("a", "trainer", 0.0, 2.0, 3.0),  # the same job holds both: fine
+        W("b", "trainer", 0.0, 4.0, 6.0),  # b while a holds sampler: not fine
+        W("c", "other", 0.0, 4.0, 6.0),  # shares nothing
+    ]
+    conflicts = {"sampler": {"trainer"}, "trainer": {"sampler"}, "other": set()}
+    found = checker.check(journal=[], windows=windows, group_nodes={}, conflicts=conflicts)
+    shared = [v for v in found if v.kind == checker.SHARED_HOLDERS]
+    assert [(v.jobs, v.group) for v in shared] == [(("a", "b"), "trainer")]
+    assert "share devices" in shared[0].message

@@ -68,6 +68,8 @@ class AgentRejected(AgentError):
     def __init__(self, address: str, operation: str, detail: str, code: grpc.StatusCode) -> None:
         super().__init__(address, operation, f"{code.name}: {detail}")
         self.code = code
+        #: The agent's own message, without the code.
+        self.reason = detail
 
 
 class OperationFailed(AgentError):

@@ -102,9 +102,7 @@ async def _serve_locked(
                 raise serving.metrics_bind_error(cfg.host, cfg.metrics_port, err) from err
         await groups.start()
         servicer = server.OrchestratorServicer(groups=groups, bus=bus)
-        opb_grpc.add_TimeSliceOrchestratorServiceServicer_to_server(
-            servicer, grpc_server
-        )
+        opb_grpc.add_TimeSliceOrchestratorServiceServicer_to_server(servicer, grpc_server)
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, grpc_server)
         reflection.enable_server_reflection(
             [SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], grpc_server

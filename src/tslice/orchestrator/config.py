@@ -146,6 +146,7 @@ class OrchestratorModel(_Model):
     shutdown_grace_s: float = pydantic.Field(5.0, ge=0)
     backoff_initial_s: float = pydantic.Field(0.05, gt=0)
     backoff_max_s: float = pydantic.Field(5.0, gt=0)
+    max_refusals: int = pydantic.Field(5, ge=1)
     metrics_port: int = pydantic.Field(DEFAULT_METRICS_PORT, ge=0, le=65535)
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     sqlite_synchronous: Literal["normal", "full"] = "normal"
@@ -214,6 +215,9 @@ class OrchestratorConfig:
     #: Retry backoff for agent failures: first delay and cap, seconds (jittered).
     backoff_initial_s: float = 0.05
     backoff_max_s: float = 5.0
+    #: Refusals in a row (the agent answers, and says no) after which a switch stops
+    #: retrying a node and marks it degraded until an operator clears it.
+    max_refusals: int = 5
     #: Prometheus port; 0 = off.
     metrics_port: int = 0
     log_level: str = "info"
@@ -353,6 +357,7 @@ def build(
         shutdown_grace_s=model.shutdown_grace_s,
         backoff_initial_s=model.backoff_initial_s,
         backoff_max_s=model.backoff_max_s,
+        max_refusals=model.max_refusals,
         metrics_port=model.metrics_port,
         log_level=model.log_level,
         sqlite_synchronous=model.sqlite_synchronous,

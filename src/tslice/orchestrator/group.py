@@ -68,7 +68,13 @@ class ShuttingDown(Exception):
 
 
 class AcquireAborted(Exception):
-    """The job yielded the group while this Acquire was pending (ABORTED)."""
+    """This Acquire was failed by the group: the job yielded while it was pending
+    (ABORTED), its state can never fit (RESOURCE_EXHAUSTED), a node is degraded
+    (UNAVAILABLE); ``code`` names the gRPC status."""
+
+    def __init__(self, message: str, code: str = "ABORTED") -> None:
+        super().__init__(message)
+        self.code = code
 
 
 class NotHolder(Exception):
@@ -214,6 +220,8 @@ class GroupDriver:
         self._replies: set[asyncio.Future[lock.YieldOutcome]] = set()
         self._views: dict[str, switch.NodeView] = {}
         self._unreachable: dict[str, str] = {}
+        #: Nodes that kept refusing a switch (node -> reason), until an operator clears them.
+        self._degraded: dict[str, str] = {}
         self._switch_detail = ""
         self._tasks: list[asyncio.Task[Any]] = []
         self._switch_task: asyncio.Task[None] | None = None
@@ -485,6 +493,9 @@ class GroupDriver:
             grant_epoch=lk.grant_epoch,
             switch_count=lk.switch_count,
             detail=detail,
+            degraded=[
+                opb.DegradedNode(node=n, reason=r) for n, r in sorted(self._degraded.items())
+            ],
         )
 
     # ---- worker ----------------------------------------------------------------------------
@@ -579,12 +590,7 @@ class GroupDriver:
             elif isinstance(action, lock.StartSwitch):
                 effects.append(self._switch_effect(action))
             elif isinstance(action, lock.NeedClaim):
-                if self._arbiter.request(self.group_id, action.job):
-                    now = time.monotonic()
-                    effects += self._bind(self.lock.on_claim_granted(action.job, now=now))
-                else:
-                    self._views.clear()
-                    self.lock.on_claim_waiting()
+                effects += self._claim(action)
             elif isinstance(action, lock.ReleaseClaim):
                 # Another group may now move what is on the shared devices: re-read first.
                 self._views.clear()
@@ -592,6 +598,15 @@ class GroupDriver:
             else:
                 effects.append(self._emit_effect(action))
         return effects
+
+    def _claim(self, need: lock.NeedClaim) -> list[Effect]:
+        """Ask for the device claim (see overlap); wait for it if it is not free."""
+        granted = self._arbiter.request(self.group_id, need.job, need.others)
+        if granted is None:
+            self._views.clear()
+            self.lock.on_claim_waiting()
+            return []
+        return self._bind(self.lock.on_claim_granted(granted, now=time.monotonic()))
 
     def _grant_effects(self, g: lock.Granted, receivers: list[_Waiter]) -> list[Effect]:
         def resolve() -> None:
@@ -614,7 +629,7 @@ class GroupDriver:
         def effect() -> None:
             for w in waiters:
                 if not w.future.done():
-                    w.future.set_exception(AcquireAborted(a.message))
+                    w.future.set_exception(AcquireAborted(a.message, a.code))
 
         return effect
 
@@ -685,24 +700,42 @@ class GroupDriver:
                 hooks=self,
                 backoff=self._backoff,
                 started=announce,
+                max_refusals=self._cfg.max_refusals,
             )
         except asyncio.CancelledError:
             raise
+        except switch.JobRefused as refused:
+            code, why = refused.code.name, refused.detail
+            self._switch_failed(s, f"refused: {why}")
+            self._post(
+                lambda now: self._bind(
+                    self.lock.on_switch_refused(epoch=s.epoch, code=code, detail=why, now=now)
+                )
+            )
+            return
+        except switch.NodeDegraded as degraded:
+            node, cause = degraded.node, degraded.reason
+            self._switch_failed(s, str(degraded))
+            self._degraded[node] = cause
+            reason = (
+                f"group {self.group_id}: node {node} is degraded ({cause}); fix the cause, "
+                f"then clear it: tslice clear-degraded {self.group_id} --node {node}"
+            )
+            log.error("%s", reason, extra={"group_id": self.group_id})
+
+            def degrade(now: float) -> list[Effect]:
+                effects = self._bind(
+                    self.lock.on_switch_failed(epoch=s.epoch, detail=cause, now=now)
+                )
+                return effects + self._bind(self.lock.on_blocked(reason))
+
+            self._post(degrade)
+            return
         except Exception as err:
             if not isinstance(err, switch.GiveUp):
                 log.exception("group %s: switch to %s crashed", self.group_id, s.to_job)
             detail = str(err)
-            self._switch_detail = ""
-            self._metrics.switches.labels(group_id=self.group_id, outcome="abandoned").inc()
-            self._publish(
-                Kind.KIND_SWITCH_FAILED,
-                job_id=s.to_job,
-                from_job=s.from_job or "",
-                grant_epoch=s.epoch,
-                detail=f"abandoned (nobody waits any more): {detail}",
-            )
-            self._views.clear()
-            self._release_events()
+            self._switch_failed(s, f"abandoned (nobody waits any more): {detail}")
             self._post(
                 lambda now: self._bind(
                     self.lock.on_switch_failed(epoch=s.epoch, detail=detail, now=now)
@@ -744,6 +777,41 @@ class GroupDriver:
                 self._release_events,
             ]
         )
+
+    def _switch_failed(self, s: lock.StartSwitch, detail: str) -> None:
+        self._switch_detail = ""
+        self._metrics.switches.labels(group_id=self.group_id, outcome="abandoned").inc()
+        self._publish(
+            Kind.KIND_SWITCH_FAILED,
+            job_id=s.to_job,
+            from_job=s.from_job or "",
+            grant_epoch=s.epoch,
+            detail=detail,
+        )
+        self._views.clear()
+        self._release_events()
+
+    async def clear_degraded(self, node: str = "") -> list[str]:
+        """An operator fixed the cause: the node(s) take switches again."""
+        cleared = sorted(n for n in self._degraded if not node or n == node)
+        for n in cleared:
+            del self._degraded[n]
+        if cleared:
+            log.warning(
+                "group %s: degraded node(s) %s cleared by an operator",
+                self.group_id,
+                ", ".join(cleared),
+                extra={"group_id": self.group_id},
+            )
+        if not self._degraded:
+            done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+            def unblock(now: float) -> list[Effect]:
+                return [*self._bind(self.lock.on_unblocked(now=now)), lambda: _resolve(done, None)]
+
+            self._post(unblock)
+            await done
+        return cleared
 
     # SwitchHooks
     def wants(self, kind: opb.OrchestratorEvent.Kind) -> bool:
@@ -930,6 +998,8 @@ class GroupDriver:
         if self.lock.recovering:
             return "UNKNOWN", "recovering after restart: reading the agents"
         phase = self.lock.phase()
+        if self.lock.blocked:
+            return phase.value, self.lock.blocked
         if phase is lock.Phase.SWITCHING:
             return phase.value, self._switch_detail
         if not self.lock.claimed and self.lock.attached_waiters:

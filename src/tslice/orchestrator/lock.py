@@ -63,17 +63,24 @@ class StartSwitch:
 
 @dataclasses.dataclass(frozen=True)
 class Abort:
-    """Fail the pending Acquires of ``job`` with ``message``."""
+    """Fail the pending Acquires of ``job`` with ``message`` (a gRPC status code name)."""
 
     job: str
     message: str
+    code: str = "ABORTED"
 
 
 @dataclasses.dataclass(frozen=True)
 class NeedClaim:
-    """Ask for the device claim for ``job``, the waiter to promote next."""
+    """Ask for the device claim for ``job``, the waiter to promote next.
+
+    ``others`` are the other waiters, in queue order: one that already holds a group
+    (a nested or multi-group acquire) may be granted past a blocked ``job``, which may
+    wait for what that holder will release (see ``tslice.orchestrator.overlap``).
+    """
 
     job: str
+    others: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -214,12 +221,15 @@ class GroupLock:
         self.detail = ""
         #: The device claim (see overlap): held, and for which job (None: any). A lock
         #: on its own holds it for anybody; a driver starts without it (drop_claim)
-        #: unless it has a holder, and asks for it per job (at most once at a time).
+        #: unless it has a holder, and asks for it per job.
         self._claimed = True
         self._claim_job: str | None = None
-        self._claim_asked: str | None = None
+        #: A waiter the claim was just granted for (possibly past the head of the queue).
+        self._claim_for: str | None = None
         #: Another group waits for the claim: let go at the next release.
         self._contended = False
+        #: Why no switch may start (a degraded node); "" = none.
+        self.blocked = ""
 
     # ---- construction from disk -----------------------------------------------------------
 
@@ -396,6 +406,8 @@ class GroupLock:
             return [
                 Granted(job, self._epoch, restored=False, waited_s=0.0, zero_cost=True, held=True)
             ]
+        if self.blocked:
+            return [Abort(job, self.blocked, code="UNAVAILABLE")]
         entry = self._queue.get(job)
         if entry is not None:
             entry.attached += 1
@@ -530,6 +542,38 @@ class GroupLock:
             self._queue = {s.to_job: entry, **self._queue}
         return self._promote(now)
 
+    def on_switch_refused(self, *, epoch: int, code: str, detail: str, now: float) -> list[Action]:
+        """An agent refused the switch's target for good (its state can never fit):
+        its Acquires fail with ``code`` and the group moves on without it."""
+        s = self._switch
+        if s is None or s.epoch != epoch:
+            return []
+        self._switch = None
+        self._holder = None
+        # The outgoing job may have been moved out on some nodes: re-check at the next switch.
+        self._resident = s.from_job
+        self._verified = False
+        self.detail = f"job {s.to_job} refused: {detail}"
+        actions: list[Action] = []
+        if s.attached > 0 and not s.departed:
+            actions.append(Abort(s.to_job, detail, code=code))
+        return [*actions, *self._promote(now)]
+
+    def on_blocked(self, reason: str) -> list[Action]:
+        """A node is degraded: no switch starts until an operator clears it, and every
+        waiting Acquire fails now with the reason (UNAVAILABLE)."""
+        self.blocked = reason
+        actions: list[Action] = []
+        for job, entry in list(self._queue.items()):
+            if entry.attached > 0:
+                del self._queue[job]
+                actions.append(Abort(job, reason, code="UNAVAILABLE"))
+        return actions
+
+    def on_unblocked(self, *, now: float) -> list[Action]:
+        self.blocked = ""
+        return self._promote(now)
+
     def on_recovered(
         self,
         *,
@@ -606,7 +650,6 @@ class GroupLock:
         """Start without the device claim (a driver whose group may share devices)."""
         self._claimed = False
         self._claim_job = None
-        self._claim_asked = None
         self._contended = False
 
     def keep_claim(self, job: str) -> None:
@@ -618,7 +661,7 @@ class GroupLock:
         """The device claim is this group's for ``job``: promote the head of the queue."""
         self._claimed = True
         self._claim_job = job
-        self._claim_asked = None
+        self._claim_for = job
         return self._promote(now)
 
     def on_claim_waiting(self) -> None:
@@ -642,7 +685,6 @@ class GroupLock:
             return []
         self._claimed = False
         self._contended = False
-        self._claim_asked = None
         # Another group's Grant may make the deferred resident give way: re-check it.
         self._verified = False
         return [ReleaseClaim()]
@@ -669,14 +711,17 @@ class GroupLock:
         if self._recovering or self._holder is not None or self._switch is not None:
             return []
         released = self._let_go()
-        entry = next((e for e in self._queue.values() if e.attached > 0), None)
-        if entry is None:
+        attached = [e for e in self._queue.values() if e.attached > 0]
+        if not attached or self.blocked:
             return released
+        entry = attached[0]
+        chosen, self._claim_for = self._claim_for, None
+        if self._claimed and chosen is not None and chosen != entry.job:
+            entry = next((e for e in attached if e.job == chosen), entry)
         if not (self._claimed and self._claim_job in (None, entry.job)):
-            if self._claim_asked == entry.job:
-                return released
-            self._claim_asked = entry.job
-            return [*released, NeedClaim(entry.job)]
+            # Asked again whenever the waiters change: a nested acquire may pass the head.
+            others = tuple(e.job for e in attached if e.job != entry.job)
+            return [*released, NeedClaim(entry.job, others)]
         del self._queue[entry.job]
         if entry.job == self._resident and self._verified:
             self._grant_to(entry.job, attached=entry.attached, new_epoch=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from tslice.orchestrator import agents, config, events, group, lock, metrics, store
+from tslice.orchestrator import agents, config, events, group, lock, metrics, overlap, store
 
 log = logging.getLogger(__name__)
 
@@ -26,6 +26,8 @@ class GroupManager:
         self._bus = bus
         self._metrics = metrics
         self._groups: dict[str, group.GroupDriver] = {}
+        #: One for all groups: those that share devices take turns through it.
+        self._arbiter = overlap.DeviceArbiter()
 
     @property
     def local(self) -> bool:
@@ -61,6 +63,7 @@ class GroupManager:
             bus=self._bus,
             metrics=self._metrics,
             record=record,
+            arbiter=self._arbiter,
         )
         self._groups[gid] = driver
         driver.start()

@@ -15,7 +15,13 @@ an overlapping group asks for it: then it lets go at once, and its deferred
 resident becomes fair game (the other group's Grant lists it in ``give_way``, and
 the agent snapshots it only if the devices are needed). A group with a holder lets
 go when the holder releases, even if it has waiters of its own: they ask again and
-queue behind, so overlapping groups alternate and none starves.
+queue behind, so overlapping groups alternate. Waiting is FIFO among overlapping
+groups, except that a job which already holds a group (a nested or multi-group
+acquire) goes first: it would otherwise wait behind waiters that wait for what it
+holds. Multi-group acquires in a fixed order cannot deadlock through this module;
+they can through the topology itself when groups overlap in a cycle that the order
+does not follow (g1 and g3 taken in that order, while g3 shares devices with g4 and
+g4 with g5, and g5 with g1): an all-or-nothing multi-group acquire would be the cure.
 
 :class:`DeviceArbiter` is the bookkeeping; it never calls a driver directly but
 through callbacks that post to the driver's inbox, so every state change of a
@@ -26,7 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 
 from tslice.orchestrator import config
 
@@ -63,8 +69,8 @@ class DeviceArbiter:
         self._conflicts: dict[str, set[str]] = {}
         #: Groups holding the claim, with the job they hold it for (None: idle).
         self._claims: dict[str, str | None] = {}
-        #: (group, job) waiting for the claim, in request order.
-        self._waiting: list[tuple[str, str]] = []
+        #: (group, job, the group's other waiters) waiting for the claim, in request order.
+        self._waiting: list[tuple[str, str, tuple[str, ...]]] = []
 
     def join(
         self,
@@ -101,25 +107,34 @@ class DeviceArbiter:
 
     # ---- changes ---------------------------------------------------------------------------
 
-    def request(self, group: str, job: str) -> bool:
-        """May ``group`` grant ``job`` now? If not, ``granted(job)`` is posted later.
+    def request(self, group: str, job: str, others: Sequence[str] = ()) -> str | None:
+        """May ``group`` grant ``job`` now? The job it may grant, else ``None`` and
+        ``granted(job)`` is posted later.
 
-        A group asking anew gives up the claim it holds idle, so that two idle
-        groups asking for each other's claim never wait on each other.
+        ``others`` are the group's other waiters, in queue order: one of them that
+        already holds a group (a nested or multi-group acquire) may be granted past a
+        blocked ``job``, which may well wait for what that holder will release. Asking
+        again keeps the group's place in line. A group asking anew gives up the claim
+        it holds idle, so that two idle groups asking for each other's claim never wait
+        on each other.
         """
         if group in self._claims:
             if not self._blockers(group, job):
                 self._claims[group] = job
-                return True
+                return job
             del self._claims[group]
-        self._waiting = [w for w in self._waiting if w[0] != group]
-        self._waiting.append((group, job))
+        for i, (g, _, _) in enumerate(self._waiting):
+            if g == group:
+                self._waiting[i] = (group, job, tuple(others))
+                break
+        else:
+            self._waiting.append((group, job, tuple(others)))
         self._grant_waiting(asking=group)
         if group in self._claims:
-            return True
+            return self._claims[group]
         for other in self._blockers(group, job):
             self._members[other].contended()
-        return False
+        return None
 
     def seize(self, group: str, job: str) -> None:
         """Take the claim unconditionally (a holder found on disk after a restart)."""
@@ -146,17 +161,37 @@ class DeviceArbiter:
     def _grant_waiting(self, *, asking: str = "") -> None:
         granted: list[tuple[str, str]] = []
         blocked: set[str] = set()
-        for group, job in list(self._waiting):
+        for entry in list(self._waiting):
+            group, job, others = entry
             conflicts = self._conflicts[group]
-            # A job that already holds an overlapping group (a nested acquire) goes
-            # first; anybody else waits behind earlier overlapping waiters (FIFO).
-            nested = any(self._claims.get(c) == job for c in conflicts)
-            if self._blockers(group, job) or (not nested and conflicts & blocked):
+            # FIFO among overlapping waiters: nobody jumps an earlier one it conflicts with,
+            # except a job that already holds a group (a nested or multi-group acquire).
+            free = not self._blockers(group, job) and not (conflicts & blocked)
+            if free or self._nested(group, job):
+                chosen: str | None = job
+            else:
+                chosen = next((o for o in others if self._nested(group, o)), None)
+            if chosen is None:
                 blocked.add(group)
                 continue
-            self._waiting.remove((group, job))
-            self._claims[group] = job
-            granted.append((group, job))
+            self._waiting.remove(entry)
+            self._claims[group] = chosen
+            granted.append((group, chosen))
         for group, job in granted:
             if group != asking:  # the asking group learns it from request()'s answer
                 self._members[group].granted(job)
+        # A new holder that others still wait for lets go at its next release.
+        waiting = {w[0] for w in self._waiting}
+        for group, _ in granted:
+            if self._conflicts[group] & waiting:
+                self._members[group].contended()
+
+    def _nested(self, group: str, job: str) -> bool:
+        """``job`` holds some group's claim and nobody else blocks ``group`` for it.
+
+        A job that holds a group while it waits for another must not wait behind
+        waiters that may themselves wait for what it holds (hold-and-wait plus FIFO
+        would deadlock), so it goes first.
+        """
+        held = any(j == job for j in self._claims.values())
+        return held and not self._blockers(group, job)

@@ -159,7 +159,7 @@ class OrchestratorServicer(opb_grpc.TimeSliceOrchestratorServiceServicer):
         except group.ShuttingDown as err:
             raise Refusal(grpc.StatusCode.UNAVAILABLE, str(err)) from err
         except group.AcquireAborted as err:
-            raise Refusal(grpc.StatusCode.ABORTED, str(err)) from err
+            raise Refusal(grpc.StatusCode[err.code], str(err)) from err
         return opb.AcquireResponse(
             success=True,
             waited_ms=int((time.monotonic() - started) * 1000),
@@ -199,6 +199,21 @@ class OrchestratorServicer(opb_grpc.TimeSliceOrchestratorServiceServicer):
         gid = await _valid(context, _checked_id, "group_id", request.group_id)
         driver = await _valid(context, self._driver, gid)
         return await driver.describe()
+
+    async def ClearDegraded(
+        self, request: opb.ClearDegradedRequest, context: grpc.aio.ServicerContext
+    ) -> opb.ClearDegradedResponse:
+        gid = await _valid(context, _checked_id, "group_id", request.group_id)
+        driver = await _valid(context, self._driver, gid)
+        node = request.node
+        if node and node not in {n.name for n in driver.nodes}:
+            known = ", ".join(n.name for n in driver.nodes)
+            await _abort(
+                context,
+                grpc.StatusCode.NOT_FOUND,
+                f"node {node!r} is not in group {gid!r} (its nodes: {known})",
+            )
+        return opb.ClearDegradedResponse(cleared=await driver.clear_degraded(node))
 
     async def WatchEvents(
         self, request: opb.WatchEventsRequest, context: grpc.aio.ServicerContext

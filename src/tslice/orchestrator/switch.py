@@ -9,9 +9,13 @@ and the incoming job would not fit beside it (``give_way``, see
 (``evict`` the outgoing resident and any other job of the group running there,
 ``give_way`` the deferred residents of overlapping groups, ``restore`` the incoming
 job if it is SAVED, record the grant with its epoch); the agent answers once the
-node is done, or after a wait chunk with the operations in flight, which are then awaited (WaitOperation) before the Grant is
-re-issued (it is idempotent). FAULTED jobs are reset first (the agent refuses to
-move them blindly).
+node is done, or after a wait chunk with the operations in flight, which are then
+awaited (WaitOperation) before the Grant is re-issued (it is idempotent). FAULTED
+jobs are reset first (the agent refuses to move them blindly). A node that keeps
+refusing (it answers with a permanent status such as FAILED_PRECONDITION on a fresh
+view) is retried ``max_refusals`` times and then marked degraded
+(:class:`NodeDegraded`); a refusal that can never change (the incoming job's state
+does not fit the devices at all) ends the switch at once (:class:`JobRefused`).
 
 Agents that lack the one-step Grant get the original sequence:
 
@@ -79,6 +83,38 @@ class GiveUp(Exception):
     """Nobody wants the switch any more and a node keeps failing."""
 
 
+class NodeDegraded(GiveUp):
+    """The node kept refusing the switch (not unreachable: it answered) past the bound."""
+
+    def __init__(self, node: str, reason: str) -> None:
+        super().__init__(f"node {node} degraded: {reason}")
+        self.node = node
+        self.reason = reason
+
+
+class JobRefused(GiveUp):
+    """An agent refused the incoming job for good (e.g. its state can never fit)."""
+
+    def __init__(self, node: str, code: grpc.StatusCode, detail: str) -> None:
+        super().__init__(f"{node}: {detail}")
+        self.code = code
+        self.detail = detail
+
+
+#: Refusals that say the request itself can never be served, whatever is retried.
+_REFUSED_FOR_GOOD = (grpc.StatusCode.RESOURCE_EXHAUSTED,)
+#: Refusals that a retry on a fresh view does not change by itself (counted to the bound);
+#: anything else (UNAVAILABLE, ABORTED, a failed operation) is retried while wanted.
+_PERMANENT = (
+    grpc.StatusCode.FAILED_PRECONDITION,
+    grpc.StatusCode.NOT_FOUND,
+    grpc.StatusCode.INVALID_ARGUMENT,
+    grpc.StatusCode.PERMISSION_DENIED,
+    grpc.StatusCode.OUT_OF_RANGE,
+    grpc.StatusCode.UNIMPLEMENTED,
+)
+
+
 class StepFailed(Exception):
     def __init__(self, operation: str, detail: str) -> None:
         super().__init__(f"{operation}: {detail}")
@@ -137,6 +173,7 @@ class NodeSwitcher:
         views: dict[str, NodeView],
         hooks: SwitchHooks,
         backoff: Backoff,
+        max_refusals: int = 5,
     ) -> None:
         self.node = node
         self.client = client
@@ -144,6 +181,7 @@ class NodeSwitcher:
         self.views = views
         self.hooks = hooks
         self.backoff = backoff
+        self.max_refusals = max_refusals
         self.restored = False
         self._op = "status"
         #: Operations already reported (a re-issued Grant lists them again).
@@ -162,6 +200,7 @@ class NodeSwitcher:
 
     async def _run(self) -> bool:
         attempt = 0
+        refusals = 0
         while True:
             fresh = self.node.name not in self.views
             try:
@@ -170,15 +209,23 @@ class NodeSwitcher:
                 return self.restored
             except agents.AgentUnreachable as err:
                 unreachable, detail = True, str(err)
+                refusals = 0
             except agents.AgentRejected as err:
                 unreachable, detail = False, str(err)
+                if err.code in _REFUSED_FOR_GOOD:
+                    raise JobRefused(self.node.name, err.code, err.reason) from err
                 if not fresh:
                     # Our cached view was stale: re-read Status and retry at once.
                     self.views.pop(self.node.name, None)
                     continue
+                refusals = refusals + 1 if err.code in _PERMANENT else 0
             except (agents.OperationFailed, StepFailed) as err:
                 unreachable, detail = False, str(err)
+                refusals = 0
             self.views.pop(self.node.name, None)
+            if refusals >= self.max_refusals:
+                # It answers, and keeps saying no: retrying forever would wedge the group.
+                raise NodeDegraded(self.node.name, f"{self._op} refused {refusals} times: {detail}")
             if not self.hooks.should_continue():
                 raise GiveUp(f"{self.node.name}: {detail}")
             delay = self.backoff.delay(attempt)
@@ -488,6 +535,7 @@ async def run_switch(
     hooks: SwitchHooks,
     backoff: Backoff,
     started: Callable[[], None] | None = None,
+    max_refusals: int = 5,
 ) -> bool:
     """Converge every node concurrently; return whether any node restored the target.
 
@@ -497,7 +545,13 @@ async def run_switch(
     """
     switchers = [
         NodeSwitcher(
-            node=n, client=pool.get(n.address), plan=plan, views=views, hooks=hooks, backoff=backoff
+            node=n,
+            client=pool.get(n.address),
+            plan=plan,
+            views=views,
+            hooks=hooks,
+            backoff=backoff,
+            max_refusals=max_refusals,
         )
         for n in nodes
     ]
@@ -517,5 +571,10 @@ async def run_switch(
         for r in failures:
             if not isinstance(r, GiveUp):
                 raise r
+        # A refusal for good or a degraded node says more than "gave up".
+        for kind in (JobRefused, NodeDegraded):
+            for r in failures:
+                if isinstance(r, kind):
+                    raise r
         raise GiveUp("; ".join(str(r) for r in failures))
     return any(r is True for r in results)

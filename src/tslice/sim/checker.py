@@ -5,12 +5,15 @@ allocation and release (``tslice.agent.backends.simdevice``, one file per agent)
 the jobs record every acquire window ``[acquired, yielded]`` they saw. The checker proves:
 
 1. ``overlap``: on each node, device and group, no two jobs are ever allocated at once;
-2. ``not_resident``: during every window of job J on group G, J is allocated on every
-   device of every node of G (it was restored *before* acquire returned and snapshotted
-   only *after* the yield);
+2. ``not_resident``: during every window of job J on group G, J's state *for G* is
+   allocated on every device of every node of G (it was restored *before* acquire
+   returned and snapshotted only *after* the yield; residency is per (job, group), so
+   a switch on another group that moved J's state for G shows up here);
 3. ``acquire_not_returned``: every acquire returned;
 4. ``double_holder``: no two jobs' windows on one group overlap (the client-side view
-   of rule 1, with a clearer message).
+   of rule 1, with a clearer message);
+5. ``shared_holders``: no two jobs hold groups that share devices at the same time
+   (``conflicts``: which groups share devices; one job may hold several).
 
 Times in messages are seconds since the earliest timestamp seen, so they line up
 with the timeline.
@@ -28,6 +31,7 @@ OVERLAP = "overlap"
 NOT_RESIDENT = "not_resident"
 ACQUIRE_NOT_RETURNED = "acquire_not_returned"
 DOUBLE_HOLDER = "double_holder"
+SHARED_HOLDERS = "shared_holders"
 
 
 class JournalEvent(Protocol):
@@ -91,13 +95,16 @@ def check(
     journal: Iterable[JournalEvent],
     windows: Iterable[AcquireWindow],
     group_nodes: Mapping[str, Collection[str]] | None = None,
+    conflicts: Mapping[str, Collection[str]] | None = None,
     tolerance_s: float = 0.0,
 ) -> list[Violation]:
     """Every violation found, in time order; an empty list means the run was exclusive.
 
     ``group_nodes`` names the nodes of each group; without it, the nodes that
-    journaled anything for the group are taken. ``tolerance_s`` forgives clock skew
-    between processes (0 on one machine: everyone reads the same clock).
+    journaled anything for the group are taken. ``conflicts`` names, for each group,
+    the groups that share its devices; without it, groups that share a node (a
+    simulated node's jobs occupy all of its devices). ``tolerance_s`` forgives clock
+    skew between processes (0 on one machine: everyone reads the same clock).
     """
     events = sorted(journal, key=lambda e: e.t)
     wins = list(windows)
@@ -148,8 +155,48 @@ def check(
         )
 
     violations.extend(_double_holders(wins, tolerance_s, at))
+    if conflicts is None:
+        conflicts = {
+            g: {o for o, ons in nodes_of.items() if o != g and ons & ns}
+            for g, ns in nodes_of.items()
+        }
+    violations.extend(_shared_holders(wins, conflicts, tolerance_s, at))
     violations.sort(key=lambda v: v.t)
     return violations
+
+
+def _shared_holders(
+    wins: Sequence[AcquireWindow],
+    conflicts: Mapping[str, Collection[str]],
+    tolerance_s: float,
+    at: _Fmt,
+) -> list[Violation]:
+    held = [
+        (w.acquired, w.yielded if w.yielded is not None else math.inf, w.job, w.group)
+        for w in wins
+        if w.acquired is not None
+    ]
+    held.sort()
+    found: list[Violation] = []
+    for i, (start, end, job, group) in enumerate(held):
+        for start2, end2, job2, group2 in held[i + 1 :]:
+            if start2 >= end - tolerance_s:
+                break
+            if job2 == job or group2 not in conflicts.get(group, ()):
+                continue
+            if end2 > start + tolerance_s:
+                found.append(
+                    Violation(
+                        kind=SHARED_HOLDERS,
+                        message=f"job {job2} acquired group {group2} at {at(start2)} while "
+                        f"job {job} held group {group} (until {_end(_Interval(start, end), at)})"
+                        ", and the two groups share devices",
+                        group=group2,
+                        jobs=(job, job2),
+                        t=start2,
+                    )
+                )
+    return found
 
 
 def _replay(

@@ -11,6 +11,28 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class ClearDegradedRequest(_message.Message):
+    __slots__ = ("group_id", "node")
+    GROUP_ID_FIELD_NUMBER: _ClassVar[int]
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    group_id: str
+    node: str
+    def __init__(self, group_id: _Optional[str] = ..., node: _Optional[str] = ...) -> None: ...
+
+class ClearDegradedResponse(_message.Message):
+    __slots__ = ("cleared",)
+    CLEARED_FIELD_NUMBER: _ClassVar[int]
+    cleared: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, cleared: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class DegradedNode(_message.Message):
+    __slots__ = ("node", "reason")
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    node: str
+    reason: str
+    def __init__(self, node: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+
 class SessionRequest(_message.Message):
     __slots__ = ("request_id", "acquire", "release", "cancel")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
@@ -104,7 +126,7 @@ class GetGroupStatusResponse(_message.Message):
     def __init__(self, group: _Optional[_Union[GroupStatus, _Mapping]] = ..., agent_job_states: _Optional[_Iterable[_Union[SnapshotAgentJobState, _Mapping]]] = ...) -> None: ...
 
 class GroupStatus(_message.Message):
-    __slots__ = ("group_id", "group_state", "state_timestamp", "locking_job", "active_job", "waiter_queue_depth", "loaded_job", "waiting_jobs", "nodes", "grant_epoch", "switch_count", "detail")
+    __slots__ = ("group_id", "group_state", "state_timestamp", "locking_job", "active_job", "waiter_queue_depth", "loaded_job", "waiting_jobs", "nodes", "grant_epoch", "switch_count", "detail", "degraded")
     class State(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         STATE_UNSPECIFIED: _ClassVar[GroupStatus.State]
@@ -131,6 +153,7 @@ class GroupStatus(_message.Message):
     GRANT_EPOCH_FIELD_NUMBER: _ClassVar[int]
     SWITCH_COUNT_FIELD_NUMBER: _ClassVar[int]
     DETAIL_FIELD_NUMBER: _ClassVar[int]
+    DEGRADED_FIELD_NUMBER: _ClassVar[int]
     group_id: str
     group_state: GroupStatus.State
     state_timestamp: _timestamp_pb2.Timestamp
@@ -143,7 +166,8 @@ class GroupStatus(_message.Message):
     grant_epoch: int
     switch_count: int
     detail: str
-    def __init__(self, group_id: _Optional[str] = ..., group_state: _Optional[_Union[GroupStatus.State, str]] = ..., state_timestamp: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., locking_job: _Optional[str] = ..., active_job: _Optional[str] = ..., waiter_queue_depth: _Optional[int] = ..., loaded_job: _Optional[str] = ..., waiting_jobs: _Optional[_Iterable[str]] = ..., nodes: _Optional[_Iterable[str]] = ..., grant_epoch: _Optional[int] = ..., switch_count: _Optional[int] = ..., detail: _Optional[str] = ...) -> None: ...
+    degraded: _containers.RepeatedCompositeFieldContainer[DegradedNode]
+    def __init__(self, group_id: _Optional[str] = ..., group_state: _Optional[_Union[GroupStatus.State, str]] = ..., state_timestamp: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., locking_job: _Optional[str] = ..., active_job: _Optional[str] = ..., waiter_queue_depth: _Optional[int] = ..., loaded_job: _Optional[str] = ..., waiting_jobs: _Optional[_Iterable[str]] = ..., nodes: _Optional[_Iterable[str]] = ..., grant_epoch: _Optional[int] = ..., switch_count: _Optional[int] = ..., detail: _Optional[str] = ..., degraded: _Optional[_Iterable[_Union[DegradedNode, _Mapping]]] = ...) -> None: ...
 
 class SnapshotAgentJobState(_message.Message):
     __slots__ = ("agent", "job_state", "job_id")

@@ -70,6 +70,11 @@ class TimeSliceOrchestratorServiceStub:
                 request_serializer=timeslice__orchestrator_dot_v1alpha1_dot_orchestrator__pb2.SessionRequest.SerializeToString,
                 response_deserializer=timeslice__orchestrator_dot_v1alpha1_dot_orchestrator__pb2.SessionResponse.FromString,
                 _registered_method=True)
+        self.ClearDegraded = channel.unary_unary(
+                '/timeslice_orchestrator.v1alpha1.TimeSliceOrchestratorService/ClearDegraded',
+                request_serializer=timeslice__orchestrator_dot_v1alpha1_dot_orchestrator__pb2.ClearDegradedRequest.SerializeToString,
+                response_deserializer=timeslice__orchestrator_dot_v1alpha1_dot_orchestrator__pb2.ClearDegradedResponse.FromString,
+                _registered_method=True)
 
 
 class TimeSliceOrchestratorServiceServicer:
@@ -130,6 +135,14 @@ class TimeSliceOrchestratorServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ClearDegraded(self, request, context):
+        """tslice: an operator clears a degraded node (one that kept refusing a switch)
+        once the cause is fixed; the group's queue moves again.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TimeSliceOrchestratorServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -167,6 +180,11 @@ def add_TimeSliceOrchestratorServiceServicer_to_server(servicer, server):
                     servicer.Session,
                     request_deserializer=timeslice__orchestrator_dot_v1alpha1_dot_orchestrator__pb2.SessionRequest.FromString,
                     response_serializer=timeslice__orchestrator_dot_v1alpha1_dot_orchestrator__pb2.SessionResponse.SerializeToString,
+            ),
+            'ClearDegraded': grpc.unary_unary_rpc_method_handler(
+                    servicer.ClearDegraded,
+                    request_deserializer=timeslice__orchestrator_dot_v1alpha1_dot_orchestrator__pb2.ClearDegradedRequest.FromString,
+                    response_serializer=timeslice__orchestrator_dot_v1alpha1_dot_orchestrator__pb2.ClearDegradedResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -358,6 +376,33 @@ class TimeSliceOrchestratorService:
             '/timeslice_orchestrator.v1alpha1.TimeSliceOrchestratorService/Session',
             timeslice__orchestrator_dot_v1alpha1_dot_orchestrator__pb2.SessionRequest.SerializeToString,
             timeslice__orchestrator_dot_v1alpha1_dot_orchestrator__pb2.SessionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ClearDegraded(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/timeslice_orchestrator.v1alpha1.TimeSliceOrchestratorService/ClearDegraded',
+            timeslice__orchestrator_dot_v1alpha1_dot_orchestrator__pb2.ClearDegradedRequest.SerializeToString,
+            timeslice__orchestrator_dot_v1alpha1_dot_orchestrator__pb2.ClearDegradedResponse.FromString,
             options,
             channel_credentials,
             insecure,

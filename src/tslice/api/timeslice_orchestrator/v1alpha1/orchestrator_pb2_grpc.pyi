@@ -59,6 +59,10 @@ class TimeSliceOrchestratorServiceStub:
     A `cancel` message, or the end of the stream (the client died), cancels
     the pending Acquire: the job leaves the queue at once.
     """
+    ClearDegraded: _grpc.UnaryUnaryMultiCallable[_orchestrator_pb2.ClearDegradedRequest, _orchestrator_pb2.ClearDegradedResponse]
+    """tslice: an operator clears a degraded node (one that kept refusing a switch)
+    once the cause is fixed; the group's queue moves again.
+    """
 
 @_typing.type_check_only
 class TimeSliceOrchestratorServiceAsyncStub(TimeSliceOrchestratorServiceStub):
@@ -85,6 +89,10 @@ class TimeSliceOrchestratorServiceAsyncStub(TimeSliceOrchestratorServiceStub):
     unary calls; requests run concurrently, each reply echoes its request_id.
     A `cancel` message, or the end of the stream (the client died), cancels
     the pending Acquire: the job leaves the queue at once.
+    """
+    ClearDegraded: _aio.UnaryUnaryMultiCallable[_orchestrator_pb2.ClearDegradedRequest, _orchestrator_pb2.ClearDegradedResponse]  # type: ignore[assignment]
+    """tslice: an operator clears a degraded node (one that kept refusing a switch)
+    once the cause is fixed; the group's queue moves again.
     """
 
 class TimeSliceOrchestratorServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -151,6 +159,16 @@ class TimeSliceOrchestratorServiceServicer(metaclass=_abc_1.ABCMeta):
         unary calls; requests run concurrently, each reply echoes its request_id.
         A `cancel` message, or the end of the stream (the client died), cancels
         the pending Acquire: the job leaves the queue at once.
+        """
+
+    @_abc_1.abstractmethod
+    def ClearDegraded(
+        self,
+        request: _orchestrator_pb2.ClearDegradedRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_orchestrator_pb2.ClearDegradedResponse, _abc.Awaitable[_orchestrator_pb2.ClearDegradedResponse]]:
+        """tslice: an operator clears a degraded node (one that kept refusing a switch)
+        once the cause is fixed; the group's queue moves again.
         """
 
 def add_TimeSliceOrchestratorServiceServicer_to_server(servicer: TimeSliceOrchestratorServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
