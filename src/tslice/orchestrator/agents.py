@@ -28,13 +28,13 @@ from tslice.common import multiplex
 
 _R = TypeVar("_R")
 
+# RESOURCE_EXHAUSTED is not here: a tslice agent says so when a job's state can never fit.
 _UNREACHABLE = {
     grpc.StatusCode.UNAVAILABLE,
     grpc.StatusCode.DEADLINE_EXCEEDED,
     grpc.StatusCode.CANCELLED,
     grpc.StatusCode.UNKNOWN,
     grpc.StatusCode.INTERNAL,
-    grpc.StatusCode.RESOURCE_EXHAUSTED,
     grpc.StatusCode.UNIMPLEMENTED,
 }
 
