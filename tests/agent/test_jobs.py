@@ -9,6 +9,7 @@ import pytest
 from tslice.agent import jobs
 from tslice.agent.backends import base
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
+from tslice.common import refusals
 
 S = jobs.State
 NODE = "node-a"
@@ -65,8 +66,8 @@ def grant(current: jobs.Job | None, **kw: object) -> jobs.Start | jobs.Unchanged
     return jobs.plan_grant(current, **args)  # type: ignore[arg-type]
 
 
-def refused(fn: object, *args: object, **kw: object) -> jobs.Refused:
-    with pytest.raises(jobs.Refused) as info:
+def refused(fn: object, *args: object, **kw: object) -> refusals.Refused:
+    with pytest.raises(refusals.Refused) as info:
         fn(*args, **kw)  # type: ignore[operator]
     return info.value
 
@@ -86,14 +87,14 @@ def test_snapshot_of_running_job_starts_a_transition() -> None:
 @pytest.mark.parametrize(
     ("state", "code", "words"),
     [
-        (S.TRANSITIONING, jobs.Code.ABORTED, "already running for job j1"),
-        (S.IDLE, jobs.Code.FAILED_PRECONDITION, "IDLE"),
-        (S.SAVED, jobs.Code.FAILED_PRECONDITION, "restore it"),
-        (S.FAULTED, jobs.Code.FAILED_PRECONDITION, "ResetJob"),
+        (S.TRANSITIONING, refusals.Code.ABORTED, "already running for job j1"),
+        (S.IDLE, refusals.Code.FAILED_PRECONDITION, "IDLE"),
+        (S.SAVED, refusals.Code.FAILED_PRECONDITION, "restore it"),
+        (S.FAULTED, refusals.Code.FAILED_PRECONDITION, "ResetJob"),
     ],
 )
 def test_snapshot_refusals_name_the_state_and_the_fix(
-    state: S, code: jobs.Code, words: str
+    state: S, code: refusals.Code, words: str
 ) -> None:
     err = refused(snapshot, job(state, operation_id="op-0"))
     assert err.code is code
@@ -102,13 +103,13 @@ def test_snapshot_refusals_name_the_state_and_the_fix(
 
 def test_snapshot_of_unknown_job_is_not_found_and_says_how_jobs_become_known() -> None:
     err = refused(snapshot, None)
-    assert err.code is jobs.Code.NOT_FOUND
+    assert err.code is refusals.Code.NOT_FOUND
     assert "job j1 (group g) is not known on node node-a; check the job id" in err.message
     assert "granted" in err.message
     # Naming a backend is not enough: a sim or noop config points at nothing.
     config = pb.BackendConfig(sim=pb.SimBackendConfig(footprint_bytes=123))
     route = jobs.Route(backend="sim", config=config, explicit=True, record=True)
-    assert refused(snapshot, None, route_=route).code is jobs.Code.NOT_FOUND
+    assert refused(snapshot, None, route_=route).code is refusals.Code.NOT_FOUND
 
 
 def test_unknown_job_is_adopted_when_its_backend_holds_it_or_the_request_names_it() -> None:
@@ -119,12 +120,12 @@ def test_unknown_job_is_adopted_when_its_backend_holds_it_or_the_request_names_i
     plan = snapshot(None, route_=route)
     assert plan.job.choice == "cuda"
     assert plan.job.backend_config() == pids
-    assert refused(snapshot, None, recovered=S.IDLE).code is jobs.Code.NOT_FOUND
+    assert refused(snapshot, None, recovered=S.IDLE).code is refusals.Code.NOT_FOUND
 
 
 def test_faulted_job_is_retried_only_when_the_backend_reports_it_running() -> None:
     faulted = job(S.FAULTED, error="boom")
-    assert refused(snapshot, faulted, recovered=S.SAVED).code is jobs.Code.FAILED_PRECONDITION
+    assert refused(snapshot, faulted, recovered=S.SAVED).code is refusals.Code.FAILED_PRECONDITION
     plan = snapshot(faulted, recovered=S.RUNNING)
     assert plan.job.state is S.TRANSITIONING
     assert plan.job.error == ""
@@ -159,13 +160,13 @@ def test_restore_of_running_job_with_missing_tags_goes_to_the_backend() -> None:
 @pytest.mark.parametrize(
     ("current", "code"),
     [
-        (None, jobs.Code.NOT_FOUND),
-        (job(S.IDLE), jobs.Code.FAILED_PRECONDITION),
-        (job(S.TRANSITIONING), jobs.Code.ABORTED),
-        (job(S.FAULTED), jobs.Code.FAILED_PRECONDITION),
+        (None, refusals.Code.NOT_FOUND),
+        (job(S.IDLE), refusals.Code.FAILED_PRECONDITION),
+        (job(S.TRANSITIONING), refusals.Code.ABORTED),
+        (job(S.FAULTED), refusals.Code.FAILED_PRECONDITION),
     ],
 )
-def test_restore_refusals(current: jobs.Job | None, code: jobs.Code) -> None:
+def test_restore_refusals(current: jobs.Job | None, code: refusals.Code) -> None:
     assert refused(restore, current).code is code
 
 
@@ -174,14 +175,14 @@ def test_restore_must_use_the_backend_that_saved_the_job() -> None:
         backend="noop", config=pb.BackendConfig(noop=pb.NoopBackendConfig()), explicit=True
     )
     err = refused(restore, job(S.SAVED), route_=noop)
-    assert err.code is jobs.Code.FAILED_PRECONDITION
+    assert err.code is refusals.Code.FAILED_PRECONDITION
     assert "held by backend sim" in err.message
 
 
 def test_restore_refused_while_another_job_of_the_group_is_resident() -> None:
     other = job(S.RUNNING, job_id="j2")
     err = refused(restore, job(S.SAVED), others=[other])
-    assert err.code is jobs.Code.FAILED_PRECONDITION
+    assert err.code is refusals.Code.FAILED_PRECONDITION
     assert "j2" in err.message
     # Another group does not matter.
     assert isinstance(
@@ -210,12 +211,12 @@ def test_grant_of_running_job_changes_nothing() -> None:
 @pytest.mark.parametrize(
     ("state", "code", "words"),
     [
-        (S.SAVED, jobs.Code.FAILED_PRECONDITION, "restore it first"),
-        (S.TRANSITIONING, jobs.Code.ABORTED, "already running"),
-        (S.FAULTED, jobs.Code.FAILED_PRECONDITION, "ResetJob"),
+        (S.SAVED, refusals.Code.FAILED_PRECONDITION, "restore it first"),
+        (S.TRANSITIONING, refusals.Code.ABORTED, "already running"),
+        (S.FAULTED, refusals.Code.FAILED_PRECONDITION, "ResetJob"),
     ],
 )
-def test_grant_refusals(state: S, code: jobs.Code, words: str) -> None:
+def test_grant_refusals(state: S, code: refusals.Code, words: str) -> None:
     err = refused(grant, job(state))
     assert err.code is code
     assert words in err.message
@@ -224,11 +225,11 @@ def test_grant_refusals(state: S, code: jobs.Code, words: str) -> None:
 def test_grant_with_an_older_epoch_is_stale() -> None:
     last = jobs.GrantMark(group="g", epoch=5, job_id="j0")
     err = refused(grant, None, epoch=4, last=last)
-    assert err.code is jobs.Code.FAILED_PRECONDITION
+    assert err.code is refusals.Code.FAILED_PRECONDITION
     assert "stale" in err.message
     assert "epoch 5" in err.message
     # One epoch names one job; the same grant repeated is fine.
-    assert refused(grant, None, epoch=5, last=last).code is jobs.Code.FAILED_PRECONDITION
+    assert refused(grant, None, epoch=5, last=last).code is refusals.Code.FAILED_PRECONDITION
     assert isinstance(grant(None, epoch=5, last=dataclasses.replace(last, job_id="j1")), jobs.Start)
     # Epoch 0 is unfenced (clients that send none).
     assert isinstance(grant(None, epoch=0, last=last), jobs.Start)
@@ -298,12 +299,12 @@ def test_reset_takes_the_backend_state_else_idle() -> None:
     assert (saved.state, saved.host_bytes, saved.device_bytes, saved.error) == (S.SAVED, 5, 0, "")
     assert jobs.after_reset(faulted, recovered=S.RUNNING).state is S.RUNNING
     assert jobs.after_reset(faulted, recovered=S.TRANSITIONING).state is S.IDLE
-    with pytest.raises(jobs.Refused) as info:
+    with pytest.raises(refusals.Refused) as info:
         jobs.check_reset(job(S.RUNNING), job_id="j1", node=NODE)
-    assert info.value.code is jobs.Code.FAILED_PRECONDITION
-    with pytest.raises(jobs.Refused) as info:
+    assert info.value.code is refusals.Code.FAILED_PRECONDITION
+    with pytest.raises(refusals.Refused) as info:
         jobs.check_reset(None, job_id="j1", node=NODE)
-    assert info.value.code is jobs.Code.NOT_FOUND
+    assert info.value.code is refusals.Code.NOT_FOUND
 
 
 def test_after_restart_faults_unless_the_backend_knows() -> None:
@@ -382,13 +383,13 @@ def test_route_maps_every_arm_and_the_deprecated_enum() -> None:
         pb.BackendConfig(memory_regions=pb.MemoryRegionsBackendConfig()),
     ):
         err = refused(jobs.requested_backend, unsupported)
-        assert err.code is jobs.Code.FAILED_PRECONDITION
+        assert err.code is refusals.Code.FAILED_PRECONDITION
         assert "not supported by this agent" in err.message
 
 
 def test_ensure_enabled_names_the_flag() -> None:
     err = refused(jobs.ensure_enabled, "cuda", enabled=["sim"], node=NODE)
-    assert err.code is jobs.Code.FAILED_PRECONDITION
+    assert err.code is refusals.Code.FAILED_PRECONDITION
     assert "--backend cuda" in err.message
 
 

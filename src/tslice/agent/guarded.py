@@ -8,7 +8,7 @@ calls one directly; it goes through :class:`GuardedBackends`, which owns
   inside it), ``QUERY_TIMEOUT_S`` for the questions asked while a request is planned
   (validate, recover, fits, missing tags);
 - the translation of what a backend raises: a refused or invalid config becomes a
-  :class:`jobs.Refused` with its status code before anything changed; an operation's
+  :class:`refusals.Refused` with its status code before anything changed; an operation's
   failure becomes a :class:`jobs.Outcome` that says whether anything moved;
 - what a question answers when the backend cannot tell (``None``, logged).
 
@@ -26,6 +26,7 @@ from typing import Any, TypeVar
 from tslice.agent import jobs
 from tslice.agent.backends import base
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
+from tslice.common import refusals
 
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")
@@ -106,15 +107,15 @@ class GuardedBackends:
         try:
             await asyncio.wait_for(backend.validate(ctx), timeout=QUERY_TIMEOUT_S)
         except base.NeverFitsError as err:
-            raise jobs.Refused(jobs.Code.RESOURCE_EXHAUSTED, str(err)) from err
+            raise refusals.Refused(refusals.Code.RESOURCE_EXHAUSTED, str(err)) from err
         except base.BackendConfigRefusedError as err:
-            raise jobs.Refused(jobs.Code.FAILED_PRECONDITION, str(err)) from err
+            raise refusals.Refused(refusals.Code.FAILED_PRECONDITION, str(err)) from err
         except base.InvalidBackendConfigError as err:
-            raise jobs.Refused(jobs.Code.INVALID_ARGUMENT, str(err)) from err
+            raise refusals.Refused(refusals.Code.INVALID_ARGUMENT, str(err)) from err
         except Exception as err:
             log.exception("backend %s failed to validate a request", name)
-            raise jobs.Refused(
-                jobs.Code.INTERNAL,
+            raise refusals.Refused(
+                refusals.Code.INTERNAL,
                 f"backend {name} could not check the request for job {ctx.job_id} "
                 f"({type(err).__name__}: {err}); nothing was changed",
             ) from err

@@ -2,7 +2,7 @@
 
 Nothing here awaits, touches a backend, a socket or a file: each ``plan_*`` function
 takes the current records plus the facts the caller gathered (a new operation id, the
-time, what the backend reported) and either raises :class:`Refused` with the status
+time, what the backend reported) and either raises :class:`refusals.Refused` with the status
 code and an actionable message, or returns the records to store. The async runner
 (``tslice.agent.runner``) applies them, so every rule can be tested directly.
 
@@ -25,6 +25,7 @@ from typing import Any
 
 from tslice.agent.backends import base
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
+from tslice.common import refusals
 
 
 class State(enum.Enum):
@@ -46,27 +47,6 @@ class OpStatus(enum.Enum):
     PENDING = "PENDING"
     COMPLETE = "COMPLETE"
     FAILED = "FAILED"
-
-
-class Code(enum.Enum):
-    """gRPC status of a refusal (names match ``grpc.StatusCode``)."""
-
-    INVALID_ARGUMENT = "INVALID_ARGUMENT"
-    NOT_FOUND = "NOT_FOUND"
-    FAILED_PRECONDITION = "FAILED_PRECONDITION"
-    ABORTED = "ABORTED"
-    RESOURCE_EXHAUSTED = "RESOURCE_EXHAUSTED"
-    UNAVAILABLE = "UNAVAILABLE"
-    INTERNAL = "INTERNAL"
-
-
-class Refused(Exception):
-    """The request is rejected and nothing was changed."""
-
-    def __init__(self, code: Code, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
 
 
 _TO_PB: Mapping[State, pb.JobState] = {
@@ -229,8 +209,8 @@ def requested_backend(
     """The backend a request names explicitly, or ``None`` if it leaves the choice to the agent."""
     arm = config.WhichOneof("backend") if config is not None else None
     if arm in _UNSUPPORTED_ARMS:
-        raise Refused(
-            Code.FAILED_PRECONDITION,
+        raise refusals.Refused(
+            refusals.Code.FAILED_PRECONDITION,
             f"backend_config.{arm} is not supported by this agent; use one of "
             f"{', '.join(sorted(BACKEND_BY_ARM))} (or send no backend_config for the node default)",
         )
@@ -278,8 +258,8 @@ def route(
 def ensure_enabled(backend: str, *, enabled: Iterable[str], node: str) -> None:
     names = sorted(enabled)
     if backend not in names:
-        raise Refused(
-            Code.FAILED_PRECONDITION,
+        raise refusals.Refused(
+            refusals.Code.FAILED_PRECONDITION,
             f"backend {backend!r} is not enabled on node {node} (enabled: {', '.join(names)}); "
             f"start the agent with --backend {backend} or list it under `backends:` in its config",
         )
@@ -310,17 +290,17 @@ def _start(
     return Start(job=job, operation=operation)
 
 
-def _aborted(job: Job) -> Refused:
-    return Refused(
-        Code.ABORTED,
+def _aborted(job: Job) -> refusals.Refused:
+    return refusals.Refused(
+        refusals.Code.ABORTED,
         f"operation {job.operation_id} already running for job {job.job_id}; wait for it "
         "(WaitOperation) and retry",
     )
 
 
-def _faulted(job: Job, *, node: str) -> Refused:
-    return Refused(
-        Code.FAILED_PRECONDITION,
+def _faulted(job: Job, *, node: str) -> refusals.Refused:
+    return refusals.Refused(
+        refusals.Code.FAILED_PRECONDITION,
         f"job {job.job_id} is FAULTED on node {node} ({job.error or 'no error recorded'}); "
         "clear it with ResetJob",
     )
@@ -335,8 +315,8 @@ def _check_resident_neighbours(
     resident = (State.RUNNING, State.TRANSITIONING)
     for other in others:
         if other.job_id != job_id and other.group == group and other.state in resident:
-            raise Refused(
-                Code.FAILED_PRECONDITION,
+            raise refusals.Refused(
+                refusals.Code.FAILED_PRECONDITION,
                 f"job {other.job_id} of group {group} is {other.state.value} on node {node}; "
                 f"snapshot it before job {job_id} can be resident (two jobs of a group are "
                 "never resident together)",
@@ -369,10 +349,10 @@ def names_target(config: pb.BackendConfig | None) -> bool:
     return False
 
 
-def unknown_job(job_id: str, group: str, *, node: str) -> Refused:
+def unknown_job(job_id: str, group: str, *, node: str) -> refusals.Refused:
     of_group = f" (group {group})" if group else ""
-    return Refused(
-        Code.NOT_FOUND,
+    return refusals.Refused(
+        refusals.Code.NOT_FOUND,
         f"job {job_id}{of_group} is not known on node {node}; check the job id (and group). "
         "A job becomes known when it is granted, when its workload registers, or when a "
         "request names its processes or endpoints",
@@ -407,14 +387,14 @@ def plan_snapshot(
     if job.state is State.FAULTED and recovered is not State.RUNNING:
         raise _faulted(job, node=node)
     if job.state is State.IDLE:
-        raise Refused(
-            Code.FAILED_PRECONDITION,
+        raise refusals.Refused(
+            refusals.Code.FAILED_PRECONDITION,
             f"job {job_id} is IDLE on node {node}: nothing is resident to snapshot; it becomes "
             "RUNNING when granted",
         )
     if job.state is State.SAVED:
-        raise Refused(
-            Code.FAILED_PRECONDITION,
+        raise refusals.Refused(
+            refusals.Code.FAILED_PRECONDITION,
             f"job {job_id} is already SAVED on node {node} (operation {job.operation_id}); "
             "restore it before snapshotting again",
         )
@@ -457,8 +437,8 @@ def plan_restore(
     if job.state is State.TRANSITIONING:
         raise _aborted(job)
     if route_.explicit and job.backend and route_.backend != job.backend:
-        raise Refused(
-            Code.FAILED_PRECONDITION,
+        raise refusals.Refused(
+            refusals.Code.FAILED_PRECONDITION,
             f"job {job_id} is held by backend {job.backend} on node {node}; restore it with "
             f"that backend (or send no backend_config), not {route_.backend}",
         )
@@ -482,8 +462,8 @@ def plan_restore(
     if job.state is State.FAULTED and recovered is not State.SAVED:
         raise _faulted(job, node=node)
     if job.state is State.IDLE:
-        raise Refused(
-            Code.FAILED_PRECONDITION,
+        raise refusals.Refused(
+            refusals.Code.FAILED_PRECONDITION,
             f"job {job_id} is IDLE on node {node}: nothing was saved to restore; grant it instead",
         )
     resume = State.RUNNING if job.state is State.RUNNING else State.SAVED
@@ -505,14 +485,14 @@ def check_epoch(*, job_id: str, group: str, epoch: int, last: GrantMark | None, 
     if not group or epoch <= 0 or last is None:
         return
     if epoch < last.epoch:
-        raise Refused(
-            Code.FAILED_PRECONDITION,
+        raise refusals.Refused(
+            refusals.Code.FAILED_PRECONDITION,
             f"stale grant: epoch {epoch} of group {group} is older than epoch {last.epoch} "
             f"(job {last.job_id}) already seen on node {node}",
         )
     if epoch == last.epoch and last.job_id != job_id:
-        raise Refused(
-            Code.FAILED_PRECONDITION,
+        raise refusals.Refused(
+            refusals.Code.FAILED_PRECONDITION,
             f"stale grant: epoch {epoch} of group {group} was already used for job "
             f"{last.job_id} on node {node}",
         )
@@ -549,8 +529,8 @@ def plan_grant(
         if job.state is State.TRANSITIONING:
             raise _aborted(job)
         if job.state is State.SAVED:
-            raise Refused(
-                Code.FAILED_PRECONDITION,
+            raise refusals.Refused(
+                refusals.Code.FAILED_PRECONDITION,
                 f"job {job_id} is SAVED on node {node}; restore it first (Restore), then grant",
             )
         if job.state is State.FAULTED:
@@ -611,8 +591,8 @@ def check_reset(job: Job | None, *, job_id: str, node: str, group: str = "") -> 
     if job is None:
         raise unknown_job(job_id, group, node=node)
     if job.state is not State.FAULTED:
-        raise Refused(
-            Code.FAILED_PRECONDITION,
+        raise refusals.Refused(
+            refusals.Code.FAILED_PRECONDITION,
             f"job {job_id} is {job.state.value} on node {node}, not FAULTED; nothing to reset",
         )
     return job

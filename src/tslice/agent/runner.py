@@ -39,7 +39,7 @@ from typing import Any, TypeVar
 from tslice.agent import guarded, jobs, metrics, store
 from tslice.agent.backends import base
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
-from tslice.common import tasks
+from tslice.common import refusals, tasks
 
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")
@@ -190,8 +190,8 @@ class AgentCore:
         found = [k for k in self._jobs if k[0] == job_id]
         if len(found) > 1:
             groups = ", ".join(sorted(k[1] or '""' for k in found))
-            raise jobs.Refused(
-                jobs.Code.FAILED_PRECONDITION,
+            raise refusals.Refused(
+                refusals.Code.FAILED_PRECONDITION,
                 f"job {job_id} has state for groups {groups} on node {self.node}; "
                 "name the group in the request",
             )
@@ -204,8 +204,8 @@ class AgentCore:
         op = self._ops.get(op_id)
         if op is None:
             hours = self.operation_retention_s / 3600
-            raise jobs.Refused(
-                jobs.Code.NOT_FOUND,
+            raise refusals.Refused(
+                refusals.Code.NOT_FOUND,
                 f"operation {op_id} is not known on node {self.node}; finished operations are "
                 f"kept for {hours:g} hours (at most {self.max_operations})",
             )
@@ -287,7 +287,7 @@ class AgentCore:
         stored with that step. Each move is an ordinary operation with its own id.
 
         ``wait_s=None`` is the original Grant: wait for the activation however long it
-        takes and raise :class:`jobs.Refused` if it fails. Otherwise the outcome comes
+        takes and raise :class:`refusals.Refused` if it fails. Otherwise the outcome comes
         back after at most ``wait_s`` with ``granted=False`` and the operations so far
         when the node is not done or an operation FAILED; re-issuing the same Grant
         continues from where the node stands.
@@ -347,8 +347,8 @@ class AgentCore:
             # The mark was stored when the operation bringing the job in started.
             if brought_in and self._granted_here(job_id=job_id, group=group, epoch=epoch):
                 return self._grant_outcome(key, seen, granted=True, restored=restored)
-        raise jobs.Refused(
-            jobs.Code.ABORTED,
+        raise refusals.Refused(
+            refusals.Code.ABORTED,
             f"job states on node {self.node} kept changing during the grant of job {job_id}; "
             "read Status and retry",
         )
@@ -549,8 +549,8 @@ class AgentCore:
             if job.state is jobs.State.TRANSITIONING:
                 running = self._ops.get(job.operation_id)
                 if running is None:
-                    raise jobs.Refused(
-                        jobs.Code.INTERNAL,
+                    raise refusals.Refused(
+                        refusals.Code.INTERNAL,
                         f"job {job_id} is TRANSITIONING on node {self.node} with no known "
                         "operation; restart the agent to settle it",
                     )
@@ -656,18 +656,18 @@ class AgentCore:
             restored=restored,
         )
 
-    def _grant_failure(self, key: jobs.Key, failed: jobs.Operation) -> jobs.Refused:
+    def _grant_failure(self, key: jobs.Key, failed: jobs.Operation) -> refusals.Refused:
         """How the original Grant reports a failed activation (an RPC error)."""
         job_id = key[0]
         job = self._jobs.get(key)
         if job is not None and job.state is jobs.State.FAULTED:
-            return jobs.Refused(
-                jobs.Code.FAILED_PRECONDITION,
+            return refusals.Refused(
+                refusals.Code.FAILED_PRECONDITION,
                 f"grant of job {job_id} on node {self.node} failed: {failed.error}; the job "
                 "is FAULTED, clear it with ResetJob",
             )
-        return jobs.Refused(
-            jobs.Code.UNAVAILABLE,
+        return refusals.Refused(
+            refusals.Code.UNAVAILABLE,
             f"grant of job {job_id} on node {self.node} failed and changed nothing: "
             f"{failed.error}; retry",
         )
@@ -788,8 +788,8 @@ class AgentCore:
                 else:
                     self._grants[group] = old
             log.exception("could not persist agent state")
-            raise jobs.Refused(
-                jobs.Code.UNAVAILABLE,
+            raise refusals.Refused(
+                refusals.Code.UNAVAILABLE,
                 f"node {self.node} cannot persist its state ({type(err).__name__}: {err}); "
                 "nothing was changed, fix the state directory and retry",
             ) from err
@@ -810,7 +810,7 @@ class AgentCore:
                 marks=[mark] if mark else [],
                 previous=previous,
             )
-        except jobs.Refused:
+        except refusals.Refused:
             self._done.pop(plan.operation.op_id, None)
             raise
         task = tasks.spawn(

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
-from typing import Any, NoReturn, TypeVar
+from typing import Any, TypeVar
 
 import grpc
 from grpc_health.v1 import health, health_pb2
@@ -19,7 +19,7 @@ from tslice.agent import channel, jobs, runner
 from tslice.agent.backends import base
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2_grpc as pb_grpc
-from tslice.common import ids, multiplex, tasks
+from tslice.common import ids, multiplex, refusals, tasks
 
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")
@@ -61,22 +61,20 @@ def job_to_pb(job: jobs.Job) -> pb.JobStatus:
     )
 
 
-async def _abort(
-    context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str
-) -> NoReturn:
-    await context.abort(code, message)
-    raise AssertionError("context.abort returned")  # pragma: no cover
-
-
-async def _refuse(context: grpc.aio.ServicerContext, refused: jobs.Refused) -> NoReturn:
-    await _abort(context, grpc.StatusCode[refused.code.value], refused.message)
+def _checked_operation_id(value: str) -> str:
+    if not value:
+        raise refusals.Refused(
+            refusals.Code.INVALID_ARGUMENT,
+            "operation_id is required: pass the id a Snapshot, Restore or Grant reply named",
+        )
+    return value
 
 
 def _checked_id(kind: str, value: str) -> str:
     try:
         return ids.check_id(kind, value)
     except ids.InvalidIdError as err:
-        raise jobs.Refused(jobs.Code.INVALID_ARGUMENT, str(err)) from None
+        raise refusals.Refused(refusals.Code.INVALID_ARGUMENT, str(err)) from None
 
 
 def _checked_group(value: str) -> str:
@@ -89,8 +87,8 @@ def _checked_config(message: Any) -> pb.BackendConfig | None:
         return None
     config: pb.BackendConfig = message.backend_config
     if config.WhichOneof("backend") == "sim" and config.sim.footprint_bytes < 0:
-        raise jobs.Refused(
-            jobs.Code.INVALID_ARGUMENT,
+        raise refusals.Refused(
+            refusals.Code.INVALID_ARGUMENT,
             f"backend_config.sim.footprint_bytes must be >= 0 (got {config.sim.footprint_bytes})",
         )
     return config
@@ -99,8 +97,8 @@ def _checked_config(message: Any) -> pb.BackendConfig | None:
 def _checked_wait(field: str, value: int) -> float:
     """A wait in ms as seconds; negative waits are refused, long ones capped by the core."""
     if value < 0:
-        raise jobs.Refused(
-            jobs.Code.INVALID_ARGUMENT, f"{field} must be >= 0 (got {value}); 0 returns at once"
+        raise refusals.Refused(
+            refusals.Code.INVALID_ARGUMENT, f"{field} must be >= 0 (got {value}); 0 returns at once"
         )
     return value / 1000
 
@@ -109,13 +107,13 @@ async def _valid(context: grpc.aio.ServicerContext, check: Callable[..., _T], *a
     """``check(*args)``, its refusal sent as the RPC's status."""
     try:
         return check(*args)
-    except jobs.Refused as refused:
-        await _refuse(context, refused)
+    except refusals.Refused as refused:
+        await refusals.abort(context, refused)
 
 
-def _status_code(code: jobs.Code) -> int:
-    number: int = grpc.StatusCode[code.value].value[0]
-    return number
+#: What this agent speaks beyond llm-d's protocol, declared in every Status reply: the
+#: orchestrator uses only what is declared (see docs/api.md, AgentFeatures).
+_FEATURES = pb.AgentFeatures(grant_step=True, grant_stream=True)
 
 
 class SnapshotAgentServicer(pb_grpc.SnapshotAgentServiceServicer):
@@ -133,8 +131,8 @@ class SnapshotAgentServicer(pb_grpc.SnapshotAgentServiceServicer):
     async def _run(self, context: grpc.aio.ServicerContext, call: Awaitable[_T]) -> _T:
         try:
             return await call
-        except jobs.Refused as refused:
-            await _refuse(context, refused)
+        except refusals.Refused as refused:
+            await refusals.abort(context, refused)
 
     async def Snapshot(
         self, request: pb.SnapshotRequest, context: grpc.aio.ServicerContext
@@ -177,23 +175,16 @@ class SnapshotAgentServicer(pb_grpc.SnapshotAgentServiceServicer):
     async def GetOperation(
         self, request: pb.GetOperationRequest, context: grpc.aio.ServicerContext
     ) -> pb.GetOperationResponse:
-        if not request.operation_id:
-            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, "operation_id is required")
-        try:
-            op = self._core.get_operation(request.operation_id)
-        except jobs.Refused as refused:
-            await _refuse(context, refused)
+        op_id = await _valid(context, _checked_operation_id, request.operation_id)
+        op = await _valid(context, self._core.get_operation, op_id)
         return operation_to_pb(op, now=self._core.now())
 
     async def WaitOperation(
         self, request: pb.WaitOperationRequest, context: grpc.aio.ServicerContext
     ) -> pb.GetOperationResponse:
-        if not request.operation_id:
-            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, "operation_id is required")
+        op_id = await _valid(context, _checked_operation_id, request.operation_id)
         timeout_s = await _valid(context, _checked_wait, "timeout_ms", request.timeout_ms)
-        op = await self._run(
-            context, self._core.wait_operation(request.operation_id, timeout_s=timeout_s)
-        )
+        op = await self._run(context, self._core.wait_operation(op_id, timeout_s=timeout_s))
         return operation_to_pb(op, now=self._core.now())
 
     async def Status(
@@ -211,6 +202,7 @@ class SnapshotAgentServicer(pb_grpc.SnapshotAgentServiceServicer):
                 for a in accelerators
             ],
             node=self._core.node,
+            features=_FEATURES,
         )
 
     async def Grant(
@@ -236,28 +228,28 @@ class SnapshotAgentServicer(pb_grpc.SnapshotAgentServiceServicer):
     async def _stream_reply(self, request: pb.GrantStreamRequest) -> pb.GrantStreamResponse:
         try:
             grant = await self.grant_reply(request.grant)
-        except jobs.Refused as refused:
+        except refusals.Refused as refused:
             return pb.GrantStreamResponse(
                 request_id=request.request_id,
-                status_code=_status_code(refused.code),
+                status_code=refusals.status_number(refused.code),
                 status_message=refused.message,
             )
         except Exception as err:
             log.exception("grant of job %s crashed", request.grant.job_id)
             return pb.GrantStreamResponse(
                 request_id=request.request_id,
-                status_code=_status_code(jobs.Code.INTERNAL),
+                status_code=refusals.status_number(refusals.Code.INTERNAL),
                 status_message=f"grant crashed on the agent ({type(err).__name__}: {err})",
             )
         return pb.GrantStreamResponse(request_id=request.request_id, grant=grant)
 
     async def grant_reply(self, request: pb.GrantRequest) -> pb.GrantResponse:
-        """Validate and run one Grant (unary or streamed); raises ``jobs.Refused``."""
+        """Validate and run one Grant (unary or streamed); raises ``refusals.Refused``."""
         job_id = _checked_id("job_id", request.job_id)
         group = _checked_group(request.group)
         if request.grant_epoch < 0 or request.footprint_bytes < 0:
-            raise jobs.Refused(
-                jobs.Code.INVALID_ARGUMENT,
+            raise refusals.Refused(
+                refusals.Code.INVALID_ARGUMENT,
                 "grant_epoch and footprint_bytes must be >= 0 "
                 f"(got {request.grant_epoch} and {request.footprint_bytes})",
             )
