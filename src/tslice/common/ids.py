@@ -3,11 +3,6 @@
 from __future__ import annotations
 
 import re
-from typing import NewType
-
-JobId = NewType("JobId", str)
-GroupId = NewType("GroupId", str)
-NodeName = NewType("NodeName", str)
 
 MAX_ID_LENGTH = 253
 # Kubernetes label values, Slurm job names and UUIDs all fit; whitespace, control
@@ -33,15 +28,3 @@ def check_id(kind: str, value: str) -> str:
             "starting with a letter or digit"
         )
     return value
-
-
-def job_id(value: str) -> JobId:
-    return JobId(check_id("job_id", value))
-
-
-def group_id(value: str) -> GroupId:
-    return GroupId(check_id("group_id", value))
-
-
-def node_name(value: str) -> NodeName:
-    return NodeName(check_id("node name", value))
