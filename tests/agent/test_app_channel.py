@@ -291,6 +291,37 @@ async def test_recover_does_not_guess_for_a_legacy_workload(agent: Agent) -> Non
         await client.close()
 
 
+async def test_each_group_of_a_job_reaches_its_own_workload(
+    agent: Agent, register: Register
+) -> None:
+    # One job, a sampler engine and a trainer process on the same node.
+    sampler, trainer = Workload(), Workload()
+    handles = {}
+    for group, workload in (("sampler", sampler), ("trainer", trainer)):
+        handles[group] = register(
+            agent.address,
+            "job-2g",
+            group,
+            on_snapshot=workload.on_snapshot,
+            on_restore=workload.on_restore,
+        )
+        assert await asyncio.to_thread(handles[group].wait_registered, 10), handles[group].error
+    for group in ("sampler", "trainer"):
+        await agent.hub.wait_registered("job-2g", group, timeout=10)
+
+    in_sampler = base.JobContext(job_id="job-2g", group="sampler")
+    in_trainer = base.JobContext(job_id="job-2g", group="trainer")
+    saved = await agent.backend.snapshot(in_sampler, UNSPECIFIED)
+    assert saved.state["residency"] == "none"
+    assert [c[0] for c in sampler.calls] == ["snapshot"] and trainer.calls == []
+    assert await agent.backend.recover(in_sampler) == pb.JOB_STATE_SAVED
+    assert await agent.backend.recover(in_trainer) == pb.JOB_STATE_RUNNING
+    await agent.backend.restore(in_sampler)
+    assert [c[0] for c in sampler.calls] == ["snapshot", "restore"] and trainer.calls == []
+    # Neither registration replaced the other.
+    assert handles["sampler"].error is None and handles["trainer"].error is None
+
+
 def _services(hub: channel.ChannelHub) -> services.NodeServices:
     return services.NodeServices(
         node="node-a",

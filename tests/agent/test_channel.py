@@ -474,6 +474,120 @@ async def test_declared_features_are_known_from_the_registration_on(
     assert events[0].state.keepalive and events[0].state.state_reported
 
 
+# ---- one session per (job, group) -----------------------------------------------------
+
+
+async def test_one_job_registers_one_workload_per_group(
+    hub_server: HubServer, raw: RawWorkload
+) -> None:
+    # A sampler engine and a trainer process of the same job on one node.
+    trainer = RawWorkload(hub_server.address)
+    try:
+        await raw.register("job-a", group="sampler", pid=1)
+        await trainer.register("job-a", group="trainer", pid=2)
+        sampler_state = await hub_server.hub.wait_registered("job-a", "sampler", timeout=5)
+        trainer_state = await hub_server.hub.wait_registered("job-a", "trainer", timeout=5)
+        assert (sampler_state.pid, trainer_state.pid) == (1, 2)
+        assert hub_server.hub.known_sessions() == [("job-a", "sampler"), ("job-a", "trainer")]
+        assert hub_server.hub.known_jobs() == ["job-a"]
+        # Neither registration replaced the other: both streams are still served.
+        await raw.sync()
+        await trainer.sync()
+    finally:
+        await trainer.close()
+
+
+async def test_a_snapshot_for_one_group_reaches_only_that_workload(
+    hub_server: HubServer, raw: RawWorkload
+) -> None:
+    trainer = RawWorkload(hub_server.address)
+    try:
+        await raw.register("job-a", group="sampler")
+        # No keepalive: the trainer's stream carries nothing but commands meant for it.
+        await trainer.register(
+            "job-a", group="trainer", features=pb.WorkloadFeatures(reports_state=True)
+        )
+        await hub_server.hub.wait_registered("job-a", "trainer", timeout=5)
+        trainer_inbox = Inbox(trainer)
+        task = asyncio.create_task(hub_server.hub.snapshot("job-a", "sampler", timeout_s=5))
+        command = await raw.next_command()
+        assert command.WhichOneof("command") == "snapshot"
+        await raw.answer(command, device_bytes=7)
+        outcome = await task
+        assert outcome.device_bytes == 7 and outcome.state.group == "sampler"
+        await trainer_inbox.assert_nothing_arrives(0.3)
+        await trainer_inbox.close()
+        sampler = hub_server.hub.session_state("job-a", "sampler")
+        untouched = hub_server.hub.session_state("job-a", "trainer")
+        assert sampler is not None and sampler.residency == residency.NONE
+        assert untouched is not None and untouched.residency == residency.FULL
+    finally:
+        await trainer.close()
+
+
+async def test_a_registration_replaces_only_the_same_job_and_group(
+    hub_server: HubServer, raw: RawWorkload
+) -> None:
+    trainer = RawWorkload(hub_server.address)
+    newer = RawWorkload(hub_server.address)
+    try:
+        await raw.register("job-a", group="sampler", pid=1)
+        await trainer.register("job-a", group="trainer", pid=2)
+        await newer.register("job-a", group="sampler", pid=3)
+        assert await raw.final_status() == grpc.StatusCode.ABORTED
+        details = await raw.call.details() or ""
+        assert "replaced" in details and "'sampler'" in details
+        await trainer.sync()  # the other group's session lives on
+        state = hub_server.hub.session_state("job-a", "sampler")
+        assert state is not None and state.pid == 3
+        assert hub_server.hub.known_sessions() == [("job-a", "sampler"), ("job-a", "trainer")]
+    finally:
+        await trainer.close()
+        await newer.close()
+
+
+async def test_a_request_without_a_group_is_refused_when_the_job_has_several(
+    hub_server: HubServer, raw: RawWorkload
+) -> None:
+    trainer = RawWorkload(hub_server.address)
+    try:
+        await raw.register("job-a", group="sampler")
+        await trainer.register("job-a", group="trainer")
+        assert hub_server.hub.is_registered("job-a")
+        assert hub_server.hub.session_state("job-a") is None
+        sent = hub_server.hub.commands_sent
+        with pytest.raises(channel.CommandRefusedError, match=r"sampler, trainer.*name the group"):
+            await hub_server.hub.snapshot("job-a", timeout_s=5)
+        assert hub_server.hub.commands_sent == sent
+    finally:
+        await trainer.close()
+
+
+async def test_a_group_without_its_own_session_means_the_jobs_only_one(
+    hub_server: HubServer, raw: RawWorkload
+) -> None:
+    # llm-d's workloads register without a group: that session serves every group's request.
+    await raw.register("job-a", group="", features=None)
+    await hub_server.hub.wait_registered("job-a", timeout=5)
+    assert hub_server.hub.is_registered("job-a", "sampler")
+    task = asyncio.create_task(hub_server.hub.restore("job-a", "sampler", timeout_s=5))
+    command = await raw.next_command()
+    await raw.answer(command)
+    assert (await task).ok
+    assert not hub_server.hub.is_registered("job-b", "sampler")
+
+
+async def test_a_session_of_another_group_does_not_serve_a_group(
+    hub_server: HubServer, raw: RawWorkload
+) -> None:
+    await raw.register("job-a", group="sampler")
+    assert not hub_server.hub.is_registered("job-a", "trainer")
+    with pytest.raises(channel.NoWorkloadError, match="group 'trainer'"):
+        await hub_server.hub.snapshot("job-a", "trainer", timeout_s=5)
+    with pytest.raises(TimeoutError):
+        await hub_server.hub.wait_registered("job-a", "trainer", timeout=0.05)
+
+
 # ---- keepalive ----------------------------------------------------------------------
 
 

@@ -434,6 +434,25 @@ async def test_a_replaced_handle_stops_instead_of_fighting_back(
     assert state.pid == os.getpid()
 
 
+async def test_two_groups_of_one_job_register_side_by_side(
+    tcp_hub: HubServer, register: Register
+) -> None:
+    sampler, trainer = Recorder(), Recorder()
+    handles = [
+        register(
+            tcp_hub.address, "job-2g", group, on_snapshot=r.on_snapshot, on_restore=r.on_restore
+        )
+        for group, r in (("sampler", sampler), ("trainer", trainer))
+    ]
+    for handle in handles:
+        assert await asyncio.to_thread(handle.wait_registered, 10), handle.error
+    await tcp_hub.hub.wait_registered("job-2g", "trainer", timeout=5)
+    assert (await tcp_hub.hub.snapshot("job-2g", "trainer", timeout_s=10)).ok
+    assert sampler.calls == [] and [c[0] for c in trainer.calls] == ["snapshot"]
+    # Neither stopped the other: both are still registered, neither was told it was replaced.
+    assert all(h.registered and h.error is None for h in handles)
+
+
 class _MuteAgent(pb_grpc.SnapshotAgentServiceServicer):
     """Acknowledges a registration, then never says anything again."""
 

@@ -1,4 +1,4 @@
-"""Agent side of the workload channel: one live stream per registered job.
+"""Agent side of the workload channel: one live stream per registered (job, group).
 
 An in-process workload (``tslice.workload.register_workload``) opens the
 ``WorkloadChannel`` bidirectional stream, registers its job, and from then on the
@@ -15,16 +15,25 @@ Interface used by the agent core (keep it stable)::
             yield command
     # backend registry, name "app-channel" (the hub comes with the node's services):
     AppChannelBackend.create_on_node(settings, NodeServices(..., hub=hub, ...))
-    # queries: hub.is_registered(job_id), hub.known_jobs(), hub.session_state(job_id),
-    #          hub.add_listener(callback), await hub.wait_registered(job_id, timeout)
+    # queries, by (job, group) (group "" = the job's only session, see below):
+    #   hub.is_registered(job_id, group), hub.session_state(job_id, group),
+    #   hub.known_sessions(), hub.known_jobs(), hub.add_listener(callback),
+    #   await hub.wait_registered(job_id, group, timeout=...)
 
 Rules (WIRE.md "Workload channel rules", plus the tslice additions):
 
 - The first message must be ``register``; a bad one ends the stream with
   INVALID_ARGUMENT and a message that says what to fix. A second ``register`` on
   the same stream is refused the same way.
-- Re-registering a job replaces its earlier session: the old stream ends with
-  ABORTED ("replaced") and the old session's in-flight commands fail at once.
+- Sessions are keyed by (job, group), as the agent's records are: one job may
+  register one workload per group on a node (a sampler engine and a trainer
+  process). Re-registering the same (job, group) replaces its earlier session: the
+  old stream ends with ABORTED ("replaced") and the old session's in-flight
+  commands fail at once; another group's session of the job is untouched.
+- A lookup names (job, group) with the rule the agent core uses for its records:
+  a group with no session of its own is served by the job's session registered
+  without a group (llm-d's workloads register none), and a request without a group
+  means the job's only session (refused, naming the groups, when it has several).
 - Commands are sent at most once, with a UUID ``command_id`` and ``deadline_ms``;
   the hub fails a command at its deadline. Results are routed by id; a result for
   an id nobody waits for is dropped, except that a *late* success still updates
@@ -69,6 +78,7 @@ from tslice.agent.channel_rules import (
     WorkloadState,
     check_mode,
     check_tags,
+    describe,
     resolve_mode,
 )
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
@@ -89,6 +99,7 @@ __all__ = [
     "WorkloadState",
     "check_mode",
     "check_tags",
+    "describe",
     "resolve_mode",
 ]
 
@@ -120,13 +131,19 @@ class ChannelEvent:
     state: WorkloadState
     #: Why a session closed (empty for registrations).
     reason: str = ""
+    #: The group the session registered for ("" = none named).
+    group: str = ""
 
 
 Listener = Callable[[ChannelEvent], None]
 
 
+#: A session's key: (job_id, group), group "" when the registration named none.
+SessionKey = tuple[str, str]
+
+
 class ChannelHub:
-    """Accepts workload streams and sends them commands (one session per job id)."""
+    """Accepts workload streams and sends them commands (one session per (job, group))."""
 
     def __init__(self, *, ping_interval_s: float = 5.0, missed_pings: int = 3) -> None:
         if ping_interval_s <= 0:
@@ -135,7 +152,7 @@ class ChannelHub:
             raise ValueError("missed_pings must be >= 1")
         self.ping_interval_s = ping_interval_s
         self.missed_pings = missed_pings
-        self._sessions: dict[str, channel_session.Session] = {}
+        self._sessions: dict[SessionKey, channel_session.Session] = {}
         self._listeners: list[Listener] = []
         self._changed: asyncio.Event | None = None
         #: Commands put on any stream since start (pings excluded), for tests and metrics.
@@ -143,50 +160,63 @@ class ChannelHub:
 
     # ---- queries -------------------------------------------------------------------
 
-    def is_registered(self, job_id: str) -> bool:
-        return job_id in self._sessions
+    def is_registered(self, job_id: str, group: str = "") -> bool:
+        """Whether a live session serves (job, group); with no group, any of the job's."""
+        return bool(self._matching(job_id, group))
 
     def known_jobs(self) -> list[str]:
         """Job ids with a live workload session."""
+        return sorted({job_id for job_id, _group in self._sessions})
+
+    def known_sessions(self) -> list[SessionKey]:
+        """(job_id, group) of every live workload session."""
         return sorted(self._sessions)
 
-    def session_state(self, job_id: str) -> WorkloadState | None:
-        """What the live session of ``job_id`` reports, or ``None`` if none is connected."""
-        session = self._sessions.get(job_id)
-        return session.state() if session is not None else None
+    def session_state(self, job_id: str, group: str = "") -> WorkloadState | None:
+        """What the session serving (job, group) reports; ``None`` if none (or no single one)."""
+        found = self._matching(job_id, group)
+        return found[0].state() if len(found) == 1 else None
 
     def add_listener(self, listener: Listener) -> None:
         """Call ``listener(event)`` on every registration and session end (on the loop)."""
         self._listeners.append(listener)
 
-    async def wait_registered(self, job_id: str, timeout: float | None = None) -> WorkloadState:
-        """Wait until ``job_id`` has a live session; raise ``TimeoutError`` after ``timeout`` s."""
-        return await self._wait(lambda: self.session_state(job_id), timeout, f"{job_id} registered")
+    async def wait_registered(
+        self, job_id: str, group: str = "", *, timeout: float | None = None
+    ) -> WorkloadState:
+        """Wait until one live session serves (job, group); ``TimeoutError`` after ``timeout`` s."""
+        return await self._wait(
+            lambda: self.session_state(job_id, group), timeout, f"{_who(job_id, group)} registered"
+        )
 
-    async def wait_unregistered(self, job_id: str, timeout: float | None = None) -> None:
-        """Wait until ``job_id`` has no live session."""
+    async def wait_unregistered(
+        self, job_id: str, group: str = "", *, timeout: float | None = None
+    ) -> None:
+        """Wait until no live session serves (job, group)."""
 
         def gone() -> bool | None:
-            return True if job_id not in self._sessions else None
+            return True if not self._matching(job_id, group) else None
 
-        await self._wait(gone, timeout, f"{job_id} disconnected")
+        await self._wait(gone, timeout, f"{_who(job_id, group)} disconnected")
 
     # ---- commands ------------------------------------------------------------------
 
     async def snapshot(
         self,
         job_id: str,
+        group: str = "",
         *,
         mode: int = pb.SUSPEND_MODE_UNSPECIFIED,
         tags: Iterable[str] = (),
         timeout_s: float,
     ) -> CommandOutcome:
-        """Ask the workload to move its (tagged) state off the device, and wait for the answer.
+        """Ask the workload of (job, group) to move its (tagged) state off the device, and
+        wait for the answer.
 
         Raises NoWorkloadError / CommandRefusedError (nothing sent),
         WorkloadDisconnectedError or CommandTimeoutError (state unknown).
         """
-        session = self._live(job_id)
+        session = self._live(job_id, group)
         wanted = tuple(dict.fromkeys(tags))
         resolved = resolve_mode(session.state(), mode)
         check_mode(session.state(), resolved)
@@ -199,10 +229,10 @@ class ChannelHub:
         )
 
     async def restore(
-        self, job_id: str, *, tags: Iterable[str] = (), timeout_s: float
+        self, job_id: str, group: str = "", *, tags: Iterable[str] = (), timeout_s: float
     ) -> CommandOutcome:
-        """Ask the workload to bring its (tagged) state back, and wait for the answer."""
-        session = self._live(job_id)
+        """Ask the workload of (job, group) to bring its (tagged) state back, and wait."""
+        session = self._live(job_id, group)
         wanted = tuple(dict.fromkeys(tags))
         check_tags(session.state(), wanted, kind="restore")
         command = pb.AgentCommand(restore=pb.RestoreCommand(tags=wanted))
@@ -229,10 +259,9 @@ class ChannelHub:
     ) -> AsyncIterator[pb.AgentCommand]:
         """Serve one ``WorkloadChannel`` call (an async generator of commands)."""
         session = await self._accept(request_iterator, context)
-        reader = tasks.spawn(
-            self._read(session, request_iterator), name=f"channel-read-{session.job_id}"
-        )
-        keeper = tasks.spawn(self._keepalive(session), name=f"channel-keepalive-{session.job_id}")
+        suffix = f"{session.job_id}/{session.group}" if session.group else session.job_id
+        reader = tasks.spawn(self._read(session, request_iterator), name=f"channel-read-{suffix}")
+        keeper = tasks.spawn(self._keepalive(session), name=f"channel-keepalive-{suffix}")
         close: channel_session.Close | None = None
         try:
             while True:
@@ -269,14 +298,14 @@ class ChannelHub:
         if problem:
             await _refuse(context, problem)
         session = channel_session.Session(first.register)
-        previous = self._sessions.get(session.job_id)
+        previous = self._sessions.get(session.key)
         if previous is not None:
             self._end(
                 previous,
                 grpc.StatusCode.ABORTED,
-                f"replaced by a newer registration of job {session.job_id!r}",
+                f"replaced by a newer registration of {session.label}",
             )
-        self._sessions[session.job_id] = session
+        self._sessions[session.key] = session
         log.info(
             "workload registered",
             extra={
@@ -290,7 +319,14 @@ class ChannelHub:
                 "replaced": previous is not None,
             },
         )
-        self._notify(ChannelEvent(kind="registered", job_id=session.job_id, state=session.state()))
+        self._notify(
+            ChannelEvent(
+                kind="registered",
+                job_id=session.job_id,
+                group=session.group,
+                state=session.state(),
+            )
+        )
         return session
 
     async def _read(
@@ -311,7 +347,7 @@ class ChannelHub:
                     self._end(
                         session,
                         grpc.StatusCode.INVALID_ARGUMENT,
-                        f"job {session.job_id!r} is already registered on this stream; "
+                        f"{session.label} is already registered on this stream; "
                         "open a new stream to register again",
                     )
                     return
@@ -340,7 +376,7 @@ class ChannelHub:
                 self._end(
                     session,
                     grpc.StatusCode.UNAVAILABLE,
-                    f"no message from workload {session.job_id!r} for {silent:.1f} s "
+                    f"no message from workload of {session.label} for {silent:.1f} s "
                     f"(keepalive every {self.ping_interval_s:g} s, {self.missed_pings} missed)",
                 )
                 return
@@ -400,7 +436,7 @@ class ChannelHub:
         except asyncio.TimeoutError:
             session.expire(command_id)
             raise CommandTimeoutError(
-                f"workload {session.job_id!r} did not answer {kind} command {command_id} "
+                f"the workload of {session.label} did not answer {kind} command {command_id} "
                 f"within {timeout_s:g} s"
             ) from None
         except asyncio.CancelledError:
@@ -418,30 +454,53 @@ class ChannelHub:
 
     # ---- helpers -------------------------------------------------------------------
 
-    def _live(self, job_id: str) -> channel_session.Session:
-        session = self._sessions.get(job_id)
-        if session is None or session.closed.is_set():
-            raise NoWorkloadError(
-                f"no workload channel registered for job {job_id!r}; the workload must call "
-                "tslice.workload.register_workload(agent, job_id, ...) first"
+    def _matching(self, job_id: str, group: str) -> list[channel_session.Session]:
+        """The sessions (job, group) may mean (the rule of the module docstring): one, none,
+        or, for a request without a group, every session of the job."""
+        if group:
+            session = self._sessions.get((job_id, group)) or self._sessions.get((job_id, ""))
+            return [session] if session is not None else []
+        return [s for (job, _group), s in sorted(self._sessions.items()) if job == job_id]
+
+    def _live(self, job_id: str, group: str) -> channel_session.Session:
+        found = [s for s in self._matching(job_id, group) if not s.closed.is_set()]
+        if len(found) > 1:
+            groups = ", ".join(s.group or '""' for s in found)
+            raise CommandRefusedError(
+                f"job {job_id!r} has workloads registered for groups {groups} on this node; "
+                "name the group"
             )
-        return session
+        if not found:
+            raise NoWorkloadError(
+                f"no workload channel registered for {describe(job_id, group)}; "
+                "the workload must call tslice.workload.register_workload(agent, job_id, group, "
+                "...) first"
+            )
+        return found[0]
 
     def _end(self, session: channel_session.Session, code: grpc.StatusCode, reason: str) -> None:
         if not session.close(code, reason):
             return
-        if self._sessions.get(session.job_id) is session:
-            del self._sessions[session.job_id]
+        if self._sessions.get(session.key) is session:
+            del self._sessions[session.key]
         level = (
             logging.INFO
             if code in (grpc.StatusCode.OK, grpc.StatusCode.ABORTED)
             else logging.WARNING
         )
         log.log(
-            level, "workload session closed", extra={"job_id": session.job_id, "reason": reason}
+            level,
+            "workload session closed",
+            extra={"job_id": session.job_id, "group": session.group, "reason": reason},
         )
         self._notify(
-            ChannelEvent(kind="closed", job_id=session.job_id, state=session.state(), reason=reason)
+            ChannelEvent(
+                kind="closed",
+                job_id=session.job_id,
+                group=session.group,
+                state=session.state(),
+                reason=reason,
+            )
         )
 
     def _notify(self, event: ChannelEvent) -> None:
@@ -473,6 +532,10 @@ class ChannelHub:
                 raise TimeoutError(
                     f"timed out after {timeout:g} s waiting for workload {what}"
                 ) from None
+
+
+def _who(job_id: str, group: str) -> str:
+    return f"{job_id} (group {group})" if group else job_id
 
 
 async def _refuse(context: grpc.aio.ServicerContext, message: str) -> NoReturn:

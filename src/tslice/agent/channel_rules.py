@@ -147,6 +147,11 @@ def registration_problem(register: pb.RegisterWorkload) -> str:
     return ""
 
 
+def describe(job_id: str, group: str) -> str:
+    """How messages name a workload session: its job, and its group when it named one."""
+    return f"job {job_id!r} (group {group!r})" if group else f"job {job_id!r}"
+
+
 def mode_name(mode: int) -> str:
     try:
         return pb.SuspendMode.Name(mode)

@@ -46,6 +46,10 @@ class Session:
         caps = register.capabilities
         self.job_id = register.job_id
         self.group = register.group
+        #: The hub's key: one session per (job, group).
+        self.key = (register.job_id, register.group)
+        #: How messages name the session's job and group.
+        self.label = channel_rules.describe(self.job_id, self.group)
         self.pid = register.pid
         self.supported_modes = tuple(dict.fromkeys(caps.supported_modes))
         self.default_mode = caps.default_mode
@@ -92,7 +96,7 @@ class Session:
     def send(self, command: pb.AgentCommand) -> None:
         if self.closed.is_set():
             raise channel_rules.WorkloadDisconnectedError(
-                f"workload {self.job_id!r} disconnected ({self.close_reason})"
+                f"the workload of {self.label} disconnected ({self.close_reason})"
             )
         self.outbox.put_nowait(command)
 
@@ -129,7 +133,7 @@ class Session:
             if pending.future is not None and not pending.future.done():
                 pending.future.set_exception(
                     channel_rules.WorkloadDisconnectedError(
-                        f"workload {self.job_id!r} disconnected before answering "
+                        f"the workload of {self.label} disconnected before answering "
                         f"{pending.kind} command {command_id} ({reason})"
                     )
                 )

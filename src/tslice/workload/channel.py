@@ -110,6 +110,7 @@ class WorkloadHandle:
     ) -> None:
         self.job_id = job_id
         self.group = group
+        self._label = f"job {job_id!r} (group {group!r})" if group else f"job {job_id!r}"
         self.adapter = adapter
         self.capabilities = capabilities
         self._agent = agent
@@ -275,11 +276,11 @@ class WorkloadHandle:
         if self._stop.is_set():
             return True
         if code == grpc.StatusCode.INVALID_ARGUMENT:
-            self._fail(f"the agent refused the registration of job {self.job_id!r}: {details}")
+            self._fail(f"the agent refused the registration of {self._label}: {details}")
             return True
         if code == grpc.StatusCode.ABORTED and "replaced" in (details or ""):
             self._fail(
-                f"job {self.job_id!r} was registered again (by another process or handle), "
+                f"{self._label} was registered again (by another process or handle), "
                 f"which now owns the channel ({details}); this handle stops"
             )
             return True
@@ -432,7 +433,9 @@ def register_workload(  # noqa: PLR0917 - llm-d's positional signature, kept for
             or a ``grpc.Channel`` (not closed by the handle). ``None`` reads
             ``TSLICE_AGENT_ADDR`` (or llm-d's ``SNAPSHOT_AGENT_ADDR``).
         job_id: the job this workload belongs to (validated like every tslice id).
-        group: the group the job uses on this node (informational for the agent).
+        group: the group whose device state this workload holds on this node. A job may
+            register one workload per group (a sampler engine, a trainer process); the
+            agent keys sessions by (job, group). "" (llm-d's default) = the job's only one.
         workload: what to drive: a ``torch.nn.Module``/optimizer/``(module, optimizer)``,
             a vLLM engine, an SGLang engine, any object with ``snapshot``/``restore``,
             or a :class:`~tslice.workload.adapters.base.WorkloadAdapter`.

@@ -101,7 +101,11 @@ class AppChannelBackend(base.Backend):
             "snapshot",
             tags,
             lambda: self.hub.snapshot(
-                job.job_id, mode=requested_mode, tags=tags, timeout_s=self.command_timeout_s
+                job.job_id,
+                job.group,
+                mode=requested_mode,
+                tags=tags,
+                timeout_s=self.command_timeout_s,
             ),
         )
 
@@ -111,7 +115,9 @@ class AppChannelBackend(base.Backend):
             job,
             "restore",
             tags,
-            lambda: self.hub.restore(job.job_id, tags=tags, timeout_s=self.command_timeout_s),
+            lambda: self.hub.restore(
+                job.job_id, job.group, tags=tags, timeout_s=self.command_timeout_s
+            ),
         )
 
     async def _move(
@@ -123,7 +129,7 @@ class AppChannelBackend(base.Backend):
     ) -> base.OpResult:
         """One command to the job's workload, unless what it reports leaves nothing to do."""
         await self._wait_for_workload(job)
-        known = self.hub.session_state(job.job_id)
+        known = self.hub.session_state(job.job_id, job.group)
         if known is not None and _already(known, tags, off=kind == "snapshot"):
             log.info(
                 "%s skipped: the workload reports it has nothing to move",
@@ -145,7 +151,7 @@ class AppChannelBackend(base.Backend):
         connected there is nothing to check against; the operation itself then waits for
         one (``register_wait_s``).
         """
-        known = self.hub.session_state(job.job_id)
+        known = self.hub.session_state(job.job_id, job.group)
         if known is None:
             return
         mode, tags = _request(job)
@@ -162,7 +168,7 @@ class AppChannelBackend(base.Backend):
         The live workload's report wins; without a connection, the residency recorded
         by the last operation (``JobContext.state``) answers. No I/O.
         """
-        known = self.hub.session_state(job.job_id)
+        known = self.hub.session_state(job.job_id, job.group)
         if known is not None and known.state_reported:
             if known.residency == residency.FULL:
                 return []
@@ -174,10 +180,12 @@ class AppChannelBackend(base.Backend):
 
     async def recover(self, job: base.JobContext) -> pb.JobState | None:
         """RUNNING or SAVED from what the connected workload reports; None if it cannot tell."""
-        known = self.hub.session_state(job.job_id)
+        known = self.hub.session_state(job.job_id, job.group)
         if known is None and self.recover_wait_s > 0:
             try:
-                known = await self.hub.wait_registered(job.job_id, timeout=self.recover_wait_s)
+                known = await self.hub.wait_registered(
+                    job.job_id, job.group, timeout=self.recover_wait_s
+                )
             except TimeoutError:
                 known = None
         if known is None or not known.state_reported:
@@ -188,19 +196,21 @@ class AppChannelBackend(base.Backend):
         return pb.JOB_STATE_RUNNING
 
     async def _wait_for_workload(self, job: base.JobContext) -> None:
-        if self.hub.is_registered(job.job_id):
+        if self.hub.is_registered(job.job_id, job.group):
             return
         if self.register_wait_s > 0:
             try:
-                await self.hub.wait_registered(job.job_id, timeout=self.register_wait_s)
+                await self.hub.wait_registered(job.job_id, job.group, timeout=self.register_wait_s)
                 return
             except TimeoutError:
                 pass
+        group = f"{job.group!r}, " if job.group else ""
         raise WorkloadNotRegisteredError(
-            f"no workload channel registered for job {job.job_id!r} on this node"
+            f"no workload channel registered for {channel.describe(job.job_id, job.group)} "
+            "on this node"
             + (f" (waited {self.register_wait_s:g} s)" if self.register_wait_s > 0 else "")
             + "; the workload must call tslice.workload.register_workload(agent, "
-            f"{job.job_id!r}, ...) before the agent can move its state"
+            f"{job.job_id!r}, {group}...) before the agent can move its state"
         )
 
 
