@@ -364,7 +364,7 @@ class WaitOperationRequest(_message.Message):
     def __init__(self, operation_id: _Optional[str] = ..., timeout_ms: _Optional[int] = ...) -> None: ...
 
 class GrantRequest(_message.Message):
-    __slots__ = ("job_id", "group", "grant_epoch", "footprint_bytes", "backend_config", "evict", "restore", "wait_ms", "give_way")
+    __slots__ = ("job_id", "group", "grant_epoch", "footprint_bytes", "backend_config", "evict", "restore", "wait_ms", "give_way", "devices")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     GROUP_FIELD_NUMBER: _ClassVar[int]
     GRANT_EPOCH_FIELD_NUMBER: _ClassVar[int]
@@ -374,6 +374,7 @@ class GrantRequest(_message.Message):
     RESTORE_FIELD_NUMBER: _ClassVar[int]
     WAIT_MS_FIELD_NUMBER: _ClassVar[int]
     GIVE_WAY_FIELD_NUMBER: _ClassVar[int]
+    DEVICES_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     group: str
     grant_epoch: int
@@ -383,7 +384,8 @@ class GrantRequest(_message.Message):
     restore: bool
     wait_ms: int
     give_way: _containers.RepeatedCompositeFieldContainer[JobRef]
-    def __init__(self, job_id: _Optional[str] = ..., group: _Optional[str] = ..., grant_epoch: _Optional[int] = ..., footprint_bytes: _Optional[int] = ..., backend_config: _Optional[_Union[BackendConfig, _Mapping]] = ..., evict: _Optional[_Iterable[str]] = ..., restore: _Optional[bool] = ..., wait_ms: _Optional[int] = ..., give_way: _Optional[_Iterable[_Union[JobRef, _Mapping]]] = ...) -> None: ...
+    devices: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, job_id: _Optional[str] = ..., group: _Optional[str] = ..., grant_epoch: _Optional[int] = ..., footprint_bytes: _Optional[int] = ..., backend_config: _Optional[_Union[BackendConfig, _Mapping]] = ..., evict: _Optional[_Iterable[str]] = ..., restore: _Optional[bool] = ..., wait_ms: _Optional[int] = ..., give_way: _Optional[_Iterable[_Union[JobRef, _Mapping]]] = ..., devices: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class JobRef(_message.Message):
     __slots__ = ("job_id", "group")
