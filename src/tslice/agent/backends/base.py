@@ -79,6 +79,8 @@ class JobContext:
     footprint_bytes: int = 0
     #: Opaque per-job state this backend asked the agent to persist (see ``OpResult.state``).
     state: dict[str, Any] = dataclasses.field(default_factory=dict)
+    #: Device indices of this node that the group uses (``GrantRequest.devices``); empty = all.
+    devices: tuple[int, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
