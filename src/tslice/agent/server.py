@@ -111,6 +111,11 @@ async def _valid(context: grpc.aio.ServicerContext, check: Callable[..., _T], *a
         await refusals.abort(context, refused)
 
 
+#: What this agent speaks beyond llm-d's protocol, declared in every Status reply: the
+#: orchestrator uses only what is declared (see docs/api.md, AgentFeatures).
+_FEATURES = pb.AgentFeatures(grant_step=True, grant_stream=True)
+
+
 class SnapshotAgentServicer(pb_grpc.SnapshotAgentServiceServicer):
     """The v1alpha1 agent API plus tslice's WaitOperation, Grant and ResetJob."""
 
@@ -197,6 +202,7 @@ class SnapshotAgentServicer(pb_grpc.SnapshotAgentServiceServicer):
                 for a in accelerators
             ],
             node=self._core.node,
+            features=_FEATURES,
         )
 
     async def Grant(

@@ -346,14 +346,24 @@ class AcceleratorStatus(_message.Message):
     def __init__(self, id: _Optional[str] = ..., memory_used_bytes: _Optional[int] = ..., memory_total_bytes: _Optional[int] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("job_statuses", "accelerator_statuses", "node")
+    __slots__ = ("job_statuses", "accelerator_statuses", "node", "features")
     JOB_STATUSES_FIELD_NUMBER: _ClassVar[int]
     ACCELERATOR_STATUSES_FIELD_NUMBER: _ClassVar[int]
     NODE_FIELD_NUMBER: _ClassVar[int]
+    FEATURES_FIELD_NUMBER: _ClassVar[int]
     job_statuses: _containers.RepeatedCompositeFieldContainer[JobStatus]
     accelerator_statuses: _containers.RepeatedCompositeFieldContainer[AcceleratorStatus]
     node: str
-    def __init__(self, job_statuses: _Optional[_Iterable[_Union[JobStatus, _Mapping]]] = ..., accelerator_statuses: _Optional[_Iterable[_Union[AcceleratorStatus, _Mapping]]] = ..., node: _Optional[str] = ...) -> None: ...
+    features: AgentFeatures
+    def __init__(self, job_statuses: _Optional[_Iterable[_Union[JobStatus, _Mapping]]] = ..., accelerator_statuses: _Optional[_Iterable[_Union[AcceleratorStatus, _Mapping]]] = ..., node: _Optional[str] = ..., features: _Optional[_Union[AgentFeatures, _Mapping]] = ...) -> None: ...
+
+class AgentFeatures(_message.Message):
+    __slots__ = ("grant_step", "grant_stream")
+    GRANT_STEP_FIELD_NUMBER: _ClassVar[int]
+    GRANT_STREAM_FIELD_NUMBER: _ClassVar[int]
+    grant_step: bool
+    grant_stream: bool
+    def __init__(self, grant_step: _Optional[bool] = ..., grant_stream: _Optional[bool] = ...) -> None: ...
 
 class WaitOperationRequest(_message.Message):
     __slots__ = ("operation_id", "timeout_ms")
