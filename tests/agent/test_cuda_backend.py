@@ -355,6 +355,97 @@ async def test_recorded_processes_survive_an_agent_restart_for_the_next_snapshot
     assert node.states() == [S.CHECKPOINTED] * 3
 
 
+# --------------------------------------------------------------------------- groups
+
+
+def _in_group(group: str, devices: tuple[int, ...] = (), **state: Any) -> base.JobContext:
+    return base.JobContext(job_id="rl-a", group=group, devices=devices, state=state)
+
+
+def _spread(node: Node) -> None:
+    """pids[0] and pids[2] on GPU 0 (the trainer's), pids[1] on GPU 1 (the sampler's)."""
+    gpu0, gpu1 = node.nvml.gpus
+    gpu1.compute[node.pids[1]] = gpu0.compute.pop(node.pids[1])
+    for pid in node.pids:
+        node.registry.register(job_id="rl-a", pid=pid)
+
+
+def _checkpointed(node: Node) -> list[int]:
+    return [pid for op, pid in node.ops() if op == "checkpoint"]
+
+
+async def test_a_group_drives_only_the_processes_on_its_devices(node: Node) -> None:
+    _spread(node)
+    backend = node.backend()
+    saved = await backend.snapshot(_in_group("sampler", (1,)), OFFLOAD)
+    assert _checkpointed(node) == [node.pids[1]]
+    assert saved.state["pids"] == [node.pids[1]]
+    assert node.states() == [S.RUNNING, S.CHECKPOINTED, S.RUNNING]
+    node.driver.calls.clear()
+    await backend.snapshot(_in_group("trainer", (0,)), OFFLOAD)
+    assert _checkpointed(node) == [node.pids[0], node.pids[2]]
+
+
+async def test_a_process_that_announced_its_group_belongs_to_that_group(node: Node) -> None:
+    _spread(node)
+    # pids[0] holds memory on the trainer's GPU but says it is the sampler's.
+    node.registry.register(job_id="rl-a", pid=node.pids[0], group="sampler")
+    backend = node.backend()
+    await backend.snapshot(_in_group("trainer", (0,)), OFFLOAD)
+    assert _checkpointed(node) == [node.pids[2]]
+    node.driver.calls.clear()
+    await backend.snapshot(_in_group("sampler", (1,)), OFFLOAD)
+    assert _checkpointed(node) == [node.pids[0], node.pids[1]]
+
+
+async def test_a_group_without_devices_named_drives_all_but_other_groups_processes(
+    node: Node,
+) -> None:
+    _spread(node)
+    node.registry.register(job_id="rl-a", pid=node.pids[2], group="sampler")
+    await node.backend().snapshot(_in_group("trainer"), OFFLOAD)
+    assert _checkpointed(node) == [node.pids[0], node.pids[1]]
+
+
+async def test_recover_reads_only_the_group_s_processes(node: Node) -> None:
+    _spread(node)
+    backend = node.backend()
+    saved = await backend.snapshot(_in_group("sampler", (1,)), OFFLOAD)
+    assert await backend.recover(_in_group("sampler", (1,), **saved.state)) == pb.JOB_STATE_SAVED
+    # A record that never completed an operation: the group's processes are asked.
+    assert await backend.recover(_in_group("trainer", (0,))) == pb.JOB_STATE_RUNNING
+    assert node.states() == [S.RUNNING, S.CHECKPOINTED, S.RUNNING]
+
+
+async def test_devices_without_nvml_refuse_processes_that_named_no_group(
+    node: Node, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _spread(node)
+    monkeypatch.setitem(__import__("sys").modules, "pynvml", None)  # no NVML on this node
+    backend = cuda.CudaBackend(
+        settings=cuda_settings.CudaSettings(measure_bytes=False),
+        driver=node.driver,
+        registry=node.registry,
+    )
+    with pytest.raises(base.RefusedBackendError, match=r"tslice\[gpu\].*group="):
+        await backend.snapshot(_in_group("trainer", (0,)), OFFLOAD)
+    assert node.ops() == []
+    assert await backend.recover(_in_group("trainer", (0,))) is None
+    # A process that named its group needs no NVML to be found.
+    node.registry.register(job_id="rl-a", pid=node.pids[0], group="sampler")
+    node.registry.register(job_id="rl-a", pid=node.pids[1], group="sampler")
+    node.registry.register(job_id="rl-a", pid=node.pids[2], group="sampler")
+    await backend.snapshot(_in_group("sampler", (1,)), OFFLOAD)
+    assert node.states() == [S.CHECKPOINTED] * 3
+
+
+async def test_forget_of_one_group_keeps_the_other_group_s_processes(node: Node) -> None:
+    node.registry.register(job_id="rl-a", pid=node.pids[0], group="sampler")
+    node.registry.register(job_id="rl-a", pid=node.pids[1], group="trainer")
+    await node.backend().forget(_in_group("sampler"))
+    assert node.registry.pids("rl-a") == [node.pids[1]]
+
+
 # --------------------------------------------------------------------------- recover
 
 

@@ -45,6 +45,10 @@ def test_gpu_processes_merges_lists_drops_empty_and_unknown_memory() -> None:
         discovery.GpuProcess(16, 1, _gpu(1), 7),
     ]
     assert discovery.device_bytes_by_pid(found) == {10: 4196, 14: 1024, 15: 512, 16: 7}
+    # A process maps to every device it holds memory on (11, 12, 13 hold none).
+    assert discovery.pids_on_devices(found, [1]) == {10, 16}
+    assert discovery.pids_on_devices(found, [0]) == {10, 14, 15}
+    assert discovery.pids_on_devices(found, [2]) == set()
 
 
 def test_gpu_processes_with_no_devices_is_empty() -> None:

@@ -130,6 +130,28 @@ async def test_process_belongs_to_one_job(server: registration.RegistrationServe
     assert await _announce("rl-b", server.path) == os.getpid()
 
 
+async def test_a_process_that_names_another_group_moves_there_in_place(
+    server: registration.RegistrationServer,
+) -> None:
+    other = await asyncio.create_subprocess_exec("sleep", "300")
+    try:
+        server.registry.register(job_id="rl-a", pid=other.pid)
+        await _announce("rl-a", server.path, group="trainer")
+        await _announce("rl-a", server.path, group="sampler")
+        regs = server.registry.registrations()
+        assert [(r.pid, r.group) for r in regs] == [(other.pid, ""), (os.getpid(), "sampler")]
+        server.registry.forget("rl-a", "sampler")
+        assert server.registry.pids("rl-a") == [other.pid]
+    finally:
+        other.kill()
+        await other.wait()
+
+
+def test_a_malformed_group_is_refused_by_the_workload_side(tmp_path: Path) -> None:
+    with pytest.raises(process.RegistrationError, match="group 'bad group' is malformed"):
+        process.announce_process("rl-a", group="bad group", socket_path=tmp_path / "a.sock")
+
+
 @pytest.mark.parametrize(
     ("payload", "error"),
     [

@@ -62,6 +62,12 @@ def device_bytes_by_pid(processes: Iterable[GpuProcess]) -> dict[int, int]:
     return totals
 
 
+def pids_on_devices(processes: Iterable[GpuProcess], devices: Iterable[int]) -> set[int]:
+    """PIDs holding device memory on at least one of ``devices`` (NVML indices)."""
+    wanted = set(devices)
+    return {proc.pid for proc in processes if proc.device in wanted}
+
+
 def pids_for_pod(
     pod_uid: str, candidates: Iterable[int], *, proc_root: str | os.PathLike[str] = "/proc"
 ) -> list[int]:

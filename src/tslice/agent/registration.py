@@ -84,7 +84,8 @@ class ProcessRegistry:
         return reg.start_time is None or now == reg.start_time
 
     def register(self, *, job_id: str, pid: int, group: str = "", uid: int = -1) -> Registration:
-        """Record that ``pid`` belongs to ``job_id``; idempotent for the same job.
+        """Record that ``pid`` belongs to ``job_id`` (and ``group``, "" = not said);
+        idempotent for the same job. The same process naming another group moves there.
 
         Raises RegistrationError if the process is gone or already belongs to
         another live job.
@@ -109,7 +110,9 @@ class ProcessRegistry:
                     "a process belongs to one job"
                 )
             if old is not None and old.job_id == job_id and old.start_time == start:
-                return old
+                if old.group != group:
+                    self._by_pid[pid] = reg  # keeps its place in registration order
+                return self._by_pid[pid]
             self._by_pid.pop(pid, None)
             self._by_pid[pid] = reg
         return reg
@@ -138,11 +141,12 @@ class ProcessRegistry:
         with self._lock:
             return list(self._by_pid.values())
 
-    def forget(self, job_id: str) -> None:
-        """Drop every registration of ``job_id``."""
+    def forget(self, job_id: str, group: str = "") -> None:
+        """Drop the registrations of ``job_id`` that named ``group`` ("" = every one)."""
         with self._lock:
-            for pid in [p for p, r in self._by_pid.items() if r.job_id == job_id]:
-                del self._by_pid[pid]
+            for pid, reg in list(self._by_pid.items()):
+                if reg.job_id == job_id and (not group or reg.group == group):
+                    del self._by_pid[pid]
 
 
 _default = ProcessRegistry()

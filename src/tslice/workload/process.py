@@ -42,6 +42,10 @@ def announce_process(
 ) -> int:
     """Register the calling process with the node agent as part of ``job_id``.
 
+    ``group`` names the group whose device state this process holds (the cuda backend
+    then moves it only in that group's switches); without it, the agent matches the
+    process to a group by the devices it holds memory on, where the topology names them.
+
     ``socket_path`` defaults to ``$TSLICE_AGENT_REGISTER_SOCKET``, then
     ``/run/tslice/register.sock``. Returns the PID the agent recorded (this
     process's, as the kernel reports it to the agent). Idempotent. Raises
@@ -49,6 +53,8 @@ def announce_process(
     """
     try:
         ids.check_id("job_id", job_id)
+        if group:
+            ids.check_id("group", group)
     except ids.InvalidIdError as exc:
         raise RegistrationError(str(exc)) from exc
     path = _resolve(socket_path)

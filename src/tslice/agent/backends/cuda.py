@@ -25,10 +25,15 @@ Failure rules (the agent branches on the exception class):
 
 Which processes: explicit PIDs from the request (checked to exist and not to be
 registered to another job), else the processes that announced themselves for the
-job (:mod:`tslice.agent.registration`) together with the PIDs recorded at the last
-operation that are still the same processes. The list is persisted in
-``OpResult.state`` so restore and ``recover()`` work after an agent restart,
-when no process is visible to NVML any more.
+job's group (:mod:`tslice.agent.registration`) together with the PIDs recorded at
+the last operation of that (job, group) that are still the same processes. Residency
+is per (job, group): a process that named its group belongs to that group; one that
+named none belongs to each group of the job, unless the group names the device
+indices it uses on this node (``JobContext.devices``, from the topology through
+``GrantRequest.devices``), in which case it belongs to the groups whose devices it
+holds memory on, as NVML reports. The list is persisted in ``OpResult.state`` so
+restore and ``recover()`` work after an agent restart, when no process is visible to
+NVML any more.
 
 Bytes are measured with NVML (per-process used memory summed over devices)
 before and after each operation; without NVML they are reported as 0.
@@ -126,19 +131,25 @@ class CudaBackend(base.Backend):
     async def _rollback(self, steps: cuda_steps.ProcessSteps, pids: list[int]) -> tuple[bool, str]:
         return await steps.rollback(pids, budget_s=self.settings.rollback_timeout_s)
 
-    async def _get_nvml(self) -> nvml_mod.Nvml | None:
-        if not self.settings.measure_bytes:
-            return None
+    async def _open_nvml(self) -> nvml_mod.Nvml | None:
+        """NVML, opened on first use; None where it cannot be (why: ``_nvml_problem``)."""
         if self._nvml is None and self._nvml_problem is None:
             try:
                 self._nvml = await asyncio.to_thread(nvml_mod.open_nvml)
             except nvml_mod.NvmlUnavailableError as exc:
                 self._nvml_problem = str(exc)
                 log.warning(
-                    "NVML unavailable: bytes moved by the cuda backend read 0",
+                    "NVML unavailable: bytes moved by the cuda backend read 0, and processes "
+                    "that named no group cannot be matched to a group's devices",
                     extra={"reason": str(exc)},
                 )
         return self._nvml
+
+    async def _get_nvml(self) -> nvml_mod.Nvml | None:
+        """NVML for measuring bytes and listing accelerators (``measure_bytes``)."""
+        if not self.settings.measure_bytes:
+            return None
+        return await self._open_nvml()
 
     async def _measure(self, pids: list[int]) -> dict[int, int]:
         """Device bytes per PID now (empty if NVML is unavailable)."""
@@ -203,7 +214,40 @@ class CudaBackend(base.Backend):
             raise base.BackendConfigRefusedError(foreign)
         return pids
 
-    def _snapshot_targets(self, job: base.JobContext) -> list[_Target]:
+    async def _group_pids(self, job: base.JobContext) -> list[int]:
+        """The processes announced for the job that belong to ``job.group`` here (the rule
+        of the module docstring), in registration order; no group = all of the job's."""
+        announced = [r for r in self.registry.registrations() if r.job_id == job.job_id]
+        if not job.group:
+            return [r.pid for r in announced]
+        unnamed = [r.pid for r in announced if not r.group]
+        if job.devices and unnamed:
+            on_devices = await self._pids_on_devices(job)
+            unnamed = [pid for pid in unnamed if pid in on_devices]
+        return [r.pid for r in announced if r.group == job.group or r.pid in unnamed]
+
+    async def _pids_on_devices(self, job: base.JobContext) -> set[int]:
+        nvml = await self._open_nvml()
+        what = (
+            f"matching the processes of job {job.job_id!r} that named no group to the "
+            f"devices {list(job.devices)} of group {job.group!r}"
+        )
+        if nvml is None:
+            raise base.RefusedBackendError(
+                f"{what} needs NVML, which is unavailable ({self._nvml_problem}): install "
+                "tslice[gpu] on the agent, or announce each process with its group "
+                "(tslice.workload.process.announce_process(job_id, group=...)); nothing "
+                "was changed"
+            )
+        try:
+            procs = await asyncio.to_thread(discovery.gpu_processes, nvml)
+        except Exception as exc:  # an NVML hiccup: nothing was touched, try again
+            raise base.TransientBackendError(
+                f"{what}: the NVML query failed ({exc}); nothing was changed"
+            ) from exc
+        return discovery.pids_on_devices(procs, job.devices)
+
+    async def _snapshot_targets(self, job: base.JobContext) -> list[_Target]:
         if self._explicit(job):
             try:
                 pids = self._explicit_pids(job)
@@ -214,10 +258,11 @@ class CudaBackend(base.Backend):
             return [self._target(pid) for pid in pids]
         targets = [t for t in self._recorded(job) if self._alive(t)]
         known = {t.pid for t in targets}
-        targets += [self._target(pid) for pid in self.registry.pids(job.job_id) if pid not in known]
+        targets += [self._target(pid) for pid in await self._group_pids(job) if pid not in known]
         if not targets:
+            in_group = f" in group {job.group!r}" if job.group else ""
             raise base.FatalBackendError(
-                f"no processes are known for job {job.job_id!r} on this node: pass "
+                f"no processes are known for job {job.job_id!r}{in_group} on this node: pass "
                 "CudaBackendConfig.explicit_target.pids, or call "
                 "tslice.workload.process.announce_process(job_id) in each GPU process of "
                 "the job; nothing was changed"
@@ -284,7 +329,7 @@ class CudaBackend(base.Backend):
         """Checkpoint every process of the job (DISCARD is treated as OFFLOAD: the
         driver always keeps the state in host memory)."""
         steps = await self._steps()
-        targets = self._snapshot_targets(job)
+        targets = await self._snapshot_targets(job)
         pids = [t.pid for t in targets]
         async with self._claim(job.job_id, pids):
             deadline = cuda_steps.Deadline(self.settings.operation_timeout_s)
@@ -386,11 +431,19 @@ class CudaBackend(base.Backend):
 
         Known processes: those recorded by the last successful operation, else (a
         job whose first snapshot failed) the request's explicit PIDs and the
-        processes registered for the job.
+        processes registered for the job's group (None if they cannot be told).
         """
         targets = self._recorded(job)
         if not targets:
-            pids = dict.fromkeys([*self._explicit(job), *self.registry.pids(job.job_id)])
+            try:
+                announced = await self._group_pids(job)
+            except base.BackendError as exc:
+                log.warning(
+                    "cannot recover job: its processes are unknown",
+                    extra={"job_id": job.job_id, "group": job.group, "reason": str(exc)},
+                )
+                return None
+            pids = dict.fromkeys([*self._explicit(job), *announced])
             targets = [self._target(pid) for pid in pids if pid > 0]
         if not targets:
             return None
@@ -466,7 +519,7 @@ class CudaBackend(base.Backend):
         return pb.JOB_STATE_SAVED if to_saved else pb.JOB_STATE_RUNNING
 
     async def forget(self, job: base.JobContext) -> None:
-        self.registry.forget(job.job_id)
+        self.registry.forget(job.job_id, job.group)
 
     async def check_health(self) -> None:
         """Healthy = a checkpoint driver works and at least one GPU is visible."""
