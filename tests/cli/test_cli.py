@@ -10,7 +10,18 @@ import pytest
 
 from tslice.cli import main
 
-COMMANDS = ["version", "up", "list", "status", "acquire", "yield", "demo", "agent", "orchestrator"]
+COMMANDS = [
+    "version",
+    "up",
+    "list",
+    "status",
+    "acquire",
+    "yield",
+    "clear-degraded",
+    "demo",
+    "agent",
+    "orchestrator",
+]
 
 
 def run_cli(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
@@ -57,15 +68,47 @@ def test_version(capsys: pytest.CaptureFixture[str]) -> None:
     assert out.strip() == f"tslice {tslice.__version__}"
 
 
+def unreachable(port: int, within_s: float) -> str:
+    return (
+        f"error: orchestrator at 127.0.0.1:{port} is not reachable within {within_s:g} s "
+        "(is `tslice up` running? --connect-timeout waits longer)"
+    )
+
+
 def test_unreachable_orchestrator_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
     port = closed_port()
-    for args in (["status", "g"], ["list"], ["yield", "g", "job-1"]):
+    for args in (["status", "g"], ["list"], ["yield", "g", "job-1"], ["clear-degraded", "g"]):
         code, out, err = run_cli(capsys, *args, "--addr", f"127.0.0.1:{port}", "--timeout", "5")
         assert code == 1, (args, err)
         assert out == ""
-        assert err.strip().splitlines() == [
-            f"error: orchestrator at 127.0.0.1:{port} is not reachable (is `tslice up` running?)"
-        ]
+        # The CLI's own short bound on the first connection, not the library's 5 s.
+        assert err.strip().splitlines() == [unreachable(port, 1)]
+
+
+def test_the_connect_bound_is_an_option_and_read_from_the_environment(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    port = closed_port()
+    address = f"127.0.0.1:{port}"
+    code, _, err = run_cli(capsys, "status", "g", "--addr", address, "--connect-timeout", "0.3")
+    assert code == 1 and err.strip() == unreachable(port, 0.3)
+    code, _, err = run_cli(capsys, "acquire", "g", "j", "--addr", address, "--timeout", "0.2")
+    assert code == 1 and err.strip() == unreachable(port, 0.2)
+    monkeypatch.setenv("TSLICE_CONNECT_TIMEOUT_S", "0.4")
+    code, _, err = run_cli(capsys, "list", "--addr", address)
+    assert code == 1 and err.strip() == unreachable(port, 0.4)
+
+
+@pytest.mark.parametrize("flag", ["--timeout", "--connect-timeout"])
+def test_a_deadline_of_zero_seconds_is_a_usage_error(
+    capsys: pytest.CaptureFixture[str], flag: str
+) -> None:
+    code, out, err = run_cli(capsys, "status", "g", "--addr", "127.0.0.1:1", flag, "0")
+    assert code == 2 and out == ""
+    assert err.strip() == (
+        f"error: Invalid value for '{flag}': must be more than 0 seconds (got 0) "
+        "(see `tslice status --help`)"
+    )
 
 
 def test_address_comes_from_the_environment(
@@ -117,9 +160,7 @@ def test_python_dash_m_runs_the_cli_without_traceback() -> None:
     assert proc.returncode == 1
     assert proc.stdout == ""
     assert "Traceback" not in proc.stderr
-    assert proc.stderr.strip().splitlines() == [
-        f"error: orchestrator at 127.0.0.1:{port} is not reachable (is `tslice up` running?)"
-    ]
+    assert proc.stderr.strip().splitlines() == [unreachable(port, 1)]
 
 
 def test_demo_command_defaults_match_the_library() -> None:

@@ -32,9 +32,20 @@ def cli(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
 
 
 @pytest.fixture(scope="module")
-def address() -> Iterator[str]:
-    with cluster.LocalCluster(agents=[cluster.SimAgent(name="node-1", backend="noop")]) as local:
-        yield local.orchestrator_address
+def local(tmp_path_factory: pytest.TempPathFactory) -> Iterator[cluster.LocalCluster]:
+    config = tmp_path_factory.mktemp("orchestrator") / "orchestrator.yaml"
+    # One refusal makes a node degraded: the degraded-node test needs no retries.
+    config.write_text("max_refusals: 1\n")
+    with cluster.LocalCluster(
+        agents=[cluster.SimAgent(name="node-1", backend="noop")],
+        orchestrator_args=["--config", str(config)],
+    ) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def address(local: cluster.LocalCluster) -> str:
+    return local.orchestrator_address
 
 
 def test_version_flag(capsys: pytest.CaptureFixture[str]) -> None:
@@ -141,3 +152,44 @@ def test_a_waiting_acquire_shows_its_queue_position_on_a_terminal(address: str) 
             os.close(controller)
     with tsclient.Client(address, job_id="job-b", lease_s=None) as client:
         client.yield_("tty-g")
+
+
+def test_status_shows_degraded_nodes_and_clear_degraded_clears_them(
+    local: cluster.LocalCluster, address: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Something wedged node-1 for this group: a grant mark far ahead of the orchestrator's,
+    # so that the agent refuses every grant of the orchestrator as stale.
+    with tsclient.SnapshotAgentClient(local.agent_addresses["node-1"]) as agent:
+        agent.grant("stray", "wedged-g", grant_epoch=10**9)
+    code, _, err = cli(capsys, "acquire", "wedged-g", "job-1", "--addr", address, "--timeout", "30")
+    assert code == 1
+    assert "node node-1 is degraded" in err and "clear-degraded wedged-g --node node-1" in err
+
+    code, out, _ = cli(capsys, "status", "wedged-g", "--addr", address, "--json")
+    assert code == 0
+    degraded = json.loads(out)["degraded"]
+    assert [d["node"] for d in degraded] == ["node-1"] and "stale grant" in degraded[0]["reason"]
+    code, out, _ = cli(capsys, "status", "wedged-g", "--addr", address)
+    assert code == 0 and "degraded" in out and "node-1: " in out and "stale grant" in out
+    code, out, _ = cli(capsys, "list", "--addr", address)
+    header, row = [
+        line.split() for line in out.splitlines() if "degraded" in line or "wedged-g" in line
+    ]
+    assert code == 0 and header[-1] == "degraded" and row[0] == "wedged-g" and row[-1] == "node-1"
+
+    code, _, err = cli(capsys, "clear-degraded", "wedged-g", "--node", "nope", "--addr", address)
+    assert code == 1
+    assert err.strip().startswith("error: node 'nope' is not in group 'wedged-g'"), err
+    code, _, err = cli(capsys, "clear-degraded", "no-such-g", "--addr", address)
+    assert code == 1 and "no-such-g" in err and "tslice list" in err
+
+    code, out, _ = cli(capsys, "clear-degraded", "wedged-g", "--node", "node-1", "--addr", address)
+    assert code == 0, out
+    assert out.strip() == "group wedged-g: cleared degraded node(s) node-1; its switches run again"
+    code, out, _ = cli(capsys, "status", "wedged-g", "--addr", address, "--json")
+    assert json.loads(out)["degraded"] == []
+    code, out, _ = cli(capsys, "clear-degraded", "wedged-g", "--addr", address, "--json")
+    assert code == 0
+    assert json.loads(out) == {"group_id": "wedged-g", "node": "", "cleared": []}
+    code, out, _ = cli(capsys, "clear-degraded", "wedged-g", "--addr", address)
+    assert out.strip() == "group wedged-g has no degraded node; nothing to clear"

@@ -76,7 +76,7 @@ class Servers:
         self._running.append((stop, task))
         return address
 
-    def start_orchestrator(self, *, port: int = 0) -> str:
+    def start_orchestrator(self, *, port: int = 0, **settings: Any) -> str:
         cfg = orch_config.build(
             overrides={
                 "host": "127.0.0.1",
@@ -85,6 +85,7 @@ class Servers:
                 "metrics_port": 0,
                 "shutdown_grace_s": 1.0,
                 "local_agents": [f"{name}={address}" for name, address in self.agents.items()],
+                **settings,
             }
         )
         address, stop, task = self._serve(
@@ -264,6 +265,49 @@ async def test_async_client_slices_two_groups_on_real_servers(servers: Servers) 
             assert (await client.status("trainer")).locking_job == "job-a"
         assert (await client.status("trainer")).locking_job == ""
         assert sorted(await client.list_groups()) == ["sampler", "trainer"]
+
+
+@pytest.fixture
+def wedged(tmp_path: pathlib.Path) -> Iterator[Servers]:
+    """One agent that refuses every grant of group "g" as stale (a grant mark far ahead
+    of the orchestrator's), and an orchestrator that marks it degraded at once."""
+    cluster = Servers(tmp_path)
+    try:
+        cluster.start_agent("node-a")
+        cluster.start_orchestrator(max_refusals=1)
+        with compat.SnapshotAgentClient(cluster.agents["node-a"]) as agent:
+            agent.grant("stray", "g", grant_epoch=10**9)
+        yield cluster
+    finally:
+        cluster.close()
+
+
+def test_degraded_nodes_are_shown_and_cleared_by_the_client(wedged: Servers) -> None:
+    with tslice.Client(wedged.orchestrator, job_id="job-a", retry=tslice.client.NO_RETRY) as client:
+        with pytest.raises(tslice.Unavailable, match="node node-a is degraded"):
+            client.acquire("g", timeout=30)
+        status = client.status("g")
+        assert [d.node for d in status.degraded] == ["node-a"]
+        assert "stale grant" in status.degraded[0].reason
+        assert isinstance(status.degraded[0], tslice.client.DegradedNode)
+        with pytest.raises(tslice.NotFound, match="node 'nope' is not in group 'g'"):
+            client.clear_degraded("g", node="nope")
+        with pytest.raises(tslice.UnknownGroup):
+            client.clear_degraded("never-used")
+        assert client.clear_degraded("g", node="node-a") == ("node-a",)
+        assert client.status("g").degraded == ()
+        assert client.clear_degraded("g") == ()
+
+
+async def test_the_async_client_clears_degraded_nodes(wedged: Servers) -> None:
+    async with tslice.AsyncClient(
+        wedged.orchestrator, job_id="job-a", retry=tslice.client.NO_RETRY
+    ) as client:
+        with pytest.raises(tslice.Unavailable, match="node node-a is degraded"):
+            await client.acquire("g", timeout=30)
+        assert [d.node for d in (await client.status("g")).degraded] == ["node-a"]
+        assert await client.clear_degraded("g") == ("node-a",)
+        assert (await client.status("g")).degraded == ()
 
 
 QUEUED = opb.OrchestratorEvent.KIND_QUEUED

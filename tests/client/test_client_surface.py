@@ -60,6 +60,7 @@ def test_client_package_exports_are_pinned() -> None:
         "AsyncSliceContext",
         "Client",
         "ClientConfig",
+        "DegradedNode",
         "EventKind",
         "GroupState",
         "GroupStatus",

@@ -1,4 +1,4 @@
-"""Client commands: ``tslice list``, ``status``, ``acquire``, ``yield``.
+"""Client commands: ``tslice list``, ``status``, ``acquire``, ``yield``, ``clear-degraded``.
 
 Each parses its options, calls :class:`tslice.client.Client` and hands the result to
 :mod:`tslice.cli.render`. Errors become one line and exit code 1 (2 for bad input).
@@ -8,6 +8,7 @@ The CLI never retries: a command answers now or says why it cannot.
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 import time
 from collections.abc import Iterator
@@ -30,14 +31,38 @@ Address = Annotated[
         show_envvar=True,
     ),
 ]
+
+
+def _seconds(value: float | None) -> float | None:
+    """Seconds > 0: 0 would be a deadline already passed."""
+    if value is not None and value <= 0:
+        raise typer.BadParameter(f"must be more than 0 seconds (got {value:g})")
+    return value
+
+
 Timeout = Annotated[
     float,
-    typer.Option("--timeout", min=0.0, help="Give up after this many seconds."),
+    typer.Option("--timeout", callback=_seconds, help="Give up after this many seconds."),
+]
+ConnectTimeout = Annotated[
+    float | None,
+    typer.Option(
+        "--connect-timeout",
+        callback=_seconds,
+        help="How long to wait for the orchestrator to answer at all, s "
+        "(default: $TSLICE_CONNECT_TIMEOUT_S if set, else 1).",
+    ),
 ]
 AsJson = Annotated[
     bool,
     typer.Option("--json", help="Print one JSON document on stdout (for scripts)."),
 ]
+
+#: The CLI's bound on reaching the orchestrator: a command answers now or says why, and
+#: nobody typing a command waits for an orchestrator that is only starting up. Longer
+#: with --connect-timeout or $TSLICE_CONNECT_TIMEOUT_S (which the client reads itself).
+CONNECT_TIMEOUT_S = 1.0
+_CONNECT_TIMEOUT_ENV = "TSLICE_CONNECT_TIMEOUT_S"
 
 #: How often a waiting `tslice acquire` on a terminal reads its queue position.
 _POSITION_POLL_S = 0.5
@@ -50,24 +75,49 @@ def register(app: typer.Typer) -> None:
     app.command("status")(status)
     app.command("acquire")(acquire)
     app.command("yield")(yield_)
+    app.command("clear-degraded")(clear_degraded)
+
+
+def _within(*bounds: float | None) -> str:
+    """ " within N s" for the shortest of the bounds that apply, "" when none does."""
+    given = [b for b in bounds if b is not None]
+    return f" within {min(given):g} s" if given else ""
 
 
 @contextlib.contextmanager
-def _client(address: str, *, job_id: str | None = None) -> Iterator[tsclient.Client]:
+def _client(
+    address: str,
+    *,
+    connect_timeout: float | None,
+    timeout: float | None,
+    job_id: str | None = None,
+) -> Iterator[tsclient.Client]:
+    bound = (
+        connect_timeout
+        if connect_timeout is not None
+        else tsclient.USE_CLIENT_DEFAULT
+        if os.environ.get(_CONNECT_TIMEOUT_ENV)
+        else CONNECT_TIMEOUT_S
+    )
     # No lease: `tslice acquire` exits while the job keeps the group until `tslice yield`.
-    client = tsclient.Client(address, job_id=job_id, retry=tsclient.NO_RETRY, lease_s=None)
+    client = tsclient.Client(
+        address, job_id=job_id, retry=tsclient.NO_RETRY, lease_s=None, connect_timeout=bound
+    )
     try:
         yield client
     except errors.Unavailable as err:
         text = err.message.lower()
         if any(hint in text for hint in _UNREACHABLE_HINTS):
+            waited = _within(client.config.connect_timeout, timeout)
             raise errors.TsliceError(
-                f"orchestrator at {address} is not reachable (is `tslice up` running?)"
+                f"orchestrator at {address} is not reachable{waited} (is `tslice up` "
+                "running? --connect-timeout waits longer)"
             ) from err
         raise errors.TsliceError(
             f"orchestrator at {address} is unavailable: {err.message}"
         ) from err
-    except errors.UnknownGroup as err:
+    except errors.NotFound as err:
+        # An unknown group, or a node not in the group: `tslice list` shows both.
         raise errors.TsliceError(f"{err.message} (see `tslice list`)") from err
     except errors.NotHolder as err:
         raise errors.TsliceError(err.message) from err
@@ -81,10 +131,14 @@ def _client(address: str, *, job_id: str | None = None) -> Iterator[tsclient.Cli
 
 
 def list_groups(
-    *, addr: Address = DEFAULT_ADDRESS, timeout: Timeout = 10.0, as_json: AsJson = False
+    *,
+    addr: Address = DEFAULT_ADDRESS,
+    timeout: Timeout = 10.0,
+    connect_timeout: ConnectTimeout = None,
+    as_json: AsJson = False,
 ) -> None:
     """List the groups the orchestrator knows, with their state."""
-    with _client(addr) as client:
+    with _client(addr, connect_timeout=connect_timeout, timeout=timeout) as client:
         statuses = [client.status(g, timeout=timeout) for g in client.list_groups(timeout=timeout)]
     if as_json:
         render.print_json({"groups": [render.jsonable(s) for s in statuses]})
@@ -97,10 +151,12 @@ def status(
     *,
     addr: Address = DEFAULT_ADDRESS,
     timeout: Timeout = 10.0,
+    connect_timeout: ConnectTimeout = None,
     as_json: AsJson = False,
 ) -> None:
-    """Show a group: state, holder, active/loaded job, queue, and each node's job states."""
-    with _client(addr) as client:
+    """Show a group: state, holder, active/loaded job, queue, degraded nodes, and each
+    node's job states."""
+    with _client(addr, connect_timeout=connect_timeout, timeout=timeout) as client:
         result = client.status(group, timeout=timeout)
     if as_json:
         render.print_json(render.jsonable(result))
@@ -115,8 +171,11 @@ def acquire(
     addr: Address = DEFAULT_ADDRESS,
     timeout: Annotated[
         float | None,
-        typer.Option("--timeout", min=0.0, help="Give up waiting after this many seconds."),
+        typer.Option(
+            "--timeout", callback=_seconds, help="Give up waiting after this many seconds."
+        ),
     ] = None,
+    connect_timeout: ConnectTimeout = None,
     footprint: Annotated[
         int | None,
         typer.Option("--footprint", min=0, help="Device bytes per node (simulated devices)."),
@@ -127,7 +186,10 @@ def acquire(
 
     While it waits on a terminal, a status line shows its place in the queue.
     """
-    with _client(addr, job_id=job) as client, _waiting_line(addr, group=group, job=job):
+    with (
+        _client(addr, connect_timeout=connect_timeout, timeout=timeout, job_id=job) as client,
+        _waiting_line(client, group=group, job=job),
+    ):
         result = client.acquire(group, timeout=timeout, footprint_bytes=footprint)
     if as_json:
         render.print_json({"group_id": group, "job_id": job, **render.jsonable(result)})
@@ -141,6 +203,7 @@ def yield_(
     *,
     addr: Address = DEFAULT_ADDRESS,
     timeout: Timeout = 10.0,
+    connect_timeout: ConnectTimeout = None,
     as_json: AsJson = False,
 ) -> None:
     """Release GROUP held by JOB; returns at once (the switch happens in the background).
@@ -148,7 +211,7 @@ def yield_(
     A job that did not hold GROUP is told so (the orchestrator answers such a yield with
     success when nobody holds the group, as llm-d's does).
     """
-    with _client(addr, job_id=job) as client:
+    with _client(addr, connect_timeout=connect_timeout, timeout=timeout, job_id=job) as client:
         # Read first: the Yield reply alone does not tell whether JOB held the group.
         held = client.status(group, timeout=timeout).locking_job == job
         result = client.yield_(group, timeout=timeout)
@@ -160,8 +223,33 @@ def yield_(
     render.stdout().print(render.yield_result(group=group, job=job, result=result, held=held))
 
 
+def clear_degraded(
+    group: Annotated[str, typer.Argument(help="Group id.")],
+    *,
+    node: Annotated[
+        str | None,
+        typer.Option("--node", help="The node to clear (default: every degraded node of GROUP)."),
+    ] = None,
+    addr: Address = DEFAULT_ADDRESS,
+    timeout: Timeout = 10.0,
+    connect_timeout: ConnectTimeout = None,
+    as_json: AsJson = False,
+) -> None:
+    """Let GROUP switch on its degraded nodes again, once their cause is fixed.
+
+    A node that kept refusing the group's switch is degraded: the group starts no switch
+    and its Acquires fail with the reason (`tslice status GROUP` shows it) until cleared.
+    """
+    with _client(addr, connect_timeout=connect_timeout, timeout=timeout) as client:
+        cleared = client.clear_degraded(group, node=node, timeout=timeout)
+    if as_json:
+        render.print_json({"group_id": group, "node": node or "", "cleared": list(cleared)})
+        return
+    render.stdout().print(render.cleared_degraded(group=group, node=node, cleared=cleared))
+
+
 @contextlib.contextmanager
-def _waiting_line(address: str, *, group: str, job: str) -> Iterator[None]:
+def _waiting_line(client: tsclient.Client, *, group: str, job: str) -> Iterator[None]:
     """On a terminal, a live line on stderr with the queue position and the time waited."""
     console = render.stderr()
     if not console.is_terminal:
@@ -178,7 +266,11 @@ def _waiting_line(address: str, *, group: str, job: str) -> Iterator[None]:
         # a failure here must never disturb the acquire, so it just ends the updates.
         try:
             with tsclient.Client(
-                address, job_id=None, retry=tsclient.NO_RETRY, lease_s=None
+                client.address,
+                job_id=None,
+                retry=tsclient.NO_RETRY,
+                lease_s=None,
+                connect_timeout=client.config.connect_timeout,
             ) as reader:
                 while not done.is_set():
                     with contextlib.suppress(errors.TsliceError):

@@ -73,11 +73,14 @@ def _or_dash(value: str) -> str:
 def groups_table(statuses: Sequence[tsclient.GroupStatus]) -> RenderableType:
     if not statuses:
         return Text("no groups yet (a group appears on its first acquire in local mode)")
-    table = Table(box=box.SIMPLE_HEAD)
-    for column in ("group", "state", "holder", "resident", "queue", "nodes", "switches"):
+    # The degraded column only when a group has one: it is an alarm, not a routine fact.
+    degraded = any(s.degraded for s in statuses)
+    table = Table(box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
+    columns = ["group", "state", "holder", "resident", "queue", "nodes", "switches"]
+    for column in [*columns, "degraded"] if degraded else columns:
         table.add_column(column, justify="right" if column in ("queue", "switches") else "left")
     for s in statuses:
-        table.add_row(
+        cells: list[RenderableType] = [
             s.group_id,
             state(s.group_state.value),
             _or_dash(s.locking_job),
@@ -85,7 +88,11 @@ def groups_table(statuses: Sequence[tsclient.GroupStatus]) -> RenderableType:
             str(s.waiter_queue_depth),
             ", ".join(s.nodes) or "-",
             str(s.switch_count),
-        )
+        ]
+        if degraded:
+            nodes = ", ".join(d.node for d in s.degraded)
+            cells.append(Text(nodes, style="bold red") if nodes else "-")
+        table.add_row(*cells)
     return table
 
 
@@ -96,6 +103,16 @@ def group_status(status: tsclient.GroupStatus) -> RenderableType:
     facts.add_row("state", state(status.group_state.value))
     if status.detail:
         facts.add_row("detail", Text(status.detail, style="yellow"))
+    for degraded in status.degraded:
+        facts.add_row(
+            "degraded",
+            Text.assemble((degraded.node, "bold red"), f": {degraded.reason}"),
+        )
+    if status.degraded:
+        facts.add_row(
+            "",
+            Text(f"fix the cause, then: tslice clear-degraded {status.group_id}", style="dim"),
+        )
     facts.add_row("holder", _or_dash(status.locking_job))
     facts.add_row("active", _or_dash(status.active_job))
     facts.add_row("loaded", _or_dash(status.loaded_job))
@@ -160,6 +177,16 @@ def yield_result(*, group: str, job: str, result: tsclient.YieldResult, held: bo
     else:
         tail = f"{result.pending_waiters} job(s) waiting; the next one is switched in"
     return Text(f"job {job} yielded group {group}; {tail}")
+
+
+def cleared_degraded(*, group: str, node: str | None, cleared: Sequence[str]) -> Text:
+    if cleared:
+        return Text(
+            f"group {group}: cleared degraded node(s) {', '.join(cleared)}; its switches run again"
+        )
+    if node:
+        return Text(f"node {node} of group {group} was not degraded; nothing to clear")
+    return Text(f"group {group} has no degraded node; nothing to clear")
 
 
 def jsonable(value: Any) -> Any:

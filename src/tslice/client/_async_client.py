@@ -13,7 +13,6 @@ from types import TracebackType
 import grpc.aio
 from typing_extensions import Self
 
-from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2 as opb
 from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2_grpc as opb_grpc
 from tslice.client import _base, _channel, _config, _events, _lease, _services, _slice, _types
 
@@ -104,11 +103,7 @@ class AsyncClient(_base.BaseClient[_lease.AsyncHoldKeeper]):
     ) -> _types.GroupStatus:
         """See :meth:`Client.status`."""
         calls = self._orchestrator("read a group's status")
-        group_id = self._group(group)
-        response = await calls.get_group_status(
-            opb.GetGroupStatusRequest(group_id=group_id),
-            self._options(self.job_id, group_id, self._call_timeout(timeout)),
-        )
+        response = await calls.get_group_status(*self._status_request(group, timeout))
         return _types.group_status(response)
 
     async def list_groups(
@@ -116,10 +111,19 @@ class AsyncClient(_base.BaseClient[_lease.AsyncHoldKeeper]):
     ) -> tuple[str, ...]:
         """See :meth:`Client.list_groups`."""
         calls = self._orchestrator("list groups")
-        response = await calls.list_groups(
-            opb.ListGroupsRequest(), self._options(self.job_id, None, self._call_timeout(timeout))
-        )
-        return tuple(response.group_ids)
+        return tuple((await calls.list_groups(*self._list_request(timeout))).group_ids)
+
+    async def clear_degraded(
+        self,
+        group: str | None = None,
+        *,
+        node: str | None = None,
+        timeout: _config.Timeout = _config.USE_CLIENT_DEFAULT,
+    ) -> tuple[str, ...]:
+        """See :meth:`Client.clear_degraded`."""
+        calls = self._orchestrator("clear a degraded node")
+        response = await calls.clear_degraded(*self._clear_degraded_request(group, node, timeout))
+        return tuple(response.cleared)
 
     def watch_events(
         self,
@@ -131,12 +135,7 @@ class AsyncClient(_base.BaseClient[_lease.AsyncHoldKeeper]):
         """See :meth:`Client.watch_events`; ``await events.started()`` returns once the
         orchestrator has subscribed the stream, ``aclose()`` ends it."""
         calls = self._orchestrator("watch events")
-        group_id = "" if group is None else self._group(group)
-        stream = calls.watch_events(
-            opb.WatchEventsRequest(group_id=group_id, kinds=_types.event_kinds(kinds)),
-            self._options(self.job_id, group_id, _config.check_timeout("timeout", timeout)),
-        )
-        return _events.EventStream(stream)
+        return _events.EventStream(calls.watch_events(*self._watch_request(group, kinds, timeout)))
 
     def slice(
         self,

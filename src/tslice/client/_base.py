@@ -344,6 +344,36 @@ class BaseClient(Generic[K]):
     def _options(job: str | None, group: str | None, timeout: float | None) -> _channel.CallOptions:
         return _channel.CallOptions(timeout=timeout, job_id=job or None, group_id=group or None)
 
+    def _status_request(
+        self, group: str | None, timeout: _config.Timeout
+    ) -> tuple[opb.GetGroupStatusRequest, _channel.CallOptions]:
+        group_id = self._group(group)
+        request = opb.GetGroupStatusRequest(group_id=group_id)
+        return request, self._options(self.job_id, group_id, self._call_timeout(timeout))
+
+    def _list_request(
+        self, timeout: _config.Timeout
+    ) -> tuple[opb.ListGroupsRequest, _channel.CallOptions]:
+        return opb.ListGroupsRequest(), self._options(
+            self.job_id, None, self._call_timeout(timeout)
+        )
+
+    def _clear_degraded_request(
+        self, group: str | None, node: str | None, timeout: _config.Timeout
+    ) -> tuple[opb.ClearDegradedRequest, _channel.CallOptions]:
+        group_id = self._group(group)
+        request = opb.ClearDegradedRequest(group_id=group_id, node=node or "")
+        return request, self._options(self.job_id, group_id, self._call_timeout(timeout))
+
+    def _watch_request(
+        self, group: str | None, kinds: Iterable[_types.EventKind], timeout: float | None
+    ) -> tuple[opb.WatchEventsRequest, _channel.CallOptions]:
+        group_id = "" if group is None else self._group(group)
+        request = opb.WatchEventsRequest(group_id=group_id, kinds=_types.event_kinds(kinds))
+        return request, self._options(
+            self.job_id, group_id, _config.check_timeout("timeout", timeout)
+        )
+
     # -- leases ---------------------------------------------------------------------------
 
     def _lease_lost(self, job: str, group: str, reason: str) -> None:

@@ -14,7 +14,6 @@ from types import TracebackType
 import grpc
 from typing_extensions import Self
 
-from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2 as opb
 from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2_grpc as opb_grpc
 from tslice.client import _base, _channel, _config, _events, _lease, _services, _slice, _types
 
@@ -114,24 +113,32 @@ class Client(_base.BaseClient[_lease.HoldKeeper]):
     def status(
         self, group: str | None = None, *, timeout: _config.Timeout = _config.USE_CLIENT_DEFAULT
     ) -> _types.GroupStatus:
-        """Lock, queue and residency of ``group``."""
+        """Lock, queue, residency and degraded nodes of ``group``."""
         calls = self._orchestrator("read a group's status")
-        group_id = self._group(group)
-        response = calls.get_group_status(
-            opb.GetGroupStatusRequest(group_id=group_id),
-            self._options(self.job_id, group_id, self._call_timeout(timeout)),
-        )
-        return _types.group_status(response)
+        return _types.group_status(calls.get_group_status(*self._status_request(group, timeout)))
 
     def list_groups(
         self, *, timeout: _config.Timeout = _config.USE_CLIENT_DEFAULT
     ) -> tuple[str, ...]:
         """Ids of the groups the orchestrator knows."""
         calls = self._orchestrator("list groups")
-        response = calls.list_groups(
-            opb.ListGroupsRequest(), self._options(self.job_id, None, self._call_timeout(timeout))
-        )
-        return tuple(response.group_ids)
+        return tuple(calls.list_groups(*self._list_request(timeout)).group_ids)
+
+    def clear_degraded(
+        self,
+        group: str | None = None,
+        *,
+        node: str | None = None,
+        timeout: _config.Timeout = _config.USE_CLIENT_DEFAULT,
+    ) -> tuple[str, ...]:
+        """Operator: ``node`` of ``group`` (every degraded node of it when ``None``) takes
+        switches again once the cause is fixed; returns the nodes that were cleared.
+
+        A node not in the group is :class:`~tslice.common.errors.NotFound`.
+        """
+        calls = self._orchestrator("clear a degraded node")
+        response = calls.clear_degraded(*self._clear_degraded_request(group, node, timeout))
+        return tuple(response.cleared)
 
     def watch_events(
         self,
@@ -147,11 +154,7 @@ class Client(_base.BaseClient[_lease.HoldKeeper]):
         an orchestrator restart ends with :class:`~tslice.common.errors.Unavailable`.
         """
         calls = self._orchestrator("watch events")
-        group_id = "" if group is None else self._group(group)
-        stream = calls.watch_events(
-            opb.WatchEventsRequest(group_id=group_id, kinds=_types.event_kinds(kinds)),
-            self._options(self.job_id, group_id, _config.check_timeout("timeout", timeout)),
-        )
+        stream = calls.watch_events(*self._watch_request(group, kinds, timeout))
         stream.started()  # subscribed: no event published from here on is missed
         return _events.events(stream)
 

@@ -46,6 +46,9 @@ ORCHESTRATOR_METHODS = {
         Method(_ORCH, "Session"),
         # The lease keeper (_lease) re-opens it with its own back-off.
         Method(_ORCH, "Hold"),
+        # Not re-issued: after a lost reply the second answer would say nothing was
+        # cleared, and the operator must see what the first one did.
+        Method(_ORCH, "ClearDegraded"),
     )
 }
 AGENT_METHODS = {
@@ -131,6 +134,12 @@ class OrchestratorCalls:
         """The raw Session stream (acquire() and yield_() already use one of their own)."""
         return self.transport.stream_stream(_O["Session"], self.stub.Session, requests, options)
 
+    def clear_degraded(
+        self, request: opb.ClearDegradedRequest, options: CallOptions = NO_OPTIONS
+    ) -> opb.ClearDegradedResponse:
+        call = self.stub.ClearDegraded
+        return self.transport.unary(_O["ClearDegraded"], call, request, options)
+
 
 class AsyncOrchestratorCalls:
     """One coroutine per orchestrator RPC."""
@@ -189,6 +198,12 @@ class AsyncOrchestratorCalls:
     ) -> _channel.AsyncStream[opb.SessionResponse]:
         """The raw Session stream (acquire() and yield_() already use one of their own)."""
         return self.transport.stream_stream(_O["Session"], self.stub.Session, requests, options)
+
+    async def clear_degraded(
+        self, request: opb.ClearDegradedRequest, options: CallOptions = NO_OPTIONS
+    ) -> opb.ClearDegradedResponse:
+        call = self.stub.ClearDegraded
+        return await self.transport.unary(_O["ClearDegraded"], call, request, options)
 
 
 class AgentCalls:

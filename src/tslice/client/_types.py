@@ -12,9 +12,8 @@ import datetime
 import enum
 from collections.abc import Iterable
 
-from google.protobuf import timestamp_pb2
-
 from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2 as opb
+from tslice.client import _wire
 
 
 class GroupState(str, enum.Enum):
@@ -88,6 +87,16 @@ class AgentJobStatus:
 
 
 @dataclasses.dataclass(frozen=True)
+class DegradedNode:
+    """A node a group will not switch on until an operator clears it
+    (``tslice clear-degraded``): it kept refusing the group's switch."""
+
+    node: str
+    #: The agent's refusal, as it last answered.
+    reason: str
+
+
+@dataclasses.dataclass(frozen=True)
 class GroupStatus:
     """Snapshot of one group's lock, queue and residency."""
 
@@ -108,6 +117,8 @@ class GroupStatus:
     #: Why the state is UNKNOWN (which agents are unreachable), else "".
     detail: str = ""
     agent_job_states: tuple[AgentJobStatus, ...] = ()
+    #: Nodes that kept refusing a switch: the group starts none until they are cleared.
+    degraded: tuple[DegradedNode, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,91 +137,45 @@ class OrchestratorEvent:
     bytes: int = 0
 
 
-def _enum_suffix(full_name: str, prefix: str) -> str:
-    return full_name[len(prefix) :] if full_name.startswith(prefix) else full_name
-
-
-def _time(stamp: timestamp_pb2.Timestamp, *, present: bool) -> datetime.datetime | None:
-    return stamp.ToDatetime(tzinfo=datetime.timezone.utc) if present else None
-
-
 def group_state(value: int) -> GroupState:
     """Wire enum → :class:`GroupState`; a number this client does not know is UNSPECIFIED."""
-    try:
-        name = opb.GroupStatus.State.Name(value)
-    except ValueError:
-        return GroupState.UNSPECIFIED
-    return GroupState(_enum_suffix(name, "STATE_"))
+    return _wire.enum_member(GroupState, opb.GroupStatus.State, value, prefix="STATE_")
 
 
 def agent_job_state(value: int) -> AgentJobState:
     """Wire enum → :class:`AgentJobState`; unknown numbers are UNSPECIFIED."""
-    try:
-        name = opb.SnapshotAgentJobState.State.Name(value)
-    except ValueError:
-        return AgentJobState.UNSPECIFIED
-    return AgentJobState(_enum_suffix(name, "STATE_"))
+    return _wire.enum_member(AgentJobState, opb.SnapshotAgentJobState.State, value, prefix="STATE_")
 
 
 def acquire_result(response: opb.AcquireResponse) -> AcquireResult:
-    return AcquireResult(
-        success=response.success,
-        waited_ms=response.waited_ms,
-        context_restored=response.context_restored,
-        grant_epoch=response.grant_epoch,
-    )
+    return _wire.value(AcquireResult, response)
 
 
 def yield_result(response: opb.YieldResponse) -> YieldResult:
-    return YieldResult(
-        success=response.success,
-        pending_waiters=response.pending_waiters,
-        snapshot_deferred=response.snapshot_deferred,
-    )
+    return _wire.value(YieldResult, response)
 
 
 def group_status(response: opb.GetGroupStatusResponse) -> GroupStatus:
     group = response.group
-    return GroupStatus(
-        group_id=group.group_id,
+    return _wire.value(
+        GroupStatus,
+        group,
         group_state=group_state(group.group_state),
-        state_timestamp=_time(group.state_timestamp, present=group.HasField("state_timestamp")),
-        locking_job=group.locking_job,
-        active_job=group.active_job,
-        waiter_queue_depth=group.waiter_queue_depth,
-        loaded_job=group.loaded_job,
-        waiting_jobs=tuple(group.waiting_jobs),
-        nodes=tuple(group.nodes),
-        grant_epoch=group.grant_epoch,
-        switch_count=group.switch_count,
-        detail=group.detail,
+        state_timestamp=_wire.time(group, "state_timestamp"),
+        degraded=tuple(_wire.value(DegradedNode, node) for node in group.degraded),
         agent_job_states=tuple(
-            AgentJobStatus(
-                agent=state.agent,
-                job_id=state.job_id,
-                job_state=agent_job_state(state.job_state),
-            )
+            _wire.value(AgentJobStatus, state, job_state=agent_job_state(state.job_state))
             for state in response.agent_job_states
         ),
     )
 
 
 def orchestrator_event(message: opb.OrchestratorEvent) -> OrchestratorEvent:
-    try:
-        kind = EventKind(_enum_suffix(opb.OrchestratorEvent.Kind.Name(message.kind), "KIND_"))
-    except ValueError:
-        kind = EventKind.UNSPECIFIED
-    return OrchestratorEvent(
-        time=_time(message.time, present=message.HasField("time")),
-        kind=kind,
-        group_id=message.group_id,
-        job_id=message.job_id,
-        node=message.node,
-        duration_ms=message.duration_ms,
-        from_job=message.from_job,
-        detail=message.detail,
-        grant_epoch=message.grant_epoch,
-        bytes=message.bytes,
+    return _wire.value(
+        OrchestratorEvent,
+        message,
+        time=_wire.time(message, "time"),
+        kind=_wire.enum_member(EventKind, opb.OrchestratorEvent.Kind, message.kind, prefix="KIND_"),
     )
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
+from tslice.client import _wire
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,53 +79,27 @@ class StatusResponse:
     node: str = ""
 
 
-def _enum_name(enum: object, value: int) -> str:
-    try:
-        return enum.Name(value)  # type: ignore[attr-defined, no-any-return]
-    except ValueError:
-        return str(value)
-
-
 def operation(response: pb.GetOperationResponse) -> GetOperationResponse:
-    return GetOperationResponse(
-        status=_enum_name(pb.OperationStatus, response.status),
-        elapsed_ms=response.elapsed_ms,
-        storage_bytes=response.storage_bytes if response.HasField("storage_bytes") else None,
-        snapshot_device_bytes=(
-            response.snapshot_device_bytes if response.HasField("snapshot_device_bytes") else None
-        ),
-        error=response.error if response.HasField("error") else None,
-        job_id=response.job_id,
-        kind=response.kind,
+    return _wire.value(
+        GetOperationResponse,
+        response,
+        status=_wire.enum_name(pb.OperationStatus, response.status),
     )
 
 
 def job_state_name(value: int) -> str:
-    return _enum_name(pb.JobState, value)
+    return _wire.enum_name(pb.JobState, value)
 
 
 def status(response: pb.StatusResponse) -> StatusResponse:
-    return StatusResponse(
+    return _wire.value(
+        StatusResponse,
+        response,
         job_statuses=[
-            JobStatus(
-                job_id=job.job_id,
-                state=job_state_name(job.state),
-                group=job.group,
-                operation_id=job.operation_id,
-                device_bytes=job.device_bytes,
-                host_bytes=job.host_bytes,
-                backend=job.backend,
-                error=job.error,
-            )
+            _wire.value(JobStatus, job, state=job_state_name(job.state))
             for job in response.job_statuses
         ],
         accelerator_statuses=[
-            AcceleratorStatus(
-                id=accelerator.id,
-                memory_used_bytes=accelerator.memory_used_bytes,
-                memory_total_bytes=accelerator.memory_total_bytes,
-            )
-            for accelerator in response.accelerator_statuses
+            _wire.value(AcceleratorStatus, a) for a in response.accelerator_statuses
         ],
-        node=response.node,
     )
