@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from tslice.agent import jobs, metrics, runner, store
+from tslice.agent import grants, jobs, metrics, runner, store
 from tslice.agent.backends import noop
 
 
@@ -90,7 +90,7 @@ async def node(tmp_path: Path) -> AsyncIterator[Node]:
         await n.stop()
 
 
-async def grant(core: runner.AgentCore, job_id: str, **kw: Any) -> runner.GrantOutcome:
+async def grant(core: runner.AgentCore, job_id: str, **kw: Any) -> grants.GrantOutcome:
     return await core.grant(
         job_id=job_id, group="g", epoch=kw.pop("epoch", 0), footprint_bytes=0, config=None, **kw
     )

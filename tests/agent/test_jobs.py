@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from tslice.agent import jobs
+from tslice.agent import jobs, routing
 from tslice.agent.backends import base
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
 from tslice.common import refusals
@@ -22,48 +22,32 @@ def job(state: S, **kw: object) -> jobs.Job:
     return jobs.Job(**fields)  # type: ignore[arg-type]
 
 
+def request(op_id: str, kw: dict[str, object]) -> jobs.Request:
+    """The request the rules get; ``kw`` may override its fields (``route_`` = ``route``)."""
+    return jobs.Request(
+        job_id=str(kw.pop("job_id", "j1")),
+        group=str(kw.pop("group", "g")),
+        route=kw.pop("route_", DEFAULT),  # type: ignore[arg-type]
+        node=NODE,
+        op_id=op_id,
+        now=100.0,
+    )
+
+
 def snapshot(current: jobs.Job | None, **kw: object) -> jobs.Start:
-    args: dict[str, object] = {
-        "job_id": "j1",
-        "group": "g",
-        "route_": DEFAULT,
-        "node": NODE,
-        "op_id": "op-1",
-        "now": 100.0,
-    }
-    args.update(kw)
-    return jobs.plan_snapshot(current, **args)  # type: ignore[arg-type]
+    return jobs.plan_snapshot(current, request("op-1", kw), **kw)  # type: ignore[arg-type]
 
 
 def restore(current: jobs.Job | None, **kw: object) -> jobs.Start | jobs.Done:
-    args: dict[str, object] = {
-        "job_id": "j1",
-        "group": "g",
-        "route_": DEFAULT,
-        "node": NODE,
-        "op_id": "op-2",
-        "now": 100.0,
-        "others": [],
-    }
+    args: dict[str, object] = {"others": []}
     args.update(kw)
-    return jobs.plan_restore(current, **args)  # type: ignore[arg-type]
+    return jobs.plan_restore(current, request("op-2", args), **args)  # type: ignore[arg-type]
 
 
 def grant(current: jobs.Job | None, **kw: object) -> jobs.Start | jobs.Unchanged:
-    args: dict[str, object] = {
-        "job_id": "j1",
-        "group": "g",
-        "epoch": 1,
-        "last": None,
-        "footprint_bytes": 0,
-        "route_": DEFAULT,
-        "node": NODE,
-        "op_id": "op-3",
-        "now": 100.0,
-        "others": [],
-    }
+    args: dict[str, object] = {"epoch": 1, "last": None, "footprint_bytes": 0, "others": []}
     args.update(kw)
-    return jobs.plan_grant(current, **args)  # type: ignore[arg-type]
+    return jobs.plan_grant(current, request("op-3", args), **args)  # type: ignore[arg-type]
 
 
 def refused(fn: object, *args: object, **kw: object) -> refusals.Refused:
@@ -325,42 +309,42 @@ def test_after_restart_faults_unless_the_backend_knows() -> None:
 
 def test_route_precedence() -> None:
     channel_cfg = pb.BackendConfig(app_channel=pb.AppChannelConfig())
-    request = jobs.route(
+    request = routing.route(
         request_config=channel_cfg,
         job=job(S.RUNNING),
         channel_registered=False,
         default_backend="sim",
     )
     assert (request.backend, request.explicit) == ("app-channel", True)
-    held = jobs.route(
+    held = routing.route(
         request_config=None,
         job=job(S.SAVED, backend="cuda", choice="app-channel"),
         channel_registered=True,
         default_backend="sim",
     )
     assert held.backend == "cuda"
-    chosen = jobs.route(
+    chosen = routing.route(
         request_config=None,
         job=job(S.RUNNING, backend="sim", choice="noop"),
         channel_registered=True,
         default_backend="sim",
     )
     assert chosen.backend == "noop"
-    via_channel = jobs.route(
+    via_channel = routing.route(
         request_config=None,
         job=job(S.RUNNING, backend="noop"),
         channel_registered=True,
         default_backend="sim",
     )
     assert (via_channel.backend, via_channel.record) == ("app-channel", True)
-    last = jobs.route(
+    last = routing.route(
         request_config=None,
         job=job(S.RUNNING, backend="noop"),
         channel_registered=False,
         default_backend="sim",
     )
     assert last.backend == "noop"
-    default = jobs.route(
+    default = routing.route(
         request_config=None, job=None, channel_registered=False, default_backend="sim"
     )
     assert (default.backend, default.explicit) == ("sim", False)
@@ -375,20 +359,20 @@ def test_route_maps_every_arm_and_the_deprecated_enum() -> None:
         "noop": pb.BackendConfig(noop=pb.NoopBackendConfig()),
     }
     for name, config in arms.items():
-        assert jobs.requested_backend(config) == name
-    assert jobs.requested_backend(None, deprecated_backend=pb.BACKEND_CUDA) == "cuda"
-    assert jobs.requested_backend(pb.BackendConfig()) is None
+        assert routing.requested_backend(config) == name
+    assert routing.requested_backend(None, deprecated_backend=pb.BACKEND_CUDA) == "cuda"
+    assert routing.requested_backend(pb.BackendConfig()) is None
     for unsupported in (
         pb.BackendConfig(direct_memory=pb.DirectMemoryBackendConfig()),
         pb.BackendConfig(memory_regions=pb.MemoryRegionsBackendConfig()),
     ):
-        err = refused(jobs.requested_backend, unsupported)
+        err = refused(routing.requested_backend, unsupported)
         assert err.code is refusals.Code.FAILED_PRECONDITION
         assert "not supported by this agent" in err.message
 
 
 def test_ensure_enabled_names_the_flag() -> None:
-    err = refused(jobs.ensure_enabled, "cuda", enabled=["sim"], node=NODE)
+    err = refused(routing.ensure_enabled, "cuda", enabled=["sim"], node=NODE)
     assert err.code is refusals.Code.FAILED_PRECONDITION
     assert "--backend cuda" in err.message
 

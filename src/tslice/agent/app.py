@@ -170,9 +170,7 @@ async def serve(
 
         grpc_server = grpc.aio.server(options=serving.SERVER_OPTIONS)
         servicer = server.SnapshotAgentServicer(core=core, hub=hub)
-        pb_grpc.add_SnapshotAgentServiceServicer_to_server(
-            servicer, grpc_server
-        )
+        pb_grpc.add_SnapshotAgentServiceServicer_to_server(servicer, grpc_server)
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, grpc_server)
         reflection.enable_server_reflection(
             (

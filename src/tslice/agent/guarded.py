@@ -5,14 +5,16 @@ calls one directly; it goes through :class:`GuardedBackends`, which owns
 
 - the deadlines: ``operation_timeout_s`` for a snapshot, restore or activation (with
   :class:`~tslice.agent.backends.base.TransientBackendError` retried with back-off
-  inside it), ``QUERY_TIMEOUT_S`` for the questions asked while a request is planned
-  (validate, recover, fits, missing tags);
+  inside it); ``QUERY_TIMEOUT_S``, never beyond the operation deadline, for every
+  question asked while a request is planned (validate, recover, fits, missing tags);
+  ``STATUS_TIMEOUT_S`` for the accelerators a Status reply lists;
 - the translation of what a backend raises: a refused or invalid config becomes a
   :class:`refusals.Refused` with its status code before anything changed; an operation's
   failure becomes a :class:`jobs.Outcome` that says whether anything moved;
 - what a question answers when the backend cannot tell (``None``, logged).
 
-The runner (``tslice.agent.runner``) decides; this module only calls.
+The pure rules decide and the runner (``tslice.agent.runner``) applies them; this
+module only calls.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import sys
-from collections.abc import Callable, Coroutine, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Mapping
 from typing import Any, TypeVar
 
 from tslice.agent import jobs
@@ -33,6 +35,8 @@ _T = TypeVar("_T")
 
 #: How long a question to a backend (validate, recover, fits, missing tags) may take.
 QUERY_TIMEOUT_S = 30.0
+#: ...except the accelerators listed in a Status reply, which must come back quickly.
+STATUS_TIMEOUT_S = 5.0
 _BACKOFF_MIN_S = 0.05
 _BACKOFF_MAX_S = 5.0
 
@@ -92,6 +96,8 @@ class GuardedBackends:
     ) -> None:
         self.backends = dict(backends)
         self.operation_timeout_s = operation_timeout_s
+        #: A question never waits longer than an operation would.
+        self.query_timeout_s = min(QUERY_TIMEOUT_S, operation_timeout_s)
         self._on_unavailable = on_unavailable or (lambda _name, _err: None)
 
     def __contains__(self, name: object) -> bool:
@@ -99,13 +105,14 @@ class GuardedBackends:
 
     # ---- questions, asked while a request is planned -----------------------------------
 
-    async def validate(self, name: str, ctx: base.JobContext) -> None:
+    async def validate(self, route: jobs.Route, job: jobs.Job) -> None:
         """Let the backend refuse the config before anything is created or changed."""
+        name, ctx = route.backend, context(job, route.config)
         backend = self.backends[name]
         if type(backend).validate is base.Backend.validate:
-            return  # the backend checks nothing: spare the hand-over a task and a timer
+            return  # the backend checks nothing: spare the hand-over a timer
         try:
-            await asyncio.wait_for(backend.validate(ctx), timeout=QUERY_TIMEOUT_S)
+            await _within(backend.validate(ctx), timeout_s=self.query_timeout_s)
         except base.NeverFitsError as err:
             raise refusals.Refused(refusals.Code.RESOURCE_EXHAUSTED, str(err)) from err
         except base.BackendConfigRefusedError as err:
@@ -120,54 +127,59 @@ class GuardedBackends:
                 f"({type(err).__name__}: {err}); nothing was changed",
             ) from err
 
-    async def recover(self, name: str, ctx: base.JobContext) -> jobs.State | None:
-        """What the backend reports for the job; ``None`` if it cannot tell or fails."""
-        backend = self.backends[name]
-        try:
-            reported = await asyncio.wait_for(
-                backend.recover(ctx), timeout=min(QUERY_TIMEOUT_S, self.operation_timeout_s)
-            )
-        except Exception as err:
-            log.warning("backend %s could not recover job %s: %s", name, ctx.job_id, err)
-            return None
+    async def recover(self, name: str, job: jobs.Job) -> jobs.State | None:
+        """What backend ``name`` reports for the job; ``None`` if it cannot tell or fails."""
+        ctx = context(job, job.backend_config())
+        reported = await self._ask(
+            name, self.backends[name].recover(ctx), f"recover job {job.job_id}"
+        )
         return jobs.from_pb(reported)
 
-    async def fits(self, name: str, ctx: base.JobContext) -> bool:
+    async def fits(self, route: jobs.Route, job: jobs.Job) -> bool:
         """Whether the job's state would fit on the devices now; ``False`` if unknown."""
-        try:
-            answer = await asyncio.wait_for(self.backends[name].fits(ctx), timeout=QUERY_TIMEOUT_S)
-        except Exception as err:
-            log.warning("backend %s could not tell whether job %s fits: %s", name, ctx.job_id, err)
-            return False
-        return bool(answer)
+        question = self.backends[route.backend].fits(context(job, route.config))
+        return bool(await self._ask(route.backend, question, f"tell whether job {job.job_id} fits"))
 
-    async def missing_tags(self, name: str, ctx: base.JobContext, tags: Sequence[str]) -> bool:
-        """Staged wake: whether requested tags are not resident (``Backend.missing_tags``)."""
-        try:
-            missing = await asyncio.wait_for(
-                self.backends[name].missing_tags(ctx, tags), timeout=QUERY_TIMEOUT_S
-            )
-        except Exception as err:
-            log.warning("backend %s could not report missing tags: %s", name, err)
+    async def missing_tags(self, route: jobs.Route, job: jobs.Job) -> bool:
+        """Staged wake: whether tags the request names are not resident although the job
+        runs (``Backend.missing_tags``); ``False`` when it names none."""
+        tags = tags_of(route.config)
+        if job.state is not jobs.State.RUNNING or not tags:
             return False
-        return bool(missing)
+        question = self.backends[route.backend].missing_tags(context(job, route.config), tags)
+        return bool(await self._ask(route.backend, question, "report missing tags"))
 
     async def accelerators(self) -> list[base.Accelerator]:
         found: list[base.Accelerator] = []
         for name, backend in self.backends.items():
-            try:
-                found.extend(await asyncio.wait_for(backend.accelerators(), timeout=5.0))
-            except Exception as err:
-                log.warning("backend %s could not list accelerators: %s", name, err)
+            listed = await self._ask(
+                name, backend.accelerators(), "list accelerators", timeout_s=STATUS_TIMEOUT_S
+            )
+            found.extend(listed or [])
         return found
+
+    async def _ask(
+        self,
+        name: str,
+        question: Coroutine[Any, Any, _T],
+        what: str,
+        *,
+        timeout_s: float | None = None,
+    ) -> _T | None:
+        """The backend's answer; ``None`` (logged) if it fails or outlives its deadline."""
+        try:
+            return await _within(question, timeout_s=timeout_s or self.query_timeout_s)
+        except Exception as err:
+            log.warning("backend %s could not %s: %s", name, what, err)
+            return None
 
     # ---- operations ------------------------------------------------------------------------
 
     async def run(
-        self, op: jobs.Operation, ctx: base.JobContext, mode: pb.SuspendMode
+        self, op: jobs.Operation, job: jobs.Job, config: pb.BackendConfig | None
     ) -> jobs.Outcome:
         """Run the operation's backend call under its deadline, retrying transient failures."""
-        backend = self.backends[op.backend]
+        backend, ctx, mode = self.backends[op.backend], context(job, config), mode_of(config)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.operation_timeout_s
         what = f"{op.kind.value} of job {ctx.job_id} by backend {backend.name}"

@@ -1,10 +1,12 @@
 """The per-job state machine of the node agent, as pure functions over frozen records.
 
 Nothing here awaits, touches a backend, a socket or a file: each ``plan_*`` function
-takes the current records plus the facts the caller gathered (a new operation id, the
-time, what the backend reported) and either raises :class:`refusals.Refused` with the status
-code and an actionable message, or returns the records to store. The async runner
-(``tslice.agent.runner``) applies them, so every rule can be tested directly.
+takes the current record and a :class:`Request` (the backend that serves it, a new
+operation id, the time) plus what the backend reported, and either raises
+:class:`refusals.Refused` with the status code and an actionable message, or returns
+the records to store. The async runner (``tslice.agent.runner``) applies them, so
+every rule can be tested directly. Its siblings are pure too: ``tslice.agent.routing``
+picks the backend of a request, ``tslice.agent.grants`` the moves of a Grant.
 
 Records are kept per (job, group): a job that uses a sampler pool and a trainer pool
 has one piece of device state per group, even on a node both groups span, and a
@@ -191,101 +193,42 @@ class Outcome:
     state_changed: bool = True
 
 
-# ---- backend routing ------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Request:
+    """What the rules are asked to do to one record, with the facts the driver gathered."""
 
-BACKEND_BY_ARM: Mapping[str, str] = {
-    "cuda": "cuda",
-    "app_endpoint": "app-endpoint",
-    "app_channel": "app-channel",
-    "sim": "sim",
-    "noop": "noop",
-}
-_UNSUPPORTED_ARMS = ("direct_memory", "memory_regions")
-
-
-def requested_backend(
-    config: pb.BackendConfig | None, *, deprecated_backend: int = 0
-) -> str | None:
-    """The backend a request names explicitly, or ``None`` if it leaves the choice to the agent."""
-    arm = config.WhichOneof("backend") if config is not None else None
-    if arm in _UNSUPPORTED_ARMS:
-        raise refusals.Refused(
-            refusals.Code.FAILED_PRECONDITION,
-            f"backend_config.{arm} is not supported by this agent; use one of "
-            f"{', '.join(sorted(BACKEND_BY_ARM))} (or send no backend_config for the node default)",
-        )
-    if arm is not None:
-        return BACKEND_BY_ARM[arm]
-    if deprecated_backend == pb.BACKEND_CUDA:
-        return "cuda"
-    return None
-
-
-def route(
-    *,
-    request_config: pb.BackendConfig | None,
-    deprecated_backend: int = 0,
-    job: Job | None,
-    channel_registered: bool,
-    default_backend: str,
-) -> Route:
-    """Pick the backend for a request on ``job``.
-
-    Precedence: the request's explicit choice; the backend holding a SAVED, FAULTED or
-    TRANSITIONING job's state (it alone can bring it back); the job's recorded choice;
-    the workload channel, if the job registered there; the backend that last served
-    the job; the node default.
-    """
-    explicit = requested_backend(request_config, deprecated_backend=deprecated_backend)
-    if explicit is not None:
-        has_arm = request_config is not None and request_config.WhichOneof("backend") is not None
-        config = request_config if has_arm else None
-        return Route(backend=explicit, config=config, explicit=True, record=True)
-    if job is not None:
-        holding = (State.SAVED, State.FAULTED, State.TRANSITIONING)
-        if job.backend and job.state in holding:
-            same = job.choice == job.backend
-            return Route(backend=job.backend, config=job.backend_config() if same else None)
-        if job.choice:
-            return Route(backend=job.choice, config=job.backend_config())
-    if channel_registered:
-        return Route(backend="app-channel", config=None, record=True)
-    if job is not None and job.backend:
-        return Route(backend=job.backend, config=None)
-    return Route(backend=default_backend, config=None)
-
-
-def ensure_enabled(backend: str, *, enabled: Iterable[str], node: str) -> None:
-    names = sorted(enabled)
-    if backend not in names:
-        raise refusals.Refused(
-            refusals.Code.FAILED_PRECONDITION,
-            f"backend {backend!r} is not enabled on node {node} (enabled: {', '.join(names)}); "
-            f"start the agent with --backend {backend} or list it under `backends:` in its config",
-        )
+    job_id: str
+    group: str
+    #: The backend that serves the request (``tslice.agent.routing``).
+    route: Route
+    node: str
+    #: The id a new operation gets.
+    op_id: str
+    #: Wall-clock seconds.
+    now: float
 
 
 # ---- planning ---------------------------------------------------------------------------
 
 
-def _start(
-    job: Job, *, kind: Kind, backend: str, resume_state: State, op_id: str, now: float
-) -> Start:
+def _start(job: Job, request: Request, *, kind: Kind, resume_state: State) -> Start:
+    backend = request.route.backend
     operation = Operation(
-        op_id=op_id,
+        op_id=request.op_id,
         job_id=job.job_id,
         group=job.group,
         kind=kind,
         backend=backend,
         status=OpStatus.PENDING,
-        started_at=now,
+        started_at=request.now,
     )
     job = dataclasses.replace(
         job,
         state=State.TRANSITIONING,
         backend=backend,
-        operation_id=op_id,
+        operation_id=request.op_id,
         previous_state=resume_state,
+        error="",
     )
     return Start(job=job, operation=operation)
 
@@ -306,6 +249,10 @@ def _faulted(job: Job, *, node: str) -> refusals.Refused:
     )
 
 
+def _precondition(message: str) -> refusals.Refused:
+    return refusals.Refused(refusals.Code.FAILED_PRECONDITION, message)
+
+
 def _check_resident_neighbours(
     job_id: str, group: str, *, others: Iterable[Job], node: str
 ) -> None:
@@ -315,11 +262,10 @@ def _check_resident_neighbours(
     resident = (State.RUNNING, State.TRANSITIONING)
     for other in others:
         if other.job_id != job_id and other.group == group and other.state in resident:
-            raise refusals.Refused(
-                refusals.Code.FAILED_PRECONDITION,
+            raise _precondition(
                 f"job {other.job_id} of group {group} is {other.state.value} on node {node}; "
                 f"snapshot it before job {job_id} can be resident (two jobs of a group are "
-                "never resident together)",
+                "never resident together)"
             )
 
 
@@ -329,6 +275,11 @@ def _with_choice(job: Job, route_: Route) -> Job:
         return job
     config = route_.config.SerializeToString() if route_.config is not None else b""
     return dataclasses.replace(job, choice=route_.backend, config=config)
+
+
+def _in_group(job: Job, group: str) -> Job:
+    """A record made without a group takes the group of the first request naming one."""
+    return dataclasses.replace(job, group=job.group or group)
 
 
 def _sim_footprint(config: pb.BackendConfig | None) -> int:
@@ -359,17 +310,7 @@ def unknown_job(job_id: str, group: str, *, node: str) -> refusals.Refused:
     )
 
 
-def plan_snapshot(
-    job: Job | None,
-    *,
-    job_id: str,
-    group: str,
-    route_: Route,
-    node: str,
-    op_id: str,
-    now: float,
-    recovered: State | None = None,
-) -> Start:
+def plan_snapshot(job: Job | None, request: Request, *, recovered: State | None = None) -> Start:
     """RUNNING -> TRANSITIONING (-> SAVED when the backend finishes).
 
     An unknown job is adopted as RUNNING only when its backend reports it RUNNING
@@ -377,51 +318,36 @@ def plan_snapshot(
     style client asserting that the job runs there); anything else is a typo and
     creates nothing. A FAULTED job is retried when the backend reports it RUNNING.
     """
+    job_id, node, route_ = request.job_id, request.node, request.route
+    footprint = _sim_footprint(route_.config) if route_.explicit else 0
     if job is None:
         if not (recovered is State.RUNNING or (route_.explicit and names_target(route_.config))):
-            raise unknown_job(job_id, group, node=node)
-        job = Job(job_id=job_id, group=group, state=State.RUNNING)
-        job = dataclasses.replace(job, footprint_bytes=_sim_footprint(route_.config))
+            raise unknown_job(job_id, request.group, node=node)
+        job = Job(job_id=job_id, group=request.group, state=State.RUNNING)
     if job.state is State.TRANSITIONING:
         raise _aborted(job)
     if job.state is State.FAULTED and recovered is not State.RUNNING:
         raise _faulted(job, node=node)
     if job.state is State.IDLE:
-        raise refusals.Refused(
-            refusals.Code.FAILED_PRECONDITION,
+        raise _precondition(
             f"job {job_id} is IDLE on node {node}: nothing is resident to snapshot; it becomes "
-            "RUNNING when granted",
+            "RUNNING when granted"
         )
     if job.state is State.SAVED:
-        raise refusals.Refused(
-            refusals.Code.FAILED_PRECONDITION,
+        raise _precondition(
             f"job {job_id} is already SAVED on node {node} (operation {job.operation_id}); "
-            "restore it before snapshotting again",
+            "restore it before snapshotting again"
         )
-    if group and not job.group:
-        job = dataclasses.replace(job, group=group)
-    if route_.explicit and _sim_footprint(route_.config):
-        job = dataclasses.replace(job, footprint_bytes=_sim_footprint(route_.config))
-    job = dataclasses.replace(_with_choice(job, route_), error="")
-    return _start(
-        job,
-        kind=Kind.SNAPSHOT,
-        backend=route_.backend,
-        resume_state=State.RUNNING,
-        op_id=op_id,
-        now=now,
-    )
+    job = _in_group(_with_choice(job, route_), request.group)
+    if footprint:
+        job = dataclasses.replace(job, footprint_bytes=footprint)
+    return _start(job, request, kind=Kind.SNAPSHOT, resume_state=State.RUNNING)
 
 
 def plan_restore(
     job: Job | None,
+    request: Request,
     *,
-    job_id: str,
-    group: str,
-    route_: Route,
-    node: str,
-    op_id: str,
-    now: float,
     others: Iterable[Job],
     recovered: State | None = None,
     partial: bool = False,
@@ -432,49 +358,40 @@ def plan_restore(
     unless ``partial``: the backend reported that requested tags are not resident
     (staged wake), in which case the restore is sent to the backend.
     """
+    job_id, node, route_ = request.job_id, request.node, request.route
     if job is None:
-        raise unknown_job(job_id, group, node=node)
+        raise unknown_job(job_id, request.group, node=node)
     if job.state is State.TRANSITIONING:
         raise _aborted(job)
     if route_.explicit and job.backend and route_.backend != job.backend:
-        raise refusals.Refused(
-            refusals.Code.FAILED_PRECONDITION,
+        raise _precondition(
             f"job {job_id} is held by backend {job.backend} on node {node}; restore it with "
-            f"that backend (or send no backend_config), not {route_.backend}",
+            f"that backend (or send no backend_config), not {route_.backend}"
         )
-    _check_resident_neighbours(job_id, group or job.group, others=others, node=node)
-    if group and not job.group:
-        job = dataclasses.replace(job, group=group)
+    _check_resident_neighbours(job_id, request.group or job.group, others=others, node=node)
+    job = _in_group(job, request.group)
     if job.state is State.RUNNING and not partial:
         operation = Operation(
-            op_id=op_id,
+            op_id=request.op_id,
             job_id=job_id,
             group=job.group,
             kind=Kind.RESTORE,
             backend=job.backend or route_.backend,
             status=OpStatus.COMPLETE,
-            started_at=now,
-            finished_at=now,
+            started_at=request.now,
+            finished_at=request.now,
             storage_bytes=0,
             device_bytes=0,
         )
-        return Done(job=dataclasses.replace(job, operation_id=op_id), operation=operation)
+        return Done(job=dataclasses.replace(job, operation_id=request.op_id), operation=operation)
     if job.state is State.FAULTED and recovered is not State.SAVED:
         raise _faulted(job, node=node)
     if job.state is State.IDLE:
-        raise refusals.Refused(
-            refusals.Code.FAILED_PRECONDITION,
-            f"job {job_id} is IDLE on node {node}: nothing was saved to restore; grant it instead",
+        raise _precondition(
+            f"job {job_id} is IDLE on node {node}: nothing was saved to restore; grant it instead"
         )
     resume = State.RUNNING if job.state is State.RUNNING else State.SAVED
-    return _start(
-        dataclasses.replace(job, error=""),
-        kind=Kind.RESTORE,
-        backend=route_.backend,
-        resume_state=resume,
-        op_id=op_id,
-        now=now,
-    )
+    return _start(job, request, kind=Kind.RESTORE, resume_state=resume)
 
 
 def check_epoch(*, job_id: str, group: str, epoch: int, last: GrantMark | None, node: str) -> None:
@@ -485,16 +402,14 @@ def check_epoch(*, job_id: str, group: str, epoch: int, last: GrantMark | None, 
     if not group or epoch <= 0 or last is None:
         return
     if epoch < last.epoch:
-        raise refusals.Refused(
-            refusals.Code.FAILED_PRECONDITION,
+        raise _precondition(
             f"stale grant: epoch {epoch} of group {group} is older than epoch {last.epoch} "
-            f"(job {last.job_id}) already seen on node {node}",
+            f"(job {last.job_id}) already seen on node {node}"
         )
     if epoch == last.epoch and last.job_id != job_id:
-        raise refusals.Refused(
-            refusals.Code.FAILED_PRECONDITION,
+        raise _precondition(
             f"stale grant: epoch {epoch} of group {group} was already used for job "
-            f"{last.job_id} on node {node}",
+            f"{last.job_id} on node {node}"
         )
 
 
@@ -507,31 +422,26 @@ def new_mark(*, job_id: str, group: str, epoch: int, last: GrantMark | None) -> 
 
 def plan_grant(
     job: Job | None,
+    request: Request,
     *,
-    job_id: str,
-    group: str,
     epoch: int,
     last: GrantMark | None,
     footprint_bytes: int,
-    route_: Route,
-    node: str,
-    op_id: str,
-    now: float,
     others: Iterable[Job],
 ) -> Start | Unchanged:
-    """The orchestrator granted ``job_id`` the group: IDLE/unknown -> activate -> RUNNING.
+    """The orchestrator granted the job the group: IDLE/unknown -> activate -> RUNNING.
 
     ``epoch`` 0 means "unfenced" (clients that send none); otherwise it must not be
     older than the last grant seen for the group, and one epoch names one job.
     """
+    job_id, group, node = request.job_id, request.group, request.node
     check_epoch(job_id=job_id, group=group, epoch=epoch, last=last, node=node)
     if job is not None:
         if job.state is State.TRANSITIONING:
             raise _aborted(job)
         if job.state is State.SAVED:
-            raise refusals.Refused(
-                refusals.Code.FAILED_PRECONDITION,
-                f"job {job_id} is SAVED on node {node}; restore it first (Restore), then grant",
+            raise _precondition(
+                f"job {job_id} is SAVED on node {node}; restore it first (Restore), then grant"
             )
         if job.state is State.FAULTED:
             raise _faulted(job, node=node)
@@ -542,18 +452,11 @@ def plan_grant(
         return Unchanged(job=dataclasses.replace(job, group=group or job.group))
     if job is None:
         job = Job(job_id=job_id, group=group)
-    footprint = footprint_bytes or _sim_footprint(route_.config) or job.footprint_bytes
+    footprint = footprint_bytes or _sim_footprint(request.route.config) or job.footprint_bytes
     job = dataclasses.replace(
-        _with_choice(job, route_), group=group or job.group, footprint_bytes=footprint, error=""
+        _with_choice(job, request.route), group=group or job.group, footprint_bytes=footprint
     )
-    return _start(
-        job,
-        kind=Kind.ACTIVATE,
-        backend=route_.backend,
-        resume_state=State.IDLE,
-        op_id=op_id,
-        now=now,
-    )
+    return _start(job, request, kind=Kind.ACTIVATE, resume_state=State.IDLE)
 
 
 def after_channel_registration(
@@ -654,24 +557,38 @@ def finish(
 
 
 def after_restart(
-    job: Job, operation: Operation | None, *, recovered: State | None, now: float
+    job: Job,
+    operation: Operation | None,
+    *,
+    recovered: State | None,
+    now: float,
+    backend_enabled: bool = True,
 ) -> tuple[Job, Operation | None]:
     """A job left TRANSITIONING by a dead agent takes the state its backend reports.
 
-    If the backend cannot tell, the job is FAULTED; its in-flight operation FAILS either way.
+    If the backend cannot tell (or is not enabled any more), the job is FAULTED; its
+    in-flight operation FAILS either way.
     """
-    op_id = job.operation_id or "(none)"
-    message = f"agent restarted during operation {op_id}"
+    message = f"agent restarted during operation {job.operation_id or '(none)'}"
     if recovered in (State.IDLE, State.RUNNING, State.SAVED):
         assert recovered is not None
         job = after_reset(job, recovered=recovered)
         message += f"; the backend reports job {job.job_id} {recovered.value}"
     else:
-        job = dataclasses.replace(
-            job, state=State.FAULTED, error=f"{message}; reset it", previous_state=None
-        )
+        error = f"{message}; reset it"
+        if not backend_enabled:
+            error += f" (backend {job.backend} is not enabled on this node)"
+        job = dataclasses.replace(job, state=State.FAULTED, error=error, previous_state=None)
     if operation is not None and not operation.finished:
-        operation = dataclasses.replace(
-            operation, status=OpStatus.FAILED, finished_at=now, error=message
-        )
+        operation = interrupted(operation, now=now, error=message)
     return job, operation
+
+
+def interrupted(operation: Operation, *, now: float, error: str = "") -> Operation:
+    """An operation a dead agent left PENDING has FAILED."""
+    return dataclasses.replace(
+        operation,
+        status=OpStatus.FAILED,
+        finished_at=now,
+        error=error or f"agent restarted during operation {operation.op_id}",
+    )

@@ -1,0 +1,264 @@
+"""How a Grant brings a job in on this node, decided one move at a time (pure, no I/O).
+
+A Grant is one node step of a switch. Its rules, in order:
+
+1. **evict**: the jobs of the group it names in ``evict`` whose state is resident here
+   are snapshotted (an operation already running on one is waited for);
+2. **make room**: while the granted job would not fit on the devices, the residents it
+   lists in ``give_way`` (other groups' deferred residents) are snapshotted, first
+   listed first; the backend is asked whether the job fits only then;
+3. **bring in**: the job is restored (SAVED and ``restore`` set) or activated (nothing
+   resident), and the grant mark is recorded with that move;
+4. **done** once the job is resident and the grant recorded.
+
+The driver (:meth:`tslice.agent.runner.AgentCore.grant`) loops: :func:`next_move` says
+what to do from the records as they stand, the driver starts it and waits for its
+operations (at most the Grant's ``wait_ms``), and :func:`after_round` says whether the
+Grant is done, comes back unfinished, or goes on. Each move is an ordinary, pollable
+operation, so a Grant re-issued after a timeout continues from where the node stands.
+
+The original Grant (a request without the one-step fields, as the first orchestrators
+sent it) differs only in three ways, all in the compat section at the end.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Iterable, Mapping, Sequence
+
+from tslice.agent import jobs
+from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
+from tslice.common import refusals
+
+#: Moves one Grant may make (evict, bring in) before it reports that states keep changing;
+#: each listed ``give_way`` resident adds one.
+MAX_STEPS = 8
+
+#: States in which a record holds the job's state on the devices (or may: FAULTED).
+_HOLDING = (jobs.State.RUNNING, jobs.State.TRANSITIONING, jobs.State.FAULTED)
+
+
+@dataclasses.dataclass(frozen=True)
+class Order:
+    """One Grant as this node received it, its ids checked and its records resolved."""
+
+    job_id: str
+    group: str
+    epoch: int
+    footprint_bytes: int
+    config: pb.BackendConfig | None
+    #: Records of the group's other jobs to snapshot first (duplicates and the job removed).
+    evict: tuple[jobs.Key, ...] = ()
+    #: Other groups' residents that give way while the job would not fit, in order.
+    give_way: tuple[jobs.Key, ...] = ()
+    restore: bool = False
+    #: The original Grant (see the compat section).
+    original: bool = False
+
+    @property
+    def max_steps(self) -> int:
+        return MAX_STEPS + len(self.give_way)
+
+    def concerns(self, op: jobs.Operation) -> bool:
+        """Whether ``op`` moves the granted job's state for the group."""
+        return op.job_id == self.job_id and op.group == self.group
+
+
+def order(
+    *,
+    job_id: str,
+    group: str,
+    epoch: int,
+    footprint_bytes: int,
+    config: pb.BackendConfig | None,
+    evict: Iterable[jobs.Key] = (),
+    give_way: Iterable[jobs.Key] = (),
+    restore: bool = False,
+    original: bool = False,
+) -> Order:
+    """The :class:`Order` of a Grant; ``evict`` are the records of the named jobs."""
+    return Order(
+        job_id=job_id,
+        group=group,
+        epoch=epoch,
+        footprint_bytes=footprint_bytes,
+        config=config,
+        evict=tuple(k for k in dict.fromkeys(evict) if k[0] != job_id),
+        give_way=tuple(k for k in dict.fromkeys(give_way) if k[1] != group),
+        restore=restore,
+        original=original,
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class Evict:
+    """Snapshot these records' states (or wait for the operation running on one)."""
+
+    keys: tuple[jobs.Key, ...]
+    #: They are other groups' residents making room, not the group's evictees.
+    giving_way: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class AskFit:
+    """Ask the backend whether the job fits beside what is resident, then plan again."""
+
+
+@dataclasses.dataclass(frozen=True)
+class BringIn:
+    """Record the grant and restore or activate the job (nothing to move if it is resident)."""
+
+
+Move = Evict | AskFit | BringIn
+
+
+class Verdict(enum.Enum):
+    """What a round of moves, once waited for, means for the Grant."""
+
+    #: An operation FAILED: the Grant reports it (the original Grant raises).
+    FAILED = "failed"
+    #: The wait ran out: the Grant reports its operations as they stand.
+    UNFINISHED = "unfinished"
+    #: The job is resident and the grant recorded.
+    GRANTED = "granted"
+    #: Plan the next move.
+    GO_ON = "go on"
+
+
+@dataclasses.dataclass(frozen=True)
+class GrantOutcome:
+    """What one Grant did on this node."""
+
+    #: State of the granted job at the reply.
+    state: jobs.State
+    #: The grant is recorded and the job is resident.
+    granted: bool
+    #: Operations the Grant started or found running, as of the reply, in order.
+    operations: tuple[jobs.Operation, ...] = ()
+    #: A restore of the granted job finished during this Grant.
+    restored: bool = False
+
+
+def as_asked(grant: Order, job: jobs.Job | None) -> jobs.Job:
+    """The granted job's record as the backend is asked about it (validate, fits): with
+    the footprint the Grant declares, if it declares one."""
+    probe = job if job is not None else jobs.Job(job_id=grant.job_id, group=grant.group)
+    return dataclasses.replace(
+        probe, footprint_bytes=grant.footprint_bytes or probe.footprint_bytes
+    )
+
+
+def _holds_state(job: jobs.Job | None) -> bool:
+    return job is not None and job.state in _HOLDING
+
+
+def next_move(
+    grant: Order,
+    records: Mapping[jobs.Key, jobs.Job],
+    *,
+    target: jobs.Key,
+    fits: bool | None = None,
+) -> Move:
+    """The next move of ``grant`` given the node's ``records``; ``target`` is the job's.
+
+    ``fits`` is the backend's answer to :class:`AskFit` (``None``: not asked yet).
+    """
+    evictees = tuple(k for k in grant.evict if _holds_state(records.get(k)))
+    if evictees:
+        return Evict(evictees)
+    job = records.get(target)
+    if job is None or job.state is not jobs.State.RUNNING:
+        residents = [k for k in grant.give_way if _holds_state(records.get(k))]
+        if residents and fits is None:
+            return AskFit()
+        if residents and not fits:
+            return Evict((residents[0],), giving_way=True)
+    return BringIn()
+
+
+def granted_here(grant: Order, job: jobs.Job | None, mark: jobs.GrantMark | None) -> bool:
+    """The job is resident and this node has recorded the grant (or it is unfenced)."""
+    if job is None or job.state is not jobs.State.RUNNING:
+        return False
+    unfenced = not grant.group or grant.epoch <= 0
+    return unfenced or (mark is not None and mark.epoch >= grant.epoch)
+
+
+def after_round(
+    grant: Order,
+    settled: Sequence[jobs.Operation],
+    *,
+    job: jobs.Job | None,
+    mark: jobs.GrantMark | None,
+) -> Verdict:
+    """What the round's ``settled`` operations mean; ``job`` is the granted job's record."""
+    if any(op.status is jobs.OpStatus.FAILED for op in settled):
+        return Verdict.FAILED
+    if any(not op.finished for op in settled):
+        return Verdict.UNFINISHED
+    # The mark was stored when the operation bringing the job in started.
+    brought_in = any(grant.concerns(op) and op.kind is not jobs.Kind.SNAPSHOT for op in settled)
+    if brought_in and granted_here(grant, job, mark):
+        return Verdict.GRANTED
+    return Verdict.GO_ON
+
+
+def outcome(
+    grant: Order,
+    seen: Iterable[jobs.Operation],
+    *,
+    job: jobs.Job | None,
+    granted: bool,
+) -> GrantOutcome:
+    """The Grant's reply: the job's state and every operation it started or waited on."""
+    operations = tuple(seen)
+    return GrantOutcome(
+        state=job.state if job is not None else jobs.State.IDLE,
+        granted=granted,
+        operations=operations,
+        restored=any(
+            grant.concerns(op)
+            and op.kind is jobs.Kind.RESTORE
+            and op.status is jobs.OpStatus.COMPLETE
+            for op in operations
+        ),
+    )
+
+
+def kept_changing(grant: Order, *, node: str) -> refusals.Refused:
+    return refusals.Refused(
+        refusals.Code.ABORTED,
+        f"job states on node {node} kept changing during the grant of job {grant.job_id}; "
+        "read Status and retry",
+    )
+
+
+# ---- compat: the original Grant ---------------------------------------------------------
+#
+# A Grant without evict, give_way, restore or wait_ms (``original``) keeps the meaning it
+# had before the one-step Grant: it waits for the activation however long it takes, an
+# operation already running on the job is refused (ABORTED) instead of waited for, and a
+# failed activation is an RPC error (below) instead of a reply with ``granted`` false.
+
+
+def follows_running(grant: Order) -> bool:
+    """Whether an operation already running on the job is waited for (not ABORTED)."""
+    return not grant.original
+
+
+def original_failure(
+    grant: Order, job: jobs.Job | None, failed: jobs.Operation, *, node: str
+) -> refusals.Refused:
+    """How the original Grant reports a failed activation."""
+    if job is not None and job.state is jobs.State.FAULTED:
+        return refusals.Refused(
+            refusals.Code.FAILED_PRECONDITION,
+            f"grant of job {grant.job_id} on node {node} failed: {failed.error}; the job "
+            "is FAULTED, clear it with ResetJob",
+        )
+    return refusals.Refused(
+        refusals.Code.UNAVAILABLE,
+        f"grant of job {grant.job_id} on node {node} failed and changed nothing: "
+        f"{failed.error}; retry",
+    )
