@@ -147,9 +147,12 @@ async def test_a_process_that_names_another_group_moves_there_in_place(
         await other.wait()
 
 
-def test_a_malformed_group_is_refused_by_the_workload_side(tmp_path: Path) -> None:
+async def test_a_malformed_group_is_refused_with_the_agent_s_reason(
+    server: registration.RegistrationServer,
+) -> None:
     with pytest.raises(process.RegistrationError, match="group 'bad group' is malformed"):
-        process.announce_process("rl-a", group="bad group", socket_path=tmp_path / "a.sock")
+        await _announce("rl-a", server.path, group="bad group")
+    assert server.registry.registrations() == []
 
 
 @pytest.mark.parametrize(

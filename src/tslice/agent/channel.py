@@ -319,14 +319,7 @@ class ChannelHub:
                 "replaced": previous is not None,
             },
         )
-        self._notify(
-            ChannelEvent(
-                kind="registered",
-                job_id=session.job_id,
-                group=session.group,
-                state=session.state(),
-            )
-        )
+        self._notify("registered", session)
         return session
 
     async def _read(
@@ -493,17 +486,21 @@ class ChannelHub:
             "workload session closed",
             extra={"job_id": session.job_id, "group": session.group, "reason": reason},
         )
-        self._notify(
-            ChannelEvent(
-                kind="closed",
-                job_id=session.job_id,
-                group=session.group,
-                state=session.state(),
-                reason=reason,
-            )
-        )
+        self._notify("closed", session, reason)
 
-    def _notify(self, event: ChannelEvent) -> None:
+    def _notify(
+        self,
+        kind: Literal["registered", "closed"],
+        session: channel_session.Session,
+        reason: str = "",
+    ) -> None:
+        event = ChannelEvent(
+            kind=kind,
+            job_id=session.job_id,
+            group=session.group,
+            state=session.state(),
+            reason=reason,
+        )
         if self._changed is not None:
             self._changed.set()
             self._changed = None
@@ -523,9 +520,8 @@ class ChannelHub:
             if self._changed is None:
                 self._changed = asyncio.Event()
             changed = self._changed
-            remaining = None if deadline is None else deadline - loop.time()
-            if remaining is not None and remaining <= 0:
-                raise TimeoutError(f"timed out after {timeout:g} s waiting for workload {what}")
+            # wait_for with a timeout of 0 times out at once unless the event is set.
+            remaining = None if deadline is None else max(0.0, deadline - loop.time())
             try:
                 await asyncio.wait_for(changed.wait(), remaining)
             except asyncio.TimeoutError:

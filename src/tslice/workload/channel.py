@@ -44,7 +44,6 @@ import random
 import threading
 import time
 from collections.abc import Iterable, Iterator
-from types import TracebackType
 from typing import Any, TypeAlias
 
 import grpc
@@ -70,6 +69,30 @@ class _Stop:
 _STOP = _Stop()
 # Generated stubs are untyped; calling through Any keeps strict mypy quiet either way.
 _STUB: Any = pb_grpc.SnapshotAgentServiceStub
+
+
+@dataclasses.dataclass(frozen=True)
+class ChannelSettings:
+    """How a handle keeps its stream to the agent alive, and how it reconnects."""
+
+    #: Seconds between keepalive pings towards the agent (when the agent pings too).
+    ping_interval_s: float = 5.0
+    #: Silent intervals after which the connection is dropped and re-opened.
+    missed_pings: int = 3
+    #: First reconnect pause, seconds; doubles (with jitter) up to ``backoff_max_s``.
+    backoff_initial_s: float = 0.5
+    #: Longest reconnect pause, seconds.
+    backoff_max_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if self.ping_interval_s <= 0 or self.missed_pings < 1:
+            raise ValueError("ping_interval_s must be > 0 and missed_pings >= 1")
+        if self.backoff_initial_s <= 0 or self.backoff_max_s < self.backoff_initial_s:
+            raise ValueError("need 0 < backoff_initial_s <= backoff_max_s")
+
+    @property
+    def silence_limit_s(self) -> float:
+        return self.ping_interval_s * self.missed_pings
 
 
 @dataclasses.dataclass
@@ -103,10 +126,7 @@ class WorkloadHandle:
         adapter: base.WorkloadAdapter,
         capabilities: base.Capabilities,
         loop: asyncio.AbstractEventLoop | None,
-        ping_interval_s: float,
-        missed_pings: int,
-        backoff_initial_s: float,
-        backoff_max_s: float,
+        settings: ChannelSettings,
     ) -> None:
         self.job_id = job_id
         self.group = group
@@ -114,10 +134,7 @@ class WorkloadHandle:
         self.adapter = adapter
         self.capabilities = capabilities
         self._agent = agent
-        self._ping_interval_s = ping_interval_s
-        self._missed_pings = missed_pings
-        self._backoff_initial_s = backoff_initial_s
-        self._backoff_max_s = backoff_max_s
+        self._settings = settings
         self._commands = commands.CommandRunner(
             job_id=job_id, adapter=adapter, capabilities=capabilities, loop=loop
         )
@@ -185,20 +202,12 @@ class WorkloadHandle:
             self._thread.join(timeout / 2)
         self._worker.shutdown(wait=False, cancel_futures=True)
         self._commands.close()
-        with self._state:
-            self._registered = False
-            self._finished = True
-            self._state.notify_all()
+        self._set_finished()
 
     def __enter__(self) -> WorkloadHandle:
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         self.close()
 
     def __repr__(self) -> str:
@@ -210,7 +219,7 @@ class WorkloadHandle:
     # ---- connection loop ----------------------------------------------------------
 
     def _run(self) -> None:
-        delay = self._backoff_initial_s
+        delay = self._settings.backoff_initial_s
         try:
             while not self._stop.is_set():
                 self._wait_idle()
@@ -220,7 +229,7 @@ class WorkloadHandle:
                 if final or self._stop.is_set():
                     break
                 if acked:
-                    delay = self._backoff_initial_s
+                    delay = self._settings.backoff_initial_s
                 pause = delay * random.uniform(0.5, 1.5)
                 log.info(
                     "reconnecting to the agent",
@@ -228,12 +237,9 @@ class WorkloadHandle:
                 )
                 if self._stop.wait(pause):
                     break
-                delay = min(delay * 2, self._backoff_max_s)
+                delay = min(delay * 2, self._settings.backoff_max_s)
         finally:
-            with self._state:
-                self._registered = False
-                self._finished = True
-                self._state.notify_all()
+            self._set_finished()
 
     def _connect_once(self) -> tuple[bool, bool]:
         """One stream, until it ends. Returns (acknowledged, stop for good)."""
@@ -328,7 +334,8 @@ class WorkloadHandle:
     ) -> Iterator[pb.WorkloadMessage]:
         """The outgoing stream: registration, then results/pongs, and our own pings."""
         yield registration
-        next_ping = time.monotonic() + self._ping_interval_s
+        interval = self._settings.ping_interval_s
+        next_ping = time.monotonic() + interval
         while True:
             timeout = max(next_ping - time.monotonic(), 0) if connection.keepalive else None
             try:
@@ -339,7 +346,7 @@ class WorkloadHandle:
                 return
             if connection.keepalive:
                 silent = time.monotonic() - connection.last_heard
-                if silent > self._ping_interval_s * self._missed_pings:
+                if silent > self._settings.silence_limit_s:
                     log.warning(
                         "no message from the agent; dropping the connection",
                         extra={"job_id": self.job_id, "silent_s": round(silent, 2)},
@@ -351,7 +358,7 @@ class WorkloadHandle:
                 yield item
             if connection.keepalive and time.monotonic() >= next_ping:
                 connection.pings_sent += 1
-                next_ping = time.monotonic() + self._ping_interval_s
+                next_ping = time.monotonic() + interval
                 yield pb.WorkloadMessage(ping=pb.Ping(nonce=connection.pings_sent))
 
     def _registration(self) -> pb.WorkloadMessage:
@@ -398,6 +405,12 @@ class WorkloadHandle:
     def _set_registered(self, value: bool) -> None:
         with self._state:
             self._registered = value
+            self._state.notify_all()
+
+    def _set_finished(self) -> None:
+        with self._state:
+            self._registered = False
+            self._finished = True
             self._state.notify_all()
 
     def _fail(self, message: str) -> None:
@@ -453,10 +466,7 @@ def register_workload(  # noqa: PLR0917 - llm-d's positional signature, kept for
     if group:
         ids.check_id("group", group)
     target = _resolve_agent(agent)
-    if ping_interval_s <= 0 or missed_pings < 1:
-        raise ValueError("ping_interval_s must be > 0 and missed_pings >= 1")
-    if backoff_initial_s <= 0 or backoff_max_s < backoff_initial_s:
-        raise ValueError("need 0 < backoff_initial_s <= backoff_max_s")
+    settings = ChannelSettings(ping_interval_s, missed_pings, backoff_initial_s, backoff_max_s)
     adapter = adapters.resolve_adapter(
         workload=workload, on_snapshot=on_snapshot, on_restore=on_restore
     )
@@ -472,10 +482,7 @@ def register_workload(  # noqa: PLR0917 - llm-d's positional signature, kept for
         adapter=adapter,
         capabilities=capabilities,
         loop=loop,
-        ping_interval_s=ping_interval_s,
-        missed_pings=missed_pings,
-        backoff_initial_s=backoff_initial_s,
-        backoff_max_s=backoff_max_s,
+        settings=settings,
     )
     return handle.start()
 

@@ -53,8 +53,6 @@ def announce_process(
     """
     try:
         ids.check_id("job_id", job_id)
-        if group:
-            ids.check_id("group", group)
     except ids.InvalidIdError as exc:
         raise RegistrationError(str(exc)) from exc
     path = _resolve(socket_path)

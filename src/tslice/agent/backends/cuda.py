@@ -64,11 +64,6 @@ from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
 
 log = logging.getLogger(__name__)
 
-_RUNNING = cuda_steps.RUNNING
-_LOCKED = cuda_steps.LOCKED
-_CHECKPOINTED = cuda_steps.CHECKPOINTED
-_FAILED = cuda_steps.FAILED
-
 
 @dataclasses.dataclass(frozen=True)
 class _Target:
@@ -399,7 +394,7 @@ class CudaBackend(base.Backend):
                         f"{where}: the driver became unavailable; restored so far: {changed}"
                     ) from None
                 except cuda_driver.DriverError as exc:
-                    if not changed and await steps.still(pid, _CHECKPOINTED):
+                    if not changed and await steps.still(pid, cuda_steps.CHECKPOINTED):
                         raise base.TransientBackendError(
                             f"{where}: {exc}; nothing changed (all processes are still "
                             "checkpointed)",
@@ -479,18 +474,18 @@ class CudaBackend(base.Backend):
             )
             return pb.JOB_STATE_FAULTED
         values = set(states.values())
-        if _FAILED in values:
+        if cuda_steps.FAILED in values:
             return pb.JOB_STATE_FAULTED
-        if values == {_CHECKPOINTED}:
+        if values == {cuda_steps.CHECKPOINTED}:
             return pb.JOB_STATE_SAVED
-        if values == {_RUNNING}:
+        if values == {cuda_steps.RUNNING}:
             return pb.JOB_STATE_RUNNING
         if not self.settings.repair_on_recover:
             return pb.JOB_STATE_FAULTED
-        if _CHECKPOINTED not in values:
-            locked = [p for p, s in states.items() if s is _LOCKED]
+        if cuda_steps.CHECKPOINTED not in values:
+            locked = [p for p, s in states.items() if s is cuda_steps.LOCKED]
             return await self._repair(job, steps, locked, to_saved=False)
-        resident = [p for p, s in states.items() if s is not _CHECKPOINTED]
+        resident = [p for p, s in states.items() if s is not cuda_steps.CHECKPOINTED]
         return await self._repair(job, steps, resident, to_saved=True)
 
     async def _repair(
