@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from tslice.agent import app, channel
+from tslice.agent import config as agent_config
 from tslice.agent.backends import base, sim
 from tslice.agent.backends import simdevice as device
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
@@ -302,3 +304,24 @@ async def test_noop_backend_moves_nothing() -> None:
     assert await backend.recover(ctx()) is None
     with pytest.raises(ValueError):
         noop.NoopBackend(delay_s=-1)
+
+
+async def test_on_an_agent_the_devices_are_the_nodes_and_live_in_its_state_dir(
+    tmp_path: Path,
+) -> None:
+    cfg = agent_config.load(
+        overrides={
+            "node_name": "node-s",
+            "state_dir": str(tmp_path),
+            "default_backend": "sim",
+            "sim": {"devices": 2, "capacity": "10GiB"},
+            "backend_settings": {"sim": {"latency_s": 0.0}},
+        }
+    )
+    built = await app.build_backends(cfg, hub=channel.ChannelHub())
+    backend = built["sim"]
+    assert isinstance(backend, sim.SimBackend)
+    assert (backend.node.node, backend.node.devices) == ("node-s", 2)
+    assert (backend.node.capacity_bytes, backend.speed.latency_s) == (10 * GiB, 0.0)
+    await backend.activate(ctx())
+    assert [e.node for e in device.read_journal(tmp_path / device.JOURNAL_FILE)] == ["node-s"] * 2

@@ -14,7 +14,6 @@ import sqlite3
 import stat
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -30,22 +29,6 @@ from tslice.common import errors, logs, serving, tasks
 log = logging.getLogger(__name__)
 
 _PRUNE_INTERVAL_MAX_S = 3600.0
-
-
-def backend_settings(name: str, config: agent_config.AgentConfig) -> dict[str, Any]:
-    """The config section ``Backend.create_on_node`` receives for backend ``name``."""
-    settings = config.settings_for(name)
-    if name == "sim":
-        # SimBackend does not take NodeServices yet (its own module, being reworked):
-        # until it overrides create_on_node, its node, state_dir and the agent-wide
-        # ``sim`` section reach it as settings.
-        settings = {
-            **config.sim.settings(),
-            "node": config.node_name,
-            "state_dir": str(config.state_dir),
-            **settings,
-        }
-    return settings
 
 
 async def build_backends(
@@ -72,7 +55,7 @@ async def build_backends(
             if name not in built:
                 built[name] = registry.create(
                     name,
-                    settings=backend_settings(name, config),
+                    settings=config.settings_for(name),
                     node_services=node_services,
                     registry=names if names is not None else registry.BUILTIN,
                 )
@@ -84,12 +67,9 @@ async def build_backends(
     return built
 
 
-def _client_address(host: str, port: int) -> str:
-    if host in ("", "0.0.0.0", "::", "[::]"):
-        host = "127.0.0.1"
-    if ":" in host and not host.startswith("["):
-        host = f"[{host}]"
-    return f"{host}:{port}"
+def _reachable(host: str) -> str:
+    """The address clients on this machine use for a server bound to ``host``."""
+    return "127.0.0.1" if host in ("", "0.0.0.0", "::", "[::]") else host
 
 
 def _bind(grpc_server: grpc.aio.Server, address: str, what: str) -> int:
@@ -219,7 +199,7 @@ async def serve(
         ]
         stack.push_async_callback(tasks.cancel_all, loops)
 
-        address = _client_address(config.host, port)
+        address = serving.host_port(_reachable(config.host), port)
         log.info(
             "agent %s serving on %s (backends: %s, default %s)",
             config.node_name,

@@ -123,7 +123,10 @@ class AgentConfig:
         return tuple(dict.fromkeys((self.default_backend, *self.backends)))
 
     def settings_for(self, backend: str) -> dict[str, Any]:
-        return dict(self.backend_settings.get(backend, {}))
+        """The settings ``Backend.create_on_node`` gets: the backend's ``backend_settings``
+        section, over the ``sim`` section for the sim backend."""
+        given = dict(self.backend_settings.get(backend, {}))
+        return {**self.sim.settings(), **given} if backend == "sim" else given
 
 
 # ---- the file/flag boundary --------------------------------------------------------------

@@ -17,12 +17,18 @@ from __future__ import annotations
 
 import asyncio
 import random
+from collections.abc import Mapping
 from pathlib import Path
-from typing import ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from typing_extensions import Self
 
 from tslice.agent.backends import base
 from tslice.agent.backends import simdevice as device
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
+
+if TYPE_CHECKING:
+    from tslice.agent.backends import services
 
 
 class SimBackend(base.Backend):
@@ -80,6 +86,15 @@ class SimBackend(base.Backend):
         self.extra_latency_s = extra_latency_s
         self.hang_probability = hang_probability
         self._random = random.Random(seed)
+
+    @classmethod
+    def create_on_node(
+        cls, settings: Mapping[str, Any], node_services: services.NodeServices
+    ) -> Self:
+        """On an agent, the devices are the node's and persist in its state directory."""
+        return cls.create(
+            {"node": node_services.node, "state_dir": node_services.state_dir, **settings}
+        )
 
     # ---- helpers --------------------------------------------------------------------
 
