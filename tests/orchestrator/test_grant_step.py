@@ -1,4 +1,6 @@
-"""A switch is one Grant per node (evict, restore, record); older agents get the steps."""
+"""A switch is one Grant per node on tslice agents; llm-d's agents get directives.
+
+Which one is negotiated: an agent declares what it speaks in its Status reply."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import grpc
 import httpx
 import pytest
 
+from tests.orchestrator.llmd_agent import LlmdAgent
 from tests.orchestrator.orch_harness import Cluster, Events, GiB, acquire, yield_
 from tslice.agent import server as agent_server
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
@@ -160,51 +163,133 @@ async def test_a_slow_node_is_waited_on_and_its_grant_reissued(cluster: Cluster)
     ev.cancel()
 
 
-class OlderAgentServicer(agent_server.SnapshotAgentServicer):
-    """An agent from before the one-step Grant: it knows nothing of evict/restore/wait_ms
-    and its replies carry only ``state`` (unknown fields are dropped on the wire)."""
-
-    async def Grant(
-        self, request: pb.GrantRequest, context: grpc.aio.ServicerContext
-    ) -> pb.GrantResponse:
-        older = pb.GrantRequest()
-        older.CopyFrom(request)
-        for field in ("evict", "restore", "wait_ms"):
-            older.ClearField(field)
-        reply = await super().Grant(older, context)
-        return pb.GrantResponse(state=reply.state)
-
-    async def GrantStream(self, request_iterator: Any, context: Any) -> None:
-        # What a server without the method answers: the orchestrator falls back to Grant.
-        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "Method not found!")
+def topology(**agents: str) -> dict[str, Any]:
+    """One group ``g`` over the named nodes at the given addresses."""
+    nodes = [{"name": name, "agent": address} for name, address in agents.items()]
+    return {"groups": {"g": {"nodes": nodes}}}
 
 
-async def test_an_agent_without_one_step_grant_gets_the_original_steps(
-    cluster: Cluster, monkeypatch: pytest.MonkeyPatch
+async def test_tslice_agents_declare_what_they_speak(cluster: Cluster) -> None:
+    agent = await cluster.start_agent("node-a")
+    status = await agent.stub.Status(pb.StatusRequest())
+    assert status.HasField("features")
+    assert status.features.grant_step and status.features.grant_stream
+
+
+async def test_an_llmd_agent_gets_snapshot_and_restore_directives_only(
+    cluster: Cluster,
 ) -> None:
-    monkeypatch.setattr(agent_server, "SnapshotAgentServicer", OlderAgentServicer)
-    await cluster.start_agent("node-a")
-    monkeypatch.undo()
-    await cluster.start_agent("node-b")
+    llmd = LlmdAgent({"a": pb.JOB_STATE_RUNNING, "b": pb.JOB_STATE_SAVED})
+    await llmd.start()
+    try:
+        await cluster.start_agent("node-b")
+        port = free_port()
+        await cluster.start_orchestrator(
+            topology=topology(
+                **{"node-a": llmd.address, "node-b": cluster.agents["node-b"].address}
+            ),
+            metrics_port=port,
+        )
+        stub = cluster.stub()
+        ev = await Events.open(stub, "g")
+        first = await acquire(stub, "a", "g")  # a already runs on node-a: nothing to move
+        b = await hand_over(stub, ev, to="b", frm="a")
+        a = await hand_over(stub, ev, to="a", frm="b")
+        assert not first.context_restored and b.context_restored and a.context_restored
+        ev.cancel()
+    finally:
+        await llmd.stop()
+
+    # node-a heard only llm-d's RPCs: a Status read before each switch (workloads register
+    # there behind the orchestrator's back), the directives, and GetOperation polls.
+    assert set(llmd.calls) == {"Status", "Snapshot", "Restore", "GetOperation"}, llmd.calls
+    assert (llmd.calls["Status"], llmd.calls["Snapshot"], llmd.calls["Restore"]) == (3, 2, 2)
+    assert llmd.jobs == {"a": pb.JOB_STATE_RUNNING, "b": pb.JOB_STATE_SAVED}
+    # node-b, a tslice agent in the same group, took one Grant per switch.
+    calls = await agent_calls(port)
+    assert calls[("node-b", "grant")] == 3 and calls[("node-b", "status")] == 1, calls
+    assert calls[("node-a", "snapshot")] == 2 and calls[("node-a", "restore")] == 2, calls
+    assert ("node-a", "grant") not in calls, calls
+    # Both kinds of node report their moves as events, with the bytes they moved.
+    assert node_events(ev, K.KIND_RESTORE_DONE, "a") == [("node-a", 1000), ("node-b", FOOTPRINT)]
+    assert node_events(ev, K.KIND_SNAPSHOT_DONE, "b") == [("node-a", 1000), ("node-b", FOOTPRINT)]
+
+
+async def test_a_faulted_job_on_an_llmd_agent_degrades_the_node(cluster: Cluster) -> None:
+    llmd = LlmdAgent({"a": pb.JOB_STATE_FAULTED})
+    await llmd.start()
+    try:
+        await cluster.start_orchestrator(
+            topology=topology(**{"node-a": llmd.address}),
+            backoff_initial_s=0.001,
+            backoff_max_s=0.01,
+            max_refusals=2,
+        )
+        stub = cluster.stub()
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await asyncio.wait_for(acquire(stub, "a", "g"), 10)
+    finally:
+        await llmd.stop()
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert "llm-d's agent cannot reset it" in (err.value.details() or "")
+    assert set(llmd.calls) == {"Status"}, llmd.calls  # no ResetJob tried, nothing moved
+
+
+async def test_the_protocol_is_read_again_when_another_agent_answers_the_address(
+    cluster: Cluster,
+) -> None:
     port = free_port()
-    await cluster.start_orchestrator(groups={"g": ["node-a", "node-b"]}, metrics_port=port)
+    llmd = LlmdAgent({"a": pb.JOB_STATE_RUNNING, "b": pb.JOB_STATE_SAVED})
+    await llmd.start(port)
+    await cluster.start_orchestrator(topology=topology(**{"node-a": llmd.address}))
     stub = cluster.stub()
     ev = await Events.open(stub, "g")
     await acquire(stub, "a", "g")
     await hand_over(stub, ev, to="b", frm="a")
-    a = await hand_over(stub, ev, to="a", frm="b")
-    assert a.context_restored
+    await llmd.stop()
+    assert llmd.calls["Snapshot"] == 1 and llmd.calls["Restore"] == 1, llmd.calls
 
-    for agent in cluster.agents.values():
-        jobs = await agent.jobs()
-        assert (jobs["a"].state, jobs["b"].state) == (pb.JOB_STATE_RUNNING, pb.JOB_STATE_SAVED)
-    calls = await agent_calls(port)
-    # node-a: Snapshot and Restore calls, then a plain Grant (found out at the first switch,
-    # whose Grant it answered without the one-step fields: two Grants there); node-b: one
-    # Grant per switch.
-    assert calls[("node-a", "grant")] == 4 and calls[("node-a", "status")] == 2, calls
-    assert calls[("node-a", "snapshot")] == 2 and calls[("node-a", "restore")] == 1, calls
-    assert calls[("node-b", "grant")] == 3 and calls[("node-b", "status")] == 1, calls
-    both = [("node-a", FOOTPRINT), ("node-b", FOOTPRINT)]
-    assert node_events(ev, K.KIND_RESTORE_DONE, "a") == both
+    # A tslice agent takes the address over: the next switch reads its Status and grants.
+    agent = await cluster.start_agent("node-a", port=port)
+    await hand_over(stub, ev, to="a", frm="b")
+    assert await agent.state("a") == pb.JOB_STATE_RUNNING
+    await cluster.stop_agent("node-a")
+
+    # And back: the Grant stream breaks, the node is read again and gets directives.
+    again = LlmdAgent({"a": pb.JOB_STATE_RUNNING, "b": pb.JOB_STATE_SAVED})
+    await again.start(port)
+    try:
+        await hand_over(stub, ev, to="b", frm="a")
+    finally:
+        await again.stop()
+    assert again.calls["Snapshot"] == 1 and again.calls["Restore"] == 1, again.calls
+    assert "Grant" not in again.calls and "GrantStream" not in again.calls
+    assert again.jobs == {"a": pb.JOB_STATE_SAVED, "b": pb.JOB_STATE_RUNNING}
     ev.cancel()
+
+
+class RecordingServicer(agent_server.SnapshotAgentServicer):
+    """The agent's own servicer, keeping every Grant it gets."""
+
+    grants: list[pb.GrantRequest] = []
+
+    async def grant_reply(self, request: Any) -> Any:
+        self.grants.append(request)
+        return await super().grant_reply(request)
+
+
+async def test_grants_name_the_devices_the_topology_gives_the_group(
+    cluster: Cluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(agent_server, "SnapshotAgentServicer", RecordingServicer)
+    RecordingServicer.grants = []
+    a = await cluster.start_agent("node-a")
+    b = await cluster.start_agent("node-b")
+    nodes = [
+        {"name": "node-a", "agent": a.address, "devices": [1, 3]},
+        {"name": "node-b", "agent": b.address},
+    ]
+    await cluster.start_orchestrator(topology={"groups": {"g": {"nodes": nodes}}})
+    await acquire(cluster.stub(), "a", "g")
+    devices = sorted((g.group, list(g.devices)) for g in RecordingServicer.grants)
+    assert devices == [("g", []), ("g", [1, 3])]

@@ -6,7 +6,7 @@ import asyncio
 
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
 from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2 as opb
-from tslice.orchestrator import events, group, lock, switch
+from tslice.orchestrator import events, group, lock, steps, switch
 
 R, S, T, F = (
     pb.JOB_STATE_RUNNING,
@@ -16,12 +16,12 @@ R, S, T, F = (
 )
 
 
-def view(**jobs: int) -> switch.NodeView:
-    return {j: switch.JobView(state, "g") for j, state in jobs.items()}
+def view(**jobs: int) -> steps.NodeView:
+    return {j: steps.JobView(state, "g") for j, state in jobs.items()}
 
 
 def decide(
-    resident: str | None, views: list[switch.NodeView], intent: tuple[str | None, str] | None = None
+    resident: str | None, views: list[steps.NodeView], intent: tuple[str | None, str] | None = None
 ) -> group.RecoveryDecision:
     sw = lock.StartSwitch(intent[0], intent[1], 2, 0, recovered=True) if intent else None
     return group.decide_recovery(
@@ -54,7 +54,7 @@ def test_resident_verified_adopted_or_left_unverified() -> None:
 
 
 def test_jobs_of_other_groups_are_ignored() -> None:
-    other = {"z": switch.JobView(R, "other-group")}
+    other = {"z": steps.JobView(R, "other-group")}
     assert decide("a", [{**view(a=R), **other}]).verified
 
 

@@ -6,16 +6,24 @@ deadlines are applied and gRPC failures are translated:
 - :class:`AgentUnreachable`  the agent did not answer (UNAVAILABLE, DEADLINE_EXCEEDED...):
   the truth on that node is unknown; retry with backoff, report UNKNOWN meanwhile;
 - :class:`AgentRejected`  the agent answered and refused (FAILED_PRECONDITION, ABORTED,
-  NOT_FOUND...): our view of the node is stale; re-read its Status and re-plan.
+  NOT_FOUND, UNIMPLEMENTED...): our view of the node is stale; re-read its Status and re-plan.
 
-Operations are awaited with the WaitOperation long-poll in chunks, never by polling.
-A switch makes a job resident on a node with one Grant (:meth:`AgentClient.grant_step`:
-evict, restore, record); :attr:`AgentClient.one_step` says whether the agent is known
-to do that, so that agents without the feature get the original step sequence.
+What an agent speaks is negotiated, never guessed: its Status reply declares it
+(``StatusResponse.features``, see :class:`Features`), the client keeps the declaration
+of its current connection (:attr:`AgentClient.features`, dropped when the connection
+is lost) and the switch picks its path from it once per read: a tslice agent gets one
+Grant per node (:meth:`AgentClient.grant`: evict, restore, record), over one
+GrantStream when declared; an agent that declares nothing is llm-d's and gets
+Snapshot/Restore directives (``tslice.orchestrator.compat_agent``).
+
+tslice's operations are awaited with the WaitOperation long-poll in chunks, never by
+polling.
 """
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar, cast
@@ -24,7 +32,7 @@ import grpc
 
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2_grpc as pb_grpc
-from tslice.common import multiplex
+from tslice.common import multiplex, tasks
 
 _R = TypeVar("_R")
 
@@ -76,6 +84,21 @@ class OperationFailed(AgentError):
     """A snapshot/restore operation finished as FAILED (or never finished in time)."""
 
 
+@dataclasses.dataclass(frozen=True)
+class Features:
+    """What an agent declared in its Status reply (``AgentFeatures``); all false: llm-d's."""
+
+    #: The one-step Grant (evict, give_way, restore, wait_ms), WaitOperation and ResetJob.
+    grant_step: bool = False
+    #: Grants over one GrantStream (only meaningful with ``grant_step``).
+    grant_stream: bool = False
+
+    @classmethod
+    def declared(cls, status: pb.StatusResponse) -> Features:
+        f = status.features
+        return cls(grant_step=f.grant_step, grant_stream=f.grant_step and f.grant_stream)
+
+
 class AgentClient:
     """Typed calls to one agent, each with a deadline."""
 
@@ -91,12 +114,13 @@ class AgentClient:
         self.rpc_timeout_s = rpc_timeout_s
         self.operation_timeout_s = operation_timeout_s
         self.wait_chunk_s = wait_chunk_s
-        #: The agent makes a job resident in one Grant: None until a reply tells.
-        self.one_step: bool | None = None
+        #: What the agent declared on the current connection; None until a Status read.
+        self.features: Features | None = None
+        self._watch: asyncio.Task[None] | None = None
         self._channel = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
         self._stub: Any = pb_grpc.SnapshotAgentServiceStub(self._channel)
-        # Grants go over one long-lived GrantStream (half a unary call each; they are on
-        # every hand-over's path); an agent without it gets unary Grants.
+        # Grants go over one long-lived GrantStream where declared (half a unary call
+        # each; they are on every hand-over's path), else unary Grants.
         self._grants: multiplex.Caller[pb.GrantStreamRequest, pb.GrantStreamResponse] = (
             multiplex.Caller(
                 self._stub.GrantStream, reply_id=lambda r: r.request_id, name=f"agent {address}"
@@ -104,12 +128,25 @@ class AgentClient:
         )
 
     async def close(self) -> None:
+        if self._watch is not None:
+            await tasks.cancel_all([self._watch])
         await self._grants.close()
         await self._channel.close()
+
+    async def _forget_on_disconnect(self) -> None:
+        """A declaration holds for one connection: the next may reach another agent."""
+        state = self._channel.get_state()
+        while True:
+            await self._channel.wait_for_state_change(state)
+            new = self._channel.get_state()
+            if state == grpc.ChannelConnectivity.READY:
+                self.features = None
+            state = new
 
     async def status(
         self, *, timeout_s: float | None = None, issued: Callable[[], None] | None = None
     ) -> pb.StatusResponse:
+        """The node's job states; learns what the agent declares (:attr:`features`)."""
         resp = await self._call(
             "status",
             self._stub.Status,
@@ -118,42 +155,33 @@ class AgentClient:
             timeout_s,
             issued=issued,
         )
+        self.features = Features.declared(resp)
+        if self._watch is None:
+            self._watch = tasks.spawn(self._forget_on_disconnect(), name=f"agent {self.address}")
+        if self.features.grant_stream and self._grants.supported is False:
+            self._grants.supported = None  # declared now (an upgraded agent): try it again
         return resp
 
     async def snapshot(self, *, job_id: str, group: str) -> str:
-        # backend_config stays empty: the agent records each job's backend at grant.
-        resp = await self._call(
-            "snapshot",
-            self._stub.Snapshot,
-            pb.SnapshotRequest(job_id=job_id, group=group),
-            pb.SnapshotResponse,
-        )
+        """llm-d's Snapshot directive; returns the operation id at once."""
+        # backend_config stays empty: the agent knows each job's backend.
+        request = pb.SnapshotRequest(job_id=job_id, group=group)
+        resp = await self._call("snapshot", self._stub.Snapshot, request, pb.SnapshotResponse)
         return resp.operation_id
 
     async def restore(self, *, job_id: str, group: str) -> str:
-        resp = await self._call(
-            "restore",
-            self._stub.Restore,
-            pb.RestoreRequest(job_id=job_id, group=group),
-            pb.RestoreResponse,
-        )
+        """llm-d's Restore directive; returns the operation id at once."""
+        request = pb.RestoreRequest(job_id=job_id, group=group)
+        resp = await self._call("restore", self._stub.Restore, request, pb.RestoreResponse)
         return resp.operation_id
 
-    async def grant(
-        self, *, job_id: str, group: str, epoch: int, footprint_bytes: int
-    ) -> pb.GrantResponse:
-        """The original Grant: records the grant of a job with nothing left to restore."""
-        resp = await self._call(
-            "grant",
-            self._stub.Grant,
-            pb.GrantRequest(
-                job_id=job_id, group=group, grant_epoch=epoch, footprint_bytes=footprint_bytes
-            ),
-            pb.GrantResponse,
-        )
+    async def get_operation(self, operation_id: str) -> pb.GetOperationResponse:
+        """llm-d's GetOperation: the operation as it stands (no waiting)."""
+        request = pb.GetOperationRequest(operation_id=operation_id)
+        resp = await self._call("poll", self._stub.GetOperation, request, pb.GetOperationResponse)
         return resp
 
-    async def grant_step(
+    async def grant(
         self,
         *,
         job_id: str,
@@ -163,12 +191,15 @@ class AgentClient:
         evict: list[str],
         wait_s: float,
         give_way: Sequence[tuple[str, str]] = (),
+        devices: Sequence[int] = (),
         issued: Callable[[], None] | None = None,
     ) -> pb.GrantResponse:
-        """One node step of a switch: evict, restore ``job_id`` if SAVED, record the grant.
+        """One node step of a switch: evict, restore ``job_id`` if SAVED, record the grant
+        (``devices``: the node's device indices the group uses, empty = all).
 
         The agent replies once done (``granted``) or after ``wait_s`` with the operations
-        so far; re-issuing the same request continues where the node stands.
+        so far; re-issuing the same request continues where the node stands. Only for an
+        agent that declared ``grant_step``; over its GrantStream if it declared that too.
         """
         request = pb.GrantRequest(
             job_id=job_id,
@@ -179,31 +210,34 @@ class AgentClient:
             restore=True,
             wait_ms=max(1, int(wait_s * 1000)),
             give_way=[pb.JobRef(job_id=j, group=g) for j, g in give_way],
+            devices=devices,
         )
         timeout_s = wait_s + self.rpc_timeout_s
-        if self._grants.supported is not False:
-            notify = _once(issued)
-            try:
-                reply = await self._grants.call(
-                    lambda rid: pb.GrantStreamRequest(request_id=rid, grant=request),
-                    timeout_s=timeout_s,
-                    issued=notify,
-                )
-            except multiplex.Unsupported:
-                issued = notify  # the unary call below is the first call after all
-            except multiplex.Broken as err:
-                raise _error(self.address, "grant", err.code, err.detail) from err
-            except TimeoutError as err:
-                raise AgentUnreachable(self.address, "grant", str(err)) from err
-            else:
-                if reply.status_code != grpc.StatusCode.OK.value[0]:
-                    code = multiplex.status_code(reply.status_code)
-                    raise _error(self.address, "grant", code, reply.status_message)
-                return reply.grant
-        resp = await self._call(
-            "grant", self._stub.Grant, request, pb.GrantResponse, timeout_s, issued=issued
-        )
-        return resp
+        if self.features is None or not self.features.grant_stream:
+            resp = await self._call(
+                "grant", self._stub.Grant, request, pb.GrantResponse, timeout_s, issued=issued
+            )
+            return resp
+        try:
+            reply = await self._grants.call(
+                lambda rid: pb.GrantStreamRequest(request_id=rid, grant=request),
+                timeout_s=timeout_s,
+                issued=issued,
+            )
+        except multiplex.Unsupported as err:
+            raise self._error(
+                "grant",
+                grpc.StatusCode.UNIMPLEMENTED,
+                "the agent declared grant_stream but has no GrantStream",
+            ) from err
+        except multiplex.Broken as err:
+            raise self._error("grant", err.code, err.detail) from err
+        except TimeoutError as err:
+            raise self._error("grant", grpc.StatusCode.DEADLINE_EXCEEDED, str(err)) from err
+        if reply.status_code != grpc.StatusCode.OK.value[0]:
+            code = multiplex.status_code(reply.status_code)
+            raise self._error("grant", code, reply.status_message)
+        return reply.grant
 
     async def reset_job(self, *, job_id: str, group: str = "") -> pb.JobState:
         resp = await self._call(
@@ -255,28 +289,14 @@ class AgentClient:
             return cast(_R, await call)
         except grpc.aio.AioRpcError as err:
             detail = err.details() or err.code().name.lower()
-            raise _error(self.address, operation, err.code(), detail) from err
+            raise self._error(operation, err.code(), detail) from err
 
-
-def _error(address: str, operation: str, code: grpc.StatusCode, detail: str) -> AgentError:
-    if code in _UNREACHABLE:
-        return AgentUnreachable(address, operation, detail)
-    return AgentRejected(address, operation, detail, code)
-
-
-def _once(fn: Callable[[], None] | None) -> Callable[[], None] | None:
-    """``fn`` callable once: the stream path and its unary fallback share one callback."""
-    if fn is None:
-        return None
-    called = False
-
-    def call() -> None:
-        nonlocal called
-        if not called:
-            called = True
-            fn()
-
-    return call
+    def _error(self, operation: str, code: grpc.StatusCode, detail: str) -> AgentError:
+        if code in _UNREACHABLE:
+            # The connection may be another agent's when it comes back: ask it again.
+            self.features = None
+            return AgentUnreachable(self.address, operation, detail)
+        return AgentRejected(self.address, operation, detail, code)
 
 
 class AgentPool:

@@ -28,7 +28,7 @@ from google.protobuf import timestamp_pb2
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
 from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2 as opb
 from tslice.common import tasks
-from tslice.orchestrator import agents, config, events, lock, metrics, overlap, store, switch
+from tslice.orchestrator import agents, config, events, lock, metrics, overlap, steps, store, switch
 
 log = logging.getLogger(__name__)
 
@@ -132,7 +132,7 @@ def decide_recovery(
     resident: str | None,
     intent: lock.StartSwitch | None,
     known_jobs: set[str],
-    views: list[switch.NodeView],
+    views: list[steps.NodeView],
 ) -> RecoveryDecision:
     """What the agents say after a restart (pure; see DESIGN "crash safety").
 
@@ -143,7 +143,7 @@ def decide_recovery(
     switch snapshots the extras first.
     """
 
-    def ours(job: str, jv: switch.JobView) -> bool:
+    def ours(job: str, jv: steps.JobView) -> bool:
         return jv.group == group or job in known_jobs
 
     running = [
@@ -218,7 +218,7 @@ class GroupDriver:
         self._inbox: asyncio.Queue[Callable[[float], list[Effect]]] = asyncio.Queue()
         self._waiters: dict[str, list[_Waiter]] = {}
         self._replies: set[asyncio.Future[lock.YieldOutcome]] = set()
-        self._views: dict[str, switch.NodeView] = {}
+        self._views: dict[str, steps.NodeView] = {}
         self._unreachable: dict[str, str] = {}
         #: Nodes that kept refusing a switch (node -> reason), until an operator clears them.
         self._degraded: dict[str, str] = {}
@@ -429,7 +429,7 @@ class GroupDriver:
             return_exceptions=True,
         )
         agent_states: list[opb.SnapshotAgentJobState] = []
-        views: list[switch.NodeView] = []
+        views: list[steps.NodeView] = []
         known = self._known_jobs()
         for node, res in zip(self.nodes, results, strict=True):
             if isinstance(res, agents.AgentError):
@@ -438,7 +438,7 @@ class GroupDriver:
             if isinstance(res, BaseException):
                 raise res
             self._unreachable.pop(node.name, None)
-            view = switch.view_from_status(res, self.group_id)
+            view = steps.view_from_status(res, self.group_id)
             views.append(view)
             for job, jv in sorted(view.items()):
                 if jv.group == self.group_id or job in known:
@@ -670,7 +670,7 @@ class GroupDriver:
         return {node: frozenset(groups) for node, groups in by_node.items()}
 
     async def _run_switch(self, s: lock.StartSwitch) -> None:
-        plan = switch.SwitchPlan(
+        plan = steps.SwitchPlan(
             self.group_id,
             s.from_job,
             s.to_job,
@@ -870,7 +870,7 @@ class GroupDriver:
             results = await asyncio.gather(
                 *(self._pool.get(n.address).status() for n in self.nodes), return_exceptions=True
             )
-            views: dict[str, switch.NodeView] = {}
+            views: dict[str, steps.NodeView] = {}
             for node, res in zip(self.nodes, results, strict=True):
                 if isinstance(res, asyncio.CancelledError):
                     raise res
@@ -882,7 +882,7 @@ class GroupDriver:
                     self._unreachable[node.name] = str(res)
                 else:
                     self._unreachable.pop(node.name, None)
-                    views[node.name] = switch.view_from_status(res, self.group_id)
+                    views[node.name] = steps.view_from_status(res, self.group_id)
             self._refresh_state()
             if len(views) == len(self.nodes):
                 break

@@ -5,32 +5,34 @@ incoming job is resident, and it has been granted". Residency is per (job, group
 a switch moves only this group's state of each job, and a job's state for another
 group stays where it is, unless that group shares the node's devices, has no holder
 and the incoming job would not fit beside it (``give_way``, see
-``tslice.orchestrator.overlap``). With a tslice agent that is one Grant per node
-(``evict`` the outgoing resident and any other job of the group running there,
-``give_way`` the deferred residents of overlapping groups, ``restore`` the incoming
-job if it is SAVED, record the grant with its epoch); the agent answers once the
-node is done, or after a wait chunk with the operations in flight, which are then
-awaited (WaitOperation) before the Grant is re-issued (it is idempotent). FAULTED
-jobs are reset first (the agent refuses to move them blindly). A node that keeps
-refusing (it answers with a permanent status such as FAILED_PRECONDITION on a fresh
-view) is retried ``max_refusals`` times and then marked degraded
-(:class:`NodeDegraded`); a refusal that can never change (the incoming job's state
-does not fit the devices at all) ends the switch at once (:class:`JobRefused`).
+``tslice.orchestrator.overlap``).
 
-Agents that lack the one-step Grant get the original sequence:
+How a node gets there depends on what its agent declared in its Status reply
+(``tslice.orchestrator.agents.Features``), read before the node's first step and
+again whenever its view was dropped; this is the one place that looks at it:
 
-1. evict: snapshot every job of the group that is RUNNING there; wait on an
-   operation already in flight (``JobStatus.operation_id``); reset a FAULTED one;
-2. bring in: restore the incoming job if it is SAVED there;
-3. Grant: tell the agent which job now holds the group (with the grant epoch).
+- a tslice agent (``grant_step``) takes one Grant per node: ``evict`` the outgoing
+  resident and any other job of the group running there, ``give_way`` the deferred
+  residents of overlapping groups, ``restore`` the incoming job if it is SAVED,
+  record the grant with its epoch. The agent answers once the node is done, or after
+  a wait chunk with the operations in flight, which are then awaited (WaitOperation)
+  before the Grant is re-issued (it is idempotent). FAULTED jobs are reset first
+  (ResetJob: the agent refuses to move them blindly);
+- an agent that declares nothing is llm-d's and gets Snapshot/Restore directives
+  (``tslice.orchestrator.compat_agent``).
 
-The switch is done when every node confirmed. A failing step is retried with
-jittered exponential backoff for as long as somebody wants the switch
-(``SwitchHooks.should_continue``), re-reading the node's Status first, so the
-same code finishes a switch interrupted by a crash (roll forward is idempotent).
+A node that keeps refusing (it answers with a permanent status such as
+FAILED_PRECONDITION on a fresh view) is retried ``max_refusals`` times and then
+marked degraded (:class:`NodeDegraded`); a refusal that can never change (the
+incoming job's state does not fit the devices at all) ends the switch at once
+(:class:`JobRefused`). Any other failing step is retried with jittered exponential
+backoff for as long as somebody wants the switch (``SwitchHooks.should_continue``),
+re-reading the node's Status first, so the same code finishes a switch interrupted
+by a crash (roll forward is idempotent).
 
-To keep hand-overs cheap the group keeps a per-node view of job states learnt
-from its own operations; a view is dropped (and Status re-read) on any error.
+To keep hand-overs cheap the group keeps a per-node view of job states learnt from
+its own operations (``tslice.orchestrator.steps``); a view is dropped (and Status
+re-read) on any error.
 """
 
 from __future__ import annotations
@@ -39,44 +41,14 @@ import asyncio
 import dataclasses
 import random
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Protocol
 
 import grpc
 
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
 from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2 as opb
-from tslice.orchestrator import agents, config, events
-
-_MAX_REPLANS = 20
-
-
-@dataclasses.dataclass
-class JobView:
-    state: pb.JobState
-    group: str = ""
-    operation_id: str = ""
-
-
-class NodeView(dict[str, JobView]):
-    """A group's records on one node by job id (its own group's, or made without a group);
-    ``others`` holds the other groups' records by (job, group)."""
-
-    def __init__(self, own: dict[str, JobView] | None = None) -> None:
-        super().__init__(own or {})
-        self.others: dict[tuple[str, str], JobView] = {}
-
-
-def view_from_status(resp: pb.StatusResponse, group: str) -> NodeView:
-    """The node's records as ``group`` sees them; its own record wins over an ungrouped one."""
-    view = NodeView()
-    for js in resp.job_statuses:
-        jv = JobView(js.state, js.group, js.operation_id)
-        if js.group == group or (not js.group and js.job_id not in view):
-            view[js.job_id] = jv
-        elif js.group:
-            view.others[(js.job_id, js.group)] = jv
-    return view
+from tslice.orchestrator import agents, compat_agent, config, events, steps
 
 
 class GiveUp(Exception):
@@ -115,13 +87,6 @@ _PERMANENT = (
 )
 
 
-class StepFailed(Exception):
-    def __init__(self, operation: str, detail: str) -> None:
-        super().__init__(f"{operation}: {detail}")
-        self.operation = operation
-        self.detail = detail
-
-
 class SwitchHooks(Protocol):
     """What the switch reports to (and asks of) its group driver."""
 
@@ -150,38 +115,25 @@ class Backoff:
         return float(base * random.uniform(0.5, 1.0))
 
 
-@dataclasses.dataclass(frozen=True)
-class SwitchPlan:
-    group: str
-    from_job: str | None
-    to_job: str
-    epoch: int
-    footprint_bytes: int
-    #: Per node: the overlapping groups (with no holder) whose residents may give way.
-    give_way: Mapping[str, frozenset[str]] = dataclasses.field(default_factory=dict)
+@dataclasses.dataclass
+class _Context:
+    """What every node of one switch shares."""
+
+    plan: steps.SwitchPlan
+    views: dict[str, steps.NodeView]
+    hooks: SwitchHooks
+    backoff: Backoff
+    max_refusals: int
 
 
 class NodeSwitcher:
-    """Converges one node for one switch (see the module docstring)."""
+    """Converges one node for one switch (see the module docstring); a ``steps.Step``."""
 
-    def __init__(
-        self,
-        *,
-        node: config.NodeRef,
-        client: agents.AgentClient,
-        plan: SwitchPlan,
-        views: dict[str, NodeView],
-        hooks: SwitchHooks,
-        backoff: Backoff,
-        max_refusals: int = 5,
-    ) -> None:
+    def __init__(self, node: config.NodeRef, client: agents.AgentClient, context: _Context) -> None:
         self.node = node
         self.client = client
-        self.plan = plan
-        self.views = views
-        self.hooks = hooks
-        self.backoff = backoff
-        self.max_refusals = max_refusals
+        self.plan = context.plan
+        self._ctx = context
         self.restored = False
         self._op = "status"
         #: Operations already reported (a re-issued Grant lists them again).
@@ -189,23 +141,26 @@ class NodeSwitcher:
         #: Called once, when the node's first call is under way (or the node is done).
         self.first_call: Callable[[], None] | None = None
 
+    @property
+    def name(self) -> str:
+        return self.node.name
+
     async def run(self) -> bool:
         """Return whether a restore happened on this node; raise GiveUp."""
         try:
             return await self._run()
         finally:
-            notify = self._issued()
-            if notify is not None:
-                notify()
+            self._calling()
 
     async def _run(self) -> bool:
         attempt = 0
         refusals = 0
+        views, hooks = self._ctx.views, self._ctx.hooks
         while True:
-            fresh = self.node.name not in self.views
+            fresh = self.name not in views
             try:
                 await self._converge()
-                self.hooks.node_ok(self.node.name)
+                hooks.node_ok(self.name)
                 return self.restored
             except agents.AgentUnreachable as err:
                 unreachable, detail = True, str(err)
@@ -213,28 +168,56 @@ class NodeSwitcher:
             except agents.AgentRejected as err:
                 unreachable, detail = False, str(err)
                 if err.code in _REFUSED_FOR_GOOD:
-                    raise JobRefused(self.node.name, err.code, err.reason) from err
+                    raise JobRefused(self.name, err.code, err.reason) from err
                 if not fresh:
                     # Our cached view was stale: re-read Status and retry at once.
-                    self.views.pop(self.node.name, None)
+                    views.pop(self.name, None)
                     continue
                 refusals = refusals + 1 if err.code in _PERMANENT else 0
-            except (agents.OperationFailed, StepFailed) as err:
+            except (agents.OperationFailed, steps.StepFailed) as err:
                 unreachable, detail = False, str(err)
                 refusals = 0
-            self.views.pop(self.node.name, None)
-            if refusals >= self.max_refusals:
+            views.pop(self.name, None)
+            if refusals >= self._ctx.max_refusals:
                 # It answers, and keeps saying no: retrying forever would wedge the group.
-                raise NodeDegraded(self.node.name, f"{self._op} refused {refusals} times: {detail}")
-            if not self.hooks.should_continue():
-                raise GiveUp(f"{self.node.name}: {detail}")
-            delay = self.backoff.delay(attempt)
+                raise NodeDegraded(self.name, f"{self._op} refused {refusals} times: {detail}")
+            if not hooks.should_continue():
+                raise GiveUp(f"{self.name}: {detail}")
+            delay = self._ctx.backoff.delay(attempt)
             attempt += 1
-            self.hooks.node_failed(
-                self.node.name, self._op, detail, unreachable=unreachable, retry_in=delay
-            )
+            hooks.node_failed(self.name, self._op, detail, unreachable=unreachable, retry_in=delay)
             self._calling()  # nothing is held back while this node waits to retry
             await asyncio.sleep(delay)
+
+    # ---- steps.Step ------------------------------------------------------------------------
+
+    def calling(self, operation: str) -> None:
+        self._op = operation
+        self._calling()
+
+    def observe(self, operation: str, seconds: float) -> None:
+        self._ctx.hooks.observe(self.name, operation, seconds)
+
+    def moved(self, kind: str, job: str, op_id: str, op: pb.GetOperationResponse) -> None:
+        if kind == "snapshot":
+            self._publish(
+                opb.OrchestratorEvent.KIND_SNAPSHOT_DONE, job, op.elapsed_ms, op.storage_bytes
+            )
+            return
+        if job == self.plan.to_job:
+            self.restored = True
+        self._publish(
+            opb.OrchestratorEvent.KIND_RESTORE_DONE, job, op.elapsed_ms, op.snapshot_device_bytes
+        )
+
+    async def read(self) -> steps.NodeView:
+        view, _ = await self._read()
+        return view
+
+    def forget_view(self) -> None:
+        self._ctx.views.pop(self.name, None)
+
+    # ---- the path ----------------------------------------------------------------------
 
     def _issued(self) -> Callable[[], None] | None:
         """The callback for the next call: ``first_call`` for the first one, else None."""
@@ -247,77 +230,56 @@ class NodeSwitcher:
         if notify is not None:
             notify()
 
-    async def _read(self) -> NodeView:
+    async def _read(self) -> tuple[steps.NodeView, agents.Features]:
         self._op = "status"
         t0 = time.monotonic()
         resp = await self.client.status(issued=self._issued())
-        self.hooks.observe(self.node.name, "status", time.monotonic() - t0)
-        view = view_from_status(resp, self.plan.group)
-        self.views[self.node.name] = view
-        return view
+        self.observe("status", time.monotonic() - t0)
+        view = steps.view_from_status(resp, self.plan.group)
+        self._ctx.views[self.name] = view
+        return view, agents.Features.declared(resp)
 
     async def _converge(self) -> None:
-        view = self.views.get(self.node.name)
-        fresh = view is None
-        if view is None:
-            view = await self._read()
-        for _ in range(_MAX_REPLANS):
-            if await self._reset_faulted(view):
-                view, fresh = await self._read(), True
-                continue
-            if self.client.one_step is not False:
-                try:
-                    if await self._grant_step(view):
-                        return
-                except agents.AgentRejected as err:
-                    # An agent that ignores evict/restore refuses such a Grant (a SAVED
-                    # target, a resident neighbour); unless it is known to do one-step
-                    # Grants, that refusal on a fresh view means: use the steps below.
-                    unknown = self.client.one_step is None
-                    if not (unknown and fresh and err.code == grpc.StatusCode.FAILED_PRECONDITION):
-                        raise
-                view, fresh = await self._read(), True
-            if await self._step_by_step(view):
+        view = self._ctx.views.get(self.name)
+        features = self.client.features
+        if view is None or features is None:
+            view, features = await self._read()
+        if not features.grant_step:
+            await compat_agent.converge(self, view)
+            return
+        for _ in range(steps.MAX_REPLANS):
+            if not await self._reset_faulted(view):
+                await self._grant(view)
                 return
-            view, fresh = await self._read(), True
-        raise StepFailed("plan", "job states keep changing under the switch")
+            view, _ = await self._read()
+        raise steps.StepFailed("plan", "job states keep changing under the switch")
 
-    async def _reset_faulted(self, view: NodeView) -> bool:
+    async def _reset_faulted(self, view: steps.NodeView) -> bool:
         """Reset FAULTED jobs the switch touches; True if any was reset."""
         p = self.plan
         touched = [
-            job
+            (job, jv.group)
             for job, jv in view.items()
             if jv.state == pb.JOB_STATE_FAULTED
             and (jv.group == p.group or job in (p.from_job, p.to_job))
         ]
-        for job in touched:
-            await self._settle(job, view)
+        for job, group in touched:
+            self.calling("reset")
+            t0 = time.monotonic()
+            await self.client.reset_job(job_id=job, group=group)
+            self.observe("reset", time.monotonic() - t0)
         return bool(touched)
 
-    def _evictees(self, view: NodeView) -> list[str]:
-        p = self.plan
-        resident = (pb.JOB_STATE_RUNNING, pb.JOB_STATE_TRANSITIONING)
-        return [
-            job
-            for job, jv in view.items()
-            if job != p.to_job
-            and (jv.group == p.group or job == p.from_job)
-            and jv.state in resident
-        ]
-
-    def _give_way(self, view: NodeView) -> list[tuple[str, str]]:
+    def _give_way(self, view: steps.NodeView) -> list[tuple[str, str]]:
         """Other groups' residents here that may be snapshotted to make room."""
-        groups = self.plan.give_way.get(self.node.name, frozenset())
-        resident = (pb.JOB_STATE_RUNNING, pb.JOB_STATE_TRANSITIONING)
-        return sorted(
-            key for key, jv in view.others.items() if key[1] in groups and jv.state in resident
-        )
+        groups = self.plan.give_way.get(self.name, frozenset())
+        others = view.others.items()
+        return sorted(key for key, jv in others if key[1] in groups and jv.state in steps.RESIDENT)
 
-    async def _grant_step(self, view: NodeView) -> bool:
-        """One Grant (re-issued after waiting); False if the agent lacks the feature."""
+    async def _grant(self, view: steps.NodeView) -> None:
+        """One Grant, re-issued after waiting on the operations it reports."""
         p = self.plan
-        evict = self._evictees(view)
+        evict = p.evictees(view)
         give_way = self._give_way(view)
         deadline = time.monotonic() + self.client.operation_timeout_s
         while True:
@@ -331,35 +293,29 @@ class NodeSwitcher:
                 )
             self._op = "grant"
             t0 = time.monotonic()
-            resp = await self.client.grant_step(
+            resp = await self.client.grant(
                 job_id=p.to_job,
                 group=p.group,
                 epoch=p.epoch,
                 footprint_bytes=p.footprint_bytes,
                 evict=evict,
                 give_way=give_way,
+                devices=self.node.devices or (),
                 wait_s=min(self.client.wait_chunk_s, left),
                 issued=self._issued(),
             )
-            self.hooks.observe(self.node.name, "grant", time.monotonic() - t0)
-            if not resp.granted and not resp.operations:
-                # Our agents answer granted or with the operations in flight: this one
-                # ignored the one-step fields.
-                self.client.one_step = False
-                return False
-            self.client.one_step = True
+            self.observe("grant", time.monotonic() - t0)
             for op_id, op in zip(resp.operation_ids, resp.operations, strict=False):
                 self._note(op_id, op, view)
             if resp.granted:
-                view[p.to_job] = JobView(pb.JOB_STATE_RUNNING, p.group)
-                return True
+                view[p.to_job] = steps.JobView(pb.JOB_STATE_RUNNING, p.group)
+                return
             for op_id, op in zip(resp.operation_ids, resp.operations, strict=False):
                 if op.status == pb.OPERATION_STATUS_PENDING:
-                    self._op = "wait"
-                    self._calling()
+                    self.calling("wait")
                     self._note(op_id, await self.client.wait_operation(op_id), view)
 
-    def _note(self, op_id: str, op: pb.GetOperationResponse, view: NodeView) -> None:
+    def _note(self, op_id: str, op: pb.GetOperationResponse, view: steps.NodeView) -> None:
         """Learn from an operation of the Grant: view, events and metrics, once each."""
         if op.status == pb.OPERATION_STATUS_PENDING or op_id in self._noted:
             return
@@ -371,167 +327,45 @@ class NodeSwitcher:
             )
         if op.group and op.group != p.group:
             # Another group's resident gave way: only its record changes.
-            view.others[(op.job_id, op.group)] = JobView(pb.JOB_STATE_SAVED, op.group, op_id)
-            self.hooks.observe(self.node.name, op.kind, op.elapsed_ms / 1000)
+            view.others[(op.job_id, op.group)] = steps.JobView(pb.JOB_STATE_SAVED, op.group, op_id)
+            self.observe(op.kind, op.elapsed_ms / 1000)
             self._publish(
-                opb.OrchestratorEvent.KIND_SNAPSHOT_DONE,
-                job=op.job_id,
-                elapsed_ms=op.elapsed_ms,
-                size=op.storage_bytes,
+                opb.OrchestratorEvent.KIND_SNAPSHOT_DONE, op.job_id, op.elapsed_ms, op.storage_bytes
             )
             return
         group = view[op.job_id].group if op.job_id in view else p.group
-        if op.kind == "snapshot":
-            view[op.job_id] = JobView(pb.JOB_STATE_SAVED, group, op_id)
-            kind, size = opb.OrchestratorEvent.KIND_SNAPSHOT_DONE, op.storage_bytes
-        elif op.kind == "restore":
-            view[op.job_id] = JobView(pb.JOB_STATE_RUNNING, group, op_id)
-            kind, size = opb.OrchestratorEvent.KIND_RESTORE_DONE, op.snapshot_device_bytes
-            if op.job_id == p.to_job:
-                self.restored = True
-        else:
-            view[op.job_id] = JobView(pb.JOB_STATE_RUNNING, group, op_id)
-            return
-        self.hooks.observe(self.node.name, op.kind, op.elapsed_ms / 1000)
-        self._publish(kind, job=op.job_id, elapsed_ms=op.elapsed_ms, size=size)
+        saved = op.kind == "snapshot"
+        state = pb.JOB_STATE_SAVED if saved else pb.JOB_STATE_RUNNING
+        view[op.job_id] = steps.JobView(state, group, op_id)
+        if op.kind in ("snapshot", "restore"):
+            self.observe(op.kind, op.elapsed_ms / 1000)
+            self.moved(op.kind, op.job_id, op_id, op)
 
     def _publish(
-        self, kind: opb.OrchestratorEvent.Kind, *, job: str, elapsed_ms: int, size: int
+        self, kind: opb.OrchestratorEvent.Kind, job: str, elapsed_ms: int, size: int
     ) -> None:
-        if self.hooks.wants(kind):  # nobody watching: not even built
-            event = _event(
-                kind, self.plan, job=job, node=self.node.name, elapsed_ms=elapsed_ms, size=size
+        hooks = self._ctx.hooks
+        if hooks.wants(kind):  # nobody watching: not even built
+            p = self.plan
+            event = events.make_event(
+                kind,
+                group_id=p.group,
+                job_id=job,
+                node=self.name,
+                duration_ms=elapsed_ms,
+                from_job=p.from_job or "",
+                grant_epoch=p.epoch,
+                size_bytes=size,
             )
-            self.hooks.publish(event)
-
-    async def _step_by_step(self, view: NodeView) -> bool:
-        """The original sequence (snapshot, restore, Grant); False if Status must be re-read."""
-        p = self.plan
-        if await self._evict(view) or await self._settle(p.to_job, view):
-            return False
-        target = view.get(p.to_job)
-        if target is not None and target.state == pb.JOB_STATE_SAVED:
-            await self._restore(view)
-        self._op = "grant"
-        t0 = time.monotonic()
-        self._calling()
-        resp = await self.client.grant(
-            job_id=p.to_job, group=p.group, epoch=p.epoch, footprint_bytes=p.footprint_bytes
-        )
-        self.hooks.observe(self.node.name, "grant", time.monotonic() - t0)
-        if not resp.granted:
-            self.client.one_step = False  # tslice agents set granted on every success
-        if resp.state != pb.JOB_STATE_RUNNING:
-            raise StepFailed(
-                "grant", f"job {p.to_job} is {pb.JobState.Name(resp.state)} after Grant"
-            )
-        view[p.to_job] = JobView(pb.JOB_STATE_RUNNING, p.group)
-        return True
-
-    async def _evict(self, view: NodeView) -> bool:
-        """Snapshot resident jobs other than the target; True if Status must be re-read."""
-        p = self.plan
-        for job, jv in view.items():
-            if job == p.to_job or not (jv.group == p.group or job == p.from_job):
-                continue
-            if jv.state in (pb.JOB_STATE_TRANSITIONING, pb.JOB_STATE_FAULTED):
-                return await self._settle(job, view)
-            if jv.state == pb.JOB_STATE_RUNNING:
-                await self._snapshot(job, view)
-        return False
-
-    async def _settle(self, job: str, view: NodeView) -> bool:
-        """Wait out an operation in flight or reset a FAULTED job; True if anything was done."""
-        jv = view.get(job)
-        if jv is None:
-            return False
-        if jv.state == pb.JOB_STATE_TRANSITIONING and jv.operation_id:
-            self._op = "wait"
-            self._calling()
-            await self.client.wait_operation(jv.operation_id)
-            return True
-        if jv.state == pb.JOB_STATE_FAULTED:
-            self._op = "reset"
-            t0 = time.monotonic()
-            self._calling()
-            await self.client.reset_job(job_id=job, group=jv.group)
-            self.hooks.observe(self.node.name, "reset", time.monotonic() - t0)
-            return True
-        if jv.state == pb.JOB_STATE_TRANSITIONING:
-            raise StepFailed("wait", f"job {job} is TRANSITIONING with no operation id")
-        return False
-
-    async def _snapshot(self, job: str, view: NodeView) -> None:
-        p = self.plan
-        self._op = "snapshot"
-        t0 = time.monotonic()
-        self._calling()
-        op_id = await self.client.snapshot(job_id=job, group=p.group)
-        view[job] = JobView(pb.JOB_STATE_TRANSITIONING, p.group, op_id)
-        resp = await self.client.wait_operation(op_id)
-        self.hooks.observe(self.node.name, "snapshot", time.monotonic() - t0)
-        if resp.status != pb.OPERATION_STATUS_COMPLETE:
-            raise agents.OperationFailed(
-                self.client.address, "snapshot", f"snapshot of job {job} failed: {resp.error}"
-            )
-        view[job] = JobView(pb.JOB_STATE_SAVED, view[job].group)
-        self._publish(
-            opb.OrchestratorEvent.KIND_SNAPSHOT_DONE,
-            job=job,
-            elapsed_ms=resp.elapsed_ms,
-            size=resp.storage_bytes,
-        )
-
-    async def _restore(self, view: NodeView) -> None:
-        p = self.plan
-        self._op = "restore"
-        t0 = time.monotonic()
-        self._calling()
-        op_id = await self.client.restore(job_id=p.to_job, group=p.group)
-        view[p.to_job] = JobView(pb.JOB_STATE_TRANSITIONING, p.group, op_id)
-        resp = await self.client.wait_operation(op_id)
-        self.hooks.observe(self.node.name, "restore", time.monotonic() - t0)
-        if resp.status != pb.OPERATION_STATUS_COMPLETE:
-            raise agents.OperationFailed(
-                self.client.address, "restore", f"restore of job {p.to_job} failed: {resp.error}"
-            )
-        view[p.to_job] = JobView(pb.JOB_STATE_RUNNING, p.group)
-        self.restored = True
-        self._publish(
-            opb.OrchestratorEvent.KIND_RESTORE_DONE,
-            job=p.to_job,
-            elapsed_ms=resp.elapsed_ms,
-            size=resp.snapshot_device_bytes,
-        )
-
-
-def _event(
-    kind: opb.OrchestratorEvent.Kind,
-    plan: SwitchPlan,
-    *,
-    job: str,
-    node: str,
-    elapsed_ms: int,
-    size: int,
-) -> opb.OrchestratorEvent:
-    return events.make_event(
-        kind,
-        group_id=plan.group,
-        job_id=job,
-        node=node,
-        duration_ms=elapsed_ms,
-        from_job=plan.from_job or "",
-        grant_epoch=plan.epoch,
-        size_bytes=size,
-    )
+            hooks.publish(event)
 
 
 async def run_switch(
     *,
-    plan: SwitchPlan,
+    plan: steps.SwitchPlan,
     nodes: tuple[config.NodeRef, ...],
     pool: agents.AgentPool,
-    views: dict[str, NodeView],
+    views: dict[str, steps.NodeView],
     hooks: SwitchHooks,
     backoff: Backoff,
     started: Callable[[], None] | None = None,
@@ -543,18 +377,8 @@ async def run_switch(
     scheduled), so that what it releases (replies, event deliveries) runs after the
     sends; a node that ends before any call counts as under way.
     """
-    switchers = [
-        NodeSwitcher(
-            node=n,
-            client=pool.get(n.address),
-            plan=plan,
-            views=views,
-            hooks=hooks,
-            backoff=backoff,
-            max_refusals=max_refusals,
-        )
-        for n in nodes
-    ]
+    context = _Context(plan, views, hooks, backoff, max_refusals)
+    switchers = [NodeSwitcher(n, pool.get(n.address), context) for n in nodes]
     unsent = len(switchers)
 
     def one_sent() -> None:
