@@ -121,6 +121,31 @@ async def test_agent_routes_a_registered_job_to_its_workload(agent: Agent) -> No
         await asyncio.to_thread(handle.close)
 
 
+async def test_a_job_s_sampler_and_trainer_workloads_move_with_their_own_group(
+    agent: Agent,
+) -> None:
+    sampler, trainer = FakeVllm(), FakeSglang()
+    handles = [
+        register_workload(f"unix:{agent.socket}", "job-2g", group, workload=engine)
+        for group, engine in (("sampler", sampler), ("trainer", trainer))
+    ]
+    try:
+        for handle in handles:
+            assert await asyncio.to_thread(handle.wait_registered, 20), handle.error
+        saved = await agent.run(
+            agent.stub.Snapshot(pb.SnapshotRequest(job_id="job-2g", group="trainer"))
+        )
+        assert saved.status == pb.OPERATION_STATUS_COMPLETE, saved.error
+        assert trainer.calls == [("release", None)] and sampler.calls == []
+        status = await agent.stub.Status(pb.StatusRequest())
+        states = {j.group: j.state for j in status.job_statuses if j.job_id == "job-2g"}
+        assert states == {"sampler": pb.JOB_STATE_RUNNING, "trainer": pb.JOB_STATE_SAVED}
+        assert all(h.registered and h.error is None for h in handles)
+    finally:
+        for handle in handles:
+            await asyncio.to_thread(handle.close)
+
+
 async def test_agent_sends_the_second_stage_of_a_staged_restore(agent: Agent) -> None:
     engine = FakeVllm()
     handle = await _register(agent, "job-st", engine)
