@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 
+from tslice.common import refusals
 from tslice.orchestrator import config, lock, overlap
 
 
@@ -145,8 +146,10 @@ def test_a_blocked_lock_fails_its_waiters_and_starts_nothing() -> None:
     lk.on_switch_done(epoch=1, restored=False, now=0.0)
     lk.on_acquire("b", now=0.0)
     actions = lk.on_blocked("node n degraded")
-    assert actions == [lock.Abort("b", "node n degraded", code="UNAVAILABLE")]
-    assert lk.on_acquire("c", now=0.0) == [lock.Abort("c", "node n degraded", code="UNAVAILABLE")]
+    assert actions == [lock.Abort("b", "node n degraded", code=refusals.Code.UNAVAILABLE)]
+    assert lk.on_acquire("c", now=0.0) == [
+        lock.Abort("c", "node n degraded", code=refusals.Code.UNAVAILABLE)
+    ]
     outcome = lk.on_yield("a", now=0.0)
     assert not any(isinstance(x, lock.StartSwitch) for x in outcome.actions)
     assert lk.on_unblocked(now=0.0) == []

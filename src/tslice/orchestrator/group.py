@@ -27,7 +27,7 @@ from google.protobuf import timestamp_pb2
 
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
 from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2 as opb
-from tslice.common import tasks
+from tslice.common import refusals, tasks
 from tslice.orchestrator import agents, config, events, lock, metrics, overlap, steps, store, switch
 
 log = logging.getLogger(__name__)
@@ -63,22 +63,8 @@ _JOB_STATE_PB = {
 }
 
 
-class ShuttingDown(Exception):
-    """The orchestrator is stopping; the caller should retry (UNAVAILABLE)."""
-
-
-class AcquireAborted(Exception):
-    """This Acquire was failed by the group: the job yielded while it was pending
-    (ABORTED), its state can never fit (RESOURCE_EXHAUSTED), a node is degraded
-    (UNAVAILABLE); ``code`` names the gRPC status."""
-
-    def __init__(self, message: str, code: str = "ABORTED") -> None:
-        super().__init__(message)
-        self.code = code
-
-
-class NotHolder(Exception):
-    """A Hold stream for a job that does not hold the group (FAILED_PRECONDITION)."""
+def _shutting_down() -> refusals.Refused:
+    return refusals.Refused(refusals.Code.UNAVAILABLE, "orchestrator shutting down; retry")
 
 
 @dataclasses.dataclass(eq=False)
@@ -293,23 +279,23 @@ class GroupDriver:
             self._lease_timer = None
         for session in self._holds:
             if not session.ended.done():
-                session.ended.set_exception(ShuttingDown("orchestrator shutting down; retry"))
+                session.ended.set_exception(_shutting_down())
         self._holds.clear()
         # Queue entries stay persisted: after a restart the jobs re-attach and keep their place.
         for waiters in self._waiters.values():
             for w in waiters:
                 if not w.future.done():
-                    w.future.set_exception(ShuttingDown("orchestrator shutting down; retry"))
+                    w.future.set_exception(_shutting_down())
         self._waiters.clear()
         for reply in list(self._replies):
             if not reply.done():
-                reply.set_exception(ShuttingDown("orchestrator shutting down; retry"))
+                reply.set_exception(_shutting_down())
 
     # ---- RPC entry points ------------------------------------------------------------------
 
     async def acquire(self, job: str, *, footprint_bytes: int, lease_ms: int = 0) -> Grant:
         if self._stopping:
-            raise ShuttingDown("orchestrator shutting down; retry")
+            raise _shutting_down()
         started = time.monotonic()
         waiter = _Waiter(job, asyncio.get_running_loop().create_future())
 
@@ -333,7 +319,7 @@ class GroupDriver:
 
     async def yield_(self, job: str) -> lock.YieldOutcome:
         if self._stopping:
-            raise ShuttingDown("orchestrator shutting down; retry")
+            raise _shutting_down()
         reply: asyncio.Future[lock.YieldOutcome] = asyncio.get_running_loop().create_future()
         self._replies.add(reply)
         reply.add_done_callback(self._replies.discard)
@@ -365,10 +351,10 @@ class GroupDriver:
     async def open_hold(self, job: str, *, epoch: int) -> HoldSession:
         """Register a Hold stream of ``job`` (``epoch`` 0 = the current grant).
 
-        Raises :class:`NotHolder` unless ``job`` holds the group under that grant.
+        Refused (FAILED_PRECONDITION) unless ``job`` holds the group under that grant.
         """
         if self._stopping:
-            raise ShuttingDown("orchestrator shutting down; retry")
+            raise _shutting_down()
         loop = asyncio.get_running_loop()
         opened: asyncio.Future[HoldSession] = loop.create_future()
 
@@ -383,17 +369,19 @@ class GroupDriver:
                     else "nobody holds it"
                 )
                 opened.set_exception(
-                    NotHolder(
+                    refusals.Refused(
+                        refusals.Code.FAILED_PRECONDITION,
                         f"job {job!r} does not hold group {self.group_id!r} ({why}); "
-                        "Acquire it first"
+                        "Acquire it first",
                     )
                 )
                 return []
             if epoch and epoch != lk.grant_epoch:
                 opened.set_exception(
-                    NotHolder(
+                    refusals.Refused(
+                        refusals.Code.FAILED_PRECONDITION,
                         f"job {job!r} does not hold group {self.group_id!r} under grant "
-                        f"{epoch} (the current grant is {lk.grant_epoch}); Acquire it again"
+                        f"{epoch} (the current grant is {lk.grant_epoch}); Acquire it again",
                     )
                 )
                 return []
@@ -629,7 +617,7 @@ class GroupDriver:
         def effect() -> None:
             for w in waiters:
                 if not w.future.done():
-                    w.future.set_exception(AcquireAborted(a.message, a.code))
+                    w.future.set_exception(refusals.Refused(a.code, a.message))
 
         return effect
 
@@ -705,7 +693,7 @@ class GroupDriver:
         except asyncio.CancelledError:
             raise
         except switch.JobRefused as refused:
-            code, why = refused.code.name, refused.detail
+            code, why = refused.code, refused.detail
             self._switch_failed(s, f"refused: {why}")
             self._post(
                 lambda now: self._bind(

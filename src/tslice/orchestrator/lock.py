@@ -31,6 +31,8 @@ import dataclasses
 import enum
 from typing import TypeAlias
 
+from tslice.common import refusals
+
 # ---- actions -------------------------------------------------------------------------------
 
 
@@ -63,11 +65,11 @@ class StartSwitch:
 
 @dataclasses.dataclass(frozen=True)
 class Abort:
-    """Fail the pending Acquires of ``job`` with ``message`` (a gRPC status code name)."""
+    """Fail the pending Acquires of ``job``: refused with ``code`` and ``message``."""
 
     job: str
     message: str
-    code: str = "ABORTED"
+    code: refusals.Code = refusals.Code.ABORTED
 
 
 @dataclasses.dataclass(frozen=True)
@@ -407,7 +409,7 @@ class GroupLock:
                 Granted(job, self._epoch, restored=False, waited_s=0.0, zero_cost=True, held=True)
             ]
         if self.blocked:
-            return [Abort(job, self.blocked, code="UNAVAILABLE")]
+            return [Abort(job, self.blocked, code=refusals.Code.UNAVAILABLE)]
         entry = self._queue.get(job)
         if entry is not None:
             entry.attached += 1
@@ -542,7 +544,9 @@ class GroupLock:
             self._queue = {s.to_job: entry, **self._queue}
         return self._promote(now)
 
-    def on_switch_refused(self, *, epoch: int, code: str, detail: str, now: float) -> list[Action]:
+    def on_switch_refused(
+        self, *, epoch: int, code: refusals.Code, detail: str, now: float
+    ) -> list[Action]:
         """An agent refused the switch's target for good (its state can never fit):
         its Acquires fail with ``code`` and the group moves on without it."""
         s = self._switch
@@ -567,7 +571,7 @@ class GroupLock:
         for job, entry in list(self._queue.items()):
             if entry.attached > 0:
                 del self._queue[job]
-                actions.append(Abort(job, reason, code="UNAVAILABLE"))
+                actions.append(Abort(job, reason, code=refusals.Code.UNAVAILABLE))
         return actions
 
     def on_unblocked(self, *, now: float) -> list[Action]:

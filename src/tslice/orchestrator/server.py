@@ -14,58 +14,54 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, NoReturn, TypeVar
+from typing import Any, TypeVar
 
 import grpc
 
 from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2 as opb
 from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2_grpc as opb_grpc
-from tslice.common import ids, multiplex
+from tslice.common import ids, multiplex, refusals
 from tslice.orchestrator import events, group, manager
 
 _T = TypeVar("_T")
 log = logging.getLogger(__name__)
 
 
-class Refusal(Exception):
-    """A request answered with an error status (unary: the call's status; Session: a reply)."""
-
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
-
-
-async def _abort(context: grpc.aio.ServicerContext, code: grpc.StatusCode, msg: str) -> NoReturn:
-    await context.abort(code, msg)
-    raise AssertionError("unreachable")  # context.abort always raises
-
-
 def _checked_id(kind: str, value: str) -> str:
     try:
         return ids.check_id(kind, value)
     except ids.InvalidIdError as err:
-        raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, str(err)) from None
+        raise refusals.Refused(refusals.Code.INVALID_ARGUMENT, str(err)) from None
+
+
+def _at_least_0(field: str, value: int, zero: str) -> int:
+    if value < 0:
+        raise refusals.Refused(
+            refusals.Code.INVALID_ARGUMENT, f"{field} must be >= 0 (got {value}); 0 = {zero}"
+        )
+    return value
 
 
 async def _valid(context: grpc.aio.ServicerContext, check: Callable[..., _T], *args: Any) -> _T:
     """``check(*args)``, its refusal sent as the RPC's status."""
     try:
         return check(*args)
-    except Refusal as refusal:
-        await _abort(context, refusal.code, refusal.message)
+    except refusals.Refused as refused:
+        await refusals.abort(context, refused)
 
 
 async def _answered(context: grpc.aio.ServicerContext, call: Awaitable[_T]) -> _T:
     try:
         return await call
-    except Refusal as refusal:
-        await _abort(context, refusal.code, refusal.message)
+    except refusals.Refused as refused:
+        await refusals.abort(context, refused)
 
 
-def _refused(request_id: int, code: grpc.StatusCode, message: str) -> opb.SessionResponse:
+def _refused(request_id: int, refused: refusals.Refused) -> opb.SessionResponse:
     return opb.SessionResponse(
-        request_id=request_id, status_code=code.value[0], status_message=message
+        request_id=request_id,
+        status_code=refusals.status_number(refused.code),
+        status_message=refused.message,
     )
 
 
@@ -83,7 +79,7 @@ class OrchestratorServicer(opb_grpc.TimeSliceOrchestratorServiceServicer):
     def _driver(self, gid: str, *, create: bool = False) -> group.GroupDriver:
         driver = self._groups.get(gid, create=create)
         if driver is None:
-            raise Refusal(grpc.StatusCode.NOT_FOUND, self._groups.not_found_message(gid))
+            raise refusals.Refused(refusals.Code.NOT_FOUND, self._groups.not_found_message(gid))
         return driver
 
     async def Acquire(
@@ -120,46 +116,30 @@ class OrchestratorServicer(opb_grpc.TimeSliceOrchestratorServiceServicer):
             elif kind == "release":
                 reply.release.CopyFrom(await self.yield_(request.release))
             else:
-                raise Refusal(
-                    grpc.StatusCode.INVALID_ARGUMENT,
+                raise refusals.Refused(
+                    refusals.Code.INVALID_ARGUMENT,
                     "a Session request carries acquire, release or cancel",
                 )
-        except Refusal as refusal:
-            return _refused(request.request_id, refusal.code, refusal.message)
+        except refusals.Refused as refused:
+            return _refused(request.request_id, refused)
         except Exception as err:
             # A unary call would end UNKNOWN; a Session request must not go unanswered.
             log.exception("session request %d failed", request.request_id)
-            return _refused(
-                request.request_id,
-                grpc.StatusCode.INTERNAL,
-                f"the orchestrator failed on this request ({type(err).__name__}: {err})",
-            )
+            failed = f"the orchestrator failed on this request ({type(err).__name__}: {err})"
+            return _refused(request.request_id, refusals.Refused(refusals.Code.INTERNAL, failed))
         return reply
 
     async def acquire(self, request: opb.AcquireRequest) -> opb.AcquireResponse:
-        """One Acquire (unary or over a Session); raises :class:`Refusal`."""
+        """One Acquire (unary or over a Session); raises ``refusals.Refused``."""
         started = time.monotonic()
         job = _checked_id("job_id", request.job_id)
         gid = _checked_id("group_id", request.group_id)
-        if request.footprint_bytes < 0:
-            raise Refusal(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"footprint_bytes must be >= 0 (got {request.footprint_bytes}); 0 = default",
-            )
-        if request.lease_ms < 0:
-            raise Refusal(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"lease_ms must be >= 0 (got {request.lease_ms}); 0 = no lease",
-            )
+        _at_least_0("footprint_bytes", request.footprint_bytes, "default")
+        _at_least_0("lease_ms", request.lease_ms, "no lease")
         driver = self._driver(gid, create=True)
-        try:
-            grant = await driver.acquire(
-                job, footprint_bytes=request.footprint_bytes, lease_ms=request.lease_ms
-            )
-        except group.ShuttingDown as err:
-            raise Refusal(grpc.StatusCode.UNAVAILABLE, str(err)) from err
-        except group.AcquireAborted as err:
-            raise Refusal(grpc.StatusCode[err.code], str(err)) from err
+        grant = await driver.acquire(
+            job, footprint_bytes=request.footprint_bytes, lease_ms=request.lease_ms
+        )
         return opb.AcquireResponse(
             success=True,
             waited_ms=int((time.monotonic() - started) * 1000),
@@ -168,17 +148,13 @@ class OrchestratorServicer(opb_grpc.TimeSliceOrchestratorServiceServicer):
         )
 
     async def yield_(self, request: opb.YieldRequest) -> opb.YieldResponse:
-        """One Yield (unary or over a Session); raises :class:`Refusal`."""
+        """One Yield (unary or over a Session); raises ``refusals.Refused``."""
         job = _checked_id("job_id", request.job_id)
         gid = _checked_id("group_id", request.group_id)
-        driver = self._driver(gid)
-        try:
-            out = await driver.yield_(job)
-        except group.ShuttingDown as err:
-            raise Refusal(grpc.StatusCode.UNAVAILABLE, str(err)) from err
+        out = await self._driver(gid).yield_(job)
         if not out.ok:
-            raise Refusal(
-                grpc.StatusCode.PERMISSION_DENIED,
+            raise refusals.Refused(
+                refusals.Code.PERMISSION_DENIED,
                 f"group {gid!r} is held by job {out.holder!r}, not {job!r}; "
                 "only the holder can yield it",
             )
@@ -208,11 +184,8 @@ class OrchestratorServicer(opb_grpc.TimeSliceOrchestratorServiceServicer):
         node = request.node
         if node and node not in {n.name for n in driver.nodes}:
             known = ", ".join(n.name for n in driver.nodes)
-            await _abort(
-                context,
-                grpc.StatusCode.NOT_FOUND,
-                f"node {node!r} is not in group {gid!r} (its nodes: {known})",
-            )
+            missing = f"node {node!r} is not in group {gid!r} (its nodes: {known})"
+            await refusals.abort(context, refusals.Refused(refusals.Code.NOT_FOUND, missing))
         return opb.ClearDegradedResponse(cleared=await driver.clear_degraded(node))
 
     async def WatchEvents(
@@ -238,19 +211,9 @@ class OrchestratorServicer(opb_grpc.TimeSliceOrchestratorServiceServicer):
     ) -> AsyncIterator[opb.HoldEvent]:
         job = await _valid(context, _checked_id, "job_id", request.job_id)
         gid = await _valid(context, _checked_id, "group_id", request.group_id)
-        if request.grant_epoch < 0:
-            await _abort(
-                context,
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"grant_epoch must be >= 0 (got {request.grant_epoch}); 0 = the current grant",
-            )
+        await _valid(context, _at_least_0, "grant_epoch", request.grant_epoch, "the current grant")
         driver = await _valid(context, self._driver, gid)
-        try:
-            session = await driver.open_hold(job, epoch=request.grant_epoch)
-        except group.ShuttingDown as err:
-            await _abort(context, grpc.StatusCode.UNAVAILABLE, str(err))
-        except group.NotHolder as err:
-            await _abort(context, grpc.StatusCode.FAILED_PRECONDITION, str(err))
+        session = await _answered(context, driver.open_hold(job, epoch=request.grant_epoch))
         try:
             # Keepalives well within the lease show the holder that the lock is still its own.
             interval = max(session.lease_ms / 3000, 0.05) if session.lease_ms > 0 else 10.0
@@ -262,8 +225,8 @@ class OrchestratorServicer(opb_grpc.TimeSliceOrchestratorServiceServicer):
                     continue
                 try:
                     lost = session.ended.result()
-                except group.ShuttingDown as err:
-                    await _abort(context, grpc.StatusCode.UNAVAILABLE, str(err))
+                except refusals.Refused as refused:
+                    await refusals.abort(context, refused)
                 if lost:
                     yield opb.HoldEvent(lost=lost)
                 else:

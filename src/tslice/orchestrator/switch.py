@@ -48,6 +48,7 @@ import grpc
 
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
 from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2 as opb
+from tslice.common import refusals
 from tslice.orchestrator import agents, compat_agent, config, events, steps
 
 
@@ -67,14 +68,14 @@ class NodeDegraded(GiveUp):
 class JobRefused(GiveUp):
     """An agent refused the incoming job for good (e.g. its state can never fit)."""
 
-    def __init__(self, node: str, code: grpc.StatusCode, detail: str) -> None:
+    def __init__(self, node: str, code: refusals.Code, detail: str) -> None:
         super().__init__(f"{node}: {detail}")
         self.code = code
         self.detail = detail
 
 
 #: Refusals that say the request itself can never be served, whatever is retried.
-_REFUSED_FOR_GOOD = (grpc.StatusCode.RESOURCE_EXHAUSTED,)
+_REFUSED_FOR_GOOD = {grpc.StatusCode.RESOURCE_EXHAUSTED: refusals.Code.RESOURCE_EXHAUSTED}
 #: Refusals that a retry on a fresh view does not change by itself (counted to the bound);
 #: anything else (UNAVAILABLE, ABORTED, a failed operation) is retried while wanted.
 _PERMANENT = (
@@ -168,7 +169,7 @@ class NodeSwitcher:
             except agents.AgentRejected as err:
                 unreachable, detail = False, str(err)
                 if err.code in _REFUSED_FOR_GOOD:
-                    raise JobRefused(self.name, err.code, err.reason) from err
+                    raise JobRefused(self.name, _REFUSED_FOR_GOOD[err.code], err.reason) from err
                 if not fresh:
                     # Our cached view was stale: re-read Status and retry at once.
                     views.pop(self.name, None)
