@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import sqlite3
 import time
 from pathlib import Path
@@ -58,6 +59,22 @@ async def test_a_failed_put_changes_nothing(tmp_path: Path) -> None:
     loaded = await db.load()
     await db.close()
     assert sorted(loaded.job_map) == [("job-a", "g"), ("job-c", "g")]
+
+
+async def test_a_put_that_fails_inside_its_transaction_is_rolled_back_whole(
+    tmp_path: Path,
+) -> None:
+    db = await store.Store.open(tmp_path)
+    db.put(job_records=[job("job-a")])
+    unbindable = dataclasses.replace(operation("op-1", "job-b"), started_at=object())
+    with pytest.raises(sqlite3.Error):
+        # The job row is written first, then the operation row fails to bind.
+        db.put(job_records=[job("job-b")], operation_records=[unbindable])
+    db.put(operation_records=[operation("op-2", "job-a")])
+    loaded = await db.load()
+    await db.close()
+    assert sorted(loaded.job_map) == [("job-a", "g")]
+    assert sorted(loaded.operation_map) == ["op-2"]
 
 
 async def test_a_put_after_close_is_refused_clearly(tmp_path: Path) -> None:

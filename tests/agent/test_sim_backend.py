@@ -48,8 +48,8 @@ def test_capacity_error_names_the_device_the_need_and_the_holder() -> None:
         "restore of job b (group g) on sim0 (node n1) would need 50 bytes; "
         "60 of 100 in use by job a of group g (60 bytes)"
     )
-    assert node.residency(job="b", group="g") is None
-    assert [u.used_bytes for u in node.usage()] == [60, 60]
+    assert node.resident_bytes(job="b", group="g") is None
+    assert node.used_bytes() == 60
     with pytest.raises(device.CapacityError, match="lower the job's footprint"):
         node.allocate(job="c", group="g", bytes_per_device=101)
 
@@ -57,14 +57,14 @@ def test_capacity_error_names_the_device_the_need_and_the_holder() -> None:
 def test_state_persists_and_the_journal_records_every_change(tmp_path: Path) -> None:
     node = device.SimNode(node="n1", devices=2, capacity_bytes=100, state_dir=tmp_path)
     node.allocate(job="a", group="g", bytes_per_device=60)
-    saved = device.SavedState(group="g", footprint_bytes=60, host_bytes=120)
+    saved = device.SavedState(footprint_bytes=60, host_bytes=120)
     node.park(job="a", group="g", saved=saved)
     node.allocate(job="b", group="g", bytes_per_device=30)
 
     reborn = device.SimNode(node="n1", devices=2, capacity_bytes=100, state_dir=tmp_path)
     assert reborn.saved(job="a", group="g") == saved
-    assert reborn.residency(job="b", group="g") == device.Residency(group="g", bytes_per_device=30)
-    assert reborn.residency(job="a", group="g") is None
+    assert reborn.resident_bytes(job="b", group="g") == 30
+    assert reborn.resident_bytes(job="a", group="g") is None
 
     events = device.read_journal(tmp_path / device.JOURNAL_FILE)
     assert [(e.job, e.event, e.device, e.bytes) for e in events] == [
@@ -86,11 +86,17 @@ def test_one_jobs_groups_are_separate_allocations(tmp_path: Path) -> None:
     assert node.used_bytes() == 90
     with pytest.raises(device.CapacityError, match="job a of group sampler"):
         node.allocate(job="b", group="sampler", bytes_per_device=20)
-    node.park(job="a", group="trainer", saved=device.SavedState("trainer", 50, 50))
+    node.park(job="a", group="trainer", saved=device.SavedState(50, 50))
     reborn = device.SimNode(node="n1", capacity_bytes=100, state_dir=tmp_path)
-    assert reborn.residency(job="a", group="sampler") == device.Residency("sampler", 40)
-    assert reborn.residency(job="a", group="trainer") is None
-    assert reborn.saved(job="a", group="trainer") == device.SavedState("trainer", 50, 50)
+    assert reborn.resident_bytes(job="a", group="sampler") == 40
+    assert reborn.resident_bytes(job="a", group="trainer") is None
+    assert reborn.saved(job="a", group="trainer") == device.SavedState(50, 50)
+    # The file keeps the shape every earlier (job, group) version wrote and read.
+    assert json.loads((tmp_path / device.STATE_FILE).read_text()) == {
+        "node": "n1",
+        "resident": [{"job": "a", "group": "sampler", "bytes_per_device": 40}],
+        "saved": [{"job": "a", "group": "trainer", "footprint_bytes": 50, "host_bytes": 50}],
+    }
 
 
 def test_state_file_of_the_job_keyed_format_is_read(tmp_path: Path) -> None:
@@ -101,8 +107,8 @@ def test_state_file_of_the_job_keyed_format_is_read(tmp_path: Path) -> None:
     }
     (tmp_path / device.STATE_FILE).write_text(json.dumps(legacy))
     node = device.SimNode(node="n1", capacity_bytes=100, state_dir=tmp_path)
-    assert node.residency(job="a", group="g") == device.Residency("g", 7)
-    assert node.saved(job="b", group="h") == device.SavedState("h", 5, 5)
+    assert node.resident_bytes(job="a", group="g") == 7
+    assert node.saved(job="b", group="h") == device.SavedState(5, 5)
 
 
 def test_read_journal_skips_a_torn_last_line(tmp_path: Path) -> None:
@@ -254,9 +260,7 @@ async def test_recover_after_a_crash_mid_restore(tmp_path: Path) -> None:
     # As left by an agent killed mid-restore: the bytes landed, the saved copy remains.
     node = device.SimNode(node="n1", capacity_bytes=10 * GiB, state_dir=tmp_path)
     node.allocate(job="a", group="g", bytes_per_device=GiB)
-    node.park(
-        job="a", group="g", saved=device.SavedState(group="g", footprint_bytes=GiB, host_bytes=GiB)
-    )
+    node.park(job="a", group="g", saved=device.SavedState(footprint_bytes=GiB, host_bytes=GiB))
     node.allocate(job="a", group="g", bytes_per_device=GiB)
     backend = fast(tmp_path)
     assert await backend.recover(ctx()) == pb.JOB_STATE_SAVED

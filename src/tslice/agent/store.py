@@ -257,9 +257,7 @@ class Store:
         mark_rows: list[tuple[str, int, str]],
         deleted_jobs: list[jobs.Key],
     ) -> None:
-        conn = self._connection()
-        conn.execute("BEGIN IMMEDIATE")
-        try:
+        with self._checkpoints.transaction(self._connection()) as conn:
             if deleted_jobs:
                 conn.executemany("DELETE FROM jobs WHERE job_id = ? AND grp = ?", deleted_jobs)
             if job_rows:
@@ -268,24 +266,10 @@ class Store:
                 conn.executemany(_UPSERT_OPERATION, op_rows)
             if mark_rows:
                 conn.executemany(_UPSERT_MARK, mark_rows)
-            conn.execute("COMMIT")
-        except BaseException:
-            if conn.in_transaction:
-                conn.execute("ROLLBACK")
-            raise
-        self._checkpoints.committed()
 
     def _delete_sync(self, ids: list[tuple[str]]) -> None:
-        conn = self._connection()
-        conn.execute("BEGIN IMMEDIATE")
-        try:
+        with self._checkpoints.transaction(self._connection()) as conn:
             conn.executemany("DELETE FROM operations WHERE op_id = ?", ids)
-            conn.execute("COMMIT")
-        except BaseException:
-            if conn.in_transaction:
-                conn.execute("ROLLBACK")
-            raise
-        self._checkpoints.committed()
 
 
 def _job_row(job: jobs.Job) -> tuple[object, ...]:

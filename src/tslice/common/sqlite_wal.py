@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
 import sqlite3
+from collections.abc import Iterator
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -44,6 +46,20 @@ class WalCheckpointer:
             return
         self._commits = 0
         self._pending = self._executor.submit(self._checkpoint, "PASSIVE")
+
+    @contextlib.contextmanager
+    def transaction(self, conn: sqlite3.Connection) -> Iterator[sqlite3.Connection]:
+        """One write transaction on ``conn`` (opened with ``isolation_level=None``):
+        ``BEGIN IMMEDIATE``, committed when the block ends, rolled back if anything in it
+        (or the commit) fails; a commit counts towards the next checkpoint."""
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            yield conn
+            conn.commit()
+        except BaseException:
+            conn.rollback()  # a no-op once nothing is pending
+            raise
+        self.committed()
 
     async def close(self) -> None:
         """A last checkpoint that empties the WAL, then release the thread."""

@@ -153,9 +153,9 @@ class SimBackend(base.Backend):
 
     async def activate(self, job: base.JobContext) -> base.OpResult:
         key = {"job": job.job_id, "group": job.group}
-        residency = self.node.residency(**key)
-        if residency is not None:
-            return base.OpResult(device_bytes=self._total(residency.bytes_per_device))
+        held = self.node.resident_bytes(**key)
+        if held is not None:
+            return base.OpResult(device_bytes=self._total(held))
         if self.node.saved(**key) is not None:
             raise base.FatalBackendError(
                 f"job {job.job_id} has saved state for group {job.group} on sim node "
@@ -171,21 +171,18 @@ class SimBackend(base.Backend):
 
     async def snapshot(self, job: base.JobContext, mode: pb.SuspendMode) -> base.OpResult:
         key = {"job": job.job_id, "group": job.group}
-        residency = self.node.residency(**key)
-        if residency is None:
+        footprint = self.node.resident_bytes(**key)
+        if footprint is None:
             raise base.FatalBackendError(
                 f"job {job.job_id} holds no memory for group {job.group} on sim node "
                 f"{self.node.node}, so there is nothing to snapshot; grant the job first"
             )
-        footprint = residency.bytes_per_device
         # A failure or cancellation before park() leaves the allocation: nothing moved.
         await self._copy(job=job, bytes_per_device=footprint, what="snapshot")
         host_bytes = 0 if mode == pb.SUSPEND_MODE_DISCARD else self._total(footprint)
         self.node.park(
             **key,
-            saved=device.SavedState(
-                group=residency.group, footprint_bytes=footprint, host_bytes=host_bytes
-            ),
+            saved=device.SavedState(footprint_bytes=footprint, host_bytes=host_bytes),
         )
         return base.OpResult(
             device_bytes=self._total(footprint),
@@ -197,9 +194,9 @@ class SimBackend(base.Backend):
         key = {"job": job.job_id, "group": job.group}
         saved = self.node.saved(**key)
         if saved is None:
-            residency = self.node.residency(**key)
-            if residency is not None:
-                return base.OpResult(device_bytes=self._total(residency.bytes_per_device))
+            held = self.node.resident_bytes(**key)
+            if held is not None:
+                return base.OpResult(device_bytes=self._total(held))
             raise base.FatalBackendError(
                 f"job {job.job_id} has no saved state for group {job.group} on sim node "
                 f"{self.node.node}; nothing to restore"
@@ -222,7 +219,7 @@ class SimBackend(base.Backend):
 
     async def recover(self, job: base.JobContext) -> pb.JobState | None:
         key = {"job": job.job_id, "group": job.group}
-        resident = self.node.residency(**key) is not None
+        resident = self.node.resident_bytes(**key) is not None
         saved = self.node.saved(**key) is not None
         if resident and saved:
             # A restore was cut short (agent killed mid-copy): the landed bytes are not usable.
@@ -238,9 +235,10 @@ class SimBackend(base.Backend):
         self.node.forget(job=job.job_id, group=job.group)
 
     async def accelerators(self) -> list[base.Accelerator]:
+        used = self.node.used_bytes()  # every device holds the same states
         return [
             base.Accelerator(
-                id=u.id, memory_used_bytes=u.used_bytes, memory_total_bytes=u.total_bytes
+                id=d, memory_used_bytes=used, memory_total_bytes=self.node.capacity_bytes
             )
-            for u in self.node.usage()
+            for d in self.node.device_ids()
         ]

@@ -62,28 +62,16 @@ class Event:
     bytes: int
 
 
-@dataclasses.dataclass(frozen=True)
-class Residency:
-    """Bytes a job holds on every device of the node."""
-
-    group: str
-    bytes_per_device: int
+#: Whose state it is: ``(job, group)``.
+Key = tuple[str, str]
 
 
 @dataclasses.dataclass(frozen=True)
 class SavedState:
     """A job's state for a group parked off the devices: footprint to bring back, host bytes."""
 
-    group: str
     footprint_bytes: int
     host_bytes: int
-
-
-@dataclasses.dataclass(frozen=True)
-class DeviceUsage:
-    id: str
-    used_bytes: int
-    total_bytes: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,8 +157,9 @@ class SimNode:
         self.capacity_bytes = capacity_bytes
         self._state_path = state_dir / STATE_FILE if state_dir is not None else None
         self._journal_path = state_dir / JOURNAL_FILE if state_dir is not None else None
-        self._resident: dict[tuple[str, str], Residency] = {}
-        self._saved: dict[tuple[str, str], SavedState] = {}
+        #: Bytes per device of every resident state.
+        self._resident: dict[Key, int] = {}
+        self._saved: dict[Key, SavedState] = {}
         if state_dir is not None:
             state_dir.mkdir(parents=True, exist_ok=True)
             self._load()
@@ -180,7 +169,8 @@ class SimNode:
     def device_ids(self) -> list[str]:
         return [f"sim{i}" for i in range(self.devices)]
 
-    def residency(self, *, job: str, group: str) -> Residency | None:
+    def resident_bytes(self, *, job: str, group: str) -> int | None:
+        """Bytes per device the job's state for the group holds; ``None`` if not resident."""
         return self._resident.get((job, group))
 
     def saved(self, *, job: str, group: str) -> SavedState | None:
@@ -188,14 +178,7 @@ class SimNode:
 
     def used_bytes(self) -> int:
         """Bytes in use on each device (all devices hold the same jobs)."""
-        return sum(r.bytes_per_device for r in self._resident.values())
-
-    def usage(self) -> list[DeviceUsage]:
-        used = self.used_bytes()
-        return [
-            DeviceUsage(id=d, used_bytes=used, total_bytes=self.capacity_bytes)
-            for d in self.device_ids()
-        ]
+        return sum(self._resident.values())
 
     # ---- changes ----------------------------------------------------------------
 
@@ -217,11 +200,10 @@ class SimNode:
         if reason := self.never_fits(job=job, group=group, bytes_per_device=bytes_per_device):
             raise CapacityError(f"{action} on {first}: {reason}")
         others = {k: r for k, r in self._resident.items() if k != (job, group)}
-        used = sum(r.bytes_per_device for r in others.values())
+        used = sum(others.values())
         if used + bytes_per_device > self.capacity_bytes:
             holders = ", ".join(
-                f"job {j} of group {g} ({r.bytes_per_device} bytes)"
-                for (j, g), r in sorted(others.items())
+                f"job {j} of group {g} ({held} bytes)" for (j, g), held in sorted(others.items())
             )
             raise CapacityError(
                 f"{action} of job {job} (group {group}) on {first} (node {self.node}) would "
@@ -236,36 +218,27 @@ class SimNode:
         if (job, group) in self._resident:
             return
         self.check_fits(job=job, group=group, bytes_per_device=bytes_per_device, action=action)
-        self._resident[(job, group)] = Residency(group=group, bytes_per_device=bytes_per_device)
+        self._resident[(job, group)] = bytes_per_device
         self._save()
         self._journal(job=job, group=group, event="alloc", bytes_per_device=bytes_per_device)
 
     def free(self, *, job: str, group: str) -> int:
         """Release the job's device bytes; returns the bytes freed per device (0 if none)."""
-        residency = self._resident.pop((job, group), None)
-        if residency is None:
-            return 0
-        self._save()
-        self._journal(
-            job=job,
-            group=residency.group,
-            event="free",
-            bytes_per_device=residency.bytes_per_device,
-        )
-        return residency.bytes_per_device
+        return self._release((job, group))
 
     def park(self, *, job: str, group: str, saved: SavedState) -> None:
         """Free the job's devices and record its saved state, in one persisted step."""
-        residency = self._resident.pop((job, group), None)
         self._saved[(job, group)] = saved
-        self._save()
-        if residency is not None:
-            self._journal(
-                job=job,
-                group=residency.group,
-                event="free",
-                bytes_per_device=residency.bytes_per_device,
-            )
+        self._release((job, group), changed=True)
+
+    def _release(self, key: Key, *, changed: bool = False) -> int:
+        held = self._resident.pop(key, None)
+        if held is not None or changed:
+            self._save()
+        if held is None:
+            return 0
+        self._journal(job=key[0], group=key[1], event="free", bytes_per_device=held)
+        return held
 
     def unpark(self, *, job: str, group: str) -> None:
         """The job's saved state is back on the devices; forget the host copy."""
@@ -293,8 +266,11 @@ class SimNode:
         if isinstance(resident, dict):  # written before residency was per (job, group)
             resident = [{"job": j, **r} for j, r in resident.items()]
             saved = [{"job": j, **s} for j, s in saved.items()]
-        self._resident = {(r.pop("job"), r["group"]): Residency(**r) for r in resident}
-        self._saved = {(s.pop("job"), s["group"]): SavedState(**s) for s in saved}
+        self._resident = {(r["job"], r["group"]): int(r["bytes_per_device"]) for r in resident}
+        self._saved = {
+            (s["job"], s["group"]): SavedState(int(s["footprint_bytes"]), int(s["host_bytes"]))
+            for s in saved
+        }
 
     def _save(self) -> None:
         if self._state_path is None:
@@ -302,9 +278,12 @@ class SimNode:
         payload = {
             "node": self.node,
             "resident": [
-                {"job": j, **dataclasses.asdict(r)} for (j, _), r in self._resident.items()
+                {"job": j, "group": g, "bytes_per_device": held}
+                for (j, g), held in self._resident.items()
             ],
-            "saved": [{"job": j, **dataclasses.asdict(s)} for (j, _), s in self._saved.items()],
+            "saved": [
+                {"job": j, "group": g, **dataclasses.asdict(s)} for (j, g), s in self._saved.items()
+            ],
         }
         tmp = self._state_path.with_suffix(".tmp")
         with tmp.open("w") as f:
