@@ -23,17 +23,16 @@ import contextlib
 import dataclasses
 import json
 import shutil
-import statistics
 import string
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import tslice.client as tsclient
 from tslice.agent.backends import simdevice as device
 from tslice.common import errors
-from tslice.sim import checker, cluster, rljob, timeline, trace
+from tslice.sim import checker, cluster, measure, rljob, timeline, trace
 
 GiB = device.GiB
 NODES = {trace.SAMPLER: "node-a", trace.TRAINER: "node-b"}
@@ -181,7 +180,7 @@ class DemoProgress:
             self.switch_count += 1
             self.switches.appendleft(
                 SwitchView(
-                    t=_event_time(event),
+                    t=measure.event_time(event),
                     group=event.group_id,
                     from_job=event.from_job,
                     to_job=event.job_id,
@@ -194,42 +193,15 @@ class DemoProgress:
 
 
 @dataclasses.dataclass(frozen=True)
-class RunSummary:
-    name: str
-    start: float
-    end: float
-    #: Share of the run's makespan each pool was held by some job.
-    duty: Mapping[str, float]
-    switches: int
-    steps_done: int
-    windows: tuple[rljob.Window, ...]
-    errors: tuple[str, ...]
-
-    @property
-    def makespan_s(self) -> float:
-        return self.end - self.start
-
-
-@dataclasses.dataclass(frozen=True)
-class OpStats:
-    """Median duration of one kind of device-state move on one pool."""
-
-    count: int
-    demo_ms: float
-    trace_s: float
-    recorded_trace_s: float
-
-
-@dataclasses.dataclass(frozen=True)
 class DemoResult:
     config: DemoConfig
     model: trace.PhaseModel
     contention: float
     #: Copy speed of each pool's node.
     speeds: Mapping[str, device.CopySpeed]
-    runs: Mapping[str, RunSummary]
-    snapshot: Mapping[str, OpStats]
-    restore: Mapping[str, OpStats]
+    runs: Mapping[str, measure.RunSummary]
+    snapshot: Mapping[str, measure.OpStats]
+    restore: Mapping[str, measure.OpStats]
     violations: tuple[checker.Violation, ...]
     timeline_path: Path
     wall_s: float
@@ -384,7 +356,7 @@ async def run_demo(config: DemoConfig, *, progress: DemoProgress | None = None) 
     violations = checker.check(
         journal=journal, windows=windows, group_nodes={p: [NODES[p]] for p in trace.POOLS}
     )
-    snapshot, restore = _op_stats(events, model, config.time_scale)
+    snapshot, restore = measure.op_stats(events, model, config.time_scale)
     result = DemoResult(
         config=config,
         model=model,
@@ -411,7 +383,7 @@ async def _run_phases(
     address: str,
     progress: DemoProgress,
     events: list[tsclient.OrchestratorEvent],
-) -> dict[str, RunSummary]:
+) -> dict[str, measure.RunSummary]:
     ids = list(plans)
 
     def spec(job: str, slowdown: float) -> rljob.SimJob:
@@ -428,7 +400,7 @@ async def _run_phases(
     # the demo should fail with the checker's report instead of hanging.
     longest_step = max(sum(p.duration_s for p in step) for plan in plans.values() for step in plan)
     patience = 60.0 + 2 * len(ids) * longest_step * contention / config.time_scale
-    runs: dict[str, RunSummary] = {}
+    runs: dict[str, measure.RunSummary] = {}
     progress.start_run(EXCLUSIVE, ids, config.steps)
     start = time.time()
     results = []
@@ -442,7 +414,7 @@ async def _run_phases(
                 acquire_timeout_s=patience,
             )
         )
-    runs[EXCLUSIVE] = _summarise(EXCLUSIVE, start, time.time(), results, events)
+    runs[EXCLUSIVE] = measure.summarise(EXCLUSIVE, start, time.time(), results, events)
     progress.makespans[EXCLUSIVE] = runs[EXCLUSIVE].makespan_s
     if len(ids) > 1:
         progress.start_run(TIME_SLICED, ids, config.steps)
@@ -461,7 +433,7 @@ async def _run_phases(
                 )
             )
         )
-        runs[TIME_SLICED] = _summarise(TIME_SLICED, start, time.time(), results, events)
+        runs[TIME_SLICED] = measure.summarise(TIME_SLICED, start, time.time(), results, events)
         progress.makespans[TIME_SLICED] = runs[TIME_SLICED].makespan_s
     return runs
 
@@ -476,78 +448,6 @@ async def _watch(
         progress.on_event(event)
 
 
-def _event_time(event: tsclient.OrchestratorEvent) -> float:
-    return event.time.timestamp() if event.time is not None else time.time()
-
-
-def _summarise(
-    name: str,
-    start: float,
-    end: float,
-    results: Sequence[rljob.JobResult],
-    events: Sequence[tsclient.OrchestratorEvent],
-) -> RunSummary:
-    windows = tuple(w for r in results for w in r.windows)
-    span = max(end - start, 1e-9)
-    duty = {pool: _held(windows, pool, start, end) / span for pool in trace.POOLS}
-    # A hand-over from one job to another; a first grant on an empty pool is no switch.
-    switches = sum(
-        1
-        for e in list(events)
-        if e.kind == tsclient.EventKind.SWITCH_DONE
-        and e.from_job
-        and e.from_job != e.job_id
-        and start <= _event_time(e) <= end
-    )
-    return RunSummary(
-        name=name,
-        start=start,
-        end=end,
-        duty=duty,
-        switches=switches,
-        steps_done=sum(r.steps_done for r in results),
-        windows=windows,
-        errors=tuple(f"job {r.job}: {r.error}" for r in results if r.error),
-    )
-
-
-def _held(windows: Sequence[rljob.Window], pool: str, start: float, end: float) -> float:
-    spans = sorted(
-        (max(w.acquired, start), min(w.yielded if w.yielded is not None else end, end))
-        for w in windows
-        if w.pool == pool and w.acquired is not None
-    )
-    total, reach = 0.0, start
-    for lo, hi in spans:
-        begin = max(lo, reach)
-        if hi > begin:
-            total += hi - begin
-            reach = hi
-    return total
-
-
-def _op_stats(
-    events: Sequence[tsclient.OrchestratorEvent], model: trace.PhaseModel, time_scale: float
-) -> tuple[dict[str, OpStats], dict[str, OpStats]]:
-    def stats(kind: tsclient.EventKind, recorded: Callable[[str], float]) -> dict[str, OpStats]:
-        out: dict[str, OpStats] = {}
-        for pool in trace.POOLS:
-            ms = [e.duration_ms for e in events if e.kind == kind and e.group_id == pool]
-            median = float(statistics.median(ms)) if ms else 0.0
-            out[pool] = OpStats(
-                count=len(ms),
-                demo_ms=round(median, 1),
-                trace_s=round(median / 1000.0 * time_scale, 2),
-                recorded_trace_s=round(recorded(pool), 2),
-            )
-        return out
-
-    return (
-        stats(tsclient.EventKind.SNAPSHOT_DONE, lambda p: model.switch[p].snapshot.median),
-        stats(tsclient.EventKind.RESTORE_DONE, lambda p: model.switch[p].restore.median),
-    )
-
-
 def _timeline_html(
     result: DemoResult, events: Sequence[tsclient.OrchestratorEvent], ids: Sequence[str]
 ) -> str:
@@ -555,7 +455,7 @@ def _timeline_html(
     for e in events:
         if e.kind not in (tsclient.EventKind.SNAPSHOT_DONE, tsclient.EventKind.RESTORE_DONE):
             continue
-        end = _event_time(e)
+        end = measure.event_time(e)
         kind = timeline.SNAPSHOT if e.kind == tsclient.EventKind.SNAPSHOT_DONE else timeline.RESTORE
         ops.append(
             timeline.SwitchOp(
