@@ -484,7 +484,7 @@ class ChannelHub:
         log.log(
             level,
             "workload session closed",
-            extra={"job_id": session.job_id, "group": session.group, "reason": reason},
+            extra={"job_id": session.job_id, "group_id": session.group, "reason": reason},
         )
         self._notify("closed", session, reason)
 

@@ -277,6 +277,6 @@ class RegistrationServer:
             return {"ok": False, "error": str(exc)}
         log.info(
             "process registered",
-            extra={"job_id": reg.job_id, "group": reg.group, "pid": pid, "uid": uid},
+            extra={"job_id": reg.job_id, "group_id": reg.group, "pid": pid, "uid": uid},
         )
         return {"ok": True, "pid": pid, "job_id": reg.job_id}

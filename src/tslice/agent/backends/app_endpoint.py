@@ -329,8 +329,8 @@ class AppEndpointBackend(base.Backend):
         log.info(
             "engine call",
             extra={
-                "job": job.job_id,
-                "group": job.group,
+                "job_id": job.job_id,
+                "group_id": job.group,
                 "endpoint": endpoint,
                 "request": what,
                 "status": status,
@@ -383,7 +383,7 @@ class AppEndpointBackend(base.Backend):
             message += f"; {undone} {len(to_undo)} endpoint(s) that had (or may have) changed: "
             message += changed
         message += "; the job is unchanged"
-        log.warning("%s", message, extra={"job": job.job_id, "group": job.group, "kind": kind})
+        log.warning("%s", message, extra={"job_id": job.job_id, "group_id": job.group, "kind": kind})
         if not all(r.retryable for r in failed):
             raise EngineRefusedError(message)
         raise EngineRejectedError(message, retry_after=_RETRY_AFTER_S)

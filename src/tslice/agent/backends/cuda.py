@@ -435,7 +435,7 @@ class CudaBackend(base.Backend):
             except base.BackendError as exc:
                 log.warning(
                     "cannot recover job: its processes are unknown",
-                    extra={"job_id": job.job_id, "group": job.group, "reason": str(exc)},
+                    extra={"job_id": job.job_id, "group_id": job.group, "reason": str(exc)},
                 )
                 return None
             pids = dict.fromkeys([*self._explicit(job), *announced])
