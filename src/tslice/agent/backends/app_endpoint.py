@@ -383,7 +383,9 @@ class AppEndpointBackend(base.Backend):
             message += f"; {undone} {len(to_undo)} endpoint(s) that had (or may have) changed: "
             message += changed
         message += "; the job is unchanged"
-        log.warning("%s", message, extra={"job_id": job.job_id, "group_id": job.group, "kind": kind})
+        log.warning(
+            "%s", message, extra={"job_id": job.job_id, "group_id": job.group, "kind": kind}
+        )
         if not all(r.retryable for r in failed):
             raise EngineRefusedError(message)
         raise EngineRejectedError(message, retry_after=_RETRY_AFTER_S)
