@@ -138,6 +138,10 @@ def _strip_per_second(value: Any) -> Any:
     return value
 
 
+def _bytes(size: ByteSize | None) -> int | None:
+    return None if size is None else int(size)
+
+
 class _SimModel(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -156,6 +160,20 @@ class _SimModel(BaseModel):
     @classmethod
     def _per_second(cls, value: Any) -> Any:
         return _strip_per_second(value)
+
+    def freeze(self) -> SimConfig:
+        return SimConfig(
+            devices=self.devices,
+            capacity_bytes=int(self.capacity),
+            bandwidth_bytes_per_s=int(self.bandwidth),
+            restore_bandwidth_bytes_per_s=_bytes(self.restore_bandwidth),
+            latency_s=self.latency_s,
+            default_footprint_bytes=_bytes(self.default_footprint),
+            fail_probability=self.fail_probability,
+            extra_latency_s=self.extra_latency_s,
+            hang_probability=self.hang_probability,
+            seed=self.seed,
+        )
 
     @pydantic.model_validator(mode="after")
     def _footprint_fits(self) -> _SimModel:
@@ -201,41 +219,15 @@ class _AgentModel(BaseModel):
         return value.lower()
 
     def freeze(self) -> AgentConfig:
-        sim = SimConfig(
-            devices=self.sim.devices,
-            capacity_bytes=int(self.sim.capacity),
-            bandwidth_bytes_per_s=int(self.sim.bandwidth),
-            restore_bandwidth_bytes_per_s=(
-                int(self.sim.restore_bandwidth) if self.sim.restore_bandwidth is not None else None
-            ),
-            latency_s=self.sim.latency_s,
-            default_footprint_bytes=(
-                int(self.sim.default_footprint) if self.sim.default_footprint is not None else None
-            ),
-            fail_probability=self.sim.fail_probability,
-            extra_latency_s=self.sim.extra_latency_s,
-            hang_probability=self.sim.hang_probability,
-            seed=self.sim.seed,
-        )
-        return AgentConfig(
-            node_name=self.node_name,
-            host=self.host,
-            port=self.port,
-            unix_socket=self.unix_socket,
-            register_socket=self.register_socket,
+        # The fields are AgentConfig's, by name; only these change type on the way.
+        fields = {name: getattr(self, name) for name in type(self).model_fields}
+        fields.update(
             state_dir=self.state_dir.expanduser(),
-            default_backend=self.default_backend,
             backends=tuple(self.backends),
             backend_settings={k: dict(v) for k, v in self.backend_settings.items()},
-            sim=sim,
-            operation_timeout_s=self.operation_timeout_s,
-            operation_retention_s=self.operation_retention_s,
-            max_operations=self.max_operations,
-            health_interval_s=self.health_interval_s,
-            grace_period_s=self.grace_period_s,
-            metrics_port=self.metrics_port,
-            log_level=self.log_level,
+            sim=self.sim.freeze(),
         )
+        return AgentConfig(**fields)
 
 
 def _merge(base: dict[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
