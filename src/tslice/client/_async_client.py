@@ -8,9 +8,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterable
-from types import TracebackType
 
-import grpc.aio
 from typing_extensions import Self
 
 from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2_grpc as opb_grpc
@@ -29,27 +27,15 @@ class AsyncClient(_base.BaseClient[_lease.AsyncHoldKeeper]):
 
     def _init_io(self) -> None:
         # Created on first use, inside the running loop the client will serve.
-        self._channel: grpc.aio.Channel | None = None
         self._calls: _services.AsyncOrchestratorCalls | None = None
         self._key_locks: dict[_base.HoldKey, asyncio.Lock] = {}
 
     def _orchestrator(self, what: str) -> _services.AsyncOrchestratorCalls:
         self._require_enabled(what)
         if self._calls is None:
-            assert self._config.address is not None
-            self._channel = grpc.aio.insecure_channel(
-                self._config.address,
-                options=_channel.channel_options(self._config.channel_options),
-            )
-            self._calls = _services.AsyncOrchestratorCalls(
-                _channel.AsyncTransport(
-                    self._channel,
-                    target=self._config.address,
-                    retry=self._config.retry,
-                    connect_timeout=self._config.connect_timeout,
-                    peer="the orchestrator",
-                )
-            )
+            endpoint = self._endpoint()
+            transport = _channel.AsyncTransport(endpoint.aio_channel(), endpoint)
+            self._calls = _services.AsyncOrchestratorCalls(transport)
         return self._calls
 
     @property
@@ -148,14 +134,8 @@ class AsyncClient(_base.BaseClient[_lease.AsyncHoldKeeper]):
             self, groups=self._slice_groups(groups), job=self._job(job_id), timeout=timeout
         )
 
-    def sliced(
-        self,
-        *groups: str,
-        job_id: str | None = None,
-        timeout: _config.Timeout = _config.USE_CLIENT_DEFAULT,
-    ) -> _slice.AsyncSliceContext:
-        """Decorator form of :meth:`slice` for coroutine functions."""
-        return self.slice(*groups, job_id=job_id, timeout=timeout)
+    #: The decorator spelling of :meth:`slice`, for coroutine functions.
+    sliced = slice
 
     async def close(self) -> None:
         """Close the channel; idempotent. Groups still held stay held (yield first)
@@ -163,21 +143,15 @@ class AsyncClient(_base.BaseClient[_lease.AsyncHoldKeeper]):
         self._closed = True
         for keeper in self._pop_keepers():
             await keeper.stop()
-        channel, calls, self._channel, self._calls = self._channel, self._calls, None, None
+        calls, self._calls = self._calls, None
         if calls is not None:
             await calls.close()
-        if channel is not None:
-            await channel.close()
+            await calls.transport.channel.close()
 
     async def __aenter__(self) -> Self:
         return self
 
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    async def __aexit__(self, *exc_info: object) -> None:
         await self.close()
 
     def __repr__(self) -> str:

@@ -208,32 +208,53 @@ class BaseClient(Generic[K]):
     def default_group(self) -> str | None:
         return self._config.default_group
 
+    def _endpoint(self) -> _channel.Endpoint:
+        """The orchestrator, for the channel created at the first call."""
+        assert self._config.address is not None, "no-op mode opens no channel"
+        return _channel.Endpoint(
+            target=self._config.address,
+            peer="the orchestrator",
+            retry=self._config.retry,
+            connect_timeout=self._config.connect_timeout,
+            channel_options=self._config.channel_options,
+        )
+
     # -- resolution ---------------------------------------------------------------
 
     def _job(self, job_id: str | None) -> str:
-        """The job a call is about; in no-op mode a missing one is fine ("")."""
-        if job_id is not None:
-            return _config.check_id("job_id", job_id, source="the job_id argument")
-        if self._config.job_id is not None:
-            return self._config.job_id
-        if not self.enabled:
-            return ""
-        raise errors.ConfigError(
-            "a job id is required: this client was made with job_id=None, so pass job_id= "
-            "to the call"
+        """The job a call is about."""
+        return self._id(
+            "job_id",
+            job_id,
+            self._config.job_id,
+            source="the job_id argument",
+            missing="a job id is required: this client was made with job_id=None, so pass "
+            "job_id= to the call",
         )
 
     def _group(self, group: str | None) -> str:
-        if group is not None:
-            return _config.check_id("group_id", group, source="the group argument")
-        if self._config.default_group is not None:
-            return self._config.default_group
+        """The group a call is about."""
+        return self._id(
+            "group_id",
+            group,
+            self._config.default_group,
+            source="the group argument",
+            missing="a group is required: pass it to the call, default_group= to the "
+            f"client, or set ${_config.GROUP_ENV[0]}",
+        )
+
+    def _id(
+        self, kind: str, given: str | None, default: str | None, *, source: str, missing: str
+    ) -> str:
+        """``given`` (checked), else the client's ``default``; in no-op mode a missing one
+        is fine ("")."""
+        if given is not None:
+            return _config.check_id(kind, given, source=source)
+        if default is not None:
+            return default
         if not self.enabled:
             return ""
-        raise errors.ConfigError(
-            "a group is required: pass it to the call, default_group= to the client, "
-            f"or set ${_config.GROUP_ENV[0]}"
-        )
+        raise errors.ConfigError(missing)
 
     def _slice_groups(self, groups: Iterable[str]) -> tuple[str, ...]:
         """Groups of a slice, de-duplicated and sorted.

@@ -91,6 +91,29 @@ class CallOptions:
 NO_OPTIONS = CallOptions()
 
 
+@dataclasses.dataclass(frozen=True)
+class Endpoint:
+    """A server a transport talks to: where it is, what errors call it, and the bounds
+    on reaching it (see :class:`_Transport`)."""
+
+    #: The gRPC target (``host:port``, ``unix:/path``...), named in errors.
+    target: str
+    #: What errors call the server ("the orchestrator").
+    peer: str = "the server"
+    retry: _retry.RetryPolicy = _retry.DEFAULT_RETRY
+    #: Bound on the first connection, in seconds (``None``: as long as a call may wait).
+    connect_timeout: float | None = None
+    #: Laid over :data:`DEFAULT_CHANNEL_OPTIONS`.
+    channel_options: tuple[ChannelOption, ...] = ()
+
+    def channel(self) -> grpc.Channel:
+        return grpc.insecure_channel(self.target, options=channel_options(self.channel_options))
+
+    def aio_channel(self) -> grpc.aio.Channel:
+        """Create it inside the event loop that will use it."""
+        return grpc.aio.insecure_channel(self.target, options=channel_options(self.channel_options))
+
+
 # -- what the transports call: generated stub methods, or anything shaped like them --------
 
 
@@ -272,27 +295,16 @@ class _Transport:
     allows (an orchestrator restart is ridden out).
     """
 
-    def __init__(
-        self,
-        *,
-        target: str,
-        retry: _retry.RetryPolicy,
-        connect_timeout: float | None = None,
-        peer: str = "the server",
-    ) -> None:
-        self.target = target
-        self.retry = retry
-        self.connect_timeout = connect_timeout
-        self.peer = peer
-        self._connected = connect_timeout is None
+    def __init__(self, endpoint: Endpoint) -> None:
+        self.endpoint = endpoint
+        self._connected = endpoint.connect_timeout is None
 
     def connect_budget(self, call_timeout: float | None) -> float | None:
         """How long to wait for the first connection (None: no need, it happened)."""
-        if self._connected or self.connect_timeout is None:
+        bound = self.endpoint.connect_timeout
+        if self._connected or bound is None:
             return None
-        if call_timeout is None:
-            return self.connect_timeout
-        return min(call_timeout, self.connect_timeout)
+        return bound if call_timeout is None else min(call_timeout, bound)
 
     def connected(self) -> None:
         self._connected = True
@@ -304,9 +316,10 @@ class _Transport:
             if last.code() == grpc.StatusCode.UNAVAILABLE
             else "the connection was not completed"
         )
+        server = self.endpoint
         return errors.Unavailable(
             grpc.StatusCode.UNAVAILABLE,
-            f"failed to connect to {self.peer} at {self.target} within {waited_s:.3g} s "
+            f"failed to connect to {server.peer} at {server.target} within {waited_s:.3g} s "
             f"({reason}): is it running, and is the address right? "
             f"(${_config.CONNECT_TIMEOUT_ENV} waits longer)",
         )
@@ -320,10 +333,10 @@ class _Transport:
     def attempts(self, method: Method, options: CallOptions) -> _retry.Attempts:
         return _retry.Attempts(
             method=method.name,
-            target=self.target,
+            target=self.endpoint.target,
             retryable=method.retryable,
             settled_codes=method.settled_codes,
-            policy=options.retry or self.retry,
+            policy=options.retry or self.endpoint.retry,
             timeout=options.timeout,
             group_id=options.group_id,
         )
@@ -340,14 +353,11 @@ class SyncTransport(_Transport):
     def __init__(
         self,
         channel: grpc.Channel,
+        endpoint: Endpoint,
         *,
-        target: str,
-        retry: _retry.RetryPolicy = _retry.DEFAULT_RETRY,
         sleep: Callable[[float], None] = time.sleep,
-        connect_timeout: float | None = None,
-        peer: str = "the server",
     ) -> None:
-        super().__init__(target=target, retry=retry, connect_timeout=connect_timeout, peer=peer)
+        super().__init__(endpoint)
         self.channel = channel
         self._sleep = sleep
         self._probe = health_check(channel)
@@ -439,16 +449,8 @@ def _wait(future: Outcome[Rep]) -> Rep:
 class AsyncTransport(_Transport):
     """Runs RPCs on a ``grpc.aio.Channel``; differs from :class:`SyncTransport` only in awaiting."""
 
-    def __init__(
-        self,
-        channel: grpc.aio.Channel,
-        *,
-        target: str,
-        retry: _retry.RetryPolicy = _retry.DEFAULT_RETRY,
-        connect_timeout: float | None = None,
-        peer: str = "the server",
-    ) -> None:
-        super().__init__(target=target, retry=retry, connect_timeout=connect_timeout, peer=peer)
+    def __init__(self, channel: grpc.aio.Channel, endpoint: Endpoint) -> None:
+        super().__init__(endpoint)
         self.channel = channel
         self._probe = health_check(channel)
 

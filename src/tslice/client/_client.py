@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterable, Iterator
-from types import TracebackType
 
-import grpc
 from typing_extensions import Self
 
 from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2_grpc as opb_grpc
@@ -35,7 +33,6 @@ class Client(_base.BaseClient[_lease.HoldKeeper]):
     """
 
     def _init_io(self) -> None:
-        self._channel: grpc.Channel | None = None
         self._calls: _services.OrchestratorCalls | None = None
         self._key_locks: dict[_base.HoldKey, threading.Lock] = {}
 
@@ -43,20 +40,9 @@ class Client(_base.BaseClient[_lease.HoldKeeper]):
         self._require_enabled(what)
         with self._guard:
             if self._calls is None:
-                assert self._config.address is not None
-                self._channel = grpc.insecure_channel(
-                    self._config.address,
-                    options=_channel.channel_options(self._config.channel_options),
-                )
-                self._calls = _services.OrchestratorCalls(
-                    _channel.SyncTransport(
-                        self._channel,
-                        target=self._config.address,
-                        retry=self._config.retry,
-                        connect_timeout=self._config.connect_timeout,
-                        peer="the orchestrator",
-                    )
-                )
+                endpoint = self._endpoint()
+                transport = _channel.SyncTransport(endpoint.channel(), endpoint)
+                self._calls = _services.OrchestratorCalls(transport)
             return self._calls
 
     @property
@@ -175,14 +161,8 @@ class Client(_base.BaseClient[_lease.HoldKeeper]):
             self, groups=self._slice_groups(groups), job=self._job(job_id), timeout=timeout
         )
 
-    def sliced(
-        self,
-        *groups: str,
-        job_id: str | None = None,
-        timeout: _config.Timeout = _config.USE_CLIENT_DEFAULT,
-    ) -> _slice.SliceContext:
-        """Decorator form of :meth:`slice`: ``@client.sliced("trainer")``."""
-        return self.slice(*groups, job_id=job_id, timeout=timeout)
+    #: The decorator spelling of :meth:`slice`: ``@client.sliced("trainer")``.
+    sliced = slice
 
     def close(self) -> None:
         """Close the channel; idempotent. Groups still held stay held (yield first)
@@ -191,21 +171,15 @@ class Client(_base.BaseClient[_lease.HoldKeeper]):
         for keeper in self._pop_keepers():
             keeper.stop()
         with self._guard:
-            channel, calls, self._channel, self._calls = self._channel, self._calls, None, None
+            calls, self._calls = self._calls, None
         if calls is not None:
             calls.close()
-        if channel is not None:
-            channel.close()
+            calls.transport.channel.close()
 
     def __enter__(self) -> Self:
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         self.close()
 
     def __repr__(self) -> str:

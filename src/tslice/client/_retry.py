@@ -67,42 +67,39 @@ DEFAULT_RETRY = RetryPolicy()
 NO_RETRY = RetryPolicy(max_attempts=1)
 
 
+@dataclasses.dataclass(kw_only=True)
 class Attempts:
     """Deadline and retry bookkeeping for one logical call (one or more attempts)."""
 
-    def __init__(
-        self,
-        *,
-        method: str,
-        target: str,
-        retryable: bool,
-        policy: RetryPolicy,
-        settled_codes: frozenset[grpc.StatusCode] = frozenset(),
-        timeout: float | None,
-        group_id: str | None = None,
-        clock: Callable[[], float] = time.monotonic,
-        rand: Callable[[], float] = random.random,
-    ) -> None:
-        self._method = method
-        self._target = target
-        self._retryable = retryable
-        self._settled_codes = settled_codes
-        self._policy = policy
-        self._group_id = group_id
-        self._clock = clock
-        self._rand = rand
-        self.started = clock()
-        self.deadline = None if timeout is None else self.started + timeout
-        self.failures = 0
+    method: str
+    target: str
+    #: Safe to re-issue after UNAVAILABLE.
+    retryable: bool
+    policy: RetryPolicy
+    #: Deadline of the whole call, retries included, in seconds (``None`` = none).
+    timeout: float | None
+    #: Codes that, answering a re-issued attempt, mean an earlier one took effect.
+    settled_codes: frozenset[grpc.StatusCode] = frozenset()
+    #: Lets NOT_FOUND become :class:`~tslice.common.errors.UnknownGroup`.
+    group_id: str | None = None
+    clock: Callable[[], float] = time.monotonic
+    rand: Callable[[], float] = random.random
+    started: float = dataclasses.field(init=False)
+    deadline: float | None = dataclasses.field(init=False)
+    failures: int = dataclasses.field(init=False, default=0)
+
+    def __post_init__(self) -> None:
+        self.started = self.clock()
+        self.deadline = None if self.timeout is None else self.started + self.timeout
 
     def elapsed_ms(self) -> int:
-        return int((self._clock() - self.started) * 1000)
+        return int((self.clock() - self.started) * 1000)
 
     def attempt_timeout(self) -> float | None:
         """Time left for the next attempt (``None`` = no deadline)."""
         if self.deadline is None:
             return None
-        return max(0.0, self.deadline - self._clock())
+        return max(0.0, self.deadline - self.clock())
 
     def after_error(self, err: grpc.RpcError) -> float | None:
         """Seconds to wait before the next attempt, ``None`` when an earlier attempt
@@ -111,47 +108,45 @@ class Attempts:
         Must be called inside the ``except`` block that caught ``err`` so that the
         raised error chains to it.
         """
-        mapped = errors.from_grpc(err, group_id=self._group_id)
-        if self.failures and mapped.status in self._settled_codes:
+        mapped = errors.from_grpc(err, group_id=self.group_id)
+        if self.failures and mapped.status in self.settled_codes:
             log.info(
                 "%s to %s answered %s after a retry: the earlier attempt took effect",
-                self._method,
-                self._target,
+                self.method,
+                self.target,
                 mapped,
-                extra={"method": self._method, "target": self._target},
+                extra={"method": self.method, "target": self.target},
             )
             return None
         if mapped.status == grpc.StatusCode.DEADLINE_EXCEEDED and self.deadline is not None:
             raise errors.DeadlineExceeded(
                 mapped.status,
-                f"{mapped.message}: {self._method} to {self._target} did not finish within "
+                f"{mapped.message}: {self.method} to {self.target} did not finish within "
                 f"{self.deadline - self.started:.3g} s",
             ) from err
-        if mapped.status != grpc.StatusCode.UNAVAILABLE or not self._retryable:
+        if mapped.status != grpc.StatusCode.UNAVAILABLE or not self.retryable:
             raise mapped from err
         self.failures += 1
-        attempts_left = (
-            self._policy.max_attempts is None or self.failures < self._policy.max_attempts
-        )
-        delay = self._policy.delay(self.failures, rand=self._rand())
-        out_of_time = self.deadline is not None and self._clock() + delay >= self.deadline
+        attempts_left = self.policy.max_attempts is None or self.failures < self.policy.max_attempts
+        delay = self.policy.delay(self.failures, rand=self.rand())
+        out_of_time = self.deadline is not None and self.clock() + delay >= self.deadline
         if not attempts_left or out_of_time:
             if self.failures == 1:
                 raise mapped from err
             raise errors.Unavailable(
                 grpc.StatusCode.UNAVAILABLE,
-                f"{mapped.message} (gave up on {self._method} to {self._target} after "
+                f"{mapped.message} (gave up on {self.method} to {self.target} after "
                 f"{self.failures} attempts over {self.elapsed_ms() / 1000:.1f} s)",
             ) from err
         level = logging.WARNING if self.failures == 1 else logging.DEBUG
         log.log(
             level,
             "%s to %s failed (%s); retrying in %.2f s",
-            self._method,
-            self._target,
+            self.method,
+            self.target,
             mapped,
             delay,
-            extra={"method": self._method, "target": self._target, "attempt": self.failures},
+            extra={"method": self.method, "target": self.target, "attempt": self.failures},
         )
         return delay
 
@@ -159,8 +154,8 @@ class Attempts:
         if self.failures:
             log.info(
                 "%s to %s succeeded after %d failed attempts",
-                self._method,
-                self._target,
+                self.method,
+                self.target,
                 self.failures,
-                extra={"method": self._method, "target": self._target},
+                extra={"method": self.method, "target": self.target},
             )

@@ -15,8 +15,10 @@ raise :class:`~tslice.common.multiplex.Unsupported`:
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 from collections.abc import Callable, Iterator, Sequence
-from typing import TypeVar
+from typing import Generic, TypeVar
 
 import grpc
 import grpc.aio
@@ -42,32 +44,50 @@ def _cancel(request_id: int) -> opb.SessionRequest:
     return opb.SessionRequest(request_id=request_id, cancel=True)
 
 
-def _acquire(request: opb.AcquireRequest) -> Callable[[int], opb.SessionRequest]:
-    return lambda request_id: opb.SessionRequest(request_id=request_id, acquire=request)
+@dataclasses.dataclass(frozen=True)
+class _Call(Generic[R]):
+    """One kind of call over the stream: its message, what ends it early, its reply."""
+
+    message: Callable[[int], opb.SessionRequest]
+    #: Sent when the caller gives up on the call (``None``: nothing to take back).
+    abandon: Callable[[int], opb.SessionRequest] | None
+    payload: Callable[[opb.SessionResponse], R]
+
+    def reply(self, response: opb.SessionResponse) -> R:
+        """The payload, or the reply's status raised as a unary call would raise it."""
+        if response.status_code:
+            raise _rpc_error(multiplex.status_code(response.status_code), response.status_message)
+        return self.payload(response)
 
 
-def _release(request: opb.YieldRequest) -> Callable[[int], opb.SessionRequest]:
-    return lambda request_id: opb.SessionRequest(request_id=request_id, release=request)
+def _acquire(request: opb.AcquireRequest) -> _Call[opb.AcquireResponse]:
+    return _Call(
+        message=lambda request_id: opb.SessionRequest(request_id=request_id, acquire=request),
+        abandon=_cancel,
+        payload=lambda response: response.acquire,
+    )
 
 
-class _Replies:
-    """How both twins read a call's outcome: the reply's status, else its payload."""
-
-    @staticmethod
-    def unwrap(reply: opb.SessionResponse, payload: Callable[[opb.SessionResponse], R]) -> R:
-        if reply.status_code:
-            raise _rpc_error(multiplex.status_code(reply.status_code), reply.status_message)
-        return payload(reply)
-
-    @staticmethod
-    def failed(err: multiplex.Broken | TimeoutError) -> grpc.aio.AioRpcError:
-        """A broken stream or an expired deadline, as a unary call would fail."""
-        if isinstance(err, multiplex.Broken):
-            return _rpc_error(err.code, err.detail)
-        return _rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
+def _release(request: opb.YieldRequest) -> _Call[opb.YieldResponse]:
+    return _Call(
+        message=lambda request_id: opb.SessionRequest(request_id=request_id, release=request),
+        abandon=None,
+        payload=lambda response: response.release,
+    )
 
 
-class Session(_Replies):
+@contextlib.contextmanager
+def _as_unary_errors() -> Iterator[None]:
+    """A broken stream or an expired deadline fails the call as a unary call would."""
+    try:
+        yield
+    except multiplex.Broken as err:
+        raise _rpc_error(err.code, err.detail) from err
+    except TimeoutError as err:
+        raise _rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded") from err
+
+
+class Session:
     """``acquire``/``yield_`` over one Session stream (``grpc.aio``)."""
 
     def __init__(
@@ -83,30 +103,21 @@ class Session(_Replies):
     async def acquire(
         self, request: opb.AcquireRequest, timeout: float | None
     ) -> opb.AcquireResponse:
-        reply = await self._call(_acquire(request), timeout, abandon=_cancel)
-        return self.unwrap(reply, lambda r: r.acquire)
+        return await self._call(_acquire(request), timeout)
 
     async def yield_(self, request: opb.YieldRequest, timeout: float | None) -> opb.YieldResponse:
-        reply = await self._call(_release(request), timeout, abandon=None)
-        return self.unwrap(reply, lambda r: r.release)
+        return await self._call(_release(request), timeout)
 
     async def close(self) -> None:
         await self._caller.close()
 
-    async def _call(
-        self,
-        message: Callable[[int], opb.SessionRequest],
-        timeout: float | None,
-        *,
-        abandon: Callable[[int], opb.SessionRequest] | None,
-    ) -> opb.SessionResponse:
-        try:
-            return await self._caller.call(message, timeout_s=timeout, abandon=abandon)
-        except (multiplex.Broken, TimeoutError) as err:
-            raise self.failed(err) from err
+    async def _call(self, call: _Call[R], timeout: float | None) -> R:
+        with _as_unary_errors():
+            reply = await self._caller.call(call.message, timeout_s=timeout, abandon=call.abandon)
+        return call.reply(reply)
 
 
-class SyncSession(_Replies):
+class SyncSession:
     """Blocking twin of :class:`Session` (the stream is read by a daemon thread)."""
 
     def __init__(
@@ -125,24 +136,15 @@ class SyncSession(_Replies):
         )
 
     def acquire(self, request: opb.AcquireRequest, timeout: float | None) -> opb.AcquireResponse:
-        reply = self._call(_acquire(request), timeout, abandon=_cancel)
-        return self.unwrap(reply, lambda r: r.acquire)
+        return self._call(_acquire(request), timeout)
 
     def yield_(self, request: opb.YieldRequest, timeout: float | None) -> opb.YieldResponse:
-        reply = self._call(_release(request), timeout, abandon=None)
-        return self.unwrap(reply, lambda r: r.release)
+        return self._call(_release(request), timeout)
 
     def close(self) -> None:
         self._caller.close()
 
-    def _call(
-        self,
-        message: Callable[[int], opb.SessionRequest],
-        timeout: float | None,
-        *,
-        abandon: Callable[[int], opb.SessionRequest] | None,
-    ) -> opb.SessionResponse:
-        try:
-            return self._caller.call(message, timeout_s=timeout, abandon=abandon)
-        except (multiplex.Broken, TimeoutError) as err:
-            raise self.failed(err) from err
+    def _call(self, call: _Call[R], timeout: float | None) -> R:
+        with _as_unary_errors():
+            reply = self._caller.call(call.message, timeout_s=timeout, abandon=call.abandon)
+        return call.reply(reply)

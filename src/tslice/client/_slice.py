@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 import inspect
 from collections.abc import Awaitable, Callable, Mapping
-from types import MappingProxyType, TracebackType
+from types import MappingProxyType
 from typing import ParamSpec, Protocol, TypeVar
 
 from tslice.client import _config, _types
@@ -65,12 +65,7 @@ class SliceContext(_SliceSpec):
         results = self._owner._enter_slice(self.groups, self.job, self.timeout)
         return MappingProxyType(results)
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
         # A failure to yield must not hide the exception that ended the block.
         self._owner._exit_slice(self.groups, self.job, raise_errors=exc is None)
 
@@ -102,12 +97,7 @@ class AsyncSliceContext(_SliceSpec):
         results = await self._owner._enter_slice(self.groups, self.job, self.timeout)
         return MappingProxyType(results)
 
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    async def __aexit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
         await self._owner._exit_slice(self.groups, self.job, raise_errors=exc is None)
 
     def __call__(self, func: Callable[P, Awaitable[R]]) -> Callable[P, Awaitable[R]]:

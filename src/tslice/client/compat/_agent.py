@@ -98,31 +98,26 @@ class SnapshotAgentClient:
         channel_options: Sequence[_config.ChannelOption] | None = None,
         connect_timeout_sec: _config.Timeout = _config.USE_CLIENT_DEFAULT,
     ) -> None:
-        if channel is not None:
-            self.channel = channel
-            self._own_channel = False
-        elif endpoint:
-            target = _address.grpc_target(
-                endpoint, default_port=_address.AGENT_PORT, source="endpoint"
-            )
-            self.channel = grpc.insecure_channel(
-                target, options=_channel.channel_options(channel_options)
-            )
-            self._own_channel = True
-        else:
+        if channel is None and not endpoint:
             raise ValueError("Either 'endpoint' or 'channel' must be provided.")
+        target = (
+            _address.grpc_target(endpoint, default_port=_address.AGENT_PORT, source="endpoint")
+            if channel is None and endpoint
+            else endpoint or "the given channel"
+        )
+        server = _channel.Endpoint(
+            target=target,
+            peer="the snapshot agent",
+            retry=retry,
+            connect_timeout=_config.resolve_connect_timeout(connect_timeout_sec),
+            channel_options=tuple(channel_options or ()),
+        )
+        self._own_channel = channel is None
+        self.channel = server.channel() if channel is None else channel
         self.endpoint = endpoint
         _config.check_timeout("timeout_sec", timeout_sec)
         self._timeout = timeout_sec
-        self._calls = _services.AgentCalls(
-            _channel.SyncTransport(
-                self.channel,
-                target=endpoint or "the given channel",
-                retry=retry,
-                connect_timeout=_config.resolve_connect_timeout(connect_timeout_sec),
-                peer="the snapshot agent",
-            )
-        )
+        self._calls = _services.AgentCalls(_channel.SyncTransport(self.channel, server))
         self.stub = self._calls.stub
         self.health_stub = self._calls.health_stub
         # None: not tried yet; False: the agent answered UNIMPLEMENTED (an llm-d agent).
@@ -161,10 +156,7 @@ class SnapshotAgentClient:
     ) -> types.SnapshotResponse:
         """Start a snapshot of ``job_id``; poll the returned operation id."""
         request = _operation_request(pb.SnapshotRequest, job_id, group, backend_config, backend)
-        response = self._call(
-            "Snapshot", lambda: self._calls.snapshot(request, self._options(job_id=job_id))
-        )
-        return types.SnapshotResponse(operation_id=response.operation_id)
+        return types.SnapshotResponse(self._start("Snapshot", self._calls.snapshot, request))
 
     def restore(
         self,
@@ -176,10 +168,19 @@ class SnapshotAgentClient:
     ) -> types.RestoreResponse:
         """Start a restore of ``job_id``; poll the returned operation id."""
         request = _operation_request(pb.RestoreRequest, job_id, group, backend_config, backend)
-        response = self._call(
-            "Restore", lambda: self._calls.restore(request, self._options(job_id=job_id))
-        )
-        return types.RestoreResponse(operation_id=response.operation_id)
+        return types.RestoreResponse(self._start("Restore", self._calls.restore, request))
+
+    def _start(
+        self,
+        method: str,
+        send: Callable[
+            [_Operation, _channel.CallOptions], pb.SnapshotResponse | pb.RestoreResponse
+        ],
+        request: _Operation,
+    ) -> str:
+        """Send a Snapshot or Restore; the id of the operation it started."""
+        options = self._options(job_id=request.job_id)
+        return self._call(method, lambda: send(request, options)).operation_id
 
     def get_operation(self, operation_id: str) -> types.GetOperationResponse:
         request = pb.GetOperationRequest(operation_id=operation_id)

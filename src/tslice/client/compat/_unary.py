@@ -13,6 +13,7 @@ methods (``(request, timeout=, metadata=)``, and ``future()`` for the sync one).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Awaitable, Callable
 from typing import Generic, TypeVar
 
@@ -60,29 +61,23 @@ class SyncUnaryFallback(Generic[Req, Rep]):
         return _Outcome(self, request, timeout, metadata)
 
 
+@dataclasses.dataclass
 class _Outcome(Generic[Req, Rep]):
     """What the sync transport waits on: ``result()``, and ``cancel()`` on an interrupt
     (the session abandons its own request when its wait is interrupted)."""
 
-    def __init__(
-        self,
-        call: SyncUnaryFallback[Req, Rep],
-        request: Req,
-        timeout: float | None,
-        metadata: Metadata,
-    ) -> None:
-        self._call = call
-        self._request = request
-        self._timeout = timeout
-        self._metadata = metadata
-        self._unary: _channel.Outcome[Rep] | None = None
+    call: SyncUnaryFallback[Req, Rep]
+    request: Req
+    timeout: float | None
+    metadata: Metadata
+    _unary: _channel.Outcome[Rep] | None = None
 
     def result(self) -> Rep:
         try:
-            return self._call._session(self._request, self._timeout)
+            return self.call._session(self.request, self.timeout)
         except multiplex.Unsupported:
-            self._unary = self._call._unary.future(
-                self._request, timeout=self._timeout, metadata=self._metadata
+            self._unary = self.call._unary.future(
+                self.request, timeout=self.timeout, metadata=self.metadata
             )
             return self._unary.result()
 
