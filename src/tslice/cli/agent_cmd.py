@@ -7,9 +7,9 @@ from typing import Annotated, Any
 
 import typer
 
-from tslice.common import errors
+from tslice.cli import options
 
-_SIM = "Simulated devices (sim backend)"
+_SIM = options.SIM_PANEL
 
 
 def register(app: typer.Typer) -> None:
@@ -19,16 +19,11 @@ def register(app: typer.Typer) -> None:
 
 def agent(
     *,
-    config: Annotated[
-        Path | None, typer.Option("--config", help="YAML config file; flags override it.")
-    ] = None,
+    config: Annotated[Path | None, options.CONFIG_FILE] = None,
     node_name: Annotated[
         str | None, typer.Option("--node-name", help="This node's name (default: hostname).")
     ] = None,
-    host: Annotated[
-        str | None,
-        typer.Option("--host", help="Address to bind (default 127.0.0.1; 0.0.0.0 for remote)."),
-    ] = None,
+    host: Annotated[str | None, options.HOST] = None,
     port: Annotated[
         int | None, typer.Option("--port", help="gRPC port (default 9001; 0 = any free port).")
     ] = None,
@@ -69,31 +64,10 @@ def agent(
     sim_devices: Annotated[
         int | None, typer.Option("--sim-devices", help="Number of devices.", rich_help_panel=_SIM)
     ] = None,
-    sim_capacity: Annotated[
-        str | None,
-        typer.Option("--sim-capacity", help="Memory per device, e.g. 80GiB.", rich_help_panel=_SIM),
-    ] = None,
-    sim_bandwidth: Annotated[
-        str | None,
-        typer.Option(
-            "--sim-bandwidth",
-            help="Copy rate, e.g. 25GB/s (snapshots; restores too unless "
-            "--sim-restore-bandwidth is given).",
-            rich_help_panel=_SIM,
-        ),
-    ] = None,
-    sim_restore_bandwidth: Annotated[
-        str | None,
-        typer.Option(
-            "--sim-restore-bandwidth",
-            help="Copy rate of restores, e.g. 75GB/s (default: --sim-bandwidth).",
-            rich_help_panel=_SIM,
-        ),
-    ] = None,
-    sim_latency: Annotated[
-        float | None,
-        typer.Option("--sim-latency", help="Fixed cost per copy, s.", rich_help_panel=_SIM),
-    ] = None,
+    sim_capacity: Annotated[str | None, options.SIM_CAPACITY] = None,
+    sim_bandwidth: Annotated[str | None, options.SIM_BANDWIDTH] = None,
+    sim_restore_bandwidth: Annotated[str | None, options.SIM_RESTORE_BANDWIDTH] = None,
+    sim_latency: Annotated[float | None, options.SIM_LATENCY] = None,
     sim_footprint: Annotated[
         str | None,
         typer.Option(
@@ -121,13 +95,8 @@ def agent(
     metrics_port: Annotated[
         int | None, typer.Option("--metrics-port", help="Prometheus port (0 = off, default).")
     ] = None,
-    ready_file: Annotated[
-        Path | None,
-        typer.Option("--ready-file", help='Write {"address", "pid"} here once serving.'),
-    ] = None,
-    log_level: Annotated[
-        str | None, typer.Option("--log-level", help="debug, info, warning or error.")
-    ] = None,
+    ready_file: Annotated[Path | None, options.READY_FILE] = None,
+    log_level: Annotated[str | None, options.LOG_LEVEL] = None,
 ) -> None:
     """Run the snapshot agent of this node (SIGTERM/SIGINT stop it gracefully)."""
     # Imported here so that `tslice --help` does not pay for grpc servers and backends.
@@ -161,9 +130,6 @@ def agent(
         overrides["default_backend"] = backend[0]
         if len(backend) > 1:
             overrides["backends"] = list(backend[1:])
-    try:
+    with options.config_errors_exit_2():
         settings = agent_config.load(path=config, overrides=overrides)
         agent_app.run(settings, ready_file=ready_file)
-    except errors.ConfigError as err:
-        typer.echo(f"error: {err}", err=True)
-        raise typer.Exit(2) from None

@@ -7,7 +7,7 @@ from typing import Annotated, Any
 
 import typer
 
-from tslice.common import errors
+from tslice.cli import options
 
 _TIMEOUTS = "Timeouts"
 
@@ -19,9 +19,7 @@ def register(app: typer.Typer) -> None:
 
 def orchestrator(
     *,
-    config: Annotated[
-        Path | None, typer.Option("--config", help="YAML config file; flags override it.")
-    ] = None,
+    config: Annotated[Path | None, options.CONFIG_FILE] = None,
     topology: Annotated[
         Path | None,
         typer.Option(
@@ -37,18 +35,8 @@ def orchestrator(
             "on their first Acquire.",
         ),
     ] = None,
-    group: Annotated[
-        list[str] | None,
-        typer.Option(
-            "--group",
-            metavar="NAME",
-            help="Local mode: the groups there are (repeatable); an Acquire of any other "
-            "group is NOT_FOUND. Without it, groups are created on their first Acquire.",
-        ),
-    ] = None,
-    host: Annotated[
-        str | None, typer.Option("--host", help="Address to bind (default 127.0.0.1).")
-    ] = None,
+    group: Annotated[list[str] | None, options.LOCAL_GROUPS] = None,
+    host: Annotated[str | None, options.HOST] = None,
     port: Annotated[
         int | None, typer.Option("--port", help="gRPC port (default 50051; 0 = any free port).")
     ] = None,
@@ -64,13 +52,8 @@ def orchestrator(
     metrics_port: Annotated[
         int | None, typer.Option("--metrics-port", help="Prometheus port (default 8080; 0 = off).")
     ] = None,
-    ready_file: Annotated[
-        Path | None,
-        typer.Option("--ready-file", help='Write {"address", "pid"} here once serving.'),
-    ] = None,
-    log_level: Annotated[
-        str | None, typer.Option("--log-level", help="debug, info, warning or error.")
-    ] = None,
+    ready_file: Annotated[Path | None, options.READY_FILE] = None,
+    log_level: Annotated[str | None, options.LOG_LEVEL] = None,
     agent_rpc_timeout: Annotated[
         float | None,
         typer.Option(
@@ -125,11 +108,8 @@ def orchestrator(
         "reattach_grace_s": reattach_grace,
         "shutdown_grace_s": shutdown_grace,
     }
-    try:
+    with options.config_errors_exit_2():
         settings = orch_config.build(config_file=config, overrides=overrides)
-    except errors.ConfigError as err:
-        typer.echo(f"error: {err}", err=True)
-        raise typer.Exit(2) from None
     try:
         orch_app.run(settings, ready_file=ready_file)
     except (store.StoreError, OSError) as err:

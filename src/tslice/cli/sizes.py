@@ -33,3 +33,13 @@ def parse_rate(text: str, *, option: str) -> int:
     return parse_bytes(
         stripped, option=option, what="a rate: use e.g. 25GB/s, 500MB/s or bytes per second"
     )
+
+
+def parse_bytes_or_none(text: str | None, *, option: str) -> int | None:
+    """:func:`parse_bytes`, with ``None`` (the flag not given) passed through."""
+    return None if text is None else parse_bytes(text, option=option)
+
+
+def parse_rate_or_none(text: str | None, *, option: str) -> int | None:
+    """:func:`parse_rate`, with ``None`` (the flag not given) passed through."""
+    return None if text is None else parse_rate(text, option=option)

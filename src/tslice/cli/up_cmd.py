@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 import signal
 import threading
@@ -11,7 +12,7 @@ from typing import Annotated
 
 import typer
 
-from tslice.cli import render, sizes
+from tslice.cli import options, render, sizes
 from tslice.common import errors
 from tslice.sim import cluster
 
@@ -23,18 +24,8 @@ def register(app: typer.Typer) -> None:
 def up(
     *,
     agents: Annotated[int, typer.Option("--agents", min=1, help="Simulated nodes to start.")] = 2,
-    group: Annotated[
-        list[str] | None,
-        typer.Option(
-            "--group",
-            metavar="NAME",
-            help="The groups there are (repeatable); an Acquire of any other group is "
-            "NOT_FOUND. Without it, a group is created by its first Acquire.",
-        ),
-    ] = None,
-    host: Annotated[str, typer.Option("--host", help="Address every server binds.")] = (
-        "127.0.0.1"
-    ),
+    group: Annotated[list[str] | None, options.LOCAL_GROUPS] = None,
+    host: Annotated[str, options.HOST] = "127.0.0.1",
     port: Annotated[
         int, typer.Option("--port", min=0, max=65535, help="Orchestrator port (0 = any free).")
     ] = 50051,
@@ -44,53 +35,39 @@ def up(
     fresh: Annotated[
         bool, typer.Option("--fresh", help="Delete the state dir first (forget all jobs).")
     ] = False,
-    sim_capacity: Annotated[
-        str, typer.Option("--sim-capacity", help="Memory per simulated device.")
-    ] = "80GiB",
+    # The agents' own defaults (None), as `tslice agent`, except the footprint.
+    sim_capacity: Annotated[str | None, options.SIM_CAPACITY] = None,
     sim_footprint: Annotated[
         str,
         typer.Option(
             "--sim-footprint",
             help="Footprint of jobs that declare none. Every group spans every node in "
             "local mode, so it is small enough for one job per group to fit a node.",
+            rich_help_panel=options.SIM_PANEL,
         ),
     ] = "20GiB",
-    sim_bandwidth: Annotated[
-        str, typer.Option("--sim-bandwidth", help="Simulated copy rate, e.g. 25GB/s.")
-    ] = "25GB/s",
-    sim_restore_bandwidth: Annotated[
-        str | None,
-        typer.Option(
-            "--sim-restore-bandwidth",
-            help="Simulated copy rate back onto the devices (default: --sim-bandwidth).",
-        ),
-    ] = None,
-    sim_latency: Annotated[
-        float, typer.Option("--sim-latency", min=0.0, help="Fixed cost per copy, s.")
-    ] = 0.005,
-    log_level: Annotated[str, typer.Option("--log-level", help="Servers' log level.")] = "info",
+    sim_bandwidth: Annotated[str | None, options.SIM_BANDWIDTH] = None,
+    sim_restore_bandwidth: Annotated[str | None, options.SIM_RESTORE_BANDWIDTH] = None,
+    sim_latency: Annotated[float | None, options.SIM_LATENCY] = None,
+    log_level: Annotated[str, options.LOG_LEVEL] = "info",
 ) -> None:
     """Run an orchestrator (local mode) and N simulated agents until Ctrl-C."""
     if fresh:
         shutil.rmtree(state_dir, ignore_errors=True)
-    specs = [
-        cluster.SimAgent(
-            name=f"node-{i + 1}",
-            capacity_bytes=sizes.parse_bytes(sim_capacity, option="--sim-capacity"),
-            footprint_bytes=sizes.parse_bytes(sim_footprint, option="--sim-footprint"),
-            bandwidth_bytes_per_s=sizes.parse_rate(sim_bandwidth, option="--sim-bandwidth"),
-            restore_bandwidth_bytes_per_s=(
-                sizes.parse_rate(sim_restore_bandwidth, option="--sim-restore-bandwidth")
-                if sim_restore_bandwidth is not None
-                else None
-            ),
-            latency_s=sim_latency,
-        )
-        for i in range(agents)
-    ]
+    # Checked here, naming the flag, before any process starts.
+    node = cluster.SimAgent(
+        name="node",
+        capacity_bytes=sizes.parse_bytes_or_none(sim_capacity, option="--sim-capacity"),
+        footprint_bytes=sizes.parse_bytes(sim_footprint, option="--sim-footprint"),
+        bandwidth_bytes_per_s=sizes.parse_rate_or_none(sim_bandwidth, option="--sim-bandwidth"),
+        restore_bandwidth_bytes_per_s=sizes.parse_rate_or_none(
+            sim_restore_bandwidth, option="--sim-restore-bandwidth"
+        ),
+        latency_s=sim_latency,
+    )
+    specs = [dataclasses.replace(node, name=f"node-{i + 1}") for i in range(agents)]
     local = cluster.LocalCluster(
         agents=specs,
-        groups=None,
         base_dir=state_dir,
         host=host,
         orchestrator_port=port,
