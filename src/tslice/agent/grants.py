@@ -144,9 +144,9 @@ def as_asked(grant: Order, job: jobs.Job | None) -> jobs.Job:
     """The granted job's record as the backend is asked about it (validate, fits): with
     the footprint the Grant declares, if it declares one."""
     probe = job if job is not None else jobs.Job(job_id=grant.job_id, group=grant.group)
-    return dataclasses.replace(
-        probe, footprint_bytes=grant.footprint_bytes or probe.footprint_bytes
-    )
+    if not grant.footprint_bytes or grant.footprint_bytes == probe.footprint_bytes:
+        return probe
+    return dataclasses.replace(probe, footprint_bytes=grant.footprint_bytes)
 
 
 def _holds_state(job: jobs.Job | None) -> bool:

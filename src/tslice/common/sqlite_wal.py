@@ -13,10 +13,8 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import contextlib
 import logging
 import sqlite3
-from collections.abc import Iterator
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -47,19 +45,11 @@ class WalCheckpointer:
         self._commits = 0
         self._pending = self._executor.submit(self._checkpoint, "PASSIVE")
 
-    @contextlib.contextmanager
-    def transaction(self, conn: sqlite3.Connection) -> Iterator[sqlite3.Connection]:
-        """One write transaction on ``conn`` (opened with ``isolation_level=None``):
-        ``BEGIN IMMEDIATE``, committed when the block ends, rolled back if anything in it
-        (or the commit) fails; a commit counts towards the next checkpoint."""
-        conn.execute("BEGIN IMMEDIATE")
-        try:
-            yield conn
-            conn.commit()
-        except BaseException:
-            conn.rollback()  # a no-op once nothing is pending
-            raise
-        self.committed()
+    def transaction(self, conn: sqlite3.Connection) -> _Transaction:
+        """One write transaction on ``conn`` (opened with ``isolation_level=None``), as a
+        ``with`` block: ``BEGIN IMMEDIATE``, committed when the block ends, rolled back if
+        anything in it (or the commit) fails; a commit counts towards the next checkpoint."""
+        return _Transaction(conn, self)
 
     async def close(self) -> None:
         """A last checkpoint that empties the WAL, then release the thread."""
@@ -87,3 +77,27 @@ class WalCheckpointer:
         if self._conn is not None:
             self._conn.close()
             self._conn = None
+
+
+class _Transaction:
+    # A plain class, not contextlib: the agent opens one per state change, on the loop.
+    __slots__ = ("_checkpoints", "_conn")
+
+    def __init__(self, conn: sqlite3.Connection, checkpoints: WalCheckpointer) -> None:
+        self._conn = conn
+        self._checkpoints = checkpoints
+
+    def __enter__(self) -> sqlite3.Connection:
+        self._conn.execute("BEGIN IMMEDIATE")
+        return self._conn
+
+    def __exit__(self, exc_type: type[BaseException] | None, *_: object) -> None:
+        if exc_type is not None:
+            self._conn.rollback()  # and the exception goes on
+            return
+        try:
+            self._conn.commit()
+        except BaseException:
+            self._conn.rollback()
+            raise
+        self._checkpoints.committed()
