@@ -6,10 +6,12 @@ import asyncio
 import contextlib
 import dataclasses
 import pathlib
+import socket
 from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
+import httpx
 
 from tslice.agent import app as agent_app
 from tslice.agent import config as agent_config
@@ -178,6 +180,26 @@ async def one_node(tmp_path: pathlib.Path) -> AsyncIterator[Cluster]:
         yield cluster
     finally:
         await cluster.close()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+async def agent_calls(port: int) -> dict[tuple[str, str], float]:
+    """(node, operation) -> number of timed agent calls, from the metrics endpoint."""
+    async with httpx.AsyncClient() as http:
+        text = (await http.get(f"http://127.0.0.1:{port}/metrics")).text
+    counts: dict[tuple[str, str], float] = {}
+    prefix = "timeslice_orchestrator_agent_operation_duration_seconds_count{"
+    for line in text.splitlines():
+        if line.startswith(prefix):
+            labels, value = line[len(prefix) :].split("} ")
+            fields = dict(part.split("=") for part in labels.split(","))
+            counts[(fields["node"].strip('"'), fields["operation"].strip('"'))] = float(value)
+    return counts
 
 
 def acquire(stub: Any, job: str, group: str, **kw: Any) -> Any:

@@ -6,42 +6,28 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import socket
 from collections.abc import Callable
 from typing import Any
 
 import grpc
-import httpx
 import pytest
 
 from tests.orchestrator.llmd_agent import LlmdAgent
-from tests.orchestrator.orch_harness import Cluster, Events, GiB, acquire, yield_
+from tests.orchestrator.orch_harness import (
+    Cluster,
+    Events,
+    GiB,
+    acquire,
+    agent_calls,
+    free_port,
+    yield_,
+)
 from tslice.agent import server as agent_server
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
 from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2 as opb
 
 K = opb.OrchestratorEvent
 FOOTPRINT = 4 * GiB  # the sim's default: 40 % of a 10 GiB device
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-async def agent_calls(port: int) -> dict[tuple[str, str], float]:
-    """(node, operation) -> number of timed agent calls, from the metrics endpoint."""
-    async with httpx.AsyncClient() as http:
-        text = (await http.get(f"http://127.0.0.1:{port}/metrics")).text
-    counts: dict[tuple[str, str], float] = {}
-    prefix = "timeslice_orchestrator_agent_operation_duration_seconds_count{"
-    for line in text.splitlines():
-        if line.startswith(prefix):
-            labels, value = line[len(prefix) :].split("} ")
-            fields = dict(part.split("=") for part in labels.split(","))
-            counts[(fields["node"].strip('"'), fields["operation"].strip('"'))] = float(value)
-    return counts
 
 
 async def read_until(ev: Events, found: Callable[[opb.OrchestratorEvent], bool]) -> None:

@@ -6,6 +6,7 @@ import random
 
 import pytest
 
+from tslice.common import refusals
 from tslice.orchestrator import lock as lk
 
 
@@ -397,3 +398,17 @@ def test_switch_failed_while_target_waits_again_restarts_it_first() -> None:
     acts = g.on_switch_failed(epoch=2, detail="boom", now=2)  # b still attached
     (sw,) = only(acts, lk.StartSwitch)
     assert (sw.to_job, sw.epoch) == ("b", 3) and g.waiting_jobs == ["c"]
+
+
+def test_a_degraded_node_ends_the_switch_and_fails_its_own_target_too() -> None:
+    lock = lk.GroupLock()
+    lock.on_acquire("a", now=0.0)
+    lock.on_acquire("b", now=0.0)
+    switching = lock.switching
+    assert switching is not None
+    actions = lock.on_degraded(epoch=switching.epoch, cause="no", reason="n degraded", now=1.0)
+    unavailable = refusals.Code.UNAVAILABLE
+    assert lk.Abort("a", "n degraded", code=unavailable) in actions
+    assert lk.Abort("b", "n degraded", code=unavailable) in actions
+    assert not any(isinstance(a, lk.StartSwitch) for a in actions)
+    assert (lock.switching, lock.waiting_jobs, lock.holder) == (None, [], None)

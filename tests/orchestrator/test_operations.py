@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import socket
 import subprocess
 import sys
 
@@ -11,7 +10,7 @@ import grpc
 import httpx
 import pytest
 
-from tests.orchestrator.orch_harness import Cluster, Events, acquire, yield_
+from tests.orchestrator.orch_harness import Cluster, Events, acquire, free_port, yield_
 from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2 as opb
 
 K = opb.OrchestratorEvent
@@ -64,12 +63,6 @@ async def test_shutdown_fails_waiters_with_unavailable_and_keeps_their_place(
     stub = cluster.stub()
     st = (await stub.GetGroupStatus(opb.GetGroupStatusRequest(group_id="g"))).group
     assert list(st.waiting_jobs) == ["b"] and st.locking_job == "a"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 async def test_metrics_endpoint_exposes_dashboard_names(cluster: Cluster) -> None:

@@ -7,7 +7,6 @@ import json
 import os
 import pathlib
 import signal
-import socket
 import subprocess
 import sys
 
@@ -15,7 +14,7 @@ import grpc
 import pytest
 import yaml
 
-from tests.orchestrator.orch_harness import Cluster, Events, acquire, yield_
+from tests.orchestrator.orch_harness import Cluster, Events, acquire, free_port, yield_
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
 from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2 as opb
 from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2_grpc as opb_grpc
@@ -258,12 +257,6 @@ async def test_recovery_waits_for_unreachable_agents(cluster: Cluster) -> None:
 
 
 # ---- a real process killed with SIGKILL ------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class OrchestratorProcess:

@@ -278,3 +278,21 @@ async def test_agent_restart_mid_operation_is_reset_and_retried(cluster: Cluster
     await assert_only_resident(cluster, "b")
     assert await cluster.agents["node-a"].state("a") == pb.JOB_STATE_SAVED
     ev.cancel()
+
+
+async def test_a_degraded_node_fails_the_waiting_acquire_at_once(cluster: Cluster) -> None:
+    agent = await cluster.start_agent("node-a")
+    await cluster.start_orchestrator(
+        groups={"g": ["node-a"]}, max_refusals=2, backoff_initial_s=0.001
+    )
+    stub = cluster.stub()
+    # Something wedged the node for this group: a grant mark far ahead of the orchestrator's.
+    stray = pb.GrantRequest(job_id="stray", group="g", grant_epoch=10**9, restore=True, wait_ms=1)
+    await agent.stub.Grant(stray)
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await asyncio.wait_for(acquire(stub, "a", "g"), 30)
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert "node node-a is degraded" in (err.value.details() or "")
+    # The first switch was the only one: none started on the degraded node after it.
+    after = await status(stub)
+    assert (after.grant_epoch, after.switch_count, list(after.waiting_jobs)) == (1, 0, [])

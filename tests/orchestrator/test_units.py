@@ -6,7 +6,7 @@ import asyncio
 
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
 from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2 as opb
-from tslice.orchestrator import events, group, lock, steps, switch
+from tslice.orchestrator import events, lock, recovery, steps, switch
 
 R, S, T, F = (
     pb.JOB_STATE_RUNNING,
@@ -22,9 +22,9 @@ def view(**jobs: int) -> steps.NodeView:
 
 def decide(
     resident: str | None, views: list[steps.NodeView], intent: tuple[str | None, str] | None = None
-) -> group.RecoveryDecision:
+) -> recovery.RecoveryDecision:
     sw = lock.StartSwitch(intent[0], intent[1], 2, 0, recovered=True) if intent else None
-    return group.decide_recovery(
+    return recovery.decide_recovery(
         group="g", resident=resident, intent=sw, known_jobs=set(), views=views
     )
 
@@ -40,7 +40,7 @@ def test_intent_rolled_back_only_when_nothing_moved() -> None:
 
 
 def test_resident_verified_adopted_or_left_unverified() -> None:
-    assert decide("a", [view(a=R), view(a=R)]) == group.RecoveryDecision(
+    assert decide("a", [view(a=R), view(a=R)]) == recovery.RecoveryDecision(
         "a", True, False, "resident verified"
     )
     adopted = decide(None, [view(c=R, a=S), view(c=R)])

@@ -28,7 +28,7 @@ from grpc_reflection.v1alpha import reflection
 from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2 as opb
 from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2_grpc as opb_grpc
 from tslice.common import ids, logs, serving
-from tslice.orchestrator import agents, config, events, manager, metrics, server, store
+from tslice.orchestrator import agents, config, events, group, manager, metrics, server, store
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +92,7 @@ async def _serve_locked(
         # Bound first: a port in use fails the start before anything else happens.
         port = serving.bind_grpc(grpc_server, host=cfg.host, port=cfg.port, what="orchestrator")
         cfg = await _name_local_agents(cfg, pool)
-        groups = manager.GroupManager(cfg=cfg, db=db, pool=pool, bus=bus, metrics=m)
+        groups = manager.GroupManager(group.Services(cfg=cfg, db=db, pool=pool, bus=bus, metrics=m))
         if cfg.metrics_port:
             try:
                 metrics_http, _ = prom.start_http_server(

@@ -336,6 +336,14 @@ class GroupLock:
         return list(self._queue)
 
     @property
+    def known_jobs(self) -> set[str]:
+        """Every job the lock knows: holder, resident, the switch's, the waiters."""
+        known = {j for j in (self._holder, self._resident) if j}
+        if self._switch is not None:
+            known |= {j for j in (self._switch.from_job, self._switch.to_job) if j}
+        return known | set(self._queue)
+
+    @property
     def attached_waiters(self) -> int:
         return sum(1 for e in self._queue.values() if e.attached > 0)
 
@@ -573,6 +581,15 @@ class GroupLock:
                 del self._queue[job]
                 actions.append(Abort(job, reason, code=refusals.Code.UNAVAILABLE))
         return actions
+
+    def on_degraded(self, *, epoch: int, cause: str, reason: str, now: float) -> list[Action]:
+        """A node kept refusing the switch: the switch ends, no other starts (not even
+        for its own target) and every waiting Acquire fails with ``reason``."""
+        self.blocked = reason
+        return [
+            *self.on_switch_failed(epoch=epoch, detail=cause, now=now),
+            *self.on_blocked(reason),
+        ]
 
     def on_unblocked(self, *, now: float) -> list[Action]:
         self.blocked = ""

@@ -5,29 +5,16 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from tslice.orchestrator import agents, config, events, group, lock, metrics, overlap, store
+from tslice.orchestrator import config, group, lock
 
 log = logging.getLogger(__name__)
 
 
 class GroupManager:
-    def __init__(
-        self,
-        *,
-        cfg: config.OrchestratorConfig,
-        db: store.Store,
-        pool: agents.AgentPool,
-        bus: events.EventBus,
-        metrics: metrics.OrchestratorMetrics,
-    ) -> None:
-        self._cfg = cfg
-        self._db = db
-        self._pool = pool
-        self._bus = bus
-        self._metrics = metrics
+    def __init__(self, services: group.Services) -> None:
+        self._services = services
+        self._cfg = services.cfg
         self._groups: dict[str, group.GroupDriver] = {}
-        #: One for all groups: those that share devices take turns through it.
-        self._arbiter = overlap.DeviceArbiter()
 
     @property
     def local(self) -> bool:
@@ -37,7 +24,7 @@ class GroupManager:
 
     async def start(self) -> None:
         """Create every configured group, resuming persisted state (recovery starts here)."""
-        persisted = await self._db.load()
+        persisted = await self._services.db.load()
         topo = self._cfg.topology
         if self.local:
             for gid, (_, record) in persisted.items():
@@ -55,15 +42,7 @@ class GroupManager:
         self, gid: str, nodes: tuple[config.NodeRef, ...], record: lock.LockRecord | None
     ) -> group.GroupDriver:
         driver = group.GroupDriver(
-            group_id=gid,
-            nodes=nodes,
-            cfg=self._cfg,
-            db=self._db,
-            pool=self._pool,
-            bus=self._bus,
-            metrics=self._metrics,
-            record=record,
-            arbiter=self._arbiter,
+            group_id=gid, nodes=nodes, services=self._services, record=record
         )
         self._groups[gid] = driver
         driver.start()

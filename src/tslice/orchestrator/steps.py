@@ -10,12 +10,16 @@ for the same thing (:class:`SwitchPlan`); a step that cannot go on raises
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import logging
 from collections.abc import Mapping
 from typing import Protocol
 
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
-from tslice.orchestrator import agents
+from tslice.orchestrator import agents, config
+
+log = logging.getLogger(__name__)
 
 #: Job states that hold the devices.
 RESIDENT = (pb.JOB_STATE_RUNNING, pb.JOB_STATE_TRANSITIONING)
@@ -49,6 +53,39 @@ def view_from_status(resp: pb.StatusResponse, group: str) -> NodeView:
         elif js.group:
             view.others[(js.job_id, js.group)] = jv
     return view
+
+
+@dataclasses.dataclass
+class Reads:
+    """One Status read of every node of a group: the views of those that answered."""
+
+    views: dict[str, NodeView]
+    #: Why each node that did not answer did not (node -> error).
+    failed: dict[str, str]
+
+
+async def read_all(
+    pool: agents.AgentPool,
+    nodes: tuple[config.NodeRef, ...],
+    group: str,
+    *,
+    timeout_s: float | None = None,
+) -> Reads:
+    """Read every node's Status concurrently (recovery, GetGroupStatus)."""
+    results = await asyncio.gather(
+        *(pool.get(n.address).status(timeout_s=timeout_s) for n in nodes), return_exceptions=True
+    )
+    reads = Reads({}, {})
+    for node, res in zip(nodes, results, strict=True):
+        if isinstance(res, Exception):
+            if not isinstance(res, agents.AgentError):
+                log.error("group %s: reading %s failed", group, node.name, exc_info=res)
+            reads.failed[node.name] = str(res)
+        elif isinstance(res, BaseException):
+            raise res
+        else:
+            reads.views[node.name] = view_from_status(res, group)
+    return reads
 
 
 @dataclasses.dataclass(frozen=True)
