@@ -56,6 +56,12 @@ def _announce_noop_once(reason: str) -> None:
     )
 
 
+_NO_JOB = "a job id is required: this client was made with job_id=None, so pass job_id= to the call"
+_NO_GROUP = (
+    "a group is required: pass it to the call, default_group= to the client, "
+    f"or set ${_config.GROUP_ENV[0]}"
+)
+
 HoldKey = tuple[str, str]
 
 
@@ -223,28 +229,15 @@ class BaseClient(Generic[K]):
 
     def _job(self, job_id: str | None) -> str:
         """The job a call is about."""
-        return self._id(
-            "job_id",
-            job_id,
-            self._config.job_id,
-            source="the job_id argument",
-            missing="a job id is required: this client was made with job_id=None, so pass "
-            "job_id= to the call",
-        )
+        return self._id("job_id", job_id, self._config.job_id, "the job_id argument", _NO_JOB)
 
     def _group(self, group: str | None) -> str:
         """The group a call is about."""
-        return self._id(
-            "group_id",
-            group,
-            self._config.default_group,
-            source="the group argument",
-            missing="a group is required: pass it to the call, default_group= to the "
-            f"client, or set ${_config.GROUP_ENV[0]}",
-        )
+        default = self._config.default_group
+        return self._id("group_id", group, default, "the group argument", _NO_GROUP)
 
     def _id(
-        self, kind: str, given: str | None, default: str | None, *, source: str, missing: str
+        self, kind: str, given: str | None, default: str | None, source: str, missing: str
     ) -> str:
         """``given`` (checked), else the client's ``default``; in no-op mode a missing one
         is fine ("")."""

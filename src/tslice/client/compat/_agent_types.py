@@ -10,13 +10,18 @@ from tslice.client import _wire
 
 
 @dataclasses.dataclass(frozen=True)
-class SnapshotResponse:
+class _Started:
+    """An operation the agent started; poll it by ``operation_id``."""
+
     operation_id: str
 
 
-@dataclasses.dataclass(frozen=True)
-class RestoreResponse:
-    operation_id: str
+class SnapshotResponse(_Started):
+    """A snapshot the agent started."""
+
+
+class RestoreResponse(_Started):
+    """A restore the agent started."""
 
 
 @dataclasses.dataclass(frozen=True)
