@@ -178,7 +178,7 @@ def test_status_shows_degraded_nodes_and_clear_degraded_clears_them(
     assert code == 0 and header[-1] == "degraded" and row[0] == "wedged-g" and row[-1] == "node-1"
 
     code, _, err = cli(capsys, "clear-degraded", "wedged-g", "--node", "nope", "--addr", address)
-    assert code == 1
+    assert code == 2  # a bad argument
     assert err.strip().startswith("error: node 'nope' is not in group 'wedged-g'"), err
     code, _, err = cli(capsys, "clear-degraded", "no-such-g", "--addr", address)
     assert code == 1 and "no-such-g" in err and "tslice list" in err

@@ -126,7 +126,8 @@ def fake_calls(server: ServerThread, method: str) -> list[object]:
 STATUS_CASES = [
     (grpc.StatusCode.INVALID_ARGUMENT, "job_id is malformed", errors.InvalidArgument),
     (grpc.StatusCode.NOT_FOUND, "unknown group 'g'", errors.UnknownGroup),
-    (grpc.StatusCode.NOT_FOUND, "no such thing", errors.NotFound),
+    # A call about a group: NOT_FOUND is the unknown group, whatever the text says.
+    (grpc.StatusCode.NOT_FOUND, "no such thing", errors.UnknownGroup),
     (grpc.StatusCode.PERMISSION_DENIED, "held by x", errors.NotHolder),
     (grpc.StatusCode.FAILED_PRECONDITION, "nope", errors.FailedPrecondition),
     (grpc.StatusCode.ABORTED, "busy", errors.Aborted),

@@ -130,7 +130,8 @@ async def test_a_node_that_keeps_refusing_is_degraded_until_an_operator_clears_i
     assert err.code() == grpc.StatusCode.UNAVAILABLE
 
     err = await rpc_error(stub.ClearDegraded(opb.ClearDegradedRequest(group_id="g", node="nope")))
-    assert err.code() == grpc.StatusCode.NOT_FOUND
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "not in group 'g'" in (err.details() or "")
     cleared = await stub.ClearDegraded(opb.ClearDegradedRequest(group_id="g"))
     assert list(cleared.cleared) == ["node-a"]
     status = (await stub.GetGroupStatus(opb.GetGroupStatusRequest(group_id="g"))).group

@@ -73,7 +73,9 @@ def tags_of(config: pb.BackendConfig | None) -> list[str]:
     return []
 
 
-def context(job: jobs.Job, config: pb.BackendConfig | None) -> base.JobContext:
+def context(
+    job: jobs.Job, config: pb.BackendConfig | None, devices: tuple[int, ...] = ()
+) -> base.JobContext:
     """What a backend is told about the job's state for one group."""
     return base.JobContext(
         job_id=job.job_id,
@@ -81,6 +83,7 @@ def context(job: jobs.Job, config: pb.BackendConfig | None) -> base.JobContext:
         config=config,
         footprint_bytes=job.footprint_bytes,
         state=dict(job.backend_state),
+        devices=devices,
     )
 
 
@@ -99,6 +102,12 @@ class GuardedBackends:
         #: A question never waits longer than an operation would.
         self.query_timeout_s = min(QUERY_TIMEOUT_S, operation_timeout_s)
         self._on_unavailable = on_unavailable or (lambda _name, _err: None)
+        #: The device indices of this node each group uses, as the orchestrator's Grants
+        #: say (absent: all of them); every context of a job's state for the group has them.
+        self.devices: dict[str, tuple[int, ...]] = {}
+
+    def _context(self, job: jobs.Job, config: pb.BackendConfig | None) -> base.JobContext:
+        return context(job, config, self.devices.get(job.group, ()))
 
     def __contains__(self, name: object) -> bool:
         return name in self.backends
@@ -107,7 +116,7 @@ class GuardedBackends:
 
     async def validate(self, route: jobs.Route, job: jobs.Job) -> None:
         """Let the backend refuse the config before anything is created or changed."""
-        name, ctx = route.backend, context(job, route.config)
+        name, ctx = route.backend, self._context(job, route.config)
         backend = self.backends[name]
         if type(backend).validate is base.Backend.validate:
             return  # the backend checks nothing: spare the hand-over a timer
@@ -129,7 +138,7 @@ class GuardedBackends:
 
     async def recover(self, name: str, job: jobs.Job) -> jobs.State | None:
         """What backend ``name`` reports for the job; ``None`` if it cannot tell or fails."""
-        ctx = context(job, job.backend_config())
+        ctx = self._context(job, job.backend_config())
         reported = await self._ask(
             name, self.backends[name].recover(ctx), f"recover job {job.job_id}"
         )
@@ -137,7 +146,7 @@ class GuardedBackends:
 
     async def fits(self, route: jobs.Route, job: jobs.Job) -> bool:
         """Whether the job's state would fit on the devices now; ``False`` if unknown."""
-        question = self.backends[route.backend].fits(context(job, route.config))
+        question = self.backends[route.backend].fits(self._context(job, route.config))
         return bool(await self._ask(route.backend, question, f"tell whether job {job.job_id} fits"))
 
     async def missing_tags(self, route: jobs.Route, job: jobs.Job) -> bool:
@@ -146,7 +155,7 @@ class GuardedBackends:
         tags = tags_of(route.config)
         if job.state is not jobs.State.RUNNING or not tags:
             return False
-        question = self.backends[route.backend].missing_tags(context(job, route.config), tags)
+        question = self.backends[route.backend].missing_tags(self._context(job, route.config), tags)
         return bool(await self._ask(route.backend, question, "report missing tags"))
 
     async def accelerators(self) -> list[base.Accelerator]:
@@ -179,7 +188,7 @@ class GuardedBackends:
         self, op: jobs.Operation, job: jobs.Job, config: pb.BackendConfig | None
     ) -> jobs.Outcome:
         """Run the operation's backend call under its deadline, retrying transient failures."""
-        backend, ctx, mode = self.backends[op.backend], context(job, config), mode_of(config)
+        backend, ctx, mode = self.backends[op.backend], self._context(job, config), mode_of(config)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.operation_timeout_s
         what = f"{op.kind.value} of job {ctx.job_id} by backend {backend.name}"

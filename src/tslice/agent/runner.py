@@ -57,7 +57,7 @@ class AgentCore:
         operation_timeout_s: float = 600.0,
         operation_retention_s: float = 24 * 3600.0,
         max_operations: int = 10_000,
-        channel_registered: Callable[[str], bool] | None = None,
+        channel_registered: Callable[[str, str], bool] | None = None,
         on_backend_error: Callable[[str, base.BackendError], None] | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
@@ -81,7 +81,7 @@ class AgentCore:
         )
         self._metrics = agent_metrics
         agent_metrics.count_jobs(self._book.job_counts)
-        self._channel_registered = channel_registered or (lambda _job_id: False)
+        self._channel_registered = channel_registered or (lambda _job_id, _group: False)
         self._clock = clock
         #: Resolved once an operation's outcome is stored (and applied in memory).
         self._done: dict[str, asyncio.Future[None]] = {}
@@ -230,6 +230,7 @@ class AgentCore:
         give_way: Sequence[jobs.Key] = (),
         restore: bool = False,
         wait_s: float | None = None,
+        devices: Sequence[int] = (),
     ) -> grants.GrantOutcome:
         """Make ``job_id``'s state for ``group`` resident on this node and record the grant.
 
@@ -245,6 +246,11 @@ class AgentCore:
         # A stale grant must not evict anything.
         last = self._book.marks.get(group)
         jobs.check_epoch(job_id=job_id, group=group, epoch=epoch, last=last, node=self.node)
+        # Which of this node's devices the group uses (the cuda backend acts on them only).
+        if devices:
+            self._guarded.devices[group] = tuple(devices)
+        else:
+            self._guarded.devices.pop(group, None)
         order = grants.order(
             job_id=job_id,
             group=group,
@@ -479,17 +485,17 @@ class AgentCore:
             request_config=config,
             deprecated_backend=deprecated_backend,
             job=job,
-            channel_registered=self._safe_channel_registered(job_id),
+            channel_registered=self._safe_channel_registered(job_id, job.group if job else ""),
             default_backend=self.default_backend,
         )
         routing.ensure_enabled(route.backend, enabled=self.backends, node=self.node)
         return route
 
-    def _safe_channel_registered(self, job_id: str) -> bool:
+    def _safe_channel_registered(self, job_id: str, group: str) -> bool:
         if "app-channel" not in self.backends:
             return False
         try:
-            return bool(self._channel_registered(job_id))
+            return bool(self._channel_registered(job_id, group))
         except Exception:
             log.exception("workload channel registration lookup failed for job %s", job_id)
             return False

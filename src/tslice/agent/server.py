@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import grpc
@@ -92,6 +92,15 @@ def _checked_config(message: Any) -> pb.BackendConfig | None:
             f"backend_config.sim.footprint_bytes must be >= 0 (got {config.sim.footprint_bytes})",
         )
     return config
+
+
+def _checked_devices(devices: Sequence[int]) -> tuple[int, ...]:
+    if any(d < 0 for d in devices):
+        raise refusals.Refused(
+            refusals.Code.INVALID_ARGUMENT,
+            f"devices are device indices, >= 0 (got {list(devices)})",
+        )
+    return tuple(devices)
 
 
 def _checked_wait(field: str, value: int) -> float:
@@ -272,6 +281,7 @@ class SnapshotAgentServicer(pb_grpc.SnapshotAgentServiceServicer):
             give_way=give_way,
             restore=request.restore,
             wait_s=wait_s if one_step else None,
+            devices=_checked_devices(request.devices),
         )
         now = self._core.now()
         return pb.GrantResponse(

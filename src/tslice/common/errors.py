@@ -106,6 +106,8 @@ def from_grpc(err: grpc.RpcError, *, group_id: str | None = None) -> RPCError:
     code = err.code() if callable(getattr(err, "code", None)) else grpc.StatusCode.UNKNOWN
     details = err.details() if callable(getattr(err, "details", None)) else str(err)
     message = details or code.name.lower()
-    if code == grpc.StatusCode.NOT_FOUND and group_id is not None and "group" in message:
+    # The orchestrator answers NOT_FOUND for an unknown group only (its other bad
+    # arguments are INVALID_ARGUMENT): a call about a group needs no look at the text.
+    if code == grpc.StatusCode.NOT_FOUND and group_id is not None:
         return UnknownGroup(code, message)
     return _BY_STATUS.get(code, RPCError)(code, message)

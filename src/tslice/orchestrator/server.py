@@ -185,7 +185,8 @@ class OrchestratorServicer(opb_grpc.TimeSliceOrchestratorServiceServicer):
         if node and node not in {n.name for n in driver.nodes}:
             known = ", ".join(n.name for n in driver.nodes)
             missing = f"node {node!r} is not in group {gid!r} (its nodes: {known})"
-            await refusals.abort(context, refusals.Refused(refusals.Code.NOT_FOUND, missing))
+            # NOT_FOUND is kept for unknown groups: a bad node of a known one is an argument.
+            await refusals.abort(context, refusals.Refused(refusals.Code.INVALID_ARGUMENT, missing))
         return opb.ClearDegradedResponse(cleared=await driver.clear_degraded(node))
 
     async def WatchEvents(
