@@ -7,20 +7,21 @@ import random
 import pytest
 
 from tslice.common import refusals
+from tslice.orchestrator import decisions, records
 from tslice.orchestrator import lock as lk
 
 
-def kinds(actions: list[lk.Action]) -> list[str]:
+def kinds(actions: list[decisions.Action]) -> list[str]:
     out = []
     for a in actions:
-        if isinstance(a, lk.Emit):
+        if isinstance(a, decisions.Emit):
             out.append(a.kind.value)
         else:
             out.append(type(a).__name__)
     return out
 
 
-def only(actions: list[lk.Action], cls: type) -> list:  # type: ignore[type-arg]
+def only(actions: list[decisions.Action], cls: type) -> list:  # type: ignore[type-arg]
     return [a for a in actions if isinstance(a, cls)]
 
 
@@ -28,11 +29,11 @@ def test_first_acquire_on_empty_group_starts_a_switch_from_nothing() -> None:
     g = lk.GroupLock()
     acts = g.on_acquire("a", footprint_bytes=7, now=0)
     assert kinds(acts) == ["queued", "StartSwitch"]
-    sw = only(acts, lk.StartSwitch)[0]
+    sw = only(acts, decisions.StartSwitch)[0]
     assert (sw.from_job, sw.to_job, sw.epoch, sw.footprint_bytes) == (None, "a", 1, 7)
     assert g.phase() is lk.Phase.SWITCHING and g.holder == "a" and g.loaded_job is None
     acts = g.on_switch_done(epoch=1, restored=False, now=2)
-    (grant,) = only(acts, lk.Granted)
+    (grant,) = only(acts, decisions.Granted)
     assert (grant.job, grant.epoch, grant.restored, grant.waited_s) == ("a", 1, False, 2)
     assert g.phase() is lk.Phase.LOCKED and g.loaded_job == "a" and g.switch_count == 1
 
@@ -47,7 +48,7 @@ def locked(job: str = "a") -> lk.GroupLock:
 def test_holder_reacquire_returns_at_once_with_the_same_epoch() -> None:
     g = locked()
     (grant,) = g.on_acquire("a", now=1)
-    assert isinstance(grant, lk.Granted) and grant.zero_cost and grant.epoch == 1
+    assert isinstance(grant, decisions.Granted) and grant.zero_cost and grant.epoch == 1
 
 
 def test_yield_with_nobody_waiting_defers_the_snapshot_and_reacquire_is_zero_cost() -> None:
@@ -57,7 +58,7 @@ def test_yield_with_nobody_waiting_defers_the_snapshot_and_reacquire_is_zero_cos
     assert kinds(out.actions) == ["yielded"]
     assert g.phase() is lk.Phase.IDLE_YIELDED and g.loaded_job == "a" and g.holder is None
     (grant,) = g.on_acquire("a", now=2)
-    assert isinstance(grant, lk.Granted) and grant.zero_cost and not grant.restored
+    assert isinstance(grant, decisions.Granted) and grant.zero_cost and not grant.restored
     assert grant.epoch == 2  # a new grant, no agent touched
     assert g.phase() is lk.Phase.LOCKED
 
@@ -68,9 +69,9 @@ def test_yield_with_a_waiter_switches_to_it_and_reports_no_deferral() -> None:
     assert g.waiting_jobs == ["b"]
     out = g.on_yield("a", now=2)
     assert out.ok and not out.snapshot_deferred and out.pending_waiters == 1
-    (sw,) = only(out.actions, lk.StartSwitch)
+    (sw,) = only(out.actions, decisions.StartSwitch)
     assert (sw.from_job, sw.to_job, sw.epoch) == ("a", "b", 2)
-    (grant,) = only(g.on_switch_done(epoch=2, restored=True, now=5), lk.Granted)
+    (grant,) = only(g.on_switch_done(epoch=2, restored=True, now=5), decisions.Granted)
     assert grant.job == "b" and grant.restored and grant.waited_s == 4
 
 
@@ -100,7 +101,7 @@ def test_cancelled_waiter_leaves_at_once_and_is_never_granted() -> None:
     assert kinds(g.on_cancel("b", now=3)) == ["cancelled"]
     assert g.waiting_jobs == ["c"]
     out = g.on_yield("a", now=4)
-    (sw,) = only(out.actions, lk.StartSwitch)
+    (sw,) = only(out.actions, decisions.StartSwitch)
     assert sw.to_job == "c"
 
 
@@ -122,7 +123,7 @@ def test_target_cancelling_during_its_switch_finishes_then_yields() -> None:
     assert kinds(g.on_cancel("b", now=3)) == ["cancelled"]
     assert g.phase() is lk.Phase.SWITCHING and g.holder is None
     acts = g.on_switch_done(epoch=2, restored=False, now=4)
-    assert only(acts, lk.Granted) == []
+    assert only(acts, decisions.Granted) == []
     assert g.phase() is lk.Phase.IDLE_YIELDED and g.resident == "b" and g.loaded_job == "b"
 
 
@@ -133,7 +134,7 @@ def test_target_cancelling_during_its_switch_hands_on_to_next_waiter() -> None:
     g.on_acquire("c", now=2.5)
     g.on_cancel("b", now=3)
     acts = g.on_switch_done(epoch=2, restored=False, now=4)
-    (sw,) = only(acts, lk.StartSwitch)
+    (sw,) = only(acts, decisions.StartSwitch)
     assert (sw.from_job, sw.to_job, sw.epoch) == ("b", "c", 3)
 
 
@@ -143,7 +144,7 @@ def test_target_reattaching_during_its_switch_gets_the_grant() -> None:
     g.on_yield("a", now=2)
     g.on_cancel("b", now=3)
     assert g.on_acquire("b", now=3.5) == []
-    (grant,) = only(g.on_switch_done(epoch=2, restored=False, now=4), lk.Granted)
+    (grant,) = only(g.on_switch_done(epoch=2, restored=False, now=4), decisions.Granted)
     assert grant.job == "b"
 
 
@@ -154,7 +155,7 @@ def test_target_yielding_during_its_switch_aborts_its_acquires() -> None:
     out = g.on_yield("b", now=3)
     assert out.ok and out.snapshot_deferred
     assert kinds(out.actions) == ["Abort", "yielded"]
-    assert only(g.on_switch_done(epoch=2, restored=False, now=4), lk.Granted) == []
+    assert only(g.on_switch_done(epoch=2, restored=False, now=4), decisions.Granted) == []
     assert g.phase() is lk.Phase.IDLE_YIELDED
 
 
@@ -198,12 +199,12 @@ def test_record_round_trip_and_recovery_detaches_queue() -> None:
     assert r.recovering and r.waiting_jobs == ["b", "c"] and r.attached_waiters == 0
     assert r.footprint("b") == 5
     # holder keeps the lock: its re-acquire returns at once
-    assert isinstance(r.on_acquire("a", now=101)[0], lk.Granted)
+    assert isinstance(r.on_acquire("a", now=101)[0], decisions.Granted)
     # c re-attaches during recovery: nothing is promoted until recovery is done
     assert kinds(r.on_acquire("c", now=101)) == ["queued"]  # re-attached, not promoted yet
     assert r.on_yield("a", now=102).ok
     acts = r.on_recovered(resident="a", verified=True, rollback=False, now=103)
-    (sw,) = only(acts, lk.StartSwitch)
+    (sw,) = only(acts, decisions.StartSwitch)
     assert sw.to_job == "c"  # b is detached: skipped, keeps its place
     assert r.waiting_jobs == ["b"]
     # b never comes back: dropped after the grace
@@ -218,13 +219,13 @@ def test_recovered_intent_roll_back_puts_target_back_at_head() -> None:
     g.on_acquire("c", now=1)
     g.on_yield("a", now=2)  # switch a -> b in progress
     rec = g.record()
-    assert rec.intent == lk.IntentRecord("a", "b", 2, 2) and rec.holder is None
+    assert rec.intent == records.IntentRecord("a", "b", 2, 2) and rec.holder is None
     r = lk.GroupLock.from_record(rec, now=50)
     assert r.phase() is lk.Phase.SWITCHING
     r.on_acquire("c", now=51)
     acts = r.on_recovered(resident="a", verified=True, rollback=True, now=52)
     assert r.waiting_jobs[0] == "b"
-    (sw,) = only(acts, lk.StartSwitch)  # c is attached, b detached
+    (sw,) = only(acts, decisions.StartSwitch)  # c is attached, b detached
     assert (sw.from_job, sw.to_job) == ("a", "c")
 
 
@@ -234,12 +235,12 @@ def test_recovered_intent_roll_forward_keeps_grant_for_reattaching_target() -> N
     g.on_yield("a", now=2)
     r = lk.GroupLock.from_record(g.record(), now=50, reattach_grace_s=30)
     acts = r.on_recovered(resident=None, verified=False, rollback=False, now=51)
-    (sw,) = only(acts, lk.StartSwitch)
+    (sw,) = only(acts, decisions.StartSwitch)
     assert sw.recovered and sw.to_job == "b" and sw.epoch == 2
     assert r.on_switch_done(epoch=2, restored=True, now=52) == []
     assert r.holder == "b" and r.phase() is lk.Phase.LOCKED
     (grant,) = r.on_acquire("b", now=53)
-    assert isinstance(grant, lk.Granted) and grant.epoch == 2
+    assert isinstance(grant, decisions.Granted) and grant.epoch == 2
     assert r.on_expire(now=100) == []  # confirmed: keeps the lock
 
 
@@ -284,9 +285,9 @@ class Model:
     def first_waiting(self) -> str | None:
         return next((j for j in self.wait_order if self.rpcs[j] > 0), None)
 
-    def apply(self, actions: list[lk.Action]) -> None:
+    def apply(self, actions: list[decisions.Action]) -> None:
         for a in actions:
-            if isinstance(a, lk.Granted):
+            if isinstance(a, decisions.Granted):
                 assert self.rpcs[a.job] > 0, f"granted {a.job} with no Acquire RPC waiting"
                 others = [j for j in self.told if j != a.job]
                 assert not others, f"{a.job} granted while {others} hold the group"
@@ -298,9 +299,9 @@ class Model:
                 self.rpcs[a.job] = 0
                 self.told[a.job] = a.epoch
                 self.grants += 1
-            elif isinstance(a, lk.StartSwitch):
+            elif isinstance(a, decisions.StartSwitch):
                 assert a.to_job == self.first_waiting(), ("FIFO", a.to_job, self.wait_order)
-            elif isinstance(a, lk.Abort):
+            elif isinstance(a, decisions.Abort):
                 self.rpcs[a.job] = 0
                 self.wait_order.remove(a.job)
 
@@ -396,7 +397,7 @@ def test_switch_failed_while_target_waits_again_restarts_it_first() -> None:
     g.on_acquire("c", now=1)
     g.on_yield("a", now=1)  # switch a -> b
     acts = g.on_switch_failed(epoch=2, detail="boom", now=2)  # b still attached
-    (sw,) = only(acts, lk.StartSwitch)
+    (sw,) = only(acts, decisions.StartSwitch)
     assert (sw.to_job, sw.epoch) == ("b", 3) and g.waiting_jobs == ["c"]
 
 
@@ -408,7 +409,7 @@ def test_a_degraded_node_ends_the_switch_and_fails_its_own_target_too() -> None:
     assert switching is not None
     actions = lock.on_degraded(epoch=switching.epoch, cause="no", reason="n degraded", now=1.0)
     unavailable = refusals.Code.UNAVAILABLE
-    assert lk.Abort("a", "n degraded", code=unavailable) in actions
-    assert lk.Abort("b", "n degraded", code=unavailable) in actions
-    assert not any(isinstance(a, lk.StartSwitch) for a in actions)
+    assert decisions.Abort("a", "n degraded", code=unavailable) in actions
+    assert decisions.Abort("b", "n degraded", code=unavailable) in actions
+    assert not any(isinstance(a, decisions.StartSwitch) for a in actions)
     assert (lock.switching, lock.waiting_jobs, lock.holder) == (None, [], None)

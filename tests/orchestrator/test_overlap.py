@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 
 from tslice.common import refusals
-from tslice.orchestrator import config, lock, overlap
+from tslice.orchestrator import config, decisions, lock, overlap
 
 
 def node(name: str, *devices: int) -> config.NodeRef:
@@ -112,32 +112,32 @@ def test_random_requests_never_give_two_jobs_overlapping_claims() -> None:
 
 def test_the_lock_grants_only_with_the_claim_for_that_job() -> None:
     lk = lock.GroupLock()
-    lk.drop_claim()
+    lk.start_claim(None)
     actions = lk.on_acquire("a", now=0.0)
-    assert lock.NeedClaim("a") in actions
-    assert not any(isinstance(x, (lock.StartSwitch, lock.Granted)) for x in actions)
+    assert decisions.NeedClaim("a") in actions
+    assert not any(isinstance(x, (decisions.StartSwitch, decisions.Granted)) for x in actions)
     actions = lk.on_claim_granted("a", now=0.0)
-    assert [type(x) for x in actions] == [lock.StartSwitch]
+    assert [type(x) for x in actions] == [decisions.StartSwitch]
     lk.on_switch_done(epoch=1, restored=False, now=0.0)
     lk.on_yield("a", now=0.0)
     # Idle with a verified resident: a zero-cost re-acquire needs no new claim ...
-    assert [type(x) for x in lk.on_acquire("a", now=0.0)] == [lock.Granted]
+    assert [type(x) for x in lk.on_acquire("a", now=0.0)] == [decisions.Granted]
     lk.on_yield("a", now=0.0)
     # ... but another job needs one, and another group asking makes it let go.
-    assert lock.NeedClaim("b") in lk.on_acquire("b", now=0.0)
-    assert lk.on_contended(now=0.0) == [lock.ReleaseClaim()]
+    assert decisions.NeedClaim("b") in lk.on_acquire("b", now=0.0)
+    assert lk.on_contended(now=0.0) == [decisions.ReleaseClaim()]
     assert not lk.verified  # the deferred resident may have been moved meanwhile
 
 
 def test_a_contended_holder_lets_go_when_it_releases() -> None:
     lk = lock.GroupLock()
-    lk.drop_claim()
+    lk.start_claim(None)
     lk.on_acquire("a", now=0.0)
     lk.on_claim_granted("a", now=0.0)
     lk.on_switch_done(epoch=1, restored=False, now=0.0)
     assert lk.on_contended(now=0.0) == []  # held: keep it until the holder is done
     outcome = lk.on_yield("a", now=0.0)
-    assert lock.ReleaseClaim() in outcome.actions
+    assert decisions.ReleaseClaim() in outcome.actions
 
 
 def test_a_blocked_lock_fails_its_waiters_and_starts_nothing() -> None:
@@ -146,10 +146,10 @@ def test_a_blocked_lock_fails_its_waiters_and_starts_nothing() -> None:
     lk.on_switch_done(epoch=1, restored=False, now=0.0)
     lk.on_acquire("b", now=0.0)
     actions = lk.on_blocked("node n degraded")
-    assert actions == [lock.Abort("b", "node n degraded", code=refusals.Code.UNAVAILABLE)]
+    assert actions == [decisions.Abort("b", "node n degraded", code=refusals.Code.UNAVAILABLE)]
     assert lk.on_acquire("c", now=0.0) == [
-        lock.Abort("c", "node n degraded", code=refusals.Code.UNAVAILABLE)
+        decisions.Abort("c", "node n degraded", code=refusals.Code.UNAVAILABLE)
     ]
     outcome = lk.on_yield("a", now=0.0)
-    assert not any(isinstance(x, lock.StartSwitch) for x in outcome.actions)
+    assert not any(isinstance(x, decisions.StartSwitch) for x in outcome.actions)
     assert lk.on_unblocked(now=0.0) == []

@@ -18,8 +18,7 @@ from tests.orchestrator.orch_harness import Cluster, Events, acquire, free_port,
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
 from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2 as opb
 from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2_grpc as opb_grpc
-from tslice.orchestrator import lock as lk
-from tslice.orchestrator import store
+from tslice.orchestrator import records, store
 
 K = opb.OrchestratorEvent
 GS = opb.GroupStatus
@@ -91,7 +90,7 @@ async def test_detached_entries_are_dropped_after_the_grace(cluster: Cluster) ->
     ev.cancel()
 
 
-async def seed_db(cluster: Cluster, record: lk.LockRecord, nodes: list[str]) -> None:
+async def seed_db(cluster: Cluster, record: records.LockRecord, nodes: list[str]) -> None:
     db = await store.Store.open(cluster.tmp_path / "orch")
     pairs = [(n, cluster.agents[n].address) for n in nodes]
     await db.save("g", nodes=pairs, record=record, previous=None)
@@ -112,15 +111,15 @@ async def snapshot(cluster: Cluster, node: str, job: str, *, wait: bool = True) 
         )
 
 
-def record_with_intent(epoch: int = 2) -> lk.LockRecord:
-    return lk.LockRecord(
+def record_with_intent(epoch: int = 2) -> records.LockRecord:
+    return records.LockRecord(
         holder=None,
         resident="a",
         grant_epoch=epoch,
         switch_count=1,
         next_seq=3,
         queue=(),
-        intent=lk.IntentRecord("a", "b", epoch, 2),
+        intent=records.IntentRecord("a", "b", epoch, 2),
         footprints=(),
     )
 
@@ -198,8 +197,8 @@ async def test_recovery_waits_on_an_operation_in_flight(cluster: Cluster) -> Non
     assert await states(cluster, "b") == [RUNNING]
 
 
-def bare_record(resident: str | None = None) -> lk.LockRecord:
-    return lk.LockRecord(None, resident, 5, 3, 1, (), None, ())
+def bare_record(resident: str | None = None) -> records.LockRecord:
+    return records.LockRecord(None, resident, 5, 3, 1, (), None, ())
 
 
 async def test_resident_adopted_when_it_runs_on_every_node(cluster: Cluster) -> None:

@@ -9,6 +9,7 @@ import sqlite3
 import pytest
 
 from tslice.orchestrator import lock as lk
+from tslice.orchestrator import records
 from tslice.orchestrator import store as st
 
 NODES = [("node-a", "127.0.0.1:9001"), ("node-b", "127.0.0.1:9002")]
@@ -26,7 +27,7 @@ async def test_save_and_load_round_trip(tmp_path: pathlib.Path) -> None:
     g.on_yield("a", now=2)  # switch a -> b: intent
     r2 = g.record()
     await s.save("g1", nodes=NODES, record=r2, previous=r1)
-    await s.save("g2", nodes=NODES[:1], record=lk.LockRecord.empty(), previous=None)
+    await s.save("g2", nodes=NODES[:1], record=records.LockRecord.empty(), previous=None)
     await s.close()
 
     s2 = await st.Store.open(tmp_path)
@@ -36,10 +37,10 @@ async def test_save_and_load_round_trip(tmp_path: pathlib.Path) -> None:
     nodes, rec = loaded["g1"]
     assert nodes == NODES
     assert rec == r2
-    assert rec.intent == lk.IntentRecord("a", "b", 2, 2)
+    assert rec.intent == records.IntentRecord("a", "b", 2, 2)
     assert [q.job for q in rec.queue] == ["c"]
     assert dict(rec.footprints) == {"a": 10, "b": 20}
-    assert loaded["g2"][1] == lk.LockRecord.empty()
+    assert loaded["g2"][1] == records.LockRecord.empty()
 
 
 async def test_intent_cleared_after_switch(tmp_path: pathlib.Path) -> None:

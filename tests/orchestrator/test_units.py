@@ -6,7 +6,7 @@ import asyncio
 
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
 from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2 as opb
-from tslice.orchestrator import events, lock, recovery, steps, switch
+from tslice.orchestrator import decisions, events, recovery, steps, switch
 
 R, S, T, F = (
     pb.JOB_STATE_RUNNING,
@@ -23,7 +23,7 @@ def view(**jobs: int) -> steps.NodeView:
 def decide(
     resident: str | None, views: list[steps.NodeView], intent: tuple[str | None, str] | None = None
 ) -> recovery.RecoveryDecision:
-    sw = lock.StartSwitch(intent[0], intent[1], 2, 0, recovered=True) if intent else None
+    sw = decisions.StartSwitch(intent[0], intent[1], 2, 0, recovered=True) if intent else None
     return recovery.decide_recovery(
         group="g", resident=resident, intent=sw, known_jobs=set(), views=views
     )

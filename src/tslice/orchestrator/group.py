@@ -32,12 +32,14 @@ from tslice.common import refusals, tasks
 from tslice.orchestrator import (
     agents,
     config,
+    decisions,
     events,
     inbox,
     leases,
     lock,
     metrics,
     overlap,
+    records,
     recovery,
     status,
     steps,
@@ -54,10 +56,10 @@ Effect = inbox.Effect
 _T = TypeVar("_T")
 
 _EVENT_KINDS = {
-    lock.EventKind.QUEUED: Kind.KIND_QUEUED,
-    lock.EventKind.YIELDED: Kind.KIND_YIELDED,
-    lock.EventKind.CANCELLED: Kind.KIND_CANCELLED,
-    lock.EventKind.ROLLED_BACK: Kind.KIND_SWITCH_FAILED,
+    decisions.EventKind.QUEUED: Kind.KIND_QUEUED,
+    decisions.EventKind.YIELDED: Kind.KIND_YIELDED,
+    decisions.EventKind.CANCELLED: Kind.KIND_CANCELLED,
+    decisions.EventKind.ROLLED_BACK: Kind.KIND_SWITCH_FAILED,
 }
 
 
@@ -91,7 +93,7 @@ class _Waiter:
     granted_epoch: int | None = None
 
 
-def _grant_detail(g: lock.Granted) -> str:
+def _grant_detail(g: decisions.Granted) -> str:
     if g.held:
         return "already held"
     if g.zero_cost:
@@ -108,7 +110,7 @@ class GroupDriver:
         group_id: str,
         nodes: tuple[config.NodeRef, ...],
         services: Services,
-        record: lock.LockRecord | None = None,
+        record: records.LockRecord | None = None,
     ) -> None:
         self.group_id = group_id
         self.nodes = nodes
@@ -128,7 +130,7 @@ class GroupDriver:
         self._backoff = switch.Backoff(cfg.backoff_initial_s, cfg.backoff_max_s)
         self._inbox: asyncio.Queue[inbox.Command] = asyncio.Queue()
         self._waiters: dict[str, list[_Waiter]] = {}
-        self._replies: set[asyncio.Future[lock.YieldOutcome]] = set()
+        self._replies: set[asyncio.Future[decisions.YieldOutcome]] = set()
         self.views: dict[str, steps.NodeView] = {}
         self.health = status.Health()
         self.events = events.GroupEvents(services.bus, group_id)
@@ -153,9 +155,7 @@ class GroupDriver:
         )
         if self.lock.holder is not None:
             self._arbiter.seize(group_id, self.lock.holder)
-            self.lock.keep_claim(self.lock.holder)
-        else:
-            self.lock.drop_claim()
+        self.lock.start_claim(self.lock.holder)
         self._refresh_state()
 
     @property
@@ -224,10 +224,10 @@ class GroupDriver:
         self._acquire_wait.observe(time.monotonic() - started)
         return grant
 
-    async def yield_(self, job: str) -> lock.YieldOutcome:
+    async def yield_(self, job: str) -> decisions.YieldOutcome:
         if self._stopping:
             raise _shutting_down()
-        reply: asyncio.Future[lock.YieldOutcome] = asyncio.get_running_loop().create_future()
+        reply: asyncio.Future[decisions.YieldOutcome] = asyncio.get_running_loop().create_future()
         self._replies.add(reply)
         reply.add_done_callback(self._replies.discard)
 
@@ -273,7 +273,7 @@ class GroupDriver:
                 self.lock, reads, nodes=len(self.nodes), before=before
             )
             self._refresh_state()
-            known = self.lock.known_jobs
+            known = status.known_jobs(self.lock)
             return opb.GetGroupStatusResponse(
                 group=self._group_status(loaded),
                 agent_job_states=status.agent_job_states(
@@ -396,7 +396,7 @@ class GroupDriver:
         pending.remove(waiter)
         return self.bind(self.lock.on_cancel(waiter.job, now=now))
 
-    def bind(self, actions: list[lock.Action]) -> list[Effect]:
+    def bind(self, actions: list[decisions.Action]) -> list[Effect]:
         """Bookkeeping now (who got the grant), side effects after persisting.
 
         Resolving a grant's Acquires and starting a switch are urgent (see _worker);
@@ -404,18 +404,18 @@ class GroupDriver:
         """
         effects: list[Effect] = []
         for action in actions:
-            if isinstance(action, lock.Granted):
+            if isinstance(action, decisions.Granted):
                 receivers = self._waiters.pop(action.job, [])
                 for w in receivers:
                     w.granted_epoch = action.epoch
                 effects += self._grant_effects(action, receivers)
-            elif isinstance(action, lock.Abort):
+            elif isinstance(action, decisions.Abort):
                 effects.append(self._abort_effect(action, self._waiters.pop(action.job, [])))
-            elif isinstance(action, lock.StartSwitch):
+            elif isinstance(action, decisions.StartSwitch):
                 effects.append(self._switch_effect(action))
-            elif isinstance(action, lock.NeedClaim):
+            elif isinstance(action, decisions.NeedClaim):
                 effects += self._claim(action)
-            elif isinstance(action, lock.ReleaseClaim):
+            elif isinstance(action, decisions.ReleaseClaim):
                 # Another group may now move what is on the shared devices: re-read first.
                 self.views.clear()
                 self._arbiter.release(self.group_id)
@@ -423,10 +423,10 @@ class GroupDriver:
                 effects.append(self._emit_effect(action))
         return effects
 
-    def _emit_effect(self, e: lock.Emit) -> Effect:
+    def _emit_effect(self, e: decisions.Emit) -> Effect:
         return lambda: self.events.emit(_EVENT_KINDS[e.kind], job_id=e.job, detail=e.detail)
 
-    def _claim(self, need: lock.NeedClaim) -> list[Effect]:
+    def _claim(self, need: decisions.NeedClaim) -> list[Effect]:
         """Ask for the device claim (see overlap); wait for it if it is not free."""
         granted = self._arbiter.request(self.group_id, need.job, need.others)
         if granted is None:
@@ -435,7 +435,7 @@ class GroupDriver:
             return []
         return self.bind(self.lock.on_claim_granted(granted, now=time.monotonic()))
 
-    def _grant_effects(self, g: lock.Granted, receivers: list[_Waiter]) -> list[Effect]:
+    def _grant_effects(self, g: decisions.Granted, receivers: list[_Waiter]) -> list[Effect]:
         def resolve() -> None:
             for w in receivers:
                 if not w.future.done():
@@ -452,7 +452,7 @@ class GroupDriver:
 
         return [inbox.Urgent(resolve), announce]
 
-    def _abort_effect(self, a: lock.Abort, waiters: list[_Waiter]) -> Effect:
+    def _abort_effect(self, a: decisions.Abort, waiters: list[_Waiter]) -> Effect:
         def effect() -> None:
             for w in waiters:
                 if not w.future.done():
@@ -460,7 +460,7 @@ class GroupDriver:
 
         return effect
 
-    def _switch_effect(self, s: lock.StartSwitch) -> Effect:
+    def _switch_effect(self, s: decisions.StartSwitch) -> Effect:
         def effect() -> None:
             if self._stopping:
                 # The intent is on disk: recovery rolls it back (nothing moved) at restart.
@@ -489,7 +489,7 @@ class GroupDriver:
             group=self.group_id,
             resident=lk.resident,
             intent=lk.switching,
-            known_jobs=lk.known_jobs,
+            known_jobs=status.known_jobs(lk),
             views=list(views.values()),
         )
         log.info(

@@ -2,16 +2,11 @@
 
 Every decision about who holds a group, who waits and when a switch starts is
 taken here, with no I/O and no clock of its own (callers pass ``now``). Each
-``on_*`` method mutates the state and returns a list of *actions* that the
-async group driver executes in order, after it has persisted the new state:
-
-- :class:`Granted`  resolve every pending Acquire of ``job``;
-- :class:`StartSwitch`  move ``from_job`` out and ``to_job`` in on every node;
-- :class:`Abort`  fail the pending Acquires of ``job`` (it yielded during its own switch);
-- :class:`Emit`  publish an event (queued, yielded, cancelled...);
-- :class:`NeedClaim` / :class:`ReleaseClaim`  ask for / give back the device claim
-  that groups sharing devices take turns on (``tslice.orchestrator.overlap``); a group
-  grants only while it holds the claim.
+``on_*`` method mutates the state and returns a list of *actions*
+(``tslice.orchestrator.decisions``) that the async group driver executes in order,
+after it has persisted the new state; what must survive a crash is its record
+(``tslice.orchestrator.records``). A group grants only while it holds the device
+claim that groups sharing devices take turns on (``tslice.orchestrator.overlap``).
 
 Vocabulary: the *holder* owns the lock (during a switch, the switch target);
 the *resident* is the job whose state is on the devices; *verified* says the
@@ -29,83 +24,13 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from typing import TypeAlias
 
 from tslice.common import refusals
+from tslice.orchestrator import decisions as act
+from tslice.orchestrator import records
 
-# ---- actions -------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class Granted:
-    """The pending Acquires of ``job`` return now (the job holds the group)."""
-
-    job: str
-    epoch: int
-    restored: bool
-    #: Seconds since the job started waiting (for events and metrics).
-    waited_s: float
-    #: No agent was touched: holder re-acquire or zero-cost re-acquire of the resident.
-    zero_cost: bool = False
-    #: The job already held the group (a repeated Acquire); not a new grant.
-    held: bool = False
-
-
-@dataclasses.dataclass(frozen=True)
-class StartSwitch:
-    """Snapshot ``from_job`` (and any other resident job) and bring ``to_job`` in everywhere."""
-
-    from_job: str | None
-    to_job: str
-    epoch: int
-    footprint_bytes: int
-    #: True when this switch was found in progress at startup (crash recovery).
-    recovered: bool = False
-
-
-@dataclasses.dataclass(frozen=True)
-class Abort:
-    """Fail the pending Acquires of ``job``: refused with ``code`` and ``message``."""
-
-    job: str
-    message: str
-    code: refusals.Code = refusals.Code.ABORTED
-
-
-@dataclasses.dataclass(frozen=True)
-class NeedClaim:
-    """Ask for the device claim for ``job``, the waiter to promote next.
-
-    ``others`` are the other waiters, in queue order: one that already holds a group
-    (a nested or multi-group acquire) may be granted past a blocked ``job``, which may
-    wait for what that holder will release (see ``tslice.orchestrator.overlap``).
-    """
-
-    job: str
-    others: tuple[str, ...] = ()
-
-
-@dataclasses.dataclass(frozen=True)
-class ReleaseClaim:
-    """Give the device claim back: nobody holds the group and another group wants it."""
-
-
-class EventKind(enum.Enum):
-    QUEUED = "queued"
-    YIELDED = "yielded"
-    CANCELLED = "cancelled"
-    #: A switch found in progress after a restart was undone (nothing had moved).
-    ROLLED_BACK = "rolled_back"
-
-
-@dataclasses.dataclass(frozen=True)
-class Emit:
-    kind: EventKind
-    job: str
-    detail: str = ""
-
-
-Action: TypeAlias = "Granted | StartSwitch | Abort | Emit | NeedClaim | ReleaseClaim"
+#: Why a job restored from disk was dropped after ``reattach_grace_s``.
+_NOT_BACK = "did not re-attach after recovery"
 
 
 class Phase(enum.Enum):
@@ -115,59 +40,6 @@ class Phase(enum.Enum):
     IDLE_YIELDED = "IDLE_YIELDED"
     LOCKED = "LOCKED"
     SWITCHING = "SWITCHING"
-
-
-# ---- persisted view ------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class QueueRecord:
-    job: str
-    seq: int
-    footprint_bytes: int
-
-
-@dataclasses.dataclass(frozen=True)
-class IntentRecord:
-    """A switch that has started and not finished: what recovery must finish or undo."""
-
-    from_job: str | None
-    to_job: str
-    epoch: int
-    seq: int
-
-
-@dataclasses.dataclass(frozen=True)
-class LockRecord:
-    """Everything about a group's lock that must survive a crash."""
-
-    holder: str | None
-    resident: str | None
-    grant_epoch: int
-    switch_count: int
-    next_seq: int
-    queue: tuple[QueueRecord, ...]
-    intent: IntentRecord | None
-    footprints: tuple[tuple[str, int], ...]
-    #: The holder's lease (0 = none): after a restart it has this long to re-open Hold.
-    holder_lease_ms: int = 0
-
-    @classmethod
-    def empty(cls) -> LockRecord:
-        return cls(None, None, 0, 0, 1, (), None, ())
-
-
-# ---- outcomes ------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class YieldOutcome:
-    ok: bool
-    #: When not ok: the job that holds the lock.
-    holder: str | None
-    pending_waiters: int
-    snapshot_deferred: bool
-    actions: list[Action]
 
 
 # ---- state ---------------------------------------------------------------------------------
@@ -196,6 +68,20 @@ class _Switch:
     departed: bool = False
 
 
+@dataclasses.dataclass
+class _Claim:
+    held: bool = True
+    #: The job it is held for (None: any).
+    job: str | None = None
+    #: A waiter it was just granted for (possibly past the head of the queue).
+    chosen: str | None = None
+    #: Another group waits for it: let go at the next release.
+    contended: bool = False
+
+    def allows(self, job: str) -> bool:
+        return self.held and self.job in (None, job)
+
+
 class GroupLock:
     """Lock, queue and residency of one group. Not thread-safe; one driver owns it."""
 
@@ -221,15 +107,9 @@ class GroupLock:
         self._confirm_deadline: float | None = None
         self._recovered_at: float | None = None
         self.detail = ""
-        #: The device claim (see overlap): held, and for which job (None: any). A lock
-        #: on its own holds it for anybody; a driver starts without it (drop_claim)
-        #: unless it has a holder, and asks for it per job.
-        self._claimed = True
-        self._claim_job: str | None = None
-        #: A waiter the claim was just granted for (possibly past the head of the queue).
-        self._claim_for: str | None = None
-        #: Another group waits for the claim: let go at the next release.
-        self._contended = False
+        #: The device claim (see overlap). A lock on its own holds it for anybody; a
+        #: driver starts without it (start_claim) unless it has a holder.
+        self._claim = _Claim()
         #: Why no switch may start (a degraded node); "" = none.
         self.blocked = ""
 
@@ -237,7 +117,7 @@ class GroupLock:
 
     @classmethod
     def from_record(
-        cls, record: LockRecord, *, now: float, reattach_grace_s: float = 30.0
+        cls, record: records.LockRecord, *, now: float, reattach_grace_s: float = 30.0
     ) -> GroupLock:
         """Rebuild after a restart: every queue entry is detached; recovery is pending."""
         lock = cls(reattach_grace_s=reattach_grace_s)
@@ -265,20 +145,18 @@ class GroupLock:
         lock._receivers = 1 if lock._holder is not None and lock._switch is None else 0
         return lock
 
-    def record(self) -> LockRecord:
-        intent = None
-        if self._switch is not None:
-            s = self._switch
-            intent = IntentRecord(s.from_job, s.to_job, s.epoch, s.seq)
+    def record(self) -> records.LockRecord:
+        s = self._switch
+        intent = None if s is None else records.IntentRecord(s.from_job, s.to_job, s.epoch, s.seq)
         holder = None if self._switch is not None else self._holder
-        return LockRecord(
+        return records.LockRecord(
             holder=holder,
             resident=self._resident,
             grant_epoch=self._epoch,
             switch_count=self._switch_count,
             next_seq=self._next_seq,
             queue=tuple(
-                QueueRecord(e.job, e.seq, self._footprints.get(e.job, 0))
+                records.QueueRecord(e.job, e.seq, self._footprints.get(e.job, 0))
                 for e in self._queue.values()
             ),
             intent=intent,
@@ -325,23 +203,12 @@ class GroupLock:
         return self._recovering
 
     @property
-    def switching(self) -> StartSwitch | None:
-        s = self._switch
-        if s is None:
-            return None
-        return StartSwitch(s.from_job, s.to_job, s.epoch, self.footprint(s.to_job), s.recovered)
+    def switching(self) -> act.StartSwitch | None:
+        return None if self._switch is None else self._start_switch(self._switch)
 
     @property
     def waiting_jobs(self) -> list[str]:
         return list(self._queue)
-
-    @property
-    def known_jobs(self) -> set[str]:
-        """Every job the lock knows: holder, resident, the switch's, the waiters."""
-        known = {j for j in (self._holder, self._resident) if j}
-        if self._switch is not None:
-            known |= {j for j in (self._switch.from_job, self._switch.to_job) if j}
-        return known | set(self._queue)
 
     @property
     def attached_waiters(self) -> int:
@@ -359,7 +226,7 @@ class GroupLock:
 
     @property
     def claimed(self) -> bool:
-        return self._claimed
+        return self._claim.held
 
     def phase(self) -> Phase:
         if self._switch is not None:
@@ -378,12 +245,8 @@ class GroupLock:
         if s.attached > 0 or self.attached_waiters > 0:
             return True
         # A recovered switch whose target may still re-issue its Acquire.
-        return (
-            s.recovered
-            and not s.departed
-            and self._recovered_at is not None
-            and now < self._recovered_at + self._grace
-        )
+        deadline = self.grace_deadline()
+        return s.recovered and not s.departed and deadline is not None and now < deadline
 
     def grace_deadline(self) -> float | None:
         """When detached entries (and an unconfirmed recovered grant) expire."""
@@ -395,7 +258,7 @@ class GroupLock:
 
     def on_acquire(
         self, job: str, *, footprint_bytes: int = 0, lease_ms: int = 0, now: float
-    ) -> list[Action]:
+    ) -> list[act.Action]:
         """One Acquire RPC of ``job`` arrived (it stays attached until granted or departed)."""
         if footprint_bytes > 0:
             self._footprints[job] = footprint_bytes
@@ -413,23 +276,20 @@ class GroupLock:
         if self._holder == job:
             self._receivers += 1
             self._confirm_deadline = None
-            return [
-                Granted(job, self._epoch, restored=False, waited_s=0.0, zero_cost=True, held=True)
-            ]
+            return [act.Granted(job, self._epoch, False, 0.0, zero_cost=True, held=True)]
         if self.blocked:
-            return [Abort(job, self.blocked, code=refusals.Code.UNAVAILABLE)]
+            return [act.Abort(job, self.blocked, code=refusals.Code.UNAVAILABLE)]
         entry = self._queue.get(job)
         if entry is not None:
             entry.attached += 1
-            actions: list[Action] = []
+            actions: list[act.Action] = []
             if entry.detached_since is not None:
                 entry.detached_since = None
-                actions.append(Emit(EventKind.QUEUED, job, "re-attached after restart"))
+                actions.append(act.Emit(act.EventKind.QUEUED, job, "re-attached after restart"))
             return [*actions, *self._promote(now)]
         if (
             not self._recovering
-            and self._claimed
-            and self._claim_job in (None, job)
+            and self._claim.allows(job)
             and self._holder is None
             and s is None
             and self._resident == job
@@ -438,12 +298,12 @@ class GroupLock:
         ):
             # Zero-cost re-acquire: still resident everywhere and nobody waits.
             self._grant_to(job, attached=1, new_epoch=True)
-            return [Granted(job, self._epoch, restored=False, waited_s=0.0, zero_cost=True)]
+            return [act.Granted(job, self._epoch, restored=False, waited_s=0.0, zero_cost=True)]
         self._queue[job] = _Entry(job, self._next_seq, now, attached=1)
         self._next_seq += 1
-        return [Emit(EventKind.QUEUED, job), *self._promote(now)]
+        return [act.Emit(act.EventKind.QUEUED, job), *self._promote(now)]
 
-    def on_cancel(self, job: str, *, now: float) -> list[Action]:
+    def on_cancel(self, job: str, *, now: float) -> list[act.Action]:
         """An Acquire RPC of ``job`` went away before it was granted."""
         s = self._switch
         if s is not None and s.to_job == job and s.attached > 0:
@@ -451,23 +311,18 @@ class GroupLock:
             if s.attached == 0:
                 s.departed = True
                 self._holder = None
-                return [
-                    Emit(
-                        EventKind.CANCELLED,
-                        job,
-                        "left during its own switch; the switch finishes, then the group moves on",
-                    )
-                ]
+                why = "left during its own switch; the switch finishes, then the group moves on"
+                return [act.Emit(act.EventKind.CANCELLED, job, why)]
             return []
         entry = self._queue.get(job)
         if entry is not None and entry.attached > 0:
             entry.attached -= 1
             if entry.attached == 0:
                 del self._queue[job]
-                return [Emit(EventKind.CANCELLED, job, "left the queue")]
+                return [act.Emit(act.EventKind.CANCELLED, job, "left the queue")]
         return []
 
-    def on_undelivered(self, job: str, *, epoch: int, now: float) -> list[Action]:
+    def on_undelivered(self, job: str, *, epoch: int, now: float) -> list[act.Action]:
         """An Acquire RPC of ``job`` was granted but cancelled before the reply went out.
 
         When every receiver of the grant is gone, the job never learnt that it holds
@@ -478,9 +333,10 @@ class GroupLock:
         self._undelivered += 1
         if self._undelivered < self._receivers:
             return []
-        return self._release(job, now, EventKind.CANCELLED, "grant not delivered (RPC cancelled)")
+        why = "grant not delivered (RPC cancelled)"
+        return self._release(job, now, act.EventKind.CANCELLED, why)
 
-    def on_yield(self, job: str, *, now: float) -> YieldOutcome:
+    def on_yield(self, job: str, *, now: float) -> act.YieldOutcome:
         s = self._switch
         if s is not None and s.to_job == job and not s.departed and self._holder == job:
             # Yield during its own switch: finish the switch, then treat it as yielded.
@@ -488,101 +344,94 @@ class GroupLock:
             s.attached = 0
             self._holder = None
             pending = self.attached_waiters
-            actions: list[Action] = [
-                Abort(job, f"job {job!r} yielded the group while its own Acquire was pending"),
-                Emit(EventKind.YIELDED, job, "during its own switch"),
+            actions: list[act.Action] = [
+                act.Abort(job, f"job {job!r} yielded the group while its own Acquire was pending"),
+                act.Emit(act.EventKind.YIELDED, job, "during its own switch"),
             ]
-            return YieldOutcome(True, None, pending, pending == 0, actions)
+            return act.YieldOutcome(True, None, pending, pending == 0, actions)
         if self._holder == job:
             pending = self.attached_waiters
-            actions = self._release(job, now, EventKind.YIELDED, "")
-            return YieldOutcome(True, None, pending, pending == 0, actions)
+            actions = self._release(job, now, act.EventKind.YIELDED, "")
+            return act.YieldOutcome(True, None, pending, pending == 0, actions)
         if self._holder is not None:
-            return YieldOutcome(False, self._holder, self.attached_waiters, False, [])
+            return act.YieldOutcome(False, self._holder, self.attached_waiters, False, [])
         # Nobody holds the group: idempotent no-op.
         deferred = s is None and self._resident == job
-        return YieldOutcome(True, None, self.attached_waiters, deferred, [])
+        return act.YieldOutcome(True, None, self.attached_waiters, deferred, [])
 
-    def on_lease_expired(self, job: str, *, epoch: int, now: float) -> list[Action]:
+    def on_lease_expired(self, job: str, *, epoch: int, now: float) -> list[act.Action]:
         """``job`` kept no Hold stream open for its lease: release it as if it had yielded."""
         if self._holder != job or self._epoch != epoch or self._switch is not None:
             return []
-        return self._release(job, now, EventKind.YIELDED, "lease expired")
+        return self._release(job, now, act.EventKind.YIELDED, "lease expired")
 
-    def on_switch_done(self, *, epoch: int, restored: bool, now: float) -> list[Action]:
-        s = self._switch
-        if s is None or s.epoch != epoch:
+    def on_switch_done(self, *, epoch: int, restored: bool, now: float) -> list[act.Action]:
+        s = self._end_switch(epoch)
+        if s is None:
             return []
-        self._switch = None
         self._resident = s.to_job
         self._verified = True
         self._switch_count += 1
         self.detail = ""
         if s.departed:
-            self._holder = None
             return self._promote(now)
         if s.attached == 0 and s.recovered:
             # Granted by a recovered switch: keep the lock for the job until it re-attaches.
             self._grant_to(s.to_job, attached=0, new_epoch=False)
             deadline = self.grace_deadline()
             if deadline is not None and now >= deadline:
-                return self._release(
-                    s.to_job, now, EventKind.CANCELLED, "did not re-attach after recovery"
-                )
+                return self._release(s.to_job, now, act.EventKind.CANCELLED, _NOT_BACK)
             self._confirm_deadline = deadline
             return []
         self._grant_to(s.to_job, attached=s.attached, new_epoch=False)
-        return [Granted(s.to_job, epoch, restored=restored, waited_s=max(0.0, now - s.queued_at))]
+        return [
+            act.Granted(s.to_job, epoch, restored=restored, waited_s=max(0.0, now - s.queued_at))
+        ]
 
-    def on_switch_failed(self, *, epoch: int, detail: str, now: float) -> list[Action]:
+    def on_switch_failed(self, *, epoch: int, detail: str, now: float) -> list[act.Action]:
         """The driver gave up on a switch (nobody wants it any more)."""
-        s = self._switch
-        if s is None or s.epoch != epoch:
+        s = self._end_switch(epoch)
+        if s is None:
             return []
-        self._switch = None
-        self._holder = None
         # Half done: the next switch re-reads every node and evicts whatever runs there.
         self._resident = s.to_job
         self._verified = False
         self.detail = f"switch {s.from_job or '-'} -> {s.to_job} abandoned: {detail}"
         if s.attached > 0:
-            # Its job came back meanwhile: it keeps the head of the queue and is promoted
-            # again (a new switch, which re-reads every node).
-            entry = _Entry(s.to_job, s.seq, s.queued_at, attached=s.attached)
-            self._queue = {s.to_job: entry, **self._queue}
+            # Its job came back meanwhile: it is promoted again (a new switch, which
+            # re-reads every node).
+            self._queue_first(s)
         return self._promote(now)
 
     def on_switch_refused(
         self, *, epoch: int, code: refusals.Code, detail: str, now: float
-    ) -> list[Action]:
+    ) -> list[act.Action]:
         """An agent refused the switch's target for good (its state can never fit):
         its Acquires fail with ``code`` and the group moves on without it."""
-        s = self._switch
-        if s is None or s.epoch != epoch:
+        s = self._end_switch(epoch)
+        if s is None:
             return []
-        self._switch = None
-        self._holder = None
         # The outgoing job may have been moved out on some nodes: re-check at the next switch.
         self._resident = s.from_job
         self._verified = False
         self.detail = f"job {s.to_job} refused: {detail}"
-        actions: list[Action] = []
+        actions: list[act.Action] = []
         if s.attached > 0 and not s.departed:
-            actions.append(Abort(s.to_job, detail, code=code))
+            actions.append(act.Abort(s.to_job, detail, code=code))
         return [*actions, *self._promote(now)]
 
-    def on_blocked(self, reason: str) -> list[Action]:
+    def on_blocked(self, reason: str) -> list[act.Action]:
         """A node is degraded: no switch starts until an operator clears it, and every
         waiting Acquire fails now with the reason (UNAVAILABLE)."""
         self.blocked = reason
-        actions: list[Action] = []
+        actions: list[act.Action] = []
         for job, entry in list(self._queue.items()):
             if entry.attached > 0:
                 del self._queue[job]
-                actions.append(Abort(job, reason, code=refusals.Code.UNAVAILABLE))
+                actions.append(act.Abort(job, reason, code=refusals.Code.UNAVAILABLE))
         return actions
 
-    def on_degraded(self, *, epoch: int, cause: str, reason: str, now: float) -> list[Action]:
+    def on_degraded(self, *, epoch: int, cause: str, reason: str, now: float) -> list[act.Action]:
         """A node kept refusing the switch: the switch ends, no other starts (not even
         for its own target) and every waiting Acquire fails with ``reason``."""
         self.blocked = reason
@@ -591,7 +440,7 @@ class GroupLock:
             *self.on_blocked(reason),
         ]
 
-    def on_unblocked(self, *, now: float) -> list[Action]:
+    def on_unblocked(self, *, now: float) -> list[act.Action]:
         self.blocked = ""
         return self._promote(now)
 
@@ -602,7 +451,7 @@ class GroupLock:
         verified: bool,
         rollback: bool,
         now: float,
-    ) -> list[Action]:
+    ) -> list[act.Action]:
         """Agents were read after a restart; decide the switch in progress and resume.
 
         ``rollback`` (only meaningful with a switch in progress): nothing moved on any
@@ -612,28 +461,18 @@ class GroupLock:
         self._resident = resident
         self._verified = verified
         s = self._switch
-        actions: list[Action] = []
+        actions: list[act.Action] = []
         if s is not None:
             if rollback and s.attached == 0:
-                self._switch = None
-                self._holder = None
-                entry = _Entry(s.to_job, s.seq, s.queued_at, attached=0, detached_since=now)
-                self._queue = {s.to_job: entry, **self._queue}
-                actions.append(
-                    Emit(
-                        EventKind.ROLLED_BACK,
-                        s.to_job,
-                        f"switch {s.from_job or '-'} -> {s.to_job} rolled back after restart: "
-                        "nothing had moved; the job keeps its place in the queue",
-                    )
+                self._end_switch(s.epoch)
+                self._queue_first(s, detached_since=now)
+                why = (
+                    f"switch {s.from_job or '-'} -> {s.to_job} rolled back after restart: "
+                    "nothing had moved; the job keeps its place in the queue"
                 )
+                actions.append(act.Emit(act.EventKind.ROLLED_BACK, s.to_job, why))
             else:
-                actions.append(
-                    StartSwitch(
-                        s.from_job, s.to_job, s.epoch, self.footprint(s.to_job), recovered=True
-                    )
-                )
-                return actions
+                return [self._start_switch(s)]
         return [*actions, *self._promote(now)]
 
     def on_observed(self, *, epoch: int, resident: str | None, running_everywhere: bool) -> None:
@@ -644,17 +483,14 @@ class GroupLock:
             return
         self._verified = running_everywhere
 
-    def on_expire(self, *, now: float) -> list[Action]:
+    def on_expire(self, *, now: float) -> list[act.Action]:
         """Drop detached entries and unconfirmed recovered grants older than the grace."""
-        actions: list[Action] = []
+        actions: list[act.Action] = []
         for job, entry in list(self._queue.items()):
-            if (
-                entry.attached == 0
-                and entry.detached_since is not None
-                and now - entry.detached_since >= self._grace
-            ):
+            since = entry.detached_since
+            if entry.attached == 0 and since is not None and now - since >= self._grace:
                 del self._queue[job]
-                actions.append(Emit(EventKind.CANCELLED, job, "did not re-attach after recovery"))
+                actions.append(act.Emit(act.EventKind.CANCELLED, job, _NOT_BACK))
         if (
             self._holder is not None
             and self._switch is None
@@ -662,53 +498,56 @@ class GroupLock:
             and now >= self._confirm_deadline
             and self._receivers == 0
         ):
-            actions += self._release(
-                self._holder, now, EventKind.CANCELLED, "did not re-attach after recovery"
-            )
+            actions += self._release(self._holder, now, act.EventKind.CANCELLED, _NOT_BACK)
         return [*actions, *self._promote(now)]
 
-    def drop_claim(self) -> None:
-        """Start without the device claim (a driver whose group may share devices)."""
-        self._claimed = False
-        self._claim_job = None
-        self._contended = False
+    def start_claim(self, job: str | None) -> None:
+        """The claim at start: held for ``job`` (its holder, found on disk after a
+        restart), or not held (a driver whose group may share devices asks per job)."""
+        self._claim.held, self._claim.job, self._claim.contended = job is not None, job, False
 
-    def keep_claim(self, job: str) -> None:
-        """The claim is held for ``job`` (its holder, found on disk after a restart)."""
-        self._claimed = True
-        self._claim_job = job
-
-    def on_claim_granted(self, job: str, *, now: float) -> list[Action]:
+    def on_claim_granted(self, job: str, *, now: float) -> list[act.Action]:
         """The device claim is this group's for ``job``: promote the head of the queue."""
-        self._claimed = True
-        self._claim_job = job
-        self._claim_for = job
+        self._claim.held, self._claim.job, self._claim.chosen = True, job, job
         return self._promote(now)
 
     def on_claim_waiting(self) -> None:
         """The claim was asked for and must be waited for: meanwhile another group may
         move what is on the shared devices, the deferred resident included."""
-        self._claimed = False
+        self._claim.held = False
         self._verified = False
 
-    def on_contended(self, *, now: float) -> list[Action]:
+    def on_contended(self, *, now: float) -> list[act.Action]:
         """An overlapping group asks for the claim: let go now if nobody holds the group."""
-        if not self._claimed:
+        if not self._claim.held:
             return []
-        self._contended = True
+        self._claim.contended = True
         return self._let_go()
 
     # ---- internals ------------------------------------------------------------------------
 
-    def _let_go(self) -> list[Action]:
+    def _end_switch(self, epoch: int) -> _Switch | None:
+        """The switch of ``epoch`` ends (None: it is not the one in progress)."""
+        s = self._switch
+        if s is None or s.epoch != epoch:
+            return None
+        self._switch = None
+        self._holder = None
+        return s
+
+    def _queue_first(self, s: _Switch, *, detached_since: float | None = None) -> None:
+        """The switch's target goes back to the head of the queue, keeping its place."""
+        entry = _Entry(s.to_job, s.seq, s.queued_at, s.attached, detached_since)
+        self._queue = {s.to_job: entry, **self._queue}
+
+    def _let_go(self) -> list[act.Action]:
         """Give the claim back if contended and free; the resident may then be evicted."""
-        if not (self._contended and self._holder is None and self._switch is None):
+        if not (self._claim.contended and self._holder is None and self._switch is None):
             return []
-        self._claimed = False
-        self._contended = False
+        self._claim.held = self._claim.contended = False
         # Another group's Grant may make the deferred resident give way: re-check it.
         self._verified = False
-        return [ReleaseClaim()]
+        return [act.ReleaseClaim()]
 
     def _grant_to(self, job: str, *, attached: int, new_epoch: bool) -> None:
         # A switch's grant was numbered when the switch started (the epoch travels to
@@ -720,15 +559,15 @@ class GroupLock:
         self._undelivered = 0
         self._confirm_deadline = None
 
-    def _release(self, job: str, now: float, kind: EventKind, detail: str) -> list[Action]:
+    def _release(self, job: str, now: float, kind: act.EventKind, detail: str) -> list[act.Action]:
         self._leases.pop(job, None)
         self._holder = None
         self._receivers = 0
         self._undelivered = 0
         self._confirm_deadline = None
-        return [Emit(kind, job, detail), *self._promote(now)]
+        return [act.Emit(kind, job, detail), *self._promote(now)]
 
-    def _promote(self, now: float) -> list[Action]:
+    def _promote(self, now: float) -> list[act.Action]:
         if self._recovering or self._holder is not None or self._switch is not None:
             return []
         released = self._let_go()
@@ -736,28 +575,24 @@ class GroupLock:
         if not attached or self.blocked:
             return released
         entry = attached[0]
-        chosen, self._claim_for = self._claim_for, None
-        if self._claimed and chosen is not None and chosen != entry.job:
+        chosen, self._claim.chosen = self._claim.chosen, None
+        if self._claim.held and chosen is not None and chosen != entry.job:
             entry = next((e for e in attached if e.job == chosen), entry)
-        if not (self._claimed and self._claim_job in (None, entry.job)):
+        if not self._claim.allows(entry.job):
             # Asked again whenever the waiters change: a nested acquire may pass the head.
             others = tuple(e.job for e in attached if e.job != entry.job)
-            return [*released, NeedClaim(entry.job, others)]
+            return [*released, act.NeedClaim(entry.job, others)]
         del self._queue[entry.job]
         if entry.job == self._resident and self._verified:
             self._grant_to(entry.job, attached=entry.attached, new_epoch=True)
-            return [
-                Granted(
-                    entry.job,
-                    self._epoch,
-                    restored=False,
-                    waited_s=max(0.0, now - entry.queued_at),
-                    zero_cost=True,
-                )
-            ]
+            waited = max(0.0, now - entry.queued_at)
+            return [act.Granted(entry.job, self._epoch, False, waited, zero_cost=True)]
         self._epoch += 1
         self._holder = entry.job
         self._switch = _Switch(
             self._resident, entry.job, self._epoch, entry.seq, entry.queued_at, entry.attached
         )
-        return [StartSwitch(self._resident, entry.job, self._epoch, self.footprint(entry.job))]
+        return [self._start_switch(self._switch)]
+
+    def _start_switch(self, s: _Switch) -> act.StartSwitch:
+        return act.StartSwitch(s.from_job, s.to_job, s.epoch, self.footprint(s.to_job), s.recovered)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from tslice.orchestrator import config, group, lock
+from tslice.orchestrator import config, group, records
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +39,7 @@ class GroupManager:
             log.warning("group %s has persisted state but is not configured; ignoring it", gid)
 
     def _add(
-        self, gid: str, nodes: tuple[config.NodeRef, ...], record: lock.LockRecord | None
+        self, gid: str, nodes: tuple[config.NodeRef, ...], record: records.LockRecord | None
     ) -> group.GroupDriver:
         driver = group.GroupDriver(
             group_id=gid, nodes=nodes, services=self._services, record=record

@@ -16,7 +16,7 @@ import logging
 from collections.abc import Callable
 
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
-from tslice.orchestrator import agents, config, lock, steps, switch
+from tslice.orchestrator import agents, config, decisions, steps, switch
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +33,7 @@ def decide_recovery(
     *,
     group: str,
     resident: str | None,
-    intent: lock.StartSwitch | None,
+    intent: decisions.StartSwitch | None,
     known_jobs: set[str],
     views: list[steps.NodeView],
 ) -> RecoveryDecision:

@@ -16,7 +16,7 @@ from google.protobuf import timestamp_pb2
 
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
 from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2 as opb
-from tslice.orchestrator import config, lock, metrics, steps
+from tslice.orchestrator import config, decisions, lock, metrics, steps
 
 _STATE_PB = {
     "UNKNOWN": opb.GroupStatus.STATE_UNKNOWN,
@@ -124,7 +124,14 @@ def group_status(
     )
 
 
-def marker(lk: lock.GroupLock) -> tuple[int, int, lock.StartSwitch | None]:
+def known_jobs(lk: lock.GroupLock) -> set[str]:
+    """Every job the lock knows: holder, resident, the switch's, the waiters."""
+    sw = lk.switching
+    moving = (sw.from_job, sw.to_job) if sw is not None else ()
+    return {j for j in (lk.holder, lk.resident, *moving) if j} | set(lk.waiting_jobs)
+
+
+def marker(lk: lock.GroupLock) -> tuple[int, int, decisions.StartSwitch | None]:
     """What live reads are compared with: if a switch or a grant happens meanwhile, the
     reads say nothing about the new resident."""
     return (lk.grant_epoch, lk.switch_count, lk.switching)

@@ -28,7 +28,7 @@ from collections.abc import Callable
 from typing import TypeVar
 
 from tslice.common import sqlite_wal
-from tslice.orchestrator import lock
+from tslice.orchestrator import records
 
 _T = TypeVar("_T")
 
@@ -109,7 +109,7 @@ class Store:
             await self._checkpoints.close()
         self._executor.shutdown(wait=True)
 
-    async def load(self) -> dict[str, tuple[list[tuple[str, str]], lock.LockRecord]]:
+    async def load(self) -> dict[str, tuple[list[tuple[str, str]], records.LockRecord]]:
         """Every persisted group: ``group_id -> (nodes, record)``."""
         return await self._run(self._load_sync)
 
@@ -118,8 +118,8 @@ class Store:
         group_id: str,
         *,
         nodes: list[tuple[str, str]],
-        record: lock.LockRecord,
-        previous: lock.LockRecord | None,
+        record: records.LockRecord,
+        previous: records.LockRecord | None,
     ) -> None:
         """Write ``record`` in one transaction (``previous`` lets unchanged rows be skipped)."""
         try:
@@ -167,17 +167,17 @@ class Store:
         self._conn.close()
         self._conn = None
 
-    def _load_sync(self) -> dict[str, tuple[list[tuple[str, str]], lock.LockRecord]]:
+    def _load_sync(self) -> dict[str, tuple[list[tuple[str, str]], records.LockRecord]]:
         conn = self._conn
         assert conn is not None
-        out: dict[str, tuple[list[tuple[str, str]], lock.LockRecord]] = {}
+        out: dict[str, tuple[list[tuple[str, str]], records.LockRecord]] = {}
         groups = conn.execute(
             "SELECT group_id, nodes, holder, resident, grant_epoch, switch_count, next_seq, "
             "holder_lease_ms FROM groups ORDER BY group_id"
         ).fetchall()
         for gid, nodes_json, holder, resident, epoch, switches, next_seq, lease_ms in groups:
             queue = tuple(
-                lock.QueueRecord(job, seq, fp)
+                records.QueueRecord(job, seq, fp)
                 for job, seq, fp in conn.execute(
                     "SELECT job_id, seq, footprint FROM queue WHERE group_id=? ORDER BY seq", (gid,)
                 )
@@ -191,8 +191,8 @@ class Store:
             it = conn.execute(
                 "SELECT from_job, to_job, epoch, seq FROM intents WHERE group_id=?", (gid,)
             ).fetchone()
-            intent = lock.IntentRecord(it[0], it[1], it[2], it[3]) if it else None
-            record = lock.LockRecord(
+            intent = records.IntentRecord(it[0], it[1], it[2], it[3]) if it else None
+            record = records.LockRecord(
                 holder, resident, epoch, switches, next_seq, queue, intent, footprints, lease_ms
             )
             nodes = [(str(n), str(a)) for n, a in json.loads(nodes_json)]
@@ -211,8 +211,8 @@ class Store:
         self,
         gid: str,
         nodes: list[tuple[str, str]],
-        rec: lock.LockRecord,
-        prev: lock.LockRecord | None,
+        rec: records.LockRecord,
+        prev: records.LockRecord | None,
     ) -> None:
         conn = self._conn
         assert conn is not None

@@ -23,6 +23,7 @@ from tslice.common import tasks
 from tslice.orchestrator import (
     agents,
     config,
+    decisions,
     events,
     inbox,
     lock,
@@ -36,8 +37,6 @@ from tslice.orchestrator import (
 log = logging.getLogger(__name__)
 
 Kind = opb.OrchestratorEvent
-#: What the lock decides (the Protocol below has an attribute named ``lock``).
-Actions = list[lock.Action]
 
 
 class Group(Protocol):
@@ -55,7 +54,7 @@ class Group(Protocol):
 
     def post(self, command: inbox.Command) -> None: ...
 
-    def bind(self, actions: Actions) -> list[inbox.Effect]: ...
+    def bind(self, actions: list[decisions.Action]) -> list[inbox.Effect]: ...
 
     def release_deferred(self) -> None:
         """Run the effects held back until the switch's first calls were sent."""
@@ -86,7 +85,7 @@ class SwitchRunner:
         self._completed = series.switches.labels(group_id=self._gid, outcome="completed")
         self._duration = series.switch_duration.labels(group_id=self._gid)
 
-    def start(self, s: lock.StartSwitch) -> None:
+    def start(self, s: decisions.StartSwitch) -> None:
         """Start the switch ``s`` (from the worker, once its intent is persisted)."""
         self._group.events.hold()
         self.task = tasks.spawn(self._run(s), name=f"group:{self._gid}:switch:{s.epoch}")
@@ -164,7 +163,7 @@ class SwitchRunner:
                 by_node.setdefault(node, set()).add(other)
         return {node: frozenset(groups) for node, groups in by_node.items()}
 
-    async def _run(self, s: lock.StartSwitch) -> None:
+    async def _run(self, s: decisions.StartSwitch) -> None:
         group = self._group
         plan = steps.SwitchPlan(
             self._gid, s.from_job, s.to_job, s.epoch, s.footprint_bytes, self._give_way()
@@ -246,7 +245,7 @@ class SwitchRunner:
 
         group.post(done)
 
-    def _failed(self, s: lock.StartSwitch, detail: str) -> None:
+    def _failed(self, s: decisions.StartSwitch, detail: str) -> None:
         """The switch ended without a grant: say so (events, metrics) at once."""
         self._metrics.switches.labels(group_id=self._gid, outcome="abandoned").inc()
         self._group.events.emit(
@@ -258,7 +257,7 @@ class SwitchRunner:
         )
         self._group.events.release()
 
-    def _ended(self, decide: Callable[[float], list[lock.Action]]) -> None:
+    def _ended(self, decide: Callable[[float], list[decisions.Action]]) -> None:
         """Post the end of a failed switch: the lock decides what comes next."""
         group = self._group
 
@@ -270,8 +269,8 @@ class SwitchRunner:
         group.post(ended)
 
     def _degrade(
-        self, s: lock.StartSwitch, node: str, cause: str
-    ) -> Callable[[float], list[lock.Action]]:
+        self, s: decisions.StartSwitch, node: str, cause: str
+    ) -> Callable[[float], list[decisions.Action]]:
         reason = (
             f"group {self._gid}: node {node} is degraded ({cause}); fix the cause, "
             f"then clear it: tslice clear-degraded {self._gid} --node {node}"
@@ -279,7 +278,7 @@ class SwitchRunner:
         log.error("%s", reason, extra={"group_id": self._gid})
         group = self._group
 
-        def degrade(now: float) -> list[lock.Action]:
+        def degrade(now: float) -> list[decisions.Action]:
             group.health.degraded[node] = cause
             return group.lock.on_degraded(epoch=s.epoch, cause=cause, reason=reason, now=now)
 
