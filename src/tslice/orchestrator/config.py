@@ -344,24 +344,9 @@ def build(
                 "names its own groups: drop --group or add the group to the topology file"
             )
         topology = dataclasses.replace(topology, local_groups=tuple(model.local_groups))
-    return OrchestratorConfig(
-        topology=topology,
-        host=model.host,
-        port=model.port,
-        state_dir=model.state_dir,
-        agent_rpc_timeout_s=model.agent_rpc_timeout_s,
-        operation_timeout_s=model.operation_timeout_s,
-        wait_chunk_s=model.wait_chunk_s,
-        status_timeout_s=model.status_timeout_s,
-        reattach_grace_s=model.reattach_grace_s,
-        shutdown_grace_s=model.shutdown_grace_s,
-        backoff_initial_s=model.backoff_initial_s,
-        backoff_max_s=model.backoff_max_s,
-        max_refusals=model.max_refusals,
-        metrics_port=model.metrics_port,
-        log_level=model.log_level,
-        sqlite_synchronous=model.sqlite_synchronous,
-    )
+    # Every other setting has the same name in the file model and in the config.
+    settings = {f.name: getattr(model, f.name) for f in dataclasses.fields(OrchestratorConfig)}
+    return OrchestratorConfig(**{**settings, "topology": topology})
 
 
 def _check_unique(nodes: Sequence[NodeRef]) -> None:

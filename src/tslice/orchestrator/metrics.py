@@ -20,78 +20,78 @@ _WAIT_BUCKETS = (0.001, 0.01, 0.05, 0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 9
 class OrchestratorMetrics:
     def __init__(self, registry: prom.CollectorRegistry | None = None) -> None:
         self.registry = registry or prom.CollectorRegistry()
-        r = self.registry
-        self.queue_depth = prom.Gauge(
-            "timeslice_orchestrator_queue_depth",
-            "Jobs waiting for the group",
-            ["group_id"],
-            registry=r,
+        group = ["group_id"]
+        per_node = ["group_id", "node", "operation"]
+        self.queue_depth = self._gauge(
+            "timeslice_orchestrator_queue_depth", "Jobs waiting for the group", group
         )
-        self.acquire_wait = prom.Histogram(
+        self.acquire_wait = self._histogram(
             "timeslice_orchestrator_acquire_wait_duration_seconds",
             "Time from Acquire to grant",
-            ["group_id"],
-            buckets=_WAIT_BUCKETS,
-            registry=r,
+            group,
+            _WAIT_BUCKETS,
         )
-        self.agent_operation = prom.Histogram(
+        self.agent_operation = self._histogram(
             "timeslice_orchestrator_agent_operation_duration_seconds",
             "Duration of agent operations (snapshot, restore, grant, status, reset)",
-            ["group_id", "node", "operation"],
-            buckets=_OP_BUCKETS,
-            registry=r,
+            per_node,
+            _OP_BUCKETS,
         )
-        self.deferred_snapshots = prom.Counter(
+        self.deferred_snapshots = self._counter(
             "timeslice_orchestrator_deferred_snapshots",
             "Yields after which the snapshot was deferred because nobody waited",
-            ["group_id"],
-            registry=r,
+            group,
         )
-        self.switches = prom.Counter(
+        self.switches = self._counter(
             "tslice_orchestrator_switches",
             "Switches by outcome (completed, abandoned)",
             ["group_id", "outcome"],
-            registry=r,
         )
-        self.switch_duration = prom.Histogram(
+        self.switch_duration = self._histogram(
             "tslice_orchestrator_switch_duration_seconds",
             "Duration of completed switches (all nodes)",
-            ["group_id"],
-            buckets=_OP_BUCKETS,
-            registry=r,
+            group,
+            _OP_BUCKETS,
         )
-        self.switch_step_failures = prom.Counter(
+        self.switch_step_failures = self._counter(
             "tslice_orchestrator_switch_step_failures",
             "Failed switch steps on a node (each is retried with backoff)",
-            ["group_id", "node", "operation"],
-            registry=r,
+            per_node,
         )
-        self.group_state = prom.Gauge(
+        self.group_state = self._gauge(
             "tslice_orchestrator_group_state",
             "1 for the group's current state, 0 for the others",
             ["group_id", "state"],
-            registry=r,
         )
-        self.hold_streams = prom.Gauge(
+        self.hold_streams = self._gauge(
             "tslice_orchestrator_hold_streams",
             "Open Hold streams of holders keeping a lease",
-            ["group_id"],
-            registry=r,
+            group,
         )
-        self.hold_streams_opened = prom.Counter(
+        self.hold_streams_opened = self._counter(
             "tslice_orchestrator_hold_streams_opened",
             "Hold streams accepted (a client opens one only for a slice longer than a "
             "quarter of its lease)",
-            ["group_id"],
-            registry=r,
+            group,
+        )
+        self.events_dropped = self._counter(
+            "tslice_orchestrator_watch_events_dropped",
+            "Events dropped because a WatchEvents subscriber was too slow",
+            [],
         )
         self._states: dict[str, str] = {}
         self._state_children: dict[tuple[str, str], Any] = {}
-        self.events_dropped = prom.Counter(
-            "tslice_orchestrator_watch_events_dropped",
-            "Events dropped because a WatchEvents subscriber was too slow",
-            registry=r,
-        )
+
+    def _gauge(self, name: str, doc: str, labels: list[str]) -> prom.Gauge:
+        return prom.Gauge(name, doc, labels, registry=self.registry)
+
+    def _counter(self, name: str, doc: str, labels: list[str]) -> prom.Counter:
+        return prom.Counter(name, doc, labels, registry=self.registry)
+
+    def _histogram(
+        self, name: str, doc: str, labels: list[str], buckets: tuple[float, ...]
+    ) -> prom.Histogram:
+        return prom.Histogram(name, doc, labels, buckets=buckets, registry=self.registry)
 
     def set_state(self, group_id: str, state: str) -> None:
         previous = self._states.get(group_id)
