@@ -290,7 +290,7 @@ def test_degraded_nodes_are_shown_and_cleared_by_the_client(wedged: Servers) -> 
         assert [d.node for d in status.degraded] == ["node-a"]
         assert "stale grant" in status.degraded[0].reason
         assert isinstance(status.degraded[0], tslice.client.DegradedNode)
-        with pytest.raises(tslice.NotFound, match="node 'nope' is not in group 'g'"):
+        with pytest.raises(tslice.InvalidArgument, match="node 'nope' is not in group 'g'"):
             client.clear_degraded("g", node="nope")
         with pytest.raises(tslice.UnknownGroup):
             client.clear_degraded("never-used")

@@ -25,6 +25,7 @@ import itertools
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any, Generic, Protocol, TypeVar
 
@@ -238,6 +239,10 @@ class Caller(Generic[Req, Rep]):
         self._pending.ended(code, detail)
 
 
+#: Longest single wait of a blocked ThreadCaller.call (see there).
+_INTERRUPTIBLE_S = 0.05
+
+
 class ThreadCaller(Generic[Req, Rep]):
     """Blocking twin of :class:`Caller` for a ``grpc.Channel``: requests are queued to
     the stream's request iterator and a daemon thread reads the replies, so no event
@@ -276,21 +281,32 @@ class ThreadCaller(Generic[Req, Rep]):
             call, outbox = self._ensure_open()
         outbox.put(request(request_id))
         answered = False
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
         try:
-            result = reply.result(timeout_s)
-            answered = True
-            return result
-        except concurrent.futures.TimeoutError as err:  # not TimeoutError before 3.11
-            raise TimeoutError(f"no reply within {timeout_s:g} s") from err
+            while True:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise TimeoutError(f"no reply within {timeout_s:g} s")
+                # Waited in slices: an unbounded wait blocks in C, where an interrupt
+                # (Ctrl-C in this thread) is held back and then lands anywhere, maybe
+                # past the abandon below; between slices it lands here, in the try.
+                slice_s = _INTERRUPTIBLE_S if left is None else min(left, _INTERRUPTIBLE_S)
+                try:
+                    result = reply.result(slice_s)
+                except concurrent.futures.TimeoutError:  # not TimeoutError before 3.11
+                    continue
+                answered = True
+                return result
         except Broken:
             answered = True  # the stream is gone: nothing to abandon
             raise
         finally:
+            # Abandon first, lock-free: an interrupt (delivered at any bytecode) that lands
+            # in the bookkeeping below must not cost the peer its cancel.
+            if not answered and abandon is not None and self._call is call:
+                outbox.put(abandon(request_id))
             with self._guard:
                 self._pending.forget(request_id)
-                current = self._call is call
-            if not answered and abandon is not None and current:
-                outbox.put(abandon(request_id))
 
     def close(self) -> None:
         with self._guard:
