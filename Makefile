@@ -35,6 +35,7 @@ demo: $(DEMO_STAMP)
 ## Everything CI checks: lint, types, layer contracts, generated code, tests.
 test: $(STAMP)
 	$(VENV)/bin/ruff check src tests bench examples scripts
+	$(VENV)/bin/ruff format --check src tests bench examples scripts
 	$(VENV)/bin/mypy
 	$(VENV)/bin/lint-imports
 	$(PY) -m pytest -q
