@@ -132,23 +132,14 @@ class Pending(Generic[Rep]):
                 waiter.set_exception(err)
 
 
-class Caller(Generic[Req, Rep]):
-    """Client side: ``call()`` sends one request and waits for the reply with its id."""
+class _Callers(Generic[Req, Rep]):
+    """What the async and the blocking caller share: the stream's name, the requests
+    waiting for their replies and the open call."""
 
-    def __init__(
-        self,
-        open_call: Callable[[], Any],
-        *,
-        reply_id: Callable[[Rep], int],
-        name: str,
-    ) -> None:
-        self._open_call = open_call
+    def __init__(self, *, reply_id: Callable[[Rep], int], name: str) -> None:
         self._name = name
         self._pending: Pending[Rep] = Pending(reply_id=reply_id, name=name)
         self._call: Any = None
-        self._reader: asyncio.Task[None] | None = None
-        self._writing: asyncio.Lock | None = None
-        self._abandoned: set[asyncio.Task[None]] = set()
 
     @property
     def supported(self) -> bool | None:
@@ -158,6 +149,30 @@ class Caller(Generic[Req, Rep]):
     @supported.setter
     def supported(self, value: bool | None) -> None:
         self._pending.supported = value
+
+    def _ended_by(self, err: grpc.RpcError | None) -> tuple[grpc.StatusCode, str]:
+        """Why the stream ended: the error it failed with, else the peer closed it."""
+        if err is None:
+            return grpc.StatusCode.UNAVAILABLE, f"{self._name} closed the stream"
+        code: grpc.StatusCode = err.code()
+        return code, err.details() or code.name.lower()
+
+
+class Caller(_Callers[Req, Rep]):
+    """Client side: ``call()`` sends one request and waits for the reply with its id."""
+
+    def __init__(
+        self,
+        open_call: Callable[[], Any],
+        *,
+        reply_id: Callable[[Rep], int],
+        name: str,
+    ) -> None:
+        super().__init__(reply_id=reply_id, name=name)
+        self._open_call = open_call
+        self._reader: asyncio.Task[None] | None = None
+        self._writing: asyncio.Lock | None = None
+        self._abandoned: set[asyncio.Task[None]] = set()
 
     async def call(
         self,
@@ -227,23 +242,22 @@ class Caller(Generic[Req, Rep]):
         return self._call
 
     async def _read(self, call: Any) -> None:
-        code, detail = grpc.StatusCode.UNAVAILABLE, f"{self._name} closed the stream"
+        failure: grpc.RpcError | None = None
         try:
             async for reply in call:
                 self._pending.deliver(reply)
         except grpc.RpcError as err:
-            code = err.code()
-            detail = err.details() or code.name.lower()
+            failure = err
         if self._call is call:
             self._call = self._reader = None
-        self._pending.ended(code, detail)
+        self._pending.ended(*self._ended_by(failure))
 
 
 #: Longest single wait of a blocked ThreadCaller.call (see there).
 _INTERRUPTIBLE_S = 0.05
 
 
-class ThreadCaller(Generic[Req, Rep]):
+class ThreadCaller(_Callers[Req, Rep]):
     """Blocking twin of :class:`Caller` for a ``grpc.Channel``: requests are queued to
     the stream's request iterator and a daemon thread reads the replies, so no event
     loop hides behind a sync client. ``open_call(requests)`` starts the stream."""
@@ -255,17 +269,10 @@ class ThreadCaller(Generic[Req, Rep]):
         reply_id: Callable[[Rep], int],
         name: str,
     ) -> None:
+        super().__init__(reply_id=reply_id, name=name)
         self._open_call = open_call
-        self._name = name
-        self._pending: Pending[Rep] = Pending(reply_id=reply_id, name=name)
         self._guard = threading.Lock()
-        self._call: Any = None
         self._outbox: queue.SimpleQueue[Req | None] | None = None
-
-    @property
-    def supported(self) -> bool | None:
-        """None until the peer answered (or refused the RPC) once."""
-        return self._pending.supported
 
     def call(
         self,
@@ -329,19 +336,18 @@ class ThreadCaller(Generic[Req, Rep]):
         return self._call, self._outbox
 
     def _read(self, call: Any, outbox: queue.SimpleQueue[Req | None]) -> None:
-        code, detail = grpc.StatusCode.UNAVAILABLE, f"{self._name} closed the stream"
+        failure: grpc.RpcError | None = None
         try:
             for reply in call:
                 with self._guard:
                     self._pending.deliver(reply)
         except grpc.RpcError as err:
-            code = err.code()
-            detail = err.details() or code.name.lower()
+            failure = err
         outbox.put(None)  # ends the request iterator
         with self._guard:
             if self._call is call:
                 self._call = self._outbox = None
-            self._pending.ended(code, detail)
+            self._pending.ended(*self._ended_by(failure))
 
 
 def _drain(outbox: queue.SimpleQueue[Req | None]) -> Iterator[Req]:
