@@ -101,11 +101,13 @@ async def test_concurrent_requests_are_aborted_and_wait_returns_on_completion(
     for call in (
         agent.stub.Snapshot(pb.SnapshotRequest(job_id="job-a")),
         agent.stub.Restore(pb.RestoreRequest(job_id="job-a")),
-        agent.stub.Grant(pb.GrantRequest(job_id="job-a", group="g")),
     ):
         err = await rpc_error(call)
         assert err.code() == grpc.StatusCode.ABORTED
         assert f"operation {first.operation_id} already running for job job-a" in err.details()
+    # A Grant waits on the operation running on the job instead (here: until its wait_ms).
+    busy = await agent.stub.Grant(pb.GrantRequest(job_id="job-a", group="g", wait_ms=20))
+    assert not busy.granted and list(busy.operation_ids) == [first.operation_id]
 
     pending = await agent.stub.GetOperation(pb.GetOperationRequest(operation_id=first.operation_id))
     assert pending.status == PENDING
@@ -322,13 +324,14 @@ async def test_capacity_overflow_is_a_clear_error_and_changes_nothing(agent: Age
     # Different groups, so the safety net does not apply: the device itself refuses.
     six = 6 * GiB
     await agent.grant("job-a", group="g1", footprint_bytes=six)
-    err = await rpc_error(
-        agent.stub.Grant(pb.GrantRequest(job_id="job-b", group="g2", footprint_bytes=six))
-    )
-    assert err.code() == grpc.StatusCode.UNAVAILABLE
-    assert "activation of job job-b (group g2) on sim0" in err.details()
-    assert f"{six} of {10 * GiB} in use by job job-a of group g1" in err.details()
-    assert "changed nothing" in err.details()
+    # The Grant replies not granted, with the FAILED activation and its reason.
+    reply = await agent.stub.Grant(pb.GrantRequest(job_id="job-b", group="g2", footprint_bytes=six))
+    assert not reply.granted
+    (failed,) = reply.operations
+    assert failed.status == FAILED
+    assert "activation of job job-b (group g2) on sim0" in failed.error
+    assert f"{six} of {10 * GiB} in use by job job-a of group g1" in failed.error
+    assert "nothing was changed" in failed.error
     # Nothing landed, so nothing is FAULTED: the grant can simply be retried later.
     assert await agent.state("job-b") == pb.JOB_STATE_IDLE
 

@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterable
 
 import pytest
 
 from tslice.agent import grants, jobs
-from tslice.common import refusals
 
 S = jobs.State
 K = jobs.Kind
@@ -169,17 +167,3 @@ def test_the_outcome_says_restored_only_for_a_finished_restore_of_the_job() -> N
     assert (outcome.state, outcome.restored) == (S.IDLE, False)
     activated = grants.outcome(order(), [done("j1", K.ACTIVATE)], job=None, granted=True)
     assert not activated.restored
-
-
-# ---- the original Grant ------------------------------------------------------------------
-
-
-def test_the_original_grant_refuses_a_running_operation_and_raises_a_failure() -> None:
-    original = order(original=True)
-    assert not grants.follows_running(original) and grants.follows_running(order())
-    failed = dataclasses.replace(op("j1", K.ACTIVATE, jobs.OpStatus.FAILED), error="disk full")
-    faulted = grants.original_failure(original, rec("j1", S.FAULTED), failed, node="n")
-    assert faulted.code is refusals.Code.FAILED_PRECONDITION
-    assert "disk full" in faulted.message and "ResetJob" in faulted.message
-    unchanged = grants.original_failure(original, rec("j1", S.IDLE), failed, node="n")
-    assert unchanged.code is refusals.Code.UNAVAILABLE and "changed nothing" in unchanged.message

@@ -16,9 +16,6 @@ what to do from the records as they stand, the driver starts it and waits for it
 operations (at most the Grant's ``wait_ms``), and :func:`after_round` says whether the
 Grant is done, comes back unfinished, or goes on. Each move is an ordinary, pollable
 operation, so a Grant re-issued after a timeout continues from where the node stands.
-
-The original Grant (a request without the one-step fields, as the first orchestrators
-sent it) differs only in three ways, all in the compat section at the end.
 """
 
 from __future__ import annotations
@@ -53,8 +50,6 @@ class Order:
     #: Other groups' residents that give way while the job would not fit, in order.
     give_way: tuple[jobs.Key, ...] = ()
     restore: bool = False
-    #: The original Grant (see the compat section).
-    original: bool = False
 
     @property
     def max_steps(self) -> int:
@@ -75,7 +70,6 @@ def order(
     evict: Iterable[jobs.Key] = (),
     give_way: Iterable[jobs.Key] = (),
     restore: bool = False,
-    original: bool = False,
 ) -> Order:
     """The :class:`Order` of a Grant; ``evict`` are the records of the named jobs."""
     return Order(
@@ -87,7 +81,6 @@ def order(
         evict=tuple(k for k in dict.fromkeys(evict) if k[0] != job_id),
         give_way=tuple(k for k in dict.fromkeys(give_way) if k[1] != group),
         restore=restore,
-        original=original,
     )
 
 
@@ -116,7 +109,7 @@ Move = Evict | AskFit | BringIn
 class Verdict(enum.Enum):
     """What a round of moves, once waited for, means for the Grant."""
 
-    #: An operation FAILED: the Grant reports it (the original Grant raises).
+    #: An operation FAILED: the Grant reports it.
     FAILED = "failed"
     #: The wait ran out: the Grant reports its operations as they stand.
     UNFINISHED = "unfinished"
@@ -231,34 +224,4 @@ def kept_changing(grant: Order, *, node: str) -> refusals.Refused:
         refusals.Code.ABORTED,
         f"job states on node {node} kept changing during the grant of job {grant.job_id}; "
         "read Status and retry",
-    )
-
-
-# ---- compat: the original Grant ---------------------------------------------------------
-#
-# A Grant without evict, give_way, restore or wait_ms (``original``) keeps the meaning it
-# had before the one-step Grant: it waits for the activation however long it takes, an
-# operation already running on the job is refused (ABORTED) instead of waited for, and a
-# failed activation is an RPC error (below) instead of a reply with ``granted`` false.
-
-
-def follows_running(grant: Order) -> bool:
-    """Whether an operation already running on the job is waited for (not ABORTED)."""
-    return not grant.original
-
-
-def original_failure(
-    grant: Order, job: jobs.Job | None, failed: jobs.Operation, *, node: str
-) -> refusals.Refused:
-    """How the original Grant reports a failed activation."""
-    if job is not None and job.state is jobs.State.FAULTED:
-        return refusals.Refused(
-            refusals.Code.FAILED_PRECONDITION,
-            f"grant of job {grant.job_id} on node {node} failed: {failed.error}; the job "
-            "is FAULTED, clear it with ResetJob",
-        )
-    return refusals.Refused(
-        refusals.Code.UNAVAILABLE,
-        f"grant of job {grant.job_id} on node {node} failed and changed nothing: "
-        f"{failed.error}; retry",
     )

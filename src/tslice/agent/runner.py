@@ -41,6 +41,9 @@ log = logging.getLogger(__name__)
 
 #: Upper bound of one WaitOperation long-poll (and of a request's ``wait_ms``).
 MAX_WAIT_S = 60.0
+#: How long a Grant without ``wait_ms`` waits before it replies with its operations so
+#: far (the orchestrator's default ``wait_chunk_s``).
+DEFAULT_GRANT_WAIT_S = 30.0
 
 
 class AgentCore:
@@ -229,7 +232,7 @@ class AgentCore:
         evict: Sequence[str] = (),
         give_way: Sequence[jobs.Key] = (),
         restore: bool = False,
-        wait_s: float | None = None,
+        wait_s: float = DEFAULT_GRANT_WAIT_S,
         devices: Sequence[int] = (),
     ) -> grants.GrantOutcome:
         """Make ``job_id``'s state for ``group`` resident on this node and record the grant.
@@ -238,11 +241,10 @@ class AgentCore:
         one at a time; each is an ordinary operation with its own id. The outcome
         comes back after at most ``wait_s`` with ``granted=False`` and the operations
         so far when the node is not done or an operation FAILED; re-issuing the same
-        Grant continues from where the node stands. ``wait_s=None`` is the original
-        Grant (see the compat section of ``tslice.agent.grants``).
+        Grant continues from where the node stands.
         """
         loop = asyncio.get_running_loop()
-        deadline = None if wait_s is None else loop.time() + min(wait_s, MAX_WAIT_S)
+        deadline = loop.time() + min(wait_s, MAX_WAIT_S)
         # A stale grant must not evict anything.
         last = self._book.marks.get(group)
         jobs.check_epoch(job_id=job_id, group=group, epoch=epoch, last=last, node=self.node)
@@ -260,7 +262,6 @@ class AgentCore:
             evict=[self._book.key(other, group) for other in evict if other != job_id],
             give_way=give_way,
             restore=restore,
-            original=wait_s is None,
         )
         seen: dict[str, jobs.Operation] = {}
         for _ in range(order.max_steps):
@@ -269,8 +270,7 @@ class AgentCore:
                 return grants.outcome(
                     order, seen.values(), job=self.job(job_id, group), granted=True
                 )
-            left = None if deadline is None else max(0.0, deadline - loop.time())
-            moves = await self.settle(moves, timeout_s=left)
+            moves = await self.settle(moves, timeout_s=max(0.0, deadline - loop.time()))
             seen.update((op.op_id, op) for op in moves)
             verdict = grants.after_round(
                 order,
@@ -278,12 +278,9 @@ class AgentCore:
                 job=self._book.jobs.get((job_id, group)),
                 mark=self._book.marks.get(group),
             )
-            target = self.job(job_id, group)
-            if verdict is grants.Verdict.FAILED and order.original:
-                failed = next(op for op in moves if op.status is jobs.OpStatus.FAILED)
-                raise grants.original_failure(order, target, failed, node=self.node)
             if verdict is not grants.Verdict.GO_ON:
                 granted = verdict is grants.Verdict.GRANTED
+                target = self.job(job_id, group)
                 return grants.outcome(order, seen.values(), job=target, granted=granted)
         raise grants.kept_changing(order, node=self.node)
 
@@ -430,7 +427,7 @@ class AgentCore:
         async with self._locks[job_id]:
             job = self._book.find(job_id, group)
             transitioning = job is not None and job.state is jobs.State.TRANSITIONING
-            if transitioning and grants.follows_running(order):
+            if transitioning:
                 assert job is not None
                 running = self._book.operations.get(job.operation_id)
                 if running is not None:

@@ -267,10 +267,9 @@ class SnapshotAgentServicer(pb_grpc.SnapshotAgentServiceServicer):
             (_checked_id("give_way.job_id", ref.job_id), _checked_id("give_way.group", ref.group))
             for ref in request.give_way
         ]
-        wait_s = _checked_wait("wait_ms", request.wait_ms)
+        # A Grant without wait_ms waits a default chunk (the orchestrator always sends one).
+        wait_s = _checked_wait("wait_ms", request.wait_ms) or runner.DEFAULT_GRANT_WAIT_S
         config = _checked_config(request)
-        # A Grant without the one-step fields keeps its original meaning (see AgentCore.grant).
-        one_step = bool(evict or give_way) or request.restore or request.wait_ms > 0
         outcome = await self._core.grant(
             job_id=job_id,
             group=group,
@@ -280,7 +279,7 @@ class SnapshotAgentServicer(pb_grpc.SnapshotAgentServiceServicer):
             evict=evict,
             give_way=give_way,
             restore=request.restore,
-            wait_s=wait_s if one_step else None,
+            wait_s=wait_s,
             devices=_checked_devices(request.devices),
         )
         now = self._core.now()
