@@ -9,8 +9,6 @@ import typer
 
 from tslice.cli import options
 
-_SIM = options.SIM_PANEL
-
 
 def register(app: typer.Typer) -> None:
     """Add the ``agent`` command to ``app``."""
@@ -24,9 +22,7 @@ def agent(
         str | None, typer.Option("--node-name", help="This node's name (default: hostname).")
     ] = None,
     host: Annotated[str | None, options.HOST] = None,
-    port: Annotated[
-        int | None, typer.Option("--port", help="gRPC port (default 9001; 0 = any free port).")
-    ] = None,
+    port: Annotated[int | None, options.port("gRPC", 9001)] = None,
     state_dir: Annotated[
         Path | None,
         typer.Option(
@@ -61,37 +57,23 @@ def agent(
         float | None,
         typer.Option("--operation-timeout", help="Deadline of one operation, s (default 600)."),
     ] = None,
-    sim_devices: Annotated[
-        int | None, typer.Option("--sim-devices", help="Number of devices.", rich_help_panel=_SIM)
-    ] = None,
+    sim_devices: Annotated[int | None, options.SIM_DEVICES] = None,
     sim_capacity: Annotated[str | None, options.SIM_CAPACITY] = None,
     sim_bandwidth: Annotated[str | None, options.SIM_BANDWIDTH] = None,
     sim_restore_bandwidth: Annotated[str | None, options.SIM_RESTORE_BANDWIDTH] = None,
     sim_latency: Annotated[float | None, options.SIM_LATENCY] = None,
     sim_footprint: Annotated[
         str | None,
-        typer.Option(
+        options.in_panel(
+            options.SIM_PANEL,
             "--sim-footprint",
-            help="Footprint of jobs that declare none (default 60% of capacity).",
-            rich_help_panel=_SIM,
+            "Footprint of jobs that declare none (default 60% of capacity).",
         ),
     ] = None,
-    sim_fail_prob: Annotated[
-        float | None,
-        typer.Option("--sim-fail-prob", help="Failure probability per copy.", rich_help_panel=_SIM),
-    ] = None,
-    sim_hang_prob: Annotated[
-        float | None,
-        typer.Option("--sim-hang-prob", help="Hang probability per copy.", rich_help_panel=_SIM),
-    ] = None,
-    sim_extra_latency: Annotated[
-        float | None,
-        typer.Option("--sim-extra-latency", help="Added to every copy, s.", rich_help_panel=_SIM),
-    ] = None,
-    sim_seed: Annotated[
-        int | None,
-        typer.Option("--sim-seed", help="Seed of the fault dice.", rich_help_panel=_SIM),
-    ] = None,
+    sim_fail_prob: Annotated[float | None, options.SIM_FAIL_PROB] = None,
+    sim_hang_prob: Annotated[float | None, options.SIM_HANG_PROB] = None,
+    sim_extra_latency: Annotated[float | None, options.SIM_EXTRA_LATENCY] = None,
+    sim_seed: Annotated[int | None, options.SIM_SEED] = None,
     metrics_port: Annotated[
         int | None, typer.Option("--metrics-port", help="Prometheus port (0 = off, default).")
     ] = None,

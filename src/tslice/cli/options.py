@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import Any
 
 import typer
 
@@ -31,34 +32,42 @@ LOCAL_GROUPS = typer.Option(
     "NOT_FOUND. Without it, a group is created by its first Acquire.",
 )
 
+
+def in_panel(panel: str, flag: str, help: str, **details: Any) -> Any:
+    """An option shown in ``panel`` of the help (a group of related flags)."""
+    return typer.Option(flag, help=help, rich_help_panel=panel, **details)
+
+
+def port(what: str, default: int) -> Any:
+    """The gRPC port of a server (``default`` is its config's)."""
+    return typer.Option("--port", help=f"{what} port (default {default}; 0 = any free port).")
+
+
 # The simulated devices of `tslice agent` and of every agent `tslice up` starts; the
 # defaults shown are the agent's (its SimConfig).
-SIM_CAPACITY = typer.Option(
-    "--sim-capacity",
-    help="Memory per device, e.g. 80GiB.",
-    show_default="80GiB",
-    rich_help_panel=SIM_PANEL,
+SIM_DEVICES = in_panel(SIM_PANEL, "--sim-devices", "Number of devices.")
+SIM_CAPACITY = in_panel(
+    SIM_PANEL, "--sim-capacity", "Memory per device, e.g. 80GiB.", show_default="80GiB"
 )
-SIM_BANDWIDTH = typer.Option(
+SIM_BANDWIDTH = in_panel(
+    SIM_PANEL,
     "--sim-bandwidth",
-    help="Copy rate, e.g. 25GB/s (snapshots; restores too unless --sim-restore-bandwidth "
-    "is given).",
+    "Copy rate, e.g. 25GB/s (snapshots; restores too unless --sim-restore-bandwidth is given).",
     show_default="25GB/s",
-    rich_help_panel=SIM_PANEL,
 )
-SIM_RESTORE_BANDWIDTH = typer.Option(
+SIM_RESTORE_BANDWIDTH = in_panel(
+    SIM_PANEL,
     "--sim-restore-bandwidth",
-    help="Copy rate of restores, e.g. 75GB/s.",
+    "Copy rate of restores, e.g. 75GB/s.",
     show_default="--sim-bandwidth",
-    rich_help_panel=SIM_PANEL,
 )
-SIM_LATENCY = typer.Option(
-    "--sim-latency",
-    min=0.0,
-    help="Fixed cost per copy, s.",
-    show_default="0.005",
-    rich_help_panel=SIM_PANEL,
+SIM_LATENCY = in_panel(
+    SIM_PANEL, "--sim-latency", "Fixed cost per copy, s.", min=0.0, show_default="0.005"
 )
+SIM_FAIL_PROB = in_panel(SIM_PANEL, "--sim-fail-prob", "Failure probability per copy.")
+SIM_HANG_PROB = in_panel(SIM_PANEL, "--sim-hang-prob", "Hang probability per copy.")
+SIM_EXTRA_LATENCY = in_panel(SIM_PANEL, "--sim-extra-latency", "Added to every copy, s.")
+SIM_SEED = in_panel(SIM_PANEL, "--sim-seed", "Seed of the fault dice.")
 
 
 @contextlib.contextmanager

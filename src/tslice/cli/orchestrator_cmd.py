@@ -9,7 +9,9 @@ import typer
 
 from tslice.cli import options
 
-_TIMEOUTS = "Timeouts"
+
+def _timeout(flag: str, help: str) -> Any:
+    return options.in_panel("Timeouts", flag, help)
 
 
 def register(app: typer.Typer) -> None:
@@ -37,9 +39,7 @@ def orchestrator(
     ] = None,
     group: Annotated[list[str] | None, options.LOCAL_GROUPS] = None,
     host: Annotated[str | None, options.HOST] = None,
-    port: Annotated[
-        int | None, typer.Option("--port", help="gRPC port (default 50051; 0 = any free port).")
-    ] = None,
+    port: Annotated[int | None, options.port("gRPC", 50051)] = None,
     state_dir: Annotated[
         Path | None,
         typer.Option(
@@ -56,34 +56,23 @@ def orchestrator(
     log_level: Annotated[str | None, options.LOG_LEVEL] = None,
     agent_rpc_timeout: Annotated[
         float | None,
-        typer.Option(
-            "--agent-rpc-timeout",
-            help="Deadline of agent calls, s (default 10).",
-            rich_help_panel=_TIMEOUTS,
-        ),
+        _timeout("--agent-rpc-timeout", "Deadline of agent calls, s (default 10)."),
     ] = None,
     operation_timeout: Annotated[
         float | None,
-        typer.Option(
-            "--operation-timeout",
-            help="Max duration of one snapshot/restore, s (default 900).",
-            rich_help_panel=_TIMEOUTS,
-        ),
+        _timeout("--operation-timeout", "Max duration of one snapshot/restore, s (default 900)."),
     ] = None,
     reattach_grace: Annotated[
         float | None,
-        typer.Option(
+        _timeout(
             "--reattach-grace",
-            help="After a restart, how long queued jobs have to re-issue Acquire, s (default 30).",
-            rich_help_panel=_TIMEOUTS,
+            "After a restart, how long queued jobs have to re-issue Acquire, s (default 30).",
         ),
     ] = None,
     shutdown_grace: Annotated[
         float | None,
-        typer.Option(
-            "--shutdown-grace",
-            help="On SIGTERM, time for an in-flight switch to finish, s (default 5).",
-            rich_help_panel=_TIMEOUTS,
+        _timeout(
+            "--shutdown-grace", "On SIGTERM, time for an in-flight switch to finish, s (default 5)."
         ),
     ] = None,
 ) -> None:

@@ -39,11 +39,11 @@ def up(
     sim_capacity: Annotated[str | None, options.SIM_CAPACITY] = None,
     sim_footprint: Annotated[
         str,
-        typer.Option(
+        options.in_panel(
+            options.SIM_PANEL,
             "--sim-footprint",
-            help="Footprint of jobs that declare none. Every group spans every node in "
+            "Footprint of jobs that declare none. Every group spans every node in "
             "local mode, so it is small enough for one job per group to fit a node.",
-            rich_help_panel=options.SIM_PANEL,
         ),
     ] = "20GiB",
     sim_bandwidth: Annotated[str | None, options.SIM_BANDWIDTH] = None,
