@@ -140,10 +140,11 @@ def list_groups(
     """List the groups the orchestrator knows, with their state."""
     with _client(addr, connect_timeout=connect_timeout, timeout=timeout) as client:
         statuses = [client.status(g, timeout=timeout) for g in client.list_groups(timeout=timeout)]
-    if as_json:
-        render.print_json({"groups": [render.jsonable(s) for s in statuses]})
-        return
-    render.stdout().print(render.groups_table(statuses))
+    render.show(
+        {"groups": [render.jsonable(s) for s in statuses]},
+        render.groups_table(statuses),
+        as_json=as_json,
+    )
 
 
 def status(
@@ -158,10 +159,7 @@ def status(
     node's job states."""
     with _client(addr, connect_timeout=connect_timeout, timeout=timeout) as client:
         result = client.status(group, timeout=timeout)
-    if as_json:
-        render.print_json(render.jsonable(result))
-        return
-    render.stdout().print(render.group_status(result))
+    render.show(render.jsonable(result), render.group_status(result), as_json=as_json)
 
 
 def acquire(
@@ -191,10 +189,11 @@ def acquire(
         _waiting_line(client, group=group, job=job),
     ):
         result = client.acquire(group, timeout=timeout, footprint_bytes=footprint)
-    if as_json:
-        render.print_json({"group_id": group, "job_id": job, **render.jsonable(result)})
-        return
-    render.stdout().print(render.acquire_result(group=group, job=job, result=result))
+    render.show(
+        {"group_id": group, "job_id": job, **render.jsonable(result)},
+        render.acquire_result(group=group, job=job, result=result),
+        as_json=as_json,
+    )
 
 
 def yield_(
@@ -215,12 +214,11 @@ def yield_(
         # Read first: the Yield reply alone does not tell whether JOB held the group.
         held = client.status(group, timeout=timeout).locking_job == job
         result = client.yield_(group, timeout=timeout)
-    if as_json:
-        render.print_json(
-            {"group_id": group, "job_id": job, "held": held, **render.jsonable(result)}
-        )
-        return
-    render.stdout().print(render.yield_result(group=group, job=job, result=result, held=held))
+    render.show(
+        {"group_id": group, "job_id": job, "held": held, **render.jsonable(result)},
+        render.yield_result(group=group, job=job, result=result, held=held),
+        as_json=as_json,
+    )
 
 
 def clear_degraded(
@@ -242,10 +240,11 @@ def clear_degraded(
     """
     with _client(addr, connect_timeout=connect_timeout, timeout=timeout) as client:
         cleared = client.clear_degraded(group, node=node, timeout=timeout)
-    if as_json:
-        render.print_json({"group_id": group, "node": node or "", "cleared": list(cleared)})
-        return
-    render.stdout().print(render.cleared_degraded(group=group, node=node, cleared=cleared))
+    render.show(
+        {"group_id": group, "node": node or "", "cleared": list(cleared)},
+        render.cleared_degraded(group=group, node=node, cleared=cleared),
+        as_json=as_json,
+    )
 
 
 @contextlib.contextmanager

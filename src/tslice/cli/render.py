@@ -208,6 +208,14 @@ def print_json(document: Any) -> None:
     sys.stdout.flush()
 
 
+def show(document: Any, view: RenderableType, *, as_json: bool) -> None:
+    """What a client command prints: ``document`` with ``--json``, else ``view``."""
+    if as_json:
+        print_json(document)
+    else:
+        stdout().print(view)
+
+
 # ---- tslice up -------------------------------------------------------------------------
 
 
