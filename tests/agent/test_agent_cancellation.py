@@ -137,11 +137,12 @@ async def test_cancelled_request_still_finishes_its_operation(node: Node, kind: 
     else:
         await grant(core, "job-a")
         if kind == "restore":
-            await core.snapshot(job_id="job-a", group="g", config=None, wait_s=5.0)
+            await core.directive(
+                jobs.Kind.SNAPSHOT, job_id="job-a", group="g", config=None, wait_s=5.0
+            )
 
         def request() -> Coroutine[Any, Any, object]:
-            method = core.snapshot if kind == "snapshot" else core.restore
-            return method(job_id="job-a", group="g", config=None)
+            return core.directive(jobs.Kind(kind), job_id="job-a", group="g", config=None)
 
         expected = jobs.State.SAVED if kind == "snapshot" else jobs.State.RUNNING
 
@@ -159,10 +160,10 @@ async def test_cancelled_one_step_grant_leaves_every_move_whole_and_can_be_reiss
     core, db = node.core, node.db
     assert core is not None and db is not None
     assert (await grant(core, "job-a", epoch=1)).granted
-    await core.snapshot(job_id="job-a", group="g", config=None, wait_s=5.0)
+    await core.directive(jobs.Kind.SNAPSHOT, job_id="job-a", group="g", config=None, wait_s=5.0)
     assert (await grant(core, "job-b", epoch=2)).granted
-    await core.snapshot(job_id="job-b", group="g", config=None, wait_s=5.0)
-    await core.restore(job_id="job-a", group="g", config=None, wait_s=5.0)
+    await core.directive(jobs.Kind.SNAPSHOT, job_id="job-b", group="g", config=None, wait_s=5.0)
+    await core.directive(jobs.Kind.RESTORE, job_id="job-a", group="g", config=None, wait_s=5.0)
 
     # Cut while the eviction of job-a is being stored.
     await cancel_while_storing(

@@ -29,7 +29,7 @@ import collections
 import logging
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from tslice.agent import grants, guarded, jobs, ledger, metrics, routing, store
@@ -171,8 +171,9 @@ class AgentCore:
 
     # ---- requests -------------------------------------------------------------------------
 
-    async def snapshot(
+    async def directive(
         self,
+        kind: jobs.Kind,
         *,
         job_id: str,
         group: str,
@@ -180,36 +181,9 @@ class AgentCore:
         deprecated_backend: int = 0,
         wait_s: float = 0.0,
     ) -> jobs.Operation:
-        """Start a snapshot; return its operation once finished or after ``wait_s``."""
-        return await self._requested(
-            self._start_snapshot, job_id, group, config, deprecated_backend, wait_s=wait_s
-        )
-
-    async def restore(
-        self,
-        *,
-        job_id: str,
-        group: str,
-        config: pb.BackendConfig | None,
-        deprecated_backend: int = 0,
-        wait_s: float = 0.0,
-    ) -> jobs.Operation:
-        """Start a restore; return its operation once finished or after ``wait_s``."""
-        return await self._requested(
-            self._start_restore, job_id, group, config, deprecated_backend, wait_s=wait_s
-        )
-
-    async def _requested(
-        self,
-        start: Callable[..., Awaitable[jobs.Operation]],
-        job_id: str,
-        group: str,
-        config: pb.BackendConfig | None,
-        deprecated_backend: int,
-        *,
-        wait_s: float,
-    ) -> jobs.Operation:
-        """A Snapshot or Restore: started under the job's lock, then waited for."""
+        """Start a Snapshot or Restore (``kind``) under the job's lock; return its
+        operation once finished or after ``wait_s``."""
+        start = self._start_snapshot if kind is jobs.Kind.SNAPSHOT else self._start_restore
         async with self._locks[job_id]:
             op = await start(
                 self._book.find(job_id, group),

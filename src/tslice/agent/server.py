@@ -23,6 +23,7 @@ from tslice.common import ids, multiplex, refusals, tasks
 
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")
+_R = TypeVar("_R")
 
 _OP_STATUS: Mapping[jobs.OpStatus, pb.OperationStatus] = {
     jobs.OpStatus.PENDING: pb.OPERATION_STATUS_PENDING,
@@ -146,33 +147,29 @@ class SnapshotAgentServicer(pb_grpc.SnapshotAgentServiceServicer):
     async def Snapshot(
         self, request: pb.SnapshotRequest, context: grpc.aio.ServicerContext
     ) -> pb.SnapshotResponse:
-        op = await self._start(context, request, self._core.snapshot)
-        return pb.SnapshotResponse(
-            operation_id=op.op_id, operation=operation_to_pb(op, now=self._core.now())
-        )
+        return await self._directive(context, request, jobs.Kind.SNAPSHOT, pb.SnapshotResponse)
 
     async def Restore(
         self, request: pb.RestoreRequest, context: grpc.aio.ServicerContext
     ) -> pb.RestoreResponse:
-        op = await self._start(context, request, self._core.restore)
-        return pb.RestoreResponse(
-            operation_id=op.op_id, operation=operation_to_pb(op, now=self._core.now())
-        )
+        return await self._directive(context, request, jobs.Kind.RESTORE, pb.RestoreResponse)
 
-    async def _start(
+    async def _directive(
         self,
         context: grpc.aio.ServicerContext,
         request: pb.SnapshotRequest | pb.RestoreRequest,
-        start: Callable[..., Awaitable[jobs.Operation]],
-    ) -> jobs.Operation:
-        """Validate a Snapshot or Restore request (same fields) and start the operation."""
+        kind: jobs.Kind,
+        reply: Callable[..., _R],
+    ) -> _R:
+        """Validate a Snapshot or Restore request (same fields), start it, reply with it."""
         job_id = await _valid(context, _checked_id, "job_id", request.job_id)
         group = await _valid(context, _checked_group, request.group)
         config = await _valid(context, _checked_config, request)
         wait_s = await _valid(context, _checked_wait, "wait_ms", request.wait_ms)
-        return await self._run(
+        op = await self._run(
             context,
-            start(
+            self._core.directive(
+                kind,
                 job_id=job_id,
                 group=group,
                 config=config,
@@ -180,6 +177,7 @@ class SnapshotAgentServicer(pb_grpc.SnapshotAgentServiceServicer):
                 wait_s=wait_s,
             ),
         )
+        return reply(operation_id=op.op_id, operation=operation_to_pb(op, now=self._core.now()))
 
     async def GetOperation(
         self, request: pb.GetOperationRequest, context: grpc.aio.ServicerContext
