@@ -163,19 +163,21 @@ class Route:
 
 
 @dataclasses.dataclass(frozen=True)
-class Start:
-    """Store ``job`` (now TRANSITIONING) and ``operation`` (PENDING), then run the backend."""
+class _Stores:
+    """A plan that stores ``job`` with ``operation``."""
 
     job: Job
     operation: Operation
 
 
 @dataclasses.dataclass(frozen=True)
-class Done:
-    """Nothing to run: store ``job`` and the already-finished ``operation``."""
+class Start(_Stores):
+    """Store ``job`` (now TRANSITIONING) and ``operation`` (PENDING), then run the backend."""
 
-    job: Job
-    operation: Operation
+
+@dataclasses.dataclass(frozen=True)
+class Done(_Stores):
+    """Nothing to run: store ``job`` and the already-finished ``operation``."""
 
 
 @dataclasses.dataclass(frozen=True)
