@@ -24,13 +24,7 @@ def agent(
     host: Annotated[str | None, options.HOST] = None,
     port: Annotated[int | None, options.port("gRPC", 9001)] = None,
     state_dir: Annotated[
-        Path | None,
-        typer.Option(
-            "--state-dir",
-            help="Where jobs, operations and sim devices persist (default "
-            "$XDG_STATE_HOME/tslice/agent, else /var/lib/tslice/agent as root, "
-            "~/.local/state/tslice/agent otherwise).",
-        ),
+        Path | None, options.state_dir("Where jobs, operations and sim devices persist", "agent")
     ] = None,
     backend: Annotated[
         list[str] | None,

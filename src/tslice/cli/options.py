@@ -43,6 +43,15 @@ def port(what: str, default: int) -> Any:
     return typer.Option("--port", help=f"{what} port (default {default}; 0 = any free port).")
 
 
+def state_dir(what: str, server: str) -> Any:
+    """Where a server keeps its state; the default follows the XDG base directories."""
+    return typer.Option(
+        "--state-dir",
+        help=f"{what} (default $XDG_STATE_HOME/tslice/{server}, else /var/lib/tslice/{server} "
+        f"as root, ~/.local/state/tslice/{server} otherwise).",
+    )
+
+
 # The simulated devices of `tslice agent` and of every agent `tslice up` starts; the
 # defaults shown are the agent's (its SimConfig).
 SIM_DEVICES = in_panel(SIM_PANEL, "--sim-devices", "Number of devices.")

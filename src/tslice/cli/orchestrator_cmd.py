@@ -41,13 +41,7 @@ def orchestrator(
     host: Annotated[str | None, options.HOST] = None,
     port: Annotated[int | None, options.port("gRPC", 50051)] = None,
     state_dir: Annotated[
-        Path | None,
-        typer.Option(
-            "--state-dir",
-            help="Where orchestrator.db lives (default $XDG_STATE_HOME/tslice/orchestrator, "
-            "else /var/lib/tslice/orchestrator as root, ~/.local/state/tslice/orchestrator "
-            "otherwise).",
-        ),
+        Path | None, options.state_dir("Where orchestrator.db lives", "orchestrator")
     ] = None,
     metrics_port: Annotated[
         int | None, typer.Option("--metrics-port", help="Prometheus port (default 8080; 0 = off).")
