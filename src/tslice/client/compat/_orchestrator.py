@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from collections.abc import Iterator, Sequence
-from typing import ClassVar
+from typing import ClassVar, Protocol, TypeVar
 
 import grpc
 
@@ -117,6 +117,17 @@ def _translated() -> Iterator[None]:
         raise translate(err) from err
 
 
+_Result_co = TypeVar("_Result_co", covariant=True)
+
+
+class _JobCall(Protocol[_Result_co]):
+    """``Client.acquire`` or ``Client.yield_``: a call by one job on one group."""
+
+    def __call__(
+        self, group: str | None = None, *, job_id: str | None = None, timeout: _config.Timeout = ...
+    ) -> _Result_co: ...
+
+
 def _timeout(timeout_sec: float | None) -> _config.Timeout:
     # llm-d's None meant "no deadline"; ours keeps that for acquire and gives the
     # other calls the client's bounded default instead of hanging on a dead server.
@@ -173,9 +184,7 @@ class TimeSliceOrchestratorClient:
         timeout_sec: float | None = None,
     ) -> _types.AcquireResult:
         """Block until the job holds the group (``timeout_sec=None``: no deadline)."""
-        job, group = self._job(job_id), self._group(group_id)
-        with _translated():
-            return self._client.acquire(group, job_id=job, timeout=_timeout(timeout_sec))
+        return self._by_job(self._client.acquire, job_id, group_id, timeout_sec)
 
     def release(
         self,
@@ -184,9 +193,18 @@ class TimeSliceOrchestratorClient:
         timeout_sec: float | None = None,
     ) -> _types.YieldResult:
         """Yield the group; returns at once."""
+        return self._by_job(self._client.yield_, job_id, group_id, timeout_sec)
+
+    def _by_job(
+        self,
+        call: _JobCall[_Result_co],
+        job_id: str | None,
+        group_id: str | None,
+        timeout_sec: float | None,
+    ) -> _Result_co:
         job, group = self._job(job_id), self._group(group_id)
         with _translated():
-            return self._client.yield_(group, job_id=job, timeout=_timeout(timeout_sec))
+            return call(group, job_id=job, timeout=_timeout(timeout_sec))
 
     def get_status(
         self, group_id: str | None = None, timeout_sec: float | None = None
