@@ -20,11 +20,12 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
+import enum
 import json
 import sqlite3
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from tslice.agent import jobs
 from tslice.common import sqlite_wal
@@ -98,43 +99,77 @@ def _upsert(
     )
 
 
-# Column order of the rows built by _job_row / _operation_row (the tables' order).
-_UPSERT_JOB = _upsert(
-    "jobs",
-    (
-        "job_id",
-        "grp",
-        "state",
-        "backend",
-        "choice",
-        "config",
-        "footprint_bytes",
-        "backend_state",
-        "error",
-        "operation_id",
-        "device_bytes",
-        "host_bytes",
-        "previous_state",
-    ),
-    key=2,
+def _enum_value(value: enum.Enum) -> object:
+    return value.value
+
+
+def _optional(convert: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """``convert``, with NULL (None) kept as it is."""
+    return lambda value: None if value is None else convert(value)
+
+
+def _number(kind: type[int] | type[float]) -> Callable[[object], Any]:
+    return lambda value: kind(str(value))
+
+
+def _blob(value: object) -> bytes:
+    return bytes(value) if isinstance(value, (bytes, bytearray, memoryview)) else b""
+
+
+def _json(value: Mapping[str, Any]) -> str:
+    return json.dumps(dict(value)) if value else "{}"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Column:
+    """One column of a record's table: its name, the record's field, how a value is
+    written (``dump``) and read back (``load``)."""
+
+    name: str
+    field: str
+    dump: Callable[[Any], object] = lambda value: value
+    load: Callable[[Any], Any] = str
+
+
+#: The tables' columns in their order, one per field of the record (``jobs.Job``).
+_JOB_COLUMNS = (
+    _Column("job_id", "job_id"),
+    _Column("grp", "group"),
+    _Column("state", "state", _enum_value, jobs.State),
+    _Column("backend", "backend"),
+    _Column("choice", "choice"),
+    _Column("config", "config", load=_blob),
+    _Column("footprint_bytes", "footprint_bytes", load=_number(int)),
+    _Column("backend_state", "backend_state", _json, lambda value: json.loads(str(value))),
+    _Column("error", "error"),
+    _Column("operation_id", "operation_id"),
+    _Column("device_bytes", "device_bytes", load=_number(int)),
+    _Column("host_bytes", "host_bytes", load=_number(int)),
+    _Column("previous_state", "previous_state", _optional(_enum_value), _optional(jobs.State)),
 )
+#: ... and of ``jobs.Operation``.
+_OPERATION_COLUMNS = (
+    _Column("op_id", "op_id"),
+    _Column("job_id", "job_id"),
+    _Column("kind", "kind", _enum_value, jobs.Kind),
+    _Column("backend", "backend"),
+    _Column("status", "status", _enum_value, jobs.OpStatus),
+    _Column("started_at", "started_at", load=_number(float)),
+    _Column("finished_at", "finished_at", load=_optional(_number(float))),
+    _Column("storage_bytes", "storage_bytes", load=_optional(_number(int))),
+    _Column("device_bytes", "device_bytes", load=_optional(_number(int))),
+    _Column("error", "error", load=_optional(str)),
+    _Column("grp", "group"),
+)
+
+_UPSERT_JOB = _upsert("jobs", tuple(c.name for c in _JOB_COLUMNS), key=2)
 _UPSERT_OPERATION = _upsert(
     "operations",
-    (
-        "op_id",
-        "job_id",
-        "kind",
-        "backend",
-        "status",
-        "started_at",
-        "finished_at",
-        "storage_bytes",
-        "device_bytes",
-        "error",
-        "grp",
-    ),
+    tuple(c.name for c in _OPERATION_COLUMNS),
     fixed=("job_id", "kind", "backend", "started_at", "grp"),  # an operation's identity
 )
+_SELECT_JOBS = f"SELECT {', '.join(c.name for c in _JOB_COLUMNS)} FROM jobs"
+_SELECT_OPERATIONS = f"SELECT {', '.join(c.name for c in _OPERATION_COLUMNS)} FROM operations"
 _UPSERT_MARK = _upsert("grants", ("grp", "epoch", "job_id"))
 
 
@@ -233,10 +268,10 @@ class Store:
         conn = self._conn
         assert conn is not None
         loaded = Loaded(job_map={}, operation_map={}, grant_map={})
-        for row in conn.execute("SELECT * FROM jobs"):
+        for row in conn.execute(_SELECT_JOBS):
             job = _job_from_row(tuple(row))
             loaded.job_map[job.key] = job
-        for row in conn.execute("SELECT * FROM operations"):
+        for row in conn.execute(_SELECT_OPERATIONS):
             op = _operation_from_row(tuple(row))
             loaded.operation_map[op.op_id] = op
         for grp, epoch, job_id in conn.execute("SELECT grp, epoch, job_id FROM grants"):
@@ -272,89 +307,25 @@ class Store:
             conn.executemany("DELETE FROM operations WHERE op_id = ?", ids)
 
 
+def _row(columns: tuple[_Column, ...], record: object) -> tuple[object, ...]:
+    return tuple(c.dump(getattr(record, c.field)) for c in columns)
+
+
+def _fields(columns: tuple[_Column, ...], row: Sequence[object]) -> dict[str, Any]:
+    return {c.field: c.load(value) for c, value in zip(columns, row, strict=True)}
+
+
 def _job_row(job: jobs.Job) -> tuple[object, ...]:
-    return (
-        job.job_id,
-        job.group,
-        job.state.value,
-        job.backend,
-        job.choice,
-        job.config,
-        job.footprint_bytes,
-        json.dumps(dict(job.backend_state)) if job.backend_state else "{}",
-        job.error,
-        job.operation_id,
-        job.device_bytes,
-        job.host_bytes,
-        job.previous_state.value if job.previous_state is not None else None,
-    )
+    return _row(_JOB_COLUMNS, job)
 
 
 def _job_from_row(row: tuple[object, ...]) -> jobs.Job:
-    (
-        job_id,
-        group,
-        state,
-        backend,
-        choice,
-        config,
-        footprint,
-        backend_state,
-        error,
-        op_id,
-        dev,
-        host,
-        prev,
-    ) = row
-    return jobs.Job(
-        job_id=str(job_id),
-        group=str(group),
-        state=jobs.State(state),
-        backend=str(backend),
-        choice=str(choice),
-        config=bytes(config) if isinstance(config, (bytes, bytearray, memoryview)) else b"",
-        footprint_bytes=int(str(footprint)),
-        backend_state=json.loads(str(backend_state)),
-        error=str(error),
-        operation_id=str(op_id),
-        device_bytes=int(str(dev)),
-        host_bytes=int(str(host)),
-        previous_state=jobs.State(prev) if prev is not None else None,
-    )
+    return jobs.Job(**_fields(_JOB_COLUMNS, row))
 
 
 def _operation_row(op: jobs.Operation) -> tuple[object, ...]:
-    return (
-        op.op_id,
-        op.job_id,
-        op.kind.value,
-        op.backend,
-        op.status.value,
-        op.started_at,
-        op.finished_at,
-        op.storage_bytes,
-        op.device_bytes,
-        op.error,
-        op.group,
-    )
-
-
-def _optional_int(value: object) -> int | None:
-    return None if value is None else int(str(value))
+    return _row(_OPERATION_COLUMNS, op)
 
 
 def _operation_from_row(row: tuple[object, ...]) -> jobs.Operation:
-    (op_id, job_id, kind, backend, status, started, finished, storage, device, error, grp) = row
-    return jobs.Operation(
-        op_id=str(op_id),
-        job_id=str(job_id),
-        group=str(grp),
-        kind=jobs.Kind(kind),
-        backend=str(backend),
-        status=jobs.OpStatus(status),
-        started_at=float(str(started)),
-        finished_at=None if finished is None else float(str(finished)),
-        storage_bytes=_optional_int(storage),
-        device_bytes=_optional_int(device),
-        error=None if error is None else str(error),
-    )
+    return jobs.Operation(**_fields(_OPERATION_COLUMNS, row))
