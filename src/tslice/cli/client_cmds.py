@@ -57,6 +57,8 @@ AsJson = Annotated[
     bool,
     typer.Option("--json", help="Print one JSON document on stdout (for scripts)."),
 ]
+GroupArg = Annotated[str, typer.Argument(help="Group id.")]
+JobArg = Annotated[str, typer.Argument(help="Job id.")]
 
 #: The CLI's bound on reaching the orchestrator: a command answers now or says why, and
 #: nobody typing a command waits for an orchestrator that is only starting up. Longer
@@ -148,7 +150,7 @@ def list_groups(
 
 
 def status(
-    group: Annotated[str, typer.Argument(help="Group id.")],
+    group: GroupArg,
     *,
     addr: Address = DEFAULT_ADDRESS,
     timeout: Timeout = 10.0,
@@ -163,8 +165,8 @@ def status(
 
 
 def acquire(
-    group: Annotated[str, typer.Argument(help="Group id.")],
-    job: Annotated[str, typer.Argument(help="Job id.")],
+    group: GroupArg,
+    job: JobArg,
     *,
     addr: Address = DEFAULT_ADDRESS,
     timeout: Annotated[
@@ -197,8 +199,8 @@ def acquire(
 
 
 def yield_(
-    group: Annotated[str, typer.Argument(help="Group id.")],
-    job: Annotated[str, typer.Argument(help="Job id.")],
+    group: GroupArg,
+    job: JobArg,
     *,
     addr: Address = DEFAULT_ADDRESS,
     timeout: Timeout = 10.0,
@@ -222,7 +224,7 @@ def yield_(
 
 
 def clear_degraded(
-    group: Annotated[str, typer.Argument(help="Group id.")],
+    group: GroupArg,
     *,
     node: Annotated[
         str | None,
