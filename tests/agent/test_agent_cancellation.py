@@ -91,9 +91,18 @@ async def node(tmp_path: Path) -> AsyncIterator[Node]:
 
 
 async def grant(core: runner.AgentCore, job_id: str, **kw: Any) -> grants.GrantOutcome:
-    return await core.grant(
-        job_id=job_id, group="g", epoch=kw.pop("epoch", 0), footprint_bytes=0, config=None, **kw
+    wait_s = kw.pop("wait_s", runner.DEFAULT_GRANT_WAIT_S)
+    evict = [core.key(other, "g") for other in kw.pop("evict", ())]
+    order = grants.order(
+        job_id=job_id,
+        group="g",
+        epoch=kw.pop("epoch", 0),
+        footprint_bytes=0,
+        config=None,
+        evict=evict,
+        **kw,
     )
+    return await core.grant(order, wait_s=wait_s)
 
 
 async def cancel_while_storing(

@@ -195,21 +195,18 @@ class AgentCore:
         (op,) = await self.settle([op], timeout_s=wait_s)
         return op
 
+    def key(self, job_id: str, group: str) -> jobs.Key:
+        """The record a request about ``job_id`` for ``group`` means (see ``Ledger.key``)."""
+        return self._book.key(job_id, group)
+
     async def grant(
         self,
+        order: grants.Order,
         *,
-        job_id: str,
-        group: str,
-        epoch: int,
-        footprint_bytes: int,
-        config: pb.BackendConfig | None,
-        evict: Sequence[str] = (),
-        give_way: Sequence[jobs.Key] = (),
-        restore: bool = False,
         wait_s: float = DEFAULT_GRANT_WAIT_S,
         devices: Sequence[int] = (),
     ) -> grants.GrantOutcome:
-        """Make ``job_id``'s state for ``group`` resident on this node and record the grant.
+        """Make the ordered job's state for its group resident here and record the grant.
 
         The moves (evict, make room, bring in) are planned by ``tslice.agent.grants``,
         one at a time; each is an ordinary operation with its own id. The outcome
@@ -217,26 +214,17 @@ class AgentCore:
         so far when the node is not done or an operation FAILED; re-issuing the same
         Grant continues from where the node stands.
         """
+        job_id, group = order.job_id, order.group
         loop = asyncio.get_running_loop()
         deadline = loop.time() + min(wait_s, MAX_WAIT_S)
         # A stale grant must not evict anything.
         last = self._book.marks.get(group)
-        jobs.check_epoch(job_id=job_id, group=group, epoch=epoch, last=last, node=self.node)
+        jobs.check_epoch(job_id=job_id, group=group, epoch=order.epoch, last=last, node=self.node)
         # Which of this node's devices the group uses (the cuda backend acts on them only).
         if devices:
             self._guarded.devices[group] = tuple(devices)
         else:
             self._guarded.devices.pop(group, None)
-        order = grants.order(
-            job_id=job_id,
-            group=group,
-            epoch=epoch,
-            footprint_bytes=footprint_bytes,
-            config=config,
-            evict=[self._book.key(other, group) for other in evict if other != job_id],
-            give_way=give_way,
-            restore=restore,
-        )
         seen: dict[str, jobs.Operation] = {}
         for _ in range(order.max_steps):
             moves = await self._next_moves(order)

@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 import grpc
 from grpc_health.v1 import health, health_pb2
 
-from tslice.agent import channel, jobs, runner
+from tslice.agent import channel, grants, jobs, runner
 from tslice.agent.backends import base
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2_grpc as pb_grpc
@@ -268,17 +268,18 @@ class SnapshotAgentServicer(pb_grpc.SnapshotAgentServiceServicer):
         # A Grant without wait_ms waits a default chunk (the orchestrator always sends one).
         wait_s = _checked_wait("wait_ms", request.wait_ms) or runner.DEFAULT_GRANT_WAIT_S
         config = _checked_config(request)
-        outcome = await self._core.grant(
+        order = grants.order(
             job_id=job_id,
             group=group,
             epoch=request.grant_epoch,
             footprint_bytes=request.footprint_bytes,
             config=config,
-            evict=evict,
+            evict=[self._core.key(other, group) for other in evict],
             give_way=give_way,
             restore=request.restore,
-            wait_s=wait_s,
-            devices=_checked_devices(request.devices),
+        )
+        outcome = await self._core.grant(
+            order, wait_s=wait_s, devices=_checked_devices(request.devices)
         )
         now = self._core.now()
         return pb.GrantResponse(
