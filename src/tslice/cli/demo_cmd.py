@@ -83,13 +83,12 @@ def run(
         jobs=jobs,
         steps=steps,
         time_scale=time_scale,
-        sim_bandwidth_bytes_per_s=(
-            sizes.parse_rate(sim_bandwidth, option="--sim-bandwidth") if sim_bandwidth else None
+        # An empty flag value means the default too, as a missing one.
+        sim_bandwidth_bytes_per_s=sizes.parse_rate_or_none(
+            sim_bandwidth or None, option="--sim-bandwidth"
         ),
-        sim_restore_bandwidth_bytes_per_s=(
-            sizes.parse_rate(sim_restore_bandwidth, option="--sim-restore-bandwidth")
-            if sim_restore_bandwidth
-            else None
+        sim_restore_bandwidth_bytes_per_s=sizes.parse_rate_or_none(
+            sim_restore_bandwidth or None, option="--sim-restore-bandwidth"
         ),
         sim_latency_s=sim_latency,
         capacity_bytes=sizes.parse_bytes(capacity, option="--capacity"),
