@@ -541,7 +541,10 @@ class GroupDriver:
         return expired
 
     def _reported_state(self) -> tuple[str, str]:
-        return status.reported_state(self.lock, self.health, self._arbiter.conflicts(self.group_id))
+        return status.reported_state(self.lock, self.health, self._conflicts)
+
+    def _conflicts(self) -> frozenset[str]:
+        return self._arbiter.conflicts(self.group_id)
 
     def _refresh_state(self) -> None:
         self._reporter.refresh(self._reported_state()[0], len(self.lock.waiting_jobs))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Callable
 
 from google.protobuf import timestamp_pb2
 
@@ -55,9 +56,10 @@ class Health:
 
 
 def reported_state(
-    lk: lock.GroupLock, health: Health, conflicts: frozenset[str]
+    lk: lock.GroupLock, health: Health, conflicts: Callable[[], frozenset[str]]
 ) -> tuple[str, str]:
-    """The group's state on the wire and its detail; ``conflicts``: overlapping groups."""
+    """The group's state on the wire and its detail; ``conflicts`` names the overlapping
+    groups (asked only while the group waits for their devices: this runs every batch)."""
     if health.unreachable:
         return "UNKNOWN", "agents unreachable: " + "; ".join(
             f"{n}: {d}" for n, d in sorted(health.unreachable.items())
@@ -70,7 +72,7 @@ def reported_state(
     if phase is lock.Phase.SWITCHING:
         return phase.value, health.switch_detail
     if not lk.claimed and lk.attached_waiters:
-        others = ", ".join(sorted(conflicts))
+        others = ", ".join(sorted(conflicts()))
         return phase.value, f"waiting for the devices it shares with group(s) {others}"
     return phase.value, lk.detail
 
