@@ -1,0 +1,219 @@
+"""A real orchestrator and node agent as subprocesses on loopback, for the job-side tests.
+
+The job-side tests run in venvs that hold only the job-side install (oldest or newest
+grpcio/protobuf, no extras), so the servers cannot run in the test's interpreter: they
+run from ``$TSLICE_SERVER_PYTHON`` (a venv with ``tslice[server]``), by default the
+test's own interpreter. This module imports nothing of tslice, only the standard library.
+
+Readiness is the server's own "serving on HOST:PORT" log line, read from its stderr as
+it is written (no sleeps, no polling); every line also goes to a log file in the state
+directory, and the logs are shown when a test fails (``running_stack`` on an exception,
+the ``stack`` fixture on a failed test) or when a server does not come up.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import pathlib
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+from collections.abc import Iterator, Sequence
+
+SERVER_PYTHON_ENV = "TSLICE_SERVER_PYTHON"
+#: How long a server may take to start (imports, SQLite) before the stack gives up.
+START_TIMEOUT_S = 60.0
+#: How long a server has to stop on SIGTERM before it is killed.
+STOP_TIMEOUT_S = 15.0
+NODE = "node-a"
+
+_SERVING = re.compile(r"serving on (127\.0\.0\.1:\d+)")
+
+
+def server_python() -> str:
+    """The interpreter that runs the servers: ``$TSLICE_SERVER_PYTHON``, else this one."""
+    return os.environ.get(SERVER_PYTHON_ENV) or sys.executable
+
+
+class ServerError(RuntimeError):
+    """A server did not start; the message carries its log."""
+
+
+class _Server:
+    """One ``python -m tslice <kind> ...`` process, its stderr copied to ``log_path``."""
+
+    def __init__(self, kind: str, args: Sequence[str], log_path: pathlib.Path) -> None:
+        self.kind = kind
+        self.log_path = log_path
+        self.address = ""
+        self._ready = threading.Event()
+        self._log = log_path.open("w", encoding="utf-8", buffering=1)
+        command = [server_python(), "-m", "tslice", kind, *args]
+        self._log.write(f"$ {' '.join(command)}\n")
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        self.proc = subprocess.Popen(
+            command,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+        )
+        self._reader = threading.Thread(target=self._read, name=f"{kind}-log", daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self._log.write(line)
+            if not self.address:
+                match = _SERVING.search(line)
+                if match:
+                    self.address = match.group(1)
+                    self._ready.set()
+        self._ready.set()  # end of output: the process exited (or closed its stderr)
+
+    def wait_serving(self) -> str:
+        """The address the server reports once it serves; raises with its log otherwise."""
+        if not self._ready.wait(START_TIMEOUT_S):
+            raise ServerError(
+                f"{self.kind} did not report serving within {START_TIMEOUT_S:g} s\n{self.logs()}"
+            )
+        if not self.address:
+            raise ServerError(
+                f"{self.kind} exited with {self.proc.wait()} before serving\n{self.logs()}"
+            )
+        return self.address
+
+    def logs(self) -> str:
+        self._log.flush()
+        text = self.log_path.read_text(encoding="utf-8", errors="replace")
+        return f"----- {self.kind} log ({self.log_path}) -----\n{text}"
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()  # SIGKILL: a server that ignores SIGTERM is a finding
+                self.proc.wait()
+        self._reader.join(timeout=STOP_TIMEOUT_S)
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
+        self._log.close()
+
+
+@dataclasses.dataclass(frozen=True)
+class Stack:
+    """Addresses of a running orchestrator (local mode) and its one node agent."""
+
+    address: str
+    agent_address: str
+    groups: tuple[str, ...]
+    state_dir: pathlib.Path
+
+    def env(self, job_id: str) -> dict[str, str]:
+        """``os.environ`` plus what a job process of ``job_id`` needs to reach this stack.
+
+        Both spellings are set (llm-d's ``TIMESLICE_*`` and tslice's ``TSLICE_*``) so that
+        a stale variable of the outer environment never wins over this stack.
+        """
+        env = dict(os.environ)
+        env.pop("TSLICE_DISABLED", None)
+        env.update(
+            {
+                "TIMESLICE_JOB_ID": job_id,
+                "TSLICE_JOB_ID": job_id,
+                "TIMESLICE_ORCH_ADDR": self.address,
+                "TSLICE_ORCHESTRATOR": self.address,
+                "TSLICE_AGENT": self.agent_address,
+                "TSLICE_AGENT_ADDR": self.agent_address,
+            }
+        )
+        for role in ("trainer", "sampler"):
+            key = f"TIMESLICE_{role.upper()}_GROUP"
+            if role in self.groups:
+                env[key] = role
+            else:
+                env.pop(key, None)
+        return env
+
+    def logs(self) -> str:
+        """The servers' logs so far (for assertion messages)."""
+        parts = []
+        for path in sorted(self.state_dir.glob("*.log")):
+            text = path.read_text(encoding="utf-8", errors="replace")
+            parts.append(f"----- {path.name} -----\n{text}")
+        return "\n".join(parts)
+
+
+@contextlib.contextmanager
+def running_stack(
+    tmp_path: pathlib.Path,
+    *,
+    groups: Sequence[str] = ("trainer", "sampler"),
+    backend: str = "app-channel",
+) -> Iterator[Stack]:
+    """An agent (``backend``) and a local-mode orchestrator serving exactly ``groups``.
+
+    In local mode every group spans the one agent, so groups share its (simulated or
+    real) GPUs: one job may hold several at once, two jobs never do.
+    """
+    state_dir = tmp_path / "tslice-stack"
+    state_dir.mkdir(parents=True, exist_ok=True)
+    # A Unix socket path is limited to ~107 bytes; pytest's tmp_path can be longer.
+    sockets = pathlib.Path(tempfile.mkdtemp(prefix="tslice-"))
+    servers: list[_Server] = []
+    try:
+        agent = _Server(
+            "agent",
+            [
+                "--node-name",
+                NODE,
+                "--host",
+                "127.0.0.1",
+                "--port",
+                "0",
+                "--metrics-port",
+                "0",
+                "--state-dir",
+                str(state_dir / "agent"),
+                "--register-socket",
+                str(sockets / "register.sock"),
+                "--backend",
+                backend,
+            ],
+            state_dir / "agent.log",
+        )
+        servers.append(agent)
+        agent_address = agent.wait_serving()
+        orchestrator_args = [
+            "--local-agent", f"{NODE}={agent_address}",
+            "--host", "127.0.0.1",
+            "--port", "0",
+            "--metrics-port", "0",
+            "--state-dir", str(state_dir / "orchestrator"),
+            "--shutdown-grace", "1",
+        ]  # fmt: skip
+        for group in groups:
+            orchestrator_args += ["--group", group]
+        orchestrator = _Server("orchestrator", orchestrator_args, state_dir / "orchestrator.log")
+        servers.append(orchestrator)
+        address = orchestrator.wait_serving()
+        stack = Stack(address, agent_address, tuple(groups), state_dir)
+        try:
+            yield stack
+        except BaseException:
+            sys.stderr.write(stack.logs())
+            raise
+    finally:
+        for server in reversed(servers):
+            server.stop()
+        shutil.rmtree(sockets, ignore_errors=True)
