@@ -12,7 +12,7 @@ import tslice.client
 import tslice.client.compat
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
 from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2 as opb
-from tslice.client import _services
+from tslice.client import _channel, _services
 
 
 def test_tslice_exports_are_pinned() -> None:
@@ -194,7 +194,37 @@ def test_every_rpc_has_a_wrapper_method(service: object, kind: str) -> None:
     for method in methods:
         assert table[method.name].service == service.full_name  # type: ignore[attr-defined]
         for cls in classes:
-            assert callable(getattr(cls, _snake(method.name), None)), (cls, method.name)
+            rpc = getattr(cls, _snake(method.name), None)
+            assert isinstance(rpc, _services._Rpc), (cls, method.name)
+            assert rpc.method is table[method.name]
+            # The declared request and reply types are the proto's (mypy checks callers
+            # against the declaration, this checks the declaration against the wire).
+            request, reply = rpc.__orig_class__.__args__  # type: ignore[attr-defined]
+            assert request.DESCRIPTOR is method.input_type, method.name
+            assert reply.DESCRIPTOR is method.output_type, method.name
+            streaming = (method.client_streaming, method.server_streaming)
+            kind_of = {
+                (False, False): _services.Unary,
+                (False, True): _services.ServerStream,
+                (True, True): _services.BidiStream,
+            }
+            assert type(rpc) is kind_of[streaming], method.name
+
+
+def test_the_health_check_is_grpc_health_v1_on_the_wire() -> None:
+    """The job side speaks grpc.health.v1 without grpcio-health-checking: protobuf's
+    StringValue and Int32Value encode exactly as HealthCheckRequest and -Response."""
+    from grpc_health.v1 import health_pb2
+
+    request = _channel.HealthCheckRequest(value="trainer")
+    assert request.SerializeToString() == (
+        health_pb2.HealthCheckRequest(service="trainer").SerializeToString()
+    )
+    for number, name in _channel.SERVING_STATUS.items():
+        wire = health_pb2.HealthCheckResponse(status=number).SerializeToString()
+        assert _channel.HealthCheckResponse.FromString(wire).value == number
+        assert health_pb2.HealthCheckResponse.ServingStatus.Name(number) == name
+    assert _services.AgentCalls.check_health.method.service == "grpc.health.v1.Health"
 
 
 def test_only_safe_rpcs_are_retried() -> None:

@@ -21,7 +21,7 @@ from typing import Generic, Protocol, TypeAlias, TypeVar, overload
 
 import grpc
 import grpc.aio
-from grpc_health.v1 import health_pb2
+from google.protobuf import wrappers_pb2
 
 import tslice
 from tslice.client import _config, _retry
@@ -244,37 +244,40 @@ class AsyncStream(Generic[T]):
             await call.initial_metadata()
 
 
+#: ``grpc.health.v1`` on the wire without grpcio-health-checking on the job side: the
+#: request is ``string service = 1`` and the reply ``ServingStatus status = 1`` (an enum
+#: is a varint), byte for byte protobuf's own StringValue and Int32Value.
+HealthCheckRequest: TypeAlias = wrappers_pb2.StringValue
+HealthCheckResponse: TypeAlias = wrappers_pb2.Int32Value
+SERVING_STATUS = {0: "UNKNOWN", 1: "SERVING", 2: "NOT_SERVING", 3: "SERVICE_UNKNOWN"}
+
 # -- transports ---------------------------------------------------------------------------------
 
 # The first connection is proven by any answer to a health check (every server has
 # the method or answers UNIMPLEMENTED); wait_for_ready makes it wait out refusals.
-_PROBE = health_pb2.HealthCheckRequest()
+_PROBE = HealthCheckRequest()
 _NOT_CONNECTED = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
-
-
-_HealthRequest: TypeAlias = health_pb2.HealthCheckRequest
-_HealthResponse: TypeAlias = health_pb2.HealthCheckResponse
 
 
 @overload
 def health_check(
     channel: grpc.aio.Channel,
-) -> grpc.aio.UnaryUnaryMultiCallable[_HealthRequest, _HealthResponse]: ...
+) -> grpc.aio.UnaryUnaryMultiCallable[HealthCheckRequest, HealthCheckResponse]: ...
 @overload
 def health_check(
     channel: grpc.Channel,
-) -> grpc.UnaryUnaryMultiCallable[_HealthRequest, _HealthResponse]: ...
+) -> grpc.UnaryUnaryMultiCallable[HealthCheckRequest, HealthCheckResponse]: ...
 def health_check(
     channel: grpc.Channel | grpc.aio.Channel,
 ) -> (
-    grpc.UnaryUnaryMultiCallable[_HealthRequest, _HealthResponse]
-    | grpc.aio.UnaryUnaryMultiCallable[_HealthRequest, _HealthResponse]
+    grpc.UnaryUnaryMultiCallable[HealthCheckRequest, HealthCheckResponse]
+    | grpc.aio.UnaryUnaryMultiCallable[HealthCheckRequest, HealthCheckResponse]
 ):
     """The standard ``grpc.health.v1.Health/Check`` on ``channel``, typed."""
     return channel.unary_unary(
         "/grpc.health.v1.Health/Check",
-        request_serializer=_HealthRequest.SerializeToString,
-        response_deserializer=_HealthResponse.FromString,
+        request_serializer=HealthCheckRequest.SerializeToString,
+        response_deserializer=HealthCheckResponse.FromString,
     )
 
 

@@ -1,26 +1,38 @@
 """One typed method per RPC of the wire contract, for each service, sync and async.
 
-Each method hands the generated stub's method to the transport
-(:mod:`tslice.client._channel`), which times, retries and translates the call; a test
-checks that no RPC of the proto descriptors is missing. ``stub`` is the raw generated
-stub, the escape hatch. Acquire and Yield go over the orchestrator's Session stream,
-or unary where there is none (:mod:`tslice.client.compat._unary`).
+Each RPC is declared once, as a descriptor whose type arguments are its request and
+reply messages (a test checks them, and that no RPC is missing, against the proto
+descriptors); read on a sync calls object it is a blocking method, on an async one a
+coroutine method. Either way the call goes through the transport
+(:mod:`tslice.client._channel`), which times, retries and translates it. ``stub`` is
+the raw generated stub, the escape hatch. Acquire and Yield go over the
+orchestrator's Session stream, or unary where there is none
+(:mod:`tslice.client.compat._unary`).
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
+from typing import Any, Generic, TypeAlias, TypeVar, overload
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2_grpc as pb_grpc
 from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2 as opb
 from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2_grpc as opb_grpc
 from tslice.client import _channel, _session
-from tslice.client._channel import NO_OPTIONS, CallOptions, Method
+from tslice.client._channel import (
+    NO_OPTIONS,
+    CallOptions,
+    HealthCheckRequest,
+    HealthCheckResponse,
+    Method,
+)
 from tslice.client.compat import _unary
+
+Req = TypeVar("Req")
+Rep = TypeVar("Rep")
 
 ORCHESTRATOR_SERVICE = "timeslice_orchestrator.v1alpha1.TimeSliceOrchestratorService"
 AGENT_SERVICE = "snapshot_agent.v1alpha1.SnapshotAgentService"
@@ -70,269 +82,182 @@ AGENT_METHODS = {
 }
 HEALTH_CHECK = Method(HEALTH_SERVICE, "Check", retryable=True)
 
-_O = ORCHESTRATOR_METHODS
-_A = AGENT_METHODS
-
 
 def _yield_settled() -> opb.YieldResponse:
     """What a Yield that met PERMISSION_DENIED after a lost reply returns: it let go."""
     return opb.YieldResponse(success=True)
 
 
-class OrchestratorCalls:
+# -- the calls objects ----------------------------------------------------------------------
+
+
+class SyncCalls:
+    """Blocking calls of one service over a sync transport."""
+
+    def __init__(self, transport: _channel.SyncTransport, stub: Any) -> None:
+        self.transport = transport
+        self.stub = stub
+        self._check = _channel.health_check(transport.channel)
+
+
+class AsyncCalls:
+    """Coroutine calls of one service over an async transport."""
+
+    def __init__(self, transport: _channel.AsyncTransport, stub: Any) -> None:
+        self.transport = transport
+        self.stub = stub
+        self._check = _channel.health_check(transport.channel)
+
+
+_Calls: TypeAlias = SyncCalls | AsyncCalls
+
+
+class _Rpc(Generic[Req, Rep]):
+    """One RPC: the transport's method for it, and what it calls (the stub's method of
+    the same name, or the calls object's attribute ``via``)."""
+
+    def __init__(
+        self, method: Method, *, via: str = "", settled: Callable[[], Rep] | None = None
+    ) -> None:
+        self.method = method
+        self.via = via
+        self.settled = settled
+
+    def target(self, calls: _Calls) -> Any:
+        return getattr(calls, self.via) if self.via else getattr(calls.stub, self.method.name)
+
+
+class Unary(_Rpc[Req, Rep]):
+    @overload
+    def __get__(self, calls: SyncCalls, owner: object) -> Callable[[Req, CallOptions], Rep]: ...
+    @overload
+    def __get__(
+        self, calls: AsyncCalls, owner: object
+    ) -> Callable[[Req, CallOptions], Awaitable[Rep]]: ...
+    def __get__(self, calls: _Calls | None, owner: object) -> Any:
+        if calls is None:
+            return self
+        transport, target = calls.transport, self.target(calls)
+        return lambda request, options: transport.unary(
+            self.method, target, request, options, settled=self.settled
+        )
+
+
+class ServerStream(_Rpc[Req, Rep]):
+    @overload
+    def __get__(
+        self, calls: SyncCalls, owner: object
+    ) -> Callable[[Req, CallOptions], _channel.SyncStream[Rep]]: ...
+    @overload
+    def __get__(
+        self, calls: AsyncCalls, owner: object
+    ) -> Callable[[Req, CallOptions], _channel.AsyncStream[Rep]]: ...
+    def __get__(self, calls: _Calls | None, owner: object) -> Any:
+        if calls is None:
+            return self
+        transport, target = calls.transport, self.target(calls)
+        return lambda request, options: transport.unary_stream(
+            self.method, target, request, options
+        )
+
+
+class BidiStream(_Rpc[Req, Rep]):
+    @overload
+    def __get__(
+        self, calls: SyncCalls, owner: object
+    ) -> Callable[[Iterable[Req], CallOptions], _channel.SyncStream[Rep]]: ...
+    @overload
+    def __get__(
+        self, calls: AsyncCalls, owner: object
+    ) -> Callable[[AsyncIterator[Req] | Iterator[Req], CallOptions], _channel.AsyncStream[Rep]]: ...
+    def __get__(self, calls: _Calls | None, owner: object) -> Any:
+        if calls is None:
+            return self
+        transport, target = calls.transport, self.target(calls)
+        return lambda requests, options: transport.stream_stream(
+            self.method, target, requests, options
+        )
+
+
+# -- the services ---------------------------------------------------------------------------
+
+_O = ORCHESTRATOR_METHODS
+_A = AGENT_METHODS
+
+
+class _OrchestratorRpcs:
+    # Acquire and Yield go over one Session stream (unary where there is none).
+    acquire = Unary[opb.AcquireRequest, opb.AcquireResponse](_O["Acquire"], via="_acquire")
+    yield_ = Unary[opb.YieldRequest, opb.YieldResponse](
+        _O["Yield"], via="_yield", settled=_yield_settled
+    )
+    list_groups = Unary[opb.ListGroupsRequest, opb.ListGroupsResponse](_O["ListGroups"])
+    get_group_status = Unary[opb.GetGroupStatusRequest, opb.GetGroupStatusResponse](
+        _O["GetGroupStatus"]
+    )
+    watch_events = ServerStream[opb.WatchEventsRequest, opb.OrchestratorEvent](_O["WatchEvents"])
+    hold = ServerStream[opb.HoldRequest, opb.HoldEvent](_O["Hold"])
+    #: The raw Session stream (acquire and yield_ already use one of their own).
+    session = BidiStream[opb.SessionRequest, opb.SessionResponse](_O["Session"])
+    clear_degraded = Unary[opb.ClearDegradedRequest, opb.ClearDegradedResponse](_O["ClearDegraded"])
+
+
+class _AgentRpcs:
+    snapshot = Unary[pb.SnapshotRequest, pb.SnapshotResponse](_A["Snapshot"])
+    restore = Unary[pb.RestoreRequest, pb.RestoreResponse](_A["Restore"])
+    get_operation = Unary[pb.GetOperationRequest, pb.GetOperationResponse](_A["GetOperation"])
+    status = Unary[pb.StatusRequest, pb.StatusResponse](_A["Status"])
+    workload_channel = BidiStream[pb.WorkloadMessage, pb.AgentCommand](_A["WorkloadChannel"])
+    wait_operation = Unary[pb.WaitOperationRequest, pb.GetOperationResponse](_A["WaitOperation"])
+    grant = Unary[pb.GrantRequest, pb.GrantResponse](_A["Grant"])
+    grant_stream = BidiStream[pb.GrantStreamRequest, pb.GrantStreamResponse](_A["GrantStream"])
+    reset_job = Unary[pb.ResetJobRequest, pb.ResetJobResponse](_A["ResetJob"])
+    check_health = Unary[HealthCheckRequest, HealthCheckResponse](HEALTH_CHECK, via="_check")
+
+
+class OrchestratorCalls(_OrchestratorRpcs, SyncCalls):
     """One blocking method per orchestrator RPC."""
 
+    stub: opb_grpc.TimeSliceOrchestratorServiceStub
+
     def __init__(self, transport: _channel.SyncTransport) -> None:
-        self.transport = transport
-        self.stub = opb_grpc.TimeSliceOrchestratorServiceStub(transport.channel)
-        # Acquire and Yield go over one Session stream (unary where there is none).
-        self._session = _session.SyncSession(self.stub, metadata=transport.metadata(NO_OPTIONS))
-        self._acquire = _unary.SyncUnaryFallback(self._session.acquire, self.stub.Acquire)
-        self._yield = _unary.SyncUnaryFallback(self._session.yield_, self.stub.Yield)
+        stub = opb_grpc.TimeSliceOrchestratorServiceStub(transport.channel)
+        super().__init__(transport, stub)
+        self._session = _session.SyncSession(stub, metadata=transport.metadata(NO_OPTIONS))
+        self._acquire = _unary.SyncUnaryFallback(self._session.acquire, stub.Acquire)
+        self._yield = _unary.SyncUnaryFallback(self._session.yield_, stub.Yield)
 
     def close(self) -> None:
         """End the Session stream (before the channel closes)."""
         self._session.close()
 
-    def acquire(
-        self, request: opb.AcquireRequest, options: CallOptions = NO_OPTIONS
-    ) -> opb.AcquireResponse:
-        return self.transport.unary(_O["Acquire"], self._acquire, request, options)
 
-    def yield_(
-        self, request: opb.YieldRequest, options: CallOptions = NO_OPTIONS
-    ) -> opb.YieldResponse:
-        return self.transport.unary(
-            _O["Yield"], self._yield, request, options, settled=_yield_settled
-        )
-
-    def list_groups(
-        self, request: opb.ListGroupsRequest, options: CallOptions = NO_OPTIONS
-    ) -> opb.ListGroupsResponse:
-        return self.transport.unary(_O["ListGroups"], self.stub.ListGroups, request, options)
-
-    def get_group_status(
-        self, request: opb.GetGroupStatusRequest, options: CallOptions = NO_OPTIONS
-    ) -> opb.GetGroupStatusResponse:
-        call = self.stub.GetGroupStatus
-        return self.transport.unary(_O["GetGroupStatus"], call, request, options)
-
-    def watch_events(
-        self, request: opb.WatchEventsRequest, options: CallOptions = NO_OPTIONS
-    ) -> _channel.SyncStream[opb.OrchestratorEvent]:
-        call = self.stub.WatchEvents
-        return self.transport.unary_stream(_O["WatchEvents"], call, request, options)
-
-    def hold(
-        self, request: opb.HoldRequest, options: CallOptions = NO_OPTIONS
-    ) -> _channel.SyncStream[opb.HoldEvent]:
-        return self.transport.unary_stream(_O["Hold"], self.stub.Hold, request, options)
-
-    def session(
-        self, requests: Iterable[opb.SessionRequest], options: CallOptions = NO_OPTIONS
-    ) -> _channel.SyncStream[opb.SessionResponse]:
-        """The raw Session stream (acquire() and yield_() already use one of their own)."""
-        return self.transport.stream_stream(_O["Session"], self.stub.Session, requests, options)
-
-    def clear_degraded(
-        self, request: opb.ClearDegradedRequest, options: CallOptions = NO_OPTIONS
-    ) -> opb.ClearDegradedResponse:
-        call = self.stub.ClearDegraded
-        return self.transport.unary(_O["ClearDegraded"], call, request, options)
-
-
-class AsyncOrchestratorCalls:
+class AsyncOrchestratorCalls(_OrchestratorRpcs, AsyncCalls):
     """One coroutine per orchestrator RPC."""
 
+    stub: opb_grpc.TimeSliceOrchestratorServiceAsyncStub
+
     def __init__(self, transport: _channel.AsyncTransport) -> None:
-        self.transport = transport
-        self.stub = opb_grpc.TimeSliceOrchestratorServiceStub(transport.channel)
-        # Acquire and Yield go over one Session stream (unary where there is none).
-        self._session = _session.Session(self.stub, metadata=transport.metadata(NO_OPTIONS))
-        self._acquire = _unary.UnaryFallback(self._session.acquire, self.stub.Acquire)
-        self._yield = _unary.UnaryFallback(self._session.yield_, self.stub.Yield)
+        stub = opb_grpc.TimeSliceOrchestratorServiceStub(transport.channel)
+        super().__init__(transport, stub)
+        self._session = _session.Session(stub, metadata=transport.metadata(NO_OPTIONS))
+        self._acquire = _unary.UnaryFallback(self._session.acquire, stub.Acquire)
+        self._yield = _unary.UnaryFallback(self._session.yield_, stub.Yield)
 
     async def close(self) -> None:
         """End the Session stream (before the channel closes)."""
         await self._session.close()
 
-    async def acquire(
-        self, request: opb.AcquireRequest, options: CallOptions = NO_OPTIONS
-    ) -> opb.AcquireResponse:
-        return await self.transport.unary(_O["Acquire"], self._acquire, request, options)
 
-    async def yield_(
-        self, request: opb.YieldRequest, options: CallOptions = NO_OPTIONS
-    ) -> opb.YieldResponse:
-        return await self.transport.unary(
-            _O["Yield"], self._yield, request, options, settled=_yield_settled
-        )
-
-    async def list_groups(
-        self, request: opb.ListGroupsRequest, options: CallOptions = NO_OPTIONS
-    ) -> opb.ListGroupsResponse:
-        call = self.stub.ListGroups
-        return await self.transport.unary(_O["ListGroups"], call, request, options)
-
-    async def get_group_status(
-        self, request: opb.GetGroupStatusRequest, options: CallOptions = NO_OPTIONS
-    ) -> opb.GetGroupStatusResponse:
-        call = self.stub.GetGroupStatus
-        return await self.transport.unary(_O["GetGroupStatus"], call, request, options)
-
-    def watch_events(
-        self, request: opb.WatchEventsRequest, options: CallOptions = NO_OPTIONS
-    ) -> _channel.AsyncStream[opb.OrchestratorEvent]:
-        call = self.stub.WatchEvents
-        return self.transport.unary_stream(_O["WatchEvents"], call, request, options)
-
-    def hold(
-        self, request: opb.HoldRequest, options: CallOptions = NO_OPTIONS
-    ) -> _channel.AsyncStream[opb.HoldEvent]:
-        return self.transport.unary_stream(_O["Hold"], self.stub.Hold, request, options)
-
-    def session(
-        self,
-        requests: AsyncIterator[opb.SessionRequest] | Iterator[opb.SessionRequest],
-        options: CallOptions = NO_OPTIONS,
-    ) -> _channel.AsyncStream[opb.SessionResponse]:
-        """The raw Session stream (acquire() and yield_() already use one of their own)."""
-        return self.transport.stream_stream(_O["Session"], self.stub.Session, requests, options)
-
-    async def clear_degraded(
-        self, request: opb.ClearDegradedRequest, options: CallOptions = NO_OPTIONS
-    ) -> opb.ClearDegradedResponse:
-        call = self.stub.ClearDegraded
-        return await self.transport.unary(_O["ClearDegraded"], call, request, options)
-
-
-class AgentCalls:
+class AgentCalls(_AgentRpcs, SyncCalls):
     """One blocking method per snapshot-agent RPC, plus the standard health check."""
 
     def __init__(self, transport: _channel.SyncTransport) -> None:
-        self.transport = transport
-        self.stub = pb_grpc.SnapshotAgentServiceStub(transport.channel)
-        self.health_stub = health_pb2_grpc.HealthStub(transport.channel)
-        self._check = _channel.health_check(transport.channel)
-
-    def snapshot(
-        self, request: pb.SnapshotRequest, options: CallOptions = NO_OPTIONS
-    ) -> pb.SnapshotResponse:
-        return self.transport.unary(_A["Snapshot"], self.stub.Snapshot, request, options)
-
-    def restore(
-        self, request: pb.RestoreRequest, options: CallOptions = NO_OPTIONS
-    ) -> pb.RestoreResponse:
-        return self.transport.unary(_A["Restore"], self.stub.Restore, request, options)
-
-    def get_operation(
-        self, request: pb.GetOperationRequest, options: CallOptions = NO_OPTIONS
-    ) -> pb.GetOperationResponse:
-        call = self.stub.GetOperation
-        return self.transport.unary(_A["GetOperation"], call, request, options)
-
-    def status(
-        self, request: pb.StatusRequest, options: CallOptions = NO_OPTIONS
-    ) -> pb.StatusResponse:
-        return self.transport.unary(_A["Status"], self.stub.Status, request, options)
-
-    def workload_channel(
-        self, requests: Iterable[pb.WorkloadMessage], options: CallOptions = NO_OPTIONS
-    ) -> _channel.SyncStream[pb.AgentCommand]:
-        call = self.stub.WorkloadChannel
-        return self.transport.stream_stream(_A["WorkloadChannel"], call, requests, options)
-
-    def wait_operation(
-        self, request: pb.WaitOperationRequest, options: CallOptions = NO_OPTIONS
-    ) -> pb.GetOperationResponse:
-        call = self.stub.WaitOperation
-        return self.transport.unary(_A["WaitOperation"], call, request, options)
-
-    def grant(
-        self, request: pb.GrantRequest, options: CallOptions = NO_OPTIONS
-    ) -> pb.GrantResponse:
-        return self.transport.unary(_A["Grant"], self.stub.Grant, request, options)
-
-    def grant_stream(
-        self, requests: Iterable[pb.GrantStreamRequest], options: CallOptions = NO_OPTIONS
-    ) -> _channel.SyncStream[pb.GrantStreamResponse]:
-        call = self.stub.GrantStream
-        return self.transport.stream_stream(_A["GrantStream"], call, requests, options)
-
-    def reset_job(
-        self, request: pb.ResetJobRequest, options: CallOptions = NO_OPTIONS
-    ) -> pb.ResetJobResponse:
-        return self.transport.unary(_A["ResetJob"], self.stub.ResetJob, request, options)
-
-    def check_health(
-        self, request: health_pb2.HealthCheckRequest, options: CallOptions = NO_OPTIONS
-    ) -> health_pb2.HealthCheckResponse:
-        return self.transport.unary(HEALTH_CHECK, self._check, request, options)
+        super().__init__(transport, pb_grpc.SnapshotAgentServiceStub(transport.channel))
 
 
-class AsyncAgentCalls:
+class AsyncAgentCalls(_AgentRpcs, AsyncCalls):
     """One coroutine per snapshot-agent RPC, plus the standard health check."""
 
     def __init__(self, transport: _channel.AsyncTransport) -> None:
-        self.transport = transport
-        self.stub = pb_grpc.SnapshotAgentServiceStub(transport.channel)
-        self.health_stub = health_pb2_grpc.HealthStub(transport.channel)
-        self._check = _channel.health_check(transport.channel)
-
-    async def snapshot(
-        self, request: pb.SnapshotRequest, options: CallOptions = NO_OPTIONS
-    ) -> pb.SnapshotResponse:
-        return await self.transport.unary(_A["Snapshot"], self.stub.Snapshot, request, options)
-
-    async def restore(
-        self, request: pb.RestoreRequest, options: CallOptions = NO_OPTIONS
-    ) -> pb.RestoreResponse:
-        return await self.transport.unary(_A["Restore"], self.stub.Restore, request, options)
-
-    async def get_operation(
-        self, request: pb.GetOperationRequest, options: CallOptions = NO_OPTIONS
-    ) -> pb.GetOperationResponse:
-        call = self.stub.GetOperation
-        return await self.transport.unary(_A["GetOperation"], call, request, options)
-
-    async def status(
-        self, request: pb.StatusRequest, options: CallOptions = NO_OPTIONS
-    ) -> pb.StatusResponse:
-        return await self.transport.unary(_A["Status"], self.stub.Status, request, options)
-
-    def workload_channel(
-        self,
-        requests: AsyncIterator[pb.WorkloadMessage] | Iterator[pb.WorkloadMessage],
-        options: CallOptions = NO_OPTIONS,
-    ) -> _channel.AsyncStream[pb.AgentCommand]:
-        call = self.stub.WorkloadChannel
-        return self.transport.stream_stream(_A["WorkloadChannel"], call, requests, options)
-
-    async def wait_operation(
-        self, request: pb.WaitOperationRequest, options: CallOptions = NO_OPTIONS
-    ) -> pb.GetOperationResponse:
-        call = self.stub.WaitOperation
-        return await self.transport.unary(_A["WaitOperation"], call, request, options)
-
-    async def grant(
-        self, request: pb.GrantRequest, options: CallOptions = NO_OPTIONS
-    ) -> pb.GrantResponse:
-        return await self.transport.unary(_A["Grant"], self.stub.Grant, request, options)
-
-    def grant_stream(
-        self,
-        requests: AsyncIterator[pb.GrantStreamRequest] | Iterator[pb.GrantStreamRequest],
-        options: CallOptions = NO_OPTIONS,
-    ) -> _channel.AsyncStream[pb.GrantStreamResponse]:
-        call = self.stub.GrantStream
-        return self.transport.stream_stream(_A["GrantStream"], call, requests, options)
-
-    async def reset_job(
-        self, request: pb.ResetJobRequest, options: CallOptions = NO_OPTIONS
-    ) -> pb.ResetJobResponse:
-        return await self.transport.unary(_A["ResetJob"], self.stub.ResetJob, request, options)
-
-    async def check_health(
-        self, request: health_pb2.HealthCheckRequest, options: CallOptions = NO_OPTIONS
-    ) -> health_pb2.HealthCheckResponse:
-        return await self.transport.unary(HEALTH_CHECK, self._check, request, options)
+        super().__init__(transport, pb_grpc.SnapshotAgentServiceStub(transport.channel))

@@ -11,10 +11,9 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import grpc
-from grpc_health.v1 import health_pb2
 
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
 from tslice.client import _address, _channel, _config, _retry, _services
@@ -119,7 +118,6 @@ class SnapshotAgentClient:
         self._timeout = timeout_sec
         self._calls = _services.AgentCalls(_channel.SyncTransport(self.channel, server))
         self.stub = self._calls.stub
-        self.health_stub = self._calls.health_stub
         # None: not tried yet; False: the agent answered UNIMPLEMENTED (an llm-d agent).
         self._long_poll: bool | None = None
 
@@ -197,13 +195,26 @@ class SnapshotAgentClient:
 
     def check_health(self, service: str = "") -> types.HealthResponse:
         """Standard gRPC health check; ``service`` = "" (default backend) or a backend name."""
-        request = health_pb2.HealthCheckRequest(service=service)
+        request = _channel.HealthCheckRequest(value=service)
         response = self._call(
             "CheckHealth", lambda: self._calls.check_health(request, self._options())
         )
         return types.HealthResponse(
-            status=health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
+            status=_channel.SERVING_STATUS.get(response.value, str(response.value))
         )
+
+    @property
+    def health_stub(self) -> Any:
+        """llm-d's raw ``grpc.health.v1`` stub; needs grpcio-health-checking
+        (``pip install 'tslice[server]'``), which the job side does without."""
+        try:
+            from grpc_health.v1 import health_pb2_grpc
+        except ImportError as err:
+            raise ImportError(
+                "SnapshotAgentClient.health_stub needs grpcio-health-checking: "
+                "pip install 'tslice[server]' (check_health() works without it)"
+            ) from err
+        return health_pb2_grpc.HealthStub(self.channel)
 
     # -- tslice additions ------------------------------------------------------------------
 
