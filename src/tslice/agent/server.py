@@ -19,7 +19,7 @@ from tslice.agent import channel, grants, jobs, runner
 from tslice.agent.backends import base
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2_grpc as pb_grpc
-from tslice.common import ids, multiplex, refusals, tasks
+from tslice.common import ids, multiplex, refusals, tasks, validation
 
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")
@@ -83,7 +83,21 @@ def _checked_group(value: str) -> str:
     return _checked_id("group", value) if value else ""
 
 
+#: How many engines one app-endpoint job may list (one per TP/DP rank server is plenty).
+MAX_ENDPOINTS = 1024
+_COUNTS = {"backend_config.app_endpoint.endpoints": MAX_ENDPOINTS}
+
+
+def _checked_fields(message: Any) -> None:
+    """Enums, counts and string lengths of the whole request (after its ids were checked)."""
+    try:
+        validation.check_message(message, counts=_COUNTS)
+    except validation.InvalidInput as err:
+        raise refusals.Refused(refusals.Code.INVALID_ARGUMENT, str(err)) from None
+
+
 def _checked_config(message: Any) -> pb.BackendConfig | None:
+    _checked_fields(message)
     if not message.HasField("backend_config"):
         return None
     config: pb.BackendConfig = message.backend_config
@@ -254,6 +268,8 @@ class SnapshotAgentServicer(pb_grpc.SnapshotAgentServiceServicer):
         """Validate and run one Grant (unary or streamed); raises ``refusals.Refused``."""
         job_id = _checked_id("job_id", request.job_id)
         group = _checked_group(request.group)
+        # Counts and enums before any list is looked at.
+        config = _checked_config(request)
         if request.grant_epoch < 0 or request.footprint_bytes < 0:
             raise refusals.Refused(
                 refusals.Code.INVALID_ARGUMENT,
@@ -267,7 +283,6 @@ class SnapshotAgentServicer(pb_grpc.SnapshotAgentServiceServicer):
         ]
         # A Grant without wait_ms waits a default chunk (the orchestrator always sends one).
         wait_s = _checked_wait("wait_ms", request.wait_ms) or runner.DEFAULT_GRANT_WAIT_S
-        config = _checked_config(request)
         order = grants.order(
             job_id=job_id,
             group=group,

@@ -20,7 +20,7 @@ import grpc
 
 from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2 as opb
 from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2_grpc as opb_grpc
-from tslice.common import ids, multiplex, refusals
+from tslice.common import ids, multiplex, refusals, validation
 from tslice.orchestrator import events, group, manager
 
 _T = TypeVar("_T")
@@ -31,6 +31,14 @@ def _checked_id(kind: str, value: str) -> str:
     try:
         return ids.check_id(kind, value)
     except ids.InvalidIdError as err:
+        raise refusals.Refused(refusals.Code.INVALID_ARGUMENT, str(err)) from None
+
+
+def _checked_fields(message: Any) -> None:
+    """Enums, counts and string lengths of a request (after its ids were checked)."""
+    try:
+        validation.check_message(message)
+    except validation.InvalidInput as err:
         raise refusals.Refused(refusals.Code.INVALID_ARGUMENT, str(err)) from None
 
 
@@ -197,6 +205,7 @@ class OrchestratorServicer(opb_grpc.TimeSliceOrchestratorServiceServicer):
             await _valid(context, _checked_id, "group_id", gid)
             if not self._groups.local:
                 await _valid(context, self._driver, gid)
+        await _valid(context, _checked_fields, request)
         sub = self._bus.subscribe(group_id=gid, kinds=frozenset(request.kinds))
         try:
             # Headers go out once subscribed: a client awaiting initial_metadata() then

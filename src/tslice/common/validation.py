@@ -1,0 +1,101 @@
+"""Bounds on what a caller may send a server, checked before anything is done with it.
+
+Both servers run these checks at their edges, so that hostile or broken input is
+refused with INVALID_ARGUMENT and a short message before it costs anything:
+
+- every enum field (nested messages included) holds a value of its enum: protobuf
+  keeps unknown numbers of open enums as plain ints, which would otherwise travel on
+  into the backends (an unknown suspend mode left an operation PENDING);
+- every repeated field has at most :data:`MAX_REPEATED` entries (or its own bound) and
+  every string at most :data:`MAX_TEXT` characters, so work proportional to a request
+  stays small;
+- a caller's value is never echoed in full: :func:`shown` quotes at most
+  :data:`MAX_SHOWN` characters of it.
+
+No I/O, no grpc: the servicers turn :class:`InvalidInput` into their refusal.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from google.protobuf import descriptor
+from google.protobuf import message as pb_message
+
+#: Characters of a caller's value quoted in an error message.
+MAX_SHOWN = 64
+#: Entries of a repeated field (tags, endpoints, devices, evict, give_way, pids...).
+MAX_REPEATED = 1024
+#: Characters of a string field that is not an id (URLs, tags, names).
+MAX_TEXT = 2048
+
+_FD = descriptor.FieldDescriptor
+
+
+class InvalidInput(ValueError):
+    """A request field is out of bounds; the message names the field and the bound."""
+
+
+def shown(value: str, limit: int = MAX_SHOWN) -> str:
+    """``repr(value)``, cut after ``limit`` characters with an ellipsis and the length."""
+    if len(value) <= limit:
+        return repr(value)
+    return f"{value[:limit]!r}… ({len(value)} characters)"
+
+
+def enum_values(enum: descriptor.EnumDescriptor) -> str:
+    """``NAME (n), ...`` of every value of ``enum``, for messages that name them."""
+    return ", ".join(f"{v.name} ({v.number})" for v in enum.values)
+
+
+def check_enum(field: str, enum: descriptor.EnumDescriptor, value: int) -> int:
+    """``value`` if it is a value of ``enum``, else :class:`InvalidInput` naming the valid ones."""
+    if value not in enum.values_by_number:
+        raise InvalidInput(
+            f"{field} is {value}, which is not a {enum.name}; use one of {enum_values(enum)}"
+        )
+    return value
+
+
+def check_count(field: str, count: int, limit: int = MAX_REPEATED) -> None:
+    if count > limit:
+        raise InvalidInput(f"{field} has {count} entries; at most {limit} are accepted")
+
+
+def check_text(field: str, value: str, limit: int = MAX_TEXT) -> None:
+    if len(value) > limit:
+        raise InvalidInput(f"{field} is {len(value)} characters long; at most {limit}")
+
+
+def check_message(
+    message: pb_message.Message,
+    *,
+    prefix: str = "",
+    counts: Mapping[str, int] | None = None,
+) -> None:
+    """Check every set field of ``message``, nested messages included (see the module doc).
+
+    ``counts`` gives some repeated fields (by dotted path, e.g.
+    ``"backend_config.app_endpoint.endpoints"``) their own bound. Counts are checked
+    before the entries, so a huge list is refused without looking at its entries.
+    """
+    _walk(message, prefix, counts or {})
+
+
+def _walk(message: pb_message.Message, prefix: str, counts: Mapping[str, int]) -> None:
+    for field, value in message.ListFields():
+        path = f"{prefix}{field.name}"
+        repeated = field.is_repeated
+        if repeated:
+            check_count(path, len(value), counts.get(path, MAX_REPEATED))
+        items = list(value) if repeated else [value]
+        if field.type == _FD.TYPE_ENUM and field.enum_type is not None:
+            for item in items:
+                check_enum(path, field.enum_type, item)
+        elif field.type == _FD.TYPE_STRING:
+            for item in items:
+                check_text(path, item)
+        elif field.type == _FD.TYPE_MESSAGE:
+            for index, item in enumerate(items):
+                where = f"{path}[{index}]." if repeated else f"{path}."
+                _walk(item, where, counts)
