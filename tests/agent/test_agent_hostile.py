@@ -69,3 +69,101 @@ async def test_unknown_deprecated_backend_is_refused(agents: AgentRunner) -> Non
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "BACKEND_CUDA (1)" in err.details()
     assert await agent.jobs() == {}
+
+
+# ---- 2. ids, counts and bounded messages -----------------------------------------------------
+
+HUGE = "x" * 3_000_000  # a 3 MB id: gRPC's metadata limit is 16 KiB
+SHORT = 1000  # an error message longer than this echoes the input
+
+
+@pytest.mark.parametrize("rpc", ["GetOperation", "WaitOperation"])
+async def test_huge_operation_id_is_refused_with_a_short_message(
+    agents: AgentRunner, rpc: str
+) -> None:
+    agent = await agents.start()
+    request = getattr(pb, f"{rpc}Request")(operation_id=HUGE)
+    err = await _refused(getattr(agent.stub, rpc)(request))
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, err.details()
+    assert "operation_id" in err.details() and len(err.details()) < SHORT
+
+
+@pytest.mark.parametrize("field", ["job_id", "group"])
+@pytest.mark.parametrize("rpc", ["Snapshot", "Grant", "ResetJob"])
+async def test_huge_or_malformed_ids_are_refused_with_a_short_message(
+    agents: AgentRunner, rpc: str, field: str
+) -> None:
+    agent = await agents.start()
+    for bad in (HUGE, "white space " * 20, "x" * 254, "-leading-dash"):
+        fields = {"job_id": "j", "group": "g", field: bad}
+        err = await _refused(getattr(agent.stub, rpc)(getattr(pb, f"{rpc}Request")(**fields)))
+        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, err.details()
+        assert field in err.details() and len(err.details()) < SHORT
+    assert await agent.jobs() == {}
+
+
+@pytest.mark.parametrize(
+    ("what", "request_"),
+    [
+        ("evict", pb.GrantRequest(job_id="j", group="g", evict=[f"e{i}" for i in range(5000)])),
+        (
+            "give_way",
+            pb.GrantRequest(
+                job_id="j", group="g", give_way=[pb.JobRef(job_id="e", group="o")] * 5000
+            ),
+        ),
+        ("devices", pb.GrantRequest(job_id="j", group="g", devices=[-1] * 5000)),
+        (
+            "backend_config.app_channel.tags",
+            pb.GrantRequest(
+                job_id="j",
+                group="g",
+                backend_config=pb.BackendConfig(
+                    app_channel=pb.AppChannelConfig(tags=[f"t{i}" for i in range(5000)])
+                ),
+            ),
+        ),
+    ],
+)
+async def test_repeated_fields_are_bounded(
+    agents: AgentRunner, what: str, request_: pb.GrantRequest
+) -> None:
+    agent = await agents.start(**BACKENDS)
+    err = await _refused(agent.stub.Grant(request_))
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, err.details()
+    assert f"{what} has 5000 entries; at most 1024" in err.details()
+    assert len(err.details()) < SHORT
+    assert await agent.jobs() == {}
+
+
+async def test_snapshot_tags_are_bounded(agents: AgentRunner) -> None:
+    agent = await agents.start(**BACKENDS)
+    config = pb.BackendConfig(app_channel=pb.AppChannelConfig(tags=["t"] * 2000))
+    err = await _refused(
+        agent.stub.Snapshot(pb.SnapshotRequest(job_id="j", group="g", backend_config=config))
+    )
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "tags has 2000 entries" in err.details()
+    assert await agent.jobs() == {}
+
+
+async def test_a_registration_with_too_many_tags_is_refused(agents: AgentRunner) -> None:
+    agent = await agents.start(**BACKENDS)
+    register = pb.RegisterWorkload(
+        job_id="j",
+        group="g",
+        capabilities=pb.WorkloadCapabilities(tags=[f"t{i}" for i in range(5000)]),
+    )
+    call = agent.stub.WorkloadChannel()
+    await call.write(pb.WorkloadMessage(register=register))
+    err = await _refused(call.read())
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "tags has 5000 entries" in err.details() and len(err.details()) < SHORT
+
+
+@pytest.mark.parametrize(
+    "job_id", ["verl-grpo-7b", "ns/job-1.a_b", "slime_run.3", "a:b@c+d=e", "x" * 253, "7"]
+)
+async def test_well_formed_ids_are_accepted(agents: AgentRunner, job_id: str) -> None:
+    agent = await agents.start()
+    assert await agent.grant(job_id, group="pool.a_1", epoch=1) == pb.JOB_STATE_RUNNING

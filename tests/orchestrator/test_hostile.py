@@ -18,3 +18,56 @@ async def test_watch_of_an_unknown_event_kind_is_refused(cluster: Cluster) -> No
         await call.read()
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "kinds" in info.value.details() and "KIND_GRANTED (2)" in info.value.details()
+
+
+# ---- 2. ids and bounded messages -----------------------------------------------------------
+
+HUGE = "x" * 3_000_000
+SHORT = 1000
+
+
+async def test_huge_node_name_of_clear_degraded_is_refused_with_a_short_message(
+    cluster: Cluster,
+) -> None:
+    await cluster.start_agent("node-a")
+    await cluster.start_orchestrator(groups={"g": ["node-a"]})
+    stub = cluster.stub()
+    for node in (HUGE, "no such node " * 100):
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await stub.ClearDegraded(opb.ClearDegradedRequest(group_id="g", node=node))
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
+        assert "node" in info.value.details() and len(info.value.details()) < SHORT
+
+
+@pytest.mark.parametrize("field", ["job_id", "group_id"])
+async def test_huge_or_malformed_ids_are_refused_with_a_short_message(
+    cluster: Cluster, field: str
+) -> None:
+    await cluster.start_agent("node-a")
+    await cluster.start_orchestrator()
+    stub = cluster.stub()
+    for bad in (HUGE, "white space " * 20, "x" * 254, ""):
+        fields = {"job_id": "j", "group_id": "g", field: bad}
+        for call in (
+            stub.Acquire(opb.AcquireRequest(**fields)),
+            stub.Yield(opb.YieldRequest(**fields)),
+            stub.Hold(opb.HoldRequest(**fields)).read(),
+        ):
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await call
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert field in info.value.details() and len(info.value.details()) < SHORT
+    assert list((await stub.ListGroups(opb.ListGroupsRequest())).group_ids) == []
+
+
+async def test_session_refusals_are_short(cluster: Cluster) -> None:
+    await cluster.start_agent("node-a")
+    await cluster.start_orchestrator()
+    call = cluster.stub().Session()
+    await call.write(
+        opb.SessionRequest(request_id=1, acquire=opb.AcquireRequest(job_id=HUGE, group_id="g"))
+    )
+    reply = await call.read()
+    assert reply.request_id == 1 and reply.status_code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    assert len(reply.status_message) < SHORT
+    await call.done_writing()

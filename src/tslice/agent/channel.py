@@ -82,7 +82,7 @@ from tslice.agent.channel_rules import (
     resolve_mode,
 )
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
-from tslice.common import tasks
+from tslice.common import tasks, validation
 
 # The rules' public names are part of this module's interface (callers catch
 # ``channel.CommandRefusedError``); they live in channel_rules to keep this module small.
@@ -438,7 +438,8 @@ class ChannelHub:
         return CommandOutcome(
             command_id=command_id,
             ok=result.ok,
-            error=result.error,
+            # The workload's own words: kept, but never longer than a message may be.
+            error=validation.bounded(result.error),
             device_bytes=result.device_bytes,
             host_bytes=result.host_bytes,
             mode=mode,

@@ -14,7 +14,7 @@ import dataclasses
 from collections.abc import Iterable
 
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
-from tslice.common import ids
+from tslice.common import ids, validation
 
 VALID_MODES = (pb.SUSPEND_MODE_OFFLOAD, pb.SUSPEND_MODE_DISCARD)
 
@@ -88,14 +88,16 @@ def check_tags(state: WorkloadState, tags: Iterable[str], *, kind: str) -> None:
     """Raise CommandRefusedError unless every tag is declared (when the workload declared any)."""
     wanted = list(tags)
     if any(not tag for tag in wanted):
-        raise CommandRefusedError(f"{kind} tags must be non-empty strings, got {wanted}")
+        raise CommandRefusedError(
+            f"{kind} tags must be non-empty strings, got {validation.shown_list(wanted)}"
+        )
     if not state.tags:
         return
     unknown = [tag for tag in wanted if tag not in state.tags]
     if unknown:
         raise CommandRefusedError(
-            f"workload {state.job_id!r} declared tags {list(state.tags)}; "
-            f"{kind} of unknown tags {unknown} refused"
+            f"workload {state.job_id!r} declared tags {validation.shown_list(state.tags)}; "
+            f"{kind} of unknown tags {validation.shown_list(unknown)} refused"
         )
 
 
@@ -107,6 +109,10 @@ def registration_problem(register: pb.RegisterWorkload) -> str:
             ids.check_id("group", register.group)
     except ids.InvalidIdError as exc:
         return f"invalid RegisterWorkload: {exc}"
+    try:
+        validation.check_message(register)
+    except validation.InvalidInput as exc:
+        return f"invalid RegisterWorkload for job {register.job_id!r}: {exc}"
     caps = register.capabilities
     for mode in caps.supported_modes:
         if mode not in VALID_MODES:
@@ -133,8 +139,9 @@ def registration_problem(register: pb.RegisterWorkload) -> str:
         stray = [tag for tag in register.resident_tags if tag not in caps.tags]
         if stray:
             return (
-                f"invalid RegisterWorkload for job {register.job_id!r}: resident_tags {stray} "
-                f"are not among the declared tags {list(caps.tags)}"
+                f"invalid RegisterWorkload for job {register.job_id!r}: resident_tags "
+                f"{validation.shown_list(stray)} are not among the declared tags "
+                f"{validation.shown_list(caps.tags)}"
             )
     if not register.features.reports_state and (register.suspended or register.resident_tags):
         return (

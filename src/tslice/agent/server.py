@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import grpc
 from grpc_health.v1 import health, health_pb2
@@ -45,7 +45,7 @@ def operation_to_pb(op: jobs.Operation, *, now: float) -> pb.GetOperationRespons
         response.storage_bytes = op.storage_bytes or 0
         response.snapshot_device_bytes = op.device_bytes or 0
     elif op.status is jobs.OpStatus.FAILED:
-        response.error = op.error or "operation failed"
+        response.error = validation.bounded(op.error or "operation failed")
     return response
 
 
@@ -68,7 +68,8 @@ def _checked_operation_id(value: str) -> str:
             refusals.Code.INVALID_ARGUMENT,
             "operation_id is required: pass the id a Snapshot, Restore or Grant reply named",
         )
-    return value
+    # This agent's ids are UUIDs; any well-formed id is looked up (NOT_FOUND if unknown).
+    return _checked_id("operation_id", value)
 
 
 def _checked_id(kind: str, value: str) -> str:
@@ -110,10 +111,11 @@ def _checked_config(message: Any) -> pb.BackendConfig | None:
 
 
 def _checked_devices(devices: Sequence[int]) -> tuple[int, ...]:
-    if any(d < 0 for d in devices):
+    negative = [d for d in devices if d < 0]
+    if negative:
         raise refusals.Refused(
             refusals.Code.INVALID_ARGUMENT,
-            f"devices are device indices, >= 0 (got {list(devices)})",
+            f"devices are device indices, >= 0 (got {validation.shown_list(negative)})",
         )
     return tuple(devices)
 
@@ -127,12 +129,19 @@ def _checked_wait(field: str, value: int) -> float:
     return value / 1000
 
 
+async def _abort(context: grpc.aio.ServicerContext, refused: refusals.Refused) -> NoReturn:
+    """End the RPC with the refusal, its message cut to a bounded length."""
+    await refusals.abort(
+        context, refusals.Refused(refused.code, validation.bounded(refused.message))
+    )
+
+
 async def _valid(context: grpc.aio.ServicerContext, check: Callable[..., _T], *args: Any) -> _T:
     """``check(*args)``, its refusal sent as the RPC's status."""
     try:
         return check(*args)
     except refusals.Refused as refused:
-        await refusals.abort(context, refused)
+        await _abort(context, refused)
 
 
 #: What this agent speaks beyond llm-d's protocol, declared in every Status reply: the
@@ -156,7 +165,7 @@ class SnapshotAgentServicer(pb_grpc.SnapshotAgentServiceServicer):
         try:
             return await call
         except refusals.Refused as refused:
-            await refusals.abort(context, refused)
+            await _abort(context, refused)
 
     async def Snapshot(
         self, request: pb.SnapshotRequest, context: grpc.aio.ServicerContext
@@ -253,14 +262,16 @@ class SnapshotAgentServicer(pb_grpc.SnapshotAgentServiceServicer):
             return pb.GrantStreamResponse(
                 request_id=request.request_id,
                 status_code=refusals.status_number(refused.code),
-                status_message=refused.message,
+                status_message=validation.bounded(refused.message),
             )
         except Exception as err:
             log.exception("grant of job %s crashed", request.grant.job_id)
             return pb.GrantStreamResponse(
                 request_id=request.request_id,
                 status_code=refusals.status_number(refusals.Code.INTERNAL),
-                status_message=f"grant crashed on the agent ({type(err).__name__}: {err})",
+                status_message=validation.bounded(
+                    f"grant crashed on the agent ({type(err).__name__}: {err})"
+                ),
             )
         return pb.GrantStreamResponse(request_id=request.request_id, grant=grant)
 

@@ -17,7 +17,7 @@ No I/O, no grpc: the servicers turn :class:`InvalidInput` into their refusal.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from google.protobuf import descriptor
 from google.protobuf import message as pb_message
@@ -28,6 +28,10 @@ MAX_SHOWN = 64
 MAX_REPEATED = 1024
 #: Characters of a string field that is not an id (URLs, tags, names).
 MAX_TEXT = 2048
+#: Characters of an error message a server sends (gRPC refuses metadata over 16 KiB).
+MAX_MESSAGE = 2048
+#: Entries of a list quoted in an error message.
+MAX_SHOWN_ITEMS = 8
 
 _FD = descriptor.FieldDescriptor
 
@@ -41,6 +45,21 @@ def shown(value: str, limit: int = MAX_SHOWN) -> str:
     if len(value) <= limit:
         return repr(value)
     return f"{value[:limit]!r}… ({len(value)} characters)"
+
+
+def shown_list(items: Sequence[object], limit: int = MAX_SHOWN_ITEMS) -> str:
+    """A list as ``['a', 'b', …]``: at most ``limit`` entries, each cut by :func:`shown`."""
+    quoted = [shown(i) if isinstance(i, str) else repr(i) for i in items[:limit]]
+    more = f", … ({len(items)} entries)" if len(items) > limit else ""
+    return f"[{', '.join(quoted)}{more}]"
+
+
+def bounded(text: str, limit: int = MAX_MESSAGE) -> str:
+    """``text`` cut after ``limit`` characters with an ellipsis (a server's last safety net:
+    whatever a message quotes, it stays short)."""
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}… ({len(text) - limit} more characters cut)"
 
 
 def enum_values(enum: descriptor.EnumDescriptor) -> str:

@@ -14,7 +14,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import grpc
 
@@ -50,26 +50,33 @@ def _at_least_0(field: str, value: int, zero: str) -> int:
     return value
 
 
+async def _abort(context: grpc.aio.ServicerContext, refused: refusals.Refused) -> NoReturn:
+    """End the RPC with the refusal, its message cut to a bounded length."""
+    await refusals.abort(
+        context, refusals.Refused(refused.code, validation.bounded(refused.message))
+    )
+
+
 async def _valid(context: grpc.aio.ServicerContext, check: Callable[..., _T], *args: Any) -> _T:
     """``check(*args)``, its refusal sent as the RPC's status."""
     try:
         return check(*args)
     except refusals.Refused as refused:
-        await refusals.abort(context, refused)
+        await _abort(context, refused)
 
 
 async def _answered(context: grpc.aio.ServicerContext, call: Awaitable[_T]) -> _T:
     try:
         return await call
     except refusals.Refused as refused:
-        await refusals.abort(context, refused)
+        await _abort(context, refused)
 
 
 def _refused(request_id: int, refused: refusals.Refused) -> opb.SessionResponse:
     return opb.SessionResponse(
         request_id=request_id,
         status_code=refusals.status_number(refused.code),
-        status_message=refused.message,
+        status_message=validation.bounded(refused.message),
     )
 
 
@@ -190,11 +197,13 @@ class OrchestratorServicer(opb_grpc.TimeSliceOrchestratorServiceServicer):
         gid = await _valid(context, _checked_id, "group_id", request.group_id)
         driver = await _valid(context, self._driver, gid)
         node = request.node
+        if node:
+            await _valid(context, _checked_id, "node", node)
         if node and node not in {n.name for n in driver.nodes}:
             known = ", ".join(n.name for n in driver.nodes)
             missing = f"node {node!r} is not in group {gid!r} (its nodes: {known})"
             # NOT_FOUND is kept for unknown groups: a bad node of a known one is an argument.
-            await refusals.abort(context, refusals.Refused(refusals.Code.INVALID_ARGUMENT, missing))
+            await _abort(context, refusals.Refused(refusals.Code.INVALID_ARGUMENT, missing))
         return opb.ClearDegradedResponse(cleared=await driver.clear_degraded(node))
 
     async def WatchEvents(
@@ -236,7 +245,7 @@ class OrchestratorServicer(opb_grpc.TimeSliceOrchestratorServiceServicer):
                 try:
                     lost = session.ended.result()
                 except refusals.Refused as refused:
-                    await refusals.abort(context, refused)
+                    await _abort(context, refused)
                 if lost:
                     yield opb.HoldEvent(lost=lost)
                 else:

@@ -94,8 +94,14 @@ class _CallResult:
         return 0
 
 
+#: Failed endpoints named in an operation error (the others are counted).
+_SUMMARISED = 8
+
+
 def _summarise(results: Sequence[_CallResult]) -> str:
-    return "; ".join(f"{r.endpoint}: {r.error}" for r in results)
+    named = "; ".join(f"{r.endpoint}: {r.error}" for r in results[:_SUMMARISED])
+    more = len(results) - _SUMMARISED
+    return f"{named}; and {more} more" if more > 0 else named
 
 
 # --------------------------------------------------------------------------- backend
@@ -379,7 +385,9 @@ class AppEndpointBackend(base.Backend):
                 "reset the job"
             )
         if to_undo:
-            changed = ", ".join(e for e, _ in to_undo)
+            changed = ", ".join(e for e, _ in to_undo[:_SUMMARISED])
+            if len(to_undo) > _SUMMARISED:
+                changed += f", … ({len(to_undo)} in all)"
             message += f"; {undone} {len(to_undo)} endpoint(s) that had (or may have) changed: "
             message += changed
         message += "; the job is unchanged"
