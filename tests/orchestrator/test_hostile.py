@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import grpc
 import pytest
 
-from tests.orchestrator.orch_harness import Cluster
+from tests.orchestrator.orch_harness import Cluster, Events, acquire, yield_
 from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2 as opb
 
 
@@ -71,3 +73,53 @@ async def test_session_refusals_are_short(cluster: Cluster) -> None:
     assert reply.request_id == 1 and reply.status_code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
     assert len(reply.status_message) < SHORT
     await call.done_writing()
+
+
+# ---- 3. a footprint that can never fit -----------------------------------------------------
+
+GiB = 1024**3
+
+
+@pytest.mark.parametrize("footprint", [11 * GiB, 10**15, 2**63 - 1])
+@pytest.mark.parametrize("topology", ["local", "static"])
+async def test_a_footprint_larger_than_a_node_is_refused_at_once_even_behind_a_holder(
+    cluster: Cluster, footprint: int, topology: str
+) -> None:
+    # 10 GiB simulated devices (one per node): such a job can never be resident.
+    await cluster.start_agent("node-a")
+    await cluster.start_agent("node-b")
+    if topology == "static":
+        await cluster.start_orchestrator(groups={"g": ["node-a", "node-b"]})
+    else:
+        await cluster.start_orchestrator()
+    stub = cluster.stub()
+    await acquire(stub, "holder", "g")
+    # Refused at once, not queued behind the holder until the caller's deadline.
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await stub.Acquire(
+            opb.AcquireRequest(job_id="big", group_id="g", footprint_bytes=footprint), timeout=10
+        )
+    assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, info.value.details()
+    details = info.value.details()
+    assert "big" in details and "node-a" in details and str(footprint) in details
+    status = (await stub.GetGroupStatus(opb.GetGroupStatusRequest(group_id="g"))).group
+    assert status.locking_job == "holder" and list(status.waiting_jobs) == []
+
+
+async def test_a_footprint_that_fits_still_waits_its_turn(cluster: Cluster) -> None:
+    await cluster.start_agent("node-a")
+    await cluster.start_orchestrator()
+    stub = cluster.stub()
+    await acquire(stub, "holder", "g")
+    waiting = asyncio.ensure_future(acquire(stub, "small", "g", footprint_bytes=4 * GiB))
+    events = await Events.open(stub, "g")
+    while (
+        "small"
+        not in (
+            await stub.GetGroupStatus(opb.GetGroupStatusRequest(group_id="g"))
+        ).group.waiting_jobs
+    ):
+        await events.wait_for(opb.OrchestratorEvent.KIND_QUEUED, job="small")
+    await yield_(stub, "holder", "g")
+    assert (await waiting).success
+    events.cancel()

@@ -116,6 +116,11 @@ class AgentClient:
         self.wait_chunk_s = wait_chunk_s
         #: What the agent declared on the current connection; None until a Status read.
         self.features: Features | None = None
+        #: Device memory of the node in all (its accelerators' totals) as its last Status
+        #: reply listed them; None until read, or when it lists none (noop, llm-d's agents).
+        self.capacity_bytes: int | None = None
+        #: Whether a Status reply was ever read (capacity_bytes is then what it listed).
+        self.status_seen = False
         self._watch: asyncio.Task[None] | None = None
         self._channel = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
         self._stub: Any = pb_grpc.SnapshotAgentServiceStub(self._channel)
@@ -156,6 +161,9 @@ class AgentClient:
             issued=issued,
         )
         self.features = Features.declared(resp)
+        total = sum(max(0, a.memory_total_bytes) for a in resp.accelerator_statuses)
+        self.capacity_bytes = total or None
+        self.status_seen = True
         if self._watch is None:
             self._watch = tasks.spawn(self._forget_on_disconnect(), name=f"agent {self.address}")
         if self.features.grant_stream and self._grants.supported is False:

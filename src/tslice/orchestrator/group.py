@@ -204,6 +204,8 @@ class GroupDriver:
         if self._stopping:
             raise _shutting_down()
         started = time.monotonic()
+        if footprint_bytes > 0:
+            await self._check_fits(job, footprint_bytes)
         waiter = _Waiter(job, asyncio.get_running_loop().create_future())
 
         def apply(now: float) -> list[Effect]:
@@ -223,6 +225,30 @@ class GroupDriver:
             raise
         self._acquire_wait.observe(time.monotonic() - started)
         return grant
+
+    async def _check_fits(self, job: str, footprint_bytes: int) -> None:
+        """Refuse at once (RESOURCE_EXHAUSTED) a footprint larger than a node's device
+        memory in all: such a job can never be resident there, and would otherwise wait
+        behind the holder until its deadline. Nodes never read are read once here (a
+        short deadline); a node that lists no accelerators is not checked."""
+        clients = [(n, self._pool.get(n.address)) for n in self.nodes]
+        unread = tuple(n for n, c in clients if not c.status_seen)
+        if unread:
+            timeout_s = min(1.0, self._cfg.status_timeout_s)
+            await steps.read_all(self._pool, unread, self.group_id, timeout_s=timeout_s)
+            for n, c in clients:
+                if n in unread:
+                    c.status_seen = True  # asked once; later reads keep it up to date
+        for node, client in clients:
+            capacity = client.capacity_bytes
+            if capacity is not None and footprint_bytes > capacity:
+                raise refusals.Refused(
+                    refusals.Code.RESOURCE_EXHAUSTED,
+                    f"job {job!r} declares a footprint of {footprint_bytes} bytes, but node "
+                    f"{node.name} of group {self.group_id!r} holds only {capacity} bytes of "
+                    "device memory in all: it can never be resident there; lower "
+                    "footprint_bytes or use a group of larger nodes",
+                )
 
     async def yield_(self, job: str) -> decisions.YieldOutcome:
         if self._stopping:
