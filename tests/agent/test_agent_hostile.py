@@ -167,3 +167,23 @@ async def test_a_registration_with_too_many_tags_is_refused(agents: AgentRunner)
 async def test_well_formed_ids_are_accepted(agents: AgentRunner, job_id: str) -> None:
     agent = await agents.start()
     assert await agent.grant(job_id, group="pool.a_1", epoch=1) == pb.JOB_STATE_RUNNING
+
+
+# ---- 4. duplicate request ids on a GrantStream -----------------------------------------------
+
+
+async def test_a_duplicate_grant_stream_request_id_is_refused(agents: AgentRunner) -> None:
+    # Slow copies: the first Grant is still in flight when the second arrives.
+    agent = await agents.start(sim={"bandwidth": "4GB/s"})
+    assert await agent.grant("a", epoch=1) == pb.JOB_STATE_RUNNING
+    call = agent.stub.GrantStream()
+    first = pb.GrantRequest(job_id="b", group="g", grant_epoch=2, evict=["a"], wait_ms=60_000)
+    await call.write(pb.GrantStreamRequest(request_id=1, grant=first))
+    await call.write(pb.GrantStreamRequest(request_id=1, grant=first))
+    refused = await call.read()
+    assert refused.request_id == 1
+    assert refused.status_code == grpc.StatusCode.INVALID_ARGUMENT.value[0], refused
+    assert "already in flight" in refused.status_message
+    granted = await call.read()  # the first one goes on
+    assert granted.request_id == 1 and granted.status_code == 0 and granted.grant.granted
+    await call.done_writing()

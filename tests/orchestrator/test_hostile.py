@@ -123,3 +123,55 @@ async def test_a_footprint_that_fits_still_waits_its_turn(cluster: Cluster) -> N
     await yield_(stub, "holder", "g")
     assert (await waiting).success
     events.cancel()
+
+
+# ---- 4. duplicate request ids on a Session stream ------------------------------------------
+
+
+def _acquire_on(rid: int, job: str) -> opb.SessionRequest:
+    return opb.SessionRequest(request_id=rid, acquire=opb.AcquireRequest(job_id=job, group_id="g"))
+
+
+async def test_a_duplicate_request_id_is_refused_and_leaves_no_ghost_waiter(
+    cluster: Cluster,
+) -> None:
+    await cluster.start_agent("node-a")
+    await cluster.start_orchestrator()
+    stub = cluster.stub()
+    await acquire(stub, "holder", "g")
+    events = await Events.open(stub, "g")
+    call = stub.Session()
+    await call.write(_acquire_on(1, "w"))
+    await events.wait_for(opb.OrchestratorEvent.KIND_QUEUED, job="w")
+    await call.write(_acquire_on(1, "w"))  # same id while the first is in flight
+    reply = await call.read()
+    assert reply.request_id == 1
+    assert reply.status_code == grpc.StatusCode.INVALID_ARGUMENT.value[0], reply
+    assert "request_id 1" in reply.status_message and "in flight" in reply.status_message
+    # The stream goes away: its one waiter leaves the queue (no ghost left behind).
+    call.cancel()
+    await events.wait_for(opb.OrchestratorEvent.KIND_CANCELLED, job="w")
+    status = (await stub.GetGroupStatus(opb.GetGroupStatusRequest(group_id="g"))).group
+    assert list(status.waiting_jobs) == []
+    await yield_(stub, "holder", "g")
+    status = (await stub.GetGroupStatus(opb.GetGroupStatusRequest(group_id="g"))).group
+    assert status.locking_job == "" and status.group_state == opb.GroupStatus.STATE_IDLE_YIELDED
+    events.cancel()
+
+
+async def test_a_request_id_may_be_used_again_once_answered(cluster: Cluster) -> None:
+    await cluster.start_agent("node-a")
+    await cluster.start_orchestrator()
+    call = cluster.stub().Session()
+    for job in ("a", "a"):
+        await call.write(_acquire_on(7, job))
+        reply = await call.read()
+        assert reply.request_id == 7 and reply.status_code == 0 and reply.acquire.success
+    # A cancel of an id that is not in flight changes nothing.
+    await call.write(opb.SessionRequest(request_id=9, cancel=True))
+    await call.write(
+        opb.SessionRequest(request_id=7, release=opb.YieldRequest(job_id="a", group_id="g"))
+    )
+    reply = await call.read()
+    assert reply.request_id == 7 and reply.release.success
+    await call.done_writing()

@@ -19,7 +19,7 @@ from tslice.agent import channel, grants, jobs, runner
 from tslice.agent.backends import base
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2_grpc as pb_grpc
-from tslice.common import ids, multiplex, refusals, tasks, validation
+from tslice.common import ids, refusals, tasks, unique_requests, validation
 
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")
@@ -144,6 +144,15 @@ async def _valid(context: grpc.aio.ServicerContext, check: Callable[..., _T], *a
         await _abort(context, refused)
 
 
+def _duplicate_grant(request: pb.GrantStreamRequest) -> pb.GrantStreamResponse:
+    """A second Grant with the id of one in flight: refused, never run."""
+    return pb.GrantStreamResponse(
+        request_id=request.request_id,
+        status_code=refusals.status_number(refusals.Code.INVALID_ARGUMENT),
+        status_message=unique_requests.duplicate_message(request.request_id),
+    )
+
+
 #: What this agent speaks beyond llm-d's protocol, declared in every Status reply: the
 #: orchestrator uses only what is declared (see docs/api.md, AgentFeatures).
 _FEATURES = pb.AgentFeatures(grant_step=True, grant_stream=True)
@@ -246,10 +255,11 @@ class SnapshotAgentServicer(pb_grpc.SnapshotAgentServiceServicer):
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[pb.GrantStreamResponse]:
         """Grants of one caller: each runs as it arrives, replies go out as they finish."""
-        async for reply in multiplex.serve(
+        async for reply in unique_requests.serve(
             request_iterator,
             self._stream_reply,
             request_id=lambda r: r.request_id,
+            duplicate=_duplicate_grant,
             name="grant-stream",
             closing=self._closing,
         ):

@@ -20,7 +20,7 @@ import grpc
 
 from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2 as opb
 from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2_grpc as opb_grpc
-from tslice.common import ids, multiplex, refusals, validation
+from tslice.common import ids, refusals, unique_requests, validation
 from tslice.orchestrator import events, group, manager
 
 _T = TypeVar("_T")
@@ -80,6 +80,12 @@ def _refused(request_id: int, refused: refusals.Refused) -> opb.SessionResponse:
     )
 
 
+def _duplicate(request: opb.SessionRequest) -> opb.SessionResponse:
+    """A second request with the id of one in flight: refused, never run (no ghost waiter)."""
+    message = unique_requests.duplicate_message(request.request_id)
+    return _refused(request.request_id, refusals.Refused(refusals.Code.INVALID_ARGUMENT, message))
+
+
 class OrchestratorServicer(opb_grpc.TimeSliceOrchestratorServiceServicer):
     def __init__(self, *, groups: manager.GroupManager, bus: events.EventBus) -> None:
         self._groups = groups
@@ -112,10 +118,11 @@ class OrchestratorServicer(opb_grpc.TimeSliceOrchestratorServiceServicer):
         request_iterator: AsyncIterator[opb.SessionRequest],
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[opb.SessionResponse]:
-        async for reply in multiplex.serve(
+        async for reply in unique_requests.serve(
             request_iterator,
             self._session_reply,
             request_id=lambda r: r.request_id,
+            duplicate=_duplicate,
             is_cancel=lambda r: r.WhichOneof("call") == "cancel",
             name="session",
             closing=self._closing,
