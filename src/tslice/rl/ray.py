@@ -131,7 +131,8 @@ class _Process:
     pid: int
     client: Client
     phases: _phases.Phases | None = None
-    #: What the Phases was made with, to refuse a later call that asks for another.
+    #: What the Phases was made with (besides its role), to refuse a later call that
+    #: asks for another.
     made_with: tuple[object, ...] = ()
 
 
@@ -181,14 +182,8 @@ def phases(
     later calls without arguments, or with the same ones, return it. One process plays
     one role: asking for another is a :class:`~tslice.ConfigError`.
     """
-    asked = (
-        None if role is None else roles.parse_role(role),
-        timeout,
-        None if workload is None else id(workload),
-        agent,
-        register_timeout,
-    )
-    defaults = (None, None, None, None, _workload.DEFAULT_REGISTER_TIMEOUT_S)
+    others = (timeout, None if workload is None else id(workload), agent, register_timeout)
+    defaults = (None, None, None, _workload.DEFAULT_REGISTER_TIMEOUT_S)
     with _slot.lock:
         state = _slot.get()
         if state.phases is None:
@@ -200,9 +195,11 @@ def phases(
                 agent=agent,
                 register_timeout=register_timeout,
             )
-            state.made_with = asked
+            state.made_with = others
             _say_if_restarted(state.phases)
-        elif asked not in (defaults, state.made_with):
+        elif (role is not None and roles.parse_role(role) is not state.phases.role) or (
+            others not in (defaults, state.made_with)
+        ):
             raise errors.ConfigError(
                 f"this process already has its Phases ({state.phases!r}); call "
                 "tslice.rl.ray.phases() without arguments to get it (one process plays one "

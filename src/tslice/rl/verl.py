@@ -1,0 +1,179 @@
+"""veRL: time-slicing at the phase boundaries of verl's PPO trainer, by one config key.
+
+::
+
+    python -m verl.trainer.main_ppo ... trainer.v1.trainer_mode=timeslice
+
+``timeslice`` is verl's synchronous trainer (``PPOTrainerSync``, verl's default mode)
+with :class:`TimeSliceHooks` mixed in. verl looks trainer modes up in its registry
+(``verl.trainer.ppo.v1.register_trainer``); this module registers ``timeslice`` when
+it is imported in a process where verl is loaded, which verl does itself at
+``import verl`` through its ``verl.plugins`` entry points (tslice declares one) or
+``$VERL_USE_EXTERNAL_MODULES=tslice.rl.verl``. The trainer runs in verl's TaskRunner
+actor, the single controller: that process takes the groups for the whole job (role
+``colocated``, see :mod:`tslice.rl.roles`), from the environment that Ray gives it
+(``TIMESLICE_JOB_ID``, ``TIMESLICE_ORCH_ADDR``, ``TIMESLICE_TRAINER_GROUP``,
+``TIMESLICE_SAMPLER_GROUP``, or ``TSLICE_GROUP`` when rollout and training share the
+GPUs). Without them the trainer runs as verl's own, and says so once on stderr.
+
+Phases at verl's hooks (V1 ``PPOTrainer``; names as in verl 0.9.1)::
+
+    init()                         init          model load on both pools, first weight sync
+    on_validate_begin/_end         eval          validation rollouts
+    on_step_begin                  generate      prepare_step() submits the batch to the
+                                                 rollout replicas right after this hook
+    on_sample_begin                generate      (again, for parameter_sync_step > 1)
+    on_sample_end                  generate -> train   after the replicas went to sleep
+    _save_checkpoint()             save          (inside train)
+    on_step_end                    train -> weight_sync   around update_weights()
+    fit() returning or raising     every open phase ends
+
+A hand-over from one phase to the next takes the new phase's groups before it yields
+the old one's when the tslice rules allow it (trainer group first), so a group both
+need is never given up in between.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from typing import Any, cast
+
+from tslice.rl import phases as _phases
+from tslice.rl import ray as _ray
+from tslice.rl import roles
+
+#: The trainer mode to select (``trainer.v1.trainer_mode``).
+TRAINER_MODE = "timeslice"
+
+_registered: dict[str, type] = {}
+
+
+class TimeSliceHooks:
+    """Mix into a verl V1 ``PPOTrainer`` subclass, first among the bases::
+
+        class MyTrainer(tslice.rl.verl.TimeSliceHooks, PPOTrainerSync): ...
+
+    Its phases are the process's (:func:`tslice.rl.ray.phases`, role ``colocated``),
+    made at ``init()`` in the process that runs the trainer; override
+    :meth:`tslice_make_phases` to make them otherwise.
+    """
+
+    _tslice: _phases.Phases | None = None
+
+    @property
+    def tslice_phases(self) -> _phases.Phases:
+        """The Phases this trainer reports to (made on first use)."""
+        if self._tslice is None:
+            self._tslice = self.tslice_make_phases()
+        return self._tslice
+
+    def tslice_make_phases(self) -> _phases.Phases:
+        return _ray.phases(role=roles.Role.COLOCATED)
+
+    # -- verl's entry points -------------------------------------------------------------
+
+    def init(self) -> None:
+        with self.tslice_phases.phase(roles.Phase.INIT):
+            _next(self, TimeSliceHooks).init()
+
+    def fit(self, *args: Any, **kwargs: Any) -> Any:
+        # fit() returns from inside its loop at the last step, before on_train_end.
+        try:
+            return _next(self, TimeSliceHooks).fit(*args, **kwargs)
+        finally:
+            self._tslice_end_all()
+
+    def on_validate_begin(self) -> None:
+        self._tslice_begin(roles.Phase.EVAL)
+        _next(self, TimeSliceHooks).on_validate_begin()
+
+    def on_validate_end(self) -> None:
+        _next(self, TimeSliceHooks).on_validate_end()
+        self._tslice_end(roles.Phase.EVAL)
+
+    def on_step_begin(self) -> None:
+        _next(self, TimeSliceHooks).on_step_begin()
+        self._tslice_begin(roles.Phase.GENERATE)
+
+    def on_sample_begin(self) -> None:
+        self._tslice_begin(roles.Phase.GENERATE)
+        _next(self, TimeSliceHooks).on_sample_begin()
+
+    def on_sample_end(self) -> None:
+        _next(self, TimeSliceHooks).on_sample_end()  # sync: the rollout replicas sleep
+        self._tslice_hand_over(roles.Phase.GENERATE, roles.Phase.TRAIN)
+
+    def _save_checkpoint(self) -> Any:
+        with self.tslice_phases.phase(roles.Phase.SAVE):
+            return _next(self, TimeSliceHooks)._save_checkpoint()
+
+    def on_step_end(self) -> None:
+        self._tslice_hand_over(roles.Phase.TRAIN, roles.Phase.WEIGHT_SYNC)
+        try:
+            _next(self, TimeSliceHooks).on_step_end()  # sync: update_weights()
+        finally:
+            self._tslice_end(roles.Phase.WEIGHT_SYNC)
+
+    # -- plumbing ------------------------------------------------------------------------
+
+    def _tslice_begin(self, phase: roles.Phase) -> None:
+        """Begin ``phase`` unless it is open already (hooks may repeat a begin)."""
+        if phase not in self.tslice_phases.open_phases:
+            self.tslice_phases.begin(phase)
+
+    def _tslice_end(self, phase: roles.Phase) -> None:
+        if phase in self.tslice_phases.open_phases:
+            self.tslice_phases.end(phase)
+
+    def _tslice_hand_over(self, old: roles.Phase, new: roles.Phase) -> None:
+        """End ``old`` and begin ``new``, holding the groups both need throughout."""
+        phases = self.tslice_phases
+        if old not in phases.open_phases:
+            self._tslice_begin(new)
+            return
+        held, wanted = set(phases.groups_for(old)), set(phases.groups_for(new))
+        trainer, sampler = phases.trainer_group, phases.sampler_group
+        # Taking the trainer group while holding the sampler group without it is what
+        # the fixed global order forbids; then the old phase has to go first.
+        if trainer in wanted - held and sampler in held:
+            self._tslice_end(old)
+            self._tslice_begin(new)
+        else:
+            self._tslice_begin(new)
+            self._tslice_end(old)
+
+    def _tslice_end_all(self) -> None:
+        if self._tslice is None:
+            return
+        for phase in reversed(self._tslice.open_phases):
+            self._tslice.end(phase)
+
+
+def _next(obj: object, cls: type) -> Any:
+    """``super(cls, obj)`` as ``Any``: the next class is verl's, unknown to the checker."""
+    return cast(Any, super(cls, obj))
+
+
+def register(name: str = TRAINER_MODE, base: type | None = None) -> type:
+    """Register ``TimeSliceHooks`` + ``base`` (verl's ``PPOTrainerSync`` by default) as
+    verl trainer mode ``name``; returns the class. Idempotent."""
+    known = _registered.get(name)
+    if known is not None:
+        return known
+    v1 = importlib.import_module("verl.trainer.ppo.v1")
+    parent = v1.PPOTrainerSync if base is None else base
+    cls = type(
+        f"TimeSliced{parent.__name__}",
+        (TimeSliceHooks, parent),
+        {"__module__": __name__, "__doc__": f"verl's {parent.__name__}, time-sliced by tslice."},
+    )
+    v1.register_trainer(name)(cls)
+    _registered[name] = cls
+    return cls
+
+
+# verl imports this module while it loads (entry point or $VERL_USE_EXTERNAL_MODULES):
+# register then; imported without verl, the module stays light and registers nothing.
+if "verl" in sys.modules:
+    register()
