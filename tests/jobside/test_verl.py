@@ -40,7 +40,7 @@ with warnings.catch_warnings():  # verl warns about every optional engine it lac
     v1 = pytest.importorskip("verl.trainer.ppo.v1")
     import verl
     from hydra import compose, initialize_config_dir
-    from verl.trainer.ppo.v1 import trainer_base
+    from verl.trainer.ppo.v1 import replay_buffer, trainer_base
 
 import tslice
 import tslice.rl.ray
@@ -86,6 +86,7 @@ def verl_config() -> Any:
                 f"trainer.test_freq={STEPS}",
                 "trainer.save_freq=1",
                 "trainer.val_before_train=true",
+                f"trainer.v1.trainer_mode={MODE}",  # what a user selects
             ],
         )
 
@@ -129,15 +130,15 @@ class _Workers:
             raise RuntimeError(f"worker failed in {what}")
 
     def _build_replay_buffer(self) -> Any:
-        trainer = self
+        buffer = super()._build_replay_buffer()  # type: ignore[misc]  # verl's own choice
 
-        class ReplayBuffer:
-            def sample(self, global_steps: int, partition_id: str, batch_size: int) -> Any:
-                trainer._rec("sample")
-                batch = types.SimpleNamespace(extra_info={}, keys=[], tags=[], partition_id="train")
-                return batch, {}
+        def sample(global_steps: int, partition_id: str, batch_size: int) -> Any:
+            self._rec("sample")
+            batch = types.SimpleNamespace(extra_info={}, keys=[], tags=[], partition_id="train")
+            return batch, {}
 
-        return ReplayBuffer()
+        buffer.sample = sample  # what the rollout servers would fill
+        return buffer
 
     def _setup(self) -> None:
         self._rec("_setup")
@@ -198,9 +199,8 @@ class _Workers:
 
 
 #: verl's sync trainer over the stand-ins, time-sliced: registered as its own mode.
-Trainer = tslice.rl.verl.register(
-    "timeslice-stand-ins", base=type("StandInSync", (_Workers, v1.PPOTrainerSync), {})
-)
+MODE = "timeslice_stand_ins"
+Trainer = tslice.rl.verl.register(MODE, base=type("StandInSync", (_Workers, v1.PPOTrainerSync), {}))
 
 # What verl 0.9.1's sync trainer runs, in order, and the phases open meanwhile.
 _STEP = [
@@ -239,6 +239,16 @@ def test_the_timeslice_mode_is_verls_sync_trainer_with_the_hooks() -> None:
         v1.PPOTrainerSync
     )
     assert tslice.rl.verl.register() is registered  # idempotent
+
+
+def test_the_trainer_runs_as_verls_sync_mode() -> None:
+    """verl tests the mode's name (replay buffer, storage, checkpoints): selected as
+    ``timeslice``, the trainer is verl's ``sync`` trainer inside."""
+    config = verl_config()
+    assert v1.get_trainer_cls(config.trainer.v1.trainer_mode) is Trainer
+    trainer = Trainer(config=config)
+    assert trainer.trainer_mode == config.trainer.v1.trainer_mode == "sync"
+    assert type(trainer.replay_buffer) is replay_buffer.ReplayBuffer  # not ReplayBufferAsync
 
 
 def test_two_jobs_phases_map_to_groups_and_exclude_each_other(tmp_path: pathlib.Path) -> None:

@@ -14,7 +14,9 @@ actor, the single controller: that process takes the groups for the whole job (r
 ``colocated``, see :mod:`tslice.rl.roles`), from the environment that Ray gives it
 (``TIMESLICE_JOB_ID``, ``TIMESLICE_ORCH_ADDR``, ``TIMESLICE_TRAINER_GROUP``,
 ``TIMESLICE_SAMPLER_GROUP``, or ``TSLICE_GROUP`` when rollout and training share the
-GPUs). Without them the trainer runs as verl's own, and says so once on stderr.
+GPUs). Without them the trainer runs as verl's own, and says so once on stderr. Inside,
+the trainer is verl's ``sync`` mode: it sets ``trainer.v1.trainer_mode`` back to
+``sync``, since verl's replay buffer and storage code test the mode's name.
 
 Phases at verl's hooks (V1 ``PPOTrainer``; names as in verl 0.9.1)::
 
@@ -60,6 +62,18 @@ class TimeSliceHooks:
     """
 
     _tslice: _phases.Phases | None = None
+    #: The verl mode this trainer runs as (``"sync"``; set by :func:`register`), or
+    #: ``None`` to leave the config alone.
+    tslice_runs_as: str | None = None
+
+    def __init__(self, config: Any, *args: Any, **kwargs: Any) -> None:
+        mode = self.tslice_runs_as
+        if mode is not None and config.trainer.v1.trainer_mode != mode:
+            # verl branches on the mode's *name* ("sync" or not: replay buffer, storage,
+            # checkpoints), so the config names the mode this trainer really is; in place,
+            # so that verl's TaskRunner and the logged config agree with the trainer.
+            config.trainer.v1.trainer_mode = mode
+        _next(self, TimeSliceHooks).__init__(config, *args, **kwargs)
 
     @property
     def tslice_phases(self) -> _phases.Phases:
@@ -157,16 +171,29 @@ def _next(obj: object, cls: type) -> Any:
 
 def register(name: str = TRAINER_MODE, base: type | None = None) -> type:
     """Register ``TimeSliceHooks`` + ``base`` (verl's ``PPOTrainerSync`` by default) as
-    verl trainer mode ``name``; returns the class. Idempotent."""
+    verl trainer mode ``name``; returns the class. Idempotent.
+
+    The class runs as the verl mode its base is registered under (``sync``): verl's code
+    tests the mode's name, so the trainer sets ``trainer.v1.trainer_mode`` back to it.
+    """
     known = _registered.get(name)
     if known is not None:
         return known
     v1 = importlib.import_module("verl.trainer.ppo.v1")
     parent = v1.PPOTrainerSync if base is None else base
+    modes = importlib.import_module("verl.trainer.ppo.v1.trainer_base").TRAINER_REGISTRY
+    runs_as = next(
+        (mode for klass in parent.__mro__ for mode, known in modes.items() if known is klass),
+        None,
+    )
     cls = type(
         f"TimeSliced{parent.__name__}",
         (TimeSliceHooks, parent),
-        {"__module__": __name__, "__doc__": f"verl's {parent.__name__}, time-sliced by tslice."},
+        {
+            "__module__": __name__,
+            "__doc__": f"verl's {parent.__name__}, time-sliced by tslice.",
+            "tslice_runs_as": runs_as,
+        },
     )
     v1.register_trainer(name)(cls)
     _registered[name] = cls
