@@ -7,10 +7,13 @@ valid values), and nothing was created on the node.
 
 from __future__ import annotations
 
+import asyncio
+import socket
 from typing import Any
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2
 
 from tests.agent.conftest import AgentRunner
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
@@ -187,3 +190,47 @@ async def test_a_duplicate_grant_stream_request_id_is_refused(agents: AgentRunne
     granted = await call.read()  # the first one goes on
     assert granted.request_id == 1 and granted.status_code == 0 and granted.grant.granted
     await call.done_writing()
+
+
+# ---- 5. long app-endpoint lists --------------------------------------------------------------
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])  # nobody listens there once closed
+
+
+def _endpoints(count: int) -> list[str]:
+    port = _closed_port()
+    return [f"http://127.0.0.1:{port}/engine{i}" for i in range(count)]
+
+
+async def test_too_many_endpoints_are_refused_at_once(agents: AgentRunner) -> None:
+    agent = await agents.start(**BACKENDS)
+    config = _endpoint(endpoints=_endpoints(10_000))
+    request = pb.SnapshotRequest(job_id="j", group="g", backend_config=config)
+    err = await _refused(agent.stub.Snapshot(request, timeout=30))
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, err.details()
+    assert "endpoints has 10000 entries; at most 1024" in err.details()
+    assert await agent.jobs() == {}
+
+
+async def test_a_long_endpoint_list_leaves_the_agent_responsive(agents: AgentRunner) -> None:
+    # The longest list accepted, to engines that refuse connections: the operation retries
+    # until its (short) deadline, then fails; health is answered within a second throughout.
+    agent = await agents.start(operation_timeout_s=5.0, **BACKENDS)
+    config = _endpoint(endpoints=_endpoints(1024))
+    request = pb.SnapshotRequest(job_id="j", group="g", backend_config=config)
+    started = asyncio.ensure_future(agent.stub.Snapshot(request, timeout=30))
+    checks = 0
+    op: pb.GetOperationResponse | None = None
+    while op is None or op.status == pb.OPERATION_STATUS_PENDING:
+        reply = await agent.health.Check(health_pb2.HealthCheckRequest(), timeout=1.0)
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        checks += 1
+        if started.done():
+            operation_id = started.result().operation_id
+            op = await agent.stub.GetOperation(pb.GetOperationRequest(operation_id=operation_id))
+    assert op.status == pb.OPERATION_STATUS_FAILED and len(op.error) < 4096, op.error
+    assert checks > 1

@@ -16,6 +16,7 @@ import httpx
 
 from tslice.agent.backends import app_endpoint_hosts, base
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
+from tslice.common import validation
 
 
 class InvalidEndpointConfigError(base.InvalidBackendConfigError):
@@ -99,14 +100,19 @@ def plan(
     if any(not tag for tag in cfg.tags):
         raise InvalidEndpointConfigError(f"app_endpoint.tags{who} contains an empty tag")
     bases: list[httpx.URL] = []
+    # A set, not the list: ``url in bases`` compared URL objects pairwise (quadratic:
+    # minutes for a few thousand endpoints, on the event loop).
+    seen: set[str] = set()
     for endpoint in cfg.endpoints:
         url = _parse_endpoint(endpoint)
         _check_allowed(endpoint, url, allowed_hosts)
-        if url in bases:
+        key = str(url)
+        if key in seen:
             raise InvalidEndpointConfigError(
-                f"app_endpoint.endpoints{who} names {endpoint!r} twice; "
+                f"app_endpoint.endpoints{who} names {validation.shown(endpoint)} twice; "
                 "each engine must be listed once"
             )
+        seen.add(key)
         bases.append(url)
     return EnginePlan(
         dialect=dialect,
@@ -119,7 +125,9 @@ def plan(
 
 def _parse_endpoint(endpoint: str) -> httpx.URL:
     def invalid(why: str) -> InvalidEndpointConfigError:
-        return InvalidEndpointConfigError(f"app_endpoint endpoint {endpoint!r} {why}")
+        return InvalidEndpointConfigError(
+            f"app_endpoint endpoint {validation.shown(endpoint)} {why}"
+        )
 
     try:
         url = httpx.URL(endpoint)
@@ -152,7 +160,8 @@ def _check_allowed(
         return
     listed = ", ".join(p.text for p in allowed) or "(nothing)"
     raise EndpointNotAllowedError(
-        f"app_endpoint endpoint {endpoint!r} is refused: host {url.host!r} port {port} is not "
+        f"app_endpoint endpoint {validation.shown(endpoint)} is refused: host "
+        f"{validation.shown(url.host)} port {port} is not "
         f"in this agent's app-endpoint allowed_hosts ({listed}); add it to the agent config "
         "if this engine is meant to be driven by this agent"
     )
