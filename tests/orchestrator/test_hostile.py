@@ -8,6 +8,7 @@ import grpc
 import pytest
 
 from tests.orchestrator.orch_harness import Cluster, Events, acquire, yield_
+from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
 from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2 as opb
 
 
@@ -175,3 +176,28 @@ async def test_a_request_id_may_be_used_again_once_answered(cluster: Cluster) ->
     reply = await call.read()
     assert reply.request_id == 7 and reply.release.success
     await call.done_writing()
+
+
+# ---- 6. grant epochs behind the agents' marks ----------------------------------------------
+
+
+@pytest.mark.parametrize("mark", [7, 10**9])
+async def test_grants_go_on_past_an_agent_mark_ahead_of_the_orchestrator(
+    cluster: Cluster, mark: int
+) -> None:
+    # What an orchestrator that lost its database sees: the agents remember later epochs.
+    a = await cluster.start_agent("node-a")
+    b = await cluster.start_agent("node-b")
+    await a.stub.Grant(pb.GrantRequest(job_id="old", group="g", grant_epoch=mark, wait_ms=1000))
+    await b.stub.Grant(pb.GrantRequest(job_id="old", group="g", grant_epoch=3, wait_ms=1000))
+    await cluster.start_orchestrator(groups={"g": ["node-a", "node-b"]}, max_refusals=2)
+    stub = cluster.stub()
+    first = await asyncio.wait_for(acquire(stub, "a", "g"), 30)
+    assert first.success and first.grant_epoch == mark + 1
+    for agent in (a, b):  # the old resident was moved out everywhere
+        assert await agent.state("a") == pb.JOB_STATE_RUNNING
+        assert await agent.state("old") == pb.JOB_STATE_SAVED
+    await yield_(stub, "a", "g")
+    assert (await asyncio.wait_for(acquire(stub, "b", "g"), 30)).grant_epoch == mark + 2
+    status = (await stub.GetGroupStatus(opb.GetGroupStatusRequest(group_id="g"))).group
+    assert status.locking_job == "b" and not status.degraded and status.grant_epoch == mark + 2

@@ -27,7 +27,7 @@ from typing import Any
 
 from tslice.agent.backends import base
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
-from tslice.common import refusals
+from tslice.common import grant_marks, refusals
 
 
 class State(enum.Enum):
@@ -403,15 +403,23 @@ def check_epoch(*, job_id: str, group: str, epoch: int, last: GrantMark | None, 
     """
     if not group or epoch <= 0 or last is None:
         return
+    # The mark ends the message (grant_marks): an orchestrator that lost its state
+    # numbers its next grant past it.
     if epoch < last.epoch:
         raise _precondition(
-            f"stale grant: epoch {epoch} of group {group} is older than epoch {last.epoch} "
-            f"(job {last.job_id}) already seen on node {node}"
+            grant_marks.tagged(
+                f"stale grant: epoch {epoch} of group {group} is older than epoch "
+                f"{last.epoch} (job {last.job_id}) already seen on node {node}",
+                last.epoch,
+            )
         )
     if epoch == last.epoch and last.job_id != job_id:
         raise _precondition(
-            f"stale grant: epoch {epoch} of group {group} was already used for job "
-            f"{last.job_id} on node {node}"
+            grant_marks.tagged(
+                f"stale grant: epoch {epoch} of group {group} was already used for job "
+                f"{last.job_id} on node {node}",
+                last.epoch,
+            )
         )
 
 

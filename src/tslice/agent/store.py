@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from tslice.agent import jobs
-from tslice.common import sqlite_wal
+from tslice.common import errors, sqlite_wal
 
 _T = TypeVar("_T")
 
@@ -173,6 +173,10 @@ _SELECT_OPERATIONS = f"SELECT {', '.join(c.name for c in _OPERATION_COLUMNS)} FR
 _UPSERT_MARK = _upsert("grants", ("grp", "epoch", "job_id"))
 
 
+class StateDatabaseError(errors.TsliceError):
+    """The agent's state database cannot be opened; the message names the file."""
+
+
 @dataclasses.dataclass(frozen=True)
 class Loaded:
     job_map: dict[jobs.Key, jobs.Job]
@@ -196,6 +200,19 @@ class Store:
         store = cls(state_dir / DB_FILE)
         try:
             await store._run(store._open_sync)
+        except sqlite3.DatabaseError as err:
+            store._executor.shutdown(wait=False)
+            if isinstance(err, sqlite3.OperationalError):
+                raise StateDatabaseError(
+                    f"cannot open the agent state database {store.path}: {err} (check "
+                    "--state-dir exists and is writable)"
+                ) from err
+            # Garbage or a damaged file: never guessed at, never overwritten.
+            raise StateDatabaseError(
+                f"the agent state database {store.path} is corrupt or not a tslice database "
+                f"({err}); nothing was changed. Move it aside (keep it for a post-mortem) and "
+                "start again: the jobs' saved states on this node are then unknown to the agent"
+            ) from err
         except BaseException:
             store._executor.shutdown(wait=False)
             raise
@@ -248,6 +265,9 @@ class Store:
             # A checkpoint never blocks a writer; anything else holding the file (an
             # operator's sqlite3 shell) is waited for briefly rather than failing at once.
             conn.execute("PRAGMA busy_timeout=1000")
+            problems = [str(r[0]) for r in conn.execute("PRAGMA quick_check(3)")]
+            if problems != ["ok"]:
+                raise sqlite3.DatabaseError(f"integrity check failed: {'; '.join(problems)}")
             row = conn.execute("PRAGMA user_version").fetchone()
             version = int(row[0]) if row else 0
             if version > _SCHEMA_VERSION:

@@ -403,6 +403,19 @@ class GroupLock:
             self._queue_first(s)
         return self._promote(now)
 
+    def on_stale_epoch(self, *, epoch: int, mark: int, now: float) -> list[act.Action]:
+        """A node refused the switch's grant as stale, naming its mark: this group's
+        state was lost (its epochs start again below what the agents saw). Epochs go on
+        past the mark, never below it, and the target is granted again at once."""
+        s = self._switch
+        if s is None or s.epoch != epoch:
+            return []
+        self._epoch = max(self._epoch, mark)
+        actions = self.on_switch_failed(epoch=epoch, detail=f"stale epoch (mark {mark})", now=now)
+        if self._switch is None:
+            self.detail = f"grant epochs continue past the agents' mark {mark}"
+        return actions
+
     def on_switch_refused(
         self, *, epoch: int, code: refusals.Code, detail: str, now: float
     ) -> list[act.Action]:

@@ -75,6 +75,15 @@ class StoreError(Exception):
     """The state database cannot be opened or written."""
 
 
+def _check_integrity(conn: sqlite3.Connection) -> None:
+    """Raise ``sqlite3.DatabaseError`` if the file is damaged (a truncated or empty file
+    is a valid empty database; garbage fails here, or already at the first PRAGMA)."""
+    problems = [str(row[0]) for row in conn.execute("PRAGMA quick_check(3)")]
+    if problems != ["ok"]:
+        conn.close()
+        raise sqlite3.DatabaseError(f"integrity check failed: {'; '.join(problems)}")
+
+
 class Store:
     """Async facade over the SQLite database; use :meth:`open`."""
 
@@ -95,6 +104,20 @@ class Store:
         store = cls(state_dir / "orchestrator.db", synchronous=synchronous)
         try:
             await store._run(store._open_sync)
+        except sqlite3.DatabaseError as err:
+            store._executor.shutdown(wait=False)
+            if isinstance(err, sqlite3.OperationalError):
+                raise StoreError(
+                    f"cannot open state database {store.path}: {err} "
+                    "(check --state-dir exists and is writable)"
+                ) from err
+            # Garbage (not SQLite) or a damaged file: never guessed at, never overwritten.
+            raise StoreError(
+                f"state database {store.path} is corrupt or not a tslice database ({err}); "
+                "nothing was changed. Move it aside (keep it for a post-mortem) and start "
+                "again: the agents' reports restore grant epochs and residents, waiting jobs "
+                "re-queue when they retry"
+            ) from err
         except (OSError, sqlite3.Error) as err:
             store._executor.shutdown(wait=False)
             raise StoreError(
@@ -145,6 +168,7 @@ class Store:
         # Checkpoints (fsyncs) run in the checkpointer's thread, never in a save.
         conn.execute("PRAGMA wal_autocheckpoint=0")
         conn.execute("PRAGMA busy_timeout=5000")
+        _check_integrity(conn)
         conn.executescript(_SCHEMA)
         columns = {row[1] for row in conn.execute("PRAGMA table_info(groups)")}
         if "holder_lease_ms" not in columns:

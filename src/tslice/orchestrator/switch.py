@@ -48,7 +48,7 @@ import grpc
 
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
 from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2 as opb
-from tslice.common import refusals
+from tslice.common import grant_marks, refusals
 from tslice.orchestrator import agents, compat_agent, config, events, steps
 
 
@@ -63,6 +63,16 @@ class NodeDegraded(GiveUp):
         super().__init__(f"node {node} degraded: {reason}")
         self.node = node
         self.reason = reason
+
+
+class StaleEpoch(GiveUp):
+    """A node refused the grant as stale and named its mark: the orchestrator's epoch is
+    behind what the agents saw (its database was lost or truncated)."""
+
+    def __init__(self, node: str, mark: int, detail: str) -> None:
+        super().__init__(f"{node}: {detail}")
+        self.node = node
+        self.mark = mark
 
 
 class JobRefused(GiveUp):
@@ -86,6 +96,16 @@ _PERMANENT = (
     grpc.StatusCode.OUT_OF_RANGE,
     grpc.StatusCode.UNIMPLEMENTED,
 )
+
+
+def _stale_mark(err: agents.AgentRejected, epoch: int) -> int | None:
+    """The agent's mark if ``err`` refuses ``epoch`` as stale and the mark can be passed."""
+    if err.code != grpc.StatusCode.FAILED_PRECONDITION or err.operation != "grant":
+        return None
+    mark = grant_marks.mark_of(err.reason)
+    if mark is None or mark < epoch or mark >= grant_marks.MAX_ADOPTED:
+        return None
+    return mark
 
 
 class SwitchHooks(Protocol):
@@ -170,6 +190,9 @@ class NodeSwitcher:
                 unreachable, detail = False, str(err)
                 if err.code in _REFUSED_FOR_GOOD:
                     raise JobRefused(self.name, _REFUSED_FOR_GOOD[err.code], err.reason) from err
+                mark = _stale_mark(err, self.plan.epoch)
+                if mark is not None:
+                    raise StaleEpoch(self.name, mark, err.reason) from err
                 if not fresh:
                     # Our cached view was stale: re-read Status and retry at once.
                     views.pop(self.name, None)
@@ -401,5 +424,8 @@ async def run_switch(
             for r in failures:
                 if isinstance(r, kind):
                     raise r
+        stale = [r for r in failures if isinstance(r, StaleEpoch)]
+        if stale:
+            raise max(stale, key=lambda r: r.mark)
         raise GiveUp("; ".join(str(r) for r in failures))
     return any(r is True for r in results)

@@ -199,6 +199,16 @@ class SwitchRunner:
                 )
             )
             return
+        except switch.StaleEpoch as stale:
+            mark = stale.mark
+            why = (
+                f"grant epoch {s.epoch} is behind node {stale.node}'s mark {mark} (this "
+                "orchestrator's state was lost or truncated); granting again past it"
+            )
+            log.warning("group %s: %s", self._gid, why, extra={"group_id": self._gid})
+            self._failed(s, why)
+            self._ended(lambda now: group.lock.on_stale_epoch(epoch=s.epoch, mark=mark, now=now))
+            return
         except switch.NodeDegraded as degraded:
             self._failed(s, str(degraded))
             self._ended(self._degrade(s, degraded.node, degraded.reason))
