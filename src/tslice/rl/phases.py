@@ -245,7 +245,7 @@ class Phases:
 
     def _take(self, entry: _book.OpenPhase, timeout: float | None) -> Grants:
         if not self.enabled:
-            if entry.groups and not self._client.config.disabled_on_purpose:
+            if not self._client.config.disabled_on_purpose:
                 _book.announce_noop(self._client.config.noop_reason)
             return MappingProxyType(dict.fromkeys(entry.groups, _NOOP))
         deadline = None if timeout is None else time.monotonic() + timeout
