@@ -70,6 +70,8 @@ def test_env_vars_arguments_win_in_both_spellings() -> None:
     assert env["TSLICE_ROLE"] == "sampler"
     assert env["TSLICE_AGENT"] == env["TSLICE_AGENT_ADDR"] == "127.0.0.1:9001"
     assert all(isinstance(v, str) for v in env.values())  # what Ray's runtime_env accepts
+    hybrid = tslice.rl.ray.env_vars("job-c", group="gpus", environ={})
+    assert hybrid["TSLICE_GROUP"] == hybrid["TIMESLICE_GROUP"] == "gpus"
 
 
 @pytest.mark.parametrize(
@@ -77,6 +79,7 @@ def test_env_vars_arguments_win_in_both_spellings() -> None:
     [
         ({"job_id": "job a"}, "job_id="),
         ({"trainer_group": ""}, "trainer_group="),
+        ({"group": "a b"}, "group="),
         ({"role": "learner"}, "unknown role 'learner'"),
         ({"address": " "}, "address= is empty"),
     ],

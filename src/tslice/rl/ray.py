@@ -42,6 +42,7 @@ import logging
 import os
 import sys
 import threading
+import warnings
 from collections.abc import Mapping
 
 from tslice.client import Client
@@ -81,6 +82,7 @@ def env_vars(
     address: str | None = None,
     trainer_group: str | None = None,
     sampler_group: str | None = None,
+    group: str | None = None,
     role: roles.Role | str | None = None,
     agent: str | None = None,
     environ: Mapping[str, str] | None = None,
@@ -90,8 +92,9 @@ def env_vars(
     The tslice variables of ``environ`` (default: this process's environment; see
     :data:`FORWARDED_ENV`), then the arguments, each written in both spellings
     (tslice's ``TSLICE_*`` and llm-d's ``TIMESLICE_*``) so that no stale variable of
-    the actor's own environment wins. Ids are checked here, in the driver, so that a
-    typo fails before any actor starts.
+    the actor's own environment wins. ``group`` is a colocated job's only group (both
+    pools on the same GPUs, as in veRL's hybrid engine). Ids are checked here, in the
+    driver, so that a typo fails before any actor starts.
     """
     source = os.environ if environ is None else environ
     env = {name: source[name] for name in FORWARDED_ENV if source.get(name, "").strip()}
@@ -102,13 +105,16 @@ def env_vars(
         if not address.strip():
             raise errors.ConfigError("address= is empty: give the orchestrator as host:port")
         env["TSLICE_ORCHESTRATOR"] = env["TIMESLICE_ORCH_ADDR"] = address.strip()
-    for pool, group, names in (
+    for pool, pool_group, names in (
         (roles.Pool.TRAINER, trainer_group, settings.TRAINER_GROUP_ENV),
         (roles.Pool.SAMPLER, sampler_group, settings.SAMPLER_GROUP_ENV),
     ):
-        if group is not None:
-            _check("group", group, f"{pool}_group")
-            env.update(dict.fromkeys(names, group))
+        if pool_group is not None:
+            _check("group", pool_group, f"{pool}_group")
+            env.update(dict.fromkeys(names, pool_group))
+    if group is not None:
+        _check("group", group, "group")
+        env.update(dict.fromkeys(settings.GROUP_ENV, group))
     if role is not None:
         env[settings.ROLE_ENV[0]] = roles.parse_role(role).value
     if agent is not None:
@@ -229,7 +235,9 @@ def _say_if_restarted(made: _phases.Phases) -> None:
     if ray is None or not made.enabled:
         return
     try:
-        restarted = bool(ray.get_runtime_context().was_current_actor_reconstructed)
+        with warnings.catch_warnings():  # Ray's own property uses a deprecated one inside
+            warnings.simplefilter("ignore", DeprecationWarning)
+            restarted = bool(ray.get_runtime_context().was_current_actor_reconstructed)
     except Exception:  # not in an actor, Ray not initialised, an older Ray...
         return
     if restarted:
