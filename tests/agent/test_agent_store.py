@@ -148,3 +148,22 @@ def test_a_version_1_database_is_migrated(tmp_path: Path) -> None:
     assert loaded.job_map[("job-a", "sampler")].host_bytes == 5
     assert loaded.operation_map["op-1"].group == ""
     assert sqlite3.connect(path).execute("PRAGMA user_version").fetchone() == (2,)
+
+
+async def test_the_wal_stays_bounded_under_steady_writes(tmp_path: Path) -> None:
+    db = await store.Store.open(tmp_path)
+    wal = tmp_path / f"{store.DB_FILE}-wal"
+    largest = 0
+    big = jobs.GrantMark(group="g", epoch=1, job_id="x" * 200)
+    try:
+        for i in range(20_000):
+            db.put(
+                job_records=[job(f"job-{i % 40}")],
+                operation_records=[operation(f"op-{i % 500}", "x")],
+                grant_marks=[dataclasses.replace(big, epoch=i + 1)],
+            )
+            if i % 100 == 0:
+                largest = max(largest, wal.stat().st_size if wal.exists() else 0)
+    finally:
+        await db.close()
+    assert largest <= 64 * 1024 * 1024, f"the WAL grew to {largest / 2**20:.0f} MiB"

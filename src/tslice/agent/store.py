@@ -11,8 +11,9 @@ the agent made its decisions; and a caller can store and act without an ``await`
 between, so that a cancellation never separates the two (see ``tslice.agent.runner``).
 A commit survives a crash of the process; only a power loss can drop the last ones,
 and a GPU's memory does not survive that either. WAL checkpoints (which do fsync) run
-in a thread of their own (:class:`tslice.common.sqlite_wal.WalCheckpointer`); opening
-and loading use a thread too.
+in a thread of their own, and keep the WAL bounded
+(:class:`tslice.common.wal_limit.BoundedWalCheckpointer`); opening and loading use a
+thread too.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from tslice.agent import jobs
-from tslice.common import errors, sqlite_wal
+from tslice.common import errors, wal_limit
 
 _T = TypeVar("_T")
 
@@ -193,7 +194,7 @@ class Store:
             max_workers=1, thread_name_prefix="tslice-agent-db"
         )
         self._conn: sqlite3.Connection | None = None
-        self._checkpoints = sqlite_wal.WalCheckpointer(path)
+        self._checkpoints = wal_limit.BoundedWalCheckpointer(path)
 
     @classmethod
     async def open(cls, state_dir: Path) -> Store:
@@ -262,9 +263,12 @@ class Store:
             conn.execute("PRAGMA synchronous=NORMAL")
             # Checkpoints (the only fsyncs) run in the checkpointer's thread, not here.
             conn.execute("PRAGMA wal_autocheckpoint=0")
-            # A checkpoint never blocks a writer; anything else holding the file (an
-            # operator's sqlite3 shell) is waited for briefly rather than failing at once.
-            conn.execute("PRAGMA busy_timeout=1000")
+            # Past its limit the WAL is emptied by the checkpointer and cut back to it.
+            conn.execute(wal_limit.pragma())
+            # The checkpoint that empties a WAL past its limit holds writers back for tens
+            # of milliseconds (hundreds on a slow disk); it, or an operator's sqlite3
+            # shell, is waited for rather than failing a write at once.
+            conn.execute("PRAGMA busy_timeout=5000")
             problems = [str(r[0]) for r in conn.execute("PRAGMA quick_check(3)")]
             if problems != ["ok"]:
                 raise sqlite3.DatabaseError(f"integrity check failed: {'; '.join(problems)}")

@@ -8,9 +8,9 @@ Journal mode WAL with ``synchronous=NORMAL`` by default: a commit is durable
 against a crash of the process (SIGKILL included) because the WAL lives in the
 OS page cache, and it costs no fsync on the hand-over path. Such a commit is a
 few tens of microseconds, less than a hop to a thread and back, so it runs on the
-event loop; the WAL checkpoints, which do fsync, run in a thread of their own
-(:class:`tslice.common.sqlite_wal.WalCheckpointer`). Only a power loss or kernel
-crash can lose the last commits; recovery then re-reads the agents, which hold
+event loop; the WAL checkpoints, which do fsync, run in a thread of their own and
+keep the WAL bounded (:class:`tslice.common.wal_limit.BoundedWalCheckpointer`). Only a
+power loss or kernel crash can lose the last commits; recovery then re-reads the agents, which hold
 the ground truth about residency. ``synchronous="full"`` is available for
 deployments that want power-loss durability of queues and holders as well: every
 commit then fsyncs, so saves run in the store's thread instead.
@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable
 from typing import TypeVar
 
-from tslice.common import sqlite_wal
+from tslice.common import wal_limit
 from tslice.orchestrator import records
 
 _T = TypeVar("_T")
@@ -96,7 +96,7 @@ class Store:
         self._conn: sqlite3.Connection | None = None
         # A commit that fsyncs ("full") must not stall the loop: it goes to the thread.
         self._inline = synchronous != "full"
-        self._checkpoints = sqlite_wal.WalCheckpointer(self.path)
+        self._checkpoints = wal_limit.BoundedWalCheckpointer(self.path)
         self._nodes_cache: dict[str, tuple[tuple[tuple[str, str], ...], str]] = {}
 
     @classmethod
@@ -167,6 +167,8 @@ class Store:
         conn.execute(f"PRAGMA synchronous={'FULL' if self._synchronous == 'full' else 'NORMAL'}")
         # Checkpoints (fsyncs) run in the checkpointer's thread, never in a save.
         conn.execute("PRAGMA wal_autocheckpoint=0")
+        # Past its limit the WAL is emptied by the checkpointer and cut back to it.
+        conn.execute(wal_limit.pragma())
         conn.execute("PRAGMA busy_timeout=5000")
         _check_integrity(conn)
         conn.executescript(_SCHEMA)
