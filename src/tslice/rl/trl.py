@@ -57,10 +57,13 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib
+import itertools
 import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from tslice.client import Client
+from tslice.common import errors
 from tslice.rl import phases as _phases
 from tslice.rl.roles import Phase
 
@@ -143,6 +146,7 @@ class TimeSliceCallback(_TrainerCallback):
         self._register_timeout = register_timeout
         self._chunk_bytes = chunk_bytes
         self._phases: _phases.Phases | None = None
+        self._client: Client | None = None
         self._adapter: TorchAdapter | None = None
         self._trainer: Any = None
         self._wrapped: list[str] = []
@@ -227,6 +231,8 @@ class TimeSliceCallback(_TrainerCallback):
         finally:
             if self._phases is not None:
                 self._phases.close()
+            if self._client is not None:
+                self._client.close()
             for name in self._wrapped:
                 vars(self._trainer).pop(name, None)
             self._wrapped.clear()
@@ -314,19 +320,28 @@ class TimeSliceCallback(_TrainerCallback):
 
     def _start(self, model: Any, optimizer: Any) -> None:
         group = self._group or _env_group()
-        workload = None
-        if self._offload and model is not None:
-            workload = self._adapter = self._make_adapter(model, optimizer)
-        # One group for every phase: TRL generates with the training model itself.
-        self._phases = _phases.Phases(
-            trainer_group=group,
-            sampler_group=group,
-            role="colocated",
-            timeout=self._timeout,
-            workload=workload,
-            agent=self._agent,
-            register_timeout=self._register_timeout,
-        )
+        client = Client()  # made here to know, before registering, whether it is on
+        try:
+            workload = None
+            if self._offload and model is not None:
+                workload = self._adapter = self._make_adapter(model, optimizer)
+                if client.enabled:
+                    _check_movable(model, getattr(self._trainer, "ref_model", None))
+            # One group for every phase: TRL generates with the training model itself.
+            self._phases = _phases.Phases(
+                trainer_group=group,
+                sampler_group=group,
+                role="colocated",
+                client=client,
+                timeout=self._timeout,
+                workload=workload,
+                agent=self._agent,
+                register_timeout=self._register_timeout,
+            )
+        except BaseException:
+            client.close()
+            raise
+        self._client = client
         if self._phases.enabled:
             log.info(
                 "tslice: time-slicing job %r on group %r (offload: %s)",
@@ -392,6 +407,24 @@ def _saves_best(args: Any) -> bool:
 def _inner_optimizer(optimizer: Any) -> Any:
     """accelerate's ``AcceleratedOptimizer`` wraps the torch optimizer that owns the state."""
     return getattr(optimizer, "optimizer", optimizer)
+
+
+def _check_movable(*modules: Any) -> None:
+    """Refuse, before registering, tensors whose memory torch cannot free: the agent's
+    first offload would fail and leave the job FAULTED, with the other jobs waiting."""
+    for module in modules:
+        if module is None:
+            continue
+        for name, tensor in itertools.chain(module.named_parameters(), module.named_buffers()):
+            storage = tensor.untyped_storage()
+            if tensor.device.type != "meta" and storage.nbytes() and not storage.resizable():
+                raise errors.ConfigError(
+                    f"tslice.rl.trl cannot offload {name}: its memory cannot be freed by torch "
+                    "(on CPU, from_pretrained memory-maps the safetensors file). Copy the "
+                    "weights into ordinary memory before training: for t in "
+                    "[*model.parameters(), *model.buffers()]: t.data = t.data.clone()  "
+                    "(weights on a GPU are ordinary memory already)"
+                )
 
 
 def _env_group() -> str | None:
