@@ -369,6 +369,11 @@ def test_configuration_errors_say_what_to_set(stack: Stack) -> None:
         pytest.raises(tslice.ConfigError, match="either client= or address="),
     ):
         Phases(address=address, client=client)
+    with (
+        tslice.Client(address, job_id=None) as anonymous,
+        pytest.raises(tslice.ConfigError, match="a job id is required: pass job_id="),
+    ):
+        Phases(client=anonymous)
     with pytest.raises(PhaseError, match="unknown role 'learner'"):
         Phases(job_id="j", address=address, role="learner")
     with pytest.raises(tslice.ConfigError, match=r"two groups .* workload=\{'trainer'"):

@@ -71,6 +71,7 @@ class PhaseBook:
         sampler_group: str | None,
         *,
         enabled: bool,
+        job_id: str,
     ) -> None:
         self.role = roles.parse_role(role)
         self.trainer_group = settings.check_group(trainer_group, source="trainer_group")
@@ -78,6 +79,11 @@ class PhaseBook:
         self.pools = roles.pool_groups(self.role, self.trainer_group, self.sampler_group)
         if enabled:
             self._check_configured()
+            if not job_id:
+                raise errors.ConfigError(
+                    "a job id is required: pass job_id= or set $TSLICE_JOB_ID "
+                    "(or $TIMESLICE_JOB_ID), or give a client that has one"
+                )
         # Acquisition order of each group: the trainer group before the sampler group.
         self._rank = {group: i for i, group in enumerate(dict.fromkeys(self.pools.values()))}
         self._open: dict[roles.Phase, OpenPhase] = {}
@@ -139,9 +145,14 @@ class PhaseBook:
                     f"first, or begin {phase.value!r} before it"
                 )
 
-    def opened(self, entry: OpenPhase) -> None:
+    def opened(self, entry: OpenPhase) -> bool:
+        """The groups are held; False when the owner was closed meanwhile (release them)."""
         with self._lock:
+            if self.closed:
+                self._open.pop(entry.phase, None)
+                return False
             entry.ready = True
+            return True
 
     def abandon(self, entry: OpenPhase) -> None:
         """The acquisition failed: the phase is not open."""

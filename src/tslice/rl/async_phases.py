@@ -51,7 +51,7 @@ class AsyncPhases:
         self._timeout = timeout
         self._job = (job_id if job_id is not None else self._client.job_id) or ""
         self._book = _book.PhaseBook(
-            role, trainer_group, sampler_group, enabled=self._client.enabled
+            role, trainer_group, sampler_group, enabled=self._client.enabled, job_id=self._job
         )
         self._register_timeout = register_timeout
         self._workloads: _workload.Registrations | None = None
@@ -136,7 +136,9 @@ class AsyncPhases:
         except BaseException:
             self._book.abandon(entry)
             raise
-        self._book.opened(entry)
+        if not self._book.opened(entry):
+            await self._release(entry, None)
+            raise roles.PhaseError(f"phase {entry.phase.value!r} began while closing")
         return grants
 
     async def end(self, phase: roles.Phase | str) -> None:

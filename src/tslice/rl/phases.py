@@ -101,7 +101,7 @@ class Phases:
         self._workloads: _workload.Registrations | None = None
         try:
             self._book = _book.PhaseBook(
-                role, trainer_group, sampler_group, enabled=self._client.enabled
+                role, trainer_group, sampler_group, enabled=self._client.enabled, job_id=self._job
             )
             planned = _workload.plan(workload, self._book.role, self._book.pools)
             if planned and self.enabled:
@@ -194,7 +194,9 @@ class Phases:
         except BaseException:
             self._book.abandon(entry)
             raise
-        self._book.opened(entry)
+        if not self._book.opened(entry):
+            self._release(entry, None)
+            raise roles.PhaseError(f"phase {entry.phase.value!r} began while closing")
         return grants
 
     def end(self, phase: roles.Phase | str) -> None:
