@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import sqlite3
 
 import grpc
+import httpx
 import pytest
 
-from tests.orchestrator.orch_harness import Cluster, Events, acquire, yield_
+from tests.orchestrator.orch_harness import Cluster, Events, acquire, free_port, yield_
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
 from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2 as opb
 
@@ -201,3 +203,72 @@ async def test_grants_go_on_past_an_agent_mark_ahead_of_the_orchestrator(
     assert (await asyncio.wait_for(acquire(stub, "b", "g"), 30)).grant_epoch == mark + 2
     status = (await stub.GetGroupStatus(opb.GetGroupStatusRequest(group_id="g"))).group
     assert status.locking_job == "b" and not status.degraded and status.grant_epoch == mark + 2
+
+
+# ---- 8. local mode: a bounded number of groups, idle ones collected -------------------------
+
+
+BIG = 6 * GiB  # of 10 GiB devices
+
+
+async def _groups(stub: object) -> list[str]:
+    return list((await stub.ListGroups(opb.ListGroupsRequest())).group_ids)  # type: ignore[attr-defined]
+
+
+async def test_local_groups_are_bounded_and_idle_ones_without_residents_collected(
+    cluster: Cluster,
+) -> None:
+    # Two jobs never fit beside each other (60% footprints): a yielded resident gives way.
+    agent = await cluster.start_agent("node-a")
+    await cluster.start_orchestrator(max_local_groups=2, idle_group_ttl_s=0)
+    stub = cluster.stub()
+    for job, gid in (("a", "tmp-1"), ("b", "tmp-2")):
+        await acquire(stub, job, gid, footprint_bytes=BIG)
+        await yield_(stub, job, gid)
+    assert await agent.state("a") == pb.JOB_STATE_SAVED  # gave way to b: tmp-1 holds nothing
+    # A third group: tmp-1 (idle, nothing resident) is collected; tmp-2's resident stays.
+    await acquire(stub, "c", "tmp-3", footprint_bytes=BIG)
+    assert await _groups(stub) == ["tmp-2", "tmp-3"]
+    await yield_(stub, "c", "tmp-3")
+    # tmp-1 comes back as a new group, and its job's saved state with it.
+    again = await asyncio.wait_for(acquire(stub, "a", "tmp-1"), 30)
+    assert again.success and again.context_restored
+    assert await _groups(stub) == ["tmp-1", "tmp-3"]
+    # Full, and nothing may go (a holds both groups): a new group is refused at once.
+    assert (await asyncio.wait_for(acquire(stub, "a", "tmp-3"), 30)).success
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await acquire(stub, "d", "tmp-4")
+    assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "max_local_groups" in info.value.details() and "tmp-4" in info.value.details()
+    assert await _groups(stub) == ["tmp-1", "tmp-3"]
+
+
+async def test_a_collected_group_leaves_no_rows_and_no_metrics_behind(cluster: Cluster) -> None:
+    await cluster.start_agent("node-a")
+    cfg = cluster.config(max_local_groups=2, idle_group_ttl_s=0, metrics_port=free_port())
+    await cluster.start_orchestrator(cfg)
+    stub = cluster.stub()
+    for job, gid in (("a", "old"), ("b", "mid"), ("c", "new")):  # each gives way to the next
+        await acquire(stub, job, gid, footprint_bytes=BIG)
+        await yield_(stub, job, gid)
+    assert await _groups(stub) == ["mid", "new"]  # "old" went to make room for "new"
+    async with httpx.AsyncClient() as http:
+        text = (await http.get(f"http://127.0.0.1:{cfg.metrics_port}/metrics")).text
+    assert 'group_id="new"' in text and 'group_id="old"' not in text
+    await cluster.stop_orchestrator()
+    with sqlite3.connect(cfg.state_dir / "orchestrator.db") as db:
+        rows = db.execute("SELECT group_id FROM groups").fetchall()
+    assert sorted(rows) == [("mid",), ("new",)]
+
+
+async def test_declared_groups_are_never_collected(cluster: Cluster) -> None:
+    await cluster.start_agent("node-a")
+    await cluster.start_orchestrator(local_groups=["s", "t"], idle_group_ttl_s=0)
+    stub = cluster.stub()
+    for job, gid in (("a", "s"), ("b", "t")):
+        await acquire(stub, job, gid)
+        await yield_(stub, job, gid)
+    assert await _groups(stub) == ["s", "t"]
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await acquire(stub, "c", "u")
+    assert info.value.code() == grpc.StatusCode.NOT_FOUND

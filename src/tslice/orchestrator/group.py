@@ -143,6 +143,11 @@ class GroupDriver:
         #: Effects held back until a starting switch has sent its first calls (see _worker).
         self._deferred: list[Effect] | None = None
         self._stopping = False
+        #: Commands applied so far, and when the last one was (see idle_since, retire).
+        self._activity = 0
+        self._active_at = time.monotonic()
+        #: Collected as idle (local mode): its rows are deleted, a new driver takes its id.
+        self.retired = False
         self._acquire_wait = self._metrics.acquire_wait.labels(group_id=group_id)
         self._deferred_snapshots = self._metrics.deferred_snapshots.labels(group_id=group_id)
         self._arbiter.join(
@@ -198,11 +203,55 @@ class GroupDriver:
             if not reply.done():
                 reply.set_exception(_shutting_down())
 
+    # ---- idle collection (local mode) ------------------------------------------------------
+
+    def idle_since(self) -> tuple[int, float] | None:
+        """``(activity, since)`` if nobody holds, waits for or switches the group and no
+        Hold stream is open (residents are the agents' to tell), else ``None``."""
+        lk = self.lock
+        busy = (
+            self._stopping
+            or lk.recovering
+            or lk.holder is not None
+            or lk.switching is not None
+            or bool(lk.waiting_jobs)
+            or any(self._waiters.values())
+            or bool(self._replies)
+            or self._leases.open_streams > 0
+        )
+        return None if busy else (self._activity, self._active_at)
+
+    async def retire(self, activity: int) -> bool:
+        """Collect the group if it is still idle and nothing happened to it since
+        ``activity`` (the caller read the agents meanwhile): it stops taking calls and its
+        rows are deleted at once, before any other group of the same id can save."""
+
+        def decide(now: float) -> bool:
+            # This command counts as one activity itself (see _worker).
+            if self._activity != activity + 1 or self.idle_since() is None:
+                return False
+            self._db.forget(self.group_id)
+            self._stopping = self.retired = True
+            return True
+
+        if self._stopping:
+            return False
+        return await self._ask(decide)
+
+    def _gone(self) -> refusals.Refused:
+        if self.retired:
+            return refusals.Refused(
+                refusals.Code.UNAVAILABLE,
+                f"group {self.group_id!r} was just collected as idle; retry (a new "
+                "Acquire creates it again)",
+            )
+        return _shutting_down()
+
     # ---- RPC entry points ------------------------------------------------------------------
 
     async def acquire(self, job: str, *, footprint_bytes: int, lease_ms: int = 0) -> Grant:
         if self._stopping:
-            raise _shutting_down()
+            raise self._gone()
         started = time.monotonic()
         if footprint_bytes > 0:
             await self._check_fits(job, footprint_bytes)
@@ -252,7 +301,7 @@ class GroupDriver:
 
     async def yield_(self, job: str) -> decisions.YieldOutcome:
         if self._stopping:
-            raise _shutting_down()
+            raise self._gone()
         reply: asyncio.Future[decisions.YieldOutcome] = asyncio.get_running_loop().create_future()
         self._replies.add(reply)
         reply.add_done_callback(self._replies.discard)
@@ -362,6 +411,8 @@ class GroupDriver:
             now = time.monotonic()
             effects: list[Effect] = []
             for apply in batch:
+                self._activity += 1
+                self._active_at = now
                 try:
                     effects += apply(now)
                 except Exception:

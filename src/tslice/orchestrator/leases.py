@@ -70,6 +70,10 @@ class Leases:
         self._opened.inc()
         return session
 
+    @property
+    def open_streams(self) -> int:
+        return len(self._holds)
+
     def close(self, session: HoldSession) -> None:
         self._holds.discard(session)
 

@@ -1,13 +1,31 @@
-"""The set of groups: static from the topology, or created on first Acquire in local mode."""
+"""The set of groups: static from the topology, or created on first Acquire in local mode.
+
+In local mode without ``--group`` anyone can name a new group, so their number is
+bounded (``max_local_groups``) and idle ones are collected: a group with no holder, no
+waiter, no switch and no open Hold stream for ``idle_group_ttl_s``, whose state is
+resident on no node (the agents are asked: a yielded resident still on the devices
+keeps its group), is forgotten, rows, metrics series and all. Its jobs' saved states
+stay on the agents, so a later Acquire of the same id restores them. Sweeps run
+periodically and whenever a new group would pass the bound. Declared groups (a
+topology, or ``--group``) are never collected.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
+from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
+from tslice.common import refusals, tasks
 from tslice.orchestrator import config, group, records
 
 log = logging.getLogger(__name__)
+
+#: Job states that hold a node's devices (or may: FAULTED) and keep a group alive.
+_HOLDING = frozenset({pb.JOB_STATE_RUNNING, pb.JOB_STATE_TRANSITIONING, pb.JOB_STATE_FAULTED})
+#: Longest pause between two periodic sweeps, seconds.
+_MAX_SWEEP_INTERVAL_S = 60.0
 
 
 class GroupManager:
@@ -15,6 +33,9 @@ class GroupManager:
         self._services = services
         self._cfg = services.cfg
         self._groups: dict[str, group.GroupDriver] = {}
+        #: One creation (with its sweep) at a time.
+        self._creating = asyncio.Lock()
+        self._collector: asyncio.Task[None] | None = None
 
     @property
     def local(self) -> bool:
@@ -29,6 +50,7 @@ class GroupManager:
         if self.local:
             for gid, (_, record) in persisted.items():
                 self._add(gid, topo.local_nodes, record)
+            self._collector = tasks.spawn(self._collect_periodically(), name="groups:collector")
             return
         # Local mode with --group: the named groups, each spanning every local agent.
         configured = topo.groups or {gid: topo.local_nodes for gid in topo.local_groups}
@@ -48,14 +70,96 @@ class GroupManager:
         driver.start()
         return driver
 
-    def get(self, gid: str, *, create: bool = False) -> group.GroupDriver | None:
+    def get(self, gid: str) -> group.GroupDriver | None:
+        return self._groups.get(gid)
+
+    async def get_or_create(self, gid: str) -> group.GroupDriver | None:
+        """The group, created first in local mode (``None``: no such group); raises
+        ``refusals.Refused`` (RESOURCE_EXHAUSTED) when local mode is full."""
         driver = self._groups.get(gid)
-        if driver is None and create and self.local:
+        if driver is not None or not self.local:
+            return driver
+        async with self._creating:
+            driver = self._groups.get(gid)
+            if driver is not None:
+                return driver
+            limit = self._cfg.max_local_groups
+            if len(self._groups) >= limit:
+                await self.collect()
+            if len(self._groups) >= limit:
+                raise refusals.Refused(
+                    refusals.Code.RESOURCE_EXHAUSTED,
+                    f"local mode serves at most {limit} groups at once (max_local_groups) "
+                    f"and none of them is idle with nothing resident; cannot create group "
+                    f"{gid!r}: yield or finish the jobs of other groups, raise "
+                    "max_local_groups, or declare the groups with --group",
+                )
             log.info(
                 "group %s created by its first Acquire (local mode)", gid, extra={"group_id": gid}
             )
-            driver = self._add(gid, self._cfg.topology.local_nodes, None)
-        return driver
+            return self._add(gid, self._cfg.topology.local_nodes, None)
+
+    async def collect(self) -> list[str]:
+        """Forget the groups idle for ``idle_group_ttl_s`` with nothing resident on any node;
+        their ids. Nothing is collected while a node does not answer."""
+        now = time.monotonic()
+        ttl = self._cfg.idle_group_ttl_s
+        candidates: list[tuple[group.GroupDriver, int]] = []
+        for driver in self._groups.values():
+            idle = driver.idle_since()
+            if idle is not None and now - idle[1] >= ttl:
+                candidates.append((driver, idle[0]))
+        if not candidates:
+            return []
+        holding = await self._groups_holding_devices()
+        if holding is None:
+            return []
+        collected: list[group.GroupDriver] = []
+        for driver, activity in candidates:
+            if driver.group_id in holding or self._groups.get(driver.group_id) is not driver:
+                continue
+            if await driver.retire(activity):
+                del self._groups[driver.group_id]
+                collected.append(driver)
+        for driver in collected:
+            await driver.stop(grace_s=0.0)
+            self._services.arbiter.forget(driver.group_id)
+            self._services.metrics.forget_group(driver.group_id)
+        if collected:
+            gone = sorted(d.group_id for d in collected)
+            log.info(
+                "collected %d idle group(s) (local mode): %s; %d left",
+                len(gone),
+                ", ".join(gone),
+                len(self._groups),
+            )
+        return sorted(d.group_id for d in collected)
+
+    async def _groups_holding_devices(self) -> set[str] | None:
+        """The groups with a job state on some node's devices; ``None`` if a node did not
+        answer (then nobody knows, and nothing may go)."""
+        nodes = self._cfg.topology.local_nodes
+        timeout_s = min(1.0, self._cfg.status_timeout_s)
+        pool = self._services.pool
+        replies = await asyncio.gather(
+            *(pool.get(n.address).status(timeout_s=timeout_s) for n in nodes),
+            return_exceptions=True,
+        )
+        holding: set[str] = set()
+        for reply in replies:
+            if isinstance(reply, BaseException):
+                return None
+            holding.update(js.group for js in reply.job_statuses if js.state in _HOLDING)
+        return holding
+
+    async def _collect_periodically(self) -> None:
+        interval = min(max(self._cfg.idle_group_ttl_s, 1.0), _MAX_SWEEP_INTERVAL_S)
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                await self.collect()
+            except Exception:
+                log.exception("collecting idle groups failed; retrying at the next sweep")
 
     def ids(self) -> list[str]:
         return sorted(self._groups)
@@ -69,4 +173,6 @@ class GroupManager:
         return f"group {gid!r} is not in the topology (known groups: {known})"
 
     async def stop(self, *, grace_s: float) -> None:
+        if self._collector is not None:
+            await tasks.cancel_all([self._collector])
         await asyncio.gather(*(d.stop(grace_s=grace_s) for d in self._groups.values()))

@@ -93,6 +93,25 @@ class OrchestratorMetrics:
     ) -> prom.Histogram:
         return prom.Histogram(name, doc, labels, buckets=buckets, registry=self.registry)
 
+    def forget_group(self, group_id: str) -> None:
+        """Drop every series of a group that is gone (an idle local group collected)."""
+        self._states.pop(group_id, None)
+        for key in [k for k in self._state_children if k[0] == group_id]:
+            del self._state_children[key]
+        for family in (
+            self.queue_depth,
+            self.acquire_wait,
+            self.agent_operation,
+            self.deferred_snapshots,
+            self.switches,
+            self.switch_duration,
+            self.switch_step_failures,
+            self.group_state,
+            self.hold_streams,
+            self.hold_streams_opened,
+        ):
+            _remove_group(family, group_id)
+
     def set_state(self, group_id: str, state: str) -> None:
         previous = self._states.get(group_id)
         if previous is None:
@@ -111,3 +130,13 @@ class OrchestratorMetrics:
             series = self.group_state.labels(group_id=group_id, state=state)
             self._state_children[(group_id, state)] = series
         return series
+
+
+def _remove_group(family: Any, group_id: str) -> None:
+    if hasattr(family, "remove_by_labels"):  # prometheus_client >= 0.22
+        family.remove_by_labels({"group_id": group_id})
+        return
+    at = list(family._labelnames).index("group_id")
+    with family._lock:
+        for values in [v for v in family._metrics if v[at] == group_id]:
+            del family._metrics[values]

@@ -92,6 +92,13 @@ class DeviceArbiter:
         self._waiting = [w for w in self._waiting if w[0] != group]
         self.release(group)
 
+    def forget(self, group: str) -> None:
+        """The group is gone for good (an idle local group collected): drop it."""
+        self.leave(group)
+        self._members.pop(group, None)
+        for other in self._conflicts.pop(group, set()):
+            self._conflicts[other].discard(group)
+
     # ---- queries ---------------------------------------------------------------------------
 
     def conflicts(self, group: str) -> frozenset[str]:

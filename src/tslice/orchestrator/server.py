@@ -97,8 +97,10 @@ class OrchestratorServicer(opb_grpc.TimeSliceOrchestratorServiceServicer):
         """End the long-lived Session streams (after the groups stopped)."""
         self._closing.set()
 
-    def _driver(self, gid: str, *, create: bool = False) -> group.GroupDriver:
-        driver = self._groups.get(gid, create=create)
+    def _driver(self, gid: str) -> group.GroupDriver:
+        return self._found(gid, self._groups.get(gid))
+
+    def _found(self, gid: str, driver: group.GroupDriver | None) -> group.GroupDriver:
         if driver is None:
             raise refusals.Refused(refusals.Code.NOT_FOUND, self._groups.not_found_message(gid))
         return driver
@@ -158,7 +160,7 @@ class OrchestratorServicer(opb_grpc.TimeSliceOrchestratorServiceServicer):
         gid = _checked_id("group_id", request.group_id)
         _at_least_0("footprint_bytes", request.footprint_bytes, "default")
         _at_least_0("lease_ms", request.lease_ms, "no lease")
-        driver = self._driver(gid, create=True)
+        driver = self._found(gid, await self._groups.get_or_create(gid))
         grant = await driver.acquire(
             job, footprint_bytes=request.footprint_bytes, lease_ms=request.lease_ms
         )

@@ -155,6 +155,24 @@ class Store:
                 f"cannot write state of group {group_id!r} to {self.path}: {err}"
             ) from err
 
+    def forget(self, group_id: str) -> None:
+        """Delete every row of a group that is gone (an idle local group collected).
+
+        Called synchronously, so that no save of a new group of the same id can come
+        first: inline it runs now, else it is queued in the store's thread before any
+        later save.
+        """
+        self._nodes_cache.pop(group_id, None)
+        try:
+            if self._inline:
+                self._forget_sync(group_id)
+            else:
+                self._executor.submit(self._forget_sync, group_id)
+        except sqlite3.Error as err:
+            raise StoreError(
+                f"cannot delete state of group {group_id!r} from {self.path}: {err}"
+            ) from err
+
     # ---- thread side -----------------------------------------------------------------------
 
     async def _run(self, fn: Callable[[], _T]) -> _T:
@@ -187,6 +205,20 @@ class Store:
                 f"schema version {row[0]} is not supported (expected {SCHEMA_VERSION})"
             )
         self._conn = conn
+
+    def _forget_sync(self, gid: str) -> None:
+        conn = self._conn
+        assert conn is not None
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            for table in ("groups", "queue", "footprints", "intents"):
+                conn.execute(f"DELETE FROM {table} WHERE group_id=?", (gid,))
+            conn.execute("COMMIT")
+        except BaseException:
+            if conn.in_transaction:
+                conn.execute("ROLLBACK")
+            raise
+        self._checkpoints.committed()
 
     def _close_sync(self) -> None:
         assert self._conn is not None
