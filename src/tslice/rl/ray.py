@@ -24,11 +24,12 @@ own client. ::
                 ...
 
 :func:`phases` and :func:`client` return one object per process, made on first use
-and closed at exit, so that an actor's methods (and several actors' helpers in one
-worker process) share one channel. A process that forks gets its own. An actor that
-Ray restarts is a new process: it makes a new client, and the groups its previous
-incarnation held stay with the job until the new one re-enters a phase (granted at
-once: the job still holds them) or the lease runs out (``$TSLICE_LEASE_S``, 30 s).
+and closed at a normal exit (a killed process's groups go when its lease runs out), so
+that an actor's methods (and the tasks that reuse a worker process) share one channel.
+A process that forks gets its own. An actor that Ray restarts is a new process: it
+makes a new client, and the groups its previous incarnation held stay with the job
+until the new one re-enters a phase (granted at once: the job still holds them) or
+the lease runs out (``$TSLICE_LEASE_S``, 30 s).
 
 Ray itself is not imported by this module (only asked, when it is already loaded,
 whether the actor was restarted, for the log).
