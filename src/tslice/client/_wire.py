@@ -33,13 +33,21 @@ def value(kind: type[T], message: pb_message.Message, /, **given: Any) -> T:
         name = field.name
         if name in given:
             values[name] = given[name]
-        elif fields[name].is_repeated:
+        elif _is_repeated(fields[name]):
             values[name] = tuple(getattr(message, name))
         elif fields[name].has_presence and not message.HasField(name):
             values[name] = None
         else:
             values[name] = getattr(message, name)
     return kind(**values)
+
+
+def _is_repeated(field: Any) -> bool:
+    # protobuf 7 has only ``is_repeated``; before 6.31 there is only ``label``.
+    repeated = getattr(field, "is_repeated", None)
+    if repeated is not None:
+        return bool(repeated)
+    return bool(field.label == field.LABEL_REPEATED)
 
 
 def enum_member(kind: type[E], wire: _WireEnum, number: int, *, prefix: str) -> E:

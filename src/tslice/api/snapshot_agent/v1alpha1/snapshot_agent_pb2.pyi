@@ -3,8 +3,7 @@ from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from collections.abc import Iterable as _Iterable, Mapping as _Mapping
-from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+from typing import ClassVar as _ClassVar, Iterable as _Iterable, Mapping as _Mapping, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
@@ -169,7 +168,7 @@ class RegisterWorkload(_message.Message):
     suspended: bool
     pid: int
     features: WorkloadFeatures
-    def __init__(self, job_id: _Optional[str] = ..., group: _Optional[str] = ..., capabilities: _Optional[_Union[WorkloadCapabilities, _Mapping]] = ..., resident_tags: _Optional[_Iterable[str]] = ..., suspended: _Optional[bool] = ..., pid: _Optional[int] = ..., features: _Optional[_Union[WorkloadFeatures, _Mapping]] = ...) -> None: ...
+    def __init__(self, job_id: _Optional[str] = ..., group: _Optional[str] = ..., capabilities: _Optional[_Union[WorkloadCapabilities, _Mapping]] = ..., resident_tags: _Optional[_Iterable[str]] = ..., suspended: bool = ..., pid: _Optional[int] = ..., features: _Optional[_Union[WorkloadFeatures, _Mapping]] = ...) -> None: ...
 
 class WorkloadFeatures(_message.Message):
     __slots__ = ("keepalive", "reports_state")
@@ -177,7 +176,7 @@ class WorkloadFeatures(_message.Message):
     REPORTS_STATE_FIELD_NUMBER: _ClassVar[int]
     keepalive: bool
     reports_state: bool
-    def __init__(self, keepalive: _Optional[bool] = ..., reports_state: _Optional[bool] = ...) -> None: ...
+    def __init__(self, keepalive: bool = ..., reports_state: bool = ...) -> None: ...
 
 class CommandResult(_message.Message):
     __slots__ = ("command_id", "ok", "error", "device_bytes", "host_bytes")
@@ -191,7 +190,7 @@ class CommandResult(_message.Message):
     error: str
     device_bytes: int
     host_bytes: int
-    def __init__(self, command_id: _Optional[str] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ..., device_bytes: _Optional[int] = ..., host_bytes: _Optional[int] = ...) -> None: ...
+    def __init__(self, command_id: _Optional[str] = ..., ok: bool = ..., error: _Optional[str] = ..., device_bytes: _Optional[int] = ..., host_bytes: _Optional[int] = ...) -> None: ...
 
 class Ping(_message.Message):
     __slots__ = ("nonce",)
@@ -363,7 +362,7 @@ class AgentFeatures(_message.Message):
     GRANT_STREAM_FIELD_NUMBER: _ClassVar[int]
     grant_step: bool
     grant_stream: bool
-    def __init__(self, grant_step: _Optional[bool] = ..., grant_stream: _Optional[bool] = ...) -> None: ...
+    def __init__(self, grant_step: bool = ..., grant_stream: bool = ...) -> None: ...
 
 class WaitOperationRequest(_message.Message):
     __slots__ = ("operation_id", "timeout_ms")
@@ -395,7 +394,7 @@ class GrantRequest(_message.Message):
     wait_ms: int
     give_way: _containers.RepeatedCompositeFieldContainer[JobRef]
     devices: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, job_id: _Optional[str] = ..., group: _Optional[str] = ..., grant_epoch: _Optional[int] = ..., footprint_bytes: _Optional[int] = ..., backend_config: _Optional[_Union[BackendConfig, _Mapping]] = ..., evict: _Optional[_Iterable[str]] = ..., restore: _Optional[bool] = ..., wait_ms: _Optional[int] = ..., give_way: _Optional[_Iterable[_Union[JobRef, _Mapping]]] = ..., devices: _Optional[_Iterable[int]] = ...) -> None: ...
+    def __init__(self, job_id: _Optional[str] = ..., group: _Optional[str] = ..., grant_epoch: _Optional[int] = ..., footprint_bytes: _Optional[int] = ..., backend_config: _Optional[_Union[BackendConfig, _Mapping]] = ..., evict: _Optional[_Iterable[str]] = ..., restore: bool = ..., wait_ms: _Optional[int] = ..., give_way: _Optional[_Iterable[_Union[JobRef, _Mapping]]] = ..., devices: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class JobRef(_message.Message):
     __slots__ = ("job_id", "group")
@@ -417,7 +416,7 @@ class GrantResponse(_message.Message):
     operations: _containers.RepeatedCompositeFieldContainer[GetOperationResponse]
     operation_ids: _containers.RepeatedScalarFieldContainer[str]
     restored: bool
-    def __init__(self, state: _Optional[_Union[JobState, str]] = ..., granted: _Optional[bool] = ..., operations: _Optional[_Iterable[_Union[GetOperationResponse, _Mapping]]] = ..., operation_ids: _Optional[_Iterable[str]] = ..., restored: _Optional[bool] = ...) -> None: ...
+    def __init__(self, state: _Optional[_Union[JobState, str]] = ..., granted: bool = ..., operations: _Optional[_Iterable[_Union[GetOperationResponse, _Mapping]]] = ..., operation_ids: _Optional[_Iterable[str]] = ..., restored: bool = ...) -> None: ...
 
 class GrantStreamRequest(_message.Message):
     __slots__ = ("request_id", "grant")
