@@ -131,16 +131,6 @@ def test_the_process_phases_take_groups_from_the_environment(
     assert tslice.rl.ray.phases() is not phases
 
 
-# Until the client says why itself, pickling fails deep inside with "cannot pickle
-# '_thread.lock' object"; the test turns into a plain one once it does.
-_CLIENT_EXPLAINS = tslice.Client.__reduce__ is not object.__reduce__
-
-
-@pytest.mark.xfail(
-    not _CLIENT_EXPLAINS,
-    reason="needs BaseClient.__reduce__ (the diff in the Ray helper's report)",
-    strict=True,
-)
 def test_a_client_refuses_pickling_and_says_where_to_make_it() -> None:
     """Ray pickles what an actor receives or closes over; a client must be made in the
     actor instead, and the error says so (not 'cannot pickle _thread.lock')."""

@@ -17,7 +17,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterable, Iterator, Sequence
-from typing import Generic, Protocol, TypeVar
+from typing import Generic, NoReturn, Protocol, TypeVar
 
 import grpc
 
@@ -169,6 +169,15 @@ class BaseClient(Generic[K]):
         self._guard = threading.Lock()
         self._keepers: dict[HoldKey, K] = {}
         self._init_io()
+
+    def __reduce__(self) -> NoReturn:
+        # Ray (and multiprocessing) pickle what an actor receives or closes over; without
+        # this, the error is "cannot pickle '_thread.lock' object", deep in the client.
+        raise TypeError(
+            f"{type(self).__name__} cannot be pickled: it owns this process's gRPC channel and "
+            "threads; create it in the process that uses it (in a Ray actor: in __init__, e.g. "
+            "tslice.rl.ray.phases(), with tslice.rl.ray.env_vars() passed through runtime_env)"
+        )
 
     def _init_io(self) -> None:
         """Set up what the client's I/O needs (channel created on first use...)."""
