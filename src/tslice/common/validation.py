@@ -104,7 +104,7 @@ def check_message(
 def _walk(message: pb_message.Message, prefix: str, counts: Mapping[str, int]) -> None:
     for field, value in message.ListFields():
         path = f"{prefix}{field.name}"
-        repeated = field.is_repeated
+        repeated = _is_repeated(field)
         if repeated:
             check_count(path, len(value), counts.get(path, MAX_REPEATED))
         items = list(value) if repeated else [value]
@@ -118,3 +118,11 @@ def _walk(message: pb_message.Message, prefix: str, counts: Mapping[str, int]) -
             for index, item in enumerate(items):
                 where = f"{path}[{index}]." if repeated else f"{path}."
                 _walk(item, where, counts)
+
+
+def _is_repeated(field: descriptor.FieldDescriptor) -> bool:
+    # protobuf >= 6.31 has is_repeated (and 7 dropped label); older ones only label.
+    flag = getattr(field, "is_repeated", None)
+    if flag is not None:
+        return bool(flag)
+    return bool(getattr(field, "label", None) == _FD.LABEL_REPEATED)
