@@ -157,10 +157,10 @@ def test_a_waiting_acquire_shows_its_queue_position_on_a_terminal(address: str) 
 def test_status_shows_degraded_nodes_and_clear_degraded_clears_them(
     local: cluster.LocalCluster, address: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    # Something wedged node-1 for this group: a grant mark far ahead of the orchestrator's,
+    # Something wedged node-1 for this group: a grant mark the orchestrator cannot pass,
     # so that the agent refuses every grant of the orchestrator as stale.
     with tsclient.SnapshotAgentClient(local.agent_addresses["node-1"]) as agent:
-        agent.grant("stray", "wedged-g", grant_epoch=10**9)
+        agent.grant("stray", "wedged-g", grant_epoch=2**62)
     code, _, err = cli(capsys, "acquire", "wedged-g", "job-1", "--addr", address, "--timeout", "30")
     assert code == 1
     assert "node node-1 is degraded" in err and "clear-degraded wedged-g --node node-1" in err

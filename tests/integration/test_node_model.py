@@ -116,8 +116,8 @@ async def test_a_node_that_keeps_refusing_is_degraded_until_an_operator_clears_i
     agent = await cluster.start_agent("node-a")
     await cluster.start_orchestrator(groups={"g": ["node-a"]}, max_refusals=2)
     stub = cluster.stub()
-    # Something wedged the node for this group: a grant mark far ahead of the orchestrator's.
-    await agent.stub.Grant(pb.GrantRequest(job_id="stray", group="g", grant_epoch=10**9))
+    # Something wedged the node for this group: a grant mark the orchestrator cannot pass.
+    await agent.stub.Grant(pb.GrantRequest(job_id="stray", group="g", grant_epoch=2**62))
     err = await rpc_error(acquire(stub, "a", "g", timeout=30.0))
     assert err.code() == grpc.StatusCode.UNAVAILABLE
     assert "node node-a is degraded" in (err.details() or "")
