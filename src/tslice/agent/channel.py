@@ -17,8 +17,10 @@ Interface used by the agent core (keep it stable)::
     AppChannelBackend.create_on_node(settings, NodeServices(..., hub=hub, ...))
     # queries, by (job, group) (group "" = the job's only session, see below):
     #   hub.is_registered(job_id, group), hub.session_state(job_id, group),
+    #   hub.departure(job_id, group), hub.lost_grace_left(job_id, group),
     #   hub.known_sessions(), hub.known_jobs(), hub.add_listener(callback),
-    #   await hub.wait_registered(job_id, group, timeout=...)
+    #   await hub.wait_registered(job_id, group, timeout=...),
+    #   await hub.wait_settled(job_id, group, timeout=...)
 
 Rules (WIRE.md "Workload channel rules", plus the tslice additions):
 
@@ -55,13 +57,26 @@ Rules (WIRE.md "Workload channel rules", plus the tslice additions):
   registration are the truth and the hub tracks residency from them
   (:meth:`ChannelHub.session_state`), which the app-channel backend uses to answer
   ``recover()``. Without it the hub knows only what its own commands did.
+- Leaving (tslice's addition; the wire has no goodbye message, so the end of the
+  stream is the signal): a workload whose stream *ends* (it half-closes:
+  ``WorkloadHandle.close()``; or its process exits, and the stream ends with it) has
+  left the node and taken its device state with it. The hub records a
+  :class:`Departure` at once and the ``closed`` event says ``left=True``. A stream
+  lost any other way (keepalive silence, a cancelled or broken stream, a protocol
+  error) may belong to a live process: the hub waits ``lost_grace_s`` for the same
+  (job, group) to register again, then records the departure and sends a ``left``
+  event. A registration of the (job, group) clears its departure, or its pending
+  loss (its state is then what the new registration reports). A replaced session and
+  an agent shutting down leave nothing.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import logging
+import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterable
 from typing import Literal, NoReturn, TypeVar
@@ -70,9 +85,11 @@ import grpc
 
 from tslice.agent import channel_rules, channel_session
 from tslice.agent.channel_rules import (
+    WORKLOAD_LEFT,
     ChannelError,
     CommandRefusedError,
     CommandTimeoutError,
+    Departure,
     NoWorkloadError,
     WorkloadDisconnectedError,
     WorkloadState,
@@ -87,12 +104,14 @@ from tslice.common import tasks, validation
 # The rules' public names are part of this module's interface (callers catch
 # ``channel.CommandRefusedError``); they live in channel_rules to keep this module small.
 __all__ = [
+    "WORKLOAD_LEFT",
     "ChannelError",
     "ChannelEvent",
     "ChannelHub",
     "CommandOutcome",
     "CommandRefusedError",
     "CommandTimeoutError",
+    "Departure",
     "Listener",
     "NoWorkloadError",
     "WorkloadDisconnectedError",
@@ -105,6 +124,10 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")
+
+#: Departures remembered (oldest forgotten first): the records they concern are marked
+#: by then, and a workload that opens many streams under many ids cannot grow the hub.
+DEPARTURES_KEPT = 4096
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,15 +147,33 @@ class CommandOutcome:
 
 @dataclasses.dataclass(frozen=True)
 class ChannelEvent:
-    """Passed to listeners when a workload registers or its session ends."""
+    """Passed to listeners when a workload registers, its session ends, or it has left.
 
-    kind: Literal["registered", "closed"]
+    ``closed`` comes with every session end; ``left=True`` on it when the stream ended
+    cleanly (the workload left at once). ``left`` comes later, once a lost session's
+    grace ran out without a new registration.
+    """
+
+    kind: Literal["registered", "closed", "left"]
     job_id: str
     state: WorkloadState
-    #: Why a session closed (empty for registrations).
+    #: Why a session closed or the workload left (empty for registrations).
     reason: str = ""
     #: The group the session registered for ("" = none named).
     group: str = ""
+    #: The workload has left: the agent no longer counts it as holding anything.
+    left: bool = False
+
+
+@dataclasses.dataclass
+class _Lost:
+    """A session lost without a clean end, waiting out the grace for a re-registration."""
+
+    session: channel_session.Session
+    reason: str
+    #: Loop time at which the workload counts as gone.
+    deadline: float
+    timer: asyncio.TimerHandle | None = None
 
 
 Listener = Callable[[ChannelEvent], None]
@@ -145,14 +186,22 @@ SessionKey = tuple[str, str]
 class ChannelHub:
     """Accepts workload streams and sends them commands (one session per (job, group))."""
 
-    def __init__(self, *, ping_interval_s: float = 5.0, missed_pings: int = 3) -> None:
+    def __init__(
+        self, *, ping_interval_s: float = 5.0, missed_pings: int = 3, lost_grace_s: float = 5.0
+    ) -> None:
         if ping_interval_s <= 0:
             raise ValueError("ping_interval_s must be > 0 (seconds between keepalive pings)")
         if missed_pings < 1:
             raise ValueError("missed_pings must be >= 1")
         self.ping_interval_s = ping_interval_s
         self.missed_pings = missed_pings
+        #: How long a session lost without a clean end may take to register again before
+        #: its workload counts as gone (read at each loss; >= 0).
+        self.lost_grace_s = check_grace(lost_grace_s)
         self._sessions: dict[SessionKey, channel_session.Session] = {}
+        self._lost: dict[SessionKey, _Lost] = {}
+        self._departed: collections.OrderedDict[SessionKey, Departure] = collections.OrderedDict()
+        self._closing = False
         self._listeners: list[Listener] = []
         self._changed: asyncio.Event | None = None
         #: Commands put on any stream since start (pings excluded), for tests and metrics.
@@ -177,6 +226,28 @@ class ChannelHub:
         found = self._matching(job_id, group)
         return found[0].state() if len(found) == 1 else None
 
+    def departure(self, job_id: str, group: str = "") -> Departure | None:
+        """Why the workload that served (job, group) counts as gone; ``None`` while a live
+        session serves it, while a lost one may still come back, or if none ever did."""
+        key = self._gone_key(job_id, group)
+        if key is None:
+            return None
+        lost = self._lost.get(key)
+        if lost is not None:
+            if asyncio.get_running_loop().time() < lost.deadline:
+                return None
+            self._give_up(key, lost)  # its timer has not run yet
+        return self._departed.get(key)
+
+    def lost_grace_left(self, job_id: str, group: str = "") -> float | None:
+        """Seconds left for the lost session of (job, group) to register again; ``None``
+        when no session of it is lost (live, gone, or never seen)."""
+        key = self._gone_key(job_id, group)
+        lost = self._lost.get(key) if key is not None else None
+        if lost is None:
+            return None
+        return max(0.0, lost.deadline - asyncio.get_running_loop().time())
+
     def add_listener(self, listener: Listener) -> None:
         """Call ``listener(event)`` on every registration and session end (on the loop)."""
         self._listeners.append(listener)
@@ -188,6 +259,16 @@ class ChannelHub:
         return await self._wait(
             lambda: self.session_state(job_id, group), timeout, f"{_who(job_id, group)} registered"
         )
+
+    async def wait_settled(
+        self, job_id: str, group: str = "", *, timeout: float | None = None
+    ) -> WorkloadState | Departure:
+        """Wait until one live session serves (job, group) or its workload counts as gone."""
+
+        def settled() -> WorkloadState | Departure | None:
+            return self.session_state(job_id, group) or self.departure(job_id, group)
+
+        return await self._wait(settled, timeout, f"{_who(job_id, group)} settled")
 
     async def wait_unregistered(
         self, job_id: str, group: str = "", *, timeout: float | None = None
@@ -246,9 +327,17 @@ class ChannelHub:
         )
 
     async def close(self) -> None:
-        """End every session (agent shutdown); workloads reconnect to the next agent."""
+        """End every session (agent shutdown); workloads reconnect to the next agent.
+
+        Nothing departs: the workloads did not leave, the agent did.
+        """
+        self._closing = True
         for session in list(self._sessions.values()):
             self._end(session, grpc.StatusCode.UNAVAILABLE, "the agent is shutting down")
+        for lost in self._lost.values():
+            if lost.timer is not None:
+                lost.timer.cancel()
+        self._lost.clear()
 
     # ---- the stream ----------------------------------------------------------------
 
@@ -262,14 +351,47 @@ class ChannelHub:
         suffix = f"{session.job_id}/{session.group}" if session.group else session.job_id
         reader = tasks.spawn(self._read(session, request_iterator), name=f"channel-read-{suffix}")
         keeper = tasks.spawn(self._keepalive(session), name=f"channel-keepalive-{suffix}")
+        # However the call ends (a failed write stops grpc from resuming this generator),
+        # a session still open when it is done was lost, not closed.
+        add_done_callback = getattr(context, "add_done_callback", None)
+        if add_done_callback is not None:
+            add_done_callback(
+                lambda _ctx: self._end(session, grpc.StatusCode.CANCELLED, "the stream was lost")
+            )
         close: channel_session.Close | None = None
+        wrote = False
         try:
             while True:
                 item = await session.outbox.get()
                 if isinstance(item, channel_session.Close):
                     close = item
                     break
+                if isinstance(item, channel_session.Probe):
+                    # The requests ended. A half-close leaves the call open, so a write
+                    # still goes through; a gone peer (its process exited, the call was
+                    # cancelled) fails it and this generator is not resumed (or raises).
+                    if session.keepalive:
+                        yield _probe_ping(session)
+                    elif not wrote:
+                        try:
+                            await context.send_initial_metadata(())
+                        except Exception:
+                            self._end(session, grpc.StatusCode.CANCELLED, "the stream was lost")
+                            return
+                    else:
+                        # Nothing this workload declared can be sent to tell: treat it as
+                        # lost (the grace applies).
+                        self._end(
+                            session,
+                            grpc.StatusCode.UNAVAILABLE,
+                            "the stream ended (a workload without keepalive cannot be "
+                            "told apart from a lost one)",
+                        )
+                        continue
+                    self._end(session, grpc.StatusCode.OK, "the workload closed the channel")
+                    continue
                 yield item
+                wrote = True
         finally:
             self._end(session, grpc.StatusCode.CANCELLED, "the stream was cancelled")
             await tasks.cancel_all([reader, keeper])
@@ -299,6 +421,7 @@ class ChannelHub:
             await _refuse(context, problem)
         session = channel_session.Session(first.register)
         previous = self._sessions.get(session.key)
+        came_back = self._returned(session.key)
         if previous is not None:
             self._end(
                 previous,
@@ -317,6 +440,7 @@ class ChannelHub:
                 "residency": session.tracker.residency,
                 "resident_tags": list(session.tracker.resident_tags),
                 "replaced": previous is not None,
+                "came_back": came_back,
             },
         )
         self._notify("registered", session)
@@ -351,7 +475,10 @@ class ChannelHub:
         except Exception as exc:  # the transport broke; the stream is gone either way
             self._end(session, grpc.StatusCode.UNAVAILABLE, f"the stream broke: {exc}")
             return
-        self._end(session, grpc.StatusCode.OK, "the workload closed the channel")
+        # The requests ended: a half-close (the workload closed its channel), or a peer
+        # that is gone (grpc reports both so); the writer finds out which.
+        if not session.closed.is_set():
+            session.outbox.put_nowait(channel_session.Probe())
 
     async def _keepalive(self, session: channel_session.Session) -> None:
         loop = asyncio.get_running_loop()
@@ -475,25 +602,109 @@ class ChannelHub:
     def _end(self, session: channel_session.Session, code: grpc.StatusCode, reason: str) -> None:
         if not session.close(code, reason):
             return
-        if self._sessions.get(session.key) is session:
+        current = self._sessions.get(session.key) is session
+        if current:
             del self._sessions[session.key]
         level = (
             logging.INFO
             if code in (grpc.StatusCode.OK, grpc.StatusCode.ABORTED)
             else logging.WARNING
         )
+        # A replaced session's successor holds the (job, group); a shutdown leaves nothing.
+        leaves = current and not self._closing and code != grpc.StatusCode.ABORTED
+        left = leaves and code == grpc.StatusCode.OK
+        if left:
+            self._depart(session, reason, clean=True)
+        elif leaves:
+            self._lose(session, reason)
         log.log(
             level,
             "workload session closed",
-            extra={"job_id": session.job_id, "group_id": session.group, "reason": reason},
+            extra={
+                "job_id": session.job_id,
+                "group_id": session.group,
+                "reason": reason,
+                "left": left,
+                "grace_s": self.lost_grace_s if leaves and not left else None,
+            },
         )
-        self._notify("closed", session, reason)
+        self._notify("closed", session, reason, left=left)
+
+    # ---- leaving ---------------------------------------------------------------------
+
+    def _depart(self, session: channel_session.Session, reason: str, *, clean: bool) -> None:
+        """Record that the workload of the session's (job, group) is gone (no event)."""
+        self._departed.pop(session.key, None)
+        self._departed[session.key] = Departure(
+            job_id=session.job_id, group=session.group, reason=reason, clean=clean, at=time.time()
+        )
+        while len(self._departed) > DEPARTURES_KEPT:
+            self._departed.popitem(last=False)
+
+    def _lose(self, session: channel_session.Session, reason: str) -> None:
+        """Start the grace of a session lost without a clean end."""
+        loop = asyncio.get_running_loop()
+        grace = self.lost_grace_s
+        lost = _Lost(session=session, reason=reason, deadline=loop.time() + grace)
+        previous = self._lost.pop(session.key, None)
+        if previous is not None and previous.timer is not None:
+            previous.timer.cancel()
+        self._lost[session.key] = lost
+        if grace <= 0:
+            self._give_up(session.key, lost)
+            return
+        lost.timer = loop.call_later(grace, self._give_up, session.key, lost)
+
+    def _give_up(self, key: SessionKey, lost: _Lost) -> None:
+        """The grace of a lost session ran out without a new registration: it left."""
+        if self._lost.get(key) is not lost:
+            return  # registered again, or given up already
+        del self._lost[key]
+        if lost.timer is not None:
+            lost.timer.cancel()
+        reason = (
+            f"its channel was lost ({lost.reason}) and it did not register again within "
+            f"{self.lost_grace_s:g} s (lost_grace_s)"
+        )
+        self._depart(lost.session, reason, clean=False)
+        log.warning(
+            "workload counted as gone",
+            extra={"job_id": lost.session.job_id, "group_id": lost.session.group, "reason": reason},
+        )
+        self._notify("left", lost.session, reason, left=True)
+
+    def _returned(self, key: SessionKey) -> bool:
+        """A registration of ``key``: forget its departure or pending loss; True if it was
+        lost or gone."""
+        lost = self._lost.pop(key, None)
+        if lost is not None and lost.timer is not None:
+            lost.timer.cancel()
+        return self._departed.pop(key, None) is not None or lost is not None
+
+    def _gone_key(self, job_id: str, group: str) -> SessionKey | None:
+        """The lost or departed session (job, group) means when no live session serves it,
+        by the lookup rule of the module docstring (the group's own, else the job's
+        group-less one; no group: the job's group-less one, else its only one)."""
+        if self._matching(job_id, group):
+            return None
+
+        def known(key: SessionKey) -> bool:
+            return key in self._lost or key in self._departed
+
+        if group:
+            return next((k for k in ((job_id, group), (job_id, "")) if known(k)), None)
+        if known((job_id, "")):
+            return (job_id, "")
+        found = {k for k in (*self._lost, *self._departed) if k[0] == job_id}
+        return found.pop() if len(found) == 1 else None
 
     def _notify(
         self,
-        kind: Literal["registered", "closed"],
+        kind: Literal["registered", "closed", "left"],
         session: channel_session.Session,
         reason: str = "",
+        *,
+        left: bool = False,
     ) -> None:
         event = ChannelEvent(
             kind=kind,
@@ -501,6 +712,7 @@ class ChannelHub:
             group=session.group,
             state=session.state(),
             reason=reason,
+            left=left,
         )
         if self._changed is not None:
             self._changed.set()
@@ -529,6 +741,21 @@ class ChannelHub:
                 raise TimeoutError(
                     f"timed out after {timeout:g} s waiting for workload {what}"
                 ) from None
+
+
+def _probe_ping(session: channel_session.Session) -> pb.AgentCommand:
+    session.pings_sent += 1
+    return pb.AgentCommand(ping=pb.Ping(nonce=session.pings_sent))
+
+
+def check_grace(value: float) -> float:
+    """``lost_grace_s`` checked: a number of seconds >= 0."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+        raise ValueError(
+            f"lost_grace_s must be a number of seconds >= 0 (how long a lost workload channel "
+            f"may take to register again), got {value!r}"
+        )
+    return float(value)
 
 
 def _who(job_id: str, group: str) -> str:

@@ -18,6 +18,11 @@ from tslice.common import ids, validation
 
 VALID_MODES = (pb.SUSPEND_MODE_OFFLOAD, pb.SUSPEND_MODE_DISCARD)
 
+#: The key, in an operation's backend state and in the job's record, that says the
+#: job's workload left the node (the value: why). The agent's rules read it
+#: (``tslice.agent.jobs``): a snapshot that reports it leaves the job IDLE, not SAVED.
+WORKLOAD_LEFT = "workload_left"
+
 
 class ChannelError(Exception):
     """A command could not be completed over the workload channel."""
@@ -37,6 +42,26 @@ class WorkloadDisconnectedError(ChannelError):
 
 class CommandTimeoutError(ChannelError):
     """The workload did not answer within the command's deadline."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Departure:
+    """A workload the agent no longer counts as holding anything: it left the node.
+
+    A workload leaves when its stream ends cleanly (it closed its channel, or its process
+    exited and the stream ended with it: a process's device memory is freed when it
+    exits), or when a channel lost without a clean end (a keepalive drop, a cancelled or
+    broken stream) is not registered again within the hub's grace period.
+    """
+
+    job_id: str
+    group: str
+    #: Why the agent counts the workload as gone (for messages and logs).
+    reason: str
+    #: True for a clean end of the stream; False when the grace after a loss ran out.
+    clean: bool
+    #: Wall-clock time the workload was counted as gone.
+    at: float
 
 
 @dataclasses.dataclass(frozen=True)

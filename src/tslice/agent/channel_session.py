@@ -32,6 +32,12 @@ class Close:
     details: str
 
 
+@dataclasses.dataclass(frozen=True)
+class Probe:
+    """The workload's requests ended: the hub's writer finds out whether it half-closed
+    (a write still goes through) or is gone (the write fails)."""
+
+
 @dataclasses.dataclass
 class Pending:
     kind: str
@@ -62,7 +68,7 @@ class Session:
             declared=self.tags, suspended=register.suspended, resident=resident
         )
         self.registered_at = time.time()
-        self.outbox: asyncio.Queue[pb.AgentCommand | Close] = asyncio.Queue()
+        self.outbox: asyncio.Queue[pb.AgentCommand | Close | Probe] = asyncio.Queue()
         self.pending: dict[str, Pending] = {}
         self.expired: collections.OrderedDict[str, Pending] = collections.OrderedDict()
         self.closed = asyncio.Event()

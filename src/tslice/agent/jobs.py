@@ -25,6 +25,7 @@ import enum
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from tslice.agent import channel_rules
 from tslice.agent.backends import base
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
 from tslice.common import grant_marks, refusals
@@ -72,6 +73,11 @@ def from_pb(value: int | None) -> State | None:
 
 #: A record's identity on a node: ``(job_id, group)`` ("" = a job that named no group).
 Key = tuple[str, str]
+
+#: The ``backend_state`` key of an IDLE record whose workload left the node (the
+#: workload-channel hub says so, or a snapshot reported it): why it left. Dropped when
+#: the job is resident again.
+WORKLOAD_LEFT = channel_rules.WORKLOAD_LEFT
 
 
 @dataclasses.dataclass(frozen=True)
@@ -213,6 +219,31 @@ class Request:
 # ---- planning ---------------------------------------------------------------------------
 
 
+def _done(job: Job, request: Request, *, kind: Kind) -> Done:
+    """An operation with nothing to move: COMPLETE at once, 0 bytes, the record unchanged."""
+    operation = Operation(
+        op_id=request.op_id,
+        job_id=job.job_id,
+        group=job.group,
+        kind=kind,
+        backend=job.backend or request.route.backend,
+        status=OpStatus.COMPLETE,
+        started_at=request.now,
+        finished_at=request.now,
+        storage_bytes=0,
+        device_bytes=0,
+    )
+    return Done(job=dataclasses.replace(job, operation_id=request.op_id), operation=operation)
+
+
+def _arrived(job: Job) -> Job:
+    """A record about to be resident again forgets that its workload had left."""
+    if WORKLOAD_LEFT not in job.backend_state:
+        return job
+    kept = {k: v for k, v in job.backend_state.items() if k != WORKLOAD_LEFT}
+    return dataclasses.replace(job, backend_state=kept)
+
+
 def _start(job: Job, request: Request, *, kind: Kind, resume_state: State) -> Start:
     backend = request.route.backend
     operation = Operation(
@@ -312,13 +343,17 @@ def unknown_job(job_id: str, group: str, *, node: str) -> refusals.Refused:
     )
 
 
-def plan_snapshot(job: Job | None, request: Request, *, recovered: State | None = None) -> Start:
+def plan_snapshot(
+    job: Job | None, request: Request, *, recovered: State | None = None
+) -> Start | Done:
     """RUNNING -> TRANSITIONING (-> SAVED when the backend finishes).
 
     An unknown job is adopted as RUNNING only when its backend reports it RUNNING
     (``recovered``) or the request names its target (processes, endpoints: an llm-d
     style client asserting that the job runs there); anything else is a typo and
     creates nothing. A FAULTED job is retried when the backend reports it RUNNING.
+    A job whose workload left (:func:`after_workload_left`) has nothing resident: the
+    snapshot is an operation already COMPLETE, 0 bytes, and the record stays IDLE.
     """
     job_id, node, route_ = request.job_id, request.node, request.route
     footprint = _sim_footprint(route_.config) if route_.explicit else 0
@@ -330,6 +365,8 @@ def plan_snapshot(job: Job | None, request: Request, *, recovered: State | None 
         raise _aborted(job)
     if job.state is State.FAULTED and recovered is not State.RUNNING:
         raise _faulted(job, node=node)
+    if job.state is State.IDLE and job.backend_state.get(WORKLOAD_LEFT):
+        return _done(job, request, kind=Kind.SNAPSHOT)
     if job.state is State.IDLE:
         raise _precondition(
             f"job {job_id} is IDLE on node {node}: nothing is resident to snapshot; it becomes "
@@ -370,22 +407,18 @@ def plan_restore(
             f"job {job_id} is held by backend {job.backend} on node {node}; restore it with "
             f"that backend (or send no backend_config), not {route_.backend}"
         )
+    left = job.backend_state.get(WORKLOAD_LEFT) if job.state is State.IDLE else None
+    if left:
+        of_group = f" (group {job.group})" if job.group else ""
+        raise _precondition(
+            f"the workload of job {job_id}{of_group} left node {node} ({left}), taking its "
+            "device state with it: nothing is saved to restore. The workload must register "
+            "again (tslice.workload.register_workload) before the job can be resident here"
+        )
     _check_resident_neighbours(job_id, request.group or job.group, others=others, node=node)
     job = _in_group(job, request.group)
     if job.state is State.RUNNING and not partial:
-        operation = Operation(
-            op_id=request.op_id,
-            job_id=job_id,
-            group=job.group,
-            kind=Kind.RESTORE,
-            backend=job.backend or route_.backend,
-            status=OpStatus.COMPLETE,
-            started_at=request.now,
-            finished_at=request.now,
-            storage_bytes=0,
-            device_bytes=0,
-        )
-        return Done(job=dataclasses.replace(job, operation_id=request.op_id), operation=operation)
+        return _done(job, request, kind=Kind.RESTORE)
     if job.state is State.FAULTED and recovered is not State.SAVED:
         raise _faulted(job, node=node)
     if job.state is State.IDLE:
@@ -464,7 +497,9 @@ def plan_grant(
         job = Job(job_id=job_id, group=group)
     footprint = footprint_bytes or _sim_footprint(request.route.config) or job.footprint_bytes
     job = dataclasses.replace(
-        _with_choice(job, request.route), group=group or job.group, footprint_bytes=footprint
+        _with_choice(_arrived(job), request.route),
+        group=group or job.group,
+        footprint_bytes=footprint,
     )
     return _start(job, request, kind=Kind.ACTIVATE, resume_state=State.IDLE)
 
@@ -480,8 +515,10 @@ def after_channel_registration(
     known record has, since only the commands sent to it changed that. The channel is
     the job's backend for the group unless one was chosen explicitly. A record that is
     TRANSITIONING or FAULTED keeps its state: the running operation, or ResetJob,
-    settles it.
+    settles it. A record whose workload had left forgets it.
     """
+    if job is not None and job.state is not State.TRANSITIONING:
+        job = _arrived(job)
     if job is None:
         state = State.SAVED if suspended else State.RUNNING
         return Job(
@@ -498,6 +535,35 @@ def after_channel_registration(
     if job.choice:
         return job
     return dataclasses.replace(job, choice="app-channel", config=b"", group=job.group or group)
+
+
+def after_workload_left(job: Job, *, reason: str) -> Job:
+    """The job's workload left the node (its channel ended cleanly, or was lost and not
+    registered again in time): its device state went with it (a process's device memory
+    is freed when it exits; what it offloaded lived in its own host memory).
+
+    A record of the workload channel (backend ``app-channel``, or none yet) that is
+    IDLE, RUNNING, SAVED or FAULTED becomes IDLE, nothing resident or saved, with
+    :data:`WORKLOAD_LEFT` saying why. A TRANSITIONING one is unchanged (its operation
+    settles first); a record of another backend is not the workload's.
+    """
+    channel = ("", "app-channel")
+    if job.state is State.TRANSITIONING or job.backend not in channel or job.choice not in channel:
+        return job
+    return _gone(job, reason=reason)
+
+
+def _gone(job: Job, *, reason: str) -> Job:
+    """IDLE, nothing resident or saved, and why (:data:`WORKLOAD_LEFT`)."""
+    return dataclasses.replace(
+        job,
+        state=State.IDLE,
+        device_bytes=0,
+        host_bytes=0,
+        backend_state={WORKLOAD_LEFT: reason},
+        error="",
+        previous_state=None,
+    )
 
 
 def check_reset(job: Job | None, *, job_id: str, node: str, group: str = "") -> Job:
@@ -533,6 +599,14 @@ def finish(
     """Apply a backend outcome to a TRANSITIONING job and its PENDING operation."""
     if outcome.result is not None:
         result = outcome.result
+        left = result.state.get(WORKLOAD_LEFT) if operation.kind is Kind.SNAPSHOT else None
+        if left:
+            # The workload left with its state: nothing resident, nothing saved.
+            job = _gone(job, reason=str(left))
+            done = dataclasses.replace(
+                operation, status=OpStatus.COMPLETE, finished_at=now, storage_bytes=0
+            )
+            return job, dataclasses.replace(done, device_bytes=0)
         if operation.kind is Kind.SNAPSHOT and result.still_resident:
             # Selected tags left (e.g. only the KV cache); the rest still occupies the device.
             state, device_bytes = State.RUNNING, job.device_bytes

@@ -290,12 +290,23 @@ class AgentCore:
             return new_job.state
 
     def on_workload_event(self, event: Any) -> None:
-        """Listener for the workload-channel hub: a registration makes the job resident."""
-        if getattr(event, "kind", None) != "registered" or "app-channel" not in self.backends:
+        """Listener for the workload-channel hub: a registration makes the job resident, a
+        workload that left takes its state with it."""
+        kind = getattr(event, "kind", None)
+        if "app-channel" not in self.backends:
             return
         job_id = str(event.job_id)
         state = getattr(event, "state", None)
         group = str(getattr(state, "group", "") or "")
+        if kind in ("closed", "left") and getattr(event, "left", False):
+            reason = str(getattr(event, "reason", "") or "the workload left")
+            self._spawn(
+                self.note_workload_left(job_id=job_id, group=group, reason=reason),
+                name=f"channel-left-{job_id}",
+            )
+            return
+        if kind != "registered":
+            return
         # What a workload says it holds counts only if it declared that it reports it.
         reported = bool(getattr(state, "state_reported", False))
         suspended: bool | None = bool(getattr(state, "suspended", False)) if reported else None
@@ -322,6 +333,46 @@ class AgentCore:
                     extra={"job_id": job_id},
                 )
 
+    async def note_workload_left(self, *, job_id: str, group: str, reason: str) -> None:
+        """The workload that served (job, group) left: its records become IDLE (nothing
+        resident or saved). A record with an operation in flight is marked once that
+        operation has finished; one whose workload registered again meanwhile is not."""
+        while True:
+            async with self._locks[job_id]:
+                running: list[asyncio.Future[None]] = []
+                for job in self._left_records(job_id, group):
+                    if job.state is jobs.State.TRANSITIONING:
+                        done = self._done.get(job.operation_id)
+                        if done is not None:
+                            running.append(done)
+                        continue
+                    updated = jobs.after_workload_left(job, reason=reason)
+                    if updated != job:
+                        self._book.commit(jobs_=[updated], previous=job)
+                        log.info(
+                            "job %s (group %s): its workload left (%s); %s -> IDLE, nothing "
+                            "resident",
+                            job_id,
+                            job.group,
+                            reason,
+                            job.state.value,
+                            extra={"job_id": job_id},
+                        )
+                if not running:
+                    return
+            await asyncio.wait(running)
+
+    def _left_records(self, job_id: str, group: str) -> list[jobs.Job]:
+        """The job's records a departed workload of ``group`` held: the group's record, or
+        for a workload that named no group every record of the job; none that a live
+        workload serves (it registered again)."""
+        if group:
+            found = self._book.find(job_id, group)
+            candidates = [found] if found is not None else []
+        else:
+            candidates = [j for (job, _g), j in sorted(self._book.jobs.items()) if job == job_id]
+        return [j for j in candidates if not self._safe_channel_registered(job_id, j.group)]
+
     async def prune_operations(self) -> int:
         """Forget finished operations past retention (and beyond the count limit)."""
         return self._book.prune(now=self._clock())
@@ -343,6 +394,9 @@ class AgentCore:
         probe = job if job is not None else jobs.Job(job_id=job_id, group=group)
         recovered = await self._recovered(route, probe, unknown=job is None)
         plan = jobs.plan_snapshot(job, self._request(job_id, group, route), recovered=recovered)
+        if isinstance(plan, jobs.Done):  # nothing resident: the job's workload left
+            self._book.commit(jobs_=[plan.job], ops=[plan.operation], previous=job)
+            return plan.operation
         return self._launch(plan, config=route.config)
 
     async def _start_restore(

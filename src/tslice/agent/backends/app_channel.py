@@ -17,6 +17,13 @@ and the agent's state machine uses ``residency`` to decide: after a snapshot,
 ``partial`` keeps the job RUNNING (it still holds device memory), ``none`` makes it
 SAVED; a Restore of a RUNNING job whose recorded residency is ``partial`` must be
 sent here rather than short-circuited.
+
+A workload that left (its stream ended cleanly, or a lost channel was not registered
+again within ``lost_grace_s``, see :class:`tslice.agent.channel.Departure`) took its
+device state with it: a snapshot of it completes at once, moving nothing, and a
+restore is refused (:class:`WorkloadLeftError`: it must register again). A snapshot
+or restore of a workload whose channel is lost waits for it at most the rest of the
+grace; one whose stream ends while it waits for the answer is settled the same way.
 """
 
 from __future__ import annotations
@@ -34,7 +41,7 @@ from tslice.common import errors, residency
 
 log = logging.getLogger(__name__)
 
-_SETTINGS = ("command_timeout_s", "register_wait_s", "recover_wait_s")
+_SETTINGS = ("command_timeout_s", "register_wait_s", "recover_wait_s", "lost_grace_s")
 
 
 class WorkloadNotRegisteredError(base.RefusedBackendError):
@@ -43,6 +50,11 @@ class WorkloadNotRegisteredError(base.RefusedBackendError):
 
 class CommandRefusedError(base.RefusedBackendError):
     """The request does not fit what the workload declared; nothing was sent."""
+
+
+class WorkloadLeftError(base.RefusedBackendError):
+    """The job's workload left the node, its state with it: nothing to restore until it
+    registers again."""
 
 
 class AppChannelBackend(base.Backend):
@@ -57,6 +69,7 @@ class AppChannelBackend(base.Backend):
         command_timeout_s: float = 120.0,
         register_wait_s: float = 10.0,
         recover_wait_s: float = 0.0,
+        lost_grace_s: float | None = None,
     ) -> None:
         if command_timeout_s <= 0:
             raise errors.ConfigError(
@@ -64,6 +77,13 @@ class AppChannelBackend(base.Backend):
             )
         if register_wait_s < 0 or recover_wait_s < 0:
             raise errors.ConfigError("app-channel register_wait_s/recover_wait_s must be >= 0")
+        if lost_grace_s is not None:
+            # The hub keeps the time (it sees the sessions end); the setting lives here
+            # with the backend's others. None: the hub's own (5 s by default).
+            try:
+                hub.lost_grace_s = channel.check_grace(lost_grace_s)
+            except ValueError as exc:
+                raise errors.ConfigError(f"app-channel {exc}") from exc
         self.hub = hub
         #: How long the workload has to answer one command (sent to it as ``deadline_ms``).
         self.command_timeout_s = command_timeout_s
@@ -128,20 +148,43 @@ class AppChannelBackend(base.Backend):
         send: Callable[[], Awaitable[channel.CommandOutcome]],
     ) -> base.OpResult:
         """One command to the job's workload, unless what it reports leaves nothing to do."""
-        await self._wait_for_workload(job)
+        gone = await self._wait_for_workload(job)
+        if gone is not None:
+            return _after_departure(job, kind, gone)
         known = self.hub.session_state(job.job_id, job.group)
         if known is not None and _already(known, tags, off=kind == "snapshot"):
-            log.info(
-                "%s skipped: the workload reports it has nothing to move",
-                kind,
-                extra={**_log(job), "residency": known.residency},
-            )
-            return base.OpResult(state=state_dict(known))
+            return _skipped(job, kind, known)
         try:
-            outcome = await send()
+            try:
+                outcome = await send()
+            except channel.WorkloadDisconnectedError:
+                # The stream ended before the answer: the workload left (a snapshot then
+                # has nothing left to do), or it registers again within the grace, after
+                # any command it ran, reporting what it holds now; what is still to do is
+                # sent once more, on the new stream.
+                settled = await self._settle(job)
+                if isinstance(settled, channel.Departure):
+                    return _after_departure(job, kind, settled)
+                if settled is None:
+                    raise
+                if _already(settled, tags, off=kind == "snapshot"):
+                    return _skipped(job, kind, settled)
+                log.info("%s sent again: the workload registered again", kind, extra=_log(job))
+                outcome = await send()
         except channel.ChannelError as exc:
             raise _translate(exc) from exc
         return _result(job, kind, outcome)
+
+    async def _settle(
+        self, job: base.JobContext
+    ) -> channel.WorkloadState | channel.Departure | None:
+        """After a disconnect: the workload's new session, or its departure, waiting at
+        most the rest of the grace; ``None`` if neither (the agent is shutting down)."""
+        wait = self.hub.lost_grace_left(job.job_id, job.group)
+        try:
+            return await self.hub.wait_settled(job.job_id, job.group, timeout=wait or 0.0)
+        except TimeoutError:
+            return self.hub.departure(job.job_id, job.group)
 
     async def validate(self, job: base.JobContext) -> None:
         """Refuse, before any operation exists, what the registered workload did not declare.
@@ -180,6 +223,8 @@ class AppChannelBackend(base.Backend):
 
     async def recover(self, job: base.JobContext) -> pb.JobState | None:
         """RUNNING or SAVED from what the connected workload reports; None if it cannot tell."""
+        if self.hub.departure(job.job_id, job.group) is not None:
+            return pb.JOB_STATE_IDLE  # the workload left, its state with it
         known = self.hub.session_state(job.job_id, job.group)
         if known is None and self.recover_wait_s > 0:
             try:
@@ -195,20 +240,34 @@ class AppChannelBackend(base.Backend):
         # Fully or partly resident: either way the job holds device memory.
         return pb.JOB_STATE_RUNNING
 
-    async def _wait_for_workload(self, job: base.JobContext) -> None:
+    async def _wait_for_workload(self, job: base.JobContext) -> channel.Departure | None:
+        """Return once a workload serves the job (``None``) or has left (its departure).
+
+        A lost session is waited for at most the rest of its grace, a workload never seen
+        (not yet connected, or since the agent started) at most ``register_wait_s``.
+        """
         if self.hub.is_registered(job.job_id, job.group):
-            return
-        if self.register_wait_s > 0:
+            return None
+        gone = self.hub.departure(job.job_id, job.group)
+        if gone is not None:
+            return gone
+        grace = self.hub.lost_grace_left(job.job_id, job.group)
+        wait = grace if grace is not None else self.register_wait_s
+        if wait > 0:
             try:
-                await self.hub.wait_registered(job.job_id, job.group, timeout=self.register_wait_s)
-                return
+                settled = await self.hub.wait_settled(job.job_id, job.group, timeout=wait)
             except TimeoutError:
                 pass
+            else:
+                return settled if isinstance(settled, channel.Departure) else None
+        gone = self.hub.departure(job.job_id, job.group)
+        if gone is not None:
+            return gone
         group = f"{job.group!r}, " if job.group else ""
         raise WorkloadNotRegisteredError(
             f"no workload channel registered for {channel.describe(job.job_id, job.group)} "
             "on this node"
-            + (f" (waited {self.register_wait_s:g} s)" if self.register_wait_s > 0 else "")
+            + (f" (waited {wait:g} s)" if wait > 0 else "")
             + "; the workload must call tslice.workload.register_workload(agent, "
             f"{job.job_id!r}, {group}...) before the agent can move its state"
         )
@@ -222,6 +281,48 @@ def state_dict(state: channel.WorkloadState) -> dict[str, Any]:
         "missing_tags": list(state.missing_tags),
         "suspended": state.suspended,
     }
+
+
+def left_state(departure: channel.Departure) -> dict[str, Any]:
+    """The residency record of a job whose workload left: nothing resident, nothing saved."""
+    return {
+        "residency": residency.NONE,
+        "resident_tags": [],
+        "missing_tags": [],
+        "suspended": False,
+        channel.WORKLOAD_LEFT: departure.reason,
+    }
+
+
+def _after_departure(
+    job: base.JobContext, kind: Literal["snapshot", "restore"], departure: channel.Departure
+) -> base.OpResult:
+    """A snapshot of a workload that left has nothing to move; a restore cannot be done."""
+    who = channel.describe(job.job_id, job.group)
+    if kind == "restore":
+        group = f"{job.group!r}, " if job.group else ""
+        raise WorkloadLeftError(
+            f"the workload of {who} left this node ({departure.reason}), taking its device "
+            "state with it: nothing is saved to restore. It must register again "
+            f"(tslice.workload.register_workload(agent, {job.job_id!r}, {group}...)) before "
+            "the job can be resident here"
+        )
+    log.info(
+        "snapshot: nothing resident (the workload left)",
+        extra={**_log(job), "reason": departure.reason},
+    )
+    return base.OpResult(state=left_state(departure))
+
+
+def _skipped(
+    job: base.JobContext, kind: Literal["snapshot", "restore"], known: channel.WorkloadState
+) -> base.OpResult:
+    log.info(
+        "%s skipped: the workload reports it has nothing to move",
+        kind,
+        extra={**_log(job), "residency": known.residency},
+    )
+    return base.OpResult(state=state_dict(known))
 
 
 def _request(job: base.JobContext) -> tuple[int, list[str]]:
