@@ -5,12 +5,13 @@ PY     := $(VENV)/bin/python
 # The demo needs the servers (the `server` extra); the tests also need the dev tools and torch.
 DEMO_STAMP := $(VENV)/.installed-demo
 STAMP      := $(VENV)/.installed
-# Extras the test suite exercises (torch: the CPU build for the TorchAdapter tests).
-TEST_EXTRAS ?= server,dev,torch
+# Extras the test suite exercises (torch: the CPU build for the TorchAdapter tests;
+# trl: transformers and TRL for tests/jobside/test_trl_*.py, on CPU).
+TEST_EXTRAS ?= server,dev,torch,trl
 API_DIR     := src/tslice/api
 
 .PHONY: all venv demo test test-oldest test-floor test-newest test-protobuf test-jobside unit \
-	lint typecheck \
+	test-ray test-verl lint typecheck \
 	api api-check api-tools dist bench clean
 
 all: test
@@ -45,12 +46,13 @@ test: $(STAMP) api-tools
 ## The oldest supported Python, servers + dev tools (no torch: its tests skip), in its own venv.
 OLDEST_PYTHON ?= python3.10
 OLDEST_VENV   := .venv-oldest
+# (tests/jobside runs on this Python in test-floor, with the oldest grpcio and protobuf.)
 test-oldest: api-tools
 	@test -x $(OLDEST_VENV)/bin/python || $(OLDEST_PYTHON) -m venv $(OLDEST_VENV)
 	@$(OLDEST_VENV)/bin/python -m pip install --quiet --upgrade pip
 	@$(OLDEST_VENV)/bin/python -m pip install --quiet -e ".[server,dev]"
 	$(OLDEST_VENV)/bin/mypy
-	$(OLDEST_VENV)/bin/python -m pytest -q
+	$(OLDEST_VENV)/bin/python -m pytest -q --ignore=tests/jobside
 
 ## The job side alone (`pip install tslice`, no extras) on the oldest grpcio/protobuf it
 ## supports (test-floor: the floors in pyproject.toml, pinned) and on the newest
@@ -59,9 +61,15 @@ FLOOR_VENV  := build/venv-floor
 NEWEST_VENV := build/venv-newest
 JOBSIDE_TEST_DEPS := pytest pytest-asyncio pytest-timeout
 JOBSIDE_TESTS ?= tests/jobside
+# The Python a job-side venv is made with; test-floor takes the oldest one where there is one
+# (OLDEST_PYTHON, as test-oldest), so the floor is the floor of everything.
+JOBSIDE_PYTHON ?= $(PY)
 test-floor: $(STAMP)
-	@$(MAKE) --no-print-directory test-jobside JOBSIDE_VENV=$(FLOOR_VENV) \
-	  JOBSIDE_PINS="$$($(PY) scripts/floor_pins.py)"
+	@floor_python=$(PY); \
+	if $(OLDEST_PYTHON) -c 'import sys; assert sys.version_info[:2] == (3, 10)' 2>/dev/null; then \
+	  floor_python=$(OLDEST_PYTHON); fi; \
+	$(MAKE) --no-print-directory test-jobside JOBSIDE_VENV=$(FLOOR_VENV) \
+	  JOBSIDE_PYTHON=$$floor_python JOBSIDE_PINS="$$($(PY) scripts/floor_pins.py)"
 test-newest: $(STAMP)
 	@$(MAKE) --no-print-directory test-jobside JOBSIDE_VENV=$(NEWEST_VENV) \
 	  JOBSIDE_PINS="--upgrade grpcio protobuf typing_extensions"
@@ -76,14 +84,44 @@ test-protobuf: $(STAMP)
 	done
 # (called by the three above) one job-side venv: tslice without extras, the pins, pytest.
 test-jobside:
-	@test -x $(JOBSIDE_VENV)/bin/python || $(PY) -m venv $(JOBSIDE_VENV)
+	@test -x $(JOBSIDE_VENV)/bin/python || $(JOBSIDE_PYTHON) -m venv $(JOBSIDE_VENV)
 	@$(JOBSIDE_VENV)/bin/python -m pip install --quiet --disable-pip-version-check \
 	  -e . $(JOBSIDE_PINS) $(JOBSIDE_TEST_DEPS)
 	@$(JOBSIDE_VENV)/bin/python -c "import grpc, google.protobuf as p, typing_extensions; \
 	  from importlib.metadata import version as v; \
-	  print('job side on grpcio', grpc.__version__, 'protobuf', p.__version__, \
+	  import sys; print('job side on Python', sys.version.split()[0], 'grpcio', grpc.__version__, 'protobuf', p.__version__, \
 	  'typing_extensions', v('typing_extensions'), '(no extras)')"
 	TSLICE_SERVER_PYTHON=$(abspath $(PY)) $(JOBSIDE_VENV)/bin/python -m pytest -q $(JOBSIDE_TESTS)
+
+## tslice inside Ray actors (tests/jobside/test_ray_*.py), protobuf as Ray installs it: its
+## own venv with Ray and the job side only, servers from .venv. No torch may come with Ray.
+RAY_VENV    := build/venv-ray
+RAY_VERSION ?= 2.60.0
+test-ray: $(STAMP)
+	@test -x $(RAY_VENV)/bin/python || $(PY) -m venv $(RAY_VENV)
+	@$(RAY_VENV)/bin/python -m pip install --quiet --disable-pip-version-check \
+	  "ray==$(RAY_VERSION)" $(JOBSIDE_TEST_DEPS) -e .
+	@if $(RAY_VENV)/bin/python -c "import torch" 2>/dev/null; then \
+	  echo "the Ray venv has torch: Ray's install must not pull it" >&2; exit 1; fi
+	@$(RAY_VENV)/bin/python -c "import google.protobuf, ray; \
+	  print('ray', ray.__version__, 'protobuf', google.protobuf.__version__)"
+	TSLICE_SERVER_PYTHON=$(abspath $(PY)) $(RAY_VENV)/bin/python -m pytest -q \
+	  tests/jobside/test_ray_actors.py tests/jobside/test_ray_env.py \
+	  tests/jobside/test_verl_launcher.py
+
+## veRL's real trainer classes on CPU (tests/jobside/test_verl.py): its own venv (about 2 GB
+## and 3 minutes the first time). torch==2.13.0 is named so that verl's tensordict does not
+## resolve to a CUDA build; verl[verl-core] brings what verl.trainer.ppo.v1 imports.
+VERL_VENV    := build/venv-verl
+VERL_VERSION ?= 0.9.1
+test-verl: $(STAMP)
+	@test -x $(VERL_VENV)/bin/python || $(PY) -m venv $(VERL_VENV)
+	@$(VERL_VENV)/bin/python -m pip install --quiet --disable-pip-version-check torch==2.13.0 \
+	  "verl[verl-core]==$(VERL_VERSION)" $(JOBSIDE_TEST_DEPS) -e .
+	@$(VERL_VENV)/bin/python -c "import torch, verl; assert torch.__version__.startswith('2.13.0'); \
+	  print('verl', verl.__version__, 'torch', torch.__version__)"
+	TSLICE_SERVER_PYTHON=$(abspath $(PY)) $(VERL_VENV)/bin/python -m pytest -q \
+	  tests/jobside/test_verl.py tests/jobside/test_verl_launcher.py
 
 unit: $(STAMP)
 	$(PY) -m pytest -q -m "not slow"
