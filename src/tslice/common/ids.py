@@ -25,6 +25,6 @@ def check_id(kind: str, value: str) -> str:
     if not _ID_RE.match(value):
         raise InvalidIdError(
             f"{kind} {value!r} is malformed: use letters, digits and . _ : @ / + = -, "
-            "starting with a letter or digit"
+            "starting with a letter or digit and ending with a letter, digit or _"
         )
     return value
