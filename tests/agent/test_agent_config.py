@@ -165,7 +165,7 @@ async def test_unusable_state_dir_is_a_config_error(agents: AgentRunner, tmp_pat
     corrupt = tmp_path / "corrupt"
     corrupt.mkdir()
     (corrupt / "agent.sqlite3").write_text("this is not a database" * 100)
-    with pytest.raises(errors.ConfigError, match="cannot open the agent state"):
+    with pytest.raises(errors.ConfigError, match="is corrupt or not a tslice database"):
         await agents.start(state_dir=str(corrupt), default_backend="noop")
 
 

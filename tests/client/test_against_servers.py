@@ -269,14 +269,14 @@ async def test_async_client_slices_two_groups_on_real_servers(servers: Servers) 
 
 @pytest.fixture
 def wedged(tmp_path: pathlib.Path) -> Iterator[Servers]:
-    """One agent that refuses every grant of group "g" as stale (a grant mark far ahead
-    of the orchestrator's), and an orchestrator that marks it degraded at once."""
+    """One agent that refuses every grant of group "g" as stale (a grant mark the
+    orchestrator cannot pass), and an orchestrator that marks it degraded at once."""
     cluster = Servers(tmp_path)
     try:
         cluster.start_agent("node-a")
         cluster.start_orchestrator(max_refusals=1)
         with compat.SnapshotAgentClient(cluster.agents["node-a"]) as agent:
-            agent.grant("stray", "g", grant_epoch=10**9)
+            agent.grant("stray", "g", grant_epoch=2**62)
         yield cluster
     finally:
         cluster.close()

@@ -174,7 +174,7 @@ _SELECT_OPERATIONS = f"SELECT {', '.join(c.name for c in _OPERATION_COLUMNS)} FR
 _UPSERT_MARK = _upsert("grants", ("grp", "epoch", "job_id"))
 
 
-class StateDatabaseError(errors.TsliceError):
+class StateDatabaseError(errors.ConfigError):
     """The agent's state database cannot be opened; the message names the file."""
 
 
