@@ -189,13 +189,16 @@ def running_stack(
                 str(sockets / "register.sock"),
                 "--backend",
                 backend,
+                # The orchestrator reaches the agent here, so both start at once (its
+                # TCP port, chosen by the agent, is known only once it serves).
+                "--unix-socket",
+                str(sockets / "agent.sock"),
             ],
             state_dir / "agent.log",
         )
         servers.append(agent)
-        agent_address = agent.wait_serving()
         orchestrator_args = [
-            "--local-agent", f"{NODE}={agent_address}",
+            "--local-agent", f"{NODE}=unix:{sockets / 'agent.sock'}",
             "--host", "127.0.0.1",
             "--port", "0",
             "--metrics-port", "0",
@@ -206,6 +209,7 @@ def running_stack(
             orchestrator_args += ["--group", group]
         orchestrator = _Server("orchestrator", orchestrator_args, state_dir / "orchestrator.log")
         servers.append(orchestrator)
+        agent_address = agent.wait_serving()
         address = orchestrator.wait_serving()
         stack = Stack(address, agent_address, tuple(groups), state_dir)
         try:
