@@ -368,3 +368,25 @@ async def test_a_killed_workload_process_has_left_after_the_grace(agents: AgentR
         if workload.returncode is None:
             workload.kill()
             await workload.wait()
+
+
+async def test_a_restore_waiting_for_a_lost_workload_fails_once_it_has_left(
+    agents: AgentRunner, register: Register, proxies: list[CuttableProxy]
+) -> None:
+    agent = await start_agent(agents, grace_s=SHORT_GRACE_S)
+    proxy = CuttableProxy(agent.address)
+    proxies.append(proxy)
+    _handle, recorder = await running(agent, proxy.address, "job-a", register)
+    snap = await agent.snapshot("job-a", group=GROUP)
+    assert snap.snapshot_device_bytes == MOVED  # its state is off the device, in its process
+
+    proxy.refuse()
+    proxy.cut()
+    back = await agent.restore("job-a", group=GROUP)  # waits at most the grace
+    assert back.status == pb.OPERATION_STATUS_FAILED, back
+    assert "left this node" in back.error and "must register again" in back.error
+    assert recorder.calls == ["snapshot"]
+    # Its offloaded state lived in the process that left: nothing is saved any more.
+    assert (await agent.jobs())["job-a"].state == pb.JOB_STATE_IDLE
+    err = await refused_restore(agent, "job-a")
+    assert err.code() == grpc.StatusCode.FAILED_PRECONDITION
