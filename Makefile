@@ -11,7 +11,7 @@ TEST_EXTRAS ?= server,dev,torch,trl
 API_DIR     := src/tslice/api
 
 .PHONY: all venv demo test test-oldest test-floor test-newest test-protobuf test-jobside unit \
-	test-ray test-verl lint typecheck \
+	test-ray test-verl verl-venv lint typecheck \
 	api api-check api-tools dist bench clean
 
 all: test
@@ -114,12 +114,19 @@ test-ray: $(STAMP)
 ## resolve to a CUDA build; verl[verl-core] brings what verl.trainer.ppo.v1 imports.
 VERL_VENV    := build/venv-verl
 VERL_VERSION ?= 0.9.1
-test-verl: $(STAMP)
-	@test -x $(VERL_VENV)/bin/python || $(PY) -m venv $(VERL_VENV)
+## (The venv alone, without .venv: CI makes it in the background while the suite runs.)
+verl-venv: $(VERL_VENV)/.installed
+$(VERL_VENV)/.installed: pyproject.toml
+	@test -x $(VERL_VENV)/bin/python || $(PYTHON) -m venv $(VERL_VENV)
 	@$(VERL_VENV)/bin/python -m pip install --quiet --disable-pip-version-check torch==2.13.0 \
-	  "verl[verl-core]==$(VERL_VERSION)" $(JOBSIDE_TEST_DEPS) -e .
+	  "verl[verl-core]==$(VERL_VERSION)" $(JOBSIDE_TEST_DEPS)
 	@$(VERL_VENV)/bin/python -c "import torch, verl; assert torch.__version__.startswith('2.13.0'); \
 	  print('verl', verl.__version__, 'torch', torch.__version__)"
+	@touch $@
+# tslice itself goes in here, not in the background (two editable builds of one tree at once
+# would share its egg-info).
+test-verl: $(STAMP) $(VERL_VENV)/.installed
+	@$(VERL_VENV)/bin/python -m pip install --quiet --disable-pip-version-check -e .
 	TSLICE_SERVER_PYTHON=$(abspath $(PY)) $(VERL_VENV)/bin/python -m pytest -q \
 	  tests/jobside/test_verl.py tests/jobside/test_verl_launcher.py
 
