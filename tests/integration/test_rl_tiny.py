@@ -8,49 +8,21 @@ processes saved and checks it tensor by tensor.
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 
+from tests.examples_support import load_example, tensors
+
 torch = pytest.importorskip("torch")
 
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "rl_tiny.py"
 STEPS = 12
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 
-def load_example() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("rl_tiny", EXAMPLE)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["rl_tiny"] = module  # dataclasses look their module up while it loads
-    try:
-        spec.loader.exec_module(module)
-    finally:
-        del sys.modules["rl_tiny"]
-    return module
-
-
-def tensors(state: object, prefix: str = "") -> dict[str, torch.Tensor]:
-    """Every tensor of a nested state (model and optimizer state_dicts), by path."""
-    found: dict[str, torch.Tensor] = {}
-    if isinstance(state, torch.Tensor):
-        found[prefix] = state
-    elif isinstance(state, dict):
-        for key, value in state.items():
-            found.update(tensors(value, f"{prefix}/{key}"))
-    elif isinstance(state, (list, tuple)):
-        for index, value in enumerate(state):
-            found.update(tensors(value, f"{prefix}/{index}"))
-    return found
-
-
 async def test_time_sliced_jobs_end_bit_identical_to_standalone_runs(tmp_path: Path) -> None:
-    rl_tiny = load_example()
+    rl_tiny = load_example("rl_tiny")
 
     outcomes = await rl_tiny.run_proof(workdir=tmp_path, steps=STEPS, seeds=(1, 2))
 
@@ -84,7 +56,7 @@ async def test_time_sliced_jobs_end_bit_identical_to_standalone_runs(tmp_path: P
 
 
 def test_states_identical_notices_a_single_flipped_bit() -> None:
-    rl_tiny = load_example()
+    rl_tiny = load_example("rl_tiny")
     state = {"policy": {"w": torch.arange(6, dtype=torch.float32)}, "step": 3}
     flipped = {"policy": {"w": torch.arange(6, dtype=torch.float32)}, "step": 3}
     flipped["policy"]["w"].view(torch.int32)[2] ^= 1

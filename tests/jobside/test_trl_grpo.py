@@ -16,10 +16,10 @@ import importlib.util
 import subprocess
 import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 
+from tests.examples_support import load_example, tensors
 from tests.jobside.stack import Stack
 from tslice import AsyncClient
 from tslice.client import EventKind, OrchestratorEvent
@@ -31,37 +31,10 @@ for _framework in ("transformers", "trl", "datasets", "tokenizers"):
     if importlib.util.find_spec(_framework) is None:
         pytest.skip(f"needs {_framework}: pip install 'tslice[trl]'", allow_module_level=True)
 
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "trl_grpo.py"
 STEPS = 4
 GROUP = "trainer"
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
-
-
-def load_example() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("trl_grpo", EXAMPLE)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["trl_grpo"] = module  # dataclasses look their module up while it loads
-    try:
-        spec.loader.exec_module(module)
-    finally:
-        del sys.modules["trl_grpo"]
-    return module
-
-
-def tensors(state: object, prefix: str = "") -> dict[str, torch.Tensor]:
-    """Every tensor of a nested state (model and optimizer state_dicts), by path."""
-    found: dict[str, torch.Tensor] = {}
-    if isinstance(state, torch.Tensor):
-        found[prefix] = state
-    elif isinstance(state, dict):
-        for key, value in state.items():
-            found.update(tensors(value, f"{prefix}/{key}"))
-    elif isinstance(state, (list, tuple)):
-        for index, value in enumerate(state):
-            found.update(tensors(value, f"{prefix}/{index}"))
-    return found
 
 
 class _Switches:
@@ -93,7 +66,7 @@ class _Switches:
 async def test_two_time_sliced_grpo_jobs_end_bit_identical_to_standalone_runs(
     stack: Stack, tmp_path: Path
 ) -> None:
-    trl_grpo = load_example()
+    trl_grpo = load_example("trl_grpo")
     switches = _Switches()
     watcher = asyncio.create_task(switches.watch(stack))
     try:
