@@ -10,6 +10,14 @@ copies what the PASSIVE pass left and syncs, and empties the file. A writer wait
 it once per ``limit_bytes`` of writes (tens of milliseconds, more on a slow disk):
 the price of a bounded disk. The stores also set ``PRAGMA journal_size_limit`` so
 that a WAL that SQLite starts over by itself (when the writer pauses) is cut back.
+
+That alone is no bound: on a slow disk the checkpoint thread falls behind the
+writer, and a TRUNCATE that waits for a writer committing back to back can starve
+(its busy handler sleeps, the writer takes the lock again first) and give up. So the
+writer checks the file too, every ``every_commits`` commits: past twice the limit it
+waits, on its own thread, for the checkpoint running and then for a TRUNCATE. The
+writer's stall is rare and bounded by one checkpoint; the WAL stays under about
+``2 * limit_bytes`` plus one round of commits, however slow the disk.
 """
 
 from __future__ import annotations
@@ -34,6 +42,23 @@ class BoundedWalCheckpointer(sqlite_wal.WalCheckpointer):
             raise ValueError(f"limit_bytes must be >= 1 (got {limit_bytes})")
         self.limit_bytes = limit_bytes
         self._wal = Path(f"{path}-wal")
+        self._since_size_check = 0
+
+    def committed(self) -> None:
+        super().committed()
+        self._since_size_check += 1
+        if self._since_size_check < self.every_commits:
+            return
+        self._since_size_check = 0
+        if self._wal_bytes() > 2 * self.limit_bytes:
+            self._catch_up()
+
+    def _catch_up(self) -> None:
+        # On the writer's thread: it waits, so the TRUNCATE cannot be starved by it.
+        if self._pending is not None:
+            self._pending.result()
+        self._pending = self._executor.submit(self._checkpoint, "TRUNCATE")
+        self._pending.result()
 
     def _checkpoint(self, mode: str) -> None:
         # In the checkpointer's thread, like the checkpoint itself.
