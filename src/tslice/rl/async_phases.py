@@ -1,123 +1,32 @@
 """``AsyncPhases``: :class:`~tslice.rl.Phases` over :class:`~tslice.AsyncClient`.
 
-Same roles, groups, rules and no-op mode; ``begin``, ``end`` and ``close`` are
-awaited and ``phase`` is an ``async with`` block. Use it inside one event loop.
-A ``workload=`` is registered at construction and its acknowledgement awaited at
-the first begin (or ``async with AsyncPhases(...)``), off the loop.
+Same arguments, roles, groups, rules and no-op mode; ``begin``, ``end`` and
+``close`` are awaited and ``phase`` is an ``async with`` block. Use it inside one
+event loop. A ``workload=`` is registered at construction and its acknowledgement
+awaited at the first begin (or ``async with AsyncPhases(...)``), off the loop.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 from collections.abc import AsyncIterator
 from types import MappingProxyType
 
 from typing_extensions import Self
 
 from tslice.client import USE_CLIENT_DEFAULT, AcquireResult, AsyncClient
-from tslice.common import errors
-from tslice.rl import _book, _workload, phases, roles
+from tslice.rl import _base, _book, roles
+from tslice.rl._base import Grants
 
 
-class AsyncPhases:
+class AsyncPhases(_base.PhasesBase[AsyncClient]):
     """asyncio twin of :class:`~tslice.rl.Phases` (arguments as there)."""
 
-    def __init__(
-        self,
-        *,
-        job_id: str | None = None,
-        address: str | None = None,
-        trainer_group: str | None = "trainer",
-        sampler_group: str | None = "sampler",
-        role: roles.Role | str = roles.Role.COLOCATED,
-        client: AsyncClient | None = None,
-        timeout: float | None = None,
-        workload: object | None = None,
-        agent: str | None = None,
-        register_timeout: float | None = _workload.DEFAULT_REGISTER_TIMEOUT_S,
-    ) -> None:
-        if client is not None and address is not None:
-            raise errors.ConfigError("pass either client= or address= to AsyncPhases, not both")
-        if timeout is not None and not timeout > 0:
-            raise ValueError(f"timeout must be > 0 seconds or None, got {timeout!r}")
-        self._owns_client = client is None
-        self._client = (
-            client
-            if client is not None
-            else AsyncClient(address, job_id=USE_CLIENT_DEFAULT if job_id is None else job_id)
-        )
-        self._timeout = timeout
-        self._job = (job_id if job_id is not None else self._client.job_id) or ""
-        self._book = _book.PhaseBook(
-            role, trainer_group, sampler_group, enabled=self._client.enabled, job_id=self._job
-        )
-        self._register_timeout = register_timeout
-        self._workloads: _workload.Registrations | None = None
-        self._registered = False
-        planned = _workload.plan(workload, self._book.role, self._book.pools)
-        if planned and self.enabled:
-            registrations = _workload.Registrations(
-                agent=_workload.agent_address(agent), job_id=self._job, planned=planned
-            )
-            registrations.start()
-            self._workloads = registrations
+    _registered = False
 
-    @classmethod
-    def from_env(
-        cls,
-        role: roles.Role | str | None = None,
-        *,
-        client: AsyncClient | None = None,
-        timeout: float | None = None,
-        workload: object | None = None,
-        agent: str | None = None,
-        register_timeout: float | None = _workload.DEFAULT_REGISTER_TIMEOUT_S,
-    ) -> Self:
-        """As :meth:`Phases.from_env`."""
-        trainer, sampler = phases.env_groups()
-        return cls(
-            trainer_group=trainer,
-            sampler_group=sampler,
-            role=phases.env_role(role),
-            client=client,
-            timeout=timeout,
-            workload=workload,
-            agent=agent,
-            register_timeout=register_timeout,
-        )
-
-    @property
-    def enabled(self) -> bool:
-        return self._client.enabled
-
-    @property
-    def role(self) -> roles.Role:
-        return self._book.role
-
-    @property
-    def job_id(self) -> str:
-        return self._job
-
-    @property
-    def client(self) -> AsyncClient:
-        return self._client
-
-    @property
-    def trainer_group(self) -> str | None:
-        return self._book.pools.get(roles.Pool.TRAINER)
-
-    @property
-    def sampler_group(self) -> str | None:
-        return self._book.pools.get(roles.Pool.SAMPLER)
-
-    @property
-    def open_phases(self) -> tuple[roles.Phase, ...]:
-        return self._book.open_phases()
-
-    def groups_for(self, phase: roles.Phase | str) -> tuple[str, ...]:
-        return self._book.groups_for(phase)
+    def _connect(self, address: str | None, job_id: str | None) -> AsyncClient:
+        return AsyncClient(address, job_id=USE_CLIENT_DEFAULT if job_id is None else job_id)
 
     async def wait_registered(self) -> None:
         """Wait (off the loop) until the agent acknowledged the workload; once."""
@@ -126,13 +35,11 @@ class AsyncPhases:
         await asyncio.to_thread(self._workloads.wait, self._register_timeout)
         self._registered = True
 
-    async def begin(
-        self, phase: roles.Phase | str, *, timeout: float | None = None
-    ) -> phases.Grants:
-        entry = self._book.opening(phase, "this AsyncPhases")
+    async def begin(self, phase: roles.Phase | str, *, timeout: float | None = None) -> Grants:
+        entry = self._opening(phase)
         try:
             await self.wait_registered()
-            grants = await self._take(entry, self._timeout if timeout is None else timeout)
+            grants = await self._take(entry, timeout)
         except BaseException:
             self._book.abandon(entry)
             raise
@@ -147,7 +54,7 @@ class AsyncPhases:
     @contextlib.asynccontextmanager
     async def phase(
         self, phase: roles.Phase | str, *, timeout: float | None = None
-    ) -> AsyncIterator[phases.Grants]:
+    ) -> AsyncIterator[Grants]:
         grants = await self.begin(phase, timeout=timeout)
         try:
             yield grants
@@ -178,23 +85,14 @@ class AsyncPhases:
     async def __aexit__(self, *exc_info: object) -> None:
         await self.close()
 
-    def __repr__(self) -> str:
-        return (
-            f"AsyncPhases(job_id={self._job!r}, role={self.role.value!r}, "
-            f"trainer_group={self.trainer_group!r}, sampler_group={self.sampler_group!r}, "
-            f"enabled={self.enabled})"
-        )
-
-    async def _take(self, entry: _book.OpenPhase, timeout: float | None) -> phases.Grants:
+    async def _take(self, entry: _book.OpenPhase, timeout: float | None) -> Grants:
         if not self.enabled:
-            if not self._client.config.disabled_on_purpose:
-                _book.announce_noop(self._client.config.noop_reason)
-            return MappingProxyType(dict.fromkeys(entry.groups, phases._NOOP))
-        deadline = None if timeout is None else time.monotonic() + timeout
+            return self._noop_grants(entry)
+        deadline = self._deadline(timeout)
         grants: dict[str, AcquireResult] = {}
         try:
             for group in entry.groups:
-                wait = USE_CLIENT_DEFAULT if deadline is None else phases._left(deadline)
+                wait = USE_CLIENT_DEFAULT if deadline is None else _base.left(deadline)
                 hold = self._client.slice(group, job_id=self._job, timeout=wait)
                 grants.update(await hold.__aenter__())
                 entry.holds.append(hold)

@@ -23,24 +23,20 @@ Frameworks with begin/end hooks call ``phases.begin("train")`` and
 from __future__ import annotations
 
 import contextlib
-import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from types import MappingProxyType
 
 from typing_extensions import Self
 
 from tslice.client import USE_CLIENT_DEFAULT, AcquireResult, Client
-from tslice.common import errors
-from tslice.rl import _book, _workload, roles, settings
+from tslice.rl import _base, _book, _workload, roles
 
 #: What a phase's groups were granted with (group -> result); empty for a phase that
 #: takes no group, and success at once in no-op mode.
-Grants = Mapping[str, AcquireResult]
-
-_NOOP = AcquireResult(success=True, waited_ms=0, context_restored=False, grant_epoch=0)
+Grants = _base.Grants
 
 
-class Phases:
+class Phases(_base.PhasesBase[Client]):
     """The phases of one RL process, mapped onto tslice groups.
 
     Args:
@@ -75,111 +71,14 @@ class Phases:
     exist yet). Thread-safe; a begin waits without blocking ends in other threads.
     """
 
-    def __init__(
-        self,
-        *,
-        job_id: str | None = None,
-        address: str | None = None,
-        trainer_group: str | None = "trainer",
-        sampler_group: str | None = "sampler",
-        role: roles.Role | str = roles.Role.COLOCATED,
-        client: Client | None = None,
-        timeout: float | None = None,
-        workload: object | None = None,
-        agent: str | None = None,
-        register_timeout: float | None = _workload.DEFAULT_REGISTER_TIMEOUT_S,
-    ) -> None:
-        if client is not None and address is not None:
-            raise errors.ConfigError("pass either client= or address= to Phases, not both")
-        if timeout is not None and not timeout > 0:
-            raise ValueError(f"timeout must be > 0 seconds or None, got {timeout!r}")
-        self._owns_client = client is None
-        self._client = client if client is not None else _make_client(address, job_id)
-        self._timeout = timeout
-        job = job_id if job_id is not None else self._client.job_id
-        self._job = job or ""
-        self._workloads: _workload.Registrations | None = None
-        try:
-            self._book = _book.PhaseBook(
-                role, trainer_group, sampler_group, enabled=self._client.enabled, job_id=self._job
-            )
-            planned = _workload.plan(workload, self._book.role, self._book.pools)
-            if planned and self.enabled:
-                registrations = _workload.Registrations(
-                    agent=_workload.agent_address(agent), job_id=self._job, planned=planned
-                )
-                registrations.start()
-                registrations.wait(register_timeout)
-                self._workloads = registrations
-        except BaseException:
-            self._close_client()
-            raise
+    def _connect(self, address: str | None, job_id: str | None) -> Client:
+        return Client(address, job_id=USE_CLIENT_DEFAULT if job_id is None else job_id)
 
-    @classmethod
-    def from_env(
-        cls,
-        role: roles.Role | str | None = None,
-        *,
-        client: Client | None = None,
-        timeout: float | None = None,
-        workload: object | None = None,
-        agent: str | None = None,
-        register_timeout: float | None = _workload.DEFAULT_REGISTER_TIMEOUT_S,
-    ) -> Self:
-        """Phases configured by the environment (llm-d's names or tslice's).
+    def _registering(self, registrations: _workload.Registrations) -> None:
+        registrations.wait(self._register_timeout)
 
-        ``role`` defaults to ``$TSLICE_ROLE``, else colocated. Groups:
-        ``$TSLICE_TRAINER_GROUP`` / ``$TIMESLICE_TRAINER_GROUP``,
-        ``$TSLICE_SAMPLER_GROUP`` / ``$TIMESLICE_SAMPLER_GROUP``; with neither,
-        ``$TSLICE_GROUP`` / ``$TIMESLICE_GROUP`` is a colocated job's only group.
-        """
-        trainer, sampler = env_groups()
-        return cls(
-            trainer_group=trainer,
-            sampler_group=sampler,
-            role=env_role(role),
-            client=client,
-            timeout=timeout,
-            workload=workload,
-            agent=agent,
-            register_timeout=register_timeout,
-        )
-
-    # -- facts ------------------------------------------------------------------------
-
-    @property
-    def enabled(self) -> bool:
-        """False in no-op mode: phases take no groups."""
-        return self._client.enabled
-
-    @property
-    def role(self) -> roles.Role:
-        return self._book.role
-
-    @property
-    def job_id(self) -> str:
-        return self._job
-
-    @property
-    def client(self) -> Client:
-        return self._client
-
-    @property
-    def trainer_group(self) -> str | None:
-        return self._book.pools.get(roles.Pool.TRAINER)
-
-    @property
-    def sampler_group(self) -> str | None:
-        return self._book.pools.get(roles.Pool.SAMPLER)
-
-    @property
-    def open_phases(self) -> tuple[roles.Phase, ...]:
-        """The phases begun and not yet ended, in the order they began."""
-        return self._book.open_phases()
-
-    def groups_for(self, phase: roles.Phase | str) -> tuple[str, ...]:
-        """The groups ``phase`` takes for this role, in acquisition order."""
-        return self._book.groups_for(phase)
+    def _construction_failed(self) -> None:
+        self._close_client()
 
     # -- phases -----------------------------------------------------------------------
 
@@ -188,9 +87,9 @@ class Phases:
 
         ``timeout`` overrides the Phases' own for this begin.
         """
-        entry = self._book.opening(phase, "this Phases")
+        entry = self._opening(phase)
         try:
-            grants = self._take(entry, self._timeout if timeout is None else timeout)
+            grants = self._take(entry, timeout)
         except BaseException:
             self._book.abandon(entry)
             raise
@@ -236,25 +135,16 @@ class Phases:
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
-    def __repr__(self) -> str:
-        return (
-            f"Phases(job_id={self._job!r}, role={self.role.value!r}, "
-            f"trainer_group={self.trainer_group!r}, sampler_group={self.sampler_group!r}, "
-            f"enabled={self.enabled})"
-        )
-
     # -- plumbing ---------------------------------------------------------------------
 
     def _take(self, entry: _book.OpenPhase, timeout: float | None) -> Grants:
         if not self.enabled:
-            if not self._client.config.disabled_on_purpose:
-                _book.announce_noop(self._client.config.noop_reason)
-            return MappingProxyType(dict.fromkeys(entry.groups, _NOOP))
-        deadline = None if timeout is None else time.monotonic() + timeout
+            return self._noop_grants(entry)
+        deadline = self._deadline(timeout)
         grants: dict[str, AcquireResult] = {}
         try:
             for group in entry.groups:
-                wait = USE_CLIENT_DEFAULT if deadline is None else _left(deadline)
+                wait = USE_CLIENT_DEFAULT if deadline is None else _base.left(deadline)
                 hold = self._client.slice(group, job_id=self._job, timeout=wait)
                 grants.update(hold.__enter__())
                 entry.holds.append(hold)
@@ -280,34 +170,3 @@ class Phases:
     def _close_client(self) -> None:
         if self._owns_client:
             self._client.close()
-
-
-def _left(deadline: float) -> float:
-    # A tiny positive wait still lets the client raise its own AcquireTimeout.
-    return max(deadline - time.monotonic(), 1e-3)
-
-
-def _make_client(address: str | None, job_id: str | None) -> Client:
-    return Client(address, job_id=USE_CLIENT_DEFAULT if job_id is None else job_id)
-
-
-def env_groups() -> tuple[str | None, str | None]:
-    """``(trainer group, sampler group)`` from the environment (see ``from_env``)."""
-    trainer = settings.env_group(settings.TRAINER_GROUP_ENV)
-    sampler = settings.env_group(settings.SAMPLER_GROUP_ENV)
-    if trainer is None and sampler is None:
-        only = settings.env_group(settings.GROUP_ENV)
-        return only, only
-    return trainer, sampler
-
-
-def env_role(role: roles.Role | str | None) -> roles.Role:
-    if role is not None:
-        return roles.parse_role(role)
-    found = settings.first_env(settings.ROLE_ENV)
-    if found is None:
-        return roles.Role.COLOCATED
-    try:
-        return roles.parse_role(found[1])
-    except roles.PhaseError as err:
-        raise errors.ConfigError(f"${found[0]}: {err}") from None

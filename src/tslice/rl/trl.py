@@ -64,6 +64,7 @@ from typing import TYPE_CHECKING, Any
 
 from tslice.client import Client
 from tslice.common import errors
+from tslice.rl import _base
 from tslice.rl import phases as _phases
 from tslice.rl.roles import Phase
 
@@ -428,5 +429,5 @@ def _check_movable(*modules: Any) -> None:
 
 
 def _env_group() -> str | None:
-    trainer, sampler = _phases.env_groups()
+    trainer, sampler = _base.env_groups()
     return trainer or sampler
