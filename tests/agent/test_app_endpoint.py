@@ -22,6 +22,8 @@ from tslice.sim import engine_server
 GiB = 1 << 30
 TAGS = {"weights": 3 * GiB, "kv_cache": GiB}
 APPS = {"vllm": pb.APP_VLLM, "sglang": pb.APP_SGLANG}
+#: The engine servers listen on ports the system picks: allow them all, explicitly.
+EPHEMERAL = {"allowed_hosts": ["127.0.0.1:1024-65535"]}
 
 # --------------------------------------------------------------------------- fixtures
 
@@ -72,7 +74,9 @@ def engines() -> Iterator[Engines]:
 
 @pytest.fixture
 async def backend() -> AsyncIterator[app_endpoint.AppEndpointBackend]:
-    instance = app_endpoint.AppEndpointBackend.create({"timeout_s": 10, "connect_timeout_s": 5})
+    instance = app_endpoint.AppEndpointBackend.create(
+        {**EPHEMERAL, "timeout_s": 10, "connect_timeout_s": 5}
+    )
     yield instance
     await instance.close()
 
@@ -179,13 +183,19 @@ async def test_sglang_requests(
     assert server.device_bytes == 4 * GiB
 
 
-async def test_base_path_kept_and_trailing_slash_normalised(
-    backend: app_endpoint.AppEndpointBackend, engines: Engines
+@pytest.mark.parametrize("path", ["/engine0", "/admin/../sleep", "/v1/"])
+async def test_a_callers_path_is_refused_before_any_io(
+    backend: app_endpoint.AppEndpointBackend,
+    engines: Engines,
+    socket_audit: list[tuple[str, tuple[Any, ...]]],
+    path: str,
 ) -> None:
+    # Issue 10: the path is the dialect's own; a caller's prefix aimed the agent's POSTs
+    # at any route of an allowed server (today's main sent POST /engine0/sleep).
     server = engines("vllm", base_path="/engine0")
-    await backend.snapshot(job("vllm", f"{server.url}/engine0/"), pb.SUSPEND_MODE_OFFLOAD)
-    assert paths(server) == ["/engine0/sleep?level=1"]
-    assert server.is_sleeping
+    with pytest.raises(app_endpoint_dialects.InvalidEndpointConfigError, match="without a path"):
+        await backend.snapshot(job("vllm", f"{server.url}{path}"), pb.SUSPEND_MODE_OFFLOAD)
+    assert server.requests == [] and socket_audit == []
 
 
 async def test_staged_wake_sends_the_tags_it_is_given(
@@ -279,7 +289,8 @@ async def test_partial_snapshot_failure_resumes_the_suspended(
     assert isinstance(error, base.TransientBackendError)
     assert isinstance(error, base.TransientBackendError)
     text = str(error)
-    assert f"{bad.url}: POST /sleep?level=1 returned HTTP 503" in text and "engine busy" in text
+    assert f"{bad.url}: POST /sleep?level=1 returned HTTP 503 Service Unavailable;" in text
+    assert "engine busy" not in text  # the status line only, never the body
     assert "could not suspend 1 of 3" in text
     assert f"resumed 2 endpoint(s) that had (or may have) changed: {good1.url}, {good2.url}" in text
     assert paths(good1) == paths(good2) == ["/sleep?level=1", "/wake_up"]
@@ -295,8 +306,32 @@ async def test_permanent_refusal_is_not_retried(
     with pytest.raises(app_endpoint.EngineRefusedError) as info:
         await backend.snapshot(job("vllm", server), pb.SUSPEND_MODE_OFFLOAD)
     assert not isinstance(info.value, base.TransientBackendError)
-    quoted = ('{"error": "' + "x" * 5000)[: app_endpoint.ERROR_BODY_LIMIT]
-    assert f"returned HTTP 404: {quoted};" in str(info.value)  # the first 1 KiB, no more
+    assert "returned HTTP 404 Not Found;" in str(info.value) and "xxx" not in str(info.value)
+
+
+async def test_another_services_answer_never_reaches_the_caller(engines: Engines) -> None:
+    # Issue 10: another local service on an allowed host answered 403 with its own words,
+    # and the agent put them in the caller's error. Now its port must be listed, and a
+    # listed server's answer comes back as a status line only.
+    other = engines("vllm")
+    other.inject_fault(status=403, body="secret-token-of-another-service", count=1000)
+    port = int(other.url.rsplit(":", 1)[1])
+    default = app_endpoint.AppEndpointBackend.create({})
+    listed = app_endpoint.AppEndpointBackend.create({"allowed_hosts": [f"127.0.0.1:{port}"]})
+    try:
+        with pytest.raises(app_endpoint_dialects.EndpointNotAllowedError) as refused:
+            await default.snapshot(job("vllm", other), pb.SUSPEND_MODE_OFFLOAD)
+        assert f"port {port} is not in" in str(refused.value)
+        assert f"as '127.0.0.1:{port}'" in str(refused.value)
+        assert other.connections == 0
+        with pytest.raises(app_endpoint.EngineRefusedError) as answered:
+            await listed.snapshot(job("vllm", other), pb.SUSPEND_MODE_OFFLOAD)
+    finally:
+        await default.close()
+        await listed.close()
+    text = str(answered.value)
+    assert "POST /sleep?level=1 returned HTTP 403 Forbidden;" in text
+    assert "secret" not in text
 
 
 async def test_lost_answer_is_compensated_too(
@@ -380,7 +415,7 @@ async def test_unreachable_endpoint_is_transient(
 async def test_timeout_is_configurable_and_reported(engines: Engines) -> None:
     slow = engines("vllm")
     slow.inject_fault(delay_s=30, path="/sleep")  # the engine holds itself for 30 s
-    backend = app_endpoint.AppEndpointBackend.create({"timeout_s": 0.3})
+    backend = app_endpoint.AppEndpointBackend.create({**EPHEMERAL, "timeout_s": 0.3})
     try:
         with pytest.raises(base.FatalBackendError) as info:
             await backend.snapshot(job("vllm", slow), pb.SUSPEND_MODE_OFFLOAD)

@@ -39,7 +39,14 @@ async def start_agent(agents: Any, **overrides: Any) -> Any:
     """An agent (conftest ``AgentRunner``) with the app-endpoint backend enabled."""
     config = agents.make_config(
         backends=["app-endpoint"],
-        backend_settings={"app-endpoint": {"timeout_s": 5, "connect_timeout_s": 2}},
+        backend_settings={
+            "app-endpoint": {
+                # The engine servers listen on ports the system picks: allowed explicitly.
+                "allowed_hosts": ["127.0.0.1:1024-65535"],
+                "timeout_s": 5,
+                "connect_timeout_s": 2,
+            }
+        },
         **overrides,
     )
     return await agents.start_config(config)

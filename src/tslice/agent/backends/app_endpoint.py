@@ -9,10 +9,13 @@ What it does better than the llm-d agent it replaces:
 
 * **Allow-list** (:mod:`~tslice.agent.backends.app_endpoint_hosts`). The agent is privileged
   and reachable over the network, so it must not become a proxy to arbitrary URLs. Every
-  endpoint's host (and optionally port) must match ``allowed_hosts`` (default: loopback only)
-  *before* any socket is opened. Matching is on the URL text, never on a DNS answer, so
-  ``http://2130706433/`` is not mistaken for ``127.0.0.1``. Redirects are not followed and
-  proxy environment variables are ignored, for the same reason.
+  endpoint's host *and port* must match ``allowed_hosts`` (default: loopback ports 8000 and
+  30000) *before* any socket is opened. Matching is on the URL text, never on a DNS answer,
+  so ``http://2130706433/`` is not mistaken for ``127.0.0.1``. An endpoint is a base URL
+  without a path: every path called is the dialect's own. Redirects are not followed and
+  proxy environment variables are ignored, for the same reason. An engine's answer never
+  reaches the caller beyond its status line (``HTTP 403 Forbidden``), so the agent cannot
+  be used to read another service.
 * **Concurrent endpoints with compensation.** All endpoints of a job (e.g. one per TP/DP rank
   server) are driven at once. If some fail, the ones that changed (or may have changed) are
   moved back, so the job is left consistently in its previous state and the error is transient.
@@ -32,6 +35,7 @@ import asyncio
 import dataclasses
 import enum
 import functools
+import http
 import json
 import logging
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -48,8 +52,6 @@ from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")
 
-#: How much of an engine's error body is quoted in an operation error.
-ERROR_BODY_LIMIT = 1024
 #: Statuses an engine (or a proxy in front of it) uses for "not now"; retrying may help.
 _RETRYABLE_STATUSES = frozenset({408, 425, 429, 503})
 #: Statuses after which the engine may well have done the work (a gateway gave up waiting,
@@ -367,8 +369,9 @@ class AppEndpointBackend(base.Backend):
         )
         if 200 <= status < 300:
             return _CallResult(endpoint, request, _Outcome.DONE, payload=_json_object(response))
-        body = response.content[:ERROR_BODY_LIMIT].decode("utf-8", errors="replace")
-        error = f"{what} returned HTTP {status}: {body.strip() or '(empty body)'}"
+        # Only a status line goes back to the caller, never the body (nor the server's own
+        # reason phrase): whatever answered may be another service, and its words its secrets.
+        error = f"{what} returned HTTP {_status_line(status)}"
         if status in _UNCERTAIN_STATUSES:
             return _CallResult(endpoint, request, _Outcome.UNCERTAIN, error)
         return _CallResult(
@@ -442,6 +445,14 @@ def _awake_tags(job: base.JobContext) -> list[str] | None:
     """Tags woken by a staged wake since the last snapshot; ``None`` = fully awake/unknown."""
     awake = job.state.get("awake_tags")
     return [str(t) for t in awake] if isinstance(awake, list) else None
+
+
+def _status_line(status: int) -> str:
+    """``403 Forbidden``: the number and the standard phrase (none for an unknown number)."""
+    try:
+        return f"{status} {http.HTTPStatus(status).phrase}"
+    except ValueError:
+        return str(status)
 
 
 def _describe(exc: Exception) -> str:

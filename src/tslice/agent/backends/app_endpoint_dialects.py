@@ -27,7 +27,7 @@ class InvalidEndpointConfigError(base.InvalidBackendConfigError):
 
 
 class EndpointNotAllowedError(InvalidEndpointConfigError, base.BackendConfigRefusedError):
-    """An endpoint's host is not on this agent's allow-list; nothing was sent.
+    """An endpoint's host and port are not on this agent's allow-list; nothing was sent.
 
     The agent should answer ``FAILED_PRECONDITION`` (the fix is in the agent's config).
     """
@@ -48,7 +48,7 @@ class EnginePlan:
     dialect: Dialect
     #: Base URLs as given by the user, for messages.
     endpoints: tuple[str, ...]
-    #: The same, parsed, with the trailing slash removed from the path.
+    #: The same, parsed (no path: the dialect's paths are joined to them).
     bases: tuple[httpx.URL, ...]
     mode: pb.SuspendMode
     tags: tuple[str, ...]
@@ -141,9 +141,17 @@ def _parse_endpoint(endpoint: str) -> httpx.URL:
         raise invalid("must not carry credentials (user:password@)")
     if url.query or url.fragment:
         raise invalid("must not have a query string or fragment; give the server's base URL")
+    if url.path not in ("", "/"):
+        # The dialect chooses every path the agent calls (WIRE.md): a caller's path would
+        # aim the privileged agent's POSTs at any route of the server.
+        raise invalid(
+            "must be the engine server's base URL (scheme://host:port) without a path; the "
+            "agent calls the dialect's own paths (vLLM /sleep, /wake_up; SGLang "
+            "/release_memory_occupation, /resume_memory_occupation)"
+        )
     if url.port is not None and not 0 < url.port < 65536:
         raise invalid(f"has an invalid port {url.port}")
-    return url.copy_with(path=url.path.rstrip("/") or "")
+    return url.copy_with(path="")
 
 
 def _effective_port(url: httpx.URL) -> int:
@@ -163,8 +171,13 @@ def _check_allowed(
         f"app_endpoint endpoint {validation.shown(endpoint)} is refused: host "
         f"{validation.shown(url.host)} port {port} is not "
         f"in this agent's app-endpoint allowed_hosts ({listed}); add it to the agent config "
-        "if this engine is meant to be driven by this agent"
+        f"as {_pattern_for(url, port)} if this engine is meant to be driven by this agent"
     )
+
+
+def _pattern_for(url: httpx.URL, port: int) -> str:
+    host = f"[{url.host}]" if ":" in url.host else url.host
+    return validation.shown(f"{host}:{port}")
 
 
 def join(base_url: httpx.URL, operation: str) -> httpx.URL:

@@ -1,9 +1,12 @@
 """Which engines the ``app-endpoint`` backend may talk to, and its settings.
 
 The agent is privileged and reachable over the network, so it must not become a
-proxy to arbitrary URLs: every endpoint's host (and optionally port) must match
-``allowed_hosts`` (default: loopback only) before any socket is opened. Matching is
-on the URL text, never on a DNS answer, so ``http://2130706433/`` is not mistaken
+proxy to arbitrary URLs: every endpoint's host *and port* must match ``allowed_hosts``
+(default: vLLM's port 8000 and SGLang's 30000 on loopback) before any socket is opened.
+An entry names its port (``HOST:PORT`` or ``HOST:FIRST-LAST``): "any port of a host"
+would let a caller reach every other service on it (another local service's admin API
+answered the agent; issue 10), so a bare host is refused with the form to use. Matching
+is on the URL text, never on a DNS answer, so ``http://2130706433/`` is not mistaken
 for ``127.0.0.1``.
 """
 
@@ -20,21 +23,31 @@ from typing_extensions import Self
 
 from tslice.agent.backends import sections
 
-DEFAULT_ALLOWED_HOSTS: tuple[str, ...] = ("127.0.0.1", "localhost", "::1")
+#: vLLM's default port (8000) and SGLang's (30000), on loopback.
+DEFAULT_ALLOWED_HOSTS: tuple[str, ...] = (
+    "127.0.0.1:8000",
+    "localhost:8000",
+    "[::1]:8000",
+    "127.0.0.1:30000",
+    "localhost:30000",
+    "[::1]:30000",
+)
+#: How the settings name the entry forms (in refusals).
+FORMS = "HOST:PORT, HOST:FIRST-LAST, [IPv6]:PORT, *.DOMAIN:PORT, IP:PORT or CIDR:PORT"
 
 
 @dataclasses.dataclass(frozen=True)
 class HostPattern:
-    """One ``allowed_hosts`` entry: a host name glob, an IP address or a CIDR network,
-    optionally with ``:port`` (IPv6 in brackets when a port is given: ``[::1]:8000``)."""
+    """One ``allowed_hosts`` entry: a host name glob, an IP address or a CIDR network, and
+    its port or port range (``127.0.0.1:8000``, ``10.0.0.0/8:8000-8007``, ``[::1]:8000``)."""
 
     text: str
     #: Lower-case glob for host names (``*.svc.cluster.local``); ``None`` for IP entries.
     name_glob: str | None
     #: IP entries; a single address is a /32 (/128) network.
     network: ipaddress.IPv4Network | ipaddress.IPv6Network | None
-    #: ``None`` = any port.
-    port: int | None
+    #: First and last port allowed (the same for one port).
+    ports: tuple[int, int]
 
     @classmethod
     def parse(cls, text: str) -> Self:
@@ -42,22 +55,29 @@ class HostPattern:
         raw = text.strip()
         if not raw:
             raise ValueError("empty host pattern")
-        host, port = _split_host_port(raw)
+        host, ports = _split_host_port(raw)
         if not host:
             raise ValueError(f"host pattern {text!r} has no host")
+        if ports is None:
+            shown = f"[{host}]" if ":" in host else host
+            raise ValueError(
+                f"host pattern {text!r} names no port; an entry allows one engine's port "
+                f"(or a range), not every service of the host: write {shown}:8000 "
+                f"(vLLM's default), {shown}:30000 (SGLang's) or {shown}:8000-8007"
+            )
         try:
             network = ipaddress.ip_network(host, strict=False)
         except ValueError:
             network = None
         if network is not None:
-            return cls(text=raw, name_glob=None, network=network, port=port)
+            return cls(text=raw, name_glob=None, network=network, ports=ports)
         if "/" in host or any(c.isspace() for c in host):
             raise ValueError(f"host pattern {text!r} is neither a host name glob nor an IP/CIDR")
-        return cls(text=raw, name_glob=_normalise_name(host), network=None, port=port)
+        return cls(text=raw, name_glob=_normalise_name(host), network=None, ports=ports)
 
     def matches(self, *, host: str, port: int) -> bool:
         """True if an endpoint at ``host`` (as parsed from its URL) and ``port`` is allowed."""
-        if self.port is not None and self.port != port:
+        if not self.ports[0] <= port <= self.ports[1]:
             return False
         address = _ip_address(host)
         if self.network is not None:
@@ -66,7 +86,7 @@ class HostPattern:
         return fnmatch.fnmatchcase(_normalise_name(host), self.name_glob)
 
 
-def _split_host_port(raw: str) -> tuple[str, int | None]:
+def _split_host_port(raw: str) -> tuple[str, tuple[int, int] | None]:
     if raw.startswith("["):
         host, sep, rest = raw[1:].partition("]")
         if not sep:
@@ -83,7 +103,16 @@ def _split_host_port(raw: str) -> tuple[str, int | None]:
     return raw, None
 
 
-def _parse_port(text: str, raw: str) -> int:
+def _parse_port(text: str, raw: str) -> tuple[int, int]:
+    first_text, dash, last_text = text.partition("-")
+    first = _one_port(first_text, raw)
+    last = _one_port(last_text, raw) if dash else first
+    if last < first:
+        raise ValueError(f"host pattern {raw!r} has an empty port range {text!r}")
+    return first, last
+
+
+def _one_port(text: str, raw: str) -> int:
     if not text.isdigit() or not 0 < int(text) < 65536:
         raise ValueError(f"host pattern {raw!r} has an invalid port {text!r} (1-65535)")
     return int(text)
@@ -107,7 +136,8 @@ def _ip_address(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | No
 class AppEndpointSettings:
     """Agent-side settings of the backend (the ``app-endpoint`` section of the agent config)."""
 
-    #: Hosts the backend may talk to (see :class:`HostPattern`); default loopback only.
+    #: Host and port pairs the backend may talk to (see :class:`HostPattern`); default:
+    #: loopback, ports 8000 and 30000.
     allowed_hosts: tuple[HostPattern, ...] = tuple(
         HostPattern.parse(h) for h in DEFAULT_ALLOWED_HOSTS
     )
@@ -128,8 +158,7 @@ class AppEndpointSettings:
             except ValueError as exc:
                 raise sections.invalid(
                     "app-endpoint",
-                    f"allowed_hosts.{index}: {exc}; use HOST, HOST:PORT, *.DOMAIN, an IP "
-                    "address or a CIDR network",
+                    f"allowed_hosts.{index}: {exc}; entries are {FORMS}",
                 ) from exc
         return cls(
             allowed_hosts=tuple(patterns),
