@@ -43,6 +43,8 @@ from __future__ import annotations
 import enum
 from typing import Final
 
+from typing_extensions import Self
+
 from tslice.common import errors
 
 
@@ -53,7 +55,28 @@ class PhaseError(errors.TsliceError):
     """
 
 
-class Phase(str, enum.Enum):
+class _Name(str, enum.Enum):
+    """A name that prints as itself; parsing an unknown one lists the known ones."""
+
+    _value_: str
+
+    def __str__(self) -> str:
+        return self.value
+
+    @classmethod
+    def parse(cls, name: Self | str) -> Self:
+        """``name`` as a member; an unknown name is a :class:`PhaseError` listing them."""
+        if isinstance(name, cls):
+            return name
+        try:
+            return cls(name)
+        except ValueError:
+            what = cls.__name__.lower()
+            known = ", ".join(member.value for member in cls)
+            raise PhaseError(f"unknown {what} {name!r}; the {what}s are: {known}") from None
+
+
+class Phase(_Name):
     """The phases of an RL step (compare equal to their names: ``Phase.TRAIN == "train"``)."""
 
     INIT = "init"
@@ -63,11 +86,8 @@ class Phase(str, enum.Enum):
     EVAL = "eval"
     SAVE = "save"
 
-    def __str__(self) -> str:
-        return self.value
 
-
-class Role(str, enum.Enum):
+class Role(_Name):
     """What the reporting process runs: every phase, or one pool's side of them."""
 
     #: One process runs every phase (a single driver, or trainer and sampler on shared GPUs).
@@ -77,18 +97,12 @@ class Role(str, enum.Enum):
     #: The sampler side of a disaggregated job.
     SAMPLER = "sampler"
 
-    def __str__(self) -> str:
-        return self.value
 
-
-class Pool(str, enum.Enum):
+class Pool(_Name):
     """The two pools of a job, in the order they are acquired."""
 
     TRAINER = "trainer"
     SAMPLER = "sampler"
-
-    def __str__(self) -> str:
-        return self.value
 
 
 _T, _S = Pool.TRAINER, Pool.SAMPLER
@@ -121,28 +135,15 @@ POOLS: Final[dict[Role, dict[Phase, tuple[Pool, ...]]]] = {
     },
 }
 
-_PHASE_NAMES = ", ".join(p.value for p in Phase)
-_ROLE_NAMES = ", ".join(r.value for r in Role)
-
 
 def parse_phase(phase: Phase | str) -> Phase:
     """``phase`` as a :class:`Phase`; an unknown name is a :class:`PhaseError` listing them."""
-    if isinstance(phase, Phase):
-        return phase
-    try:
-        return Phase(phase)
-    except ValueError:
-        raise PhaseError(f"unknown phase {phase!r}; the phases are: {_PHASE_NAMES}") from None
+    return Phase.parse(phase)
 
 
 def parse_role(role: Role | str) -> Role:
     """``role`` as a :class:`Role`; an unknown name is a :class:`PhaseError` listing them."""
-    if isinstance(role, Role):
-        return role
-    try:
-        return Role(role)
-    except ValueError:
-        raise PhaseError(f"unknown role {role!r}; the roles are: {_ROLE_NAMES}") from None
+    return Role.parse(role)
 
 
 def pool_groups(
