@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import itertools
 import logging
 import queue
@@ -157,6 +158,20 @@ class _Callers(Generic[Req, Rep]):
         code: grpc.StatusCode = err.code()
         return code, err.details() or code.name.lower()
 
+    @contextlib.contextmanager
+    def _unanswered(self, call: Any, abandon: Callable[[], None] | None) -> Iterator[None]:
+        """Around the wait for one reply: when it ends without one (timeout, cancellation,
+        an interrupt) while ``call`` is still the stream, ``abandon()`` tells the peer to
+        drop the request. Not after :class:`Broken`: the stream, and the request, are gone."""
+        try:
+            yield
+        except Broken:
+            raise
+        except BaseException:
+            if abandon is not None and self._call is call:
+                abandon()
+            raise
+
 
 class Caller(_Callers[Req, Rep]):
     """Client side: ``call()`` sends one request and waits for the reply with its id."""
@@ -194,23 +209,17 @@ class Caller(_Callers[Req, Rep]):
         reply: asyncio.Future[Rep] = loop.create_future()
         request_id = self._pending.add(reply)
         timer = None if timeout_s is None else loop.call_later(timeout_s, _expire, reply, timeout_s)
-        answered = False
+        drop = None if abandon is None else lambda: self._send_later(call, abandon(request_id))
         try:
-            await self._write(call, request(request_id))
-            if issued is not None:
-                issued()
-            result = await reply
-            answered = True
-            return result
-        except Broken:
-            answered = True  # the stream is gone: nothing to abandon
-            raise
+            with self._unanswered(call, drop):
+                await self._write(call, request(request_id))
+                if issued is not None:
+                    issued()
+                return await reply
         finally:
             if timer is not None:
                 timer.cancel()
             self._pending.forget(request_id)
-            if not answered and abandon is not None and self._call is call:
-                self._send_later(call, abandon(request_id))
 
     async def close(self) -> None:
         call, reader = self._call, self._reader
@@ -287,31 +296,25 @@ class ThreadCaller(_Callers[Req, Rep]):
             request_id = self._pending.add(reply)
             call, outbox = self._ensure_open()
         outbox.put(request(request_id))
-        answered = False
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        # Abandoned first, lock-free: an interrupt (delivered at any bytecode) that lands
+        # in the bookkeeping after it must not cost the peer its cancel.
+        drop = None if abandon is None else lambda: outbox.put(abandon(request_id))
         try:
-            while True:
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    raise TimeoutError(f"no reply within {timeout_s:g} s")
-                # Waited in slices: an unbounded wait blocks in C, where an interrupt
-                # (Ctrl-C in this thread) is held back and then lands anywhere, maybe
-                # past the abandon below; between slices it lands here, in the try.
-                slice_s = _INTERRUPTIBLE_S if left is None else min(left, _INTERRUPTIBLE_S)
-                try:
-                    result = reply.result(slice_s)
-                except concurrent.futures.TimeoutError:  # not TimeoutError before 3.11
-                    continue
-                answered = True
-                return result
-        except Broken:
-            answered = True  # the stream is gone: nothing to abandon
-            raise
+            with self._unanswered(call, drop):
+                while True:
+                    left = None if deadline is None else deadline - time.monotonic()
+                    if left is not None and left <= 0:
+                        raise TimeoutError(f"no reply within {timeout_s:g} s")
+                    # Waited in slices: an unbounded wait blocks in C, where an interrupt
+                    # (Ctrl-C in this thread) is held back and then lands anywhere, maybe
+                    # past the abandon; between slices it lands here, in the try.
+                    slice_s = _INTERRUPTIBLE_S if left is None else min(left, _INTERRUPTIBLE_S)
+                    try:
+                        return reply.result(slice_s)
+                    except concurrent.futures.TimeoutError:  # not TimeoutError before 3.11
+                        continue
         finally:
-            # Abandon first, lock-free: an interrupt (delivered at any bytecode) that lands
-            # in the bookkeeping below must not cost the peer its cancel.
-            if not answered and abandon is not None and self._call is call:
-                outbox.put(abandon(request_id))
             with self._guard:
                 self._pending.forget(request_id)
 
