@@ -1,0 +1,498 @@
+"""Load: many jobs looping acquire -> hold -> yield over many groups, for a fixed time.
+
+A real orchestrator and ``--nodes`` agents with the ``noop`` backend run as separate
+processes on 127.0.0.1 (``tslice.sim.cluster.LocalCluster``), in topology mode: the
+``--groups`` groups are spread round-robin over the nodes and each names its own device
+index there, so no two groups share a device (as in a cluster where each group is its own
+set of GPUs; local mode would make every group share every device, one lock in all). The
+number of nodes changes no orchestrator work per grant: each grant is one Grant message to
+the group's one agent.
+
+The load comes from ``--procs`` generator processes (asyncio, one ``AsyncClient`` per job,
+its Acquire and Yield on the client's Session stream). Every job loops: Acquire its group,
+hold it for a random time (uniform in [0, 2 x ``--hold-ms``]), Yield. ``--jobs`` jobs
+share the groups evenly, so a group always has waiters and the run measures the
+orchestrator's capacity. Each generator reports its own CPU time: if the generators
+together are far from their cores' share, they are not the bottleneck.
+
+Figures, over the ``--seconds`` window after a short warm-up:
+
+- grants/s: GRANTED events of the orchestrator's WatchEvents stream inside the window;
+- hand-over, server-side: from a group's YIELDED event to its next GRANTED event, when the
+  job granted was queued (QUEUED event) before the yield; timestamps are the orchestrator's
+  own (each event's ``time``);
+- Acquire latency, client-side: call to return, which includes waiting for the turn;
+- orchestrator CPU per grant (utime + stime of ``/proc/<pid>/stat`` over the window) and its
+  RSS (VmRSS, VmHWM) at the end;
+- errors (any failed call of a generator) and mutual-exclusion violations (a GRANTED event
+  of a group while another job holds it, from the same event stream), both must be 0, and
+  events lost (grants the generators saw that the event stream did not carry).
+
+    python bench/load.py [--jobs 1000] [--groups 250] [--seconds 60] [--procs N] [--json]
+    python bench/load.py --seconds 5 --jobs 100 --groups 25      # the short form (tested)
+
+Target (issue 10): >= 500 grants/s on 2 cores with a server-side hand-over p99 <= 50 ms.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import random
+import resource
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import grpc
+import yaml
+
+from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2 as opb
+from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2_grpc as opb_grpc
+from tslice.sim.cluster import ORCHESTRATOR, LocalCluster, SimAgent
+
+Kind = opb.OrchestratorEvent
+_WATCHED = [Kind.KIND_GRANTED, Kind.KIND_YIELDED]
+#: Time from "go" to the window's start, seconds.
+_WARMUP_S = 0.5
+#: First connection of a generator's client: many connect at once.
+_CONNECT_S = 120.0
+#: Connections a generator opens at once.
+_CONNECTING = 20
+#: How long the events of the last grants may take to arrive after the generators end.
+_EVENTS_SETTLE_S = 5.0
+_CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+def percentile(samples: Sequence[float], q: float) -> float:
+    """The ``q`` quantile (0..1) of ``samples`` by nearest rank; 0 for none."""
+    if not samples:
+        return 0.0
+    ordered = sorted(samples)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def group_ids(groups: int) -> list[str]:
+    return [f"g{i:04d}" for i in range(groups)]
+
+
+def job_plan(jobs: int, groups: int, procs: int) -> list[list[tuple[str, str]]]:
+    """``(job, group)`` pairs of each generator process: job i uses group i mod groups."""
+    gids = group_ids(groups)
+    plan: list[list[tuple[str, str]]] = [[] for _ in range(procs)]
+    for i in range(jobs):
+        plan[i % procs].append((f"job-{i:05d}", gids[i % groups]))
+    return plan
+
+
+# ---- the cluster -------------------------------------------------------------------------
+
+
+class _DisjointCluster(LocalCluster):
+    """A LocalCluster whose groups each name their own device index on their node."""
+
+    def _topology_args(self) -> list[str]:
+        assert self.groups is not None
+        addresses = self.agent_addresses
+        slots: dict[str, int] = {}
+        topology: dict[str, Any] = {"groups": {}}
+        for gid, (node,) in self.groups.items():
+            index = slots[node] = slots.get(node, -1) + 1
+            topology["groups"][gid] = {
+                "nodes": [{"name": node, "agent": addresses[node], "devices": [index]}]
+            }
+        path = self.base_dir / "topology.yaml"
+        path.write_text(yaml.safe_dump(topology, sort_keys=False))
+        return ["--topology", str(path)]
+
+
+def _cluster(groups: int, nodes: int, orchestrator_env: dict[str, str]) -> LocalCluster:
+    names = [f"node-{i + 1}" for i in range(nodes)]
+    layout = {gid: (names[i % nodes],) for i, gid in enumerate(group_ids(groups))}
+    return _DisjointCluster(
+        agents=[SimAgent(name=n, backend="noop") for n in names],
+        groups=layout,
+        startup_timeout_s=120.0,
+        env=orchestrator_env,
+    )
+
+
+def _cpu_s(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / _CLK_TCK  # utime, stime
+
+
+def _memory_kib(pid: int) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        key, _, value = line.partition(":")
+        if key in ("VmRSS", "VmHWM"):
+            out[key] = int(value.split()[0])
+    return out
+
+
+# ---- generator process -------------------------------------------------------------------
+
+
+async def _job_loop(
+    client: Any, job: str, group: str, *, hold_s: float, start: float, end: float, out: dict
+) -> None:
+    rng = random.Random(job)
+    await asyncio.sleep(max(0.0, start - time.time()))
+    while time.time() < end:
+        began = time.perf_counter()
+        try:
+            result = await client.acquire(group)
+        except Exception as err:  # every failure is a finding: count it, say what
+            out["errors"].append(f"{job} acquire: {type(err).__name__}: {err}"[:300])
+            return
+        if not result.success:
+            out["errors"].append(f"{job} acquire returned no success: {result}")
+            return
+        held_from = time.time()
+        if start <= held_from <= end:
+            out["acquire_s"].append(time.perf_counter() - began)
+        out["grants"] += 1
+        await asyncio.sleep(rng.uniform(0.0, 2 * hold_s))
+        out["holds"].append((group, job, held_from, time.time()))
+        try:
+            await client.yield_(group)
+        except Exception as err:
+            out["errors"].append(f"{job} yield: {type(err).__name__}: {err}"[:300])
+            return
+
+
+async def _generate(spec: dict[str, Any]) -> dict[str, Any]:
+    from tslice.client import AsyncClient
+
+    out: dict[str, Any] = {"errors": [], "acquire_s": [], "grants": 0, "holds": []}
+    clients = [
+        AsyncClient(spec["address"], job_id=job, connect_timeout=_CONNECT_S)
+        for job, _ in spec["jobs"]
+    ]
+    try:
+        # Every client connected before the window: the run measures grants, not handshakes.
+        connecting = asyncio.Semaphore(_CONNECTING)
+
+        async def connect(client: Any) -> None:
+            async with connecting:
+                await client.list_groups()
+
+        await asyncio.gather(*(connect(c) for c in clients))
+        sys.stdout.write("ready\n")
+        sys.stdout.flush()
+        window = json.loads(await asyncio.to_thread(sys.stdin.readline))
+        start, end = window["start"], window["end"]
+        cpu_before = resource.getrusage(resource.RUSAGE_SELF)
+        await asyncio.gather(
+            *(
+                _job_loop(c, job, group, hold_s=spec["hold_s"], start=start, end=end, out=out)
+                for c, (job, group) in zip(clients, spec["jobs"], strict=True)
+            )
+        )
+        cpu_after = resource.getrusage(resource.RUSAGE_SELF)
+    finally:
+        await asyncio.gather(*(c.close() for c in clients), return_exceptions=True)
+    cpu = (cpu_after.ru_utime - cpu_before.ru_utime) + (cpu_after.ru_stime - cpu_before.ru_stime)
+    out["cpu_s"] = cpu
+    out["cpu_share"] = cpu / (end - start)  # of one core, over the window (and the drain)
+    return out
+
+
+def _worker_main(spec_json: str) -> int:
+    result = asyncio.run(_generate(json.loads(spec_json)))
+    sys.stdout.write(json.dumps(result) + "\n")
+    return 0
+
+
+# ---- the watcher -------------------------------------------------------------------------
+
+
+class _Watch:
+    """Reads GRANTED and YIELDED of every group; checks and measures as they come.
+
+    A GRANTED event's ``duration_ms`` is how long the job waited: the job was queued
+    before the group's last yield exactly when grant time - wait < yield time.
+    """
+
+    def __init__(self, start: float, end: float) -> None:
+        self.start, self.end = start, end
+        self.holder: dict[str, str] = {}
+        self.yielded_at: dict[str, float] = {}
+        self.handover_s: list[float] = []
+        self.grants_in_window = 0
+        self.grants_total = 0
+        self.violations: list[str] = []
+        #: Set once ``expected`` grants (the generators' count) have come.
+        self.expected: int | None = None
+        self.complete = asyncio.Event()
+
+    def expect(self, grants: int) -> None:
+        self.expected = grants
+        if self.grants_total >= grants:
+            self.complete.set()
+
+    def take(self, e: opb.OrchestratorEvent) -> None:
+        t = e.time.seconds + e.time.nanos / 1e9
+        g, job = e.group_id, e.job_id
+        if e.kind == Kind.KIND_YIELDED:
+            if self.holder.get(g) == job:
+                del self.holder[g]
+            self.yielded_at[g] = t
+        elif e.kind == Kind.KIND_GRANTED:
+            self.grants_total += 1
+            if self.expected is not None and self.grants_total >= self.expected:
+                self.complete.set()
+            current = self.holder.get(g)
+            if current is not None and current != job:
+                self.violations.append(f"{g}: {job} granted at {t:.6f} while {current} holds")
+            self.holder[g] = job
+            if self.start <= t <= self.end:
+                self.grants_in_window += 1
+                yielded = self.yielded_at.get(g)
+                # 1 ms: duration_ms is rounded down.
+                if yielded is not None and t - e.duration_ms / 1000 < yielded - 0.001:
+                    self.handover_s.append(t - yielded)
+
+
+def overlapping_holds(holds: list[tuple[str, str, float, float]]) -> list[str]:
+    """Mutual-exclusion violations seen by the jobs themselves: two jobs' hold intervals
+    (Acquire returned .. Yield called, each inside the orchestrator's grant) on one group
+    that overlap. ``holds``: ``(group, job, begin, end)``."""
+    found: list[str] = []
+    last: dict[str, tuple[str, float]] = {}
+    for group, job, begin, end in sorted(holds, key=lambda h: h[2]):
+        previous = last.get(group)
+        if previous is not None and previous[0] != job and begin < previous[1]:
+            found.append(
+                f"{group}: {job} held from {begin:.6f} while {previous[0]} until {previous[1]:.6f}"
+            )
+        if previous is None or end > previous[1]:
+            last[group] = (job, end)
+    return found
+
+
+async def _watch(address: str, watch: _Watch, subscribed: asyncio.Event) -> None:
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = opb_grpc.TimeSliceOrchestratorServiceStub(channel)  # type: ignore[no-untyped-call]
+        stream = stub.WatchEvents(opb.WatchEventsRequest(kinds=_WATCHED))
+        await stream.initial_metadata()  # subscribed: nothing after this can be missed
+        subscribed.set()
+        async for event in stream:
+            watch.take(event)
+
+
+async def _start_profile(pid: int, seconds: float, path: Path) -> asyncio.subprocess.Process:
+    """py-spy (installed by hand: it is no dependency) on a server for the window."""
+    spy = Path(sys.executable).with_name("py-spy")
+    command = [str(spy), "record", "-p", str(pid), "-d", str(int(seconds)), "-r", "200"]
+    command += ["--gil", "-f", "raw", "-o", str(path)]
+    return await asyncio.create_subprocess_exec(*command, stdout=subprocess.DEVNULL)
+
+
+# ---- the run ------------------------------------------------------------------------------
+
+
+class _Generators:
+    """The generator processes: started, connected (each says "ready"), then told the window."""
+
+    def __init__(self) -> None:
+        self.procs: list[asyncio.subprocess.Process] = []
+
+    async def start(self, specs: list[dict[str, Any]]) -> None:
+        for spec in specs:
+            self.procs.append(
+                await asyncio.create_subprocess_exec(
+                    sys.executable,
+                    __file__,
+                    "--worker",
+                    json.dumps(spec),
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                    limit=1 << 26,
+                )
+            )
+        for proc in self.procs:
+            assert proc.stdout is not None
+            line = await proc.stdout.readline()
+            if line.strip() != b"ready":
+                raise RuntimeError(
+                    f"a load generator did not connect (exit code {await proc.wait()})"
+                )
+
+    def go(self, start: float, end: float) -> None:
+        for proc in self.procs:
+            assert proc.stdin is not None
+            proc.stdin.write(json.dumps({"start": start, "end": end}).encode() + b"\n")
+
+    async def results(self) -> list[dict[str, Any]]:
+        results = []
+        for proc in self.procs:
+            assert proc.stdout is not None
+            line = await proc.stdout.readline()
+            if await proc.wait() != 0 or not line:
+                raise RuntimeError(f"a load generator exited with code {proc.returncode}")
+            results.append(json.loads(line))
+        return results
+
+
+async def measure(
+    *,
+    jobs: int,
+    groups: int,
+    seconds: float,
+    procs: int,
+    nodes: int,
+    hold_ms: float,
+    orchestrator_env: dict[str, str] | None = None,
+    profile: Path | None = None,
+) -> dict[str, Any]:
+    if jobs < groups:
+        raise ValueError(f"--jobs ({jobs}) must be at least --groups ({groups})")
+    procs = max(1, min(procs, jobs))
+    with _cluster(groups, nodes, orchestrator_env or {}) as cluster:
+        address = cluster.orchestrator_address
+        pid = cluster.pid(ORCHESTRATOR)
+        assert pid is not None
+        generators = _Generators()
+        await generators.start(
+            [
+                {"address": address, "jobs": part, "hold_s": hold_ms / 1000}
+                for part in job_plan(jobs, groups, procs)
+            ]
+        )
+        start = time.time() + _WARMUP_S
+        end = start + seconds
+        watch = _Watch(start, end)
+        subscribed = asyncio.Event()
+        watcher = asyncio.create_task(_watch(address, watch, subscribed))
+        await subscribed.wait()
+        generators.go(start, end)
+        await asyncio.sleep(max(0.0, start - time.time()))
+        agent_pids = [p for n in cluster.names if n != ORCHESTRATOR and (p := cluster.pid(n))]
+        cpu_start = _cpu_s(pid)
+        agents_start = sum(_cpu_s(p) for p in agent_pids)
+        spies = []
+        if profile is not None:
+            await asyncio.to_thread(profile.mkdir, parents=True, exist_ok=True)
+            for name in (ORCHESTRATOR, "node-1"):
+                target = cluster.pid(name)
+                assert target is not None
+                spies.append(await _start_profile(target, seconds, profile / f"{name}.txt"))
+        await asyncio.sleep(max(0.0, end - time.time()))
+        cpu_end = _cpu_s(pid)
+        agents_cpu = sum(_cpu_s(p) for p in agent_pids) - agents_start
+        for spy in spies:
+            await spy.wait()
+        memory = _memory_kib(pid)
+        results = await generators.results()
+        client_grants = sum(r["grants"] for r in results)
+        watch.expect(client_grants)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(watch.complete.wait(), _EVENTS_SETTLE_S)
+        watcher.cancel()
+        await asyncio.gather(watcher, return_exceptions=True)
+    acquire = [s for r in results for s in r["acquire_s"]]
+    overlaps = overlapping_holds([tuple(h) for r in results for h in r["holds"]])
+    errors = [e for r in results for e in r["errors"]]
+    grants = watch.grants_in_window
+    return {
+        "jobs": jobs,
+        "groups": groups,
+        "nodes": nodes,
+        "seconds": seconds,
+        "procs": procs,
+        "hold_ms_mean": hold_ms,
+        "grants": grants,
+        "grants_per_s": grants / seconds,
+        "handover_ms": {
+            "p50": percentile(watch.handover_s, 0.5) * 1000,
+            "p99": percentile(watch.handover_s, 0.99) * 1000,
+            "n": len(watch.handover_s),
+        },
+        "acquire_ms": {
+            "p50": percentile(acquire, 0.5) * 1000,
+            "p99": percentile(acquire, 0.99) * 1000,
+            "n": len(acquire),
+        },
+        "orchestrator": {
+            "cpu_share": (cpu_end - cpu_start) / seconds,
+            "cpu_ms_per_grant": (cpu_end - cpu_start) * 1000 / grants if grants else 0.0,
+            "rss_mib": memory.get("VmRSS", 0) / 1024,
+            "peak_rss_mib": memory.get("VmHWM", 0) / 1024,
+        },
+        "agents_cpu_share": agents_cpu / seconds,
+        "agents_cpu_ms_per_grant": agents_cpu * 1000 / grants if grants else 0.0,
+        "generators_cpu_share": [r["cpu_share"] for r in results],
+        "generators_cpu_ms_per_grant": (
+            sum(r["cpu_s"] for r in results) * 1000 / client_grants if client_grants else 0.0
+        ),
+        "errors": len(errors),
+        "error_samples": errors[:5],
+        "violations": len(watch.violations) + len(overlaps),
+        "violations_events": len(watch.violations),
+        "violations_clients": len(overlaps),
+        "violation_samples": (watch.violations + overlaps)[:5],
+        "events_lost": max(0, client_grants - watch.grants_total),
+    }
+
+
+def report(r: dict[str, Any]) -> str:
+    o, h, a = r["orchestrator"], r["handover_ms"], r["acquire_ms"]
+    gens = r["generators_cpu_share"]
+    lines = [
+        f"load: {r['jobs']} jobs on {r['groups']} groups ({r['nodes']} noop agents), "
+        f"{r['seconds']:g} s, hold {r['hold_ms_mean']:g} ms mean, {r['procs']} generator procs",
+        f"  grants/s                     {r['grants_per_s']:10.1f}   ({r['grants']} grants)",
+        f"  hand-over (server) p50 / p99 {h['p50']:10.2f} / {h['p99']:.2f} ms   (n={h['n']})",
+        f"  Acquire (client)   p50 / p99 {a['p50']:10.2f} / {a['p99']:.2f} ms   (n={a['n']},"
+        " includes waiting for the turn)",
+        f"  orchestrator CPU             {o['cpu_share'] * 100:10.1f} % of a core, "
+        f"{o['cpu_ms_per_grant']:.3f} ms per grant",
+        f"  orchestrator RSS             {o['rss_mib']:10.1f} MiB (peak {o['peak_rss_mib']:.1f})",
+        f"  agents CPU                   {r['agents_cpu_share'] * 100:10.1f} % of a core in all, "
+        f"{r['agents_cpu_ms_per_grant']:.3f} ms per grant",
+        f"  generators CPU               {sum(gens) * 100:10.1f} % of a core in all "
+        f"(max {max(gens) * 100:.1f} % per process), "
+        f"{r['generators_cpu_ms_per_grant']:.3f} ms per grant",
+        f"  errors {r['errors']}, violations {r['violations']} (event stream "
+        f"{r['violations_events']}, jobs' own hold intervals {r['violations_clients']}), "
+        f"events lost {r['events_lost']}",
+    ]
+    lines += [f"    error: {e}" for e in r["error_samples"]]
+    lines += [f"    violation: {v}" for v in r["violation_samples"]]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--jobs", type=int, default=1000)
+    parser.add_argument("--groups", type=int, default=250)
+    parser.add_argument("--seconds", type=float, default=60.0, help="measured window")
+    parser.add_argument("--procs", type=int, default=4, help="load generator processes")
+    parser.add_argument("--nodes", type=int, default=4, help="noop agents")
+    parser.add_argument("--hold-ms", type=float, default=10.0, help="mean hold per grant")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument(
+        "--profile",
+        type=Path,
+        help="directory: py-spy raw profiles (GIL) of the orchestrator and node-1",
+    )
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker is not None:
+        return _worker_main(args.worker)
+    options = {k: v for k, v in vars(args).items() if k not in ("json", "worker")}
+    result = asyncio.run(measure(**options))
+    print(json.dumps(result) if args.json else report(result))
+    return 0 if result["errors"] == 0 and result["violations"] == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
