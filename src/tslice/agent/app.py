@@ -161,7 +161,12 @@ async def serve(
             grpc_server,
         )
         port = serving.bind_grpc(
-            grpc_server, host=config.host or "0.0.0.0", port=config.port, what="agent"
+            grpc_server,
+            host=config.host or "0.0.0.0",
+            port=config.port,
+            what="agent",
+            server_tls=config.tls,
+            insecure=config.insecure,
         )
         if config.unix_socket is not None:
             config.unix_socket.parent.mkdir(parents=True, exist_ok=True)
@@ -201,11 +206,12 @@ async def serve(
 
         address = serving.host_port(_reachable(config.host), port)
         log.info(
-            "agent %s serving on %s (backends: %s, default %s)",
+            "agent %s serving on %s (backends: %s, default %s; %s)",
             config.node_name,
             address,
             ", ".join(built),
             config.default_backend,
+            serving.transport_name(config.tls),
             extra={"node": config.node_name},
         )
         if ready is not None:

@@ -16,6 +16,8 @@ File shape (every key optional)::
     operation_timeout_s: 600
     metrics_port: 0
     log_level: info
+    tls: {cert: agent.pem, key: agent.key, client_ca: ca.pem}   # off: plaintext
+    insecure: false                # plaintext on a non-loopback host (trusted network)
     sim: {devices: 2, capacity: 80GiB, bandwidth: 25GB/s, restore_bandwidth: 50GB/s,
           latency_s: 0.005, default_footprint: 48GiB, fail_probability: 0, hang_probability: 0,
           extra_latency_s: 0, seed: null}
@@ -36,6 +38,7 @@ import yaml
 from pydantic import BaseModel, ByteSize, ConfigDict, Field
 
 from tslice.common import errors, ids, serving
+from tslice.common.tls import ServerTLS, check_listen
 
 _LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
@@ -116,6 +119,11 @@ class AgentConfig:
     #: Prometheus /metrics port (0 = off).
     metrics_port: int = 0
     log_level: str = "info"
+    #: Certificate files the TCP port serves (None: plaintext, loopback only unless
+    #: ``insecure``); the Unix socket is always plaintext (local callers only).
+    tls: ServerTLS | None = None
+    #: Plaintext on a non-loopback host is meant (a trusted network).
+    insecure: bool = False
 
     @property
     def enabled_backends(self) -> tuple[str, ...]:
@@ -205,6 +213,8 @@ class _AgentModel(BaseModel):
     grace_period_s: float = Field(default=5.0, ge=0)
     metrics_port: int = Field(default=0, ge=0, le=65535)
     log_level: str = "info"
+    tls: dict[str, Any] | None = None
+    insecure: bool = False
 
     @pydantic.field_validator("node_name")
     @classmethod
@@ -226,6 +236,7 @@ class _AgentModel(BaseModel):
             backends=tuple(self.backends),
             backend_settings={k: dict(v) for k, v in self.backend_settings.items()},
             sim=self.sim.freeze(),
+            tls=ServerTLS.from_mapping(self.tls, where="tls"),
         )
         return AgentConfig(**fields)
 
@@ -278,6 +289,11 @@ def load(*, path: Path | None = None, overrides: Mapping[str, Any] | None = None
         data = raw
     data = _merge(data, overrides or {})
     try:
-        return _AgentModel.model_validate(data).freeze()
+        config = _AgentModel.model_validate(data).freeze()
     except pydantic.ValidationError as err:
         raise errors.ConfigError(f"invalid agent config ({source}): {_describe(err)}") from err
+    except ValueError as err:  # a section parsed outside pydantic (tls)
+        raise errors.ConfigError(f"invalid agent config ({source}): {err}") from err
+    # Before anything starts: plaintext where other machines reach the agent is refused.
+    check_listen(config.host or "0.0.0.0", tls=config.tls, insecure=config.insecure, what="agent")
+    return config

@@ -73,6 +73,10 @@ def agent(
     ] = None,
     ready_file: Annotated[Path | None, options.READY_FILE] = None,
     log_level: Annotated[str | None, options.LOG_LEVEL] = None,
+    tls_cert: Annotated[Path | None, options.TLS_CERT] = None,
+    tls_key: Annotated[Path | None, options.TLS_KEY] = None,
+    tls_client_ca: Annotated[Path | None, options.TLS_CLIENT_CA] = None,
+    insecure: Annotated[bool, options.INSECURE] = False,
 ) -> None:
     """Run the snapshot agent of this node (SIGTERM/SIGINT stop it gracefully)."""
     # Imported here so that `tslice --help` does not pay for grpc servers and backends.
@@ -89,6 +93,7 @@ def agent(
         "operation_timeout_s": operation_timeout,
         "metrics_port": metrics_port,
         "log_level": log_level,
+        **options.tls_overrides(tls_cert, tls_key, tls_client_ca, insecure),
         "sim": {
             "devices": sim_devices,
             "capacity": sim_capacity,

@@ -16,6 +16,7 @@ import typer
 from tslice.common import errors
 
 SIM_PANEL = "Simulated devices (sim backend)"
+SECURITY_PANEL = "Security (TLS)"
 
 CONFIG_FILE = typer.Option("--config", help="YAML config file; flags override it.")
 HOST = typer.Option(
@@ -50,6 +51,31 @@ def state_dir(what: str, server: str) -> Any:
         help=f"{what} (default $XDG_STATE_HOME/tslice/{server}, else /var/lib/tslice/{server} "
         f"as root, ~/.local/state/tslice/{server} otherwise).",
     )
+
+
+# TLS of the gRPC port of `tslice orchestrator` and `tslice agent` (file: `tls:`, `insecure:`).
+TLS_CERT = in_panel(SECURITY_PANEL, "--tls-cert", "Serve TLS with this certificate (PEM).")
+TLS_KEY = in_panel(SECURITY_PANEL, "--tls-key", "Key of --tls-cert (PEM).")
+TLS_CLIENT_CA = in_panel(
+    SECURITY_PANEL,
+    "--tls-client-ca",
+    "Require client certificates signed by this CA (mutual TLS).",
+)
+INSECURE = in_panel(
+    SECURITY_PANEL,
+    "--insecure",
+    "Serve plaintext on a non-loopback --host anyway (a trusted network only).",
+)
+
+
+def tls_overrides(
+    cert: object, key: object, client_ca: object, insecure: bool | None
+) -> dict[str, object]:
+    """The config keys the TLS flags set (None: not given, the file decides)."""
+    return {
+        "tls": {"cert": cert, "key": key, "client_ca": client_ca},
+        "insecure": insecure or None,
+    }
 
 
 # The simulated devices of `tslice agent` and of every agent `tslice up` starts; the

@@ -48,6 +48,10 @@ def orchestrator(
     ] = None,
     ready_file: Annotated[Path | None, options.READY_FILE] = None,
     log_level: Annotated[str | None, options.LOG_LEVEL] = None,
+    tls_cert: Annotated[Path | None, options.TLS_CERT] = None,
+    tls_key: Annotated[Path | None, options.TLS_KEY] = None,
+    tls_client_ca: Annotated[Path | None, options.TLS_CLIENT_CA] = None,
+    insecure: Annotated[bool, options.INSECURE] = False,
     agent_rpc_timeout: Annotated[
         float | None,
         _timeout("--agent-rpc-timeout", "Deadline of agent calls, s (default 10)."),
@@ -90,6 +94,7 @@ def orchestrator(
         "operation_timeout_s": operation_timeout,
         "reattach_grace_s": reattach_grace,
         "shutdown_grace_s": shutdown_grace,
+        **options.tls_overrides(tls_cert, tls_key, tls_client_ca, insecure),
     }
     with options.config_errors_exit_2():
         settings = orch_config.build(config_file=config, overrides=overrides)

@@ -95,7 +95,12 @@ def _url_refusal(text: str, *, default_port: int, source: str) -> str:
         suggestion = grpc_target(authority, default_port=default_port, source=source)
     except errors.ConfigError:
         suggestion = f"host:{default_port}"
-    tls = " (tslice speaks plain gRPC, without TLS)" if scheme.lower() == "https" else ""
+    tls = (
+        " (for TLS set $TSLICE_TLS_CA to the server's CA; the address is the same with or "
+        "without TLS)"
+        if scheme.lower() == "https"
+        else ""
+    )
     return (
         f"{source}={text!r} is a URL, but tslice needs a gRPC address{tls}: "
         f"write {suggestion!r} (host:port), or unix:/path for a Unix socket"

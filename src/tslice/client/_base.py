@@ -232,6 +232,7 @@ class BaseClient(Generic[K]):
             retry=self._config.retry,
             connect_timeout=self._config.connect_timeout,
             channel_options=self._config.channel_options,
+            security=self._config.security,
         )
 
     # -- resolution ---------------------------------------------------------------

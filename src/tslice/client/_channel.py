@@ -25,7 +25,7 @@ from google.protobuf import wrappers_pb2
 
 import tslice
 from tslice.client import _config, _retry
-from tslice.common import errors
+from tslice.common import errors, tls
 
 Req = TypeVar("Req")
 Rep = TypeVar("Rep")
@@ -105,13 +105,15 @@ class Endpoint:
     connect_timeout: float | None = None
     #: Laid over :data:`DEFAULT_CHANNEL_OPTIONS`.
     channel_options: tuple[ChannelOption, ...] = ()
+    #: TLS and bearer token (default: ``$TSLICE_TLS_*``, ``$TSLICE_TOKEN*``).
+    security: tls.ClientSecurity = dataclasses.field(default_factory=tls.ClientSecurity.from_env)
 
     def channel(self) -> grpc.Channel:
-        return grpc.insecure_channel(self.target, options=channel_options(self.channel_options))
+        return self.security.channel(self.target, channel_options(self.channel_options))
 
     def aio_channel(self) -> grpc.aio.Channel:
         """Create it inside the event loop that will use it."""
-        return grpc.aio.insecure_channel(self.target, options=channel_options(self.channel_options))
+        return self.security.aio_channel(self.target, channel_options(self.channel_options))
 
 
 # -- what the transports call: generated stub methods, or anything shaped like them --------
@@ -324,11 +326,11 @@ class _Transport:
             grpc.StatusCode.UNAVAILABLE,
             f"failed to connect to {server.peer} at {server.target} within {waited_s:.3g} s "
             f"({reason}): is it running, and is the address right? "
-            f"(${_config.CONNECT_TIMEOUT_ENV} waits longer)",
+            f"{server.security.connect_hint()} (${_config.CONNECT_TIMEOUT_ENV} waits longer)",
         )
 
     def metadata(self, options: CallOptions) -> Metadata:
-        items = [(CLIENT_VERSION_HEADER, tslice.__version__)]
+        items = [(CLIENT_VERSION_HEADER, tslice.__version__), *self.endpoint.security.metadata()]
         if options.job_id:
             items.append((JOB_ID_HEADER, options.job_id))
         return tuple(items)

@@ -15,7 +15,7 @@ from typing import Final, Literal, TypeAlias
 import grpc
 
 from tslice.client import _address, _retry
-from tslice.common import errors, ids
+from tslice.common import errors, ids, tls
 
 #: Orchestrator address; the first variable set wins (the second is llm-d's name).
 ADDRESS_ENV: Final = ("TSLICE_ORCHESTRATOR", "TIMESLICE_ORCH_ADDR")
@@ -137,6 +137,8 @@ class ClientConfig:
     connect_timeout: float | None = DEFAULT_CONNECT_TIMEOUT_S
     #: True when no-op mode was asked for (``$TSLICE_DISABLED``), so it goes unannounced.
     disabled_on_purpose: bool = False
+    #: TLS and bearer token of the channel (``$TSLICE_TLS_*``, ``$TSLICE_TOKEN*``).
+    security: tls.ClientSecurity = dataclasses.field(default_factory=tls.ClientSecurity)
 
     @property
     def enabled(self) -> bool:
@@ -250,4 +252,6 @@ def resolve(
         noop_reason=noop_reason,
         connect_timeout=resolve_connect_timeout(connect_timeout, env),
         disabled_on_purpose=disabled in _TRUE,
+        # Read only for an active client: a no-op one opens no channel.
+        security=tls.ClientSecurity.from_env(env) if target else tls.ClientSecurity(),
     )

@@ -23,7 +23,7 @@ import socket
 from collections.abc import Awaitable, Callable, Iterator
 from typing import TYPE_CHECKING
 
-from tslice.common import errors
+from tslice.common import errors, tls
 
 if TYPE_CHECKING:
     import grpc
@@ -141,12 +141,29 @@ def in_use_error(*, host: str, port: int, flag: str, what: str, off: bool = Fals
     )
 
 
-def bind_grpc(grpc_server: grpc.aio.Server, *, host: str, port: int, what: str) -> int:
-    """Bind ``grpc_server`` (made with :data:`SERVER_OPTIONS`) to ``host:port``; the port."""
+def bind_grpc(
+    grpc_server: grpc.aio.Server,
+    *,
+    host: str,
+    port: int,
+    what: str,
+    server_tls: tls.ServerTLS | None = None,
+    insecure: bool = False,
+) -> int:
+    """Bind ``grpc_server`` (made with :data:`SERVER_OPTIONS`) to ``host:port``; the port.
+
+    With ``server_tls`` the port serves TLS (mutual TLS with a client CA); without it a
+    non-loopback ``host`` is refused unless ``insecure`` (see :func:`tls.check_listen`).
+    """
+    tls.check_listen(host, tls=server_tls, insecure=insecure, what=what)
     if port_in_use(host, port):
         raise in_use_error(host=host, port=port, flag="--port", what=what)
+    address = host_port(host, port)
     try:
-        bound = int(grpc_server.add_insecure_port(host_port(host, port)))
+        if server_tls is None:
+            bound = int(grpc_server.add_insecure_port(address))
+        else:
+            bound = int(grpc_server.add_secure_port(address, server_tls.credentials()))
     except RuntimeError as err:
         raise InUseError(
             f"cannot listen on {host_port(host, port)} ({what}): {err}; stop the process that "
@@ -155,6 +172,13 @@ def bind_grpc(grpc_server: grpc.aio.Server, *, host: str, port: int, what: str) 
     if bound == 0:
         raise in_use_error(host=host, port=port, flag="--port", what=what)
     return bound
+
+
+def transport_name(server_tls: tls.ServerTLS | None) -> str:
+    """How a gRPC port is served, for a server's start line."""
+    if server_tls is None:
+        return "plaintext"
+    return "mutual TLS" if server_tls.mutual else "TLS"
 
 
 def metrics_bind_error(host: str, port: int, err: OSError) -> InUseError:

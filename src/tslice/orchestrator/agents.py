@@ -32,7 +32,7 @@ import grpc
 
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2_grpc as pb_grpc
-from tslice.common import multiplex, tasks
+from tslice.common import multiplex, tasks, tls
 
 _R = TypeVar("_R")
 
@@ -109,8 +109,11 @@ class AgentClient:
         rpc_timeout_s: float = 10.0,
         operation_timeout_s: float = 900.0,
         wait_chunk_s: float = 30.0,
+        security: tls.ClientSecurity | None = None,
     ) -> None:
         self.address = address
+        #: TLS of the channel and the token every call carries (the orchestrator's identity).
+        self._security = security or tls.ClientSecurity()
         self.rpc_timeout_s = rpc_timeout_s
         self.operation_timeout_s = operation_timeout_s
         self.wait_chunk_s = wait_chunk_s
@@ -122,13 +125,15 @@ class AgentClient:
         #: Whether a Status reply was ever read (capacity_bytes is then what it listed).
         self.status_seen = False
         self._watch: asyncio.Task[None] | None = None
-        self._channel = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
+        self._channel = self._security.aio_channel(address, _CHANNEL_OPTIONS)
         self._stub: Any = pb_grpc.SnapshotAgentServiceStub(self._channel)
         # Grants go over one long-lived GrantStream where declared (half a unary call
         # each; they are on every hand-over's path), else unary Grants.
         self._grants: multiplex.Caller[pb.GrantStreamRequest, pb.GrantStreamResponse] = (
             multiplex.Caller(
-                self._stub.GrantStream, reply_id=lambda r: r.request_id, name=f"agent {address}"
+                lambda: self._stub.GrantStream(metadata=self._security.metadata()),
+                reply_id=lambda r: r.request_id,
+                name=f"agent {address}",
             )
         )
 
@@ -291,7 +296,11 @@ class AgentClient:
     ) -> _R:
         """``issued`` is called once the call is under way (created, its send scheduled)."""
         try:
-            call = method(request, timeout=timeout_s or self.rpc_timeout_s)
+            call = method(
+                request,
+                timeout=timeout_s or self.rpc_timeout_s,
+                metadata=self._security.metadata(),
+            )
             if issued is not None:
                 issued()
             return cast(_R, await call)
@@ -311,8 +320,14 @@ class AgentPool:
     """One :class:`AgentClient` per agent address, shared by every group using it."""
 
     def __init__(
-        self, *, rpc_timeout_s: float, operation_timeout_s: float, wait_chunk_s: float
+        self,
+        *,
+        rpc_timeout_s: float,
+        operation_timeout_s: float,
+        wait_chunk_s: float,
+        security: tls.ClientSecurity | None = None,
     ) -> None:
+        self._security = security
         self._rpc_timeout_s = rpc_timeout_s
         self._operation_timeout_s = operation_timeout_s
         self._wait_chunk_s = wait_chunk_s
@@ -326,6 +341,7 @@ class AgentPool:
                 rpc_timeout_s=self._rpc_timeout_s,
                 operation_timeout_s=self._operation_timeout_s,
                 wait_chunk_s=self._wait_chunk_s,
+                security=self._security,
             )
             self._clients[address] = client
         return client

@@ -79,6 +79,7 @@ async def _serve_locked(
         rpc_timeout_s=cfg.agent_rpc_timeout_s,
         operation_timeout_s=cfg.operation_timeout_s,
         wait_chunk_s=cfg.wait_chunk_s,
+        security=cfg.agent_client,
     )
     bus = events.EventBus()
     m = metrics.OrchestratorMetrics()
@@ -90,7 +91,14 @@ async def _serve_locked(
     servicer: server.OrchestratorServicer | None = None
     try:
         # Bound first: a port in use fails the start before anything else happens.
-        port = serving.bind_grpc(grpc_server, host=cfg.host, port=cfg.port, what="orchestrator")
+        port = serving.bind_grpc(
+            grpc_server,
+            host=cfg.host,
+            port=cfg.port,
+            what="orchestrator",
+            server_tls=cfg.tls,
+            insecure=cfg.insecure,
+        )
         cfg = await _name_local_agents(cfg, pool)
         groups = manager.GroupManager(group.Services(cfg=cfg, db=db, pool=pool, bus=bus, metrics=m))
         if cfg.metrics_port:
@@ -112,10 +120,11 @@ async def _serve_locked(
             await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
         address = _public_address(cfg.host, port)
         log.info(
-            "orchestrator serving on %s (%s mode, %d groups)",
+            "orchestrator serving on %s (%s mode, %d groups, %s)",
             address,
             "local" if cfg.topology.local else "static",
             len(groups.ids()),
+            serving.transport_name(cfg.tls),
             extra={"address": address, "state_dir": str(cfg.state_dir)},
         )
         if ready is not None:

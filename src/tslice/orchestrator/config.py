@@ -32,6 +32,7 @@ import pydantic
 import yaml
 
 from tslice.common import errors, ids, serving
+from tslice.common.tls import ClientSecurity, ServerTLS, check_listen
 
 DEFAULT_PORT = 50051
 DEFAULT_METRICS_PORT = 8080
@@ -152,6 +153,12 @@ class OrchestratorModel(_Model):
     metrics_port: int = pydantic.Field(DEFAULT_METRICS_PORT, ge=0, le=65535)
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     sqlite_synchronous: Literal["normal", "full"] = "normal"
+    #: ``{cert, key, client_ca}``: serve TLS (mutual TLS with client_ca); see common.tls.
+    tls: dict[str, Any] | None = None
+    #: Serve plaintext on a non-loopback host anyway (a trusted network).
+    insecure: bool = False
+    #: How the orchestrator calls agents: ``{ca, cert, key, server_name, token_file}``.
+    agent_client: dict[str, Any] | None = None
 
     @pydantic.field_validator("local_groups")
     @classmethod
@@ -231,6 +238,12 @@ class OrchestratorConfig:
     log_level: str = "info"
     #: SQLite synchronous mode ("normal": crash-safe against SIGKILL; "full": also power loss).
     sqlite_synchronous: str = "normal"
+    #: Certificate files served (None: plaintext, loopback only unless ``insecure``).
+    tls: ServerTLS | None = None
+    #: Plaintext on a non-loopback host is meant (a trusted network).
+    insecure: bool = False
+    #: TLS and token of the orchestrator's calls to agents.
+    agent_client: ClientSecurity = dataclasses.field(default_factory=ClientSecurity)
 
 
 # ---- building ---------------------------------------------------------------------------
@@ -310,7 +323,13 @@ def build(
     """Merge the YAML config file (if any) with explicit overrides and validate once."""
     data: dict[str, Any] = dict(_read_yaml(config_file, "config file")) if config_file else {}
     for key, value in (overrides or {}).items():
-        if value is not None:
+        if isinstance(value, Mapping):
+            # A section given in part by flags (--tls-cert): the file keeps the rest.
+            given = {k: v for k, v in value.items() if v is not None}
+            below = data.get(key)
+            if given:
+                data[key] = {**(below if isinstance(below, Mapping) else {}), **given}
+        elif value is not None:
             data[key] = value
     where = f"{config_file}: " if config_file else ""
     try:
@@ -354,7 +373,19 @@ def build(
         topology = dataclasses.replace(topology, local_groups=tuple(model.local_groups))
     # Every other setting has the same name in the file model and in the config.
     settings = {f.name: getattr(model, f.name) for f in dataclasses.fields(OrchestratorConfig)}
-    return OrchestratorConfig(**{**settings, "topology": topology})
+    return OrchestratorConfig(**{**settings, **_security(model, where), "topology": topology})
+
+
+def _security(model: OrchestratorModel, where: str) -> dict[str, Any]:
+    """The TLS sections, parsed (their rules live in tslice.common.tls); plaintext on a
+    non-loopback host is refused here, before anything starts."""
+    try:
+        server_tls = ServerTLS.from_mapping(model.tls, where="tls")
+        agent_client = ClientSecurity.from_mapping(model.agent_client, where="agent_client")
+    except ValueError as err:
+        raise errors.ConfigError(f"{where}{err}") from err
+    check_listen(model.host, tls=server_tls, insecure=model.insecure, what="orchestrator")
+    return {"tls": server_tls, "agent_client": agent_client}
 
 
 def _check_unique(nodes: Sequence[NodeRef]) -> None:
