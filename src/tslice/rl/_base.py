@@ -9,13 +9,13 @@ awaited in the asyncio twin. The rules a begin or an end follows are
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from types import MappingProxyType
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 from typing_extensions import Self
 
-from tslice.client import AcquireResult, AsyncClient, Client
+from tslice.client import USE_CLIENT_DEFAULT, AcquireResult, AsyncClient, Client
 from tslice.common import errors
 from tslice.rl import _book, _workload, roles, settings
 
@@ -166,14 +166,17 @@ class PhasesBase(Generic[ClientT]):
             _book.announce_noop(self._client.config.noop_reason)
         return MappingProxyType(dict.fromkeys(entry.groups, _NOOP))
 
-    def _deadline(self, timeout: float | None) -> float | None:
-        """When a begin's wait for all its groups ends (``timeout`` overrides the Phases')."""
+    def _slices(self, entry: _book.OpenPhase, timeout: float | None) -> Iterator[Any]:
+        """The slice of each of the phase's groups, in order, each made when the one
+        before it is held: all of them wait within one ``timeout`` (else the Phases')."""
         timeout = self._timeout if timeout is None else timeout
-        return None if timeout is None else time.monotonic() + timeout
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for group in entry.groups:
+            wait = USE_CLIENT_DEFAULT if deadline is None else _left(deadline)
+            yield self._client.slice(group, job_id=self._job, timeout=wait)
 
 
-def left(deadline: float) -> float:
-    """The wait left until ``deadline`` for the next group of a begin."""
+def _left(deadline: float) -> float:
     # A tiny positive wait still lets the client raise its own AcquireTimeout.
     return max(deadline - time.monotonic(), 1e-3)
 

@@ -140,12 +140,9 @@ class Phases(_base.PhasesBase[Client]):
     def _take(self, entry: _book.OpenPhase, timeout: float | None) -> Grants:
         if not self.enabled:
             return self._noop_grants(entry)
-        deadline = self._deadline(timeout)
         grants: dict[str, AcquireResult] = {}
         try:
-            for group in entry.groups:
-                wait = USE_CLIENT_DEFAULT if deadline is None else _base.left(deadline)
-                hold = self._client.slice(group, job_id=self._job, timeout=wait)
+            for hold in self._slices(entry, timeout):
                 grants.update(hold.__enter__())
                 entry.holds.append(hold)
         except BaseException as exc:
