@@ -55,6 +55,8 @@ async def agent() -> AsyncIterator[Agent]:
         port=0,
         state_dir=tmp / "state",
         unix_socket=socket,
+        # Next to the agent socket, where workloads bind their channel to their process.
+        register_socket=tmp / "register.sock",
         backends=("app-channel",),
         backend_settings={"app-channel": {"command_timeout_s": 30}},
     )

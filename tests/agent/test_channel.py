@@ -64,9 +64,11 @@ async def hub_server() -> AsyncIterator[HubServer]:
 class RawWorkload:
     """A workload speaking the wire protocol by hand."""
 
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, *, instance: str = "") -> None:
         self.channel = grpc.aio.insecure_channel(address)
-        self.call = pb_grpc.SnapshotAgentServiceStub(self.channel).WorkloadChannel()
+        metadata = (("tslice-workload-instance", instance),) if instance else None
+        stub = pb_grpc.SnapshotAgentServiceStub(self.channel)
+        self.call = stub.WorkloadChannel(metadata=metadata)
 
     async def register(
         self,
@@ -229,7 +231,8 @@ async def test_registration_is_acknowledged_by_a_ping_and_reported(
     state = await hub_server.hub.wait_registered("job-a", timeout=5)
     assert hub_server.hub.is_registered("job-a")
     assert hub_server.hub.known_jobs() == ["job-a"]
-    assert state.group == "g" and state.pid == 1234
+    # Over TCP the pid field is never trusted (nothing bound this process): not known.
+    assert state.group == "g" and state.pid == 0
     assert state.tags == ("weights", "kv_cache")
     assert state.residency == residency.FULL and state.state_reported
     assert [e.kind for e in events] == ["registered"]
@@ -393,40 +396,42 @@ async def test_disconnect_mid_command_fails_it_promptly(
     await hub_server.hub.wait_unregistered("job-a", timeout=5)
 
 
-async def test_reregistration_replaces_the_session_and_reconciles(
-    hub_server: HubServer, raw: RawWorkload
+async def test_a_new_stream_of_the_same_workload_supersedes_it_and_reconciles(
+    hub_server: HubServer,
 ) -> None:
     events: list[channel.ChannelEvent] = []
     hub_server.hub.add_listener(events.append)
-    await raw.register("job-a", tags=["weights", "kv_cache"])
+    first = RawWorkload(hub_server.address, instance="instance-1")
+    await first.register("job-a", tags=["weights", "kv_cache"])
     task = asyncio.create_task(hub_server.hub.snapshot("job-a", timeout_s=60))
-    await raw.next_command()
+    await first.next_command()
 
-    second = RawWorkload(hub_server.address)
+    # The same workload (its instance token) reconnecting on a new stream.
+    second = RawWorkload(hub_server.address, instance="instance-1")
     try:
         await second.register(
-            "job-a", tags=["weights", "kv_cache"], suspended=True, resident_tags=["weights"], pid=9
+            "job-a", tags=["weights", "kv_cache"], suspended=True, resident_tags=["weights"]
         )
-        with pytest.raises(channel.WorkloadDisconnectedError, match="replaced"):
+        with pytest.raises(channel.WorkloadDisconnectedError, match="superseded"):
             await asyncio.wait_for(task, 10)
-        assert await raw.final_status() == grpc.StatusCode.ABORTED
-        assert "replaced by a newer registration" in (await raw.call.details() or "")
+        assert await first.final_status() == grpc.StatusCode.ABORTED
+        assert "superseded by a new stream" in (await first.call.details() or "")
         state = hub_server.hub.session_state("job-a")
         assert state is not None
-        assert (state.pid, state.suspended, state.resident_tags, state.residency) == (
-            9,
+        assert (state.suspended, state.resident_tags, state.residency) == (
             True,
             ("weights",),
             residency.PARTIAL,
         )
         assert [e.kind for e in events] == ["registered", "closed", "registered"]
-        # The replaced stream ending must not unregister the new session.
+        # The superseded stream ending must not unregister the new session.
         assert hub_server.hub.known_jobs() == ["job-a"]
         task2 = asyncio.create_task(hub_server.hub.restore("job-a", tags=["kv_cache"], timeout_s=5))
         command = await second.next_command()
         await second.answer(command)
         assert (await task2).state.residency == residency.FULL
     finally:
+        await first.close()
         await second.close()
 
 
@@ -452,7 +457,7 @@ async def test_a_pid_alone_does_not_declare_a_state_report(
 ) -> None:
     await raw.register("job-a", pid=42, features=pb.WorkloadFeatures(keepalive=True))
     state = await hub_server.hub.wait_registered("job-a", timeout=5)
-    assert state.pid == 42 and not state.state_reported
+    assert state.pid == 0 and not state.state_reported  # a claimed pid is not trusted
 
 
 async def test_reported_state_without_the_declaration_is_refused(hub_server: HubServer) -> None:
@@ -487,7 +492,7 @@ async def test_one_job_registers_one_workload_per_group(
         await trainer.register("job-a", group="trainer", pid=2)
         sampler_state = await hub_server.hub.wait_registered("job-a", "sampler", timeout=5)
         trainer_state = await hub_server.hub.wait_registered("job-a", "trainer", timeout=5)
-        assert (sampler_state.pid, trainer_state.pid) == (1, 2)
+        assert (sampler_state.group, trainer_state.group) == ("sampler", "trainer")
         assert hub_server.hub.known_sessions() == [("job-a", "sampler"), ("job-a", "trainer")]
         assert hub_server.hub.known_jobs() == ["job-a"]
         # Neither registration replaced the other: both streams are still served.
@@ -525,21 +530,20 @@ async def test_a_snapshot_for_one_group_reaches_only_that_workload(
         await trainer.close()
 
 
-async def test_a_registration_replaces_only_the_same_job_and_group(
+async def test_a_second_workload_of_a_group_is_refused_another_groups_is_not(
     hub_server: HubServer, raw: RawWorkload
 ) -> None:
     trainer = RawWorkload(hub_server.address)
-    newer = RawWorkload(hub_server.address)
+    newer = RawWorkload(hub_server.address, instance="someone-else")
     try:
-        await raw.register("job-a", group="sampler", pid=1)
-        await trainer.register("job-a", group="trainer", pid=2)
-        await newer.register("job-a", group="sampler", pid=3)
-        assert await raw.final_status() == grpc.StatusCode.ABORTED
-        details = await raw.call.details() or ""
-        assert "replaced" in details and "'sampler'" in details
-        await trainer.sync()  # the other group's session lives on
-        state = hub_server.hub.session_state("job-a", "sampler")
-        assert state is not None and state.pid == 3
+        await raw.register("job-a", group="sampler")
+        await trainer.register("job-a", group="trainer")
+        await newer.register("job-a", group="sampler", ack=False)
+        assert await newer.final_status() == grpc.StatusCode.ALREADY_EXISTS
+        details = await newer.call.details() or ""
+        assert "job 'job-a' (group 'sampler') already has a live workload" in details
+        await raw.sync()  # the live session of the group lives on
+        await trainer.sync()
         assert hub_server.hub.known_sessions() == [("job-a", "sampler"), ("job-a", "trainer")]
     finally:
         await trainer.close()

@@ -10,7 +10,8 @@ client, so the test decides exactly how the stream ends:
   grace clears it;
 - a workload without keepalive that half-closes after commands were sent cannot be
   told from a lost one (nothing it declared can probe it): lost too;
-- a replaced session and an agent shutting down leave nothing behind.
+- a superseded session (the same workload on a new stream) and an agent shutting down
+  leave nothing behind.
 """
 
 from __future__ import annotations
@@ -89,9 +90,11 @@ async def hub(hubs: list[Hub], grace_s: float = LONG_GRACE_S) -> Hub:
 class Raw:
     """A workload speaking the wire by hand."""
 
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, *, instance: str = "") -> None:
         self.channel = grpc.aio.insecure_channel(address)
-        self.call = pb_grpc.SnapshotAgentServiceStub(self.channel).WorkloadChannel()
+        metadata = (("tslice-workload-instance", instance),) if instance else None
+        stub = pb_grpc.SnapshotAgentServiceStub(self.channel)
+        self.call = stub.WorkloadChannel(metadata=metadata)
 
     async def register(
         self, job_id: str = "job-a", *, features: pb.WorkloadFeatures | None = TSLICE
@@ -232,9 +235,9 @@ async def test_a_half_close_without_keepalive_before_any_command_leaves(
         await raw.close()
 
 
-async def test_a_replaced_session_and_a_shutdown_leave_nothing(hubs: list[Hub]) -> None:
+async def test_a_superseded_session_and_a_shutdown_leave_nothing(hubs: list[Hub]) -> None:
     running = await hub(hubs, grace_s=0.0)  # a loss would count as gone at once
-    first, second = Raw(running.address), Raw(running.address)
+    first, second = Raw(running.address, instance="w-1"), Raw(running.address, instance="w-1")
     try:
         await first.register()
         await running.hub.wait_registered("job-a", "g", timeout=20)

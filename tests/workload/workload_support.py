@@ -7,11 +7,12 @@ stand-in engines that record what the adapters call on them.
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 from typing import Any
 
 import grpc
 
-from tslice.agent import channel
+from tslice.agent import channel, registration
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2_grpc as pb_grpc
 
 
@@ -89,21 +90,41 @@ class HubServicer(pb_grpc.SnapshotAgentServiceServicer):
 
 
 class HubServer:
-    def __init__(self, hub: channel.ChannelHub, server: grpc.aio.Server, address: str) -> None:
+    def __init__(
+        self,
+        hub: channel.ChannelHub,
+        server: grpc.aio.Server,
+        address: str,
+        announcements: registration.RegistrationServer | None = None,
+    ) -> None:
         self.hub = hub
         self.server = server
         self.address = address
+        self.announcements = announcements
 
     @classmethod
     async def start(cls, bind: str, **hub_options: float) -> HubServer:
-        hub = channel.ChannelHub(**hub_options)  # type: ignore[arg-type]
+        """On a Unix socket, as the agent does: with its register socket next to it
+        (``register.sock``), where workloads bind their channel to their process."""
+        announcements = None
+        if bind.startswith("unix:"):
+            processes = registration.ProcessRegistry()
+            announcements = registration.RegistrationServer(
+                path=Path(bind[len("unix:") :]).with_name("register.sock"), registry=processes
+            )
+            await announcements.start()
+            hub = channel.ChannelHub(processes=processes, **hub_options)  # type: ignore[arg-type]
+        else:
+            hub = channel.ChannelHub(**hub_options)  # type: ignore[arg-type]
         server = grpc.aio.server()
         pb_grpc.add_SnapshotAgentServiceServicer_to_server(HubServicer(hub), server)
         port = server.add_insecure_port(bind)
         await server.start()
         address = bind if bind.startswith("unix:") else f"127.0.0.1:{port}"
-        return cls(hub, server, address)
+        return cls(hub, server, address, announcements)
 
     async def stop(self) -> None:
         await self.hub.close()
         await self.server.stop(grace=None)
+        if self.announcements is not None:
+            await self.announcements.close()

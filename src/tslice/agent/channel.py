@@ -27,11 +27,19 @@ Rules (WIRE.md "Workload channel rules", plus the tslice additions):
 - The first message must be ``register``; a bad one ends the stream with
   INVALID_ARGUMENT and a message that says what to fix. A second ``register`` on
   the same stream is refused the same way.
+- Who registers (:mod:`tslice.agent.channel_admission`): over the Unix socket the
+  process is bound by its peer credentials (its instance token, bound through the
+  register socket); over TCP the ``pid`` field is never trusted and, with
+  authentication on, the job credential must allow the job.
 - Sessions are keyed by (job, group), as the agent's records are: one job may
   register one workload per group on a node (a sampler engine and a trainer
-  process). Re-registering the same (job, group) replaces its earlier session: the
-  old stream ends with ABORTED ("replaced") and the old session's in-flight
-  commands fail at once; another group's session of the job is untouched.
+  process). A second registration of a (job, group) never replaces a live session,
+  nor a lost one within its grace: it is refused with ALREADY_EXISTS naming the
+  live registration and the fix. Only the same workload (the same instance token,
+  metadata ``tslice-workload-instance``; for workloads that send none, llm-d's, a
+  lost session counts as theirs) may take its place: a new stream of a live session
+  supersedes the old one (ABORTED, its in-flight commands fail at once), and a lost
+  one comes back. Another group's session of the job is untouched.
 - A lookup names (job, group) with the rule the agent core uses for its records:
   a group with no session of its own is served by the job's session registered
   without a group (llm-d's workloads register none), and a request without a group
@@ -83,7 +91,7 @@ from typing import Literal, NoReturn, TypeVar
 
 import grpc
 
-from tslice.agent import channel_rules, channel_session
+from tslice.agent import channel_admission, channel_rules, channel_session, registration
 from tslice.agent.channel_rules import (
     WORKLOAD_LEFT,
     ChannelError,
@@ -173,6 +181,8 @@ class _Lost:
     reason: str
     #: Loop time at which the workload counts as gone.
     deadline: float
+    #: Loop time of the loss.
+    since: float
     timer: asyncio.TimerHandle | None = None
 
 
@@ -187,7 +197,13 @@ class ChannelHub:
     """Accepts workload streams and sends them commands (one session per (job, group))."""
 
     def __init__(
-        self, *, ping_interval_s: float = 5.0, missed_pings: int = 3, lost_grace_s: float = 5.0
+        self,
+        *,
+        ping_interval_s: float = 5.0,
+        missed_pings: int = 3,
+        lost_grace_s: float = 5.0,
+        processes: registration.ProcessRegistry | None = None,
+        credentials: channel_admission.JobCredentials | None = None,
     ) -> None:
         if ping_interval_s <= 0:
             raise ValueError("ping_interval_s must be > 0 (seconds between keepalive pings)")
@@ -198,6 +214,8 @@ class ChannelHub:
         #: How long a session lost without a clean end may take to register again before
         #: its workload counts as gone (read at each loss; >= 0).
         self.lost_grace_s = check_grace(lost_grace_s)
+        #: Who may register (process bindings of the register socket, job credentials).
+        self.admission = channel_admission.Admission(processes=processes, credentials=credentials)
         self._sessions: dict[SessionKey, channel_session.Session] = {}
         self._lost: dict[SessionKey, _Lost] = {}
         self._departed: collections.OrderedDict[SessionKey, Departure] = collections.OrderedDict()
@@ -419,14 +437,23 @@ class ChannelHub:
         problem = channel_rules.registration_problem(first.register)
         if problem:
             await _refuse(context, problem)
-        session = channel_session.Session(first.register)
+        instance = _metadata(context, channel_rules.INSTANCE_METADATA)
+        problem = channel_rules.instance_problem(instance)
+        if problem:
+            await _refuse(context, problem)
+        pid = await self.admission.identify(first.register, instance, context)
+        key = (first.register.job_id, first.register.group)
+        conflict = self._conflict(key, instance)
+        if conflict:
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, conflict)
+        session = channel_session.Session(first.register, instance=instance, pid=pid)
         previous = self._sessions.get(session.key)
         came_back = self._returned(session.key)
         if previous is not None:
             self._end(
                 previous,
                 grpc.StatusCode.ABORTED,
-                f"replaced by a newer registration of {session.label}",
+                f"superseded by a new stream of the same workload of {session.label}",
             )
         self._sessions[session.key] = session
         log.info(
@@ -435,11 +462,12 @@ class ChannelHub:
                 "job_id": session.job_id,
                 "group": session.group,
                 "pid": session.pid,
+                "claimed_pid": session.claimed_pid,
                 "modes": [pb.SuspendMode.Name(m) for m in session.supported_modes],
                 "tags": list(session.tags),
                 "residency": session.tracker.residency,
                 "resident_tags": list(session.tracker.resident_tags),
-                "replaced": previous is not None,
+                "superseded": previous is not None,
                 "came_back": came_back,
             },
         )
@@ -645,7 +673,8 @@ class ChannelHub:
         """Start the grace of a session lost without a clean end."""
         loop = asyncio.get_running_loop()
         grace = self.lost_grace_s
-        lost = _Lost(session=session, reason=reason, deadline=loop.time() + grace)
+        now = loop.time()
+        lost = _Lost(session=session, reason=reason, deadline=now + grace, since=now)
         previous = self._lost.pop(session.key, None)
         if previous is not None and previous.timer is not None:
             previous.timer.cancel()
@@ -672,6 +701,27 @@ class ChannelHub:
             extra={"job_id": lost.session.job_id, "group_id": lost.session.group, "reason": reason},
         )
         self._notify("left", lost.session, reason, left=True)
+
+    def _conflict(self, key: SessionKey, instance: str) -> str:
+        """Why a registration of ``key`` by ``instance`` is refused ('' = accepted): another
+        workload's session is live, or lost and still within its grace."""
+        live = self._sessions.get(key)
+        if live is not None:
+            if instance and live.instance == instance:
+                return ""
+            return channel_rules.already_registered(live.state())
+        lost = self._lost.get(key)
+        if lost is None:
+            return ""
+        now = asyncio.get_running_loop().time()
+        if now >= lost.deadline:
+            self._give_up(key, lost)  # its timer has not run yet
+            return ""
+        if lost.session.instance == instance:
+            return ""
+        return channel_rules.already_registered(
+            lost.session.state(), lost_for_s=now - lost.since, grace_left_s=lost.deadline - now
+        )
 
     def _returned(self, key: SessionKey) -> bool:
         """A registration of ``key``: forget its departure or pending loss; True if it was
@@ -760,6 +810,13 @@ def check_grace(value: float) -> float:
 
 def _who(job_id: str, group: str) -> str:
     return f"{job_id} (group {group})" if group else job_id
+
+
+def _metadata(context: grpc.aio.ServicerContext, key: str) -> str:
+    for name, value in context.invocation_metadata() or ():
+        if name == key:
+            return value if isinstance(value, str) else value.decode("ascii", "replace")
+    return ""
 
 
 async def _refuse(context: grpc.aio.ServicerContext, message: str) -> NoReturn:

@@ -11,6 +11,7 @@ with a message that says what to fix.
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Iterable
 
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
@@ -22,6 +23,12 @@ VALID_MODES = (pb.SUSPEND_MODE_OFFLOAD, pb.SUSPEND_MODE_DISCARD)
 #: job's workload left the node (the value: why). The agent's rules read it
 #: (``tslice.agent.jobs``): a snapshot that reports it leaves the job IDLE, not SAVED.
 WORKLOAD_LEFT = "workload_left"
+
+#: gRPC metadata key of the workload's instance token: random, made once per workload
+#: (``WorkloadHandle``) and sent on every stream it opens, so that the hub tells the same
+#: workload coming back from another one (and, once bound through the agent's register
+#: socket, its process). llm-d's library sends none.
+INSTANCE_METADATA = "tslice-workload-instance"
 
 
 class ChannelError(Exception):
@@ -177,6 +184,40 @@ def registration_problem(register: pb.RegisterWorkload) -> str:
     if register.pid < 0:
         return f"invalid RegisterWorkload for job {register.job_id!r}: pid {register.pid} < 0"
     return ""
+
+
+def instance_problem(instance: str) -> str:
+    """Why an instance token is refused, or '' (empty = none sent: llm-d's library)."""
+    if not instance:
+        return ""
+    try:
+        ids.check_id(INSTANCE_METADATA, instance)
+    except ids.InvalidIdError as exc:
+        return f"invalid workload channel metadata: {exc}"
+    return ""
+
+
+def already_registered(
+    state: WorkloadState, *, lost_for_s: float | None = None, grace_left_s: float = 0.0
+) -> str:
+    """The refusal of a second registration while ``state``'s workload is live or may still
+    come back (``lost_for_s``: seconds since its channel was lost)."""
+    who = describe(state.job_id, state.group)
+    since = time.strftime("%H:%M:%S", time.localtime(state.registered_at))
+    process = f"process {state.pid}" if state.pid else "a process the agent cannot name"
+    if lost_for_s is None:
+        return (
+            f"{who} already has a live workload registration ({process}, registered at "
+            f"{since}); a second registration never replaces it. Close the first "
+            "(WorkloadHandle.close(), or end its process); a workload whose channel is "
+            "lost may be replaced once lost_grace_s has passed"
+        )
+    return (
+        f"{who} lost its workload channel {lost_for_s:.1f} s ago ({process}, registered "
+        f"at {since}) and may still come back: only that workload (its instance token) "
+        f"may register now; another registration is accepted in {grace_left_s:.1f} s, "
+        "once its lost_grace_s has passed"
+    )
 
 
 def describe(job_id: str, group: str) -> str:

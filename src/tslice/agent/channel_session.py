@@ -48,7 +48,7 @@ class Pending:
 class Session:
     """One accepted stream. Lives on the event loop; not thread-safe."""
 
-    def __init__(self, register: pb.RegisterWorkload) -> None:
+    def __init__(self, register: pb.RegisterWorkload, *, instance: str = "", pid: int = 0) -> None:
         caps = register.capabilities
         self.job_id = register.job_id
         self.group = register.group
@@ -56,7 +56,12 @@ class Session:
         self.key = (register.job_id, register.group)
         #: How messages name the session's job and group.
         self.label = channel_rules.describe(self.job_id, self.group)
-        self.pid = register.pid
+        #: The registering process as the agent knows it (bound through its register
+        #: socket); 0 = not known. The registration's own ``pid`` field is never trusted.
+        self.pid = pid
+        self.claimed_pid = register.pid
+        #: The workload's instance token ("" = none sent): the same workload coming back.
+        self.instance = instance
         self.supported_modes = tuple(dict.fromkeys(caps.supported_modes))
         self.default_mode = caps.default_mode
         self.tags = tuple(dict.fromkeys(caps.tags))

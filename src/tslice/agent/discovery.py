@@ -97,15 +97,29 @@ def pids_for_pod(
     return matched
 
 
-def process_exists(pid: int, *, proc_root: str | os.PathLike[str] = "/proc") -> bool:
-    """Whether ``pid`` is a live process (zombies count as gone)."""
+def _stat_fields(pid: int, proc_root: str | os.PathLike[str]) -> list[str] | None:
+    """The fields of ``<proc_root>/<pid>/stat`` after the command name (field 3 on), or
+    None if the process is gone. The name may contain spaces: split after the last ')'."""
     try:
         stat = (Path(proc_root) / str(pid) / "stat").read_text()
     except OSError:
-        return False
-    # The state letter follows the last ')' (the command name may contain spaces).
-    fields = stat.rpartition(")")[2].split()
-    return bool(fields) and fields[0] not in ("Z", "X")
+        return None
+    return stat.rpartition(")")[2].split()
+
+
+def _stat_int(pid: int, index: int, proc_root: str | os.PathLike[str]) -> int | None:
+    fields = _stat_fields(pid, proc_root)
+    try:
+        return int(fields[index]) if fields is not None else None
+    except (IndexError, ValueError):
+        return None
+
+
+def process_exists(pid: int, *, proc_root: str | os.PathLike[str] = "/proc") -> bool:
+    """Whether ``pid`` is a live process (zombies count as gone)."""
+    fields = _stat_fields(pid, proc_root)
+    # The state letter is the first field after the command name.
+    return fields is not None and bool(fields) and fields[0] not in ("Z", "X")
 
 
 def process_start_time(pid: int, *, proc_root: str | os.PathLike[str] = "/proc") -> int | None:
@@ -113,16 +127,29 @@ def process_start_time(pid: int, *, proc_root: str | os.PathLike[str] = "/proc")
 
     PID plus start time identifies a process across PID reuse.
     """
-    try:
-        stat = (Path(proc_root) / str(pid) / "stat").read_text()
-    except OSError:
-        return None
-    fields = stat.rpartition(")")[2].split()
     # Field 22 of stat overall = index 19 after the command name (fields 3..).
-    try:
-        return int(fields[19])
-    except (IndexError, ValueError):
-        return None
+    return _stat_int(pid, 19, proc_root)
+
+
+def parent_pid(pid: int, *, proc_root: str | os.PathLike[str] = "/proc") -> int | None:
+    """The parent of ``pid``, or None if it is gone (or has none: pid 1)."""
+    parent = _stat_int(pid, 1, proc_root)  # field 4: ppid
+    return parent if parent is not None and parent > 0 else None
+
+
+def descends_from(
+    pid: int, ancestors: Iterable[int], *, proc_root: str | os.PathLike[str] = "/proc"
+) -> bool:
+    """Whether ``pid`` is one of ``ancestors`` or a (grand)child of one (64 levels at most)."""
+    wanted = set(ancestors)
+    current: int | None = pid
+    for _ in range(64):
+        if current is None:
+            return False
+        if current in wanted:
+            return True
+        current = parent_pid(current, proc_root=proc_root)
+    return False
 
 
 class InvalidPidError(ValueError):

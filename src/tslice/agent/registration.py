@@ -15,6 +15,17 @@ Protocol (one exchange per connection, UTF-8 JSON lines):
 A registration is keyed by PID plus process start time, so a reused PID never
 inherits an old registration; processes that exit are dropped lazily.
 
+The same socket binds a workload channel to its process (gRPC reports a Unix peer as
+``unix:`` only, with no credentials): a workload sends
+``{"job_id": ..., "group": ..., "channel_instance": "<token>"}`` with the random
+instance token it then presents on ``WorkloadChannel`` (metadata
+``tslice-workload-instance``). The agent records the token against the connecting
+process (pid, uid and start time from ``SO_PEERCRED``, never from the message) and
+the job; the hub (:mod:`tslice.agent.channel`) takes the registration's process from
+that record. Where the agent knows the job's processes (they announced themselves
+here), the binding process must be one of them or a descendant of one. A binding
+is not an announcement: it does not make the process a cuda target.
+
 Agent side::
 
     server = registration.RegistrationServer(path=state_dir / "register.sock")
@@ -53,10 +64,24 @@ SOCKET_ENV = "TSLICE_AGENT_REGISTER_SOCKET"
 _MAX_LINE = 4096
 _READ_TIMEOUT_S = 5.0
 _UCRED = struct.Struct("3i")  # struct ucred {pid_t pid; uid_t uid; gid_t gid;}
+#: Channel bindings remembered (those of exited processes are dropped first).
+CHANNEL_BINDINGS_KEPT = 4096
 
 
 @dataclasses.dataclass(frozen=True)
 class Registration:
+    job_id: str
+    group: str
+    pid: int
+    uid: int
+    start_time: int | None
+
+
+@dataclasses.dataclass(frozen=True)
+class ChannelBinding:
+    """A workload channel instance token bound to the process that presented it."""
+
+    instance: str
     job_id: str
     group: str
     pid: int
@@ -76,22 +101,19 @@ class ProcessRegistry:
         self._lock = threading.Lock()
         # Insertion order of the dict = registration order.
         self._by_pid: dict[int, Registration] = {}
+        self._bindings: dict[str, ChannelBinding] = {}
 
-    def _alive(self, reg: Registration) -> bool:
+    def _alive(self, reg: Registration | ChannelBinding) -> bool:
         now = discovery.process_start_time(reg.pid, proc_root=self._proc_root)
         if now is None or not discovery.process_exists(reg.pid, proc_root=self._proc_root):
             return False
         return reg.start_time is None or now == reg.start_time
 
-    def register(self, *, job_id: str, pid: int, group: str = "", uid: int = -1) -> Registration:
-        """Record that ``pid`` belongs to ``job_id`` (and ``group``, "" = not said);
-        idempotent for the same job. The same process naming another group moves there.
-
-        Raises RegistrationError if the process is gone or already belongs to
-        another live job.
-        """
+    def _checked(self, *, job_id: str, group: str, pid: int, **more_ids: str) -> int | None:
+        """The process's start time, once the ids are valid and the process is visible."""
         try:
-            ids.check_id("job_id", job_id)
+            for name, value in (("job_id", job_id), *more_ids.items()):
+                ids.check_id(name, value)
             if group:
                 ids.check_id("group", group)
         except ids.InvalidIdError as exc:
@@ -101,6 +123,16 @@ class ProcessRegistry:
             raise RegistrationError(
                 f"process {pid} is not visible to the agent (no {self._proc_root}/{pid}/stat)"
             )
+        return start
+
+    def register(self, *, job_id: str, pid: int, group: str = "", uid: int = -1) -> Registration:
+        """Record that ``pid`` belongs to ``job_id`` (and ``group``, "" = not said);
+        idempotent for the same job. The same process naming another group moves there.
+
+        Raises RegistrationError if the process is gone or already belongs to
+        another live job.
+        """
+        start = self._checked(job_id=job_id, group=group, pid=pid)
         reg = Registration(job_id, group, pid, uid, start)
         with self._lock:
             old = self._by_pid.get(pid)
@@ -116,6 +148,55 @@ class ProcessRegistry:
             self._by_pid.pop(pid, None)
             self._by_pid[pid] = reg
         return reg
+
+    def bind_channel(
+        self, *, instance: str, job_id: str, pid: int, group: str = "", uid: int = -1
+    ) -> ChannelBinding:
+        """Bind a workload channel ``instance`` token to process ``pid`` of ``job_id``.
+
+        Raises RegistrationError if the process is gone, belongs to another job, is not
+        one of the job's known processes (nor a descendant of one), or the token is
+        bound to another live process.
+        """
+        start = self._checked(job_id=job_id, group=group, pid=pid, channel_instance=instance)
+        binding = ChannelBinding(instance, job_id, group, pid, uid, start)
+        with self._lock:
+            announced = [r for r in self._by_pid.values() if self._alive(r)]
+            mine = next((r for r in announced if r.pid == pid), None)
+            if mine is not None and mine.job_id != job_id:
+                raise RegistrationError(
+                    f"process {pid} belongs to job {mine.job_id!r}; it cannot register a "
+                    f"workload of job {job_id!r}"
+                )
+            known = [r.pid for r in announced if r.job_id == job_id]
+            if known and not discovery.descends_from(pid, known, proc_root=self._proc_root):
+                raise RegistrationError(
+                    f"process {pid} is not one of the processes of job {job_id!r} known to "
+                    f"this agent ({', '.join(map(str, known[:8]))}) nor a child of one; "
+                    "register the workload from the job's own processes"
+                )
+            held = self._bindings.get(instance)
+            if held is not None and held.pid != pid and self._alive(held):
+                raise RegistrationError(
+                    "this channel instance token is bound to another process; a workload "
+                    "generates its own token (tslice.workload.register_workload does)"
+                )
+            self._bindings.pop(instance, None)
+            self._bindings[instance] = binding
+            if len(self._bindings) > CHANNEL_BINDINGS_KEPT:
+                self._bindings = {k: b for k, b in self._bindings.items() if self._alive(b)}
+            while len(self._bindings) > CHANNEL_BINDINGS_KEPT:
+                del self._bindings[next(iter(self._bindings))]
+        return binding
+
+    def channel_binding(self, instance: str) -> ChannelBinding | None:
+        """The live process bound to ``instance``, if any."""
+        with self._lock:
+            binding = self._bindings.get(instance)
+            if binding is not None and not self._alive(binding):
+                del self._bindings[instance]
+                return None
+            return binding
 
     def _prune(self) -> None:
         with self._lock:
@@ -271,6 +352,9 @@ class RegistrationServer:
                 "error": f"claimed pid {claimed} is not the connecting "
                 f"process ({pid}); a process can only register itself",
             }
+        instance = message.get("channel_instance")
+        if instance is not None:
+            return self._bind(instance, job_id=job_id, group=group, pid=pid, uid=uid)
         try:
             reg = self.registry.register(job_id=job_id, pid=pid, group=group, uid=uid)
         except RegistrationError as exc:
@@ -280,3 +364,20 @@ class RegistrationServer:
             extra={"job_id": reg.job_id, "group_id": reg.group, "pid": pid, "uid": uid},
         )
         return {"ok": True, "pid": pid, "job_id": reg.job_id}
+
+    def _bind(
+        self, instance: object, *, job_id: str, group: str, pid: int, uid: int
+    ) -> dict[str, Any]:
+        if not isinstance(instance, str):
+            return {"ok": False, "error": "channel_instance must be a string"}
+        try:
+            binding = self.registry.bind_channel(
+                instance=instance, job_id=job_id, group=group, pid=pid, uid=uid
+            )
+        except RegistrationError as exc:
+            return {"ok": False, "error": str(exc)}
+        log.info(
+            "workload channel bound",
+            extra={"job_id": job_id, "group_id": group, "pid": pid, "uid": uid},
+        )
+        return {"ok": True, "pid": binding.pid, "job_id": binding.job_id}

@@ -27,9 +27,18 @@ keepalive stays off, while commands still work.)
 Reconnects back off exponentially (0.5 s doubling to 30 s, with jitter), and each
 one re-registers with what the workload holds *now* (``suspended``,
 ``resident_tags``), after any running command has finished, so the agent
-reconciles. A registration the agent refuses (INVALID_ARGUMENT) or replaces with a
-newer one of the same job (ABORTED) is final: the handle stops and says why in
+reconciles. A registration the agent refuses (INVALID_ARGUMENT, UNAUTHENTICATED,
+PERMISSION_DENIED) is final: the handle stops and says why in
 :attr:`WorkloadHandle.error`.
+
+Identity: each handle makes a random instance token once and sends it on every stream
+(metadata ``tslice-workload-instance``): the agent lets only the same workload take the
+place of a live or lost registration of its (job, group); another is refused with
+ALREADY_EXISTS, which the handle retries with its backoff (the other one may be gone
+after the agent's ``lost_grace_s``), saying why in :attr:`WorkloadHandle.refusal`. Over
+the agent's Unix socket the token is first bound to this process on the agent's register
+socket (``$TSLICE_AGENT_REGISTER_SOCKET``, else ``register.sock`` next to the agent
+socket), where the kernel tells the agent which process it is.
 """
 
 from __future__ import annotations
@@ -41,9 +50,11 @@ import logging
 import os
 import queue
 import random
+import secrets
 import threading
 import time
 from collections.abc import Iterable, Iterator
+from pathlib import Path
 from typing import Any, TypeAlias
 
 import grpc
@@ -51,7 +62,7 @@ import grpc
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2_grpc as pb_grpc
 from tslice.common import ids
-from tslice.workload import adapters, commands
+from tslice.workload import adapters, commands, process
 from tslice.workload.adapters import base, callbacks
 
 log = logging.getLogger(__name__)
@@ -60,6 +71,9 @@ log = logging.getLogger(__name__)
 AGENT_ENV_VARS = ("TSLICE_AGENT_ADDR", "SNAPSHOT_AGENT_ADDR")
 
 ModeLike: TypeAlias = "base.SuspendMode | str | int"
+#: gRPC metadata key of the handle's instance token (the agent's
+#: ``channel_rules.INSTANCE_METADATA``).
+INSTANCE_METADATA = "tslice-workload-instance"
 
 
 class _Stop:
@@ -67,6 +81,12 @@ class _Stop:
 
 
 _STOP = _Stop()
+#: Refusals after which registering again cannot help.
+_FINAL_REFUSALS = (
+    grpc.StatusCode.INVALID_ARGUMENT,
+    grpc.StatusCode.UNAUTHENTICATED,
+    grpc.StatusCode.PERMISSION_DENIED,
+)
 # Generated stubs are untyped; calling through Any keeps strict mypy quiet either way.
 _STUB: Any = pb_grpc.SnapshotAgentServiceStub
 
@@ -127,8 +147,13 @@ class WorkloadHandle:
         capabilities: base.Capabilities,
         loop: asyncio.AbstractEventLoop | None,
         settings: ChannelSettings,
+        register_socket: Path | None = None,
     ) -> None:
         self.job_id = job_id
+        #: Sent on every stream: the agent tells this workload coming back from another.
+        self.instance = secrets.token_hex(16)
+        self._register_socket = register_socket
+        self._unix = isinstance(agent, str) and agent.startswith("unix:")
         self.group = group
         self._label = f"job {job_id!r} (group {group!r})" if group else f"job {job_id!r}"
         self.adapter = adapter
@@ -152,6 +177,11 @@ class WorkloadHandle:
         )
         #: Why the handle stopped for good (refused or replaced registration), else None.
         self.error: str | None = None
+        #: Why the agent last refused the registration for now (another workload of the
+        #: job and group is live; retried), else None.
+        self.refusal: str | None = None
+        #: Why binding this process on the agent's register socket last failed, else None.
+        self.bind_error: str | None = None
         #: Streams opened so far (1 + reconnects).
         self.connections = 0
         #: Commands run so far (successful or not).
@@ -176,6 +206,13 @@ class WorkloadHandle:
         with self._state:
             self._state.wait_for(lambda: self._registered or self._finished, timeout)
             return self._registered
+
+    def wait_refused(self, timeout: float | None = None) -> str | None:
+        """Block until the agent refused a registration for now (another workload of the job
+        and group holds it; the handle keeps retrying); the refusal, or None on timeout."""
+        with self._state:
+            self._state.wait_for(lambda: self.refusal is not None or self._finished, timeout)
+            return self.refusal
 
     def wait_stopped(self, timeout: float | None = None) -> bool:
         """Block until the handle stopped for good (closed, refused or replaced)."""
@@ -248,9 +285,13 @@ class WorkloadHandle:
         self._connection = connection
         self.connections += 1
         registration = self._registration()
+        self._bind()
         try:
             stub = _STUB(channel)
-            connection.call = stub.WorkloadChannel(self._requests(connection, registration))
+            connection.call = stub.WorkloadChannel(
+                self._requests(connection, registration),
+                metadata=((INSTANCE_METADATA, self.instance),),
+            )
             if self._stop.is_set():
                 connection.outbox.put(_STOP)
             for command in connection.call:
@@ -281,9 +322,22 @@ class WorkloadHandle:
         details = err.details() if callable(getattr(err, "details", None)) else str(err)
         if self._stop.is_set():
             return True
-        if code == grpc.StatusCode.INVALID_ARGUMENT:
-            self._fail(f"the agent refused the registration of {self._label}: {details}")
+        if code in _FINAL_REFUSALS:
+            bind = f" (binding on the register socket failed: {self.bind_error})"
+            self._fail(
+                f"the agent refused the registration of {self._label}: {details}"
+                f"{bind if self.bind_error else ''}"
+            )
             return True
+        if code == grpc.StatusCode.ALREADY_EXISTS:
+            with self._state:
+                self.refusal = details
+                self._state.notify_all()
+            log.warning(
+                "another workload holds the registration; retrying",
+                extra={"job_id": self.job_id, "details": details},
+            )
+            return False
         if code == grpc.StatusCode.ABORTED and "replaced" in (details or ""):
             self._fail(
                 f"{self._label} was registered again (by another process or handle), "
@@ -296,6 +350,25 @@ class WorkloadHandle:
         )
         return False
 
+    def _bind(self) -> None:
+        """Bind the instance token to this process on the agent's register socket (before
+        each stream: an agent that restarted has forgotten it)."""
+        if self._register_socket is None:
+            return
+        try:
+            process.bind_channel(
+                self.job_id,
+                instance=self.instance,
+                group=self.group,
+                socket_path=self._register_socket,
+            )
+        except process.RegistrationError as exc:
+            self.bind_error = str(exc)
+            level = logging.WARNING if self._unix else logging.DEBUG
+            log.log(level, "cannot bind the workload channel", extra={"error": str(exc)})
+        else:
+            self.bind_error = None
+
     def _on_command(self, connection: _Connection, command: pb.AgentCommand) -> None:
         connection.heard()
         kind = command.WhichOneof("command")
@@ -303,6 +376,7 @@ class WorkloadHandle:
             self.pings_received += 1
             if not connection.acked:
                 connection.acked = True
+                self.refusal = None
                 self._set_registered(True)
                 log.info("registered with the agent", extra={"job_id": self.job_id})
             connection.keepalive = True
@@ -438,6 +512,7 @@ def register_workload(  # noqa: PLR0917 - llm-d's positional signature, kept for
     missed_pings: int = 3,
     backoff_initial_s: float = 0.5,
     backoff_max_s: float = 30.0,
+    register_socket: str | os.PathLike[str] | None = None,
 ) -> WorkloadHandle:
     """Register this process's workload with the node agent and serve its commands.
 
@@ -458,6 +533,10 @@ def register_workload(  # noqa: PLR0917 - llm-d's positional signature, kept for
             by name (``"offload"``, ``"SUSPEND_MODE_DISCARD"``) or number.
         ping_interval_s, missed_pings: keepalive towards the agent.
         backoff_initial_s, backoff_max_s: reconnect backoff bounds.
+        register_socket: the agent's register socket, where this process binds its
+            channel (needed over the agent's Unix socket). Default:
+            ``$TSLICE_AGENT_REGISTER_SOCKET``, else ``register.sock`` next to a
+            ``unix:`` agent socket; over TCP, none unless named.
 
     Returns at once with the connection running in the background; call
     ``handle.wait_registered(timeout)`` to know the agent has accepted it.
@@ -483,8 +562,24 @@ def register_workload(  # noqa: PLR0917 - llm-d's positional signature, kept for
         capabilities=capabilities,
         loop=loop,
         settings=settings,
+        register_socket=_register_socket(target, register_socket),
     )
     return handle.start()
+
+
+def _register_socket(
+    agent: str | grpc.Channel, given: str | os.PathLike[str] | None
+) -> Path | None:
+    if given is not None:
+        return Path(given)
+    named = os.environ.get(process.SOCKET_ENV, "").strip()
+    if named:
+        return Path(named)
+    if isinstance(agent, str) and agent.startswith("unix:"):
+        path = agent[len("unix:") :]
+        path = path[2:] if path.startswith("//") else path
+        return Path(path).with_name("register.sock")
+    return None
 
 
 def _resolve_agent(agent: str | grpc.Channel | None) -> str | grpc.Channel:

@@ -55,13 +55,33 @@ def announce_process(
         ids.check_id("job_id", job_id)
     except ids.InvalidIdError as exc:
         raise RegistrationError(str(exc)) from exc
-    path = _resolve(socket_path)
-    request = json.dumps({"job_id": job_id, "group": group}).encode() + b"\n"
+    request = {"job_id": job_id, "group": group}
+    return _exchange(request, _resolve(socket_path), timeout, f"registration of job {job_id!r}")
+
+
+def bind_channel(
+    job_id: str,
+    *,
+    instance: str,
+    group: str = "",
+    socket_path: str | os.PathLike[str],
+    timeout: float = 5.0,
+) -> int:
+    """Bind a workload channel's ``instance`` token to this process (for ``job_id``,
+    ``group``) on the agent's register socket, so that the agent knows which process
+    registers on its Unix socket (the kernel names it; see ``tslice.agent.registration``).
+    Returns the PID the agent recorded. Raises :class:`RegistrationError`."""
+    request = {"job_id": job_id, "group": group, "channel_instance": instance}
+    return _exchange(request, Path(socket_path), timeout, f"channel binding of job {job_id!r}")
+
+
+def _exchange(request: dict[str, str], path: Path, timeout: float, what: str) -> int:
+    line = json.dumps(request).encode() + b"\n"
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
             sock.settimeout(timeout)
             sock.connect(str(path))
-            sock.sendall(request)
+            sock.sendall(line)
             reply = _read_line(sock)
     except FileNotFoundError as exc:
         raise RegistrationError(
@@ -76,7 +96,7 @@ def announce_process(
         raise RegistrationError(f"the agent at {path} sent an unreadable reply {reply!r}") from exc
     if not isinstance(answer, dict) or not answer.get("ok"):
         detail = answer.get("error") if isinstance(answer, dict) else answer
-        raise RegistrationError(f"the agent refused the registration of job {job_id!r}: {detail}")
+        raise RegistrationError(f"the agent refused the {what}: {detail}")
     return int(answer["pid"])
 
 

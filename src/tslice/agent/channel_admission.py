@@ -1,0 +1,112 @@
+"""Who may register a workload on the channel: the process behind a registration, and the
+job credential a TCP registration needs.
+
+gRPC reports a Unix-socket peer as ``unix:`` with no credentials, so the process behind a
+registration is learnt from the agent's register socket (:mod:`tslice.agent.registration`):
+the workload binds its random instance token there (the kernel says which process sent
+it, ``SO_PEERCRED``) and presents the token on the stream. The rules:
+
+- **Unix socket** (the agent runs with a registry): the token must be bound, to the job
+  and group registered, by a process that is still alive; the session's pid is that
+  process's. Where the agent knows the job's processes, the binding was refused unless
+  the process is one of them (or a child). A stream without a bound token is refused
+  with UNAUTHENTICATED naming the fix.
+- **TCP**: the registration's ``pid`` field is never trusted (the session's pid is 0
+  unless the token is bound); where authentication is on (``credentials``), the caller's
+  credential must allow the job (PERMISSION_DENIED otherwise). With authentication off,
+  TCP means: anyone who can reach the port may register a workload for a job that has
+  none live; a live one is never replaced (:mod:`tslice.agent.channel`).
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Awaitable, Callable, Collection
+from typing import Any, NoReturn
+
+import grpc
+
+from tslice.agent import registration
+from tslice.agent.channel_rules import describe
+from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
+from tslice.common import validation
+
+#: Given a call, the job ids its credential may act as; ``None`` = authentication is off.
+#: (It may abort the call itself, e.g. UNAUTHENTICATED for a missing credential.)
+Context = grpc.aio.ServicerContext[Any, Any]
+JobCredentials = Callable[[Context], "Collection[str] | Awaitable[Collection[str] | None] | None"]
+
+
+def over_unix_socket(context: Context) -> bool:
+    return str(context.peer() or "").startswith("unix:")
+
+
+class Admission:
+    """Decides whether a registration may be accepted, and which process it is."""
+
+    def __init__(
+        self,
+        *,
+        processes: registration.ProcessRegistry | None = None,
+        credentials: JobCredentials | None = None,
+    ) -> None:
+        #: Channel bindings (the agent's register socket); ``None``: nothing is bound
+        #: and Unix-socket registrations are taken as TCP ones are.
+        self.processes = processes
+        self.credentials = credentials
+
+    async def identify(self, register: pb.RegisterWorkload, instance: str, context: Context) -> int:
+        """The pid of the registering process (0 = not known); aborts the call if refused."""
+        label = describe(register.job_id, register.group)
+        unix = over_unix_socket(context)
+        binding = (
+            self.processes.channel_binding(instance)
+            if self.processes is not None and instance
+            else None
+        )
+        pid = 0
+        if binding is not None:
+            if (binding.job_id, binding.group) != (register.job_id, register.group):
+                await _abort(
+                    context,
+                    grpc.StatusCode.PERMISSION_DENIED,
+                    f"this workload's instance token was bound for "
+                    f"{describe(binding.job_id, binding.group)}, not {label}; register the "
+                    "job and group it was bound for",
+                )
+            if register.pid and register.pid != binding.pid:
+                await _abort(
+                    context,
+                    grpc.StatusCode.PERMISSION_DENIED,
+                    f"{label}: claimed pid {register.pid} is not the bound process "
+                    f"{binding.pid}; a process can only register itself",
+                )
+            pid = binding.pid
+        elif unix and self.processes is not None:
+            await _abort(
+                context,
+                grpc.StatusCode.UNAUTHENTICATED,
+                f"{label}: a registration over the agent's Unix socket must come from a "
+                "process bound by its peer credentials: tslice.workload.register_workload "
+                "binds itself through the agent's register socket (set "
+                "TSLICE_AGENT_REGISTER_SOCKET where it is not next to the agent socket); "
+                "a workload that cannot (llm-d's library) must connect over TCP",
+            )
+        if not unix and self.credentials is not None:
+            allowed = self.credentials(context)
+            if inspect.isawaitable(allowed):
+                allowed = await allowed
+            if allowed is not None and register.job_id not in allowed:
+                await _abort(
+                    context,
+                    grpc.StatusCode.PERMISSION_DENIED,
+                    f"{label}: the credential of this call may act as jobs "
+                    f"{validation.shown_list(sorted(allowed))}, not {register.job_id!r}; "
+                    "register with the job's own credential",
+                )
+        return pid
+
+
+async def _abort(context: Context, code: grpc.StatusCode, text: str) -> NoReturn:
+    await context.abort(code, validation.bounded(text))
+    raise AssertionError("context.abort() returned")  # it always raises
