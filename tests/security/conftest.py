@@ -8,13 +8,16 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import pathlib
+import tempfile
 from collections.abc import Iterator, Sequence
 
 import pytest
 
-from tests.integration.test_hostile_agent import Server
+from tests.integration.test_hostile_agent import Server, closed_port
 from tslice.cli import certs_cmd
+from tslice.common import tls
 
 #: The client identities every test may use.
 IDENTITIES = ("orchestrator", "admin", "job:job-a", "job:job-b")
@@ -115,3 +118,75 @@ def serving_all(
     finally:
         for server in reversed(started):
             server.stop()
+
+
+#: Tokens the servers of :func:`secure_stack` know (by their SHA-256 or a file).
+JOB_A_TOKEN = "job-a-token-0123456789"
+READER_TOKEN = "reader-token-0123456789"
+
+
+@dataclasses.dataclass(frozen=True)
+class SecureStack:
+    """An agent and an orchestrator serving mutual TLS with authentication on."""
+
+    orchestrator: str
+    #: The agent's TCP port (mutual TLS) and its Unix socket (plaintext, local callers).
+    agent: str
+    agent_unix: str
+    certs: Certs
+
+    def security(self, identity: str | None, *, token: str | None = None) -> tls.ClientSecurity:
+        """A client's TLS (``identity``'s certificate, if any) and token, as the job side has it."""
+        env = self.certs.env(identity)
+        if token is not None:
+            env["TSLICE_TOKEN"] = token
+        return tls.ClientSecurity.from_env(env)
+
+
+def _tokens_file(directory: pathlib.Path) -> pathlib.Path:
+    reader = directory / "reader.token"
+    reader.write_text(READER_TOKEN + "\n")
+    digest = hashlib.sha256(JOB_A_TOKEN.encode()).hexdigest()
+    path = directory / "tokens.yaml"
+    path.write_text(
+        "tokens:\n"
+        f"  - {{name: job-a, roles: [job], jobs: [job-a], sha256: {digest}}}\n"
+        f"  - {{name: reader, roles: [], token_file: {reader}}}\n"
+    )
+    return path
+
+
+@pytest.fixture(scope="session")
+def secure_stack(certs: Certs, tmp_path_factory: pytest.TempPathFactory) -> Iterator[SecureStack]:
+    """Both servers with mutual TLS and ``auth:``; the orchestrator calls the agent with its
+    own client certificate (identity ``orchestrator``)."""
+    state = tmp_path_factory.mktemp("secure")
+    tokens = _tokens_file(state)
+    sockets = pathlib.Path(tempfile.mkdtemp(prefix="tslice-sec-"))  # short Unix socket paths
+    agent_config = state / "agent.yaml"
+    agent_config.write_text(f"auth: {{tokens_file: {tokens}}}\n")
+    port = closed_port()  # chosen first, so that both servers start at once
+    agent = agent_args(
+        state,
+        "--config", str(agent_config),
+        "--unix-socket", str(sockets / "agent.sock"),
+        *tls_args(certs, mutual=True),
+    )  # fmt: skip
+    agent[agent.index("--port") + 1] = str(port)
+    me = certs.client("orchestrator")
+    orch_config = state / "orchestrator.yaml"
+    orch_config.write_text(
+        f"agent_client: {{ca: {certs.ca.cert}, cert: {me.cert}, key: {me.key}}}\n"
+        f"auth: {{tokens_file: {tokens}}}\n"
+    )
+    orch = orchestrator_args(
+        state, f"127.0.0.1:{port}", "--config", str(orch_config), *tls_args(certs, mutual=True)
+    )
+    servers = [("agent", agent, state / "agent.log"), ("orchestrator", orch, state / "orch.log")]
+    with serving_all(servers) as (agent_server, orch_server):
+        yield SecureStack(
+            orchestrator=orch_server.address,
+            agent=agent_server.address,
+            agent_unix=f"unix:{sockets / 'agent.sock'}",
+            certs=certs,
+        )

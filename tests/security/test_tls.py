@@ -8,18 +8,17 @@ from __future__ import annotations
 
 import os
 import pathlib
-from collections.abc import Iterator
 
 import pytest
 
 import tslice
 from tests.security.conftest import (
     Certs,
+    SecureStack,
     agent_args,
     make_certs,
     orchestrator_args,
     serving,
-    tls_args,
 )
 from tslice.cli import certs_cmd, main
 from tslice.common import errors
@@ -28,24 +27,10 @@ from tslice.common import errors
 CONNECT_S = 1.0
 
 
-@pytest.fixture(scope="module")
-def mtls_stack(certs: Certs, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """An agent and an orchestrator, both serving mutual TLS; the orchestrator calls the
-    agent with its own client certificate. Yields the orchestrator's address."""
-    state = tmp_path_factory.mktemp("mtls")
-    with serving(
-        "agent", agent_args(state, *tls_args(certs, mutual=True)), state / "a.log"
-    ) as agent:
-        me = certs.client("orchestrator")
-        config = state / "orchestrator.yaml"
-        config.write_text(
-            f"agent_client: {{ca: {certs.ca.cert}, cert: {me.cert}, key: {me.key}}}\n"
-        )
-        args = orchestrator_args(state, agent.address, "--config", str(config))
-        with serving(
-            "orchestrator", [*args, *tls_args(certs, mutual=True)], state / "o.log"
-        ) as orch:
-            yield orch.address
+@pytest.fixture
+def mtls_stack(secure_stack: SecureStack) -> str:
+    """The orchestrator's address: mutual TLS, and mutual TLS on to its agent."""
+    return secure_stack.orchestrator
 
 
 def _client(address: str, monkeypatch: pytest.MonkeyPatch, env: dict[str, str]) -> tslice.Client:

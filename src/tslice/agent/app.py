@@ -24,7 +24,7 @@ from tslice.agent import config as agent_config
 from tslice.agent.backends import base, registry, services
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2_grpc as pb_grpc
-from tslice.common import errors, logs, serving, tasks
+from tslice.common import auth, errors, logs, serving, tasks
 
 log = logging.getLogger(__name__)
 
@@ -148,7 +148,10 @@ async def serve(
         hub.add_listener(core.on_workload_event)
         await monitor.check_all()
 
-        grpc_server = grpc.aio.server(options=serving.SERVER_OPTIONS)
+        grpc_server = grpc.aio.server(
+            options=serving.SERVER_OPTIONS,
+            interceptors=serving.auth_interceptors(config.auth, auth.AGENT_RULES, "agent"),
+        )
         servicer = server.SnapshotAgentServicer(core=core, hub=hub)
         pb_grpc.add_SnapshotAgentServiceServicer_to_server(servicer, grpc_server)
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, grpc_server)

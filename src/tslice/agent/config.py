@@ -18,6 +18,7 @@ File shape (every key optional)::
     log_level: info
     tls: {cert: agent.pem, key: agent.key, client_ca: ca.pem}   # off: plaintext
     insecure: false                # plaintext on a non-loopback host (trusted network)
+    auth: {tokens_file: /etc/tslice/tokens.yaml}   # off without it (see docs/security.md)
     sim: {devices: 2, capacity: 80GiB, bandwidth: 25GB/s, restore_bandwidth: 50GB/s,
           latency_s: 0.005, default_footprint: 48GiB, fail_probability: 0, hang_probability: 0,
           extra_latency_s: 0, seed: null}
@@ -38,6 +39,7 @@ import yaml
 from pydantic import BaseModel, ByteSize, ConfigDict, Field
 
 from tslice.common import errors, ids, serving
+from tslice.common.auth import AuthSettings
 from tslice.common.tls import ServerTLS, check_listen
 
 _LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
@@ -124,6 +126,8 @@ class AgentConfig:
     tls: ServerTLS | None = None
     #: Plaintext on a non-loopback host is meant (a trusted network).
     insecure: bool = False
+    #: Authentication and roles (tslice.common.auth); None: every caller may call everything.
+    auth: AuthSettings | None = None
 
     @property
     def enabled_backends(self) -> tuple[str, ...]:
@@ -215,6 +219,7 @@ class _AgentModel(BaseModel):
     log_level: str = "info"
     tls: dict[str, Any] | None = None
     insecure: bool = False
+    auth: dict[str, Any] | None = None
 
     @pydantic.field_validator("node_name")
     @classmethod
@@ -237,6 +242,7 @@ class _AgentModel(BaseModel):
             backend_settings={k: dict(v) for k, v in self.backend_settings.items()},
             sim=self.sim.freeze(),
             tls=ServerTLS.from_mapping(self.tls, where="tls"),
+            auth=AuthSettings.from_mapping(self.auth, load_yaml=yaml.safe_load),
         )
         return AgentConfig(**fields)
 
@@ -292,7 +298,7 @@ def load(*, path: Path | None = None, overrides: Mapping[str, Any] | None = None
         config = _AgentModel.model_validate(data).freeze()
     except pydantic.ValidationError as err:
         raise errors.ConfigError(f"invalid agent config ({source}): {_describe(err)}") from err
-    except ValueError as err:  # a section parsed outside pydantic (tls)
+    except ValueError as err:  # a section parsed outside pydantic (tls, auth)
         raise errors.ConfigError(f"invalid agent config ({source}): {err}") from err
     # Before anything starts: plaintext where other machines reach the agent is refused.
     check_listen(config.host or "0.0.0.0", tls=config.tls, insecure=config.insecure, what="agent")

@@ -20,10 +20,10 @@ import os
 import pathlib
 import signal
 import socket
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from typing import TYPE_CHECKING
 
-from tslice.common import errors, tls
+from tslice.common import auth, errors, tls
 
 if TYPE_CHECKING:
     import grpc
@@ -172,6 +172,15 @@ def bind_grpc(
     if bound == 0:
         raise in_use_error(host=host, port=port, flag="--port", what=what)
     return bound
+
+
+def auth_interceptors(
+    settings: auth.AuthSettings | None, rules: Mapping[str, auth.Rule], server: str
+) -> list[auth.Interceptor]:
+    """The interceptors of a server's gRPC port(s): none when authentication is off."""
+    if settings is None:
+        return []
+    return [auth.Interceptor(settings.build(), rules, server=server)]
 
 
 def transport_name(server_tls: tls.ServerTLS | None) -> str:

@@ -27,7 +27,7 @@ from grpc_reflection.v1alpha import reflection
 
 from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2 as opb
 from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2_grpc as opb_grpc
-from tslice.common import ids, logs, serving
+from tslice.common import auth, ids, logs, serving
 from tslice.orchestrator import agents, config, events, group, manager, metrics, server, store
 
 log = logging.getLogger(__name__)
@@ -84,7 +84,10 @@ async def _serve_locked(
     bus = events.EventBus()
     m = metrics.OrchestratorMetrics()
     bus.on_drop = m.events_dropped.inc
-    grpc_server = grpc.aio.server(options=[*_SERVER_OPTIONS, *serving.SERVER_OPTIONS])
+    grpc_server = grpc.aio.server(
+        options=[*_SERVER_OPTIONS, *serving.SERVER_OPTIONS],
+        interceptors=serving.auth_interceptors(cfg.auth, auth.ORCHESTRATOR_RULES, "orchestrator"),
+    )
     health_servicer = health.aio.HealthServicer()
     metrics_http: Any = None
     groups: manager.GroupManager | None = None

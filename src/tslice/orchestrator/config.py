@@ -32,6 +32,7 @@ import pydantic
 import yaml
 
 from tslice.common import errors, ids, serving
+from tslice.common.auth import AuthSettings
 from tslice.common.tls import ClientSecurity, ServerTLS, check_listen
 
 DEFAULT_PORT = 50051
@@ -159,6 +160,8 @@ class OrchestratorModel(_Model):
     insecure: bool = False
     #: How the orchestrator calls agents: ``{ca, cert, key, server_name, token_file}``.
     agent_client: dict[str, Any] | None = None
+    #: Who may call what (tslice.common.auth); absent: no authentication.
+    auth: dict[str, Any] | None = None
 
     @pydantic.field_validator("local_groups")
     @classmethod
@@ -244,6 +247,8 @@ class OrchestratorConfig:
     insecure: bool = False
     #: TLS and token of the orchestrator's calls to agents.
     agent_client: ClientSecurity = dataclasses.field(default_factory=ClientSecurity)
+    #: Authentication and roles; None: every caller may call everything.
+    auth: AuthSettings | None = None
 
 
 # ---- building ---------------------------------------------------------------------------
@@ -382,10 +387,11 @@ def _security(model: OrchestratorModel, where: str) -> dict[str, Any]:
     try:
         server_tls = ServerTLS.from_mapping(model.tls, where="tls")
         agent_client = ClientSecurity.from_mapping(model.agent_client, where="agent_client")
+        auth = AuthSettings.from_mapping(model.auth, load_yaml=yaml.safe_load)
     except ValueError as err:
         raise errors.ConfigError(f"{where}{err}") from err
     check_listen(model.host, tls=server_tls, insecure=model.insecure, what="orchestrator")
-    return {"tls": server_tls, "agent_client": agent_client}
+    return {"tls": server_tls, "agent_client": agent_client, "auth": auth}
 
 
 def _check_unique(nodes: Sequence[NodeRef]) -> None:

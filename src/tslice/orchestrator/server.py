@@ -20,7 +20,7 @@ import grpc
 
 from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2 as opb
 from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2_grpc as opb_grpc
-from tslice.common import ids, refusals, unique_requests, validation
+from tslice.common import auth, ids, refusals, unique_requests, validation
 from tslice.orchestrator import events, group, manager
 
 _T = TypeVar("_T")
@@ -158,6 +158,7 @@ class OrchestratorServicer(opb_grpc.TimeSliceOrchestratorServiceServicer):
         started = time.monotonic()
         job = _checked_id("job_id", request.job_id)
         gid = _checked_id("group_id", request.group_id)
+        auth.require_job(job)  # a job credential acts only as its own job ids
         _at_least_0("footprint_bytes", request.footprint_bytes, "default")
         _at_least_0("lease_ms", request.lease_ms, "no lease")
         driver = self._found(gid, await self._groups.get_or_create(gid))
@@ -175,6 +176,7 @@ class OrchestratorServicer(opb_grpc.TimeSliceOrchestratorServiceServicer):
         """One Yield (unary or over a Session); raises ``refusals.Refused``."""
         job = _checked_id("job_id", request.job_id)
         gid = _checked_id("group_id", request.group_id)
+        auth.require_job(job)
         out = await self._driver(gid).yield_(job)
         if not out.ok:
             raise refusals.Refused(
@@ -239,6 +241,7 @@ class OrchestratorServicer(opb_grpc.TimeSliceOrchestratorServiceServicer):
     ) -> AsyncIterator[opb.HoldEvent]:
         job = await _valid(context, _checked_id, "job_id", request.job_id)
         gid = await _valid(context, _checked_id, "group_id", request.group_id)
+        await _valid(context, auth.require_job, job)  # nobody keeps another job's lock alive
         await _valid(context, _at_least_0, "grant_epoch", request.grant_epoch, "the current grant")
         driver = await _valid(context, self._driver, gid)
         session = await _answered(context, driver.open_hold(job, epoch=request.grant_epoch))

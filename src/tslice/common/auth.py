@@ -1,0 +1,553 @@
+"""Who is calling and what they may do: one pluggable verifier, three roles, one check
+at the edge of every RPC (servers only; off unless a server's config has ``auth:``).
+
+A caller proves who it is with a bearer token (``authorization: Bearer <token>``) or
+with its mutual-TLS certificate; a :class:`Verifier` maps what it presented to a
+:class:`Principal` (a name, roles, the job ids it may act as):
+
+- tokens: static entries (``tokens:`` inline or a ``tokens_file``, re-read when it
+  changes) that keep only the token's SHA-256, compared in constant time;
+- certificates: the identity a certificate names (URI SAN ``tslice:<identity>``, else
+  its common name) under a convention — ``orchestrator`` has the orchestrator role,
+  ``admin`` the admin role, ``job:<id>`` the job role for job ``<id>`` — or as the
+  ``identities:`` entries map it;
+- anything else (Kubernetes service-account tokens...): ``verifier: module:factory``,
+  asked first.
+
+Roles, per RPC (:data:`ORCHESTRATOR_RULES`, :data:`AGENT_RULES`): ``job`` may Acquire,
+Yield, Hold and open Sessions only as its own job ids (checked per request by
+:func:`require_job`); agents take Grant, GrantStream, Snapshot, Restore and ResetJob
+only from ``orchestrator``; ClearDegraded needs ``admin``; reads (ListGroups,
+GetGroupStatus, WatchEvents, Status, GetOperation, WaitOperation) need any verified
+caller; health checks and reflection are open. A caller that proves nothing gets
+UNAUTHENTICATED naming how to authenticate; a role it lacks, PERMISSION_DENIED.
+
+:class:`Interceptor` enforces the method rules and keeps the caller's principal for the
+handlers (:func:`principal_of`, :func:`require_job`).
+"""
+
+from __future__ import annotations
+
+import contextvars
+import dataclasses
+import enum
+import fnmatch
+import hashlib
+import hmac
+import importlib
+import inspect
+import logging
+import threading
+import time
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+import grpc
+
+from tslice.common import errors, ids, refusals, tls
+
+log = logging.getLogger(__name__)
+
+JOB = "job"
+ORCHESTRATOR = "orchestrator"
+ADMIN = "admin"
+ROLES = (JOB, ORCHESTRATOR, ADMIN)
+#: The URI scheme of an identity in a client certificate (``tslice certs`` writes it).
+IDENTITY_SCHEME = "tslice:"
+_JOB_PREFIX = "job:"
+#: How often a tokens file is looked at for changes, seconds.
+_RELOAD_CHECK_S = 1.0
+
+HOW_TO_AUTHENTICATE = (
+    "present a client certificate signed by the server's client CA "
+    f"(${tls.TLS_CERT_ENV}/${tls.TLS_KEY_ENV}) or a token "
+    f"(${tls.TOKEN_ENV} or ${tls.TOKEN_FILE_ENV}; metadata 'authorization: Bearer <token>')"
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Principal:
+    """A verified caller."""
+
+    name: str
+    roles: frozenset[str] = frozenset()
+    #: Job ids (or ``fnmatch`` patterns: ``team-a/*``) it may act as with the job role.
+    jobs: tuple[str, ...] = ()
+    #: How it proved itself: "token", "certificate", or a custom verifier's word.
+    via: str = "token"
+
+    def may_act_as(self, job_id: str) -> bool:
+        return JOB in self.roles and any(fnmatch.fnmatchcase(job_id, p) for p in self.jobs)
+
+    def __str__(self) -> str:
+        return f"{self.name!r} ({self.via})"
+
+
+@dataclasses.dataclass(frozen=True)
+class Presented:
+    """What a caller presented: a bearer token, the identities its certificate names."""
+
+    token: str | None = None
+    identities: tuple[str, ...] = ()
+    #: The peer as gRPC names it (``ipv4:127.0.0.1:5000``, ``unix:``...).
+    peer: str = ""
+
+
+class Verifier(Protocol):
+    """Maps what a caller presented to a principal; None: not recognised."""
+
+    def verify(self, presented: Presented) -> Principal | None: ...
+
+
+class Unauthenticated(Exception):
+    """What was presented is wrong (an unknown token): refused, naming what to check."""
+
+
+def _digest(token: str) -> bytes:
+    return hashlib.sha256(token.encode()).digest()
+
+
+@dataclasses.dataclass(frozen=True)
+class Grant:
+    """One entry of ``tokens:`` or ``identities:``: who, with which roles and jobs."""
+
+    name: str
+    roles: frozenset[str]
+    jobs: tuple[str, ...]
+    #: SHA-256 of the token (tokens only).
+    digest: bytes = b""
+
+    @classmethod
+    def parse(cls, data: object, *, where: str, token: bool) -> Grant:
+        if not isinstance(data, Mapping):
+            raise ValueError(f"{where} must be a mapping ({{name, roles, jobs, ...}})")
+        keys = ("name", "roles", "jobs", *(("sha256", "token_file") if token else ()))
+        unknown = sorted(set(data) - set(keys))
+        if unknown:
+            raise ValueError(f"{where}: unknown key {unknown[0]!r}; the keys are {', '.join(keys)}")
+        try:
+            name = ids.check_id("name", str(data.get("name", "")))
+        except ids.InvalidIdError as err:
+            raise ValueError(f"{where}.name: {err}") from None
+        roles = frozenset(_strings(data.get("roles", []), f"{where}.roles"))
+        if roles - set(ROLES):
+            bad = sorted(roles - set(ROLES))[0]
+            raise ValueError(f"{where}.roles: {bad!r} is not a role; use {', '.join(ROLES)}")
+        jobs = tuple(_strings(data.get("jobs", []), f"{where}.jobs"))
+        if jobs and JOB not in roles:
+            raise ValueError(f"{where}: jobs are given but roles has no {JOB!r}; add it")
+        return cls(name, roles, jobs, _token_digest(data, where) if token else b"")
+
+    def principal(self, via: str) -> Principal:
+        return Principal(self.name, self.roles, self.jobs, via)
+
+
+def _strings(value: object, where: str) -> list[str]:
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise ValueError(f"{where} must be a list of strings")
+    return list(value)
+
+
+def _token_digest(data: Mapping[str, Any], where: str) -> bytes:
+    sha, path = data.get("sha256"), data.get("token_file")
+    if (sha is None) == (path is None):
+        raise ValueError(
+            f"{where} needs sha256 (of the token: printf %s TOKEN | sha256sum) or token_file "
+            "(a file holding the token), one of them"
+        )
+    if path is not None:
+        return _digest(tls.TokenSource(path=Path(str(path)).expanduser()).value())
+    try:
+        digest = bytes.fromhex(str(sha))
+    except ValueError:
+        digest = b""
+    if len(digest) != 32:
+        raise ValueError(f"{where}.sha256 is not a SHA-256 in hex (64 characters)")
+    return digest
+
+
+def certificate_principal(identity: str, mapped: Mapping[str, Grant]) -> Principal:
+    """The principal of a certificate identity: as ``identities:`` maps it, else by the
+    convention (``orchestrator``, ``admin``, ``job:<id>``; any other name has no role)."""
+    grant = mapped.get(identity)
+    if grant is not None:
+        return grant.principal("certificate")
+    if identity in (ORCHESTRATOR, ADMIN):
+        return Principal(identity, frozenset({identity}), (), "certificate")
+    if identity.startswith(_JOB_PREFIX) and len(identity) > len(_JOB_PREFIX):
+        return Principal(identity, frozenset({JOB}), (identity[len(_JOB_PREFIX) :],), "certificate")
+    return Principal(identity, frozenset(), (), "certificate")
+
+
+class StaticVerifier:
+    """Static tokens (inline and from a file re-read on change) and certificate identities."""
+
+    def __init__(
+        self,
+        *,
+        tokens: Sequence[Grant] = (),
+        tokens_file: Path | None = None,
+        identities: Sequence[Grant] = (),
+        load_yaml: Callable[[str], Any] | None = None,
+    ) -> None:
+        self._inline = tuple(tokens)
+        self._file = tokens_file
+        self._load_yaml = load_yaml
+        self._identities = {g.name: g for g in identities}
+        self._guard = threading.Lock()
+        self._from_file: tuple[Grant, ...] = ()
+        self._stamp: tuple[int, int, int] | None = None
+        self._checked = 0.0
+        if tokens_file is not None:
+            self._from_file = self._read_file()
+
+    def _read_file(self) -> tuple[Grant, ...]:
+        assert self._file is not None
+        if self._load_yaml is None:
+            raise errors.ConfigError("a tokens file needs the server's YAML loader (load_yaml)")
+        path = self._file
+        try:
+            st = path.stat()
+            data = self._load_yaml(path.read_text())
+        except OSError as err:
+            raise errors.ConfigError(
+                f"cannot read the tokens file {path} ({err.strerror or err}); fix auth.tokens_file"
+            ) from err
+        tokens = data.get("tokens") if isinstance(data, Mapping) else None
+        if not isinstance(tokens, list):
+            raise errors.ConfigError(
+                f"tokens file {path} must hold `tokens: [{{name, roles, ...}}]`"
+            )
+        try:
+            grants = tuple(
+                Grant.parse(t, where=f"{path}: tokens[{i}]", token=True)
+                for i, t in enumerate(tokens)
+            )
+        except ValueError as err:
+            raise errors.ConfigError(str(err)) from err
+        self._stamp = (st.st_ino, st.st_size, st.st_mtime_ns)
+        return grants
+
+    def _tokens(self) -> tuple[Grant, ...]:
+        if self._file is None:
+            return self._inline
+        with self._guard:
+            now = time.monotonic()
+            if now - self._checked >= _RELOAD_CHECK_S:
+                self._checked = now
+                self._reload_if_changed()
+            return self._inline + self._from_file
+
+    def _reload_if_changed(self) -> None:
+        assert self._file is not None
+        try:
+            st = self._file.stat()
+            if (st.st_ino, st.st_size, st.st_mtime_ns) == self._stamp:
+                return
+            self._from_file = self._read_file()
+        except errors.ConfigError as err:
+            # A bad edit must not lock everyone out: the tokens read last stay.
+            log.error("tokens file not reloaded, the previous tokens stay: %s", err)
+            return
+        log.info("tokens reloaded from %s (%d tokens)", self._file, len(self._from_file))
+
+    def verify(self, presented: Presented) -> Principal | None:
+        if presented.token is not None:
+            digest = _digest(presented.token)
+            found: Grant | None = None
+            for grant in self._tokens():  # every entry compared: no early exit to time
+                if hmac.compare_digest(digest, grant.digest) and found is None:
+                    found = grant
+            if found is None:
+                raise Unauthenticated("the token presented is not known")
+            return found.principal("token")
+        if presented.identities:
+            return certificate_principal(presented.identities[0], self._identities)
+        return None
+
+
+class ChainVerifier:
+    """The first verifier that recognises the caller decides."""
+
+    def __init__(self, verifiers: Sequence[Verifier]) -> None:
+        self._verifiers = tuple(verifiers)
+
+    def verify(self, presented: Presented) -> Principal | None:
+        for verifier in self._verifiers:
+            principal = verifier.verify(presented)
+            if principal is not None:
+                return principal
+        return None
+
+
+@dataclasses.dataclass(frozen=True)
+class AuthSettings:
+    """The ``auth:`` section of a server's config (absent or ``enabled: false``: off)."""
+
+    tokens: tuple[Grant, ...] = ()
+    tokens_file: Path | None = None
+    identities: tuple[Grant, ...] = ()
+    #: ``module:factory``: ``factory(settings)`` returns a Verifier asked before the others.
+    verifier: str | None = None
+    #: The section's own ``verifier_settings``, for that factory.
+    verifier_settings: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    #: Parses the tokens file (the server's YAML loader: this module imports no yaml).
+    load_yaml: Callable[[str], Any] | None = None
+
+    KEYS = ("enabled", "tokens", "tokens_file", "identities", "verifier", "verifier_settings")
+
+    @classmethod
+    def from_mapping(
+        cls,
+        data: Mapping[str, Any] | None,
+        *,
+        where: str = "auth",
+        load_yaml: Callable[[str], Any] | None = None,
+    ) -> AuthSettings | None:
+        """Raises ValueError naming the field; None: authentication is off."""
+        if data is None or not data.get("enabled", True):
+            return None
+        unknown = sorted(set(data) - set(cls.KEYS))
+        if unknown:
+            raise ValueError(
+                f"{where}: unknown key {unknown[0]!r}; the keys are {', '.join(cls.KEYS)}"
+            )
+        tokens = data.get("tokens") or []
+        identities = data.get("identities") or []
+        if not isinstance(tokens, list) or not isinstance(identities, list):
+            raise ValueError(f"{where}.tokens and {where}.identities are lists of entries")
+        tokens_file = data.get("tokens_file")
+        settings = data.get("verifier_settings") or {}
+        if not isinstance(settings, Mapping):
+            raise ValueError(f"{where}.verifier_settings must be a mapping")
+        return cls(
+            tokens=tuple(
+                Grant.parse(t, where=f"{where}.tokens[{i}]", token=True)
+                for i, t in enumerate(tokens)
+            ),
+            tokens_file=Path(str(tokens_file)).expanduser() if tokens_file else None,
+            identities=tuple(
+                Grant.parse(g, where=f"{where}.identities[{i}]", token=False)
+                for i, g in enumerate(identities)
+            ),
+            verifier=str(data["verifier"]) if data.get("verifier") else None,
+            verifier_settings=dict(settings),
+            load_yaml=load_yaml,
+        )
+
+    def build(self) -> Verifier:
+        """The verifier (reads the tokens file now: an error stops the server's start)."""
+        static = StaticVerifier(
+            tokens=self.tokens,
+            tokens_file=self.tokens_file,
+            identities=self.identities,
+            load_yaml=self.load_yaml,
+        )
+        if self.verifier is None:
+            return static
+        module, _, name = self.verifier.partition(":")
+        try:
+            factory = getattr(importlib.import_module(module), name)
+        except (ImportError, AttributeError, ValueError) as err:
+            raise errors.ConfigError(
+                f"auth.verifier {self.verifier!r} cannot be loaded ({err}); write module:factory"
+            ) from err
+        return ChainVerifier([factory(self.verifier_settings), static])
+
+
+# ---- the rules, per RPC ------------------------------------------------------------------
+
+
+class Rule(enum.Enum):
+    """Who may call a method."""
+
+    #: Anyone verified (reads).
+    VERIFIED = "any verified caller"
+    JOB = "the job role"
+    ORCHESTRATOR = "the orchestrator role"
+    ADMIN = "the admin role"
+    #: A workload: over the Unix socket anyone (the agent binds it by peer credentials);
+    #: over TCP the job role (the registration's job id is the channel's to check).
+    WORKLOAD = "the job role (over TCP)"
+
+
+_ORCH = "/timeslice_orchestrator.v1alpha1.TimeSliceOrchestratorService/"
+_AGENT = "/snapshot_agent.v1alpha1.SnapshotAgentService/"
+
+ORCHESTRATOR_RULES: Mapping[str, Rule] = {
+    **{_ORCH + m: Rule.JOB for m in ("Acquire", "Yield", "Hold", "Session")},
+    **{_ORCH + m: Rule.VERIFIED for m in ("ListGroups", "GetGroupStatus", "WatchEvents")},
+    _ORCH + "ClearDegraded": Rule.ADMIN,
+}
+AGENT_RULES: Mapping[str, Rule] = {
+    **{
+        _AGENT + m: Rule.ORCHESTRATOR
+        for m in ("Snapshot", "Restore", "Grant", "GrantStream", "ResetJob")
+    },
+    **{_AGENT + m: Rule.VERIFIED for m in ("Status", "GetOperation", "WaitOperation")},
+    _AGENT + "WorkloadChannel": Rule.WORKLOAD,
+}
+_ROLE_OF = {Rule.JOB: JOB, Rule.ORCHESTRATOR: ORCHESTRATOR, Rule.ADMIN: ADMIN}
+
+
+class _Off:
+    """The caller of an RPC on a server without authentication."""
+
+
+_OFF = _Off()
+_CALLER: contextvars.ContextVar[Principal | _Off | None] = contextvars.ContextVar(
+    "tslice_caller", default=_OFF
+)
+
+
+def principal_of(context: object | None = None) -> Principal | None:
+    """The principal the interceptor verified for the RPC being handled (``context``: its
+    ServicerContext, for the reader's sake); None without authentication, or for a caller
+    admitted without one (a workload on the Unix socket)."""
+    del context
+    caller = _CALLER.get()
+    return caller if isinstance(caller, Principal) else None
+
+
+def enforced() -> bool:
+    """Whether the RPC being handled passed through an authenticating server."""
+    return not isinstance(_CALLER.get(), _Off)
+
+
+def require_job(job_id: str) -> None:
+    """Refuse (PERMISSION_DENIED) a job-role caller acting as a job it is not."""
+    caller = _CALLER.get()
+    if isinstance(caller, _Off):
+        return
+    if caller is None or not caller.may_act_as(job_id):
+        who = "an unauthenticated caller" if caller is None else f"principal {caller}"
+        allowed = f" (its jobs: {', '.join(caller.jobs[:8]) or 'none'})" if caller else ""
+        raise refusals.Refused(
+            refusals.Code.PERMISSION_DENIED,
+            f"{who} may not act as job {job_id!r}{allowed}; use the credential issued "
+            f"for job {job_id!r}",
+        )
+
+
+def presented_by(context: Any) -> Presented:
+    """What the caller of ``context`` (a grpc.aio.ServicerContext) presented."""
+    token = None
+    for key, value in context.invocation_metadata() or ():
+        if key == tls.AUTHORIZATION and isinstance(value, str):
+            scheme, _, rest = value.partition(" ")
+            if scheme.lower() == "bearer" and rest.strip():
+                token = rest.strip()
+    found = context.auth_context() or {}
+    names = [
+        v.decode(errors="replace")[len(IDENTITY_SCHEME) :]
+        for v in found.get("x509_subject_alternative_name", ())
+        if v.startswith(IDENTITY_SCHEME.encode())
+    ]
+    if not names:
+        names = [v.decode(errors="replace") for v in found.get("x509_common_name", ())]
+    return Presented(token=token, identities=tuple(names), peer=context.peer() or "")
+
+
+class Interceptor(grpc.aio.ServerInterceptor):
+    """Checks each call against ``rules`` (full method name -> :class:`Rule`); methods of
+    other services (health, reflection) are open; a method of a ruled service missing
+    from ``rules`` is refused."""
+
+    def __init__(self, verifier: Verifier, rules: Mapping[str, Rule], *, server: str) -> None:
+        self._verifier = verifier
+        self._rules = dict(rules)
+        self._services = {name.rsplit("/", 1)[0] for name in rules}
+        self._server = server
+
+    async def intercept_service(
+        self, continuation: Callable[[Any], Awaitable[Any]], details: Any
+    ) -> Any:
+        handler = await continuation(details)
+        method: str = details.method
+        if handler is None or method.rsplit("/", 1)[0] not in self._services:
+            return handler
+        return _wrapped(handler, lambda context: self._admit(method, context))
+
+    async def _admit(self, method: str, context: Any) -> None:
+        """Verify the caller of ``method``; abort the call, or keep its principal."""
+        try:
+            principal = self.decide(method, presented_by(context))
+        except _Refusal as refusal:
+            await context.abort(refusal.code, refusal.message)
+        _CALLER.set(principal)
+
+    def decide(self, method: str, presented: Presented) -> Principal | None:
+        """The caller's principal (None: admitted without one); raises _Refusal."""
+        rule = self._rules.get(method)
+        name = method.rsplit("/", 1)[-1]
+        if rule is None:
+            raise _Refusal(
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"{name} is in no authorisation rule of the {self._server}; it is refused",
+            )
+        if rule is Rule.WORKLOAD and tls.peer_is_unix(presented.peer) and not presented.token:
+            return None
+        try:
+            principal = self._verifier.verify(presented)
+        except Unauthenticated as err:
+            raise _Refusal(
+                grpc.StatusCode.UNAUTHENTICATED,
+                f"{err} by the {self._server}: check the token (${tls.TOKEN_ENV} or "
+                f"${tls.TOKEN_FILE_ENV}), or have its sha256 added to the server's auth.tokens",
+            ) from None
+        if principal is None:
+            raise _Refusal(
+                grpc.StatusCode.UNAUTHENTICATED,
+                f"the {self._server} requires authentication for {name}: {HOW_TO_AUTHENTICATE}",
+            )
+        needed = Rule.JOB if rule is Rule.WORKLOAD else rule
+        role = _ROLE_OF.get(needed)
+        if role is not None and role not in principal.roles:
+            raise _Refusal(
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"principal {principal} may not call {name} on the {self._server}: it needs "
+                f"{needed.value} (its roles: {', '.join(sorted(principal.roles)) or 'none'})",
+            )
+        return principal
+
+
+class _Refusal(Exception):
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+def _wrapped(handler: Any, admit: Callable[[Any], Awaitable[None]]) -> Any:
+    """``handler`` with ``admit(context)`` run first (each RPC runs in a task of its own,
+    so the principal it keeps is the call's; the tasks a handler spawns inherit it)."""
+    if handler.unary_unary or handler.stream_unary:
+        inner = handler.unary_unary or handler.stream_unary
+
+        async def unary(request: Any, context: Any) -> Any:
+            await admit(context)
+            return await inner(request, context)
+
+        make = (
+            grpc.unary_unary_rpc_method_handler
+            if handler.unary_unary
+            else grpc.stream_unary_rpc_method_handler
+        )
+        return make(unary, handler.request_deserializer, handler.response_serializer)
+    inner = handler.unary_stream or handler.stream_stream
+
+    async def streamed(request: Any, context: Any) -> Any:
+        await admit(context)
+        if inspect.isasyncgenfunction(inner):
+            async for reply in inner(request, context):
+                yield reply
+        else:  # a coroutine handler that writes with context.write()
+            await inner(request, context)
+
+    make = (
+        grpc.unary_stream_rpc_method_handler
+        if handler.unary_stream
+        else grpc.stream_stream_rpc_method_handler
+    )
+    return make(streamed, handler.request_deserializer, handler.response_serializer)

@@ -1,0 +1,199 @@
+"""Authentication and roles on real orchestrator and agent processes (mutual TLS, tokens):
+each attack of issue 10 on identities is refused, with the status code and a message
+naming the principal and the fix, and changes nothing.
+
+- a job's (or an admin's) direct Snapshot, Restore, Grant, GrantStream or ResetJob to an
+  agent: only the orchestrator's identity may move a job's state;
+- Acquire, Yield, Hold and Session requests as another job: a job credential acts only
+  as its own job ids;
+- ClearDegraded without the admin role;
+- a caller that presents nothing (or an unknown token) on the agent's plaintext Unix socket.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import grpc
+import pytest
+
+from tests.security.conftest import JOB_A_TOKEN, READER_TOKEN, SecureStack
+from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
+from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2_grpc as pb_grpc
+from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2 as opb
+from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2_grpc as opb_grpc
+from tslice.common import tls
+
+TIMEOUT_S = 20.0
+
+
+class Caller:
+    """Stubs of both services on one channel, every call carrying the caller's token."""
+
+    def __init__(self, target: str, security: tls.ClientSecurity) -> None:
+        self.channel = security.channel(target)
+        self.metadata = security.metadata()
+        self.agent = pb_grpc.SnapshotAgentServiceStub(self.channel)
+        self.orch = opb_grpc.TimeSliceOrchestratorServiceStub(self.channel)
+
+    def refused(self, call: Callable[..., object], request: object) -> grpc.RpcError:
+        with pytest.raises(grpc.RpcError) as err:
+            call(request, timeout=TIMEOUT_S, metadata=self.metadata)
+        return err.value
+
+    def streamed_refusal(
+        self, call: Callable[..., Iterator[object]], request: object
+    ) -> grpc.RpcError:
+        with pytest.raises(grpc.RpcError) as err:
+            next(iter(call(request, timeout=TIMEOUT_S, metadata=self.metadata)))
+        return err.value
+
+
+Connect = Callable[..., Caller]
+
+
+@pytest.fixture
+def connect(secure_stack: SecureStack) -> Iterator[Connect]:
+    """``connect(identity, server=..., token=...)``: a caller with ``identity``'s certificate
+    (``None``: none) to the orchestrator, the agent's TCP port or its Unix socket."""
+    made: list[Caller] = []
+
+    def caller(
+        identity: str | None, *, server: str = "orchestrator", token: str | None = None
+    ) -> Caller:
+        security = secure_stack.security(identity, token=token)
+        if server == "agent-unix":
+            security = tls.ClientSecurity(token=security.token)  # the socket is plaintext
+        target = {
+            "orchestrator": secure_stack.orchestrator,
+            "agent": secure_stack.agent,
+            "agent-unix": secure_stack.agent_unix,
+        }[server]
+        made.append(Caller(target, security))
+        return made[-1]
+
+    yield caller
+    for each in made:
+        each.channel.close()
+
+
+@pytest.fixture
+def job_a(connect: Connect) -> Caller:
+    """Job a's certificate, on the orchestrator."""
+    return connect("job:job-a")
+
+
+@pytest.fixture
+def job_b(connect: Connect) -> Caller:
+    return connect("job:job-b")
+
+
+def _holds(caller: Caller, job: str, group: str) -> int:
+    reply = caller.orch.Acquire(
+        opb.AcquireRequest(job_id=job, group_id=group), timeout=TIMEOUT_S, metadata=caller.metadata
+    )
+    assert reply.success
+    return int(reply.grant_epoch)
+
+
+def _locking_job(caller: Caller, group: str) -> str:
+    reply = caller.orch.GetGroupStatus(
+        opb.GetGroupStatusRequest(group_id=group), timeout=TIMEOUT_S, metadata=caller.metadata
+    )
+    return str(reply.group.locking_job)
+
+
+def _job_state(caller: Caller, job: str) -> int:
+    status = caller.agent.Status(pb.StatusRequest(), timeout=TIMEOUT_S, metadata=caller.metadata)
+    return next(j.state for j in status.job_statuses if j.job_id == job)
+
+
+@pytest.mark.parametrize("identity", ["job:job-b", "admin"])
+def test_only_the_orchestrator_moves_state_on_an_agent(
+    connect: Connect, job_a: Caller, identity: str
+) -> None:
+    group = f"moved-{identity.replace(':', '-')}"
+    epoch = _holds(job_a, "job-a", group)  # job a is resident on the agent
+    attacker = connect(identity, server="agent")
+    victim = {"job_id": "job-a", "group": group}
+    attacks = [
+        (attacker.agent.Snapshot, pb.SnapshotRequest(**victim)),
+        (attacker.agent.Restore, pb.RestoreRequest(**victim)),
+        (attacker.agent.Grant, pb.GrantRequest(job_id="job-x", group=group, grant_epoch=2**62)),
+        (attacker.agent.ResetJob, pb.ResetJobRequest(**victim)),
+    ]
+    for call, request in attacks:
+        err = attacker.refused(call, request)
+        assert err.code() == grpc.StatusCode.PERMISSION_DENIED, err
+        assert f"principal '{identity}' (certificate)" in err.details()
+        assert "orchestrator role" in err.details()
+    grant = pb.GrantStreamRequest(request_id=1, grant=pb.GrantRequest(job_id="job-x", group=group))
+    err = attacker.streamed_refusal(attacker.agent.GrantStream, grant)
+    assert err.code() == grpc.StatusCode.PERMISSION_DENIED
+    # Nothing moved: job a still runs there and holds its group at the same grant.
+    assert _job_state(attacker, "job-a") == pb.JOB_STATE_RUNNING
+    assert _locking_job(job_a, group) == "job-a"
+    assert _holds(job_a, "job-a", group) == epoch  # re-acquire: the same grant
+    job_a.orch.Yield(opb.YieldRequest(job_id="job-a", group_id=group), timeout=TIMEOUT_S)
+
+
+def test_a_job_cannot_acquire_yield_or_hold_as_another_job(job_a: Caller, job_b: Caller) -> None:
+    group = "as-another"
+    epoch = _holds(job_a, "job-a", group)
+    acquire = opb.AcquireRequest(job_id="job-a", group_id=group)
+    for call, request in [
+        (job_b.orch.Acquire, acquire),
+        (job_b.orch.Yield, opb.YieldRequest(job_id="job-a", group_id=group)),
+    ]:
+        err = job_b.refused(call, request)
+        assert err.code() == grpc.StatusCode.PERMISSION_DENIED, err
+        assert "principal 'job:job-b' (certificate) may not act as job 'job-a'" in err.details()
+    hold = opb.HoldRequest(job_id="job-a", group_id=group, grant_epoch=epoch)
+    err = job_b.streamed_refusal(job_b.orch.Hold, hold)
+    assert err.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert "may not act as job 'job-a'" in err.details()
+    # Over a Session the refusal is the request's, and the stream goes on.
+    session = job_b.orch.Session(
+        iter([opb.SessionRequest(request_id=7, acquire=acquire)]),
+        timeout=TIMEOUT_S,
+        metadata=job_b.metadata,
+    )
+    reply = next(iter(session))
+    assert reply.request_id == 7
+    assert reply.status_code == grpc.StatusCode.PERMISSION_DENIED.value[0]
+    assert "may not act as job 'job-a'" in reply.status_message
+    session.cancel()
+    assert _locking_job(job_b, group) == "job-a"  # reads are anyone's
+    job_a.orch.Yield(opb.YieldRequest(job_id="job-a", group_id=group), timeout=TIMEOUT_S)
+
+
+def test_clear_degraded_needs_the_admin_role(connect: Connect, job_a: Caller) -> None:
+    _holds(job_a, "job-a", "admin-only")
+    request = opb.ClearDegradedRequest(group_id="admin-only")
+    err = job_a.refused(job_a.orch.ClearDegraded, request)
+    assert err.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert "needs the admin role" in err.details()
+    admin = connect("admin")
+    reply = admin.orch.ClearDegraded(request, timeout=TIMEOUT_S, metadata=admin.metadata)
+    assert not reply.cleared  # nothing was degraded; the call was allowed
+    job_a.orch.Yield(opb.YieldRequest(job_id="job-a", group_id="admin-only"), timeout=TIMEOUT_S)
+
+
+def test_a_caller_who_presents_nothing_is_told_how_to_authenticate(connect: Connect) -> None:
+    anonymous = connect(None, server="agent-unix")
+    err = anonymous.refused(anonymous.agent.Status, pb.StatusRequest())
+    assert err.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert "requires authentication" in err.details() and "TSLICE_TOKEN" in err.details()
+    unknown = connect(None, server="agent-unix", token="not-a-token")
+    err = unknown.refused(unknown.agent.Snapshot, pb.SnapshotRequest(job_id="job-a"))
+    assert err.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert "token presented is not known" in err.details()
+
+
+def test_tokens_map_to_roles_and_are_checked_on_the_unix_socket_too(connect: Connect) -> None:
+    job = connect(None, server="agent-unix", token=JOB_A_TOKEN)
+    err = job.refused(job.agent.Snapshot, pb.SnapshotRequest(job_id="job-a"))
+    assert err.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert "principal 'job-a' (token)" in err.details()
+    reader = connect(None, server="agent-unix", token=READER_TOKEN)  # from a token file
+    assert reader.agent.Status(pb.StatusRequest(), timeout=TIMEOUT_S, metadata=reader.metadata)
