@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import asyncio
-import json
-import sys
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
-from tslice.cli import render, sizes
+from tslice.cli import client_cmds, render, sizes
 
 # Mirrors tslice.sim.demo.DEFAULT_* (a test pins them): importing the demo here would
 # slow down the start of every `tslice` process, servers included.
@@ -70,9 +68,7 @@ def run(
     out: Annotated[
         Path, typer.Option("--out", help="Where timeline.html, summary.json and logs go.")
     ] = Path("demo-out"),
-    as_json: Annotated[
-        bool, typer.Option("--json", help="Print only the summary, as one JSON object.")
-    ] = False,
+    as_json: client_cmds.AsJson = False,
     no_live: Annotated[bool, typer.Option("--no-live", help="No live view.")] = False,
 ) -> None:
     """Two simulated RL jobs share a sampler and a trainer GPU: exclusive vs time-sliced."""
@@ -116,10 +112,6 @@ def run(
                 "exclusive run, then time-sliced run..."
             )
         result = asyncio.run(demo.run_demo(config, progress=progress))
-    if as_json:
-        sys.stdout.write(json.dumps(result.to_json()) + "\n")
-        sys.stdout.flush()
-    else:
-        console.print(render.demo_summary(result))
+    render.show(result.to_json(), render.demo_summary(result), as_json=as_json)
     if not result.ok:
         raise typer.Exit(1)
