@@ -12,10 +12,14 @@ it, ``SO_PEERCRED``) and presents the token on the stream. The rules:
   the process is one of them (or a child). A stream without a bound token is refused
   with UNAUTHENTICATED naming the fix.
 - **TCP**: the registration's ``pid`` field is never trusted (the session's pid is 0
-  unless the token is bound); where authentication is on (``credentials``), the caller's
-  credential must allow the job (PERMISSION_DENIED otherwise). With authentication off,
-  TCP means: anyone who can reach the port may register a workload for a job that has
-  none live; a live one is never replaced (:mod:`tslice.agent.channel`).
+  unless the token is bound). With authentication on, the hub is given ``credentials``
+  (``tslice.common.auth.job_credentials``: the job ids the call's verified principal may
+  act as; its interceptor admits only the job role here) and the registered job must be
+  among them (PERMISSION_DENIED otherwise). Over the Unix socket no credential is needed:
+  the socket's file mode decides who may connect, the binding names the process. With
+  authentication off, TCP means: anyone who can reach the port may register a workload
+  for a job that has none live; a live one is never replaced
+  (:mod:`tslice.agent.channel`), and nothing about its process is known.
 """
 
 from __future__ import annotations
