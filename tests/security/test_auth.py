@@ -197,3 +197,24 @@ def test_tokens_map_to_roles_and_are_checked_on_the_unix_socket_too(connect: Con
     assert "principal 'job-a' (token)" in err.details()
     reader = connect(None, server="agent-unix", token=READER_TOKEN)  # from a token file
     assert reader.agent.Status(pb.StatusRequest(), timeout=TIMEOUT_S, metadata=reader.metadata)
+
+
+def _register(caller: Caller, job: str) -> grpc.RpcError:
+    hello = pb.WorkloadMessage(register=pb.RegisterWorkload(job_id=job, group="g"))
+    stream = caller.agent.WorkloadChannel(
+        iter([hello]), timeout=TIMEOUT_S, metadata=caller.metadata
+    )
+    with pytest.raises(grpc.RpcError) as err:
+        next(iter(stream))
+    return err.value
+
+
+def test_a_workload_registers_over_tcp_only_as_a_job_its_credential_names(
+    connect: Connect,
+) -> None:
+    err = _register(connect("job:job-b", server="agent"), "job-a")
+    assert err.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert "not 'job-a'" in err.details() and "job-b" in err.details(), err.details()
+    err = _register(connect("admin", server="agent"), "job-a")
+    assert err.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert "needs the job role" in err.details()

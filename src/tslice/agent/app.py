@@ -109,7 +109,8 @@ async def serve(
     """
     stop = stop if stop is not None else asyncio.Event()
     agent_metrics = metrics.AgentMetrics()
-    hub = channel.ChannelHub()
+    # With authentication on, a TCP registration needs a credential of its job.
+    hub = channel.ChannelHub(credentials=auth.job_credentials if config.auth else None)
     processes = registration.ProcessRegistry()
     async with contextlib.AsyncExitStack() as stack:
         # Before anything touches the state: a second agent on it is refused.

@@ -39,7 +39,7 @@ import inspect
 import logging
 import threading
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Collection, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -413,6 +413,30 @@ def principal_of(context: object | None = None) -> Principal | None:
 def enforced() -> bool:
     """Whether the RPC being handled passed through an authenticating server."""
     return not isinstance(_CALLER.get(), _Off)
+
+
+class JobScope(Collection[str]):
+    """The job ids a principal may act as, patterns included (``in`` matches them)."""
+
+    def __init__(self, principal: Principal | None) -> None:
+        self._principal = principal
+
+    def __contains__(self, job_id: object) -> bool:
+        principal = self._principal
+        return isinstance(job_id, str) and principal is not None and principal.may_act_as(job_id)
+
+    def __iter__(self) -> Iterator[str]:
+        principal = self._principal
+        return iter(principal.jobs if principal is not None and JOB in principal.roles else ())
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+
+def job_credentials(context: object | None = None) -> JobScope | None:
+    """The job ids the caller of the RPC being handled may act as (the workload channel's
+    admission hook, ``ChannelHub(credentials=...)``); None where authentication is off."""
+    return JobScope(principal_of(context)) if enforced() else None
 
 
 def require_job(job_id: str) -> None:
