@@ -190,7 +190,9 @@ class StaticVerifier:
         tokens_file: Path | None = None,
         identities: Sequence[Grant] = (),
         load_yaml: Callable[[str], Any] | None = None,
+        reload_check_s: float = _RELOAD_CHECK_S,
     ) -> None:
+        self._reload_check_s = reload_check_s
         self._inline = tuple(tokens)
         self._file = tokens_file
         self._load_yaml = load_yaml
@@ -234,7 +236,7 @@ class StaticVerifier:
             return self._inline
         with self._guard:
             now = time.monotonic()
-            if now - self._checked >= _RELOAD_CHECK_S:
+            if now - self._checked >= self._reload_check_s:
                 self._checked = now
                 self._reload_if_changed()
             return self._inline + self._from_file
