@@ -7,9 +7,11 @@ cardinality).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypeVar
 
 import prometheus_client as prom
+
+_Family = TypeVar("_Family", prom.Gauge, prom.Counter, prom.Histogram)
 
 GROUP_STATES = ("UNKNOWN", "IDLE", "IDLE_YIELDED", "LOCKED", "SWITCHING")
 
@@ -20,6 +22,8 @@ _WAIT_BUCKETS = (0.001, 0.01, 0.05, 0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 9
 class OrchestratorMetrics:
     def __init__(self, registry: prom.CollectorRegistry | None = None) -> None:
         self.registry = registry or prom.CollectorRegistry()
+        #: The families with a group_id label: a group that is gone drops its series.
+        self._per_group: list[Any] = []
         group = ["group_id"]
         per_node = ["group_id", "node", "operation"]
         self.queue_depth = self._gauge(
@@ -83,33 +87,28 @@ class OrchestratorMetrics:
         self._state_children: dict[tuple[str, str], Any] = {}
 
     def _gauge(self, name: str, doc: str, labels: list[str]) -> prom.Gauge:
-        return prom.Gauge(name, doc, labels, registry=self.registry)
+        return self._family(prom.Gauge(name, doc, labels, registry=self.registry), labels)
 
     def _counter(self, name: str, doc: str, labels: list[str]) -> prom.Counter:
-        return prom.Counter(name, doc, labels, registry=self.registry)
+        return self._family(prom.Counter(name, doc, labels, registry=self.registry), labels)
 
     def _histogram(
         self, name: str, doc: str, labels: list[str], buckets: tuple[float, ...]
     ) -> prom.Histogram:
-        return prom.Histogram(name, doc, labels, buckets=buckets, registry=self.registry)
+        family = prom.Histogram(name, doc, labels, buckets=buckets, registry=self.registry)
+        return self._family(family, labels)
+
+    def _family(self, family: _Family, labels: list[str]) -> _Family:
+        if "group_id" in labels:
+            self._per_group.append(family)
+        return family
 
     def forget_group(self, group_id: str) -> None:
         """Drop every series of a group that is gone (an idle local group collected)."""
         self._states.pop(group_id, None)
         for key in [k for k in self._state_children if k[0] == group_id]:
             del self._state_children[key]
-        for family in (
-            self.queue_depth,
-            self.acquire_wait,
-            self.agent_operation,
-            self.deferred_snapshots,
-            self.switches,
-            self.switch_duration,
-            self.switch_step_failures,
-            self.group_state,
-            self.hold_streams,
-            self.hold_streams_opened,
-        ):
+        for family in self._per_group:
             _remove_group(family, group_id)
 
     def set_state(self, group_id: str, state: str) -> None:
