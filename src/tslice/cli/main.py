@@ -65,6 +65,15 @@ def version() -> None:
     render.stdout().print(f"tslice {tslice.__version__}")
 
 
+#: ``tslice admin ...``: operator commands; with authentication on they need the admin role
+#: (credentials as for every client: $TSLICE_TLS_* or $TSLICE_TOKEN*).
+admin_app = typer.Typer(
+    name="admin",
+    help="Operator commands (with authentication on: the admin role).",
+    no_args_is_help=True,
+)
+
+
 def _register_all() -> None:
     for name in _SERVER_COMMANDS:
         try:
@@ -79,6 +88,9 @@ def _register_all() -> None:
     client_cmds.register(app)
     demo_cmd.register(app)
     certs_cmd.register(app)
+    # ClearDegraded under its operator's name (evict and drain have no RPC yet).
+    admin_app.command("reset-fault")(client_cmds.clear_degraded)
+    app.add_typer(admin_app)
 
 
 _register_all()
