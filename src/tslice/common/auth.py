@@ -497,9 +497,13 @@ class Interceptor(grpc.aio.ServerInterceptor):
 
     async def _admit(self, method: str, context: Any) -> None:
         """Verify the caller of ``method``; abort the call, or keep its principal."""
+        presented = presented_by(context)
         try:
-            principal = self.decide(method, presented_by(context))
+            principal = self.decide(method, presented)
         except _Refusal as refusal:
+            # An audit trail of what was tried (a caller that presented nothing: debug only).
+            level = logging.DEBUG if refusal.anonymous else logging.WARNING
+            log.log(level, "refused a call from %s: %s", presented.peer, refusal.message)
             await context.abort(refusal.code, refusal.message)
         _CALLER.set(principal)
 
@@ -526,6 +530,7 @@ class Interceptor(grpc.aio.ServerInterceptor):
             raise _Refusal(
                 grpc.StatusCode.UNAUTHENTICATED,
                 f"the {self._server} requires authentication for {name}: {HOW_TO_AUTHENTICATE}",
+                anonymous=True,
             )
         needed = Rule.JOB if rule is Rule.WORKLOAD else rule
         role = _ROLE_OF.get(needed)
@@ -539,10 +544,12 @@ class Interceptor(grpc.aio.ServerInterceptor):
 
 
 class _Refusal(Exception):
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+    def __init__(self, code: grpc.StatusCode, message: str, *, anonymous: bool = False) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
+        #: The caller presented nothing at all.
+        self.anonymous = anonymous
 
 
 def _wrapped(handler: Any, admit: Callable[[Any], Awaitable[None]]) -> Any:
