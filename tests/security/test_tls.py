@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import pathlib
 
+import grpc
 import pytest
 
 import tslice
@@ -21,6 +22,11 @@ from tests.security.conftest import (
     serving,
 )
 from tslice.cli import certs_cmd, main
+from tslice.client.compat import (
+    SnapshotAgentClient,
+    SnapshotAgentError,
+    TimeSliceOrchestratorClient,
+)
 from tslice.common import errors
 
 #: A first connection that cannot happen fails after this (the default waits 5 s).
@@ -129,3 +135,22 @@ def test_insecure_on_a_non_loopback_address_is_served_when_asked_for(
     args[args.index("--host") + 1] = "0.0.0.0"
     with serving("orchestrator", args, tmp_path / "o.log") as orch:
         assert "plaintext" in orch.logs()
+
+
+def test_the_llm_d_compatible_clients_take_the_same_tls_settings(
+    secure_stack: SecureStack, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name, value in secure_stack.certs.env("job:job-a").items():
+        monkeypatch.setenv(name, value)
+    orchestrator = TimeSliceOrchestratorClient(secure_stack.orchestrator, job_id="job-a")
+    with orchestrator:
+        assert orchestrator.acquire(group_id="compat").success
+        assert orchestrator.release(group_id="compat").success
+    agent = SnapshotAgentClient(secure_stack.agent)
+    try:
+        assert any(job.job_id == "job-a" for job in agent.status().job_statuses)
+        with pytest.raises(SnapshotAgentError) as err:  # a job's certificate moves nothing
+            agent.snapshot(job_id="job-a", group="compat")
+        assert err.value.code == grpc.StatusCode.PERMISSION_DENIED
+    finally:
+        agent.close()
