@@ -64,11 +64,13 @@ async def hub_server() -> AsyncIterator[HubServer]:
 class RawWorkload:
     """A workload speaking the wire protocol by hand."""
 
-    def __init__(self, address: str, *, instance: str = "") -> None:
+    def __init__(self, address: str, *, instance: str = "", token: str | None = None) -> None:
         self.channel = grpc.aio.insecure_channel(address)
-        metadata = (("tslice-workload-instance", instance),) if instance else None
+        metadata = [("tslice-workload-instance", instance)] if instance else []
+        if token is not None:
+            metadata.append(("authorization", f"Bearer {token}"))
         stub = pb_grpc.SnapshotAgentServiceStub(self.channel)
-        self.call = stub.WorkloadChannel(metadata=metadata)
+        self.call = stub.WorkloadChannel(metadata=metadata or None)
 
     async def register(
         self,

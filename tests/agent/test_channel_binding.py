@@ -13,6 +13,7 @@ processes.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import os
 import subprocess
 import sys
@@ -23,8 +24,10 @@ from pathlib import Path
 import grpc
 import pytest
 
-from tests.agent.test_channel import HubServer, RawWorkload, _start
+from tests.agent.test_channel import HubServer, RawWorkload, _Servicer, _start
 from tslice.agent import channel, registration
+from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2_grpc as pb_grpc
+from tslice.common import auth
 
 #: Far longer than any test: a workload that is let in during it did not wait the grace out.
 LONG_GRACE_S = 120.0
@@ -280,3 +283,57 @@ async def test_over_tcp_the_job_credential_must_allow_the_job(
     finally:
         await wrong.close()
         await right.close()
+
+
+async def test_with_authentication_a_tcp_registration_needs_its_jobs_credential(
+    servers: list[HubServer],
+) -> None:
+    # The agent's own pieces: the authenticating interceptor (static tokens) and the hub's
+    # credential hook, on a real server.
+    tokens = {"job-b": "token-of-job-b", "orchestrator": "token-of-the-orchestrator"}
+    verifier = auth.StaticVerifier(
+        tokens=[
+            auth.Grant("job-b-cred", frozenset({auth.JOB}), ("job-b",), _sha(tokens["job-b"])),
+            auth.Grant("orch", frozenset({auth.ORCHESTRATOR}), (), _sha(tokens["orchestrator"])),
+        ]
+    )
+    hub = channel.ChannelHub(ping_interval_s=5.0, credentials=auth.job_credentials)
+    server = grpc.aio.server(
+        interceptors=[auth.Interceptor(verifier, auth.AGENT_RULES, server="agent")]
+    )
+    pb_grpc.add_SnapshotAgentServiceServicer_to_server(_Servicer(hub), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    running = HubServer(hub, f"127.0.0.1:{port}", server)
+    servers.append(running)
+
+    async def attempt(job_id: str, token: str | None) -> tuple[grpc.StatusCode, str]:
+        raw = RawWorkload(running.address, token=token)
+        try:
+            await raw.register(job_id, ack=False)
+        except grpc.aio.AioRpcError as err:  # refused before the registration was read
+            return err.code(), err.details() or ""
+        else:
+            return await _refused(raw)
+        finally:
+            await raw.close()
+
+    code, details = await attempt("job-a", None)
+    assert code == grpc.StatusCode.UNAUTHENTICATED, details
+    code, details = await attempt("job-a", tokens["orchestrator"])  # not the job role
+    assert code == grpc.StatusCode.PERMISSION_DENIED and "needs the job role" in details
+    code, details = await attempt("job-a", tokens["job-b"])  # another job's credential
+    assert code == grpc.StatusCode.PERMISSION_DENIED, details
+    assert "may act as jobs ['job-b'], not 'job-a'" in details
+    assert running.hub.known_sessions() == []
+    own = RawWorkload(running.address, token=tokens["job-b"])
+    try:
+        await own.register("job-b")
+        await own.sync()
+        assert running.hub.known_sessions() == [("job-b", "g")]
+    finally:
+        await own.close()
+
+
+def _sha(token: str) -> bytes:
+    return hashlib.sha256(token.encode()).digest()
