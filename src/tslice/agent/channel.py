@@ -74,24 +74,28 @@ Rules (WIRE.md "Workload channel rules", plus the tslice additions):
   error) may belong to a live process: the hub waits ``lost_grace_s`` for the same
   (job, group) to register again, then records the departure and sends a ``left``
   event. A registration of the (job, group) clears its departure, or its pending
-  loss (its state is then what the new registration reports). A replaced session and
-  an agent shutting down leave nothing.
+  loss (its state is then what the new registration reports). A superseded session and
+  an agent shutting down leave nothing. (The bookkeeping: :mod:`tslice.agent.channel_departures`.)
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import dataclasses
 import logging
-import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterable
 from typing import Literal, NoReturn, TypeVar
 
 import grpc
 
-from tslice.agent import channel_admission, channel_rules, channel_session, registration
+from tslice.agent import (
+    channel_admission,
+    channel_departures,
+    channel_rules,
+    channel_session,
+    registration,
+)
 from tslice.agent.channel_rules import (
     WORKLOAD_LEFT,
     ChannelError,
@@ -133,10 +137,6 @@ __all__ = [
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")
 
-#: Departures remembered (oldest forgotten first): the records they concern are marked
-#: by then, and a workload that opens many streams under many ids cannot grow the hub.
-DEPARTURES_KEPT = 4096
-
 
 @dataclasses.dataclass(frozen=True)
 class CommandOutcome:
@@ -173,24 +173,11 @@ class ChannelEvent:
     left: bool = False
 
 
-@dataclasses.dataclass
-class _Lost:
-    """A session lost without a clean end, waiting out the grace for a re-registration."""
-
-    session: channel_session.Session
-    reason: str
-    #: Loop time at which the workload counts as gone.
-    deadline: float
-    #: Loop time of the loss.
-    since: float
-    timer: asyncio.TimerHandle | None = None
-
-
 Listener = Callable[[ChannelEvent], None]
 
 
 #: A session's key: (job_id, group), group "" when the registration named none.
-SessionKey = tuple[str, str]
+SessionKey = channel_departures.SessionKey
 
 
 class ChannelHub:
@@ -217,8 +204,9 @@ class ChannelHub:
         #: Who may register (process bindings of the register socket, job credentials).
         self.admission = channel_admission.Admission(processes=processes, credentials=credentials)
         self._sessions: dict[SessionKey, channel_session.Session] = {}
-        self._lost: dict[SessionKey, _Lost] = {}
-        self._departed: collections.OrderedDict[SessionKey, Departure] = collections.OrderedDict()
+        self._gone = channel_departures.Departures(
+            lambda session, reason: self._notify("left", session, reason, left=True)
+        )
         self._closing = False
         self._listeners: list[Listener] = []
         self._changed: asyncio.Event | None = None
@@ -248,23 +236,13 @@ class ChannelHub:
         """Why the workload that served (job, group) counts as gone; ``None`` while a live
         session serves it, while a lost one may still come back, or if none ever did."""
         key = self._gone_key(job_id, group)
-        if key is None:
-            return None
-        lost = self._lost.get(key)
-        if lost is not None:
-            if asyncio.get_running_loop().time() < lost.deadline:
-                return None
-            self._give_up(key, lost)  # its timer has not run yet
-        return self._departed.get(key)
+        return self._gone.departure(key) if key is not None else None
 
     def lost_grace_left(self, job_id: str, group: str = "") -> float | None:
         """Seconds left for the lost session of (job, group) to register again; ``None``
         when no session of it is lost (live, gone, or never seen)."""
         key = self._gone_key(job_id, group)
-        lost = self._lost.get(key) if key is not None else None
-        if lost is None:
-            return None
-        return max(0.0, lost.deadline - asyncio.get_running_loop().time())
+        return self._gone.grace_left(key) if key is not None else None
 
     def add_listener(self, listener: Listener) -> None:
         """Call ``listener(event)`` on every registration and session end (on the loop)."""
@@ -352,10 +330,7 @@ class ChannelHub:
         self._closing = True
         for session in list(self._sessions.values()):
             self._end(session, grpc.StatusCode.UNAVAILABLE, "the agent is shutting down")
-        for lost in self._lost.values():
-            if lost.timer is not None:
-                lost.timer.cancel()
-        self._lost.clear()
+        self._gone.forget_losses()
 
     # ---- the stream ----------------------------------------------------------------
 
@@ -448,7 +423,7 @@ class ChannelHub:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, conflict)
         session = channel_session.Session(first.register, instance=instance, pid=pid)
         previous = self._sessions.get(session.key)
-        came_back = self._returned(session.key)
+        came_back = self._gone.returned(session.key)
         if previous is not None:
             self._end(
                 previous,
@@ -642,9 +617,9 @@ class ChannelHub:
         leaves = current and not self._closing and code != grpc.StatusCode.ABORTED
         left = leaves and code == grpc.StatusCode.OK
         if left:
-            self._depart(session, reason, clean=True)
+            self._gone.depart(session, reason, clean=True)
         elif leaves:
-            self._lose(session, reason)
+            self._gone.lose(session, reason, self.lost_grace_s)
         log.log(
             level,
             "workload session closed",
@@ -658,50 +633,6 @@ class ChannelHub:
         )
         self._notify("closed", session, reason, left=left)
 
-    # ---- leaving ---------------------------------------------------------------------
-
-    def _depart(self, session: channel_session.Session, reason: str, *, clean: bool) -> None:
-        """Record that the workload of the session's (job, group) is gone (no event)."""
-        self._departed.pop(session.key, None)
-        self._departed[session.key] = Departure(
-            job_id=session.job_id, group=session.group, reason=reason, clean=clean, at=time.time()
-        )
-        while len(self._departed) > DEPARTURES_KEPT:
-            self._departed.popitem(last=False)
-
-    def _lose(self, session: channel_session.Session, reason: str) -> None:
-        """Start the grace of a session lost without a clean end."""
-        loop = asyncio.get_running_loop()
-        grace = self.lost_grace_s
-        now = loop.time()
-        lost = _Lost(session=session, reason=reason, deadline=now + grace, since=now)
-        previous = self._lost.pop(session.key, None)
-        if previous is not None and previous.timer is not None:
-            previous.timer.cancel()
-        self._lost[session.key] = lost
-        if grace <= 0:
-            self._give_up(session.key, lost)
-            return
-        lost.timer = loop.call_later(grace, self._give_up, session.key, lost)
-
-    def _give_up(self, key: SessionKey, lost: _Lost) -> None:
-        """The grace of a lost session ran out without a new registration: it left."""
-        if self._lost.get(key) is not lost:
-            return  # registered again, or given up already
-        del self._lost[key]
-        if lost.timer is not None:
-            lost.timer.cancel()
-        reason = (
-            f"its channel was lost ({lost.reason}) and it did not register again within "
-            f"{self.lost_grace_s:g} s (lost_grace_s)"
-        )
-        self._depart(lost.session, reason, clean=False)
-        log.warning(
-            "workload counted as gone",
-            extra={"job_id": lost.session.job_id, "group_id": lost.session.group, "reason": reason},
-        )
-        self._notify("left", lost.session, reason, left=True)
-
     def _conflict(self, key: SessionKey, instance: str) -> str:
         """Why a registration of ``key`` by ``instance`` is refused ('' = accepted): another
         workload's session is live, or lost and still within its grace."""
@@ -710,26 +641,7 @@ class ChannelHub:
             if instance and live.instance == instance:
                 return ""
             return channel_rules.already_registered(live.state())
-        lost = self._lost.get(key)
-        if lost is None:
-            return ""
-        now = asyncio.get_running_loop().time()
-        if now >= lost.deadline:
-            self._give_up(key, lost)  # its timer has not run yet
-            return ""
-        if lost.session.instance == instance:
-            return ""
-        return channel_rules.already_registered(
-            lost.session.state(), lost_for_s=now - lost.since, grace_left_s=lost.deadline - now
-        )
-
-    def _returned(self, key: SessionKey) -> bool:
-        """A registration of ``key``: forget its departure or pending loss; True if it was
-        lost or gone."""
-        lost = self._lost.pop(key, None)
-        if lost is not None and lost.timer is not None:
-            lost.timer.cancel()
-        return self._departed.pop(key, None) is not None or lost is not None
+        return self._gone.lost_conflict(key, instance)
 
     def _gone_key(self, job_id: str, group: str) -> SessionKey | None:
         """The lost or departed session (job, group) means when no live session serves it,
@@ -738,14 +650,12 @@ class ChannelHub:
         if self._matching(job_id, group):
             return None
 
-        def known(key: SessionKey) -> bool:
-            return key in self._lost or key in self._departed
-
+        known = self._gone.known
         if group:
             return next((k for k in ((job_id, group), (job_id, "")) if known(k)), None)
         if known((job_id, "")):
             return (job_id, "")
-        found = {k for k in (*self._lost, *self._departed) if k[0] == job_id}
+        found = self._gone.keys_of(job_id)
         return found.pop() if len(found) == 1 else None
 
     def _notify(
