@@ -68,6 +68,18 @@ class AcquireWindow(Protocol):
     def error(self) -> str: ...
 
 
+@dataclasses.dataclass
+class Window:
+    """An :class:`AcquireWindow` a test or a run fills in as the job goes."""
+
+    job: str
+    group: str
+    requested: float
+    acquired: float | None = None
+    yielded: float | None = None
+    error: str = ""
+
+
 @dataclasses.dataclass(frozen=True)
 class Violation:
     kind: str

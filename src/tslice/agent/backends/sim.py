@@ -126,9 +126,11 @@ class SimBackend(base.Backend):
             + self.extra_latency_s
         )
         if hang:
+            self.node.record_fault(job=job.job_id, group=job.group, kind="hang", direction=what)
             # Stuck like a wedged driver call: only the agent's operation deadline ends it.
             await asyncio.Event().wait()
         if fail:
+            self.node.record_fault(job=job.job_id, group=job.group, kind="fail", direction=what)
             raise base.FatalBackendError(
                 f"injected failure: {what} of job {job.job_id} on sim node {self.node.node} "
                 f"failed (fail_probability={self.fail_probability})"

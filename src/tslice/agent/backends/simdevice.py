@@ -40,9 +40,12 @@ DEFAULT_FOOTPRINT_SHARE = 0.4
 
 STATE_FILE = "sim-devices.json"
 JOURNAL_FILE = "sim-journal.jsonl"
+#: Every injected fault (failure or hang), one JSON line each: chaos runs count them.
+FAULTS_FILE = "sim-faults.jsonl"
 
 EventKind = Literal["alloc", "free"]
 Direction = Literal["snapshot", "restore"]
+FaultKind = Literal["fail", "hang"]
 
 
 class CapacityError(Exception):
@@ -60,6 +63,18 @@ class Event:
     event: EventKind
     device: str
     bytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Fault:
+    """One injected fault: a ``direction`` copy of ``job``'s state for ``group`` failed or hung."""
+
+    t: float
+    node: str
+    group: str
+    job: str
+    kind: FaultKind
+    direction: Direction
 
 
 #: Whose state it is: ``(job, group)``.
@@ -157,6 +172,7 @@ class SimNode:
         self.capacity_bytes = capacity_bytes
         self._state_path = state_dir / STATE_FILE if state_dir is not None else None
         self._journal_path = state_dir / JOURNAL_FILE if state_dir is not None else None
+        self._faults_path = state_dir / FAULTS_FILE if state_dir is not None else None
         #: Bytes per device of every resident state.
         self._resident: dict[Key, int] = {}
         self._saved: dict[Key, SavedState] = {}
@@ -249,6 +265,16 @@ class SimNode:
         self.free(job=job, group=group)
         self.unpark(job=job, group=group)
 
+    def record_fault(self, *, job: str, group: str, kind: FaultKind, direction: Direction) -> None:
+        """Append an injected fault to the faults file (nothing without a state directory)."""
+        if self._faults_path is None:
+            return
+        fault = Fault(
+            t=time.time(), node=self.node, group=group, job=job, kind=kind, direction=direction
+        )
+        with self._faults_path.open("a") as f:
+            f.write(json.dumps(dataclasses.asdict(fault)) + "\n")
+
     # ---- persistence --------------------------------------------------------------
 
     def _load(self) -> None:
@@ -317,7 +343,22 @@ def read_journal(path: Path) -> list[Event]:
     return list(_iter_journal(path))
 
 
-def _iter_journal(path: Path) -> Iterator[Event]:
+def read_faults(path: Path) -> list[Fault]:
+    """Every injected fault of a faults file, in write order; a torn last line is skipped."""
+    return [
+        Fault(
+            t=float(raw["t"]),
+            node=str(raw["node"]),
+            group=str(raw["group"]),
+            job=str(raw["job"]),
+            kind="hang" if raw["kind"] == "hang" else "fail",
+            direction="restore" if raw["direction"] == "restore" else "snapshot",
+        )
+        for raw in _json_lines(path)
+    ]
+
+
+def _json_lines(path: Path) -> Iterator[dict[str, Any]]:
     try:
         lines = path.read_text().splitlines()
     except FileNotFoundError:
@@ -326,9 +367,13 @@ def _iter_journal(path: Path) -> Iterator[Event]:
         if not line.strip():
             continue
         try:
-            raw: dict[str, Any] = json.loads(line)
+            yield json.loads(line)
         except ValueError:
             continue
+
+
+def _iter_journal(path: Path) -> Iterator[Event]:
+    for raw in _json_lines(path):
         yield Event(
             t=float(raw["t"]),
             node=str(raw["node"]),
