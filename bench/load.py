@@ -59,6 +59,8 @@ from tslice.sim.cluster import ORCHESTRATOR, LocalCluster, SimAgent
 
 Kind = opb.OrchestratorEvent
 _WATCHED = [Kind.KIND_GRANTED, Kind.KIND_YIELDED]
+#: With --breakdown: also each switch's own duration (first agent call to every node done).
+_SWITCHES = [Kind.KIND_SWITCH_DONE]
 #: Time from "go" to the window's start, seconds.
 _WARMUP_S = 0.5
 #: First connection of a generator's client: many connect at once.
@@ -112,7 +114,9 @@ class _DisjointCluster(LocalCluster):
         return ["--topology", str(path)]
 
 
-def _cluster(groups: int, nodes: int, orchestrator_env: dict[str, str]) -> LocalCluster:
+def _cluster(
+    groups: int, nodes: int, orchestrator_env: dict[str, str], base_dir: Path | None
+) -> LocalCluster:
     names = [f"node-{i + 1}" for i in range(nodes)]
     layout = {gid: (names[i % nodes],) for i, gid in enumerate(group_ids(groups))}
     return _DisjointCluster(
@@ -120,6 +124,7 @@ def _cluster(groups: int, nodes: int, orchestrator_env: dict[str, str]) -> Local
         groups=layout,
         startup_timeout_s=120.0,
         env=orchestrator_env,
+        base_dir=base_dir,
     )
 
 
@@ -159,6 +164,7 @@ async def _job_loop(
         if start <= held_from <= end:
             out["acquire_s"].append(time.perf_counter() - began)
         out["grants"] += 1
+        out["by_group"][group] = out["by_group"].get(group, 0) + 1
         await asyncio.sleep(rng.uniform(0.0, 2 * hold_s))
         out["holds"].append((group, job, held_from, time.time()))
         try:
@@ -171,7 +177,7 @@ async def _job_loop(
 async def _generate(spec: dict[str, Any]) -> dict[str, Any]:
     from tslice.client import AsyncClient
 
-    out: dict[str, Any] = {"errors": [], "acquire_s": [], "grants": 0, "holds": []}
+    out: dict[str, Any] = {"errors": [], "acquire_s": [], "grants": 0, "by_group": {}, "holds": []}
     clients = [
         AsyncClient(spec["address"], job_id=job, connect_timeout=_CONNECT_S)
         for job, _ in spec["jobs"]
@@ -226,6 +232,7 @@ class _Watch:
         self.holder: dict[str, str] = {}
         self.yielded_at: dict[str, float] = {}
         self.handover_s: list[float] = []
+        self.switch_s: list[float] = []
         self.grants_in_window = 0
         self.grants_total = 0
         self.violations: list[str] = []
@@ -241,7 +248,10 @@ class _Watch:
     def take(self, e: opb.OrchestratorEvent) -> None:
         t = e.time.seconds + e.time.nanos / 1e9
         g, job = e.group_id, e.job_id
-        if e.kind == Kind.KIND_YIELDED:
+        if e.kind == Kind.KIND_SWITCH_DONE:
+            if self.start <= t <= self.end:
+                self.switch_s.append(e.duration_ms / 1000)
+        elif e.kind == Kind.KIND_YIELDED:
             if self.holder.get(g) == job:
                 del self.holder[g]
             self.yielded_at[g] = t
@@ -278,14 +288,25 @@ def overlapping_holds(holds: list[tuple[str, str, float, float]]) -> list[str]:
     return found
 
 
-async def _watch(address: str, watch: _Watch, subscribed: asyncio.Event) -> None:
-    async with grpc.aio.insecure_channel(address) as channel:
-        stub = opb_grpc.TimeSliceOrchestratorServiceStub(channel)  # type: ignore[no-untyped-call]
-        stream = stub.WatchEvents(opb.WatchEventsRequest(kinds=_WATCHED))
-        await stream.initial_metadata()  # subscribed: nothing after this can be missed
-        subscribed.set()
-        async for event in stream:
-            watch.take(event)
+async def _subscribe(channel: grpc.aio.Channel, group: str, kinds: list[Kind.Kind]) -> Any:
+    """One group's stream, subscribed. (A stream of every group's events falls behind under
+    load: one write per event, and the orchestrator drops what its buffer cannot hold.)"""
+    stub = opb_grpc.TimeSliceOrchestratorServiceStub(channel)  # type: ignore[no-untyped-call]
+    stream = stub.WatchEvents(opb.WatchEventsRequest(group_id=group, kinds=kinds))
+    await stream.initial_metadata()  # subscribed: nothing after this can be missed
+    return stream
+
+
+async def _read(stream: Any, watch: _Watch) -> None:
+    async for event in stream:
+        watch.take(event)
+
+
+def watched_groups(groups: int, count: int) -> list[str]:
+    """``count`` groups spread evenly over all of them."""
+    gids = group_ids(groups)
+    step = max(1, len(gids) // max(1, count))
+    return gids[::step][:count]
 
 
 async def _start_profile(pid: int, seconds: float, path: Path) -> asyncio.subprocess.Process:
@@ -352,11 +373,14 @@ async def measure(
     hold_ms: float,
     orchestrator_env: dict[str, str] | None = None,
     profile: Path | None = None,
+    breakdown: bool = False,
+    watch_groups: int = 16,
+    keep: Path | None = None,
 ) -> dict[str, Any]:
     if jobs < groups:
         raise ValueError(f"--jobs ({jobs}) must be at least --groups ({groups})")
     procs = max(1, min(procs, jobs))
-    with _cluster(groups, nodes, orchestrator_env or {}) as cluster:
+    with _cluster(groups, nodes, orchestrator_env or {}, keep) as cluster:
         address = cluster.orchestrator_address
         pid = cluster.pid(ORCHESTRATOR)
         assert pid is not None
@@ -370,9 +394,11 @@ async def measure(
         start = time.time() + _WARMUP_S
         end = start + seconds
         watch = _Watch(start, end)
-        subscribed = asyncio.Event()
-        watcher = asyncio.create_task(_watch(address, watch, subscribed))
-        await subscribed.wait()
+        kinds = _WATCHED + (_SWITCHES if breakdown else [])
+        sampled = watched_groups(groups, watch_groups)
+        channel = grpc.aio.insecure_channel(address)
+        streams = await asyncio.gather(*(_subscribe(channel, g, kinds) for g in sampled))
+        watchers = [asyncio.create_task(_read(stream, watch)) for stream in streams]
         generators.go(start, end)
         await asyncio.sleep(max(0.0, start - time.time()))
         agent_pids = [p for n in cluster.names if n != ORCHESTRATOR and (p := cluster.pid(n))]
@@ -393,15 +419,18 @@ async def measure(
         memory = _memory_kib(pid)
         results = await generators.results()
         client_grants = sum(r["grants"] for r in results)
-        watch.expect(client_grants)
+        sampled_grants = sum(r["by_group"].get(g, 0) for r in results for g in sampled)
+        watch.expect(sampled_grants)
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(watch.complete.wait(), _EVENTS_SETTLE_S)
-        watcher.cancel()
-        await asyncio.gather(watcher, return_exceptions=True)
+        for w in watchers:
+            w.cancel()
+        await asyncio.gather(*watchers, return_exceptions=True)
+        await channel.close()
     acquire = [s for r in results for s in r["acquire_s"]]
     overlaps = overlapping_holds([tuple(h) for r in results for h in r["holds"]])
     errors = [e for r in results for e in r["errors"]]
-    grants = watch.grants_in_window
+    grants = sum(len(r["acquire_s"]) for r in results)  # Acquires returned in the window
     return {
         "jobs": jobs,
         "groups": groups,
@@ -415,6 +444,11 @@ async def measure(
             "p50": percentile(watch.handover_s, 0.5) * 1000,
             "p99": percentile(watch.handover_s, 0.99) * 1000,
             "n": len(watch.handover_s),
+        },
+        "switch_ms": {
+            "p50": percentile(watch.switch_s, 0.5) * 1000,
+            "p99": percentile(watch.switch_s, 0.99) * 1000,
+            "n": len(watch.switch_s),
         },
         "acquire_ms": {
             "p50": percentile(acquire, 0.5) * 1000,
@@ -439,7 +473,8 @@ async def measure(
         "violations_events": len(watch.violations),
         "violations_clients": len(overlaps),
         "violation_samples": (watch.violations + overlaps)[:5],
-        "events_lost": max(0, client_grants - watch.grants_total),
+        "watched_groups": len(sampled),
+        "events_lost": max(0, sampled_grants - watch.grants_total),
     }
 
 
@@ -451,6 +486,8 @@ def report(r: dict[str, Any]) -> str:
         f"{r['seconds']:g} s, hold {r['hold_ms_mean']:g} ms mean, {r['procs']} generator procs",
         f"  grants/s                     {r['grants_per_s']:10.1f}   ({r['grants']} grants)",
         f"  hand-over (server) p50 / p99 {h['p50']:10.2f} / {h['p99']:.2f} ms   (n={h['n']})",
+        f"  switch (agents)    p50 / p99 {r['switch_ms']['p50']:10.2f} / "
+        f"{r['switch_ms']['p99']:.2f} ms   (n={r['switch_ms']['n']}, --breakdown)",
         f"  Acquire (client)   p50 / p99 {a['p50']:10.2f} / {a['p99']:.2f} ms   (n={a['n']},"
         " includes waiting for the turn)",
         f"  orchestrator CPU             {o['cpu_share'] * 100:10.1f} % of a core, "
@@ -483,6 +520,20 @@ def main(argv: list[str] | None = None) -> int:
         "--profile",
         type=Path,
         help="directory: py-spy raw profiles (GIL) of the orchestrator and node-1",
+    )
+    parser.add_argument(
+        "--breakdown",
+        action="store_true",
+        help="also watch SWITCH_DONE: each switch's own duration (the agents' part)",
+    )
+    parser.add_argument(
+        "--watch-groups",
+        type=int,
+        default=16,
+        help="groups whose WatchEvents streams give the hand-over and the event check",
+    )
+    parser.add_argument(
+        "--keep", type=Path, help="directory for the servers' state and logs, kept after the run"
     )
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
