@@ -13,6 +13,7 @@ import grpc
 import pytest
 
 import tslice
+from tests.integration.test_hostile_agent import closed_port
 from tests.security.conftest import (
     Certs,
     SecureStack,
@@ -20,6 +21,7 @@ from tests.security.conftest import (
     make_certs,
     orchestrator_args,
     serving,
+    tls_args,
 )
 from tslice.cli import certs_cmd, main
 from tslice.client.compat import (
@@ -154,3 +156,33 @@ def test_the_llm_d_compatible_clients_take_the_same_tls_settings(
         assert err.value.code == grpc.StatusCode.PERMISSION_DENIED
     finally:
         agent.close()
+
+
+def test_the_orchestrator_takes_a_renewed_client_certificate_up_without_a_restart(
+    tmp_path: pathlib.Path, certs: Certs, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The agents' trust moves to a new CA; the orchestrator's certificate is renewed under it.
+    renewed = make_certs(tmp_path / "renewed", identities=("orchestrator",))
+    trusted = tmp_path / "client-ca.pem"
+    trusted.write_bytes(certs.ca.cert.read_bytes())
+    mine = certs_cmd.Pair(tmp_path / "me.pem", tmp_path / "me.key")
+    _install(certs.client("orchestrator"), mine)
+    agent = agent_args(tmp_path, *tls_args(certs, mutual=False), "--tls-client-ca", str(trusted))
+    agent[agent.index("--port") + 1] = port = str(closed_port())
+    config = tmp_path / "orchestrator.yaml"
+    config.write_text(
+        f"agent_client: {{ca: {certs.ca.cert}, cert: {mine.cert}, key: {mine.key}}}\n"
+    )
+    orch = orchestrator_args(tmp_path, f"127.0.0.1:{port}", "--config", str(config))
+    monkeypatch.delenv("TSLICE_TLS_CA", raising=False)
+    with serving("orchestrator", orch, tmp_path / "o.log") as orchestrator:
+        client = tslice.Client(orchestrator.address, job_id=None, lease_s=None)
+        with serving("agent", agent, tmp_path / "a1.log"):
+            client.acquire("g", job_id="job-a", timeout=30)
+            client.yield_("g", job_id="job-a")
+        trusted.write_bytes(renewed.ca.cert.read_bytes())  # the agent trusts the new CA only
+        _install(renewed.client("orchestrator"), mine)
+        with client, serving("agent", agent, tmp_path / "a2.log"):
+            # The reconnect with the old certificate is refused: a new channel, new files.
+            assert client.acquire("g", job_id="job-b", timeout=30).success
+        assert "TLS files renewed" in orchestrator.logs()

@@ -143,6 +143,13 @@ class ClientTLS:
     def credentials(self) -> grpc.ChannelCredentials:
         return channel_credentials(self.ca, self.cert, self.key)
 
+    def stamp(self) -> tuple[tuple[int, int, int], ...] | None:
+        """What tells renewed files (None: one cannot be read now, mid-renewal)."""
+        try:
+            return _stamp([p for p in (self.ca, self.cert, self.key) if p is not None])
+        except OSError:
+            return None
+
     def channel_options(self) -> list[ChannelOption]:
         if not self.server_name:
             return []

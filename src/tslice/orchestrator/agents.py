@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar, cast
@@ -35,6 +36,7 @@ from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2_grpc as pb_grp
 from tslice.common import multiplex, tasks, tls
 
 _R = TypeVar("_R")
+log = logging.getLogger(__name__)
 
 # RESOURCE_EXHAUSTED is not here: a tslice agent says so when a job's state can never fit.
 _UNREACHABLE = {
@@ -45,6 +47,9 @@ _UNREACHABLE = {
     grpc.StatusCode.INTERNAL,
     grpc.StatusCode.UNIMPLEMENTED,
 }
+
+#: How often renewed TLS files are looked for, seconds (a stat of each, on a call).
+_TLS_CHECK_S = 1.0
 
 # Reconnect quickly after an agent restarts (grpc's default backoff grows to 2 min).
 _CHANNEL_OPTIONS = [
@@ -125,6 +130,10 @@ class AgentClient:
         #: Whether a Status reply was ever read (capacity_bytes is then what it listed).
         self.status_seen = False
         self._watch: asyncio.Task[None] | None = None
+        tls_files = self._security.tls
+        #: The TLS files as the channel read them, and when they were last looked at.
+        self._tls_stamp = tls_files.stamp() if tls_files is not None else None
+        self._tls_checked = time.monotonic()
         self._channel = self._security.aio_channel(address, _CHANNEL_OPTIONS)
         self._stub: Any = pb_grpc.SnapshotAgentServiceStub(self._channel)
         # Grants go over one long-lived GrantStream where declared (half a unary call
@@ -143,6 +152,32 @@ class AgentClient:
         await self._grants.close()
         await self._channel.close()
 
+    async def _renew_channel(self) -> None:
+        """A channel on renewed TLS files (the client certificate, the CA), once the one
+        in use is not connected: an open connection keeps its handshake, and a reconnect
+        with an expired or untrusted certificate would fail for ever (no restart needed)."""
+        tls_files = self._security.tls
+        now = time.monotonic()
+        if tls_files is None or now - self._tls_checked < _TLS_CHECK_S:
+            return
+        self._tls_checked = now
+        stamp = tls_files.stamp()
+        if stamp is None or stamp == self._tls_stamp:
+            return
+        if self._channel.get_state() == grpc.ChannelConnectivity.READY:
+            return
+        self._tls_stamp = stamp  # before any await: one renewal at a time
+        old = self._channel
+        self._channel = self._security.aio_channel(self.address, _CHANNEL_OPTIONS)
+        self._stub = pb_grpc.SnapshotAgentServiceStub(self._channel)
+        self.features = None
+        if self._watch is not None:
+            await tasks.cancel_all([self._watch])
+            self._watch = None
+        await self._grants.close()  # re-opened on the new channel by the next grant
+        await old.close()
+        log.info("agent %s: TLS files renewed; reconnecting with them", self.address)
+
     async def _forget_on_disconnect(self) -> None:
         """A declaration holds for one connection: the next may reach another agent."""
         state = self._channel.get_state()
@@ -157,6 +192,7 @@ class AgentClient:
         self, *, timeout_s: float | None = None, issued: Callable[[], None] | None = None
     ) -> pb.StatusResponse:
         """The node's job states; learns what the agent declares (:attr:`features`)."""
+        await self._renew_channel()
         resp = await self._call(
             "status",
             self._stub.Status,
@@ -226,6 +262,7 @@ class AgentClient:
             devices=devices,
         )
         timeout_s = wait_s + self.rpc_timeout_s
+        await self._renew_channel()
         if self.features is None or not self.features.grant_stream:
             resp = await self._call(
                 "grant", self._stub.Grant, request, pb.GrantResponse, timeout_s, issued=issued
