@@ -2,14 +2,16 @@
 
 Covers what only the whole agent shows: a channel-registered job is routed to the
 app-channel backend with no config, staged restore is *sent* (not short-circuited),
-and a mode or tag the workload did not declare is refused at the RPC
-(FAILED_PRECONDITION) without touching the engine or the job.
+a mode or tag the workload did not declare is refused at the RPC
+(FAILED_PRECONDITION) without touching the engine or the job, and another process
+registering the job's workload never takes its channel over.
 """
 
 from __future__ import annotations
 
 import asyncio
 import shutil
+import sys
 import tempfile
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -120,6 +122,55 @@ async def test_agent_routes_a_registered_job_to_its_workload(agent: Agent) -> No
         assert await agent.state("job-v") == pb.JOB_STATE_RUNNING
         assert engine.calls == [("sleep", 1), ("wake_up", None)]
     finally:
+        await asyncio.to_thread(handle.close)
+
+
+# Another process of the node registering a workload as the job (issue 10: it took over
+# the job's channel and answered its snapshot). It prints the agent's refusal, stays while
+# the job is snapshotted, then prints the commands it was sent.
+_INTRUDER = """
+import sys
+from tslice.workload import register_workload
+calls = []
+handle = register_workload("unix:" + sys.argv[1], sys.argv[2], sys.argv[3],
+                           on_snapshot=lambda mode, tags: calls.append(mode),
+                           on_restore=lambda tags: calls.append("restore"))
+print(handle.wait_refused(20), flush=True)
+sys.stdin.readline()
+handle.close()
+print(calls, flush=True)
+"""
+
+
+async def test_another_process_never_takes_over_a_jobs_workload_channel(agent: Agent) -> None:
+    engine = FakeVllm()
+    handle = await _register(agent, "job-v", engine)
+    intruder = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-c",
+        _INTRUDER,
+        str(agent.socket),
+        "job-v",
+        GROUP,
+        stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE,
+    )
+    try:
+        assert intruder.stdout is not None
+        refusal = (await asyncio.wait_for(intruder.stdout.readline(), 30)).decode()
+        assert "job 'job-v' (group 'sampler') already has a live workload" in refusal, refusal
+        saved = await agent.run(
+            agent.stub.Snapshot(pb.SnapshotRequest(job_id="job-v", group=GROUP))
+        )
+        out, _ = await asyncio.wait_for(intruder.communicate(b"done\n"), 30)
+        assert saved.status == pb.OPERATION_STATUS_COMPLETE, saved.error
+        # The job's own workload was snapshotted; the intruder was sent nothing.
+        assert engine.calls == [("sleep", 1)] and out.decode().strip() == "[]"
+        assert handle.registered and handle.error is None
+    finally:
+        if intruder.returncode is None:
+            intruder.kill()
+            await intruder.wait()
         await asyncio.to_thread(handle.close)
 
 
