@@ -1,0 +1,94 @@
+"""One real agent (sim, noop and app-channel backends) and one real orchestrator (local
+mode, with its own sim agent) for the fuzz tests, as ``python -m tslice ...`` processes on
+loopback; readiness is each server's own "serving on" line.
+
+Real processes rather than in-process servers: a crash, a hang of the event loop or a
+SIGTERM ignored shows exactly as it would in production, and the examples stay cheap
+(a loopback call costs about a millisecond; the servers start once for all modules).
+At the end every server must still be alive and stop cleanly on SIGTERM.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+from collections.abc import Iterator
+
+import grpc
+import pytest
+
+from tests.fuzz import calls
+from tests.integration.test_hostile_agent import Server
+
+NODE = "node-a"
+
+
+@dataclasses.dataclass
+class Served:
+    """A running server and a channel to it."""
+
+    server: Server
+    channel: grpc.Channel
+
+
+def _flags(flags: dict[str, str]) -> list[str]:
+    return [part for flag, value in flags.items() for part in (f"--{flag}", value)]
+
+
+def _agent(state: pathlib.Path, name: str) -> Server:
+    flags = {
+        "node-name": NODE,
+        "host": "127.0.0.1",
+        "port": "0",
+        "state-dir": str(state / name),
+        "register-socket": str(state / f"{name}-r.sock"),
+        "operation-timeout": "5",
+        "sim-bandwidth": "1TB/s",
+        "sim-latency": "0",
+        "sim-devices": "2",
+    }
+    backends = ["--backend", "sim", "--backend", "noop", "--backend", "app-channel"]
+    return Server("agent", [*_flags(flags), *backends], state / f"{name}.log")
+
+
+def _orchestrator(state: pathlib.Path, agent_address: str) -> Server:
+    flags = {
+        "local-agent": f"{NODE}={agent_address}",
+        "host": "127.0.0.1",
+        "port": "0",
+        "metrics-port": "0",
+        "state-dir": str(state / "orchestrator"),
+        "shutdown-grace": "1",
+        "operation-timeout": "5",
+        "agent-rpc-timeout": "5",
+    }
+    return Server("orchestrator", _flags(flags), state / "orchestrator.log")
+
+
+def _served(server: Server) -> Iterator[Served]:
+    """Yield ``server`` once serving; at the end it must be alive and stop on SIGTERM."""
+    try:
+        address = server.wait_serving()
+        with grpc.insecure_channel(address, options=calls.CHANNEL_OPTIONS) as channel:
+            yield Served(server, channel)
+        assert server.proc.poll() is None, (
+            f"the {server.kind} died during the fuzz run:\n{server.logs()[-8000:]}"
+        )
+        assert server.terminate() == 0, server.logs()[-8000:]
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="package")
+def agent(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    """An agent fuzzed directly (not the orchestrator's: its grant marks get wild)."""
+    state = tmp_path_factory.mktemp("fuzz-agent")
+    yield from _served(_agent(state, "agent"))
+
+
+@pytest.fixture(scope="package")
+def orchestrator(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    """A local-mode orchestrator (groups made on first Acquire) over its own agent."""
+    state = tmp_path_factory.mktemp("fuzz-orchestrator")
+    for behind in _served(_agent(state, "orchestrator-agent")):
+        yield from _served(_orchestrator(state, behind.server.address))
