@@ -485,6 +485,7 @@ class Interceptor(grpc.aio.ServerInterceptor):
         self._rules = dict(rules)
         self._services = {name.rsplit("/", 1)[0] for name in rules}
         self._server = server
+        self._wrappers: dict[str, tuple[Any, Any]] = {}
 
     async def intercept_service(
         self, continuation: Callable[[Any], Awaitable[Any]], details: Any
@@ -493,7 +494,12 @@ class Interceptor(grpc.aio.ServerInterceptor):
         method: str = details.method
         if handler is None or method.rsplit("/", 1)[0] not in self._services:
             return handler
-        return _wrapped(handler, lambda context: self._admit(method, context))
+        # One wrapper per method (the servicer's handlers do not change): no work per call.
+        known = self._wrappers.get(method)
+        if known is None or known[0] is not handler:
+            known = (handler, _wrapped(handler, lambda context: self._admit(method, context)))
+            self._wrappers[method] = known
+        return known[1]
 
     async def _admit(self, method: str, context: Any) -> None:
         """Verify the caller of ``method``; abort the call, or keep its principal."""
