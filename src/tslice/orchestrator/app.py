@@ -74,6 +74,8 @@ async def _serve_locked(
     ready: Callable[[str], None] | None,
     stop: asyncio.Event | None,
 ) -> None:
+    # First: an unreadable tokens file stops the start before anything is opened.
+    interceptors = serving.auth_interceptors(cfg.auth, auth.ORCHESTRATOR_RULES, "orchestrator")
     db = await store.Store.open(cfg.state_dir, synchronous=cfg.sqlite_synchronous)
     pool = agents.AgentPool(
         rpc_timeout_s=cfg.agent_rpc_timeout_s,
@@ -86,7 +88,7 @@ async def _serve_locked(
     bus.on_drop = m.events_dropped.inc
     grpc_server = grpc.aio.server(
         options=[*_SERVER_OPTIONS, *serving.SERVER_OPTIONS],
-        interceptors=serving.auth_interceptors(cfg.auth, auth.ORCHESTRATOR_RULES, "orchestrator"),
+        interceptors=interceptors,
     )
     health_servicer = health.aio.HealthServicer()
     metrics_http: Any = None
