@@ -86,6 +86,21 @@ async def test_a_second_workload_never_takes_over_a_live_one(servers: list[HubSe
             await workload.close()
 
 
+@pytest.mark.parametrize("instance", ["has space", "x" * 300, "-leading-dash"])
+async def test_a_malformed_instance_token_is_refused(
+    servers: list[HubServer], instance: str
+) -> None:
+    running = await _hub(servers)
+    raw = RawWorkload(running.address, instance=instance)
+    try:
+        await raw.register("job-a", ack=False)
+        code, details = await _refused(raw)
+    finally:
+        await raw.close()
+    assert code == grpc.StatusCode.INVALID_ARGUMENT, details
+    assert "tslice-workload-instance" in details and len(details) < 1024
+
+
 async def test_a_lost_workload_comes_back_only_as_itself(servers: list[HubServer]) -> None:
     running = await _hub(servers, lost_grace_s=LONG_GRACE_S)
     first = RawWorkload(running.address, instance="instance-1")
