@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import pathlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import grpc
 import pytest
@@ -51,7 +51,11 @@ def _agent(state: pathlib.Path, name: str) -> Server:
     return Server("agent", [*_flags(flags), *backends], state / f"{name}.log")
 
 
-def _orchestrator(state: pathlib.Path, agent_address: str) -> Server:
+def orchestrator_process(
+    state: pathlib.Path, agent_address: str, *, groups: Sequence[str] = ()
+) -> Server:
+    """A local-mode orchestrator over the agent at ``agent_address`` (``groups``: the
+    only groups there are; none: made on first Acquire)."""
     flags = {
         "local-agent": f"{NODE}={agent_address}",
         "host": "127.0.0.1",
@@ -62,10 +66,11 @@ def _orchestrator(state: pathlib.Path, agent_address: str) -> Server:
         "operation-timeout": "5",
         "agent-rpc-timeout": "5",
     }
-    return Server("orchestrator", _flags(flags), state / "orchestrator.log")
+    only = [part for group in groups for part in ("--group", group)]
+    return Server("orchestrator", [*_flags(flags), *only], state / "orchestrator.log")
 
 
-def _served(server: Server) -> Iterator[Served]:
+def served(server: Server) -> Iterator[Served]:
     """Yield ``server`` once serving; at the end it must be alive and stop on SIGTERM."""
     try:
         address = server.wait_serving()
@@ -83,12 +88,12 @@ def _served(server: Server) -> Iterator[Served]:
 def agent(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     """An agent fuzzed directly (not the orchestrator's: its grant marks get wild)."""
     state = tmp_path_factory.mktemp("fuzz-agent")
-    yield from _served(_agent(state, "agent"))
+    yield from served(_agent(state, "agent"))
 
 
 @pytest.fixture(scope="package")
 def orchestrator(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     """A local-mode orchestrator (groups made on first Acquire) over its own agent."""
     state = tmp_path_factory.mktemp("fuzz-orchestrator")
-    for behind in _served(_agent(state, "orchestrator-agent")):
-        yield from _served(_orchestrator(state, behind.server.address))
+    for behind in served(_agent(state, "orchestrator-agent")):
+        yield from served(orchestrator_process(state, behind.server.address))

@@ -55,11 +55,19 @@ def shown_list(items: Sequence[object], limit: int = MAX_SHOWN_ITEMS) -> str:
 
 
 def bounded(text: str, limit: int = MAX_MESSAGE) -> str:
-    """``text`` cut after ``limit`` characters with an ellipsis (a server's last safety net:
-    whatever a message quotes, it stays short)."""
+    """``text`` in at most ``limit`` characters: cut, with an ellipsis and how much was
+    cut (a server's last safety net: whatever a message quotes, it stays short)."""
     if len(text) <= limit:
         return text
-    return f"{text[:limit]}… ({len(text) - limit} more characters cut)"
+    # The note counts against the limit too; its length grows with the count it names.
+    keep = limit
+    while True:
+        note = f"… ({len(text) - keep} more characters cut)"
+        if keep + len(note) <= limit:
+            return text[:keep] + note
+        if len(note) > limit:
+            return text[:limit]
+        keep = limit - len(note)
 
 
 def enum_values(enum: descriptor.EnumDescriptor) -> str:
