@@ -201,14 +201,20 @@ def _closed_port() -> int:
         return int(s.getsockname()[1])  # nobody listens there once closed
 
 
-def _endpoints(count: int) -> list[str]:
-    port = _closed_port()
-    return [f"http://127.0.0.1:{port}/engine{i}" for i in range(count)]
+def _endpoints(count: int, port: int) -> list[str]:
+    # One closed port on as many loopback addresses (an endpoint is a base URL, no path).
+    return [f"http://127.0.{i // 250}.{i % 250 + 1}:{port}" for i in range(count)]
+
+
+def _allowing(port: int) -> dict[str, Any]:
+    """Agent settings that allow ``port`` on every loopback address (the list's engines)."""
+    return {"backend_settings": {"app-endpoint": {"allowed_hosts": [f"127.0.0.0/8:{port}"]}}}
 
 
 async def test_too_many_endpoints_are_refused_at_once(agents: AgentRunner) -> None:
-    agent = await agents.start(**BACKENDS)
-    config = _endpoint(endpoints=_endpoints(10_000))
+    port = _closed_port()
+    agent = await agents.start(**BACKENDS, **_allowing(port))
+    config = _endpoint(endpoints=_endpoints(10_000, port))
     request = pb.SnapshotRequest(job_id="j", group="g", backend_config=config)
     err = await _refused(agent.stub.Snapshot(request, timeout=30))
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, err.details()
@@ -219,8 +225,9 @@ async def test_too_many_endpoints_are_refused_at_once(agents: AgentRunner) -> No
 async def test_a_long_endpoint_list_leaves_the_agent_responsive(agents: AgentRunner) -> None:
     # The longest list accepted, to engines that refuse connections: the operation retries
     # until its (short) deadline, then fails; health is answered within a second throughout.
-    agent = await agents.start(operation_timeout_s=5.0, **BACKENDS)
-    config = _endpoint(endpoints=_endpoints(1024))
+    port = _closed_port()
+    agent = await agents.start(operation_timeout_s=5.0, **BACKENDS, **_allowing(port))
+    config = _endpoint(endpoints=_endpoints(1024, port))
     request = pb.SnapshotRequest(job_id="j", group="g", backend_config=config)
     started = asyncio.ensure_future(agent.stub.Snapshot(request, timeout=30))
     checks = 0

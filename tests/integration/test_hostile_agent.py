@@ -96,11 +96,21 @@ def closed_port() -> int:
         return int(s.getsockname()[1])
 
 
+#: The closed port every endpoint of the list names (on as many loopback addresses: an
+#: endpoint is a base URL without a path), allowed by the agent's config.
+PORT = closed_port()
+
+
 @pytest.fixture
 def agent(tmp_path: pathlib.Path) -> Iterator[Server]:
+    config = tmp_path / "agent.yaml"
+    config.write_text(
+        f'backend_settings: {{app-endpoint: {{allowed_hosts: ["127.0.0.0/8:{PORT}"]}}}}\n'
+    )
     server = Server(
         "agent",
         [
+            "--config", str(config),
             "--node-name", "node-a",
             "--host", "127.0.0.1",
             "--port", "0",
@@ -119,8 +129,7 @@ def agent(tmp_path: pathlib.Path) -> Iterator[Server]:
 
 
 def _snapshot(count: int) -> pb.SnapshotRequest:
-    port = closed_port()
-    endpoints = [f"http://127.0.0.1:{port}/engine{i}" for i in range(count)]
+    endpoints = [f"http://127.0.{i // 250}.{i % 250 + 1}:{PORT}" for i in range(count)]
     config = pb.AppEndpointConfig(app=pb.APP_VLLM, endpoints=endpoints)
     return pb.SnapshotRequest(
         job_id="j", group="g", backend_config=pb.BackendConfig(app_endpoint=config)
