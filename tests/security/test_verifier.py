@@ -91,3 +91,35 @@ def test_auth_is_off_without_the_section_or_when_disabled() -> None:
     assert auth.AuthSettings.from_mapping(None) is None
     assert auth.AuthSettings.from_mapping({"enabled": False, "tokens": []}) is None
     assert auth.AuthSettings.from_mapping({}) is not None  # certificates only
+
+
+class _PodTokens:
+    """A stand-in for a Kubernetes verifier: a service-account token whose pod carries
+    the label timeslice.io/job-id (here a table instead of a TokenReview)."""
+
+    def __init__(self, settings: dict[str, object]) -> None:
+        self._pods = dict(settings["pods"])  # type: ignore[call-overload]
+
+    def verify(self, presented: auth.Presented) -> auth.Principal | None:
+        job = self._pods.get(presented.token)
+        if job is None:
+            return None  # not ours: the static tokens and certificates decide
+        return auth.Principal(f"pod:{job}", frozenset({auth.JOB}), (str(job),), "kubernetes")
+
+
+def test_a_plugged_in_verifier_is_asked_first_and_the_static_rules_still_apply() -> None:
+    settings = auth.AuthSettings.from_mapping(
+        {
+            "verifier": f"{__name__}:_PodTokens",
+            "verifier_settings": {"pods": {"sa-token-1": "grpo-7b"}},
+            "tokens": [{"name": "ops", "roles": ["admin"], "sha256": _sha("ops-token")}],
+        }
+    )
+    assert settings is not None
+    verifier = settings.build()
+    pod = verifier.verify(auth.Presented(token="sa-token-1"))
+    assert pod is not None and pod.via == "kubernetes" and pod.may_act_as("grpo-7b")
+    ops = verifier.verify(auth.Presented(token="ops-token"))
+    assert ops is not None and ops.roles == {"admin"}
+    with pytest.raises(auth.Unauthenticated):
+        verifier.verify(auth.Presented(token="neither"))
