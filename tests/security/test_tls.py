@@ -29,7 +29,7 @@ from tslice.client.compat import (
     SnapshotAgentError,
     TimeSliceOrchestratorClient,
 )
-from tslice.common import errors
+from tslice.common import errors, tls
 
 #: A first connection that cannot happen fails after this (the default waits 5 s).
 CONNECT_S = 1.0
@@ -186,3 +186,17 @@ def test_the_orchestrator_takes_a_renewed_client_certificate_up_without_a_restar
             # The reconnect with the old certificate is refused: a new channel, new files.
             assert client.acquire("g", job_id="job-b", timeout=30).success
         assert "TLS files renewed" in orchestrator.logs()
+
+
+async def test_a_client_given_its_security_needs_no_environment(
+    secure_stack: SecureStack, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name in ("TSLICE_TLS_CA", "TSLICE_TLS_CERT", "TSLICE_TLS_KEY", "TSLICE_TOKEN"):
+        monkeypatch.delenv(name, raising=False)
+    pair, ca = secure_stack.certs.client("job:job-a"), secure_stack.certs.ca.cert
+    security = tls.ClientSecurity(tls=tls.ClientTLS(ca=ca, cert=pair.cert, key=pair.key))
+    async with tslice.AsyncClient(
+        secure_stack.orchestrator, job_id="job-a", lease_s=None, security=security
+    ) as client:
+        assert (await client.acquire("given")).success
+        assert (await client.yield_("given")).success

@@ -23,7 +23,7 @@ import grpc
 
 from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2 as opb
 from tslice.client import _channel, _config, _lease, _retry, _types
-from tslice.common import errors
+from tslice.common import errors, tls
 
 log = logging.getLogger("tslice.client")
 
@@ -143,6 +143,7 @@ class BaseClient(Generic[K]):
         retry: _retry.RetryPolicy = _retry.DEFAULT_RETRY,
         lease_s: _config.Timeout = _config.USE_CLIENT_DEFAULT,
         connect_timeout: _config.Timeout = _config.USE_CLIENT_DEFAULT,
+        security: tls.ClientSecurity | None = None,
     ) -> None:
         lease = _config.resolve_lease(lease_s)
         #: Acquire's lease_ms: 0 = no lease (the lock is kept even if this process dies).
@@ -159,6 +160,7 @@ class BaseClient(Generic[K]):
             retry=retry,
             channel_options=channel_options,
             connect_timeout=connect_timeout,
+            security=security,
         )
         self._closed = False
         # slice() bookkeeping: how many open slices of this client hold (job, group),

@@ -180,6 +180,7 @@ def resolve(
     channel_options: Sequence[ChannelOption] | None,
     connect_timeout: Timeout = USE_CLIENT_DEFAULT,
     environ: Mapping[str, str] | None = None,
+    security: tls.ClientSecurity | None = None,
 ) -> ClientConfig:
     """Build a :class:`ClientConfig`; raise a clear error for anything malformed.
 
@@ -252,6 +253,11 @@ def resolve(
         noop_reason=noop_reason,
         connect_timeout=resolve_connect_timeout(connect_timeout, env),
         disabled_on_purpose=disabled in _TRUE,
-        # Read only for an active client: a no-op one opens no channel.
-        security=tls.ClientSecurity.from_env(env) if target else tls.ClientSecurity(),
+        # Given, else the environment's (read only for an active client: a no-op one
+        # opens no channel).
+        security=security
+        if security is not None
+        else tls.ClientSecurity.from_env(env)
+        if target
+        else tls.ClientSecurity(),
     )
