@@ -12,12 +12,21 @@ naming the principal and the fix, and changes nothing.
 
 from __future__ import annotations
 
+import pathlib
 from collections.abc import Callable, Iterator
 
 import grpc
 import pytest
 
-from tests.security.conftest import JOB_A_TOKEN, READER_TOKEN, SecureStack
+from tests.integration.test_hostile_agent import closed_port
+from tests.security.conftest import (
+    JOB_A_TOKEN,
+    READER_TOKEN,
+    SecureStack,
+    agent_args,
+    orchestrator_args,
+    serving_all,
+)
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2_grpc as pb_grpc
 from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2 as opb
@@ -218,3 +227,29 @@ def test_a_workload_registers_over_tcp_only_as_a_job_its_credential_names(
     err = _register(connect("admin", server="agent"), "job-a")
     assert err.code() == grpc.StatusCode.PERMISSION_DENIED
     assert "needs the job role" in err.details()
+
+
+def test_the_orchestrator_proves_its_role_to_agents_with_a_token(
+    tmp_path: pathlib.Path,
+) -> None:
+    """No TLS at all (loopback): the orchestrator's token is what lets it switch."""
+    secret = tmp_path / "orchestrator.token"
+    secret.write_text("orchestrator-secret-42\n")
+    tokens = tmp_path / "tokens.yaml"
+    tokens.write_text(f"tokens: [{{name: orch, roles: [orchestrator], token_file: {secret}}}]\n")
+    agent_config = tmp_path / "agent.yaml"
+    agent_config.write_text(f"auth: {{tokens_file: {tokens}}}\n")
+    agent = agent_args(tmp_path, "--config", str(agent_config))
+    agent[agent.index("--port") + 1] = port = str(closed_port())
+    orch_config = tmp_path / "orchestrator.yaml"
+    orch_config.write_text(f"agent_client: {{token_file: {secret}}}\n")
+    orch = orchestrator_args(tmp_path, f"127.0.0.1:{port}", "--config", str(orch_config))
+    servers = [("agent", agent, tmp_path / "a.log"), ("orchestrator", orch, tmp_path / "o.log")]
+    with serving_all(servers) as (_, orchestrator):
+        stub = opb_grpc.TimeSliceOrchestratorServiceStub(
+            grpc.insecure_channel(orchestrator.address)
+        )
+        for job in ("job-a", "job-b"):  # two grants: a switch on the agent, by Grant
+            request = opb.AcquireRequest(job_id=job, group_id="g")
+            assert stub.Acquire(request, timeout=TIMEOUT_S).success
+            stub.Yield(opb.YieldRequest(job_id=job, group_id="g"), timeout=TIMEOUT_S)
