@@ -4,10 +4,11 @@ on, its message is short, and the orchestrator answers health within a second af
 each example.
 
 An example may start with the group ``g1`` held by ``job-a`` (ids of the strategies'
-shared pool), so that fuzzed calls meet a held group too; an Acquire by another job
-then waits by design (in local mode all groups share the agent's devices), and only
-then may it reach its (short) deadline. What
-an example acquired is yielded after it, so that no example waits for another's holder.
+shared pool), so that fuzzed calls meet a held group too, and may be aimed at it (their
+job and group made the holder's, to reach Hold, Yield and re-Acquire by the holder). An
+Acquire by another job then waits by design (in local mode all groups share the agent's
+devices), and only then may it reach its (short) deadline. What an example acquired is
+yielded after it, so that no example waits for another's holder.
 A Session's requests are followed by a cancel of each of them, so that the stream ends
 once the server has handled them (a waiting Acquire is cancelled, not waited for).
 """
@@ -42,6 +43,19 @@ def _waits_for_holder(requests: Sequence[Any]) -> bool:
     return any(a.job_id != HOLDER for a in methods.acquires(requests))
 
 
+def _aimed(request: Any) -> Any:
+    """``request`` (or the call of a Session request) as HOLDER's on HELD."""
+    aimed = type(request)()
+    aimed.CopyFrom(request)
+    inner = aimed
+    if isinstance(aimed, opb.SessionRequest) and aimed.WhichOneof("call") in ("acquire", "release"):
+        inner = getattr(aimed, str(aimed.WhichOneof("call")))
+    fields = type(inner).DESCRIPTOR.fields_by_name
+    if "job_id" in fields and "group_id" in fields:
+        inner.job_id, inner.group_id = HOLDER, HELD
+    return aimed
+
+
 def _with_cancels(requests: Sequence[opb.SessionRequest]) -> list[opb.SessionRequest]:
     ids = dict.fromkeys(r.request_id for r in requests)
     return [*requests, *(opb.SessionRequest(request_id=i, cancel=True) for i in ids)]
@@ -56,6 +70,8 @@ def test_every_orchestrator_rpc_answers_fuzzed_messages(
     stub = opb_grpc.TimeSliceOrchestratorServiceStub(orchestrator.channel)
     requests = data.draw(methods.requests_for(method), label="requests")
     prelude = [opb.AcquireRequest(job_id=HOLDER, group_id=HELD)] if held else []
+    if held and data.draw(st.booleans(), label="aimed at the holder"):
+        requests = [_aimed(r) for r in requests]
     try:
         for acquire in prelude:
             stub.Acquire(acquire, timeout=calls.PROMPT_S)
