@@ -48,6 +48,14 @@ _UNREACHABLE = {
     grpc.StatusCode.UNIMPLEMENTED,
 }
 
+#: An agent refusing the orchestrator's credential (authentication on there), and the fix.
+_CREDENTIALS = {grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED}
+_CREDENTIALS_FIX = (
+    "agent_client: {ca, cert, key} in its config (a client certificate of identity "
+    "orchestrator: tslice certs --client orchestrator) or {token_file} of a token with the "
+    "orchestrator role in the agents' auth.tokens"
+)
+
 #: How often renewed TLS files are looked for, seconds (a stat of each, on a call).
 _TLS_CHECK_S = 1.0
 
@@ -346,6 +354,9 @@ class AgentClient:
             raise self._error(operation, err.code(), detail) from err
 
     def _error(self, operation: str, code: grpc.StatusCode, detail: str) -> AgentError:
+        if code in _CREDENTIALS:
+            # The agent's message speaks to a job; the orchestrator's own fix is its config.
+            detail = f"{detail} [the orchestrator's credential: {_CREDENTIALS_FIX}]"
         if code in _UNREACHABLE:
             # The connection may be another agent's when it comes back: ask it again.
             self.features = None
