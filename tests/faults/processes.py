@@ -1,0 +1,234 @@
+"""Real server processes for the fault tests: agents (one optionally in its own network
+namespace) and an orchestrator over a topology of their groups.
+
+``tslice.sim.cluster.LocalCluster`` is the shipped double, but it can put neither an agent
+behind a network link the test can cut nor a group on a subset of a node's devices, which
+these tests need (groups on one agent that never contend, so that one process stack serves
+every case). Readiness is each server's ready file (written atomically once it serves).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import yaml
+
+START_TIMEOUT_S = 60.0
+STOP_TIMEOUT_S = 15.0
+_READY_POLL_S = 0.02
+
+
+class Netns:
+    """A network namespace joined to the host by a veth pair (host 10.231.N.1, inside .2).
+
+    :meth:`cut` takes the inside end down: packets on established connections are dropped
+    silently and new connections fail once ARP gives up, as across a real partition; it
+    is not a process signal, so the agent inside keeps running and finishes its work.
+    """
+
+    def __init__(self, tag: int) -> None:
+        self.name = f"tsf-{tag}"
+        self.host_if, self.inner_if = f"tsfh{tag}", f"tsfa{tag}"
+        self.host_ip, self.inner_ip = f"10.231.{tag % 250}.1", f"10.231.{tag % 250}.2"
+
+    @staticmethod
+    def usable() -> str:
+        """ "" when namespaces can be made here, else why not."""
+        if os.geteuid() != 0:
+            return "network namespaces need root"
+        if shutil.which("ip") is None:
+            return "no `ip` command (iproute2)"
+        probe = subprocess.run(["ip", "netns", "list"], check=False, capture_output=True, text=True)
+        return "" if probe.returncode == 0 else f"`ip netns` fails: {probe.stderr.strip()}"
+
+    def create(self) -> None:
+        self.delete()
+        for command in (
+            f"ip netns add {self.name}",
+            f"ip link add {self.host_if} type veth peer name {self.inner_if}",
+            f"ip link set {self.inner_if} netns {self.name}",
+            f"ip addr add {self.host_ip}/30 dev {self.host_if}",
+            f"ip link set {self.host_if} up",
+            f"ip -n {self.name} addr add {self.inner_ip}/30 dev {self.inner_if}",
+            f"ip -n {self.name} link set {self.inner_if} up",
+            f"ip -n {self.name} link set lo up",
+        ):
+            subprocess.run(command.split(), check=True, capture_output=True)
+
+    def cut(self) -> None:
+        self._link("down")
+
+    def heal(self) -> None:
+        self._link("up")
+
+    def _link(self, updown: str) -> None:
+        command = ["ip", "-n", self.name, "link", "set", self.inner_if, updown]
+        subprocess.run(command, check=True, capture_output=True)
+
+    def prefix(self) -> list[str]:
+        return ["ip", "netns", "exec", self.name]
+
+    def delete(self) -> None:
+        subprocess.run(["ip", "link", "del", self.host_if], check=False, capture_output=True)
+        subprocess.run(["ip", "netns", "del", self.name], check=False, capture_output=True)
+
+
+@dataclasses.dataclass
+class Process:
+    """One ``python -m tslice KIND`` server, restartable on its port and state directory."""
+
+    name: str
+    kind: str
+    args: list[str]
+    base: Path
+    host: str = "127.0.0.1"
+    prefix: list[str] = dataclasses.field(default_factory=list)
+    port: int = 0
+    address: str = ""
+    popen: subprocess.Popen[bytes] | None = None
+
+    @property
+    def state_dir(self) -> Path:
+        return self.base / self.name
+
+    @property
+    def ready_file(self) -> Path:
+        return self.base / f"{self.name}.ready.json"
+
+    @property
+    def log_path(self) -> Path:
+        return self.base / f"{self.name}.log"
+
+    def spawn(self) -> None:
+        self.ready_file.unlink(missing_ok=True)
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        command = [
+            *self.prefix, sys.executable, "-m", "tslice", self.kind, *self.args,
+            "--host", self.host, "--port", str(self.port), "--state-dir", str(self.state_dir),
+            "--metrics-port", "0", "--ready-file", str(self.ready_file), "--log-level", "info",
+        ]  # fmt: skip
+        with self.log_path.open("ab") as log:
+            log.write(f"--- {' '.join(command)}\n".encode())
+            log.flush()
+            env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+            self.popen = subprocess.Popen(
+                command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env
+            )
+
+    def wait_ready(self) -> str:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not self.ready_file.exists():
+            assert self.popen is not None
+            if self.popen.poll() is not None or time.monotonic() > deadline:
+                raise AssertionError(f"{self.name} did not start:\n{self.logs()}")
+            time.sleep(_READY_POLL_S)  # bounded wait for the server's atomically renamed file
+        self.address = str(json.loads(self.ready_file.read_text())["address"])
+        self.port = int(self.address.rsplit(":", 1)[1])
+        return self.address
+
+    def signal(self, signum: int) -> None:
+        assert self.popen is not None
+        self.popen.send_signal(signum)
+
+    def kill(self) -> None:
+        """SIGKILL, and wait until it is gone."""
+        if self.popen is not None and self.popen.poll() is None:
+            self.popen.send_signal(signal.SIGKILL)
+            self.popen.wait()
+
+    def restart(self) -> str:
+        self.kill()
+        self.spawn()
+        return self.wait_ready()
+
+    def stop(self) -> None:
+        if self.popen is None or self.popen.poll() is not None:
+            return
+        self.popen.send_signal(signal.SIGCONT)  # a stopped process cannot act on SIGTERM
+        self.popen.send_signal(signal.SIGTERM)
+        try:
+            self.popen.wait(timeout=STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            self.kill()
+
+    def logs(self) -> str:
+        with contextlib.suppress(OSError):
+            return f"----- {self.name} -----\n{self.log_path.read_text(errors='replace')}"
+        return f"----- {self.name}: no log -----"
+
+
+#: A group's nodes: node name -> the device indices it uses there (None: all).
+GroupNodes = Mapping[str, Sequence[int] | None]
+
+
+class Stack:
+    """Agents, then an orchestrator whose topology gives each group its nodes (and devices)."""
+
+    def __init__(
+        self,
+        base: Path,
+        agents: Mapping[str, Sequence[str]],
+        groups: Mapping[str, GroupNodes],
+        *,
+        orchestrator_settings: Mapping[str, object],
+        netns: Mapping[str, Netns] = {},
+    ) -> None:
+        self.base = base
+        self.groups = groups
+        self.netns = dict(netns)
+        self.agents: dict[str, Process] = {}
+        for name, flags in agents.items():
+            ns = netns.get(name)
+            self.agents[name] = Process(
+                name, "agent", ["--node-name", name, *flags, *(["--insecure"] if ns else [])],
+                base, host=ns.inner_ip if ns else "127.0.0.1", prefix=ns.prefix() if ns else [],
+            )  # fmt: skip
+        config = base / "orchestrator.yaml"
+        config.write_text(yaml.safe_dump(dict(orchestrator_settings)))
+        topology = ["--topology", str(base / "topology.yaml")]
+        self.orchestrator = Process(
+            "orchestrator", "orchestrator", ["--config", str(config), *topology], base
+        )
+
+    def start(self) -> Stack:
+        try:
+            for agent in self.agents.values():
+                agent.spawn()
+            addresses = {name: agent.wait_ready() for name, agent in self.agents.items()}
+            topology = {
+                "groups": {
+                    group: {"nodes": [_node(n, addresses[n], d) for n, d in nodes.items()]}
+                    for group, nodes in self.groups.items()
+                }
+            }
+            (self.base / "topology.yaml").write_text(yaml.safe_dump(topology))
+            self.orchestrator.spawn()
+            self.orchestrator.wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def stop(self) -> None:
+        for process in (self.orchestrator, *self.agents.values()):
+            process.stop()
+
+    def logs(self) -> str:
+        return "\n".join(p.logs() for p in (self.orchestrator, *self.agents.values()))
+
+
+def _node(name: str, address: str, devices: Sequence[int] | None) -> dict[str, object]:
+    node: dict[str, object] = {"name": name, "agent": address}
+    if devices is not None:
+        node["devices"] = list(devices)
+    return node
