@@ -109,9 +109,12 @@ async def serve(
     """
     stop = stop if stop is not None else asyncio.Event()
     agent_metrics = metrics.AgentMetrics()
-    # With authentication on, a TCP registration needs a credential of its job.
-    hub = channel.ChannelHub(credentials=auth.job_credentials if config.auth else None)
     processes = registration.ProcessRegistry()
+    # Workloads on the Unix socket are bound to their process through the register socket
+    # (processes); with authentication on, a TCP registration needs a credential of its job.
+    hub = channel.ChannelHub(
+        processes=processes, credentials=auth.job_credentials if config.auth else None
+    )
     async with contextlib.AsyncExitStack() as stack:
         # Before anything touches the state: a second agent on it is refused.
         stack.enter_context(serving.locked_state_dir(config.state_dir, what="agent"))
