@@ -473,8 +473,20 @@ async def measure(
         "violations_events": len(watch.violations),
         "violations_clients": len(overlaps),
         "violation_samples": (watch.violations + overlaps)[:5],
+        "grants_per_group": _spread(
+            [sum(r["by_group"].get(g, 0) for r in results) for g in group_ids(groups)]
+        ),
         "watched_groups": len(sampled),
         "events_lost": max(0, sampled_grants - watch.grants_total),
+    }
+
+
+def _spread(counts: list[int]) -> dict[str, float]:
+    """Min, median and max of the grants each group got (fairness across groups)."""
+    return {
+        "min": min(counts, default=0),
+        "p50": percentile(counts, 0.5),
+        "max": max(counts, default=0),
     }
 
 
@@ -490,6 +502,8 @@ def report(r: dict[str, Any]) -> str:
         f"{r['switch_ms']['p99']:.2f} ms   (n={r['switch_ms']['n']}, --breakdown)",
         f"  Acquire (client)   p50 / p99 {a['p50']:10.2f} / {a['p99']:.2f} ms   (n={a['n']},"
         " includes waiting for the turn)",
+        f"  grants per group min / p50 / max {r['grants_per_group']['min']:6.0f} / "
+        f"{r['grants_per_group']['p50']:.0f} / {r['grants_per_group']['max']:.0f}   (whole run)",
         f"  orchestrator CPU             {o['cpu_share'] * 100:10.1f} % of a core, "
         f"{o['cpu_ms_per_grant']:.3f} ms per grant",
         f"  orchestrator RSS             {o['rss_mib']:10.1f} MiB (peak {o['peak_rss_mib']:.1f})",

@@ -1,0 +1,79 @@
+"""Group commit: the saves of one event-loop turn share one transaction, none is
+acknowledged before that commit, and a failed commit fails every save of it."""
+
+from __future__ import annotations
+
+import asyncio
+import pathlib
+import sqlite3
+
+import pytest
+
+from tslice.orchestrator import lock as lk
+from tslice.orchestrator import records
+from tslice.orchestrator import store as st
+
+NODES = [("node-a", "127.0.0.1:9001")]
+
+
+def _held_by(job: str) -> records.LockRecord:
+    g = lk.GroupLock()
+    g.on_acquire(job, now=0)
+    g.on_switch_done(epoch=1, restored=False, now=0)
+    return g.record()
+
+
+def _holders_on_disk(path: pathlib.Path) -> dict[str, str]:
+    """What another connection reads: only what was committed."""
+    conn = sqlite3.connect(path)
+    try:
+        return dict(conn.execute("SELECT group_id, holder FROM groups"))
+    finally:
+        conn.close()
+
+
+@pytest.mark.parametrize("synchronous", ["normal", "full"])
+async def test_saves_of_one_turn_share_one_commit_and_return_once_committed(
+    tmp_path: pathlib.Path, synchronous: str
+) -> None:
+    s = await st.Store.open(tmp_path, synchronous=synchronous)
+    commits: list[str] = []
+    assert s._conn is not None
+    s._conn.set_trace_callback(lambda sql: commits.append(sql) if sql == "COMMIT" else None)
+    saves = [
+        s.save(f"g{i}", nodes=NODES, record=_held_by(f"job-{i}"), previous=None) for i in range(5)
+    ]
+    await asyncio.gather(*saves)
+    # Acknowledged: each is on disk for any reader.
+    assert _holders_on_disk(s.path) == {f"g{i}": f"job-{i}" for i in range(5)}
+    assert commits == ["COMMIT"]
+    await s.save("g0", nodes=NODES, record=_held_by("job-x"), previous=_held_by("job-0"))
+    assert commits == ["COMMIT", "COMMIT"]  # a save alone still commits at once
+    await s.close()
+
+
+async def test_a_failed_commit_fails_every_save_of_its_batch_and_keeps_none(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    s = await st.Store.open(tmp_path)
+    write_rows = s._write_rows
+
+    def failing(conn: sqlite3.Connection, gid: str, *args: object) -> None:
+        if gid == "g-bad":
+            raise sqlite3.OperationalError("disk I/O error")
+        write_rows(conn, gid, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(s, "_write_rows", failing)
+    outcomes = await asyncio.gather(
+        s.save("g-good", nodes=NODES, record=_held_by("a"), previous=None),
+        s.save("g-bad", nodes=NODES, record=_held_by("b"), previous=None),
+        return_exceptions=True,
+    )
+    assert all(isinstance(o, st.StoreError) for o in outcomes), outcomes
+    assert "g-good" in str(outcomes[0]) and "disk I/O error" in str(outcomes[0])
+    assert _holders_on_disk(s.path) == {}  # the good save was not acknowledged: not kept
+    monkeypatch.setattr(s, "_write_rows", write_rows)
+    # The group retries its own save (as the driver does), and it sticks.
+    await s.save("g-good", nodes=NODES, record=_held_by("a"), previous=None)
+    assert _holders_on_disk(s.path) == {"g-good": "a"}
+    await s.close()
