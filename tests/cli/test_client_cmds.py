@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import pathlib
 import pty
 import re
 import select
@@ -17,7 +18,10 @@ import pytest
 
 import tslice
 import tslice.client as tsclient
+from tests.integration.test_hostile_agent import closed_port
+from tests.security.conftest import make_certs, orchestrator_args, serving, tls_args
 from tslice.cli import main
+from tslice.common import tls
 from tslice.sim import cluster
 
 _ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
@@ -193,3 +197,21 @@ def test_status_shows_degraded_nodes_and_clear_degraded_clears_them(
     assert json.loads(out) == {"group_id": "wedged-g", "node": "", "cleared": []}
     code, out, _ = cli(capsys, "clear-degraded", "wedged-g", "--addr", address)
     assert out.strip() == "group wedged-g has no degraded node; nothing to clear"
+
+
+def test_a_plaintext_command_against_a_tls_orchestrator_names_the_tls_setting(
+    tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without $TSLICE_TLS_CA the handshake never happens: the one line says what to set,
+    not only "is `tslice up` running?"."""
+    for name in (tls.TLS_CA_ENV, tls.TLS_CERT_ENV, tls.TLS_KEY_ENV, tls.TOKEN_ENV):
+        monkeypatch.delenv(name, raising=False)
+    certs = make_certs(tmp_path / "certs", identities=())
+    agent = f"127.0.0.1:{closed_port()}"  # never started: the command fails before any switch
+    args = orchestrator_args(tmp_path, agent, *tls_args(certs, mutual=False))
+    with serving("orchestrator", args, tmp_path / "orchestrator.log") as orchestrator:
+        code, out, err = cli(capsys, "status", "g", "--addr", orchestrator.address)
+    assert code == 1 and out == ""
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert "not reachable" in lines[0] and f"${tls.TLS_CA_ENV}" in lines[0], lines[0]

@@ -113,7 +113,8 @@ def _client(
             waited = _within(client.config.connect_timeout, timeout)
             raise errors.TsliceError(
                 f"orchestrator at {address} is not reachable{waited} (is `tslice up` "
-                "running? --connect-timeout waits longer)"
+                f"running? {client.config.security.connect_hint()}; --connect-timeout "
+                "waits longer)"
             ) from err
         raise errors.TsliceError(
             f"orchestrator at {address} is unavailable: {err.message}"
