@@ -18,15 +18,16 @@ from google.protobuf import descriptor, message_factory
 from google.protobuf import message as pb_message
 from hypothesis import strategies as st
 
-from tslice.common import validation
+from tslice.common import ids, validation
 
 _FD = descriptor.FieldDescriptor
 
 #: Ids that examples share: a valid id from here often names a job or group another
 #: example already created.
 POOL_IDS = ("job-a", "job-b", "g1", "g2", "node-a")
-#: The servers refuse strings longer than this (and ids longer than 253).
+#: The servers refuse strings longer than this, and ids longer than 253.
 _LONG = validation.MAX_TEXT
+_LONG_ID = ids.MAX_ID_LENGTH
 _HUGE = 3_000_000
 
 _INT_RANGES = {
@@ -52,7 +53,11 @@ def valid_ids() -> st.SearchStrategy[str]:
 def _huge_text() -> st.SearchStrategy[str]:
     return st.builds(
         lambda n, unit: (unit * (n // len(unit) + 1))[:n],
-        st.one_of(st.integers(_LONG - 1, _LONG + 2), st.integers(_LONG + 3, _HUGE)),
+        st.one_of(
+            st.integers(_LONG_ID - 1, _LONG_ID + 2),
+            st.integers(_LONG - 1, _LONG + 2),
+            st.integers(_LONG + 3, _HUGE),
+        ),
         st.sampled_from(["x", "\x00", "é", "a/", "\u202e", "🙂", "%s{}"]),
     )
 
@@ -73,7 +78,7 @@ def texts(*, wild: bool) -> st.SearchStrategy[str]:
         valid_ids(),
         st.text(max_size=40),
         st.text(st.characters(codec="utf-8", max_codepoint=0x1F), max_size=20),
-        st.sampled_from(["", " ", "a b", "../..", "a\n", "-a", "a-", "😀", "\ud7ff"]),
+        st.sampled_from(["", " ", "a b", "../..", "a\n", "a\r", "a\x00", "-a", "a-", "😀"]),
         _huge_text(),
     )
 
