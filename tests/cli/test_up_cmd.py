@@ -32,37 +32,45 @@ def cli(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
     return (code if isinstance(code, int) else 0), out, err
 
 
-def test_up_serves_until_ctrl_c(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def start_up(tmp_path: Path, *args: str) -> tuple[subprocess.Popen[str], str]:
+    """`tslice up ARGS` in its own process, and the table it printed once all serve."""
     proc = subprocess.Popen(
         [
-            sys.executable,
-            "-m",
-            "tslice",
-            "up",
-            "--port",
-            "0",
-            "--agents",
-            "2",
-            "--state-dir",
-            str(tmp_path / "up"),
-            "--log-level",
-            "warning",
-            "--sim-restore-bandwidth",
-            "5GB/s",
+            sys.executable, "-m", "tslice", "up",
+            "--port", "0",
+            "--state-dir", str(tmp_path / "up"),
+            "--log-level", "warning",
+            *args,
         ],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
         env={**os.environ, "COLUMNS": "200"},
-    )
+    )  # fmt: skip
+    assert proc.stdout is not None
+    printed = []
+    for line in proc.stdout:  # blocks until the table is printed: no sleeps
+        printed.append(line)
+        if "export TSLICE_ORCHESTRATOR=" in line:
+            break
+    return proc, "".join(printed)
+
+
+def stop_up(proc: subprocess.Popen[str]) -> None:
+    """Ctrl-C; it must stop cleanly."""
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    assert "Traceback" not in err
+
+
+def test_up_serves_until_ctrl_c(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # On every interface, plaintext as asked (--insecure reaches every server it starts).
+    proc, text = start_up(
+        tmp_path, "--agents", "2", "--sim-restore-bandwidth", "5GB/s", "--host", "0.0.0.0",
+        "--insecure",
+    )  # fmt: skip
     try:
-        assert proc.stdout is not None
-        printed = []
-        for line in proc.stdout:  # blocks until the table is printed: no sleeps
-            printed.append(line)
-            if "export TSLICE_ORCHESTRATOR=" in line:
-                break
-        text = "".join(printed)
         match = re.search(r"export TSLICE_ORCHESTRATOR=(127\.0\.0\.1:\d+)", text)
         assert match, text
         address = match.group(1)
@@ -80,6 +88,8 @@ def test_up_serves_until_ctrl_c(tmp_path: Path, capsys: pytest.CaptureFixture[st
             if b"agent" in args
         ]
         assert restore == [b"5000000000", b"5000000000"], agent_args
+        for args in agent_args:  # the orchestrator's and both agents'
+            assert args[args.index(b"--host") + 1] == b"0.0.0.0" and b"--insecure" in args
 
         with tsclient.Client(address, job_id="job-1") as client:
             assert client.acquire("g", timeout=30).success
@@ -110,10 +120,7 @@ def test_up_serves_until_ctrl_c(tmp_path: Path, capsys: pytest.CaptureFixture[st
         lines = err.strip().splitlines()
         assert len(lines) == 1 and "nope" in lines[0] and "tslice list" in lines[0]
 
-        proc.send_signal(signal.SIGINT)
-        _, err = proc.communicate(timeout=60)
-        assert proc.returncode == 0, err
-        assert "Traceback" not in err
+        stop_up(proc)
         assert not any(pid_alive(p) for p in pids)
     finally:
         if proc.poll() is None:
@@ -125,3 +132,12 @@ def test_up_refuses_a_malformed_rate(capsys: pytest.CaptureFixture[str]) -> None
     code, out, err = cli(capsys, "up", "--sim-restore-bandwidth", "fast")
     assert code == 2 and out == ""
     assert "--sim-restore-bandwidth 'fast' is not a rate" in err and "Traceback" not in err
+
+
+def test_up_on_a_non_loopback_host_needs_insecure(capsys: pytest.CaptureFixture[str]) -> None:
+    """Refused before any process starts, in one line naming the flag `up` has."""
+    code, out, err = cli(capsys, "up", "--host", "0.0.0.0", "--agents", "1")
+    assert code == 2 and out == ""
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert "0.0.0.0 without TLS" in lines[0] and "give --insecure" in lines[0], lines[0]

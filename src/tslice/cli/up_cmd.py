@@ -13,7 +13,7 @@ from typing import Annotated
 import typer
 
 from tslice.cli import options, render, sizes
-from tslice.common import errors
+from tslice.common import errors, tls
 from tslice.sim import cluster
 
 
@@ -50,8 +50,17 @@ def up(
     sim_restore_bandwidth: Annotated[str | None, options.SIM_RESTORE_BANDWIDTH] = None,
     sim_latency: Annotated[float | None, options.SIM_LATENCY] = None,
     log_level: Annotated[str, options.LOG_LEVEL] = "info",
+    insecure: Annotated[bool, options.INSECURE] = False,
 ) -> None:
     """Run an orchestrator (local mode) and N simulated agents until Ctrl-C."""
+    if not (insecure or tls.is_loopback(host)):
+        # The servers would refuse too, one after the other; `up` has no TLS flags.
+        raise errors.ConfigError(
+            f"refusing to serve the local cluster on {host} without TLS (`tslice up` serves "
+            "plaintext): anyone who reaches it could drive it; give --insecure on a trusted "
+            "network, or keep --host 127.0.0.1 (for TLS, run `tslice orchestrator` and "
+            "`tslice agent` with --tls-cert and --tls-key)"
+        )
     if fresh:
         shutil.rmtree(state_dir, ignore_errors=True)
     # Checked here, naming the flag, before any process starts.
@@ -73,6 +82,7 @@ def up(
         orchestrator_port=port,
         log_level=log_level,
         orchestrator_args=[arg for name in group or () for arg in ("--group", name)],
+        insecure=insecure,
     )
     wake = threading.Event()
     stop_requested = threading.Event()

@@ -125,6 +125,7 @@ class LocalCluster:
         grace_s: float = 5.0,
         orchestrator_args: Sequence[str] = (),
         env: Mapping[str, str] | None = None,
+        insecure: bool = False,
     ) -> None:
         specs = (
             [SimAgent(name=f"node-{i + 1}") for i in range(agents)]
@@ -149,6 +150,8 @@ class LocalCluster:
         self._own_dir = base_dir is None
         self.base_dir = Path(base_dir or tempfile.mkdtemp(prefix="tslice-cluster-"))
         self.host = host
+        #: Every process serves plaintext on a non-loopback ``host`` anyway (their --insecure).
+        self.insecure = insecure
         self.orchestrator_port = orchestrator_port
         self.log_level = log_level
         self.startup_timeout_s = startup_timeout_s
@@ -349,6 +352,7 @@ class LocalCluster:
             str(proc.ready_file),
             "--log-level",
             self.log_level,
+            *(["--insecure"] if self.insecure else []),
         ]
         with proc.log_path.open("ab") as log:
             log.write(f"--- {time.strftime('%H:%M:%S')} {' '.join(args)}\n".encode())
