@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib.util
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import grpc
@@ -99,15 +99,32 @@ def call(
     first) in the style its flags call for."""
     serialize = message_factory.GetMessageClass(method.request).SerializeToString
     parse = message_factory.GetMessageClass(method.reply).FromString
-    kinds = {"request_serializer": serialize, "response_deserializer": parse}
+    return _called(channel, method, requests, timeout=timeout, codec=(serialize, parse))
+
+
+def call_raw(channel: grpc.Channel, method: Method, payloads: Sequence[bytes]) -> calls.Answer:
+    """``payloads`` as the serialized requests of ``method`` (no parsing on our side)."""
+    return _called(channel, method, payloads, timeout=calls.PROMPT_S, codec=(None, None))
+
+
+def _called(
+    channel: grpc.Channel,
+    method: Method,
+    requests: Sequence[Any],
+    *,
+    timeout: float,
+    codec: tuple[Callable[[Any], bytes] | None, Callable[[bytes], Any] | None],
+) -> calls.Answer:
+    serialize, parse = codec
+    stub: Any
     if method.client_streaming:
-        stub = channel.stream_stream(method.path, **kinds)
+        stub = channel.stream_stream(method.path, serialize, parse)
         return calls.exchange(stub, method.path, requests, timeout=timeout)
     if method.server_streaming:
-        stub = channel.unary_stream(method.path, **kinds)
+        stub = channel.unary_stream(method.path, serialize, parse)
         follow = calls.subscribed if method.name in SUBSCRIPTIONS else calls.first_reply
         return follow(stub, method.path, requests[0], timeout=timeout)
-    stub = channel.unary_unary(method.path, **kinds)
+    stub = channel.unary_unary(method.path, serialize, parse)
     return calls.unary(stub, method.path, requests[0], timeout=timeout)
 
 
@@ -130,16 +147,6 @@ def read_requests(method: Method, payloads: Sequence[bytes]) -> list[Any] | None
         return [cls.FromString(p) for p in (payloads if method.client_streaming else payloads[:1])]
     except message.DecodeError:
         return None
-
-
-def call_raw(channel: grpc.Channel, method: Method, payloads: Sequence[bytes]) -> calls.Answer:
-    """``payloads`` as the serialized requests of ``method`` (no parsing on our side)."""
-    if method.client_streaming:
-        return calls.exchange(channel.stream_stream(method.path), method.path, payloads)
-    if method.server_streaming:
-        follow = calls.subscribed if method.name in SUBSCRIPTIONS else calls.first_reply
-        return follow(channel.unary_stream(method.path), method.path, payloads[0])
-    return calls.unary(channel.unary_unary(method.path), method.path, payloads[0])
 
 
 def check_raw(channel: grpc.Channel, method: Method, payloads: Sequence[bytes]) -> calls.Answer:

@@ -106,7 +106,7 @@ def enums(enum: descriptor.EnumDescriptor, *, wild: bool) -> st.SearchStrategy[i
 def _scalar(field: descriptor.FieldDescriptor, depth: int, wild: bool) -> st.SearchStrategy[Any]:
     if field.type == _FD.TYPE_MESSAGE:
         return _messages(field.message_type, depth + 1, wild)
-    if field.type == _FD.TYPE_ENUM:
+    if field.type == _FD.TYPE_ENUM and field.enum_type is not None:
         return enums(field.enum_type, wild=wild)
     if field.type == _FD.TYPE_STRING:
         return texts(wild=wild)

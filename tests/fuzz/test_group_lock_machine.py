@@ -50,7 +50,7 @@ class LockMachine(stateful.RuleBasedStateMachine):
         self.blocked = ""
         #: RPCs of the holder that received its grant (for undelivered).
         self.receivers = 0
-        self.undelivered = 0
+        self.undelivered_rpcs = 0
 
     # ---- the model's own rules --------------------------------------------------------
 
@@ -64,13 +64,13 @@ class LockMachine(stateful.RuleBasedStateMachine):
         self.epoch += 1
         self.holder = job
         if job == self.resident and self.verified:
-            self.receivers, self.undelivered = attached, 0
+            self.receivers, self.undelivered_rpcs = attached, 0
         else:
             self.switch = Switch(job, self.epoch, attached)
 
     def _release(self) -> None:
         self.holder = None
-        self.receivers = self.undelivered = 0
+        self.receivers = self.undelivered_rpcs = 0
         self._promote()
 
     def _apply(self, actions: list[act.Action]) -> None:
@@ -120,7 +120,7 @@ class LockMachine(stateful.RuleBasedStateMachine):
         ):
             self.epoch += 1
             self.holder = job
-            self.receivers, self.undelivered = 1, 0
+            self.receivers, self.undelivered_rpcs = 1, 0
             granted_at_once = True
         else:
             self.queue[job] = 1
@@ -181,7 +181,7 @@ class LockMachine(stateful.RuleBasedStateMachine):
             self._promote()
         else:
             self.holder = s.to_job
-            self.receivers, self.undelivered = s.attached, 0
+            self.receivers, self.undelivered_rpcs = s.attached, 0
         actions = self.lock.on_switch_done(epoch=s.epoch, restored=restored, now=self._now)
         self._apply(actions)
 
@@ -250,8 +250,8 @@ class LockMachine(stateful.RuleBasedStateMachine):
         """One RPC that received the grant was cancelled before the reply went out."""
         job, epoch = self.holder, self.epoch
         assert job is not None
-        self.undelivered += 1
-        if self.undelivered >= self.receivers:
+        self.undelivered_rpcs += 1
+        if self.undelivered_rpcs >= self.receivers:
             self._release()
         self._apply(self.lock.on_undelivered(job, epoch=epoch, now=self._now))
 
@@ -281,7 +281,7 @@ class LockMachine(stateful.RuleBasedStateMachine):
         assert self.lock.waiting_jobs == list(self.queue), (self.lock.waiting_jobs, self.queue)
         waiting, self.queue = self.queue, {}
         # A granted holder's client got its reply before the crash: it keeps the lock.
-        self.receivers, self.undelivered = (1, 0) if self.holder is not None else (0, 0)
+        self.receivers, self.undelivered_rpcs = (1, 0) if self.holder is not None else (0, 0)
         for job, attached in waiting.items():
             self.queue[job] = attached
             for _ in range(attached):
