@@ -2,7 +2,7 @@
 
 By default every test runs a few dozen examples in a fixed order (``derandomize``, no
 example database), so a CI run is fast and repeatable. ``TSLICE_FUZZ_EXAMPLES=N``
-multiplies the search: every test runs N examples drawn at random (hypothesis prints
+runs N examples per test instead, drawn at random (hypothesis prints
 the seed and the smallest failing example), for long runs by hand or nightly; pass
 ``--timeout=0`` too (the suite's per-test limit is 120 s).
 """
