@@ -63,6 +63,8 @@ _WATCHED = [Kind.KIND_GRANTED, Kind.KIND_YIELDED]
 _SWITCHES = [Kind.KIND_SWITCH_DONE]
 #: Time from "go" to the window's start, seconds.
 _WARMUP_S = 0.5
+#: How long the orchestrator's CPU is read with every job connected and idle, seconds.
+_IDLE_S = 1.0
 #: First connection of a generator's client: many connect at once.
 _CONNECT_S = 120.0
 #: Connections a generator opens at once.
@@ -163,6 +165,7 @@ async def _job_loop(
         held_from = time.time()
         if start <= held_from <= end:
             out["acquire_s"].append(time.perf_counter() - began)
+            out["by_job"][job] = out["by_job"].get(job, 0) + 1
         out["grants"] += 1
         out["by_group"][group] = out["by_group"].get(group, 0) + 1
         await asyncio.sleep(rng.uniform(0.0, 2 * hold_s))
@@ -177,7 +180,14 @@ async def _job_loop(
 async def _generate(spec: dict[str, Any]) -> dict[str, Any]:
     from tslice.client import AsyncClient
 
-    out: dict[str, Any] = {"errors": [], "acquire_s": [], "grants": 0, "by_group": {}, "holds": []}
+    out: dict[str, Any] = {
+        "errors": [],
+        "acquire_s": [],
+        "grants": 0,
+        "by_group": {},
+        "by_job": {},
+        "holds": [],
+    }
     clients = [
         AsyncClient(spec["address"], job_id=job, connect_timeout=_CONNECT_S)
         for job, _ in spec["jobs"]
@@ -233,6 +243,8 @@ class _Watch:
         self.yielded_at: dict[str, float] = {}
         self.handover_s: list[float] = []
         self.switch_s: list[float] = []
+        #: GRANTED events of the window by detail ("" = a switch; "zero-cost", "already held").
+        self.grant_kinds: dict[str, int] = {}
         self.grants_in_window = 0
         self.grants_total = 0
         self.violations: list[str] = []
@@ -265,6 +277,8 @@ class _Watch:
             self.holder[g] = job
             if self.start <= t <= self.end:
                 self.grants_in_window += 1
+                kind = e.detail or "switch"
+                self.grant_kinds[kind] = self.grant_kinds.get(kind, 0) + 1
                 yielded = self.yielded_at.get(g)
                 # 1 ms: duration_ms is rounded down.
                 if yielded is not None and t - e.duration_ms / 1000 < yielded - 0.001:
@@ -391,6 +405,10 @@ async def measure(
                 for part in job_plan(jobs, groups, procs)
             ]
         )
+        # What the orchestrator spends with every job connected and none calling.
+        idle_from = _cpu_s(pid)
+        await asyncio.sleep(_IDLE_S)
+        idle_share = (_cpu_s(pid) - idle_from) / _IDLE_S
         start = time.time() + _WARMUP_S
         end = start + seconds
         watch = _Watch(start, end)
@@ -457,6 +475,7 @@ async def measure(
         },
         "orchestrator": {
             "cpu_share": (cpu_end - cpu_start) / seconds,
+            "idle_cpu_share": idle_share,
             "cpu_ms_per_grant": (cpu_end - cpu_start) * 1000 / grants if grants else 0.0,
             "rss_mib": memory.get("VmRSS", 0) / 1024,
             "peak_rss_mib": memory.get("VmHWM", 0) / 1024,
@@ -476,7 +495,10 @@ async def measure(
         "grants_per_group": _spread(
             [sum(r["by_group"].get(g, 0) for r in results) for g in group_ids(groups)]
         ),
+        "jobs_without_grant": jobs - sum(len(r["by_job"]) for r in results),
+        "grants_per_job": _spread([n for r in results for n in r["by_job"].values()]),
         "watched_groups": len(sampled),
+        "watched_grants_by_kind": watch.grant_kinds,
         "events_lost": max(0, sampled_grants - watch.grants_total),
     }
 
@@ -505,13 +527,19 @@ def report(r: dict[str, Any]) -> str:
         f"  grants per group min / p50 / max {r['grants_per_group']['min']:6.0f} / "
         f"{r['grants_per_group']['p50']:.0f} / {r['grants_per_group']['max']:.0f}   (whole run)",
         f"  orchestrator CPU             {o['cpu_share'] * 100:10.1f} % of a core, "
-        f"{o['cpu_ms_per_grant']:.3f} ms per grant",
+        f"{o['cpu_ms_per_grant']:.3f} ms per grant (idle, every job connected: "
+        f"{o['idle_cpu_share'] * 100:.1f} %)",
         f"  orchestrator RSS             {o['rss_mib']:10.1f} MiB (peak {o['peak_rss_mib']:.1f})",
         f"  agents CPU                   {r['agents_cpu_share'] * 100:10.1f} % of a core in all, "
         f"{r['agents_cpu_ms_per_grant']:.3f} ms per grant",
         f"  generators CPU               {sum(gens) * 100:10.1f} % of a core in all "
         f"(max {max(gens) * 100:.1f} % per process), "
         f"{r['generators_cpu_ms_per_grant']:.3f} ms per grant",
+        f"  jobs with no grant in the window {r['jobs_without_grant']}, grants per job "
+        f"min / p50 / max {r['grants_per_job']['min']:.0f} / {r['grants_per_job']['p50']:.0f}"
+        f" / {r['grants_per_job']['max']:.0f}",
+        f"  grants of the {r['watched_groups']} watched groups by kind: "
+        + ", ".join(f"{k} {n}" for k, n in sorted(r["watched_grants_by_kind"].items())),
         f"  errors {r['errors']}, violations {r['violations']} (event stream "
         f"{r['violations_events']}, jobs' own hold intervals {r['violations_clients']}), "
         f"events lost {r['events_lost']}",
