@@ -39,6 +39,9 @@ after the agent's ``lost_grace_s``), saying why in :attr:`WorkloadHandle.refusal
 the agent's Unix socket the token is first bound to this process on the agent's register
 socket (``$TSLICE_AGENT_REGISTER_SOCKET``, else ``register.sock`` next to the agent
 socket), where the kernel tells the agent which process it is.
+
+TLS and token: the job side's own settings (``$TSLICE_TLS_*``, ``$TSLICE_TOKEN``, or
+``security=``), as :mod:`tslice.workload.agent_link` applies them.
 """
 
 from __future__ import annotations
@@ -61,14 +64,14 @@ import grpc
 
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2_grpc as pb_grpc
-from tslice.common import ids
-from tslice.workload import adapters, commands, process
+from tslice.common import ids, tls
+from tslice.workload import adapters, agent_link, commands, process
 from tslice.workload.adapters import base, callbacks
+from tslice.workload.agent_link import AGENT_ENV_VARS, ChannelSettings
+
+__all__ = ["AGENT_ENV_VARS", "ChannelSettings", "WorkloadHandle", "register_workload"]
 
 log = logging.getLogger(__name__)
-
-#: Environment variables read when ``agent`` is not given (first one set wins).
-AGENT_ENV_VARS = ("TSLICE_AGENT_ADDR", "SNAPSHOT_AGENT_ADDR")
 
 ModeLike: TypeAlias = "base.SuspendMode | str | int"
 #: gRPC metadata key of the handle's instance token (the agent's
@@ -89,30 +92,6 @@ _FINAL_REFUSALS = (
 )
 # Generated stubs are untyped; calling through Any keeps strict mypy quiet either way.
 _STUB: Any = pb_grpc.SnapshotAgentServiceStub
-
-
-@dataclasses.dataclass(frozen=True)
-class ChannelSettings:
-    """How a handle keeps its stream to the agent alive, and how it reconnects."""
-
-    #: Seconds between keepalive pings towards the agent (when the agent pings too).
-    ping_interval_s: float = 5.0
-    #: Silent intervals after which the connection is dropped and re-opened.
-    missed_pings: int = 3
-    #: First reconnect pause, seconds; doubles (with jitter) up to ``backoff_max_s``.
-    backoff_initial_s: float = 0.5
-    #: Longest reconnect pause, seconds.
-    backoff_max_s: float = 30.0
-
-    def __post_init__(self) -> None:
-        if self.ping_interval_s <= 0 or self.missed_pings < 1:
-            raise ValueError("ping_interval_s must be > 0 and missed_pings >= 1")
-        if self.backoff_initial_s <= 0 or self.backoff_max_s < self.backoff_initial_s:
-            raise ValueError("need 0 < backoff_initial_s <= backoff_max_s")
-
-    @property
-    def silence_limit_s(self) -> float:
-        return self.ping_interval_s * self.missed_pings
 
 
 @dataclasses.dataclass
@@ -148,12 +127,15 @@ class WorkloadHandle:
         loop: asyncio.AbstractEventLoop | None,
         settings: ChannelSettings,
         register_socket: Path | None = None,
+        security: tls.ClientSecurity | None = None,
     ) -> None:
         self.job_id = job_id
         #: Sent on every stream: the agent tells this workload coming back from another.
         self.instance = secrets.token_hex(16)
         self._register_socket = register_socket
-        self._unix = isinstance(agent, str) and agent.startswith("unix:")
+        self._unix = agent_link.is_unix(agent)
+        #: TLS (TCP addresses only) and the token every stream carries.
+        self._security = agent_link.security(agent, security)
         self.group = group
         self._label = f"job {job_id!r} (group {group!r})" if group else f"job {job_id!r}"
         self.adapter = adapter
@@ -290,7 +272,7 @@ class WorkloadHandle:
             stub = _STUB(channel)
             connection.call = stub.WorkloadChannel(
                 self._requests(connection, registration),
-                metadata=((INSTANCE_METADATA, self.instance),),
+                metadata=((INSTANCE_METADATA, self.instance), *self._security.metadata()),
             )
             if self._stop.is_set():
                 connection.outbox.put(_STOP)
@@ -473,7 +455,7 @@ class WorkloadHandle:
 
     def _open_channel(self) -> tuple[grpc.Channel, bool]:
         if isinstance(self._agent, str):
-            return grpc.insecure_channel(self._agent), True
+            return self._security.channel(self._agent), True
         return self._agent, False
 
     def _set_registered(self, value: bool) -> None:
@@ -513,6 +495,7 @@ def register_workload(  # noqa: PLR0917 - llm-d's positional signature, kept for
     backoff_initial_s: float = 0.5,
     backoff_max_s: float = 30.0,
     register_socket: str | os.PathLike[str] | None = None,
+    security: tls.ClientSecurity | None = None,
 ) -> WorkloadHandle:
     """Register this process's workload with the node agent and serve its commands.
 
@@ -537,6 +520,10 @@ def register_workload(  # noqa: PLR0917 - llm-d's positional signature, kept for
             channel (needed over the agent's Unix socket). Default:
             ``$TSLICE_AGENT_REGISTER_SOCKET``, else ``register.sock`` next to a
             ``unix:`` agent socket; over TCP, none unless named.
+        security: TLS and token (as ``tslice.Client(security=...)``); ``None`` reads
+            ``$TSLICE_TLS_CA``, ``$TSLICE_TLS_CERT``/``$TSLICE_TLS_KEY`` and
+            ``$TSLICE_TOKEN``/``$TSLICE_TOKEN_FILE``. TLS applies to a TCP address (not
+            to ``unix:`` nor to a given channel); the token is sent on every stream.
 
     Returns at once with the connection running in the background; call
     ``handle.wait_registered(timeout)`` to know the agent has accepted it.
@@ -544,7 +531,7 @@ def register_workload(  # noqa: PLR0917 - llm-d's positional signature, kept for
     ids.check_id("job_id", job_id)
     if group:
         ids.check_id("group", group)
-    target = _resolve_agent(agent)
+    target = agent_link.resolve_agent(agent)
     settings = ChannelSettings(ping_interval_s, missed_pings, backoff_initial_s, backoff_max_s)
     adapter = adapters.resolve_adapter(
         workload=workload, on_snapshot=on_snapshot, on_restore=on_restore
@@ -562,37 +549,10 @@ def register_workload(  # noqa: PLR0917 - llm-d's positional signature, kept for
         capabilities=capabilities,
         loop=loop,
         settings=settings,
-        register_socket=_register_socket(target, register_socket),
+        register_socket=agent_link.register_socket(target, register_socket),
+        security=security,
     )
     return handle.start()
-
-
-def _register_socket(
-    agent: str | grpc.Channel, given: str | os.PathLike[str] | None
-) -> Path | None:
-    if given is not None:
-        return Path(given)
-    named = os.environ.get(process.SOCKET_ENV, "").strip()
-    if named:
-        return Path(named)
-    if isinstance(agent, str) and agent.startswith("unix:"):
-        path = agent[len("unix:") :]
-        path = path[2:] if path.startswith("//") else path
-        return Path(path).with_name("register.sock")
-    return None
-
-
-def _resolve_agent(agent: str | grpc.Channel | None) -> str | grpc.Channel:
-    if agent is None or agent == "":
-        for name in AGENT_ENV_VARS:
-            value = os.environ.get(name, "").strip()
-            if value:
-                return value
-        raise ValueError(
-            "no agent address: pass agent='127.0.0.1:9001' (or 'unix:/path/agent.sock') "
-            f"or set {AGENT_ENV_VARS[0]}"
-        )
-    return agent
 
 
 def _capabilities(
