@@ -243,7 +243,8 @@ class _Watch:
         self.yielded_at: dict[str, float] = {}
         self.handover_s: list[float] = []
         self.switch_s: list[float] = []
-        #: GRANTED events of the window by detail ("" = a switch; "zero-cost", "already held").
+        #: GRANTED events of the window by detail ("restored", "zero-cost", "already held";
+        #: none: a switch with nothing to restore, as the first grant of a job).
         self.grant_kinds: dict[str, int] = {}
         self.grants_in_window = 0
         self.grants_total = 0
@@ -277,7 +278,7 @@ class _Watch:
             self.holder[g] = job
             if self.start <= t <= self.end:
                 self.grants_in_window += 1
-                kind = e.detail or "switch"
+                kind = e.detail or "nothing to restore"
                 self.grant_kinds[kind] = self.grant_kinds.get(kind, 0) + 1
                 yielded = self.yielded_at.get(g)
                 # 1 ms: duration_ms is rounded down.
