@@ -14,6 +14,7 @@ import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -53,6 +54,17 @@ ORCHESTRATOR = {
 #: Why the partition is made with SIGSTOP instead of a network namespace ("" = namespace);
 #: TSLICE_TEST_NETNS=0 asks for SIGSTOP anyway (to exercise that path as root).
 NO_NETNS = "TSLICE_TEST_NETNS=0" if os.environ.get("TSLICE_TEST_NETNS") == "0" else Netns.usable()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    """A failed test's report shows the end of every server's log (the stack's directory
+    is deleted at the end of the run)."""
+    outcome: Any = yield
+    report = outcome.get_result()
+    stack = getattr(item, "funcargs", {}).get("stack")
+    if report.when == "call" and report.failed and isinstance(stack, Stack):
+        report.sections.append(("servers' logs (last lines)", stack.logs(last=40)))
 
 
 @pytest.fixture(scope="package")

@@ -161,9 +161,11 @@ class Process:
         except subprocess.TimeoutExpired:
             self.kill()
 
-    def logs(self) -> str:
+    def logs(self, last: int | None = None) -> str:
+        """The server's log (its ``last`` lines only, if given)."""
         with contextlib.suppress(OSError):
-            return f"----- {self.name} -----\n{self.log_path.read_text(errors='replace')}"
+            lines = self.log_path.read_text(errors="replace").splitlines()
+            return "\n".join([f"----- {self.name} -----", *lines[-(last or 0) :]])
         return f"----- {self.name}: no log -----"
 
 
@@ -223,8 +225,8 @@ class Stack:
         for process in (self.orchestrator, *self.agents.values()):
             process.stop()
 
-    def logs(self) -> str:
-        return "\n".join(p.logs() for p in (self.orchestrator, *self.agents.values()))
+    def logs(self, last: int | None = None) -> str:
+        return "\n".join(p.logs(last) for p in (self.orchestrator, *self.agents.values()))
 
 
 def _node(name: str, address: str, devices: Sequence[int] | None) -> dict[str, object]:
