@@ -9,12 +9,18 @@ Readiness is the server's own "serving on HOST:PORT" log line, read from its std
 it is written (no sleeps, no polling); every line also goes to a log file in the state
 directory, and the logs are shown when a test fails (``running_stack`` on an exception,
 the ``stack`` fixture on a failed test) or when a server does not come up.
+
+With ``tls=`` (certificates from :func:`make_certs`, which runs ``tslice certs`` in the
+server Python: the job-side venvs have no ``cryptography``) both servers serve mutual TLS
+on TCP; with ``tokens=`` they also have ``auth:`` on (the orchestrator proves its role to
+the agent, over the agent's plaintext Unix socket, with a token of its own).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import os
 import pathlib
 import re
@@ -24,7 +30,7 @@ import subprocess
 import sys
 import tempfile
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 SERVER_PYTHON_ENV = "TSLICE_SERVER_PYTHON"
 #: How long a server may take to start (imports, SQLite) before the stack gives up.
@@ -39,6 +45,66 @@ _SERVING = re.compile(r"serving on (127\.0\.0\.1:\d+)")
 def server_python() -> str:
     """The interpreter that runs the servers: ``$TSLICE_SERVER_PYTHON``, else this one."""
     return os.environ.get(SERVER_PYTHON_ENV) or sys.executable
+
+
+@dataclasses.dataclass(frozen=True)
+class StackTLS:
+    """A development CA, the servers' certificate and client certificates (``tslice certs``)."""
+
+    directory: pathlib.Path
+
+    @property
+    def ca(self) -> pathlib.Path:
+        return self.directory / "ca.pem"
+
+    def server_args(self) -> list[str]:
+        """Mutual TLS: the servers require client certificates signed by the CA."""
+        return [
+            "--tls-cert", str(self.directory / "server.pem"),
+            "--tls-key", str(self.directory / "server.key"),
+            "--tls-client-ca", str(self.ca),
+        ]  # fmt: skip
+
+    def env(self, identity: str | None) -> dict[str, str]:
+        """The job side's variables: the CA, and ``identity``'s certificate if given."""
+        env = {"TSLICE_TLS_CA": str(self.ca)}
+        if identity is not None:
+            stem = re.sub(r"[^A-Za-z0-9_.=+@-]+", "-", identity)  # as `tslice certs` names it
+            env["TSLICE_TLS_CERT"] = str(self.directory / f"{stem}.pem")
+            env["TSLICE_TLS_KEY"] = str(self.directory / f"{stem}.key")
+        return env
+
+
+def make_certs(directory: pathlib.Path, clients: Sequence[str]) -> StackTLS:
+    """``tslice certs`` in the server Python, with a client certificate per identity."""
+    command = [server_python(), "-m", "tslice", "certs", "--out", str(directory)]
+    for identity in clients:
+        command += ["--client", identity]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=60, check=False)
+    if done.returncode != 0:
+        raise ServerError(f"tslice certs failed ({done.returncode}): {done.stderr}")
+    return StackTLS(directory)
+
+
+def _auth_configs(
+    state_dir: pathlib.Path, tokens: Mapping[str, str]
+) -> tuple[pathlib.Path, pathlib.Path]:
+    """The agent's and the orchestrator's config files: ``auth:`` with a job token for each
+    of ``tokens`` (job id -> token), and the orchestrator's own token towards the agent."""
+    secret = state_dir / "orchestrator.token"
+    secret.write_text("orchestrator-token-of-the-stack\n")
+    lines = [f"  - {{name: orchestrator, roles: [orchestrator], token_file: {secret}}}"]
+    for job, token in tokens.items():
+        digest = hashlib.sha256(token.encode()).hexdigest()
+        lines.append(f"  - {{name: {job}, roles: [job], jobs: [{job}], sha256: {digest}}}")
+    tokens_file = state_dir / "tokens.yaml"
+    tokens_file.write_text("tokens:\n" + "\n".join(lines) + "\n")
+    agent, orchestrator = state_dir / "agent.yaml", state_dir / "orchestrator.yaml"
+    agent.write_text(f"auth: {{tokens_file: {tokens_file}}}\n")
+    orchestrator.write_text(
+        f"auth: {{tokens_file: {tokens_file}}}\nagent_client: {{token_file: {secret}}}\n"
+    )
+    return agent, orchestrator
 
 
 class ServerError(RuntimeError):
@@ -118,6 +184,10 @@ class Stack:
     agent_address: str
     groups: tuple[str, ...]
     state_dir: pathlib.Path
+    #: Set when the servers serve mutual TLS (``running_stack(tls=...)``).
+    tls: StackTLS | None = None
+    #: Job id -> bearer token the servers know (``running_stack(tokens=...)``).
+    tokens: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
     def env(self, job_id: str) -> dict[str, str]:
         """``os.environ`` plus what a job process of ``job_id`` needs to reach this stack.
@@ -137,6 +207,10 @@ class Stack:
                 "TSLICE_AGENT_ADDR": self.agent_address,
             }
         )
+        if self.tls is not None:
+            env.update(self.tls.env(f"job:{job_id}"))
+        if job_id in self.tokens:
+            env["TSLICE_TOKEN"] = self.tokens[job_id]
         for role in ("trainer", "sampler"):
             key = f"TIMESLICE_{role.upper()}_GROUP"
             if role in self.groups:
@@ -160,17 +234,25 @@ def running_stack(
     *,
     groups: Sequence[str] = ("trainer", "sampler"),
     backend: str = "app-channel",
+    tls: StackTLS | None = None,
+    tokens: Mapping[str, str] | None = None,
 ) -> Iterator[Stack]:
     """An agent (``backend``) and a local-mode orchestrator serving exactly ``groups``.
 
     In local mode every group spans the one agent, so groups share its (simulated or
-    real) GPUs: one job may hold several at once, two jobs never do.
+    real) GPUs: one job may hold several at once, two jobs never do. ``tls``: both serve
+    mutual TLS on TCP; ``tokens`` (job id -> token): both have authentication on.
     """
     state_dir = tmp_path / "tslice-stack"
     state_dir.mkdir(parents=True, exist_ok=True)
     # A Unix socket path is limited to ~107 bytes; pytest's tmp_path can be longer.
     sockets = pathlib.Path(tempfile.mkdtemp(prefix="tslice-"))
     servers: list[_Server] = []
+    agent_extra, orchestrator_extra = (tls.server_args(), tls.server_args()) if tls else ([], [])
+    if tokens is not None:
+        agent_config, orchestrator_config = _auth_configs(state_dir, tokens)
+        agent_extra += ["--config", str(agent_config)]
+        orchestrator_extra += ["--config", str(orchestrator_config)]
     try:
         agent = _Server(
             "agent",
@@ -193,6 +275,7 @@ def running_stack(
                 # TCP port, chosen by the agent, is known only once it serves).
                 "--unix-socket",
                 str(sockets / "agent.sock"),
+                *agent_extra,
             ],
             state_dir / "agent.log",
         )
@@ -204,6 +287,7 @@ def running_stack(
             "--metrics-port", "0",
             "--state-dir", str(state_dir / "orchestrator"),
             "--shutdown-grace", "1",
+            *orchestrator_extra,
         ]  # fmt: skip
         for group in groups:
             orchestrator_args += ["--group", group]
@@ -211,7 +295,9 @@ def running_stack(
         servers.append(orchestrator)
         agent_address = agent.wait_serving()
         address = orchestrator.wait_serving()
-        stack = Stack(address, agent_address, tuple(groups), state_dir)
+        stack = Stack(
+            address, agent_address, tuple(groups), state_dir, tls=tls, tokens=dict(tokens or {})
+        )
         try:
             yield stack
         except BaseException:
