@@ -24,7 +24,7 @@ from tslice.agent import config as agent_config
 from tslice.agent.backends import base, registry, services
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2_grpc as pb_grpc
-from tslice.common import auth, errors, logs, serving, tasks
+from tslice.common import auth, errors, logs, serving, tasks, undecodable
 
 log = logging.getLogger(__name__)
 
@@ -154,7 +154,11 @@ async def serve(
 
         grpc_server = grpc.aio.server(
             options=serving.SERVER_OPTIONS,
-            interceptors=serving.auth_interceptors(config.auth, auth.AGENT_RULES, "agent"),
+            interceptors=[
+                *serving.auth_interceptors(config.auth, auth.AGENT_RULES, "agent"),
+                # Inside authentication: a caller is verified before its bytes are parsed.
+                undecodable.UndecodableRequests(),
+            ],
         )
         servicer = server.SnapshotAgentServicer(core=core, hub=hub)
         pb_grpc.add_SnapshotAgentServiceServicer_to_server(servicer, grpc_server)

@@ -27,7 +27,7 @@ from grpc_reflection.v1alpha import reflection
 
 from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2 as opb
 from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2_grpc as opb_grpc
-from tslice.common import auth, ids, logs, serving
+from tslice.common import auth, ids, logs, serving, undecodable
 from tslice.orchestrator import agents, config, events, group, manager, metrics, server, store
 
 log = logging.getLogger(__name__)
@@ -75,7 +75,11 @@ async def _serve_locked(
     stop: asyncio.Event | None,
 ) -> None:
     # First: an unreadable tokens file stops the start before anything is opened.
-    interceptors = serving.auth_interceptors(cfg.auth, auth.ORCHESTRATOR_RULES, "orchestrator")
+    interceptors = [
+        *serving.auth_interceptors(cfg.auth, auth.ORCHESTRATOR_RULES, "orchestrator"),
+        # Inside authentication: a caller is verified before its bytes are parsed.
+        undecodable.UndecodableRequests(),
+    ]
     db = await store.Store.open(cfg.state_dir, synchronous=cfg.sqlite_synchronous)
     pool = agents.AgentPool(
         rpc_timeout_s=cfg.agent_rpc_timeout_s,
