@@ -18,20 +18,13 @@ from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2 as opb
 from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2_grpc as opb_grpc
 from tslice.common import ids
 
-#: ``re.match`` with ``$`` also matches before a final newline.
-TRAILING_NEWLINE = pytest.mark.xfail(
-    strict=True, reason="ids.check_id accepts a trailing newline: fullmatch (requests/fuzz.md 4)"
-)
 
-
-@TRAILING_NEWLINE
 @pytest.mark.parametrize("value", ["job-a\n", "a\n"])
 def test_an_id_with_a_trailing_newline_is_malformed(value: str) -> None:
     with pytest.raises(ids.InvalidIdError, match="malformed"):
         ids.check_id("job_id", value)
 
 
-@TRAILING_NEWLINE
 def test_the_orchestrator_refuses_a_job_id_with_a_trailing_newline(orchestrator: Served) -> None:
     stub = opb_grpc.TimeSliceOrchestratorServiceStub(orchestrator.channel)
     request = opb.AcquireRequest(job_id="job-a\n", group_id="newline")
@@ -44,7 +37,6 @@ def test_the_orchestrator_refuses_a_job_id_with_a_trailing_newline(orchestrator:
         pytest.fail("job 'job-a\\n' (a different job from 'job-a') was granted the group")
 
 
-@TRAILING_NEWLINE
 def test_the_agent_refuses_a_group_with_a_trailing_newline(agent: Served) -> None:
     stub = pb_grpc.SnapshotAgentServiceStub(agent.channel)
     grant = pb.GrantRequest(

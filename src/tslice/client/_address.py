@@ -43,7 +43,7 @@ def grpc_target(address: str, *, default_port: int, source: str) -> str:
         raise errors.ConfigError(
             f"{source}={text!r} names no host; write e.g. 127.0.0.1{text} or localhost{text}"
         )
-    if not _HOST.match(host):
+    if not _HOST.fullmatch(host):
         raise errors.ConfigError(
             f"{source}={text!r}: {host!r} is not a host name or address; write host:port "
             f"(e.g. localhost:{default_port})"

@@ -22,7 +22,7 @@ def check_id(kind: str, value: str) -> str:
         raise InvalidIdError(
             f"{kind} is {len(value)} characters long; the limit is {MAX_ID_LENGTH}"
         )
-    if not _ID_RE.match(value):
+    if not _ID_RE.fullmatch(value):
         raise InvalidIdError(
             f"{kind} {value!r} is malformed: use letters, digits and . _ : @ / + = -, "
             "starting with a letter or digit and ending with a letter, digit or _"

@@ -55,7 +55,7 @@ def check_address(value: str) -> str:
         if len(value.split(":", 1)[1]) == 0:
             raise ValueError("unix address needs a path, e.g. unix:/run/tslice/agent.sock")
         return value
-    m = _HOST_PORT.match(value)
+    m = _HOST_PORT.fullmatch(value)
     if not m or not 1 <= int(m.group(1)) <= 65535:
         raise ValueError(f"{value!r} is not an agent address; write host:port, e.g. 127.0.0.1:9001")
     return value
