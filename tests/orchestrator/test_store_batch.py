@@ -1,5 +1,5 @@
 """Group commit: the saves of one event-loop turn share one transaction, none is
-acknowledged before that commit, and a failed commit fails every save of it."""
+acknowledged before its commit, and a save that cannot be written fails alone."""
 
 from __future__ import annotations
 
@@ -52,13 +52,15 @@ async def test_saves_of_one_turn_share_one_commit_and_return_once_committed(
     await s.close()
 
 
-async def test_a_failed_commit_fails_every_save_of_its_batch_and_keeps_none(
+async def test_a_save_that_cannot_be_written_fails_alone_and_holds_no_other_back(
     tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     s = await st.Store.open(tmp_path)
     write_rows = s._write_rows
+    tried: list[str] = []
 
     def failing(conn: sqlite3.Connection, gid: str, *args: object) -> None:
+        tried.append(gid)
         if gid == "g-bad":
             raise sqlite3.OperationalError("disk I/O error")
         write_rows(conn, gid, *args)  # type: ignore[arg-type]
@@ -67,13 +69,17 @@ async def test_a_failed_commit_fails_every_save_of_its_batch_and_keeps_none(
     outcomes = await asyncio.gather(
         s.save("g-good", nodes=NODES, record=_held_by("a"), previous=None),
         s.save("g-bad", nodes=NODES, record=_held_by("b"), previous=None),
+        s.save("g-also", nodes=NODES, record=_held_by("c"), previous=None),
         return_exceptions=True,
     )
-    assert all(isinstance(o, st.StoreError) for o in outcomes), outcomes
-    assert "g-good" in str(outcomes[0]) and "disk I/O error" in str(outcomes[0])
-    assert _holders_on_disk(s.path) == {}  # the good save was not acknowledged: not kept
+    assert outcomes[0] is None and outcomes[2] is None
+    assert isinstance(outcomes[1], st.StoreError)
+    assert "g-bad" in str(outcomes[1]) and "disk I/O error" in str(outcomes[1])
+    # The batch was tried at once, then each save in its own transaction.
+    assert tried == ["g-good", "g-bad", "g-good", "g-bad", "g-also"]
+    assert _holders_on_disk(s.path) == {"g-good": "a", "g-also": "c"}
     monkeypatch.setattr(s, "_write_rows", write_rows)
     # The group retries its own save (as the driver does), and it sticks.
-    await s.save("g-good", nodes=NODES, record=_held_by("a"), previous=None)
-    assert _holders_on_disk(s.path) == {"g-good": "a"}
+    await s.save("g-bad", nodes=NODES, record=_held_by("b"), previous=None)
+    assert _holders_on_disk(s.path) == {"g-good": "a", "g-bad": "b", "g-also": "c"}
     await s.close()

@@ -6,8 +6,9 @@ which keeps "write before acting"). Saves made in one turn of the event loop, by
 any groups, share one transaction (group commit): under load many groups hand over
 at once, and one commit per loop turn costs far less than one per group (SQLite
 writes each touched page to the WAL once per commit). Every save of the batch is
-acknowledged only after that commit, so each is exactly as durable as on its own;
-a failed commit fails every save of the batch, and each group retries its own.
+acknowledged only after that commit, so each is exactly as durable as on its own.
+A batch that fails is written again one save per transaction: a save that cannot be
+written fails alone (its group retries it, as before) and the others still commit.
 
 Journal mode WAL with ``synchronous=NORMAL`` by default: a commit is durable
 against a crash of the process (SIGKILL included) because the WAL lives in the
@@ -168,13 +169,13 @@ class Store:
         if not batch:
             return  # committed early (close)
         if self._inline:
-            _settle(batch, _outcome(self._save_batch_sync, batch), self.path)
+            _settle(_outcome(self._save_batch_sync, batch), self.path)
             return
         # "full": the commit fsyncs, in the store's thread (one at a time, in order).
         pending = asyncio.get_running_loop().run_in_executor(
             self._executor, _outcome, self._save_batch_sync, batch
         )
-        pending.add_done_callback(lambda f: _settle(batch, f.result(), self.path))
+        pending.add_done_callback(lambda f: _settle(f.result(), self.path))
 
     def forget(self, group_id: str) -> None:
         """Delete every row of a group that is gone (an idle local group collected).
@@ -376,18 +377,26 @@ class _Save:
     done: asyncio.Future[None]
 
 
-def _outcome(write: Callable[[list[_Save]], None], batch: list[_Save]) -> Exception | None:
-    """Run ``write``; the exception it raised (every one fails the batch, none is lost)."""
+def _outcome(
+    write: Callable[[list[_Save]], None], batch: list[_Save]
+) -> list[tuple[_Save, Exception | None]]:
+    """Each save of ``batch`` with the error that kept it from disk (None: committed).
+
+    A failed batch is written again one save per transaction, so that a save that cannot
+    be written (whatever the reason) fails alone instead of holding every group back.
+    """
     try:
         write(batch)
     except Exception as err:
-        return err
-    return None
+        if len(batch) == 1:
+            return [(batch[0], err)]
+        return [(save, _outcome(write, [save])[0][1]) for save in batch]
+    return [(save, None) for save in batch]
 
 
-def _settle(batch: list[_Save], error: Exception | None, path: pathlib.Path) -> None:
-    """Acknowledge every save of a committed batch, or fail each of them with ``error``."""
-    for save in batch:
+def _settle(outcomes: list[tuple[_Save, Exception | None]], path: pathlib.Path) -> None:
+    """Acknowledge each committed save; fail the others with their error."""
+    for save, error in outcomes:
         if save.done.done():
             continue  # the saving group went away meanwhile (cancelled)
         if error is None:
