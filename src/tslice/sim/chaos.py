@@ -78,7 +78,9 @@ class ChaosConfig:
     hang_probability: float = 0.05
     #: The agents' operation deadline: what ends a hang.
     operation_timeout_s: float = 0.5
-    lease_s: float = 1.5
+    #: Above the client's reconnect back-off (2 s, jittered) plus a Hold's re-open delay:
+    #: a shorter lease can run out across an orchestrator restart while its holder lives.
+    lease_s: float = 3.0
     #: Local mode (every group spans every node and shares its devices) instead of
     #: ``TOPOLOGY``.
     local_mode: bool = False
@@ -116,7 +118,8 @@ class Window(checker.Window):
 class _Job:
     job_id: str
     records: Path
-    popen: subprocess.Popen[bytes]
+    #: An asyncio process: waiting for it takes no thread (threads are for restarts).
+    process: asyncio.subprocess.Process
     killed_at: float | None = None
 
 
@@ -232,7 +235,7 @@ class ChaosRun:
                 for task in slots:
                     task.cancel()
                 await asyncio.gather(*slots, return_exceptions=True)
-                await asyncio.to_thread(self._end_jobs)
+                await self._end_jobs()
             audit = await self._audit()
             journal = await asyncio.to_thread(self.local.read_journals)
             faults = [
@@ -250,19 +253,19 @@ class ChaosRun:
     async def _slot(self, deadline: float) -> None:
         job_id = ""
         while time.monotonic() < deadline:
-            job = self._spawn(job_id)
-            await asyncio.to_thread(job.popen.wait)
+            job = await self._spawn(job_id)
+            await job.process.wait()
             again = job.killed_at is not None and self.rng.random() < self.config.same_id_restart
             job_id = job.job_id if again else ""
 
-    def _spawn(self, job_id: str) -> _Job:
+    async def _spawn(self, job_id: str) -> _Job:
         if not job_id:
             job_id = f"job-{self._next_job}"
             self._next_job += 1
         incarnation = sum(j.job_id == job_id for j in self.jobs)
         records = self.records_dir / f"{job_id}.{incarnation}.jsonl"
         args = [
-            sys.executable, "-m", chaos_job.__name__,
+            "-m", chaos_job.__name__,
             "--address", self.local.orchestrator_address,
             "--job", job_id,
             "--groups", ",".join(TOPOLOGY),
@@ -272,19 +275,19 @@ class ChaosRun:
             "--lease", f"{self.config.lease_s:g}",
         ]  # fmt: skip
         with records.with_suffix(".log").open("ab") as log:
-            popen = subprocess.Popen(
-                args, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT
+            process = await asyncio.create_subprocess_exec(
+                sys.executable, *args, stdin=subprocess.DEVNULL, stdout=log, stderr=log
             )
-        job = _Job(job_id=job_id, records=records, popen=popen)
+        job = _Job(job_id=job_id, records=records, process=process)
         self.jobs.append(job)
         return job
 
-    def _end_jobs(self) -> None:
+    async def _end_jobs(self) -> None:
         """Kill what still runs after the drain (those jobs are lost, not killed on purpose)."""
         for job in self.jobs:
-            if job.popen.poll() is None:
-                job.popen.kill()
-            job.popen.wait()
+            if job.process.returncode is None:
+                job.process.kill()
+            await job.process.wait()
 
     # ---- chaos -----------------------------------------------------------------------------
 
@@ -323,7 +326,7 @@ class ChaosRun:
         """SIGKILL a job while it holds a group (a random live job if none holds for a while)."""
         give_up = time.monotonic() + _HOLDER_SEARCH_S
         while True:
-            live = [j for j in self.jobs if j.killed_at is None and j.popen.poll() is None]
+            live = [j for j in self.jobs if j.killed_at is None and j.process.returncode is None]
             holding = [j for j in live if _holds(j.records)]
             if holding or time.monotonic() > give_up:
                 break
@@ -332,9 +335,10 @@ class ChaosRun:
         if not victims:
             return
         job = self.rng.choice(victims)
-        job.popen.kill()
+        with contextlib.suppress(ProcessLookupError):  # it may have ended right now
+            job.process.kill()
         job.killed_at = time.time()
-        await asyncio.to_thread(job.popen.wait)
+        await job.process.wait()
 
     # ---- verdict ------------------------------------------------------------------------
 
