@@ -50,6 +50,7 @@ ORCHESTRATOR = {
     "status_timeout_s": 1.0,
     "shutdown_grace_s": 1.0,
     "max_refusals": 3,
+    "max_operation_failures": 3,
 }
 #: Why the partition is made with SIGSTOP instead of a network namespace ("" = namespace);
 #: TSLICE_TEST_NETNS=0 asks for SIGSTOP anyway (to exercise that path as root).

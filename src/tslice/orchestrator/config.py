@@ -149,6 +149,7 @@ class OrchestratorModel(_Model):
     backoff_initial_s: float = pydantic.Field(0.05, gt=0)
     backoff_max_s: float = pydantic.Field(5.0, gt=0)
     max_refusals: int = pydantic.Field(5, ge=1)
+    max_operation_failures: int = pydantic.Field(10, ge=1)
     max_local_groups: int = pydantic.Field(256, ge=1)
     idle_group_ttl_s: float = pydantic.Field(300.0, ge=0)
     metrics_port: int = pydantic.Field(DEFAULT_METRICS_PORT, ge=0, le=65535)
@@ -230,6 +231,9 @@ class OrchestratorConfig:
     #: Refusals in a row (the agent answers, and says no) after which a switch stops
     #: retrying a node and marks it degraded until an operator clears it.
     max_refusals: int = 5
+    #: Failed snapshots/restores in a row (the job FAULTED there each time) after which
+    #: a switch stops retrying a node and marks it degraded until an operator clears it.
+    max_operation_failures: int = 10
     #: Local mode without --group: how many groups may exist at once (an Acquire of a
     #: new group past it is refused with RESOURCE_EXHAUSTED once no idle one can go).
     max_local_groups: int = 256

@@ -54,6 +54,9 @@ Kind = opb.OrchestratorEvent
 Effect = inbox.Effect
 
 _T = TypeVar("_T")
+#: How long before an Acquire's deadline a waiter that a fault holds back is answered
+#: UNAVAILABLE with the reason, instead of gRPC's DEADLINE_EXCEEDED that names none.
+_ANSWER_BEFORE_DEADLINE_S = 0.2
 
 _EVENT_KINDS = {
     decisions.EventKind.QUEUED: Kind.KIND_QUEUED,
@@ -249,7 +252,10 @@ class GroupDriver:
 
     # ---- RPC entry points ------------------------------------------------------------------
 
-    async def acquire(self, job: str, *, footprint_bytes: int, lease_ms: int = 0) -> Grant:
+    async def acquire(
+        self, job: str, *, footprint_bytes: int, lease_ms: int = 0, time_left: float | None = None
+    ) -> Grant:
+        """The grant; ``time_left`` is the caller's deadline (None: it has none)."""
         if self._stopping:
             raise self._gone()
         started = time.monotonic()
@@ -267,13 +273,39 @@ class GroupDriver:
 
         self.post(apply)
         try:
-            grant = await waiter.future
+            grant = await self._granted(waiter, time_left)
         except asyncio.CancelledError:
             if not self._stopping:
                 self.post(lambda now: self._depart(waiter, now))
             raise
         self._acquire_wait.observe(time.monotonic() - started)
         return grant
+
+    async def _granted(self, waiter: _Waiter, time_left: float | None) -> Grant:
+        if time_left is None:
+            return await waiter.future
+        answer_in = max(0.0, time_left - _ANSWER_BEFORE_DEADLINE_S)
+        try:
+            return await asyncio.wait_for(asyncio.shield(waiter.future), answer_in)
+        except asyncio.TimeoutError:
+            pass
+        why = self._held_back_by()
+        if not why or waiter.future.done():
+            return await waiter.future  # only queued behind others, or just granted
+        self.post(lambda now: self._depart(waiter, now))
+        raise refusals.Refused(
+            refusals.Code.UNAVAILABLE,
+            f"group {self.group_id}: job {waiter.job} was not granted within the call's "
+            f"deadline: {why}; the group retries on its own: call again, or see "
+            f"`tslice status {self.group_id}`",
+        )
+
+    def _held_back_by(self) -> str:
+        """What keeps the group from granting, when it is a fault ("" = none: it is busy)."""
+        state, detail = self._reported_state()
+        if state == "UNKNOWN" or (state == "SWITCHING" and self.health.switch_detail):
+            return detail
+        return ""
 
     async def _check_fits(self, job: str, footprint_bytes: int) -> None:
         """Refuse at once (RESOURCE_EXHAUSTED) a footprint larger than a node's device

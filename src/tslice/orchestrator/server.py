@@ -108,7 +108,8 @@ class OrchestratorServicer(opb_grpc.TimeSliceOrchestratorServiceServicer):
     async def Acquire(
         self, request: opb.AcquireRequest, context: grpc.aio.ServicerContext
     ) -> opb.AcquireResponse:
-        return await _answered(context, self.acquire(request))
+        time_left = context.time_remaining()
+        return await _answered(context, self.acquire(request, time_left=time_left))
 
     async def Yield(
         self, request: opb.YieldRequest, context: grpc.aio.ServicerContext
@@ -153,8 +154,12 @@ class OrchestratorServicer(opb_grpc.TimeSliceOrchestratorServiceServicer):
             return _refused(request.request_id, refusals.Refused(refusals.Code.INTERNAL, failed))
         return reply
 
-    async def acquire(self, request: opb.AcquireRequest) -> opb.AcquireResponse:
-        """One Acquire (unary or over a Session); raises ``refusals.Refused``."""
+    async def acquire(
+        self, request: opb.AcquireRequest, *, time_left: float | None = None
+    ) -> opb.AcquireResponse:
+        """One Acquire (unary or over a Session); raises ``refusals.Refused``.
+
+        ``time_left``: seconds to the caller's deadline (None: none; Session requests)."""
         started = time.monotonic()
         job = _checked_id("job_id", request.job_id)
         gid = _checked_id("group_id", request.group_id)
@@ -163,7 +168,10 @@ class OrchestratorServicer(opb_grpc.TimeSliceOrchestratorServiceServicer):
         _at_least_0("lease_ms", request.lease_ms, "no lease")
         driver = self._found(gid, await self._groups.get_or_create(gid))
         grant = await driver.acquire(
-            job, footprint_bytes=request.footprint_bytes, lease_ms=request.lease_ms
+            job,
+            footprint_bytes=request.footprint_bytes,
+            lease_ms=request.lease_ms,
+            time_left=time_left,
         )
         return opb.AcquireResponse(
             success=True,

@@ -22,8 +22,10 @@ again whenever its view was dropped; this is the one place that looks at it:
   (``tslice.orchestrator.compat_agent``).
 
 A node that keeps refusing (it answers with a permanent status such as
-FAILED_PRECONDITION on a fresh view) is retried ``max_refusals`` times and then
-marked degraded (:class:`NodeDegraded`); a refusal that can never change (the
+FAILED_PRECONDITION on a fresh view) is retried ``max_refusals`` times, one whose
+snapshot or restore keeps failing (the job is left FAULTED there)
+``max_operation_failures`` times in a row, and then it is marked degraded
+(:class:`NodeDegraded`); a refusal that can never change (the
 incoming job's state does not fit the devices at all) ends the switch at once
 (:class:`JobRefused`). Any other failing step is retried with jittered exponential
 backoff for as long as somebody wants the switch (``SwitchHooks.should_continue``),
@@ -145,6 +147,7 @@ class _Context:
     hooks: SwitchHooks
     backoff: Backoff
     max_refusals: int
+    max_operation_failures: int
 
 
 class NodeSwitcher:
@@ -176,6 +179,9 @@ class NodeSwitcher:
     async def _run(self) -> bool:
         attempt = 0
         refusals = 0
+        #: Failed operations in a row: a backend that keeps failing is degraded, not retried
+        #: for ever (the group would stay SWITCHING while anyone waits).
+        failures = 0
         views, hooks = self._ctx.views, self._ctx.hooks
         while True:
             fresh = self.name not in views
@@ -185,7 +191,7 @@ class NodeSwitcher:
                 return self.restored
             except agents.AgentUnreachable as err:
                 unreachable, detail = True, str(err)
-                refusals = 0
+                refusals = failures = 0
             except agents.AgentRejected as err:
                 unreachable, detail = False, str(err)
                 if err.code in _REFUSED_FOR_GOOD:
@@ -201,10 +207,14 @@ class NodeSwitcher:
             except (agents.OperationFailed, steps.StepFailed) as err:
                 unreachable, detail = False, str(err)
                 refusals = 0
+                if isinstance(err, agents.OperationFailed):
+                    failures += 1  # the snapshot/restore itself failed (job FAULTED)
             views.pop(self.name, None)
             if refusals >= self._ctx.max_refusals:
                 # It answers, and keeps saying no: retrying forever would wedge the group.
                 raise NodeDegraded(self.name, f"{self._op} refused {refusals} times: {detail}")
+            if failures >= self._ctx.max_operation_failures:
+                raise NodeDegraded(self.name, f"{self._op} failed {failures} times: {detail}")
             if not hooks.should_continue():
                 raise GiveUp(f"{self.name}: {detail}")
             delay = self._ctx.backoff.delay(attempt)
@@ -394,6 +404,7 @@ async def run_switch(
     backoff: Backoff,
     started: Callable[[], None] | None = None,
     max_refusals: int = 5,
+    max_operation_failures: int = 10,
 ) -> bool:
     """Converge every node concurrently; return whether any node restored the target.
 
@@ -401,7 +412,7 @@ async def run_switch(
     scheduled), so that what it releases (replies, event deliveries) runs after the
     sends; a node that ends before any call counts as under way.
     """
-    context = _Context(plan, views, hooks, backoff, max_refusals)
+    context = _Context(plan, views, hooks, backoff, max_refusals, max_operation_failures)
     switchers = [NodeSwitcher(n, pool.get(n.address), context) for n in nodes]
     unsent = len(switchers)
 

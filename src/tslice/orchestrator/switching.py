@@ -187,6 +187,7 @@ class SwitchRunner:
                 backoff=self.backoff,
                 started=announce,
                 max_refusals=self._cfg.max_refusals,
+                max_operation_failures=self._cfg.max_operation_failures,
             )
         except asyncio.CancelledError:
             raise
