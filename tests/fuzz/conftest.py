@@ -74,7 +74,6 @@ def orchestrator_process(
 #: Any other means a failure the caller was not told about (a crashed task, say).
 KNOWN_TRACEBACKS = (
     ("Health/List", "grpcio-health-checking's servicer has no List: UNIMPLEMENTED, logged"),
-    ("name the group in the request", "a registration without a group: requests/fuzz.md 5"),
     *(() if methods.UNDECODABLE_REFUSED else (("DecodeError", "requests/fuzz.md 1"),)),
 )
 

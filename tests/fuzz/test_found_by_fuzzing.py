@@ -1,8 +1,6 @@
 """What the fuzz runs found, each pinned by a test on the real servers.
 
-Both are fixed by changes to files this suite does not own (see
-.scratch/requests/fuzz.md); until they land, the tests are expected to fail (strict
-xfail: once fixed they pass, and the marker must go).
+Each failed before its fix.
 """
 
 from __future__ import annotations
@@ -47,10 +45,6 @@ def test_the_agent_refuses_a_group_with_a_trailing_newline(agent: Served) -> Non
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="an ambiguous registration fails the agent's registration task (requests/fuzz.md 5)",
-)
 def test_a_registration_without_group_for_a_job_in_two_groups_fails_no_task(
     agent: Served,
 ) -> None:

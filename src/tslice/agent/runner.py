@@ -35,7 +35,7 @@ from typing import Any
 from tslice.agent import grants, guarded, jobs, ledger, metrics, routing, store
 from tslice.agent.backends import base
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
-from tslice.common import tasks
+from tslice.common import refusals, tasks
 
 log = logging.getLogger(__name__)
 
@@ -319,7 +319,18 @@ class AgentCore:
         self, *, job_id: str, group: str, suspended: bool | None = None
     ) -> None:
         async with self._locks[job_id]:
-            job = self._book.find(job_id, group)
+            try:
+                job = self._book.find(job_id, group)
+            except refusals.Refused as refused:
+                # No group named, and records in several: the registration serves none
+                # of them until a request names the group (the workload stays registered).
+                log.warning(
+                    "job %s registered on the workload channel without a group: %s",
+                    job_id,
+                    refused.message,
+                    extra={"job_id": job_id},
+                )
+                return
             updated = jobs.after_channel_registration(
                 job, job_id=job_id, group=group, suspended=suspended
             )
