@@ -193,14 +193,20 @@ async def _generate(spec: dict[str, Any]) -> dict[str, Any]:
         for job, _ in spec["jobs"]
     ]
     try:
-        # Every client connected before the window: the run measures grants, not handshakes.
+        # Every client connected, and its Session stream open, before the window: the run
+        # measures grants, not handshakes (while streams still open, the jobs that have
+        # one re-acquire their own groups for free and the others wait).
         connecting = asyncio.Semaphore(_CONNECTING)
 
-        async def connect(client: Any) -> None:
+        async def connect(client: Any, group: str) -> None:
             async with connecting:
                 await client.list_groups()
+            await client.acquire(group)
+            await client.yield_(group)
 
-        await asyncio.gather(*(connect(c) for c in clients))
+        await asyncio.gather(
+            *(connect(c, g) for c, (_, g) in zip(clients, spec["jobs"], strict=True))
+        )
         sys.stdout.write("ready\n")
         sys.stdout.flush()
         window = json.loads(await asyncio.to_thread(sys.stdin.readline))
