@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from tslice.agent import grants, jobs, metrics, runner, store
+from tslice.agent import grants, job_model, metrics, runner, store
 from tslice.agent.backends import noop
 
 
@@ -33,12 +33,12 @@ class CancellingStore(store.Store):
     def put(
         self,
         *,
-        job_records: Sequence[jobs.Job] = (),
-        operation_records: Sequence[jobs.Operation] = (),
-        grant_marks: Sequence[jobs.GrantMark] = (),
-        deleted_jobs: Sequence[jobs.Key] = (),
+        job_records: Sequence[job_model.Job] = (),
+        operation_records: Sequence[job_model.Operation] = (),
+        grant_marks: Sequence[job_model.GrantMark] = (),
+        deleted_jobs: Sequence[job_model.Key] = (),
     ) -> None:
-        if self.armed and any(j.state is jobs.State.TRANSITIONING for j in job_records):
+        if self.armed and any(j.state is job_model.State.TRANSITIONING for j in job_records):
             self.armed = False
             writer = asyncio.current_task()
             assert writer is not None
@@ -116,7 +116,7 @@ async def cancel_while_storing(
     assert db.fired
 
 
-async def settled(core: runner.AgentCore, job_id: str) -> jobs.Job:
+async def settled(core: runner.AgentCore, job_id: str) -> job_model.Job:
     """The job once its last operation has finished (bounded, event-driven wait)."""
     job = core.job(job_id)
     assert job is not None
@@ -127,7 +127,7 @@ async def settled(core: runner.AgentCore, job_id: str) -> jobs.Job:
     return final
 
 
-async def assert_persisted(node: Node, expected: dict[str, jobs.State]) -> None:
+async def assert_persisted(node: Node, expected: dict[str, job_model.State]) -> None:
     await node.stop()
     core = await node.start()
     assert {j: core.job(j).state for j in expected} == expected  # type: ignore[union-attr]
@@ -142,24 +142,24 @@ async def test_cancelled_request_still_finishes_its_operation(node: Node, kind: 
         def request() -> Coroutine[Any, Any, object]:
             return grant(core, "job-a")
 
-        expected = jobs.State.RUNNING
+        expected = job_model.State.RUNNING
     else:
         await grant(core, "job-a")
         if kind == "restore":
             await core.directive(
-                jobs.Kind.SNAPSHOT, job_id="job-a", group="g", config=None, wait_s=5.0
+                job_model.Kind.SNAPSHOT, job_id="job-a", group="g", config=None, wait_s=5.0
             )
 
         def request() -> Coroutine[Any, Any, object]:
-            return core.directive(jobs.Kind(kind), job_id="job-a", group="g", config=None)
+            return core.directive(job_model.Kind(kind), job_id="job-a", group="g", config=None)
 
-        expected = jobs.State.SAVED if kind == "snapshot" else jobs.State.RUNNING
+        expected = job_model.State.SAVED if kind == "snapshot" else job_model.State.RUNNING
 
     await cancel_while_storing(db, request)
 
     job = await settled(core, "job-a")
     assert job.state is expected
-    assert core.get_operation(job.operation_id).status is jobs.OpStatus.COMPLETE
+    assert core.get_operation(job.operation_id).status is job_model.OpStatus.COMPLETE
     await assert_persisted(node, {"job-a": expected})
 
 
@@ -169,18 +169,22 @@ async def test_cancelled_one_step_grant_leaves_every_move_whole_and_can_be_reiss
     core, db = node.core, node.db
     assert core is not None and db is not None
     assert (await grant(core, "job-a", epoch=1)).granted
-    await core.directive(jobs.Kind.SNAPSHOT, job_id="job-a", group="g", config=None, wait_s=5.0)
+    await core.directive(
+        job_model.Kind.SNAPSHOT, job_id="job-a", group="g", config=None, wait_s=5.0
+    )
     assert (await grant(core, "job-b", epoch=2)).granted
-    await core.directive(jobs.Kind.SNAPSHOT, job_id="job-b", group="g", config=None, wait_s=5.0)
-    await core.directive(jobs.Kind.RESTORE, job_id="job-a", group="g", config=None, wait_s=5.0)
+    await core.directive(
+        job_model.Kind.SNAPSHOT, job_id="job-b", group="g", config=None, wait_s=5.0
+    )
+    await core.directive(job_model.Kind.RESTORE, job_id="job-a", group="g", config=None, wait_s=5.0)
 
     # Cut while the eviction of job-a is being stored.
     await cancel_while_storing(
         db,
         lambda: grant(core, "job-b", epoch=3, evict=["job-a"], restore=True, wait_s=5.0),
     )
-    assert (await settled(core, "job-a")).state is jobs.State.SAVED
+    assert (await settled(core, "job-a")).state is job_model.State.SAVED
 
     again = await grant(core, "job-b", epoch=3, evict=["job-a"], restore=True, wait_s=5.0)
-    assert again.granted and again.restored and again.state is jobs.State.RUNNING
-    await assert_persisted(node, {"job-a": jobs.State.SAVED, "job-b": jobs.State.RUNNING})
+    assert again.granted and again.restored and again.state is job_model.State.RUNNING
+    await assert_persisted(node, {"job-a": job_model.State.SAVED, "job-b": job_model.State.RUNNING})

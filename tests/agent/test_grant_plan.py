@@ -6,18 +6,18 @@ from collections.abc import Iterable
 
 import pytest
 
-from tslice.agent import grants, jobs
+from tslice.agent import grants, job_model
 
-S = jobs.State
-K = jobs.Kind
-TARGET: jobs.Key = ("j1", "g")
-
-
-def rec(job_id: str, state: S, group: str = "g", **kw: object) -> jobs.Job:
-    return jobs.Job(job_id=job_id, group=group, state=state, **kw)  # type: ignore[arg-type]
+S = job_model.State
+K = job_model.Kind
+TARGET: job_model.Key = ("j1", "g")
 
 
-def records(*found: jobs.Job) -> dict[jobs.Key, jobs.Job]:
+def rec(job_id: str, state: S, group: str = "g", **kw: object) -> job_model.Job:
+    return job_model.Job(job_id=job_id, group=group, state=state, **kw)  # type: ignore[arg-type]
+
+
+def records(*found: job_model.Job) -> dict[job_model.Key, job_model.Job]:
     return {j.key: j for j in found}
 
 
@@ -33,8 +33,8 @@ def order(**kw: object) -> grants.Order:
     return grants.order(**args)  # type: ignore[arg-type]
 
 
-def op(job_id: str, kind: K, status: jobs.OpStatus, group: str = "g") -> jobs.Operation:
-    return jobs.Operation(
+def op(job_id: str, kind: K, status: job_model.OpStatus, group: str = "g") -> job_model.Operation:
+    return job_model.Operation(
         op_id=f"{job_id}-{kind.value}",
         job_id=job_id,
         group=group,
@@ -45,15 +45,17 @@ def op(job_id: str, kind: K, status: jobs.OpStatus, group: str = "g") -> jobs.Op
     )
 
 
-def done(job_id: str, kind: K, group: str = "g") -> jobs.Operation:
-    return op(job_id, kind, jobs.OpStatus.COMPLETE, group)
+def done(job_id: str, kind: K, group: str = "g") -> job_model.Operation:
+    return op(job_id, kind, job_model.OpStatus.COMPLETE, group)
 
 
-def mark(epoch: int) -> jobs.GrantMark:
-    return jobs.GrantMark(group="g", epoch=epoch, job_id="j1")
+def mark(epoch: int) -> job_model.GrantMark:
+    return job_model.GrantMark(group="g", epoch=epoch, job_id="j1")
 
 
-def plan(grant: grants.Order, found: Iterable[jobs.Job], fits: bool | None = None) -> grants.Move:
+def plan(
+    grant: grants.Order, found: Iterable[job_model.Job], fits: bool | None = None
+) -> grants.Move:
     return grants.next_move(grant, records(*found), target=TARGET, fits=fits)
 
 
@@ -125,8 +127,8 @@ def test_the_record_asked_about_carries_the_grants_footprint() -> None:
 
 
 def test_a_round_with_a_failure_or_an_unfinished_move_ends_the_grant() -> None:
-    failed = op("j2", K.SNAPSHOT, jobs.OpStatus.FAILED)
-    pending = op("j1", K.RESTORE, jobs.OpStatus.PENDING)
+    failed = op("j2", K.SNAPSHOT, job_model.OpStatus.FAILED)
+    pending = op("j1", K.RESTORE, job_model.OpStatus.PENDING)
     running = rec("j1", S.RUNNING)
     verdict = grants.after_round(order(), [pending, failed], job=running, mark=mark(3))
     assert verdict is grants.Verdict.FAILED
@@ -162,7 +164,7 @@ def test_the_outcome_says_restored_only_for_a_finished_restore_of_the_job() -> N
     assert outcome == grants.GrantOutcome(
         state=S.RUNNING, granted=True, operations=tuple(seen), restored=True
     )
-    pending = [op("j1", K.RESTORE, jobs.OpStatus.PENDING)]
+    pending = [op("j1", K.RESTORE, job_model.OpStatus.PENDING)]
     outcome = grants.outcome(order(), pending, job=None, granted=False)
     assert (outcome.state, outcome.restored) == (S.IDLE, False)
     activated = grants.outcome(order(), [done("j1", K.ACTIVATE)], job=None, granted=True)

@@ -4,17 +4,17 @@ from __future__ import annotations
 
 import pytest
 
-from tslice.agent import jobs
+from tslice.agent import job_model, jobs
 from tslice.agent.backends import base
 from tslice.common import refusals
 
-S = jobs.State
+S = job_model.State
 NODE = "node-a"
-CHANNEL = jobs.Route(backend="app-channel", config=None)
+CHANNEL = job_model.Route(backend="app-channel", config=None)
 WHY = "the workload closed the channel"
 
 
-def record(state: S, **kw: object) -> jobs.Job:
+def record(state: S, **kw: object) -> job_model.Job:
     fields: dict[str, object] = {
         "job_id": "j1",
         "group": "g",
@@ -26,14 +26,16 @@ def record(state: S, **kw: object) -> jobs.Job:
         "backend_state": {"residency": "full"},
     }
     fields.update(kw)
-    return jobs.Job(**fields)  # type: ignore[arg-type]
+    return job_model.Job(**fields)  # type: ignore[arg-type]
 
 
-def request(op_id: str = "op-1") -> jobs.Request:
-    return jobs.Request(job_id="j1", group="g", route=CHANNEL, node=NODE, op_id=op_id, now=100.0)
+def request(op_id: str = "op-1") -> job_model.Request:
+    return job_model.Request(
+        job_id="j1", group="g", route=CHANNEL, node=NODE, op_id=op_id, now=100.0
+    )
 
 
-def left() -> jobs.Job:
+def left() -> job_model.Job:
     return jobs.after_workload_left(record(S.RUNNING), reason=WHY)
 
 
@@ -42,7 +44,7 @@ def test_a_settled_record_of_the_channel_becomes_idle_with_why(state: S) -> None
     gone = jobs.after_workload_left(record(state, error="boom"), reason=WHY)
     assert gone.state is S.IDLE
     assert (gone.device_bytes, gone.host_bytes, gone.error) == (0, 0, "")
-    assert gone.backend_state == {jobs.WORKLOAD_LEFT: WHY}
+    assert gone.backend_state == {job_model.WORKLOAD_LEFT: WHY}
 
 
 def test_a_transitioning_record_waits_for_its_operation() -> None:
@@ -60,8 +62,8 @@ def test_a_record_of_another_backend_is_not_the_workloads(fields: dict[str, str]
 
 def test_a_snapshot_of_a_job_whose_workload_left_is_complete_with_nothing_moved() -> None:
     plan = jobs.plan_snapshot(left(), request())
-    assert isinstance(plan, jobs.Done)
-    assert plan.operation.status is jobs.OpStatus.COMPLETE
+    assert isinstance(plan, job_model.Done)
+    assert plan.operation.status is job_model.OpStatus.COMPLETE
     assert (plan.operation.storage_bytes, plan.operation.device_bytes) == (0, 0)
     assert plan.job.state is S.IDLE and plan.job.operation_id == "op-1"
 
@@ -84,20 +86,20 @@ def test_a_restore_of_a_job_whose_workload_left_says_it_must_register_again() ->
 
 def test_a_snapshot_that_finds_the_workload_gone_leaves_the_job_idle() -> None:
     moving = record(S.TRANSITIONING, previous_state=S.RUNNING, operation_id="op-1")
-    op = jobs.Operation(
+    op = job_model.Operation(
         op_id="op-1",
         job_id="j1",
         group="g",
-        kind=jobs.Kind.SNAPSHOT,
+        kind=job_model.Kind.SNAPSHOT,
         backend="app-channel",
-        status=jobs.OpStatus.PENDING,
+        status=job_model.OpStatus.PENDING,
         started_at=1.0,
     )
-    result = base.OpResult(state={"residency": "none", jobs.WORKLOAD_LEFT: WHY})
-    job, done = jobs.finish(moving, op, outcome=jobs.Outcome(result=result), now=2.0)
-    assert job.state is S.IDLE and job.backend_state == {jobs.WORKLOAD_LEFT: WHY}
+    result = base.OpResult(state={"residency": "none", job_model.WORKLOAD_LEFT: WHY})
+    job, done = jobs.finish(moving, op, outcome=job_model.Outcome(result=result), now=2.0)
+    assert job.state is S.IDLE and job.backend_state == {job_model.WORKLOAD_LEFT: WHY}
     assert (job.device_bytes, job.host_bytes) == (0, 0)
-    assert done.status is jobs.OpStatus.COMPLETE and done.finished_at == 2.0
+    assert done.status is job_model.OpStatus.COMPLETE and done.finished_at == 2.0
     assert (done.storage_bytes, done.device_bytes) == (0, 0)
 
 
@@ -108,13 +110,13 @@ def test_a_new_registration_forgets_that_the_workload_left(
     suspended: bool | None, state: S
 ) -> None:
     back = jobs.after_channel_registration(left(), job_id="j1", group="g", suspended=suspended)
-    assert back.state is state and jobs.WORKLOAD_LEFT not in back.backend_state
+    assert back.state is state and job_model.WORKLOAD_LEFT not in back.backend_state
 
 
 def test_a_grant_after_the_workload_left_forgets_it() -> None:
     plan = jobs.plan_grant(left(), request(), epoch=2, last=None, footprint_bytes=0, others=[])
-    assert isinstance(plan, jobs.Start) and plan.operation.kind is jobs.Kind.ACTIVATE
-    assert jobs.WORKLOAD_LEFT not in plan.job.backend_state
+    assert isinstance(plan, job_model.Start) and plan.operation.kind is job_model.Kind.ACTIVATE
+    assert job_model.WORKLOAD_LEFT not in plan.job.backend_state
 
 
 def test_a_grant_does_not_touch_an_unrelated_state() -> None:
@@ -127,5 +129,5 @@ def test_a_grant_does_not_touch_an_unrelated_state() -> None:
         footprint_bytes=0,
         others=[],
     )
-    assert isinstance(plan, jobs.Start)
+    assert isinstance(plan, job_model.Start)
     assert plan.job.state is S.TRANSITIONING and plan.job.previous_state is S.IDLE

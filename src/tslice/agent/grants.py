@@ -24,7 +24,7 @@ import dataclasses
 import enum
 from collections.abc import Iterable, Mapping, Sequence
 
-from tslice.agent import jobs
+from tslice.agent import job_model
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
 from tslice.common import refusals
 
@@ -33,7 +33,7 @@ from tslice.common import refusals
 MAX_STEPS = 8
 
 #: States in which a record holds the job's state on the devices (or may: FAULTED).
-_HOLDING = (jobs.State.RUNNING, jobs.State.TRANSITIONING, jobs.State.FAULTED)
+_HOLDING = (job_model.State.RUNNING, job_model.State.TRANSITIONING, job_model.State.FAULTED)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,16 +46,16 @@ class Order:
     footprint_bytes: int
     config: pb.BackendConfig | None
     #: Records of the group's other jobs to snapshot first (duplicates and the job removed).
-    evict: tuple[jobs.Key, ...] = ()
+    evict: tuple[job_model.Key, ...] = ()
     #: Other groups' residents that give way while the job would not fit, in order.
-    give_way: tuple[jobs.Key, ...] = ()
+    give_way: tuple[job_model.Key, ...] = ()
     restore: bool = False
 
     @property
     def max_steps(self) -> int:
         return MAX_STEPS + len(self.give_way)
 
-    def concerns(self, op: jobs.Operation) -> bool:
+    def concerns(self, op: job_model.Operation) -> bool:
         """Whether ``op`` moves the granted job's state for the group."""
         return op.job_id == self.job_id and op.group == self.group
 
@@ -67,8 +67,8 @@ def order(
     epoch: int,
     footprint_bytes: int,
     config: pb.BackendConfig | None,
-    evict: Iterable[jobs.Key] = (),
-    give_way: Iterable[jobs.Key] = (),
+    evict: Iterable[job_model.Key] = (),
+    give_way: Iterable[job_model.Key] = (),
     restore: bool = False,
 ) -> Order:
     """The :class:`Order` of a Grant; ``evict`` are the records of the named jobs."""
@@ -88,7 +88,7 @@ def order(
 class Evict:
     """Snapshot these records' states (or wait for the operation running on one)."""
 
-    keys: tuple[jobs.Key, ...]
+    keys: tuple[job_model.Key, ...]
     #: They are other groups' residents making room, not the group's evictees.
     giving_way: bool = False
 
@@ -124,33 +124,33 @@ class GrantOutcome:
     """What one Grant did on this node."""
 
     #: State of the granted job at the reply.
-    state: jobs.State
+    state: job_model.State
     #: The grant is recorded and the job is resident.
     granted: bool
     #: Operations the Grant started or found running, as of the reply, in order.
-    operations: tuple[jobs.Operation, ...] = ()
+    operations: tuple[job_model.Operation, ...] = ()
     #: A restore of the granted job finished during this Grant.
     restored: bool = False
 
 
-def as_asked(grant: Order, job: jobs.Job | None) -> jobs.Job:
+def as_asked(grant: Order, job: job_model.Job | None) -> job_model.Job:
     """The granted job's record as the backend is asked about it (validate, fits): with
     the footprint the Grant declares, if it declares one."""
-    probe = job if job is not None else jobs.Job(job_id=grant.job_id, group=grant.group)
+    probe = job if job is not None else job_model.Job(job_id=grant.job_id, group=grant.group)
     if not grant.footprint_bytes or grant.footprint_bytes == probe.footprint_bytes:
         return probe
     return dataclasses.replace(probe, footprint_bytes=grant.footprint_bytes)
 
 
-def _holds_state(job: jobs.Job | None) -> bool:
+def _holds_state(job: job_model.Job | None) -> bool:
     return job is not None and job.state in _HOLDING
 
 
 def next_move(
     grant: Order,
-    records: Mapping[jobs.Key, jobs.Job],
+    records: Mapping[job_model.Key, job_model.Job],
     *,
-    target: jobs.Key,
+    target: job_model.Key,
     fits: bool | None = None,
 ) -> Move:
     """The next move of ``grant`` given the node's ``records``; ``target`` is the job's.
@@ -161,7 +161,7 @@ def next_move(
     if evictees:
         return Evict(evictees)
     job = records.get(target)
-    if job is None or job.state is not jobs.State.RUNNING:
+    if job is None or job.state is not job_model.State.RUNNING:
         residents = [k for k in grant.give_way if _holds_state(records.get(k))]
         if residents and fits is None:
             return AskFit()
@@ -170,9 +170,9 @@ def next_move(
     return BringIn()
 
 
-def granted_here(grant: Order, job: jobs.Job | None, mark: jobs.GrantMark | None) -> bool:
+def granted_here(grant: Order, job: job_model.Job | None, mark: job_model.GrantMark | None) -> bool:
     """The job is resident and this node has recorded the grant (or it is unfenced)."""
-    if job is None or job.state is not jobs.State.RUNNING:
+    if job is None or job.state is not job_model.State.RUNNING:
         return False
     unfenced = not grant.group or grant.epoch <= 0
     return unfenced or (mark is not None and mark.epoch >= grant.epoch)
@@ -180,18 +180,20 @@ def granted_here(grant: Order, job: jobs.Job | None, mark: jobs.GrantMark | None
 
 def after_round(
     grant: Order,
-    settled: Sequence[jobs.Operation],
+    settled: Sequence[job_model.Operation],
     *,
-    job: jobs.Job | None,
-    mark: jobs.GrantMark | None,
+    job: job_model.Job | None,
+    mark: job_model.GrantMark | None,
 ) -> Verdict:
     """What the round's ``settled`` operations mean; ``job`` is the granted job's record."""
-    if any(op.status is jobs.OpStatus.FAILED for op in settled):
+    if any(op.status is job_model.OpStatus.FAILED for op in settled):
         return Verdict.FAILED
     if any(not op.finished for op in settled):
         return Verdict.UNFINISHED
     # The mark was stored when the operation bringing the job in started.
-    brought_in = any(grant.concerns(op) and op.kind is not jobs.Kind.SNAPSHOT for op in settled)
+    brought_in = any(
+        grant.concerns(op) and op.kind is not job_model.Kind.SNAPSHOT for op in settled
+    )
     if brought_in and granted_here(grant, job, mark):
         return Verdict.GRANTED
     return Verdict.GO_ON
@@ -199,21 +201,21 @@ def after_round(
 
 def outcome(
     grant: Order,
-    seen: Iterable[jobs.Operation],
+    seen: Iterable[job_model.Operation],
     *,
-    job: jobs.Job | None,
+    job: job_model.Job | None,
     granted: bool,
 ) -> GrantOutcome:
     """The Grant's reply: the job's state and every operation it started or waited on."""
     operations = tuple(seen)
     return GrantOutcome(
-        state=job.state if job is not None else jobs.State.IDLE,
+        state=job.state if job is not None else job_model.State.IDLE,
         granted=granted,
         operations=operations,
         restored=any(
             grant.concerns(op)
-            and op.kind is jobs.Kind.RESTORE
-            and op.status is jobs.OpStatus.COMPLETE
+            and op.kind is job_model.Kind.RESTORE
+            and op.status is job_model.OpStatus.COMPLETE
             for op in operations
         ),
     )

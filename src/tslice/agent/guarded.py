@@ -10,7 +10,7 @@ calls one directly; it goes through :class:`GuardedBackends`, which owns
   ``STATUS_TIMEOUT_S`` for the accelerators a Status reply lists;
 - the translation of what a backend raises: a refused or invalid config becomes a
   :class:`refusals.Refused` with its status code before anything changed; an operation's
-  failure becomes a :class:`jobs.Outcome` that says whether anything moved;
+  failure becomes a :class:`job_model.Outcome` that says whether anything moved;
 - what a question answers when the backend cannot tell (``None``, logged).
 
 The pure rules decide and the runner (``tslice.agent.runner``) applies them; this
@@ -25,7 +25,7 @@ import sys
 from collections.abc import Callable, Coroutine, Mapping
 from typing import Any, TypeVar
 
-from tslice.agent import jobs
+from tslice.agent import job_model
 from tslice.agent.backends import base
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
 from tslice.common import refusals
@@ -74,7 +74,7 @@ def tags_of(config: pb.BackendConfig | None) -> list[str]:
 
 
 def context(
-    job: jobs.Job, config: pb.BackendConfig | None, devices: tuple[int, ...] = ()
+    job: job_model.Job, config: pb.BackendConfig | None, devices: tuple[int, ...] = ()
 ) -> base.JobContext:
     """What a backend is told about the job's state for one group."""
     return base.JobContext(
@@ -106,7 +106,7 @@ class GuardedBackends:
         #: say (absent: all of them); every context of a job's state for the group has them.
         self.devices: dict[str, tuple[int, ...]] = {}
 
-    def _context(self, job: jobs.Job, config: pb.BackendConfig | None) -> base.JobContext:
+    def _context(self, job: job_model.Job, config: pb.BackendConfig | None) -> base.JobContext:
         return context(job, config, self.devices.get(job.group, ()))
 
     def __contains__(self, name: object) -> bool:
@@ -114,7 +114,7 @@ class GuardedBackends:
 
     # ---- questions, asked while a request is planned -----------------------------------
 
-    async def validate(self, route: jobs.Route, job: jobs.Job) -> None:
+    async def validate(self, route: job_model.Route, job: job_model.Job) -> None:
         """Let the backend refuse the config before anything is created or changed."""
         name, ctx = route.backend, self._context(job, route.config)
         backend = self.backends[name]
@@ -136,24 +136,24 @@ class GuardedBackends:
                 f"({type(err).__name__}: {err}); nothing was changed",
             ) from err
 
-    async def recover(self, name: str, job: jobs.Job) -> jobs.State | None:
+    async def recover(self, name: str, job: job_model.Job) -> job_model.State | None:
         """What backend ``name`` reports for the job; ``None`` if it cannot tell or fails."""
         ctx = self._context(job, job.backend_config())
         reported = await self._ask(
             name, self.backends[name].recover(ctx), f"recover job {job.job_id}"
         )
-        return jobs.from_pb(reported)
+        return job_model.from_pb(reported)
 
-    async def fits(self, route: jobs.Route, job: jobs.Job) -> bool:
+    async def fits(self, route: job_model.Route, job: job_model.Job) -> bool:
         """Whether the job's state would fit on the devices now; ``False`` if unknown."""
         question = self.backends[route.backend].fits(self._context(job, route.config))
         return bool(await self._ask(route.backend, question, f"tell whether job {job.job_id} fits"))
 
-    async def missing_tags(self, route: jobs.Route, job: jobs.Job) -> bool:
+    async def missing_tags(self, route: job_model.Route, job: job_model.Job) -> bool:
         """Staged wake: whether tags the request names are not resident although the job
         runs (``Backend.missing_tags``); ``False`` when it names none."""
         tags = tags_of(route.config)
-        if job.state is not jobs.State.RUNNING or not tags:
+        if job.state is not job_model.State.RUNNING or not tags:
             return False
         question = self.backends[route.backend].missing_tags(self._context(job, route.config), tags)
         return bool(await self._ask(route.backend, question, "report missing tags"))
@@ -185,8 +185,8 @@ class GuardedBackends:
     # ---- operations ------------------------------------------------------------------------
 
     async def run(
-        self, op: jobs.Operation, job: jobs.Job, config: pb.BackendConfig | None
-    ) -> jobs.Outcome:
+        self, op: job_model.Operation, job: job_model.Job, config: pb.BackendConfig | None
+    ) -> job_model.Outcome:
         """Run the operation's backend call under its deadline, retrying transient failures."""
         backend, ctx, mode = self.backends[op.backend], self._context(job, config), mode_of(config)
         loop = asyncio.get_running_loop()
@@ -199,11 +199,11 @@ class GuardedBackends:
                 result = await _within(
                     _invoke(backend, op.kind, ctx, mode), timeout_s=max(remaining, 0.0)
                 )
-                return jobs.Outcome(result=result)
+                return job_model.Outcome(result=result)
             except base.TransientBackendError as err:
                 delay = min(max(err.retry_after, delay), _BACKOFF_MAX_S)
                 if loop.time() + delay >= deadline:
-                    return jobs.Outcome(
+                    return job_model.Outcome(
                         error=f"{what} kept failing until its {self.operation_timeout_s:g} s "
                         f"deadline; nothing was changed: {err}",
                         state_changed=False,
@@ -213,29 +213,31 @@ class GuardedBackends:
                 delay = min(delay * 2, _BACKOFF_MAX_S)
             except asyncio.TimeoutError:
                 if loop.time() < deadline:
-                    return jobs.Outcome(error=f"{what} failed: the backend timed out internally")
-                return jobs.Outcome(
+                    return job_model.Outcome(
+                        error=f"{what} failed: the backend timed out internally"
+                    )
+                return job_model.Outcome(
                     error=f"{what} did not finish within {self.operation_timeout_s:g} s "
                     "(operation_timeout_s); check the backend, then ResetJob"
                 )
             except base.RefusedBackendError as err:
-                return jobs.Outcome(
+                return job_model.Outcome(
                     error=f"{what} was refused; nothing was changed: {err}", state_changed=False
                 )
             except base.BackendError as err:
                 if isinstance(err, base.BackendUnavailableError):
                     self._on_unavailable(backend.name, err)
-                return jobs.Outcome(error=f"{what} failed: {err}")
+                return job_model.Outcome(error=f"{what} failed: {err}")
             except Exception as err:
                 log.exception("%s crashed", what)
-                return jobs.Outcome(error=f"{what} crashed: {type(err).__name__}: {err}")
+                return job_model.Outcome(error=f"{what} crashed: {type(err).__name__}: {err}")
 
 
 async def _invoke(
-    backend: base.Backend, kind: jobs.Kind, ctx: base.JobContext, mode: pb.SuspendMode
+    backend: base.Backend, kind: job_model.Kind, ctx: base.JobContext, mode: pb.SuspendMode
 ) -> base.OpResult:
-    if kind is jobs.Kind.SNAPSHOT:
+    if kind is job_model.Kind.SNAPSHOT:
         return await backend.snapshot(ctx, mode)
-    if kind is jobs.Kind.RESTORE:
+    if kind is job_model.Kind.RESTORE:
         return await backend.restore(ctx)
     return await backend.activate(ctx)

@@ -13,15 +13,15 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable
 
-from tslice.agent import jobs, store
+from tslice.agent import job_model, store
 from tslice.common import refusals
 
 log = logging.getLogger(__name__)
-_STATE_NAMES = tuple(s.value for s in jobs.State)
+_STATE_NAMES = tuple(s.value for s in job_model.State)
 
 
 class Ledger:
-    """One node's records, keyed as ``jobs.Key`` (job, group), and their store."""
+    """One node's records, keyed as ``job_model.Key`` (job, group), and their store."""
 
     def __init__(
         self, *, node: str, state: store.Store, retention_s: float, max_operations: int
@@ -30,9 +30,9 @@ class Ledger:
         self.retention_s = retention_s
         self.max_operations = max_operations
         self._store = state
-        self.jobs: dict[jobs.Key, jobs.Job] = {}
-        self.operations: dict[str, jobs.Operation] = {}
-        self.marks: dict[str, jobs.GrantMark] = {}
+        self.jobs: dict[job_model.Key, job_model.Job] = {}
+        self.operations: dict[str, job_model.Operation] = {}
+        self.marks: dict[str, job_model.GrantMark] = {}
 
     async def load(self) -> None:
         loaded = await self._store.load()
@@ -44,7 +44,7 @@ class Ledger:
 
     # ---- reading -------------------------------------------------------------------------
 
-    def key(self, job_id: str, group: str) -> jobs.Key:
+    def key(self, job_id: str, group: str) -> job_model.Key:
         """The record a request means: its (job, group), or the job's only record.
 
         A request that names no group (llm-d's clients may not) means the job's one
@@ -66,14 +66,14 @@ class Ledger:
             )
         return found[0] if found else (job_id, "")
 
-    def find(self, job_id: str, group: str) -> jobs.Job | None:
+    def find(self, job_id: str, group: str) -> job_model.Job | None:
         """The record a request on ``job_id`` (and ``group``) means, if there is one."""
         return self.jobs.get(self.key(job_id, group))
 
-    def sorted_jobs(self) -> list[jobs.Job]:
+    def sorted_jobs(self) -> list[job_model.Job]:
         return sorted(self.jobs.values(), key=lambda j: j.key)
 
-    def operation(self, op_id: str) -> jobs.Operation:
+    def operation(self, op_id: str) -> job_model.Operation:
         op = self.operations.get(op_id)
         if op is None:
             hours = self.retention_s / 3600
@@ -84,7 +84,7 @@ class Ledger:
             )
         return op
 
-    def running(self, job: jobs.Job) -> jobs.Operation:
+    def running(self, job: job_model.Job) -> job_model.Operation:
         """The operation a TRANSITIONING job is in."""
         op = self.operations.get(job.operation_id)
         if op is None:
@@ -95,7 +95,7 @@ class Ledger:
             )
         return op
 
-    def previous(self, job: jobs.Job) -> jobs.Job | None:
+    def previous(self, job: job_model.Job) -> job_model.Job | None:
         """The record ``job`` replaces (its own key, or the job's record made without group)."""
         found = self.jobs.get(job.key)
         if found is None and job.group:
@@ -114,10 +114,10 @@ class Ledger:
     def commit(
         self,
         *,
-        jobs_: Iterable[jobs.Job] = (),
-        ops: Iterable[jobs.Operation] = (),
-        marks: Iterable[jobs.GrantMark] = (),
-        previous: jobs.Job | None,
+        jobs_: Iterable[job_model.Job] = (),
+        ops: Iterable[job_model.Operation] = (),
+        marks: Iterable[job_model.GrantMark] = (),
+        previous: job_model.Job | None,
     ) -> None:
         """Apply records in memory and on disk; undo the memory side if the disk refuses."""
         job_list, op_list, mark_list = list(jobs_), list(ops), list(marks)
@@ -161,7 +161,7 @@ class Ledger:
                 "nothing was changed, fix the state directory and retry",
             ) from err
 
-    def record_outcome(self, job: jobs.Job, op: jobs.Operation) -> None:
+    def record_outcome(self, job: job_model.Job, op: job_model.Operation) -> None:
         """Store a finished operation and its job; in memory even if the disk refuses."""
         try:
             # On disk before anybody can see it: a reply never gets ahead of the store.
@@ -190,7 +190,9 @@ class Ledger:
         self._store.delete_operations(drop)
         return len(drop)
 
-    def _apply(self, job_list: Iterable[jobs.Job], op_list: Iterable[jobs.Operation]) -> None:
+    def _apply(
+        self, job_list: Iterable[job_model.Job], op_list: Iterable[job_model.Operation]
+    ) -> None:
         for job in job_list:
             self.jobs[job.key] = job
         for op in op_list:

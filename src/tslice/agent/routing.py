@@ -3,7 +3,7 @@
 A request may name its backend (a ``backend_config`` arm, or llm-d's deprecated
 ``backend`` enum); otherwise the job's records decide: the backend holding its state,
 its recorded choice, the workload channel it registered on, the backend that last
-served it, and finally the node default. The result is a :class:`jobs.Route`, which
+served it, and finally the node default. The result is a :class:`job_model.Route`, which
 the state rules (``tslice.agent.jobs``) take as a fact.
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 
-from tslice.agent import jobs
+from tslice.agent import job_model
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
 from tslice.common import refusals
 
@@ -47,10 +47,10 @@ def route(
     *,
     request_config: pb.BackendConfig | None,
     deprecated_backend: int = 0,
-    job: jobs.Job | None,
+    job: job_model.Job | None,
     channel_registered: bool,
     default_backend: str,
-) -> jobs.Route:
+) -> job_model.Route:
     """Pick the backend for a request on ``job``.
 
     Precedence: the request's explicit choice; the backend holding a SAVED, FAULTED or
@@ -62,19 +62,25 @@ def route(
     if explicit is not None:
         has_arm = request_config is not None and request_config.WhichOneof("backend") is not None
         config = request_config if has_arm else None
-        return jobs.Route(backend=explicit, config=config, explicit=True, record=True)
+        return job_model.Route(backend=explicit, config=config, explicit=True, record=True)
     if job is not None:
-        holding = (jobs.State.SAVED, jobs.State.FAULTED, jobs.State.TRANSITIONING)
+        holding = (
+            job_model.State.SAVED,
+            job_model.State.FAULTED,
+            job_model.State.TRANSITIONING,
+        )
         if job.backend and job.state in holding:
             same = job.choice == job.backend
-            return jobs.Route(backend=job.backend, config=job.backend_config() if same else None)
+            return job_model.Route(
+                backend=job.backend, config=job.backend_config() if same else None
+            )
         if job.choice:
-            return jobs.Route(backend=job.choice, config=job.backend_config())
+            return job_model.Route(backend=job.choice, config=job.backend_config())
     if channel_registered:
-        return jobs.Route(backend="app-channel", config=None, record=True)
+        return job_model.Route(backend="app-channel", config=None, record=True)
     if job is not None and job.backend:
-        return jobs.Route(backend=job.backend, config=None)
-    return jobs.Route(backend=default_backend, config=None)
+        return job_model.Route(backend=job.backend, config=None)
+    return job_model.Route(backend=default_backend, config=None)
 
 
 def ensure_enabled(backend: str, *, enabled: Iterable[str], node: str) -> None:

@@ -32,7 +32,7 @@ import uuid
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from tslice.agent import grants, guarded, jobs, ledger, metrics, routing, store
+from tslice.agent import grants, guarded, job_model, jobs, ledger, metrics, routing, store
 from tslice.agent.backends import base
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
 from tslice.common import refusals, tasks
@@ -75,7 +75,7 @@ class AgentCore:
         self._guarded = guarded.GuardedBackends(
             backends, operation_timeout_s=operation_timeout_s, on_unavailable=on_backend_error
         )
-        #: One record per (job, group): see ``jobs.Key``.
+        #: One record per (job, group): see ``job_model.Key``.
         self._book = ledger.Ledger(
             node=node,
             state=state,
@@ -101,7 +101,7 @@ class AgentCore:
         await self._book.load()
         now = self._clock()
         for job in list(self._book.jobs.values()):
-            if job.state is not jobs.State.TRANSITIONING:
+            if job.state is not job_model.State.TRANSITIONING:
                 continue
             enabled = job.backend in self._guarded
             recovered = await self._guarded.recover(job.backend, job) if enabled else None
@@ -138,26 +138,26 @@ class AgentCore:
 
     # ---- queries -------------------------------------------------------------------------
 
-    def list_jobs(self) -> list[jobs.Job]:
+    def list_jobs(self) -> list[job_model.Job]:
         return self._book.sorted_jobs()
 
-    def job(self, job_id: str, group: str = "") -> jobs.Job | None:
+    def job(self, job_id: str, group: str = "") -> job_model.Job | None:
         return self._book.find(job_id, group)
 
     def now(self) -> float:
         return self._clock()
 
-    def get_operation(self, op_id: str) -> jobs.Operation:
+    def get_operation(self, op_id: str) -> job_model.Operation:
         return self._book.operation(op_id)
 
-    async def wait_operation(self, op_id: str, *, timeout_s: float) -> jobs.Operation:
+    async def wait_operation(self, op_id: str, *, timeout_s: float) -> job_model.Operation:
         """The operation once finished, or as it is (PENDING) after ``timeout_s``."""
         (op,) = await self.settle([self.get_operation(op_id)], timeout_s=timeout_s)
         return op
 
     async def settle(
-        self, ops: Sequence[jobs.Operation], *, timeout_s: float | None
-    ) -> list[jobs.Operation]:
+        self, ops: Sequence[job_model.Operation], *, timeout_s: float | None
+    ) -> list[job_model.Operation]:
         """``ops`` once all finished, or as they are after ``timeout_s`` (None: no limit)."""
         waits = [f for op in ops if not op.finished and (f := self._done.get(op.op_id)) is not None]
         if waits and (timeout_s is None or timeout_s > 0):
@@ -173,17 +173,17 @@ class AgentCore:
 
     async def directive(
         self,
-        kind: jobs.Kind,
+        kind: job_model.Kind,
         *,
         job_id: str,
         group: str,
         config: pb.BackendConfig | None,
         deprecated_backend: int = 0,
         wait_s: float = 0.0,
-    ) -> jobs.Operation:
+    ) -> job_model.Operation:
         """Start a Snapshot or Restore (``kind``) under the job's lock; return its
         operation once finished or after ``wait_s``."""
-        start = self._start_snapshot if kind is jobs.Kind.SNAPSHOT else self._start_restore
+        start = self._start_snapshot if kind is job_model.Kind.SNAPSHOT else self._start_restore
         async with self._locks[job_id]:
             op = await start(
                 self._book.find(job_id, group),
@@ -195,7 +195,7 @@ class AgentCore:
         (op,) = await self.settle([op], timeout_s=wait_s)
         return op
 
-    def key(self, job_id: str, group: str) -> jobs.Key:
+    def key(self, job_id: str, group: str) -> job_model.Key:
         """The record a request about ``job_id`` for ``group`` means (see ``Ledger.key``)."""
         return self._book.key(job_id, group)
 
@@ -225,7 +225,7 @@ class AgentCore:
             self._guarded.devices[group] = tuple(devices)
         else:
             self._guarded.devices.pop(group, None)
-        seen: dict[str, jobs.Operation] = {}
+        seen: dict[str, job_model.Operation] = {}
         for _ in range(order.max_steps):
             moves = await self._next_moves(order)
             if moves is None:  # resident, and the grant recorded
@@ -246,7 +246,7 @@ class AgentCore:
                 return grants.outcome(order, seen.values(), job=target, granted=granted)
         raise grants.kept_changing(order, node=self.node)
 
-    async def _next_moves(self, order: grants.Order) -> list[jobs.Operation] | None:
+    async def _next_moves(self, order: grants.Order) -> list[job_model.Operation] | None:
         """Start the Grant's next move; its operations, or ``None`` once the job is in."""
         target = self._book.key(order.job_id, order.group)
         move = grants.next_move(order, self._book.jobs, target=target)
@@ -270,12 +270,12 @@ class AgentCore:
         brought_in = await self._start_grant(order)
         return None if brought_in is None else [brought_in]
 
-    async def reset(self, *, job_id: str, group: str = "") -> jobs.State:
+    async def reset(self, *, job_id: str, group: str = "") -> job_model.State:
         async with self._locks[job_id]:
             job = jobs.check_reset(
                 self._book.find(job_id, group), job_id=job_id, group=group, node=self.node
             )
-            recovered: jobs.State | None = None
+            recovered: job_model.State | None = None
             if job.backend in self._guarded:
                 recovered = await self._guarded.recover(job.backend, job)
             new_job = jobs.after_reset(job, recovered=recovered)
@@ -352,7 +352,7 @@ class AgentCore:
             async with self._locks[job_id]:
                 running: list[asyncio.Future[None]] = []
                 for job in self._left_records(job_id, group):
-                    if job.state is jobs.State.TRANSITIONING:
+                    if job.state is job_model.State.TRANSITIONING:
                         done = self._done.get(job.operation_id)
                         if done is not None:
                             running.append(done)
@@ -373,7 +373,7 @@ class AgentCore:
                     return
             await asyncio.wait(running)
 
-    def _left_records(self, job_id: str, group: str) -> list[jobs.Job]:
+    def _left_records(self, job_id: str, group: str) -> list[job_model.Job]:
         """The job's records a departed workload of ``group`` held: the group's record, or
         for a workload that named no group every record of the job; none that a live
         workload serves (it registered again)."""
@@ -392,33 +392,33 @@ class AgentCore:
 
     async def _start_snapshot(
         self,
-        job: jobs.Job | None,
+        job: job_model.Job | None,
         *,
         job_id: str,
         group: str,
         config: pb.BackendConfig | None = None,
         deprecated_backend: int = 0,
-    ) -> jobs.Operation:
+    ) -> job_model.Operation:
         route = self._route(job_id, job, config, deprecated_backend)
         await self._validate(route, job, job_id=job_id, group=group)
         # A typo creates nothing: an unknown job is adopted only if its backend holds it.
-        probe = job if job is not None else jobs.Job(job_id=job_id, group=group)
+        probe = job if job is not None else job_model.Job(job_id=job_id, group=group)
         recovered = await self._recovered(route, probe, unknown=job is None)
         plan = jobs.plan_snapshot(job, self._request(job_id, group, route), recovered=recovered)
-        if isinstance(plan, jobs.Done):  # nothing resident: the job's workload left
+        if isinstance(plan, job_model.Done):  # nothing resident: the job's workload left
             self._book.commit(jobs_=[plan.job], ops=[plan.operation], previous=job)
             return plan.operation
         return self._launch(plan, config=route.config)
 
     async def _start_restore(
         self,
-        job: jobs.Job | None,
+        job: job_model.Job | None,
         *,
         job_id: str,
         group: str,
         config: pb.BackendConfig | None,
         deprecated_backend: int,
-    ) -> jobs.Operation:
+    ) -> job_model.Operation:
         route = self._route(job_id, job, config, deprecated_backend)
         await self._validate(route, job, job_id=job_id, group=group)
         recovered = await self._recovered(route, job)
@@ -430,30 +430,30 @@ class AgentCore:
             recovered=recovered,
             partial=partial,
         )
-        if isinstance(plan, jobs.Done):
+        if isinstance(plan, job_model.Done):
             self._book.commit(jobs_=[plan.job], ops=[plan.operation], previous=job)
             return plan.operation
         # An explicit restore config applies to this operation only; the recorded one stays.
         return self._launch(plan, config=route.config)
 
-    async def _start_eviction(self, key: jobs.Key) -> jobs.Operation | None:
+    async def _start_eviction(self, key: job_model.Key) -> job_model.Operation | None:
         """Snapshot a resident job for a Grant; the operation running on it if there is one."""
         job_id, group = key
         async with self._locks[job_id]:
             job = self._book.find(job_id, group)
-            if job is None or job.state in (jobs.State.IDLE, jobs.State.SAVED):
+            if job is None or job.state in (job_model.State.IDLE, job_model.State.SAVED):
                 return None
-            if job.state is jobs.State.TRANSITIONING:
+            if job.state is job_model.State.TRANSITIONING:
                 return self._book.running(job)
             # A FAULTED job is snapshotted only if its backend says it still runs.
             return await self._start_snapshot(job, job_id=job_id, group=group)
 
-    async def _start_grant(self, order: grants.Order) -> jobs.Operation | None:
+    async def _start_grant(self, order: grants.Order) -> job_model.Operation | None:
         """Record the grant; ``None`` if the job is resident, else the operation bringing it in."""
         job_id, group = order.job_id, order.group
         async with self._locks[job_id]:
             job = self._book.find(job_id, group)
-            transitioning = job is not None and job.state is jobs.State.TRANSITIONING
+            transitioning = job is not None and job.state is job_model.State.TRANSITIONING
             if transitioning:
                 assert job is not None
                 running = self._book.operations.get(job.operation_id)
@@ -464,12 +464,13 @@ class AgentCore:
             last = self._book.marks.get(group)
             mark = jobs.new_mark(job_id=job_id, group=group, epoch=order.epoch, last=last)
             request = self._request(job_id, group, route)
-            if order.restore and job is not None and job.state is jobs.State.SAVED:
+            if order.restore and job is not None and job.state is job_model.State.SAVED:
                 jobs.check_epoch(
                     job_id=job_id, group=group, epoch=order.epoch, last=last, node=self.node
                 )
                 bring_back = jobs.plan_restore(job, request, others=self._book.jobs.values())
-                assert isinstance(bring_back, jobs.Start)  # a SAVED job has something to move
+                # A SAVED job has something to move.
+                assert isinstance(bring_back, job_model.Start)
                 return self._launch(bring_back, config=route.config, mark=mark)
             plan = jobs.plan_grant(
                 job,
@@ -479,7 +480,7 @@ class AgentCore:
                 footprint_bytes=order.footprint_bytes,
                 others=self._book.jobs.values(),
             )
-            if isinstance(plan, jobs.Unchanged):
+            if isinstance(plan, job_model.Unchanged):
                 marks = [mark] if mark is not None else []
                 if plan.job != job or marks:
                     self._book.commit(jobs_=[plan.job], marks=marks, previous=job)
@@ -488,8 +489,8 @@ class AgentCore:
 
     # ---- internals --------------------------------------------------------------------------
 
-    def _request(self, job_id: str, group: str, route: jobs.Route) -> jobs.Request:
-        return jobs.Request(
+    def _request(self, job_id: str, group: str, route: job_model.Route) -> job_model.Request:
+        return job_model.Request(
             job_id=job_id,
             group=group,
             route=route,
@@ -501,10 +502,10 @@ class AgentCore:
     def _route(
         self,
         job_id: str,
-        job: jobs.Job | None,
+        job: job_model.Job | None,
         config: pb.BackendConfig | None,
         deprecated_backend: int,
-    ) -> jobs.Route:
+    ) -> job_model.Route:
         route = routing.route(
             request_config=config,
             deprecated_backend=deprecated_backend,
@@ -525,26 +526,26 @@ class AgentCore:
             return False
 
     async def _validate(
-        self, route: jobs.Route, job: jobs.Job | None, *, job_id: str, group: str
+        self, route: job_model.Route, job: job_model.Job | None, *, job_id: str, group: str
     ) -> None:
-        await self._guarded.validate(route, job or jobs.Job(job_id=job_id, group=group))
+        await self._guarded.validate(route, job or job_model.Job(job_id=job_id, group=group))
 
     async def _recovered(
-        self, route: jobs.Route, job: jobs.Job | None, *, unknown: bool = False
-    ) -> jobs.State | None:
+        self, route: job_model.Route, job: job_model.Job | None, *, unknown: bool = False
+    ) -> job_model.State | None:
         """What the backend reports, asked only where a rule depends on it: for a FAULTED
         job, and (``unknown``) for a job this node has no record of."""
-        if job is None or not (unknown or job.state is jobs.State.FAULTED):
+        if job is None or not (unknown or job.state is job_model.State.FAULTED):
             return None
         return await self._guarded.recover(route.backend, job)
 
     def _launch(
         self,
-        plan: jobs.Start,
+        plan: job_model.Start,
         *,
         config: pb.BackendConfig | None,
-        mark: jobs.GrantMark | None = None,
-    ) -> jobs.Operation:
+        mark: job_model.GrantMark | None = None,
+    ) -> job_model.Operation:
         op = plan.operation
         previous = self._book.previous(plan.job)
         self._done[op.op_id] = asyncio.get_running_loop().create_future()
@@ -574,7 +575,7 @@ class AgentCore:
         task.add_done_callback(self._running.discard)
 
     async def _execute(
-        self, job: jobs.Job, op: jobs.Operation, config: pb.BackendConfig | None
+        self, job: job_model.Job, op: job_model.Operation, config: pb.BackendConfig | None
     ) -> None:
         started = time.monotonic()
         outcome = await self._guarded.run(op, job, config)
@@ -582,10 +583,10 @@ class AgentCore:
         async with self._locks[job.job_id]:
             current = self._book.jobs.get(job.key, job)
             new_job, new_op = jobs.finish(current, op, outcome=outcome, now=self._clock())
-            if new_op.status is jobs.OpStatus.COMPLETE:
+            if new_op.status is job_model.OpStatus.COMPLETE:
                 outcome_label = "complete"
             else:
-                outcome_label = "faulted" if new_job.state is jobs.State.FAULTED else "failed"
+                outcome_label = "faulted" if new_job.state is job_model.State.FAULTED else "failed"
             self._metrics.observe(
                 backend=op.backend,
                 kind=op.kind.value,
@@ -599,7 +600,7 @@ class AgentCore:
                 done = self._done.pop(op.op_id, None)
                 if done is not None and not done.done():
                     done.set_result(None)
-        log_fn = log.info if new_op.status is jobs.OpStatus.COMPLETE else log.warning
+        log_fn = log.info if new_op.status is job_model.OpStatus.COMPLETE else log.warning
         log_fn(
             "%s of job %s %s: job %s%s",
             op.kind.value,

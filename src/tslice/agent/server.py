@@ -15,7 +15,7 @@ from typing import Any, NoReturn, TypeVar
 import grpc
 from grpc_health.v1 import health, health_pb2
 
-from tslice.agent import channel, grants, jobs, runner
+from tslice.agent import channel, grants, job_model, runner
 from tslice.agent.backends import base
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2_grpc as pb_grpc
@@ -25,14 +25,14 @@ log = logging.getLogger(__name__)
 _T = TypeVar("_T")
 _R = TypeVar("_R")
 
-_OP_STATUS: Mapping[jobs.OpStatus, pb.OperationStatus] = {
-    jobs.OpStatus.PENDING: pb.OPERATION_STATUS_PENDING,
-    jobs.OpStatus.COMPLETE: pb.OPERATION_STATUS_COMPLETE,
-    jobs.OpStatus.FAILED: pb.OPERATION_STATUS_FAILED,
+_OP_STATUS: Mapping[job_model.OpStatus, pb.OperationStatus] = {
+    job_model.OpStatus.PENDING: pb.OPERATION_STATUS_PENDING,
+    job_model.OpStatus.COMPLETE: pb.OPERATION_STATUS_COMPLETE,
+    job_model.OpStatus.FAILED: pb.OPERATION_STATUS_FAILED,
 }
 
 
-def operation_to_pb(op: jobs.Operation, *, now: float) -> pb.GetOperationResponse:
+def operation_to_pb(op: job_model.Operation, *, now: float) -> pb.GetOperationResponse:
     """Bytes are present on every COMPLETE operation, ``error`` only on FAILED ones."""
     response = pb.GetOperationResponse(
         status=_OP_STATUS[op.status],
@@ -41,18 +41,18 @@ def operation_to_pb(op: jobs.Operation, *, now: float) -> pb.GetOperationRespons
         kind=op.kind.value,
         group=op.group,
     )
-    if op.status is jobs.OpStatus.COMPLETE:
+    if op.status is job_model.OpStatus.COMPLETE:
         response.storage_bytes = op.storage_bytes or 0
         response.snapshot_device_bytes = op.device_bytes or 0
-    elif op.status is jobs.OpStatus.FAILED:
+    elif op.status is job_model.OpStatus.FAILED:
         response.error = validation.bounded(op.error or "operation failed")
     return response
 
 
-def job_to_pb(job: jobs.Job) -> pb.JobStatus:
+def job_to_pb(job: job_model.Job) -> pb.JobStatus:
     return pb.JobStatus(
         job_id=job.job_id,
-        state=jobs.to_pb(job.state),
+        state=job_model.to_pb(job.state),
         group=job.group,
         operation_id=job.operation_id,
         device_bytes=job.device_bytes,
@@ -179,18 +179,18 @@ class SnapshotAgentServicer(pb_grpc.SnapshotAgentServiceServicer):
     async def Snapshot(
         self, request: pb.SnapshotRequest, context: grpc.aio.ServicerContext
     ) -> pb.SnapshotResponse:
-        return await self._directive(context, request, jobs.Kind.SNAPSHOT, pb.SnapshotResponse)
+        return await self._directive(context, request, job_model.Kind.SNAPSHOT, pb.SnapshotResponse)
 
     async def Restore(
         self, request: pb.RestoreRequest, context: grpc.aio.ServicerContext
     ) -> pb.RestoreResponse:
-        return await self._directive(context, request, jobs.Kind.RESTORE, pb.RestoreResponse)
+        return await self._directive(context, request, job_model.Kind.RESTORE, pb.RestoreResponse)
 
     async def _directive(
         self,
         context: grpc.aio.ServicerContext,
         request: pb.SnapshotRequest | pb.RestoreRequest,
-        kind: jobs.Kind,
+        kind: job_model.Kind,
         reply: Callable[..., _R],
     ) -> _R:
         """Validate a Snapshot or Restore request (same fields), start it, reply with it."""
@@ -319,7 +319,7 @@ class SnapshotAgentServicer(pb_grpc.SnapshotAgentServiceServicer):
         )
         now = self._core.now()
         return pb.GrantResponse(
-            state=jobs.to_pb(outcome.state),
+            state=job_model.to_pb(outcome.state),
             granted=outcome.granted,
             operations=[operation_to_pb(op, now=now) for op in outcome.operations],
             operation_ids=[op.op_id for op in outcome.operations],
@@ -332,7 +332,7 @@ class SnapshotAgentServicer(pb_grpc.SnapshotAgentServiceServicer):
         job_id = await _valid(context, _checked_id, "job_id", request.job_id)
         group = await _valid(context, _checked_group, request.group)
         state = await self._run(context, self._core.reset(job_id=job_id, group=group))
-        return pb.ResetJobResponse(state=jobs.to_pb(state))
+        return pb.ResetJobResponse(state=job_model.to_pb(state))
 
     async def WorkloadChannel(
         self, request_iterator: AsyncIterator[pb.WorkloadMessage], context: grpc.aio.ServicerContext

@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
-from tslice.agent import jobs
+from tslice.agent import job_model
 from tslice.common import errors, wal_limit
 
 _T = TypeVar("_T")
@@ -132,11 +132,11 @@ class _Column:
     load: Callable[[Any], Any] = str
 
 
-#: The tables' columns in their order, one per field of the record (``jobs.Job``).
+#: The tables' columns in their order, one per field of the record (``job_model.Job``).
 _JOB_COLUMNS = (
     _Column("job_id", "job_id"),
     _Column("grp", "group"),
-    _Column("state", "state", _enum_value, jobs.State),
+    _Column("state", "state", _enum_value, job_model.State),
     _Column("backend", "backend"),
     _Column("choice", "choice"),
     _Column("config", "config", load=_blob),
@@ -146,15 +146,15 @@ _JOB_COLUMNS = (
     _Column("operation_id", "operation_id"),
     _Column("device_bytes", "device_bytes", load=_number(int)),
     _Column("host_bytes", "host_bytes", load=_number(int)),
-    _Column("previous_state", "previous_state", _optional(_enum_value), _optional(jobs.State)),
+    _Column("previous_state", "previous_state", _optional(_enum_value), _optional(job_model.State)),
 )
-#: ... and of ``jobs.Operation``.
+#: ... and of ``job_model.Operation``.
 _OPERATION_COLUMNS = (
     _Column("op_id", "op_id"),
     _Column("job_id", "job_id"),
-    _Column("kind", "kind", _enum_value, jobs.Kind),
+    _Column("kind", "kind", _enum_value, job_model.Kind),
     _Column("backend", "backend"),
-    _Column("status", "status", _enum_value, jobs.OpStatus),
+    _Column("status", "status", _enum_value, job_model.OpStatus),
     _Column("started_at", "started_at", load=_number(float)),
     _Column("finished_at", "finished_at", load=_optional(_number(float))),
     _Column("storage_bytes", "storage_bytes", load=_optional(_number(int))),
@@ -180,9 +180,9 @@ class StateDatabaseError(errors.ConfigError):
 
 @dataclasses.dataclass(frozen=True)
 class Loaded:
-    job_map: dict[jobs.Key, jobs.Job]
-    operation_map: dict[str, jobs.Operation]
-    grant_map: dict[str, jobs.GrantMark]
+    job_map: dict[job_model.Key, job_model.Job]
+    operation_map: dict[str, job_model.Operation]
+    grant_map: dict[str, job_model.GrantMark]
 
 
 class Store:
@@ -232,10 +232,10 @@ class Store:
     def put(
         self,
         *,
-        job_records: Sequence[jobs.Job] = (),
-        operation_records: Sequence[jobs.Operation] = (),
-        grant_marks: Sequence[jobs.GrantMark] = (),
-        deleted_jobs: Sequence[jobs.Key] = (),
+        job_records: Sequence[job_model.Job] = (),
+        operation_records: Sequence[job_model.Operation] = (),
+        grant_marks: Sequence[job_model.GrantMark] = (),
+        deleted_jobs: Sequence[job_model.Key] = (),
     ) -> None:
         """Store the records in one transaction, synchronously (see the module docstring)."""
         job_rows = [_job_row(j) for j in job_records]
@@ -299,7 +299,7 @@ class Store:
             op = _operation_from_row(tuple(row))
             loaded.operation_map[op.op_id] = op
         for grp, epoch, job_id in conn.execute("SELECT grp, epoch, job_id FROM grants"):
-            loaded.grant_map[str(grp)] = jobs.GrantMark(
+            loaded.grant_map[str(grp)] = job_model.GrantMark(
                 group=str(grp), epoch=int(epoch), job_id=str(job_id)
             )
         return loaded
@@ -314,7 +314,7 @@ class Store:
         job_rows: list[tuple[object, ...]],
         op_rows: list[tuple[object, ...]],
         mark_rows: list[tuple[str, int, str]],
-        deleted_jobs: list[jobs.Key],
+        deleted_jobs: list[job_model.Key],
     ) -> None:
         with self._checkpoints.transaction(self._connection()) as conn:
             if deleted_jobs:
@@ -339,17 +339,17 @@ def _fields(columns: tuple[_Column, ...], row: Sequence[object]) -> dict[str, An
     return {c.field: c.load(value) for c, value in zip(columns, row, strict=True)}
 
 
-def _job_row(job: jobs.Job) -> tuple[object, ...]:
+def _job_row(job: job_model.Job) -> tuple[object, ...]:
     return _row(_JOB_COLUMNS, job)
 
 
-def _job_from_row(row: tuple[object, ...]) -> jobs.Job:
-    return jobs.Job(**_fields(_JOB_COLUMNS, row))
+def _job_from_row(row: tuple[object, ...]) -> job_model.Job:
+    return job_model.Job(**_fields(_JOB_COLUMNS, row))
 
 
-def _operation_row(op: jobs.Operation) -> tuple[object, ...]:
+def _operation_row(op: job_model.Operation) -> tuple[object, ...]:
     return _row(_OPERATION_COLUMNS, op)
 
 
-def _operation_from_row(row: tuple[object, ...]) -> jobs.Operation:
-    return jobs.Operation(**_fields(_OPERATION_COLUMNS, row))
+def _operation_from_row(row: tuple[object, ...]) -> job_model.Operation:
+    return job_model.Operation(**_fields(_OPERATION_COLUMNS, row))
