@@ -24,9 +24,8 @@ Interface used by the agent core (keep it stable)::
 
 Rules (WIRE.md "Workload channel rules", plus the tslice additions):
 
-- The first message must be ``register``; a bad one ends the stream with
-  INVALID_ARGUMENT and a message that says what to fix. A second ``register`` on
-  the same stream is refused the same way.
+- The stream itself (:mod:`tslice.agent.channel_stream`): it opens with a valid
+  ``register`` or ends with INVALID_ARGUMENT, and keepalive is for those who declare it.
 - Who registers (:mod:`tslice.agent.channel_admission`): over the Unix socket the
   process is bound by its peer credentials (its instance token, bound through the
   register socket); over TCP the ``pid`` field is never trusted and, with
@@ -55,12 +54,6 @@ Rules (WIRE.md "Workload channel rules", plus the tslice additions):
   never what it infers from the shape of replies: llm-d's workload library logs an
   error for every command it does not know, so a workload that declares nothing
   gets snapshot and restore commands and nothing else.
-- Keepalive (``features.keepalive``): right after accepting the registration the
-  hub sends a ``Ping`` (the workload library treats it as the registration
-  acknowledgement), pings every ``ping_interval_s`` and closes the session after
-  ``missed_pings`` intervals of silence. A workload without it is never pinged and
-  never closed for silence (llm-d's runs commands on its reading thread and would
-  look dead during a long offload); a ping it sends itself is still answered.
 - State report (``features.reports_state``): ``suspended``/``resident_tags`` in the
   registration are the truth and the hub tracks residency from them
   (:meth:`ChannelHub.session_state`), which the app-channel backend uses to answer
@@ -83,9 +76,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import uuid
 from collections.abc import AsyncIterator, Callable, Iterable
-from typing import Literal, NoReturn, TypeVar
+from typing import Literal, TypeVar
 
 import grpc
 
@@ -94,6 +86,7 @@ from tslice.agent import (
     channel_departures,
     channel_rules,
     channel_session,
+    channel_stream,
     registration,
 )
 from tslice.agent.channel_rules import (
@@ -111,7 +104,7 @@ from tslice.agent.channel_rules import (
     resolve_mode,
 )
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
-from tslice.common import tasks, validation
+from tslice.common import validation
 
 # The rules' public names are part of this module's interface (callers catch
 # ``channel.CommandRefusedError``); they live in channel_rules to keep this module small.
@@ -322,6 +315,32 @@ class ChannelHub:
             timeout_s=timeout_s,
         )
 
+    async def _dispatch(
+        self,
+        session: channel_session.Session,
+        command: pb.AgentCommand,
+        *,
+        kind: str,
+        tags: tuple[str, ...],
+        mode: int,
+        timeout_s: float,
+    ) -> CommandOutcome:
+        answer = channel_stream.send(session, command, kind=kind, tags=tags, timeout_s=timeout_s)
+        self.commands_sent += 1
+        result = await channel_stream.answered(
+            session, command, answer, kind=kind, timeout_s=timeout_s
+        )
+        return CommandOutcome(
+            command_id=command.command_id,
+            ok=result.ok,
+            # The workload's own words: kept, but never longer than a message may be.
+            error=validation.bounded(result.error),
+            device_bytes=result.device_bytes,
+            host_bytes=result.host_bytes,
+            mode=mode,
+            state=session.state(),
+        )
+
     async def close(self) -> None:
         """End every session (agent shutdown); workloads reconnect to the next agent.
 
@@ -334,94 +353,25 @@ class ChannelHub:
 
     # ---- the stream ----------------------------------------------------------------
 
-    async def handle_stream(
+    def handle_stream(
         self,
         request_iterator: AsyncIterator[pb.WorkloadMessage],
-        context: grpc.aio.ServicerContext,
+        context: channel_stream.Context,
     ) -> AsyncIterator[pb.AgentCommand]:
-        """Serve one ``WorkloadChannel`` call (an async generator of commands)."""
-        session = await self._accept(request_iterator, context)
-        suffix = f"{session.job_id}/{session.group}" if session.group else session.job_id
-        reader = tasks.spawn(self._read(session, request_iterator), name=f"channel-read-{suffix}")
-        keeper = tasks.spawn(self._keepalive(session), name=f"channel-keepalive-{suffix}")
-        # However the call ends (a failed write stops grpc from resuming this generator),
-        # a session still open when it is done was lost, not closed.
-        add_done_callback = getattr(context, "add_done_callback", None)
-        if add_done_callback is not None:
-            add_done_callback(
-                lambda _ctx: self._end(session, grpc.StatusCode.CANCELLED, "the stream was lost")
-            )
-        close: channel_session.Close | None = None
-        wrote = False
-        try:
-            while True:
-                item = await session.outbox.get()
-                if isinstance(item, channel_session.Close):
-                    close = item
-                    break
-                if isinstance(item, channel_session.Probe):
-                    # The requests ended. A half-close leaves the call open, so a write
-                    # still goes through; a gone peer (its process exited, the call was
-                    # cancelled) fails it and this generator is not resumed (or raises).
-                    if session.keepalive:
-                        yield _probe_ping(session)
-                    elif not wrote:
-                        try:
-                            await context.send_initial_metadata(())
-                        except Exception:
-                            self._end(session, grpc.StatusCode.CANCELLED, "the stream was lost")
-                            return
-                    else:
-                        # Nothing this workload declared can be sent to tell: treat it as
-                        # lost (the grace applies).
-                        self._end(
-                            session,
-                            grpc.StatusCode.UNAVAILABLE,
-                            "the stream ended (a workload without keepalive cannot be "
-                            "told apart from a lost one)",
-                        )
-                        continue
-                    self._end(session, grpc.StatusCode.OK, "the workload closed the channel")
-                    continue
-                yield item
-                wrote = True
-        finally:
-            self._end(session, grpc.StatusCode.CANCELLED, "the stream was cancelled")
-            await tasks.cancel_all([reader, keeper])
-        if close is not None and close.code != grpc.StatusCode.OK:
-            await context.abort(close.code, close.details)
+        """Serve one ``WorkloadChannel`` call (an async generator of commands, run by
+        :mod:`tslice.agent.channel_stream`; the hub keeps the sessions)."""
+        owner = channel_stream.Owner(
+            admission=self.admission,
+            conflict=self._conflict,
+            admit=self._admit,
+            end=self._end,
+            ping_interval_s=self.ping_interval_s,
+            missed_pings=self.missed_pings,
+        )
+        return channel_stream.serve(request_iterator, context, owner)
 
-    async def _accept(
-        self,
-        request_iterator: AsyncIterator[pb.WorkloadMessage],
-        context: grpc.aio.ServicerContext,
-    ) -> channel_session.Session:
-        try:
-            first = await request_iterator.__anext__()
-        except StopAsyncIteration:
-            await _refuse(
-                context, "the workload closed the channel before sending RegisterWorkload"
-            )
-        kind = first.WhichOneof("message")
-        if kind != "register":
-            await _refuse(
-                context,
-                f"the first WorkloadChannel message must be a RegisterWorkload, got "
-                f"{kind or 'an empty message'}; use tslice.workload.register_workload(...)",
-            )
-        problem = channel_rules.registration_problem(first.register)
-        if problem:
-            await _refuse(context, problem)
-        instance = _metadata(context, channel_rules.INSTANCE_METADATA)
-        problem = channel_rules.instance_problem(instance)
-        if problem:
-            await _refuse(context, problem)
-        pid = await self.admission.identify(first.register, instance, context)
-        key = (first.register.job_id, first.register.group)
-        conflict = self._conflict(key, instance)
-        if conflict:
-            await context.abort(grpc.StatusCode.ALREADY_EXISTS, conflict)
-        session = channel_session.Session(first.register, instance=instance, pid=pid)
+    def _admit(self, session: channel_session.Session) -> None:
+        """Take an accepted session: it supersedes a live one of the same workload."""
         previous = self._sessions.get(session.key)
         came_back = self._gone.returned(session.key)
         if previous is not None:
@@ -447,134 +397,6 @@ class ChannelHub:
             },
         )
         self._notify("registered", session)
-        return session
-
-    async def _read(
-        self, session: channel_session.Session, request_iterator: AsyncIterator[pb.WorkloadMessage]
-    ) -> None:
-        try:
-            async for message in request_iterator:
-                session.heard()
-                kind = message.WhichOneof("message")
-                if kind == "result":
-                    self._on_result(session, message.result)
-                elif kind == "ping":
-                    # Answered even undeclared: the peer that pings speaks pong.
-                    session.send(pb.AgentCommand(pong=pb.Ping(nonce=message.ping.nonce)))
-                elif kind == "pong":
-                    session.pongs_received += 1
-                elif kind == "register":
-                    self._end(
-                        session,
-                        grpc.StatusCode.INVALID_ARGUMENT,
-                        f"{session.label} is already registered on this stream; "
-                        "open a new stream to register again",
-                    )
-                    return
-                else:
-                    log.debug("ignoring empty workload message", extra={"job_id": session.job_id})
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:  # the transport broke; the stream is gone either way
-            self._end(session, grpc.StatusCode.UNAVAILABLE, f"the stream broke: {exc}")
-            return
-        # The requests ended: a half-close (the workload closed its channel), or a peer
-        # that is gone (grpc reports both so); the writer finds out which.
-        if not session.closed.is_set():
-            session.outbox.put_nowait(channel_session.Probe())
-
-    async def _keepalive(self, session: channel_session.Session) -> None:
-        loop = asyncio.get_running_loop()
-        if session.closed.is_set() or not session.keepalive:
-            return
-        session.ping()  # the registration acknowledgement
-        while not session.closed.is_set():
-            try:
-                await asyncio.wait_for(session.closed.wait(), self.ping_interval_s)
-                return
-            except asyncio.TimeoutError:
-                pass
-            silent = loop.time() - session.last_heard
-            if silent > self.ping_interval_s * self.missed_pings:
-                self._end(
-                    session,
-                    grpc.StatusCode.UNAVAILABLE,
-                    f"no message from workload of {session.label} for {silent:.1f} s "
-                    f"(keepalive every {self.ping_interval_s:g} s, {self.missed_pings} missed)",
-                )
-                return
-            session.ping()
-
-    def _on_result(self, session: channel_session.Session, result: pb.CommandResult) -> None:
-        pending = session.pending.pop(result.command_id, None)
-        if pending is not None:
-            session.apply(pending, result)
-            if pending.future is not None and not pending.future.done():
-                pending.future.set_result(result)
-            return
-        late = session.expired.pop(result.command_id, None)
-        if late is not None:
-            session.apply(late, result)
-            log.info(
-                "late result applied to the workload's state",
-                extra={
-                    "job_id": session.job_id,
-                    "command_id": result.command_id,
-                    "ok": result.ok,
-                    "residency": session.tracker.residency,
-                },
-            )
-            return
-        log.debug(
-            "dropping result for unknown command",
-            extra={"job_id": session.job_id, "command_id": result.command_id},
-        )
-
-    async def _dispatch(
-        self,
-        session: channel_session.Session,
-        command: pb.AgentCommand,
-        *,
-        kind: str,
-        tags: tuple[str, ...],
-        mode: int,
-        timeout_s: float,
-    ) -> CommandOutcome:
-        if timeout_s <= 0:
-            raise ValueError("timeout_s must be > 0")
-        command_id = str(uuid.uuid4())
-        command.command_id = command_id
-        command.deadline_ms = max(1, int(timeout_s * 1000))
-        future: asyncio.Future[pb.CommandResult] = asyncio.get_running_loop().create_future()
-        session.pending[command_id] = channel_session.Pending(kind=kind, tags=tags, future=future)
-        session.send(command)
-        session.commands_sent += 1
-        self.commands_sent += 1
-        log.info(
-            "command sent",
-            extra={"job_id": session.job_id, "command_id": command_id, "kind": kind, "tags": tags},
-        )
-        try:
-            result = await asyncio.wait_for(future, timeout_s)
-        except asyncio.TimeoutError:
-            session.expire(command_id)
-            raise CommandTimeoutError(
-                f"the workload of {session.label} did not answer {kind} command {command_id} "
-                f"within {timeout_s:g} s"
-            ) from None
-        except asyncio.CancelledError:
-            session.expire(command_id)
-            raise
-        return CommandOutcome(
-            command_id=command_id,
-            ok=result.ok,
-            # The workload's own words: kept, but never longer than a message may be.
-            error=validation.bounded(result.error),
-            device_bytes=result.device_bytes,
-            host_bytes=result.host_bytes,
-            mode=mode,
-            state=session.state(),
-        )
 
     # ---- helpers -------------------------------------------------------------------
 
@@ -703,11 +525,6 @@ class ChannelHub:
                 ) from None
 
 
-def _probe_ping(session: channel_session.Session) -> pb.AgentCommand:
-    session.pings_sent += 1
-    return pb.AgentCommand(ping=pb.Ping(nonce=session.pings_sent))
-
-
 def check_grace(value: float) -> float:
     """``lost_grace_s`` checked: a number of seconds >= 0."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
@@ -720,15 +537,3 @@ def check_grace(value: float) -> float:
 
 def _who(job_id: str, group: str) -> str:
     return f"{job_id} (group {group})" if group else job_id
-
-
-def _metadata(context: grpc.aio.ServicerContext, key: str) -> str:
-    for name, value in context.invocation_metadata() or ():
-        if name == key:
-            return value if isinstance(value, str) else value.decode("ascii", "replace")
-    return ""
-
-
-async def _refuse(context: grpc.aio.ServicerContext, message: str) -> NoReturn:
-    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, message)
-    raise AssertionError("context.abort() returned")  # it always raises
