@@ -11,8 +11,6 @@ the node's devices; a state takes 30 GiB of 80, so two fit and a third needs roo
 
 from __future__ import annotations
 
-import pytest
-
 from tslice.agent.backends import simdevice as device
 from tslice.client import AgentJobState, AsyncClient
 from tslice.sim.cluster import LocalCluster, SimAgent
@@ -33,7 +31,6 @@ def _node() -> SimAgent:
 
 
 # Remove the mark with the fix: strict, so the fix landing without it fails loudly.
-@pytest.mark.xfail(strict=True, reason="needs the switch.py fix: .scratch/requests/chaos.md 1")
 async def test_a_faulted_deferred_resident_is_reset_and_gives_way() -> None:
     async with LocalCluster(agents=[_node()]) as cluster:
         address = cluster.orchestrator_address

@@ -56,7 +56,6 @@ async def _next(events: AsyncIterator[OrchestratorEvent], job: str) -> None:
 
 
 # Remove the mark with the fix: strict, so the fix landing without it fails loudly.
-@pytest.mark.xfail(strict=True, reason="needs the lock.py fix: .scratch/requests/chaos.md 2")
 async def test_a_recovered_grant_keeps_its_targets_lease_across_restarts(
     cluster: LocalCluster,
 ) -> None:

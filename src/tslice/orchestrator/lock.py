@@ -127,8 +127,10 @@ class GroupLock:
         lock._switch_count = record.switch_count
         lock._next_seq = record.next_seq
         lock._footprints = dict(record.footprints)
-        if record.holder is not None and record.holder_lease_ms > 0:
-            lock._leases[record.holder] = record.holder_lease_ms
+        # The lease on disk is the holder's, or while switching the target's.
+        leased = record.intent.to_job if record.intent is not None else record.holder
+        if leased is not None and record.holder_lease_ms > 0:
+            lock._leases[leased] = record.holder_lease_ms
         for q in sorted(record.queue, key=lambda q: q.seq):
             lock._queue[q.job] = _Entry(q.job, q.seq, now, attached=0, detached_since=now)
             if q.footprint_bytes:
@@ -149,6 +151,9 @@ class GroupLock:
         s = self._switch
         intent = None if s is None else records.IntentRecord(s.from_job, s.to_job, s.epoch, s.seq)
         holder = None if self._switch is not None else self._holder
+        # While switching, the target's lease: a switch rolled forward after a restart
+        # grants it with that lease, so a target that is gone loses the lock in time.
+        leased = s.to_job if s is not None else holder
         return records.LockRecord(
             holder=holder,
             resident=self._resident,
@@ -161,7 +166,7 @@ class GroupLock:
             ),
             intent=intent,
             footprints=tuple(sorted(self._footprints.items())),
-            holder_lease_ms=self._leases.get(holder, 0) if holder is not None else 0,
+            holder_lease_ms=self._leases.get(leased, 0) if leased is not None else 0,
         )
 
     # ---- read-only views ------------------------------------------------------------------

@@ -289,13 +289,24 @@ class NodeSwitcher:
         raise steps.StepFailed("plan", "job states keep changing under the switch")
 
     async def _reset_faulted(self, view: steps.NodeView) -> bool:
-        """Reset FAULTED jobs the switch touches; True if any was reset."""
+        """Reset FAULTED jobs the switch touches; True if any was reset.
+
+        Those of overlapping groups that may give way count too: a give-way snapshot
+        that failed leaves its state FAULTED on the devices, and nothing else resets it
+        while its own group has no switch.
+        """
         p = self.plan
         touched = [
             (job, jv.group)
             for job, jv in view.items()
             if jv.state == pb.JOB_STATE_FAULTED
             and (jv.group == p.group or job in (p.from_job, p.to_job))
+        ]
+        give_way = p.give_way.get(self.name, frozenset())
+        touched += [
+            key
+            for key, jv in sorted(view.others.items())
+            if jv.state == pb.JOB_STATE_FAULTED and key[1] in give_way
         ]
         for job, group in touched:
             self.calling("reset")
