@@ -69,6 +69,15 @@ ORCH_MESSAGES: dict[str, dict[str, tuple[int, int, str | None, str | None]]] = {
     },
 }
 
+# tslice additions its own clients rely on: their numbers and names are pinned too.
+TSLICE_ORCH_MESSAGES: dict[str, dict[str, tuple[int, int, str | None, str | None]]] = {
+    "AcquireRequest": {
+        "footprint_bytes": (100, I64, None, None),
+        "lease_ms": (101, I64, None, None),
+        "timeout_ms": (102, I64, None, None),
+    },
+}
+
 ORCH_ENUMS = {
     "GroupStatus.State": [
         ("STATE_UNSPECIFIED", 0),
@@ -289,6 +298,11 @@ def _check_service(
 
 def test_orchestrator_messages() -> None:
     _check_messages(opb.DESCRIPTOR, ORCH_PKG, ORCH_MESSAGES)
+
+
+def test_tslice_orchestrator_additions_keep_their_numbers() -> None:
+    pinned = {m: {**ORCH_MESSAGES[m], **extra} for m, extra in TSLICE_ORCH_MESSAGES.items()}
+    _check_messages(opb.DESCRIPTOR, ORCH_PKG, pinned)
 
 
 @pytest.mark.parametrize("name", sorted(ORCH_ENUMS))

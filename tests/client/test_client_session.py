@@ -233,6 +233,31 @@ async def test_a_failing_request_is_answered_not_left_hanging(
     assert CountingServicer.calls == {"Session": 1}
 
 
+async def test_an_acquire_carries_its_timeout_and_a_negative_one_is_refused(
+    cluster: Cluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    sent: list[int] = []
+    servicer_acquire = CountingServicer.acquire
+
+    async def recording(self: Any, request: Any, **kwargs: Any) -> Any:
+        sent.append(request.timeout_ms)
+        return await servicer_acquire(self, request, **kwargs)
+
+    monkeypatch.setattr(CountingServicer, "acquire", recording)
+    async with tslice.AsyncClient(cluster.orch_address, job_id="a", lease_s=None) as a:
+        await a.acquire("g", timeout=30)
+        await a.yield_("g")
+        await a.acquire("g", timeout=None)
+        await a.yield_("g")
+    assert len(sent) == 2 and 0 < sent[0] <= 30_000 and sent[1] == 0, sent
+    negative = opb.AcquireRequest(job_id="a", group_id="g", timeout_ms=-1)
+    call = cluster.stub().Session(iter([opb.SessionRequest(request_id=1, acquire=negative)]))
+    reply = await call.read()
+    call.cancel()
+    assert reply.status_code == grpc.StatusCode.INVALID_ARGUMENT.value[0], reply
+    assert "timeout_ms must be >= 0" in reply.status_message, reply
+
+
 # ---- multiplex.Pending: the bookkeeping both callers share ---------------------------------
 
 

@@ -60,7 +60,14 @@ class _Call(Generic[R]):
         return self.payload(response)
 
 
-def _acquire(request: opb.AcquireRequest) -> _Call[opb.AcquireResponse]:
+def _acquire(request: opb.AcquireRequest, timeout: float | None) -> _Call[opb.AcquireResponse]:
+    # A stream has no per-request deadline: the request carries the time left, so that the
+    # orchestrator can answer one a fault holds back with the reason before it runs out.
+    if timeout is not None:
+        timed = opb.AcquireRequest()
+        timed.CopyFrom(request)
+        timed.timeout_ms = max(1, int(timeout * 1000))
+        request = timed
     return _Call(
         message=lambda request_id: opb.SessionRequest(request_id=request_id, acquire=request),
         abandon=_cancel,
@@ -103,7 +110,7 @@ class Session:
     async def acquire(
         self, request: opb.AcquireRequest, timeout: float | None
     ) -> opb.AcquireResponse:
-        return await self._call(_acquire(request), timeout)
+        return await self._call(_acquire(request, timeout), timeout)
 
     async def yield_(self, request: opb.YieldRequest, timeout: float | None) -> opb.YieldResponse:
         return await self._call(_release(request), timeout)
@@ -136,7 +143,7 @@ class SyncSession:
         )
 
     def acquire(self, request: opb.AcquireRequest, timeout: float | None) -> opb.AcquireResponse:
-        return self._call(_acquire(request), timeout)
+        return self._call(_acquire(request, timeout), timeout)
 
     def yield_(self, request: opb.YieldRequest, timeout: float | None) -> opb.YieldResponse:
         return self._call(_release(request), timeout)

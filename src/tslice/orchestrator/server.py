@@ -50,6 +50,14 @@ def _at_least_0(field: str, value: int, zero: str) -> int:
     return value
 
 
+def _sooner(time_left: float | None, timeout_ms: int) -> float | None:
+    """The nearer of a call's deadline and a request's ``timeout_ms`` (0 = none)."""
+    if timeout_ms <= 0:
+        return time_left
+    own = timeout_ms / 1000
+    return own if time_left is None else min(time_left, own)
+
+
 async def _abort(context: grpc.aio.ServicerContext, refused: refusals.Refused) -> NoReturn:
     """End the RPC with the refusal, its message cut to a bounded length."""
     await refusals.abort(
@@ -159,13 +167,15 @@ class OrchestratorServicer(opb_grpc.TimeSliceOrchestratorServiceServicer):
     ) -> opb.AcquireResponse:
         """One Acquire (unary or over a Session); raises ``refusals.Refused``.
 
-        ``time_left``: seconds to the caller's deadline (None: none; Session requests)."""
+        ``time_left``: seconds to the call's deadline (None: none; Session requests),
+        bounded by the request's own ``timeout_ms`` (how a Session request carries one)."""
         started = time.monotonic()
         job = _checked_id("job_id", request.job_id)
         gid = _checked_id("group_id", request.group_id)
         auth.require_job(job)  # a job credential acts only as its own job ids
         _at_least_0("footprint_bytes", request.footprint_bytes, "default")
         _at_least_0("lease_ms", request.lease_ms, "no lease")
+        time_left = _sooner(time_left, _at_least_0("timeout_ms", request.timeout_ms, "no deadline"))
         driver = self._found(gid, await self._groups.get_or_create(gid))
         grant = await driver.acquire(
             job,

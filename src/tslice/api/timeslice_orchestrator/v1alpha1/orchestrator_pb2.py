@@ -16,7 +16,7 @@ _sym_db = _symbol_database.Default()
 from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n2timeslice_orchestrator/v1alpha1/orchestrator.proto\x12\x1ftimeslice_orchestrator.v1alpha1\x1a\x1fgoogle/protobuf/timestamp.proto\"6\n\x14\x43learDegradedRequest\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12\x0c\n\x04node\x18\x02 \x01(\t\"(\n\x15\x43learDegradedResponse\x12\x0f\n\x07\x63leared\x18\x01 \x03(\t\",\n\x0c\x44\x65gradedNode\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\xc4\x01\n\x0eSessionRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\x04\x12\x42\n\x07\x61\x63quire\x18\x02 \x01(\x0b\x32/.timeslice_orchestrator.v1alpha1.AcquireRequestH\x00\x12@\n\x07release\x18\x03 \x01(\x0b\x32-.timeslice_orchestrator.v1alpha1.YieldRequestH\x00\x12\x10\n\x06\x63\x61ncel\x18\x04 \x01(\x08H\x00\x42\x06\n\x04\x63\x61ll\"\xe3\x01\n\x0fSessionResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\x04\x12\x43\n\x07\x61\x63quire\x18\x02 \x01(\x0b\x32\x30.timeslice_orchestrator.v1alpha1.AcquireResponseH\x00\x12\x41\n\x07release\x18\x03 \x01(\x0b\x32..timeslice_orchestrator.v1alpha1.YieldResponseH\x00\x12\x13\n\x0bstatus_code\x18\x04 \x01(\x05\x12\x16\n\x0estatus_message\x18\x05 \x01(\tB\x07\n\x05reply\"]\n\x0e\x41\x63quireRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x10\n\x08group_id\x18\x02 \x01(\t\x12\x17\n\x0f\x66ootprint_bytes\x18\x64 \x01(\x03\x12\x10\n\x08lease_ms\x18\x65 \x01(\x03\"d\n\x0f\x41\x63quireResponse\x12\x0f\n\x07success\x18\x01 \x01(\x08\x12\x11\n\twaited_ms\x18\x02 \x01(\x03\x12\x18\n\x10\x63ontext_restored\x18\x03 \x01(\x08\x12\x13\n\x0bgrant_epoch\x18\x64 \x01(\x03\"0\n\x0cYieldRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x10\n\x08group_id\x18\x02 \x01(\t\"T\n\rYieldResponse\x12\x0f\n\x07success\x18\x01 \x01(\x08\x12\x17\n\x0fpending_waiters\x18\x02 \x01(\x03\x12\x19\n\x11snapshot_deferred\x18\x03 \x01(\x08\"\x13\n\x11ListGroupsRequest\"\'\n\x12ListGroupsResponse\x12\x11\n\tgroup_ids\x18\x01 \x03(\t\")\n\x15GetGroupStatusRequest\x12\x10\n\x08group_id\x18\x01 \x01(\t\"\xa7\x01\n\x16GetGroupStatusResponse\x12;\n\x05group\x18\x01 \x01(\x0b\x32,.timeslice_orchestrator.v1alpha1.GroupStatus\x12P\n\x10\x61gent_job_states\x18\x02 \x03(\x0b\x32\x36.timeslice_orchestrator.v1alpha1.SnapshotAgentJobState\"\x9a\x04\n\x0bGroupStatus\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12G\n\x0bgroup_state\x18\x02 \x01(\x0e\x32\x32.timeslice_orchestrator.v1alpha1.GroupStatus.State\x12\x33\n\x0fstate_timestamp\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x13\n\x0blocking_job\x18\x04 \x01(\t\x12\x12\n\nactive_job\x18\x05 \x01(\t\x12\x1a\n\x12waiter_queue_depth\x18\x06 \x01(\x03\x12\x12\n\nloaded_job\x18\x07 \x01(\t\x12\x14\n\x0cwaiting_jobs\x18\x64 \x03(\t\x12\r\n\x05nodes\x18\x65 \x03(\t\x12\x13\n\x0bgrant_epoch\x18\x66 \x01(\x03\x12\x14\n\x0cswitch_count\x18g \x01(\x03\x12\x0e\n\x06\x64\x65tail\x18h \x01(\t\x12?\n\x08\x64\x65graded\x18i \x03(\x0b\x32-.timeslice_orchestrator.v1alpha1.DegradedNode\"\x80\x01\n\x05State\x12\x15\n\x11STATE_UNSPECIFIED\x10\x00\x12\x11\n\rSTATE_UNKNOWN\x10\x01\x12\x0e\n\nSTATE_IDLE\x10\x02\x12\x16\n\x12STATE_IDLE_YIELDED\x10\x03\x12\x10\n\x0cSTATE_LOCKED\x10\x04\x12\x13\n\x0fSTATE_SWITCHING\x10\x05\"\x87\x02\n\x15SnapshotAgentJobState\x12\r\n\x05\x61gent\x18\x01 \x01(\t\x12O\n\tjob_state\x18\x02 \x01(\x0e\x32<.timeslice_orchestrator.v1alpha1.SnapshotAgentJobState.State\x12\x0e\n\x06job_id\x18\x03 \x01(\t\"~\n\x05State\x12\x15\n\x11STATE_UNSPECIFIED\x10\x00\x12\x0e\n\nSTATE_IDLE\x10\x01\x12\x11\n\rSTATE_RUNNING\x10\x02\x12\x17\n\x13STATE_TRANSITIONING\x10\x03\x12\x0f\n\x0bSTATE_SAVED\x10\x04\x12\x11\n\rSTATE_FAULTED\x10\x05\"n\n\x12WatchEventsRequest\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12\x46\n\x05kinds\x18\x02 \x03(\x0e\x32\x37.timeslice_orchestrator.v1alpha1.OrchestratorEvent.Kind\"\xed\x03\n\x11OrchestratorEvent\x12(\n\x04time\x18\x01 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x45\n\x04kind\x18\x02 \x01(\x0e\x32\x37.timeslice_orchestrator.v1alpha1.OrchestratorEvent.Kind\x12\x10\n\x08group_id\x18\x03 \x01(\t\x12\x0e\n\x06job_id\x18\x04 \x01(\t\x12\x0c\n\x04node\x18\x05 \x01(\t\x12\x13\n\x0b\x64uration_ms\x18\x06 \x01(\x03\x12\x10\n\x08\x66rom_job\x18\x07 \x01(\t\x12\x0e\n\x06\x64\x65tail\x18\x08 \x01(\t\x12\x13\n\x0bgrant_epoch\x18\t \x01(\x03\x12\r\n\x05\x62ytes\x18\n \x01(\x03\"\xdb\x01\n\x04Kind\x12\x14\n\x10KIND_UNSPECIFIED\x10\x00\x12\x0f\n\x0bKIND_QUEUED\x10\x01\x12\x10\n\x0cKIND_GRANTED\x10\x02\x12\x10\n\x0cKIND_YIELDED\x10\x03\x12\x17\n\x13KIND_SWITCH_STARTED\x10\x04\x12\x16\n\x12KIND_SNAPSHOT_DONE\x10\x05\x12\x15\n\x11KIND_RESTORE_DONE\x10\x06\x12\x14\n\x10KIND_SWITCH_DONE\x10\x07\x12\x16\n\x12KIND_SWITCH_FAILED\x10\x08\x12\x12\n\x0eKIND_CANCELLED\x10\t\"D\n\x0bHoldRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x10\n\x08group_id\x18\x02 \x01(\t\x12\x13\n\x0bgrant_epoch\x18\x03 \x01(\x03\"=\n\tHoldEvent\x12\x10\n\x08lease_ms\x18\x01 \x01(\x03\x12\x10\n\x08released\x18\x02 \x01(\x08\x12\x0c\n\x04lost\x18\x03 \x01(\t2\xbf\x07\n\x1cTimeSliceOrchestratorService\x12l\n\x07\x41\x63quire\x12/.timeslice_orchestrator.v1alpha1.AcquireRequest\x1a\x30.timeslice_orchestrator.v1alpha1.AcquireResponse\x12\x66\n\x05Yield\x12-.timeslice_orchestrator.v1alpha1.YieldRequest\x1a..timeslice_orchestrator.v1alpha1.YieldResponse\x12u\n\nListGroups\x12\x32.timeslice_orchestrator.v1alpha1.ListGroupsRequest\x1a\x33.timeslice_orchestrator.v1alpha1.ListGroupsResponse\x12\x81\x01\n\x0eGetGroupStatus\x12\x36.timeslice_orchestrator.v1alpha1.GetGroupStatusRequest\x1a\x37.timeslice_orchestrator.v1alpha1.GetGroupStatusResponse\x12x\n\x0bWatchEvents\x12\x33.timeslice_orchestrator.v1alpha1.WatchEventsRequest\x1a\x32.timeslice_orchestrator.v1alpha1.OrchestratorEvent0\x01\x12\x62\n\x04Hold\x12,.timeslice_orchestrator.v1alpha1.HoldRequest\x1a*.timeslice_orchestrator.v1alpha1.HoldEvent0\x01\x12p\n\x07Session\x12/.timeslice_orchestrator.v1alpha1.SessionRequest\x1a\x30.timeslice_orchestrator.v1alpha1.SessionResponse(\x01\x30\x01\x12~\n\rClearDegraded\x12\x35.timeslice_orchestrator.v1alpha1.ClearDegradedRequest\x1a\x36.timeslice_orchestrator.v1alpha1.ClearDegradedResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n2timeslice_orchestrator/v1alpha1/orchestrator.proto\x12\x1ftimeslice_orchestrator.v1alpha1\x1a\x1fgoogle/protobuf/timestamp.proto\"6\n\x14\x43learDegradedRequest\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12\x0c\n\x04node\x18\x02 \x01(\t\"(\n\x15\x43learDegradedResponse\x12\x0f\n\x07\x63leared\x18\x01 \x03(\t\",\n\x0c\x44\x65gradedNode\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\xc4\x01\n\x0eSessionRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\x04\x12\x42\n\x07\x61\x63quire\x18\x02 \x01(\x0b\x32/.timeslice_orchestrator.v1alpha1.AcquireRequestH\x00\x12@\n\x07release\x18\x03 \x01(\x0b\x32-.timeslice_orchestrator.v1alpha1.YieldRequestH\x00\x12\x10\n\x06\x63\x61ncel\x18\x04 \x01(\x08H\x00\x42\x06\n\x04\x63\x61ll\"\xe3\x01\n\x0fSessionResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\x04\x12\x43\n\x07\x61\x63quire\x18\x02 \x01(\x0b\x32\x30.timeslice_orchestrator.v1alpha1.AcquireResponseH\x00\x12\x41\n\x07release\x18\x03 \x01(\x0b\x32..timeslice_orchestrator.v1alpha1.YieldResponseH\x00\x12\x13\n\x0bstatus_code\x18\x04 \x01(\x05\x12\x16\n\x0estatus_message\x18\x05 \x01(\tB\x07\n\x05reply\"q\n\x0e\x41\x63quireRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x10\n\x08group_id\x18\x02 \x01(\t\x12\x17\n\x0f\x66ootprint_bytes\x18\x64 \x01(\x03\x12\x10\n\x08lease_ms\x18\x65 \x01(\x03\x12\x12\n\ntimeout_ms\x18\x66 \x01(\x03\"d\n\x0f\x41\x63quireResponse\x12\x0f\n\x07success\x18\x01 \x01(\x08\x12\x11\n\twaited_ms\x18\x02 \x01(\x03\x12\x18\n\x10\x63ontext_restored\x18\x03 \x01(\x08\x12\x13\n\x0bgrant_epoch\x18\x64 \x01(\x03\"0\n\x0cYieldRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x10\n\x08group_id\x18\x02 \x01(\t\"T\n\rYieldResponse\x12\x0f\n\x07success\x18\x01 \x01(\x08\x12\x17\n\x0fpending_waiters\x18\x02 \x01(\x03\x12\x19\n\x11snapshot_deferred\x18\x03 \x01(\x08\"\x13\n\x11ListGroupsRequest\"\'\n\x12ListGroupsResponse\x12\x11\n\tgroup_ids\x18\x01 \x03(\t\")\n\x15GetGroupStatusRequest\x12\x10\n\x08group_id\x18\x01 \x01(\t\"\xa7\x01\n\x16GetGroupStatusResponse\x12;\n\x05group\x18\x01 \x01(\x0b\x32,.timeslice_orchestrator.v1alpha1.GroupStatus\x12P\n\x10\x61gent_job_states\x18\x02 \x03(\x0b\x32\x36.timeslice_orchestrator.v1alpha1.SnapshotAgentJobState\"\x9a\x04\n\x0bGroupStatus\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12G\n\x0bgroup_state\x18\x02 \x01(\x0e\x32\x32.timeslice_orchestrator.v1alpha1.GroupStatus.State\x12\x33\n\x0fstate_timestamp\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x13\n\x0blocking_job\x18\x04 \x01(\t\x12\x12\n\nactive_job\x18\x05 \x01(\t\x12\x1a\n\x12waiter_queue_depth\x18\x06 \x01(\x03\x12\x12\n\nloaded_job\x18\x07 \x01(\t\x12\x14\n\x0cwaiting_jobs\x18\x64 \x03(\t\x12\r\n\x05nodes\x18\x65 \x03(\t\x12\x13\n\x0bgrant_epoch\x18\x66 \x01(\x03\x12\x14\n\x0cswitch_count\x18g \x01(\x03\x12\x0e\n\x06\x64\x65tail\x18h \x01(\t\x12?\n\x08\x64\x65graded\x18i \x03(\x0b\x32-.timeslice_orchestrator.v1alpha1.DegradedNode\"\x80\x01\n\x05State\x12\x15\n\x11STATE_UNSPECIFIED\x10\x00\x12\x11\n\rSTATE_UNKNOWN\x10\x01\x12\x0e\n\nSTATE_IDLE\x10\x02\x12\x16\n\x12STATE_IDLE_YIELDED\x10\x03\x12\x10\n\x0cSTATE_LOCKED\x10\x04\x12\x13\n\x0fSTATE_SWITCHING\x10\x05\"\x87\x02\n\x15SnapshotAgentJobState\x12\r\n\x05\x61gent\x18\x01 \x01(\t\x12O\n\tjob_state\x18\x02 \x01(\x0e\x32<.timeslice_orchestrator.v1alpha1.SnapshotAgentJobState.State\x12\x0e\n\x06job_id\x18\x03 \x01(\t\"~\n\x05State\x12\x15\n\x11STATE_UNSPECIFIED\x10\x00\x12\x0e\n\nSTATE_IDLE\x10\x01\x12\x11\n\rSTATE_RUNNING\x10\x02\x12\x17\n\x13STATE_TRANSITIONING\x10\x03\x12\x0f\n\x0bSTATE_SAVED\x10\x04\x12\x11\n\rSTATE_FAULTED\x10\x05\"n\n\x12WatchEventsRequest\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12\x46\n\x05kinds\x18\x02 \x03(\x0e\x32\x37.timeslice_orchestrator.v1alpha1.OrchestratorEvent.Kind\"\xed\x03\n\x11OrchestratorEvent\x12(\n\x04time\x18\x01 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x45\n\x04kind\x18\x02 \x01(\x0e\x32\x37.timeslice_orchestrator.v1alpha1.OrchestratorEvent.Kind\x12\x10\n\x08group_id\x18\x03 \x01(\t\x12\x0e\n\x06job_id\x18\x04 \x01(\t\x12\x0c\n\x04node\x18\x05 \x01(\t\x12\x13\n\x0b\x64uration_ms\x18\x06 \x01(\x03\x12\x10\n\x08\x66rom_job\x18\x07 \x01(\t\x12\x0e\n\x06\x64\x65tail\x18\x08 \x01(\t\x12\x13\n\x0bgrant_epoch\x18\t \x01(\x03\x12\r\n\x05\x62ytes\x18\n \x01(\x03\"\xdb\x01\n\x04Kind\x12\x14\n\x10KIND_UNSPECIFIED\x10\x00\x12\x0f\n\x0bKIND_QUEUED\x10\x01\x12\x10\n\x0cKIND_GRANTED\x10\x02\x12\x10\n\x0cKIND_YIELDED\x10\x03\x12\x17\n\x13KIND_SWITCH_STARTED\x10\x04\x12\x16\n\x12KIND_SNAPSHOT_DONE\x10\x05\x12\x15\n\x11KIND_RESTORE_DONE\x10\x06\x12\x14\n\x10KIND_SWITCH_DONE\x10\x07\x12\x16\n\x12KIND_SWITCH_FAILED\x10\x08\x12\x12\n\x0eKIND_CANCELLED\x10\t\"D\n\x0bHoldRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x10\n\x08group_id\x18\x02 \x01(\t\x12\x13\n\x0bgrant_epoch\x18\x03 \x01(\x03\"=\n\tHoldEvent\x12\x10\n\x08lease_ms\x18\x01 \x01(\x03\x12\x10\n\x08released\x18\x02 \x01(\x08\x12\x0c\n\x04lost\x18\x03 \x01(\t2\xbf\x07\n\x1cTimeSliceOrchestratorService\x12l\n\x07\x41\x63quire\x12/.timeslice_orchestrator.v1alpha1.AcquireRequest\x1a\x30.timeslice_orchestrator.v1alpha1.AcquireResponse\x12\x66\n\x05Yield\x12-.timeslice_orchestrator.v1alpha1.YieldRequest\x1a..timeslice_orchestrator.v1alpha1.YieldResponse\x12u\n\nListGroups\x12\x32.timeslice_orchestrator.v1alpha1.ListGroupsRequest\x1a\x33.timeslice_orchestrator.v1alpha1.ListGroupsResponse\x12\x81\x01\n\x0eGetGroupStatus\x12\x36.timeslice_orchestrator.v1alpha1.GetGroupStatusRequest\x1a\x37.timeslice_orchestrator.v1alpha1.GetGroupStatusResponse\x12x\n\x0bWatchEvents\x12\x33.timeslice_orchestrator.v1alpha1.WatchEventsRequest\x1a\x32.timeslice_orchestrator.v1alpha1.OrchestratorEvent0\x01\x12\x62\n\x04Hold\x12,.timeslice_orchestrator.v1alpha1.HoldRequest\x1a*.timeslice_orchestrator.v1alpha1.HoldEvent0\x01\x12p\n\x07Session\x12/.timeslice_orchestrator.v1alpha1.SessionRequest\x1a\x30.timeslice_orchestrator.v1alpha1.SessionResponse(\x01\x30\x01\x12~\n\rClearDegraded\x12\x35.timeslice_orchestrator.v1alpha1.ClearDegradedRequest\x1a\x36.timeslice_orchestrator.v1alpha1.ClearDegradedResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,39 +34,39 @@ if _descriptor._USE_C_DESCRIPTORS == False:
   _globals['_SESSIONRESPONSE']._serialized_start=464
   _globals['_SESSIONRESPONSE']._serialized_end=691
   _globals['_ACQUIREREQUEST']._serialized_start=693
-  _globals['_ACQUIREREQUEST']._serialized_end=786
-  _globals['_ACQUIRERESPONSE']._serialized_start=788
-  _globals['_ACQUIRERESPONSE']._serialized_end=888
-  _globals['_YIELDREQUEST']._serialized_start=890
-  _globals['_YIELDREQUEST']._serialized_end=938
-  _globals['_YIELDRESPONSE']._serialized_start=940
-  _globals['_YIELDRESPONSE']._serialized_end=1024
-  _globals['_LISTGROUPSREQUEST']._serialized_start=1026
-  _globals['_LISTGROUPSREQUEST']._serialized_end=1045
-  _globals['_LISTGROUPSRESPONSE']._serialized_start=1047
-  _globals['_LISTGROUPSRESPONSE']._serialized_end=1086
-  _globals['_GETGROUPSTATUSREQUEST']._serialized_start=1088
-  _globals['_GETGROUPSTATUSREQUEST']._serialized_end=1129
-  _globals['_GETGROUPSTATUSRESPONSE']._serialized_start=1132
-  _globals['_GETGROUPSTATUSRESPONSE']._serialized_end=1299
-  _globals['_GROUPSTATUS']._serialized_start=1302
-  _globals['_GROUPSTATUS']._serialized_end=1840
-  _globals['_GROUPSTATUS_STATE']._serialized_start=1712
-  _globals['_GROUPSTATUS_STATE']._serialized_end=1840
-  _globals['_SNAPSHOTAGENTJOBSTATE']._serialized_start=1843
-  _globals['_SNAPSHOTAGENTJOBSTATE']._serialized_end=2106
-  _globals['_SNAPSHOTAGENTJOBSTATE_STATE']._serialized_start=1980
-  _globals['_SNAPSHOTAGENTJOBSTATE_STATE']._serialized_end=2106
-  _globals['_WATCHEVENTSREQUEST']._serialized_start=2108
-  _globals['_WATCHEVENTSREQUEST']._serialized_end=2218
-  _globals['_ORCHESTRATOREVENT']._serialized_start=2221
-  _globals['_ORCHESTRATOREVENT']._serialized_end=2714
-  _globals['_ORCHESTRATOREVENT_KIND']._serialized_start=2495
-  _globals['_ORCHESTRATOREVENT_KIND']._serialized_end=2714
-  _globals['_HOLDREQUEST']._serialized_start=2716
-  _globals['_HOLDREQUEST']._serialized_end=2784
-  _globals['_HOLDEVENT']._serialized_start=2786
-  _globals['_HOLDEVENT']._serialized_end=2847
-  _globals['_TIMESLICEORCHESTRATORSERVICE']._serialized_start=2850
-  _globals['_TIMESLICEORCHESTRATORSERVICE']._serialized_end=3809
+  _globals['_ACQUIREREQUEST']._serialized_end=806
+  _globals['_ACQUIRERESPONSE']._serialized_start=808
+  _globals['_ACQUIRERESPONSE']._serialized_end=908
+  _globals['_YIELDREQUEST']._serialized_start=910
+  _globals['_YIELDREQUEST']._serialized_end=958
+  _globals['_YIELDRESPONSE']._serialized_start=960
+  _globals['_YIELDRESPONSE']._serialized_end=1044
+  _globals['_LISTGROUPSREQUEST']._serialized_start=1046
+  _globals['_LISTGROUPSREQUEST']._serialized_end=1065
+  _globals['_LISTGROUPSRESPONSE']._serialized_start=1067
+  _globals['_LISTGROUPSRESPONSE']._serialized_end=1106
+  _globals['_GETGROUPSTATUSREQUEST']._serialized_start=1108
+  _globals['_GETGROUPSTATUSREQUEST']._serialized_end=1149
+  _globals['_GETGROUPSTATUSRESPONSE']._serialized_start=1152
+  _globals['_GETGROUPSTATUSRESPONSE']._serialized_end=1319
+  _globals['_GROUPSTATUS']._serialized_start=1322
+  _globals['_GROUPSTATUS']._serialized_end=1860
+  _globals['_GROUPSTATUS_STATE']._serialized_start=1732
+  _globals['_GROUPSTATUS_STATE']._serialized_end=1860
+  _globals['_SNAPSHOTAGENTJOBSTATE']._serialized_start=1863
+  _globals['_SNAPSHOTAGENTJOBSTATE']._serialized_end=2126
+  _globals['_SNAPSHOTAGENTJOBSTATE_STATE']._serialized_start=2000
+  _globals['_SNAPSHOTAGENTJOBSTATE_STATE']._serialized_end=2126
+  _globals['_WATCHEVENTSREQUEST']._serialized_start=2128
+  _globals['_WATCHEVENTSREQUEST']._serialized_end=2238
+  _globals['_ORCHESTRATOREVENT']._serialized_start=2241
+  _globals['_ORCHESTRATOREVENT']._serialized_end=2734
+  _globals['_ORCHESTRATOREVENT_KIND']._serialized_start=2515
+  _globals['_ORCHESTRATOREVENT_KIND']._serialized_end=2734
+  _globals['_HOLDREQUEST']._serialized_start=2736
+  _globals['_HOLDREQUEST']._serialized_end=2804
+  _globals['_HOLDEVENT']._serialized_start=2806
+  _globals['_HOLDEVENT']._serialized_end=2867
+  _globals['_TIMESLICEORCHESTRATORSERVICE']._serialized_start=2870
+  _globals['_TIMESLICEORCHESTRATORSERVICE']._serialized_end=3829
 # @@protoc_insertion_point(module_scope)

@@ -57,16 +57,18 @@ class SessionResponse(_message.Message):
     def __init__(self, request_id: _Optional[int] = ..., acquire: _Optional[_Union[AcquireResponse, _Mapping]] = ..., release: _Optional[_Union[YieldResponse, _Mapping]] = ..., status_code: _Optional[int] = ..., status_message: _Optional[str] = ...) -> None: ...
 
 class AcquireRequest(_message.Message):
-    __slots__ = ("job_id", "group_id", "footprint_bytes", "lease_ms")
+    __slots__ = ("job_id", "group_id", "footprint_bytes", "lease_ms", "timeout_ms")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     FOOTPRINT_BYTES_FIELD_NUMBER: _ClassVar[int]
     LEASE_MS_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     group_id: str
     footprint_bytes: int
     lease_ms: int
-    def __init__(self, job_id: _Optional[str] = ..., group_id: _Optional[str] = ..., footprint_bytes: _Optional[int] = ..., lease_ms: _Optional[int] = ...) -> None: ...
+    timeout_ms: int
+    def __init__(self, job_id: _Optional[str] = ..., group_id: _Optional[str] = ..., footprint_bytes: _Optional[int] = ..., lease_ms: _Optional[int] = ..., timeout_ms: _Optional[int] = ...) -> None: ...
 
 class AcquireResponse(_message.Message):
     __slots__ = ("success", "waited_ms", "context_restored", "grant_epoch")
