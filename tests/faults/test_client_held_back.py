@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import asyncio
 import shutil
+import subprocess
+import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -58,6 +60,23 @@ def test_an_acquire_while_an_agent_is_unreachable_is_unavailable_naming_it(
     assert type(err.value) is errors.Unavailable, repr(err.value)
     assert "not granted within the call's deadline" in str(err.value), err.value
     assert "node-down" in str(err.value), err.value
+
+
+def test_tslice_acquire_says_why_an_unreachable_agent_holds_it_back(stack: Stack) -> None:
+    # The orchestrator answers (it is reachable): its reason is printed, not "not reachable".
+    stack.agents["node-down"].kill()
+    command = ["acquire", "down", "j-cli", "--timeout", str(TIMEOUT_S)]
+    done = subprocess.run(
+        [sys.executable, "-m", "tslice", *command, "--addr", stack.orchestrator.address],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 1, done
+    assert "not granted within the call's deadline" in done.stderr, done.stderr
+    assert "node-down" in done.stderr, done.stderr
+    assert "not reachable" not in done.stderr, done.stderr
 
 
 async def test_an_acquire_behind_a_switch_that_keeps_failing_is_unavailable_naming_why(

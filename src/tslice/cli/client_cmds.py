@@ -109,6 +109,10 @@ def _client(
         yield client
     except errors.Unavailable as err:
         text = err.message.lower()
+        if text.startswith("group "):
+            # The orchestrator's own answer (an Acquire that a fault holds back names the
+            # unreachable agents): it is reachable, and the message says what to do.
+            raise errors.TsliceError(err.message) from err
         if any(hint in text for hint in _UNREACHABLE_HINTS):
             waited = _within(client.config.connect_timeout, timeout)
             raise errors.TsliceError(
