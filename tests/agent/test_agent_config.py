@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import socket
+import stat
 from pathlib import Path
 
 import grpc
@@ -182,6 +183,10 @@ def test_ready_file_is_written_atomically(tmp_path: Path) -> None:
 async def test_unix_socket_serves_the_same_agent(agents: AgentRunner, tmp_path: Path) -> None:
     sock = tmp_path / "agent.sock"
     agent = await agents.start(unix_socket=str(sock))
+    # The node's job users (the socket's group) may connect, whatever the umask; the
+    # register socket is next to it, where the workload library looks for it.
+    assert stat.S_IMODE(sock.stat().st_mode) == 0o660
+    assert stat.S_ISSOCK((tmp_path / "register.sock").stat().st_mode)
     await agent.grant("job-a")
     async with grpc.aio.insecure_channel(f"unix:{sock}") as channel:
         stub = pb_grpc.SnapshotAgentServiceStub(channel)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import sqlite3
 import stat
 from collections.abc import Callable, Mapping
@@ -183,13 +184,16 @@ async def serve(
             config.unix_socket.parent.mkdir(parents=True, exist_ok=True)
             _clear_stale_socket(config.unix_socket)
             _bind(grpc_server, f"unix:{config.unix_socket}", "choose another --unix-socket")
+            # Not the umask's: the node's job users (the socket's group) may connect, as to
+            # the register socket next to it; others may not.
+            os.chmod(config.unix_socket, 0o660)
         await grpc_server.start()
         stack.push_async_callback(
             _stop_server, grpc_server, servicer, core, monitor, config.grace_period_s
         )
         if config.unix_socket is not None:
             stack.callback(_remove_quietly, config.unix_socket)
-        register_path = config.register_socket or config.state_dir / "register.sock"
+        register_path = config.register_path
         announcements = registration.RegistrationServer(path=register_path, registry=processes)
         try:
             await announcements.start()

@@ -97,8 +97,19 @@ class AgentConfig:
     #: Also listen on this Unix socket, for node-local workloads (None = off).
     unix_socket: Path | None = None
     #: Unix socket where GPU processes announce themselves (PID from SO_PEERCRED); None =
-    #: ``<state_dir>/register.sock``. Workloads find it via TSLICE_AGENT_REGISTER_SOCKET.
+    #: ``register.sock`` next to ``unix_socket`` (where the workload library looks), else
+    #: ``<state_dir>/register.sock``. Workloads also find it via TSLICE_AGENT_REGISTER_SOCKET.
     register_socket: Path | None = None
+
+    @property
+    def register_path(self) -> Path:
+        """Where the register socket is: :attr:`register_socket` or its default."""
+        if self.register_socket is not None:
+            return self.register_socket
+        if self.unix_socket is not None:
+            return self.unix_socket.parent / "register.sock"
+        return self.state_dir / "register.sock"
+
     #: Where jobs, operations and simulated device state persist.
     state_dir: Path = dataclasses.field(default_factory=default_state_dir)
     #: Backend for requests that name none and jobs with no recorded choice.

@@ -44,7 +44,7 @@ def agent(
         typer.Option(
             "--register-socket",
             help="Unix socket where GPU processes announce themselves "
-            "(default <state-dir>/register.sock).",
+            "(default: register.sock next to --unix-socket, else <state-dir>/register.sock).",
         ),
     ] = None,
     operation_timeout: Annotated[
