@@ -115,10 +115,12 @@ def _client(
             raise errors.TsliceError(err.message) from err
         if any(hint in text for hint in _UNREACHABLE_HINTS):
             waited = _within(client.config.connect_timeout, timeout)
+            # Nothing listens there: whether it would serve TLS is not the question.
+            refused = "connection refused" in text
+            tls_hint = "" if refused else f" {client.config.security.connect_hint()};"
             raise errors.TsliceError(
                 f"orchestrator at {address} is not reachable{waited} (is `tslice up` "
-                f"running? {client.config.security.connect_hint()}; --connect-timeout "
-                "waits longer)"
+                f"running?{tls_hint} --connect-timeout waits longer)"
             ) from err
         raise errors.TsliceError(
             f"orchestrator at {address} is unavailable: {err.message}"
