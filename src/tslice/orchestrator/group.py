@@ -1,21 +1,20 @@
-"""The per-group driver: one worker task that owns a :class:`lock.GroupLock`.
+"""The per-group driver: the RPC entry points, lifecycle and state of one group.
 
-Every change to a group goes through the worker's inbox (``tslice.orchestrator.inbox``):
-RPCs, the switch's progress and outcome (``switching``), recovery's reads
-(``recovery``), lease timers (``leases``), the device arbiter (``overlap``) and the
-live reads of GetGroupStatus (``status``) all post commands. So a group's events are
-serialised while groups run in parallel (a stuck agent of one group never blocks
-another). The worker handles a batch of commands in two phases:
+:class:`GroupDriver` owns the group's :class:`lock.GroupLock`. Every change to a group
+goes through its worker's inbox (``tslice.orchestrator.worker``, which applies a batch
+of commands, persists the new state, and only then runs the effects): RPCs, the
+switch's progress and outcome (``switching``), recovery's reads (``recovery``), lease
+timers (``leases``), the device arbiter (``overlap``) and the live reads of
+GetGroupStatus (``status``) all post commands. So a group's events are serialised
+while groups run in parallel (a stuck agent of one group never blocks another).
 
-1. *apply*: mutate the pure lock and do the bookkeeping that must be exact at
-   that instant (which Acquire RPCs a grant went to, which one departed);
-2. *persist*, then *effect*: write the new state in one SQLite transaction and
-   only then reply to RPCs, publish events and start switches ("write before act").
-
-Switches run in their own task and post their outcome back to the inbox, so
-Acquire, Yield and cancellations keep flowing during a long switch. Waiters wait
-on futures resolved by the worker: no polling anywhere. Only :meth:`GroupDriver.stop`
-touches the state directly, once the worker is gone.
+Here the lock's decisions become effects (:meth:`GroupDriver.bind`): which Acquire
+RPCs a grant went to, which one departed, is booked at once, in the command; replies,
+events and switches run after persisting. The callers waiting on the group are kept
+in ``callers``. Switches run in their own task and post their outcome back to the
+inbox, so Acquire, Yield and cancellations keep flowing during a long switch. Waiters
+wait on futures resolved by the worker: no polling anywhere. Only
+:meth:`GroupDriver.stop` touches the state directly, once the worker is gone.
 """
 
 from __future__ import annotations
@@ -24,13 +23,13 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any
 
 from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2 as opb
 from tslice.common import refusals, tasks
 from tslice.orchestrator import (
     agents,
+    callers,
     config,
     decisions,
     events,
@@ -46,6 +45,7 @@ from tslice.orchestrator import (
     store,
     switch,
     switching,
+    worker,
 )
 
 log = logging.getLogger(__name__)
@@ -53,10 +53,6 @@ log = logging.getLogger(__name__)
 Kind = opb.OrchestratorEvent
 Effect = inbox.Effect
 
-_T = TypeVar("_T")
-#: How long before an Acquire's deadline a waiter that a fault holds back is answered
-#: UNAVAILABLE with the reason, instead of gRPC's DEADLINE_EXCEEDED that names none.
-_ANSWER_BEFORE_DEADLINE_S = 0.2
 
 _EVENT_KINDS = {
     decisions.EventKind.QUEUED: Kind.KIND_QUEUED,
@@ -81,19 +77,6 @@ class Services:
     metrics: metrics.OrchestratorMetrics
     #: Groups that share devices take turns through it (see overlap).
     arbiter: overlap.DeviceArbiter = dataclasses.field(default_factory=overlap.DeviceArbiter)
-
-
-@dataclasses.dataclass(frozen=True)
-class Grant:
-    epoch: int
-    restored: bool
-
-
-@dataclasses.dataclass(eq=False)
-class _Waiter:
-    job: str
-    future: asyncio.Future[Grant]
-    granted_epoch: int | None = None
 
 
 def _grant_detail(g: decisions.Granted) -> str:
@@ -123,7 +106,6 @@ class GroupDriver:
         self._metrics = services.metrics
         self._arbiter = services.arbiter
         grace = cfg.reattach_grace_s
-        self._saved = record
         if record is None:
             self.lock = lock.GroupLock(reattach_grace_s=grace)
         else:
@@ -131,9 +113,7 @@ class GroupDriver:
                 record, now=time.monotonic(), reattach_grace_s=grace
             )
         self._backoff = switch.Backoff(cfg.backoff_initial_s, cfg.backoff_max_s)
-        self._inbox: asyncio.Queue[inbox.Command] = asyncio.Queue()
-        self._waiters: dict[str, list[_Waiter]] = {}
-        self._replies: set[asyncio.Future[decisions.YieldOutcome]] = set()
+        self._callers = callers.Callers()
         self.views: dict[str, steps.NodeView] = {}
         self.health = status.Health()
         self.events = events.GroupEvents(services.bus, group_id)
@@ -143,12 +123,19 @@ class GroupDriver:
             self, cfg=cfg, pool=self._pool, series=self._metrics, arbiter=self._arbiter
         )
         self._tasks: list[asyncio.Task[Any]] = []
-        #: Effects held back until a starting switch has sent its first calls (see _worker).
-        self._deferred: list[Effect] | None = None
         self._stopping = False
-        #: Commands applied so far, and when the last one was (see idle_since, retire).
-        self._activity = 0
-        self._active_at = time.monotonic()
+        self._worker = worker.Worker(
+            group_id=group_id,
+            nodes=nodes,
+            db=self._db,
+            backoff=self._backoff,
+            saved=record,
+            record=self.lock.record,
+            stopping=lambda: self._stopping,
+            # Overlapping groups see who holds this one at once (see overlap).
+            applied=lambda: self._arbiter.note_holder(group_id, self.lock.holder),
+            settled=self._settled,
+        )
         #: Collected as idle (local mode): its rows are deleted, a new driver takes its id.
         self.retired = False
         self._acquire_wait = self._metrics.acquire_wait.labels(group_id=group_id)
@@ -174,7 +161,7 @@ class GroupDriver:
 
     def start(self) -> None:
         gid = self.group_id
-        self._tasks.append(tasks.spawn(self._worker(), name=f"group:{gid}:worker"))
+        self._tasks.append(tasks.spawn(self._worker.run(), name=f"group:{gid}:worker"))
         if self.lock.recovering:
             self._tasks.append(tasks.spawn(self._recover(), name=f"group:{gid}:recover"))
             self._tasks.append(tasks.spawn(self._expire(), name=f"group:{gid}:expire"))
@@ -197,14 +184,7 @@ class GroupDriver:
         # The worker is gone: what is left is failed here.
         self._leases.stop(_shutting_down())
         # Queue entries stay persisted: after a restart the jobs re-attach and keep their place.
-        for waiters in self._waiters.values():
-            for w in waiters:
-                if not w.future.done():
-                    w.future.set_exception(_shutting_down())
-        self._waiters.clear()
-        for reply in list(self._replies):
-            if not reply.done():
-                reply.set_exception(_shutting_down())
+        self._callers.fail_all(_shutting_down)
 
     # ---- idle collection (local mode) ------------------------------------------------------
 
@@ -218,11 +198,10 @@ class GroupDriver:
             or lk.holder is not None
             or lk.switching is not None
             or bool(lk.waiting_jobs)
-            or any(self._waiters.values())
-            or bool(self._replies)
+            or self._callers.busy
             or self._leases.open_streams > 0
         )
-        return None if busy else (self._activity, self._active_at)
+        return None if busy else (self._worker.activity, self._worker.active_at)
 
     async def retire(self, activity: int) -> bool:
         """Collect the group if it is still idle and nothing happened to it since
@@ -231,7 +210,7 @@ class GroupDriver:
 
         def decide(now: float) -> bool:
             # This command counts as one activity itself (see _worker).
-            if self._activity != activity + 1 or self.idle_since() is None:
+            if self._worker.activity != activity + 1 or self.idle_since() is None:
                 return False
             self._db.forget(self.group_id)
             self._stopping = self.retired = True
@@ -239,7 +218,7 @@ class GroupDriver:
 
         if self._stopping:
             return False
-        return await self._ask(decide)
+        return await self._worker.ask(decide)
 
     def _gone(self) -> refusals.Refused:
         if self.retired:
@@ -254,51 +233,48 @@ class GroupDriver:
 
     async def acquire(
         self, job: str, *, footprint_bytes: int, lease_ms: int = 0, time_left: float | None = None
-    ) -> Grant:
+    ) -> callers.Grant:
         """The grant; ``time_left`` is the caller's deadline (None: it has none)."""
         if self._stopping:
             raise self._gone()
         started = time.monotonic()
         if footprint_bytes > 0:
-            await self._check_fits(job, footprint_bytes)
-        waiter = _Waiter(job, asyncio.get_running_loop().create_future())
+            await callers.check_fits(
+                self._pool,
+                self.nodes,
+                group_id=self.group_id,
+                job=job,
+                footprint_bytes=footprint_bytes,
+                status_timeout_s=self._cfg.status_timeout_s,
+            )
+        waiter = callers.Waiter.new(job)
 
         def apply(now: float) -> list[Effect]:
-            self._waiters.setdefault(job, []).append(waiter)
+            self._callers.add(waiter)
             return self.bind(
                 self.lock.on_acquire(
                     job, footprint_bytes=footprint_bytes, lease_ms=lease_ms, now=now
                 )
             )
 
+        def depart() -> None:
+            self.post(lambda now: self._depart(waiter, now))
+
         self.post(apply)
         try:
-            grant = await self._granted(waiter, time_left)
+            grant = await callers.granted(
+                waiter,
+                time_left,
+                group_id=self.group_id,
+                held_back_by=self._held_back_by,
+                depart=depart,
+            )
         except asyncio.CancelledError:
             if not self._stopping:
-                self.post(lambda now: self._depart(waiter, now))
+                depart()
             raise
         self._acquire_wait.observe(time.monotonic() - started)
         return grant
-
-    async def _granted(self, waiter: _Waiter, time_left: float | None) -> Grant:
-        if time_left is None:
-            return await waiter.future
-        answer_in = max(0.0, time_left - _ANSWER_BEFORE_DEADLINE_S)
-        try:
-            return await asyncio.wait_for(asyncio.shield(waiter.future), answer_in)
-        except asyncio.TimeoutError:
-            pass
-        why = self._held_back_by()
-        if not why or waiter.future.done():
-            return await waiter.future  # only queued behind others, or just granted
-        self.post(lambda now: self._depart(waiter, now))
-        raise refusals.Refused(
-            refusals.Code.UNAVAILABLE,
-            f"group {self.group_id}: job {waiter.job} was not granted within the call's "
-            f"deadline: {why}; the group retries on its own: call again, or see "
-            f"`tslice status {self.group_id}`",
-        )
 
     def _held_back_by(self) -> str:
         """What keeps the group from granting, when it is a fault ("" = none: it is busy)."""
@@ -307,36 +283,10 @@ class GroupDriver:
             return detail
         return ""
 
-    async def _check_fits(self, job: str, footprint_bytes: int) -> None:
-        """Refuse at once (RESOURCE_EXHAUSTED) a footprint larger than a node's device
-        memory in all: such a job can never be resident there, and would otherwise wait
-        behind the holder until its deadline. Nodes never read are read once here (a
-        short deadline); a node that lists no accelerators is not checked."""
-        clients = [(n, self._pool.get(n.address)) for n in self.nodes]
-        unread = tuple(n for n, c in clients if not c.status_seen)
-        if unread:
-            timeout_s = min(1.0, self._cfg.status_timeout_s)
-            await steps.read_all(self._pool, unread, self.group_id, timeout_s=timeout_s)
-            for n, c in clients:
-                if n in unread:
-                    c.status_seen = True  # asked once; later reads keep it up to date
-        for node, client in clients:
-            capacity = client.capacity_bytes
-            if capacity is not None and footprint_bytes > capacity:
-                raise refusals.Refused(
-                    refusals.Code.RESOURCE_EXHAUSTED,
-                    f"job {job!r} declares a footprint of {footprint_bytes} bytes, but node "
-                    f"{node.name} of group {self.group_id!r} holds only {capacity} bytes of "
-                    "device memory in all: it can never be resident there; lower "
-                    "footprint_bytes or use a group of larger nodes",
-                )
-
     async def yield_(self, job: str) -> decisions.YieldOutcome:
         if self._stopping:
             raise self._gone()
-        reply: asyncio.Future[decisions.YieldOutcome] = asyncio.get_running_loop().create_future()
-        self._replies.add(reply)
-        reply.add_done_callback(self._replies.discard)
+        reply = self._callers.reply()
 
         def apply(now: float) -> list[Effect]:
             was_holder = self.lock.holder == job
@@ -360,7 +310,7 @@ class GroupDriver:
         """
         if self._stopping:
             raise _shutting_down()
-        return await self._ask(lambda now: self._leases.open(self.lock, job, epoch))
+        return await self._worker.ask(lambda now: self._leases.open(self.lock, job, epoch))
 
     def close_hold(self, session: leases.HoldSession) -> None:
         """The Hold stream ended: if it was the last one, the lease timer starts."""
@@ -388,7 +338,7 @@ class GroupDriver:
                 ),
             )
 
-        return await self._ask(described)
+        return await self._worker.ask(described)
 
     async def clear_degraded(self, node: str = "") -> list[str]:
         """An operator fixed the cause: the node(s) take switches again."""
@@ -414,95 +364,22 @@ class GroupDriver:
         self.post(clear)
         return await done
 
-    # ---- worker ----------------------------------------------------------------------------
+    # ---- commands and their effects ------------------------------------------------------
 
     def post(self, command: inbox.Command) -> None:
-        self._inbox.put_nowait(command)
-
-    async def _ask(self, compute: Callable[[float], _T]) -> _T:
-        """``compute`` run by the worker (at once once the group stops); its result."""
-        if self._stopping:
-            return compute(time.monotonic())  # nothing else changes the group any more
-        answer: asyncio.Future[_T] = asyncio.get_running_loop().create_future()
-
-        def command(now: float) -> list[Effect]:
-            try:
-                answer.set_result(compute(now))
-            except Exception as err:
-                answer.set_exception(err)
-            return []
-
-        self.post(command)
-        return await answer
-
-    async def _worker(self) -> None:
-        while True:
-            batch = [await self._inbox.get()]
-            while not self._inbox.empty():
-                batch.append(self._inbox.get_nowait())
-            now = time.monotonic()
-            effects: list[Effect] = []
-            for apply in batch:
-                self._activity += 1
-                self._active_at = now
-                try:
-                    effects += apply(now)
-                except Exception:
-                    log.exception("group %s: command failed", self.group_id)
-                # Overlapping groups see who holds this one at once (see overlap).
-                self._arbiter.note_holder(self.group_id, self.lock.holder)
-            await self._persist()
-            # Urgent effects first. While a switch they started has not sent its first
-            # agent calls, the others (Yield replies, event deliveries) wait, so that
-            # the calls leave before them: every Acquire waits on those calls.
-            self._run_effects([e for e in effects if isinstance(e, inbox.Urgent)])
-            others = [e for e in effects if not isinstance(e, inbox.Urgent)]
-            if self._deferred is not None:
-                self._deferred += others
-            else:
-                self._run_effects(others)
-            self._sync_leases()
-            self._refresh_state()
-
-    def _run_effects(self, effects: list[Effect]) -> None:
-        for effect in effects:
-            try:
-                effect()
-            except Exception:
-                log.exception("group %s: effect failed", self.group_id)
+        self._worker.post(command)
 
     def release_deferred(self) -> None:
-        deferred, self._deferred = self._deferred, None
-        if deferred:
-            self._run_effects(deferred)
+        """Run the effects held back until the switch's first calls were sent."""
+        self._worker.release_deferred()
 
-    async def _persist(self) -> None:
-        record = self.lock.record()
-        if record == self._saved:
-            return
-        attempt = 0
-        nodes = [(n.name, n.address) for n in self.nodes]
-        while True:
-            try:
-                await self._db.save(self.group_id, nodes=nodes, record=record, previous=self._saved)
-                break
-            except store.StoreError as err:
-                # Nothing may act on state that is not on disk: hold this group until it is.
-                delay = self._backoff.delay(attempt)
-                attempt += 1
-                log.error("group %s: %s; retrying in %.2f s", self.group_id, err, delay)
-                await asyncio.sleep(delay)
-        self._saved = record
-
-    def _depart(self, waiter: _Waiter, now: float) -> list[Effect]:
+    def _depart(self, waiter: callers.Waiter, now: float) -> list[Effect]:
         if waiter.granted_epoch is not None:
             return self.bind(
                 self.lock.on_undelivered(waiter.job, epoch=waiter.granted_epoch, now=now)
             )
-        pending = self._waiters.get(waiter.job, [])
-        if waiter not in pending:
+        if not self._callers.withdraw(waiter):
             return []  # already failed (aborted) elsewhere
-        pending.remove(waiter)
         return self.bind(self.lock.on_cancel(waiter.job, now=now))
 
     def bind(self, actions: list[decisions.Action]) -> list[Effect]:
@@ -514,12 +391,10 @@ class GroupDriver:
         effects: list[Effect] = []
         for action in actions:
             if isinstance(action, decisions.Granted):
-                receivers = self._waiters.pop(action.job, [])
-                for w in receivers:
-                    w.granted_epoch = action.epoch
-                effects += self._grant_effects(action, receivers)
+                receivers = self._callers.granted(action.job, action.epoch)
+                effects += [callers.resolve_effect(action, receivers), self._announce(action)]
             elif isinstance(action, decisions.Abort):
-                effects.append(self._abort_effect(action, self._waiters.pop(action.job, [])))
+                effects.append(callers.abort_effect(action, self._callers.take(action.job)))
             elif isinstance(action, decisions.StartSwitch):
                 effects.append(self._switch_effect(action))
             elif isinstance(action, decisions.NeedClaim):
@@ -544,12 +419,7 @@ class GroupDriver:
             return []
         return self.bind(self.lock.on_claim_granted(granted, now=time.monotonic()))
 
-    def _grant_effects(self, g: decisions.Granted, receivers: list[_Waiter]) -> list[Effect]:
-        def resolve() -> None:
-            for w in receivers:
-                if not w.future.done():
-                    w.future.set_result(Grant(g.epoch, g.restored))
-
+    def _announce(self, g: decisions.Granted) -> Effect:
         def announce() -> None:
             self.events.emit(
                 Kind.KIND_GRANTED,
@@ -559,23 +429,14 @@ class GroupDriver:
                 detail=_grant_detail(g),
             )
 
-        return [inbox.Urgent(resolve), announce]
-
-    def _abort_effect(self, a: decisions.Abort, waiters: list[_Waiter]) -> Effect:
-        def effect() -> None:
-            for w in waiters:
-                if not w.future.done():
-                    w.future.set_exception(refusals.Refused(a.code, a.message))
-
-        return effect
+        return announce
 
     def _switch_effect(self, s: decisions.StartSwitch) -> Effect:
         def effect() -> None:
             if self._stopping:
                 # The intent is on disk: recovery rolls it back (nothing moved) at restart.
                 return
-            if self._deferred is None:
-                self._deferred = []
+            self._worker.hold_back()
             self._switches.start(s)
 
         return inbox.Urgent(effect)
@@ -623,6 +484,10 @@ class GroupDriver:
             return
         await asyncio.sleep(max(0.0, deadline - time.monotonic()))
         self.post(lambda now: self.bind(self.lock.on_expire(now=now)))
+
+    def _settled(self) -> None:
+        self._sync_leases()
+        self._refresh_state()
 
     def _sync_leases(self) -> None:
         self._leases.sync(self.lock, self.post, self._lease_expired)

@@ -1,0 +1,145 @@
+"""The worker of one group: its inbox (``tslice.orchestrator.inbox``), drained by one task.
+
+The worker takes every command waiting in the inbox as one batch and handles it in
+two phases:
+
+1. *apply*: run each command with the batch's time (it mutates the pure lock and the
+   driver's bookkeeping, and returns effects);
+2. *persist*, then *effect*: write the lock's new state in one SQLite transaction
+   (retried until it is on disk) and only then run the effects ("write before act").
+
+Urgent effects run first; while a switch that one of them started has not sent its
+first agent calls, the other effects are held back (see :meth:`Worker.hold_back`).
+The worker also counts the commands applied: the group's activity, for idle collection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
+from tslice.orchestrator import config, inbox, records, store, switch
+
+log = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
+
+
+class Worker:
+    """Serialises one group's changes; the driver starts :meth:`run` as its task."""
+
+    def __init__(
+        self,
+        *,
+        group_id: str,
+        nodes: tuple[config.NodeRef, ...],
+        db: store.Store,
+        backoff: switch.Backoff,
+        saved: records.LockRecord | None,
+        record: Callable[[], records.LockRecord],
+        stopping: Callable[[], bool],
+        applied: Callable[[], None],
+        settled: Callable[[], None],
+    ) -> None:
+        """``record`` reads the state to persist, ``saved`` is what is on disk;
+        ``applied`` runs after each command, ``settled`` after each batch's effects."""
+        self._group_id = group_id
+        self._nodes = [(n.name, n.address) for n in nodes]
+        self._db = db
+        self._backoff = backoff
+        self._saved = saved
+        self._record = record
+        self._stopping = stopping
+        self._applied = applied
+        self._settled = settled
+        self._inbox: asyncio.Queue[inbox.Command] = asyncio.Queue()
+        #: Effects held back until a starting switch has sent its first calls (see run).
+        self._deferred: list[inbox.Effect] | None = None
+        #: Commands applied so far, and when the last one was.
+        self.activity = 0
+        self.active_at = time.monotonic()
+
+    def post(self, command: inbox.Command) -> None:
+        self._inbox.put_nowait(command)
+
+    async def ask(self, compute: Callable[[float], _T]) -> _T:
+        """``compute`` run by the worker (at once once the group stops); its result."""
+        if self._stopping():
+            return compute(time.monotonic())  # nothing else changes the group any more
+        answer: asyncio.Future[_T] = asyncio.get_running_loop().create_future()
+
+        def command(now: float) -> list[inbox.Effect]:
+            try:
+                answer.set_result(compute(now))
+            except Exception as err:
+                answer.set_exception(err)
+            return []
+
+        self.post(command)
+        return await answer
+
+    def hold_back(self) -> None:
+        """A switch starts: hold the non-urgent effects until :meth:`release_deferred`."""
+        if self._deferred is None:
+            self._deferred = []
+
+    def release_deferred(self) -> None:
+        deferred, self._deferred = self._deferred, None
+        if deferred:
+            self._run_effects(deferred)
+
+    async def run(self) -> None:
+        while True:
+            batch = [await self._inbox.get()]
+            while not self._inbox.empty():
+                batch.append(self._inbox.get_nowait())
+            now = time.monotonic()
+            effects: list[inbox.Effect] = []
+            for apply in batch:
+                self.activity += 1
+                self.active_at = now
+                try:
+                    effects += apply(now)
+                except Exception:
+                    log.exception("group %s: command failed", self._group_id)
+                self._applied()
+            await self._persist()
+            # Urgent effects first. While a switch they started has not sent its first
+            # agent calls, the others (Yield replies, event deliveries) wait, so that
+            # the calls leave before them: every Acquire waits on those calls.
+            self._run_effects([e for e in effects if isinstance(e, inbox.Urgent)])
+            others = [e for e in effects if not isinstance(e, inbox.Urgent)]
+            if self._deferred is not None:
+                self._deferred += others
+            else:
+                self._run_effects(others)
+            self._settled()
+
+    def _run_effects(self, effects: list[inbox.Effect]) -> None:
+        for effect in effects:
+            try:
+                effect()
+            except Exception:
+                log.exception("group %s: effect failed", self._group_id)
+
+    async def _persist(self) -> None:
+        record = self._record()
+        if record == self._saved:
+            return
+        attempt = 0
+        while True:
+            try:
+                await self._db.save(
+                    self._group_id, nodes=self._nodes, record=record, previous=self._saved
+                )
+                break
+            except store.StoreError as err:
+                # Nothing may act on state that is not on disk: hold this group until it is.
+                delay = self._backoff.delay(attempt)
+                attempt += 1
+                log.error("group %s: %s; retrying in %.2f s", self._group_id, err, delay)
+                await asyncio.sleep(delay)
+        self._saved = record
