@@ -3,12 +3,13 @@
 The rules live in pure modules: the per-record state machine in ``tslice.agent.jobs``,
 the choice of backend in ``tslice.agent.routing``, the moves of a Grant in
 ``tslice.agent.grants``. Every backend call goes through ``tslice.agent.guarded``,
-and the records live in ``tslice.agent.ledger``. This module only strings them
-together: each mutating request takes the job's lock, asks the backend what a rule
-depends on (through the guard), plans synchronously, commits the plan *before*
-replying, and spawns the backend call as a named task. Because planning and the
-in-memory update happen without an await in between, two requests can never both
-see a job (or a group) free: the second one is refused.
+and the records live in ``tslice.agent.ledger``; what the workload channel reports
+(registrations, departures) is applied by ``tslice.agent.workload_presence``. This
+module only strings them together: each mutating request takes the job's lock, asks
+the backend what a rule depends on (through the guard), plans synchronously, commits
+the plan *before* replying, and spawns the backend call as a named task. Because
+planning and the in-memory update happen without an await in between, two requests
+can never both see a job (or a group) free: the second one is refused.
 
 Between planning and starting the backend call there is no ``await`` at all: the
 memory update, the store's transaction (synchronous, see ``tslice.agent.store``) and
@@ -32,10 +33,20 @@ import uuid
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from tslice.agent import grants, guarded, job_model, jobs, ledger, metrics, routing, store
+from tslice.agent import (
+    grants,
+    guarded,
+    job_model,
+    jobs,
+    ledger,
+    metrics,
+    routing,
+    store,
+    workload_presence,
+)
 from tslice.agent.backends import base
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
-from tslice.common import refusals, tasks
+from tslice.common import tasks
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +104,13 @@ class AgentCore:
             asyncio.Lock
         )
         self._running: set[asyncio.Task[Any]] = set()
+        self._workloads = workload_presence.WorkloadPresence(
+            book=self._book,
+            locks=self._locks,
+            done=self._done,
+            registered=self._safe_channel_registered,
+            spawn=lambda coro, name: self._spawn(coro, name=name),
+        )
 
     # ---- lifecycle -----------------------------------------------------------------
 
@@ -290,99 +308,9 @@ class AgentCore:
             return new_job.state
 
     def on_workload_event(self, event: Any) -> None:
-        """Listener for the workload-channel hub: a registration makes the job resident, a
-        workload that left takes its state with it."""
-        kind = getattr(event, "kind", None)
-        if "app-channel" not in self.backends:
-            return
-        job_id = str(event.job_id)
-        state = getattr(event, "state", None)
-        group = str(getattr(state, "group", "") or "")
-        if kind in ("closed", "left") and getattr(event, "left", False):
-            reason = str(getattr(event, "reason", "") or "the workload left")
-            self._spawn(
-                self.note_workload_left(job_id=job_id, group=group, reason=reason),
-                name=f"channel-left-{job_id}",
-            )
-            return
-        if kind != "registered":
-            return
-        # What a workload says it holds counts only if it declared that it reports it.
-        reported = bool(getattr(state, "state_reported", False))
-        suspended: bool | None = bool(getattr(state, "suspended", False)) if reported else None
-        self._spawn(
-            self.note_channel_registration(job_id=job_id, group=group, suspended=suspended),
-            name=f"channel-registration-{job_id}",
-        )
-
-    async def note_channel_registration(
-        self, *, job_id: str, group: str, suspended: bool | None = None
-    ) -> None:
-        async with self._locks[job_id]:
-            try:
-                job = self._book.find(job_id, group)
-            except refusals.Refused as refused:
-                # No group named, and records in several: the registration serves none
-                # of them until a request names the group (the workload stays registered).
-                log.warning(
-                    "job %s registered on the workload channel without a group: %s",
-                    job_id,
-                    refused.message,
-                    extra={"job_id": job_id},
-                )
-                return
-            updated = jobs.after_channel_registration(
-                job, job_id=job_id, group=group, suspended=suspended
-            )
-            if updated != job:
-                self._book.commit(jobs_=[updated], previous=job)
-                log.info(
-                    "job %s (group %s) registered on the workload channel: %s on app-channel",
-                    job_id,
-                    group,
-                    updated.state.value,
-                    extra={"job_id": job_id},
-                )
-
-    async def note_workload_left(self, *, job_id: str, group: str, reason: str) -> None:
-        """The workload that served (job, group) left: its records become IDLE (nothing
-        resident or saved). A record with an operation in flight is marked once that
-        operation has finished; one whose workload registered again meanwhile is not."""
-        while True:
-            async with self._locks[job_id]:
-                running: list[asyncio.Future[None]] = []
-                for job in self._left_records(job_id, group):
-                    if job.state is job_model.State.TRANSITIONING:
-                        done = self._done.get(job.operation_id)
-                        if done is not None:
-                            running.append(done)
-                        continue
-                    updated = jobs.after_workload_left(job, reason=reason)
-                    if updated != job:
-                        self._book.commit(jobs_=[updated], previous=job)
-                        log.info(
-                            "job %s (group %s): its workload left (%s); %s -> IDLE, nothing "
-                            "resident",
-                            job_id,
-                            job.group,
-                            reason,
-                            job.state.value,
-                            extra={"job_id": job_id},
-                        )
-                if not running:
-                    return
-            await asyncio.wait(running)
-
-    def _left_records(self, job_id: str, group: str) -> list[job_model.Job]:
-        """The job's records a departed workload of ``group`` held: the group's record, or
-        for a workload that named no group every record of the job; none that a live
-        workload serves (it registered again)."""
-        if group:
-            found = self._book.find(job_id, group)
-            candidates = [found] if found is not None else []
-        else:
-            candidates = [j for (job, _g), j in sorted(self._book.jobs.items()) if job == job_id]
-        return [j for j in candidates if not self._safe_channel_registered(job_id, j.group)]
+        """Listener for the workload-channel hub (see ``tslice.agent.workload_presence``)."""
+        if "app-channel" in self.backends:
+            self._workloads.on_event(event)
 
     async def prune_operations(self) -> int:
         """Forget finished operations past retention (and beyond the count limit)."""
