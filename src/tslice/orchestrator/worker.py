@@ -16,6 +16,7 @@ The worker also counts the commands applied: the group's activity, for idle coll
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -28,46 +29,36 @@ log = logging.getLogger(__name__)
 _T = TypeVar("_T")
 
 
+@dataclasses.dataclass(eq=False, kw_only=True)
 class Worker:
     """Serialises one group's changes; the driver starts :meth:`run` as its task."""
 
-    def __init__(
-        self,
-        *,
-        group_id: str,
-        nodes: tuple[config.NodeRef, ...],
-        db: store.Store,
-        backoff: switch.Backoff,
-        saved: records.LockRecord | None,
-        record: Callable[[], records.LockRecord],
-        stopping: Callable[[], bool],
-        applied: Callable[[], None],
-        settled: Callable[[], None],
-    ) -> None:
-        """``record`` reads the state to persist, ``saved`` is what is on disk;
-        ``applied`` runs after each command, ``settled`` after each batch's effects."""
-        self._group_id = group_id
-        self._nodes = [(n.name, n.address) for n in nodes]
-        self._db = db
-        self._backoff = backoff
-        self._saved = saved
-        self._record = record
-        self._stopping = stopping
-        self._applied = applied
-        self._settled = settled
-        self._inbox: asyncio.Queue[inbox.Command] = asyncio.Queue()
-        #: Effects held back until a starting switch has sent its first calls (see run).
-        self._deferred: list[inbox.Effect] | None = None
-        #: Commands applied so far, and when the last one was.
-        self.activity = 0
-        self.active_at = time.monotonic()
+    group_id: str
+    nodes: tuple[config.NodeRef, ...]
+    db: store.Store
+    backoff: switch.Backoff
+    #: The state on disk (None: nothing saved yet), and how to read the state to persist.
+    saved: records.LockRecord | None
+    record: Callable[[], records.LockRecord]
+    stopping: Callable[[], bool]
+    #: Run after each command, and after each batch's effects.
+    applied: Callable[[], None]
+    settled: Callable[[], None]
+    _inbox: asyncio.Queue[inbox.Command] = dataclasses.field(
+        init=False, default_factory=asyncio.Queue
+    )
+    #: Effects held back until a starting switch has sent its first calls (see run).
+    _deferred: list[inbox.Effect] | None = dataclasses.field(init=False, default=None)
+    #: Commands applied so far, and when the last one was.
+    activity: int = dataclasses.field(init=False, default=0)
+    active_at: float = dataclasses.field(init=False, default_factory=time.monotonic)
 
     def post(self, command: inbox.Command) -> None:
         self._inbox.put_nowait(command)
 
     async def ask(self, compute: Callable[[float], _T]) -> _T:
         """``compute`` run by the worker (at once once the group stops); its result."""
-        if self._stopping():
+        if self.stopping():
             return compute(time.monotonic())  # nothing else changes the group any more
         answer: asyncio.Future[_T] = asyncio.get_running_loop().create_future()
 
@@ -104,8 +95,8 @@ class Worker:
                 try:
                     effects += apply(now)
                 except Exception:
-                    log.exception("group %s: command failed", self._group_id)
-                self._applied()
+                    log.exception("group %s: command failed", self.group_id)
+                self.applied()
             await self._persist()
             # Urgent effects first. While a switch they started has not sent its first
             # agent calls, the others (Yield replies, event deliveries) wait, so that
@@ -116,30 +107,29 @@ class Worker:
                 self._deferred += others
             else:
                 self._run_effects(others)
-            self._settled()
+            self.settled()
 
     def _run_effects(self, effects: list[inbox.Effect]) -> None:
         for effect in effects:
             try:
                 effect()
             except Exception:
-                log.exception("group %s: effect failed", self._group_id)
+                log.exception("group %s: effect failed", self.group_id)
 
     async def _persist(self) -> None:
-        record = self._record()
-        if record == self._saved:
+        record = self.record()
+        if record == self.saved:
             return
         attempt = 0
+        nodes = [(n.name, n.address) for n in self.nodes]
         while True:
             try:
-                await self._db.save(
-                    self._group_id, nodes=self._nodes, record=record, previous=self._saved
-                )
+                await self.db.save(self.group_id, nodes=nodes, record=record, previous=self.saved)
                 break
             except store.StoreError as err:
                 # Nothing may act on state that is not on disk: hold this group until it is.
-                delay = self._backoff.delay(attempt)
+                delay = self.backoff.delay(attempt)
                 attempt += 1
-                log.error("group %s: %s; retrying in %.2f s", self._group_id, err, delay)
+                log.error("group %s: %s; retrying in %.2f s", self.group_id, err, delay)
                 await asyncio.sleep(delay)
-        self._saved = record
+        self.saved = record
