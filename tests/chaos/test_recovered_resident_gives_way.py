@@ -10,8 +10,6 @@ node's devices; a state takes 30 GiB of 80, so a third state needs room).
 
 from __future__ import annotations
 
-import pytest
-
 from tslice.client import AgentJobState, AsyncClient
 from tslice.sim.cluster import ORCHESTRATOR, LocalCluster, SimAgent
 
@@ -28,8 +26,6 @@ def _node() -> SimAgent:
     )
 
 
-# Remove the mark with the fix: strict, so the fix landing without it fails loudly.
-@pytest.mark.xfail(strict=True, reason="needs the lock.py fix: .scratch/requests/chaos.md 3")
 async def test_a_recovered_resident_that_gave_way_is_restored_on_its_next_acquire() -> None:
     async with LocalCluster(agents=[_node()]) as cluster:
         address = cluster.orchestrator_address

@@ -417,7 +417,8 @@ class GroupDriver:
             self.views.clear()
             self.lock.on_claim_waiting()
             return []
-        return self.bind(self.lock.on_claim_granted(granted, now=time.monotonic()))
+        shared = bool(self._arbiter.conflicts(self.group_id))
+        return self.bind(self.lock.on_claim_granted(granted, now=time.monotonic(), shared=shared))
 
     def _announce(self, g: decisions.Granted) -> Effect:
         def announce() -> None:

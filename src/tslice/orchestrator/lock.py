@@ -524,8 +524,15 @@ class GroupLock:
         restart), or not held (a driver whose group may share devices asks per job)."""
         self._claim.held, self._claim.job, self._claim.contended = job is not None, job, False
 
-    def on_claim_granted(self, job: str, *, now: float) -> list[act.Action]:
-        """The device claim is this group's for ``job``: promote the head of the queue."""
+    def on_claim_granted(self, job: str, *, now: float, shared: bool = False) -> list[act.Action]:
+        """The device claim is this group's for ``job``: promote the head of the queue.
+
+        ``shared``: the group shares devices with others. Then a resident verified while
+        the claim was not held (after a restart: recovery reads the agents before any
+        claim is held) may have given way to another group's switch meanwhile.
+        """
+        if shared and not self._claim.held:
+            self._verified = False
         self._claim.held, self._claim.job, self._claim.chosen = True, job, job
         return self._promote(now)
 
