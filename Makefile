@@ -47,9 +47,11 @@ test: $(STAMP) api-tools
 OLDEST_PYTHON ?= python3.10
 OLDEST_VENV   := .venv-oldest
 # (tests/jobside runs on this Python in test-floor, with the oldest grpcio and protobuf.)
-# The long randomized suites (fuzzing, chaos, single faults, the load benchmark's short
-# form) test behaviour, not the language: `make test` runs them; here CI's time goes to the rest.
-OLDEST_SKIPS := tests/jobside tests/fuzz tests/chaos tests/faults tests/bench
+# The suites of whole clusters of real processes (integration, security, fuzzing, chaos,
+# single faults, the load benchmark's short form) test behaviour, not the language: `make
+# test` runs them; on 3.10 CI's time goes to the unit, server and client tests.
+OLDEST_SKIPS := tests/jobside tests/integration tests/security tests/fuzz tests/chaos \
+	tests/faults tests/bench
 test-oldest: api-tools
 	@test -x $(OLDEST_VENV)/bin/python || $(OLDEST_PYTHON) -m venv $(OLDEST_VENV)
 	@$(OLDEST_VENV)/bin/python -m pip install --quiet --upgrade pip
