@@ -28,13 +28,7 @@ GROUPS = {"g1": ("node-1", "node-2"), "g2": ("node-3", "node-4")}
 
 
 @dataclasses.dataclass
-class Window:
-    job: str
-    group: str
-    requested: float
-    acquired: float | None = None
-    yielded: float | None = None
-    error: str = ""
+class Window(checker.Window):
     context_restored: bool = False
 
 

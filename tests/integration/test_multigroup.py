@@ -13,7 +13,6 @@ ever resident together, and no two jobs held groups that share devices at once.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import random
 import time
 from collections.abc import Mapping, Sequence
@@ -22,6 +21,7 @@ import pytest
 
 from tslice.client import AsyncClient
 from tslice.sim import checker
+from tslice.sim.checker import Window
 from tslice.sim.cluster import LocalCluster, SimAgent
 
 pytestmark = pytest.mark.slow
@@ -30,16 +30,6 @@ GiB = 1024**3
 GROUPS = ("g1", "g2", "g3")
 # g1 and g2 share node-2, g2 and g3 share node-3; g1 and g3 share nothing.
 OVERLAPPING = {"g1": ("node-1", "node-2"), "g2": ("node-2", "node-3"), "g3": ("node-3",)}
-
-
-@dataclasses.dataclass
-class Window:
-    job: str
-    group: str
-    requested: float
-    acquired: float | None = None
-    yielded: float | None = None
-    error: str = ""
 
 
 def _cluster(nodes: Sequence[str], groups: Mapping[str, Sequence[str]] | None) -> LocalCluster:
