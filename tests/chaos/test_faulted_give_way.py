@@ -11,28 +11,16 @@ the node's devices; a state takes 30 GiB of 80, so two fit and a third needs roo
 
 from __future__ import annotations
 
+from tests.chaos.nodes import two_states_fit
 from tslice.agent.backends import simdevice as device
 from tslice.client import AgentJobState, AsyncClient
-from tslice.sim.cluster import LocalCluster, SimAgent
-
-GiB = 1024**3
+from tslice.sim.cluster import LocalCluster
 
 
-def _node() -> SimAgent:
-    return SimAgent(
-        name="node-1",
-        capacity_bytes=80 * GiB,
-        footprint_bytes=30 * GiB,
-        bandwidth_bytes_per_s=1000 * 10**9,
-        latency_s=0.001,
-        fail_probability=0.5,
-        extra_args=("--sim-seed", "32"),
-    )
-
-
-# Remove the mark with the fix: strict, so the fix landing without it fails loudly.
 async def test_a_faulted_deferred_resident_is_reset_and_gives_way() -> None:
-    async with LocalCluster(agents=[_node()]) as cluster:
+    async with LocalCluster(
+        agents=[two_states_fit(fail_probability=0.5, extra_args=("--sim-seed", "32"))]
+    ) as cluster:
         address = cluster.orchestrator_address
         async with (
             AsyncClient(address, job_id="x", lease_s=None) as x,

@@ -10,24 +10,13 @@ node's devices; a state takes 30 GiB of 80, so a third state needs room).
 
 from __future__ import annotations
 
+from tests.chaos.nodes import two_states_fit
 from tslice.client import AgentJobState, AsyncClient
-from tslice.sim.cluster import ORCHESTRATOR, LocalCluster, SimAgent
-
-GiB = 1024**3
-
-
-def _node() -> SimAgent:
-    return SimAgent(
-        name="node-1",
-        capacity_bytes=80 * GiB,
-        footprint_bytes=30 * GiB,
-        bandwidth_bytes_per_s=1000 * 10**9,
-        latency_s=0.001,
-    )
+from tslice.sim.cluster import ORCHESTRATOR, LocalCluster
 
 
 async def test_a_recovered_resident_that_gave_way_is_restored_on_its_next_acquire() -> None:
-    async with LocalCluster(agents=[_node()]) as cluster:
+    async with LocalCluster(agents=[two_states_fit()]) as cluster:
         address = cluster.orchestrator_address
         async with AsyncClient(address, job_id="a", lease_s=None) as a:
             await a.acquire("g2", timeout=20)
