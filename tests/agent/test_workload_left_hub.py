@@ -22,6 +22,8 @@ from collections.abc import AsyncIterator
 import grpc
 import pytest
 
+from tests.agent.test_channel import HubServer
+from tests.agent.test_channel import _start as start_hub
 from tslice.agent import channel
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2_grpc as pb_grpc
@@ -31,23 +33,14 @@ TSLICE = pb.WorkloadFeatures(keepalive=True, reports_state=True)
 LONG_GRACE_S = 120.0
 
 
-class _Servicer(pb_grpc.SnapshotAgentServiceServicer):
-    def __init__(self, hub: channel.ChannelHub) -> None:
-        self.hub = hub
+class Hub(HubServer):
+    """A hub on loopback that records its events."""
 
-    async def WorkloadChannel(self, request_iterator, context):  # type: ignore[no-untyped-def]
-        async for command in self.hub.handle_stream(request_iterator, context):
-            yield command
-
-
-class Hub:
-    def __init__(self, hub: channel.ChannelHub, server: grpc.aio.Server, address: str) -> None:
-        self.hub = hub
-        self.server = server
-        self.address = address
+    def __init__(self, running: HubServer) -> None:
+        super().__init__(running.hub, running.address, running.server)
         self.events: list[channel.ChannelEvent] = []
         self._changed = asyncio.Event()
-        hub.add_listener(self._on_event)
+        self.hub.add_listener(self._on_event)
 
     def _on_event(self, event: channel.ChannelEvent) -> None:
         self.events.append(event)
@@ -65,11 +58,7 @@ class Hub:
 
 async def _start(grace_s: float) -> Hub:
     hub = channel.ChannelHub(ping_interval_s=5.0, lost_grace_s=grace_s)
-    server = grpc.aio.server()
-    pb_grpc.add_SnapshotAgentServiceServicer_to_server(_Servicer(hub), server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    return Hub(hub, server, f"127.0.0.1:{port}")
+    return Hub(await start_hub(hub, "127.0.0.1:0"))
 
 
 @pytest.fixture
