@@ -137,7 +137,9 @@ def test_only_the_orchestrator_moves_state_on_an_agent(
         assert f"principal '{identity}' (certificate)" in err.details()
         assert "orchestrator role" in err.details()
     grant = pb.GrantStreamRequest(request_id=1, grant=pb.GrantRequest(job_id="job-x", group=group))
-    err = attacker.streamed_refusal(attacker.agent.GrantStream, grant)
+    # A stream of requests (one): a bare message is no iterator, and the client's request
+    # thread failing on it first ended the call UNKNOWN before the refusal arrived.
+    err = attacker.streamed_refusal(attacker.agent.GrantStream, iter([grant]))
     assert err.code() == grpc.StatusCode.PERMISSION_DENIED
     # Nothing moved: job a still runs there and holds its group at the same grant.
     assert _job_state(attacker, "job-a") == pb.JOB_STATE_RUNNING
