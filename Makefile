@@ -77,7 +77,7 @@ test-floor: $(STAMP)
 	  JOBSIDE_PYTHON=$$floor_python JOBSIDE_PINS="$$($(PY) scripts/floor_pins.py)"
 test-newest: $(STAMP)
 	@$(MAKE) --no-print-directory test-jobside JOBSIDE_VENV=$(NEWEST_VENV) \
-	  JOBSIDE_PINS="--upgrade grpcio protobuf typing_extensions"
+	  JOBSIDE_PINS="--upgrade grpcio protobuf"
 ## protobuf 5 and 6 between those two (the first release of each major: the one that
 ## lacks the most), grpcio at its floor: the import checks and the stack smoke test.
 PROTOBUF_BETWEEN ?= 5.26.1 6.30.0
@@ -92,10 +92,9 @@ test-jobside:
 	@test -x $(JOBSIDE_VENV)/bin/python || $(JOBSIDE_PYTHON) -m venv $(JOBSIDE_VENV)
 	@$(JOBSIDE_VENV)/bin/python -m pip install --quiet --disable-pip-version-check \
 	  -e . $(JOBSIDE_PINS) $(JOBSIDE_TEST_DEPS)
-	@$(JOBSIDE_VENV)/bin/python -c "import grpc, google.protobuf as p, typing_extensions; \
-	  from importlib.metadata import version as v; \
+	@$(JOBSIDE_VENV)/bin/python -c "import grpc, google.protobuf as p; \
 	  import sys; print('job side on Python', sys.version.split()[0], 'grpcio', grpc.__version__, 'protobuf', p.__version__, \
-	  'typing_extensions', v('typing_extensions'), '(no extras)')"
+	  '(no extras)')"
 	TSLICE_SERVER_PYTHON=$(abspath $(PY)) $(JOBSIDE_VENV)/bin/python -m pytest -q $(JOBSIDE_TESTS)
 
 ## tslice inside Ray actors (tests/jobside/test_ray_*.py), protobuf as Ray installs it: its

@@ -136,3 +136,47 @@ def test_python_m_tslice_runs_or_names_the_extra() -> None:
     else:
         assert done.returncode == 0, done.stderr
         assert done.stdout.startswith("tslice ")
+
+
+def test_the_job_side_depends_on_grpcio_and_protobuf_only() -> None:
+    """What `pip install tslice` pulls: nothing else (extras aside) — pinned from the metadata."""
+    from importlib.metadata import requires
+
+    declared = [r for r in requires("tslice") or [] if "extra ==" not in r]
+    names = sorted(
+        r.split(">")[0].split("<")[0].split("=")[0].split(";")[0].strip() for r in declared
+    )
+    assert names == ["grpcio", "protobuf"], declared
+
+
+def test_typing_extensions_is_imported_for_the_type_checker_only() -> None:
+    """No module of tslice imports typing_extensions at run time (grpcio 1.60 does not bring it)."""
+    import ast
+    import pathlib
+
+    import tslice
+
+    root = pathlib.Path(tslice.__file__).parent
+    offending = []
+    for path in sorted(root.rglob("*.py")):
+        tree = ast.parse(path.read_text(), filename=str(path))
+        guarded = {
+            id(node)
+            for block in ast.walk(tree)
+            if isinstance(block, ast.If) and "TYPE_CHECKING" in ast.unparse(block.test)
+            for node in ast.walk(block)
+        }
+        for node in ast.walk(tree):
+            names = (
+                [alias.name for alias in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module or ""]
+                if isinstance(node, ast.ImportFrom)
+                else []
+            )
+            if (
+                any(n.split(".")[0] == "typing_extensions" for n in names)
+                and id(node) not in guarded
+            ):
+                offending.append(f"{path.relative_to(root)}:{node.lineno}")
+    assert not offending, f"typing_extensions imported at run time: {offending}"

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterable, Iterator
-
-from typing_extensions import Self
+from typing import TYPE_CHECKING
 
 from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2_grpc as opb_grpc
 from tslice.client import _base, _channel, _config, _events, _lease, _services, _slice, _types
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
 
 
 class Client(_base.BaseClient[_lease.HoldKeeper]):

@@ -11,13 +11,14 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator, Mapping
 from types import MappingProxyType
-from typing import Any, Generic, TypeVar
-
-from typing_extensions import Self
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from tslice.client import USE_CLIENT_DEFAULT, AcquireResult, AsyncClient, Client
 from tslice.common import errors
 from tslice.rl import _book, _workload, roles, settings
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
 
 #: What a phase's groups were granted with (group -> result); empty for a phase that
 #: takes no group, and success at once in no-op mode.

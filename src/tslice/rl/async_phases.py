@@ -12,12 +12,14 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 from types import MappingProxyType
-
-from typing_extensions import Self
+from typing import TYPE_CHECKING
 
 from tslice.client import USE_CLIENT_DEFAULT, AcquireResult, AsyncClient
 from tslice.rl import _base, _book, roles
 from tslice.rl._base import Grants
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
 
 
 class AsyncPhases(_base.PhasesBase[AsyncClient]):

@@ -25,11 +25,13 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from types import MappingProxyType
-
-from typing_extensions import Self
+from typing import TYPE_CHECKING
 
 from tslice.client import USE_CLIENT_DEFAULT, AcquireResult, Client
 from tslice.rl import _base, _book, _workload, roles
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
 
 #: What a phase's groups were granted with (group -> result); empty for a phase that
 #: takes no group, and success at once in no-op mode.

@@ -41,11 +41,12 @@ does, ``weight_sync`` will use it.
 from __future__ import annotations
 
 import enum
-from typing import Final
-
-from typing_extensions import Self
+from typing import TYPE_CHECKING, Final
 
 from tslice.common import errors
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
 
 
 class PhaseError(errors.TsliceError):

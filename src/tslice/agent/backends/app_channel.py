@@ -30,14 +30,15 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import Any, Literal
-
-from typing_extensions import Self
+from typing import TYPE_CHECKING, Any, Literal
 
 from tslice.agent import channel
 from tslice.agent.backends import base, services
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
 from tslice.common import errors, residency
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
 
 log = logging.getLogger(__name__)
 

@@ -39,15 +39,17 @@ import http
 import json
 import logging
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import Any, ClassVar, NoReturn, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, NoReturn, TypeVar
 
 import httpx
-from typing_extensions import Self
 
 from tslice.agent.backends import app_endpoint_dialects as dialects
 from tslice.agent.backends import app_endpoint_hosts as hosts
 from tslice.agent.backends import base
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
 
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")

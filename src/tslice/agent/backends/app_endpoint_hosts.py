@@ -16,12 +16,14 @@ import dataclasses
 import fnmatch
 import ipaddress
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pydantic
-from typing_extensions import Self
 
 from tslice.agent.backends import sections
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
 
 #: vLLM's default port (8000) and SGLang's (30000), on loopback.
 DEFAULT_ALLOWED_HOSTS: tuple[str, ...] = (

@@ -20,11 +20,11 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from typing_extensions import Self
-
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
 
 if TYPE_CHECKING:
+    from typing_extensions import Self
+
     from tslice.agent.backends import services
 
 

@@ -46,9 +46,7 @@ import contextlib
 import dataclasses
 import logging
 from collections.abc import AsyncIterator, Mapping
-from typing import Any
-
-from typing_extensions import Self
+from typing import TYPE_CHECKING, Any
 
 from tslice.agent import discovery, registration
 from tslice.agent import nvml as nvml_mod
@@ -61,6 +59,9 @@ from tslice.agent.backends import (
     services,
 )
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
 
 log = logging.getLogger(__name__)
 

@@ -21,13 +21,13 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from typing_extensions import Self
-
 from tslice.agent.backends import base
 from tslice.agent.backends import simdevice as device
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
 
 if TYPE_CHECKING:
+    from typing_extensions import Self
+
     from tslice.agent.backends import services
 
 
