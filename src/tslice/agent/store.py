@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from tslice.agent import job_model
-from tslice.common import errors, wal_limit
+from tslice.common import errors, sqlite_wal, wal_limit
 
 _T = TypeVar("_T")
 
@@ -203,16 +203,12 @@ class Store:
             await store._run(store._open_sync)
         except sqlite3.DatabaseError as err:
             store._executor.shutdown(wait=False)
-            if isinstance(err, sqlite3.OperationalError):
-                raise StateDatabaseError(
-                    f"cannot open the agent state database {store.path}: {err} (check "
-                    "--state-dir exists and is writable)"
-                ) from err
-            # Garbage or a damaged file: never guessed at, never overwritten.
             raise StateDatabaseError(
-                f"the agent state database {store.path} is corrupt or not a tslice database "
-                f"({err}); nothing was changed. Move it aside (keep it for a post-mortem) and "
-                "start again: the jobs' saved states on this node are then unknown to the agent"
+                sqlite_wal.open_failure(
+                    err,
+                    database=f"the agent state database {store.path}",
+                    then="the jobs' saved states on this node are then unknown to the agent",
+                )
             ) from err
         except BaseException:
             store._executor.shutdown(wait=False)

@@ -7,6 +7,8 @@ copies the WAL into the database and fsyncs both: the writing connection runs wi
 ``wal_autocheckpoint=0`` and reports its commits here; every ``every_commits`` a
 PASSIVE checkpoint (it never blocks writers) runs on a second connection in this
 helper's thread.
+
+Both stores also say here, in the same words, why their database did not open.
 """
 
 from __future__ import annotations
@@ -18,6 +20,19 @@ import sqlite3
 from pathlib import Path
 
 log = logging.getLogger(__name__)
+
+
+def open_failure(err: OSError | sqlite3.Error, *, database: str, then: str) -> str:
+    """Why ``database`` (its name in a sentence: ``"state database /x/orchestrator.db"``)
+    did not open with ``err``, and the fix. A damaged file, or one that is not SQLite,
+    is never guessed at nor overwritten: the operator moves it aside, and ``then`` says
+    what starting without it means. Anything else is the directory's fault."""
+    if isinstance(err, sqlite3.DatabaseError) and not isinstance(err, sqlite3.OperationalError):
+        return (
+            f"{database} is corrupt or not a tslice database ({err}); nothing was changed. "
+            f"Move it aside (keep it for a post-mortem) and start again: {then}"
+        )
+    return f"cannot open {database}: {err} (check --state-dir exists and is writable)"
 
 
 class WalCheckpointer:
