@@ -143,3 +143,35 @@ async def test_the_wal_stays_bounded_when_checkpoints_fall_behind(
     largest = await _largest_wal_over_saves(tmp_path, 6_000)
     # Twice the limit, plus the commits of one round between the writer's checks.
     assert largest <= 2 * limit + 4 * 1024 * 1024, f"the WAL grew to {largest / 2**20:.1f} MiB"
+
+
+async def test_the_drain_mark_is_saved_and_loads_back(tmp_path: pathlib.Path) -> None:
+    s = await st.Store.open(tmp_path)
+    g = lk.GroupLock()
+    g.on_drain(True, now=0)
+    r1 = g.record()
+    await s.save("g", nodes=NODES, record=r1, previous=None)
+    await s.close()
+    s2 = await st.Store.open(tmp_path)
+    (_, rec) = (await s2.load())["g"]
+    g.on_drain(False, now=1)
+    await s2.save("g", nodes=NODES, record=g.record(), previous=rec)
+    (_, resumed) = (await s2.load())["g"]
+    await s2.close()
+    assert rec.draining and rec == r1
+    assert not resumed.draining
+
+
+async def test_a_database_from_before_drains_opens_with_no_group_drained(
+    tmp_path: pathlib.Path,
+) -> None:
+    s = await st.Store.open(tmp_path)
+    await s.save("g", nodes=NODES, record=records.LockRecord.empty(), previous=None)
+    await s.close()
+    conn = sqlite3.connect(tmp_path / "orchestrator.db")
+    conn.execute("ALTER TABLE groups DROP COLUMN draining")
+    conn.close()
+    s2 = await st.Store.open(tmp_path)
+    (_, rec) = (await s2.load())["g"]
+    await s2.close()
+    assert not rec.draining

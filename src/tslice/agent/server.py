@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
-from typing import Any, NoReturn, TypeVar
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from typing import Any, TypeVar
 
 import grpc
 from grpc_health.v1 import health, health_pb2
@@ -19,7 +19,7 @@ from tslice.agent import channel, grants, job_model, runner
 from tslice.agent.backends import base
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2_grpc as pb_grpc
-from tslice.common import ids, refusals, tasks, unique_requests, validation
+from tslice.common import refusals, tasks, unique_requests, validation
 
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")
@@ -69,19 +69,12 @@ def _checked_operation_id(value: str) -> str:
             "operation_id is required: pass the id a Snapshot, Restore or Grant reply named",
         )
     # This agent's ids are UUIDs; any well-formed id is looked up (NOT_FOUND if unknown).
-    return _checked_id("operation_id", value)
-
-
-def _checked_id(kind: str, value: str) -> str:
-    try:
-        return ids.check_id(kind, value)
-    except ids.InvalidIdError as err:
-        raise refusals.Refused(refusals.Code.INVALID_ARGUMENT, str(err)) from None
+    return refusals.checked_id("operation_id", value)
 
 
 def _checked_group(value: str) -> str:
     """The group is optional on the agent's requests; when given it must be well formed."""
-    return _checked_id("group", value) if value else ""
+    return refusals.checked_id("group", value) if value else ""
 
 
 #: How many engines one app-endpoint job may list (one per TP/DP rank server is plenty).
@@ -129,21 +122,6 @@ def _checked_wait(field: str, value: int) -> float:
     return value / 1000
 
 
-async def _abort(context: grpc.aio.ServicerContext, refused: refusals.Refused) -> NoReturn:
-    """End the RPC with the refusal, its message cut to a bounded length."""
-    await refusals.abort(
-        context, refusals.Refused(refused.code, validation.bounded(refused.message))
-    )
-
-
-async def _valid(context: grpc.aio.ServicerContext, check: Callable[..., _T], *args: Any) -> _T:
-    """``check(*args)``, its refusal sent as the RPC's status."""
-    try:
-        return check(*args)
-    except refusals.Refused as refused:
-        await _abort(context, refused)
-
-
 def _duplicate_grant(request: pb.GrantStreamRequest) -> pb.GrantStreamResponse:
     """A second Grant with the id of one in flight: refused, never run."""
     return pb.GrantStreamResponse(
@@ -170,12 +148,6 @@ class SnapshotAgentServicer(pb_grpc.SnapshotAgentServiceServicer):
     def close(self) -> None:
         self._closing.set()
 
-    async def _run(self, context: grpc.aio.ServicerContext, call: Awaitable[_T]) -> _T:
-        try:
-            return await call
-        except refusals.Refused as refused:
-            await _abort(context, refused)
-
     async def Snapshot(
         self, request: pb.SnapshotRequest, context: grpc.aio.ServicerContext
     ) -> pb.SnapshotResponse:
@@ -194,11 +166,11 @@ class SnapshotAgentServicer(pb_grpc.SnapshotAgentServiceServicer):
         reply: Callable[..., _R],
     ) -> _R:
         """Validate a Snapshot or Restore request (same fields), start it, reply with it."""
-        job_id = await _valid(context, _checked_id, "job_id", request.job_id)
-        group = await _valid(context, _checked_group, request.group)
-        config = await _valid(context, _checked_config, request)
-        wait_s = await _valid(context, _checked_wait, "wait_ms", request.wait_ms)
-        op = await self._run(
+        job_id = await refusals.checked(context, refusals.checked_id, "job_id", request.job_id)
+        group = await refusals.checked(context, _checked_group, request.group)
+        config = await refusals.checked(context, _checked_config, request)
+        wait_s = await refusals.checked(context, _checked_wait, "wait_ms", request.wait_ms)
+        op = await refusals.answered(
             context,
             self._core.directive(
                 kind,
@@ -214,16 +186,16 @@ class SnapshotAgentServicer(pb_grpc.SnapshotAgentServiceServicer):
     async def GetOperation(
         self, request: pb.GetOperationRequest, context: grpc.aio.ServicerContext
     ) -> pb.GetOperationResponse:
-        op_id = await _valid(context, _checked_operation_id, request.operation_id)
-        op = await _valid(context, self._core.get_operation, op_id)
+        op_id = await refusals.checked(context, _checked_operation_id, request.operation_id)
+        op = await refusals.checked(context, self._core.get_operation, op_id)
         return operation_to_pb(op, now=self._core.now())
 
     async def WaitOperation(
         self, request: pb.WaitOperationRequest, context: grpc.aio.ServicerContext
     ) -> pb.GetOperationResponse:
-        op_id = await _valid(context, _checked_operation_id, request.operation_id)
-        timeout_s = await _valid(context, _checked_wait, "timeout_ms", request.timeout_ms)
-        op = await self._run(context, self._core.wait_operation(op_id, timeout_s=timeout_s))
+        op_id = await refusals.checked(context, _checked_operation_id, request.operation_id)
+        timeout_s = await refusals.checked(context, _checked_wait, "timeout_ms", request.timeout_ms)
+        op = await refusals.answered(context, self._core.wait_operation(op_id, timeout_s=timeout_s))
         return operation_to_pb(op, now=self._core.now())
 
     async def Status(
@@ -247,7 +219,7 @@ class SnapshotAgentServicer(pb_grpc.SnapshotAgentServiceServicer):
     async def Grant(
         self, request: pb.GrantRequest, context: grpc.aio.ServicerContext
     ) -> pb.GrantResponse:
-        return await self._run(context, self.grant_reply(request))
+        return await refusals.answered(context, self.grant_reply(request))
 
     async def GrantStream(
         self,
@@ -287,7 +259,7 @@ class SnapshotAgentServicer(pb_grpc.SnapshotAgentServiceServicer):
 
     async def grant_reply(self, request: pb.GrantRequest) -> pb.GrantResponse:
         """Validate and run one Grant (unary or streamed); raises ``refusals.Refused``."""
-        job_id = _checked_id("job_id", request.job_id)
+        job_id = refusals.checked_id("job_id", request.job_id)
         group = _checked_group(request.group)
         # Counts and enums before any list is looked at.
         config = _checked_config(request)
@@ -297,9 +269,12 @@ class SnapshotAgentServicer(pb_grpc.SnapshotAgentServiceServicer):
                 "grant_epoch and footprint_bytes must be >= 0 "
                 f"(got {request.grant_epoch} and {request.footprint_bytes})",
             )
-        evict = [_checked_id("evict", other) for other in request.evict]
+        evict = [refusals.checked_id("evict", other) for other in request.evict]
         give_way = [
-            (_checked_id("give_way.job_id", ref.job_id), _checked_id("give_way.group", ref.group))
+            (
+                refusals.checked_id("give_way.job_id", ref.job_id),
+                refusals.checked_id("give_way.group", ref.group),
+            )
             for ref in request.give_way
         ]
         # A Grant without wait_ms waits a default chunk (the orchestrator always sends one).
@@ -329,9 +304,9 @@ class SnapshotAgentServicer(pb_grpc.SnapshotAgentServiceServicer):
     async def ResetJob(
         self, request: pb.ResetJobRequest, context: grpc.aio.ServicerContext
     ) -> pb.ResetJobResponse:
-        job_id = await _valid(context, _checked_id, "job_id", request.job_id)
-        group = await _valid(context, _checked_group, request.group)
-        state = await self._run(context, self._core.reset(job_id=job_id, group=group))
+        job_id = await refusals.checked(context, refusals.checked_id, "job_id", request.job_id)
+        group = await refusals.checked(context, _checked_group, request.group)
+        state = await refusals.answered(context, self._core.reset(job_id=job_id, group=group))
         return pb.ResetJobResponse(state=job_model.to_pb(state))
 
     async def WorkloadChannel(

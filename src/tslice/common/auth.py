@@ -17,7 +17,7 @@ with its mutual-TLS certificate; a :class:`Verifier` maps what it presented to a
 Roles, per RPC (:data:`ORCHESTRATOR_RULES`, :data:`AGENT_RULES`): ``job`` may Acquire,
 Yield, Hold and open Sessions only as its own job ids (checked per request by
 :func:`require_job`); agents take Grant, GrantStream, Snapshot, Restore and ResetJob
-only from ``orchestrator``; ClearDegraded needs ``admin``; reads (ListGroups,
+only from ``orchestrator``; ClearDegraded, Evict and Drain need ``admin``; reads (ListGroups,
 GetGroupStatus, WatchEvents, Status, GetOperation, WaitOperation) need any verified
 caller; health checks and reflection are open. A caller that proves nothing gets
 UNAUTHENTICATED naming how to authenticate; a role it lacks, PERMISSION_DENIED.
@@ -380,7 +380,7 @@ _AGENT = "/snapshot_agent.v1alpha1.SnapshotAgentService/"
 ORCHESTRATOR_RULES: Mapping[str, Rule] = {
     **{_ORCH + m: Rule.JOB for m in ("Acquire", "Yield", "Hold", "Session")},
     **{_ORCH + m: Rule.VERIFIED for m in ("ListGroups", "GetGroupStatus", "WatchEvents")},
-    _ORCH + "ClearDegraded": Rule.ADMIN,
+    **{_ORCH + m: Rule.ADMIN for m in ("ClearDegraded", "Evict", "Drain")},
 }
 AGENT_RULES: Mapping[str, Rule] = {
     **{

@@ -3,17 +3,24 @@
 Every request a server rejects is answered with a gRPC status code and a message a
 user can act on, and nothing was changed. Decisions (pure code: the agent's job
 rules, the orchestrator's lock) raise :class:`Refused`; the servicer turns it into
-the RPC's status with :func:`abort`, or into the ``status_code``/``status_message``
-of a reply on a multiplexed stream with :func:`status_number`. Code that reacts to
-a refusal branches on ``code``, never on the message text.
+the RPC's status with :func:`abort` (or :func:`checked` / :func:`answered` around a
+check or a call), or into the ``status_code``/``status_message`` of a reply on a
+multiplexed stream with :func:`status_number`. Every message sent is cut to a
+bounded length. Code that reacts to a refusal branches on ``code``, never on the
+message text.
 """
 
 from __future__ import annotations
 
 import enum
-from typing import NoReturn
+from collections.abc import Awaitable, Callable
+from typing import Any, NoReturn, TypeVar
 
 import grpc
+
+from tslice.common import ids, validation
+
+_T = TypeVar("_T")
 
 
 class Code(enum.Enum):
@@ -48,7 +55,36 @@ def status_number(code: Code) -> int:
     return number
 
 
-async def abort(context: grpc.aio.ServicerContext, refused: Refused) -> NoReturn:  # type: ignore[type-arg]
-    """End the RPC with the refusal's status and message."""
-    await context.abort(refused.code.grpc, refused.message)
+def checked_id(kind: str, value: str) -> str:
+    """``value`` if it is a well-formed id (see ``tslice.common.ids``), else refused
+    with INVALID_ARGUMENT naming the field."""
+    try:
+        return ids.check_id(kind, value)
+    except ids.InvalidIdError as err:
+        raise Refused(Code.INVALID_ARGUMENT, str(err)) from None
+
+
+async def abort(context: grpc.aio.ServicerContext[Any, Any], refused: Refused) -> NoReturn:
+    """End the RPC with the refusal's status and its message, cut to a bounded length."""
+    await context.abort(refused.code.grpc, validation.bounded(refused.message))
     raise AssertionError("context.abort returned")  # pragma: no cover
+
+
+async def checked(
+    context: grpc.aio.ServicerContext[Any, Any],
+    check: Callable[..., _T],
+    *args: Any,
+) -> _T:
+    """``check(*args)``, its refusal sent as the RPC's status."""
+    try:
+        return check(*args)
+    except Refused as refused:
+        await abort(context, refused)
+
+
+async def answered(context: grpc.aio.ServicerContext[Any, Any], call: Awaitable[_T]) -> _T:
+    """The result of ``call``, its refusal sent as the RPC's status."""
+    try:
+        return await call
+    except Refused as refused:
+        await abort(context, refused)

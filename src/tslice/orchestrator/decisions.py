@@ -101,3 +101,22 @@ class YieldOutcome:
     pending_waiters: int
     snapshot_deferred: bool
     actions: list[Action]
+    #: When not ok: why the job lost the lock, if an administrator evicted it ("" = not).
+    evicted: str = ""
+
+
+class Role(enum.Enum):
+    """What an evicted job was to the group."""
+
+    HOLDER = "holder"
+    WAITER = "waiter"
+
+
+@dataclasses.dataclass(frozen=True)
+class EvictOutcome:
+    """An eviction: ``role`` None = the job neither held nor waited (nothing changed)."""
+
+    role: Role | None
+    #: After a holder's eviction: the job the group switches to or grants ("" = none).
+    next_job: str
+    actions: list[Action]

@@ -23,7 +23,8 @@ import asyncio
 import dataclasses
 import logging
 import time
-from typing import Any
+from collections.abc import Callable, Iterable
+from typing import Any, TypeVar
 
 from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2 as opb
 from tslice.common import refusals, tasks
@@ -50,6 +51,7 @@ from tslice.orchestrator import (
 
 log = logging.getLogger(__name__)
 
+_T = TypeVar("_T")
 Kind = opb.OrchestratorEvent
 Effect = inbox.Effect
 
@@ -77,6 +79,11 @@ class Services:
     metrics: metrics.OrchestratorMetrics
     #: Groups that share devices take turns through it (see overlap).
     arbiter: overlap.DeviceArbiter = dataclasses.field(default_factory=overlap.DeviceArbiter)
+
+
+def eviction_message(group_id: str, reason: str) -> str:
+    """What an evicted job is told (its Acquire's error, its later Yield's, its events)."""
+    return f"evicted from group {group_id!r} by an administrator: {reason or 'no reason given'}"
 
 
 def _grant_detail(g: decisions.Granted) -> str:
@@ -200,6 +207,8 @@ class GroupDriver:
             or bool(lk.waiting_jobs)
             or self._callers.busy
             or self._leases.open_streams > 0
+            # An administrator's mark outlives idleness (it is in the group's rows).
+            or lk.draining
         )
         return None if busy else (self._worker.activity, self._worker.active_at)
 
@@ -342,11 +351,8 @@ class GroupDriver:
 
     async def clear_degraded(self, node: str = "") -> list[str]:
         """An operator fixed the cause: the node(s) take switches again."""
-        if self._stopping:
-            raise _shutting_down()
-        done: asyncio.Future[list[str]] = asyncio.get_running_loop().create_future()
 
-        def clear(now: float) -> list[Effect]:
+        def clear(now: float) -> tuple[list[str], list[Effect]]:
             degraded = self.health.degraded
             cleared = sorted(n for n in degraded if not node or n == node)
             for n in cleared:
@@ -358,11 +364,81 @@ class GroupDriver:
                     ", ".join(cleared),
                     extra={"group_id": self.group_id},
                 )
-            effects = [] if degraded else self.bind(self.lock.on_unblocked(now=now))
-            return [*effects, lambda: inbox.resolve(done, cleared)]
+            return cleared, [] if degraded else self.bind(self.lock.on_unblocked(now=now))
 
-        self.post(clear)
-        return await done
+        return await self._decide(clear)
+
+    async def evict(self, job: str, reason: str = "") -> decisions.EvictOutcome:
+        """An administrator takes ``job`` out of the group now (``reason``: their words).
+
+        A holder loses the lock as a lapsed lease does: the next waiter is granted
+        through the normal switch, its Hold streams end with the reason, its later
+        Yield is refused naming it. A waiter's pending Acquires fail ABORTED with the
+        reason. ``role`` None: the job neither held nor waited (nothing changed).
+        """
+        why = eviction_message(self.group_id, reason)
+
+        def evict(now: float) -> tuple[decisions.EvictOutcome, list[Effect]]:
+            deferred = self.lock.attached_waiters == 0
+            out = self.lock.on_evict(job, why=why, now=now)
+            if out.role is None:
+                return out, []
+            log.warning(
+                "group %s: job %s (%s) %s",
+                self.group_id,
+                job,
+                out.role.value,
+                why,
+                extra={"group_id": self.group_id, "job_id": job},
+            )
+            effects = self.bind(out.actions)
+            if out.role is decisions.Role.HOLDER:
+                effects.append(self._leases.released(job, lost=why))
+                if deferred and self.lock.switching is None:
+                    effects.append(self._deferred_snapshots.inc)
+            return out, effects
+
+        return await self._decide(evict)
+
+    async def drain(self, drain: bool) -> opb.DrainResponse:
+        """Drain (no new turn is granted; the holder keeps its own) or resume the group.
+        The mark is persisted with the group's state."""
+
+        def mark(now: float) -> tuple[opb.DrainResponse, list[Effect]]:
+            lk = self.lock
+            was = lk.draining
+            effects = self.bind(lk.on_drain(drain, now=now))
+            if was != drain:
+                log.warning(
+                    "group %s %s by an administrator",
+                    self.group_id,
+                    "drained: no new turn is granted" if drain else "resumed",
+                    extra={"group_id": self.group_id},
+                )
+            reply = opb.DrainResponse(
+                draining=drain,
+                was_draining=was,
+                locking_job=lk.holder or "",
+                switching=lk.switching is not None,
+                waiter_queue_depth=len(lk.waiting_jobs),
+            )
+            return reply, effects
+
+        return await self._decide(mark)
+
+    async def _decide(self, decide: Callable[[float], tuple[_T, list[Effect]]]) -> _T:
+        """Run ``decide`` in the worker; its answer once its effects ran (after persisting)."""
+        if self._stopping:
+            raise self._gone()
+        done: asyncio.Future[_T] = asyncio.get_running_loop().create_future()
+
+        def command(now: float) -> list[Effect]:
+            answer, effects = decide(now)
+            return [*effects, lambda: inbox.resolve(done, answer)]
+
+        self.post(command)
+        # Applied even if the caller goes away: shield the answer.
+        return await asyncio.shield(done)
 
     # ---- commands and their effects ------------------------------------------------------
 
@@ -534,3 +610,16 @@ class GroupDriver:
             timestamp=self._reporter.timestamp,
             loaded_job=loaded_job,
         )
+
+
+async def evict_everywhere(
+    drivers: Iterable[GroupDriver], job: str, reason: str = ""
+) -> list[tuple[str, decisions.EvictOutcome]]:
+    """Take ``job`` out of every group where it holds or waits (an administrator's
+    Evict without a group, or a job whose processes are all gone): ``(group_id,
+    outcome)`` per group it was in. Groups that are stopping are skipped."""
+    live = [d for d in drivers if not d.stopping]
+    outcomes = await asyncio.gather(*(d.evict(job, reason) for d in live))
+    return [
+        (d.group_id, out) for d, out in zip(live, outcomes, strict=True) if out.role is not None
+    ]

@@ -47,7 +47,7 @@ class Leases:
         (FAILED_PRECONDITION) unless ``job`` holds the group under that grant."""
         gid = self._group_id
         if lk.holder != job or lk.switching is not None:
-            why = (
+            why = lk.eviction(job) or (
                 "its Acquire has not returned yet"
                 if lk.holder == job
                 else f"the holder is {lk.holder!r}"
@@ -81,14 +81,15 @@ class Leases:
         """Whether a Hold stream of ``job`` under grant ``epoch`` is open."""
         return any(h.job == job and h.epoch == epoch for h in self._holds)
 
-    def released(self, job: str) -> inbox.Effect:
-        """``job`` yielded: the effect that ends its streams (``released``)."""
+    def released(self, job: str, *, lost: str = "") -> inbox.Effect:
+        """``job`` let go: the effect that ends its streams (``lost`` "": it yielded,
+        else why it lost the lock, e.g. evicted by an administrator)."""
         ending = [h for h in self._holds if h.job == job]
         self._holds.difference_update(ending)
 
         def end() -> None:
             for h in ending:
-                inbox.resolve(h.ended, "")
+                inbox.resolve(h.ended, lost)
 
         return end
 

@@ -31,6 +31,8 @@ from tslice.orchestrator import records
 
 #: Why a job restored from disk was dropped after ``reattach_grace_s``.
 _NOT_BACK = "did not re-attach after recovery"
+#: Evicted jobs remembered (until they acquire again), so that a late Yield is told why.
+_EVICTIONS_KEPT = 64
 
 
 class Phase(enum.Enum):
@@ -112,6 +114,10 @@ class GroupLock:
         self._claim = _Claim()
         #: Why no switch may start (a degraded node); "" = none.
         self.blocked = ""
+        #: An administrator drained the group: no new turn is granted (persisted).
+        self.draining = False
+        #: Jobs an administrator evicted -> the message they get (see on_evict).
+        self._evicted: dict[str, str] = {}
 
     # ---- construction from disk -----------------------------------------------------------
 
@@ -127,6 +133,7 @@ class GroupLock:
         lock._switch_count = record.switch_count
         lock._next_seq = record.next_seq
         lock._footprints = dict(record.footprints)
+        lock.draining = record.draining
         # The lease on disk is the holder's, or while switching the target's.
         leased = record.intent.to_job if record.intent is not None else record.holder
         if leased is not None and record.holder_lease_ms > 0:
@@ -167,6 +174,7 @@ class GroupLock:
             intent=intent,
             footprints=tuple(sorted(self._footprints.items())),
             holder_lease_ms=self._leases.get(leased, 0) if leased is not None else 0,
+            draining=self.draining,
         )
 
     # ---- read-only views ------------------------------------------------------------------
@@ -226,6 +234,10 @@ class GroupLock:
             return 0
         return self._leases.get(self._holder, 0)
 
+    def eviction(self, job: str) -> str:
+        """Why ``job`` was evicted, while it has not acquired again ("" = it was not)."""
+        return self._evicted.get(job, "")
+
     def footprint(self, job: str) -> int:
         return self._footprints.get(job, 0)
 
@@ -265,6 +277,7 @@ class GroupLock:
         self, job: str, *, footprint_bytes: int = 0, lease_ms: int = 0, now: float
     ) -> list[act.Action]:
         """One Acquire RPC of ``job`` arrived (it stays attached until granted or departed)."""
+        self._evicted.pop(job, None)
         if footprint_bytes > 0:
             self._footprints[job] = footprint_bytes
         if lease_ms > 0:
@@ -294,6 +307,7 @@ class GroupLock:
             return [*actions, *self._promote(now)]
         if (
             not self._recovering
+            and not self.draining
             and self._claim.allows(job)
             and self._holder is None
             and s is None
@@ -358,8 +372,11 @@ class GroupLock:
             pending = self.attached_waiters
             actions = self._release(job, now, act.EventKind.YIELDED, "")
             return act.YieldOutcome(True, None, pending, pending == 0, actions)
-        if self._holder is not None:
-            return act.YieldOutcome(False, self._holder, self.attached_waiters, False, [])
+        evicted = self.eviction(job)
+        if self._holder is not None or evicted:
+            return act.YieldOutcome(
+                False, self._holder, self.attached_waiters, False, [], evicted=evicted
+            )
         # Nobody holds the group: idempotent no-op.
         deferred = s is None and self._resident == job
         return act.YieldOutcome(True, None, self.attached_waiters, deferred, [])
@@ -369,6 +386,40 @@ class GroupLock:
         if self._holder != job or self._epoch != epoch or self._switch is not None:
             return []
         return self._release(job, now, act.EventKind.YIELDED, "lease expired")
+
+    def on_evict(self, job: str, *, why: str, now: float) -> act.EvictOutcome:
+        """An administrator takes ``job`` out of the group; ``why`` is what it is told.
+
+        A holder loses the lock as a lapsed lease does (the next waiter is promoted; a
+        switch moves the evicted state off the devices); the target of the switch in
+        progress is treated as if it yielded during it. A waiter leaves the queue and
+        its pending Acquires fail ABORTED. Neither: nothing changes (``role`` None).
+        """
+        s = self._switch
+        if self._holder == job:
+            self._remember_eviction(job, why)
+            if s is not None and s.to_job == job:
+                # The switch finishes (its agents are at work), then the group moves on.
+                s.departed, s.attached, self._holder = True, 0, None
+                actions: list[act.Action] = [act.Abort(job, why)]
+                actions.append(act.Emit(act.EventKind.YIELDED, job, why))
+                return act.EvictOutcome(act.Role.HOLDER, "", actions)
+            actions = self._release(job, now, act.EventKind.YIELDED, why)
+            return act.EvictOutcome(act.Role.HOLDER, self._holder or "", actions)
+        entry = self._queue.pop(job, None)
+        if entry is None:
+            return act.EvictOutcome(None, "", [])
+        self._remember_eviction(job, why)
+        gone: list[act.Action] = [act.Abort(job, why)] if entry.attached > 0 else []
+        return act.EvictOutcome(
+            act.Role.WAITER, "", [*gone, act.Emit(act.EventKind.CANCELLED, job, why)]
+        )
+
+    def on_drain(self, drain: bool, *, now: float) -> list[act.Action]:
+        """An administrator drains the group (no new turn is granted: the holder keeps
+        its own, waiters stay queued) or resumes it (the head of the queue is promoted)."""
+        self.draining = drain
+        return [] if drain else self._promote(now)
 
     def on_switch_done(self, *, epoch: int, restored: bool, now: float) -> list[act.Action]:
         s = self._end_switch(epoch)
@@ -574,6 +625,12 @@ class GroupLock:
         self._verified = False
         return [act.ReleaseClaim()]
 
+    def _remember_eviction(self, job: str, why: str) -> None:
+        self._evicted.pop(job, None)
+        self._evicted[job] = why
+        while len(self._evicted) > _EVICTIONS_KEPT:
+            del self._evicted[next(iter(self._evicted))]
+
     def _grant_to(self, job: str, *, attached: int, new_epoch: bool) -> None:
         # A switch's grant was numbered when the switch started (the epoch travels to
         # the agents in Grant); grants without a switch are numbered here.
@@ -597,7 +654,7 @@ class GroupLock:
             return []
         released = self._let_go()
         attached = [e for e in self._queue.values() if e.attached > 0]
-        if not attached or self.blocked:
+        if not attached or self.blocked or self.draining:
             return released
         entry = attached[0]
         chosen, self._claim.chosen = self._claim.chosen, None

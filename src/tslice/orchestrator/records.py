@@ -36,6 +36,8 @@ class LockRecord:
     footprints: tuple[tuple[str, int], ...]
     #: The holder's lease (0 = none): after a restart it has this long to re-open Hold.
     holder_lease_ms: int = 0
+    #: An administrator drained the group (Drain): it grants no new turn until resumed.
+    draining: bool = False
 
     @classmethod
     def empty(cls) -> LockRecord:

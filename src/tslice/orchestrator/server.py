@@ -2,10 +2,11 @@
 
 Validation and status-code mapping live here; decisions live in the group
 drivers. Status codes: INVALID_ARGUMENT (bad ids or footprint), NOT_FOUND
-(unknown group), PERMISSION_DENIED (yield of a lock another job holds),
-UNAVAILABLE (shutting down; retry), ABORTED (the job yielded while its own
-Acquire was pending), FAILED_PRECONDITION (Hold by a job that does not hold the
-group); CANCELLED / DEADLINE_EXCEEDED come from the caller.
+(unknown group; Evict of a job that neither holds nor waits), PERMISSION_DENIED
+(yield of a lock another job holds), UNAVAILABLE (shutting down; retry), ABORTED
+(the job yielded while its own Acquire was pending, or an administrator evicted
+it), FAILED_PRECONDITION (Hold by a job that does not hold the group; Yield by a
+job an administrator evicted); CANCELLED / DEADLINE_EXCEEDED come from the caller.
 """
 
 from __future__ import annotations
@@ -13,25 +14,22 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, NoReturn, TypeVar
+from collections.abc import AsyncIterator
+from typing import Any, TypeVar
 
 import grpc
 
 from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2 as opb
 from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2_grpc as opb_grpc
-from tslice.common import auth, ids, refusals, unique_requests, validation
-from tslice.orchestrator import events, group, manager
+from tslice.common import auth, refusals, unique_requests, validation
+from tslice.orchestrator import decisions, events, group, manager
 
 _T = TypeVar("_T")
 log = logging.getLogger(__name__)
 
 
-def _checked_id(kind: str, value: str) -> str:
-    try:
-        return ids.check_id(kind, value)
-    except ids.InvalidIdError as err:
-        raise refusals.Refused(refusals.Code.INVALID_ARGUMENT, str(err)) from None
+#: Characters of an administrator's eviction reason (it travels into errors and logs).
+MAX_REASON = 256
 
 
 def _checked_fields(message: Any) -> None:
@@ -58,26 +56,22 @@ def _sooner(time_left: float | None, timeout_ms: int) -> float | None:
     return own if time_left is None else min(time_left, own)
 
 
-async def _abort(context: grpc.aio.ServicerContext, refused: refusals.Refused) -> NoReturn:
-    """End the RPC with the refusal, its message cut to a bounded length."""
-    await refusals.abort(
-        context, refusals.Refused(refused.code, validation.bounded(refused.message))
+def _checked_reason(reason: str) -> str:
+    """An eviction reason: short, one printable line (it goes into logs and errors)."""
+    if len(reason) > MAX_REASON or not reason.isprintable():
+        raise refusals.Refused(
+            refusals.Code.INVALID_ARGUMENT,
+            f"reason must be one printable line of at most {MAX_REASON} characters "
+            f"(got {len(reason)} characters: {validation.shown(reason)})",
+        )
+    return reason
+
+
+def _eviction(gid: str, out: decisions.EvictOutcome) -> opb.Eviction:
+    role = (
+        opb.Eviction.ROLE_HOLDER if out.role is decisions.Role.HOLDER else opb.Eviction.ROLE_WAITER
     )
-
-
-async def _valid(context: grpc.aio.ServicerContext, check: Callable[..., _T], *args: Any) -> _T:
-    """``check(*args)``, its refusal sent as the RPC's status."""
-    try:
-        return check(*args)
-    except refusals.Refused as refused:
-        await _abort(context, refused)
-
-
-async def _answered(context: grpc.aio.ServicerContext, call: Awaitable[_T]) -> _T:
-    try:
-        return await call
-    except refusals.Refused as refused:
-        await _abort(context, refused)
+    return opb.Eviction(group_id=gid, role=role, next_job=out.next_job)
 
 
 def _refused(request_id: int, refused: refusals.Refused) -> opb.SessionResponse:
@@ -117,12 +111,12 @@ class OrchestratorServicer(opb_grpc.TimeSliceOrchestratorServiceServicer):
         self, request: opb.AcquireRequest, context: grpc.aio.ServicerContext
     ) -> opb.AcquireResponse:
         time_left = context.time_remaining()
-        return await _answered(context, self.acquire(request, time_left=time_left))
+        return await refusals.answered(context, self.acquire(request, time_left=time_left))
 
     async def Yield(
         self, request: opb.YieldRequest, context: grpc.aio.ServicerContext
     ) -> opb.YieldResponse:
-        return await _answered(context, self.yield_(request))
+        return await refusals.answered(context, self.yield_(request))
 
     async def Session(
         self,
@@ -170,8 +164,8 @@ class OrchestratorServicer(opb_grpc.TimeSliceOrchestratorServiceServicer):
         ``time_left``: seconds to the call's deadline (None: none; Session requests),
         bounded by the request's own ``timeout_ms`` (how a Session request carries one)."""
         started = time.monotonic()
-        job = _checked_id("job_id", request.job_id)
-        gid = _checked_id("group_id", request.group_id)
+        job = refusals.checked_id("job_id", request.job_id)
+        gid = refusals.checked_id("group_id", request.group_id)
         auth.require_job(job)  # a job credential acts only as its own job ids
         _at_least_0("footprint_bytes", request.footprint_bytes, "default")
         _at_least_0("lease_ms", request.lease_ms, "no lease")
@@ -192,14 +186,22 @@ class OrchestratorServicer(opb_grpc.TimeSliceOrchestratorServiceServicer):
 
     async def yield_(self, request: opb.YieldRequest) -> opb.YieldResponse:
         """One Yield (unary or over a Session); raises ``refusals.Refused``."""
-        job = _checked_id("job_id", request.job_id)
-        gid = _checked_id("group_id", request.group_id)
+        job = refusals.checked_id("job_id", request.job_id)
+        gid = refusals.checked_id("group_id", request.group_id)
         auth.require_job(job)
         out = await self._driver(gid).yield_(job)
+        if not out.ok and out.holder is None:
+            # Nobody holds it, and an administrator took it from this job.
+            raise refusals.Refused(
+                refusals.Code.FAILED_PRECONDITION,
+                f"job {job!r} no longer holds group {gid!r}: it was {out.evicted}; "
+                "Acquire it again",
+            )
         if not out.ok:
+            evicted = f" (job {job!r} was {out.evicted})" if out.evicted else ""
             raise refusals.Refused(
                 refusals.Code.PERMISSION_DENIED,
-                f"group {gid!r} is held by job {out.holder!r}, not {job!r}; "
+                f"group {gid!r} is held by job {out.holder!r}, not {job!r}{evicted}; "
                 "only the holder can yield it",
             )
         return opb.YieldResponse(
@@ -216,34 +218,64 @@ class OrchestratorServicer(opb_grpc.TimeSliceOrchestratorServiceServicer):
     async def GetGroupStatus(
         self, request: opb.GetGroupStatusRequest, context: grpc.aio.ServicerContext
     ) -> opb.GetGroupStatusResponse:
-        gid = await _valid(context, _checked_id, "group_id", request.group_id)
-        driver = await _valid(context, self._driver, gid)
+        gid = await refusals.checked(context, refusals.checked_id, "group_id", request.group_id)
+        driver = await refusals.checked(context, self._driver, gid)
         return await driver.describe()
 
     async def ClearDegraded(
         self, request: opb.ClearDegradedRequest, context: grpc.aio.ServicerContext
     ) -> opb.ClearDegradedResponse:
-        gid = await _valid(context, _checked_id, "group_id", request.group_id)
-        driver = await _valid(context, self._driver, gid)
+        gid = await refusals.checked(context, refusals.checked_id, "group_id", request.group_id)
+        driver = await refusals.checked(context, self._driver, gid)
         node = request.node
         if node:
-            await _valid(context, _checked_id, "node", node)
+            await refusals.checked(context, refusals.checked_id, "node", node)
         if node and node not in {n.name for n in driver.nodes}:
             known = ", ".join(n.name for n in driver.nodes)
             missing = f"node {node!r} is not in group {gid!r} (its nodes: {known})"
             # NOT_FOUND is kept for unknown groups: a bad node of a known one is an argument.
-            await _abort(context, refusals.Refused(refusals.Code.INVALID_ARGUMENT, missing))
+            await refusals.abort(context, refusals.Refused(refusals.Code.INVALID_ARGUMENT, missing))
         return opb.ClearDegradedResponse(cleared=await driver.clear_degraded(node))
+
+    async def Evict(
+        self, request: opb.EvictRequest, context: grpc.aio.ServicerContext
+    ) -> opb.EvictResponse:
+        job = await refusals.checked(context, refusals.checked_id, "job_id", request.job_id)
+        reason = await refusals.checked(context, _checked_reason, request.reason)
+        if not request.group_id:
+            drivers = [d for gid in self._groups.ids() if (d := self._groups.get(gid))]
+            evicted = await group.evict_everywhere(drivers, job, reason)
+            if not evicted:
+                nowhere = f"job {job!r} neither holds nor waits for any group; nothing to evict"
+                await refusals.abort(context, refusals.Refused(refusals.Code.NOT_FOUND, nowhere))
+            return opb.EvictResponse(evictions=[_eviction(gid, out) for gid, out in evicted])
+        gid = await refusals.checked(context, refusals.checked_id, "group_id", request.group_id)
+        driver = await refusals.checked(context, self._driver, gid)
+        out = await refusals.answered(context, driver.evict(job, reason))
+        if out.role is None:
+            absent = (
+                f"job {job!r} neither holds nor waits for group {gid!r}; nothing to evict "
+                f"(see `tslice status {gid}`)"
+            )
+            await refusals.abort(context, refusals.Refused(refusals.Code.NOT_FOUND, absent))
+        return opb.EvictResponse(evictions=[_eviction(gid, out)])
+
+    async def Drain(
+        self, request: opb.DrainRequest, context: grpc.aio.ServicerContext
+    ) -> opb.DrainResponse:
+        gid = await refusals.checked(context, refusals.checked_id, "group_id", request.group_id)
+        driver = await refusals.checked(context, self._driver, gid)
+        return await refusals.answered(context, driver.drain(request.drain))
 
     async def WatchEvents(
         self, request: opb.WatchEventsRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[opb.OrchestratorEvent]:
         gid = request.group_id
         if gid:
-            await _valid(context, _checked_id, "group_id", gid)
+            await refusals.checked(context, refusals.checked_id, "group_id", gid)
             if not self._groups.local:
-                await _valid(context, self._driver, gid)
-        await _valid(context, _checked_fields, request)
+                await refusals.checked(context, self._driver, gid)
+        await refusals.checked(context, _checked_fields, request)
         sub = self._bus.subscribe(group_id=gid, kinds=frozenset(request.kinds))
         try:
             # Headers go out once subscribed: a client awaiting initial_metadata() then
@@ -257,12 +289,16 @@ class OrchestratorServicer(opb_grpc.TimeSliceOrchestratorServiceServicer):
     async def Hold(
         self, request: opb.HoldRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[opb.HoldEvent]:
-        job = await _valid(context, _checked_id, "job_id", request.job_id)
-        gid = await _valid(context, _checked_id, "group_id", request.group_id)
-        await _valid(context, auth.require_job, job)  # nobody keeps another job's lock alive
-        await _valid(context, _at_least_0, "grant_epoch", request.grant_epoch, "the current grant")
-        driver = await _valid(context, self._driver, gid)
-        session = await _answered(context, driver.open_hold(job, epoch=request.grant_epoch))
+        job = await refusals.checked(context, refusals.checked_id, "job_id", request.job_id)
+        gid = await refusals.checked(context, refusals.checked_id, "group_id", request.group_id)
+        await refusals.checked(
+            context, auth.require_job, job
+        )  # nobody keeps another job's lock alive
+        await refusals.checked(
+            context, _at_least_0, "grant_epoch", request.grant_epoch, "the current grant"
+        )
+        driver = await refusals.checked(context, self._driver, gid)
+        session = await refusals.answered(context, driver.open_hold(job, epoch=request.grant_epoch))
         try:
             # Keepalives well within the lease show the holder that the lock is still its own.
             interval = max(session.lease_ms / 3000, 0.05) if session.lease_ms > 0 else 10.0
@@ -275,7 +311,7 @@ class OrchestratorServicer(opb_grpc.TimeSliceOrchestratorServiceServicer):
                 try:
                     lost = session.ended.result()
                 except refusals.Refused as refused:
-                    await _abort(context, refused)
+                    await refusals.abort(context, refused)
                 if lost:
                     yield opb.HoldEvent(lost=lost)
                 else:

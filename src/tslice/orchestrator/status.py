@@ -27,6 +27,12 @@ _STATE_PB = {
     "SWITCHING": opb.GroupStatus.STATE_SWITCHING,
 }
 
+#: A drained group's detail (GroupStatus.draining says it too).
+DRAINING = (
+    "draining: an administrator stopped new turns (the holder keeps its own, waiters "
+    "stay queued); resume with `tslice admin resume`"
+)
+
 _JOB_STATE_PB = {
     pb.JOB_STATE_UNSPECIFIED: opb.SnapshotAgentJobState.STATE_UNSPECIFIED,
     pb.JOB_STATE_IDLE: opb.SnapshotAgentJobState.STATE_IDLE,
@@ -69,6 +75,8 @@ def reported_state(
     phase = lk.phase()
     if lk.blocked:
         return phase.value, lk.blocked
+    if lk.draining and not (phase is lock.Phase.SWITCHING and health.switch_detail):
+        return phase.value, DRAINING
     if phase is lock.Phase.SWITCHING:
         return phase.value, health.switch_detail
     if not lk.claimed and lk.attached_waiters:
@@ -123,6 +131,7 @@ def group_status(
         switch_count=lk.switch_count,
         detail=state[1],
         degraded=[opb.DegradedNode(node=n, reason=r) for n, r in sorted(health.degraded.items())],
+        draining=lk.draining,
     )
 
 

@@ -52,7 +52,8 @@ CREATE TABLE IF NOT EXISTS groups (
     switch_count INTEGER NOT NULL,
     next_seq     INTEGER NOT NULL,
     updated      REAL NOT NULL,
-    holder_lease_ms INTEGER NOT NULL DEFAULT 0
+    holder_lease_ms INTEGER NOT NULL DEFAULT 0,
+    draining     INTEGER NOT NULL DEFAULT 0
 );
 CREATE TABLE IF NOT EXISTS queue (
     group_id  TEXT NOT NULL,
@@ -213,9 +214,10 @@ class Store:
         _check_integrity(conn)
         conn.executescript(_SCHEMA)
         columns = {row[1] for row in conn.execute("PRAGMA table_info(groups)")}
-        if "holder_lease_ms" not in columns:
-            # Databases written before holder leases: no holder had one.
-            conn.execute("ALTER TABLE groups ADD COLUMN holder_lease_ms INTEGER NOT NULL DEFAULT 0")
+        # Databases written before holder leases (no holder had one) and before drains.
+        for column in ("holder_lease_ms", "draining"):
+            if column not in columns:
+                conn.execute(f"ALTER TABLE groups ADD COLUMN {column} INTEGER NOT NULL DEFAULT 0")
         row = conn.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
         if row is None:
             conn.execute(
@@ -253,9 +255,10 @@ class Store:
         out: dict[str, tuple[list[tuple[str, str]], records.LockRecord]] = {}
         groups = conn.execute(
             "SELECT group_id, nodes, holder, resident, grant_epoch, switch_count, next_seq, "
-            "holder_lease_ms FROM groups ORDER BY group_id"
+            "holder_lease_ms, draining FROM groups ORDER BY group_id"
         ).fetchall()
-        for gid, nodes_json, holder, resident, epoch, switches, next_seq, lease_ms in groups:
+        for row in groups:
+            gid, nodes_json, holder, resident, epoch, switches, next_seq, lease_ms, draining = row
             queue = tuple(
                 records.QueueRecord(job, seq, fp)
                 for job, seq, fp in conn.execute(
@@ -273,7 +276,16 @@ class Store:
             ).fetchone()
             intent = records.IntentRecord(it[0], it[1], it[2], it[3]) if it else None
             record = records.LockRecord(
-                holder, resident, epoch, switches, next_seq, queue, intent, footprints, lease_ms
+                holder,
+                resident,
+                epoch,
+                switches,
+                next_seq,
+                queue,
+                intent,
+                footprints,
+                lease_ms,
+                bool(draining),
             )
             nodes = [(str(n), str(a)) for n, a in json.loads(nodes_json)]
             out[gid] = (nodes, record)
@@ -313,12 +325,12 @@ class Store:
     ) -> None:
         conn.execute(
             "INSERT INTO groups(group_id, nodes, holder, resident, grant_epoch, switch_count,"
-            " next_seq, updated, holder_lease_ms) VALUES (?,?,?,?,?,?,?,?,?)"
+            " next_seq, updated, holder_lease_ms, draining) VALUES (?,?,?,?,?,?,?,?,?,?)"
             " ON CONFLICT(group_id) DO UPDATE SET"
             " nodes=excluded.nodes, holder=excluded.holder, resident=excluded.resident,"
             " grant_epoch=excluded.grant_epoch, switch_count=excluded.switch_count,"
             " next_seq=excluded.next_seq, updated=excluded.updated,"
-            " holder_lease_ms=excluded.holder_lease_ms",
+            " holder_lease_ms=excluded.holder_lease_ms, draining=excluded.draining",
             (
                 gid,
                 self._nodes_json(gid, nodes),
@@ -329,6 +341,7 @@ class Store:
                 rec.next_seq,
                 time.time(),
                 rec.holder_lease_ms,
+                int(rec.draining),
             ),
         )
         if prev is None:

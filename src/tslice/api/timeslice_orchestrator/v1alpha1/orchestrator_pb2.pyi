@@ -8,6 +8,62 @@ from typing import ClassVar as _ClassVar, Iterable as _Iterable, Mapping as _Map
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class EvictRequest(_message.Message):
+    __slots__ = ("group_id", "job_id", "reason")
+    GROUP_ID_FIELD_NUMBER: _ClassVar[int]
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    group_id: str
+    job_id: str
+    reason: str
+    def __init__(self, group_id: _Optional[str] = ..., job_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class EvictResponse(_message.Message):
+    __slots__ = ("evictions",)
+    EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    evictions: _containers.RepeatedCompositeFieldContainer[Eviction]
+    def __init__(self, evictions: _Optional[_Iterable[_Union[Eviction, _Mapping]]] = ...) -> None: ...
+
+class Eviction(_message.Message):
+    __slots__ = ("group_id", "role", "next_job")
+    class Role(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        ROLE_UNSPECIFIED: _ClassVar[Eviction.Role]
+        ROLE_HOLDER: _ClassVar[Eviction.Role]
+        ROLE_WAITER: _ClassVar[Eviction.Role]
+    ROLE_UNSPECIFIED: Eviction.Role
+    ROLE_HOLDER: Eviction.Role
+    ROLE_WAITER: Eviction.Role
+    GROUP_ID_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    NEXT_JOB_FIELD_NUMBER: _ClassVar[int]
+    group_id: str
+    role: Eviction.Role
+    next_job: str
+    def __init__(self, group_id: _Optional[str] = ..., role: _Optional[_Union[Eviction.Role, str]] = ..., next_job: _Optional[str] = ...) -> None: ...
+
+class DrainRequest(_message.Message):
+    __slots__ = ("group_id", "drain")
+    GROUP_ID_FIELD_NUMBER: _ClassVar[int]
+    DRAIN_FIELD_NUMBER: _ClassVar[int]
+    group_id: str
+    drain: bool
+    def __init__(self, group_id: _Optional[str] = ..., drain: bool = ...) -> None: ...
+
+class DrainResponse(_message.Message):
+    __slots__ = ("draining", "was_draining", "locking_job", "switching", "waiter_queue_depth")
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
+    WAS_DRAINING_FIELD_NUMBER: _ClassVar[int]
+    LOCKING_JOB_FIELD_NUMBER: _ClassVar[int]
+    SWITCHING_FIELD_NUMBER: _ClassVar[int]
+    WAITER_QUEUE_DEPTH_FIELD_NUMBER: _ClassVar[int]
+    draining: bool
+    was_draining: bool
+    locking_job: str
+    switching: bool
+    waiter_queue_depth: int
+    def __init__(self, draining: bool = ..., was_draining: bool = ..., locking_job: _Optional[str] = ..., switching: bool = ..., waiter_queue_depth: _Optional[int] = ...) -> None: ...
+
 class ClearDegradedRequest(_message.Message):
     __slots__ = ("group_id", "node")
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
@@ -125,7 +181,7 @@ class GetGroupStatusResponse(_message.Message):
     def __init__(self, group: _Optional[_Union[GroupStatus, _Mapping]] = ..., agent_job_states: _Optional[_Iterable[_Union[SnapshotAgentJobState, _Mapping]]] = ...) -> None: ...
 
 class GroupStatus(_message.Message):
-    __slots__ = ("group_id", "group_state", "state_timestamp", "locking_job", "active_job", "waiter_queue_depth", "loaded_job", "waiting_jobs", "nodes", "grant_epoch", "switch_count", "detail", "degraded")
+    __slots__ = ("group_id", "group_state", "state_timestamp", "locking_job", "active_job", "waiter_queue_depth", "loaded_job", "waiting_jobs", "nodes", "grant_epoch", "switch_count", "detail", "degraded", "draining")
     class State(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         STATE_UNSPECIFIED: _ClassVar[GroupStatus.State]
@@ -153,6 +209,7 @@ class GroupStatus(_message.Message):
     SWITCH_COUNT_FIELD_NUMBER: _ClassVar[int]
     DETAIL_FIELD_NUMBER: _ClassVar[int]
     DEGRADED_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
     group_id: str
     group_state: GroupStatus.State
     state_timestamp: _timestamp_pb2.Timestamp
@@ -166,7 +223,8 @@ class GroupStatus(_message.Message):
     switch_count: int
     detail: str
     degraded: _containers.RepeatedCompositeFieldContainer[DegradedNode]
-    def __init__(self, group_id: _Optional[str] = ..., group_state: _Optional[_Union[GroupStatus.State, str]] = ..., state_timestamp: _Optional[_Union[_timestamp_pb2.Timestamp, _Mapping]] = ..., locking_job: _Optional[str] = ..., active_job: _Optional[str] = ..., waiter_queue_depth: _Optional[int] = ..., loaded_job: _Optional[str] = ..., waiting_jobs: _Optional[_Iterable[str]] = ..., nodes: _Optional[_Iterable[str]] = ..., grant_epoch: _Optional[int] = ..., switch_count: _Optional[int] = ..., detail: _Optional[str] = ..., degraded: _Optional[_Iterable[_Union[DegradedNode, _Mapping]]] = ...) -> None: ...
+    draining: bool
+    def __init__(self, group_id: _Optional[str] = ..., group_state: _Optional[_Union[GroupStatus.State, str]] = ..., state_timestamp: _Optional[_Union[_timestamp_pb2.Timestamp, _Mapping]] = ..., locking_job: _Optional[str] = ..., active_job: _Optional[str] = ..., waiter_queue_depth: _Optional[int] = ..., loaded_job: _Optional[str] = ..., waiting_jobs: _Optional[_Iterable[str]] = ..., nodes: _Optional[_Iterable[str]] = ..., grant_epoch: _Optional[int] = ..., switch_count: _Optional[int] = ..., detail: _Optional[str] = ..., degraded: _Optional[_Iterable[_Union[DegradedNode, _Mapping]]] = ..., draining: bool = ...) -> None: ...
 
 class SnapshotAgentJobState(_message.Message):
     __slots__ = ("agent", "job_state", "job_id")

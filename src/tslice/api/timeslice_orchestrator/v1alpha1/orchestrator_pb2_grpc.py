@@ -55,6 +55,16 @@ class TimeSliceOrchestratorServiceStub(object):
                 request_serializer=timeslice__orchestrator_dot_v1alpha1_dot_orchestrator__pb2.ClearDegradedRequest.SerializeToString,
                 response_deserializer=timeslice__orchestrator_dot_v1alpha1_dot_orchestrator__pb2.ClearDegradedResponse.FromString,
                 )
+        self.Evict = channel.unary_unary(
+                '/timeslice_orchestrator.v1alpha1.TimeSliceOrchestratorService/Evict',
+                request_serializer=timeslice__orchestrator_dot_v1alpha1_dot_orchestrator__pb2.EvictRequest.SerializeToString,
+                response_deserializer=timeslice__orchestrator_dot_v1alpha1_dot_orchestrator__pb2.EvictResponse.FromString,
+                )
+        self.Drain = channel.unary_unary(
+                '/timeslice_orchestrator.v1alpha1.TimeSliceOrchestratorService/Drain',
+                request_serializer=timeslice__orchestrator_dot_v1alpha1_dot_orchestrator__pb2.DrainRequest.SerializeToString,
+                response_deserializer=timeslice__orchestrator_dot_v1alpha1_dot_orchestrator__pb2.DrainResponse.FromString,
+                )
 
 
 class TimeSliceOrchestratorServiceServicer(object):
@@ -123,6 +133,25 @@ class TimeSliceOrchestratorServiceServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Evict(self, request, context):
+        """tslice (admin role): take a job out of a group now. A holder loses the lock as
+        if its lease had lapsed (the next waiter is granted through the normal switch);
+        a waiter's pending Acquire ends ABORTED with the reason. NOT_FOUND when the job
+        neither holds nor waits for the group.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Drain(self, request, context):
+        """tslice (admin role): a draining group grants no new turn (the holder keeps its
+        turn until it yields or is evicted; waiters stay queued); drain = false resumes.
+        The mark is persisted: it survives an orchestrator restart.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TimeSliceOrchestratorServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -165,6 +194,16 @@ def add_TimeSliceOrchestratorServiceServicer_to_server(servicer, server):
                     servicer.ClearDegraded,
                     request_deserializer=timeslice__orchestrator_dot_v1alpha1_dot_orchestrator__pb2.ClearDegradedRequest.FromString,
                     response_serializer=timeslice__orchestrator_dot_v1alpha1_dot_orchestrator__pb2.ClearDegradedResponse.SerializeToString,
+            ),
+            'Evict': grpc.unary_unary_rpc_method_handler(
+                    servicer.Evict,
+                    request_deserializer=timeslice__orchestrator_dot_v1alpha1_dot_orchestrator__pb2.EvictRequest.FromString,
+                    response_serializer=timeslice__orchestrator_dot_v1alpha1_dot_orchestrator__pb2.EvictResponse.SerializeToString,
+            ),
+            'Drain': grpc.unary_unary_rpc_method_handler(
+                    servicer.Drain,
+                    request_deserializer=timeslice__orchestrator_dot_v1alpha1_dot_orchestrator__pb2.DrainRequest.FromString,
+                    response_serializer=timeslice__orchestrator_dot_v1alpha1_dot_orchestrator__pb2.DrainResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -309,5 +348,39 @@ class TimeSliceOrchestratorService(object):
         return grpc.experimental.unary_unary(request, target, '/timeslice_orchestrator.v1alpha1.TimeSliceOrchestratorService/ClearDegraded',
             timeslice__orchestrator_dot_v1alpha1_dot_orchestrator__pb2.ClearDegradedRequest.SerializeToString,
             timeslice__orchestrator_dot_v1alpha1_dot_orchestrator__pb2.ClearDegradedResponse.FromString,
+            options, channel_credentials,
+            insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
+
+    @staticmethod
+    def Evict(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(request, target, '/timeslice_orchestrator.v1alpha1.TimeSliceOrchestratorService/Evict',
+            timeslice__orchestrator_dot_v1alpha1_dot_orchestrator__pb2.EvictRequest.SerializeToString,
+            timeslice__orchestrator_dot_v1alpha1_dot_orchestrator__pb2.EvictResponse.FromString,
+            options, channel_credentials,
+            insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
+
+    @staticmethod
+    def Drain(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(request, target, '/timeslice_orchestrator.v1alpha1.TimeSliceOrchestratorService/Drain',
+            timeslice__orchestrator_dot_v1alpha1_dot_orchestrator__pb2.DrainRequest.SerializeToString,
+            timeslice__orchestrator_dot_v1alpha1_dot_orchestrator__pb2.DrainResponse.FromString,
             options, channel_credentials,
             insecure, call_credentials, compression, wait_for_ready, timeout, metadata)

@@ -63,6 +63,17 @@ class TimeSliceOrchestratorServiceStub:
     """tslice: an operator clears a degraded node (one that kept refusing a switch)
     once the cause is fixed; the group's queue moves again.
     """
+    Evict: _grpc.UnaryUnaryMultiCallable[_orchestrator_pb2.EvictRequest, _orchestrator_pb2.EvictResponse]
+    """tslice (admin role): take a job out of a group now. A holder loses the lock as
+    if its lease had lapsed (the next waiter is granted through the normal switch);
+    a waiter's pending Acquire ends ABORTED with the reason. NOT_FOUND when the job
+    neither holds nor waits for the group.
+    """
+    Drain: _grpc.UnaryUnaryMultiCallable[_orchestrator_pb2.DrainRequest, _orchestrator_pb2.DrainResponse]
+    """tslice (admin role): a draining group grants no new turn (the holder keeps its
+    turn until it yields or is evicted; waiters stay queued); drain = false resumes.
+    The mark is persisted: it survives an orchestrator restart.
+    """
 
 @_typing.type_check_only
 class TimeSliceOrchestratorServiceAsyncStub(TimeSliceOrchestratorServiceStub):
@@ -93,6 +104,17 @@ class TimeSliceOrchestratorServiceAsyncStub(TimeSliceOrchestratorServiceStub):
     ClearDegraded: _aio.UnaryUnaryMultiCallable[_orchestrator_pb2.ClearDegradedRequest, _orchestrator_pb2.ClearDegradedResponse]  # type: ignore[assignment]
     """tslice: an operator clears a degraded node (one that kept refusing a switch)
     once the cause is fixed; the group's queue moves again.
+    """
+    Evict: _aio.UnaryUnaryMultiCallable[_orchestrator_pb2.EvictRequest, _orchestrator_pb2.EvictResponse]  # type: ignore[assignment]
+    """tslice (admin role): take a job out of a group now. A holder loses the lock as
+    if its lease had lapsed (the next waiter is granted through the normal switch);
+    a waiter's pending Acquire ends ABORTED with the reason. NOT_FOUND when the job
+    neither holds nor waits for the group.
+    """
+    Drain: _aio.UnaryUnaryMultiCallable[_orchestrator_pb2.DrainRequest, _orchestrator_pb2.DrainResponse]  # type: ignore[assignment]
+    """tslice (admin role): a draining group grants no new turn (the holder keeps its
+    turn until it yields or is evicted; waiters stay queued); drain = false resumes.
+    The mark is persisted: it survives an orchestrator restart.
     """
 
 class TimeSliceOrchestratorServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -169,6 +191,29 @@ class TimeSliceOrchestratorServiceServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_orchestrator_pb2.ClearDegradedResponse, _abc.Awaitable[_orchestrator_pb2.ClearDegradedResponse]]:
         """tslice: an operator clears a degraded node (one that kept refusing a switch)
         once the cause is fixed; the group's queue moves again.
+        """
+
+    @_abc_1.abstractmethod
+    def Evict(
+        self,
+        request: _orchestrator_pb2.EvictRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_orchestrator_pb2.EvictResponse, _abc.Awaitable[_orchestrator_pb2.EvictResponse]]:
+        """tslice (admin role): take a job out of a group now. A holder loses the lock as
+        if its lease had lapsed (the next waiter is granted through the normal switch);
+        a waiter's pending Acquire ends ABORTED with the reason. NOT_FOUND when the job
+        neither holds nor waits for the group.
+        """
+
+    @_abc_1.abstractmethod
+    def Drain(
+        self,
+        request: _orchestrator_pb2.DrainRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_orchestrator_pb2.DrainResponse, _abc.Awaitable[_orchestrator_pb2.DrainResponse]]:
+        """tslice (admin role): a draining group grants no new turn (the holder keeps its
+        turn until it yields or is evicted; waiters stay queued); drain = false resumes.
+        The mark is persisted: it survives an orchestrator restart.
         """
 
 def add_TimeSliceOrchestratorServiceServicer_to_server(servicer: TimeSliceOrchestratorServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
