@@ -391,13 +391,11 @@ class ChaosRun:
             else None,
         )
         violations += [
-            checker.Violation(
-                kind=LEASE_LOST,
-                message=f"live job {w.job} lost its lease on group {w.group} while holding it "
+            checker.Violation.of_window(
+                w,
+                LEASE_LOST,
+                f"live job {w.job} lost its lease on group {w.group} while holding it "
                 f"({w.lost_lease})",
-                group=w.group,
-                jobs=(w.job,),
-                t=w.requested,
             )
             for w in windows
             if w.lost_lease

@@ -89,6 +89,15 @@ class Violation:
     jobs: tuple[str, ...] = ()
     t: float = 0.0
 
+    @classmethod
+    def of_window(
+        cls, w: AcquireWindow, kind: str, message: str, *, t: float | None = None, node: str = ""
+    ) -> Violation:
+        """A violation of one job's window: it names that job and group, at ``t``
+        (default: when the job asked)."""
+        at = w.requested if t is None else t
+        return cls(kind=kind, message=message, group=w.group, node=node, jobs=(w.job,), t=at)
+
     def __str__(self) -> str:
         return f"[{self.kind}] {self.message}"
 
@@ -144,13 +153,11 @@ def check(
         if w.acquired is None:
             why = f": {w.error}" if w.error else ""
             violations.append(
-                Violation(
-                    kind=ACQUIRE_NOT_RETURNED,
-                    message=f"acquire of group {w.group} by job {w.job} asked at "
+                Violation.of_window(
+                    w,
+                    ACQUIRE_NOT_RETURNED,
+                    f"acquire of group {w.group} by job {w.job} asked at "
                     f"{at(w.requested)} never returned{why}",
-                    group=w.group,
-                    jobs=(w.job,),
-                    t=w.requested,
                 )
             )
             continue
@@ -262,12 +269,11 @@ def _check_covered(
     nodes = sorted(nodes_of.get(w.group, set()))
     if not nodes:
         return [
-            Violation(
-                kind=NOT_RESIDENT,
-                message=f"job {w.job} held group {w.group} from {at(acquired)} but no "
+            Violation.of_window(
+                w,
+                NOT_RESIDENT,
+                f"job {w.job} held group {w.group} from {at(acquired)} but no "
                 "simulated node journaled anything for that group",
-                group=w.group,
-                jobs=(w.job,),
                 t=acquired,
             )
         ]
@@ -283,15 +289,14 @@ def _check_covered(
                 continue
             seen = ", ".join(f"[{at(s.start)}, {_end(s, at)}]" for s in spans) or "never"
             found.append(
-                Violation(
-                    kind=NOT_RESIDENT,
-                    message=f"job {w.job} held group {w.group} over [{at(acquired)}, "
+                Violation.of_window(
+                    w,
+                    NOT_RESIDENT,
+                    f"job {w.job} held group {w.group} over [{at(acquired)}, "
                     f"{at(until)}] but was not resident on {node}/{dev} the whole time "
                     f"(resident: {seen})",
-                    group=w.group,
-                    node=node,
-                    jobs=(w.job,),
                     t=acquired,
+                    node=node,
                 )
             )
     return found
