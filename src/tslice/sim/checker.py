@@ -27,28 +27,13 @@ from collections import defaultdict
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import Protocol
 
+from tslice.agent.backends import simdevice
+
 OVERLAP = "overlap"
 NOT_RESIDENT = "not_resident"
 ACQUIRE_NOT_RETURNED = "acquire_not_returned"
 DOUBLE_HOLDER = "double_holder"
 SHARED_HOLDERS = "shared_holders"
-
-
-class JournalEvent(Protocol):
-    """One line of a simulated-device journal (``tslice.agent.backends.simdevice.Event`` fits)."""
-
-    @property
-    def t(self) -> float: ...
-    @property
-    def node(self) -> str: ...
-    @property
-    def group(self) -> str: ...
-    @property
-    def job(self) -> str: ...
-    @property
-    def event(self) -> str: ...
-    @property
-    def device(self) -> str: ...
 
 
 class AcquireWindow(Protocol):
@@ -113,7 +98,7 @@ _Slot = tuple[str, str, str]  # (node, group, device)
 
 def check(
     *,
-    journal: Iterable[JournalEvent],
+    journal: Iterable[simdevice.Event],
     windows: Iterable[AcquireWindow],
     group_nodes: Mapping[str, Collection[str]] | None = None,
     conflicts: Mapping[str, Collection[str]] | None = None,
@@ -219,7 +204,7 @@ def _shared_holders(
 
 
 def _replay(
-    events: Sequence[JournalEvent], at: _Fmt
+    events: Sequence[simdevice.Event], at: _Fmt
 ) -> tuple[dict[_Slot, dict[str, list[_Interval]]], list[Violation]]:
     intervals: dict[_Slot, dict[str, list[_Interval]]] = defaultdict(lambda: defaultdict(list))
     open_now: dict[_Slot, dict[str, _Interval]] = defaultdict(dict)
