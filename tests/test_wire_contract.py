@@ -76,6 +76,36 @@ TSLICE_ORCH_MESSAGES: dict[str, dict[str, tuple[int, int, str | None, str | None
         "lease_ms": (101, I64, None, None),
         "timeout_ms": (102, I64, None, None),
     },
+    "GroupStatus": {"draining": (106, BOOL, None, None)},
+}
+
+# tslice's administrator RPCs (issue 10): whole messages of its own, pinned as they are.
+ADMIN_MESSAGES: dict[str, dict[str, tuple[int, int, str | None, str | None]]] = {
+    "EvictRequest": {
+        "group_id": (1, STR, None, None),
+        "job_id": (2, STR, None, None),
+        "reason": (3, STR, None, None),
+    },
+    "EvictResponse": {"evictions": (1, MSG, f"{ORCH_PKG}.Eviction", REP)},
+    "Eviction": {
+        "group_id": (1, STR, None, None),
+        "role": (2, ENUM, f"{ORCH_PKG}.Eviction.Role", None),
+        "next_job": (3, STR, None, None),
+    },
+    "DrainRequest": {"group_id": (1, STR, None, None), "drain": (2, BOOL, None, None)},
+    "DrainResponse": {
+        "draining": (1, BOOL, None, None),
+        "was_draining": (2, BOOL, None, None),
+        "locking_job": (3, STR, None, None),
+        "switching": (4, BOOL, None, None),
+        "waiter_queue_depth": (5, I64, None, None),
+    },
+}
+ADMIN_ENUMS = {"Eviction.Role": [("ROLE_UNSPECIFIED", 0), ("ROLE_HOLDER", 1), ("ROLE_WAITER", 2)]}
+ADMIN_RPCS = {
+    "ClearDegraded": ("ClearDegradedRequest", "ClearDegradedResponse", False, False),
+    "Evict": ("EvictRequest", "EvictResponse", False, False),
+    "Drain": ("DrainRequest", "DrainResponse", False, False),
 }
 
 ORCH_ENUMS = {
@@ -312,6 +342,41 @@ def test_orchestrator_enums(name: str) -> None:
 
 def test_orchestrator_service() -> None:
     _check_service(opb.DESCRIPTOR, ORCH_PKG, "TimeSliceOrchestratorService", ORCH_RPCS)
+
+
+def test_admin_rpcs_messages_and_enums_keep_their_shape() -> None:
+    _check_service(opb.DESCRIPTOR, ORCH_PKG, "TimeSliceOrchestratorService", ADMIN_RPCS)
+    for name, fields in ADMIN_MESSAGES.items():
+        msg = opb.DESCRIPTOR.pool.FindMessageTypeByName(f"{ORCH_PKG}.{name}")
+        assert sorted(f.name for f in msg.fields) == sorted(fields), name
+    _check_messages(opb.DESCRIPTOR, ORCH_PKG, ADMIN_MESSAGES)
+    for name, values in ADMIN_ENUMS.items():
+        _check_enum(opb.DESCRIPTOR, ORCH_PKG, name, values)
+
+
+def test_admin_rpcs_need_the_admin_role() -> None:
+    """What a caller without it gets: PERMISSION_DENIED naming the role (tests/security)."""
+    from tslice.common import auth
+
+    service = f"/{ORCH_PKG}.TimeSliceOrchestratorService/"
+    for name in ADMIN_RPCS:
+        assert auth.ORCHESTRATOR_RULES[service + name] is auth.Rule.ADMIN, name
+
+
+def test_admin_status_codes_keep_their_meaning() -> None:
+    """Evict's and Drain's codes as clients branch on them (behaviour: tests/orchestrator/
+    test_admin_rpcs.py): an evicted waiter's Acquire ends ABORTED; a job that neither holds
+    nor waits, or an unknown group, is NOT_FOUND; an evicted job's later Yield is
+    FAILED_PRECONDITION (nobody holds) or PERMISSION_DENIED (another job holds)."""
+    from tslice.common import refusals
+    from tslice.orchestrator import decisions
+
+    assert decisions.Abort("j", "m").code is refusals.Code.ABORTED
+    numbers = {c: refusals.status_number(c) for c in refusals.Code}
+    assert numbers[refusals.Code.ABORTED] == 10
+    assert numbers[refusals.Code.NOT_FOUND] == 5
+    assert numbers[refusals.Code.FAILED_PRECONDITION] == 9
+    assert numbers[refusals.Code.PERMISSION_DENIED] == 7
 
 
 def test_agent_messages() -> None:

@@ -170,12 +170,19 @@ def acquires(requests: Sequence[Any]) -> Iterator[opb.AcquireRequest]:
             yield request.acquire
 
 
-def yield_acquired(channel: grpc.Channel, requests: Sequence[Any]) -> None:
+def leave_as_found(channel: grpc.Channel, requests: Sequence[Any]) -> None:
     """Yield whatever ``requests`` may have acquired on the orchestrator at ``channel``
-    (refusals are fine: not held), so that no example waits for another's holder."""
+    and resume what they drained (refusals are fine: not held, no such group), so that
+    no example waits for another's holder or drain."""
     stub = opb_grpc.TimeSliceOrchestratorServiceStub(channel)
-    for job, gid in dict.fromkeys((a.job_id, a.group_id) for a in acquires(requests)):
+    undo: list[tuple[Any, Any]] = [
+        (stub.Yield, opb.YieldRequest(job_id=job, group_id=gid))
+        for job, gid in dict.fromkeys((a.job_id, a.group_id) for a in acquires(requests))
+    ]
+    drained = dict.fromkeys(r.group_id for r in requests if isinstance(r, opb.DrainRequest))
+    undo += [(stub.Drain, opb.DrainRequest(group_id=gid, drain=False)) for gid in drained]
+    for call, request in undo:
         try:
-            stub.Yield(opb.YieldRequest(job_id=job, group_id=gid), timeout=calls.PROMPT_S)
+            call(request, timeout=calls.PROMPT_S)
         except grpc.RpcError as err:
-            assert err.code() in calls.EXPECTED, (job, gid, err)
+            assert err.code() in calls.EXPECTED, (request, err)

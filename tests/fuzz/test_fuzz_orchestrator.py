@@ -8,7 +8,7 @@ shared pool), so that fuzzed calls meet a held group too, and may be aimed at it
 job and group made the holder's, to reach Hold, Yield and re-Acquire by the holder). An
 Acquire by another job then waits by design (in local mode all groups share the agent's
 devices), and only then may it reach its (short) deadline. What an example acquired is
-yielded after it, so that no example waits for another's holder.
+yielded after it (and what it drained resumed), so that no example waits for another's holder.
 A Session's requests are followed by a cancel of each of them, so that the stream ends
 once the server has handled them (a waiting Acquire is cancelled, not waited for).
 """
@@ -85,5 +85,5 @@ def test_every_orchestrator_rpc_answers_fuzzed_messages(
         expected = methods.allowed(method)
         answer.check(expected | {calls.Code.DEADLINE_EXCEEDED} if waits else expected)
     finally:
-        methods.yield_acquired(orchestrator.channel, [*prelude, *requests])
+        methods.leave_as_found(orchestrator.channel, [*prelude, *requests])
     calls.assert_healthy(orchestrator.channel)

@@ -34,5 +34,5 @@ def test_every_rpc_refuses_random_bytes(
     try:
         event(methods.check_raw(served.channel, method, payloads).code.name)
     finally:
-        methods.yield_acquired(served.channel, methods.read_requests(method, payloads) or [])
+        methods.leave_as_found(served.channel, methods.read_requests(method, payloads) or [])
     calls.assert_healthy(served.channel)

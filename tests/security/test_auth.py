@@ -6,7 +6,7 @@ naming the principal and the fix, and changes nothing.
   agent: only the orchestrator's identity may move a job's state;
 - Acquire, Yield, Hold and Session requests as another job: a job credential acts only
   as its own job ids;
-- ClearDegraded without the admin role;
+- ClearDegraded, Evict and Drain without the admin role;
 - a caller that presents nothing (or an unknown token) on the agent's plaintext Unix socket.
 """
 
@@ -188,6 +188,25 @@ def test_clear_degraded_needs_the_admin_role(connect: Connect, job_a: Caller) ->
     reply = admin.orch.ClearDegraded(request, timeout=TIMEOUT_S, metadata=admin.metadata)
     assert not reply.cleared  # nothing was degraded; the call was allowed
     job_a.orch.Yield(opb.YieldRequest(job_id="job-a", group_id="admin-only"), timeout=TIMEOUT_S)
+
+
+def test_evict_and_drain_need_the_admin_role(connect: Connect, job_a: Caller) -> None:
+    _holds(job_a, "job-a", "admin-evict")
+    evict = opb.EvictRequest(group_id="admin-evict", job_id="job-a", reason="test")
+    drain = opb.DrainRequest(group_id="admin-evict", drain=True)
+    for call, request in ((job_a.orch.Evict, evict), (job_a.orch.Drain, drain)):
+        err = job_a.refused(call, request)
+        assert err.code() == grpc.StatusCode.PERMISSION_DENIED
+        assert "needs the admin role" in err.details()
+    assert _locking_job(job_a, "admin-evict") == "job-a"  # nothing changed
+    admin = connect("admin")
+    drained = admin.orch.Drain(drain, timeout=TIMEOUT_S, metadata=admin.metadata)
+    assert drained.draining and drained.locking_job == "job-a"
+    reply = admin.orch.Evict(evict, timeout=TIMEOUT_S, metadata=admin.metadata)
+    assert [e.role for e in reply.evictions] == [opb.Eviction.ROLE_HOLDER]
+    assert _locking_job(job_a, "admin-evict") == ""
+    resume = opb.DrainRequest(group_id="admin-evict", drain=False)
+    assert not admin.orch.Drain(resume, timeout=TIMEOUT_S, metadata=admin.metadata).draining
 
 
 def test_a_caller_who_presents_nothing_is_told_how_to_authenticate(connect: Connect) -> None:

@@ -11,7 +11,17 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2_grpc as opb_grpc
-from tslice.client import _base, _channel, _config, _events, _lease, _services, _slice, _types
+from tslice.client import (
+    _admin,
+    _base,
+    _channel,
+    _config,
+    _events,
+    _lease,
+    _services,
+    _slice,
+    _types,
+)
 
 if TYPE_CHECKING:
     from typing_extensions import Self
@@ -112,6 +122,33 @@ class AsyncClient(_base.BaseClient[_lease.AsyncHoldKeeper]):
         calls = self._orchestrator("clear a degraded node")
         response = await calls.clear_degraded(*self._clear_degraded_request(group, node, timeout))
         return tuple(response.cleared)
+
+    async def evict(
+        self,
+        group: str | None,
+        job: str,
+        *,
+        reason: str = "",
+        timeout: _config.Timeout = _config.USE_CLIENT_DEFAULT,
+    ) -> tuple[_admin.Eviction, ...]:
+        """See :meth:`Client.evict`."""
+        calls = self._orchestrator("evict a job")
+        request = self._evict_request(group, job, reason, timeout)
+        return _admin.evictions(await calls.evict(*request))
+
+    async def drain(
+        self, group: str | None = None, *, timeout: _config.Timeout = _config.USE_CLIENT_DEFAULT
+    ) -> _admin.DrainState:
+        """See :meth:`Client.drain`."""
+        calls = self._orchestrator("drain a group")
+        return _admin.drain_state(await calls.drain(*self._drain_request(group, True, timeout)))
+
+    async def resume(
+        self, group: str | None = None, *, timeout: _config.Timeout = _config.USE_CLIENT_DEFAULT
+    ) -> _admin.DrainState:
+        """See :meth:`Client.resume`."""
+        calls = self._orchestrator("resume a group")
+        return _admin.drain_state(await calls.drain(*self._drain_request(group, False, timeout)))
 
     def watch_events(
         self,

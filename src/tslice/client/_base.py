@@ -370,12 +370,18 @@ class BaseClient(Generic[K]):
     def _options(job: str | None, group: str | None, timeout: float | None) -> _channel.CallOptions:
         return _channel.CallOptions(timeout=timeout, job_id=job or None, group_id=group or None)
 
+    def _about_group(
+        self, group: str | None, timeout: _config.Timeout
+    ) -> tuple[str, _channel.CallOptions]:
+        """The group a call is about (checked) and the call's options."""
+        group_id = self._group(group)
+        return group_id, self._options(self.job_id, group_id, self._call_timeout(timeout))
+
     def _status_request(
         self, group: str | None, timeout: _config.Timeout
     ) -> tuple[opb.GetGroupStatusRequest, _channel.CallOptions]:
-        group_id = self._group(group)
-        request = opb.GetGroupStatusRequest(group_id=group_id)
-        return request, self._options(self.job_id, group_id, self._call_timeout(timeout))
+        group_id, options = self._about_group(group, timeout)
+        return opb.GetGroupStatusRequest(group_id=group_id), options
 
     def _list_request(
         self, timeout: _config.Timeout
@@ -387,9 +393,25 @@ class BaseClient(Generic[K]):
     def _clear_degraded_request(
         self, group: str | None, node: str | None, timeout: _config.Timeout
     ) -> tuple[opb.ClearDegradedRequest, _channel.CallOptions]:
-        group_id = self._group(group)
-        request = opb.ClearDegradedRequest(group_id=group_id, node=node or "")
-        return request, self._options(self.job_id, group_id, self._call_timeout(timeout))
+        group_id, options = self._about_group(group, timeout)
+        return opb.ClearDegradedRequest(group_id=group_id, node=node or ""), options
+
+    def _evict_request(
+        self, group: str | None, job: str, reason: str, timeout: _config.Timeout
+    ) -> tuple[opb.EvictRequest, _channel.CallOptions]:
+        """``group`` None: the client's group; ``""``: every group (Evict's wire rule)."""
+        job_id = _config.check_id("job_id", job, source="the job argument")
+        if group == "":
+            options = self._options(job_id, None, self._call_timeout(timeout))
+            return opb.EvictRequest(group_id="", job_id=job_id, reason=reason), options
+        group_id, options = self._about_group(group, timeout)
+        return opb.EvictRequest(group_id=group_id, job_id=job_id, reason=reason), options
+
+    def _drain_request(
+        self, group: str | None, drain: bool, timeout: _config.Timeout
+    ) -> tuple[opb.DrainRequest, _channel.CallOptions]:
+        group_id, options = self._about_group(group, timeout)
+        return opb.DrainRequest(group_id=group_id, drain=drain), options
 
     def _watch_request(
         self, group: str | None, kinds: Iterable[_types.EventKind], timeout: float | None

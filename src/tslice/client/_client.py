@@ -12,7 +12,17 @@ from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING
 
 from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2_grpc as opb_grpc
-from tslice.client import _base, _channel, _config, _events, _lease, _services, _slice, _types
+from tslice.client import (
+    _admin,
+    _base,
+    _channel,
+    _config,
+    _events,
+    _lease,
+    _services,
+    _slice,
+    _types,
+)
 
 if TYPE_CHECKING:
     from typing_extensions import Self
@@ -127,6 +137,39 @@ class Client(_base.BaseClient[_lease.HoldKeeper]):
         calls = self._orchestrator("clear a degraded node")
         response = calls.clear_degraded(*self._clear_degraded_request(group, node, timeout))
         return tuple(response.cleared)
+
+    def evict(
+        self,
+        group: str | None,
+        job: str,
+        *,
+        reason: str = "",
+        timeout: _config.Timeout = _config.USE_CLIENT_DEFAULT,
+    ) -> tuple[_admin.Eviction, ...]:
+        """Administrator: take ``job`` out of ``group`` now (``None``: the client's group;
+        ``""``: every group where it holds or waits). A holder loses the lock (the group
+        moves on to its next waiter), a waiter's pending Acquire ends ABORTED with
+        ``reason``. One :class:`Eviction` per group it was taken out of.
+
+        A job that neither holds nor waits is :class:`~tslice.common.errors.NotFound`.
+        """
+        calls = self._orchestrator("evict a job")
+        return _admin.evictions(calls.evict(*self._evict_request(group, job, reason, timeout)))
+
+    def drain(
+        self, group: str | None = None, *, timeout: _config.Timeout = _config.USE_CLIENT_DEFAULT
+    ) -> _admin.DrainState:
+        """Administrator: ``group`` grants no new turn (its holder keeps its own until it
+        yields, waiters stay queued) until :meth:`resume`; survives a restart."""
+        calls = self._orchestrator("drain a group")
+        return _admin.drain_state(calls.drain(*self._drain_request(group, True, timeout)))
+
+    def resume(
+        self, group: str | None = None, *, timeout: _config.Timeout = _config.USE_CLIENT_DEFAULT
+    ) -> _admin.DrainState:
+        """Administrator: a drained ``group`` grants turns again (the head of its queue)."""
+        calls = self._orchestrator("resume a group")
+        return _admin.drain_state(calls.drain(*self._drain_request(group, False, timeout)))
 
     def watch_events(
         self,

@@ -61,6 +61,10 @@ ORCHESTRATOR_METHODS = {
         # Not re-issued: after a lost reply the second answer would say nothing was
         # cleared, and the operator must see what the first one did.
         Method(_ORCH, "ClearDegraded"),
+        # Not re-issued either: a second Evict after a lost reply would meet NOT_FOUND,
+        # and the operator must see what the first one did (a Drain likewise).
+        Method(_ORCH, "Evict"),
+        Method(_ORCH, "Drain"),
     )
 }
 AGENT_METHODS = {
@@ -200,6 +204,8 @@ class _OrchestratorRpcs:
     #: The raw Session stream (acquire and yield_ already use one of their own).
     session = BidiStream[opb.SessionRequest, opb.SessionResponse](_O["Session"])
     clear_degraded = Unary[opb.ClearDegradedRequest, opb.ClearDegradedResponse](_O["ClearDegraded"])
+    evict = Unary[opb.EvictRequest, opb.EvictResponse](_O["Evict"])
+    drain = Unary[opb.DrainRequest, opb.DrainResponse](_O["Drain"])
 
 
 class _AgentRpcs:

@@ -405,7 +405,9 @@ class GroupLock:
                 actions.append(act.Emit(act.EventKind.YIELDED, job, why))
                 return act.EvictOutcome(act.Role.HOLDER, "", actions)
             actions = self._release(job, now, act.EventKind.YIELDED, why)
-            return act.EvictOutcome(act.Role.HOLDER, self._holder or "", actions)
+            # The new holder, or the waiter promoted once the device claim is granted.
+            attached = (e.job for e in self._queue.values() if e.attached > 0)
+            return act.EvictOutcome(act.Role.HOLDER, self._holder or next(attached, ""), actions)
         entry = self._queue.pop(job, None)
         if entry is None:
             return act.EvictOutcome(None, "", [])
