@@ -1,0 +1,491 @@
+"""deploy/kubernetes, checked offline.
+
+Every overlay renders (``kubectl kustomize``) and every rendered object validates against
+the Kubernetes JSON schemas (``kubernetes-validate``, strict: unknown fields are errors) of
+Kubernetes 1.34, the first release with ``resource.k8s.io/v1`` (DRA) generally available.
+The labels, taint, namespace and ports are the strings of ``tslice.common.kube_labels``;
+every ``tslice ...`` container command line parses with the real command line; the
+TLS overlay's config files load with the real loaders; the example job's script runs. The
+image: test_dockerfile.py.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+import runpy
+import shutil
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import typer.main
+import yaml
+
+from tests.deploy import image
+from tslice.agent import config as agent_config
+from tslice.cli import main
+from tslice.common import kube_labels as kl
+from tslice.orchestrator import config as orch_config
+
+ROOT = Path(__file__).resolve().parents[2]
+KUSTOMIZE = ROOT / "deploy" / "kubernetes"
+SERVER_OVERLAYS = ("single", "tls")
+OVERLAYS = (*SERVER_OVERLAYS, "rl-job-example")
+KUBERNETES_VERSION = "1.34"
+#: Flags of `tslice orchestrator --kubernetes` (.scratch/kube-contract.md).
+KUBE_FLAGS = ("--kubernetes", "--kubeconfig", "--agent-namespace", "--agent-selector")
+KUBE_FLAGS += ("--job-namespace",)
+#: The kubelet expands $(VAR) in args from the container's env; a stand-in value.
+_ENV_REF = re.compile(r"\$\(([A-Z_]+)\)")
+CLUSTER_SCOPED = {"Namespace", "ClusterRole", "ClusterRoleBinding"}
+WORKLOADS = {"Deployment", "DaemonSet", "Pod"}
+ORCHESTRATOR = "tslice-orchestrator"
+AGENT = "tslice-agent"
+
+KUBECTL = shutil.which("kubectl")
+pytestmark = pytest.mark.skipif(
+    KUBECTL is None,
+    reason="kubectl is not on PATH (Debian/Ubuntu: apt-get install -y kubectl; CI installs it)",
+)
+
+Obj = dict[str, Any]
+
+
+@functools.cache
+def render(overlay: str) -> tuple[Obj, ...]:
+    assert KUBECTL is not None
+    done = subprocess.run(
+        [KUBECTL, "kustomize", str(KUSTOMIZE / "overlays" / overlay)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 0, f"kubectl kustomize {overlay} failed: {done.stderr}"
+    return tuple(obj for obj in yaml.safe_load_all(done.stdout) if obj)
+
+
+def name_of(obj: Obj) -> str:
+    return f"{obj['kind']}/{obj['metadata']['name']}"
+
+
+def one(objs: tuple[Obj, ...], kind: str, name: str) -> Obj:
+    found = [o for o in objs if o["kind"] == kind and o["metadata"]["name"] == name]
+    assert len(found) == 1, f"expected one {kind}/{name}, found {len(found)}"
+    return found[0]
+
+
+def pod_template(obj: Obj) -> Obj:
+    """A workload's pod (``metadata`` and ``spec``)."""
+    return obj if obj["kind"] == "Pod" else obj["spec"]["template"]
+
+
+def workloads(objs: tuple[Obj, ...]) -> Iterator[Obj]:
+    return (o for o in objs if o["kind"] in WORKLOADS)
+
+
+def container(workload: Obj) -> Obj:
+    (only,) = pod_template(workload)["spec"]["containers"]
+    return dict(only)
+
+
+def args(workload: Obj) -> list[str]:
+    spec = container(workload)
+    return [*spec.get("command", []), *spec.get("args", [])]
+
+
+def flag(workload: Obj, name: str) -> str | None:
+    """The value of ``--name=value`` in the container's args (the manifests' one form)."""
+    values = [a.split("=", 1)[1] for a in args(workload) if a.startswith(f"{name}=")]
+    assert len(values) <= 1, f"{name_of(workload)}: {name} given {len(values)} times"
+    return values[0] if values else None
+
+
+def port(workload: Obj, port_name: str) -> int:
+    (number,) = [p["containerPort"] for p in container(workload)["ports"] if p["name"] == port_name]
+    return int(number)
+
+
+def selects(selector: dict[str, str], labels: dict[str, str]) -> bool:
+    return bool(selector) and all(labels.get(k) == v for k, v in selector.items())
+
+
+def mounts(workload: Obj) -> dict[str, Obj]:
+    """mountPath -> the volume mounted there."""
+    volumes = {v["name"]: v for v in pod_template(workload)["spec"].get("volumes", [])}
+    return {m["mountPath"]: volumes[m["name"]] for m in container(workload)["volumeMounts"]}
+
+
+def volume_at(workload: Obj, path: str) -> tuple[str, Obj]:
+    """(mountPath, volume) of the mount ``path`` lies under."""
+    for mount_path, volume in mounts(workload).items():
+        if PurePosixPath(path).is_relative_to(mount_path):
+            return mount_path, volume
+    raise AssertionError(f"{name_of(workload)}: nothing is mounted where {path} is")
+
+
+def servers(overlay: str) -> tuple[Obj, Obj]:
+    objs = render(overlay)
+    return one(objs, "Deployment", ORCHESTRATOR), one(objs, "DaemonSet", AGENT)
+
+
+# ---- render and validate ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_object_validates_against_the_kubernetes_schemas(overlay: str) -> None:
+    objs = render(overlay)
+    assert objs
+    failures = []
+    for obj in objs:
+        try:
+            version = kubernetes_validate.validate(obj, KUBERNETES_VERSION, strict=True)
+        except kubernetes_validate.ValidationError as err:
+            where = "/".join(str(p) for p in err.path)
+            failures.append(f"{name_of(obj)} at {where}: {err.message}")
+        except kubernetes_validate.SchemaNotFoundError as err:
+            failures.append(err.message)
+        else:
+            assert version == KUBERNETES_VERSION
+    assert not failures, "\n".join(failures)
+
+
+def test_the_base_has_what_a_cluster_needs() -> None:
+    kinds = {name_of(o) for o in render("single")}
+    assert kinds >= {
+        f"Namespace/{kl.NAMESPACE}",
+        f"Deployment/{ORCHESTRATOR}",
+        f"Service/{ORCHESTRATOR}",
+        f"PodDisruptionBudget/{ORCHESTRATOR}",
+        f"PersistentVolumeClaim/{ORCHESTRATOR}-state",
+        f"ServiceAccount/{ORCHESTRATOR}",
+        f"DaemonSet/{AGENT}",
+        f"Service/{AGENT}",
+        f"ServiceAccount/{AGENT}",
+        f"NetworkPolicy/{AGENT}",
+    }
+
+
+# ---- conventions: tslice.common.kube_labels ------------------------------------------------
+
+
+@pytest.mark.parametrize("overlay", SERVER_OVERLAYS)
+def test_every_object_is_labelled_and_in_the_namespace(overlay: str) -> None:
+    for obj in render(overlay):
+        metas = [obj["metadata"]]
+        if obj["kind"] in WORKLOADS:
+            metas.append(pod_template(obj)["metadata"])
+        for meta in metas:
+            labels = meta.get("labels", {})
+            assert labels.get("app.kubernetes.io/part-of") == "tslice", name_of(obj)
+            assert labels.get("app.kubernetes.io/name"), name_of(obj)
+            assert labels.get("app.kubernetes.io/component"), name_of(obj)
+        if obj["kind"] not in CLUSTER_SCOPED:
+            assert obj["metadata"].get("namespace") == kl.NAMESPACE, name_of(obj)
+
+
+@pytest.mark.parametrize("overlay", SERVER_OVERLAYS)
+def test_ports_are_the_conventional_ones(overlay: str) -> None:
+    orchestrator, agent = servers(overlay)
+    assert port(orchestrator, "grpc") == kl.ORCHESTRATOR_PORT
+    assert port(orchestrator, "metrics") == kl.METRICS_PORT
+    assert port(agent, kl.AGENT_PORT_NAME) == kl.AGENT_PORT
+    assert port(agent, "metrics") == kl.METRICS_PORT
+    for workload, grpc in ((orchestrator, kl.ORCHESTRATOR_PORT), (agent, kl.AGENT_PORT)):
+        assert flag(workload, "--port") == str(grpc)
+        assert flag(workload, "--metrics-port") == str(kl.METRICS_PORT)
+        assert flag(workload, "--host") == "0.0.0.0"
+    service = one(render(overlay), "Service", ORCHESTRATOR)
+    assert {p["name"]: p["port"] for p in service["spec"]["ports"]} == {
+        "grpc": kl.ORCHESTRATOR_PORT,
+        "metrics": kl.METRICS_PORT,
+    }
+
+
+@pytest.mark.parametrize("overlay", SERVER_OVERLAYS)
+def test_the_orchestrator_finds_the_agent_pods(overlay: str) -> None:
+    orchestrator, agent = servers(overlay)
+    key, value = kl.AGENT_SELECTOR.split("=")
+    assert pod_template(agent)["metadata"]["labels"][key] == value
+    assert flag(orchestrator, "--agent-selector") == kl.AGENT_SELECTOR
+    assert flag(orchestrator, "--agent-namespace") == agent["metadata"]["namespace"]
+
+
+@pytest.mark.parametrize("overlay", SERVER_OVERLAYS)
+def test_the_agent_is_a_privileged_daemonset_on_the_shared_nodes(overlay: str) -> None:
+    _, agent = servers(overlay)
+    pod = pod_template(agent)["spec"]
+    assert pod["hostPID"] is True
+    assert not pod.get("hostNetwork"), "on hostNetwork the NetworkPolicy would not apply"
+    security = container(agent)["securityContext"]
+    assert security["privileged"] is True
+    assert security["runAsUser"] == 0
+    shared = {
+        "key": kl.SHARED_TAINT_KEY,
+        "operator": "Equal",
+        "value": kl.SHARED_TAINT_VALUE,
+        "effect": kl.SHARED_TAINT_EFFECT,
+    }
+    assert shared in pod["tolerations"]
+    assert pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+    env = {e["name"]: e for e in container(agent)["env"]}
+    assert env["NODE_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
+    assert flag(agent, "--node-name") == "$(NODE_NAME)"
+    at = mounts(agent)
+    assert at["/dev"]["hostPath"]["path"] == "/dev"
+    assert env["LD_LIBRARY_PATH"]["value"].startswith("/usr/local/nvidia/")
+    assert "hostPath" in at["/usr/local/nvidia"]
+    assert at["/run/tslice"]["hostPath"]["path"] == "/run/tslice"
+    assert volume_at(agent, flag(agent, "--unix-socket") or "")[0] == "/run/tslice"
+    assert "hostPath" in volume_at(agent, flag(agent, "--state-dir") or "")[1]
+    # The image's tslice stays reachable when the manifest sets PATH.
+    assert image.venv_bin() in env["PATH"]["value"].split(":")
+
+
+@pytest.mark.parametrize("overlay", SERVER_OVERLAYS)
+def test_the_orchestrator_runs_unprivileged_on_its_state_volume(overlay: str) -> None:
+    orchestrator, _ = servers(overlay)
+    assert orchestrator["spec"]["replicas"] == 1, "no leader election yet: one replica"
+    assert orchestrator["spec"]["strategy"]["type"] == "Recreate"
+    pod = pod_template(orchestrator)["spec"]
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert pod["securityContext"]["runAsUser"] == image.user()
+    security = container(orchestrator)["securityContext"]
+    assert security["readOnlyRootFilesystem"] is True
+    assert security["allowPrivilegeEscalation"] is False
+    assert security["capabilities"]["drop"] == ["ALL"]
+    state = volume_at(orchestrator, flag(orchestrator, "--state-dir") or "")[1]
+    claim = state["persistentVolumeClaim"]["claimName"]
+    one(render(overlay), "PersistentVolumeClaim", claim)
+    assert container(orchestrator)["resources"]["requests"]
+
+
+@pytest.mark.parametrize("overlay", SERVER_OVERLAYS)
+def test_probes_check_grpc_health_where_the_kubelet_can(overlay: str) -> None:
+    orchestrator, agent = servers(overlay)
+    spec = container(orchestrator)
+    probes = [spec[p] for p in ("startupProbe", "readinessProbe", "livenessProbe")]
+    probes.append(container(agent)["readinessProbe"])
+    for probe in probes:
+        if overlay == "tls":
+            # The kubelet's gRPC probe is plaintext: against a TLS port it always fails.
+            assert "grpc" not in probe and probe["tcpSocket"]["port"] == "grpc"
+        else:
+            assert probe["grpc"]["port"] in (kl.ORCHESTRATOR_PORT, kl.AGENT_PORT)
+    assert container(agent)["livenessProbe"]["tcpSocket"]["port"] == kl.AGENT_PORT_NAME
+
+
+@pytest.mark.parametrize("overlay", SERVER_OVERLAYS)
+def test_selectors_select_the_pods_they_are_for(overlay: str) -> None:
+    objs = render(overlay)
+    labels = {o["metadata"]["name"]: pod_template(o)["metadata"]["labels"] for o in workloads(objs)}
+    service_for = {ORCHESTRATOR: ORCHESTRATOR, AGENT: AGENT}
+    for obj in objs:
+        kind, name = obj["kind"], obj["metadata"]["name"]
+        if kind == "Service":
+            assert selects(obj["spec"]["selector"], labels[service_for[name]]), name
+        elif kind == "PodDisruptionBudget":
+            assert selects(obj["spec"]["selector"]["matchLabels"], labels[ORCHESTRATOR])
+        elif kind in ("Deployment", "DaemonSet"):
+            assert selects(obj["spec"]["selector"]["matchLabels"], labels[name])
+
+
+@pytest.mark.parametrize("overlay", SERVER_OVERLAYS)
+def test_only_the_orchestrator_reaches_the_agents_grpc_port(overlay: str) -> None:
+    objs = render(overlay)
+    orchestrator, agent = servers(overlay)
+    policy = one(objs, "NetworkPolicy", AGENT)["spec"]
+    assert selects(policy["podSelector"]["matchLabels"], pod_template(agent)["metadata"]["labels"])
+    assert "Ingress" in policy["policyTypes"]
+    admitted = []
+    for rule in policy["ingress"]:
+        ports = {p["port"] for p in rule.get("ports", [])}
+        assert ports, "a rule without ports admits every port"
+        if kl.AGENT_PORT in ports or kl.AGENT_PORT_NAME in ports:
+            admitted.append(rule.get("from"))
+    orchestrator_labels = pod_template(orchestrator)["metadata"]["labels"]
+    assert len(admitted) == 1 and admitted[0], "the gRPC port is open to everyone"
+    (peer,) = admitted[0]
+    assert set(peer) == {"podSelector"}
+    assert selects(peer["podSelector"]["matchLabels"], orchestrator_labels)
+
+
+def rules_of(objs: tuple[Obj, ...], account: str) -> set[tuple[str, str, str]]:
+    """(apiGroup, resource, verb) granted to a ServiceAccount through any binding."""
+    roles = {(o["kind"], o["metadata"]["name"]): o for o in objs if o["kind"].endswith("Role")}
+    granted = set()
+    for binding in (o for o in objs if o["kind"].endswith("RoleBinding")):
+        if any(s["name"] == account for s in binding["subjects"]):
+            role = roles[(binding["roleRef"]["kind"], binding["roleRef"]["name"])]
+            for rule in role["rules"]:
+                for group in rule["apiGroups"]:
+                    for resource in rule["resources"]:
+                        granted |= {(group, resource, verb) for verb in rule["verbs"]}
+    return granted
+
+
+@pytest.mark.parametrize("overlay", SERVER_OVERLAYS)
+def test_rbac_grants_each_component_only_what_it_reads(overlay: str) -> None:
+    objs = render(overlay)
+    read = ("get", "list", "watch")
+    assert rules_of(objs, ORCHESTRATOR) == {("", r, v) for r in ("nodes", "pods") for v in read}
+    assert rules_of(objs, AGENT) == {("", "pods", v) for v in read}
+    for workload in workloads(objs):
+        account = pod_template(workload)["spec"]["serviceAccountName"]
+        assert account == workload["metadata"]["name"]
+        one(objs, "ServiceAccount", account)
+
+
+@pytest.mark.parametrize("overlay", SERVER_OVERLAYS)
+def test_both_servers_are_scraped_on_their_metrics_port(overlay: str) -> None:
+    for workload in servers(overlay):
+        notes = pod_template(workload)["metadata"]["annotations"]
+        assert notes["prometheus.io/scrape"] == "true"
+        assert notes["prometheus.io/port"] == str(port(workload, "metrics"))
+        assert notes["prometheus.io/path"] == "/metrics"
+
+
+def test_the_tls_overlay_serves_mutual_tls_with_mounted_certificates(tmp_path: Path) -> None:
+    objs = render("tls")
+    orchestrator, agent = servers("tls")
+    for workload in (orchestrator, agent):
+        assert "--insecure" not in args(workload), name_of(workload)
+        for name in ("--tls-cert", "--tls-key", "--tls-client-ca"):
+            assert "secret" in volume_at(workload, flag(workload, name) or "")[1], name
+    configs = {"orchestrator": orchestrator, "agent": agent}
+    for what, workload in configs.items():
+        config_path = flag(workload, "--config") or ""
+        config_map = volume_at(workload, config_path)[1]["configMap"]["name"]
+        text = one(objs, "ConfigMap", config_map)["data"][PurePosixPath(config_path).name]
+        (tmp_path / f"{what}.yaml").write_text(text)
+        data = yaml.safe_load(text)
+        assert data["auth"] == {}, "roles by certificate"
+        if what == "agent":
+            agent_config.load(path=tmp_path / "agent.yaml", overrides={"state_dir": tmp_path})
+            continue
+        overrides = {"local_agents": ["node-a=127.0.0.1:9001"]}
+        orch_config.build(config_file=tmp_path / "orchestrator.yaml", overrides=overrides)
+        client = data["agent_client"]
+        for key in ("ca", "cert", "key"):
+            assert "secret" in volume_at(orchestrator, client[key])[1], key
+        agent_service = one(objs, "Service", AGENT)
+        assert client["server_name"] == f"{AGENT}.{agent_service['metadata']['namespace']}.svc"
+
+
+# ---- the example RL job ---------------------------------------------------------------------
+
+
+def test_the_example_job_is_labelled_as_wire_md_says() -> None:
+    objs = render("rl-job-example")
+    pods = {o["metadata"]["labels"][kl.GROUP_LABEL]: o for o in objs if o["kind"] == "Pod"}
+    assert set(pods) == {"trainer", "sampler"}
+    service = one(render("single"), "Service", ORCHESTRATOR)
+    address = f"{ORCHESTRATOR}.{service['metadata']['namespace']}.svc:{kl.ORCHESTRATOR_PORT}"
+    _, agent = servers("single")
+    agent_group = container(agent)["securityContext"]["runAsGroup"]
+    claims = set()
+    for group, pod in pods.items():
+        assert kl.job_of_pod(pod["metadata"]["labels"]) == "demo-a"
+        env = {e["name"]: e["value"] for e in container(pod)["env"]}
+        assert env["TIMESLICE_JOB_ID"] == "demo-a"
+        assert env["TIMESLICE_ORCH_ADDR"] == address
+        assert env["TIMESLICE_TRAINER_GROUP"] == "trainer"
+        assert env["TIMESLICE_SAMPLER_GROUP"] == "sampler"
+        assert env["TSLICE_ROLE"] == group
+        spec = pod["spec"]
+        assert {
+            "key": kl.SHARED_TAINT_KEY,
+            "operator": "Equal",
+            "value": kl.SHARED_TAINT_VALUE,
+            "effect": kl.SHARED_TAINT_EFFECT,
+        } in spec["tolerations"]
+        affinity = spec["affinity"]["nodeAffinity"][
+            "requiredDuringSchedulingIgnoredDuringExecution"
+        ]
+        (term,) = affinity["nodeSelectorTerms"]
+        assert term["matchExpressions"] == [
+            {
+                "key": kl.group_node_label(group),
+                "operator": "In",
+                "values": [kl.GROUP_NODE_LABEL_VALUE],
+            }
+        ]
+        (claim,) = spec["resourceClaims"]
+        claims.add(claim["resourceClaimName"])
+        assert container(pod)["resources"]["claims"] == [{"name": claim["name"]}]
+        assert agent_group in spec["securityContext"]["supplementalGroups"]
+        assert mounts(pod)["/run/tslice"]["hostPath"]["path"] == "/run/tslice"
+    (shared,) = claims
+    assert one(objs, "ResourceClaim", shared)["apiVersion"] == "resource.k8s.io/v1"
+
+
+@pytest.mark.parametrize("role", ["trainer", "sampler"])
+def test_the_example_script_runs_its_phases(
+    role: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Without an orchestrator address tslice.rl is a no-op: the script's use of it runs."""
+    for name in ("TIMESLICE_ORCH_ADDR", "TSLICE_ORCHESTRATOR", "TIMESLICE_JOB_ID"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("TSLICE_JOB_ID", "demo-a")
+    monkeypatch.setenv("TSLICE_ROLE", role)
+    monkeypatch.setenv("DEMO_STEPS", "2")
+    monkeypatch.setenv("DEMO_WORK_S", "0")
+    script = KUSTOMIZE / "overlays" / "rl-job-example" / "rl_demo.py"
+    runpy.run_path(str(script), run_name="__main__")
+    assert capsys.readouterr().out.splitlines()[-1] == f"demo-a {role}: step 2/2"
+
+
+# ---- container command lines ----------------------------------------------------------------
+
+
+@functools.cache
+def cli_command(name: str) -> Any:
+    return typer.main.get_command(main.app).commands[name]  # type: ignore[attr-defined]
+
+
+def cli_flags(name: str) -> set[str]:
+    return {opt for param in cli_command(name).params for opt in param.opts}
+
+
+def command_lines() -> list[Obj]:
+    if KUBECTL is None:
+        return []
+    return [
+        pytest.param(w, id=f"{overlay}:{name_of(w)}")
+        for overlay in OVERLAYS
+        for w in workloads(render(overlay))
+        if container(w).get("command") == ["tslice"]
+    ]
+
+
+def expanded(workload: Obj) -> list[str]:
+    """The container's args after tslice, as the kubelet expands $(VAR)."""
+    return [_ENV_REF.sub("node-a", a) for a in container(workload)["args"]]
+
+
+def is_kube_flag(arg: str) -> bool:
+    return arg.split("=", 1)[0] in KUBE_FLAGS
+
+
+@pytest.mark.parametrize("workload", command_lines())
+def test_container_command_lines_parse(workload: Obj) -> None:
+    name, *rest = expanded(workload)
+    # The --kubernetes flags are checked on their own, below.
+    rest = [a for a in rest if not is_kube_flag(a)]
+    assert all(a.startswith("--") for a in rest), "the manifests write --flag=value"
+    cli_command(name).make_context(name, rest)  # raises on an unknown flag or a bad value
+
+
+def test_the_orchestrator_command_lines_use_real_kubernetes_flags() -> None:
+    lines = [w.values[0] for w in command_lines() if expanded(w.values[0])[0] == "orchestrator"]
+    assert lines
+    for workload in lines:
+        name, *rest = expanded(workload)
+        used = {a.split("=", 1)[0] for a in rest if is_kube_flag(a)}
+        assert "--kubernetes" in used
+        assert used <= cli_flags(name), f"tslice orchestrator lacks {used - cli_flags(name)}"
+        cli_command(name).make_context(name, rest)
