@@ -107,7 +107,12 @@ class ApiServerEmulator:
         server.daemon_threads = True
         server.block_on_close = False
         self._server = server
-        self._thread = threading.Thread(target=server.serve_forever, name="apiserver", daemon=True)
+        self._thread = threading.Thread(
+            target=server.serve_forever,
+            kwargs={"poll_interval": 0.05},
+            name="apiserver",
+            daemon=True,
+        )
         self._thread.start()
         return self
 
@@ -168,9 +173,10 @@ class ApiServerEmulator:
         self._bump("_bookmarks")
 
     def refuse(self, count: int) -> None:
-        """The next ``count`` requests are answered 500 (an API server in trouble)."""
+        """The next ``count`` requests are answered 500 (an API server in trouble); 0
+        ends it."""
         with self.store.changed:
-            self._refusals += count
+            self._refusals = count
 
     def watch_requests(self, plural: str) -> list[Request]:
         return [r for r in list(self.requests) if r.query.get("watch") and plural in r.path]
