@@ -14,6 +14,10 @@ def _timeout(flag: str, help: str) -> Any:
     return options.in_panel("Timeouts", flag, help)
 
 
+def _kube(flag: str, help: str, metavar: str) -> Any:
+    return typer.Option(flag, help=help, metavar=metavar, rich_help_panel="Kubernetes")
+
+
 def register(app: typer.Typer) -> None:
     """Add the ``orchestrator`` command to ``app``."""
     app.command("orchestrator")(orchestrator)
@@ -38,6 +42,40 @@ def orchestrator(
         ),
     ] = None,
     group: Annotated[list[str] | None, options.LOCAL_GROUPS] = None,
+    kubernetes: Annotated[
+        bool,
+        typer.Option(
+            "--kubernetes",
+            help="Topology from the API server: groups from node labels "
+            "group.timeslice.io/<group>=true, agents from the DaemonSet's pods, jobs from "
+            "pod labels (needs tslice[kubernetes]).",
+            rich_help_panel="Kubernetes",
+        ),
+    ] = False,
+    kubeconfig: Annotated[
+        Path | None,
+        _kube(
+            "--kubeconfig",
+            "Credentials (default: in-cluster, then $KUBECONFIG, ~/.kube/config).",
+            "FILE",
+        ),
+    ] = None,
+    agent_namespace: Annotated[
+        str | None,
+        _kube("--agent-namespace", "Namespace of the agent pods (default timeslice-system).", "NS"),
+    ] = None,
+    agent_selector: Annotated[
+        str | None,
+        _kube(
+            "--agent-selector",
+            "Label selector of the agent pods (default app.kubernetes.io/name=tslice-agent).",
+            "SELECTOR",
+        ),
+    ] = None,
+    job_namespace: Annotated[
+        str | None,
+        _kube("--job-namespace", "Namespace of RL job pods (default: all namespaces).", "NS"),
+    ] = None,
     host: Annotated[str | None, options.HOST] = None,
     port: Annotated[int | None, options.port("gRPC", 50051)] = None,
     state_dir: Annotated[
@@ -85,6 +123,11 @@ def orchestrator(
         "topology_file": topology.resolve() if topology is not None else None,
         "local_agents": local_agent or None,
         "local_groups": group or None,
+        "kubernetes": kubernetes or None,
+        "kubeconfig": kubeconfig.resolve() if kubeconfig is not None else None,
+        "agent_namespace": agent_namespace,
+        "agent_selector": agent_selector,
+        "job_namespace": job_namespace,
         "host": host,
         "port": port,
         "state_dir": state_dir,

@@ -31,7 +31,7 @@ from typing import Any, Literal
 import pydantic
 import yaml
 
-from tslice.common import errors, ids, serving
+from tslice.common import errors, ids, kube_labels, serving
 from tslice.common.auth import AuthSettings
 from tslice.common.tls import ClientSecurity, ServerTLS, check_listen
 
@@ -163,6 +163,12 @@ class OrchestratorModel(_Model):
     agent_client: dict[str, Any] | None = None
     #: Who may call what (tslice.common.auth); absent: no authentication.
     auth: dict[str, Any] | None = None
+    #: Kubernetes mode: the topology from the API server (see KubeSettings).
+    kubernetes: bool = False
+    kubeconfig: pathlib.Path | None = None
+    agent_namespace: str | None = None
+    agent_selector: str | None = None
+    job_namespace: str | None = None
 
     @pydantic.field_validator("local_groups")
     @classmethod
@@ -200,6 +206,20 @@ class Topology:
     @property
     def local(self) -> bool:
         return bool(self.local_nodes)
+
+
+@dataclasses.dataclass(frozen=True)
+class KubeSettings:
+    """Kubernetes mode: groups from node labels, agents from the DaemonSet's pods, jobs
+    from pod labels (tslice.orchestrator.kube)."""
+
+    #: Credentials file; None: in-cluster, then $KUBECONFIG / ~/.kube/config.
+    kubeconfig: pathlib.Path | None = None
+    #: Where the agent DaemonSet's pods run, and their label selector.
+    agent_namespace: str = kube_labels.NAMESPACE
+    agent_selector: str = kube_labels.AGENT_SELECTOR
+    #: Where RL job pods are watched; None: all namespaces.
+    job_namespace: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -253,6 +273,8 @@ class OrchestratorConfig:
     agent_client: ClientSecurity = dataclasses.field(default_factory=ClientSecurity)
     #: Authentication and roles; None: every caller may call everything.
     auth: AuthSettings | None = None
+    #: Kubernetes mode (the topology is empty at start: groups come from the API server).
+    kubernetes: KubeSettings | None = None
 
 
 # ---- building ---------------------------------------------------------------------------
@@ -346,8 +368,9 @@ def build(
     except pydantic.ValidationError as err:
         raise errors.ConfigError(where + format_validation_error(err)) from err
 
+    kube = _kube_settings(model, where)
     local: list[NodeRef] = [parse_local_agent(s) for s in model.local_agents]
-    topology: Topology | None = None
+    topology: Topology | None = Topology() if kube is not None else None
     if model.topology is not None:
         topology = _topology(model.topology)
     if model.topology_file is not None:
@@ -382,7 +405,65 @@ def build(
         topology = dataclasses.replace(topology, local_groups=tuple(model.local_groups))
     # Every other setting has the same name in the file model and in the config.
     settings = {f.name: getattr(model, f.name) for f in dataclasses.fields(OrchestratorConfig)}
-    return OrchestratorConfig(**{**settings, **_security(model, where), "topology": topology})
+    return OrchestratorConfig(
+        **{**settings, **_security(model, where), "topology": topology, "kubernetes": kube}
+    )
+
+
+_KUBE_ONLY = {
+    "kubeconfig": "--kubeconfig",
+    "agent_namespace": "--agent-namespace",
+    "agent_selector": "--agent-selector",
+    "job_namespace": "--job-namespace",
+}
+_NOT_WITH_KUBE = {
+    "topology_file": "--topology",
+    "topology": "topology",
+    "local_agents": "--local-agent",
+    "local_groups": "--group",
+}
+
+
+def _kube_settings(model: OrchestratorModel, where: str) -> KubeSettings | None:
+    """Kubernetes mode's settings, or None; a topology given with it (or a Kubernetes
+    flag without it) is refused, naming both."""
+    if not model.kubernetes:
+        given = [flag for key, flag in _KUBE_ONLY.items() if getattr(model, key) is not None]
+        if given:
+            verb = "is an option" if len(given) == 1 else "are options"
+            raise errors.ConfigError(
+                f"{where}{', '.join(given)} {verb} of Kubernetes mode: add --kubernetes "
+                "(file: `kubernetes: true`) or drop it"
+            )
+        return None
+    clashing = [flag for key, flag in _NOT_WITH_KUBE.items() if getattr(model, key)]
+    if clashing:
+        raise errors.ConfigError(
+            f"{where}--kubernetes takes the topology from the API server (groups from "
+            f"node labels, agents from the DaemonSet's pods); {', '.join(clashing)} cannot be "
+            "combined with it: drop one or the other"
+        )
+    for key in ("agent_namespace", "job_namespace"):
+        value = getattr(model, key)
+        if value is not None and not _DNS_LABEL.fullmatch(value):
+            raise errors.ConfigError(
+                f"{where}{_KUBE_ONLY[key]} {value!r} is not a namespace name (lower-case "
+                "letters, digits and '-', at most 63)"
+            )
+    if model.agent_selector is not None and not model.agent_selector.strip():
+        raise errors.ConfigError(
+            f"{where}--agent-selector is empty; give the agent pods' label selector, e.g. "
+            f"{kube_labels.AGENT_SELECTOR}"
+        )
+    return KubeSettings(
+        kubeconfig=model.kubeconfig,
+        agent_namespace=model.agent_namespace or kube_labels.NAMESPACE,
+        agent_selector=model.agent_selector or kube_labels.AGENT_SELECTOR,
+        job_namespace=model.job_namespace,
+    )
+
+
+_DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
 
 
 def _security(model: OrchestratorModel, where: str) -> dict[str, Any]:
