@@ -18,7 +18,7 @@ import typer
 import typer.exceptions
 
 import tslice
-from tslice.cli import certs_cmd, client_cmds, demo_cmd, render, up_cmd
+from tslice.cli import admin_cmd, certs_cmd, client_cmds, demo_cmd, render, up_cmd
 from tslice.common import errors
 
 #: Server command modules written by the layer owners; each offers ``register(app)``.
@@ -65,15 +65,6 @@ def version() -> None:
     render.stdout().print(f"tslice {tslice.__version__}")
 
 
-#: ``tslice admin ...``: operator commands; with authentication on they need the admin role
-#: (credentials as for every client: $TSLICE_TLS_* or $TSLICE_TOKEN*).
-admin_app = typer.Typer(
-    name="admin",
-    help="Operator commands (with authentication on: the admin role).",
-    no_args_is_help=True,
-)
-
-
 def _register_all() -> None:
     for name in _SERVER_COMMANDS:
         try:
@@ -88,9 +79,8 @@ def _register_all() -> None:
     client_cmds.register(app)
     demo_cmd.register(app)
     certs_cmd.register(app)
-    # ClearDegraded under its operator's name (evict and drain have no RPC yet).
-    admin_app.command("reset-fault")(client_cmds.clear_degraded)
-    app.add_typer(admin_app)
+    # ``tslice admin ...``: evict, drain, resume, reset-fault (the admin role).
+    admin_cmd.register(app)
 
 
 _register_all()
