@@ -18,7 +18,7 @@ import dataclasses
 import logging
 import pathlib
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 import prometheus_client as prom
@@ -27,8 +27,11 @@ from grpc_reflection.v1alpha import reflection
 
 from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2 as opb
 from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2_grpc as opb_grpc
-from tslice.common import auth, ids, logs, serving, undecodable
+from tslice.common import auth, errors, ids, logs, serving, undecodable
 from tslice.orchestrator import agents, config, events, group, manager, metrics, server, store
+
+if TYPE_CHECKING:
+    from tslice.orchestrator.kube import discovery as kube_discovery
 
 log = logging.getLogger(__name__)
 
@@ -98,6 +101,7 @@ async def _serve_locked(
     metrics_http: Any = None
     groups: manager.GroupManager | None = None
     servicer: server.OrchestratorServicer | None = None
+    discovery: kube_discovery.Discovery | None = None
     try:
         # Bound first: a port in use fails the start before anything else happens.
         port = serving.bind_grpc(
@@ -109,6 +113,10 @@ async def _serve_locked(
             insecure=cfg.insecure,
         )
         cfg = await _name_local_agents(cfg, pool)
+        if cfg.kubernetes is not None:
+            discovery = _discovery(cfg.kubernetes)
+            found = await discovery.start()
+            cfg = dataclasses.replace(cfg, topology=config.Topology(groups=found))
         groups = manager.GroupManager(group.Services(cfg=cfg, db=db, pool=pool, bus=bus, metrics=m))
         if cfg.metrics_port:
             try:
@@ -118,6 +126,8 @@ async def _serve_locked(
             except OSError as err:
                 raise serving.metrics_bind_error(cfg.host, cfg.metrics_port, err) from err
         await groups.start()
+        if discovery is not None:
+            discovery.follow(groups)
         servicer = server.OrchestratorServicer(groups=groups, bus=bus)
         opb_grpc.add_TimeSliceOrchestratorServiceServicer_to_server(servicer, grpc_server)
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, grpc_server)
@@ -131,7 +141,7 @@ async def _serve_locked(
         log.info(
             "orchestrator serving on %s (%s mode, %d groups, %s)",
             address,
-            "local" if cfg.topology.local else "static",
+            _mode(cfg),
             len(groups.ids()),
             serving.transport_name(cfg.tls),
             extra={"address": address, "state_dir": str(cfg.state_dir)},
@@ -141,6 +151,8 @@ async def _serve_locked(
         await (stop.wait() if stop is not None else asyncio.Event().wait())
     finally:
         await health_servicer.enter_graceful_shutdown()
+        if discovery is not None:
+            await discovery.close()
         if groups is not None:
             await groups.stop(grace_s=cfg.shutdown_grace_s)
         if servicer is not None:
@@ -153,6 +165,24 @@ async def _serve_locked(
             metrics_http.shutdown()
             metrics_http.server_close()
         log.info("orchestrator stopped")
+
+
+def _mode(cfg: config.OrchestratorConfig) -> str:
+    if cfg.kubernetes is not None:
+        return "kubernetes"
+    return "local" if cfg.topology.local else "static"
+
+
+def _discovery(settings: config.KubeSettings) -> kube_discovery.Discovery:
+    """Kubernetes mode's discovery, imported only here: lightkube is an optional extra."""
+    try:
+        from tslice.orchestrator.kube import discovery
+    except ImportError as err:
+        raise errors.ConfigError(
+            f"--kubernetes needs the Kubernetes client ({err.name} is not installed): "
+            "pip install 'tslice[kubernetes]'"
+        ) from err
+    return discovery.Discovery(settings)
 
 
 async def _name_local_agents(

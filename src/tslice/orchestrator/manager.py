@@ -8,6 +8,14 @@ keeps its group), is forgotten, rows, metrics series and all. Its jobs' saved st
 stay on the agents, so a later Acquire of the same id restores them. Sweeps run
 periodically and whenever a new group would pass the bound. Declared groups (a
 topology, or ``--group``) are never collected.
+
+In Kubernetes mode the groups of the first full list are the topology at start; later
+the discovery (``tslice.orchestrator.kube``) adds a group that appears
+(:meth:`add_group`), takes away one whose nodes are all gone (:meth:`remove_group`: its
+state stays persisted, so it resumes if its nodes come back), restarts one whose
+nodes changed on the new ones (:meth:`replace_nodes`: as after a crash of the
+orchestrator, for that group alone) and evicts a job whose pods are all gone from
+every group (:meth:`evict`).
 """
 
 from __future__ import annotations
@@ -17,8 +25,8 @@ import logging
 import time
 
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
-from tslice.common import refusals, tasks
-from tslice.orchestrator import config, group, records
+from tslice.common import kube_labels, refusals, tasks
+from tslice.orchestrator import config, decisions, group, records
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +80,58 @@ class GroupManager:
 
     def get(self, gid: str) -> group.GroupDriver | None:
         return self._groups.get(gid)
+
+    # ---- discovered topology (Kubernetes mode) ------------------------------------------
+
+    async def add_group(self, gid: str, nodes: tuple[config.NodeRef, ...]) -> None:
+        """A group that appeared (its nodes were labelled); it resumes its persisted state."""
+        if gid in self._groups:
+            await self.replace_nodes(gid, nodes)
+            return
+        entry = (await self._services.db.load()).get(gid)
+        self._add(gid, nodes, entry[1] if entry else None)
+        log.info(
+            "group %s appeared with %d node(s): %s",
+            gid,
+            len(nodes),
+            ", ".join(n.name for n in nodes),
+            extra={"group_id": gid},
+        )
+
+    async def remove_group(self, gid: str, why: str) -> None:
+        """A group whose nodes are all gone: it stops (its waiters are told to retry, an
+        in-flight switch has ``shutdown_grace_s`` to finish); its rows stay."""
+        driver = self._groups.pop(gid, None)
+        if driver is None:
+            return
+        log.warning("group %s is gone (%s); it stops", gid, why, extra={"group_id": gid})
+        await driver.stop(grace_s=self._cfg.shutdown_grace_s)
+
+    async def replace_nodes(self, gid: str, nodes: tuple[config.NodeRef, ...]) -> None:
+        """The group's nodes changed: it stops (an in-flight switch has the shutdown grace
+        to finish) and starts again on ``nodes`` from its persisted state, recovering as
+        after a restart (the agents are read; a switch intent is rolled forward or back)."""
+        driver = self._groups.get(gid)
+        if driver is None:
+            await self.add_group(gid, nodes)
+            return
+        if driver.nodes == nodes:
+            return
+        log.warning(
+            "group %s: nodes changed (%s -> %s); the group restarts on its new nodes",
+            gid,
+            ", ".join(f"{n.name}@{n.address}" for n in driver.nodes) or "none",
+            ", ".join(f"{n.name}@{n.address}" for n in nodes),
+            extra={"group_id": gid},
+        )
+        del self._groups[gid]
+        await driver.stop(grace_s=self._cfg.shutdown_grace_s)
+        entry = (await self._services.db.load()).get(gid)
+        self._add(gid, nodes, entry[1] if entry else None)
+
+    async def evict(self, job: str, reason: str = "") -> list[tuple[str, decisions.EvictOutcome]]:
+        """Take ``job`` out of every group where it holds or waits."""
+        return await group.evict_everywhere(list(self._groups.values()), job, reason)
 
     async def get_or_create(self, gid: str) -> group.GroupDriver | None:
         """The group, created first in local mode (``None``: no such group); raises
@@ -168,6 +228,12 @@ class GroupManager:
         if self.local:
             return f"group {gid!r} does not exist yet; it is created by its first Acquire"
         known = ", ".join(self.ids()) or "none"
+        if self._cfg.kubernetes is not None:
+            return (
+                f"group {gid!r} has no nodes (known groups: {known}); label its nodes "
+                f"{kube_labels.group_node_label(gid)}=true (Ready, not cordoned, with an "
+                "agent pod on each)"
+            )
         if self._cfg.topology.local_groups:
             return f"group {gid!r} is not one of the groups given with --group ({known})"
         return f"group {gid!r} is not in the topology (known groups: {known})"

@@ -1,0 +1,124 @@
+"""Kubernetes mode's topology: the watcher's model, kept applied to the group manager.
+
+At start the groups are those of the first full list of every stream (the orchestrator
+serves once they are known). Afterwards every batch of changes wakes one follower task,
+which makes the manager's groups those of the model (level-triggered: it compares the
+whole topology, so a burst of events is one pass) and evicts, from every group, each
+job whose pods all went (Succeeded, Failed or deleted) and have not come back: it loses
+its lock (the next waiter is granted) or leaves the queue, and the group's event stream
+says so. A job never seen with a live pod is left alone (a client outside the cluster).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from tslice.common import errors, tasks
+from tslice.orchestrator import config, manager
+from tslice.orchestrator.kube import model, watch
+
+log = logging.getLogger(__name__)
+
+
+def _describe(nodes: tuple[config.NodeRef, ...]) -> str:
+    return ", ".join(f"{n.name}@{n.address}" for n in nodes)
+
+
+class Discovery:
+    def __init__(self, settings: config.KubeSettings) -> None:
+        self._settings = settings
+        self._changed = asyncio.Event()
+        self._gone_jobs: list[str] = []
+        self._watcher: watch.Watcher | None = None
+        self._follower: asyncio.Task[None] | None = None
+
+    async def start(self) -> dict[str, tuple[config.NodeRef, ...]]:
+        """Connect, list everything once, start watching; the groups there are now."""
+        try:
+            client = watch.connect(self._settings)
+        except Exception as err:  # lightkube's ConfigError, a missing or unreadable file
+            where = self._settings.kubeconfig or "in-cluster config, $KUBECONFIG, ~/.kube/config"
+            raise errors.ConfigError(
+                f"cannot load Kubernetes credentials ({where}): {err}; give --kubeconfig FILE "
+                "or run in a pod with a ServiceAccount"
+            ) from err
+        self._watcher = watch.Watcher(client, self._settings, on_events=self._on_events)
+        self._watcher.start()
+        await self._watcher.synced()
+        found = self._watcher.model
+        for name, why in sorted(found.pending_nodes().items()):
+            log.warning("node %s is labelled for a group but does not count yet: %s", name, why)
+        groups = found.groups()
+        log.info(
+            "Kubernetes topology: %d group(s)%s",
+            len(groups),
+            "".join(f"; {g}: {_describe(ns)}" for g, ns in groups.items()),
+        )
+        self._gone_jobs.clear()
+        return groups
+
+    def follow(self, groups: manager.GroupManager) -> None:
+        """Keep ``groups`` in step with the cluster from now on."""
+        self._follower = tasks.spawn(self._follow(groups), name="kube:follow")
+        self._changed.set()  # what changed between the first list and now
+
+    async def close(self) -> None:
+        if self._follower is not None:
+            await tasks.cancel_all([self._follower])
+        if self._watcher is not None:
+            await self._watcher.close()
+
+    def _on_events(self, events: list[model.Event]) -> None:
+        for event in events:
+            log.info("Kubernetes: %s", event)
+            if isinstance(event, model.JobGone):
+                self._gone_jobs.append(event.job)
+        self._changed.set()
+
+    async def _follow(self, groups: manager.GroupManager) -> None:
+        assert self._watcher is not None
+        cluster = self._watcher.model
+        while True:
+            await self._changed.wait()
+            self._changed.clear()
+            try:
+                await self._apply_groups(groups, cluster.groups())
+                gone, self._gone_jobs = self._gone_jobs, []
+                live = cluster.live_jobs()
+                for job in dict.fromkeys(gone):
+                    if job not in live:
+                        await self._evict(groups, job)
+            except Exception:
+                log.exception("applying a Kubernetes change failed; retrying at the next one")
+
+    @staticmethod
+    async def _apply_groups(
+        groups: manager.GroupManager, wanted: dict[str, tuple[config.NodeRef, ...]]
+    ) -> None:
+        for gid in groups.ids():
+            if gid not in wanted:
+                await groups.remove_group(
+                    gid, "no Ready, schedulable node with an agent is labelled for it"
+                )
+        for gid, nodes in wanted.items():
+            driver = groups.get(gid)
+            if driver is None:
+                await groups.add_group(gid, nodes)
+            elif driver.nodes != nodes:
+                await groups.replace_nodes(gid, nodes)
+
+    @staticmethod
+    async def _evict(groups: manager.GroupManager, job: str) -> None:
+        reason = f"every pod of job {job} is gone (Succeeded, Failed or deleted)"
+        outcomes = await groups.evict(job, reason)
+        for gid, out in outcomes:
+            role = out.role.value if out.role is not None else "?"
+            log.warning(
+                "job %s evicted from group %s (it was %s): %s",
+                job,
+                gid,
+                role,
+                reason,
+                extra={"group_id": gid, "job_id": job},
+            )

@@ -1,0 +1,82 @@
+"""``python -m tslice ...`` servers whose log lines a test can wait for (the servers' own
+word that something happened: no sleeps, no polling)."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import re
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Sequence
+
+#: How long a server may take to report a line a test waits for, seconds.
+WAIT_S = 60.0
+
+
+class LoggedServer:
+    def __init__(self, args: Sequence[str], log_path: pathlib.Path) -> None:
+        self.log_path = log_path
+        self._lines: list[str] = []
+        self._changed = threading.Condition()
+        self._ended = False
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tslice", *args],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+        self._reader = threading.Thread(target=self._read, name=f"{args[0]}-log", daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        with self.log_path.open("w", encoding="utf-8") as log:
+            for line in self.proc.stdout:
+                log.write(line)
+                with self._changed:
+                    self._lines.append(line)
+                    self._changed.notify_all()
+        with self._changed:
+            self._ended = True
+            self._changed.notify_all()
+
+    def wait_for(self, pattern: str, *, after: int = 0) -> re.Match[str]:
+        """The first line (from line ``after`` on) matching ``pattern``; raises with the
+        log if the server exits or stays silent about it."""
+        regex = re.compile(pattern)
+        with self._changed:
+            index = after
+            while True:
+                for line in self._lines[index:]:
+                    match = regex.search(line)
+                    if match:
+                        return match
+                index = len(self._lines)
+                if self._ended or not self._changed.wait(WAIT_S):
+                    raise AssertionError(f"no log line matched {pattern!r}:\n{self.logs()}")
+
+    @property
+    def line_count(self) -> int:
+        with self._changed:
+            return len(self._lines)
+
+    def logs(self) -> str:
+        with self._changed:
+            return "".join(self._lines)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._reader.join(timeout=15)
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
