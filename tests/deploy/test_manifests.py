@@ -6,15 +6,14 @@ Kubernetes 1.34, the first release with ``resource.k8s.io/v1`` (DRA) generally a
 and of the newest release the package knows (nothing used has been removed since).
 The labels, taint, namespace and ports are the strings of ``tslice.common.kube_labels``;
 every ``tslice ...`` container command line parses with the real command line; the
-TLS overlay's config files load with the real loaders; the example job's script runs. The
-image: test_dockerfile.py.
+TLS overlay's config files load with the real loaders; the image:
+test_dockerfile.py; the example job's script: test_example_script.py.
 """
 
 from __future__ import annotations
 
 import functools
 import re
-import runpy
 import shutil
 import subprocess
 from collections.abc import Iterator
@@ -424,22 +423,6 @@ def test_the_example_job_is_labelled_as_wire_md_says() -> None:
         assert mounts(pod)["/run/tslice"]["hostPath"]["path"] == "/run/tslice"
     (shared,) = claims
     assert one(objs, "ResourceClaim", shared)["apiVersion"] == "resource.k8s.io/v1"
-
-
-@pytest.mark.parametrize("role", ["trainer", "sampler"])
-def test_the_example_script_runs_its_phases(
-    role: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
-) -> None:
-    """Without an orchestrator address tslice.rl is a no-op: the script's use of it runs."""
-    for name in ("TIMESLICE_ORCH_ADDR", "TSLICE_ORCHESTRATOR", "TIMESLICE_JOB_ID"):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("TSLICE_JOB_ID", "demo-a")
-    monkeypatch.setenv("TSLICE_ROLE", role)
-    monkeypatch.setenv("DEMO_STEPS", "2")
-    monkeypatch.setenv("DEMO_WORK_S", "0")
-    script = KUSTOMIZE / "overlays" / "rl-job-example" / "rl_demo.py"
-    runpy.run_path(str(script), run_name="__main__")
-    assert capsys.readouterr().out.splitlines()[-1] == f"demo-a {role}: step 2/2"
 
 
 # ---- container command lines ----------------------------------------------------------------
