@@ -13,6 +13,8 @@ import pytest
 
 pytest.importorskip("lightkube")
 
+from lightkube.resources.core_v1 import Pod
+
 from tests.kube import apistore, objects
 from tests.kube.emulator import ApiServerEmulator
 from tslice.orchestrator import config, switch
@@ -200,3 +202,23 @@ async def test_a_bookmark_moves_the_version_a_watch_resumes_from(
     await seen.put(api, objects.job_pod("a-0", "job-a", "trainer"))
     assert watcher.model.live_jobs() == {"job-a"}
     assert watcher.relists == 0
+
+
+def test_an_agent_is_reached_at_its_pod_ip_and_grpc_port() -> None:
+    pod = objects.agent_pod("gpu-a", "fd00::7", 9100)
+    assert watch.agent_pod(Pod.from_dict(pod)).address == "[fd00::7]:9100"
+    unnamed = objects.agent_pod("gpu-a", "10.0.0.1", 9100, port_name="metrics")
+    assert watch.agent_pod(Pod.from_dict(unnamed)).address == "10.0.0.1:9001"
+    pending = {**pod, "status": {"phase": "Pending"}}
+    assert watch.agent_pod(Pod.from_dict(pending)).address is None
+
+
+def test_only_pending_and_running_pods_keep_a_job_live() -> None:
+    for phase, live in [
+        ("Pending", True),
+        ("Running", True),
+        ("Succeeded", False),
+        ("Failed", False),
+    ]:
+        pod = Pod.from_dict(objects.job_pod("p", "job-a", "trainer", phase=phase))
+        assert watch.job_pod(pod) == model.JobPod("rl/p", "job-a", "trainer", live=live)
