@@ -38,8 +38,13 @@ OVERLAYS = (*SERVER_OVERLAYS, "rl-job-example")
 #: The oldest Kubernetes the manifests are for (resource.k8s.io/v1) and the newest known.
 KUBERNETES_VERSIONS = ("1.34", k8s_schemas.major_minor(k8s_schemas.latest_version()))
 #: Flags of `tslice orchestrator --kubernetes` (.scratch/kube-contract.md).
-KUBE_FLAGS = ("--kubernetes", "--kubeconfig", "--agent-namespace", "--agent-selector")
-KUBE_FLAGS += ("--job-namespace",)
+KUBE_FLAGS = {
+    "--kubernetes",
+    "--kubeconfig",
+    "--agent-namespace",
+    "--agent-selector",
+    "--job-namespace",
+}
 #: The kubelet expands $(VAR) in args from the container's env; a stand-in value.
 _ENV_REF = re.compile(r"\$\(([A-Z_]+)\)")
 CLUSTER_SCOPED = {"Namespace", "ClusterRole", "ClusterRoleBinding"}
