@@ -16,6 +16,7 @@ from typing import Any
 from google.protobuf import timestamp_pb2
 
 from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2 as opb
+from tslice.orchestrator import decisions
 
 Kind = opb.OrchestratorEvent.Kind
 
@@ -121,6 +122,22 @@ class EventBus:
 EVENT_HOLD_S = 0.005
 
 
+_EMITTED_KINDS = {
+    decisions.EventKind.QUEUED: Kind.KIND_QUEUED,
+    decisions.EventKind.YIELDED: Kind.KIND_YIELDED,
+    decisions.EventKind.CANCELLED: Kind.KIND_CANCELLED,
+    decisions.EventKind.ROLLED_BACK: Kind.KIND_SWITCH_FAILED,
+}
+
+
+def _grant_detail(g: decisions.Granted) -> str:
+    if g.held:
+        return "already held"
+    if g.zero_cost:
+        return "zero-cost"
+    return "restored" if g.restored else ""
+
+
 class GroupEvents:
     """One group's side of the bus: its events, built only when somebody watches, and
     held back for at most :data:`EVENT_HOLD_S` while a switch gets going.
@@ -151,6 +168,20 @@ class GroupEvents:
         """Publish an event of this group, if anybody watches such events."""
         if self.wants(kind):  # nobody watching: not even built
             self.publish(make_event(kind, group_id=self.group_id, **fields))
+
+    def granted(self, g: decisions.Granted) -> None:
+        """The event of a grant the lock decided."""
+        self.emit(
+            Kind.KIND_GRANTED,
+            job_id=g.job,
+            grant_epoch=g.epoch,
+            duration_ms=int(g.waited_s * 1000),
+            detail=_grant_detail(g),
+        )
+
+    def decided(self, e: decisions.Emit) -> None:
+        """The event the lock asked for (queued, yielded, cancelled, rolled back)."""
+        self.emit(_EMITTED_KINDS[e.kind], job_id=e.job, detail=e.detail)
 
     def hold(self) -> None:
         if self._held is None:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 import time
 from collections.abc import Callable, Iterable
@@ -52,16 +53,7 @@ from tslice.orchestrator import (
 log = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
-Kind = opb.OrchestratorEvent
 Effect = inbox.Effect
-
-
-_EVENT_KINDS = {
-    decisions.EventKind.QUEUED: Kind.KIND_QUEUED,
-    decisions.EventKind.YIELDED: Kind.KIND_YIELDED,
-    decisions.EventKind.CANCELLED: Kind.KIND_CANCELLED,
-    decisions.EventKind.ROLLED_BACK: Kind.KIND_SWITCH_FAILED,
-}
 
 
 def _shutting_down() -> refusals.Refused:
@@ -84,14 +76,6 @@ class Services:
 def eviction_message(group_id: str, reason: str) -> str:
     """What an evicted job is told (its Acquire's error, its later Yield's, its events)."""
     return f"evicted from group {group_id!r} by an administrator: {reason or 'no reason given'}"
-
-
-def _grant_detail(g: decisions.Granted) -> str:
-    if g.held:
-        return "already held"
-    if g.zero_cost:
-        return "zero-cost"
-    return "restored" if g.restored else ""
 
 
 class GroupDriver:
@@ -468,7 +452,8 @@ class GroupDriver:
         for action in actions:
             if isinstance(action, decisions.Granted):
                 receivers = self._callers.granted(action.job, action.epoch)
-                effects += [callers.resolve_effect(action, receivers), self._announce(action)]
+                announce = functools.partial(self.events.granted, action)
+                effects += [callers.resolve_effect(action, receivers), announce]
             elif isinstance(action, decisions.Abort):
                 effects.append(callers.abort_effect(action, self._callers.take(action.job)))
             elif isinstance(action, decisions.StartSwitch):
@@ -480,11 +465,8 @@ class GroupDriver:
                 self.views.clear()
                 self._arbiter.release(self.group_id)
             else:
-                effects.append(self._emit_effect(action))
+                effects.append(functools.partial(self.events.decided, action))
         return effects
-
-    def _emit_effect(self, e: decisions.Emit) -> Effect:
-        return lambda: self.events.emit(_EVENT_KINDS[e.kind], job_id=e.job, detail=e.detail)
 
     def _claim(self, need: decisions.NeedClaim) -> list[Effect]:
         """Ask for the device claim (see overlap); wait for it if it is not free."""
@@ -495,18 +477,6 @@ class GroupDriver:
             return []
         shared = bool(self._arbiter.conflicts(self.group_id))
         return self.bind(self.lock.on_claim_granted(granted, now=time.monotonic(), shared=shared))
-
-    def _announce(self, g: decisions.Granted) -> Effect:
-        def announce() -> None:
-            self.events.emit(
-                Kind.KIND_GRANTED,
-                job_id=g.job,
-                grant_epoch=g.epoch,
-                duration_ms=int(g.waited_s * 1000),
-                detail=_grant_detail(g),
-            )
-
-        return announce
 
     def _switch_effect(self, s: decisions.StartSwitch) -> Effect:
         def effect() -> None:

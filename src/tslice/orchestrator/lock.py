@@ -14,7 +14,10 @@ resident was confirmed on every node (after a completed switch or by reading the
 agents); a queue entry is *attached* while at least one Acquire RPC of its job
 is waiting, *detached* when it was restored from disk after a crash and its RPCs
 are gone. Only attached entries are promoted; detached ones keep their place for
-``reattach_grace_s`` and are then dropped.
+``reattach_grace_s`` and are then dropped. An administrator may *evict* a job
+(it loses the lock, or its place in the queue) and *drain* the group (no new turn is
+granted until it is resumed). The state itself, its record and its read-only views
+are :class:`tslice.orchestrator.lock_state.LockState`.
 
 Because this module is pure, randomized tests drive it directly and check the
 invariants (one holder, FIFO, no departed job granted, every live waiter granted).
@@ -22,12 +25,12 @@ invariants (one holder, FIFO, no departed job granted, every live waiter granted
 
 from __future__ import annotations
 
-import dataclasses
-import enum
-
 from tslice.common import refusals
 from tslice.orchestrator import decisions as act
-from tslice.orchestrator import records
+from tslice.orchestrator import lock_state, records
+
+#: The group's state from the lock alone (named here too: callers read ``lock.Phase``).
+Phase = lock_state.Phase
 
 #: Why a job restored from disk was dropped after ``reattach_grace_s``.
 _NOT_BACK = "did not re-attach after recovery"
@@ -35,89 +38,8 @@ _NOT_BACK = "did not re-attach after recovery"
 _EVICTIONS_KEPT = 64
 
 
-class Phase(enum.Enum):
-    """Group state as derived from the lock alone (the driver adds UNKNOWN)."""
-
-    IDLE = "IDLE"
-    IDLE_YIELDED = "IDLE_YIELDED"
-    LOCKED = "LOCKED"
-    SWITCHING = "SWITCHING"
-
-
-# ---- state ---------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass
-class _Entry:
-    job: str
-    seq: int
-    queued_at: float
-    attached: int
-    #: Set for entries restored after a crash until an Acquire re-attaches them.
-    detached_since: float | None = None
-
-
-@dataclasses.dataclass
-class _Switch:
-    from_job: str | None
-    to_job: str
-    epoch: int
-    seq: int
-    queued_at: float
-    attached: int
-    recovered: bool = False
-    #: The target left (cancelled or yielded): after the switch it is a yielded resident.
-    departed: bool = False
-
-
-@dataclasses.dataclass
-class _Claim:
-    held: bool = True
-    #: The job it is held for (None: any).
-    job: str | None = None
-    #: A waiter it was just granted for (possibly past the head of the queue).
-    chosen: str | None = None
-    #: Another group waits for it: let go at the next release.
-    contended: bool = False
-
-    def allows(self, job: str) -> bool:
-        return self.held and self.job in (None, job)
-
-
-class GroupLock:
+class GroupLock(lock_state.LockState):
     """Lock, queue and residency of one group. Not thread-safe; one driver owns it."""
-
-    def __init__(self, *, reattach_grace_s: float = 30.0) -> None:
-        self._grace = reattach_grace_s
-        self._holder: str | None = None
-        self._resident: str | None = None
-        self._verified = False
-        self._epoch = 0
-        self._switch_count = 0
-        self._next_seq = 1
-        self._queue: dict[str, _Entry] = {}  # insertion order == seq order
-        self._switch: _Switch | None = None
-        self._footprints: dict[str, int] = {}
-        #: lease_ms of each job's latest Acquire (0 = no lease); see holder_lease_ms.
-        self._leases: dict[str, int] = {}
-        self._recovering = False
-        # Delivery tracking of the current grant: how many Acquire RPCs received it
-        # and how many of those were cancelled before the reply went out.
-        self._receivers = 0
-        self._undelivered = 0
-        # A grant made by a recovered switch waits this long for its job to re-attach.
-        self._confirm_deadline: float | None = None
-        self._recovered_at: float | None = None
-        self.detail = ""
-        #: The device claim (see overlap). A lock on its own holds it for anybody; a
-        #: driver starts without it (start_claim) unless it has a holder.
-        self._claim = _Claim()
-        #: Why no switch may start (a degraded node); "" = none.
-        self.blocked = ""
-        #: An administrator drained the group: no new turn is granted (persisted).
-        self.draining = False
-        #: Jobs an administrator evicted -> the message they get (see on_evict).
-        self._evicted: dict[str, str] = {}
 
     # ---- construction from disk -----------------------------------------------------------
 
@@ -139,12 +61,12 @@ class GroupLock:
         if leased is not None and record.holder_lease_ms > 0:
             lock._leases[leased] = record.holder_lease_ms
         for q in sorted(record.queue, key=lambda q: q.seq):
-            lock._queue[q.job] = _Entry(q.job, q.seq, now, attached=0, detached_since=now)
+            lock._queue[q.job] = lock_state.Entry(q.job, q.seq, now, attached=0, detached_since=now)
             if q.footprint_bytes:
                 lock._footprints[q.job] = q.footprint_bytes
         if record.intent is not None:
             it = record.intent
-            lock._switch = _Switch(
+            lock._switch = lock_state.Switch(
                 it.from_job, it.to_job, it.epoch, it.seq, now, attached=0, recovered=True
             )
             lock._holder = it.to_job
@@ -153,123 +75,6 @@ class GroupLock:
         # A holder that was granted before the crash keeps the lock; its client got the reply.
         lock._receivers = 1 if lock._holder is not None and lock._switch is None else 0
         return lock
-
-    def record(self) -> records.LockRecord:
-        s = self._switch
-        intent = None if s is None else records.IntentRecord(s.from_job, s.to_job, s.epoch, s.seq)
-        holder = None if self._switch is not None else self._holder
-        # While switching, the target's lease: a switch rolled forward after a restart
-        # grants it with that lease, so a target that is gone loses the lock in time.
-        leased = s.to_job if s is not None else holder
-        return records.LockRecord(
-            holder=holder,
-            resident=self._resident,
-            grant_epoch=self._epoch,
-            switch_count=self._switch_count,
-            next_seq=self._next_seq,
-            queue=tuple(
-                records.QueueRecord(e.job, e.seq, self._footprints.get(e.job, 0))
-                for e in self._queue.values()
-            ),
-            intent=intent,
-            footprints=tuple(sorted(self._footprints.items())),
-            holder_lease_ms=self._leases.get(leased, 0) if leased is not None else 0,
-            draining=self.draining,
-        )
-
-    # ---- read-only views ------------------------------------------------------------------
-
-    @property
-    def holder(self) -> str | None:
-        return self._holder
-
-    @property
-    def resident(self) -> str | None:
-        return self._resident
-
-    @property
-    def active_job(self) -> str | None:
-        """The job that should be resident: the switch target while switching."""
-        return self._switch.to_job if self._switch is not None else self._resident
-
-    @property
-    def loaded_job(self) -> str | None:
-        """The job verified resident on every node (none while switching)."""
-        if self._switch is None and self._verified:
-            return self._resident
-        return None
-
-    @property
-    def verified(self) -> bool:
-        return self._verified
-
-    @property
-    def grant_epoch(self) -> int:
-        return self._epoch
-
-    @property
-    def switch_count(self) -> int:
-        return self._switch_count
-
-    @property
-    def recovering(self) -> bool:
-        return self._recovering
-
-    @property
-    def switching(self) -> act.StartSwitch | None:
-        return None if self._switch is None else self._start_switch(self._switch)
-
-    @property
-    def waiting_jobs(self) -> list[str]:
-        return list(self._queue)
-
-    @property
-    def attached_waiters(self) -> int:
-        return sum(1 for e in self._queue.values() if e.attached > 0)
-
-    @property
-    def holder_lease_ms(self) -> int:
-        """The lease of the granted holder (0 = none, or no grant yet: switching)."""
-        if self._holder is None or self._switch is not None:
-            return 0
-        return self._leases.get(self._holder, 0)
-
-    def eviction(self, job: str) -> str:
-        """Why ``job`` was evicted, while it has not acquired again ("" = it was not)."""
-        return self._evicted.get(job, "")
-
-    def footprint(self, job: str) -> int:
-        return self._footprints.get(job, 0)
-
-    @property
-    def claimed(self) -> bool:
-        return self._claim.held
-
-    def phase(self) -> Phase:
-        if self._switch is not None:
-            return Phase.SWITCHING
-        if self._holder is not None:
-            return Phase.LOCKED
-        if self._resident is not None:
-            return Phase.IDLE_YIELDED
-        return Phase.IDLE
-
-    def wants_switch(self, *, now: float) -> bool:
-        """Is anybody still interested in the switch in progress (worth retrying)?"""
-        s = self._switch
-        if s is None:
-            return False
-        if s.attached > 0 or self.attached_waiters > 0:
-            return True
-        # A recovered switch whose target may still re-issue its Acquire.
-        deadline = self.grace_deadline()
-        return s.recovered and not s.departed and deadline is not None and now < deadline
-
-    def grace_deadline(self) -> float | None:
-        """When detached entries (and an unconfirmed recovered grant) expire."""
-        if self._recovered_at is None:
-            return None
-        return self._recovered_at + self._grace
 
     # ---- events ---------------------------------------------------------------------------
 
@@ -318,7 +123,7 @@ class GroupLock:
             # Zero-cost re-acquire: still resident everywhere and nobody waits.
             self._grant_to(job, attached=1, new_epoch=True)
             return [act.Granted(job, self._epoch, restored=False, waited_s=0.0, zero_cost=True)]
-        self._queue[job] = _Entry(job, self._next_seq, now, attached=1)
+        self._queue[job] = lock_state.Entry(job, self._next_seq, now, attached=1)
         self._next_seq += 1
         return [act.Emit(act.EventKind.QUEUED, job), *self._promote(now)]
 
@@ -604,7 +409,7 @@ class GroupLock:
 
     # ---- internals ------------------------------------------------------------------------
 
-    def _end_switch(self, epoch: int) -> _Switch | None:
+    def _end_switch(self, epoch: int) -> lock_state.Switch | None:
         """The switch of ``epoch`` ends (None: it is not the one in progress)."""
         s = self._switch
         if s is None or s.epoch != epoch:
@@ -613,9 +418,9 @@ class GroupLock:
         self._holder = None
         return s
 
-    def _queue_first(self, s: _Switch, *, detached_since: float | None = None) -> None:
+    def _queue_first(self, s: lock_state.Switch, *, detached_since: float | None = None) -> None:
         """The switch's target goes back to the head of the queue, keeping its place."""
-        entry = _Entry(s.to_job, s.seq, s.queued_at, s.attached, detached_since)
+        entry = lock_state.Entry(s.to_job, s.seq, s.queued_at, s.attached, detached_since)
         self._queue = {s.to_job: entry, **self._queue}
 
     def _let_go(self) -> list[act.Action]:
@@ -673,10 +478,7 @@ class GroupLock:
             return [act.Granted(entry.job, self._epoch, False, waited, zero_cost=True)]
         self._epoch += 1
         self._holder = entry.job
-        self._switch = _Switch(
+        self._switch = lock_state.Switch(
             self._resident, entry.job, self._epoch, entry.seq, entry.queued_at, entry.attached
         )
         return [self._start_switch(self._switch)]
-
-    def _start_switch(self, s: _Switch) -> act.StartSwitch:
-        return act.StartSwitch(s.from_job, s.to_job, s.epoch, self.footprint(s.to_job), s.recovered)

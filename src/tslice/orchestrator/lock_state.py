@@ -1,0 +1,220 @@
+"""What a group's lock keeps, and what can be read from it (``tslice.orchestrator.lock``
+decides; this module holds its state, its record for the store and its read-only views).
+
+Nothing here changes the state: :class:`LockState` is the base of
+:class:`~tslice.orchestrator.lock.GroupLock`, whose ``on_*`` methods do. Vocabulary as
+there (holder, resident, verified, attached and detached queue entries).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+from tslice.orchestrator import decisions as act
+from tslice.orchestrator import records
+
+
+class Phase(enum.Enum):
+    """Group state as derived from the lock alone (the driver adds UNKNOWN)."""
+
+    IDLE = "IDLE"
+    IDLE_YIELDED = "IDLE_YIELDED"
+    LOCKED = "LOCKED"
+    SWITCHING = "SWITCHING"
+
+
+# ---- state ---------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Entry:
+    job: str
+    seq: int
+    queued_at: float
+    attached: int
+    #: Set for entries restored after a crash until an Acquire re-attaches them.
+    detached_since: float | None = None
+
+
+@dataclasses.dataclass
+class Switch:
+    from_job: str | None
+    to_job: str
+    epoch: int
+    seq: int
+    queued_at: float
+    attached: int
+    recovered: bool = False
+    #: The target left (cancelled or yielded): after the switch it is a yielded resident.
+    departed: bool = False
+
+
+@dataclasses.dataclass
+class Claim:
+    held: bool = True
+    #: The job it is held for (None: any).
+    job: str | None = None
+    #: A waiter it was just granted for (possibly past the head of the queue).
+    chosen: str | None = None
+    #: Another group waits for it: let go at the next release.
+    contended: bool = False
+
+    def allows(self, job: str) -> bool:
+        return self.held and self.job in (None, job)
+
+
+class LockState:
+    """The lock's state; read-only here (see :class:`~tslice.orchestrator.lock.GroupLock`)."""
+
+    def __init__(self, *, reattach_grace_s: float = 30.0) -> None:
+        self._grace = reattach_grace_s
+        self._holder: str | None = None
+        self._resident: str | None = None
+        self._verified = False
+        self._epoch = 0
+        self._switch_count = 0
+        self._next_seq = 1
+        self._queue: dict[str, Entry] = {}  # insertion order == seq order
+        self._switch: Switch | None = None
+        self._footprints: dict[str, int] = {}
+        #: lease_ms of each job's latest Acquire (0 = no lease); see holder_lease_ms.
+        self._leases: dict[str, int] = {}
+        self._recovering = False
+        # Delivery tracking of the current grant: how many Acquire RPCs received it
+        # and how many of those were cancelled before the reply went out.
+        self._receivers = 0
+        self._undelivered = 0
+        # A grant made by a recovered switch waits this long for its job to re-attach.
+        self._confirm_deadline: float | None = None
+        self._recovered_at: float | None = None
+        self.detail = ""
+        #: The device claim (see overlap). A lock on its own holds it for anybody; a
+        #: driver starts without it (start_claim) unless it has a holder.
+        self._claim = Claim()
+        #: Why no switch may start (a degraded node); "" = none.
+        self.blocked = ""
+        #: An administrator drained the group: no new turn is granted (persisted).
+        self.draining = False
+        #: Jobs an administrator evicted -> the message they get (see on_evict).
+        self._evicted: dict[str, str] = {}
+
+    def record(self) -> records.LockRecord:
+        s = self._switch
+        intent = None if s is None else records.IntentRecord(s.from_job, s.to_job, s.epoch, s.seq)
+        holder = None if self._switch is not None else self._holder
+        # While switching, the target's lease: a switch rolled forward after a restart
+        # grants it with that lease, so a target that is gone loses the lock in time.
+        leased = s.to_job if s is not None else holder
+        return records.LockRecord(
+            holder=holder,
+            resident=self._resident,
+            grant_epoch=self._epoch,
+            switch_count=self._switch_count,
+            next_seq=self._next_seq,
+            queue=tuple(
+                records.QueueRecord(e.job, e.seq, self._footprints.get(e.job, 0))
+                for e in self._queue.values()
+            ),
+            intent=intent,
+            footprints=tuple(sorted(self._footprints.items())),
+            holder_lease_ms=self._leases.get(leased, 0) if leased is not None else 0,
+            draining=self.draining,
+        )
+
+    # ---- read-only views ------------------------------------------------------------------
+
+    @property
+    def holder(self) -> str | None:
+        return self._holder
+
+    @property
+    def resident(self) -> str | None:
+        return self._resident
+
+    @property
+    def active_job(self) -> str | None:
+        """The job that should be resident: the switch target while switching."""
+        return self._switch.to_job if self._switch is not None else self._resident
+
+    @property
+    def loaded_job(self) -> str | None:
+        """The job verified resident on every node (none while switching)."""
+        if self._switch is None and self._verified:
+            return self._resident
+        return None
+
+    @property
+    def verified(self) -> bool:
+        return self._verified
+
+    @property
+    def grant_epoch(self) -> int:
+        return self._epoch
+
+    @property
+    def switch_count(self) -> int:
+        return self._switch_count
+
+    @property
+    def recovering(self) -> bool:
+        return self._recovering
+
+    @property
+    def switching(self) -> act.StartSwitch | None:
+        return None if self._switch is None else self._start_switch(self._switch)
+
+    @property
+    def waiting_jobs(self) -> list[str]:
+        return list(self._queue)
+
+    @property
+    def attached_waiters(self) -> int:
+        return sum(1 for e in self._queue.values() if e.attached > 0)
+
+    @property
+    def holder_lease_ms(self) -> int:
+        """The lease of the granted holder (0 = none, or no grant yet: switching)."""
+        if self._holder is None or self._switch is not None:
+            return 0
+        return self._leases.get(self._holder, 0)
+
+    def eviction(self, job: str) -> str:
+        """Why ``job`` was evicted, while it has not acquired again ("" = it was not)."""
+        return self._evicted.get(job, "")
+
+    def footprint(self, job: str) -> int:
+        return self._footprints.get(job, 0)
+
+    @property
+    def claimed(self) -> bool:
+        return self._claim.held
+
+    def phase(self) -> Phase:
+        if self._switch is not None:
+            return Phase.SWITCHING
+        if self._holder is not None:
+            return Phase.LOCKED
+        if self._resident is not None:
+            return Phase.IDLE_YIELDED
+        return Phase.IDLE
+
+    def wants_switch(self, *, now: float) -> bool:
+        """Is anybody still interested in the switch in progress (worth retrying)?"""
+        s = self._switch
+        if s is None:
+            return False
+        if s.attached > 0 or self.attached_waiters > 0:
+            return True
+        # A recovered switch whose target may still re-issue its Acquire.
+        deadline = self.grace_deadline()
+        return s.recovered and not s.departed and deadline is not None and now < deadline
+
+    def grace_deadline(self) -> float | None:
+        """When detached entries (and an unconfirmed recovered grant) expire."""
+        if self._recovered_at is None:
+            return None
+        return self._recovered_at + self._grace
+
+    def _start_switch(self, s: Switch) -> act.StartSwitch:
+        return act.StartSwitch(s.from_job, s.to_job, s.epoch, self.footprint(s.to_job), s.recovered)
