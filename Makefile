@@ -6,8 +6,9 @@ PY     := $(VENV)/bin/python
 DEMO_STAMP := $(VENV)/.installed-demo
 STAMP      := $(VENV)/.installed
 # Extras the test suite exercises (torch: the CPU build for the TorchAdapter tests;
-# trl: transformers and TRL for tests/jobside/test_trl_*.py, on CPU).
-TEST_EXTRAS ?= server,dev,torch,trl
+# trl: transformers and TRL for tests/jobside/test_trl_*.py, on CPU; kubernetes: lightkube for
+# tests/kube).
+TEST_EXTRAS ?= server,dev,torch,trl,kubernetes
 API_DIR     := src/tslice/api
 
 .PHONY: all venv demo test test-oldest oldest-venv test-floor test-newest test-protobuf test-jobside unit \
@@ -37,8 +38,8 @@ demo: $(DEMO_STAMP)
 
 ## Everything CI checks: lint, types, layer contracts, generated code, tests.
 test: $(STAMP) api-tools
-	$(VENV)/bin/ruff check src tests bench examples scripts
-	$(VENV)/bin/ruff format --check src tests bench examples scripts
+	$(VENV)/bin/ruff check src tests bench examples scripts deploy
+	$(VENV)/bin/ruff format --check src tests bench examples scripts deploy
 	$(VENV)/bin/mypy
 	$(VENV)/bin/lint-imports
 	$(PY) -m pytest -q
@@ -147,8 +148,8 @@ unit: $(STAMP)
 	$(PY) -m pytest -q -m "not slow"
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check src tests bench examples scripts
-	$(VENV)/bin/ruff format --check src tests bench examples scripts
+	$(VENV)/bin/ruff check src tests bench examples scripts deploy
+	$(VENV)/bin/ruff format --check src tests bench examples scripts deploy
 
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy

@@ -10,8 +10,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 from tests.deploy import image
 
 
@@ -51,10 +49,6 @@ def test_the_build_context_is_what_the_build_copies() -> None:
     assert copied == let_in
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="pyproject.toml has no `kubernetes` extra yet (.scratch/requests/kube-deploy.md)",
-)
 def test_the_image_installs_extras_that_exist() -> None:
     """pip only warns about an extra a package lacks: the image would quietly miss it."""
     wanted = set()
