@@ -49,10 +49,11 @@ OLDEST_PYTHON ?= python3.10
 OLDEST_VENV   := .venv-oldest
 # (tests/jobside runs on this Python in test-floor, with the oldest grpcio and protobuf.)
 # The suites of whole clusters of real processes (integration, security, fuzzing, chaos,
-# single faults, the load benchmark's short form) test behaviour, not the language: `make
-# test` runs them; on 3.10 CI's time goes to the unit, server and client tests.
+# single faults, the load benchmark's short form, Kubernetes mode against its API-server
+# emulator) and the manifests' rendering test behaviour, not the language: `make test` runs
+# them; on 3.10 CI's time goes to the unit, server and client tests.
 OLDEST_SKIPS := tests/jobside tests/integration tests/security tests/fuzz tests/chaos \
-	tests/faults tests/bench
+	tests/faults tests/bench tests/kube tests/deploy
 # (mypy is not run again here: `make test`'s mypy already checks for 3.10, python_version
 # in pyproject.toml.)
 test-oldest: api-tools oldest-venv
