@@ -9,7 +9,11 @@ order), switch target, resident and grant epoch, and hold the invariants: at mos
 holder, no job both holder and waiter, every grant to the job the model expects (with
 an Acquire waiting), and ``record()`` round-trips (a lock rebuilt from its record
 records the same thing). A restart rule rebuilds the lock from its record, as the
-driver does after a crash, and the queue must come back in order.
+driver does after a crash, and the queue must come back in order. An administrator
+may evict a job (a holder loses the lock as a lapsed lease does, a waiter leaves the
+queue, its Acquires aborted; a later Yield of the evicted job is refused) and drain
+the group (no new turn: the model promotes nobody until it resumes; the mark survives
+a restart).
 """
 
 from __future__ import annotations
@@ -51,13 +55,17 @@ class LockMachine(stateful.RuleBasedStateMachine):
         #: RPCs of the holder that received its grant (for undelivered).
         self.receivers = 0
         self.undelivered_rpcs = 0
+        #: An administrator drained the group: nobody is promoted (persisted).
+        self.draining = False
+        #: Jobs evicted since they last acquired -> why (kept in memory only).
+        self.evicted: dict[str, str] = {}
 
     # ---- the model's own rules --------------------------------------------------------
 
     def _promote(self) -> None:
         if self.holder is not None or self.switch is not None:
             return
-        if not self.queue or self.blocked:
+        if not self.queue or self.blocked or self.draining:
             return
         job, attached = next(iter(self.queue.items()))
         del self.queue[job]
@@ -99,6 +107,7 @@ class LockMachine(stateful.RuleBasedStateMachine):
     )
     def acquire(self, job: str, footprint: int = 0, lease: int = 0) -> None:
         s = self.switch
+        self.evicted.pop(job, None)
         granted_at_once = False
         if s is not None and s.to_job == job:
             s.attached += 1
@@ -117,6 +126,7 @@ class LockMachine(stateful.RuleBasedStateMachine):
             and self.resident == job
             and self.verified
             and not self.queue
+            and not self.draining
         ):
             self.epoch += 1
             self.holder = job
@@ -161,12 +171,13 @@ class LockMachine(stateful.RuleBasedStateMachine):
             self.holder = None
         elif holder == job:
             self._release()
-        elif holder is not None:
+        elif holder is not None or job in self.evicted:
             ok = False
         outcome = self.lock.on_yield(job, now=self._now)
         assert outcome.ok == ok, (outcome, holder)
         if not ok:
             assert outcome.holder == holder
+            assert outcome.evicted == self.evicted.get(job, "")
         self._apply(outcome.actions)
 
     @stateful.precondition(lambda self: self.switch is not None)
@@ -263,6 +274,33 @@ class LockMachine(stateful.RuleBasedStateMachine):
         self._release()
         self._apply(self.lock.on_lease_expired(job, epoch=epoch, now=self._now))
 
+    @stateful.rule(job=JOBS)
+    def evict(self, job: str) -> None:
+        why = f"evicted {job}"
+        s = self.switch
+        role, aborted = None, False
+        if self.holder == job:
+            role, self.evicted[job] = act.Role.HOLDER, why
+            if s is not None and s.to_job == job:
+                s.departed, s.attached, self.holder, aborted = True, 0, None, True
+            else:
+                self._release()
+        elif job in self.queue:
+            role, self.evicted[job] = act.Role.WAITER, why
+            aborted = self.queue.pop(job) > 0
+        out = self.lock.on_evict(job, why=why, now=self._now)
+        assert out.role is role, (out, role)
+        refused = [(a.job, a.message) for a in out.actions if isinstance(a, act.Abort)]
+        assert refused == ([(job, why)] if aborted else []), out
+        self._apply(out.actions)
+
+    @stateful.rule(drain=st.booleans())
+    def drain(self, drain: bool) -> None:
+        self.draining = drain
+        if not drain:
+            self._promote()
+        self._apply(self.lock.on_drain(drain, now=self._now))
+
     @stateful.precondition(lambda self: self.switch is None)
     @stateful.rule()
     def restart(self) -> None:
@@ -272,6 +310,7 @@ class LockMachine(stateful.RuleBasedStateMachine):
         record = self.lock.record()
         now = self._now
         self.blocked = ""  # degraded marks live in memory: the next switch finds them again
+        self.evicted = {}  # so do evictions (the drain mark is in the record)
         self.lock = lk.GroupLock.from_record(record, now=now, reattach_grace_s=10.0)
         self._apply(
             self.lock.on_recovered(
@@ -301,6 +340,7 @@ class LockMachine(stateful.RuleBasedStateMachine):
             self.switch.to_job if self.switch else None
         )
         assert g.grant_epoch == self.epoch
+        assert g.draining == self.draining
         if self.switch is None:
             assert g.resident == self.resident
 
@@ -310,7 +350,7 @@ class LockMachine(stateful.RuleBasedStateMachine):
         waiting = g.waiting_jobs
         assert len(waiting) == len(set(waiting))
         assert g.holder is None or g.holder not in waiting
-        if g.holder is None and g.switching is None:
+        if g.holder is None and g.switching is None and not g.draining:
             assert g.attached_waiters == 0, "a live waiter was left on a free group"
 
     @stateful.invariant()
@@ -331,6 +371,7 @@ class LockMachine(stateful.RuleBasedStateMachine):
             assert again.holder == g.holder
         assert again.switch_count == g.switch_count
         assert again.holder_lease_ms == g.holder_lease_ms
+        assert again.draining == g.draining
         for job in ("a", "b", "c", "d"):
             assert again.footprint(job) == g.footprint(job), job
 
