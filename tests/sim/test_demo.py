@@ -21,7 +21,7 @@ def test_derived_speeds_reproduce_the_recorded_medians_per_direction(
 ) -> None:
     config = demo.DemoConfig()
     speeds = demo.derived_speeds(config, model)
-    for pool, footprint in config.footprints.items():
+    for pool, footprint in config.footprints(model).items():
         recorded = model.switch[pool]
         stats: list[tuple[device.Direction, trace.Stat]] = [
             ("snapshot", recorded.snapshot),

@@ -28,7 +28,7 @@ def tiny_plan(steps: int) -> list[list[trace.Phase]]:
 def sim_job(job_id: str, steps: int) -> rljob.SimJob:
     return rljob.SimJob(
         job_id=job_id,
-        plan=tiny_plan(steps),
+        lanes=[tiny_plan(steps)],
         groups={trace.SAMPLER: "sampler", trace.TRAINER: "trainer"},
         footprints={trace.SAMPLER: 60 * GiB, trace.TRAINER: 70 * GiB},
         time_scale=1000.0,
@@ -83,7 +83,7 @@ async def test_failed_acquire_ends_the_job_with_an_open_window(
 ) -> None:
     job = rljob.SimJob(
         job_id="rl-bad",
-        plan=tiny_plan(1),
+        lanes=[tiny_plan(1)],
         groups={trace.SAMPLER: "sampler", trace.TRAINER: "no such group!"},
         footprints={},
         time_scale=1000.0,

@@ -1,4 +1,5 @@
-"""Phase model derived from the recorded trace (and from a synthetic one with known numbers)."""
+"""Phase models derived from the recorded trace and from constructed traces of other shapes
+(known phases: one job with waits; three pools, one private; fully asynchronous)."""
 
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ def synthetic(
     windows: dict[str, list[dict[str, Any]]] = {"sampler": [], "trainer": []}
     events: list[dict[str, Any]] = []
 
-    def acquired(t: float, pool: str, wait_s: float) -> None:
+    def acquired(t: float, pool: str, wait_s: float, step: int) -> None:
         events.append(
             {
                 "t": t,
@@ -38,21 +39,21 @@ def synthetic(
                 "pool": pool,
                 "wait_ms": wait_s * 1000,
                 "restore_ms": 0,
-                "step": 0,
+                "step": step,
             }
         )
 
     t = 0.0
     tr0 = 0.0
-    acquired(tr0, "trainer", 0)
-    for _ in range(steps):
+    acquired(tr0, "trainer", 0, 0)
+    for step in range(steps):
         a = tr0 + train + wait  # sampler granted after `wait` seconds of waiting
-        acquired(a, "sampler", wait)
+        acquired(a, "sampler", wait, step)
         windows["trainer"].append({"t0": tr0, "t1": a + sync, "job": "A"})
         s_end = a + sync + sample
         windows["sampler"].append({"t0": a, "t1": s_end, "job": "A"})
         tr0 = s_end + reward
-        acquired(tr0, "trainer", 0)
+        acquired(tr0, "trainer", 0, step + 1)
         t = tr0
     windows["trainer"].append({"t0": tr0, "t1": tr0 + train, "job": "A"})
     for pool, ckpt, rest in (("sampler", 20.0, 6.0), ("trainer", 5.0, 2.0)):
@@ -76,11 +77,20 @@ def synthetic(
 
 def test_synthetic_trace_gives_back_its_phases() -> None:
     m = trace.derive_model(synthetic(sync=10, sample=100, reward=5, train=200, wait=15))
-    assert m.sync.median == pytest.approx(10)
-    assert m.sample.median == pytest.approx(100)
-    assert m.reward.median == pytest.approx(5)
+    assert m.mode == trace.SYNC and m.pools == ("sampler", "trainer") and m.private == ()
+    (shape,) = m.jobs
+    # One lane; its step starts at the trainer grant (the step of the acquire events).
+    (lane,) = shape.lanes
+    assert [(p.name, p.pools) for p in lane] == [
+        ("trainer", ("trainer",)),
+        ("sampler+trainer", ("sampler", "trainer")),
+        ("sampler", ("sampler",)),
+        ("cpu", ()),
+    ]
     # train = from the trainer grant to the sampler *request* (the wait is not work).
-    assert m.train.median == pytest.approx(200)
+    medians = [p.stat.median for p in lane]
+    assert medians == pytest.approx([200, 10, 100, 5])
+    assert shape.recorded_steps == 6
     assert m.baseline_step_s == pytest.approx(300)
     assert m.contention == pytest.approx((10 + 100 + 5 + 200) / 300)
     assert m.switch["sampler"].snapshot.median == pytest.approx(21)
@@ -96,38 +106,47 @@ def test_contention_never_below_one() -> None:
 
 def test_recorded_trace_model_is_sensible() -> None:
     m = trace.load_model(PACKAGED)
-    # Steady-state phases of the veRL run: ~7 min sampling, ~7 min training,
-    # ~12 s weight hand-over holding both pools, ~7 s of CPU-only reward scoring.
-    assert 380 < m.sample.median < 480
-    assert 400 < m.train.median < 480
-    assert 5 < m.reward.median < 10
-    assert 8 < m.sync.median < 16
-    assert m.sample.count >= 15 and m.train.count >= 15
+    assert m.mode == trace.SYNC
+    assert m.pools == ("sampler", "trainer") and m.private == ()
+    assert [s.job for s in m.jobs] == ["A", "B"]
+    for shape in m.jobs:
+        assert shape.recorded_steps == 10
+        # Steady-state phases of the veRL run: ~7 min training, ~12 s weight hand-over
+        # holding both pools, ~7 min sampling, ~7 s of CPU-only reward scoring.
+        assert [p.name for p in shape.lanes[0]] == ["trainer", "sampler+trainer", "sampler", "cpu"]
+        assert 400 < shape.phase("trainer").stat.median < 480
+        assert 8 < shape.phase("sampler+trainer").stat.median < 16
+        assert 380 < shape.phase("sampler").stat.median < 480
+        assert 5 < shape.phase("cpu").stat.median < 10
+        assert all(p.stat.count == 9 for p in shape.lanes[0])
     # Switch costs per pool from ckpt_done / restore_done.
     assert 20 < m.switch["sampler"].snapshot.median < 24
     assert 6 < m.switch["sampler"].restore.median < 8
     assert 5 < m.switch["trainer"].snapshot.median < 8
     assert 2 < m.switch["trainer"].restore.median < 3
     # The job alone needs ~13.3 min a step; sharing slowed the steps down by 5-25 %.
-    assert 760 < m.baseline_step_s < 840
+    assert m.baseline_step_s is not None and 760 < m.baseline_step_s < 840
     assert 1.05 < m.contention < 1.25
     # Uncontended step work matches the baseline step it was calibrated on.
     plan = m.job_steps(steps=2, seed=0, jitter=False)
-    assert sum(p.duration_s for p in plan[1]) == pytest.approx(m.baseline_step_s, rel=1e-6)
+    assert sum(p.duration_s for p in plan[1]) * m.contention == pytest.approx(m.jobs[0].cycle_s)
+    assert m.recorded.speedup == 1.45
+    assert (m.recorded.gpus_baseline, m.recorded.gpus_time_sliced) == (2, 2)
 
 
 def test_job_steps_shape_and_seed() -> None:
     m = trace.load_model(PACKAGED)
     plan = m.job_steps(steps=3, seed=7)
-    assert [p.name for p in plan[0]] == ["sample", "reward", "train"]
-    assert [p.name for p in plan[1]] == ["sync", "sample", "reward", "train"]
-    assert plan[1][0].pools == (trace.SAMPLER, trace.TRAINER)
-    assert plan[1][2].pools == ()
+    assert [p.name for p in plan[0]] == ["trainer", "sampler+trainer", "sampler", "cpu"]
+    assert plan[0][1].pools == (trace.SAMPLER, trace.TRAINER)
+    assert plan[0][3].pools == ()
     assert plan == m.job_steps(steps=3, seed=7)
     assert plan != m.job_steps(steps=3, seed=8)
+    # Simulated job 1 replays trace job B, job 2 job A again.
+    assert m.shape(1).job == "B" and m.shape(2).job == "A"
     for step in plan:
         for phase in step:
-            stat = getattr(m, phase.name)
+            stat = m.jobs[0].phase(phase.name).stat
             low = stat.median * 0.5 / m.contention
             high = stat.median * 1.5 / m.contention
             assert low <= phase.duration_s <= high
@@ -142,6 +161,102 @@ def test_packaged_copy_matches_shared_trace() -> None:
     assert trace.default_trace_path().is_file()
 
 
+# ---- constructed traces of other shapes --------------------------------------------------
+
+Lane = list[tuple[tuple[str, ...], float]]
+
+
+def constructed(
+    jobs: dict[str, tuple[float, list[Lane]]],
+    *,
+    steps: int,
+    mode: str | None,
+    shared: tuple[str, ...],
+) -> dict[str, Any]:
+    """A recorded run laid out from each job's lanes (phases: pools held, seconds), no waits.
+
+    Every job starts at its offset; a lane's phases follow each other, step after step;
+    a pool held by consecutive phases is one window. Switch costs only for ``shared``.
+    """
+    windows: dict[str, list[dict[str, Any]]] = {}
+    events: list[dict[str, Any]] = []
+    for job, (offset, lanes) in jobs.items():
+        for lane in lanes:
+            t, open_at = offset, {}
+            for step in range(steps):
+                for pools, seconds in lane:
+                    for pool in [p for p in open_at if p not in pools]:
+                        windows.setdefault(pool, []).append(
+                            {"t0": open_at.pop(pool), "t1": t, "job": job}
+                        )
+                    for pool in pools:
+                        if pool not in open_at:
+                            open_at[pool] = t
+                            events.append(
+                                {"t": t, "kind": "acquired", "job": job, "pool": pool}
+                                | {"wait_ms": 0, "restore_ms": 0, "step": step}
+                            )
+                    t += seconds
+            for pool, t0 in open_at.items():
+                windows.setdefault(pool, []).append({"t0": t0, "t1": t, "job": job})
+    for pool in shared:
+        for kind, ms in (("ckpt_done", 4000), ("restore_done", 1500)):
+            events.append({"t": 0, "kind": kind, "job": "A", "pool": pool, "ms": ms})
+    out: dict[str, Any] = {"timeslice": {"windows": windows, "events": events}}
+    if mode is not None:
+        out["meta"] = {"mode": mode}
+    return out
+
+
+def test_three_pools_one_private() -> None:
+    """gen and learn are shared (one job at a time), judge is each job's own (a reward
+    model on a GPU per job: the jobs' windows there overlap); no baseline: contention 1."""
+    step: Lane = [(("learn",), 60), (("gen", "learn"), 10), (("gen",), 60), (("judge",), 210)]
+    raw = constructed(
+        {"A": (0.0, [step]), "B": (170.0, [step])}, steps=5, mode=None, shared=("gen", "learn")
+    )
+    raw["pool_map"] = {"0": "gen", "1": "learn", "2": "judge", "3": "judge"}
+    m = trace.derive_model(raw)
+    assert m.mode == trace.SYNC
+    assert m.pools == ("gen", "learn", "judge")
+    assert m.shared == ("gen", "learn") and m.private == ("judge",)
+    assert set(m.switch) == {"gen", "learn"}
+    assert m.switch["gen"].switch_s == pytest.approx(5.5)
+    assert m.contention == 1.0 and m.baseline_step_s is None
+    for shape in m.jobs:
+        (lane,) = shape.lanes
+        assert [(p.name, p.pools, p.stat.median) for p in lane] == [
+            ("learn", ("learn",), pytest.approx(60)),
+            ("gen+learn", ("gen", "learn"), pytest.approx(10)),
+            ("gen", ("gen",), pytest.approx(60)),
+            ("judge", ("judge",), pytest.approx(210)),
+        ]
+        assert shape.recorded_steps == 5 and shape.cycle_s == pytest.approx(340)
+    assert m.recorded.speedup == 0.0  # no summary: nothing recorded to compare with
+
+
+def test_fully_asynchronous_jobs_get_one_lane_per_pool() -> None:
+    """Generation (rollout) and training (update) overlap inside each job."""
+    rollout: Lane = [(("rollout",), 50), ((), 70)]
+    update: Lane = [((), 20), (("update",), 40), ((), 60)]
+    jobs = {"A": (0.0, [rollout, update]), "B": (60.0, [rollout, update])}
+    for mode in ("fully async", None):  # declared, or inferred from the overlap
+        m = trace.derive_model(constructed(jobs, steps=6, mode=mode, shared=("rollout", "update")))
+        assert m.mode == trace.ASYNC
+        assert m.pools == ("rollout", "update") and m.private == ()
+        for shape in m.jobs:
+            assert [[(p.name, p.pools, p.stat.median) for p in lane] for lane in shape.lanes] == [
+                [("rollout", ("rollout",), 50), ("rollout idle", (), 70)],
+                [("update", ("update",), 40), ("update idle", (), 80)],
+            ]
+            assert shape.cycle_s == pytest.approx(120)
+        lanes = m.job_lanes(steps=2, seed=0, jitter=False)
+        assert [[p.name for p in lane[0]] for lane in lanes] == [
+            ["rollout", "rollout idle"],
+            ["update", "update idle"],
+        ]
+
+
 def test_unusable_traces_are_config_errors(tmp_path: Path) -> None:
     with pytest.raises(errors.ConfigError, match="does not exist"):
         trace.load_model(tmp_path / "nope.json")
@@ -151,5 +266,32 @@ def test_unusable_traces_are_config_errors(tmp_path: Path) -> None:
         trace.load_model(bad)
     shape = tmp_path / "shape.json"
     shape.write_text(json.dumps({"timeslice": {"windows": {}, "events": []}}))
-    with pytest.raises(errors.ConfigError, match="expected shape"):
+    with pytest.raises(trace.TraceError, match=r"timeslice\.windows has no pool"):
         trace.load_model(shape)
+
+
+@pytest.mark.parametrize(
+    ("damage", "named"),
+    [
+        (lambda t: t.pop("timeslice"), r"timeslice is missing \(needed for the time-sliced"),
+        (
+            lambda t: [e.pop("wait_ms") for e in t["timeslice"]["events"] if "wait_ms" in e],
+            r"timeslice\.events\[0\]\.wait_ms is missing \(needed for telling waiting from work",
+        ),
+        (
+            lambda t: t["timeslice"].__setitem__(
+                "events", [e for e in t["timeslice"]["events"] if e["kind"] != "restore_done"]
+            ),
+            r"no 'restore_done' event of pool 'sampler', which jobs share",
+        ),
+        (
+            lambda t: t["timeslice"]["windows"]["trainer"][3].pop("t1"),
+            r"timeslice\.windows\.trainer\[3\]\.t1 is missing",
+        ),
+    ],
+)
+def test_a_trace_missing_a_needed_field_says_which(damage: Any, named: str) -> None:
+    raw = json.loads(PACKAGED.read_text())
+    damage(raw)
+    with pytest.raises(trace.TraceError, match=named):
+        trace.derive_model(raw, source="damaged.json")

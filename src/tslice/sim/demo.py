@@ -1,8 +1,9 @@
-"""The demo: simulated RL jobs on a sampler pool and a trainer pool, exclusive vs time-sliced.
+"""The demo: simulated RL jobs on the pools of a recorded run, exclusive vs time-sliced.
 
-A real orchestrator and two real agents (sim backend) run as processes: node-a
-carries the ``sampler`` group, node-b the ``trainer`` group. Jobs follow the phase
-model derived from the recorded veRL trace (:mod:`tslice.sim.trace`), compressed by
+A real orchestrator and real agents (sim backend) run as processes: one node per
+shared pool of the trace (for the veRL trace node-a carries the ``sampler`` group,
+node-b the ``trainer`` group; see :mod:`tslice.sim.replay`). Jobs follow the phase
+model derived from the trace (:mod:`tslice.sim.trace`), compressed by
 ``time_scale``. First every job runs alone, one after the other (the baseline: what
 a job gets with the GPUs to itself), then all jobs run at once and share both pools
 through the orchestrator. The speedup is measured from the two makespans; the
@@ -23,7 +24,6 @@ import contextlib
 import dataclasses
 import json
 import shutil
-import string
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -32,9 +32,10 @@ from typing import Any
 import tslice.client as tsclient
 from tslice.agent.backends import simdevice as device
 from tslice.common import errors
-from tslice.sim import checker, cluster, measure, rljob, timeline, trace
+from tslice.sim import checker, measure, replay, rljob, timeline, trace
 
 GiB = device.GiB
+#: The veRL trace's nodes (any trace's: :func:`tslice.sim.replay.nodes`).
 NODES = {trace.SAMPLER: "node-a", trace.TRAINER: "node-b"}
 EXCLUSIVE = "exclusive"
 TIME_SLICED = "time-sliced"
@@ -63,10 +64,10 @@ class DemoConfig:
     #: Fixed cost of every sim snapshot/restore, demo seconds.
     sim_latency_s: float = 0.002
     #: Memory of each simulated device, bytes (an H100 has 80 GiB).
-    capacity_bytes: int = 80 * GiB
-    #: Device bytes a job holds on the sampler / trainer node while resident.
-    sampler_footprint_bytes: int = 60 * GiB
-    trainer_footprint_bytes: int = 70 * GiB
+    capacity_bytes: int = replay.DEFAULT_CAPACITY
+    #: Device bytes a job holds on a pool's node while resident, by pool (a pool not
+    #: named: tslice.sim.replay.FOOTPRINTS, else 60 GiB).
+    footprint_bytes: Mapping[str, int] = dataclasses.field(default_factory=dict)
     #: Phase stretch while jobs share the host (None = measured from the trace).
     contention: float | None = None
     #: Where the timeline, the summary and the cluster's state and logs go.
@@ -78,7 +79,7 @@ class DemoConfig:
 
     def check(self) -> None:
         """Raise :class:`ConfigError` naming the option and the fix."""
-        if self.jobs < 1 or self.jobs > len(string.ascii_uppercase):
+        if self.jobs < 1 or self.jobs > 26:
             raise errors.ConfigError(f"--jobs must be between 1 and 26 (got {self.jobs})")
         if self.steps < 1:
             raise errors.ConfigError(f"--steps must be at least 1 (got {self.steps})")
@@ -94,22 +95,21 @@ class DemoConfig:
                 raise errors.ConfigError(f"{option} must be positive (got {rate})")
         if self.contention is not None and self.contention < 1.0:
             raise errors.ConfigError(f"--contention must be >= 1 (got {self.contention:g})")
-        for label, size in (
-            ("sampler", self.sampler_footprint_bytes),
-            ("trainer", self.trainer_footprint_bytes),
-        ):
+        self.check_footprints(self.footprint_bytes)
+
+    def check_footprints(self, sizes: Mapping[str, int]) -> None:
+        for label, size in sizes.items():
             if not 0 < size <= self.capacity_bytes:
                 raise errors.ConfigError(
                     f"the {label} footprint ({size} bytes) must fit the device capacity "
                     f"({self.capacity_bytes} bytes): raise --capacity"
                 )
 
-    @property
-    def footprints(self) -> dict[str, int]:
-        return {
-            trace.SAMPLER: self.sampler_footprint_bytes,
-            trace.TRAINER: self.trainer_footprint_bytes,
-        }
+    def footprints(self, model: trace.PhaseModel) -> dict[str, int]:
+        """Device bytes per pool of ``model``; ConfigError if one does not fit a device."""
+        sizes = replay.footprints(model, self.footprint_bytes)
+        self.check_footprints(sizes)
+        return sizes
 
 
 # ---- live progress -------------------------------------------------------------------
@@ -151,6 +151,9 @@ class DemoProgress:
         self.switches: collections.deque[SwitchView] = collections.deque(maxlen=4)
         self.switch_count = 0
         self.makespans: dict[str, float] = {}
+        #: The trace's pools and the nodes of the shared ones, once the model is read.
+        self.pools: tuple[str, ...] = trace.POOLS
+        self.nodes: dict[str, str] = dict(NODES)
         self._completed: dict[tuple[str, str], int] = {}
 
     def start_run(self, name: str, job_ids: Sequence[str], steps: int) -> None:
@@ -168,7 +171,8 @@ class DemoProgress:
         view.holding = update.holding
         self._completed[(update.run, update.job)] = view.step
         self.done_steps = sum(self._completed.values())
-        for pool in trace.POOLS:
+        mine = {pool for pool, (job, _) in self.holders.items() if job == update.job}
+        for pool in sorted(mine | set(update.holding)):
             holder = self.holders.get(pool)
             if pool in update.holding and (holder is None or holder[0] != update.job):
                 self.holders[pool] = (update.job, update.t)
@@ -197,7 +201,9 @@ class DemoResult:
     config: DemoConfig
     model: trace.PhaseModel
     contention: float
-    #: Copy speed of each pool's node.
+    #: Shared pool -> its node.
+    nodes: Mapping[str, str]
+    #: Copy speed of each shared pool's node.
     speeds: Mapping[str, device.CopySpeed]
     runs: Mapping[str, measure.RunSummary]
     snapshot: Mapping[str, measure.OpStats]
@@ -228,6 +234,9 @@ class DemoResult:
             "ok": self.ok,
             "speedup": round(speedup, 4) if speedup is not None else None,
             "recorded_speedup": self.model.recorded.speedup,
+            "mode": self.model.mode,
+            "pools": list(self.model.pools),
+            "private_pools": list(self.model.private),
             "jobs": self.config.jobs,
             "steps": self.config.steps,
             "time_scale": scale,
@@ -262,25 +271,25 @@ class DemoResult:
 # ---- running -------------------------------------------------------------------------
 
 
-def job_ids(count: int) -> list[str]:
-    return list(string.ascii_uppercase[:count])
+job_ids = replay.job_ids
 
 
 def derived_speeds(config: DemoConfig, model: trace.PhaseModel) -> dict[str, device.CopySpeed]:
-    """Per-pool sim copy speed reproducing the recorded snapshot and restore medians, scaled.
+    """Per shared pool, the sim copy speed reproducing the recorded snapshot and restore
+    medians, scaled (:func:`tslice.sim.replay.recorded_speeds`).
 
     ``--sim-bandwidth`` replaces both derived rates, ``--sim-restore-bandwidth`` the
     restore rate.
     """
     out: dict[str, device.CopySpeed] = {}
-    for pool, footprint in config.footprints.items():
-        cost = model.switch[pool]
-        speed = device.CopySpeed.matching(
-            bytes_per_device=footprint,
-            snapshot_s=cost.snapshot.median / config.time_scale,
-            restore_s=cost.restore.median / config.time_scale,
-            latency_s=config.sim_latency_s,
-        )
+    recorded = replay.recorded_speeds(
+        model,
+        config.footprints(model),
+        time_scale=config.time_scale,
+        latency_s=config.sim_latency_s,
+    )
+    for pool, derived in recorded.items():
+        speed = derived
         if config.sim_bandwidth_bytes_per_s is not None:
             speed = dataclasses.replace(
                 speed,
@@ -302,30 +311,22 @@ async def run_demo(config: DemoConfig, *, progress: DemoProgress | None = None) 
     model = trace.load_model(config.trace_path)
     contention = config.contention if config.contention is not None else model.contention
     speeds = derived_speeds(config, model)
+    node_of = replay.nodes(model)
     progress = progress or DemoProgress(
         jobs=config.jobs, steps=config.steps, time_scale=config.time_scale
     )
+    progress.pools, progress.nodes = model.pools, node_of
     ids = job_ids(config.jobs)
-    plans = {
-        job: model.job_steps(steps=config.steps, seed=config.seed + i) for i, job in enumerate(ids)
-    }
+    plans = replay.plans(model, jobs=config.jobs, steps=config.steps, seed=config.seed)
     out_dir = config.out_dir
     cluster_dir = out_dir / "cluster"
     shutil.rmtree(cluster_dir, ignore_errors=True)
     out_dir.mkdir(parents=True, exist_ok=True)
-    local = cluster.LocalCluster(
-        agents=[
-            cluster.SimAgent(
-                name=NODES[pool],
-                capacity_bytes=config.capacity_bytes,
-                bandwidth_bytes_per_s=speeds[pool].rate("snapshot"),
-                restore_bandwidth_bytes_per_s=speeds[pool].rate("restore"),
-                latency_s=config.sim_latency_s,
-            )
-            for pool in trace.POOLS
-        ],
-        groups={pool: (NODES[pool],) for pool in trace.POOLS},
+    local = replay.make_cluster(
+        model,
+        speeds,
         base_dir=cluster_dir,
+        capacity_bytes=config.capacity_bytes,
         log_level=config.log_level,
     )
     await asyncio.to_thread(local.start)
@@ -334,14 +335,16 @@ async def run_demo(config: DemoConfig, *, progress: DemoProgress | None = None) 
         watcher = tsclient.AsyncClient(local.orchestrator_address, job_id="demo-watch")
         watch = asyncio.create_task(_watch(watcher, events, progress), name="demo-watch")
         try:
-            runs = await _run_phases(
-                config,
-                plans,
-                contention=contention,
+            runner = replay.Runner(
+                model=model,
+                plans=plans,
                 address=local.orchestrator_address,
-                progress=progress,
+                time_scale=config.time_scale,
+                footprints=config.footprints(model),
                 events=events,
+                on_update=progress.on_job,
             )
+            runs = await _run_phases(runner, ids, config.steps, contention, progress)
         finally:
             watch.cancel()
             with contextlib.suppress(asyncio.CancelledError, errors.TsliceError):
@@ -352,15 +355,17 @@ async def run_demo(config: DemoConfig, *, progress: DemoProgress | None = None) 
     finally:
         await asyncio.to_thread(local.stop)
 
-    windows = [w for run in runs.values() for w in run.windows]
+    # Private pools were never asked for: nothing of them is journaled or exclusive.
+    windows = [w for run in runs.values() for w in run.windows if w.group]
     violations = checker.check(
-        journal=journal, windows=windows, group_nodes={p: [NODES[p]] for p in trace.POOLS}
+        journal=journal, windows=windows, group_nodes={p: [n] for p, n in node_of.items()}
     )
     snapshot, restore = measure.op_stats(events, model, config.time_scale)
     result = DemoResult(
         config=config,
         model=model,
         contention=contention,
+        nodes=node_of,
         speeds=speeds,
         runs=runs,
         snapshot=snapshot,
@@ -376,64 +381,19 @@ async def run_demo(config: DemoConfig, *, progress: DemoProgress | None = None) 
 
 
 async def _run_phases(
-    config: DemoConfig,
-    plans: Mapping[str, list[list[trace.Phase]]],
-    *,
+    runner: replay.Runner,
+    ids: Sequence[str],
+    steps: int,
     contention: float,
-    address: str,
     progress: DemoProgress,
-    events: list[tsclient.OrchestratorEvent],
 ) -> dict[str, measure.RunSummary]:
-    ids = list(plans)
-
-    def spec(job: str, slowdown: float) -> rljob.SimJob:
-        return rljob.SimJob(
-            job_id=job,
-            plan=plans[job],
-            groups={pool: pool for pool in trace.POOLS},
-            footprints=config.footprints,
-            time_scale=config.time_scale,
-            slowdown=slowdown,
-        )
-
-    # A job waits at most for the others' steps; far beyond that something is stuck, and
-    # the demo should fail with the checker's report instead of hanging.
-    longest_step = max(sum(p.duration_s for p in step) for plan in plans.values() for step in plan)
-    patience = 60.0 + 2 * len(ids) * longest_step * contention / config.time_scale
     runs: dict[str, measure.RunSummary] = {}
-    progress.start_run(EXCLUSIVE, ids, config.steps)
-    start = time.time()
-    results = []
-    for job in ids:
-        results.append(
-            await rljob.run_job(
-                spec(job, 1.0),
-                address=address,
-                run=EXCLUSIVE,
-                on_update=progress.on_job,
-                acquire_timeout_s=patience,
-            )
-        )
-    runs[EXCLUSIVE] = measure.summarise(EXCLUSIVE, start, time.time(), results, events)
+    progress.start_run(EXCLUSIVE, ids, steps)
+    runs[EXCLUSIVE] = await runner.run(EXCLUSIVE, ids, together=False, contention=contention)
     progress.makespans[EXCLUSIVE] = runs[EXCLUSIVE].makespan_s
     if len(ids) > 1:
-        progress.start_run(TIME_SLICED, ids, config.steps)
-        start = time.time()
-        results = list(
-            await asyncio.gather(
-                *(
-                    rljob.run_job(
-                        spec(job, contention),
-                        address=address,
-                        run=TIME_SLICED,
-                        on_update=progress.on_job,
-                        acquire_timeout_s=patience,
-                    )
-                    for job in ids
-                )
-            )
-        )
-        runs[TIME_SLICED] = measure.summarise(TIME_SLICED, start, time.time(), results, events)
+        progress.start_run(TIME_SLICED, ids, steps)
+        runs[TIME_SLICED] = await runner.run(TIME_SLICED, ids, together=True, contention=contention)
         progress.makespans[TIME_SLICED] = runs[TIME_SLICED].makespan_s
     return runs
 
@@ -481,11 +441,18 @@ def _timeline_html(
     return timeline.render_html(
         title="tslice demo: simulated RL jobs, exclusive vs time-sliced",
         runs=views,
-        lanes=[timeline.Lane(pool=p, group=p, nodes=(NODES[p],)) for p in trace.POOLS],
+        lanes=[
+            timeline.Lane(pool=p, group=p if p in result.nodes else "", nodes=_nodes(result, p))
+            for p in result.model.pools
+        ],
         jobs=ids,
         time_scale=result.config.time_scale,
         summary=summary_rows(result),
     )
+
+
+def _nodes(result: DemoResult, pool: str) -> tuple[str, ...]:
+    return (result.nodes[pool],) if pool in result.nodes else ("one per job",)
 
 
 def summary_rows(result: DemoResult) -> list[tuple[str, str]]:

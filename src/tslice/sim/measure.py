@@ -56,11 +56,28 @@ def summarise(
     end: float,
     results: Sequence[rljob.JobResult],
     events: Sequence[tsclient.OrchestratorEvent],
+    *,
+    pools: Sequence[str] = trace.POOLS,
+    private: Sequence[str] = (),
 ) -> RunSummary:
-    """The run from ``start`` to ``end``: what its jobs did and the switches in between."""
+    """The run from ``start`` to ``end``: what its jobs did and the switches in between.
+
+    A shared pool's duty is the share of the run some job held it; a private pool's
+    (one device per job) is the mean over the jobs of the share each held its own.
+    """
     windows = tuple(w for r in results for w in r.windows)
     span = max(end - start, 1e-9)
-    duty = {pool: _held(windows, pool, start, end) / span for pool in trace.POOLS}
+    duty = {
+        pool: (
+            statistics.fmean(
+                _held([w for w in windows if w.job == r.job], pool, start, end) for r in results
+            )
+            if pool in private
+            else _held(windows, pool, start, end)
+        )
+        / span
+        for pool in pools
+    }
     # A hand-over from one job to another; a first grant on an empty pool is no switch.
     switches = sum(
         1
@@ -101,11 +118,11 @@ def _held(windows: Sequence[rljob.Window], pool: str, start: float, end: float) 
 def op_stats(
     events: Sequence[tsclient.OrchestratorEvent], model: trace.PhaseModel, time_scale: float
 ) -> tuple[dict[str, OpStats], dict[str, OpStats]]:
-    """Median snapshot and restore of each pool, beside the recorded medians."""
+    """Median snapshot and restore of each shared pool, beside the recorded medians."""
 
     def stats(kind: tsclient.EventKind, recorded: Callable[[str], float]) -> dict[str, OpStats]:
         out: dict[str, OpStats] = {}
-        for pool in trace.POOLS:
+        for pool in model.shared:
             ms = [e.duration_ms for e in events if e.kind == kind and e.group_id == pool]
             median = float(statistics.median(ms)) if ms else 0.0
             out[pool] = OpStats(

@@ -7,6 +7,11 @@ need. Holding the trainer while asking for the sampler (the weight hand-over at 
 start of a step) is the only hold-and-wait in the plan, and nobody ever holds the
 sampler while asking for the trainer, so jobs cannot deadlock.
 
+A fully asynchronous job runs several *lanes* at once (e.g. generation on the sampler
+while training on the trainer), each a plan of its own with the same job id; a pool
+the job has to itself (not in ``groups``) is never asked for: its windows are
+recorded without an RPC, nobody else can hold it.
+
 Every acquire and yield is recorded with wall-clock timestamps (``time.time()``, the
 clock the simulated devices journal with) so that the checker, the summary and the
 timeline work from what the job really saw.
@@ -62,8 +67,9 @@ class SimJob:
     """What one job runs: its plan, where each pool lives and how fast time goes."""
 
     job_id: str
-    plan: Sequence[Sequence[trace.Phase]]
-    #: Pool name -> orchestrator group id.
+    #: Lanes run at the same time, each a list of steps of phases (sync jobs: one lane).
+    lanes: Sequence[Sequence[Sequence[trace.Phase]]]
+    #: Pool name -> orchestrator group id; a pool not named here is the job's own.
     groups: Mapping[str, str]
     #: Pool name -> device bytes per node the job occupies while resident (0 = agent default).
     footprints: Mapping[str, int]
@@ -100,8 +106,40 @@ async def run_job(
     A failed acquire ends the job early; the result's ``error`` says why and the
     window stays without ``acquired`` so the checker reports it.
     """
-    runner = _Runner(job, run=run, on_update=on_update, acquire_timeout_s=acquire_timeout_s)
+    runners: list[_Runner] = []
+
+    def holding() -> tuple[str, ...]:
+        return tuple(sorted(pool for r in runners for pool in r.held))
+
+    runners.extend(
+        _Runner(
+            job,
+            plan,
+            run=run,
+            on_update=on_update,
+            acquire_timeout_s=acquire_timeout_s,
+            holding=holding,
+        )
+        for plan in job.lanes
+    )
+    started = time.time()
     client = tsclient.AsyncClient(address, job_id=job.job_id)
+    try:
+        await asyncio.gather(*(_play(runner, client) for runner in runners))
+    finally:
+        await client.close()
+    return JobResult(
+        run=run,
+        job=job.job_id,
+        started=started,
+        finished=time.time(),
+        steps_done=min(r.steps_done for r in runners),
+        windows=tuple(sorted((w for r in runners for w in r.windows), key=lambda w: w.requested)),
+        error="; ".join(r.error for r in runners if r.error),
+    )
+
+
+async def _play(runner: _Runner, client: tsclient.AsyncClient) -> None:
     try:
         await runner.play(client)
     except errors.TsliceError as err:
@@ -109,28 +147,22 @@ async def run_job(
         runner.report("failed")
     finally:
         await runner.release_all(client)
-        await client.close()
-    return JobResult(
-        run=run,
-        job=job.job_id,
-        started=runner.started,
-        finished=time.time(),
-        steps_done=runner.steps_done,
-        windows=tuple(runner.windows),
-        error=runner.error,
-    )
 
 
 class _Runner:
     def __init__(
         self,
         job: SimJob,
+        plan: Sequence[Sequence[trace.Phase]],
         *,
         run: str,
         on_update: UpdateCallback | None,
         acquire_timeout_s: float | None,
+        holding: Callable[[], tuple[str, ...]],
     ) -> None:
         self.job = job
+        self.plan = plan
+        self.holding = holding
         self.run = run
         self.on_update = on_update
         self.acquire_timeout_s = acquire_timeout_s
@@ -149,16 +181,16 @@ class _Runner:
                 run=self.run,
                 job=self.job.job_id,
                 step=self.step,
-                steps=len(self.job.plan),
+                steps=len(self.plan),
                 activity=activity,
-                holding=tuple(sorted(self.held)),
+                holding=self.holding(),
                 t=time.time(),
             )
         )
 
     async def play(self, client: tsclient.AsyncClient) -> None:
         self.started = time.time()
-        for step, phases in enumerate(self.job.plan):
+        for step, phases in enumerate(self.plan):
             self.step = step
             for phase in phases:
                 for pool in sorted(set(self.held) - set(phase.pools)):
@@ -174,7 +206,7 @@ class _Runner:
         self.report("done")
 
     async def acquire(self, client: tsclient.AsyncClient, pool: str, phase: str) -> None:
-        group = self.job.groups[pool]
+        group = self.job.groups.get(pool, "")
         self.report(f"wait {pool}")
         requested = time.time()
         index = len(self.windows)
@@ -189,6 +221,10 @@ class _Runner:
                 requested=requested,
             )
         )
+        if not group:  # the job's own pool: nobody to ask
+            self.windows[index] = dataclasses.replace(self.windows[index], acquired=requested)
+            self.held[pool] = index
+            return
         try:
             result = await client.acquire(
                 group,
@@ -212,7 +248,8 @@ class _Runner:
         # The window closes when the job lets go, before the RPC: the device may be
         # snapshotted as soon as the orchestrator reads the Yield.
         self.windows[index] = dataclasses.replace(self.windows[index], yielded=time.time())
-        await client.yield_(self.job.groups[pool])
+        if pool in self.job.groups:
+            await client.yield_(self.job.groups[pool])
 
     async def release_all(self, client: tsclient.AsyncClient) -> None:
         for pool in sorted(self.held):

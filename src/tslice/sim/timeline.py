@@ -43,7 +43,8 @@ class SwitchOp:
 
 @dataclasses.dataclass(frozen=True)
 class Lane:
-    """A pool as drawn: its name, the orchestrator group and the node(s) behind it."""
+    """A pool as drawn: its name, the orchestrator group and the node(s) behind it
+    (group "": a pool each job has to itself, never switched)."""
 
     pool: str
     group: str
@@ -148,7 +149,7 @@ def _run_svg(
             f'height="{_LANE_H}"></rect>'
         )
         for w in run.windows:
-            if w.group != lane.group or w.acquired is None:
+            if w.pool != lane.pool or w.acquired is None:
                 continue
             end = w.yielded if w.yielded is not None else run.end
             held = end - w.acquired

@@ -1,30 +1,21 @@
-"""Phase model of a synchronous RL job, derived from a recorded two-job veRL trace.
+"""Phase model of RL jobs, derived from a recorded run (see :mod:`tslice.sim.derive`).
 
-The recorded run (``verl-sync-2xH100.json``) holds, for two GRPO jobs sharing a
-sampler GPU and a trainer GPU, every lock window per pool, every acquire (with its
-wait and restore time), yield, checkpoint and restore, plus per-GPU duty curves of a
-baseline run in which one job had both GPUs to itself.
+A recorded run (``shared/traces/*.json``) holds, for RL jobs time-sliced on GPU pools,
+every lock window per pool (``timeslice.windows.<pool>``: ``t0``, ``t1``, ``job``),
+every acquire (with its wait and restore time and the RL step), yield, checkpoint and
+restore (``timeslice.events``), the per-GPU duty curves of a baseline run in which
+one job had its GPUs to itself (``baseline.duty_gpus``), and the run's own summary.
 
-What is measured (steady-state steps; the first window of each job also covers model
-loading and is left out):
-
-* ``sync``   - the job holds BOTH pools: it got the sampler while still holding the
-  trainer (weight hand-over), until it yields the trainer;
-* ``sample`` - sampler held alone, after the trainer was yielded;
-* ``reward`` - CPU only: from the sampler yield to the next trainer request
-  (request time = acquired time - max(wait, restore));
-* ``train``  - trainer held, up to the next sampler request;
-* snapshot / restore durations per pool (``ckpt_done`` / ``restore_done`` events);
-* the baseline step period: mean spacing of the onsets of sampler activity in the
-  baseline duty curve (one job alone on its own GPUs).
-
-One step of the time-sliced run takes ``sync+sample+reward+train`` seconds of work,
-more than a baseline step: the two jobs slowed each other down on the shared host.
-That ratio is the *contention* factor. The model therefore stores uncontended phase
-durations (measured / contention) and the simulated job stretches them by the factor
-only when it shares the pools. Everything above is computed here from the trace;
-nothing is typed in from the trace's summary, whose numbers are kept only to be
-shown next to what the simulation measures.
+The model has, per job of the trace, its *lanes*: sequences of phases that repeat
+every RL step, each phase holding a set of pools (none: CPU only) for a measured
+duration. A synchronous job has one lane (its phases follow each other); a fully
+asynchronous job has one lane per pool it uses (generation and training run at the
+same time). Pools used by several jobs one at a time are *shared*: they switch, and
+their snapshot and restore times are measured. Pools that each job had to itself
+(windows of different jobs overlap there, or only one job uses it) are *private*:
+they never switch. Durations are stored uncontended (measured / contention, see
+:mod:`tslice.sim.derive`); nothing is typed in from the trace's summary, whose
+numbers are kept only to be shown next to what the simulation measures.
 """
 
 from __future__ import annotations
@@ -40,14 +31,21 @@ from typing import Any
 
 from tslice.common import errors
 
+# The default trace's pools (kept for callers that only know that trace).
 SAMPLER = "sampler"
 TRAINER = "trainer"
 POOLS = (SAMPLER, TRAINER)
 TRACE_NAME = "verl-sync-2xH100.json"
+SYNC = "sync"
+ASYNC = "async"
 
 # A jittered phase stays within this share of its median, so a rare draw from the
 # tails cannot produce a negative or absurdly long phase.
 _JITTER_CLAMP = 0.5
+
+
+class TraceError(errors.ConfigError):
+    """A trace lacks something the phase model needs; the message names the field."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,6 +81,45 @@ class Phase:
 
 
 @dataclasses.dataclass(frozen=True)
+class PhaseStat:
+    """A phase of a job's step as measured: the pools it holds and how long (contended)."""
+
+    name: str
+    pools: tuple[str, ...]
+    stat: Stat
+
+
+#: One lane of one job: steps, each a list of phases.
+LanePlan = list[list[Phase]]
+
+
+@dataclasses.dataclass(frozen=True)
+class JobShape:
+    """What one job of the trace does every step, lane by lane."""
+
+    job: str
+    lanes: tuple[tuple[PhaseStat, ...], ...]
+    #: RL steps the job ran in the trace (its first, model-loading step included).
+    recorded_steps: int
+
+    @property
+    def pools(self) -> tuple[str, ...]:
+        return tuple(sorted({p for lane in self.lanes for ph in lane for p in ph.pools}))
+
+    @property
+    def cycle_s(self) -> float:
+        """Contended seconds of one step: the longest lane (lanes run at the same time)."""
+        return max(sum(ph.stat.median for ph in lane) for lane in self.lanes)
+
+    def phase(self, name: str) -> PhaseStat:
+        for lane in self.lanes:
+            for ph in lane:
+                if ph.name == name:
+                    return ph
+        raise KeyError(f"job {self.job} has no phase {name!r}")
+
+
+@dataclasses.dataclass(frozen=True)
 class SwitchCost:
     """Recorded device-state move times of one pool, in trace seconds."""
 
@@ -105,56 +142,72 @@ class Recorded:
     baseline_min: float
     time_sliced_min: float
     switches: int
+    #: GPUs of the baseline and of the time-sliced run (equal: compare makespans).
+    gpus_baseline: int = 0
+    gpus_time_sliced: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
 class PhaseModel:
-    """Per-step phases of one job, switch costs per pool, and the calibration behind them.
-
-    ``sync``/``sample``/``reward``/``train`` are as measured in the time-sliced run
-    (contended); :meth:`job_steps` hands out uncontended durations.
-    """
+    """Jobs' phases, shared and private pools, switch costs, and the calibration behind them."""
 
     source: str
-    sync: Stat
-    sample: Stat
-    reward: Stat
-    train: Stat
+    mode: str
+    #: Every pool, shared ones first, in the trace's order (``pool_map``, else windows).
+    pools: tuple[str, ...]
+    private: tuple[str, ...]
+    jobs: tuple[JobShape, ...]
+    #: Recorded snapshot/restore of each shared pool.
     switch: Mapping[str, SwitchCost]
-    baseline_step_s: float
+    #: Step period of one job alone (baseline duty curves), None without a baseline.
+    baseline_step_s: float | None
     contention: float
     recorded: Recorded
 
     @property
+    def shared(self) -> tuple[str, ...]:
+        return tuple(p for p in self.pools if p not in self.private)
+
+    @property
+    def recorded_steps(self) -> int:
+        return min(shape.recorded_steps for shape in self.jobs)
+
+    @property
     def contended_step_s(self) -> float:
-        return self.sync.median + self.sample.median + self.reward.median + self.train.median
+        return statistics.median(shape.cycle_s for shape in self.jobs)
 
-    def job_steps(self, *, steps: int, seed: int, jitter: bool = True) -> list[list[Phase]]:
-        """Phases of one job running alone (uncontended), step by step, in trace seconds.
+    def shape(self, index: int) -> JobShape:
+        """The trace job that simulated job ``index`` replays (round robin over the trace's)."""
+        return self.jobs[index % len(self.jobs)]
 
-        Step 0 has no weight sync (nothing trained yet): sample, reward, train. Every
-        later step starts by taking the sampler while still holding the trainer (sync).
+    def job_lanes(
+        self, *, steps: int, seed: int, index: int = 0, jitter: bool = True
+    ) -> list[LanePlan]:
+        """Phases of simulated job ``index`` running alone (uncontended), lane by lane.
+
         The same ``seed`` gives the same phases, so an exclusive and a time-sliced run
         of a job do exactly the same work.
         """
         if steps < 1:
             raise ValueError(f"steps must be at least 1 (got {steps})")
         rng = random.Random(seed)
+        shape = self.shape(index)
 
         def duration(stat: Stat) -> float:
             value = stat.draw(rng) if jitter else stat.median
             return value / self.contention
 
-        plan: list[list[Phase]] = []
-        for step in range(steps):
-            phases: list[Phase] = []
-            if step > 0:
-                phases.append(Phase("sync", (SAMPLER, TRAINER), duration(self.sync)))
-            phases.append(Phase("sample", (SAMPLER,), duration(self.sample)))
-            phases.append(Phase("reward", (), duration(self.reward)))
-            phases.append(Phase("train", (TRAINER,), duration(self.train)))
-            plan.append(phases)
-        return plan
+        return [
+            [[Phase(ph.name, ph.pools, duration(ph.stat)) for ph in lane] for _ in range(steps)]
+            for lane in shape.lanes
+        ]
+
+    def job_steps(self, *, steps: int, seed: int, index: int = 0, jitter: bool = True) -> LanePlan:
+        """The one lane of a synchronous job (see :meth:`job_lanes`)."""
+        lanes = self.job_lanes(steps=steps, seed=seed, index=index, jitter=jitter)
+        if len(lanes) != 1:
+            raise ValueError(f"job {self.shape(index).job} runs {len(lanes)} lanes at once")
+        return lanes[0]
 
 
 def default_trace_path() -> Path:
@@ -175,114 +228,11 @@ def load_model(path: Path | None = None) -> PhaseModel:
         raise errors.ConfigError(f"trace file {trace_path} does not exist") from err
     except (OSError, ValueError) as err:
         raise errors.ConfigError(f"trace file {trace_path} is not readable JSON: {err}") from err
-    try:
-        return derive_model(raw, source=str(trace_path))
-    except (KeyError, TypeError, ValueError, IndexError) as err:
-        raise errors.ConfigError(
-            f"trace file {trace_path} does not have the expected shape "
-            f"(timeslice.windows/events, baseline.duty_gpus): {err!r}"
-        ) from err
+    return derive_model(raw, source=str(trace_path))
 
 
 def derive_model(trace: Mapping[str, Any], *, source: str = "<trace>") -> PhaseModel:
-    """Compute the phase model from a parsed trace (see the module docstring)."""
-    ts = trace["timeslice"]
-    windows: Mapping[str, list[Mapping[str, Any]]] = ts["windows"]
-    events: list[Mapping[str, Any]] = ts["events"]
-    for pool in POOLS:
-        if pool not in windows:
-            raise ValueError(f"timeslice.windows has no {pool!r} pool")
+    """Compute the phase model from a parsed trace; :class:`TraceError` naming what is missing."""
+    from tslice.sim import derive
 
-    requests = _request_times(events)
-    sync: list[float] = []
-    sample: list[float] = []
-    reward: list[float] = []
-    train: list[float] = []
-    jobs = sorted({w["job"] for pool in POOLS for w in windows[pool]})
-    for job in jobs:
-        sw = sorted((w for w in windows[SAMPLER] if w["job"] == job), key=lambda w: w["t0"])
-        tw = sorted((w for w in windows[TRAINER] if w["job"] == job), key=lambda w: w["t0"])
-        # Window k of each pool belongs to step k; k = 0 includes model loading.
-        for k in range(1, len(sw)):
-            if k >= len(tw):
-                break
-            overlap = tw[k]["t1"] - sw[k]["t0"]
-            if overlap > 0:
-                sync.append(overlap)
-            sample.append(sw[k]["t1"] - max(tw[k]["t1"], sw[k]["t0"]))
-            if k + 1 < len(tw):
-                asked = requests.get((job, TRAINER, _key(tw[k + 1]["t0"])))
-                if asked is not None:
-                    reward.append(asked - sw[k]["t1"])
-                if k + 1 < len(sw):
-                    asked = requests.get((job, SAMPLER, _key(sw[k + 1]["t0"])))
-                    if asked is not None:
-                        train.append(asked - tw[k + 1]["t0"])
-    if not (sample and reward and train):
-        raise ValueError("too few steady-state steps to measure sample/reward/train phases")
-
-    baseline_step = _baseline_step(trace["baseline"]["duty_gpus"])
-    model_stats = {
-        "sync": Stat.of(sync) if sync else Stat(0.0, 0.0, 0),
-        "sample": Stat.of(sample),
-        "reward": Stat.of(reward),
-        "train": Stat.of(train),
-    }
-    contended = sum(s.median for s in model_stats.values())
-    return PhaseModel(
-        source=source,
-        sync=model_stats["sync"],
-        sample=model_stats["sample"],
-        reward=model_stats["reward"],
-        train=model_stats["train"],
-        switch={pool: _switch_cost(events, pool) for pool in POOLS},
-        baseline_step_s=baseline_step,
-        contention=max(contended / baseline_step, 1.0),
-        recorded=_recorded(trace.get("summary", {})),
-    )
-
-
-def _key(t: float) -> float:
-    return round(float(t), 1)
-
-
-def _request_times(events: list[Mapping[str, Any]]) -> dict[tuple[str, str, float], float]:
-    """(job, pool, acquired time) -> when the job asked for the pool."""
-    out: dict[tuple[str, str, float], float] = {}
-    for e in events:
-        if e.get("kind") != "acquired":
-            continue
-        # wait_ms includes the restore, except on a free pool where it is reported as 0.
-        waited = max(float(e.get("wait_ms", 0)), float(e.get("restore_ms", 0))) / 1000.0
-        out[(e["job"], e["pool"], _key(e["t"]))] = float(e["t"]) - waited
-    return out
-
-
-def _switch_cost(events: list[Mapping[str, Any]], pool: str) -> SwitchCost:
-    ckpt = [e["ms"] / 1000.0 for e in events if e.get("kind") == "ckpt_done" and e["pool"] == pool]
-    rest = [
-        e["ms"] / 1000.0 for e in events if e.get("kind") == "restore_done" and e["pool"] == pool
-    ]
-    if not ckpt or not rest:
-        raise ValueError(f"no ckpt_done/restore_done events for pool {pool!r}")
-    return SwitchCost(snapshot=Stat.of(ckpt), restore=Stat.of(rest))
-
-
-def _baseline_step(duty_gpus: Mapping[str, list[list[float]]]) -> float:
-    """Mean period between onsets of sampler activity (GPU 0) in the baseline duty curve."""
-    curve = duty_gpus["0"]
-    onsets = [curve[i][0] for i in range(1, len(curve)) if curve[i][1] > 0 and curve[i - 1][1] <= 0]
-    if len(onsets) < 2:
-        raise ValueError("baseline duty curve of GPU 0 shows fewer than two sampling phases")
-    return (onsets[-1] - onsets[0]) / (len(onsets) - 1)
-
-
-def _recorded(summary: Mapping[str, Any]) -> Recorded:
-    return Recorded(
-        speedup=float(summary.get("speedup", 0.0)),
-        duty_baseline_pct=float(summary.get("duty_base", 0.0)),
-        duty_time_sliced_pct=float(summary.get("duty_ts", 0.0)),
-        baseline_min=float(summary.get("base_min", 0.0)),
-        time_sliced_min=float(summary.get("ts_min", 0.0)),
-        switches=int(summary.get("swaps", 0)),
-    )
+    return derive.model(trace, source=source)
