@@ -108,6 +108,23 @@ def test_evicting_the_holder_grants_the_waiter_and_its_yield_says_it_no_longer_h
     assert "no longer holds group 'ev-holder'" in err.details() and "NCCL" in err.details()
 
 
+def test_an_evicted_holders_hold_stream_ends_naming_the_reason_and_it_cannot_reopen_one(
+    stub: opb_grpc.TimeSliceOrchestratorServiceStub,
+) -> None:
+    request = opb.AcquireRequest(job_id="job-l", group_id="ev-lease", lease_ms=60_000)
+    epoch = stub.Acquire(request, timeout=TIMEOUT_S).grant_epoch
+    hold = opb.HoldRequest(job_id="job-l", group_id="ev-lease", grant_epoch=epoch)
+    stream = stub.Hold(hold, timeout=TIMEOUT_S)
+    assert next(stream).lease_ms == 60_000  # the stream is registered
+    evict(stub, "ev-lease", "job-l", "node drained for repair")
+    lost = next(e for e in stream if e.lost or e.released)
+    assert lost.lost == "evicted from group 'ev-lease' by an administrator: node drained for repair"
+    with pytest.raises(grpc.RpcError) as err:
+        next(iter(stub.Hold(hold, timeout=TIMEOUT_S)))
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "node drained for repair" in err.value.details()
+
+
 def test_evicting_a_waiter_ends_its_acquire_aborted_with_the_reason(
     stub: opb_grpc.TimeSliceOrchestratorServiceStub,
 ) -> None:
