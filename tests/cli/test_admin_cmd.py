@@ -9,10 +9,13 @@ from collections.abc import Iterator
 
 import pytest
 
+import tslice.client as tsclient
 from tests.cli.test_client_cmds import cli
 from tests.orchestrator.test_admin_rpcs import acquire, orchestrator, status, waiting
 from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2 as opb
 from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2_grpc as opb_grpc
+from tslice.cli import admin_cmd
+from tslice.client import _admin
 from tslice.sim import cluster
 
 TIMEOUT_S = 20.0
@@ -114,3 +117,26 @@ def test_the_admin_commands_are_listed(capsys: pytest.CaptureFixture[str]) -> No
     assert code == 0
     for command in ("evict", "drain", "resume", "reset-fault"):
         assert command in out
+
+
+def test_the_drain_wait_line_names_who_still_holds_the_group() -> None:
+    line = admin_cmd._Line("g")
+    assert line.view().plain.startswith("group g draining; waited ")
+    line.latest = tsclient.GroupStatus(
+        group_id="g",
+        group_state=tsclient.GroupState.LOCKED,
+        state_timestamp=None,
+        locking_job="job-a",
+        active_job="job-a",
+        waiter_queue_depth=2,
+        loaded_job="job-a",
+    )
+    assert line.view().plain.startswith(
+        "group g draining: held by job-a; 2 job(s) waiting; waited "
+    )
+    busy = _admin.DrainState(True, False, "job-a", False, 2)
+    assert "held by job-a until it yields" in admin_cmd.drained_view("g", busy, waited=False).plain
+    waiter = _admin.Eviction("g", _admin.EvictedRole.WAITER)
+    assert admin_cmd.evicted_view("j", [waiter]).plain == (
+        "job j evicted from group g (it was waiting; its Acquire ended)"
+    )

@@ -134,7 +134,8 @@ def drain(
     GROUP` undoes it.
     """
     started = time.monotonic()
-    bound = min(timeout or _READ_TIMEOUT_S, _READ_TIMEOUT_S)
+    # Each call's bound; with --wait, --timeout bounds the whole wait instead.
+    bound = _READ_TIMEOUT_S if wait or timeout is None else timeout
     with _admin_client(addr, connect_timeout=connect_timeout, timeout=bound) as client:
         state = client.drain(group, timeout=bound)
         if wait and _is_busy(state):

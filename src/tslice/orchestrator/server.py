@@ -246,7 +246,10 @@ class OrchestratorServicer(opb_grpc.TimeSliceOrchestratorServiceServicer):
             drivers = [d for gid in self._groups.ids() if (d := self._groups.get(gid))]
             evicted = await group.evict_everywhere(drivers, job, reason)
             if not evicted:
-                nowhere = f"job {job!r} neither holds nor waits for any group; nothing to evict"
+                nowhere = (
+                    f"job {job!r} neither holds nor waits for any group; nothing to evict "
+                    "(see `tslice list`)"
+                )
                 await refusals.abort(context, refusals.Refused(refusals.Code.NOT_FOUND, nowhere))
             return opb.EvictResponse(evictions=[_eviction(gid, out) for gid, out in evicted])
         gid = await refusals.checked(context, refusals.checked_id, "group_id", request.group_id)
