@@ -1,15 +1,18 @@
-"""End to end: the emulated API server, a real ``tslice orchestrator --kubernetes`` and a
-real agent. A group appears when its node is labelled and a job acquires it; when every
-pod of the holder is deleted, the holder loses the lock (with an event) and the next
-waiter is granted. Waits are on the servers' log lines, the orchestrator's event stream
-and the Acquire replies."""
+"""End to end: the emulated API server, a real ``tslice orchestrator --kubernetes`` and real
+agents. A group appears when its node is labelled and a job acquires it; when every pod
+of the holder is deleted, the holder loses the lock (with an event) and the next waiter
+is granted; a node cordoned in the middle of a switch leaves the group, which carries on
+over the node left, exclusive throughout (the device journals are checked). Waits are on
+the servers' log lines, the orchestrator's event stream and the Acquire replies."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import pathlib
 import shutil
 import tempfile
+import time
 from collections.abc import AsyncIterator, Iterator
 
 import pytest
@@ -19,85 +22,172 @@ pytest.importorskip("lightkube")
 from tests.kube import objects
 from tests.kube.emulator import ApiServerEmulator
 from tests.kube.processes import LoggedServer
+from tslice.agent.backends import simdevice as device
 from tslice.client import AsyncClient, EventKind, OrchestratorEvent
+from tslice.sim import checker
+from tslice.sim.cluster import SimAgent
 
-NODE = "gpu-a"
+GiB = 1024**3
+WAIT_S = 30.0
+
+
+class Cluster:
+    """Agents registered as the DaemonSet's pods, then the orchestrator in Kubernetes mode."""
+
+    def __init__(self, api: ApiServerEmulator, tmp_path: pathlib.Path, short: pathlib.Path):
+        self.api, self.tmp_path, self.short = api, tmp_path, short
+        self.servers: list[LoggedServer] = []
+        self.orchestrator: LoggedServer | None = None
+
+    def agent(self, node: str, *flags: str) -> None:
+        """An agent for ``node``, and its pod (pod IP 127.0.0.1, port 'grpc')."""
+        args = [
+            "agent", "--node-name", node, "--host", "127.0.0.1", "--port", "0",
+            "--metrics-port", "0", "--state-dir", str(self.short / node), *flags,
+        ]  # fmt: skip
+        server = LoggedServer(args, self.tmp_path / f"{node}.log")
+        self.servers.append(server)
+        port = int(server.wait_for(r"serving on 127\.0\.0\.1:(\d+)").group(1))
+        self.api.apply(objects.agent_pod(node, "127.0.0.1", port))
+
+    def start_orchestrator(self) -> str:
+        kubeconfig = self.api.write_kubeconfig(self.tmp_path / "kubeconfig")
+        args = [
+            "orchestrator", "--kubernetes", "--kubeconfig", str(kubeconfig),
+            "--host", "127.0.0.1", "--port", "0", "--metrics-port", "0",
+            "--state-dir", str(self.tmp_path / "orchestrator"), "--shutdown-grace", "1",
+        ]  # fmt: skip
+        self.orchestrator = LoggedServer(args, self.tmp_path / "orchestrator.log")
+        self.servers.append(self.orchestrator)
+        return self.orchestrator.wait_for(r"serving on (127\.0\.0\.1:\d+)").group(1)
+
+    def logged(self, pattern: str) -> None:
+        assert self.orchestrator is not None
+        self.orchestrator.wait_for(pattern)
+
+    def journal(self) -> list[device.Event]:
+        paths = sorted(self.short.glob("*/sim-journal.jsonl"))
+        return sorted((e for p in paths for e in device.read_journal(p)), key=lambda e: e.t)
+
+    def logs(self) -> str:
+        return "\n".join(f"----- {s.log_path.name} -----\n{s.logs()}" for s in self.servers)
 
 
 @pytest.fixture
-def short_dir() -> Iterator[pathlib.Path]:
-    """Unix socket paths must be short; pytest's tmp_path can be too long."""
-    path = pathlib.Path(tempfile.mkdtemp(prefix="tslice-kube-"))
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
-
-
-@pytest.fixture
-def agent(short_dir: pathlib.Path, tmp_path: pathlib.Path) -> Iterator[LoggedServer]:
-    args = [
-        "agent", "--node-name", NODE, "--host", "127.0.0.1", "--port", "0",
-        "--metrics-port", "0", "--backend", "noop", "--state-dir", str(short_dir / "agent"),
-    ]  # fmt: skip
-    server = LoggedServer(args, tmp_path / "agent.log")
+def cluster(api: ApiServerEmulator, tmp_path: pathlib.Path) -> Iterator[Cluster]:
+    # Unix socket paths (the agents' register sockets) must be short; tmp_path can be long.
+    short = pathlib.Path(tempfile.mkdtemp(prefix="tslice-kube-"))
+    running = Cluster(api, tmp_path, short)
     try:
-        yield server
-    finally:
-        server.stop()
-
-
-async def test_a_labelled_group_is_acquired_and_a_gone_holder_loses_it(
-    api: ApiServerEmulator, agent: LoggedServer, tmp_path: pathlib.Path
-) -> None:
-    port = int(agent.wait_for(r"serving on 127\.0\.0\.1:(\d+)").group(1))
-    api.apply(objects.node(NODE))  # not in a group yet
-    api.apply(objects.agent_pod(NODE, "127.0.0.1", port))
-    for job in ("job-a", "job-b"):
-        api.apply(objects.job_pod(f"{job}-trainer-0", job, "trainer"))
-    kubeconfig = api.write_kubeconfig(tmp_path / "kubeconfig")
-    args = [
-        "orchestrator", "--kubernetes", "--kubeconfig", str(kubeconfig),
-        "--host", "127.0.0.1", "--port", "0", "--metrics-port", "0",
-        "--state-dir", str(tmp_path / "orchestrator"), "--shutdown-grace", "1",
-    ]  # fmt: skip
-    orchestrator = LoggedServer(args, tmp_path / "orchestrator.log")
-    try:
-        address = orchestrator.wait_for(r"serving on (127\.0\.0\.1:\d+)").group(1)
-        api.apply(objects.node(NODE, "trainer"))
-        orchestrator.wait_for(r"group trainer appeared with 1 node\(s\): gpu-a")
-        await _hand_over_when_the_holders_pods_go(api, address)
+        yield running
     except BaseException:
-        print(orchestrator.logs(), agent.logs())
+        print(running.logs())
         raise
     finally:
-        orchestrator.stop()
+        for server in reversed(running.servers):
+            server.stop()
+        shutil.rmtree(short, ignore_errors=True)
 
 
-async def _hand_over_when_the_holders_pods_go(api: ApiServerEmulator, address: str) -> None:
-    async with (
-        AsyncClient(address, job_id="job-a", lease_s=None) as a,
-        AsyncClient(address, job_id="job-b", lease_s=None) as b,
-    ):
-        assert "trainer" in await a.list_groups()
-        await a.acquire("trainer", timeout=30)
-        events = b.watch_events("trainer")
-        await events.started()
-        waiting = asyncio.create_task(b.acquire("trainer", timeout=30))
-        queued = await _next(events, EventKind.QUEUED)
-        assert queued.job_id == "job-b"
-        api.store.delete("pods", "rl", "job-a-trainer-0")
-        yielded = await _next(events, EventKind.YIELDED)
-        assert yielded.job_id == "job-a"
-        assert "every pod of job job-a is gone" in yielded.detail
-        granted = await asyncio.wait_for(waiting, 30)
-        assert granted.success
-        await events.aclose()
+@contextlib.asynccontextmanager
+async def _events(
+    client: AsyncClient, group: str
+) -> AsyncIterator[AsyncIterator[OrchestratorEvent]]:
+    stream = client.watch_events(group)
+    await stream.started()
+    try:
+        yield stream
+    finally:
+        await stream.aclose()
 
 
-async def _next(events: AsyncIterator[OrchestratorEvent], kind: EventKind) -> OrchestratorEvent:
+async def _next(
+    events: AsyncIterator[OrchestratorEvent], kind: EventKind, job: str = ""
+) -> OrchestratorEvent:
+    """The next event of ``kind`` (of ``job`` if given)."""
+
     async def first() -> OrchestratorEvent:
         async for event in events:
-            if event.kind is kind:
+            if event.kind is kind and (not job or event.job_id == job):
                 return event
         raise AssertionError(f"the event stream ended before a {kind.value} event")
 
-    return await asyncio.wait_for(first(), 30)
+    return await asyncio.wait_for(first(), WAIT_S)
+
+
+async def test_a_labelled_group_is_acquired_and_a_gone_holder_loses_it(
+    api: ApiServerEmulator, cluster: Cluster
+) -> None:
+    api.apply(objects.node("gpu-a"))  # not in a group yet
+    cluster.agent("gpu-a", "--backend", "noop")
+    for job in ("job-a", "job-b"):
+        api.apply(objects.job_pod(f"{job}-trainer-0", job, "trainer"))
+    address = cluster.start_orchestrator()
+    api.apply(objects.node("gpu-a", "trainer"))
+    cluster.logged(r"group trainer appeared with 1 node\(s\): gpu-a")
+    async with (
+        AsyncClient(address, job_id="job-a", lease_s=None) as a,
+        AsyncClient(address, job_id="job-b", lease_s=None) as b,
+        _events(b, "trainer") as events,
+    ):
+        assert "trainer" in await a.list_groups()
+        await a.acquire("trainer", timeout=WAIT_S)
+        waiting = asyncio.create_task(b.acquire("trainer", timeout=WAIT_S))
+        await _next(events, EventKind.QUEUED, "job-b")
+        api.store.delete("pods", "rl", "job-a-trainer-0")
+        yielded = await _next(events, EventKind.YIELDED, "job-a")
+        assert "every pod of job job-a is gone" in yielded.detail
+        assert (await asyncio.wait_for(waiting, WAIT_S)).success
+
+
+async def test_a_node_cordoned_mid_switch_leaves_the_group_which_stays_exclusive(
+    api: ApiServerEmulator, cluster: Cluster
+) -> None:
+    # Two 50 GiB states never fit on an 80 GiB device; a move takes about a second.
+    sim = SimAgent(
+        name="",
+        capacity_bytes=80 * GiB,
+        footprint_bytes=50 * GiB,
+        bandwidth_bytes_per_s=50 * GiB,
+        latency_s=0.01,
+    )
+    for node in ("gpu-a", "gpu-b"):
+        api.apply(objects.node(node, "trainer"))
+        cluster.agent(node, *sim.flags())
+    for job in ("job-a", "job-b"):
+        api.apply(objects.job_pod(f"{job}-trainer-0", job, "trainer"))
+    address = cluster.start_orchestrator()
+    windows: list[checker.Window] = []
+    async with (
+        AsyncClient(address, job_id="job-a", lease_s=None) as a,
+        AsyncClient(address, job_id="job-b", lease_s=None) as b,
+        _events(b, "trainer") as events,
+    ):
+        first = checker.Window(job="job-a", group="trainer", requested=time.time())
+        windows.append(first)
+        await a.acquire("trainer", timeout=WAIT_S)
+        first.acquired = time.time()
+        second = checker.Window(job="job-b", group="trainer", requested=time.time())
+        windows.append(second)
+        waiting = asyncio.create_task(b.acquire("trainer", timeout=WAIT_S))
+        await _next(events, EventKind.QUEUED, "job-b")
+        first.yielded = time.time()
+        await a.yield_("trainer")
+        await _next(events, EventKind.SWITCH_STARTED, "job-b")
+        api.apply(objects.node("gpu-b", "trainer", unschedulable=True))
+        cluster.logged(r"group trainer: nodes changed .* -> gpu-a@")
+        # The client re-issues its Acquire across the group's restart (UNAVAILABLE).
+        assert (await asyncio.wait_for(waiting, WAIT_S)).success
+        second.acquired = time.time()
+        # The grant may come from the group before its restart (its switch finished in the
+        # shutdown grace): asked again, the restarted group answers once it has verified it.
+        await b.acquire("trainer", timeout=WAIT_S)
+        status = await b.status("trainer")
+        assert (status.locking_job, status.nodes) == ("job-b", ("gpu-a",))
+        second.yielded = time.time()
+    assert (
+        checker.check(
+            journal=cluster.journal(), windows=windows, group_nodes={"trainer": ["gpu-a"]}
+        )
+        == []
+    )

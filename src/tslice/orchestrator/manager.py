@@ -124,7 +124,7 @@ class GroupManager:
             ", ".join(f"{n.name}@{n.address}" for n in nodes),
             extra={"group_id": gid},
         )
-        del self._groups[gid]
+        # Listed while it stops: calls meanwhile are told UNAVAILABLE (retry), not NOT_FOUND.
         await driver.stop(grace_s=self._cfg.shutdown_grace_s)
         entry = (await self._services.db.load()).get(gid)
         self._add(gid, nodes, entry[1] if entry else None)
