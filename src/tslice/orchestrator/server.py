@@ -243,8 +243,7 @@ class OrchestratorServicer(opb_grpc.TimeSliceOrchestratorServiceServicer):
         job = await refusals.checked(context, refusals.checked_id, "job_id", request.job_id)
         reason = await refusals.checked(context, _checked_reason, request.reason)
         if not request.group_id:
-            drivers = [d for gid in self._groups.ids() if (d := self._groups.get(gid))]
-            evicted = await group.evict_everywhere(drivers, job, reason)
+            evicted = await self._groups.evict(job, reason)
             if not evicted:
                 nowhere = (
                     f"job {job!r} neither holds nor waits for any group; nothing to evict "
