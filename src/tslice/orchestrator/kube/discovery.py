@@ -21,10 +21,6 @@ from tslice.orchestrator.kube import model, watch
 log = logging.getLogger(__name__)
 
 
-def _describe(nodes: tuple[config.NodeRef, ...]) -> str:
-    return ", ".join(f"{n.name}@{n.address}" for n in nodes)
-
-
 class Discovery:
     def __init__(self, settings: config.KubeSettings) -> None:
         self._settings = settings
@@ -53,7 +49,7 @@ class Discovery:
         log.info(
             "Kubernetes topology: %d group(s)%s",
             len(groups),
-            "".join(f"; {g}: {_describe(ns)}" for g, ns in groups.items()),
+            "".join(f"; {model.describe(model.GroupAppeared(g, ns))}" for g, ns in groups.items()),
         )
         self._gone_jobs.clear()
         return groups
@@ -71,7 +67,7 @@ class Discovery:
 
     def _on_events(self, events: list[model.Event]) -> None:
         for event in events:
-            log.info("Kubernetes: %s", event)
+            log.info("Kubernetes: %s", model.describe(event))
             if isinstance(event, model.JobGone):
                 self._gone_jobs.append(event.job)
         self._changed.set()

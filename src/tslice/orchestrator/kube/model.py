@@ -171,6 +171,21 @@ class ClusterModel:
         return self.groups(), self.live_jobs()
 
 
+def describe(event: Event) -> str:
+    """One line for the logs."""
+
+    def nodes(refs: tuple[config.NodeRef, ...]) -> str:
+        return ", ".join(f"{n.name}@{n.address}" for n in refs) or "none"
+
+    if isinstance(event, GroupAppeared):
+        return f"group {event.group} appeared: {nodes(event.nodes)}"
+    if isinstance(event, GroupNodesChanged):
+        return f"group {event.group}: nodes {nodes(event.before)} -> {nodes(event.nodes)}"
+    if isinstance(event, GroupGone):
+        return f"group {event.group} is gone (no Ready, schedulable node with an agent)"
+    return f"job {event.job} is gone (no Pending or Running pod left)"
+
+
 def diff(
     before: tuple[Groups, frozenset[str]], after: tuple[Groups, frozenset[str]]
 ) -> list[Event]:

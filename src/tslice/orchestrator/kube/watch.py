@@ -25,7 +25,6 @@ import logging
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-import httpx2
 from lightkube import ApiError, AsyncClient, KubeConfig
 from lightkube.config import kubeconfig
 from lightkube.resources.core_v1 import Node, Pod
@@ -217,7 +216,7 @@ class Watcher:
                     continue
                 failures += 1
                 await self._pause(stream, failures, f"{err.status.code} {err.status.message}")
-            except (httpx2.HTTPError, OSError, ValueError) as err:
+            except Exception as err:  # refused, dropped, undecodable: all retried alike
                 failures += 1
                 await self._pause(stream, failures, f"{type(err).__name__}: {err}")
 
