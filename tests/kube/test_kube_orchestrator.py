@@ -24,6 +24,7 @@ from tests.kube.emulator import ApiServerEmulator
 from tests.kube.processes import LoggedServer
 from tslice.agent.backends import simdevice as device
 from tslice.client import AsyncClient, EventKind, OrchestratorEvent
+from tslice.common import errors
 from tslice.sim import checker
 from tslice.sim.cluster import SimAgent
 
@@ -120,7 +121,7 @@ async def test_a_labelled_group_is_acquired_and_a_gone_holder_loses_it(
 ) -> None:
     api.apply(objects.node("gpu-a"))  # not in a group yet
     cluster.agent("gpu-a", "--backend", "noop")
-    for job in ("job-a", "job-b"):
+    for job in ("job-a", "job-b", "job-c"):
         api.apply(objects.job_pod(f"{job}-trainer-0", job, "trainer"))
     address = cluster.start_orchestrator()
     api.apply(objects.node("gpu-a", "trainer"))
@@ -128,16 +129,29 @@ async def test_a_labelled_group_is_acquired_and_a_gone_holder_loses_it(
     async with (
         AsyncClient(address, job_id="job-a", lease_s=None) as a,
         AsyncClient(address, job_id="job-b", lease_s=None) as b,
+        AsyncClient(address, job_id="job-c", lease_s=None) as c,
         _events(b, "trainer") as events,
     ):
         assert "trainer" in await a.list_groups()
         await a.acquire("trainer", timeout=WAIT_S)
         waiting = asyncio.create_task(b.acquire("trainer", timeout=WAIT_S))
         await _next(events, EventKind.QUEUED, "job-b")
+        queued_c = asyncio.create_task(c.acquire("trainer", timeout=WAIT_S))
+        await _next(events, EventKind.QUEUED, "job-c")
+        # A waiter whose pods went leaves the queue; its Acquire says why.
+        api.apply(objects.job_pod("job-c-trainer-0", "job-c", "trainer", phase="Failed"))
+        with pytest.raises(errors.Aborted, match="every pod of job job-c is gone"):
+            await asyncio.wait_for(queued_c, WAIT_S)
+        # A holder whose pods went loses the lock; the next waiter is granted.
         api.store.delete("pods", "rl", "job-a-trainer-0")
         yielded = await _next(events, EventKind.YIELDED, "job-a")
         assert "every pod of job job-a is gone" in yielded.detail
         assert (await asyncio.wait_for(waiting, WAIT_S)).success
+        # Unlabelled, the node leaves: the group is gone, and an Acquire says how to fix it.
+        api.apply(objects.node("gpu-a"))
+        cluster.logged(r"group trainer is gone \(.*\); it stops")
+        with pytest.raises(errors.NotFound, match=r"label its nodes group\.timeslice\.io/trainer"):
+            await c.acquire("trainer", timeout=WAIT_S)
 
 
 async def test_a_node_cordoned_mid_switch_leaves_the_group_which_stays_exclusive(
