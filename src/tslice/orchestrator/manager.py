@@ -106,6 +106,8 @@ class GroupManager:
             return
         log.warning("group %s is gone (%s); it stops", gid, why, extra={"group_id": gid})
         await driver.stop(grace_s=self._cfg.shutdown_grace_s)
+        self._services.arbiter.forget(gid)
+        self._services.metrics.forget_group(gid)
 
     async def replace_nodes(self, gid: str, nodes: tuple[config.NodeRef, ...]) -> None:
         """The group's nodes changed: it stops (an in-flight switch has the shutdown grace
@@ -126,6 +128,8 @@ class GroupManager:
         )
         # Listed while it stops: calls meanwhile are told UNAVAILABLE (retry), not NOT_FOUND.
         await driver.stop(grace_s=self._cfg.shutdown_grace_s)
+        # Which groups it shares devices with is worked out again from its new nodes.
+        self._services.arbiter.forget(gid)
         entry = (await self._services.db.load()).get(gid)
         self._add(gid, nodes, entry[1] if entry else None)
 

@@ -20,6 +20,9 @@ from tslice.orchestrator.kube import model, watch
 
 log = logging.getLogger(__name__)
 
+#: Pause before a change that failed to apply is tried again, seconds.
+_RETRY_S = 1.0
+
 
 class Discovery:
     def __init__(self, settings: config.KubeSettings) -> None:
@@ -80,13 +83,17 @@ class Discovery:
             self._changed.clear()
             try:
                 await self._apply_groups(groups, cluster.groups())
-                gone, self._gone_jobs = self._gone_jobs, []
-                live = cluster.live_jobs()
-                for job in dict.fromkeys(gone):
-                    if job not in live:
+                while self._gone_jobs:
+                    job = self._gone_jobs[0]
+                    if job not in cluster.live_jobs():  # its pods may be back meanwhile
                         await self._evict(groups, job)
+                    self._gone_jobs.pop(0)
             except Exception:
-                log.exception("applying a Kubernetes change failed; retrying at the next one")
+                # What is left (the topology is compared whole, the jobs stay listed) is
+                # tried again shortly.
+                log.exception("applying a Kubernetes change failed; retrying in %g s", _RETRY_S)
+                await asyncio.sleep(_RETRY_S)
+                self._changed.set()
 
     @staticmethod
     async def _apply_groups(
