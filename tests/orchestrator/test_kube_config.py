@@ -26,10 +26,12 @@ def test_kubernetes_mode_defaults() -> None:
 def test_kubernetes_settings_from_a_file(tmp_path: pathlib.Path) -> None:
     file = tmp_path / "orchestrator.yaml"
     file.write_text(
-        "kubernetes: true\nagent_namespace: agents\nagent_selector: app=agent\njob_namespace: rl\n"
+        "kubernetes: true\nkubeconfig: kube/config\nagent_namespace: agents\n"
+        "agent_selector: app=agent\njob_namespace: rl\n"
     )
     kube = config.build(config_file=file).kubernetes
     assert kube is not None
+    assert kube.kubeconfig == tmp_path / "kube" / "config"  # beside the file, as topology_file
     assert (kube.agent_namespace, kube.agent_selector, kube.job_namespace) == (
         "agents",
         "app=agent",

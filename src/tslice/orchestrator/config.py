@@ -368,7 +368,7 @@ def build(
     except pydantic.ValidationError as err:
         raise errors.ConfigError(where + format_validation_error(err)) from err
 
-    kube = _kube_settings(model, where)
+    kube = _kube_settings(model, where, config_file)
     local: list[NodeRef] = [parse_local_agent(s) for s in model.local_agents]
     topology: Topology | None = Topology() if kube is not None else None
     if model.topology is not None:
@@ -424,7 +424,9 @@ _NOT_WITH_KUBE = {
 }
 
 
-def _kube_settings(model: OrchestratorModel, where: str) -> KubeSettings | None:
+def _kube_settings(
+    model: OrchestratorModel, where: str, config_file: pathlib.Path | None
+) -> KubeSettings | None:
     """Kubernetes mode's settings, or None; a topology given with it (or a Kubernetes
     flag without it) is refused, naming both."""
     if not model.kubernetes:
@@ -455,8 +457,11 @@ def _kube_settings(model: OrchestratorModel, where: str) -> KubeSettings | None:
             f"{where}--agent-selector is empty; give the agent pods' label selector, e.g. "
             f"{kube_labels.AGENT_SELECTOR}"
         )
+    kubeconfig = model.kubeconfig
+    if kubeconfig is not None and config_file is not None and not kubeconfig.is_absolute():
+        kubeconfig = config_file.parent / kubeconfig  # as topology_file
     return KubeSettings(
-        kubeconfig=model.kubeconfig,
+        kubeconfig=kubeconfig,
         agent_namespace=model.agent_namespace or kube_labels.NAMESPACE,
         agent_selector=model.agent_selector or kube_labels.AGENT_SELECTOR,
         job_namespace=model.job_namespace,
