@@ -48,7 +48,7 @@ def orchestrator(
             "--kubernetes",
             help="Topology from the API server: groups from node labels "
             "group.timeslice.io/<group>=true, agents from the DaemonSet's pods, jobs from "
-            "pod labels (needs tslice[kubernetes]).",
+            "pod labels (needs the kubernetes extra of tslice).",
             rich_help_panel="Kubernetes",
         ),
     ] = False,
