@@ -11,11 +11,8 @@ from collections.abc import Iterator
 import grpc
 import pytest
 
-import tslice.client as tsclient
 from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2 as opb
 from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2_grpc as opb_grpc
-from tslice.client import _admin
-from tslice.common import errors
 from tslice.sim import cluster
 
 TIMEOUT_S = 20.0
@@ -179,20 +176,3 @@ def test_a_drained_group_grants_nothing_even_after_a_restart_until_resumed(
         assert not status(stub, "drained").draining
         stub.Yield(opb.YieldRequest(job_id="job-b", group_id="drained"), timeout=TIMEOUT_S)
 
-
-async def test_the_async_client_drains_evicts_and_resumes(local: cluster.LocalCluster) -> None:
-    group = "async-admin"
-    async with tsclient.AsyncClient(local.orchestrator_address, job_id="job-a", lease_s=None) as a:
-        await a.acquire(group)
-        assert await a.drain(group) == _admin.DrainState(
-            draining=True, was_draining=False, locking_job="job-a", switching=False,
-            waiter_queue_depth=0,
-        )  # fmt: skip
-        evicted = await a.evict(group, "job-a", reason="maintenance")
-        assert evicted == (_admin.Eviction(group, _admin.EvictedRole.HOLDER, next_job=""),)
-        with pytest.raises(errors.FailedPrecondition, match="maintenance"):
-            await a.yield_(group)
-        resumed = await a.resume(group)
-        assert resumed.was_draining and not resumed.draining
-        with pytest.raises(errors.NotFound, match="neither holds nor waits"):
-            await a.evict(group, "job-a")

@@ -12,12 +12,14 @@ naming the principal and the fix, and changes nothing.
 
 from __future__ import annotations
 
+import asyncio
 import pathlib
 from collections.abc import Callable, Iterator
 
 import grpc
 import pytest
 
+import tslice.client as tsclient
 from tests.integration.test_hostile_agent import closed_port
 from tests.security.conftest import (
     JOB_A_TOKEN,
@@ -31,7 +33,8 @@ from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2_grpc as pb_grpc
 from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2 as opb
 from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2_grpc as opb_grpc
-from tslice.common import tls
+from tslice.client import _admin
+from tslice.common import errors, tls
 
 TIMEOUT_S = 20.0
 
@@ -274,3 +277,44 @@ def test_the_orchestrator_proves_its_role_to_agents_with_a_token(
             request = opb.AcquireRequest(job_id=job, group_id="g")
             assert stub.Acquire(request, timeout=TIMEOUT_S).success
             stub.Yield(opb.YieldRequest(job_id=job, group_id="g"), timeout=TIMEOUT_S)
+
+
+async def test_the_async_clients_admin_calls_with_the_admin_credential(
+    secure_stack: SecureStack,
+) -> None:
+    group, address = "async-admin", secure_stack.orchestrator
+
+    def client(identity: str, job: str | None = None) -> tsclient.AsyncClient:
+        security = secure_stack.security(identity)
+        return tsclient.AsyncClient(address, job_id=job, lease_s=None, security=security)
+
+    async with client("job:job-a", "job-a") as a, client("admin") as admin:
+        await a.acquire(group)
+        with pytest.raises(errors.NotHolder, match="needs the admin role"):
+            await a.drain(group)
+        assert await admin.drain(group) == _admin.DrainState(
+            draining=True, was_draining=False, locking_job="job-a", switching=False,
+            waiter_queue_depth=0,
+        )  # fmt: skip
+        evicted = await admin.evict(group, "job-a", reason="maintenance")
+        assert evicted == (_admin.Eviction(group, _admin.EvictedRole.HOLDER, next_job=""),)
+        with pytest.raises(errors.FailedPrecondition, match="maintenance"):
+            await a.yield_(group)
+        resumed = await admin.resume(group)
+        assert resumed.was_draining and not resumed.draining
+        with pytest.raises(errors.NotFound, match="neither holds nor waits"):
+            await admin.evict(group, "job-a")
+        # A waiter of the library (over its Session stream) is told why it left the queue.
+        await a.acquire(group)
+        async with client("job:job-b", "job-b") as b:
+            events = admin.watch_events(group, kinds=[tsclient.EventKind.QUEUED])
+            await events.started()
+            pending = asyncio.ensure_future(b.acquire(group))
+            async for event in events:
+                if event.job_id == "job-b":
+                    break
+            await events.aclose()
+            await admin.evict(group, "job-b", reason="over quota")
+            with pytest.raises(errors.Aborted, match="by an administrator: over quota"):
+                await pending
+        await a.yield_(group)
