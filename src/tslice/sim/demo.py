@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 import dataclasses
 import json
 import shutil
@@ -324,17 +323,16 @@ async def run_demo(config: DemoConfig, *, progress: DemoProgress | None = None) 
     out_dir.mkdir(parents=True, exist_ok=True)
     local = replay.make_cluster(
         model,
-        speeds,
+        [replay.Site(speeds)],
         base_dir=cluster_dir,
         capacity_bytes=config.capacity_bytes,
         log_level=config.log_level,
     )
     await asyncio.to_thread(local.start)
-    events: list[tsclient.OrchestratorEvent] = []
     try:
-        watcher = tsclient.AsyncClient(local.orchestrator_address, job_id="demo-watch")
-        watch = asyncio.create_task(_watch(watcher, events, progress), name="demo-watch")
-        try:
+        async with replay.watching(
+            local.orchestrator_address, on_event=progress.on_event
+        ) as events:
             runner = replay.Runner(
                 model=model,
                 plans=plans,
@@ -345,11 +343,6 @@ async def run_demo(config: DemoConfig, *, progress: DemoProgress | None = None) 
                 on_update=progress.on_job,
             )
             runs = await _run_phases(runner, ids, config.steps, contention, progress)
-        finally:
-            watch.cancel()
-            with contextlib.suppress(asyncio.CancelledError, errors.TsliceError):
-                await watch
-            await watcher.close()
         progress.stage = "checking mutual exclusion"
         journal = await asyncio.to_thread(local.read_journals)
     finally:
@@ -396,16 +389,6 @@ async def _run_phases(
         runs[TIME_SLICED] = await runner.run(TIME_SLICED, ids, together=True, contention=contention)
         progress.makespans[TIME_SLICED] = runs[TIME_SLICED].makespan_s
     return runs
-
-
-async def _watch(
-    client: tsclient.AsyncClient,
-    sink: list[tsclient.OrchestratorEvent],
-    progress: DemoProgress,
-) -> None:
-    async for event in client.watch_events():
-        sink.append(event)
-        progress.on_event(event)
 
 
 def _timeline_html(

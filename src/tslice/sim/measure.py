@@ -8,6 +8,7 @@ snapshots and restores, scaled back to trace seconds to compare with the recordi
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -97,6 +98,25 @@ def summarise(
         windows=windows,
         errors=tuple(f"job {r.job}: {r.error}" for r in results if r.error),
     )
+
+
+def handovers_s(windows: Sequence[rljob.Window], pool: str) -> list[float]:
+    """Hand-overs of ``pool`` as the jobs felt them: one job's yield to the grant of a
+    different job that was already waiting (switch, orchestration and reply included)."""
+    held = sorted(
+        (w for w in windows if w.pool == pool and w.acquired is not None),
+        key=lambda w: w.acquired or 0.0,
+    )
+    out: list[float] = []
+    for before, after in itertools.pairwise(held):
+        if (
+            before.job != after.job
+            and before.yielded is not None
+            and after.acquired is not None
+            and after.requested < before.yielded
+        ):
+            out.append(after.acquired - before.yielded)
+    return out
 
 
 def _held(windows: Sequence[rljob.Window], pool: str, start: float, end: float) -> float:

@@ -11,14 +11,16 @@ hold, so its phases are played without asking the orchestrator. Simulated jobs
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import string
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from pathlib import Path
 
 import tslice.client as tsclient
 from tslice.agent.backends import simdevice as device
+from tslice.common import errors
 from tslice.sim import cluster, measure, rljob, trace
 
 GiB = device.GiB
@@ -38,9 +40,30 @@ def job_ids(count: int) -> list[str]:
     return list(string.ascii_uppercase[:count])
 
 
-def nodes(model: trace.PhaseModel) -> dict[str, str]:
+def nodes(model: trace.PhaseModel, prefix: str = "") -> dict[str, str]:
     """Shared pool -> the simulated node that carries its group."""
-    return {pool: f"node-{string.ascii_lowercase[i]}" for i, pool in enumerate(model.shared)}
+    return {
+        pool: f"{prefix}node-{string.ascii_lowercase[i]}" for i, pool in enumerate(model.shared)
+    }
+
+
+@dataclasses.dataclass(frozen=True)
+class Site:
+    """One sim node per shared pool, copying at ``speeds`` (+ ``extra_latency_s`` per copy,
+    wall seconds); its groups are ``prefix + pool``, its nodes ``prefix + node-a``, ...
+    Several sites in one cluster replay several configurations with one orchestrator."""
+
+    speeds: Mapping[str, device.CopySpeed]
+    prefix: str = ""
+    extra_latency_s: float = 0.0
+
+    def groups(self, model: trace.PhaseModel) -> dict[str, str]:
+        return {pool: f"{self.prefix}{pool}" for pool in model.shared}
+
+    def group_nodes(self, model: trace.PhaseModel) -> dict[str, list[str]]:
+        """Group -> its nodes, as the mutual-exclusion checker wants them."""
+        node_of = nodes(model, self.prefix)
+        return {f"{self.prefix}{pool}": [node] for pool, node in node_of.items()}
 
 
 def footprints(model: trace.PhaseModel, given: Mapping[str, int] | None = None) -> dict[str, int]:
@@ -88,31 +111,56 @@ def plans(
 
 def make_cluster(
     model: trace.PhaseModel,
-    speeds: Mapping[str, device.CopySpeed],
+    sites: Sequence[Site],
     *,
     base_dir: Path | None,
     capacity_bytes: int = DEFAULT_CAPACITY,
-    extra_latency_s: float = 0.0,
     log_level: str = "warning",
 ) -> cluster.LocalCluster:
-    """An orchestrator and one sim agent per shared pool (not started)."""
-    node_of = nodes(model)
-    return cluster.LocalCluster(
-        agents=[
-            cluster.SimAgent(
-                name=node_of[pool],
-                capacity_bytes=capacity_bytes,
-                bandwidth_bytes_per_s=speeds[pool].rate("snapshot"),
-                restore_bandwidth_bytes_per_s=speeds[pool].rate("restore"),
-                latency_s=speeds[pool].latency_s,
-                extra_latency_s=extra_latency_s or None,
+    """An orchestrator and, for each site, one sim agent per shared pool (not started)."""
+    agents: list[cluster.SimAgent] = []
+    groups: dict[str, list[str]] = {}
+    for site in sites:
+        for pool, node in nodes(model, site.prefix).items():
+            speed = site.speeds[pool]
+            agents.append(
+                cluster.SimAgent(
+                    name=node,
+                    capacity_bytes=capacity_bytes,
+                    bandwidth_bytes_per_s=speed.rate("snapshot"),
+                    restore_bandwidth_bytes_per_s=speed.rate("restore"),
+                    latency_s=speed.latency_s,
+                    extra_latency_s=site.extra_latency_s or None,
+                )
             )
-            for pool in model.shared
-        ],
-        groups={pool: (node_of[pool],) for pool in model.shared},
-        base_dir=base_dir,
-        log_level=log_level,
+        groups.update(site.group_nodes(model))
+    return cluster.LocalCluster(
+        agents=agents, groups=groups, base_dir=base_dir, log_level=log_level
     )
+
+
+@contextlib.asynccontextmanager
+async def watching(
+    address: str, *, on_event: Callable[[tsclient.OrchestratorEvent], None] | None = None
+) -> AsyncIterator[list[tsclient.OrchestratorEvent]]:
+    """The orchestrator's events (``WatchEvents``) while the block runs, as a growing list."""
+    sink: list[tsclient.OrchestratorEvent] = []
+    client = tsclient.AsyncClient(address, job_id="replay-watch")
+
+    async def pump() -> None:
+        async for event in client.watch_events():
+            sink.append(event)
+            if on_event is not None:
+                on_event(event)
+
+    task = asyncio.create_task(pump(), name="replay-watch")
+    try:
+        yield sink
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, errors.TsliceError):
+            await task
+        await client.close()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,12 +174,14 @@ class Runner:
     footprints: Mapping[str, int]
     events: Sequence[tsclient.OrchestratorEvent]
     on_update: rljob.UpdateCallback | None = None
+    #: Shared pool -> the group the jobs ask for (None: the pool's name).
+    groups: Mapping[str, str] | None = None
 
-    def spec(self, job: str, slowdown: float) -> rljob.SimJob:
+    def spec(self, job: str, slowdown: float, *, dedicated: bool = False) -> rljob.SimJob:
         return rljob.SimJob(
             job_id=job,
             lanes=self.plans[job],
-            groups={pool: pool for pool in self.model.shared},
+            groups={} if dedicated else self.groups or {p: p for p in self.model.shared},
             footprints=self.footprints,
             time_scale=self.time_scale,
             slowdown=slowdown,
@@ -148,15 +198,25 @@ class Runner:
         return 60.0 + 2 * jobs * longest * contention / self.time_scale
 
     async def run(
-        self, name: str, jobs: Sequence[str], *, together: bool, contention: float
+        self,
+        name: str,
+        jobs: Sequence[str],
+        *,
+        together: bool,
+        contention: float,
+        dedicated: bool = False,
     ) -> measure.RunSummary:
-        """``jobs`` one after the other (``together=False``, uncontended) or all at once."""
-        slowdown = contention if together else 1.0
+        """``jobs`` one after the other (``together=False``, uncontended) or all at once.
+
+        ``dedicated``: every job has every pool to itself (the GPUs of a recorded
+        baseline, no tslice in the loop), so nobody is asked and nothing is contended.
+        """
+        slowdown = contention if together and not dedicated else 1.0
         patience = self.patience_s(len(jobs), contention)
 
         async def one(job: str) -> rljob.JobResult:
             return await rljob.run_job(
-                self.spec(job, slowdown),
+                self.spec(job, slowdown, dedicated=dedicated),
                 address=self.address,
                 run=name,
                 on_update=self.on_update,

@@ -123,11 +123,13 @@ async def run_job(
         for plan in job.lanes
     )
     started = time.time()
-    client = tsclient.AsyncClient(address, job_id=job.job_id)
+    # A job with every pool to itself asks nobody: no orchestrator, no client.
+    client = tsclient.AsyncClient(address, job_id=job.job_id) if job.groups else None
     try:
         await asyncio.gather(*(_play(runner, client) for runner in runners))
     finally:
-        await client.close()
+        if client is not None:
+            await client.close()
     return JobResult(
         run=run,
         job=job.job_id,
@@ -139,7 +141,7 @@ async def run_job(
     )
 
 
-async def _play(runner: _Runner, client: tsclient.AsyncClient) -> None:
+async def _play(runner: _Runner, client: tsclient.AsyncClient | None) -> None:
     try:
         await runner.play(client)
     except errors.TsliceError as err:
@@ -188,7 +190,7 @@ class _Runner:
             )
         )
 
-    async def play(self, client: tsclient.AsyncClient) -> None:
+    async def play(self, client: tsclient.AsyncClient | None) -> None:
         self.started = time.time()
         for step, phases in enumerate(self.plan):
             self.step = step
@@ -205,7 +207,7 @@ class _Runner:
             await self.release(client, pool)
         self.report("done")
 
-    async def acquire(self, client: tsclient.AsyncClient, pool: str, phase: str) -> None:
+    async def acquire(self, client: tsclient.AsyncClient | None, pool: str, phase: str) -> None:
         group = self.job.groups.get(pool, "")
         self.report(f"wait {pool}")
         requested = time.time()
@@ -225,6 +227,7 @@ class _Runner:
             self.windows[index] = dataclasses.replace(self.windows[index], acquired=requested)
             self.held[pool] = index
             return
+        assert client is not None  # a job with groups has a client
         try:
             result = await client.acquire(
                 group,
@@ -243,15 +246,16 @@ class _Runner:
         )
         self.held[pool] = index
 
-    async def release(self, client: tsclient.AsyncClient, pool: str) -> None:
+    async def release(self, client: tsclient.AsyncClient | None, pool: str) -> None:
         index = self.held.pop(pool)
         # The window closes when the job lets go, before the RPC: the device may be
         # snapshotted as soon as the orchestrator reads the Yield.
         self.windows[index] = dataclasses.replace(self.windows[index], yielded=time.time())
         if pool in self.job.groups:
+            assert client is not None
             await client.yield_(self.job.groups[pool])
 
-    async def release_all(self, client: tsclient.AsyncClient) -> None:
+    async def release_all(self, client: tsclient.AsyncClient | None) -> None:
         for pool in sorted(self.held):
             try:
                 await self.release(client, pool)
