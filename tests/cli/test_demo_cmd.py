@@ -1,4 +1,5 @@
-"""`tslice demo --json` end to end: real processes, measured speedup, zero violations."""
+"""`tslice demo --json` end to end: real processes, measured speedup, zero violations; on the
+veRL trace and on a trace of other pools."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+
+from tests.sim.traces import three_pools_one_private
 
 
 def test_demo_json_end_to_end(tmp_path: Path) -> None:
@@ -84,3 +87,49 @@ def test_demo_json_end_to_end(tmp_path: Path) -> None:
     assert "https://" not in html and "http://" not in html
     assert "sampler" in html and "trainer" in html and "job A" in html and "job B" in html
     assert json.loads((out / "summary.json").read_text())["speedup"] == summary["speedup"]
+
+
+def test_demo_runs_a_trace_of_other_pools(tmp_path: Path) -> None:
+    """Three pools named neither sampler nor trainer, one of them each job's own."""
+    recorded = tmp_path / "three-pools.json"
+    recorded.write_text(json.dumps(three_pools_one_private()))
+    out = tmp_path / "demo-out"
+    proc = _demo(
+        "--trace", str(recorded), "--steps", "2", "--time-scale", "4000", "--out", str(out)
+    )
+    assert proc.returncode == 0, proc.stderr
+    summary = json.loads(proc.stdout)
+    assert summary["ok"] is True and summary["violation_count"] == 0
+    assert summary["pools"] == ["gen", "learn", "judge"]
+    assert summary["private_pools"] == ["judge"]
+    for run in summary["runs"].values():
+        assert run["steps_done"] == 4 and run["errors"] == []
+        assert set(run["duty"]) == {"gen", "learn", "judge"}
+        assert all(0 < share <= 1 for share in run["duty"].values())
+    # Only the shared pools switch (snapshots and restores); judge never does.
+    assert set(summary["snapshot_median"]) == {"gen", "learn"}
+    assert summary["runs"]["time-sliced"]["switches"] >= 2
+    html = (out / "timeline.html").read_text()
+    assert "judge" in html and "one per job" in html
+
+
+def test_demo_names_what_a_trace_lacks(tmp_path: Path) -> None:
+    raw = three_pools_one_private()
+    for event in raw["timeslice"]["events"]:
+        event.pop("step", None)
+    recorded = tmp_path / "no-steps.json"
+    recorded.write_text(json.dumps(raw))
+    proc = _demo("--trace", str(recorded), "--out", str(tmp_path / "out"))
+    assert proc.returncode != 0
+    assert "timeslice.events[0].step is missing" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def _demo(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "tslice", "demo", "--json", *args],
+        capture_output=True,
+        text=True,
+        timeout=90,
+        check=False,
+    )

@@ -1,4 +1,8 @@
-"""``tslice demo``: simulated RL jobs, exclusive then time-sliced; live view and timeline."""
+"""``tslice demo``: simulated RL jobs, exclusive then time-sliced; live view and timeline.
+
+Any recorded run the phase model can be derived from works (``--trace``): any pool
+names and count, shared and private pools, synchronous and asynchronous jobs.
+"""
 
 from __future__ import annotations
 
@@ -24,7 +28,11 @@ def run(
     *,
     trace: Annotated[
         Path | None,
-        typer.Option("--trace", help="Recorded trace to model the jobs on (default: veRL 2xH100)."),
+        typer.Option(
+            "--trace",
+            help="Recorded run to model the jobs on, any pools and RL mode (default: veRL "
+            "2xH100, a sampler and a trainer GPU).",
+        ),
     ] = None,
     jobs: Annotated[int, typer.Option("--jobs", min=1, max=26, help="Simulated RL jobs.")] = 2,
     steps: Annotated[int, typer.Option("--steps", min=1, help="RL steps per job.")] = DEFAULT_STEPS,
@@ -71,7 +79,7 @@ def run(
     as_json: client_cmds.AsJson = False,
     no_live: Annotated[bool, typer.Option("--no-live", help="No live view.")] = False,
 ) -> None:
-    """Two simulated RL jobs share a sampler and a trainer GPU: exclusive vs time-sliced."""
+    """Simulated RL jobs share the pools of a recorded run: exclusive vs time-sliced."""
     from tslice.sim import demo
 
     config = demo.DemoConfig(
@@ -112,6 +120,8 @@ def run(
                 "exclusive run, then time-sliced run..."
             )
         result = asyncio.run(demo.run_demo(config, progress=progress))
-    render.show(result.to_json(), render.demo_summary(result), as_json=as_json)
+    # The table is only built when shown: --json needs nothing but the summary.
+    view = "" if as_json else render.demo_summary(result)
+    render.show(result.to_json(), view, as_json=as_json)
     if not result.ok:
         raise typer.Exit(1)
