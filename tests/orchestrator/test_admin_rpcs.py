@@ -175,4 +175,3 @@ def test_a_drained_group_grants_nothing_even_after_a_restart_until_resumed(
         assert pending.result(timeout=TIMEOUT_S).success
         assert not status(stub, "drained").draining
         stub.Yield(opb.YieldRequest(job_id="job-b", group_id="drained"), timeout=TIMEOUT_S)
-
