@@ -62,3 +62,23 @@ def test_live_view_tracks_holders_steps_and_switches() -> None:
     progress.on_job(update("A", 2, "done", ()))
     assert progress.done_steps == 3
     assert "sampler" not in progress.holders
+
+
+def _status(draining: bool) -> tsclient.GroupStatus:
+    return tsclient.GroupStatus(
+        group_id="trainer",
+        group_state=tsclient.GroupState.LOCKED,
+        state_timestamp=None,
+        locking_job="job-a",
+        active_job="job-a",
+        waiter_queue_depth=1,
+        loaded_job="job-a",
+        draining=draining,
+    )
+
+
+def test_a_drained_group_says_so_and_how_to_resume_it() -> None:
+    assert "(draining)" in text_of(render.groups_table([_status(True)]))
+    assert "resume with tslice admin resume trainer" in text_of(render.group_status(_status(True)))
+    assert "draining" not in text_of(render.groups_table([_status(False)]))
+    assert "resume" not in text_of(render.group_status(_status(False)))

@@ -82,7 +82,9 @@ def groups_table(statuses: Sequence[tsclient.GroupStatus]) -> RenderableType:
     for s in statuses:
         cells: list[RenderableType] = [
             s.group_id,
-            state(s.group_state.value),
+            Text.assemble(
+                state(s.group_state.value), (" (draining)" if s.draining else "", "yellow")
+            ),
             _or_dash(s.locking_job),
             _or_dash(s.loaded_job or s.active_job),
             str(s.waiter_queue_depth),
@@ -101,6 +103,10 @@ def group_status(status: tsclient.GroupStatus) -> RenderableType:
     facts.add_column(style="bold")
     facts.add_column()
     facts.add_row("state", state(status.group_state.value))
+    if status.draining:
+        facts.add_row(
+            "", Text(f"drained: resume with tslice admin resume {status.group_id}", style="dim")
+        )
     if status.detail:
         facts.add_row("detail", Text(status.detail, style="yellow"))
     for degraded in status.degraded:

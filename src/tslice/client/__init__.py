@@ -5,6 +5,7 @@
 """
 
 from tslice.client import compat
+from tslice.client._admin import DrainState, EvictedRole, Eviction
 from tslice.client._async_client import AsyncClient
 from tslice.client._channel import DEFAULT_CHANNEL_OPTIONS
 from tslice.client._client import Client
@@ -41,7 +42,10 @@ __all__ = [
     "Client",
     "ClientConfig",
     "DegradedNode",
+    "DrainState",
     "EventKind",
+    "EvictedRole",
+    "Eviction",
     "GroupState",
     "GroupStatus",
     "OrchestratorEvent",

@@ -119,6 +119,8 @@ class GroupStatus:
     agent_job_states: tuple[AgentJobStatus, ...] = ()
     #: Nodes that kept refusing a switch: the group starts none until they are cleared.
     degraded: tuple[DegradedNode, ...] = ()
+    #: An administrator drained the group (`tslice admin drain`): it grants no new turn.
+    draining: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
