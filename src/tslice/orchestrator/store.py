@@ -34,7 +34,7 @@ import time
 from collections.abc import Callable
 from typing import TypeVar
 
-from tslice.common import wal_limit
+from tslice.common import sqlite_wal, wal_limit
 from tslice.orchestrator import records
 
 _T = TypeVar("_T")
@@ -114,25 +114,15 @@ class Store:
         store = cls(state_dir / "orchestrator.db", synchronous=synchronous)
         try:
             await store._run(store._open_sync)
-        except sqlite3.DatabaseError as err:
-            store._executor.shutdown(wait=False)
-            if isinstance(err, sqlite3.OperationalError):
-                raise StoreError(
-                    f"cannot open state database {store.path}: {err} "
-                    "(check --state-dir exists and is writable)"
-                ) from err
-            # Garbage (not SQLite) or a damaged file: never guessed at, never overwritten.
-            raise StoreError(
-                f"state database {store.path} is corrupt or not a tslice database ({err}); "
-                "nothing was changed. Move it aside (keep it for a post-mortem) and start "
-                "again: the agents' reports restore grant epochs and residents, waiting jobs "
-                "re-queue when they retry"
-            ) from err
         except (OSError, sqlite3.Error) as err:
             store._executor.shutdown(wait=False)
             raise StoreError(
-                f"cannot open state database {store.path}: {err} "
-                "(check --state-dir exists and is writable)"
+                sqlite_wal.open_failure(
+                    err,
+                    database=f"state database {store.path}",
+                    then="the agents' reports restore grant epochs and residents, waiting "
+                    "jobs re-queue when they retry",
+                )
             ) from err
         return store
 
@@ -233,16 +223,9 @@ class Store:
     def _forget_sync(self, gid: str) -> None:
         conn = self._conn
         assert conn is not None
-        conn.execute("BEGIN IMMEDIATE")
-        try:
+        with self._checkpoints.transaction(conn):
             for table in ("groups", "queue", "footprints", "intents"):
                 conn.execute(f"DELETE FROM {table} WHERE group_id=?", (gid,))
-            conn.execute("COMMIT")
-        except BaseException:
-            if conn.in_transaction:
-                conn.execute("ROLLBACK")
-            raise
-        self._checkpoints.committed()
 
     def _close_sync(self) -> None:
         assert self._conn is not None
@@ -304,16 +287,9 @@ class Store:
         conn = self._conn
         if conn is None:
             raise sqlite3.ProgrammingError("the state database is closed")
-        conn.execute("BEGIN IMMEDIATE")
-        try:
+        with self._checkpoints.transaction(conn):
             for save in batch:
                 self._write_rows(conn, save.group_id, save.nodes, save.record, save.previous)
-            conn.execute("COMMIT")
-        except BaseException:
-            if conn.in_transaction:
-                conn.execute("ROLLBACK")
-            raise
-        self._checkpoints.committed()
 
     def _write_rows(
         self,
