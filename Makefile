@@ -11,7 +11,7 @@ STAMP      := $(VENV)/.installed
 TEST_EXTRAS ?= server,dev,torch,trl,kubernetes
 API_DIR     := src/tslice/api
 
-.PHONY: all venv demo test test-oldest oldest-venv test-floor test-newest test-protobuf test-jobside unit \
+.PHONY: all venv demo test test-oldest oldest-venv jobside-venvs jobside-deps test-floor test-newest test-protobuf test-jobside unit \
 	test-ray test-verl verl-venv lint typecheck \
 	api api-check api-tools dist bench clean
 
@@ -89,6 +89,23 @@ test-floor: $(STAMP)
 test-newest: $(STAMP)
 	@$(MAKE) --no-print-directory test-jobside JOBSIDE_VENV=$(NEWEST_VENV) \
 	  JOBSIDE_PINS="--upgrade grpcio protobuf"
+## (CI installs the floor, newest and Ray venvs' dependencies in the background while `make
+## test` runs, with the system Python as .venv does not exist yet: tslice itself goes in at
+## test-floor, test-newest and test-ray, which install everything anyway without it.)
+jobside-venvs:
+	@floor_python=$(PYTHON); \
+	if $(OLDEST_PYTHON) -c 'import sys; assert sys.version_info[:2] == (3, 10)' 2>/dev/null; then \
+	  floor_python=$(OLDEST_PYTHON); fi; \
+	$(MAKE) --no-print-directory jobside-deps JOBSIDE_VENV=$(FLOOR_VENV) \
+	  JOBSIDE_PYTHON=$$floor_python JOBSIDE_PINS="$$($(PYTHON) scripts/floor_pins.py)"
+	@$(MAKE) --no-print-directory jobside-deps JOBSIDE_VENV=$(NEWEST_VENV) JOBSIDE_PYTHON=$(PYTHON) \
+	  JOBSIDE_PINS="--upgrade grpcio protobuf"
+	@$(MAKE) --no-print-directory jobside-deps JOBSIDE_VENV=$(RAY_VENV) JOBSIDE_PYTHON=$(PYTHON) \
+	  JOBSIDE_PINS="ray==$(RAY_VERSION)"
+jobside-deps:
+	@test -x $(JOBSIDE_VENV)/bin/python || $(JOBSIDE_PYTHON) -m venv $(JOBSIDE_VENV)
+	@$(JOBSIDE_VENV)/bin/python -m pip install --quiet --disable-pip-version-check \
+	  $(JOBSIDE_PINS) $(JOBSIDE_TEST_DEPS)
 ## protobuf 5 and 6 between those two (the first release of each major: the one that
 ## lacks the most), grpcio at its floor: the import checks and the stack smoke test.
 PROTOBUF_BETWEEN ?= 5.26.1 6.30.0
