@@ -210,6 +210,21 @@ def test_fully_asynchronous_jobs_get_one_lane_per_pool() -> None:
         ]
 
 
+def test_jobs_holding_and_waiting_in_opposite_orders_are_refused() -> None:
+    """A holds x while asking for y, B holds y while asking for x: a replay could deadlock."""
+    a: Lane = [(("x",), 40), (("x", "y"), 10), ((), 70)]
+    b: Lane = [(("y",), 40), (("x", "y"), 10), ((), 70)]
+    raw = constructed({"A": (0.0, [a]), "B": (60.0, [b])}, steps=4, mode=None, shared=("x", "y"))
+    with pytest.raises(trace.TraceError, match="can deadlock") as caught:
+        trace.derive_model(raw)
+    message = str(caught.value)
+    assert "job A holds x while asking for y" in message
+    assert "job B holds y while asking for x" in message
+    # The same jobs in one lock order are fine.
+    raw = constructed({"A": (0.0, [a]), "B": (60.0, [a])}, steps=4, mode=None, shared=("x", "y"))
+    assert trace.derive_model(raw).shared == ("x", "y")
+
+
 def test_unusable_traces_are_config_errors(tmp_path: Path) -> None:
     with pytest.raises(errors.ConfigError, match="does not exist"):
         trace.load_model(tmp_path / "nope.json")

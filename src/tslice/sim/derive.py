@@ -20,6 +20,8 @@ Per job of ``timeslice``, over the job's own lock windows and acquire events:
 * A pool is *private* when windows of different jobs overlap on it (each had its own
   device) or, with several jobs, only one job uses it; else it is *shared*, and its
   switch cost is the median of its ``ckpt_done`` / ``restore_done`` events' ``ms``.
+* Jobs that hold shared pools while asking for others in a cycle (A holds x asking for
+  y, B holds y asking for x) are refused: their replay could deadlock.
 * Contention: the baseline duty curves (``baseline.duty_gpus``, one job alone) show a
   step period (mean spacing of the onsets of activity, the median over GPUs). A
   time-sliced step of the trace (the median over jobs of their longest lane) takes
@@ -30,6 +32,7 @@ Per job of ``timeslice``, over the job's own lock windows and acquire events:
 from __future__ import annotations
 
 import collections
+import graphlib
 import itertools
 import statistics
 from collections.abc import Mapping, Sequence
@@ -111,6 +114,7 @@ def model(raw: Mapping[str, Any], *, source: str) -> trace.PhaseModel:
         for job in jobs
     )
     shared = tuple(p for p in pools if p not in private)
+    _check_wait_order(r, shapes, shared)
     baseline_step = _baseline_step(r, raw.get("baseline"))
     cycle = statistics.median(s.cycle_s for s in shapes)
     return trace.PhaseModel(
@@ -309,6 +313,38 @@ def _async_shape(
         )
         steps.append(len(mine))
     return trace.JobShape(job=job, lanes=tuple(lanes), recorded_steps=min(steps))
+
+
+def _check_wait_order(r: _Reader, shapes: Sequence[trace.JobShape], shared: Sequence[str]) -> None:
+    """Refuse jobs that hold shared pools while asking for others in a cycle (A holds x
+    asking for y, B holds y asking for x): replaying them can deadlock.
+
+    A replayed job asks for a phase's new pools in sorted order while keeping the pools
+    the previous phase held too (the step repeats, so the last phase precedes the first).
+    """
+    edges: dict[tuple[str, str], str] = {}
+    for shape in shapes:
+        for lane in shape.lanes:
+            for before, after in zip((lane[-1], *lane[:-1]), lane, strict=True):
+                kept = [p for p in before.pools if p in after.pools and p in shared]
+                asked = [p for p in after.pools if p not in before.pools and p in shared]
+                for i, pool in enumerate(asked):
+                    for held in [*kept, *asked[:i]]:
+                        edges.setdefault((held, pool), shape.job)
+    order: dict[str, set[str]] = collections.defaultdict(set)
+    for held, pool in edges:
+        order[pool].add(held)
+    try:
+        tuple(graphlib.TopologicalSorter(order).static_order())
+    except graphlib.CycleError as err:
+        cycle: list[str] = err.args[1]
+        waits = ", ".join(
+            f"job {edges[(held, pool)]} holds {held} while asking for {pool}"
+            for held, pool in itertools.pairwise(cycle)
+        )
+        raise r.fail(
+            f"{waits}: replaying these jobs can deadlock (every job needs one lock order)"
+        ) from None
 
 
 def _switch_cost(r: _Reader, events: list[Any], pool: str) -> trace.SwitchCost:
