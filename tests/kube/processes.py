@@ -69,7 +69,13 @@ class LoggedServer:
         with self._changed:
             return "".join(self._lines)
 
+    def terminate(self) -> None:
+        """Ask it to stop (SIGTERM) without waiting."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+
     def stop(self) -> None:
+        """Stop it gracefully (killed if it takes longer than 15 s) and wait."""
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:

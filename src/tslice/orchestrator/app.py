@@ -179,7 +179,7 @@ def _discovery(settings: config.KubeSettings) -> kube_discovery.Discovery:
         from tslice.orchestrator.kube import discovery
     except ImportError as err:
         raise errors.ConfigError(
-            f"--kubernetes needs the Kubernetes client ({err.name} is not installed): "
+            f"--kubernetes needs the kubernetes extra (cannot import {err.name or err}): "
             "pip install 'tslice[kubernetes]'"
         ) from err
     return discovery.Discovery(settings)
