@@ -6,8 +6,10 @@ version, never a sleep."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import pathlib
 from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 import pytest
 
@@ -71,27 +73,36 @@ class Seen:
         await asyncio.wait_for(reached(), WAIT_S)
 
 
-@pytest.fixture
-async def watching(
-    api: ApiServerEmulator, tmp_path: pathlib.Path
+@contextlib.asynccontextmanager
+async def _watching(
+    api: ApiServerEmulator, tmp_path: pathlib.Path, **settings: Any
 ) -> AsyncIterator[tuple[watch.Watcher, Seen]]:
-    settings = config.KubeSettings(kubeconfig=api.write_kubeconfig(tmp_path / "kubeconfig"))
+    """A started, synced watcher of ``api`` (``settings``: KubeSettings fields)."""
+    kube = config.KubeSettings(kubeconfig=api.write_kubeconfig(tmp_path / "kubeconfig"), **settings)
     seen = Seen()
     watcher = watch.Watcher(
-        watch.connect(settings),
-        settings,
+        watch.connect(kube),
+        kube,
         on_events=seen.on_events,
         on_progress=seen.on_progress,
         backoff=switch.Backoff(0.01, 0.05),
     )
-    api.apply(objects.node("gpu-a", "trainer"))
-    api.apply(objects.agent_pod("gpu-a", "10.0.0.1"))
     watcher.start()
     try:
         await asyncio.wait_for(watcher.synced(), WAIT_S)
         yield watcher, seen
     finally:
         await watcher.close()
+
+
+@pytest.fixture
+async def watching(
+    api: ApiServerEmulator, tmp_path: pathlib.Path
+) -> AsyncIterator[tuple[watch.Watcher, Seen]]:
+    api.apply(objects.node("gpu-a", "trainer"))
+    api.apply(objects.agent_pod("gpu-a", "10.0.0.1"))
+    async with _watching(api, tmp_path) as watching:
+        yield watching
 
 
 def _ref(name: str, ip: str, port: int = 9001) -> config.NodeRef:
@@ -222,3 +233,20 @@ def test_only_pending_and_running_pods_keep_a_job_live() -> None:
     ]:
         pod = Pod.from_dict(objects.job_pod("p", "job-a", "trainer", phase=phase))
         assert watch.job_pod(pod) == model.JobPod("rl/p", "job-a", "trainer", live=live)
+
+
+async def test_the_namespaces_and_the_agent_selector_are_kept(
+    api: ApiServerEmulator, tmp_path: pathlib.Path
+) -> None:
+    api.apply(objects.node("gpu-a", "trainer"))
+    elsewhere = objects.agent_pod("gpu-a", "10.0.0.9")  # the default labels, not the selector's
+    api.apply(objects.job_pod("a-0", "job-a", "trainer", namespace="other"))
+    mine = objects.agent_pod("gpu-a", "10.0.0.1")
+    mine["metadata"].update(namespace="agents", labels={"app": "agent"})
+    api.apply(elsewhere)
+    api.apply(mine)
+    settings = {"job_namespace": "rl", "agent_namespace": "agents", "agent_selector": "app=agent"}
+    async with _watching(api, tmp_path, **settings) as (watcher, seen):
+        assert watcher.model.groups() == {"trainer": (_ref("gpu-a", "10.0.0.1"),)}
+        await seen.put(api, objects.job_pod("b-0", "job-b", "trainer", namespace="rl"))
+        assert watcher.model.live_jobs() == {"job-b"}  # job-a's pod is in another namespace
