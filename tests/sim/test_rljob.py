@@ -25,6 +25,14 @@ def tiny_plan(steps: int) -> list[list[trace.Phase]]:
     return plan
 
 
+def violations(local: cluster.LocalCluster, windows: list[rljob.Window]) -> list[checker.Violation]:
+    return checker.check(
+        journal=local.read_journals(),
+        windows=windows,
+        group_nodes={"sampler": ["node-a"], "trainer": ["node-b"]},
+    )
+
+
 def sim_job(job_id: str, steps: int) -> rljob.SimJob:
     return rljob.SimJob(
         job_id=job_id,
@@ -65,14 +73,7 @@ async def test_two_jobs_share_both_pools(two_pools: cluster.LocalCluster) -> Non
     # Two jobs alternate on each pool: some grants had to restore saved state.
     assert any(w.context_restored for w in windows)
     assert max(w.grant_epoch for w in windows) >= 6
-    assert (
-        checker.check(
-            journal=two_pools.read_journals(),
-            windows=windows,
-            group_nodes={"sampler": ["node-a"], "trainer": ["node-b"]},
-        )
-        == []
-    )
+    assert violations(two_pools, windows) == []
     done = [u for u in updates if u.activity == "done"]
     assert sorted(u.job for u in done) == ["rl-a", "rl-b"]
     assert any(u.activity == "wait sampler" for u in updates)
@@ -94,3 +95,37 @@ async def test_failed_acquire_ends_the_job_with_an_open_window(
     assert result.windows[-1].acquired is None and result.windows[-1].error
     found = checker.check(journal=[], windows=result.windows[-1:])
     assert [v.kind for v in found] == [checker.ACQUIRE_NOT_RETURNED]
+
+
+async def test_lanes_run_at_once_and_private_pools_ask_nobody(
+    two_pools: cluster.LocalCluster,
+) -> None:
+    """An asynchronous job: generation on the sampler and training on the trainer at the
+    same time, each lane also using a pool of the job's own (judge: no group)."""
+
+    def lane(pool: str) -> list[list[trace.Phase]]:
+        step = [trace.Phase(pool, (pool,), 40.0), trace.Phase("judge", ("judge",), 10.0)]
+        return [step, step]
+
+    updates: list[rljob.JobUpdate] = []
+    job = rljob.SimJob(
+        job_id="rl-async",
+        lanes=[lane(trace.SAMPLER), lane(trace.TRAINER)],
+        groups={trace.SAMPLER: "sampler", trace.TRAINER: "trainer"},
+        footprints={},
+        time_scale=1000.0,
+    )
+    result = await rljob.run_job(
+        job, address=two_pools.orchestrator_address, run="lanes", on_update=updates.append
+    )
+    assert result.error == "" and result.steps_done == 2
+    by_pool = {p: [w for w in result.windows if w.pool == p] for p in ("sampler", "trainer")}
+    assert [len(ws) for ws in by_pool.values()] == [2, 2]
+    # The lanes overlapped: the job held both pools at once without a sync phase.
+    first_s, first_t = by_pool["sampler"][0], by_pool["trainer"][0]
+    assert first_s.acquired < first_t.yielded and first_t.acquired < first_s.yielded  # type: ignore[operator]
+    assert any(set(u.holding) >= {"sampler", "trainer"} for u in updates)
+    # The job's own pool: windows without a group, granted when asked, never waited on.
+    judge = [w for w in result.windows if w.pool == "judge"]
+    assert len(judge) == 4 and all(w.group == "" and w.acquired == w.requested for w in judge)
+    assert violations(two_pools, [w for w in result.windows if w.group]) == []

@@ -178,12 +178,13 @@ def test_three_pools_one_private() -> None:
     assert m.contention == 1.0 and m.baseline_step_s is None
     for shape in m.jobs:
         (lane,) = shape.lanes
-        assert [(p.name, p.pools, p.stat.median) for p in lane] == [
-            ("learn", ("learn",), pytest.approx(60)),
-            ("gen+learn", ("gen", "learn"), pytest.approx(10)),
-            ("gen", ("gen",), pytest.approx(60)),
-            ("judge", ("judge",), pytest.approx(210)),
+        assert [(p.name, p.pools) for p in lane] == [
+            ("learn", ("learn",)),
+            ("gen+learn", ("gen", "learn")),
+            ("gen", ("gen",)),
+            ("judge", ("judge",)),
         ]
+        assert [p.stat.median for p in lane] == pytest.approx([60, 10, 60, 210])
         assert shape.recorded_steps == 5 and shape.cycle_s == pytest.approx(340)
     assert m.recorded.speedup == 0.0  # no summary: nothing recorded to compare with
 

@@ -23,7 +23,7 @@ def constructed(
     events: list[dict[str, Any]] = []
     for job, (offset, lanes) in jobs.items():
         for lane in lanes:
-            t, open_at = offset, {}
+            t, open_at = offset, dict[str, float]()
             for step in range(steps):
                 for pools, seconds in lane:
                     for pool in [p for p in open_at if p not in pools]:
