@@ -29,7 +29,7 @@ back-to-back and GPU-hours saved, next to the bound the phase model allows
 (:func:`tslice.sim.replay.bound`: the busiest pool's total work plus the fill no
 schedule avoids), and the median hand-over per pool as the jobs felt it. Time
 compression inflates the orchestrator's own fixed cost per hand-over (a few ms of real
-time) by the time scale: at 1000x, ~5 ms are ~5 trace seconds.
+time) by the time scale: at 750x (the default), 20 ms are 15 trace seconds.
 
     python bench/trace_replay.py [--trace FILE] [--jobs N] [--json] [--quick]
                                  [--steps N] [--time-scale X] [--bandwidth 50GB/s]
@@ -56,7 +56,7 @@ from tslice.sim import checker, measure, replay, trace
 #: The reference polls GetOperation every second: an operation is seen done, on average,
 #: half a poll interval after it is.
 REFERENCE_POLL_S = 1.0
-DEFAULT_TIME_SCALE = 1000.0
+DEFAULT_TIME_SCALE = 750.0
 QUICK = {"steps": 2, "jobs": [2], "time_scale": 4000.0}
 #: Fixed cost of every simulated copy, wall seconds (what the sim cannot go below).
 SIM_LATENCY_S = 0.0002
