@@ -98,10 +98,11 @@ class GroupDriver:
         self._arbiter = services.arbiter
         grace = cfg.reattach_grace_s
         if record is None:
-            self.lock = lock.GroupLock(reattach_grace_s=grace)
+            offset = time.time() - time.monotonic()
+            self.lock = lock.GroupLock(reattach_grace_s=grace, wall_offset_s=offset)
         else:
             self.lock = lock.GroupLock.from_record(
-                record, now=time.monotonic(), reattach_grace_s=grace
+                record, now=time.monotonic(), reattach_grace_s=grace, wall_now=time.time()
             )
         self._backoff = switch.Backoff(cfg.backoff_initial_s, cfg.backoff_max_s)
         self._callers = callers.Callers()
@@ -526,11 +527,9 @@ class GroupDriver:
         )
 
     async def _expire(self) -> None:
-        deadline = self.lock.grace_deadline()
-        if deadline is None:
-            return
-        await asyncio.sleep(max(0.0, deadline - time.monotonic()))
-        self.post(lambda now: self.bind(self.lock.on_expire(now=now)))
+        for deadline in self.lock.expiry_deadlines():
+            await asyncio.sleep(max(0.0, deadline - time.monotonic()))
+            self.post(lambda now: self.bind(self.lock.on_expire(now=now)))
 
     def _settled(self) -> None:
         self._sync_leases()

@@ -34,6 +34,11 @@ Phase = lock_state.Phase
 
 #: Why a job restored from disk was dropped after ``reattach_grace_s``.
 _NOT_BACK = "did not re-attach after recovery"
+#: Why the holder granted by a recovered switch lost the lock.
+_UNCLAIMED = (
+    f"{_NOT_BACK}: its grant (a switch finished after a restart) was never claimed, "
+    "no Acquire of it came back within the re-attach grace"
+)
 #: Evicted jobs remembered (until they acquire again), so that a late Yield is told why.
 _EVICTIONS_KEPT = 64
 
@@ -45,10 +50,20 @@ class GroupLock(lock_state.LockState):
 
     @classmethod
     def from_record(
-        cls, record: records.LockRecord, *, now: float, reattach_grace_s: float = 30.0
+        cls,
+        record: records.LockRecord,
+        *,
+        now: float,
+        reattach_grace_s: float = 30.0,
+        wall_now: float | None = None,
     ) -> GroupLock:
-        """Rebuild after a restart: every queue entry is detached; recovery is pending."""
-        lock = cls(reattach_grace_s=reattach_grace_s)
+        """Rebuild after a restart: every queue entry is detached; recovery is pending.
+
+        ``wall_now``: the wall clock at ``now`` (deadlines on disk are wall-clock times);
+        None: ``now`` is itself the wall clock.
+        """
+        offset = 0.0 if wall_now is None else wall_now - now
+        lock = cls(reattach_grace_s=reattach_grace_s, wall_offset_s=offset)
         lock._holder = record.holder
         lock._resident = record.resident
         lock._epoch = record.grant_epoch
@@ -72,8 +87,14 @@ class GroupLock(lock_state.LockState):
             lock._holder = it.to_job
         lock._recovering = True
         lock._recovered_at = now
-        # A holder that was granted before the crash keeps the lock; its client got the reply.
-        lock._receivers = 1 if lock._holder is not None and lock._switch is None else 0
+        # A holder that was granted before the crash keeps the lock; its client got the
+        # reply. One whose grant was never delivered keeps it only until its deadline
+        # (not extended by this restart) unless an Acquire of it comes back.
+        granted = lock._holder is not None and lock._switch is None
+        unclaimed = record.holder_unclaimed_until
+        if granted and unclaimed is not None:
+            lock._confirm_deadline = unclaimed - offset
+        lock._receivers = 1 if granted and unclaimed is None else 0
         return lock
 
     # ---- events ---------------------------------------------------------------------------
@@ -243,7 +264,7 @@ class GroupLock(lock_state.LockState):
             self._grant_to(s.to_job, attached=0, new_epoch=False)
             deadline = self.grace_deadline()
             if deadline is not None and now >= deadline:
-                return self._release(s.to_job, now, act.EventKind.CANCELLED, _NOT_BACK)
+                return self._release(s.to_job, now, act.EventKind.CANCELLED, _UNCLAIMED)
             self._confirm_deadline = deadline
             return []
         self._grant_to(s.to_job, attached=s.attached, new_epoch=False)
@@ -374,7 +395,7 @@ class GroupLock(lock_state.LockState):
             and now >= self._confirm_deadline
             and self._receivers == 0
         ):
-            actions += self._release(self._holder, now, act.EventKind.CANCELLED, _NOT_BACK)
+            actions += self._release(self._holder, now, act.EventKind.CANCELLED, _UNCLAIMED)
         return [*actions, *self._promote(now)]
 
     def start_claim(self, job: str | None) -> None:

@@ -67,8 +67,11 @@ class Claim:
 class LockState:
     """The lock's state; read-only here (see :class:`~tslice.orchestrator.lock.GroupLock`)."""
 
-    def __init__(self, *, reattach_grace_s: float = 30.0) -> None:
+    def __init__(self, *, reattach_grace_s: float = 30.0, wall_offset_s: float = 0.0) -> None:
         self._grace = reattach_grace_s
+        #: Wall clock minus the callers' ``now``: deadlines on disk are wall-clock times,
+        #: so that they survive a restart (the monotonic clock does not).
+        self._wall_offset = wall_offset_s
         self._holder: str | None = None
         self._resident: str | None = None
         self._verified = False
@@ -85,7 +88,8 @@ class LockState:
         # and how many of those were cancelled before the reply went out.
         self._receivers = 0
         self._undelivered = 0
-        # A grant made by a recovered switch waits this long for its job to re-attach.
+        # A grant made by a recovered switch (never delivered: unclaimed) is kept until
+        # then for its job to re-attach; persisted, so a restart does not extend it.
         self._confirm_deadline: float | None = None
         self._recovered_at: float | None = None
         self.detail = ""
@@ -120,7 +124,14 @@ class LockState:
             footprints=tuple(sorted(self._footprints.items())),
             holder_lease_ms=self._leases.get(leased, 0) if leased is not None else 0,
             draining=self.draining,
+            holder_unclaimed_until=self._unclaimed_until(holder),
         )
+
+    def _unclaimed_until(self, holder: str | None) -> float | None:
+        """The wall-clock deadline of a holder whose grant nobody received (None: claimed)."""
+        if holder is None or self._receivers > 0 or self._confirm_deadline is None:
+            return None
+        return self._confirm_deadline + self._wall_offset
 
     # ---- read-only views ------------------------------------------------------------------
 
@@ -209,6 +220,12 @@ class LockState:
         # A recovered switch whose target may still re-issue its Acquire.
         deadline = self.grace_deadline()
         return s.recovered and not s.departed and deadline is not None and now < deadline
+
+    def expiry_deadlines(self) -> list[float]:
+        """When :meth:`~tslice.orchestrator.lock.GroupLock.on_expire` has work, in order:
+        the end of the grace, and the kept deadline of an unclaimed holder from disk."""
+        grace = self.grace_deadline()
+        return sorted({d for d in (grace, self._confirm_deadline) if d is not None})
 
     def grace_deadline(self) -> float | None:
         """When detached entries (and an unconfirmed recovered grant) expire."""

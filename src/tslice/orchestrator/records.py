@@ -38,6 +38,11 @@ class LockRecord:
     holder_lease_ms: int = 0
     #: An administrator drained the group (Drain): it grants no new turn until resumed.
     draining: bool = False
+    #: The holder's grant was never delivered (a switch rolled forward after a restart
+    #: granted a job whose Acquire died with the old process): the wall-clock time
+    #: (``time.time()``) by which an Acquire of it must claim the grant, else it loses
+    #: the lock. None: the holder's client got its grant (or there is no holder).
+    holder_unclaimed_until: float | None = None
 
     @classmethod
     def empty(cls) -> LockRecord:

@@ -53,7 +53,8 @@ CREATE TABLE IF NOT EXISTS groups (
     next_seq     INTEGER NOT NULL,
     updated      REAL NOT NULL,
     holder_lease_ms INTEGER NOT NULL DEFAULT 0,
-    draining     INTEGER NOT NULL DEFAULT 0
+    draining     INTEGER NOT NULL DEFAULT 0,
+    holder_unclaimed_until REAL       -- wall clock; NULL: the holder got its grant
 );
 CREATE TABLE IF NOT EXISTS queue (
     group_id  TEXT NOT NULL,
@@ -77,6 +78,15 @@ CREATE TABLE IF NOT EXISTS intents (
     started  REAL NOT NULL
 );
 """
+
+
+#: Columns of ``groups`` added after its first release -> their declaration (the
+#: migration adds those an older database lacks).
+_ADDED_COLUMNS = {
+    "holder_lease_ms": "INTEGER NOT NULL DEFAULT 0",
+    "draining": "INTEGER NOT NULL DEFAULT 0",
+    "holder_unclaimed_until": "REAL",
+}
 
 
 class StoreError(Exception):
@@ -204,10 +214,11 @@ class Store:
         _check_integrity(conn)
         conn.executescript(_SCHEMA)
         columns = {row[1] for row in conn.execute("PRAGMA table_info(groups)")}
-        # Databases written before holder leases (no holder had one) and before drains.
-        for column in ("holder_lease_ms", "draining"):
+        # Databases written before holder leases (no holder had one), before drains and
+        # before unclaimed grants were kept (every holder on disk had got its grant).
+        for column, declared in _ADDED_COLUMNS.items():
             if column not in columns:
-                conn.execute(f"ALTER TABLE groups ADD COLUMN {column} INTEGER NOT NULL DEFAULT 0")
+                conn.execute(f"ALTER TABLE groups ADD COLUMN {column} {declared}")
         row = conn.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
         if row is None:
             conn.execute(
@@ -238,10 +249,11 @@ class Store:
         out: dict[str, tuple[list[tuple[str, str]], records.LockRecord]] = {}
         groups = conn.execute(
             "SELECT group_id, nodes, holder, resident, grant_epoch, switch_count, next_seq, "
-            "holder_lease_ms, draining FROM groups ORDER BY group_id"
+            "holder_lease_ms, draining, holder_unclaimed_until FROM groups ORDER BY group_id"
         ).fetchall()
         for row in groups:
-            gid, nodes_json, holder, resident, epoch, switches, next_seq, lease_ms, draining = row
+            gid, nodes_json, holder, resident, epoch, switches, next_seq, *rest = row
+            lease_ms, draining, unclaimed_until = rest
             queue = tuple(
                 records.QueueRecord(job, seq, fp)
                 for job, seq, fp in conn.execute(
@@ -269,6 +281,7 @@ class Store:
                 footprints,
                 lease_ms,
                 bool(draining),
+                unclaimed_until,
             )
             nodes = [(str(n), str(a)) for n, a in json.loads(nodes_json)]
             out[gid] = (nodes, record)
@@ -301,12 +314,14 @@ class Store:
     ) -> None:
         conn.execute(
             "INSERT INTO groups(group_id, nodes, holder, resident, grant_epoch, switch_count,"
-            " next_seq, updated, holder_lease_ms, draining) VALUES (?,?,?,?,?,?,?,?,?,?)"
+            " next_seq, updated, holder_lease_ms, draining, holder_unclaimed_until)"
+            " VALUES (?,?,?,?,?,?,?,?,?,?,?)"
             " ON CONFLICT(group_id) DO UPDATE SET"
             " nodes=excluded.nodes, holder=excluded.holder, resident=excluded.resident,"
             " grant_epoch=excluded.grant_epoch, switch_count=excluded.switch_count,"
             " next_seq=excluded.next_seq, updated=excluded.updated,"
-            " holder_lease_ms=excluded.holder_lease_ms, draining=excluded.draining",
+            " holder_lease_ms=excluded.holder_lease_ms, draining=excluded.draining,"
+            " holder_unclaimed_until=excluded.holder_unclaimed_until",
             (
                 gid,
                 self._nodes_json(gid, nodes),
@@ -318,6 +333,7 @@ class Store:
                 time.time(),
                 rec.holder_lease_ms,
                 int(rec.draining),
+                rec.holder_unclaimed_until,
             ),
         )
         if prev is None:

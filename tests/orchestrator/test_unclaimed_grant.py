@@ -1,0 +1,105 @@
+"""A grant nobody received (a switch rolled forward after a restart granted a job whose
+Acquire died with the old process) survives further restarts as *unclaimed*, with the
+wall-clock deadline by which the job must come back: a restart neither forgets it (a
+leaseless ghost holder) nor extends it. The real-process form of the bug is
+tests/chaos/test_unclaimed_grant_ghost.py."""
+
+from __future__ import annotations
+
+import pathlib
+import sqlite3
+
+from tslice.orchestrator import decisions as act
+from tslice.orchestrator import lock as lk
+from tslice.orchestrator import records
+from tslice.orchestrator import store as st
+
+GRACE_S = 10.0
+NODES = [("node-a", "127.0.0.1:9001")]
+
+
+def _unclaimed_holder_b() -> records.LockRecord:
+    """A restart mid-switch a -> b (b leaseless, its Acquire gone), the switch rolled
+    forward at monotonic 100 = wall 1000: b holds, its grant undelivered."""
+    g = lk.GroupLock(reattach_grace_s=GRACE_S)
+    g.on_acquire("a", now=0)
+    g.on_switch_done(epoch=1, restored=False, now=0)
+    g.on_acquire("b", now=1)
+    g.on_yield("a", now=2)  # the switch a -> b starts; the orchestrator dies
+    g = lk.GroupLock.from_record(g.record(), now=100, reattach_grace_s=GRACE_S, wall_now=1000)
+    (start,) = g.on_recovered(resident="a", verified=False, rollback=False, now=100)
+    assert isinstance(start, act.StartSwitch) and start.to_job == "b"
+    assert g.on_switch_done(epoch=start.epoch, restored=True, now=101) == []
+    assert g.holder == "b"
+    return g.record()
+
+
+def _restarted(record: records.LockRecord) -> lk.GroupLock:
+    """The second restart: 5 s of wall clock later, on a new monotonic clock (at 50)."""
+    g = lk.GroupLock.from_record(record, now=50, reattach_grace_s=GRACE_S, wall_now=1005)
+    g.on_recovered(resident="b", verified=True, rollback=False, now=50)
+    return g
+
+
+def test_the_unclaimed_grant_is_recorded_with_its_wall_clock_deadline() -> None:
+    record = _unclaimed_holder_b()
+    assert record.holder == "b" and record.intent is None
+    assert record.holder_unclaimed_until == 1000 + GRACE_S
+
+
+def test_after_a_second_restart_the_unclaimed_holder_loses_the_lock_at_its_first_deadline() -> None:
+    g = _restarted(_unclaimed_holder_b())
+    # Kept, not extended: wall 1010 is monotonic 55 now, before this restart's grace (60).
+    assert g.expiry_deadlines() == [55.0, 50 + GRACE_S]
+    assert g.on_acquire("c", now=52)[0] == act.Emit(act.EventKind.QUEUED, "c")
+    assert g.on_expire(now=54) == []
+    assert g.holder == "b"
+    released, start = g.on_expire(now=55)
+    assert isinstance(released, act.Emit) and released.kind is act.EventKind.CANCELLED
+    assert released.job == "b" and "never claimed" in released.detail
+    assert isinstance(start, act.StartSwitch) and (start.from_job, start.to_job) == ("b", "c")
+
+
+def test_an_unclaimed_holder_that_comes_back_in_time_claims_its_grant() -> None:
+    g = _restarted(_unclaimed_holder_b())
+    (granted,) = g.on_acquire("b", now=52)
+    assert isinstance(granted, act.Granted) and granted.job == "b" and granted.held
+    assert g.record().holder_unclaimed_until is None
+    assert g.on_expire(now=60) == [] and g.holder == "b"
+    # Claimed, it is an ordinary holder after yet another restart.
+    again = _restarted(g.record())
+    assert again.expiry_deadlines() == [50 + GRACE_S]
+    assert again.on_expire(now=60) == [] and again.holder == "b"
+
+
+def test_a_deadline_that_passed_while_the_orchestrator_was_down_releases_at_once() -> None:
+    record = _unclaimed_holder_b()
+    g = lk.GroupLock.from_record(record, now=7, reattach_grace_s=GRACE_S, wall_now=2000)
+    assert g.expiry_deadlines()[0] < 7
+    (released,) = g.on_expire(now=7)  # nothing is promoted while recovering
+    assert isinstance(released, act.Emit) and released.job == "b"
+    assert g.holder is None
+
+
+async def test_the_unclaimed_deadline_is_stored_and_an_older_database_migrates(
+    tmp_path: pathlib.Path,
+) -> None:
+    record = _unclaimed_holder_b()
+    s = await st.Store.open(tmp_path)
+    await s.save("g", nodes=NODES, record=record, previous=None)
+    await s.close()
+    s = await st.Store.open(tmp_path)
+    (_, loaded) = (await s.load())["g"]
+    await s.close()
+    assert loaded == record
+    # A database from before unclaimed grants were kept: every holder had got its grant.
+    conn = sqlite3.connect(tmp_path / "orchestrator.db")
+    conn.execute("ALTER TABLE groups DROP COLUMN holder_unclaimed_until")
+    conn.close()
+    s = await st.Store.open(tmp_path)
+    (_, old) = (await s.load())["g"]
+    await s.save("g", nodes=NODES, record=record, previous=old)
+    (_, saved) = (await s.load())["g"]
+    await s.close()
+    assert old.holder == "b" and old.holder_unclaimed_until is None
+    assert saved == record
