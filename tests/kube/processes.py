@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Sequence
 
 #: How long a server may take to report a line a test waits for, seconds.
@@ -45,25 +46,22 @@ class LoggedServer:
             self._ended = True
             self._changed.notify_all()
 
-    def wait_for(self, pattern: str, *, after: int = 0) -> re.Match[str]:
-        """The first line (from line ``after`` on) matching ``pattern``; raises with the
-        log if the server exits or stays silent about it."""
+    def wait_for(self, pattern: str) -> re.Match[str]:
+        """The first line matching ``pattern``; raises with the log if the server exits,
+        or has not written it within ``WAIT_S``."""
         regex = re.compile(pattern)
+        deadline = time.monotonic() + WAIT_S
         with self._changed:
-            index = after
+            index = 0
             while True:
                 for line in self._lines[index:]:
                     match = regex.search(line)
                     if match:
                         return match
                 index = len(self._lines)
-                if self._ended or not self._changed.wait(WAIT_S):
+                left = deadline - time.monotonic()
+                if self._ended or left <= 0 or not self._changed.wait(left):
                     raise AssertionError(f"no log line matched {pattern!r}:\n{self.logs()}")
-
-    @property
-    def line_count(self) -> int:
-        with self._changed:
-            return len(self._lines)
 
     def logs(self) -> str:
         with self._changed:

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import pathlib
+import socket
 import sys
 
 import pytest
 
+from tests.kube.processes import LoggedServer
 from tslice.common import errors
 from tslice.orchestrator import app, config, kube
 
@@ -30,3 +33,36 @@ async def test_unreadable_credentials_stop_the_start(tmp_path: pathlib.Path) -> 
         await found.start()
     assert f"cannot load Kubernetes credentials ({missing})" in str(err.value)
     assert "give --kubeconfig FILE" in str(err.value)
+
+
+def test_sigterm_while_the_api_server_does_not_answer_stops_at_once(
+    tmp_path: pathlib.Path,
+) -> None:
+    pytest.importorskip("lightkube")
+    with socket.socket() as unused:  # a port where nothing listens
+        unused.bind(("127.0.0.1", 0))
+        port = unused.getsockname()[1]
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(
+        json.dumps(
+            {
+                "clusters": [{"name": "c", "cluster": {"server": f"http://127.0.0.1:{port}"}}],
+                "users": [{"name": "u", "user": {}}],
+                "contexts": [{"name": "x", "context": {"cluster": "c", "user": "u"}}],
+                "current-context": "x",
+            }
+        )
+    )
+    args = [
+        "orchestrator", "--kubernetes", "--kubeconfig", str(kubeconfig), "--port", "0",
+        "--metrics-port", "0", "--state-dir", str(tmp_path / "state"),
+    ]  # fmt: skip
+    server = LoggedServer(args, tmp_path / "orchestrator.log")
+    try:
+        # It says why it waits, and what to check.
+        server.wait_for(r"watch of nodes failed .*check the API server address")
+        server.terminate()
+        assert server.proc.wait(timeout=15) == 0
+        server.wait_for(r"orchestrator stopped")
+    finally:
+        server.stop()

@@ -115,7 +115,9 @@ async def _serve_locked(
         cfg = await _name_local_agents(cfg, pool)
         if cfg.kubernetes is not None:
             discovery = _discovery(cfg.kubernetes)
-            found = await discovery.start()
+            found = await discovery.start(stop)
+            if found is None:
+                return  # stopped while the API server had not answered yet
             cfg = dataclasses.replace(cfg, topology=config.Topology(groups=found))
         groups = manager.GroupManager(group.Services(cfg=cfg, db=db, pool=pool, bus=bus, metrics=m))
         if cfg.metrics_port:

@@ -32,8 +32,12 @@ class Discovery:
         self._watcher: watch.Watcher | None = None
         self._follower: asyncio.Task[None] | None = None
 
-    async def start(self) -> dict[str, tuple[config.NodeRef, ...]]:
-        """Connect, list everything once, start watching; the groups there are now."""
+    async def start(
+        self, stop: asyncio.Event | None = None
+    ) -> dict[str, tuple[config.NodeRef, ...]] | None:
+        """Connect, list everything once, start watching; the groups there are now.
+        ``None`` if ``stop`` was set first (an API server that does not answer must not
+        keep a SIGTERM waiting)."""
         try:
             client = watch.connect(self._settings)
         except Exception as err:  # lightkube's ConfigError, a missing or unreadable file
@@ -44,7 +48,15 @@ class Discovery:
             ) from err
         self._watcher = watch.Watcher(client, self._settings, on_events=self._on_events)
         self._watcher.start()
-        await self._watcher.synced()
+        synced = asyncio.ensure_future(self._watcher.synced())
+        stopped = asyncio.ensure_future(stop.wait() if stop is not None else asyncio.Event().wait())
+        try:
+            await asyncio.wait({synced, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for waiting in (synced, stopped):
+                waiting.cancel()
+        if not synced.done() or synced.cancelled():
+            return None
         found = self._watcher.model
         for name, why in sorted(found.pending_nodes().items()):
             log.warning("node %s is labelled for a group but does not count yet: %s", name, why)
