@@ -18,7 +18,7 @@ from collections.abc import Callable
 from tslice.common import refusals
 from tslice.orchestrator import agents, config, decisions, inbox, steps
 
-#: How long before an Acquire's deadline a waiter that a fault holds back is answered
+#: How long before an Acquire's deadline a waiter that a fault (or a drain) holds back is answered
 #: UNAVAILABLE with the reason, instead of gRPC's DEADLINE_EXCEEDED that names none.
 _ANSWER_BEFORE_DEADLINE_S = 0.2
 
@@ -108,6 +108,19 @@ def abort_effect(a: decisions.Abort, waiters: list[Waiter]) -> inbox.Effect:
     return effect
 
 
+def drained(group_id: str) -> str:
+    """Why a drained group holds its waiters back, and what to do."""
+    return (
+        f"group {group_id} is drained by an administrator; it grants again after "
+        f"`tslice admin resume {group_id}`"
+    )
+
+
+def faulted(group_id: str, detail: str) -> str:
+    """Why a fault (``detail``) holds a group's waiters back, and what to do."""
+    return f"{detail}; the group retries on its own: call again, or see `tslice status {group_id}`"
+
+
 async def granted(
     waiter: Waiter,
     time_left: float | None,
@@ -118,8 +131,9 @@ async def granted(
 ) -> Grant:
     """The grant of ``waiter``; ``time_left`` is the caller's deadline (None: it has none).
 
-    Shortly before the deadline, a waiter that a fault holds back (``held_back_by``
-    names it) departs and is refused UNAVAILABLE with the reason.
+    Shortly before the deadline, a waiter that a fault or a drain holds back
+    (``held_back_by`` names it, and what to do) departs and is refused UNAVAILABLE
+    with the reason.
     """
     if time_left is None:
         return await waiter.future
@@ -134,9 +148,7 @@ async def granted(
     depart()
     raise refusals.Refused(
         refusals.Code.UNAVAILABLE,
-        f"group {group_id}: job {waiter.job} was not granted within the call's "
-        f"deadline: {why}; the group retries on its own: call again, or see "
-        f"`tslice status {group_id}`",
+        f"group {group_id}: job {waiter.job} was not granted within the call's deadline: {why}",
     )
 
 

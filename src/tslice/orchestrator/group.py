@@ -271,10 +271,13 @@ class GroupDriver:
         return grant
 
     def _held_back_by(self) -> str:
-        """What keeps the group from granting, when it is a fault ("" = none: it is busy)."""
+        """What keeps the group from granting and what to do, when it is a fault or a
+        drain ("" = neither: it is busy)."""
+        if self.lock.draining:
+            return callers.drained(self.group_id)
         state, detail = self._reported_state()
         if state == "UNKNOWN" or (state == "SWITCHING" and self.health.switch_detail):
-            return detail
+            return callers.faulted(self.group_id, detail)
         return ""
 
     async def yield_(self, job: str) -> decisions.YieldOutcome:
