@@ -6,7 +6,8 @@ No kube-apiserver binary can be installed from the registries CI reaches, and ``
 server), JSON, the paths of ``/api/v1`` and ``/apis/<group>/<version>`` for nodes, pods,
 configmaps and leases (tests/kube/apistore.py), and:
 
-- get, list (``labelSelector``, ``fieldSelector``; the list's resourceVersion);
+- get, list (``labelSelector``, ``fieldSelector``, pages by ``limit`` and ``continue``;
+  the list's resourceVersion);
 - watch (``?watch=true``): from ``resourceVersion`` (absent or "0": the current objects
   as ADDED first), ``allowWatchBookmarks`` (a BOOKMARK on :meth:`bookmark`),
   ``timeoutSeconds``, an ERROR event with a 410 Status for a compacted version;
@@ -339,10 +340,22 @@ class _Handler(BaseHTTPRequestHandler):
         if method == "GET" and t.name is None:
             version, items = store.list(t.plural, t.namespace, _selects(query))
             kind = apistore.KINDS[t.plural]
+            meta: Obj = {"resourceVersion": str(version)}
+            # Pages: ``limit`` and the ``continue`` token (here: the version and an offset).
+            if query.get("continue"):
+                token_version, offset = (int(p) for p in query["continue"].split(":"))
+                meta["resourceVersion"] = str(token_version)
+                items = items[offset:]
+            else:
+                token_version, offset = version, 0
+            limit = int(query.get("limit") or 0)
+            if 0 < limit < len(items):
+                items = items[:limit]
+                meta["continue"] = f"{token_version}:{offset + limit}"
             return {
                 "kind": f"{kind.kind}List",
                 "apiVersion": kind.api_version,
-                "metadata": {"resourceVersion": str(version)},
+                "metadata": meta,
                 "items": items,
             }
         if method == "POST" and t.name is None:

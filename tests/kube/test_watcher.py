@@ -250,3 +250,20 @@ async def test_the_namespaces_and_the_agent_selector_are_kept(
         assert watcher.model.groups() == {"trainer": (_ref("gpu-a", "10.0.0.1"),)}
         await seen.put(api, objects.job_pod("b-0", "job-b", "trainer", namespace="rl"))
         assert watcher.model.live_jobs() == {"job-b"}  # job-a's pod is in another namespace
+
+
+async def test_a_long_list_is_read_page_by_page(
+    api: ApiServerEmulator, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(watch, "LIST_PAGE", 2)
+    for i in range(5):
+        api.apply(objects.node(f"gpu-{i}", "trainer"))
+        api.apply(objects.agent_pod(f"gpu-{i}", f"10.0.0.{i}"))
+    async with _watching(api, tmp_path) as (watcher, _):
+        assert len(watcher.model.groups()["trainer"]) == 5
+    pages = [r.query for r in api.requests if r.path == "/api/v1/nodes" and "watch" not in r.query]
+    assert [q.get("continue") for q in pages] == [
+        None,
+        f"{api.store.version}:2",
+        f"{api.store.version}:4",
+    ]

@@ -38,6 +38,8 @@ log = logging.getLogger(__name__)
 ALL_NAMESPACES = "*"
 #: The server ends each watch after this long (lightkube resumes it at once), seconds.
 WATCH_TIMEOUT_S = 300
+#: Objects per page of a list.
+LIST_PAGE = 500
 _HTTP_GONE = 410
 _LIVE_PHASES = frozenset({"Pending", "Running"})
 
@@ -237,7 +239,8 @@ class Watcher:
             "list",
             res=stream.resource,
             namespace=stream.namespace,
-            params={"labelSelector": stream.labels},
+            # Pages of a consistent snapshot (lightkube follows the continue tokens).
+            params={"labelSelector": stream.labels, "limit": LIST_PAGE},
         )
         listing = generic.list(br)
         items = [stream.convert(obj) async for obj in listing]
