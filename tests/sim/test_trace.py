@@ -239,6 +239,14 @@ def test_unusable_traces_are_config_errors(tmp_path: Path) -> None:
         trace.load_model(shape)
 
 
+def rename_pool(raw: dict[str, Any], old: str, new: str) -> None:
+    windows = raw["timeslice"]["windows"]
+    windows[new] = windows.pop(old)
+    for event in raw["timeslice"]["events"]:
+        if event.get("pool") == old:
+            event["pool"] = new
+
+
 @pytest.mark.parametrize(
     ("damage", "named"),
     [
@@ -257,6 +265,7 @@ def test_unusable_traces_are_config_errors(tmp_path: Path) -> None:
             lambda t: t["timeslice"]["windows"]["trainer"][3].pop("t1"),
             r"timeslice\.windows\.trainer\[3\]\.t1 is missing",
         ),
+        (lambda t: rename_pool(t, "trainer", "the trainer"), r"pool 'the trainer' of .*malformed"),
     ],
 )
 def test_a_trace_missing_a_needed_field_says_which(damage: Any, named: str) -> None:

@@ -38,6 +38,7 @@ import statistics
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
+from tslice.common import ids
 from tslice.sim import trace
 
 #: Stretches shorter than this (trace seconds) are rounding noise of the recording.
@@ -102,8 +103,16 @@ def model(raw: Mapping[str, Any], *, source: str) -> trace.PhaseModel:
         "timeslice.events",
         "request times, RL steps and switch costs",
     )
-    pools = _pool_order(raw.get("pool_map"), list(by_pool))
     windows = _windows(r, by_pool, _acquired(r, events))
+    # A pool nobody held says nothing about the jobs: it is left out.
+    pools = _pool_order(
+        raw.get("pool_map"), [p for p in by_pool if any(w.pool == p for w in windows)]
+    )
+    for pool in pools:
+        try:
+            ids.check_id("a pool's group id", pool)
+        except ids.InvalidIdError as err:
+            raise r.fail(f"pool {pool!r} of timeslice.windows cannot name a group: {err}") from None
     jobs = sorted({w.job for w in windows})
     private = tuple(p for p in pools if _is_private([w for w in windows if w.pool == p], jobs))
     mode = _mode(r, raw.get("meta"), windows, jobs)
