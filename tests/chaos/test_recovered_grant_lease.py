@@ -17,11 +17,12 @@ import os
 import subprocess
 import sys
 import textwrap
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 
 import pytest
 
-from tslice.client import AsyncClient, EventKind, OrchestratorEvent
+from tests.chaos.restarts import next_of, restart_until_rolled_forward
+from tslice.client import AsyncClient, EventKind
 from tslice.sim.cluster import ORCHESTRATOR, LocalCluster, SimAgent
 
 LEASE_S = 1.0
@@ -49,12 +50,6 @@ def _job_b(address: str) -> subprocess.Popen[str]:
     return subprocess.Popen([sys.executable, "-c", script], text=True, env=os.environ.copy())
 
 
-async def _next(events: AsyncIterator[OrchestratorEvent], job: str) -> None:
-    async for event in events:
-        if event.job_id == job:
-            return
-
-
 # Remove the mark with the fix: strict, so the fix landing without it fails loudly.
 async def test_a_recovered_grant_keeps_its_targets_lease_across_restarts(
     cluster: LocalCluster,
@@ -69,9 +64,9 @@ async def test_a_recovered_grant_keeps_its_targets_lease_across_restarts(
         await events.started()
         b = _job_b(address)
         try:
-            await asyncio.wait_for(_next(events, "b"), 20)  # queued
+            await asyncio.wait_for(next_of(events, "b"), 20)  # queued
             await a.yield_("g")
-            await asyncio.wait_for(_next(events, "b"), 20)  # the switch a -> b started
+            await asyncio.wait_for(next_of(events, "b"), 20)  # the switch a -> b started
             # Mid-switch (a's snapshot takes COPY_S): b dies, then the orchestrator.
             b.kill()
             b.wait(10)
@@ -81,15 +76,9 @@ async def test_a_recovered_grant_keeps_its_targets_lease_across_restarts(
             if b.poll() is None:
                 b.kill()
                 b.wait()
-    await asyncio.to_thread(cluster.restart, ORCHESTRATOR)
-    async with AsyncClient(address, job_id="watcher", lease_s=None) as watcher:
-        events = watcher.watch_events("g", kinds=[EventKind.SWITCH_DONE])
-        await events.started()
-        # The switch is rolled forward and grants b, who is not there to re-attach...
-        if (await watcher.status("g")).locking_job != "b":
-            await asyncio.wait_for(_next(events, "b"), 30)
-        await events.aclose()
-    # ...and the orchestrator restarts again before the grace is out.
+    # The switch is rolled forward and grants b, who is not there to re-attach, and the
+    # orchestrator restarts again before the grace is out.
+    await restart_until_rolled_forward(cluster, "g", "b")
     cluster.kill(ORCHESTRATOR)
     await asyncio.to_thread(cluster.restart, ORCHESTRATOR)
 
