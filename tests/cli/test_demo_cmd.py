@@ -4,6 +4,7 @@ veRL trace and on a trace of other pools."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -94,11 +95,23 @@ def test_demo_runs_a_trace_of_other_pools(tmp_path: Path) -> None:
     recorded = tmp_path / "three-pools.json"
     recorded.write_text(json.dumps(three_pools_one_private()))
     out = tmp_path / "demo-out"
+    # The table this time (summary.json has what --json prints): its columns are the pools.
     proc = _demo(
-        "--trace", str(recorded), "--steps", "2", "--time-scale", "4000", "--out", str(out)
+        "--trace",
+        str(recorded),
+        "--steps",
+        "2",
+        "--time-scale",
+        "4000",
+        "--out",
+        str(out),
+        json_output=False,
     )
     assert proc.returncode == 0, proc.stderr
-    summary = json.loads(proc.stdout)
+    for pool in ("gen", "learn", "judge"):
+        assert f"{pool} duty" in proc.stdout, proc.stdout
+    assert "the trace records" in proc.stdout or "the recorded run gave" in proc.stdout
+    summary = json.loads((out / "summary.json").read_text())
     assert summary["ok"] is True and summary["violation_count"] == 0
     assert summary["pools"] == ["gen", "learn", "judge"]
     assert summary["private_pools"] == ["judge"]
@@ -125,9 +138,11 @@ def test_demo_names_what_a_trace_lacks(tmp_path: Path) -> None:
     assert "Traceback" not in proc.stderr
 
 
-def _demo(*args: str) -> subprocess.CompletedProcess[str]:
+def _demo(*args: str, json_output: bool = True) -> subprocess.CompletedProcess[str]:
+    flags = ["--json"] if json_output else ["--no-live"]
     return subprocess.run(
-        [sys.executable, "-m", "tslice", "demo", "--json", *args],
+        [sys.executable, "-m", "tslice", "demo", *flags, *args],
+        env={**os.environ, "COLUMNS": "200"},  # the table unwrapped
         capture_output=True,
         text=True,
         timeout=90,

@@ -258,8 +258,6 @@ def cluster_table(
 
 def demo_live(progress: demo.DemoProgress) -> RenderableType:
     """The live view: who holds each pool, each job's step and activity, the last switches."""
-    from tslice.sim import demo, trace
-
     now = time.time()
     scale = progress.time_scale
     header = Text.assemble(
@@ -275,15 +273,16 @@ def demo_live(progress: demo.DemoProgress) -> RenderableType:
     pools.add_column("node")
     pools.add_column("holder")
     pools.add_column("held for", justify="right")
-    for pool in trace.POOLS:
+    for pool in progress.pools:
+        node = progress.nodes.get(pool, "one per job")
         holder = progress.holders.get(pool)
         if holder is None:
-            pools.add_row(pool, demo.NODES[pool], Text("free", style="dim"), "")
+            pools.add_row(pool, node, Text("free", style="dim"), "")
         else:
             job, since = holder
             pools.add_row(
                 pool,
-                demo.NODES[pool],
+                node,
                 Text(f"job {job}", style="green"),
                 f"{(now - since) * scale / 60:.1f} min",
             )
@@ -322,8 +321,6 @@ def demo_live(progress: demo.DemoProgress) -> RenderableType:
 
 
 def demo_summary(result: demo.DemoResult) -> RenderableType:
-    from tslice.sim import trace
-
     scale = result.config.time_scale
     runs = Table(
         title=f"results (time scale {scale:g}: 1 demo second = {scale:g} trace seconds)",
@@ -333,7 +330,7 @@ def demo_summary(result: demo.DemoResult) -> RenderableType:
     runs.add_column("run")
     runs.add_column("makespan (trace)", justify="right")
     runs.add_column("makespan (demo)", justify="right")
-    for pool in trace.POOLS:
+    for pool in result.model.pools:
         runs.add_column(f"{pool} duty", justify="right")
     runs.add_column("switches", justify="right")
     for name, run in result.runs.items():
@@ -341,7 +338,7 @@ def demo_summary(result: demo.DemoResult) -> RenderableType:
             name,
             f"{run.makespan_s * scale / 60:.1f} min",
             f"{run.makespan_s:.1f} s",
-            *(f"{run.duty[p]:.0%}" for p in trace.POOLS),
+            *(f"{run.duty[p]:.0%}" for p in result.model.pools),
             str(run.switches),
         )
 
@@ -370,8 +367,12 @@ def demo_summary(result: demo.DemoResult) -> RenderableType:
             Text.assemble(
                 ("speedup ", "bold"),
                 (f"{speedup:.2f}x", "bold green" if speedup > 1 else "bold red"),
-                f"  measured (exclusive makespan / time-sliced makespan); the recorded veRL "
-                f"run gave {result.model.recorded.speedup}x",
+                "  measured (exclusive makespan / time-sliced makespan); "
+                + (
+                    f"the recorded run gave {result.model.recorded.speedup}x"
+                    if result.model.recorded.speedup
+                    else "the trace records no outcome to compare with"
+                ),
             )
         )
     else:
