@@ -23,7 +23,7 @@ from tests.kube import objects
 from tests.kube.emulator import ApiServerEmulator
 from tests.kube.processes import LoggedServer
 from tslice.agent.backends import simdevice as device
-from tslice.client import AsyncClient, EventKind, OrchestratorEvent
+from tslice.client import AsyncClient, EventKind, GroupState, OrchestratorEvent
 from tslice.common import errors
 from tslice.sim import checker
 from tslice.sim.cluster import SimAgent
@@ -138,6 +138,12 @@ async def test_a_labelled_group_is_acquired_and_a_gone_holder_loses_it(
         _events(b, "trainer") as events,
     ):
         assert "trainer" in await a.list_groups()
+        # A labelled node without an agent pod: its group waits for it instead of guessing.
+        api.apply(objects.node("gpu-z", "sampler"))
+        cluster.logged(r"group sampler appeared with 1 node\(s\): gpu-z")
+        with pytest.raises(errors.Unavailable, match=r"gpu-z\.no-agent-pod\.invalid"):
+            await a.acquire("sampler", timeout=1)
+        assert (await a.status("sampler")).group_state is GroupState.UNKNOWN
         await a.acquire("trainer", timeout=WAIT_S)
         waiting = asyncio.create_task(b.acquire("trainer", timeout=WAIT_S))
         await _next(events, EventKind.QUEUED, "job-b")
@@ -179,8 +185,8 @@ async def test_a_node_cordoned_mid_switch_leaves_the_group_which_stays_exclusive
         api.apply(objects.node(node, "trainer"))
     # The two labels may be seen apart (a group of one node, then of two) or together.
     both = r"gpu-a@\S+, gpu-b@\S+"
-    appeared = r"appeared with 2 node\(s\): gpu-a, gpu-b"
-    cluster.logged(rf"group trainer ({appeared}|: nodes changed \(gpu-a@\S+ -> {both}\))")
+    appeared = r" appeared with 2 node\(s\): gpu-a, gpu-b"
+    cluster.logged(rf"group trainer({appeared}|: nodes changed \(gpu-a@\S+ -> {both}\))")
     windows: list[checker.Window] = []
     async with (
         AsyncClient(address, job_id="job-a", lease_s=None) as a,

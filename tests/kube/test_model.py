@@ -16,13 +16,25 @@ def _agent(
     return model.AgentPod(f"ns/{node}-{created}", node, address, ready=ready, created=created)
 
 
-def test_a_labelled_node_counts_once_its_agent_is_known() -> None:
+def test_a_labelled_node_counts_with_or_without_its_agent() -> None:
     cluster = model.ClusterModel()
-    assert cluster.apply("node", _node("a", "g")) == []
-    assert cluster.pending_nodes() == {"a": "no agent pod with an IP on it"}
+    # No agent yet: the node is there, at an address that resolves nowhere (its group waits).
+    nowhere = config.NodeRef("a", model.no_agent_address("a"))
+    assert cluster.apply("node", _node("a", "g")) == [model.GroupAppeared("g", (nowhere,))]
+    assert cluster.pending_nodes() == {
+        "a": "has no agent pod with an IP (its groups wait for it: UNKNOWN)"
+    }
     assert cluster.apply("agent", _agent("a", None)) == []  # Pending: no IP yet
-    events = cluster.apply("agent", _agent("a", "10.0.0.1:9001"))
-    assert events == [model.GroupAppeared("g", (config.NodeRef("a", "10.0.0.1:9001"),))]
+    first = config.NodeRef("a", "10.0.0.1:9001")
+    assert cluster.apply("agent", _agent("a", "10.0.0.1:9001")) == [
+        model.GroupNodesChanged("g", (first,), (nowhere,))
+    ]
+    # The agent pod goes (a restart): the node stays, at the address it had.
+    assert cluster.replace("agent", []) == []
+    second = config.NodeRef("a", "10.0.0.2:9001")
+    assert cluster.apply("agent", _agent("a", "10.0.0.2:9001", created="2")) == [
+        model.GroupNodesChanged("g", (second,), (first,))
+    ]
 
 
 def test_the_ready_then_newest_agent_pod_of_a_node_wins() -> None:

@@ -59,7 +59,7 @@ class Discovery:
             return None
         found = self._watcher.model
         for name, why in sorted(found.pending_nodes().items()):
-            log.warning("node %s is labelled for a group but does not count yet: %s", name, why)
+            log.warning("node %s is labelled for a group but %s", name, why)
         groups = found.groups()
         log.info(
             "Kubernetes topology: %d group(s)%s",
@@ -113,9 +113,7 @@ class Discovery:
     ) -> None:
         for gid in groups.ids():
             if gid not in wanted:
-                await groups.remove_group(
-                    gid, "no Ready, schedulable node with an agent is labelled for it"
-                )
+                await groups.remove_group(gid, "no Ready, schedulable node is labelled for it")
         for gid, nodes in wanted.items():
             driver = groups.get(gid)
             if driver is None:

@@ -4,11 +4,14 @@ Three kinds of object come in (already reduced to what matters, see ``watch``):
 
 - **nodes**: a node is a member of the groups its labels name
   (``group.timeslice.io/<g>=true``, tslice.common.kube_labels) while it is Ready and not
-  cordoned (``spec.unschedulable``) **and** its agent is known: a node whose agent pod
-  has no IP yet cannot be switched, so it is not counted until it has one;
+  cordoned (``spec.unschedulable``);
 - **agent pods** (the DaemonSet's, by the agent selector): the agent of a node is
   reached at its pod IP and its container port named ``grpc`` (9001 when unnamed);
-  with several on one node (a rolling update) the ready one, then the newest, wins;
+  with several on one node (a rolling update) the ready one, then the newest, wins.
+  A member whose agent pod is gone keeps the address it had (the agent is unreachable
+  there: the group says UNKNOWN and does not switch until it is back, rather than act
+  as if the node were not there); one that never had an agent gets an address that
+  resolves nowhere (:func:`no_agent_address`), to the same effect;
 - **job pods** (labelled ``timeslice.io/job-id``): a job is live while one of its pods
   is Pending or Running; Succeeded, Failed and deleted pods do not count.
 
@@ -24,6 +27,7 @@ import dataclasses
 from collections.abc import Iterable, Mapping
 from typing import Literal
 
+from tslice.common import kube_labels
 from tslice.orchestrator import config
 
 Kind = Literal["node", "agent", "job"]
@@ -94,9 +98,17 @@ def _key(item: Item) -> str:
     return item.name if isinstance(item, NodeInfo) else item.key
 
 
+def no_agent_address(node: str) -> str:
+    """Where a node's agent is while no agent pod was ever seen on it: nowhere (``.invalid``
+    never resolves), so the node's group waits instead of switching without it."""
+    return f"{node}.no-agent-pod.invalid:{kube_labels.AGENT_PORT}"
+
+
 class ClusterModel:
     def __init__(self) -> None:
         self._items: dict[Kind, dict[str, Item]] = {"node": {}, "agent": {}, "job": {}}
+        #: Node -> the address its agent was last seen at.
+        self._last_address: dict[str, str] = {}
 
     # ---- changes in ---------------------------------------------------------------------
 
@@ -107,25 +119,26 @@ class ClusterModel:
             self._items[kind].pop(_key(item), None)
         else:
             self._items[kind][_key(item)] = item
+        self._last_address.update(self.agent_addresses())
         return diff(before, self._snapshot())
 
     def replace(self, kind: Kind, items: Iterable[Item]) -> list[Event]:
         """A full list of ``kind`` (the first one, or a re-list after 410 Gone)."""
         before = self._snapshot()
         self._items[kind] = {_key(i): i for i in items}
+        self._last_address.update(self.agent_addresses())
         return diff(before, self._snapshot())
 
     # ---- views --------------------------------------------------------------------------
 
     def groups(self) -> dict[str, tuple[config.NodeRef, ...]]:
         """Group -> its member nodes (sorted by name) with their agent addresses."""
-        agents = self.agent_addresses()
         members: dict[str, list[config.NodeRef]] = {}
         for node in self._items["node"].values():
             assert isinstance(node, NodeInfo)
-            address = agents.get(node.name)
-            if not node.schedulable_member or address is None:
+            if not node.schedulable_member:
                 continue
+            address = self._last_address.get(node.name) or no_agent_address(node.name)
             for group in node.groups:
                 members.setdefault(group, []).append(config.NodeRef(node.name, address))
         return {g: tuple(sorted(ns, key=lambda n: n.name)) for g, ns in sorted(members.items())}
@@ -152,7 +165,8 @@ class ClusterModel:
         )
 
     def pending_nodes(self) -> dict[str, str]:
-        """Labelled nodes that do not count (yet), with why: for the logs."""
+        """Labelled nodes that do not count, or whose groups cannot switch, with why: for
+        the logs."""
         agents = self.agent_addresses()
         why: dict[str, str] = {}
         for node in self._items["node"].values():
@@ -160,11 +174,11 @@ class ClusterModel:
             if not node.groups:
                 continue
             if not node.ready:
-                why[node.name] = "not Ready"
+                why[node.name] = "is not Ready"
             elif node.unschedulable:
-                why[node.name] = "cordoned"
+                why[node.name] = "is cordoned"
             elif node.name not in agents:
-                why[node.name] = "no agent pod with an IP on it"
+                why[node.name] = "has no agent pod with an IP (its groups wait for it: UNKNOWN)"
         return why
 
     def _snapshot(self) -> tuple[dict[str, tuple[config.NodeRef, ...]], frozenset[str]]:
@@ -182,7 +196,7 @@ def describe(event: Event) -> str:
     if isinstance(event, GroupNodesChanged):
         return f"group {event.group}: nodes {nodes(event.before)} -> {nodes(event.nodes)}"
     if isinstance(event, GroupGone):
-        return f"group {event.group} is gone (no Ready, schedulable node with an agent)"
+        return f"group {event.group} is gone (no Ready, schedulable node is labelled for it)"
     return f"job {event.job} is gone (no Pending or Running pod left)"
 
 
