@@ -21,8 +21,9 @@ its request preparation (``GenericAsyncClient``); that is the only non-public us
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
 from lightkube import ApiError, AsyncClient, KubeConfig
@@ -200,14 +201,17 @@ class Watcher:
                 if version is None:
                     version = await self._list(stream)
                     failures = 0
-                async for kind, obj in self._watch(stream, version):
-                    failures = 0
-                    if kind in ("ADDED", "MODIFIED", "DELETED"):
-                        item = stream.convert(obj)
-                        self._emit(self.model.apply(stream.kind, item, deleted=kind == "DELETED"))
-                    version = (obj.metadata and obj.metadata.resourceVersion) or version
-                    if self._on_progress is not None:
-                        self._on_progress(stream.kind, version)
+                # Closed on the way out, whatever ends the loop: the response goes with it.
+                async with contextlib.aclosing(self._watch(stream, version)) as events:
+                    async for kind, obj in events:
+                        failures = 0
+                        if kind in ("ADDED", "MODIFIED", "DELETED"):
+                            item = stream.convert(obj)
+                            deleted = kind == "DELETED"
+                            self._emit(self.model.apply(stream.kind, item, deleted=deleted))
+                        version = (obj.metadata and obj.metadata.resourceVersion) or version
+                        if self._on_progress is not None:
+                            self._on_progress(stream.kind, version)
             except ApiError as err:
                 if err.status.code == _HTTP_GONE:
                     log.info(
@@ -250,7 +254,7 @@ class Watcher:
             stream.synced.set()
         return str(listing.resourceVersion)
 
-    def _watch(self, stream: _Stream, version: str) -> AsyncIterator[tuple[str, Any]]:
+    def _watch(self, stream: _Stream, version: str) -> AsyncGenerator[tuple[str, Any], None]:
         generic = self._client._client
         br = generic.prepare_request(
             "list",
@@ -264,7 +268,7 @@ class Watcher:
                 "timeoutSeconds": self._watch_timeout_s,
             },
         )
-        events: AsyncIterator[tuple[str, Any]] = generic.watch(br)
+        events: AsyncGenerator[tuple[str, Any], None] = generic.watch(br)
         return events
 
     def _emit(self, events: list[model.Event]) -> None:
