@@ -82,7 +82,8 @@ class Discovery:
 
     def _on_events(self, events: list[model.Event]) -> None:
         for event in events:
-            log.info("Kubernetes: %s", model.describe(event))
+            if self._follower is not None:  # the first lists' are summed up by start()
+                log.info("Kubernetes: %s", model.describe(event))
             if isinstance(event, model.JobGone):
                 self._gone_jobs.append(event.job)
         self._changed.set()
