@@ -25,7 +25,14 @@ from tslice.common import logs
 from tslice.orchestrator import config as orch_config
 
 ROOT = Path(__file__).resolve().parents[2]
-DOCS = [ROOT / "README.md", ROOT / "docs" / "deployment.md", ROOT / "docs" / "operations.md"]
+DOCS = [
+    ROOT / "README.md",
+    ROOT / "docs" / "deployment.md",
+    ROOT / "docs" / "operations.md",
+    ROOT / "docs" / "deploy-kubernetes.md",
+]
+#: Pages whose YAML blocks are Kubernetes manifests, not tslice config files.
+_MANIFEST_PAGES = {ROOT / "docs" / "deploy-kubernetes.md"}
 _FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.M | re.S)
 _AGENT_ONLY_KEYS = {
     "backend_settings",
@@ -43,7 +50,7 @@ def blocks(language: str) -> Iterator[tuple[str, str]]:
     for path in DOCS:
         text = path.read_text()
         for match in _FENCE.finditer(text):
-            if match.group(1) == language:
+            if match.group(1) == language and not (language == "yaml" and path in _MANIFEST_PAGES):
                 line = text.count("\n", 0, match.start()) + 1
                 yield f"{path.relative_to(ROOT)}:{line}", match.group(2)
 
