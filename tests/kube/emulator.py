@@ -96,6 +96,8 @@ class ApiServerEmulator:
         self.requests: list[Request] = []
         self._closes = self._drops = self._expiries = self._bookmarks = 0
         self._refusals = 0
+        #: Watches being served now.
+        self._open_watches = 0
         self._stopping = False
         self._server: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
@@ -179,6 +181,12 @@ class ApiServerEmulator:
         with self.store.changed:
             self._refusals = count
 
+    def wait_for_watches(self, count: int, timeout_s: float = 10.0) -> None:
+        """Until at least ``count`` watches are open (a fault sent before would miss them)."""
+        with self.store.changed:
+            if not self.store.changed.wait_for(lambda: self._open_watches >= count, timeout_s):
+                raise AssertionError(f"{self._open_watches} watches open, not {count}")
+
     def watch_requests(self, plural: str) -> list[Request]:
         return [r for r in list(self.requests) if r.query.get("watch") and plural in r.path]
 
@@ -215,6 +223,28 @@ class ApiServerEmulator:
         since = query.get("resourceVersion") or "0"
         with store.changed:
             seen = _Watch(self)
+            self._open_watches += 1
+            store.changed.notify_all()
+        try:
+            yield from self._watch_lines(
+                target, selects, seen, since=since, bookmarks=bookmarks, deadline=deadline
+            )
+        finally:
+            with store.changed:
+                self._open_watches -= 1
+
+    def _watch_lines(
+        self,
+        target: _Target,
+        selects: apistore.Predicate,
+        seen: _Watch,
+        *,
+        since: str,
+        bookmarks: bool,
+        deadline: float | None,
+    ) -> Iterator[bytes | None]:
+        store = self.store
+        with store.changed:
             if since == "0":
                 version, items = store.list(target.plural, target.namespace, selects)
                 pending = [_line("ADDED", o) for o in items]

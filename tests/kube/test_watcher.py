@@ -92,6 +92,8 @@ async def _watching(
         await asyncio.wait_for(watcher.synced(), WAIT_S)
         while not seen.events.empty():  # what the first lists found: see watcher.model
             seen.events.get_nowait()
+        # Every stream is watching: a fault the test sends from now on reaches all of them.
+        await asyncio.to_thread(api.wait_for_watches, 3)
         yield watcher, seen
     finally:
         await watcher.close()
@@ -211,7 +213,8 @@ async def test_a_bookmark_moves_the_version_a_watch_resumes_from(
     api.apply(objects.node("gpu-b"))  # a change the job stream does not see
     await seen.version("node", api.store.version)
     api.bookmark()
-    await seen.version("job", api.store.version)
+    for kind in ("node", "job", "agent"):
+        await seen.version(kind, api.store.version)
     api.store.compact()  # only the bookmark's version can be resumed from now
     api.drop_watches()
     await seen.put(api, objects.job_pod("a-0", "job-a", "trainer"))

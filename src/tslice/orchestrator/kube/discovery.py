@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Coroutine
+from typing import Any
 
 from tslice.common import errors, tasks
 from tslice.orchestrator import config, manager
@@ -112,15 +114,23 @@ class Discovery:
     async def _apply_groups(
         groups: manager.GroupManager, wanted: dict[str, tuple[config.NodeRef, ...]]
     ) -> None:
-        for gid in groups.ids():
-            if gid not in wanted:
-                await groups.remove_group(gid, "no Ready, schedulable node is labelled for it")
+        changes: list[Coroutine[Any, Any, None]] = [
+            groups.remove_group(gid, "no Ready, schedulable node is labelled for it")
+            for gid in groups.ids()
+            if gid not in wanted
+        ]
         for gid, nodes in wanted.items():
             driver = groups.get(gid)
             if driver is None:
-                await groups.add_group(gid, nodes)
+                changes.append(groups.add_group(gid, nodes))
             elif driver.nodes != nodes:
-                await groups.replace_nodes(gid, nodes)
+                changes.append(groups.replace_nodes(gid, nodes))
+        # Each touches its own group: side by side, so that one group's shutdown grace does
+        # not hold up another's (nor the evictions after them).
+        outcomes = await asyncio.gather(*changes, return_exceptions=True)
+        failed = [o for o in outcomes if isinstance(o, BaseException)]
+        if failed:
+            raise failed[0]
 
     @staticmethod
     async def _evict(groups: manager.GroupManager, job: str) -> None:
