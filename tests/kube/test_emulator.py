@@ -89,3 +89,18 @@ def test_a_watch_from_a_compacted_version_is_gone(client: Client, api: ApiServer
     with pytest.raises(ApiError) as err:
         next(iter(client.watch(Node, resource_version=old)))
     assert err.value.status.code == 410
+
+
+def test_leases_are_served_with_optimistic_concurrency(client: Client) -> None:
+    from lightkube.models.coordination_v1 import LeaseSpec
+    from lightkube.resources.coordination_v1 import Lease
+
+    meta = ObjectMeta(name="tslice-orchestrator", namespace="timeslice-system")
+    lease = client.create(Lease(metadata=meta, spec=LeaseSpec(holderIdentity="replica-a")))
+    lease.spec.holderIdentity = "replica-b"
+    taken = client.replace(lease)
+    assert client.get(Lease, "tslice-orchestrator", namespace="timeslice-system").spec == taken.spec
+    lease.spec.holderIdentity = "replica-a"  # a deposed leader writing with its old version
+    with pytest.raises(ApiError) as err:
+        client.replace(lease)
+    assert err.value.status.code == 409
