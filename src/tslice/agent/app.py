@@ -204,11 +204,13 @@ async def serve(
             ) from err
         stack.push_async_callback(announcements.close)
         if config.metrics_port:
-            metrics_host = config.host or "0.0.0.0"
-            try:
-                agent_metrics.serve(port=config.metrics_port, host=metrics_host)
-            except OSError as err:
-                raise serving.metrics_bind_error(metrics_host, config.metrics_port, err) from err
+            agent_metrics.serve(
+                port=config.metrics_port,
+                host=config.host or "0.0.0.0",
+                server_tls=config.tls,
+                auth_settings=config.auth,
+                insecure=config.insecure,
+            )
             stack.callback(agent_metrics.stop)
 
         loops = [

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -10,6 +9,8 @@ import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
+
+from tslice.common import auth, metrics_http, tls
 
 _DURATION_BUCKETS = (0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 
@@ -41,8 +42,7 @@ class AgentMetrics:
         #: Counted when scraped (see count_jobs): nothing to update on a hand-over.
         self._jobs = _JobsCollector()
         self.registry.register(self._jobs)
-        self._server: object | None = None
-        self._thread: threading.Thread | None = None
+        self._server: metrics_http.MetricsServer | None = None
         self._series: dict[tuple[str, str, str], tuple[Any, Any, Any]] = {}
 
     def observe(
@@ -67,23 +67,34 @@ class AgentMetrics:
         """Where ``tslice_agent_jobs`` comes from: called (from the HTTP thread) per scrape."""
         self._jobs.counts = counts
 
-    def serve(self, *, port: int, host: str = "0.0.0.0") -> int:
-        """Expose ``/metrics`` on ``port`` (0 = any free one) until :meth:`stop`; the port."""
-        server, thread = prometheus_client.start_http_server(
-            port, addr=host, registry=self.registry
+    def serve(
+        self,
+        *,
+        port: int,
+        host: str,
+        server_tls: tls.ServerTLS | None = None,
+        auth_settings: auth.AuthSettings | None = None,
+        insecure: bool = False,
+    ) -> int:
+        """Expose ``/metrics`` on ``port`` (0 = any free one) until :meth:`stop`; the port.
+
+        As protected as the agent's gRPC port (see :mod:`tslice.common.metrics_http`).
+        """
+        self._server = metrics_http.serve(
+            prometheus_client.make_wsgi_app(self.registry),
+            host=host,
+            port=port,
+            server="agent",
+            server_tls=server_tls,
+            auth_settings=auth_settings,
+            insecure=insecure,
         )
-        self._server, self._thread = server, thread
-        return int(server.server_port)
+        return self._server.port
 
     def stop(self) -> None:
-        server = self._server
-        if server is not None:
-            server.shutdown()  # type: ignore[attr-defined]
-            server.server_close()  # type: ignore[attr-defined]
+        if self._server is not None:
+            self._server.stop()
             self._server = None
-        if self._thread is not None:
-            self._thread.join(timeout=5)
-            self._thread = None
 
 
 class _JobsCollector(Collector):
