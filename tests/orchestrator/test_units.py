@@ -86,6 +86,25 @@ async def test_subscription_wakes_on_publish() -> None:
     bus.close()
 
 
+def test_events_reach_their_groups_watchers_and_the_watchers_of_all() -> None:
+    bus = events.EventBus()
+    queued = opb.OrchestratorEvent.KIND_QUEUED
+    of_g, of_h, of_all = (bus.subscribe(group_id=g) for g in ("g", "h", ""))
+    assert bus.wants("g", queued) and bus.wants("other", queued)
+    for gid in ("g", "h", "other", ""):
+        bus.publish(events.make_event(queued, group_id=gid, job_id=f"of-{gid}"))
+    assert [e.job_id for e in of_g._buffer] == ["of-g"]
+    assert [e.job_id for e in of_h._buffer] == ["of-h"]
+    assert [e.job_id for e in of_all._buffer] == ["of-g", "of-h", "of-other", "of-"]
+    bus.unsubscribe(of_all)
+    assert bus.wants("g", queued) and not bus.wants("other", queued)
+    bus.unsubscribe(of_g)
+    bus.unsubscribe(of_g)  # twice: nothing left to remove
+    assert not bus.wants("g", queued) and bus.wants("h", queued)
+    bus.close()
+    assert of_h.closed and not bus.wants("h", queued)
+
+
 def test_backoff_grows_and_is_capped() -> None:
     b = switch.Backoff(0.05, 1.0)
     assert 0.025 <= b.delay(0) <= 0.05

@@ -88,13 +88,24 @@ class Subscription:
 class EventBus:
     def __init__(self, *, maxlen: int = 1024) -> None:
         self._maxlen = maxlen
-        self._subs: set[Subscription] = set()
+        #: Subscribers by the group they watch ("" = every group): an event of one
+        #: group is offered to that group's watchers and to those of all groups only
+        #: (every grant asks ``wants``: with many groups watched, a scan of all was the
+        #: orchestrator's costliest code of its own per grant).
+        self._subs: dict[str, set[Subscription]] = {}
         self.started = time.time()
         #: Called with the number of events a subscriber dropped (metrics hook).
         self.on_drop: Callable[[int], None] | None = None
 
+    def _watching(self, group_id: str) -> list[Subscription]:
+        """The subscribers that may want an event of ``group_id``."""
+        watching = list(self._subs.get("", ()))
+        if group_id:
+            watching += self._subs.get(group_id, ())
+        return watching
+
     def publish(self, event: opb.OrchestratorEvent) -> None:
-        for sub in self._subs:
+        for sub in self._watching(event.group_id):
             before = sub.dropped
             sub.offer(event)
             if sub.dropped != before and self.on_drop is not None:
@@ -102,19 +113,24 @@ class EventBus:
 
     def wants(self, group_id: str, kind: int) -> bool:
         """Whether any subscriber would get such an event (if not, it need not be built)."""
-        return any(sub.accepts(group_id, kind) for sub in self._subs)
+        return any(sub.accepts(group_id, kind) for sub in self._watching(group_id))
 
     def subscribe(self, *, group_id: str = "", kinds: frozenset[int] = frozenset()) -> Subscription:
         sub = Subscription(group_id=group_id, maxlen=self._maxlen, kinds=kinds)
-        self._subs.add(sub)
+        self._subs.setdefault(group_id, set()).add(sub)
         return sub
 
     def unsubscribe(self, sub: Subscription) -> None:
-        self._subs.discard(sub)
+        subs = self._subs.get(sub.group_id)
+        if subs is not None:
+            subs.discard(sub)
+            if not subs:
+                del self._subs[sub.group_id]
 
     def close(self) -> None:
-        for sub in list(self._subs):
-            sub.close()
+        for subs in list(self._subs.values()):
+            for sub in list(subs):
+                sub.close()
         self._subs.clear()
 
 
