@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import pathlib
 import ssl
 from collections.abc import Iterator
 
@@ -12,7 +13,7 @@ import httpx
 import pytest
 
 from tests.integration.test_hostile_agent import closed_port
-from tests.security.conftest import Certs, agent_args, serving_all, tls_args
+from tests.security.conftest import Certs, agent_args, orchestrator_args, serving_all, tls_args
 
 TOKEN = "scraper-token-0123456789"
 
@@ -78,3 +79,24 @@ def test_mutual_tls_refuses_a_client_without_a_certificate(agents: Agents, certs
         client.get(agents.mutual)
     with _client(certs, "admin") as client:
         assert "tslice_agent_jobs" in client.get(agents.mutual).text
+
+
+def test_orchestrator_metrics_need_a_token(certs: Certs, tmp_path: pathlib.Path) -> None:
+    digest = hashlib.sha256(TOKEN.encode()).hexdigest()
+    config = tmp_path / "orchestrator.yaml"
+    config.write_text(f"auth: {{tokens: [{{name: scraper, roles: [], sha256: {digest}}}]}}\n")
+    port = closed_port()
+    args = orchestrator_args(
+        tmp_path,
+        f"127.0.0.1:{closed_port()}",
+        "--config",
+        str(config),
+        *tls_args(certs, mutual=False),
+    )
+    args[args.index("--metrics-port") + 1] = str(port)
+    url = f"https://127.0.0.1:{port}/metrics"
+    with serving_all([("orchestrator", args, tmp_path / "orch.log")]), _client(certs) as client:
+        assert client.get(url).status_code == 401
+        good = client.get(url, headers={"Authorization": f"Bearer {TOKEN}"})
+    assert good.status_code == 200
+    assert "tslice_" in good.text

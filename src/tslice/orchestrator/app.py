@@ -28,6 +28,7 @@ from grpc_reflection.v1alpha import reflection
 from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2 as opb
 from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2_grpc as opb_grpc
 from tslice.common import auth, errors, ids, logs, serving, undecodable
+from tslice.common import metrics_http as common_metrics_http
 from tslice.orchestrator import agents, config, events, group, manager, metrics, server, store
 
 if TYPE_CHECKING:
@@ -121,12 +122,15 @@ async def _serve_locked(
             cfg = dataclasses.replace(cfg, topology=config.Topology(groups=found))
         groups = manager.GroupManager(group.Services(cfg=cfg, db=db, pool=pool, bus=bus, metrics=m))
         if cfg.metrics_port:
-            try:
-                metrics_http, _ = prom.start_http_server(
-                    cfg.metrics_port, addr=cfg.host, registry=m.registry
-                )
-            except OSError as err:
-                raise serving.metrics_bind_error(cfg.host, cfg.metrics_port, err) from err
+            metrics_http = common_metrics_http.serve(
+                prom.make_wsgi_app(m.registry),
+                host=cfg.host,
+                port=cfg.metrics_port,
+                server="orchestrator",
+                server_tls=cfg.tls,
+                auth_settings=cfg.auth,
+                insecure=cfg.insecure,
+            )
         await groups.start()
         if discovery is not None:
             discovery.follow(groups)
@@ -164,8 +168,7 @@ async def _serve_locked(
         await pool.close()
         await db.close()
         if metrics_http is not None:
-            metrics_http.shutdown()
-            metrics_http.server_close()
+            metrics_http.stop()
         log.info("orchestrator stopped")
 
 
