@@ -151,12 +151,14 @@ async def test_a_labelled_group_is_acquired_and_a_gone_holder_loses_it(
         await _next(events, EventKind.QUEUED, "job-c")
         # A waiter whose pods went leaves the queue; its Acquire says why.
         api.apply(objects.job_pod("job-c-trainer-0", "job-c", "trainer", phase="Failed"))
-        with pytest.raises(errors.Aborted, match="every pod of job job-c is gone"):
+        with pytest.raises(
+            errors.Aborted, match="by Kubernetes mode: every pod of job job-c is gone"
+        ):
             await asyncio.wait_for(queued_c, WAIT_S)
         # A holder whose pods went loses the lock; the next waiter is granted.
         api.store.delete("pods", "rl", "job-a-trainer-0")
         yielded = await _next(events, EventKind.YIELDED, "job-a")
-        assert "every pod of job job-a is gone" in yielded.detail
+        assert "by Kubernetes mode: every pod of job job-a is gone" in yielded.detail
         assert (await asyncio.wait_for(waiting, WAIT_S)).success
         # Unlabelled, the node leaves: the group is gone, and an Acquire says how to fix it.
         api.apply(objects.node("gpu-a"))

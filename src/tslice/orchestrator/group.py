@@ -73,9 +73,13 @@ class Services:
     arbiter: overlap.DeviceArbiter = dataclasses.field(default_factory=overlap.DeviceArbiter)
 
 
-def eviction_message(group_id: str, reason: str) -> str:
+#: Who evicts when the Evict RPC does (Kubernetes mode names itself).
+BY_ADMIN = "an administrator"
+
+
+def eviction_message(group_id: str, reason: str, by: str = BY_ADMIN) -> str:
     """What an evicted job is told (its Acquire's error, its later Yield's, its events)."""
-    return f"evicted from group {group_id!r} by an administrator: {reason or 'no reason given'}"
+    return f"evicted from group {group_id!r} by {by}: {reason or 'no reason given'}"
 
 
 class GroupDriver:
@@ -356,15 +360,17 @@ class GroupDriver:
 
         return await self._decide(clear)
 
-    async def evict(self, job: str, reason: str = "") -> decisions.EvictOutcome:
-        """An administrator takes ``job`` out of the group now (``reason``: their words).
+    async def evict(
+        self, job: str, reason: str = "", *, by: str = BY_ADMIN
+    ) -> decisions.EvictOutcome:
+        """``by`` (an administrator) takes ``job`` out of the group now (``reason``: their words).
 
         A holder loses the lock as a lapsed lease does: the next waiter is granted
         through the normal switch, its Hold streams end with the reason, its later
         Yield is refused naming it. A waiter's pending Acquires fail ABORTED with the
         reason. ``role`` None: the job neither held nor waited (nothing changed).
         """
-        why = eviction_message(self.group_id, reason)
+        why = eviction_message(self.group_id, reason, by)
 
         def evict(now: float) -> tuple[decisions.EvictOutcome, list[Effect]]:
             deferred = self.lock.attached_waiters == 0
@@ -585,13 +591,13 @@ class GroupDriver:
 
 
 async def evict_everywhere(
-    drivers: Iterable[GroupDriver], job: str, reason: str = ""
+    drivers: Iterable[GroupDriver], job: str, reason: str = "", *, by: str = BY_ADMIN
 ) -> list[tuple[str, decisions.EvictOutcome]]:
     """Take ``job`` out of every group where it holds or waits (an administrator's
     Evict without a group, or a job whose processes are all gone): ``(group_id,
     outcome)`` per group it was in. Groups that are stopping are skipped."""
     live = [d for d in drivers if not d.stopping]
-    outcomes = await asyncio.gather(*(d.evict(job, reason) for d in live))
+    outcomes = await asyncio.gather(*(d.evict(job, reason, by=by) for d in live))
     return [
         (d.group_id, out) for d, out in zip(live, outcomes, strict=True) if out.role is not None
     ]

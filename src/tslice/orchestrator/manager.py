@@ -133,9 +133,11 @@ class GroupManager:
         entry = (await self._services.db.load()).get(gid)
         self._add(gid, nodes, entry[1] if entry else None)
 
-    async def evict(self, job: str, reason: str = "") -> list[tuple[str, decisions.EvictOutcome]]:
-        """Take ``job`` out of every group where it holds or waits."""
-        return await group.evict_everywhere(list(self._groups.values()), job, reason)
+    async def evict(
+        self, job: str, reason: str = "", *, by: str = group.BY_ADMIN
+    ) -> list[tuple[str, decisions.EvictOutcome]]:
+        """Take ``job`` out of every group where it holds or waits (``by``: who does)."""
+        return await group.evict_everywhere(list(self._groups.values()), job, reason, by=by)
 
     async def get_or_create(self, gid: str) -> group.GroupDriver | None:
         """The group, created first in local mode (``None``: no such group); raises

@@ -135,7 +135,7 @@ class Discovery:
     @staticmethod
     async def _evict(groups: manager.GroupManager, job: str) -> None:
         reason = f"every pod of job {job} is gone (Succeeded, Failed or deleted)"
-        outcomes = await groups.evict(job, reason)
+        outcomes = await groups.evict(job, reason, by="Kubernetes mode")
         for gid, out in outcomes:
             role = out.role.value if out.role is not None else "?"
             log.warning(
