@@ -19,6 +19,7 @@ from lightkube.resources.core_v1 import Pod
 
 from tests.kube import apistore, objects
 from tests.kube.emulator import ApiServerEmulator
+from tslice.common import kube_watch
 from tslice.orchestrator import config, switch
 from tslice.orchestrator.kube import model, watch
 
@@ -262,7 +263,7 @@ async def test_the_namespaces_and_the_agent_selector_are_kept(
 async def test_a_long_list_is_read_page_by_page(
     api: ApiServerEmulator, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(watch, "LIST_PAGE", 2)
+    monkeypatch.setattr(kube_watch, "LIST_PAGE", 2)
     for i in range(5):
         api.apply(objects.node(f"gpu-{i}", "trainer"))
         api.apply(objects.agent_pod(f"gpu-{i}", f"10.0.0.{i}"))

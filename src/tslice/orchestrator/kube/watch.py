@@ -1,47 +1,33 @@
 """List-then-watch of the API server (lightkube), feeding a :class:`model.ClusterModel`.
 
-Three streams, each a list followed by a watch from the list's resourceVersion:
+Three streams (``tslice.common.kube_watch``: list, watch from the list's version,
+bookmarks, backoff, re-list on ``410 Gone``):
 
 - nodes (all of them: a group label can be added to any node);
 - job pods (``timeslice.io/job-id`` present), in ``--job-namespace`` or all namespaces;
 - agent pods (``--agent-selector`` in ``--agent-namespace``).
 
-Every event's object carries the version the stream has reached, and so do BOOKMARK
-events (asked for with ``allowWatchBookmarks``: they move the version on while nothing
-selected changes, so a resume seldom finds it compacted). A watch the server ends is
-resumed from the version reached (lightkube does that); a dropped connection or any
-other error is retried from it after a jittered, growing pause (``switch.Backoff``);
-``410 Gone`` (the version was compacted) starts the stream again with a fresh list,
-which replaces that kind's objects in the model, so deletions missed meanwhile are seen.
-
-lightkube's public ``watch()`` does not ask for bookmarks, so the requests are built with
-its request preparation (``GenericAsyncClient``); that is the only non-public use.
+A re-list replaces that kind's objects in the model, so deletions missed meanwhile are seen.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import Callable
 from typing import Any
 
-from lightkube import ApiError, AsyncClient, KubeConfig
-from lightkube.config import kubeconfig
+from lightkube import AsyncClient
 from lightkube.resources.core_v1 import Node, Pod
 
-from tslice.common import kube_labels, tasks
+from tslice.common import kube_labels, kube_watch, tasks
 from tslice.orchestrator import config, switch
 from tslice.orchestrator.kube import model
 
 log = logging.getLogger(__name__)
 
-ALL_NAMESPACES = "*"
-#: The server ends each watch after this long (lightkube resumes it at once), seconds.
-WATCH_TIMEOUT_S = 300
-#: Objects per page of a list.
-LIST_PAGE = 500
-_HTTP_GONE = 410
+ALL_NAMESPACES = kube_watch.ALL_NAMESPACES
+WATCH_TIMEOUT_S = kube_watch.WATCH_TIMEOUT_S
 _LIVE_PHASES = frozenset({"Pending", "Running"})
 
 OnEvents = Callable[[list[model.Event]], None]
@@ -51,11 +37,8 @@ OnProgress = Callable[[model.Kind, str], None]
 
 def connect(settings: config.KubeSettings) -> AsyncClient:
     """A client: ``--kubeconfig`` if given, else in-cluster, then $KUBECONFIG / ~/.kube/config."""
-    if settings.kubeconfig is not None:
-        cfg = KubeConfig.from_file(settings.kubeconfig)
-    else:
-        cfg = KubeConfig.from_env(default_config=kubeconfig.DEFAULT_KUBECONFIG)
-    return AsyncClient(config=cfg)
+    client: AsyncClient = kube_watch.connect(settings.kubeconfig)
+    return client
 
 
 # ---- objects in, model items out ---------------------------------------------------------
@@ -121,26 +104,6 @@ def job_pod(pod: Pod) -> model.JobPod:
 # ---- the streams -------------------------------------------------------------------------
 
 
-class _Stream:
-    def __init__(
-        self,
-        kind: model.Kind,
-        resource: type[Any],
-        convert: Callable[[Any], model.Item],
-        *,
-        namespace: str | None = None,
-        labels: str | None = None,
-    ) -> None:
-        self.kind, self.resource, self.convert = kind, resource, convert
-        self.namespace, self.labels = namespace, labels
-        self.synced = asyncio.Event()
-
-    def describe(self) -> str:
-        where = "all namespaces" if self.namespace == ALL_NAMESPACES else self.namespace
-        what = f"{self.resource.__name__.lower()}s" + (f" ({self.labels})" if self.labels else "")
-        return what + (f" in {where}" if where else "")
-
-
 class Watcher:
     """Keeps :attr:`model` in step with the API server; ``on_events`` gets its changes."""
 
@@ -161,15 +124,15 @@ class Watcher:
         self._backoff = backoff or switch.Backoff(0.2, 10.0)
         self._watch_timeout_s = watch_timeout_s
         self._streams = [
-            _Stream("node", Node, node_info),
-            _Stream(
+            self._stream("node", Node, node_info),
+            self._stream(
                 "job",
                 Pod,
                 job_pod,
                 namespace=settings.job_namespace or ALL_NAMESPACES,
                 labels=kube_labels.JOB_ID_LABEL,
             ),
-            _Stream(
+            self._stream(
                 "agent",
                 Pod,
                 agent_pod,
@@ -178,12 +141,47 @@ class Watcher:
             ),
         ]
         self._tasks: list[asyncio.Task[None]] = []
-        #: Times a stream started again from a list after its version was gone (for tests).
-        self.relists = 0
+
+    @property
+    def relists(self) -> int:
+        """Times a stream started again from a list after its version was gone (for tests)."""
+        return sum(s.relists for s in self._streams)
+
+    def _stream(
+        self,
+        kind: model.Kind,
+        resource: type[Any],
+        convert: Callable[[Any], model.Item],
+        *,
+        namespace: str | None = None,
+        labels: str | None = None,
+    ) -> kube_watch.Stream:
+        def listed(objs: list[Any]) -> None:
+            self._emit(self.model.replace(kind, [convert(o) for o in objs]))
+
+        def changed(type_: str, obj: Any) -> None:
+            self._emit(self.model.apply(kind, convert(obj), deleted=type_ == "DELETED"))
+
+        def progressed(version: str) -> None:
+            if self._on_progress is not None:
+                self._on_progress(kind, version)
+
+        return kube_watch.Stream(
+            resource,
+            on_list=listed,
+            on_event=changed,
+            on_progress=progressed,
+            namespace=namespace,
+            labels=labels,
+            who="the orchestrator's ServiceAccount",
+        )
 
     def start(self) -> None:
         for s in self._streams:
-            self._tasks.append(tasks.spawn(self._run(s), name=f"kube:{s.kind}"))
+            run = kube_watch.run(
+                self._client, s, backoff=self._backoff, watch_timeout_s=self._watch_timeout_s
+            )
+            self._tasks.append(tasks.spawn(run, name=f"kube:{s.describe()}"))
 
     async def synced(self) -> None:
         """Until every stream has had its first full list."""
@@ -192,84 +190,6 @@ class Watcher:
     async def close(self) -> None:
         await tasks.cancel_all(list(self._tasks))
         await self._client.close()
-
-    async def _run(self, stream: _Stream) -> None:
-        version: str | None = None
-        failures = 0
-        while True:
-            try:
-                if version is None:
-                    version = await self._list(stream)
-                    failures = 0
-                # Closed on the way out, whatever ends the loop: the response goes with it.
-                async with contextlib.aclosing(self._watch(stream, version)) as events:
-                    async for kind, obj in events:
-                        failures = 0
-                        if kind in ("ADDED", "MODIFIED", "DELETED"):
-                            item = stream.convert(obj)
-                            deleted = kind == "DELETED"
-                            self._emit(self.model.apply(stream.kind, item, deleted=deleted))
-                        version = (obj.metadata and obj.metadata.resourceVersion) or version
-                        if self._on_progress is not None:
-                            self._on_progress(stream.kind, version)
-            except ApiError as err:
-                if err.status.code == _HTTP_GONE:
-                    log.info(
-                        "watch of %s: version %s is gone; listing again", stream.describe(), version
-                    )
-                    version = None
-                    self.relists += 1
-                    continue
-                failures += 1
-                await self._pause(stream, failures, f"{err.status.code} {err.status.message}")
-            except Exception as err:  # refused, dropped, undecodable: all retried alike
-                failures += 1
-                await self._pause(stream, failures, f"{type(err).__name__}: {err}")
-
-    async def _pause(self, stream: _Stream, failures: int, why: str) -> None:
-        delay = self._backoff.delay(min(failures - 1, 16))
-        log.warning(
-            "watch of %s failed (%s); retrying in %.1f s (check the API server address, "
-            "the credentials and the RBAC of the orchestrator's ServiceAccount)",
-            stream.describe(),
-            why,
-            delay,
-        )
-        await asyncio.sleep(delay)
-
-    async def _list(self, stream: _Stream) -> str:
-        generic = self._client._client
-        br = generic.prepare_request(
-            "list",
-            res=stream.resource,
-            namespace=stream.namespace,
-            # Pages of a consistent snapshot (lightkube follows the continue tokens).
-            params={"labelSelector": stream.labels, "limit": LIST_PAGE},
-        )
-        listing = generic.list(br)
-        items = [stream.convert(obj) async for obj in listing]
-        self._emit(self.model.replace(stream.kind, items))
-        if not stream.synced.is_set():
-            log.info("listed %d %s", len(items), stream.describe())
-            stream.synced.set()
-        return str(listing.resourceVersion)
-
-    def _watch(self, stream: _Stream, version: str) -> AsyncGenerator[tuple[str, Any], None]:
-        generic = self._client._client
-        br = generic.prepare_request(
-            "list",
-            res=stream.resource,
-            namespace=stream.namespace,
-            watch=True,
-            params={
-                "labelSelector": stream.labels,
-                "resourceVersion": version,
-                "allowWatchBookmarks": "true",
-                "timeoutSeconds": self._watch_timeout_s,
-            },
-        )
-        events: AsyncGenerator[tuple[str, Any], None] = generic.watch(br)
-        return events
 
     def _emit(self, events: list[model.Event]) -> None:
         if events:
