@@ -120,6 +120,8 @@ async def serve(
         # Before anything touches the state: a second agent on it is refused.
         stack.enter_context(serving.locked_state_dir(config.state_dir, what="agent"))
         stack.push_async_callback(hub.close)
+        if config.kubernetes:
+            await _watch_pods(config, hub, stack, stop)
         built = await build_backends(
             config, hub=hub, processes=processes, instances=backends, names=backend_registry
         )
@@ -235,6 +237,38 @@ async def serve(
             ready(address)
         await stop.wait()
         log.info("agent %s stopping", config.node_name)
+
+
+async def _watch_pods(
+    config: agent_config.AgentConfig,
+    hub: channel.ChannelHub,
+    stack: contextlib.AsyncExitStack,
+    stop: asyncio.Event,
+) -> None:
+    """Kubernetes mode: follow this node's job pods (listed once before serving) and admit
+    a workload on the Unix socket only from a pod of the job it claims."""
+    from tslice.agent.kube import admission, pods  # the kubernetes extra, in this mode only
+
+    watcher = pods.PodWatcher(config.node_name, kubeconfig=config.kubeconfig)
+    stack.push_async_callback(watcher.close)
+    watcher.start()
+    synced = asyncio.ensure_future(watcher.synced())
+    stopped = asyncio.ensure_future(stop.wait())
+    try:  # an API server that does not answer must not keep a SIGTERM waiting
+        await asyncio.wait({synced, stopped}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        synced.cancel()
+        stopped.cancel()
+    found = watcher.model.jobs()
+    log.info(
+        "Kubernetes: %d job pod(s) of %d job(s) on node %s",
+        sum(len(p) for p in found.values()),
+        len(found),
+        config.node_name,
+    )
+    hub.admission.pod_check = lambda pid, job, group: admission.refusal(
+        pid, job, group, watcher.model, proc_root=config.proc_root
+    )
 
 
 async def _stop_server(

@@ -10,7 +10,9 @@ it, ``SO_PEERCRED``) and presents the token on the stream. The rules:
   and group registered, by a process that is still alive; the session's pid is that
   process's. Where the agent knows the job's processes, the binding was refused unless
   the process is one of them (or a child). A stream without a bound token is refused
-  with UNAUTHENTICATED naming the fix.
+  with UNAUTHENTICATED naming the fix. In Kubernetes mode (``pod_check``) the bound
+  process must also be in a pod of this node labelled for the job (and group) it
+  claims (:mod:`tslice.agent.kube.admission`), else PERMISSION_DENIED.
 - **TCP**: the registration's ``pid`` field is never trusted (the session's pid is 0
   unless the token is bound). With authentication on, the hub is given ``credentials``
   (``tslice.common.auth.job_credentials``: the job ids the call's verified principal may
@@ -39,6 +41,8 @@ from tslice.common import validation
 #: (It may abort the call itself, e.g. UNAUTHENTICATED for a missing credential.)
 Context = grpc.aio.ServicerContext[Any, Any]
 JobCredentials = Callable[[Context], "Collection[str] | Awaitable[Collection[str] | None] | None"]
+#: Given ``(pid, job, group)``, why that process may not register so (None: it may).
+PodCheck = Callable[[int, str, str], "str | None"]
 
 
 def over_unix_socket(context: Context) -> bool:
@@ -58,6 +62,8 @@ class Admission:
         #: and Unix-socket registrations are taken as TCP ones are.
         self.processes = processes
         self.credentials = credentials
+        #: Kubernetes mode: the bound process must be in a pod of the job it claims.
+        self.pod_check: PodCheck | None = None
 
     async def identify(self, register: pb.RegisterWorkload, instance: str, context: Context) -> int:
         """The pid of the registering process (0 = not known); aborts the call if refused."""
@@ -86,6 +92,9 @@ class Admission:
                     f"{binding.pid}; a process can only register itself",
                 )
             pid = binding.pid
+            why = self.pod_check(pid, register.job_id, register.group) if self.pod_check else None
+            if why is not None:
+                await _abort(context, grpc.StatusCode.PERMISSION_DENIED, why)
         elif unix and self.processes is not None:
             await _abort(
                 context,

@@ -100,6 +100,13 @@ class AgentConfig:
     #: ``register.sock`` next to ``unix_socket`` (where the workload library looks), else
     #: ``<state_dir>/register.sock``. Workloads also find it via TSLICE_AGENT_REGISTER_SOCKET.
     register_socket: Path | None = None
+    #: Kubernetes mode: watch the job pods of this node (``spec.nodeName`` = node_name) and
+    #: admit a workload on the Unix socket only from a pod of the job it claims.
+    kubernetes: bool = False
+    #: Credentials for it (None: in-cluster config, then $KUBECONFIG / ~/.kube/config).
+    kubeconfig: Path | None = None
+    #: Where processes are looked up (their cgroups); a fixture tree in tests.
+    proc_root: Path = Path("/proc")
 
     @property
     def register_path(self) -> Path:
@@ -216,6 +223,9 @@ class _AgentModel(BaseModel):
     port: int = Field(default=9001, ge=0, le=65535)
     unix_socket: Path | None = None
     register_socket: Path | None = None
+    kubernetes: bool = False
+    kubeconfig: Path | None = None
+    proc_root: Path = Path("/proc")
     state_dir: Path = Field(default_factory=default_state_dir)
     default_backend: str = "noop"
     backends: list[str] = Field(default_factory=list)

@@ -47,6 +47,21 @@ def agent(
             "(default: register.sock next to --unix-socket, else <state-dir>/register.sock).",
         ),
     ] = None,
+    kubernetes: Annotated[
+        bool,
+        typer.Option(
+            "--kubernetes",
+            help="Kubernetes mode: watch the job pods of this node (--node-name) and admit a "
+            "workload on the Unix socket only from a pod of the job it claims.",
+        ),
+    ] = False,
+    kubeconfig: Annotated[
+        Path | None,
+        typer.Option(
+            "--kubeconfig",
+            help="Kubernetes credentials (default: in-cluster, then $KUBECONFIG, ~/.kube/config).",
+        ),
+    ] = None,
     operation_timeout: Annotated[
         float | None,
         typer.Option("--operation-timeout", help="Deadline of one operation, s (default 600)."),
@@ -90,6 +105,8 @@ def agent(
         "state_dir": state_dir,
         "unix_socket": unix_socket,
         "register_socket": register_socket,
+        "kubernetes": kubernetes or None,
+        "kubeconfig": kubeconfig,
         "operation_timeout_s": operation_timeout,
         "metrics_port": metrics_port,
         "log_level": log_level,

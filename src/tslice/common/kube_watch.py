@@ -22,6 +22,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import random
 from collections.abc import AsyncGenerator, Callable
 from pathlib import Path
 from typing import Any, Protocol
@@ -38,6 +39,17 @@ _HTTP_GONE = 410
 
 class Backoff(Protocol):
     def delay(self, attempt: int) -> float: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class JitteredBackoff:
+    """``initial_s * 2**attempt`` up to ``max_s``, times a random 0.5-1 (no lockstep)."""
+
+    initial_s: float = 0.2
+    max_s: float = 10.0
+
+    def delay(self, attempt: int) -> float:
+        return float(min(self.max_s, self.initial_s * (2**attempt)) * random.uniform(0.5, 1.0))
 
 
 def connect(kubeconfig: Path | None) -> Any:
@@ -83,11 +95,16 @@ class Stream:
 
 
 async def run(
-    client: Any, stream: Stream, *, backoff: Backoff, watch_timeout_s: int = WATCH_TIMEOUT_S
+    client: Any,
+    stream: Stream,
+    *,
+    backoff: Backoff | None = None,
+    watch_timeout_s: int = WATCH_TIMEOUT_S,
 ) -> None:
     """Follow ``stream`` until cancelled; never returns otherwise."""
     from lightkube import ApiError
 
+    backoff = backoff or JitteredBackoff()
     version: str | None = None
     failures = 0
     while True:

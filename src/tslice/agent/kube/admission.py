@@ -1,0 +1,53 @@
+"""Whether a process may register for a job in Kubernetes mode: its cgroup names a pod
+on this node (``<proc>/<pid>/cgroup``, matched as :func:`discovery.pids_for_pod` does)
+and that pod carries ``timeslice.io/job-id=<job>`` (and ``timeslice.io/group=<group>``
+where the registration names a group and the pod has that label)."""
+
+from __future__ import annotations
+
+import os
+
+from tslice.agent import discovery
+from tslice.agent.kube import model
+from tslice.common import kube_labels
+
+
+def pod_of(
+    pid: int, pods: model.NodePods, *, proc_root: str | os.PathLike[str] = "/proc"
+) -> model.PodInfo | None:
+    """The job pod of this node whose UID ``pid``'s cgroup names, if any."""
+    for pod in pods.pods():
+        if discovery.pids_for_pod(pod.uid, [pid], proc_root=proc_root):
+            return pod
+    return None
+
+
+def refusal(
+    pid: int,
+    job: str,
+    group: str,
+    pods: model.NodePods,
+    *,
+    proc_root: str | os.PathLike[str] = "/proc",
+) -> str | None:
+    """Why process ``pid`` may not register for ``job`` (and ``group``); None: it may."""
+    pod = pod_of(pid, pods, proc_root=proc_root)
+    if pod is None:
+        return (
+            f"process {pid} is in no pod of job {job!r} on this node (its cgroup names no "
+            f"pod labelled {kube_labels.JOB_ID_LABEL}); run the workload in a pod labelled "
+            f"{kube_labels.JOB_ID_LABEL}={job} scheduled on this node"
+        )
+    if pod.job != job:
+        return (
+            f"process {pid} is in pod {pod.key}, labelled {kube_labels.JOB_ID_LABEL}="
+            f"{pod.job}, not job {job!r}; register as job {pod.job!r} or set the pod's label "
+            f"{kube_labels.JOB_ID_LABEL}={job}"
+        )
+    if group and pod.group is not None and pod.group != group:
+        return (
+            f"process {pid} is in pod {pod.key} of job {job!r}, labelled "
+            f"{kube_labels.GROUP_LABEL}={pod.group}, not group {group!r}; register in group "
+            f"{pod.group!r} or set the pod's label {kube_labels.GROUP_LABEL}={group}"
+        )
+    return None
