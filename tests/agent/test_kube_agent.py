@@ -29,6 +29,7 @@ from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2_grpc as pb_grpc
 from tslice.common import kube_watch
 from tslice.workload import register_workload
+from tslice.workload.process import RegistrationError, announce_process
 
 WAIT_S = 20.0
 NODE = "node-a"
@@ -166,7 +167,12 @@ async def kube_agent(api: ApiServerEmulator, short_tmp: Path) -> AsyncIterator[d
     task = asyncio.create_task(agent_app.serve(config, ready=ready.set_result, stop=stop))
     try:
         await asyncio.wait_for(ready, WAIT_S)
-        yield {"socket": short_tmp / "agent.sock", "proc": config.proc_root, "pod": pod}
+        yield {
+            "socket": short_tmp / "agent.sock",
+            "register": config.register_path,
+            "proc": config.proc_root,
+            "pod": pod,
+        }
     finally:
         stop.set()
         await asyncio.wait_for(task, WAIT_S)
@@ -198,6 +204,17 @@ async def test_the_agent_admits_a_workload_only_from_a_pod_of_its_job(
     registered, error = await _register(socket, "job-a", "trainer")
     assert not registered and error is not None
     assert "in no pod of job 'job-a'" in error and "timeslice.io/job-id=job-a" in error
+
+
+async def test_the_agent_takes_a_process_announcement_only_from_a_pod_of_its_job(
+    kube_agent: dict[str, Any],
+) -> None:
+    register, proc = kube_agent["register"], kube_agent["proc"]
+    _in_pod(proc, os.getpid(), kube_agent["pod"]["metadata"]["uid"])
+    with pytest.raises(RegistrationError, match=r"labelled timeslice\.io/job-id=job-a, not job"):
+        await asyncio.to_thread(announce_process, "job-z", group="trainer", socket_path=register)
+    pid = await asyncio.to_thread(announce_process, "job-a", group="trainer", socket_path=register)
+    assert pid == os.getpid()
 
 
 def test_tslice_agent_kubernetes_serves_with_the_pods_of_its_node(

@@ -110,7 +110,7 @@ async def serve(
     """
     stop = stop if stop is not None else asyncio.Event()
     agent_metrics = metrics.AgentMetrics()
-    processes = registration.ProcessRegistry()
+    processes = _process_registry(config)
     # Workloads on the Unix socket are bound to their process through the register socket
     # (processes); with authentication on, a TCP registration needs a credential of its job.
     hub = channel.ChannelHub(
@@ -121,7 +121,7 @@ async def serve(
         stack.enter_context(serving.locked_state_dir(config.state_dir, what="agent"))
         stack.push_async_callback(hub.close)
         if config.kubernetes:
-            await _watch_pods(config, hub, stack, stop)
+            await _watch_pods(config, hub, processes, stack, stop)
         built = await build_backends(
             config, hub=hub, processes=processes, instances=backends, names=backend_registry
         )
@@ -239,9 +239,18 @@ async def serve(
         log.info("agent %s stopping", config.node_name)
 
 
+def _process_registry(config: agent_config.AgentConfig) -> registration.ProcessRegistry:
+    if not config.kubernetes:
+        return registration.ProcessRegistry()
+    from tslice.agent.kube import admission  # Kubernetes mode's rules (no client import)
+
+    return admission.PodCheckedRegistry()
+
+
 async def _watch_pods(
     config: agent_config.AgentConfig,
     hub: channel.ChannelHub,
+    processes: registration.ProcessRegistry,
     stack: contextlib.AsyncExitStack,
     stop: asyncio.Event,
 ) -> None:
@@ -266,9 +275,14 @@ async def _watch_pods(
         len(found),
         config.node_name,
     )
-    hub.admission.pod_check = lambda pid, job, group: admission.refusal(
-        pid, job, group, watcher.model, proc_root=config.proc_root
-    )
+
+    def check(pid: int, job: str, group: str) -> str | None:
+        return admission.refusal(pid, job, group, watcher.model, proc_root=config.proc_root)
+
+    # Both ways a process claims a job: its workload channel and its announcement.
+    hub.admission.pod_check = check
+    if isinstance(processes, admission.PodCheckedRegistry):
+        processes.check = check
 
 
 async def _stop_server(

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import os
 
-from tslice.agent import discovery
+from tslice.agent import discovery, registration
+from tslice.agent.channel_admission import PodCheck
 from tslice.agent.kube import model
 from tslice.common import kube_labels
 
@@ -51,3 +52,23 @@ def refusal(
             f"{pod.group!r} or set the pod's label {kube_labels.GROUP_LABEL}={group}"
         )
     return None
+
+
+class PodCheckedRegistry(registration.ProcessRegistry):
+    """Kubernetes mode's registry: a process announcing itself for a job on the register
+    socket (the processes the cuda backend checkpoints) must be in a pod of that job."""
+
+    #: Set once the pods of the node are known (until then nothing is accepted).
+    check: PodCheck | None = None
+
+    def register(
+        self, *, job_id: str, pid: int, group: str = "", uid: int = -1
+    ) -> registration.Registration:
+        why = (
+            self.check(pid, job_id, group)
+            if self.check is not None
+            else "the agent has not listed the pods of its node yet; retry in a moment"
+        )
+        if why is not None:
+            raise registration.RegistrationError(why)
+        return super().register(job_id=job_id, pid=pid, group=group, uid=uid)
