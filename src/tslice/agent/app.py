@@ -256,7 +256,15 @@ async def _watch_pods(
 ) -> None:
     """Kubernetes mode: follow this node's job pods (listed once before serving) and admit
     a workload on the Unix socket only from a pod of the job it claims."""
-    from tslice.agent.kube import admission, pods  # the kubernetes extra, in this mode only
+    from tslice.agent.kube import admission
+
+    try:  # the kubernetes extra, in this mode only
+        from tslice.agent.kube import pods
+    except ImportError as err:
+        raise errors.ConfigError(
+            f"--kubernetes needs the kubernetes extra (cannot import {err.name or err}): "
+            "pip install 'tslice[kubernetes]'"
+        ) from err
 
     watcher = pods.PodWatcher(config.node_name, kubeconfig=config.kubeconfig)
     stack.push_async_callback(watcher.close)
