@@ -24,6 +24,7 @@ from tests.kube.emulator import ApiServerEmulator
 from tests.kube.processes import LoggedServer
 from tslice.agent import app as agent_app
 from tslice.agent import config as agent_config
+from tslice.agent import discovery
 from tslice.agent.kube import admission, model, pods
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2_grpc as pb_grpc
@@ -146,6 +147,30 @@ def test_a_process_may_register_only_for_the_job_and_group_of_its_pod(tmp_path: 
     assert no_pod is not None and "in no pod of job 'job-a'" in no_pod
     assert "timeslice.io/job-id=job-a" in no_pod
     assert why(400, "job-a", "trainer") is not None  # no such process
+
+
+def test_the_gpu_processes_of_a_job_are_those_in_its_pods(tmp_path: Path) -> None:
+    node_pods = model.NodePods()
+    node_pods.replace(
+        [
+            model.PodInfo("11-aa", "rl/a-t", "job-a", "trainer", ("t",), "Running"),
+            model.PodInfo("22-bb", "rl/a-s", "job-a", "sampler", ("s",), "Running"),
+            model.PodInfo("33-cc", "rl/b-0", "job-b", None, ("w",), "Running"),
+        ]
+    )
+    for pid, uid in ((100, "11-aa"), (101, "11-aa"), (200, "22-bb"), (300, "33-cc")):
+        _in_pod(tmp_path, pid, uid)
+    _in_pod(tmp_path, 400, None)
+    nvml = [discovery.GpuProcess(pid, 0, "GPU-0", 1 << 30) for pid in (101, 100, 200, 300, 400)]
+    nvml.append(discovery.GpuProcess(100, 1, "GPU-1", 1 << 30))  # one process, two GPUs
+
+    def pids(job: str, group: str) -> list[int]:
+        return admission.pids_of_job(job, group, nvml, node_pods, proc_root=tmp_path)
+
+    assert pids("job-a", "") == [100, 101, 200]
+    assert pids("job-a", "trainer") == [100, 101]
+    assert pids("job-b", "anything") == [300]  # its pod names no group
+    assert pids("job-c", "") == []
 
 
 @pytest.fixture

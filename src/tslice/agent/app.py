@@ -291,6 +291,7 @@ async def _watch_pods(
     hub.admission.pod_check = check
     if isinstance(processes, admission.PodCheckedRegistry):
         processes.check = check
+        processes.pods, processes.proc_root = watcher.model, config.proc_root
 
 
 async def _stop_server(

@@ -6,6 +6,7 @@ where the registration names a group and the pod has that label)."""
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 
 from tslice.agent import discovery, registration
 from tslice.agent.channel_admission import PodCheck
@@ -54,12 +55,42 @@ def refusal(
     return None
 
 
+def pids_of_job(
+    job: str,
+    group: str,
+    processes: Iterable[discovery.GpuProcess],
+    pods: model.NodePods,
+    *,
+    proc_root: str | os.PathLike[str] = "/proc",
+) -> list[int]:
+    """The processes holding device memory (NVML's) in the pods of ``job`` on this node;
+    with a ``group``, those of its pods labelled for it or for no group. In PID order."""
+    candidates = sorted({p.pid for p in processes})
+    found: set[int] = set()
+    for pod in pods.of_job(job):
+        if group and pod.group is not None and pod.group != group:
+            continue
+        found.update(discovery.pids_for_pod(pod.uid, candidates, proc_root=proc_root))
+    return sorted(found)
+
+
 class PodCheckedRegistry(registration.ProcessRegistry):
     """Kubernetes mode's registry: a process announcing itself for a job on the register
     socket (the processes the cuda backend checkpoints) must be in a pod of that job."""
 
     #: Set once the pods of the node are known (until then nothing is accepted).
     check: PodCheck | None = None
+    #: The node's job pods, and where their processes are seen (for :meth:`pod_pids`).
+    pods: model.NodePods | None = None
+    proc_root: str | os.PathLike[str] = "/proc"
+
+    def pod_pids(
+        self, job_id: str, group: str, processes: Iterable[discovery.GpuProcess]
+    ) -> list[int]:
+        """Of NVML's ``processes``, those in the job's pods here (see :func:`pids_of_job`)."""
+        if self.pods is None:
+            return []
+        return pids_of_job(job_id, group, processes, self.pods, proc_root=self.proc_root)
 
     def register(
         self, *, job_id: str, pid: int, group: str = "", uid: int = -1
