@@ -480,3 +480,11 @@ def test_the_orchestrator_command_lines_use_real_kubernetes_flags() -> None:
         assert "--kubernetes" in used
         assert used <= cli_flags(name), f"tslice orchestrator lacks {used - cli_flags(name)}"
         cli_command(name).make_context(name, rest)
+
+
+@pytest.mark.parametrize("overlay", SERVER_OVERLAYS)
+def test_both_servers_run_in_kubernetes_mode(overlay: str) -> None:
+    """An overlay that replaces a server's args must keep --kubernetes (the TLS one lost the
+    agent's once: it then admitted workloads without checking their pods)."""
+    for workload in servers(overlay):
+        assert "--kubernetes" in args(workload), f"{overlay}: {name_of(workload)}"
