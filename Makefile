@@ -11,7 +11,7 @@ STAMP      := $(VENV)/.installed
 TEST_EXTRAS ?= server,dev,torch,trl,kubernetes
 API_DIR     := src/tslice/api
 
-.PHONY: all venv demo test test-oldest oldest-venv jobside-venvs jobside-deps test-floor test-newest test-protobuf test-jobside unit \
+.PHONY: all venv demo test test-oldest oldest-venv oldest-install jobside-venvs jobside-deps test-floor test-newest test-protobuf test-jobside unit \
 	test-ray test-verl verl-venv lint typecheck \
 	api api-check api-tools dist bench clean
 
@@ -48,17 +48,25 @@ test: $(STAMP) api-tools
 OLDEST_PYTHON ?= python3.10
 OLDEST_VENV   := .venv-oldest
 # (tests/jobside runs on this Python in test-floor, with the oldest grpcio and protobuf.)
-# The suites of whole clusters of real processes (integration, security, fuzzing, chaos,
-# single faults, the load benchmark's short form, Kubernetes mode against its API-server
-# emulator) and the manifests' rendering test behaviour, not the language: `make test` runs
-# them; on 3.10 CI's time goes to the unit, server and client tests.
+# On 3.10 CI runs the servers' and the workload library's tests (tests/agent,
+# tests/orchestrator, tests/workload, the wire pins). The job side on 3.10 is test-floor's
+# (tests/jobside against real servers); the suites of whole clusters of real processes
+# (integration, security, fuzzing, chaos, faults, the benchmarks' short forms, Kubernetes
+# mode), the CLI's, the simulator's and the manifests' test behaviour, not the language:
+# `make test` runs them.
 OLDEST_SKIPS := tests/jobside tests/integration tests/security tests/fuzz tests/chaos \
-	tests/faults tests/bench tests/kube tests/deploy
+	tests/faults tests/bench tests/kube tests/deploy tests/client tests/cli tests/sim \
+	tests/test_serving.py
 # (mypy is not run again here: `make test`'s mypy already checks for 3.10, python_version
 # in pyproject.toml.)
-test-oldest: api-tools oldest-venv
-	@$(OLDEST_VENV)/bin/python -m pip install --quiet --disable-pip-version-check --no-deps -e .
+test-oldest: api-tools oldest-install
 	$(OLDEST_VENV)/bin/python -m pytest -q $(addprefix --ignore=,$(OLDEST_SKIPS))
+## tslice itself into the oldest Python's venv (CI does this before `make dist` builds the
+## wheel alongside: never two builds of the tree at once).
+oldest-install: $(OLDEST_VENV)/.tslice
+$(OLDEST_VENV)/.tslice: pyproject.toml $(OLDEST_VENV)/.installed
+	@$(OLDEST_VENV)/bin/python -m pip install --quiet --disable-pip-version-check --no-deps -e .
+	@touch $@
 ## The oldest Python's venv with tslice's requirements but not tslice (CI makes it in the
 ## background while `make test` runs; tslice goes in at test-oldest, see scripts/requirements.py).
 oldest-venv: $(OLDEST_VENV)/.installed
