@@ -18,6 +18,15 @@ from tests.jobside.stack import Stack
 from tslice.common import errors
 from tslice.workload import CallbackAdapter
 
+# Ray's own processes (raylet, GCS, workers) can still be running when Ray drops its Popen
+# objects at shutdown; their ResourceWarning is Ray's, not tslice's (seen once in CI after a
+# slow Ray start).
+RAY_POPEN = pytest.mark.filterwarnings(
+    "ignore:subprocess .* is still running:ResourceWarning",
+    "ignore::pytest.PytestUnraisableExceptionWarning",
+)
+pytestmark = RAY_POPEN
+
 _ENV_PREFIXES = ("TSLICE_", "TIMESLICE_", "SNAPSHOT_AGENT_ADDR")
 
 
