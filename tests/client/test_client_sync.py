@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent import futures
+from typing import Any
 
 import grpc
 import pytest
@@ -241,6 +242,36 @@ def test_ctrl_c_while_waiting_cancels_the_server_side_waiter(
 ) -> None:
     """A KeyboardInterrupt in the blocked thread cancels the RPC, so the job leaves
     the queue at once instead of becoming a ghost waiter."""
+    _interrupt_a_waiting_acquire(client, orchestrator)
+
+
+def test_ctrl_c_while_the_unary_acquire_is_being_sent_still_cancels_it(
+    client: tslice.Client, orchestrator: ServerThread
+) -> None:
+    """An interrupt that lands while the Acquire is on its way (the stub's ``future()``
+    has sent it but not returned it yet) still cancels it: the call must not be lost
+    between leaving and being held by what the interrupt cancels."""
+    fallback = client._orchestrator("acquire")._acquire
+    sent = fallback._unary
+    interrupted = threading.Event()
+
+    class SlowToReturn:
+        def future(self, request: opb.AcquireRequest, **options: Any) -> Any:
+            outcome = sent.future(request, **options)
+            # Returns only once the caller was interrupted (and has given up on the call).
+            while not interrupted.wait(0.01):
+                pass
+            return outcome
+
+    fallback._unary = SlowToReturn()
+    _interrupt_a_waiting_acquire(client, orchestrator, after=interrupted.set)
+
+
+def _interrupt_a_waiting_acquire(
+    client: tslice.Client, orchestrator: ServerThread, *, after: Callable[[], object] = list
+) -> None:
+    """Ctrl-C in a thread whose acquire("g") waits (another job holds g): the thread gets
+    the KeyboardInterrupt (``after`` runs once it has), and the job leaves the queue."""
     hold(orchestrator, "g", "other")
     outcome: list[BaseException] = []
 
@@ -255,6 +286,7 @@ def test_ctrl_c_while_waiting_cancels_the_server_side_waiter(
     orchestrator.wait_for(lambda f: "me" in f.groups["g"].waiters)
     _interrupt(thread)
     thread.join(10)
+    after()
     assert outcome and isinstance(outcome[0], KeyboardInterrupt)
     orchestrator.wait_for(lambda f: not f.groups["g"].waiters)
 

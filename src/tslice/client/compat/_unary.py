@@ -14,6 +14,7 @@ methods (``(request, timeout=, metadata=)``, and ``future()`` for the sync one).
 from __future__ import annotations
 
 import dataclasses
+import threading
 from collections.abc import Awaitable, Callable
 from typing import Generic, TypeVar
 
@@ -61,26 +62,67 @@ class SyncUnaryFallback(Generic[Req, Rep]):
         return _Outcome(self, request, timeout, metadata)
 
 
+#: How long the waiting thread blocks at a time: an interrupt is held back while it waits
+#: in C, and must land in Python (inside the transport's try) to cancel the call.
+_INTERRUPTIBLE_S = 0.05
+
+
 @dataclasses.dataclass
 class _Outcome(Generic[Req, Rep]):
     """What the sync transport waits on: ``result()``, and ``cancel()`` on an interrupt
-    (the session abandons its own request when its wait is interrupted)."""
+    (the session abandons its own request when its wait is interrupted).
+
+    An interrupt (Ctrl-C, raised in the waiting thread at whatever bytecode it is on)
+    must always find the unary call it interrupts: grpc's ``future()`` returns the call
+    only after sending it, so an interrupt landing in between lost the call and left the
+    job queued on the orchestrator as a ghost waiter. The call is therefore started by a
+    helper thread, which hands it over under a lock and cancels it itself when
+    ``cancel()`` came first; the waiting thread only waits.
+    """
 
     call: SyncUnaryFallback[Req, Rep]
     request: Req
     timeout: float | None
     metadata: Metadata
     _unary: _channel.Outcome[Rep] | None = None
+    _start_error: BaseException | None = None
+    _cancelled: bool = False
+    _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+    _started: threading.Event = dataclasses.field(default_factory=threading.Event)
 
     def result(self) -> Rep:
         try:
             return self.call._session(self.request, self.timeout)
         except multiplex.Unsupported:
-            self._unary = self.call._unary.future(
-                self.request, timeout=self.timeout, metadata=self.metadata
-            )
-            return self._unary.result()
+            pass
+        threading.Thread(target=self._start, name="tslice-unary-call", daemon=True).start()
+        while not self._started.wait(_INTERRUPTIBLE_S):
+            pass
+        if self._start_error is not None:
+            raise self._start_error
+        assert self._unary is not None
+        return self._unary.result()
 
     def cancel(self) -> None:
-        if self._unary is not None:
-            self._unary.cancel()
+        with self._lock:
+            self._cancelled = True
+            unary = self._unary
+        if unary is not None:
+            unary.cancel()
+
+    def _start(self) -> None:
+        """(helper thread) Send the call and hand it over; cancel it if already given up."""
+        try:
+            unary = self.call._unary.future(
+                self.request, timeout=self.timeout, metadata=self.metadata
+            )
+        except BaseException as err:  # handed to the waiting thread, raised there
+            self._start_error = err
+            self._started.set()
+            return
+        with self._lock:
+            self._unary = unary
+            cancelled = self._cancelled
+        if cancelled:
+            unary.cancel()
+        self._started.set()
