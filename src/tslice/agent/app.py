@@ -20,7 +20,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from tslice.agent import channel, metrics, registration, runner, server, store
+from tslice.agent import channel, fencing, metrics, registration, runner, server, store
 from tslice.agent import config as agent_config
 from tslice.agent.backends import base, registry, services
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
@@ -134,6 +134,8 @@ async def serve(
                 "another --state-dir"
             ) from err
         stack.push_async_callback(state.close)
+        # The highest leader term seen, from the same store: see tslice.agent.fencing.
+        fence = await fencing.TermFence.open(state)
 
         health_servicer = health.aio.HealthServicer()
         monitor = server.HealthMonitor(
@@ -163,7 +165,7 @@ async def serve(
                 undecodable.UndecodableRequests(),
             ],
         )
-        servicer = server.SnapshotAgentServicer(core=core, hub=hub)
+        servicer = server.SnapshotAgentServicer(core=core, hub=hub, fence=fence)
         pb_grpc.add_SnapshotAgentServiceServicer_to_server(servicer, grpc_server)
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, grpc_server)
         reflection.enable_server_reflection(

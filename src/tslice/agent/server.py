@@ -1,6 +1,8 @@
 """gRPC face of the node agent: ``SnapshotAgentService`` and backend health.
 
-The servicer validates ids and arguments, hands the request to
+The servicer checks each call's leader term against the agent's fence
+(:class:`tslice.agent.fencing.TermFence`: a directive from a deposed orchestrator leader
+is refused before anything else), validates ids and arguments, hands the request to
 :class:`tslice.agent.runner.AgentCore`, and maps its refusals onto gRPC status codes;
 it holds no state of its own.
 """
@@ -8,6 +10,7 @@ it holds no state of its own.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import Any, TypeVar
@@ -15,7 +18,7 @@ from typing import Any, TypeVar
 import grpc
 from grpc_health.v1 import health, health_pb2
 
-from tslice.agent import channel, grants, job_model, runner
+from tslice.agent import channel, fencing, grants, job_model, runner
 from tslice.agent.backends import base
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2_grpc as pb_grpc
@@ -139,14 +142,31 @@ _FEATURES = pb.AgentFeatures(grant_step=True, grant_stream=True)
 class SnapshotAgentServicer(pb_grpc.SnapshotAgentServiceServicer):
     """The v1alpha1 agent API plus tslice's WaitOperation, Grant and ResetJob."""
 
-    def __init__(self, *, core: runner.AgentCore, hub: channel.ChannelHub) -> None:
+    def __init__(
+        self,
+        *,
+        core: runner.AgentCore,
+        hub: channel.ChannelHub,
+        fence: fencing.TermFence | None = None,
+    ) -> None:
         self._core = core
         self._hub = hub
+        #: None: a fence in memory only (the agent's app passes the one on its store).
+        self._fence = fence if fence is not None else fencing.TermFence(None)
         #: Set when the agent stops: GrantStreams end at once (the caller re-opens one).
         self._closing = asyncio.Event()
 
     def close(self) -> None:
         self._closing.set()
+
+    async def _fenced(self, context: grpc.aio.ServicerContext, *, directive: bool = True) -> int:
+        """Admit the call's leader term (see ``tslice.agent.fencing``); returns it. Every
+        handler calls this first: a deposed leader's directive is refused untouched."""
+        term = await refusals.checked(context, fencing.sent_term, context.invocation_metadata())
+        await refusals.checked(
+            context, functools.partial(self._fence.admit, directive=directive), term
+        )
+        return term
 
     async def Snapshot(
         self, request: pb.SnapshotRequest, context: grpc.aio.ServicerContext
@@ -166,6 +186,7 @@ class SnapshotAgentServicer(pb_grpc.SnapshotAgentServiceServicer):
         reply: Callable[..., _R],
     ) -> _R:
         """Validate a Snapshot or Restore request (same fields), start it, reply with it."""
+        await self._fenced(context)
         job_id = await refusals.checked(context, refusals.checked_id, "job_id", request.job_id)
         group = await refusals.checked(context, _checked_group, request.group)
         config = await refusals.checked(context, _checked_config, request)
@@ -186,6 +207,7 @@ class SnapshotAgentServicer(pb_grpc.SnapshotAgentServiceServicer):
     async def GetOperation(
         self, request: pb.GetOperationRequest, context: grpc.aio.ServicerContext
     ) -> pb.GetOperationResponse:
+        await self._fenced(context, directive=False)
         op_id = await refusals.checked(context, _checked_operation_id, request.operation_id)
         op = await refusals.checked(context, self._core.get_operation, op_id)
         return operation_to_pb(op, now=self._core.now())
@@ -193,6 +215,7 @@ class SnapshotAgentServicer(pb_grpc.SnapshotAgentServiceServicer):
     async def WaitOperation(
         self, request: pb.WaitOperationRequest, context: grpc.aio.ServicerContext
     ) -> pb.GetOperationResponse:
+        await self._fenced(context)
         op_id = await refusals.checked(context, _checked_operation_id, request.operation_id)
         timeout_s = await refusals.checked(context, _checked_wait, "timeout_ms", request.timeout_ms)
         op = await refusals.answered(context, self._core.wait_operation(op_id, timeout_s=timeout_s))
@@ -201,6 +224,9 @@ class SnapshotAgentServicer(pb_grpc.SnapshotAgentServiceServicer):
     async def Status(
         self, request: pb.StatusRequest, context: grpc.aio.ServicerContext
     ) -> pb.StatusResponse:
+        # A read: answered whatever the term, but a newer one is adopted (a new leader's
+        # first Status read fences the node before it directs anything).
+        await self._fenced(context, directive=False)
         accelerators = await self._core.accelerators()
         return pb.StatusResponse(
             job_statuses=[job_to_pb(job) for job in self._core.list_jobs()],
@@ -219,6 +245,7 @@ class SnapshotAgentServicer(pb_grpc.SnapshotAgentServiceServicer):
     async def Grant(
         self, request: pb.GrantRequest, context: grpc.aio.ServicerContext
     ) -> pb.GrantResponse:
+        await self._fenced(context)
         return await refusals.answered(context, self.grant_reply(request))
 
     async def GrantStream(
@@ -226,10 +253,14 @@ class SnapshotAgentServicer(pb_grpc.SnapshotAgentServiceServicer):
         request_iterator: AsyncIterator[pb.GrantStreamRequest],
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[pb.GrantStreamResponse]:
-        """Grants of one caller: each runs as it arrives, replies go out as they finish."""
+        """Grants of one caller: each runs as it arrives, replies go out as they finish.
+
+        The stream's term (from its metadata) is checked at its opening and again for
+        each grant: a stream of a leader deposed since it opened moves nothing more."""
+        term = await self._fenced(context)
         async for reply in unique_requests.serve(
             request_iterator,
-            self._stream_reply,
+            functools.partial(self._stream_reply, term=term),
             request_id=lambda r: r.request_id,
             duplicate=_duplicate_grant,
             name="grant-stream",
@@ -237,8 +268,11 @@ class SnapshotAgentServicer(pb_grpc.SnapshotAgentServiceServicer):
         ):
             yield reply
 
-    async def _stream_reply(self, request: pb.GrantStreamRequest) -> pb.GrantStreamResponse:
+    async def _stream_reply(
+        self, request: pb.GrantStreamRequest, *, term: int
+    ) -> pb.GrantStreamResponse:
         try:
+            self._fence.admit(term, directive=True)
             grant = await self.grant_reply(request.grant)
         except refusals.Refused as refused:
             return pb.GrantStreamResponse(
@@ -304,6 +338,7 @@ class SnapshotAgentServicer(pb_grpc.SnapshotAgentServiceServicer):
     async def ResetJob(
         self, request: pb.ResetJobRequest, context: grpc.aio.ServicerContext
     ) -> pb.ResetJobResponse:
+        await self._fenced(context)
         job_id = await refusals.checked(context, refusals.checked_id, "job_id", request.job_id)
         group = await refusals.checked(context, _checked_group, request.group)
         state = await refusals.answered(context, self._core.reset(job_id=job_id, group=group))

@@ -1,4 +1,4 @@
-"""Node-local persistence of jobs, operations and grant epochs (SQLite, WAL).
+"""Node-local persistence of jobs, operations, grant epochs and the leader term (SQLite, WAL).
 
 The agent writes every change here *before* it replies, so an agent killed at any
 moment (SIGKILL included) restarts knowing every job, every saved state and every
@@ -72,7 +72,13 @@ CREATE TABLE IF NOT EXISTS grants (
     epoch INTEGER NOT NULL,
     job_id TEXT NOT NULL
 );
+CREATE TABLE IF NOT EXISTS leader_term (
+    id INTEGER PRIMARY KEY CHECK (id = 0),
+    term INTEGER NOT NULL
+);
 """
+# leader_term (one row, the highest orchestrator leader term seen: tslice.agent.fencing)
+# needs no new schema version: an older agent on this database ignores the table.
 
 
 #: Version 1 keyed jobs by job id alone; its rows become the (job, group) rows they name.
@@ -172,6 +178,7 @@ _UPSERT_OPERATION = _upsert(
 _SELECT_JOBS = f"SELECT {', '.join(c.name for c in _JOB_COLUMNS)} FROM jobs"
 _SELECT_OPERATIONS = f"SELECT {', '.join(c.name for c in _OPERATION_COLUMNS)} FROM operations"
 _UPSERT_MARK = _upsert("grants", ("grp", "epoch", "job_id"))
+_UPSERT_TERM = _upsert("leader_term", ("id", "term"))
 
 
 class StateDatabaseError(errors.ConfigError):
@@ -240,6 +247,15 @@ class Store:
         if job_rows or op_rows or mark_rows or deleted_jobs:
             self._put_sync(job_rows, op_rows, mark_rows, list(deleted_jobs))
 
+    def put_leader_term(self, term: int) -> None:
+        """Store the highest leader term seen, synchronously (before the directive runs)."""
+        with self._checkpoints.transaction(self._connection()) as conn:
+            conn.execute(_UPSERT_TERM, (0, term))
+
+    async def leader_term(self) -> int:
+        """The leader term stored (0: none seen)."""
+        return await self._run(self._leader_term_sync)
+
     def delete_operations(self, op_ids: Iterable[str]) -> None:
         ids = [(op_id,) for op_id in op_ids]
         if ids:
@@ -299,6 +315,10 @@ class Store:
                 group=str(grp), epoch=int(epoch), job_id=str(job_id)
             )
         return loaded
+
+    def _leader_term_sync(self) -> int:
+        row = self._connection().execute("SELECT term FROM leader_term").fetchone()
+        return int(row[0]) if row else 0
 
     def _connection(self) -> sqlite3.Connection:
         if self._conn is None:

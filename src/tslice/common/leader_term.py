@@ -2,24 +2,43 @@
 
 In Kubernetes HA mode several orchestrator replicas run and one leads, elected through a
 Lease (``tslice.orchestrator.kube``); each election win starts a new, higher term. Every
-directive the orchestrator sends an agent carries its term in the call's metadata under
-:data:`METADATA_KEY`; an agent remembers the highest term it has seen and refuses
-directives from an older one, so a partitioned old leader cannot move device state after
-a new leader took over. Unlike a grant epoch, a term is never adopted from a refusal.
+call the orchestrator makes to an agent carries its term in the call's metadata under
+:data:`METADATA_KEY`; an agent remembers the highest term it has seen (adopted from any
+call, reads included, so that a new leader's first Status read fences the node) and
+refuses *directives* (calls that move state) from an older one, so a partitioned old
+leader cannot move device state after a new leader took over. Unlike a grant epoch, a
+term is never adopted from a refusal: the refusal names the agent's term
+(:func:`refusal`, read back by :func:`seen_in`) only so that the caller knows it was
+deposed and steps down (:meth:`Term.deposed`).
 Term 0 means "not elected": the embedded (single-orchestrator) mode, which sends none.
 """
 
 from __future__ import annotations
 
+import re
+import threading
+from collections.abc import Callable
+
 #: gRPC metadata key carrying the sender's leader term (decimal).
 METADATA_KEY = "x-tslice-leader-term"
+#: Terms are int64 on every side (the agent's store, the Lease's counter).
+MAX_TERM = 2**63 - 1
+
+_SEEN = re.compile(r"\[leader term (\d{1,19})\]$")
 
 
 class Term:
-    """The current leader term of this orchestrator process (0 until elected; only rises)."""
+    """The current leader term of this orchestrator process (0 until elected; only rises).
+
+    :meth:`deposed` is called when an agent refused a directive because it has seen a
+    newer term; the listeners added with :meth:`on_deposed` (the HA mode steps down)
+    are told the agent's term.
+    """
 
     def __init__(self, value: int = 0) -> None:
         self._value = value
+        self._listeners: list[Callable[[int], None]] = []
+        self._guard = threading.Lock()
 
     @property
     def value(self) -> int:
@@ -30,3 +49,56 @@ class Term:
         if value < self._value:
             raise ValueError(f"leader term {value} is older than the current term {self._value}")
         self._value = value
+
+    def metadata(self) -> tuple[tuple[str, str], ...]:
+        """What a call to an agent carries: the term, or nothing in term 0."""
+        return ((METADATA_KEY, str(self._value)),) if self._value else ()
+
+    def on_deposed(self, listener: Callable[[int], None]) -> None:
+        """Call ``listener(newer_term)`` each time an agent refuses this term as deposed."""
+        with self._guard:
+            self._listeners.append(listener)
+
+    def deposed(self, newer: int) -> None:
+        """An agent has seen term ``newer``: this process no longer leads. The term itself
+        is left as it is (never adopted from a refusal): only an election raises it."""
+        with self._guard:
+            listeners = list(self._listeners)
+        for listener in listeners:
+            listener(newer)
+
+
+def parse(value: str) -> int:
+    """The term a call's metadata names; ValueError (with the fix) if it is malformed."""
+    if not value.isdigit() or len(value) > 19 or int(value) > MAX_TERM:
+        raise ValueError(
+            f"metadata {METADATA_KEY}={value[:40]!r} is not a leader term (a decimal number "
+            f"from 0 to {MAX_TERM}); only a tslice orchestrator should set it"
+        )
+    return int(value)
+
+
+def refusal(sent: int, seen: int) -> str:
+    """Why an agent that has seen term ``seen`` refuses a directive of term ``sent``
+    (0: none sent), ending with the tag :func:`seen_in` reads."""
+    if sent:
+        why = (
+            f"directive from leader term {sent}, but this agent has seen term {seen}: a newer "
+            "orchestrator leader took over; this replica must step down"
+        )
+    else:
+        why = (
+            f"directive without a leader term, but this agent has seen term {seen} from an "
+            "elected orchestrator leader (Kubernetes HA mode): an orchestrator without a term "
+            "(embedded mode, or llm-d's) must not drive this node alongside it; point only "
+            "the HA orchestrator at this agent, or, to hand the node back to a single "
+            "orchestrator, stop the agent and clear its fence with "
+            "sqlite3 <state-dir>/agent.sqlite3 'DELETE FROM leader_term'"
+        )
+    return f"{why} [leader term {seen}]"
+
+
+def seen_in(message: str) -> int | None:
+    """The agent's term a :func:`refusal` names, or None (not a term refusal)."""
+    found = _SEEN.search(message)
+    return int(found.group(1)) if found else None

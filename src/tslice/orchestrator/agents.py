@@ -6,7 +6,15 @@ deadlines are applied and gRPC failures are translated:
 - :class:`AgentUnreachable`  the agent did not answer (UNAVAILABLE, DEADLINE_EXCEEDED...):
   the truth on that node is unknown; retry with backoff, report UNKNOWN meanwhile;
 - :class:`AgentRejected`  the agent answered and refused (FAILED_PRECONDITION, ABORTED,
-  NOT_FOUND, UNIMPLEMENTED...): our view of the node is stale; re-read its Status and re-plan.
+  NOT_FOUND, UNIMPLEMENTED...): our view of the node is stale; re-read its Status and re-plan;
+- :class:`AgentDeposed`  (an :class:`AgentRejected`) the agent has seen a newer leader term
+  than ours: another orchestrator leads now; :meth:`Term.deposed
+  <tslice.common.leader_term.Term.deposed>` tells the HA mode to step down.
+
+Every call carries the orchestrator's leader term (``tslice.common.leader_term``; none in
+term 0, the embedded mode), read from the :class:`~tslice.common.leader_term.Term` given
+to the clients at each call, so an election won later applies to the next call (and to
+the next GrantStream: one opened in an older term is re-opened).
 
 What an agent speaks is negotiated, never guessed: its Status reply declares it
 (``StatusResponse.features``, see :class:`Features`), the client keeps the declaration
@@ -33,7 +41,7 @@ import grpc
 
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2_grpc as pb_grpc
-from tslice.common import multiplex, tasks, tls
+from tslice.common import leader_term, multiplex, tasks, tls
 
 _R = TypeVar("_R")
 log = logging.getLogger(__name__)
@@ -93,6 +101,16 @@ class AgentRejected(AgentError):
         self.reason = detail
 
 
+class AgentDeposed(AgentRejected):
+    """The agent refused a directive: it has seen leader term :attr:`seen`, newer than ours
+    (:attr:`sent`; 0: we sent none). Nothing moved there; this orchestrator must not lead."""
+
+    def __init__(self, address: str, operation: str, detail: str, *, sent: int, seen: int) -> None:
+        super().__init__(address, operation, detail, grpc.StatusCode.FAILED_PRECONDITION)
+        self.sent = sent
+        self.seen = seen
+
+
 class OperationFailed(AgentError):
     """A snapshot/restore operation finished as FAILED (or never finished in time)."""
 
@@ -123,8 +141,13 @@ class AgentClient:
         operation_timeout_s: float = 900.0,
         wait_chunk_s: float = 30.0,
         security: tls.ClientSecurity | None = None,
+        term: leader_term.Term | None = None,
     ) -> None:
         self.address = address
+        #: This orchestrator's leader term, sent with every call (Term(0): none sent).
+        self._term = term if term is not None else leader_term.Term()
+        #: The term the open GrantStream was opened with (its metadata cannot change).
+        self._grants_term = self._term.value
         #: TLS of the channel and the token every call carries (the orchestrator's identity).
         self._security = security or tls.ClientSecurity()
         self.rpc_timeout_s = rpc_timeout_s
@@ -148,11 +171,18 @@ class AgentClient:
         # each; they are on every hand-over's path), else unary Grants.
         self._grants: multiplex.Caller[pb.GrantStreamRequest, pb.GrantStreamResponse] = (
             multiplex.Caller(
-                lambda: self._stub.GrantStream(metadata=self._security.metadata()),
+                self._open_grants,
                 reply_id=lambda r: r.request_id,
                 name=f"agent {address}",
             )
         )
+
+    def _metadata(self) -> tuple[tuple[str, str], ...]:
+        return (*self._security.metadata(), *self._term.metadata())
+
+    def _open_grants(self) -> Any:
+        self._grants_term = self._term.value
+        return self._stub.GrantStream(metadata=self._metadata())
 
     async def close(self) -> None:
         if self._watch is not None:
@@ -271,6 +301,8 @@ class AgentClient:
         )
         timeout_s = wait_s + self.rpc_timeout_s
         await self._renew_channel()
+        if self._grants_term != self._term.value:
+            await self._grants.close()  # opened in an older term: re-opened with this one
         if self.features is None or not self.features.grant_stream:
             resp = await self._call(
                 "grant", self._stub.Grant, request, pb.GrantResponse, timeout_s, issued=issued
@@ -344,7 +376,7 @@ class AgentClient:
             call = method(
                 request,
                 timeout=timeout_s or self.rpc_timeout_s,
-                metadata=self._security.metadata(),
+                metadata=self._metadata(),
             )
             if issued is not None:
                 issued()
@@ -361,6 +393,13 @@ class AgentClient:
             # The connection may be another agent's when it comes back: ask it again.
             self.features = None
             return AgentUnreachable(self.address, operation, detail)
+        seen = leader_term.seen_in(detail) if code == grpc.StatusCode.FAILED_PRECONDITION else None
+        sent = self._term.value
+        if seen is not None and seen > sent:
+            # Never adopted (only an election raises a term): we are deposed; say so.
+            log.warning("agent %s: %s: %s", self.address, operation, detail)
+            self._term.deposed(seen)
+            return AgentDeposed(self.address, operation, detail, sent=sent, seen=seen)
         return AgentRejected(self.address, operation, detail, code)
 
 
@@ -374,8 +413,11 @@ class AgentPool:
         operation_timeout_s: float,
         wait_chunk_s: float,
         security: tls.ClientSecurity | None = None,
+        term: leader_term.Term | None = None,
     ) -> None:
         self._security = security
+        #: Shared by every client: the orchestrator's leader term (HA mode advances it).
+        self._term = term if term is not None else leader_term.Term()
         self._rpc_timeout_s = rpc_timeout_s
         self._operation_timeout_s = operation_timeout_s
         self._wait_chunk_s = wait_chunk_s
@@ -390,6 +432,7 @@ class AgentPool:
                 operation_timeout_s=self._operation_timeout_s,
                 wait_chunk_s=self._wait_chunk_s,
                 security=self._security,
+                term=self._term,
             )
             self._clients[address] = client
         return client

@@ -1,0 +1,88 @@
+"""The agent's fence against a deposed orchestrator leader (see ``tslice.common.leader_term``).
+
+Every call may carry the caller's leader term in its metadata. The highest term seen is
+adopted from any call (a new leader's first Status read fences the node) and stored
+before the call goes on, so that it survives a SIGKILL; a *directive* (a call that moves
+state, or waits on a move: Snapshot, Restore, Grant, GrantStream, ResetJob,
+WaitOperation) from an older term is refused with FAILED_PRECONDITION before anything
+is looked at, so a partitioned old leader moves nothing once a new one reached the node.
+
+A directive with no term (embedded mode, llm-d's orchestrator) is let through while the
+agent has seen none; once it has, it is refused too unless ``accept_unfenced`` (only an
+orchestrator that was never elected sends none, and it must not drive a node alongside
+the HA leader; docs/security.md weighs this against sharing agents with llm-d's
+orchestrator). A term is adopted only from the caller's own metadata, never from what a
+refusal says.
+"""
+
+from __future__ import annotations
+
+import logging
+import sqlite3
+from collections.abc import Iterable
+from typing import Any
+
+from tslice.agent import store
+from tslice.common import leader_term, refusals
+
+log = logging.getLogger(__name__)
+
+
+def sent_term(metadata: Iterable[Any] | None) -> int:
+    """The term a call's metadata carries (0: none); INVALID_ARGUMENT if malformed."""
+    for key, value in metadata or ():
+        if key == leader_term.METADATA_KEY:
+            text = value.decode("ascii", "replace") if isinstance(value, bytes) else str(value)
+            try:
+                return leader_term.parse(text)
+            except ValueError as err:
+                raise refusals.Refused(refusals.Code.INVALID_ARGUMENT, str(err)) from None
+    return 0
+
+
+class TermFence:
+    """The highest leader term this agent has seen, and the check of each call against it."""
+
+    def __init__(
+        self, state: store.Store | None, *, seen: int = 0, accept_unfenced: bool = False
+    ) -> None:
+        #: Where the term is kept; None: in memory only (tests of the servicer alone).
+        self._state = state
+        self._seen = seen
+        self.accept_unfenced = accept_unfenced
+
+    @classmethod
+    async def open(cls, state: store.Store, *, accept_unfenced: bool = False) -> TermFence:
+        """The fence with the term ``state`` recorded."""
+        return cls(state, seen=await state.leader_term(), accept_unfenced=accept_unfenced)
+
+    @property
+    def seen(self) -> int:
+        return self._seen
+
+    def admit(self, term: int, *, directive: bool) -> None:
+        """Let a call of ``term`` (0: none sent) through, adopting a newer term first;
+        raise ``refusals.Refused`` for a directive of an older one."""
+        if term > self._seen:
+            self._adopt(term, directive=directive)
+        elif directive and term < self._seen and (term or not self.accept_unfenced):
+            raise refusals.Refused(
+                refusals.Code.FAILED_PRECONDITION, leader_term.refusal(term, self._seen)
+            )
+
+    def _adopt(self, term: int, *, directive: bool) -> None:
+        if self._state is not None:
+            try:
+                # Synchronous, as every store write: on disk before the call goes on.
+                self._state.put_leader_term(term)
+            except (sqlite3.Error, OSError) as err:
+                if not directive:
+                    log.warning("leader term %d not recorded: %s", term, err)
+                    return
+                raise refusals.Refused(
+                    refusals.Code.UNAVAILABLE,
+                    f"this agent cannot record leader term {term} in {self._state.path} ({err}); "
+                    "nothing was done: fix the agent's state disk, then retry",
+                ) from err
+        log.info("leader term %d seen (was %d): older terms are fenced", term, self._seen)
+        self._seen = term

@@ -1,0 +1,156 @@
+"""Fencing by leader term: a real agent process refuses a deposed orchestrator leader's
+directives (nothing moves on its simulated devices), remembers the term across a SIGKILL,
+and the orchestrator's agent client reports the refusal as deposed (never adopting a term
+or a grant mark from it)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Awaitable
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from tests.agent.test_agent_process import AgentProcess, processes
+from tslice.agent import fencing
+from tslice.agent.backends import simdevice as device
+from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
+from tslice.common import grant_marks, leader_term, refusals
+from tslice.orchestrator import agents
+
+__all__ = ["processes"]  # the fixture, shared with the agent's process tests
+
+KEY = "x-tslice-leader-term"
+
+
+def test_the_metadata_key_is_pinned() -> None:
+    # Part of the wire between orchestrator replicas and agents of different versions.
+    assert leader_term.METADATA_KEY == KEY
+    assert leader_term.Term().metadata() == ()  # term 0 (embedded mode) sends nothing
+    assert leader_term.Term(7).metadata() == ((KEY, "7"),)
+
+
+def test_the_fence_admits_newer_and_refuses_older_directives() -> None:
+    fence = fencing.TermFence(None)
+    fence.admit(0, directive=True)  # embedded mode on a node that never saw a term
+    fence.admit(3, directive=False)  # adopted from a read
+    assert fence.seen == 3
+    fence.admit(1, directive=False)  # a read of an old leader is answered
+    with pytest.raises(refusals.Refused) as old:
+        fence.admit(2, directive=True)
+    assert old.value.code is refusals.Code.FAILED_PRECONDITION
+    assert "directive from leader term 2, but this agent has seen term 3" in old.value.message
+    assert "must step down" in old.value.message
+    assert leader_term.seen_in(old.value.message) == 3
+    with pytest.raises(refusals.Refused) as unfenced:
+        fence.admit(0, directive=True)
+    assert "DELETE FROM leader_term" in unfenced.value.message
+    fence.accept_unfenced = True
+    fence.admit(0, directive=True)
+    with pytest.raises(refusals.Refused):
+        fence.admit(2, directive=True)  # the knob never lets an old term through
+    assert fence.seen == 3
+    with pytest.raises(refusals.Refused) as bad:
+        fencing.sent_term([(KEY, "-1")])
+    assert bad.value.code is refusals.Code.INVALID_ARGUMENT
+    assert fencing.sent_term([("other", "5"), (KEY, b"5")]) == 5
+
+
+def _term(value: int) -> tuple[tuple[str, str], ...]:
+    return ((KEY, str(value)),)
+
+
+async def _grant(
+    client: agents.AgentClient, job: str, epoch: int, evict: list[str]
+) -> pb.GrantResponse:
+    return await client.grant(
+        job_id=job, group="g", epoch=epoch, footprint_bytes=0, evict=evict, wait_s=10
+    )
+
+
+def _journal(state_dir: Path) -> list[tuple[str, str]]:
+    return [(e.job, e.event) for e in device.read_journal(state_dir / device.JOURNAL_FILE)]
+
+
+async def _refused(call: Awaitable[Any]) -> grpc.aio.AioRpcError:
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await call
+    return info.value
+
+
+async def test_a_deposed_leader_moves_nothing_even_after_a_sigkill(
+    tmp_path: Path, processes: list[AgentProcess]
+) -> None:
+    state_dir = tmp_path / "state"
+    first = AgentProcess(state_dir)
+    processes.append(first)
+    await first.start()
+    address = json.loads(first.ready_file.read_text())["address"]
+    old_term, new_term = leader_term.Term(2), leader_term.Term(3)
+    deposed: list[int] = []
+    old_term.on_deposed(deposed.append)
+    old = agents.AgentClient(address, term=old_term)
+    new = agents.AgentClient(address, term=new_term)
+    try:
+        await old.status()
+        assert (await _grant(old, "job-a", 1, [])).granted  # over the old leader's stream
+        await new.status()  # the new leader's first read fences the node
+
+        with pytest.raises(agents.AgentDeposed) as info:
+            await _grant(old, "job-b", 2, ["job-a"])
+        assert (info.value.sent, info.value.seen) == (2, 3)
+        assert grant_marks.mark_of(info.value.reason) is None  # nothing to number past
+        with pytest.raises(agents.AgentDeposed):
+            await old.snapshot(job_id="job-a", group="g")
+        with pytest.raises(agents.AgentDeposed):
+            await old.reset_job(job_id="job-a", group="g")
+        assert deposed == [3, 3, 3]
+        assert old_term.value == 2  # never adopted from a refusal
+        assert _journal(state_dir) == [("job-a", "alloc")]
+
+        await first.kill()
+        second = AgentProcess(state_dir)
+        processes.append(second)
+        stub = await second.start()
+        restore = pb.RestoreRequest(job_id="job-a", group="g")
+        err = await _refused(stub.Restore(restore, metadata=_term(2)))
+        assert err.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "has seen term 3" in (err.details() or "")
+        wait = pb.WaitOperationRequest(operation_id="00000000-0000-4000-8000-000000000000")
+        err = await _refused(stub.WaitOperation(wait, metadata=_term(1)))
+        assert err.code() == grpc.StatusCode.FAILED_PRECONDITION
+        # No term at all, from an embedded or llm-d orchestrator: refused, with the fix.
+        err = await _refused(stub.Snapshot(pb.SnapshotRequest(job_id="job-a", group="g")))
+        assert err.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "DELETE FROM leader_term" in (err.details() or "")
+        err = await _refused(stub.Grant(pb.GrantRequest(job_id="job-b"), metadata=((KEY, "x"),)))
+        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+        # Reads are answered whatever the term.
+        status = await stub.Status(pb.StatusRequest(), metadata=_term(1))
+        assert [(j.job_id, j.state) for j in status.job_statuses] == [
+            ("job-a", pb.JOB_STATE_RUNNING)
+        ]
+        assert _journal(state_dir) == [("job-a", "alloc")]
+
+        # The new leader moves the node; re-elected later, it re-opens its stream.
+        await new.close()
+        new = agents.AgentClient(
+            json.loads(second.ready_file.read_text())["address"], term=new_term
+        )
+        await new.status()
+        assert (await _grant(new, "job-b", 2, ["job-a"])).granted
+        new_term.advance(4)
+        await new.status()  # term 4 adopted: a stream still in term 3 would be refused
+        assert (await _grant(new, "job-a", 3, ["job-b"])).granted
+        assert _journal(state_dir) == [
+            ("job-a", "alloc"),
+            ("job-a", "free"),
+            ("job-b", "alloc"),
+            ("job-b", "free"),
+            ("job-a", "alloc"),
+        ]
+    finally:
+        await old.close()
+        await new.close()
