@@ -13,6 +13,14 @@ Topology file::
           - {name: node-b, agent: 127.0.0.1:9002}
           - {name: node-c, agent: "10.0.0.3:9001"}
 
+Each group may name its scheduling policy (``tslice.orchestrator.policy``; the
+default is the orchestrator's ``policy``, itself ``fifo`` unless set)::
+
+    groups:
+      trainer:
+        nodes: [{name: node-b, agent: 127.0.0.1:9002}]
+        policy: {kind: priority, aging_s: 30, priority: {job-a: 10}}
+
 or, for a laptop (groups created on their first Acquire, spanning every agent; with
 ``local_groups`` / ``--group NAME`` only the groups named exist)::
 
@@ -34,6 +42,8 @@ import yaml
 from tslice.common import errors, ids, kube_labels, serving
 from tslice.common.auth import AuthSettings
 from tslice.common.tls import ClientSecurity, ServerTLS, check_listen
+from tslice.orchestrator.policy import models as policy_models
+from tslice.orchestrator.policy import spec as policy_spec
 
 DEFAULT_PORT = 50051
 DEFAULT_METRICS_PORT = 8080
@@ -88,6 +98,8 @@ class NodeModel(_Model):
 
 class GroupModel(_Model):
     nodes: list[NodeModel] = pydantic.Field(min_length=1)
+    #: The group's scheduling policy (None: the orchestrator's default).
+    policy: policy_models.PolicyModel | None = None
 
     @pydantic.field_validator("nodes")
     @classmethod
@@ -140,6 +152,8 @@ class OrchestratorModel(_Model):
     local_agents: list[str] = []
     #: Local mode: the only groups there are (none given: created on first Acquire).
     local_groups: list[str] = []
+    #: The scheduling policy of every group whose topology names none.
+    policy: policy_models.PolicyModel | None = None
     agent_rpc_timeout_s: float = pydantic.Field(10.0, gt=0)
     operation_timeout_s: float = pydantic.Field(900.0, gt=0)
     wait_chunk_s: float = pydantic.Field(30.0, gt=0)
@@ -202,6 +216,8 @@ class Topology:
     local_nodes: tuple[NodeRef, ...] = ()
     #: Local mode: the groups there are, each over every local node (none: on demand).
     local_groups: tuple[str, ...] = ()
+    #: Groups whose topology names a scheduling policy (the others use the default).
+    policies: Mapping[str, policy_spec.PolicySpec] = dataclasses.field(default_factory=dict)
 
     @property
     def local(self) -> bool:
@@ -275,6 +291,12 @@ class OrchestratorConfig:
     auth: AuthSettings | None = None
     #: Kubernetes mode (the topology is empty at start: groups come from the API server).
     kubernetes: KubeSettings | None = None
+    #: Scheduling policy of the groups whose topology names none (local mode: all).
+    policy: policy_spec.PolicySpec = dataclasses.field(default_factory=policy_spec.FifoSpec)
+
+    def policy_for(self, group_id: str) -> policy_spec.PolicySpec:
+        """The group's scheduling policy: its own from the topology, else the default."""
+        return self.topology.policies.get(group_id, self.policy)
 
 
 # ---- building ---------------------------------------------------------------------------
@@ -285,7 +307,10 @@ def format_validation_error(err: pydantic.ValidationError, *, prefix: str = "") 
     lines = []
     for e in err.errors():
         path = prefix
-        for part in e["loc"]:
+        loc = e["loc"]
+        for i, part in enumerate(loc):
+            if part in policy_spec.KINDS and i > 0 and loc[i - 1] == "policy":
+                continue  # the tag pydantic adds for the policy's kind: no field of the file
             if isinstance(part, int):
                 path += f"[{part}]"
             else:
@@ -331,7 +356,12 @@ def _topology(model: TopologyModel) -> Topology:
                 for n in g.nodes
             )
             for gid, g in sorted(model.groups.items())
-        }
+        },
+        policies={
+            gid: policy_models.spec_of(g.policy)
+            for gid, g in sorted(model.groups.items())
+            if g.policy is not None
+        },
     )
 
 
@@ -405,6 +435,7 @@ def build(
         topology = dataclasses.replace(topology, local_groups=tuple(model.local_groups))
     # Every other setting has the same name in the file model and in the config.
     settings = {f.name: getattr(model, f.name) for f in dataclasses.fields(OrchestratorConfig)}
+    settings["policy"] = policy_models.spec_of(model.policy)
     return OrchestratorConfig(
         **{**settings, **_security(model, where), "topology": topology, "kubernetes": kube}
     )

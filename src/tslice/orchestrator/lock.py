@@ -19,8 +19,13 @@ are gone. Only attached entries are promoted; detached ones keep their place for
 granted until it is resumed). The state itself, its record and its read-only views
 are :class:`tslice.orchestrator.lock_state.LockState`.
 
+Who of the live waiters is promoted is the group's *policy*'s choice
+(``tslice.orchestrator.policy``: FIFO by default); the lock tells it what happens
+(arrivals, grants, releases, measured switches) and asks it to rank the waiters.
+
 Because this module is pure, randomized tests drive it directly and check the
-invariants (one holder, FIFO, no departed job granted, every live waiter granted).
+invariants (one holder, the policy's order and starvation bound, no departed job
+granted, every live waiter granted).
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from __future__ import annotations
 from tslice.common import refusals
 from tslice.orchestrator import decisions as act
 from tslice.orchestrator import lock_state, records
+from tslice.orchestrator import policy as sched
 
 #: The group's state from the lock alone (named here too: callers read ``lock.Phase``).
 Phase = lock_state.Phase
@@ -56,14 +62,16 @@ class GroupLock(lock_state.LockState):
         now: float,
         reattach_grace_s: float = 30.0,
         wall_now: float | None = None,
+        policy: sched.Policy | None = None,
     ) -> GroupLock:
         """Rebuild after a restart: every queue entry is detached; recovery is pending.
 
         ``wall_now``: the wall clock at ``now`` (deadlines on disk are wall-clock times);
-        None: ``now`` is itself the wall clock.
+        None: ``now`` is itself the wall clock. Waits count from when the record says
+        they began, where it says (otherwise from ``now``).
         """
         offset = 0.0 if wall_now is None else wall_now - now
-        lock = cls(reattach_grace_s=reattach_grace_s, wall_offset_s=offset)
+        lock = cls(reattach_grace_s=reattach_grace_s, wall_offset_s=offset, policy=policy)
         lock._holder = record.holder
         lock._resident = record.resident
         lock._epoch = record.grant_epoch
@@ -76,7 +84,8 @@ class GroupLock(lock_state.LockState):
         if leased is not None and record.holder_lease_ms > 0:
             lock._leases[leased] = record.holder_lease_ms
         for q in sorted(record.queue, key=lambda q: q.seq):
-            lock._queue[q.job] = lock_state.Entry(q.job, q.seq, now, attached=0, detached_since=now)
+            since = now if q.queued_at is None else min(now, q.queued_at - offset)
+            lock._queue[q.job] = lock_state.Entry(q.job, q.seq, since, 0, detached_since=now)
             if q.footprint_bytes:
                 lock._footprints[q.job] = q.footprint_bytes
         if record.intent is not None:
@@ -96,6 +105,13 @@ class GroupLock(lock_state.LockState):
             lock._confirm_deadline = unclaimed - offset
         lock._receivers = 1 if granted and unclaimed is None else 0
         return lock
+
+    def use_policy(self, policy: sched.Policy, *, woken: bool = False) -> None:
+        """Schedule with ``policy`` from now on. ``woken``: the driver calls
+        :meth:`on_expire` at :attr:`wake_at`, so the policy may keep an idle group for
+        its resident (cost-aware); without it the group never waits idle."""
+        self._policy = policy
+        self._woken = woken
 
     # ---- events ---------------------------------------------------------------------------
 
@@ -131,6 +147,7 @@ class GroupLock(lock_state.LockState):
                 entry.detached_since = None
                 actions.append(act.Emit(act.EventKind.QUEUED, job, "re-attached after restart"))
             return [*actions, *self._promote(now)]
+        self._policy.arrived(job, now=now, active=self._active())
         if (
             not self._recovering
             and not self.draining
@@ -142,7 +159,7 @@ class GroupLock(lock_state.LockState):
             and self.attached_waiters == 0
         ):
             # Zero-cost re-acquire: still resident everywhere and nobody waits.
-            self._grant_to(job, attached=1, new_epoch=True)
+            self._grant_to(job, now, attached=1, new_epoch=True)
             return [act.Granted(job, self._epoch, restored=False, waited_s=0.0, zero_cost=True)]
         self._queue[job] = lock_state.Entry(job, self._next_seq, now, attached=1)
         self._next_seq += 1
@@ -261,13 +278,13 @@ class GroupLock(lock_state.LockState):
             return self._promote(now)
         if s.attached == 0 and s.recovered:
             # Granted by a recovered switch: keep the lock for the job until it re-attaches.
-            self._grant_to(s.to_job, attached=0, new_epoch=False)
+            self._grant_to(s.to_job, now, attached=0, new_epoch=False)
             deadline = self.grace_deadline()
             if deadline is not None and now >= deadline:
                 return self._release(s.to_job, now, act.EventKind.CANCELLED, _UNCLAIMED)
             self._confirm_deadline = deadline
             return []
-        self._grant_to(s.to_job, attached=s.attached, new_epoch=False)
+        self._grant_to(s.to_job, now, attached=s.attached, new_epoch=False)
         return [
             act.Granted(s.to_job, epoch, restored=restored, waited_s=max(0.0, now - s.queued_at))
         ]
@@ -426,7 +443,9 @@ class GroupLock(lock_state.LockState):
         if not self._claim.held:
             return []
         self._claim.contended = True
-        return self._let_go()
+        released = self._let_go()
+        # Waiters kept back for the resident (a policy's hold) now ask for the claim.
+        return [*released, *self._promote(now)] if released and self._wake_at else released
 
     # ---- internals ------------------------------------------------------------------------
 
@@ -459,7 +478,7 @@ class GroupLock(lock_state.LockState):
         while len(self._evicted) > _EVICTIONS_KEPT:
             del self._evicted[next(iter(self._evicted))]
 
-    def _grant_to(self, job: str, *, attached: int, new_epoch: bool) -> None:
+    def _grant_to(self, job: str, now: float, *, attached: int, new_epoch: bool) -> None:
         # A switch's grant was numbered when the switch started (the epoch travels to
         # the agents in Grant); grants without a switch are numbered here.
         if new_epoch:
@@ -468,8 +487,32 @@ class GroupLock(lock_state.LockState):
         self._receivers = attached
         self._undelivered = 0
         self._confirm_deadline = None
+        self._policy.granted(job, now=now)
+
+    def on_switch_measured(self, from_job: str | None, to_job: str, *, seconds: float) -> None:
+        """The switch runner measured a completed switch (for the policy's costs)."""
+        self._policy.switched(from_job, to_job, seconds=seconds)
+
+    def _active(self) -> set[str]:
+        """Jobs holding, switching in or waiting."""
+        busy = {self._holder, self._switch.to_job if self._switch is not None else None}
+        return {*self._queue, *(j for j in busy if j is not None)}
+
+    def _holds_for_resident(self, ranked: list[lock_state.Entry], now: float) -> bool:
+        """Keep the idle group for its yielded resident a while (the policy's call)?"""
+        resident = self._resident
+        if not (self._woken and self._verified and self._claim.held and resident is not None):
+            return False
+        if resident in self._queue:
+            return False  # it asks again: the ranking decides
+        until = self._policy.hold_until(resident, ranked, self._view(now))
+        if until is None or until <= now:
+            return False
+        self._wake_at = until
+        return True
 
     def _release(self, job: str, now: float, kind: act.EventKind, detail: str) -> list[act.Action]:
+        self._policy.released(job, now=now)
         self._leases.pop(job, None)
         self._holder = None
         self._receivers = 0
@@ -481,20 +524,23 @@ class GroupLock(lock_state.LockState):
         if self._recovering or self._holder is not None or self._switch is not None:
             return []
         released = self._let_go()
-        attached = [e for e in self._queue.values() if e.attached > 0]
+        self._wake_at = None
+        attached = self._ranked(now)
         if not attached or self.blocked or self.draining:
             return released
         entry = attached[0]
         chosen, self._claim.chosen = self._claim.chosen, None
         if self._claim.held and chosen is not None and chosen != entry.job:
             entry = next((e for e in attached if e.job == chosen), entry)
+        elif chosen is None and self._holds_for_resident(attached, now):
+            return released
         if not self._claim.allows(entry.job):
             # Asked again whenever the waiters change: a nested acquire may pass the head.
             others = tuple(e.job for e in attached if e.job != entry.job)
             return [*released, act.NeedClaim(entry.job, others)]
         del self._queue[entry.job]
         if entry.job == self._resident and self._verified:
-            self._grant_to(entry.job, attached=entry.attached, new_epoch=True)
+            self._grant_to(entry.job, now, attached=entry.attached, new_epoch=True)
             waited = max(0.0, now - entry.queued_at)
             return [act.Granted(entry.job, self._epoch, False, waited, zero_cost=True)]
         self._epoch += 1

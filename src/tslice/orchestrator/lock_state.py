@@ -12,6 +12,7 @@ import dataclasses
 import enum
 
 from tslice.orchestrator import decisions as act
+from tslice.orchestrator import policy as sched
 from tslice.orchestrator import records
 
 
@@ -67,7 +68,13 @@ class Claim:
 class LockState:
     """The lock's state; read-only here (see :class:`~tslice.orchestrator.lock.GroupLock`)."""
 
-    def __init__(self, *, reattach_grace_s: float = 30.0, wall_offset_s: float = 0.0) -> None:
+    def __init__(
+        self,
+        *,
+        reattach_grace_s: float = 30.0,
+        wall_offset_s: float = 0.0,
+        policy: sched.Policy | None = None,
+    ) -> None:
         self._grace = reattach_grace_s
         #: Wall clock minus the callers' ``now``: deadlines on disk are wall-clock times,
         #: so that they survive a restart (the monotonic clock does not).
@@ -102,6 +109,12 @@ class LockState:
         self.draining = False
         #: Jobs an administrator evicted -> the message they get (see on_evict).
         self._evicted: dict[str, str] = {}
+        #: Who of the live waiters goes next (see tslice.orchestrator.policy).
+        self._policy = policy if policy is not None else sched.Policy()
+        #: The driver calls on_expire at wake_at: only then may the policy keep an idle
+        #: group for its resident (a hold needs a wake-up to end).
+        self._woken = False
+        self._wake_at: float | None = None
 
     def record(self) -> records.LockRecord:
         s = self._switch
@@ -117,7 +130,7 @@ class LockState:
             switch_count=self._switch_count,
             next_seq=self._next_seq,
             queue=tuple(
-                records.QueueRecord(e.job, e.seq, self._footprints.get(e.job, 0))
+                records.QueueRecord(e.job, e.seq, self._footprints.get(e.job, 0), self._since(e))
                 for e in self._queue.values()
             ),
             intent=intent,
@@ -126,6 +139,10 @@ class LockState:
             draining=self.draining,
             holder_unclaimed_until=self._unclaimed_until(holder),
         )
+
+    def _since(self, entry: Entry) -> float | None:
+        """When ``entry`` started waiting, wall clock, where the policy keeps it."""
+        return entry.queued_at + self._wall_offset if self._policy.keeps_wait_times else None
 
     def _unclaimed_until(self, holder: str | None) -> float | None:
         """The wall-clock deadline of a holder whose grant nobody received (None: claimed)."""
@@ -190,6 +207,49 @@ class LockState:
             return 0
         return self._leases.get(self._holder, 0)
 
+    @property
+    def policy(self) -> sched.Policy:
+        return self._policy
+
+    @property
+    def wake_at(self) -> float | None:
+        """When the driver must call ``on_expire``: the policy keeps the idle group for
+        its resident until then (None: no wake-up needed)."""
+        return self._wake_at
+
+    def next_waiter(self, *, now: float) -> str | None:
+        """The live waiter the policy would promote next (None: nobody waits)."""
+        ranked = self._ranked(now)
+        return ranked[0].job if ranked else None
+
+    def prefetch_advice(
+        self, *, now: float, free_bytes: int, reserve_bytes: int = 0
+    ) -> sched.Prefetch:
+        """Should the next waiter's state start coming in now, while the holder holds?
+
+        ``free_bytes``: device memory free beside the holder on the tightest node of
+        the group; ``reserve_bytes``: what the holder may still allocate. See
+        :func:`tslice.orchestrator.policy.should_prefetch`.
+        """
+        job = self.next_waiter(now=now)
+        if job is None:
+            return sched.Prefetch("", False, "nobody waits")
+        holder = self._holder
+        if holder is None or self._switch is not None:
+            return sched.Prefetch(job, False, "no holder: the switch to it starts at once")
+        phases = self._policy.phases
+        expected = phases.expected(phases.holds, holder)
+        since = phases.granted_at.get(holder)
+        left = None if expected is None or since is None else max(0.0, expected - (now - since))
+        start, why = sched.should_prefetch(
+            switch_in_s=phases.switch_in_s(job, self._footprints),
+            holder_left_s=left,
+            free_bytes=free_bytes,
+            footprint_bytes=self.footprint(job),
+            reserve_bytes=reserve_bytes,
+        )
+        return sched.Prefetch(job, start, why)
+
     def eviction(self, job: str) -> str:
         """Why ``job`` was evicted, while it has not acquired again ("" = it was not)."""
         return self._evicted.get(job, "")
@@ -232,6 +292,14 @@ class LockState:
         if self._recovered_at is None:
             return None
         return self._recovered_at + self._grace
+
+    def _view(self, now: float) -> sched.View:
+        return sched.View(now, self._resident if self._verified else None, self._footprints)
+
+    def _ranked(self, now: float) -> list[Entry]:
+        """The live (attached) waiters in the order the policy grants them."""
+        waiting = [e for e in self._queue.values() if e.attached > 0]
+        return self._policy.rank(waiting, self._view(now)) if waiting else []
 
     def _start_switch(self, s: Switch) -> act.StartSwitch:
         return act.StartSwitch(s.from_job, s.to_job, s.epoch, self.footprint(s.to_job), s.recovered)

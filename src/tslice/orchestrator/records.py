@@ -10,6 +10,10 @@ class QueueRecord:
     job: str
     seq: int
     footprint_bytes: int
+    #: When the job started waiting, wall clock (``time.time()``); written only where
+    #: the group's policy needs it to survive a restart (priority's aging). None:
+    #: unknown, the wait counts from the restart.
+    queued_at: float | None = None
 
 
 @dataclasses.dataclass(frozen=True)

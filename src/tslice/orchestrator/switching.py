@@ -6,7 +6,9 @@ its :class:`~tslice.orchestrator.switch.SwitchHooks`: progress (a node failing a
 retrying, a node back) and the outcome (done, refused, a node degraded, abandoned)
 are posted to the group's inbox, where the worker applies them to the lock and the
 group's :class:`~tslice.orchestrator.status.Health`; events and metrics go out from
-here directly. The per-node views are the switch's cache: the running switch owns
+here directly. What a completed switch took feeds the group's scheduling policy
+(``tslice.orchestrator.policy``: the cost-aware one prefers cheap switches). The
+per-node views are the switch's cache: the running switch owns
 them, and the worker drops them only when no switch runs.
 """
 
@@ -29,6 +31,7 @@ from tslice.orchestrator import (
     lock,
     metrics,
     overlap,
+    policy,
     status,
     steps,
     switch,
@@ -84,6 +87,8 @@ class SwitchRunner:
         self._durations: dict[tuple[str, str], Any] = {}
         self._completed = series.switches.labels(group_id=self._gid, outcome="completed")
         self._duration = series.switch_duration.labels(group_id=self._gid)
+        # The group's policy from its configuration; the runner feeds it what it measures.
+        group.lock.use_policy(policy.build(cfg.policy_for(self._gid)))
 
     def start(self, s: decisions.StartSwitch) -> None:
         """Start the switch ``s`` (from the worker, once its intent is persisted)."""
@@ -249,6 +254,8 @@ class SwitchRunner:
             # Persisted, then the Acquire is answered (urgent); then SWITCH_DONE and
             # GRANTED go out and the held events follow, in that order.
             group.health.switch_detail = ""
+            if not s.recovered:  # a recovered switch's time is only part of one
+                group.lock.on_switch_measured(s.from_job, s.to_job, seconds=elapsed)
             granted = group.bind(
                 group.lock.on_switch_done(epoch=s.epoch, restored=restored, now=now)
             )
