@@ -1,6 +1,12 @@
-"""Suite-wide options: GPU tests run only with --with-gpu (kopf's --with-e2e pattern)."""
+"""Suite-wide options and fixtures: GPU tests run only with --with-gpu (kopf's --with-e2e
+pattern); ``short_tmp``, a short directory for Unix sockets."""
 
 from __future__ import annotations
+
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -16,3 +22,18 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def short_tmp() -> Iterator[Path]:
+    """A fresh directory with a short path (``/tmp/ts-XXXXXXXX``), removed after the test.
+
+    For Unix sockets: their paths are limited to 107 bytes, and ``tmp_path`` is
+    ``/tmp/pytest-of-USER/pytest-N/[popen-gwK/]<test name>0``, too long once a server adds
+    its own directories (pytest-xdist adds the ``popen-gwK`` part).
+    """
+    directory = Path(tempfile.mkdtemp(prefix="ts-", dir="/tmp"))
+    try:
+        yield directory
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)

@@ -5,14 +5,12 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import shutil
 import signal
 import stat
 import subprocess
 import sys
-import tempfile
 import textwrap
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -22,13 +20,8 @@ from tslice.workload import process
 
 
 @pytest.fixture
-def sock_path() -> Iterator[Path]:
-    # AF_UNIX paths are limited to ~108 bytes; pytest's tmp_path can be longer.
-    directory = Path(tempfile.mkdtemp(prefix="ts-reg-"))
-    try:
-        yield directory / "register.sock"
-    finally:
-        shutil.rmtree(directory, ignore_errors=True)
+def sock_path(short_tmp: Path) -> Path:
+    return short_tmp / "register.sock"
 
 
 @pytest.fixture

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import shutil
-import tempfile
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -64,14 +62,6 @@ def _in_pod(proc_root: Path, pid: int, uid: str | None) -> None:
 def api() -> Iterator[ApiServerEmulator]:
     with ApiServerEmulator() as emulator:
         yield emulator
-
-
-@pytest.fixture
-def short_tmp() -> Iterator[Path]:
-    # Unix socket paths are limited to ~100 bytes: keep the directory short.
-    tmp = Path(tempfile.mkdtemp(prefix="tsk-"))
-    yield tmp
-    shutil.rmtree(tmp, ignore_errors=True)
 
 
 async def _until(watcher: pods.PodWatcher, reached: Callable[[], bool]) -> None:

@@ -12,8 +12,8 @@ from pathlib import Path
 from tests.sim.traces import three_pools_one_private
 
 
-def test_demo_json_end_to_end(tmp_path: Path) -> None:
-    out = tmp_path / "demo-out"
+def test_demo_json_end_to_end(short_tmp: Path) -> None:
+    out = short_tmp / "demo-out"  # the cluster's Unix sockets are made under it
     proc = subprocess.run(
         [
             sys.executable,
@@ -90,11 +90,11 @@ def test_demo_json_end_to_end(tmp_path: Path) -> None:
     assert json.loads((out / "summary.json").read_text())["speedup"] == summary["speedup"]
 
 
-def test_demo_runs_a_trace_of_other_pools(tmp_path: Path) -> None:
+def test_demo_runs_a_trace_of_other_pools(tmp_path: Path, short_tmp: Path) -> None:
     """Three pools named neither sampler nor trainer, one of them each job's own."""
     recorded = tmp_path / "three-pools.json"
     recorded.write_text(json.dumps(three_pools_one_private()))
-    out = tmp_path / "demo-out"
+    out = short_tmp / "demo-out"  # the cluster's Unix sockets are made under it
     # The table this time (summary.json has what --json prints): its columns are the pools.
     proc = _demo(
         "--trace",
