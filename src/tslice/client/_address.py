@@ -5,12 +5,17 @@ that never resolves: both fail late and obscurely, after silent retries. Here a
 missing port gets the server's default port, IPv6 works with or without brackets,
 gRPC's own target schemes (``unix:/path``, ``dns:///host:port``...) pass unchanged,
 and a URL is refused with the ``host:port`` to write instead.
+
+Several addresses (orchestrator replicas: ``a:50051,b:50051``, or a list) are checked
+one by one and joined with commas (:func:`grpc_targets`); :func:`split_targets` reads
+them back. A gRPC scheme target stays alone (``ipv4:`` lists are gRPC's own).
 """
 
 from __future__ import annotations
 
 import ipaddress
 import re
+from collections.abc import Sequence
 from typing import Final
 
 from tslice.common import errors
@@ -49,6 +54,39 @@ def grpc_target(address: str, *, default_port: int, source: str) -> str:
             f"(e.g. localhost:{default_port})"
         )
     return f"{host}:{_port(port, text, default_port=default_port, source=source)}"
+
+
+def grpc_targets(address: str | Sequence[str], *, default_port: int, source: str) -> str:
+    """The gRPC targets of one address, a comma-separated list or a list of them, checked
+    and joined with commas (as :func:`split_targets` reads them)."""
+    if isinstance(address, str):
+        text = address.strip()
+        if text.lower().startswith(_GRPC_SCHEMES) or "," not in text:
+            return grpc_target(text, default_port=default_port, source=source)
+        items: Sequence[str] = text.split(",")
+    else:
+        items = list(address)
+    if not items:
+        raise errors.ConfigError(f"{source} is an empty list; give at least one host:port")
+    targets = [
+        grpc_target(item, default_port=default_port, source=f"{source}[{at}]")
+        for at, item in enumerate(items)
+    ]
+    if len(targets) > 1:
+        schemed = [t for t in targets if t.lower().startswith(_GRPC_SCHEMES)]
+        if schemed:
+            raise errors.ConfigError(
+                f"{source}: {schemed[0]!r} is a gRPC target, which cannot be in a list of "
+                "addresses; give it alone, or list host:port addresses only"
+            )
+    return ",".join(dict.fromkeys(targets))
+
+
+def split_targets(joined: str) -> tuple[str, ...]:
+    """The targets :func:`grpc_targets` joined (one for a gRPC scheme target)."""
+    if joined.lower().startswith(_GRPC_SCHEMES):
+        return (joined,)
+    return tuple(joined.split(","))
 
 
 def _port(port: str, text: str, *, default_port: int, source: str) -> int:

@@ -132,7 +132,7 @@ class BaseClient(Generic[K]):
 
     def __init__(
         self,
-        address: str | None = None,
+        address: str | Sequence[str] | None = None,
         *,
         job_id: _config.JobId = _config.USE_CLIENT_DEFAULT,
         default_group: str | None = None,

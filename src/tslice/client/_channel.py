@@ -5,6 +5,10 @@ bound on the first connection and the translation of gRPC status codes into
 :mod:`tslice.common.errors` live here and nowhere else. The per-service classes with
 one typed method per RPC sit above, in :mod:`tslice.client._services`.
 
+Calls go to the server's current address (:mod:`tslice.client._failover`: several
+orchestrator addresses, a follower's redirect to the leader); a redirected unary call
+is re-issued there at once, whatever its method (it did not run on the follower).
+
 The sync transport issues unary calls through ``.future()`` and waits on the
 future: unlike a plain blocking call that wait is interruptible, and on Ctrl-C
 the call is cancelled so that the orchestrator drops the waiter at once.
@@ -24,7 +28,7 @@ import grpc.aio
 from google.protobuf import wrappers_pb2
 
 import tslice
-from tslice.client import _config, _retry
+from tslice.client import _address, _config, _failover, _retry
 from tslice.common import errors, tls
 
 Req = TypeVar("Req")
@@ -108,12 +112,24 @@ class Endpoint:
     #: TLS and bearer token (default: ``$TSLICE_TLS_*``, ``$TSLICE_TOKEN*``).
     security: tls.ClientSecurity = dataclasses.field(default_factory=tls.ClientSecurity.from_env)
 
+    @property
+    def targets(self) -> tuple[str, ...]:
+        """The addresses ``target`` names (several: orchestrator replicas)."""
+        return _address.split_targets(self.target)
+
     def channel(self) -> grpc.Channel:
-        return self.security.channel(self.target, channel_options(self.channel_options))
+        options = channel_options(self.channel_options)
+        return _failover.FailoverChannel(
+            _failover.Targets(self.targets), lambda target: self.security.channel(target, options)
+        )
 
     def aio_channel(self) -> grpc.aio.Channel:
         """Create it inside the event loop that will use it."""
-        return self.security.aio_channel(self.target, channel_options(self.channel_options))
+        options = channel_options(self.channel_options)
+        return _failover.AioFailoverChannel(
+            _failover.Targets(self.targets),
+            lambda target: self.security.aio_channel(target, options),
+        )
 
 
 # -- what the transports call: generated stub methods, or anything shaped like them --------
@@ -300,9 +316,39 @@ class _Transport:
     allows (an orchestrator restart is ridden out).
     """
 
-    def __init__(self, endpoint: Endpoint) -> None:
+    def __init__(self, endpoint: Endpoint, channel: object) -> None:
         self.endpoint = endpoint
         self._connected = endpoint.connect_timeout is None
+        #: Where calls go (None: a channel given by the caller, one address).
+        self._targets, _ = _failover.current_target(channel)
+
+    def where(self) -> str:
+        """The address the next call goes to ("" for a caller's channel)."""
+        return self._targets.current if self._targets is not None else ""
+
+    def redirected(self, used: str, err: grpc.RpcError, redirects: int) -> bool:
+        """After a call to ``used`` failed: True if a follower redirected it (re-issue it
+        at once); any other UNAVAILABLE moves on to the next address."""
+        if self._targets is None:
+            return False
+        return self._targets.after_error(used, err) and redirects < _failover.MAX_REDIRECTS
+
+    def probe_slices(self, budget: float) -> Iterator[float]:
+        """The waits of the first connection's probes (see ``_failover.probe_waits``)."""
+        return _failover.probe_waits(self._targets, budget - _last_probe_s(budget))
+
+    def probe_failed(self, used: str, err: grpc.RpcError) -> bool:
+        """Whether a probe of ``used`` found no server (then on to the next address)."""
+        if err.code() not in _NOT_CONNECTED:
+            return False
+        if self._targets is not None and not self._targets.after_error(used, err):
+            self._targets.skip(used)
+        return True
+
+    def unconnected(self, budget: float, last: grpc.RpcError | None) -> None:
+        """After the probes: raise unless the last one found a server after all."""
+        if last is not None and last.code() in _NOT_CONNECTED:
+            raise self.not_connected(budget, last) from last
 
     def connect_budget(self, call_timeout: float | None) -> float | None:
         """How long to wait for the first connection (None: no need, it happened)."""
@@ -362,7 +408,7 @@ class SyncTransport(_Transport):
         *,
         sleep: Callable[[float], None] = time.sleep,
     ) -> None:
-        super().__init__(endpoint)
+        super().__init__(endpoint, channel)
         self.channel = channel
         self._sleep = sleep
         self._probe = health_check(channel)
@@ -372,17 +418,16 @@ class SyncTransport(_Transport):
         budget = self.connect_budget(call_timeout)
         if budget is None:
             return
-        wait = self._probe.future(
-            _PROBE, timeout=budget - _last_probe_s(budget), wait_for_ready=True
-        )
-        try:
-            _wait(wait)
-        except grpc.RpcError as err:
-            if err.code() in _NOT_CONNECTED:
-                last = self._last_error(_last_probe_s(budget))
-                if last is not None and last.code() in _NOT_CONNECTED:
-                    raise self.not_connected(budget, last) from err
-        # An answer, if only a refusal, proves the connection.
+        for wait_s in self.probe_slices(budget):
+            used = self.where()
+            try:
+                _wait(self._probe.future(_PROBE, timeout=wait_s, wait_for_ready=True))
+            except grpc.RpcError as err:
+                if self.probe_failed(used, err):
+                    continue
+            break  # an answer, if only a refusal, proves the connection
+        else:
+            self.unconnected(budget, self._last_error(_last_probe_s(budget)))
         self.connected()
 
     def _last_error(self, timeout: float) -> grpc.RpcError | None:
@@ -404,12 +449,17 @@ class SyncTransport(_Transport):
         attempts = self.attempts(method, options)
         metadata = self.metadata(options)
         self.connect(attempts.attempt_timeout())
+        redirects = 0
         while True:
+            used = self.where()
             try:
                 response = _wait(
                     call.future(request, timeout=attempts.attempt_timeout(), metadata=metadata)
                 )
             except grpc.RpcError as err:
+                if self.redirected(used, err, redirects):
+                    redirects += 1
+                    continue
                 delay = attempts.after_error(err)
             else:
                 attempts.succeeded()
@@ -455,7 +505,7 @@ class AsyncTransport(_Transport):
     """Runs RPCs on a ``grpc.aio.Channel``; differs from :class:`SyncTransport` only in awaiting."""
 
     def __init__(self, channel: grpc.aio.Channel, endpoint: Endpoint) -> None:
-        super().__init__(endpoint)
+        super().__init__(endpoint, channel)
         self.channel = channel
         self._probe = health_check(channel)
 
@@ -464,14 +514,16 @@ class AsyncTransport(_Transport):
         budget = self.connect_budget(call_timeout)
         if budget is None:
             return
-        try:
-            await self._probe(_PROBE, timeout=budget - _last_probe_s(budget), wait_for_ready=True)
-        except grpc.RpcError as err:
-            if err.code() in _NOT_CONNECTED:
-                last = await self._last_error(_last_probe_s(budget))
-                if last is not None and last.code() in _NOT_CONNECTED:
-                    raise self.not_connected(budget, last) from err
-        # An answer, if only a refusal, proves the connection.
+        for wait_s in self.probe_slices(budget):
+            used = self.where()
+            try:
+                await self._probe(_PROBE, timeout=wait_s, wait_for_ready=True)
+            except grpc.RpcError as err:
+                if self.probe_failed(used, err):
+                    continue
+            break  # an answer, if only a refusal, proves the connection
+        else:
+            self.unconnected(budget, await self._last_error(_last_probe_s(budget)))
         self.connected()
 
     async def _last_error(self, timeout: float) -> grpc.RpcError | None:
@@ -493,12 +545,17 @@ class AsyncTransport(_Transport):
         attempts = self.attempts(method, options)
         metadata = self.metadata(options)
         await self.connect(attempts.attempt_timeout())
+        redirects = 0
         while True:
+            used = self.where()
             try:
                 response = await call(
                     request, timeout=attempts.attempt_timeout(), metadata=metadata
                 )
             except grpc.RpcError as err:
+                if self.redirected(used, err, redirects):
+                    redirects += 1
+                    continue
                 delay = attempts.after_error(err)
             else:
                 attempts.succeeded()

@@ -17,7 +17,9 @@ import grpc
 from tslice.client import _address, _retry
 from tslice.common import errors, ids, tls
 
-#: Orchestrator address; the first variable set wins (the second is llm-d's name).
+#: Orchestrator address, or several (``a:50051,b:50051``: HA replicas, tried in turn, a
+#: follower's redirect to the leader followed); the first variable set wins (the second
+#: is llm-d's name).
 ADDRESS_ENV: Final = ("TSLICE_ORCHESTRATOR", "TIMESLICE_ORCH_ADDR")
 #: Job id; the first variable set wins (the second is llm-d's name).
 JOB_ID_ENV: Final = ("TSLICE_JOB_ID", "TIMESLICE_JOB_ID")
@@ -116,7 +118,8 @@ def resolve_connect_timeout(
 class ClientConfig:
     """Resolved client settings (arguments, then environment, then defaults)."""
 
-    #: Orchestrator address (``host:port``, ``unix:/path``...); ``None`` = no-op mode.
+    #: Orchestrator address (``host:port``, ``unix:/path``...), or several joined with
+    #: commas (see :attr:`addresses`); ``None`` = no-op mode.
     address: str | None
     #: Job id used when a call names none (``None``: each acquire/yield/slice names one).
     job_id: str | None
@@ -144,6 +147,11 @@ class ClientConfig:
     def enabled(self) -> bool:
         return self.address is not None
 
+    @property
+    def addresses(self) -> tuple[str, ...]:
+        """Every orchestrator address given, in order (empty in no-op mode)."""
+        return _address.split_targets(self.address) if self.address is not None else ()
+
 
 def _first_env(environ: Mapping[str, str], names: Sequence[str]) -> tuple[str, str] | None:
     for name in names:
@@ -170,7 +178,7 @@ def check_timeout(name: str, value: float | None) -> float | None:
 
 def resolve(
     *,
-    address: str | None,
+    address: str | Sequence[str] | None,
     job_id: JobId,
     default_group: str | None,
     timeout: float | None,
@@ -209,16 +217,16 @@ def resolve(
 
     target: str | None = None
     if address is not None:
-        if not address.strip():
+        if isinstance(address, str) and not address.strip():
             raise errors.ConfigError(
                 "address is empty; pass 'host:port' (or 'unix:/path'), or None to read "
                 f"${ADDRESS_ENV[0]}"
             )
-        target = _address.grpc_target(
+        target = _address.grpc_targets(
             address, default_port=_address.ORCHESTRATOR_PORT, source="address"
         )
     elif found := _first_env(env, ADDRESS_ENV):
-        target = _address.grpc_target(
+        target = _address.grpc_targets(
             found[1], default_port=_address.ORCHESTRATOR_PORT, source=f"${found[0]}"
         )
 
