@@ -10,6 +10,14 @@ STAMP      := $(VENV)/.installed
 # tests/kube).
 TEST_EXTRAS ?= server,dev,torch,trl,kubernetes
 API_DIR     := src/tslice/api
+# Every pip install: no byte-compiling of what it installs (torch, transformers, verl: about a
+# minute and a half of CPU on 2 cores per venv); Python compiles what a test imports, once.
+PIP_INSTALL := -m pip install --quiet --disable-pip-version-check --no-compile
+# pytest-xdist workers for the suites below (CI has 2 cores); PYTEST_WORKERS=0 runs them in
+# the pytest process itself (pdb, -x). --dist loadfile keeps a module's tests, and the
+# servers its module-scoped fixtures start, on one worker. A plain `pytest` runs serially.
+PYTEST_WORKERS ?= 2
+XDIST := -n $(PYTEST_WORKERS) --dist loadfile
 
 .PHONY: all venv demo test test-oldest oldest-venv oldest-install jobside-venvs jobside-deps test-floor test-newest test-protobuf test-jobside unit \
 	test-ray test-verl verl-venv lint typecheck \
@@ -19,15 +27,15 @@ all: test
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
-	@$(PY) -m pip install --quiet --upgrade pip
+	@$(PY) $(PIP_INSTALL) --upgrade pip
 
 $(DEMO_STAMP): pyproject.toml | $(PY)
-	@$(PY) -m pip install --quiet -e ".[server]"
+	@$(PY) $(PIP_INSTALL) -e ".[server]"
 	@touch $@
 
 # A test install covers the demo's too.
 $(STAMP): pyproject.toml | $(PY)
-	@$(PY) -m pip install --quiet -e ".[$(TEST_EXTRAS)]"
+	@$(PY) $(PIP_INSTALL) -e ".[$(TEST_EXTRAS)]"
 	@touch $@ $(DEMO_STAMP)
 
 venv: $(STAMP)
@@ -42,7 +50,7 @@ test: $(STAMP) api-tools
 	$(VENV)/bin/ruff format --check src tests bench examples scripts deploy
 	$(VENV)/bin/mypy
 	$(VENV)/bin/lint-imports
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q $(XDIST)
 
 ## The oldest supported Python, servers + dev tools (no torch: its tests skip), in its own venv.
 OLDEST_PYTHON ?= python3.10
@@ -60,22 +68,21 @@ OLDEST_SKIPS := tests/jobside tests/integration tests/security tests/fuzz tests/
 # (mypy is not run again here: `make test`'s mypy already checks for 3.10, python_version
 # in pyproject.toml.)
 test-oldest: api-tools oldest-install
-	$(OLDEST_VENV)/bin/python -m pytest -q $(addprefix --ignore=,$(OLDEST_SKIPS))
+	$(OLDEST_VENV)/bin/python -m pytest -q $(XDIST) $(addprefix --ignore=,$(OLDEST_SKIPS))
 ## tslice itself into the oldest Python's venv (CI does this before `make dist` builds the
 ## wheel alongside: never two builds of the tree at once).
 oldest-install: $(OLDEST_VENV)/.tslice
 $(OLDEST_VENV)/.tslice: pyproject.toml $(OLDEST_VENV)/.installed
-	@$(OLDEST_VENV)/bin/python -m pip install --quiet --disable-pip-version-check --no-deps -e .
+	@$(OLDEST_VENV)/bin/python $(PIP_INSTALL) --no-deps -e .
 	@touch $@
 ## The oldest Python's venv with tslice's requirements but not tslice (CI makes it in the
 ## background while `make test` runs; tslice goes in at test-oldest, see scripts/requirements.py).
 oldest-venv: $(OLDEST_VENV)/.installed
 $(OLDEST_VENV)/.installed: pyproject.toml
 	@test -x $(OLDEST_VENV)/bin/python || $(OLDEST_PYTHON) -m venv $(OLDEST_VENV)
-	@$(OLDEST_VENV)/bin/python -m pip install --quiet --disable-pip-version-check --upgrade pip
+	@$(OLDEST_VENV)/bin/python $(PIP_INSTALL) --upgrade pip
 	@$(PYTHON) scripts/requirements.py server,dev >$(OLDEST_VENV)/requirements.txt
-	@$(OLDEST_VENV)/bin/python -m pip install --quiet --disable-pip-version-check \
-	  -r $(OLDEST_VENV)/requirements.txt
+	@$(OLDEST_VENV)/bin/python $(PIP_INSTALL) -r $(OLDEST_VENV)/requirements.txt
 	@touch $@
 
 ## The job side alone (`pip install tslice`, no extras) on the oldest grpcio/protobuf it
@@ -83,7 +90,7 @@ $(OLDEST_VENV)/.installed: pyproject.toml
 ## (test-newest), running tests/jobside against servers from .venv (real processes).
 FLOOR_VENV  := build/venv-floor
 NEWEST_VENV := build/venv-newest
-JOBSIDE_TEST_DEPS := pytest pytest-asyncio pytest-timeout
+JOBSIDE_TEST_DEPS := pytest pytest-asyncio pytest-timeout pytest-xdist
 JOBSIDE_TESTS ?= tests/jobside
 # The Python a job-side venv is made with; test-floor takes the oldest one where there is one
 # (OLDEST_PYTHON, as test-oldest), so the floor is the floor of everything.
@@ -112,8 +119,7 @@ jobside-venvs:
 	  JOBSIDE_PINS="ray==$(RAY_VERSION)"
 jobside-deps:
 	@test -x $(JOBSIDE_VENV)/bin/python || $(JOBSIDE_PYTHON) -m venv $(JOBSIDE_VENV)
-	@$(JOBSIDE_VENV)/bin/python -m pip install --quiet --disable-pip-version-check \
-	  $(JOBSIDE_PINS) $(JOBSIDE_TEST_DEPS)
+	@$(JOBSIDE_VENV)/bin/python $(PIP_INSTALL) $(JOBSIDE_PINS) $(JOBSIDE_TEST_DEPS)
 ## protobuf 5 and 6 between those two (the first release of each major: the one that
 ## lacks the most), grpcio at its floor: the import checks and the stack smoke test.
 PROTOBUF_BETWEEN ?= 5.26.1 6.30.0
@@ -126,12 +132,12 @@ test-protobuf: $(STAMP)
 # (called by the three above) one job-side venv: tslice without extras, the pins, pytest.
 test-jobside:
 	@test -x $(JOBSIDE_VENV)/bin/python || $(JOBSIDE_PYTHON) -m venv $(JOBSIDE_VENV)
-	@$(JOBSIDE_VENV)/bin/python -m pip install --quiet --disable-pip-version-check \
-	  -e . $(JOBSIDE_PINS) $(JOBSIDE_TEST_DEPS)
+	@$(JOBSIDE_VENV)/bin/python $(PIP_INSTALL) -e . $(JOBSIDE_PINS) $(JOBSIDE_TEST_DEPS)
 	@$(JOBSIDE_VENV)/bin/python -c "import grpc, google.protobuf as p; \
 	  import sys; print('job side on Python', sys.version.split()[0], 'grpcio', grpc.__version__, 'protobuf', p.__version__, \
 	  '(no extras)')"
-	TSLICE_SERVER_PYTHON=$(abspath $(PY)) $(JOBSIDE_VENV)/bin/python -m pytest -q $(JOBSIDE_TESTS)
+	TSLICE_SERVER_PYTHON=$(abspath $(PY)) $(JOBSIDE_VENV)/bin/python -m pytest -q $(XDIST) \
+	  $(JOBSIDE_TESTS)
 
 ## tslice inside Ray actors (tests/jobside/test_ray_*.py), protobuf as Ray installs it: its
 ## own venv with Ray and the job side only, servers from .venv. No torch may come with Ray.
@@ -139,12 +145,12 @@ RAY_VENV    := build/venv-ray
 RAY_VERSION ?= 2.60.0
 test-ray: $(STAMP)
 	@test -x $(RAY_VENV)/bin/python || $(PY) -m venv $(RAY_VENV)
-	@$(RAY_VENV)/bin/python -m pip install --quiet --disable-pip-version-check \
-	  "ray==$(RAY_VERSION)" $(JOBSIDE_TEST_DEPS) -e .
+	@$(RAY_VENV)/bin/python $(PIP_INSTALL) "ray==$(RAY_VERSION)" $(JOBSIDE_TEST_DEPS) -e .
 	@if $(RAY_VENV)/bin/python -c "import torch" 2>/dev/null; then \
 	  echo "the Ray venv has torch: Ray's install must not pull it" >&2; exit 1; fi
 	@$(RAY_VENV)/bin/python -c "import google.protobuf, ray; \
 	  print('ray', ray.__version__, 'protobuf', google.protobuf.__version__)"
+	@# (serially, as test-verl: nearly all of the time is one module's Ray cluster)
 	TSLICE_SERVER_PYTHON=$(abspath $(PY)) $(RAY_VENV)/bin/python -m pytest -q \
 	  tests/jobside/test_ray_actors.py tests/jobside/test_ray_env.py \
 	  tests/jobside/test_verl_launcher.py
@@ -158,20 +164,20 @@ VERL_VERSION ?= 0.9.1
 verl-venv: $(VERL_VENV)/.installed
 $(VERL_VENV)/.installed: pyproject.toml
 	@test -x $(VERL_VENV)/bin/python || $(PYTHON) -m venv $(VERL_VENV)
-	@$(VERL_VENV)/bin/python -m pip install --quiet --disable-pip-version-check torch==2.13.0 \
-	  "verl[verl-core]==$(VERL_VERSION)" $(JOBSIDE_TEST_DEPS)
+	@$(VERL_VENV)/bin/python $(PIP_INSTALL) torch==2.13.0 "verl[verl-core]==$(VERL_VERSION)" \
+	  $(JOBSIDE_TEST_DEPS)
 	@$(VERL_VENV)/bin/python -c "import torch, verl; assert torch.__version__.startswith('2.13.0'); \
 	  print('verl', verl.__version__, 'torch', torch.__version__)"
 	@touch $@
 # tslice itself goes in here, not in the background (two editable builds of one tree at once
 # would share its egg-info).
 test-verl: $(STAMP) $(VERL_VENV)/.installed
-	@$(VERL_VENV)/bin/python -m pip install --quiet --disable-pip-version-check -e .
+	@$(VERL_VENV)/bin/python $(PIP_INSTALL) -e .
 	TSLICE_SERVER_PYTHON=$(abspath $(PY)) $(VERL_VENV)/bin/python -m pytest -q \
 	  tests/jobside/test_verl.py tests/jobside/test_verl_launcher.py
 
 unit: $(STAMP)
-	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q $(XDIST) -m "not slow"
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests bench examples scripts deploy
