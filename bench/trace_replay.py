@@ -57,7 +57,7 @@ from tslice.sim import checker, measure, replay, trace
 #: half a poll interval after it is.
 REFERENCE_POLL_S = 1.0
 DEFAULT_TIME_SCALE = 750.0
-QUICK = {"steps": 2, "jobs": [2], "time_scale": 4000.0}
+QUICK = {"steps": 2, "jobs": [2], "time_scale": 8000.0}
 #: Fixed cost of every simulated copy, wall seconds (what the sim cannot go below).
 SIM_LATENCY_S = 0.0002
 
@@ -82,6 +82,42 @@ class Configuration:
     speeds: Callable[[Setup], dict[str, device.CopySpeed]]
     #: Added to every copy, trace seconds.
     extra_latency_trace_s: float = 0.0
+    #: Switch mechanisms (issue 9 §2): snapshot and restore at once, chunk by chunk.
+    overlap: bool = False
+    #: The next waiter's state comes in beside the holder where it fits.
+    prefetch: bool = False
+    #: Pools whose state is discarded at a switch (the next weight sync re-sends it).
+    discard: tuple[str, ...] = ()
+    #: Memory per device (None: the default, 80 GiB).
+    capacity_bytes: int | None = None
+
+    def sim_settings(self, model: trace.PhaseModel) -> dict[str, dict[str, object]]:
+        """Per shared pool, the sim-backend settings of its node."""
+        if not (self.overlap or self.prefetch or self.discard):
+            return {}
+        common: dict[str, object] = {"chunks": CHUNKS, "overlap": self.overlap}
+        common["prefetch"] = self.prefetch
+        return {
+            pool: {**common, "suspend_mode": "discard" if pool in self.discard else "offload"}
+            for pool in model.shared
+        }
+
+    def copy_s(self, setup: Setup, pool: str) -> float:
+        """The copies one switch on ``pool`` costs under this mechanism, trace seconds."""
+        speed = self.speeds(setup)[pool]
+        size = 0 if pool in self.discard else setup.footprints[pool]
+        out, back = (
+            setup.time_scale * speed.seconds(bytes_per_device=size, direction=d)
+            + self.extra_latency_trace_s
+            for d in ("snapshot", "restore")
+        )
+        capacity = self.capacity_bytes or replay.DEFAULT_CAPACITY
+        if self.prefetch and 2 * setup.footprints[pool] <= capacity:
+            back = 0.0  # brought in while the holder ran
+        if self.overlap:
+            # The restore lands in what the snapshot frees: one chunk behind it.
+            return max(out, back) + min(out, back) / CHUNKS
+        return out + back
 
 
 def _recorded_speeds(setup: Setup) -> dict[str, device.CopySpeed]:
@@ -99,6 +135,12 @@ def _floor_speeds(setup: Setup) -> dict[str, device.CopySpeed]:
     )
 
 
+#: Pieces of every copy when moves overlap (chunked offload).
+CHUNKS = 8
+#: Memory of an H200-class device: two 60 GiB sampler states fit beside each other
+#: (two 70 GiB trainer states do not).
+H200_BYTES = 141 * 10**9
+
 CONFIGURATIONS = (
     Configuration(
         "reference",
@@ -107,9 +149,32 @@ CONFIGURATIONS = (
         extra_latency_trace_s=REFERENCE_POLL_S / 2,
     ),
     Configuration(
-        "ours (fifo)",
-        "FIFO, snapshot then restore, long-poll, switch costs at the physical floor",
+        "sequential",
+        "FIFO, snapshot then restore, long-poll, switch costs at the physical floor, 80 GiB",
         _floor_speeds,
+    ),
+    Configuration(
+        "overlap",
+        f"as sequential, the restore overlapping the snapshot ({CHUNKS} chunks)",
+        _floor_speeds,
+        overlap=True,
+    ),
+    Configuration(
+        "+prefetch",
+        "overlap, and the next waiter prefetched where it fits (141 GB devices)",
+        _floor_speeds,
+        overlap=True,
+        prefetch=True,
+        capacity_bytes=H200_BYTES,
+    ),
+    Configuration(
+        "+discard",
+        "overlap and prefetch (141 GB), the sampler's state discarded (weight sync re-sends it)",
+        _floor_speeds,
+        overlap=True,
+        prefetch=True,
+        discard=(trace.SAMPLER,),
+        capacity_bytes=H200_BYTES,
     ),
 )
 
@@ -152,6 +217,8 @@ def _site(setup: Setup, index: int, config: Configuration) -> replay.Site:
         speeds=config.speeds(setup),
         prefix=f"c{index}-",
         extra_latency_s=config.extra_latency_trace_s / setup.time_scale,
+        sim_settings=config.sim_settings(setup.model),
+        capacity_bytes=config.capacity_bytes,
     )
 
 
@@ -162,18 +229,19 @@ async def _configurations(
     *,
     base: Path,
     log_level: str,
+    configs: Sequence[Configuration] = CONFIGURATIONS,
 ) -> list[dict[str, Any]]:
     """N jobs at once, for each N and configuration, one after the other. One orchestrator
     serves every configuration, each on nodes of its own (a :class:`replay.Site`)."""
     model = setup.model
-    sites = [_site(setup, i, config) for i, config in enumerate(CONFIGURATIONS)]
+    sites = [_site(setup, i, config) for i, config in enumerate(configs)]
     local = replay.make_cluster(model, sites, base_dir=base / "cluster", log_level=log_level)
     await asyncio.to_thread(local.start)
     rows: list[dict[str, Any]] = []
     runs: list[measure.RunSummary] = []
     try:
         async with replay.watching(local.orchestrator_address) as events:
-            for config, site in zip(CONFIGURATIONS, sites, strict=True):
+            for config, site in zip(configs, sites, strict=True):
                 runner = _runner(setup, local.orchestrator_address, events, site.groups(model))
                 for n in counts:
                     ids = replay.job_ids(n)
@@ -204,17 +272,7 @@ def _row(
     solo: Mapping[str, float],
 ) -> dict[str, Any]:
     model, scale = setup.model, setup.time_scale
-    speeds = config.speeds(setup)
-    # Snapshot the outgoing job, then restore the incoming one: what a switch costs here.
-    modelled = {
-        pool: scale
-        * sum(
-            speeds[pool].seconds(bytes_per_device=setup.footprints[pool], direction=d)
-            for d in ("snapshot", "restore")
-        )
-        + 2 * config.extra_latency_trace_s
-        for pool in model.shared
-    }
+    modelled = {pool: config.copy_s(setup, pool) for pool in model.shared}
     makespan = run.makespan_s * scale
     back_to_back = sum(solo[j] for j in ids)
     plans = {j: setup.plans[j] for j in ids}
@@ -270,7 +328,10 @@ async def replay_all(args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="tslice-replay-") as tmp:
         base = Path(args.keep) if args.keep else Path(tmp)
         solo = await _solo(setup)
-        rows = await _configurations(setup, counts, solo, base=base, log_level=args.log_level)
+        configs = [c for c in CONFIGURATIONS if not args.only or c.name in args.only]
+        rows = await _configurations(
+            setup, counts, solo, base=base, log_level=args.log_level, configs=configs
+        )
     recorded = model.recorded
     reference = next(
         (r for r in rows if r["configuration"] == "reference" and r["jobs"] == len(model.jobs)),
@@ -382,10 +443,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--time-scale", type=float, default=None, help="trace seconds per second")
     p.add_argument("--bandwidth", default="50GB/s", help="ours: copy rate per direction")
     p.add_argument("--seed", type=int, default=0, help="seed of the phase jitter")
-    p.add_argument("--quick", action="store_true", help="smoke form: 2 jobs, 2 steps, 4000x")
+    p.add_argument("--quick", action="store_true", help="smoke form: 2 jobs, 2 steps, 8000x")
     p.add_argument("--keep", default=None, help="keep the servers' state and logs here")
     p.add_argument("--log-level", default="warning", help="of the servers")
     p.add_argument("--json", action="store_true", help="print one JSON document")
+    names = [c.name for c in CONFIGURATIONS]
+    p.add_argument("--only", action="append", choices=names, help="run only these configurations")
     args = p.parse_args(argv)
     args.bandwidth = sizes.parse_rate_or_none(args.bandwidth, option="--bandwidth")
     if args.quick:

@@ -379,6 +379,24 @@ def test_admin_status_codes_keep_their_meaning() -> None:
     assert numbers[refusals.Code.PERMISSION_DENIED] == 7
 
 
+# tslice additions of the agent the orchestrator relies on (issue 9 §2: prefetch).
+TSLICE_AGENT_MESSAGES: dict[str, dict[str, tuple[int, int, str | None, str | None]]] = {
+    "RestoreRequest": {"wait_ms": (100, I64, None, None), "prefetch": (101, BOOL, None, None)},
+    "AgentFeatures": {
+        "grant_step": (1, BOOL, None, None),
+        "grant_stream": (2, BOOL, None, None),
+        "prefetch": (3, BOOL, None, None),
+    },
+}
+
+
+def test_tslice_agent_additions_keep_their_numbers() -> None:
+    pinned = {
+        m: {**AGENT_MESSAGES.get(m, {}), **extra} for m, extra in TSLICE_AGENT_MESSAGES.items()
+    }
+    _check_messages(apb.DESCRIPTOR, AGENT_PKG, pinned)
+
+
 def test_agent_messages() -> None:
     _check_messages(apb.DESCRIPTOR, AGENT_PKG, AGENT_MESSAGES)
 

@@ -28,7 +28,10 @@ def test_quick_form_replays_every_configuration() -> None:
     assert report["pools"] == ["sampler", "trainer"] and report["steps"] == 2
     assert [(r["configuration"], r["jobs"]) for r in report["rows"]] == [
         ("reference", 2),
-        ("ours (fifo)", 2),
+        ("sequential", 2),
+        ("overlap", 2),
+        ("+prefetch", 2),
+        ("+discard", 2),
     ]
     for row in report["rows"]:
         assert row["errors"] == [] and row["violations"] == 0
@@ -40,6 +43,11 @@ def test_quick_form_replays_every_configuration() -> None:
         assert row["bound"]["limit"] in {"sampler", "trainer", "job A", "job B"}
         # No run can beat the bound the phase model allows.
         assert row["makespan_s"] >= row["bound"]["makespan_s"]
+    # What a switch's copies cost: the sum, then the longer one, then less still.
+    cost = {r["configuration"]: r["switch_modelled_s"] for r in report["rows"]}
+    for pool in ("sampler", "trainer"):
+        assert cost["sequential"][pool] > cost["overlap"][pool] >= cost["+prefetch"][pool]
+    assert cost["+discard"]["sampler"] == 0 < cost["+discard"]["trainer"]
     validation = report["validation"]
     assert validation["recorded_speedup"] == 1.45 and validation["jobs"] == 2
 

@@ -3,7 +3,11 @@
 A Grant is one node step of a switch. Its rules, in order:
 
 1. **evict**: the jobs of the group it names in ``evict`` whose state is resident here
-   are snapshotted (an operation already running on one is waited for);
+   are snapshotted (an operation already running on one is waited for); where the
+   backend overlaps moves (``Backend.overlaps_moves``) and the granted job is SAVED
+   with ``restore`` set, its restore starts together with them (:attr:`Evict.bring_in`:
+   the restore lands only in memory the snapshots have freed, so the switch costs
+   about the longer copy, not both);
 2. **make room**: while the granted job would not fit on the devices, the residents it
    lists in ``give_way`` (other groups' deferred residents) are snapshotted, first
    listed first; the backend is asked whether the job fits only then;
@@ -91,6 +95,8 @@ class Evict:
     keys: tuple[job_model.Key, ...]
     #: They are other groups' residents making room, not the group's evictees.
     giving_way: bool = False
+    #: Bring the granted job in at the same time (overlapping moves).
+    bring_in: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,15 +158,17 @@ def next_move(
     *,
     target: job_model.Key,
     fits: bool | None = None,
+    overlap: bool = False,
 ) -> Move:
     """The next move of ``grant`` given the node's ``records``; ``target`` is the job's.
 
-    ``fits`` is the backend's answer to :class:`AskFit` (``None``: not asked yet).
+    ``fits`` is the backend's answer to :class:`AskFit` (``None``: not asked yet);
+    ``overlap``: the backend that holds the job's state overlaps moves.
     """
+    job = records.get(target)
     evictees = tuple(k for k in grant.evict if _holds_state(records.get(k)))
     if evictees:
-        return Evict(evictees)
-    job = records.get(target)
+        return Evict(evictees, bring_in=overlap and _overlappable(grant, records, job, evictees))
     if job is None or job.state is not job_model.State.RUNNING:
         residents = [k for k in grant.give_way if _holds_state(records.get(k))]
         if residents and fits is None:
@@ -168,6 +176,23 @@ def next_move(
         if residents and not fits:
             return Evict((residents[0],), giving_way=True)
     return BringIn()
+
+
+def _overlappable(
+    grant: Order,
+    records: Mapping[job_model.Key, job_model.Job],
+    job: job_model.Job | None,
+    evictees: Sequence[job_model.Key],
+) -> bool:
+    """The granted job's restore may run beside the evictions: it is SAVED (or its
+    restore already runs) and no other group's resident has to give way first."""
+    if job is None or not grant.restore:
+        return False
+    if any(records[k].state is job_model.State.FAULTED for k in evictees):
+        return False
+    if any(_holds_state(records.get(k)) for k in grant.give_way):
+        return False
+    return job.state in (job_model.State.SAVED, job_model.State.TRANSITIONING)
 
 
 def granted_here(grant: Order, job: job_model.Job | None, mark: job_model.GrantMark | None) -> bool:

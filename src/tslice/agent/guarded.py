@@ -112,6 +112,28 @@ class GuardedBackends:
     def __contains__(self, name: object) -> bool:
         return name in self.backends
 
+    def overlaps_moves(self, name: str) -> bool:
+        """Whether backend ``name`` runs a snapshot and a restore at once (declared)."""
+        backend = self.backends.get(name)
+        return backend is not None and bool(backend.overlaps_moves)
+
+    def prefetches(self, name: str) -> bool:
+        """Whether backend ``name`` brings saved states in ahead of their grant (declared)."""
+        backend = self.backends.get(name)
+        return backend is not None and bool(backend.prefetches)
+
+    async def prefetch(self, name: str, job: job_model.Job) -> int:
+        """Backend ``name``'s prefetch of the job, under the operation deadline; 0 if it
+        fails (logged): a prefetch is a hint, the later restore is the operation."""
+        ctx = self._context(job, job.backend_config())
+        landed = await self._ask(
+            name,
+            self.backends[name].prefetch(ctx),
+            f"prefetch job {job.job_id}",
+            timeout_s=self.operation_timeout_s,
+        )
+        return landed or 0
+
     # ---- questions, asked while a request is planned -----------------------------------
 
     async def validate(self, route: job_model.Route, job: job_model.Job) -> None:

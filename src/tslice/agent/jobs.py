@@ -22,13 +22,14 @@ backend confirms is safe.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 
 from tslice.agent.job_model import (
     WORKLOAD_LEFT,
     Done,
     GrantMark,
     Job,
+    Key,
     Kind,
     Operation,
     OpStatus,
@@ -111,13 +112,21 @@ def _precondition(message: str) -> refusals.Refused:
 
 
 def _check_resident_neighbours(
-    job_id: str, group: str, *, others: Iterable[Job], node: str
+    job_id: str,
+    group: str,
+    *,
+    others: Iterable[Job],
+    node: str,
+    leaving: Collection[Key] = (),
 ) -> None:
-    """Safety net: never two jobs of one group resident on this node."""
+    """Safety net: never two jobs of one group resident on this node (a record in
+    ``leaving``, whose snapshot runs, is on its way out: an overlapping restore)."""
     if not group:
         return
     resident = (State.RUNNING, State.TRANSITIONING)
     for other in others:
+        if other.state is State.TRANSITIONING and other.key in leaving:
+            continue
         if other.job_id != job_id and other.group == group and other.state in resident:
             raise _precondition(
                 f"job {other.job_id} of group {group} is {other.state.value} on node {node}; "
@@ -214,8 +223,12 @@ def plan_restore(
     others: Iterable[Job],
     recovered: State | None = None,
     partial: bool = False,
+    leaving: Collection[Key] = (),
 ) -> Start | Done:
     """SAVED -> TRANSITIONING (-> RUNNING when the backend finishes).
+
+    ``leaving``: neighbours of the group whose snapshot runs beside this restore
+    (overlapping moves, ``tslice.agent.grants``); any other resident neighbour refuses it.
 
     A RUNNING job yields an operation that is already COMPLETE (pollable, 0 bytes)
     unless ``partial``: the backend reported that requested tags are not resident
@@ -239,7 +252,9 @@ def plan_restore(
             "device state with it: nothing is saved to restore. The workload must register "
             "again (tslice.workload.register_workload) before the job can be resident here"
         )
-    _check_resident_neighbours(job_id, request.group or job.group, others=others, node=node)
+    _check_resident_neighbours(
+        job_id, request.group or job.group, others=others, node=node, leaving=leaving
+    )
     job = _in_group(job, request.group)
     if job.state is State.RUNNING and not partial:
         return _done(job, request, kind=Kind.RESTORE)
@@ -251,6 +266,20 @@ def plan_restore(
         )
     resume = State.RUNNING if job.state is State.RUNNING else State.SAVED
     return _start(job, request, kind=Kind.RESTORE, resume_state=resume)
+
+
+def check_prefetch(job: Job, *, backend: str, declared: bool, node: str) -> None:
+    """A prefetch needs a SAVED job whose backend brings states in ahead of a grant."""
+    if not declared:
+        raise _precondition(
+            f"backend {backend} on node {node} does not prefetch (it declares no prefetch); "
+            f"job {job.job_id} is restored when it is granted"
+        )
+    if job.state is not State.SAVED:
+        raise _precondition(
+            f"job {job.job_id} is {job.state.value} on node {node}: only a SAVED job's state "
+            "is prefetched; nothing was started"
+        )
 
 
 def check_epoch(*, job_id: str, group: str, epoch: int, last: GrantMark | None, node: str) -> None:

@@ -30,7 +30,7 @@ import collections
 import logging
 import time
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 from tslice.agent import (
@@ -267,10 +267,11 @@ class AgentCore:
     async def _next_moves(self, order: grants.Order) -> list[job_model.Operation] | None:
         """Start the Grant's next move; its operations, or ``None`` once the job is in."""
         target = self._book.key(order.job_id, order.group)
-        move = grants.next_move(order, self._book.jobs, target=target)
+        job = self._book.jobs.get(target)
+        route = self._route(order.job_id, job, order.config, 0)
+        overlap = self._guarded.overlaps_moves(route.backend)
+        move = grants.next_move(order, self._book.jobs, target=target, overlap=overlap)
         if isinstance(move, grants.AskFit):
-            job = self._book.jobs.get(target)
-            route = self._route(order.job_id, job, order.config, 0)
             fits = await self._guarded.fits(route, grants.as_asked(order, job))
             move = grants.next_move(order, self._book.jobs, target=target, fits=fits)
         if isinstance(move, grants.Evict):
@@ -284,9 +285,41 @@ class AgentCore:
                     extra={"job_id": move.keys[0][0]},
                 )
             started = [await self._start_eviction(key) for key in move.keys]
-            return [op for op in started if op is not None]
+            moves = [op for op in started if op is not None]
+            if move.bring_in:
+                # Overlap: the restore starts while the snapshots free the memory it lands in.
+                leaving = {
+                    (op.job_id, op.group) for op in moves if op.kind is job_model.Kind.SNAPSHOT
+                }
+                brought_in = await self._start_grant(order, leaving=leaving)
+                moves += [brought_in] if brought_in is not None else []
+            return moves
         brought_in = await self._start_grant(order)
         return None if brought_in is None else [brought_in]
+
+    async def prefetch(
+        self, *, job_id: str, group: str, config: pb.BackendConfig | None
+    ) -> job_model.Job:
+        """Start bringing a SAVED job's state in ahead of its grant (issue 9 §2), into free
+        memory only; the record stays SAVED and a later Grant's restore finds the bytes
+        there. Refused (FAILED_PRECONDITION) unless the job is SAVED here and its backend
+        declares ``prefetches``; the copy runs in the background, bounded by the
+        operation deadline."""
+        async with self._locks[job_id]:
+            job = self._book.find(job_id, group)
+            if job is None:
+                raise jobs.unknown_job(job_id, group, node=self.node)
+            route = self._route(job_id, job, config, 0)
+            jobs.check_prefetch(
+                job,
+                backend=route.backend,
+                declared=self._guarded.prefetches(route.backend),
+                node=self.node,
+            )
+            self._spawn(
+                self._guarded.prefetch(route.backend, job), name=f"prefetch-{job_id}-{job.group}"
+            )
+            return job
 
     async def reset(self, *, job_id: str, group: str = "") -> job_model.State:
         async with self._locks[job_id]:
@@ -376,8 +409,13 @@ class AgentCore:
             # A FAULTED job is snapshotted only if its backend says it still runs.
             return await self._start_snapshot(job, job_id=job_id, group=group)
 
-    async def _start_grant(self, order: grants.Order) -> job_model.Operation | None:
-        """Record the grant; ``None`` if the job is resident, else the operation bringing it in."""
+    async def _start_grant(
+        self, order: grants.Order, *, leaving: Collection[job_model.Key] = ()
+    ) -> job_model.Operation | None:
+        """Record the grant; ``None`` if the job is resident, else the operation bringing it in.
+
+        ``leaving``: records of the group whose snapshot runs (an overlapping restore).
+        """
         job_id, group = order.job_id, order.group
         async with self._locks[job_id]:
             job = self._book.find(job_id, group)
@@ -396,7 +434,9 @@ class AgentCore:
                 jobs.check_epoch(
                     job_id=job_id, group=group, epoch=order.epoch, last=last, node=self.node
                 )
-                bring_back = jobs.plan_restore(job, request, others=self._book.jobs.values())
+                bring_back = jobs.plan_restore(
+                    job, request, others=self._book.jobs.values(), leaving=leaving
+                )
                 # A SAVED job has something to move.
                 assert isinstance(bring_back, job_model.Start)
                 return self._launch(bring_back, config=route.config, mark=mark)

@@ -22,7 +22,7 @@ from tslice.agent import channel, fencing, grants, job_model, runner
 from tslice.agent.backends import base
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2_grpc as pb_grpc
-from tslice.common import refusals, tasks, unique_requests, validation
+from tslice.common import auth, refusals, tasks, unique_requests, validation
 
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")
@@ -134,9 +134,18 @@ def _duplicate_grant(request: pb.GrantStreamRequest) -> pb.GrantStreamResponse:
     )
 
 
+def _orchestrating() -> bool:
+    """Whether the caller may raise the leader term from a read: the orchestrator role,
+    or anyone on an agent without authentication (where anyone may direct it anyway)."""
+    if not auth.enforced():
+        return True
+    caller = auth.principal_of()
+    return caller is not None and auth.ORCHESTRATOR in caller.roles
+
+
 #: What this agent speaks beyond llm-d's protocol, declared in every Status reply: the
 #: orchestrator uses only what is declared (see docs/api.md, AgentFeatures).
-_FEATURES = pb.AgentFeatures(grant_step=True, grant_stream=True)
+_FEATURES = pb.AgentFeatures(grant_step=True, grant_stream=True, prefetch=True)
 
 
 class SnapshotAgentServicer(pb_grpc.SnapshotAgentServiceServicer):
@@ -163,9 +172,8 @@ class SnapshotAgentServicer(pb_grpc.SnapshotAgentServiceServicer):
         """Admit the call's leader term (see ``tslice.agent.fencing``); returns it. Every
         handler calls this first: a deposed leader's directive is refused untouched."""
         term = await refusals.checked(context, fencing.sent_term, context.invocation_metadata())
-        await refusals.checked(
-            context, functools.partial(self._fence.admit, directive=directive), term
-        )
+        admit = functools.partial(self._fence.admit, directive=directive, adopt=_orchestrating())
+        await refusals.checked(context, admit, term)
         return term
 
     async def Snapshot(
@@ -176,7 +184,21 @@ class SnapshotAgentServicer(pb_grpc.SnapshotAgentServiceServicer):
     async def Restore(
         self, request: pb.RestoreRequest, context: grpc.aio.ServicerContext
     ) -> pb.RestoreResponse:
+        if request.prefetch:
+            return await self._prefetch(request, context)
         return await self._directive(context, request, job_model.Kind.RESTORE, pb.RestoreResponse)
+
+    async def _prefetch(
+        self, request: pb.RestoreRequest, context: grpc.aio.ServicerContext
+    ) -> pb.RestoreResponse:
+        """Restore with ``prefetch`` (issue 9 §2): started, the job stays SAVED; no operation."""
+        job_id = await refusals.checked(context, refusals.checked_id, "job_id", request.job_id)
+        group = await refusals.checked(context, _checked_group, request.group)
+        config = await refusals.checked(context, _checked_config, request)
+        await refusals.answered(
+            context, self._core.prefetch(job_id=job_id, group=group, config=config)
+        )
+        return pb.RestoreResponse()
 
     async def _directive(
         self,

@@ -361,6 +361,24 @@ class AgentClient:
             if resp.status != pb.OPERATION_STATUS_PENDING:
                 return resp
 
+    # ---- prefetch (issue 9 §2) ---------------------------------------------------------
+
+    async def prefetch(self, *, job_id: str, group: str, footprint_bytes: int) -> str:
+        """Ask the agent to bring a SAVED job's state in ahead of its grant, if it
+        declares ``prefetch`` and ``footprint_bytes`` fits in the free memory of every
+        accelerator its Status lists; returns what was done (for the log). Reads
+        Status first: a declaration is the agent's, never inferred, and an agent that
+        does not declare it (llm-d's) would take the Restore for a real one."""
+        resp = await self.status()
+        if not resp.features.prefetch:
+            return "the agent declares no prefetch"
+        free = [a.memory_total_bytes - a.memory_used_bytes for a in resp.accelerator_statuses]
+        if not free or min(free) < footprint_bytes:
+            return f"does not fit: {min(free, default=0)} bytes free on the fullest device"
+        request = pb.RestoreRequest(job_id=job_id, group=group, prefetch=True)
+        await self._call("prefetch", self._stub.Restore, request, pb.RestoreResponse)
+        return "started"
+
     async def _call(
         self,
         operation: str,

@@ -40,6 +40,7 @@ from tslice.orchestrator import (
     lock,
     metrics,
     overlap,
+    prefetching,
     records,
     recovery,
     status,
@@ -119,6 +120,8 @@ class GroupDriver:
             self, cfg=cfg, pool=self._pool, series=self._metrics, arbiter=self._arbiter
         )
         self._tasks: list[asyncio.Task[Any]] = []
+        #: The last prefetch asked for (one per waiter and grant).
+        self._prefetched: prefetching.Candidate | None = None
         self._stopping = False
         self._worker = worker.Worker(
             group_id=group_id,
@@ -249,11 +252,12 @@ class GroupDriver:
 
         def apply(now: float) -> list[Effect]:
             self._callers.add(waiter)
-            return self.bind(
+            effects = self.bind(
                 self.lock.on_acquire(
                     job, footprint_bytes=footprint_bytes, lease_ms=lease_ms, now=now
                 )
             )
+            return [*effects, self._prefetch]
 
         def depart() -> None:
             self.post(lambda now: self._depart(waiter, now))
@@ -463,7 +467,7 @@ class GroupDriver:
             if isinstance(action, decisions.Granted):
                 receivers = self._callers.granted(action.job, action.epoch)
                 announce = functools.partial(self.events.granted, action)
-                effects += [callers.resolve_effect(action, receivers), announce]
+                effects += [callers.resolve_effect(action, receivers), announce, self._prefetch]
             elif isinstance(action, decisions.Abort):
                 effects.append(callers.abort_effect(action, self._callers.take(action.job)))
             elif isinstance(action, decisions.StartSwitch):
@@ -477,6 +481,22 @@ class GroupDriver:
             else:
                 effects.append(functools.partial(self.events.decided, action))
         return effects
+
+    def _prefetch(self) -> None:
+        """Effect: start bringing the next waiter in beside the holder (see prefetching),
+        once per waiter and grant."""
+        lk = self.lock
+        candidate = prefetching.next_to_prefetch(lk, switching=lk.switching is not None)
+        if candidate is None or candidate == self._prefetched or self._stopping:
+            return
+        self._prefetched = candidate
+        self._tasks.append(
+            tasks.spawn(
+                prefetching.prefetch_everywhere(self._pool, self.nodes, self.group_id, candidate),
+                name=f"group:{self.group_id}:prefetch:{candidate.job}",
+            )
+        )
+        self._tasks = [t for t in self._tasks if not t.done()]
 
     def _claim(self, need: decisions.NeedClaim) -> list[Effect]:
         """Ask for the device claim (see overlap); wait for it if it is not free."""

@@ -65,6 +65,9 @@ class SimAgent:
     extra_latency_s: float | None = None
     #: Further ``tslice agent`` flags, passed as they are.
     extra_args: tuple[str, ...] = ()
+    #: Further sim-backend settings (``backend_settings.sim`` of an agent config file the
+    #: cluster writes): e.g. ``chunks``, ``overlap``, ``prefetch``, ``suspend_mode``.
+    sim_settings: Mapping[str, object] | None = None
 
     def flags(self) -> list[str]:
         pairs = (
@@ -196,6 +199,11 @@ class LocalCluster:
             for spec in self.agents:
                 proc = self._new_process(spec.name, ["agent", "--node-name", spec.name])
                 proc.base_args += spec.flags()
+                if spec.sim_settings:
+                    path = self.base_dir / f"{spec.name}.agent.yaml"
+                    config = {"backend_settings": {"sim": dict(spec.sim_settings)}}
+                    path.write_text(yaml.safe_dump(config))
+                    proc.base_args += ["--config", str(path)]
                 self._spawn(proc)
             for spec in self.agents:
                 self._wait_ready(self._procs[spec.name])

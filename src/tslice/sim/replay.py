@@ -56,6 +56,11 @@ class Site:
     speeds: Mapping[str, device.CopySpeed]
     prefix: str = ""
     extra_latency_s: float = 0.0
+    #: Per shared pool, further sim-backend settings of its node (how switches move
+    #: state: ``chunks``, ``overlap``, ``prefetch``, ``suspend_mode``; see the sim backend).
+    sim_settings: Mapping[str, Mapping[str, object]] = dataclasses.field(default_factory=dict)
+    #: Memory per simulated device (None: the cluster's capacity).
+    capacity_bytes: int | None = None
 
     def groups(self, model: trace.PhaseModel) -> dict[str, str]:
         return {pool: f"{self.prefix}{pool}" for pool in model.shared}
@@ -126,11 +131,12 @@ def make_cluster(
             agents.append(
                 cluster.SimAgent(
                     name=node,
-                    capacity_bytes=capacity_bytes,
+                    capacity_bytes=site.capacity_bytes or capacity_bytes,
                     bandwidth_bytes_per_s=speed.rate("snapshot"),
                     restore_bandwidth_bytes_per_s=speed.rate("restore"),
                     latency_s=speed.latency_s,
                     extra_latency_s=site.extra_latency_s or None,
+                    sim_settings=site.sim_settings.get(pool),
                 )
             )
         groups.update(site.group_nodes(model))

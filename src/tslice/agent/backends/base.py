@@ -115,6 +115,15 @@ class Backend(abc.ABC):
 
     #: Registry name, also the gRPC health ``service`` name (``sim``, ``noop``, ``cuda``...).
     name: ClassVar[str]
+    #: Overlap (issue 9 §2): a snapshot of one job and a restore of another may run at
+    #: once on this node (opposite copy directions; the restore lands only in memory the
+    #: snapshot has already freed, chunk by chunk), so a switch costs about the longer of
+    #: the two copies. A Grant then starts its bring-in together with its evictions.
+    overlaps_moves: bool = False
+    #: Prefetch (issue 9 §2): :meth:`prefetch` copies a SAVED job's state into free
+    #: device memory ahead of its grant, keeping the host copy; the backend drops that
+    #: copy whenever the memory is needed, and a later restore finds it there.
+    prefetches: bool = False
 
     @classmethod
     def create(cls, settings: Mapping[str, Any]) -> Self:
@@ -173,6 +182,17 @@ class Backend(abc.ABC):
         effects; may raise NeverFitsError.
         """
         return None
+
+    async def prefetch(self, job: JobContext) -> int:
+        """Bring the SAVED job's state in ahead of its grant, into free memory only.
+
+        Called only where :attr:`prefetches` is declared, for a SAVED job, never while an
+        operation runs on it; the job stays SAVED (the host copy is the state). Never
+        takes memory that is in use, and gives its copy up whenever memory is needed
+        (a restore or activation of another state): a prefetch never costs anyone
+        memory. Returns the bytes per device now on the device (0: nothing fitted).
+        """
+        return 0
 
     async def missing_tags(self, job: JobContext, tags: Sequence[str]) -> list[str]:
         """Staged restore: which of ``tags`` are not resident although the job is RUNNING.

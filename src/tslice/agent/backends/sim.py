@@ -11,13 +11,24 @@ extra latency, hangs) lets tests drive every failure path of the agent.
 The footprint of a job, per device: ``SimBackendConfig.footprint_bytes`` if given, else
 the footprint the orchestrator sent with the grant, else ``default_footprint_bytes``.
 Byte counts reported to the agent are node totals (footprint x devices).
+
+Moves that hide their cost (issue 9 §2), each a setting: ``chunks`` splits every copy
+into pieces (chunked offload: a snapshot frees its memory piece by piece, a restore
+lands it piece by piece); ``overlap`` declares that a snapshot and a restore may run at
+once (each direction has its own link, one copy at a time per direction; a restore
+lands a piece only where there is free memory, waiting while a snapshot is freeing
+some, failing loudly when nothing is); ``prefetch`` declares :meth:`SimBackend.prefetch`
+(a saved state copied into free memory ahead of its grant, dropped whenever that memory
+is needed). ``suspend_mode: discard`` makes a snapshot that names no mode discard the
+state (the application re-sends it, e.g. the sampler's weights at the next weight
+sync): nothing is copied either way, the restore only allocates.
 """
 
 from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -29,6 +40,8 @@ if TYPE_CHECKING:
     from typing_extensions import Self
 
     from tslice.agent.backends import services
+
+_MODES = {"offload": pb.SUSPEND_MODE_OFFLOAD, "discard": pb.SUSPEND_MODE_DISCARD}
 
 
 class SimBackend(base.Backend):
@@ -55,6 +68,10 @@ class SimBackend(base.Backend):
         extra_latency_s: float = 0.0,
         hang_probability: float = 0.0,
         seed: int | None = None,
+        chunks: int = 1,
+        overlap: bool = False,
+        prefetch: bool = False,
+        suspend_mode: str = "offload",
     ) -> None:
         # Validates both rates and the latency.
         self.speed = device.CopySpeed(
@@ -86,6 +103,22 @@ class SimBackend(base.Backend):
         self.extra_latency_s = extra_latency_s
         self.hang_probability = hang_probability
         self._random = random.Random(seed)
+        if chunks < 1:
+            raise ValueError(f"chunks must be at least 1 (got {chunks})")
+        if suspend_mode not in _MODES:
+            raise ValueError(f"suspend_mode must be one of {sorted(_MODES)} (got {suspend_mode!r})")
+        self.chunks = chunks
+        self.overlaps_moves = bool(overlap)
+        self.prefetches = bool(prefetch)
+        self.default_mode = _MODES[suspend_mode]
+        #: When each direction's link is free again (loop time): one link each way, one
+        #: piece at a time on it, at the direction's rate.
+        self._link_free: dict[device.Direction, float] = {"snapshot": 0.0, "restore": 0.0}
+        #: Notified whenever a snapshot frees memory (overlapping restores wait on it).
+        self._room = asyncio.Condition()
+        #: Prefetches in flight, and the restores that take them over.
+        self._prefetching: dict[device.Key, asyncio.Event] = {}
+        self._taken_over: set[device.Key] = set()
 
     @classmethod
     def create_on_node(
@@ -114,17 +147,54 @@ class SimBackend(base.Backend):
     def _total(self, bytes_per_device: int) -> int:
         return bytes_per_device * self.node.devices
 
+    def _pieces(self, bytes_per_device: int) -> list[int]:
+        """A copy of ``bytes_per_device`` as ``chunks`` pieces (the last takes the rest)."""
+        if bytes_per_device <= 0:
+            return []
+        size = max(bytes_per_device // self.chunks, 1)
+        pieces = [size] * min(self.chunks - 1, bytes_per_device // size)
+        return [*pieces, bytes_per_device - sum(pieces)]
+
+    async def _move(self, what: device.Direction, bytes_per_device: int, due: float) -> float:
+        """One piece over the link of direction ``what``, starting at ``due`` (loop time)
+        or once the link is free; returns when it ends. Scheduled against the clock, so
+        late wake-ups of earlier pieces do not add up."""
+        loop = asyncio.get_running_loop()
+        start = max(due, self._link_free[what])
+        end = self._link_free[what] = start + bytes_per_device / self.speed.rate(what)
+        await asyncio.sleep(max(0.0, end - loop.time()))
+        return end
+
     async def _copy(
-        self, *, job: base.JobContext, bytes_per_device: int, what: device.Direction
+        self,
+        *,
+        job: base.JobContext,
+        bytes_per_device: int,
+        what: device.Direction,
+        moved: Callable[[int], Awaitable[bool]] | None = None,
     ) -> None:
-        """Take the time the copy takes in direction ``what``, then apply injected faults."""
+        """Take the time the copy takes in direction ``what``, then apply injected faults.
+
+        Piece by piece (``chunks``), each over its direction's link; ``moved`` is awaited
+        before each piece of a restore (to land it) and after each of a snapshot (it is
+        freed; a restore's ``moved`` returns whether it had to wait for room). A failing
+        or hanging copy moves nothing: its dice are rolled first.
+        """
         # Roll both dice up front so that a seeded run is reproducible whatever the timing.
         hang = self._random.random() < self.hang_probability
         fail = self._random.random() < self.fail_probability
-        await asyncio.sleep(
-            self.speed.seconds(bytes_per_device=bytes_per_device, direction=what)
-            + self.extra_latency_s
-        )
+        loop = asyncio.get_running_loop()
+        due = loop.time() + self.speed.latency_s + self.extra_latency_s
+        pieces = [] if hang or fail else self._pieces(bytes_per_device)
+        for piece in pieces:
+            if moved is not None and what == "restore" and await moved(piece):
+                due = max(due, loop.time())  # it waited for a snapshot to free memory
+            due = await self._move(what, piece, due)
+            if moved is not None and what == "snapshot":
+                await moved(piece)
+        if not pieces:
+            copy_s = bytes_per_device / self.speed.rate(what) if hang or fail else 0.0
+            await asyncio.sleep(max(0.0, due + copy_s - loop.time()))
         if hang:
             self.node.record_fault(job=job.job_id, group=job.group, kind="hang", direction=what)
             # Stuck like a wedged driver call: only the agent's operation deadline ends it.
@@ -148,7 +218,10 @@ class SimBackend(base.Backend):
         saved = self.node.saved(job=job.job_id, group=job.group)
         footprint = saved.footprint_bytes if saved is not None else self.footprint(job)
         try:
-            self.node.check_fits(job=job.job_id, group=job.group, bytes_per_device=footprint)
+            # Prefetched copies of others never stand in the way: they are dropped for it.
+            self.node.check_fits(
+                job=job.job_id, group=job.group, bytes_per_device=footprint, counting_cached=False
+            )
         except device.CapacityError:
             return False
         return True
@@ -179,13 +252,32 @@ class SimBackend(base.Backend):
                 f"job {job.job_id} holds no memory for group {job.group} on sim node "
                 f"{self.node.node}, so there is nothing to snapshot; grant the job first"
             )
-        # A failure or cancellation before park() leaves the allocation: nothing moved.
-        await self._copy(job=job, bytes_per_device=footprint, what="snapshot")
-        host_bytes = 0 if mode == pb.SUSPEND_MODE_DISCARD else self._total(footprint)
+        if mode == pb.SUSPEND_MODE_UNSPECIFIED:
+            mode = self.default_mode
+        discard = mode == pb.SUSPEND_MODE_DISCARD
+
+        async def freed(piece: int) -> bool:
+            self.node.leave(**key, bytes_per_device=piece)
+            async with self._room:
+                self._room.notify_all()
+            return False
+
+        self.node.begin_leaving(**key)
+        try:
+            # A failure or cancellation before park() leaves the allocation: nothing moved.
+            await self._copy(
+                job=job, bytes_per_device=0 if discard else footprint, what="snapshot", moved=freed
+            )
+        except BaseException:
+            self.node.stay(**key)
+            raise
+        host_bytes = 0 if discard else self._total(footprint)
         self.node.park(
             **key,
             saved=device.SavedState(footprint_bytes=footprint, host_bytes=host_bytes),
         )
+        async with self._room:
+            self._room.notify_all()
         return base.OpResult(
             device_bytes=self._total(footprint),
             host_bytes=host_bytes,
@@ -203,21 +295,91 @@ class SimBackend(base.Backend):
                 f"job {job.job_id} has no saved state for group {job.group} on sim node "
                 f"{self.node.node}; nothing to restore"
             )
+        await self._take_over_prefetch(job.job_id, job.group)
         footprint = saved.footprint_bytes
+        # A discarded state has nothing to copy back: the restore only allocates.
+        to_copy = footprint - self.node.landed_bytes(**key) if saved.host_bytes else 0
         try:
-            # The bytes start landing now, so they count against capacity for the whole copy.
-            self.node.allocate(**key, bytes_per_device=footprint)
+            if self.overlaps_moves:
+                await self._copy(
+                    job=job, bytes_per_device=to_copy, what="restore", moved=self._land(job)
+                )
+                self.node.allocate(**key, bytes_per_device=footprint)
+            else:
+                # The bytes start landing now, so they count against capacity for the whole copy.
+                self.node.allocate(**key, bytes_per_device=footprint)
+                await self._copy(job=job, bytes_per_device=to_copy, what="restore")
         except device.CapacityError as err:
-            # Nothing landed and the host copy is intact: the job stays SAVED.
+            # Nothing usable landed and the host copy is intact: the job stays SAVED.
+            self.node.drop_landed(**key)
             raise base.RefusedBackendError(str(err)) from err
-        try:
-            await self._copy(job=job, bytes_per_device=footprint, what="restore")
         except BaseException:
             # A failed restore gives its partial allocation back; the host copy is intact.
+            self.node.drop_landed(**key)
             self.node.free(**key)
             raise
         self.node.unpark(**key)
         return base.OpResult(device_bytes=self._total(footprint), state={"footprint": footprint})
+
+    def _land(self, job: base.JobContext) -> Callable[[int], Awaitable[bool]]:
+        """How an overlapping restore lands a piece: in free memory, waiting while a
+        snapshot is freeing some; prefetched copies of others are dropped first; when
+        nothing is leaving and it still does not fit, CapacityError (fail loudly)."""
+        j, g = job.job_id, job.group
+
+        async def land(piece: int) -> bool:
+            waited = False
+            async with self._room:
+                while not self.node.make_room(job=j, group=g, bytes_per_device=piece):
+                    if not self.node.leaving():
+                        break
+                    waited = True
+                    await self._room.wait()
+            if self.node.free_bytes() < piece:
+                landed = self.node.landed_bytes(job=j, group=g)
+                self.node.check_fits(job=j, group=g, bytes_per_device=landed + piece)
+            self.node.land(job=j, group=g, bytes_per_device=piece)
+            return waited
+
+        return land
+
+    async def prefetch(self, job: base.JobContext) -> int:
+        """Land the saved state piece by piece in free memory (never waiting for any, never
+        dropping anything); stops when the next piece does not fit or a restore of the
+        job takes over. The copy is dropped whenever another state needs the memory."""
+        k = (job.job_id, job.group)
+        key = {"job": job.job_id, "group": job.group}
+        saved = self.node.saved(**key)
+        if not self.prefetches or saved is None or k in self._prefetching:
+            return self.node.landed_bytes(**key)
+        done = self._prefetching[k] = asyncio.Event()
+        try:
+            if not saved.host_bytes:
+                return 0  # discarded: nothing to bring in ahead, the restore only allocates
+            left = saved.footprint_bytes - self.node.landed_bytes(**key)
+            for piece in self._pieces(left):
+                fits = piece <= self.node.free_bytes()
+                if k in self._taken_over or not fits:
+                    break
+                self.node.land(job=job.job_id, group=job.group, bytes_per_device=piece, cached=True)
+                await self._move("restore", piece, asyncio.get_running_loop().time())
+                if not self.node.cached(**key) and k not in self._taken_over:
+                    break  # dropped meanwhile: somebody needed the memory
+            return self.node.landed_bytes(**key)
+        finally:
+            del self._prefetching[k]
+            done.set()
+
+    async def _take_over_prefetch(self, job_id: str, group: str) -> None:
+        """A restore of the job continues from what its prefetch landed."""
+        k = (job_id, group)
+        running = self._prefetching.get(k)
+        if running is not None:
+            self._taken_over.add(k)
+            try:
+                await running.wait()
+            finally:
+                self._taken_over.discard(k)
 
     async def recover(self, job: base.JobContext) -> pb.JobState | None:
         key = {"job": job.job_id, "group": job.group}

@@ -11,6 +11,15 @@ The device state outlives the process that drives it (a real GPU outlives an age
 crash), so every change is written atomically to a JSON file and read back on start.
 Every allocation and release is also appended to a JSON-lines *journal*; the
 mutual-exclusion checker replays journals of all nodes with :func:`read_journal`.
+
+States also move piece by piece (chunked offload, issue 9 §2): a snapshot frees its
+bytes progressively (:meth:`SimNode.leave`) and a restore lands them progressively
+(:meth:`SimNode.land`), so an incoming state may use what an outgoing one has already
+freed while both copies run, and a prefetch may land a saved state in free memory
+ahead of its grant. Capacity counts every byte on the device, moving or not. The
+journal marks when a state is *usable* on the device: ``alloc`` once all its bytes
+are there, ``free`` when it starts leaving (its job yielded it); bytes in motion and
+prefetched copies are counted against capacity, never journaled as resident.
 :class:`CopySpeed` says how long moving a job's bytes off (snapshot) or back onto
 (restore) a device takes; the two directions may run at different rates.
 
@@ -176,6 +185,12 @@ class SimNode:
         #: Bytes per device of every resident state.
         self._resident: dict[Key, int] = {}
         self._saved: dict[Key, SavedState] = {}
+        #: Of a resident state being snapshotted: the bytes already freed (chunked offload).
+        self._freed: dict[Key, int] = {}
+        #: Of a saved state being restored or prefetched: the bytes already landed.
+        self._landed: dict[Key, int] = {}
+        #: Landed bytes that only a prefetch holds (dropped whenever room is needed).
+        self._cached: set[Key] = set()
         if state_dir is not None:
             state_dir.mkdir(parents=True, exist_ok=True)
             self._load()
@@ -193,8 +208,27 @@ class SimNode:
         return self._saved.get((job, group))
 
     def used_bytes(self) -> int:
-        """Bytes in use on each device (all devices hold the same jobs)."""
-        return sum(self._resident.values())
+        """Bytes in use on each device (all devices hold the same jobs), moving ones too."""
+        return sum(self._resident.values()) - sum(self._freed.values()) + sum(self._landed.values())
+
+    def _on_device(self, key: Key) -> int:
+        """Bytes per device of one state now: resident minus freed, plus landed."""
+        return self._resident.get(key, 0) - self._freed.get(key, 0) + self._landed.get(key, 0)
+
+    def free_bytes(self) -> int:
+        return self.capacity_bytes - self.used_bytes()
+
+    def landed_bytes(self, *, job: str, group: str) -> int:
+        """Bytes of the job's saved state already on the devices (a restore or prefetch)."""
+        return self._landed.get((job, group), 0)
+
+    def leaving(self) -> bool:
+        """Whether some state is being snapshotted (its memory is being freed)."""
+        return bool(self._freed)
+
+    def cached(self, *, job: str, group: str) -> bool:
+        """Whether the job's landed bytes are a prefetch's (no restore uses them yet)."""
+        return (job, group) in self._cached
 
     # ---- changes ----------------------------------------------------------------
 
@@ -209,13 +243,26 @@ class SimNode:
         )
 
     def check_fits(
-        self, *, job: str, group: str, bytes_per_device: int, action: str = "restore"
+        self,
+        *,
+        job: str,
+        group: str,
+        bytes_per_device: int,
+        action: str = "restore",
+        counting_cached: bool = True,
     ) -> None:
-        """Raise :class:`CapacityError` if the job cannot land ``bytes_per_device`` now."""
+        """Raise :class:`CapacityError` if the job cannot land ``bytes_per_device`` now
+        (``counting_cached=False``: as if other jobs' prefetched copies were dropped)."""
         first = self.device_ids()[0]
         if reason := self.never_fits(job=job, group=group, bytes_per_device=bytes_per_device):
             raise CapacityError(f"{action} on {first}: {reason}")
-        others = {k: r for k, r in self._resident.items() if k != (job, group)}
+        others = {
+            k: held
+            for k in {*self._resident, *self._landed}
+            if k != (job, group)
+            and (counting_cached or k not in self._cached)
+            and (held := self._on_device(k)) > 0
+        }
         used = sum(others.values())
         if used + bytes_per_device > self.capacity_bytes:
             holders = ", ".join(
@@ -230,13 +277,76 @@ class SimNode:
     def allocate(
         self, *, job: str, group: str, bytes_per_device: int, action: str = "restore"
     ) -> None:
-        """Land the job's bytes on every device, or raise :class:`CapacityError` (no change)."""
-        if (job, group) in self._resident:
+        """Land the job's bytes on every device, or raise :class:`CapacityError` (no change).
+
+        Bytes a restore or prefetch of the job already landed count towards it; other
+        jobs' prefetched copies are dropped first if that makes room.
+        """
+        key = (job, group)
+        if key in self._resident:
             return
-        self.check_fits(job=job, group=group, bytes_per_device=bytes_per_device, action=action)
-        self._resident[(job, group)] = bytes_per_device
+        landed = self._landed.get(key, 0)
+        self.make_room(job=job, group=group, bytes_per_device=bytes_per_device - landed)
+        self.check_fits(
+            job=job, group=group, bytes_per_device=bytes_per_device - landed, action=action
+        )
+        self._landed.pop(key, None)
+        self._cached.discard(key)
+        self._resident[key] = bytes_per_device
         self._save()
         self._journal(job=job, group=group, event="alloc", bytes_per_device=bytes_per_device)
+
+    # ---- moving piece by piece ----------------------------------------------------------
+
+    def make_room(self, *, job: str, group: str, bytes_per_device: int) -> bool:
+        """Drop other jobs' prefetched copies (newest first) until ``bytes_per_device``
+        more fit; whether they fit now. A prefetch never costs anyone else memory."""
+        for key in sorted(self._cached - {(job, group)}, reverse=True):
+            if self.free_bytes() >= bytes_per_device:
+                break
+            self.drop_landed(job=key[0], group=key[1])
+        return self.free_bytes() >= bytes_per_device
+
+    def land(self, *, job: str, group: str, bytes_per_device: int, cached: bool = False) -> None:
+        """``bytes_per_device`` more of the job's saved state are on the devices (a
+        restore's chunk, or a prefetch's with ``cached``); :class:`CapacityError` if
+        they do not fit in free memory (nothing changes)."""
+        key = (job, group)
+        if bytes_per_device > self.free_bytes():
+            raise CapacityError(
+                f"{bytes_per_device} more bytes of job {job} (group {group}) do not fit on "
+                f"node {self.node}: {self.free_bytes()} of {self.capacity_bytes} free"
+            )
+        self._landed[key] = self._landed.get(key, 0) + bytes_per_device
+        if cached:
+            self._cached.add(key)
+        else:
+            self._cached.discard(key)
+
+    def drop_landed(self, *, job: str, group: str) -> int:
+        """Give back what a restore or prefetch of the job landed (its host copy stays)."""
+        self._cached.discard((job, group))
+        return self._landed.pop((job, group), 0)
+
+    def begin_leaving(self, *, job: str, group: str) -> None:
+        """A snapshot of the job's resident state starts: it is no longer usable (journaled
+        ``free``); its bytes stay counted until :meth:`leave` frees them."""
+        key = (job, group)
+        if key in self._resident and key not in self._freed:
+            self._freed[key] = 0
+            self._journal(job=job, group=group, event="free", bytes_per_device=self._resident[key])
+
+    def leave(self, *, job: str, group: str, bytes_per_device: int) -> None:
+        """``bytes_per_device`` more of a leaving state are copied off and freed."""
+        key = (job, group)
+        if key in self._freed:
+            self._freed[key] = min(self._freed[key] + bytes_per_device, self._resident[key])
+
+    def stay(self, *, job: str, group: str) -> None:
+        """A snapshot that moved nothing in the end: the state is usable again."""
+        key = (job, group)
+        if self._freed.pop(key, None) is not None and key in self._resident:
+            self._journal(job=job, group=group, event="alloc", bytes_per_device=self._resident[key])
 
     def free(self, *, job: str, group: str) -> int:
         """Release the job's device bytes; returns the bytes freed per device (0 if none)."""
@@ -249,11 +359,13 @@ class SimNode:
 
     def _release(self, key: Key, *, changed: bool = False) -> int:
         held = self._resident.pop(key, None)
+        journaled = self._freed.pop(key, None) is not None  # begin_leaving said ``free``
         if held is not None or changed:
             self._save()
         if held is None:
             return 0
-        self._journal(job=key[0], group=key[1], event="free", bytes_per_device=held)
+        if not journaled:
+            self._journal(job=key[0], group=key[1], event="free", bytes_per_device=held)
         return held
 
     def unpark(self, *, job: str, group: str) -> None:
@@ -263,6 +375,7 @@ class SimNode:
 
     def forget(self, *, job: str, group: str) -> None:
         self.free(job=job, group=group)
+        self.drop_landed(job=job, group=group)
         self.unpark(job=job, group=group)
 
     def record_fault(self, *, job: str, group: str, kind: FaultKind, direction: Direction) -> None:

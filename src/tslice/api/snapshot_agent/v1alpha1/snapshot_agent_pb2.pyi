@@ -263,18 +263,20 @@ class SnapshotResponse(_message.Message):
     def __init__(self, operation_id: _Optional[str] = ..., operation: _Optional[_Union[GetOperationResponse, _Mapping]] = ...) -> None: ...
 
 class RestoreRequest(_message.Message):
-    __slots__ = ("job_id", "group", "backend", "backend_config", "wait_ms")
+    __slots__ = ("job_id", "group", "backend", "backend_config", "wait_ms", "prefetch")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     GROUP_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     BACKEND_CONFIG_FIELD_NUMBER: _ClassVar[int]
     WAIT_MS_FIELD_NUMBER: _ClassVar[int]
+    PREFETCH_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     group: str
     backend: Backend
     backend_config: BackendConfig
     wait_ms: int
-    def __init__(self, job_id: _Optional[str] = ..., group: _Optional[str] = ..., backend: _Optional[_Union[Backend, str]] = ..., backend_config: _Optional[_Union[BackendConfig, _Mapping]] = ..., wait_ms: _Optional[int] = ...) -> None: ...
+    prefetch: bool
+    def __init__(self, job_id: _Optional[str] = ..., group: _Optional[str] = ..., backend: _Optional[_Union[Backend, str]] = ..., backend_config: _Optional[_Union[BackendConfig, _Mapping]] = ..., wait_ms: _Optional[int] = ..., prefetch: bool = ...) -> None: ...
 
 class RestoreResponse(_message.Message):
     __slots__ = ("operation_id", "operation")
@@ -357,12 +359,14 @@ class StatusResponse(_message.Message):
     def __init__(self, job_statuses: _Optional[_Iterable[_Union[JobStatus, _Mapping]]] = ..., accelerator_statuses: _Optional[_Iterable[_Union[AcceleratorStatus, _Mapping]]] = ..., node: _Optional[str] = ..., features: _Optional[_Union[AgentFeatures, _Mapping]] = ...) -> None: ...
 
 class AgentFeatures(_message.Message):
-    __slots__ = ("grant_step", "grant_stream")
+    __slots__ = ("grant_step", "grant_stream", "prefetch")
     GRANT_STEP_FIELD_NUMBER: _ClassVar[int]
     GRANT_STREAM_FIELD_NUMBER: _ClassVar[int]
+    PREFETCH_FIELD_NUMBER: _ClassVar[int]
     grant_step: bool
     grant_stream: bool
-    def __init__(self, grant_step: bool = ..., grant_stream: bool = ...) -> None: ...
+    prefetch: bool
+    def __init__(self, grant_step: bool = ..., grant_stream: bool = ..., prefetch: bool = ...) -> None: ...
 
 class WaitOperationRequest(_message.Message):
     __slots__ = ("operation_id", "timeout_ms")
