@@ -5,6 +5,7 @@ or a grant mark from it)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Awaitable
 from pathlib import Path
@@ -13,6 +14,7 @@ from typing import Any
 import grpc
 import pytest
 
+from tests.agent.conftest import AgentRunner
 from tests.agent.test_agent_process import AgentProcess, processes
 from tslice.agent import fencing
 from tslice.agent.backends import simdevice as device
@@ -154,3 +156,30 @@ async def test_a_deposed_leader_moves_nothing_even_after_a_sigkill(
     finally:
         await old.close()
         await new.close()
+
+
+async def test_with_authentication_only_the_orchestrator_raises_the_term(
+    agents: AgentRunner,
+) -> None:
+    tokens = {"reader": "token-of-a-reader", "orch": "token-of-the-orchestrator"}
+    entries = [
+        {"name": name, "roles": ["orchestrator"] if name == "orch" else [], "sha256": _sha(token)}
+        for name, token in tokens.items()
+    ]
+    agent = await agents.start(auth={"tokens": entries})
+
+    def as_(name: str, term: int) -> tuple[tuple[str, str], ...]:
+        return (("authorization", f"Bearer {tokens[name]}"), *_term(term))
+
+    # A reader's Status with a huge term would fence the leader out: it is not adopted.
+    await agent.stub.Status(pb.StatusRequest(), metadata=as_("reader", 2**62))
+    await agent.stub.Status(pb.StatusRequest(), metadata=as_("orch", 5))
+    await agent.stub.Grant(pb.GrantRequest(job_id="job-a", group="g"), metadata=as_("orch", 5))
+    err = await _refused(
+        agent.stub.Grant(pb.GrantRequest(job_id="job-a", group="g"), metadata=as_("orch", 4))
+    )
+    assert "has seen term 5" in (err.details() or "")
+
+
+def _sha(token: str) -> str:
+    return hashlib.sha256(token.encode()).hexdigest()

@@ -6,6 +6,8 @@ before the call goes on, so that it survives a SIGKILL; a *directive* (a call th
 state, or waits on a move: Snapshot, Restore, Grant, GrantStream, ResetJob,
 WaitOperation) from an older term is refused with FAILED_PRECONDITION before anything
 is looked at, so a partitioned old leader moves nothing once a new one reached the node.
+With authentication on, a read raises the term only when the orchestrator makes it
+(directives need that role anyway): another caller cannot fence the leader out.
 
 A directive with no term (embedded mode, llm-d's orchestrator) is let through while the
 agent has seen none; once it has, it is refused too unless ``accept_unfenced`` (only an
@@ -60,11 +62,13 @@ class TermFence:
     def seen(self) -> int:
         return self._seen
 
-    def admit(self, term: int, *, directive: bool) -> None:
-        """Let a call of ``term`` (0: none sent) through, adopting a newer term first;
-        raise ``refusals.Refused`` for a directive of an older one."""
+    def admit(self, term: int, *, directive: bool, adopt: bool = True) -> None:
+        """Let a call of ``term`` (0: none sent) through, adopting a newer term first
+        (unless not ``adopt``: a read by a caller that is not the orchestrator); raise
+        ``refusals.Refused`` for a directive of an older one."""
         if term > self._seen:
-            self._adopt(term, directive=directive)
+            if adopt or directive:
+                self._adopt(term, directive=directive)
         elif directive and term < self._seen and (term or not self.accept_unfenced):
             raise refusals.Refused(
                 refusals.Code.FAILED_PRECONDITION, leader_term.refusal(term, self._seen)
