@@ -1,19 +1,26 @@
 """`tslice demo --json` end to end: real processes, measured speedup, zero violations; on the
-veRL trace and on a trace of other pools."""
+veRL trace and on a trace of other pools; `tslice plan` on the event log of a demo run."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+from tests.cli.test_cli import run_cli
 from tests.sim.traces import three_pools_one_private
 
 
-def test_demo_json_end_to_end(short_tmp: Path) -> None:
+def test_demo_json_end_to_end(
+    short_tmp: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     out = short_tmp / "demo-out"  # the cluster's Unix sockets are made under it
+    event_log = short_tmp / "events.jsonl"
     proc = subprocess.run(
         [
             sys.executable,
@@ -27,6 +34,8 @@ def test_demo_json_end_to_end(short_tmp: Path) -> None:
             "1000",
             "--out",
             str(out),
+            "--events",
+            str(event_log),
         ],
         capture_output=True,
         text=True,
@@ -88,6 +97,32 @@ def test_demo_json_end_to_end(short_tmp: Path) -> None:
     assert "https://" not in html and "http://" not in html
     assert "sampler" in html and "trainer" in html and "job A" in html and "job B" in html
     assert json.loads((out / "summary.json").read_text())["speedup"] == summary["speedup"]
+    monkeypatch.setenv("COLUMNS", "200")  # the plan's tables unwrapped
+    _plan_of_the_demo_log(event_log, runs["time-sliced"]["switches"], capsys)
+
+
+def _plan_of_the_demo_log(
+    event_log: Path, switches: int, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The demo's event log is what `tslice events --json` prints, and `tslice plan`
+    reads it: a recommendation, its predicted and its simulated gain."""
+    events = [json.loads(line) for line in event_log.read_text().splitlines()]
+    kinds = {e["kind"] for e in events}
+    assert {"GRANTED", "YIELDED", "SNAPSHOT_DONE", "RESTORE_DONE", "SWITCH_DONE"} <= kinds
+    handovers = [e for e in events if e["kind"] == "SWITCH_DONE" and e["from_job"]]
+    assert len(handovers) == switches + 2  # the exclusive run's A -> B on both pools
+    code, stdout, err = run_cli(capsys, "plan", str(event_log), "--steps", "2", "--time-scale", "4")
+    assert code == 0, err
+    assert "recommended: {A, B} on 2 GPU(s)" in stdout
+    predicted = re.search(r"predicted gain (\d+\.\d+)x", stdout)
+    simulated = re.search(r"simulated gain (\d+\.\d+)x", stdout)
+    assert predicted and simulated, stdout
+    # Two jobs of the veRL shape gain from sharing, predicted and replayed alike.
+    assert float(predicted.group(1)) > 1.2 and float(simulated.group(1)) > 1.0
+    for column in ("makespan predicted", "makespan simulated", "hand-overs"):
+        assert column in stdout
+    row = next(line for line in stdout.splitlines() if line.strip().startswith("1 "))
+    assert re.search(r"A, B .* \d+\.\d+ s +\d+\.\d+ s$", row.rstrip()), row
 
 
 def test_demo_runs_a_trace_of_other_pools(tmp_path: Path, short_tmp: Path) -> None:

@@ -76,6 +76,14 @@ def run(
     out: Annotated[
         Path, typer.Option("--out", help="Where timeline.html, summary.json and logs go.")
     ] = Path("demo-out"),
+    events: Annotated[
+        Path | None,
+        typer.Option(
+            "--events",
+            help="Also save the orchestrator's events of both runs here, as the event log "
+            "(JSON lines) that `tslice plan` reads.",
+        ),
+    ] = None,
     as_json: client_cmds.AsJson = False,
     no_live: Annotated[bool, typer.Option("--no-live", help="No live view.")] = False,
 ) -> None:
@@ -99,6 +107,7 @@ def run(
         contention=contention,
         out_dir=out,
         seed=seed,
+        events_path=events,
     )
     config.check()
     progress = demo.DemoProgress(jobs=jobs, steps=steps, time_scale=time_scale)

@@ -18,7 +18,7 @@ import typer
 import typer.exceptions
 
 import tslice
-from tslice.cli import admin_cmd, certs_cmd, client_cmds, demo_cmd, render, up_cmd
+from tslice.cli import admin_cmd, certs_cmd, client_cmds, demo_cmd, plan_cmd, render, up_cmd
 from tslice.common import errors
 
 #: Server command modules written by the layer owners; each offers ``register(app)``.
@@ -78,6 +78,7 @@ def _register_all() -> None:
     up_cmd.register(app)
     client_cmds.register(app)
     demo_cmd.register(app)
+    plan_cmd.register(app)
     certs_cmd.register(app)
     # ``tslice admin ...``: evict, drain, resume, reset-fault (the admin role).
     admin_cmd.register(app)

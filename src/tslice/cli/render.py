@@ -29,6 +29,8 @@ if TYPE_CHECKING:
     # The demo pulls in the local cluster and the timeline; server commands should
     # not pay for that at start-up, so it is imported where it is drawn.
     from tslice.sim import demo
+    from tslice.sim.planner import plan as planning
+    from tslice.sim.planner import simulate
 
 _STATE_STYLE = {
     "LOCKED": "green",
@@ -402,3 +404,125 @@ def key_values(rows: Mapping[str, str]) -> RenderableType:
     for key, value in rows.items():
         table.add_row(key, value)
     return table
+
+
+# ---- tslice events / tslice plan ---------------------------------------------------------
+
+
+def event_line(event: tsclient.OrchestratorEvent) -> str:
+    """One orchestrator event as a line of text (``tslice events`` without ``--json``)."""
+    when = event.time.astimezone().strftime("%H:%M:%S.%f")[:-3] if event.time else "-"
+    parts = [when, f"{event.kind.value:<14}", event.group_id]
+    if event.job_id:
+        parts.append(f"job {event.job_id}")
+    if event.from_job:
+        parts.append(f"from {event.from_job}")
+    if event.node:
+        parts.append(f"node {event.node}")
+    if event.duration_ms:
+        parts.append(f"{event.duration_ms} ms")
+    if event.detail:
+        parts.append(f"({event.detail})")
+    return " ".join(parts)
+
+
+def _seconds(value: float) -> str:
+    if value >= 600:
+        return f"{value / 60:.1f} min"
+    return f"{value:.0f} s" if value >= 10 else f"{value:.2f} s" if value >= 1 else f"{value:.3f} s"
+
+
+def _grouping(grouping: Sequence[Sequence[str]]) -> str:
+    return "  ".join("{" + ", ".join(block) + "}" for block in grouping)
+
+
+def plan_view(plan: planning.Plan, simulated: simulate.Simulated | None) -> RenderableType:
+    """Profiles, the recommendation (predicted vs simulated) and the alternatives."""
+    profiles = Table(
+        title=f"job profiles ({plan.recording.kind} {plan.recording.path}); medians of "
+        "hold, gap (a yield to the job's next request) and wait",
+        box=box.SIMPLE_HEAD,
+        title_justify="left",
+    )
+    for column in ("job", "group", "windows", "busy", "duty", "hold", "gap (p10-p90)", "wait"):
+        profiles.add_column(column, justify="left" if column in ("job", "group") else "right")
+    for job in plan.profiles:
+        for use in job.groups:
+            profiles.add_row(
+                job.job,
+                use.group,
+                str(use.windows),
+                _seconds(use.busy_s),
+                f"{use.duty:.0%}",
+                _seconds(use.hold.median),
+                f"{_seconds(use.gap.median)} ({_seconds(use.gap.p10)}-{_seconds(use.gap.p90)})"
+                if use.gap.count
+                else "-",
+                _seconds(use.wait.median),
+            )
+    costs = Table(title="switch costs (median)", box=box.SIMPLE_HEAD, title_justify="left")
+    for column in ("group", "snapshot", "restore", "SWITCH_DONE", "n"):
+        costs.add_column(column, justify="left" if column == "group" else "right")
+    for cost in plan.switch_costs:
+        done = cost.switch_done
+        costs.add_row(
+            cost.group,
+            _seconds(cost.snapshot_s),
+            _seconds(cost.restore_s),
+            _seconds(done.median) if done.count else "-",
+            str(done.count),
+        )
+    best = plan.recommended
+    rec = Table(
+        title=f"recommended: {_grouping(best.grouping)} on {best.gpus} GPU(s)",
+        box=box.SIMPLE_HEAD,
+        title_justify="left",
+    )
+    for column in (
+        "set",
+        "jobs",
+        "pools",
+        "load",
+        "hand-overs",
+        "makespan predicted",
+        "makespan simulated",
+    ):
+        rec.add_column(column, justify="right" if "makespan" in column else "left")
+    for index, block in enumerate(best.blocks, 1):
+        name = "+".join(block.jobs)
+        measured = simulated.makespan_s.get(name) if simulated is not None else None
+        rec.add_row(
+            str(index),
+            ", ".join(block.jobs),
+            ", ".join(block.pools),
+            " / ".join(f"{v:.0%}" for v in block.load.values()),
+            str(sum(block.switches.values())),
+            _seconds(block.makespan_s),
+            _seconds(measured) if measured is not None else "-",
+        )
+    alternatives = Table(
+        title=f"groupings considered ({plan.method} search: {plan.considered} scored; "
+        "gain: GPU-seconds of the same work on dedicated pools / as grouped)",
+        box=box.SIMPLE_HEAD,
+        title_justify="left",
+    )
+    for column in ("grouping", "GPUs", "predicted gain", ""):
+        alternatives.add_column(column, justify="right" if column == "predicted gain" else "left")
+    for c in (best, *plan.alternatives):
+        alternatives.add_row(_grouping(c.grouping), str(c.gpus), f"{c.gain:.2f}x", c.label)
+    lines = [
+        Text.assemble(("predicted gain ", "bold"), f"{best.gain:.2f}x", " over dedicated pools")
+    ]
+    if simulated is not None:
+        lines.append(
+            Text.assemble(
+                ("simulated gain ", "bold"),
+                f"{simulated.gain:.2f}x",
+                f" (real orchestrator and sim agents at {simulated.time_scale:.3g}x the "
+                f"recording's pace, {simulated.wall_s:.1f} s wall)",
+            )
+        )
+        lines.extend(Text(f"error: {e}", style="red") for e in simulated.errors)
+    else:
+        lines.append(Text("simulated gain: not run (--no-simulate)", style="dim"))
+    return Group(profiles, costs, rec, alternatives, *lines)

@@ -75,6 +75,9 @@ class DemoConfig:
     seed: int = 0
     #: Log level of the orchestrator and agent processes (their logs go to out_dir).
     log_level: str = "warning"
+    #: Where to save the orchestrator's events of both runs as an event log (JSON lines,
+    #: what ``tslice plan`` reads); None: not saved.
+    events_path: Path | None = None
 
     def check(self) -> None:
         """Raise :class:`ConfigError` naming the option and the fix."""
@@ -369,6 +372,10 @@ async def run_demo(config: DemoConfig, *, progress: DemoProgress | None = None) 
     )
     timeline.write(result.timeline_path, _timeline_html(result, events, ids))
     (out_dir / "summary.json").write_text(json.dumps(result.to_json(), indent=2) + "\n")
+    if config.events_path is not None:
+        from tslice.sim.planner import recording
+
+        recording.write_events(config.events_path, events)
     progress.stage = "done"
     return result
 

@@ -1,0 +1,204 @@
+"""What the planner reads: a recorded trace or an orchestrator event log, as one format.
+
+Two inputs are accepted, told apart by their content:
+
+* a **recorded trace** (``shared/traces/*.json``, the format :mod:`tslice.sim.trace`
+  reads): one JSON object with ``timeslice``;
+* an **event log**: the orchestrator's ``WatchEvents`` stream as JSON lines, one event a
+  line, as ``tslice events --json`` prints it and ``tslice demo --events FILE`` saves it
+  (``time`` ISO 8601, ``kind``, ``group_id``, ``job_id``, ``node``, ``duration_ms``,
+  ``from_job``, ``detail``, ...).
+
+An event log is turned into the trace format so that one derivation
+(:mod:`tslice.sim.derive`) serves both: a window of a group is a job's GRANTED to its
+YIELDED (or CANCELLED); its request time is the grant minus the wait GRANTED reports; a
+job's RL step starts at each grant of the first group the job was ever granted (its
+steps repeat, so that group opens every step); SNAPSHOT_DONE and RESTORE_DONE give the
+switch costs. The derivation drops stretches under half a trace second as rounding
+noise, which would be every phase of a time-compressed demo: an event log's clock is
+therefore read in milliseconds (one model second = :data:`EVENT_LOG_UNIT_S` of the
+log), and :attr:`Recording.unit_s` converts back.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import datetime
+import json
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import tslice.client as tsclient
+from tslice.common import errors
+
+TRACE = "trace"
+EVENT_LOG = "event log"
+#: Seconds of an event log per model second (see the module docstring).
+EVENT_LOG_UNIT_S = 0.001
+
+_FIX = (
+    "give a recorded trace (a JSON object with 'timeslice', e.g. shared/traces/*.json) or "
+    "an event log (JSON lines from `tslice events --json > FILE` or `tslice demo --events "
+    "FILE`)"
+)
+
+
+class PlanInputError(errors.ConfigError):
+    """The planner's input cannot be used; the message names what is wrong and the fix."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Recording:
+    """A source in the trace format, and how to read its clock."""
+
+    path: Path
+    kind: str
+    #: The trace format (:mod:`tslice.sim.trace`), times in model seconds.
+    raw: Mapping[str, Any]
+    #: Seconds of the source per model second (1 for a trace).
+    unit_s: float
+    #: Group -> SWITCH_DONE durations, seconds of the source (event logs only).
+    switch_done_s: Mapping[str, Sequence[float]]
+
+
+def event_record(event: tsclient.OrchestratorEvent) -> dict[str, Any]:
+    """One event as a line of an event log (what ``tslice events --json`` prints)."""
+    out = dataclasses.asdict(event)
+    out["kind"] = event.kind.value
+    out["time"] = event.time.isoformat() if event.time is not None else None
+    return out
+
+
+def write_events(path: Path, events: Iterable[tsclient.OrchestratorEvent]) -> Path:
+    """An event log file: one JSON object per line."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", encoding="utf-8") as out:
+        for event in events:
+            out.write(json.dumps(event_record(event)) + "\n")
+    return path
+
+
+def load(path: Path) -> Recording:
+    """Read a trace or an event log; :class:`PlanInputError` naming the problem and the fix."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise PlanInputError(f"{path} does not exist: {_FIX}") from None
+    except (OSError, UnicodeDecodeError) as err:
+        raise PlanInputError(f"{path} cannot be read ({err}): {_FIX}") from None
+    if not text.strip():
+        raise PlanInputError(
+            f"{path} is empty: record an event log while jobs run (`tslice events --json > "
+            f"{path.name}`, or `tslice demo --events {path.name}`)"
+        )
+    try:
+        whole: Any = json.loads(text)
+    except ValueError:
+        whole = None
+    if isinstance(whole, Mapping) and "timeslice" in whole:
+        return Recording(path, TRACE, whole, 1.0, {})
+    if isinstance(whole, Mapping) and "kind" in whole:
+        return _from_events(path, [whole])
+    if isinstance(whole, list) and whole and all(_is_event(e) for e in whole):
+        return _from_events(path, whole)
+    if whole is not None:
+        raise PlanInputError(f"{path} is JSON but neither a trace nor an event log: {_FIX}")
+    records: list[Mapping[str, Any]] = []
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError:
+            raise PlanInputError(
+                f"{path} line {number} is not JSON ({line[:40]!r}): unknown format; {_FIX}"
+            ) from None
+        if not _is_event(record):
+            raise PlanInputError(
+                f"{path} line {number} is not an orchestrator event (it needs 'kind', "
+                f"'group_id' and 'time'): {_FIX}"
+            )
+        records.append(record)
+    return _from_events(path, records)
+
+
+def _is_event(record: Any) -> bool:
+    return isinstance(record, Mapping) and {"kind", "group_id", "time"} <= set(record)
+
+
+def _time(path: Path, record: Mapping[str, Any]) -> float:
+    value = record.get("time")
+    try:
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return float(value)
+        return datetime.datetime.fromisoformat(str(value)).timestamp()
+    except ValueError:
+        raise PlanInputError(
+            f"{path}: event {dict(record)} has no readable 'time' (ISO 8601, as `tslice "
+            "events --json` writes it)"
+        ) from None
+
+
+def _from_events(path: Path, records: Sequence[Mapping[str, Any]]) -> Recording:
+    """The event log in the trace format (see the module docstring)."""
+    timed = sorted(((_time(path, r), i, r) for i, r in enumerate(records)), key=lambda x: x[:2])
+    if not any(r.get("kind") == tsclient.EventKind.GRANTED.value for _, _, r in timed):
+        raise PlanInputError(
+            f"{path} has {len(records)} event(s) but no GRANTED one: no job held a group "
+            "while it was recorded; record the log while jobs run"
+        )
+    origin = timed[0][0]
+    scale = 1.0 / EVENT_LOG_UNIT_S
+    windows: dict[str, list[dict[str, Any]]] = collections.defaultdict(list)
+    events: list[dict[str, Any]] = []
+    open_at: dict[tuple[str, str], float] = {}
+    lead: dict[str, str] = {}
+    steps: collections.Counter[str] = collections.Counter()
+    switch_done: dict[str, list[float]] = collections.defaultdict(list)
+    pending: list[dict[str, Any]] = []  # acquired events of windows not closed yet
+    for when, _, r in timed:
+        t = (when - origin) * scale
+        kind, group, job = r.get("kind"), str(r.get("group_id", "")), str(r.get("job_id", ""))
+        ms = float(r.get("duration_ms") or 0)
+        if kind == tsclient.EventKind.GRANTED.value and job and (group, job) not in open_at:
+            open_at[(group, job)] = t
+            first = lead.setdefault(job, group)
+            if first == group:
+                steps[job] += 1
+            acquired = {"t": t, "kind": "acquired", "job": job, "pool": group}
+            pending.append(acquired | {"wait_ms": ms * scale, "step": steps[job] - 1})
+        elif kind in (tsclient.EventKind.YIELDED.value, tsclient.EventKind.CANCELLED.value):
+            t0 = open_at.pop((group, job), None)
+            if t0 is not None:
+                windows[group].append({"t0": t0, "t1": t, "job": job})
+                match = next(a for a in pending if a["job"] == job and a["pool"] == group)
+                pending.remove(match)
+                events.append(match)
+        elif kind == tsclient.EventKind.SNAPSHOT_DONE.value:
+            events.append({"t": t, "kind": "ckpt_done", "pool": group, "ms": ms * scale})
+        elif kind == tsclient.EventKind.RESTORE_DONE.value:
+            events.append({"t": t, "kind": "restore_done", "pool": group, "ms": ms * scale})
+        elif kind == tsclient.EventKind.SWITCH_DONE.value and r.get("from_job"):
+            switch_done[group].append(ms / 1000.0)
+    _check_switch_costs(path, windows, events)
+    raw = {"meta": {"source": "event log"}, "timeslice": {"windows": windows, "events": events}}
+    return Recording(path, EVENT_LOG, raw, EVENT_LOG_UNIT_S, dict(switch_done))
+
+
+def _check_switch_costs(
+    path: Path, windows: Mapping[str, list[dict[str, Any]]], events: Sequence[Mapping[str, Any]]
+) -> None:
+    """A group several jobs took turns on needs its snapshot and restore times."""
+    for group, items in windows.items():
+        if len({w["job"] for w in items}) < 2:
+            continue
+        for kind, name in (("ckpt_done", "SNAPSHOT_DONE"), ("restore_done", "RESTORE_DONE")):
+            if not any(e["kind"] == kind and e["pool"] == group for e in events):
+                raise PlanInputError(
+                    f"{path}: group {group} was shared by several jobs but the log has no "
+                    f"{name} event of it, so its switch cost is unknown: record the log "
+                    "from before the jobs start (`tslice events --json` sees only what "
+                    "happens while it runs)"
+                )

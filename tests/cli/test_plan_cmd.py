@@ -1,0 +1,70 @@
+"""`tslice plan` through the real command line: the table, --json, --apply, bad input."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.cli.test_cli import run_cli
+from tests.sim.test_plan import _four_jobs
+from tslice.orchestrator import config
+
+
+def test_apply_writes_a_topology_the_orchestrator_loads(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "conf" / "topology.yaml"
+    code, stdout, err = run_cli(
+        capsys, "plan", str(_four_jobs(tmp_path)), "--no-simulate", "--apply", "--out", str(out)
+    )
+    assert code == 0, err
+    assert "recommended: {A, B}  {C, D} on 4 GPU(s)" in stdout
+    assert "exhaustive search: 15 scored" in stdout
+    assert f"wrote {out}" in stdout
+    topology = config.load_topology(out)
+    assert set(topology.groups) == {"sampler-1", "trainer-1", "sampler-2", "trainer-2"}
+    agents = sorted(node.address for nodes in topology.groups.values() for node in nodes)
+    assert agents == [f"127.0.0.1:{9001 + i}" for i in range(4)]
+    text = out.read_text()
+    assert "# job(s) A, B: groups" in text and "# job(s) C, D: groups" in text
+
+
+def test_json_document_and_given_agents(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "topology.yaml"
+    agents = [f"--agent=10.0.0.{i}:9001" for i in range(1, 5)]
+    code, stdout, err = run_cli(
+        capsys,
+        "plan",
+        str(_four_jobs(tmp_path)),
+        "--no-simulate",
+        "--json",
+        "--apply",
+        "--out",
+        str(out),
+        *agents,
+    )
+    assert code == 0, err
+    document = json.loads(stdout)
+    assert document["recommended"]["grouping"] == [["A", "B"], ["C", "D"]]
+    assert document["search"] == {"method": "exhaustive", "groupings_scored": 15}
+    assert "simulated" not in document and document["topology"] == str(out)
+    loaded = config.load_topology(out)
+    assert {n.address for nodes in loaded.groups.values() for n in nodes} == {
+        f"10.0.0.{i}:9001" for i in range(1, 5)
+    }
+
+
+def test_too_few_agents_and_bad_input_exit_2_with_the_fix(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    source = str(_four_jobs(tmp_path))
+    code, _, err = run_cli(capsys, "plan", source, "--apply", "--agent", "127.0.0.1:9001")
+    assert code == 2
+    assert "has 4 node(s)" in err and "give one --agent per node" in err
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    code, _, err = run_cli(capsys, "plan", str(empty))
+    assert code == 2
+    assert err.startswith("error: ") and "is empty: record an event log" in err

@@ -1,0 +1,155 @@
+"""The placement planner on recordings with a known best answer, and on bad input."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.sim.traces import Lane, constructed
+from tslice.sim import trace
+from tslice.sim.planner import plan, predict, recording, search
+
+# A and C mostly train, B and D mostly sample. A/B and C/D are each other's mirror
+# image (one trains while the other samples, and their steps last as long); A/D or
+# C/B leave one pool over-full, A/C (or B/D) want the same pool most of the time.
+_STEPS = 4
+_SHAPES: dict[str, Lane] = {
+    "A": [(("trainer",), 80.0), (("sampler",), 20.0)],
+    "B": [(("sampler",), 80.0), (("trainer",), 20.0)],
+    "C": [(("trainer",), 60.0), (("sampler",), 40.0)],
+    "D": [(("sampler",), 60.0), (("trainer",), 40.0)],
+}
+
+
+def _write(tmp_path: Path, raw: dict[str, Any], name: str = "run.json") -> Path:
+    path = tmp_path / name
+    path.write_text(json.dumps(raw))
+    return path
+
+
+def _four_jobs(tmp_path: Path) -> Path:
+    # One job after the other (as an exclusive run records them): no window overlaps
+    # another job's, so both pools are shared.
+    jobs = {job: (i * 1000.0, [lane]) for i, (job, lane) in enumerate(_SHAPES.items())}
+    raw = constructed(jobs, steps=_STEPS, mode="sync", shared=("sampler", "trainer"))
+    return _write(tmp_path, raw)
+
+
+def test_complementary_jobs_are_paired_and_colliding_ones_kept_apart(tmp_path: Path) -> None:
+    result = plan.make_plan(plan.PlanConfig(source=_four_jobs(tmp_path), steps=_STEPS))
+    assert result.method == search.EXHAUSTIVE
+    assert result.considered == 15  # Bell(4): every grouping of four jobs
+    assert result.recommended.grouping == (("A", "B"), ("C", "D"))
+    gains = {c.grouping: c.gain for c in (result.recommended, *result.alternatives)}
+    # The mirror images nearly double the work per GPU; mixing the pairs does worse,
+    # and the trainer-heavy jobs together do worst of the pairings.
+    assert result.recommended.gain > 1.8
+    assert all(
+        g < result.recommended.gain for k, g in gains.items() if k != (("A", "B"), ("C", "D"))
+    )
+    collide = plan._forecast(
+        result.model, {j: result.plans[j] for j in ("A", "C")}, result.recording.unit_s
+    )
+    paired = plan._forecast(
+        result.model, {j: result.plans[j] for j in ("A", "B")}, result.recording.unit_s
+    )
+    assert collide.makespan_s > 1.3 * paired.makespan_s
+    assert gains[(("A",), ("B",), ("C",), ("D",))] == pytest.approx(1.0)
+
+
+def test_max_sets_bounds_the_blocks(tmp_path: Path) -> None:
+    result = plan.make_plan(plan.PlanConfig(source=_four_jobs(tmp_path), max_sets=1))
+    assert result.recommended.grouping == (("A", "B", "C", "D"),)
+    assert result.alternatives == ()
+
+
+def test_the_heuristic_finds_the_pairs_beyond_exhaustive_search() -> None:
+    # Ten jobs: five of each mirror shape. The cost is the predicted GPU-seconds.
+    model = trace.derive_model(
+        constructed(
+            {j: (i * 1000.0, [_SHAPES[j]]) for i, j in enumerate("AB")},
+            steps=3,
+            mode="sync",
+            shared=("sampler", "trainer"),
+        )
+    )
+    jobs = [f"{'AB'[i % 2]}{i}" for i in range(10)]
+    lanes = {j: model.job_lanes(steps=3, seed=0, index=i % 2) for i, j in enumerate(jobs)}
+
+    def cost(block: search.Block) -> float:
+        if len(block) == 1:
+            return predict.solo_s(lanes[block[0]]) * 2
+        return (
+            2
+            * predict.together(
+                {j: lanes[j] for j in block},
+                switch=model.switch,
+                shared=model.shared,
+                slowdown=1.0,
+            ).makespan_s
+        )
+
+    found = search.search(jobs, cost)
+    assert found.method == search.HEURISTIC
+    best = found.scored[0][0]
+    assert all(sorted(j[0] for j in block) == ["A", "B"] for block in best), best
+
+
+def _events(tmp_path: Path, lines: list[dict[str, Any]]) -> Path:
+    path = tmp_path / "events.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return path
+
+
+def _event(t: float, kind: str, group: str, job: str, **extra: Any) -> dict[str, Any]:
+    when = f"2026-12-02T00:00:{t:06.3f}+00:00"
+    return {"time": when, "kind": kind, "group_id": group, "job_id": job, **extra}
+
+
+@pytest.mark.parametrize(
+    ("content", "expected"),
+    [
+        (None, "does not exist"),
+        ("", "is empty: record an event log"),
+        ("not json at all\n", "line 1 is not JSON"),
+        ('{"hello": 1}', "neither a trace nor an event log"),
+        ('{"kind": "GRANTED"}\n{"x": 1}\n', "line 1 is not an orchestrator event"),
+    ],
+)
+def test_bad_input_names_what_is_wrong(tmp_path: Path, content: str | None, expected: str) -> None:
+    path = tmp_path / "input.jsonl"
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(recording.PlanInputError, match=expected):
+        plan.make_plan(plan.PlanConfig(source=path))
+
+
+def test_an_event_log_of_one_job_is_refused_with_the_fix(tmp_path: Path) -> None:
+    lines = []
+    for step in range(3):
+        t = step * 3.0
+        lines += [
+            _event(t, "GRANTED", "trainer", "A"),
+            _event(t + 1, "YIELDED", "trainer", "A"),
+            _event(t + 1, "GRANTED", "sampler", "A"),
+            _event(t + 2, "YIELDED", "sampler", "A"),
+        ]
+    with pytest.raises(recording.PlanInputError, match=r"has one job \(A\).*--jobs N"):
+        plan.make_plan(plan.PlanConfig(source=_events(tmp_path, lines)))
+
+
+def test_an_event_log_without_grants_or_switch_costs_says_so(tmp_path: Path) -> None:
+    queued = [_event(0, "QUEUED", "trainer", "A")]
+    with pytest.raises(recording.PlanInputError, match="no GRANTED one"):
+        recording.load(_events(tmp_path, queued))
+    shared = [
+        _event(0, "GRANTED", "trainer", "A"),
+        _event(1, "YIELDED", "trainer", "A"),
+        _event(1.5, "GRANTED", "trainer", "B"),
+        _event(2, "YIELDED", "trainer", "B"),
+    ]
+    with pytest.raises(recording.PlanInputError, match="no SNAPSHOT_DONE event of it"):
+        recording.load(_events(tmp_path, shared))
