@@ -11,18 +11,21 @@ class FairShare(base.Policy):
     """The waiter with the least device time per unit of weight goes next.
 
     A job's *usage* is the seconds it held the group (each turn charged at least
-    ``quantum_s``) divided by its weight. A job that starts waiting after a pause is
-    not owed the time it did not ask for: its usage is raised to the *virtual time*
-    (the least usage among the jobs holding or waiting then), and a lead beyond
-    ``memory_s`` over it is forgiven. Usage is kept in memory: a restart starts
+    ``quantum_s``) divided by its weight. A job is not given a huge credit when it
+    asks again: the *virtual time* ``V`` is the least usage among the jobs holding
+    or waiting (it never goes down); a new job starts at ``V``, a job coming back
+    keeps at most ``credit_s`` of what it is owed (its usage is raised to at least
+    ``V - credit_s``: a job that yields and asks again at once keeps its due, one
+    that was away long is not owed the time it did not ask for), and a lead beyond
+    ``memory_s`` over ``V`` is forgiven. Usage is kept in memory: a restart starts
     every job at zero (documented reset: the bound below counts from the restart).
 
     Starvation bound: while ``W`` waits its usage ``u_W`` stays fixed, every other
-    job's usage is at least the virtual time ``V`` at ``W``'s arrival, and each turn
-    of ``X`` raises ``X``'s by at least ``quantum_s / w_X``; ``X`` goes first only while
-    its usage is at most ``u_W``. So ``W`` is passed by at most
-    ``sum over X != W of (floor((u_W - V) * w_X / quantum_s) + 1)`` grants, with
-    ``u_W - V <= memory_s`` (:meth:`passes_bound`).
+    active job's usage is at least ``V - credit_s`` (``V`` at ``W``'s arrival), and
+    each turn of ``X`` raises ``X``'s by at least ``quantum_s / w_X``; ``X`` goes first
+    only while its usage is at most ``u_W``. So ``W`` is passed by at most
+    ``sum over X != W of (floor((u_W - V + credit_s) * w_X / quantum_s) + 1)``
+    grants, with ``u_W - V <= memory_s`` (:meth:`passes_bound`).
     """
 
     kind = "fair-share"
@@ -46,7 +49,7 @@ class FairShare(base.Policy):
 
     def passes_bound(self, job: str, others: Collection[str]) -> int:
         """How many grants to ``others`` may still go before ``job`` (waiting now)."""
-        lead = self.usage(job) - self._vtime
+        lead = self.usage(job) - self._vtime + self.settings.credit_s
         quantum = self.settings.quantum_s
         return sum(int(lead * self.weight(x) / quantum) + 1 for x in others if x != job)
 
@@ -59,7 +62,8 @@ class FairShare(base.Policy):
         if others:
             self._vtime = max(self._vtime, min(others))
         floor = self._vtime
-        self._usage[job] = min(max(self.usage(job), floor), floor + self.settings.memory_s)
+        owed = self.settings.credit_s
+        self._usage[job] = min(max(self.usage(job), floor - owed), floor + self.settings.memory_s)
 
     def released(self, job: str, *, now: float) -> None:
         held = self.phases.released(job, now)

@@ -48,6 +48,7 @@ class FairShareModel(_Model):
     default_weight: _Weight = 1.0
     quantum_s: _Seconds = 1.0
     memory_s: _Seconds = 600.0
+    credit_s: float = pydantic.Field(10.0, ge=0, allow_inf_nan=False)
     _jobs = pydantic.field_validator("weights")(_job_ids)
 
 
@@ -88,7 +89,11 @@ def spec_of(
         return policy_spec.PrioritySpec(model.aging_s, dict(model.priority), model.default_priority)
     if isinstance(model, FairShareModel):
         return policy_spec.FairShareSpec(
-            dict(model.weights), model.default_weight, model.quantum_s, model.memory_s
+            dict(model.weights),
+            model.default_weight,
+            model.quantum_s,
+            model.memory_s,
+            model.credit_s,
         )
     if isinstance(model, CostAwareModel):
         return policy_spec.CostAwareSpec(

@@ -40,6 +40,9 @@ class FairShareSpec:
     #: A job's lead over the least-served active job is capped at this many weighted
     #: seconds when it starts waiting: older usage is forgiven.
     memory_s: float = 600.0
+    #: A job that comes back keeps at most this much of what it is owed (weighted
+    #: seconds below the least-served active job); a new job is owed nothing.
+    credit_s: float = 10.0
 
 
 @dataclasses.dataclass(frozen=True)
