@@ -68,3 +68,11 @@ def test_too_few_agents_and_bad_input_exit_2_with_the_fix(
     code, _, err = run_cli(capsys, "plan", str(empty))
     assert code == 2
     assert err.startswith("error: ") and "is empty: record an event log" in err
+
+
+def test_events_refuses_an_unknown_kind_before_connecting(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    code, _, err = run_cli(capsys, "events", "--kind", "GRANTD", "--addr", "127.0.0.1:1")
+    assert code == 2
+    assert "unknown event kind 'GRANTD'" in err and "SWITCH_DONE" in err

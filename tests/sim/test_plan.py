@@ -153,3 +153,35 @@ def test_an_event_log_without_grants_or_switch_costs_says_so(tmp_path: Path) -> 
     ]
     with pytest.raises(recording.PlanInputError, match="no SNAPSHOT_DONE event of it"):
         recording.load(_events(tmp_path, shared))
+
+
+def _lane(*phases: tuple[tuple[str, ...], float], steps: int = 1) -> predict.Lanes:
+    return [[[trace.Phase("+".join(p) or "cpu", p, s) for p, s in phases] for _ in range(steps)]]
+
+
+def test_the_model_hands_over_as_the_orchestrator_does() -> None:
+    """FIFO; a hand-over snapshots the resident job and restores the incoming one if it
+    was loaded before; a pool yielded while nobody waits stays with its job for free."""
+    switch = {"trainer": trace.SwitchCost(trace.Stat(4.0, 0, 1), trace.Stat(1.5, 0, 1))}
+
+    def run(**plans: predict.Lanes) -> predict.Outcome:
+        return predict.together(plans, switch=switch, shared=["trainer"], slowdown=1.0)
+
+    # B waits for A, then costs A's snapshot (B was never loaded: nothing to restore).
+    first = run(A=_lane((("trainer",), 10)), B=_lane((("trainer",), 10)))
+    assert (first.makespan_s, first.switches["trainer"], first.switching_s["trainer"]) == (
+        24.0,
+        1,
+        4.0,
+    )
+    # A gets the trainer back at no cost while nobody else asked for it.
+    again = run(
+        A=_lane((("trainer",), 10), ((), 5), steps=2), B=_lane(((), 100), (("trainer",), 10))
+    )
+    assert again.makespan_s == 114.0 and again.switches["trainer"] == 1
+    # A comes back after B: B's snapshot and A's restore.
+    back = run(
+        A=_lane((("trainer",), 10), ((), 20), steps=2), B=_lane(((), 12), (("trainer",), 10))
+    )
+    assert back.makespan_s == 65.5 and back.switches["trainer"] == 2
+    assert back.switching_s["trainer"] == 9.5 and back.held_s["trainer"] == 30.0
