@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from tests.orchestrator.orch_harness import Cluster, Events, acquire, yield_
 from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2 as opb
 from tslice.orchestrator import decisions, policy
@@ -120,23 +122,18 @@ def test_fair_share_gives_a_newcomer_no_credit_for_the_time_it_was_away() -> Non
 # ---- cost-aware -----------------------------------------------------------------------------
 
 
-def test_cost_aware_prefers_the_waiter_cheapest_to_bring_in() -> None:
-    g = with_policy(policy.CostAwareSpec(default_switch_s=1.0))
+@pytest.mark.parametrize(("yield_at", "first"), [(3, "light"), (10, "heavy")])
+def test_cost_aware_prefers_the_cheapest_waiter_until_another_is_overdue(
+    yield_at: float, first: str
+) -> None:
+    g = with_policy(policy.CostAwareSpec(default_switch_s=1.0, max_defer_s=10))
     started(g, "a")
     g.on_switch_measured(None, "heavy", seconds=8.0)
     g.on_switch_measured(None, "light", seconds=0.5)
-    g.on_acquire("heavy", now=1)
-    g.on_acquire("light", now=2)
-    assert hand_over(g, "a", 3) == "light"
-
-
-def test_cost_aware_prefers_the_cheap_one_only_until_the_other_is_overdue() -> None:
-    g = with_policy(policy.CostAwareSpec(max_defer_s=10))
-    started(g, "a")
-    g.on_switch_measured(None, "heavy", seconds=8.0)
     g.on_acquire("heavy", now=0)
     g.on_acquire("light", now=1)
-    assert hand_over(g, "a", 10) == "heavy"  # waited 10 s: overdue, goes first
+    # At 10 s heavy has waited max_defer_s: overdue, it goes first.
+    assert hand_over(g, "a", yield_at) == first
 
 
 def bursty(g: lk.GroupLock, job: str = "a", gap: float = 0.2) -> float:
