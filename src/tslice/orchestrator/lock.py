@@ -111,6 +111,7 @@ class GroupLock(lock_state.LockState):
         :meth:`on_expire` at :attr:`wake_at`, so the policy may keep an idle group for
         its resident (cost-aware); without it the group never waits idle."""
         self._policy = policy
+        self._policy_given = True
         self._woken = woken
 
     # ---- events ---------------------------------------------------------------------------

@@ -111,6 +111,7 @@ class LockState:
         self._evicted: dict[str, str] = {}
         #: Who of the live waiters goes next (see tslice.orchestrator.policy).
         self._policy = policy if policy is not None else sched.Policy()
+        self._policy_given = policy is not None
         #: The driver calls on_expire at wake_at: only then may the policy keep an idle
         #: group for its resident (a hold needs a wake-up to end).
         self._woken = False
@@ -210,6 +211,11 @@ class LockState:
     @property
     def policy(self) -> sched.Policy:
         return self._policy
+
+    @property
+    def policy_configured(self) -> bool:
+        """A policy was given (at construction or by ``use_policy``), not the default."""
+        return self._policy_given
 
     @property
     def wake_at(self) -> float | None:

@@ -87,8 +87,10 @@ class SwitchRunner:
         self._durations: dict[tuple[str, str], Any] = {}
         self._completed = series.switches.labels(group_id=self._gid, outcome="completed")
         self._duration = series.switch_duration.labels(group_id=self._gid)
-        # The group's policy from its configuration; the runner feeds it what it measures.
-        group.lock.use_policy(policy.build(cfg.policy_for(self._gid)))
+        # The group's policy from its configuration, unless its driver gave the lock one;
+        # the runner feeds it what it measures.
+        if not group.lock.policy_configured:
+            group.lock.use_policy(policy.build(cfg.policy_for(self._gid)))
 
     def start(self, s: decisions.StartSwitch) -> None:
         """Start the switch ``s`` (from the worker, once its intent is persisted)."""
