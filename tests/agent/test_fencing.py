@@ -136,11 +136,18 @@ async def test_a_deposed_leader_moves_nothing_even_after_a_sigkill(
         ]
         assert _journal(state_dir) == [("job-a", "alloc")]
 
+        # A stream the old leader opens now is refused grant by grant (refused as a whole,
+        # it would read as an agent without GrantStream, and the refusal would be lost).
+        address = json.loads(second.ready_file.read_text())["address"]
+        await old.close()
+        old = agents.AgentClient(address, term=old_term)
+        await old.status()
+        with pytest.raises(agents.AgentDeposed):
+            await _grant(old, "job-b", 2, ["job-a"])
+
         # The new leader moves the node; re-elected later, it re-opens its stream.
         await new.close()
-        new = agents.AgentClient(
-            json.loads(second.ready_file.read_text())["address"], term=new_term
-        )
+        new = agents.AgentClient(address, term=new_term)
         await new.status()
         assert (await _grant(new, "job-b", 2, ["job-a"])).granted
         new_term.advance(4)

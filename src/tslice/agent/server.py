@@ -277,9 +277,10 @@ class SnapshotAgentServicer(pb_grpc.SnapshotAgentServiceServicer):
     ) -> AsyncIterator[pb.GrantStreamResponse]:
         """Grants of one caller: each runs as it arrives, replies go out as they finish.
 
-        The stream's term (from its metadata) is checked at its opening and again for
-        each grant: a stream of a leader deposed since it opened moves nothing more."""
-        term = await self._fenced(context)
+        The stream's term (from its metadata; a newer one is adopted as it opens) is
+        checked for each grant, whose reply carries the refusal: a stream refused as a
+        whole would read to the caller as an agent without GrantStream."""
+        term = await self._fenced(context, directive=False)
         async for reply in unique_requests.serve(
             request_iterator,
             functools.partial(self._stream_reply, term=term),
