@@ -15,9 +15,12 @@ Term 0 means "not elected": the embedded (single-orchestrator) mode, which sends
 
 from __future__ import annotations
 
+import logging
 import re
 import threading
 from collections.abc import Callable
+
+log = logging.getLogger(__name__)
 
 #: gRPC metadata key carrying the sender's leader term (decimal).
 METADATA_KEY = "x-tslice-leader-term"
@@ -65,7 +68,10 @@ class Term:
         with self._guard:
             listeners = list(self._listeners)
         for listener in listeners:
-            listener(newer)
+            try:
+                listener(newer)
+            except Exception:  # the caller is an agent call's error path: never break it
+                log.exception("a listener of leader term %d's deposition failed", self._value)
 
 
 def parse(value: str) -> int:
