@@ -60,10 +60,17 @@ def test_complementary_jobs_are_paired_and_colliding_ones_kept_apart(tmp_path: P
     assert gains[(("A",), ("B",), ("C",), ("D",))] == pytest.approx(1.0)
 
 
-def test_max_sets_bounds_the_blocks(tmp_path: Path) -> None:
-    result = plan.make_plan(plan.PlanConfig(source=_four_jobs(tmp_path), max_sets=1))
+def test_max_sets_and_max_share_bound_the_blocks(tmp_path: Path) -> None:
+    source = _four_jobs(tmp_path)
+    result = plan.make_plan(plan.PlanConfig(source=source, max_sets=1))
     assert result.recommended.grouping == (("A", "B", "C", "D"),)
     assert result.alternatives == ()
+    pairs = plan.make_plan(plan.PlanConfig(source=source, max_share=2))
+    assert pairs.recommended.grouping == (("A", "B"), ("C", "D"))
+    assert pairs.considered == 10  # Bell(4) less the 4 + 1 with a block of 3 or 4
+    assert all(len(b) <= 2 for c in pairs.alternatives for b in c.grouping)
+    with pytest.raises(recording.PlanInputError, match="raise --max-sets or --max-share"):
+        plan.make_plan(plan.PlanConfig(source=source, max_sets=1, max_share=2))
 
 
 def test_the_heuristic_finds_the_pairs_beyond_exhaustive_search() -> None:

@@ -46,6 +46,15 @@ def plan(
             help="At most this many sets of pools (default: one per job at most).",
         ),
     ] = None,
+    max_share: Annotated[
+        int | None,
+        typer.Option(
+            "--max-share",
+            min=1,
+            help="At most this many jobs share one set of pools (bounds each job's "
+            "slowdown; default: no bound).",
+        ),
+    ] = None,
     seed: Annotated[int, typer.Option("--seed", help="Seed of the phase jitter.")] = 0,
     simulate: Annotated[
         bool,
@@ -85,7 +94,7 @@ def plan(
     from tslice.sim.planner import topology
 
     config = planning.PlanConfig(
-        source=source, jobs=jobs, steps=steps, seed=seed, max_sets=max_sets
+        source=source, jobs=jobs, steps=steps, seed=seed, max_sets=max_sets, max_share=max_share
     )
     result = planning.make_plan(config)
     # The topology is built (and its addresses checked) before minutes of simulation.

@@ -35,6 +35,8 @@ class PlanConfig:
     seed: int = 0
     #: At most this many sets of pools (None: as many as there are jobs).
     max_sets: int | None = None
+    #: At most this many jobs share one set of pools (None: no bound).
+    max_share: int | None = None
     alternatives: int = DEFAULT_ALTERNATIVES
 
     def check(self) -> None:
@@ -44,6 +46,8 @@ class PlanConfig:
             raise recording.PlanInputError(f"--jobs must be between 2 and 26 (got {self.jobs})")
         if self.max_sets is not None and self.max_sets < 1:
             raise recording.PlanInputError(f"--max-sets must be at least 1 (got {self.max_sets})")
+        if self.max_share is not None and self.max_share < 1:
+            raise recording.PlanInputError(f"--max-share must be at least 1 (got {self.max_share})")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -171,7 +175,15 @@ def make_plan(config: PlanConfig) -> Plan:
         return forecasts[block]
 
     solo = {job: predict.solo_s(lanes) * unit for job, lanes in plans.items()}
-    searched = search.search(list(plans), lambda b: forecast(b).gpu_s, max_sets=config.max_sets)
+    try:
+        searched = search.search(
+            list(plans),
+            lambda b: forecast(b).gpu_s,
+            max_sets=config.max_sets,
+            max_share=config.max_share,
+        )
+    except ValueError as err:
+        raise recording.PlanInputError(f"{err}: raise --max-sets or --max-share") from None
     numerator = sum(solo[j] * len(shared_pools(model, [plans[j]])) for j in plans)
 
     def candidate(grouping: search.Grouping, label: str = "") -> Candidate:
@@ -186,7 +198,9 @@ def make_plan(config: PlanConfig) -> Plan:
         search.canonical([list(plans)], list(plans)): ALL_IN_ONE,
     }
     for grouping, label in references.items():
-        if config.max_sets is not None and len(grouping) > config.max_sets:
+        too_many = config.max_sets is not None and len(grouping) > config.max_sets
+        too_big = config.max_share is not None and len(grouping[0]) > config.max_share
+        if too_many or too_big:
             continue
         if grouping == best.grouping:
             best = dataclasses.replace(best, label=f"recommended ({label})")

@@ -15,8 +15,9 @@ block is predicted once (:mod:`tslice.sim.planner.predict`) whatever grouping it
 
 Up to :data:`EXHAUSTIVE_MAX_JOBS` jobs every grouping is scored (Bell(8) = 4140); beyond,
 a heuristic: start from every job alone, merge the two blocks whose merge saves the most
-GPU-seconds while one does, then move single jobs between blocks and swap pairs of jobs
-while that improves (a local optimum, not a proven one).
+GPU-seconds while one does (or while there are more blocks than sets allowed), then move
+single jobs between blocks and swap pairs of jobs while that improves (a local optimum,
+not a proven one). ``max_sets`` and ``max_share`` bound the blocks and their size.
 """
 
 from __future__ import annotations
@@ -62,11 +63,24 @@ class Searched:
 
 
 def search(
-    jobs: Sequence[str], cost: Callable[[Block], float], *, max_sets: int | None = None
+    jobs: Sequence[str],
+    cost: Callable[[Block], float],
+    *,
+    max_sets: int | None = None,
+    max_share: int | None = None,
 ) -> Searched:
     """The groupings of ``jobs`` by ``cost`` (GPU-seconds of a block), at most ``max_sets``
-    blocks each; exhaustive for few jobs, heuristic beyond (see the module doc)."""
+    blocks of at most ``max_share`` jobs each; exhaustive for few jobs, heuristic beyond
+    (see the module doc)."""
     limit = max_sets or len(jobs)
+    share = max_share or len(jobs)
+    if limit * share < len(jobs):
+        raise ValueError(
+            f"{len(jobs)} jobs do not fit {limit} set(s) of pools of at most {share} job(s)"
+        )
+
+    def allowed(blocks: Sequence[Sequence[str]]) -> bool:
+        return len(blocks) <= limit and all(len(b) <= share for b in blocks)
 
     def total(grouping: Grouping) -> float:
         return sum(cost(block) for block in grouping)
@@ -75,12 +89,12 @@ def search(
     if len(jobs) <= EXHAUSTIVE_MAX_JOBS:
         method = EXHAUSTIVE
         for blocks in partitions(list(jobs)):
-            if len(blocks) <= limit:
+            if allowed(blocks):
                 grouping = canonical(blocks, jobs)
                 seen[grouping] = total(grouping)
     else:
         method = HEURISTIC
-        _heuristic(jobs, total, limit, seen)
+        _heuristic(jobs, total, limit, share, seen)
     scored = sorted(seen.items(), key=lambda kv: (round(kv[1], 9), len(kv[0]), kv[0]))
     return Searched(method=method, scored=tuple(scored))
 
@@ -89,6 +103,7 @@ def _heuristic(
     jobs: Sequence[str],
     total: Callable[[Grouping], float],
     limit: int,
+    share: int,
     seen: dict[Grouping, float],
 ) -> None:
     def score(blocks: Sequence[Sequence[str]]) -> tuple[Grouping, float]:
@@ -104,7 +119,10 @@ def _heuristic(
         merges = [
             score([*(b for k, b in enumerate(current) if k not in (i, j)), current[i] + current[j]])
             for i, j in itertools.combinations(range(len(current)), 2)
+            if len(current[i]) + len(current[j]) <= share
         ]
+        if not merges:
+            break
         grouping, value = min(merges, key=lambda gv: gv[1])
         if value >= best and len(current) <= limit:
             break
@@ -114,7 +132,7 @@ def _heuristic(
     while improved:
         improved = False
         for candidate in _neighbours(current):
-            if len(candidate) > limit:
+            if len(candidate) > limit or any(len(b) > share for b in candidate):
                 continue
             grouping, value = score(candidate)
             if value < best - 1e-9:
