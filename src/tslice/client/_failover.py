@@ -239,6 +239,7 @@ class _Channels:
         self.targets = targets
         self._make = make
         self._open: dict[str, Any] = {}
+        self._closed = False
         self._guard = threading.Lock()
 
     def pick(self) -> tuple[str, Any]:
@@ -246,13 +247,20 @@ class _Channels:
         with self._guard:
             channel = self._open.get(target)
             if channel is None:
+                if self._closed:
+                    # A call after close() fails as on a closed gRPC channel (one of ours
+                    # where there is one); it never opens a channel nobody would close.
+                    if not self._open:
+                        raise ValueError("Cannot invoke RPC on closed channel!")
+                    return target, next(iter(self._open.values()))
                 channel = self._open[target] = self._make(target)
         return target, channel
 
     def take_all(self) -> list[Any]:
+        """The channels to close; the calls made later fail on them."""
         with self._guard:
-            channels, self._open = list(self._open.values()), {}
-        return channels
+            self._closed = True
+            return list(self._open.values())
 
     def method(
         self,
