@@ -13,6 +13,10 @@
    offload and restore of a module holding the same bytes, bit-exact, against
    plain PyTorch copies into pinned host buffers (``non_blocking=True``) of the
    same tensors.
+3. **Overlapped switch** (issue 9 §2, ``bench/torch_overlap.py``): two jobs of
+   ``--size-gib`` take turns, sequentially (snapshot, then restore) and overlapped
+   (progressive offload on one side, restore on the other within one state's memory),
+   both bit-exact.
 
 It prints a table (or one JSON object with ``--json``) and exits 0 if every check
 passed, 1 if one failed, 2 if there is no GPU. ``--simulate`` runs the same flow on
@@ -120,6 +124,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--skip-cuda", action="store_true", help="skip part 1")
     parser.add_argument("--skip-torch", action="store_true", help="skip part 2")
+    parser.add_argument("--skip-overlap", action="store_true", help="skip part 3")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     return parser.parse_args(argv)
 
@@ -371,6 +376,24 @@ def torch_part(args: argparse.Namespace, report: Report) -> None:
         )
 
 
+def overlap_part(args: argparse.Namespace, report: Report) -> None:
+    """Part 3 (issue 9 §2): a TorchAdapter switch between two jobs, sequential (snapshot,
+    then restore) against overlapped (both at once within one state's memory), as
+    ``bench/torch_overlap.py`` measures it."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import torch_overlap
+
+    device = "cpu" if args.simulate else "cuda"
+    r = torch_overlap.measure(args.size_gib, args.tensors, args.reps, device)
+    note = f"median of {args.reps} switches each way, {args.tensors} tensors per job"
+    report.rows += [
+        Row("switch, sequential (out, then in)", r["sequential_s"], 2 * r["state_bytes"], note),
+        Row("switch, overlapped (out and in)", r["overlapped_s"], 2 * r["state_bytes"], note),
+    ]
+    report.environment["switch sequential / overlapped"] = f"{r['speedup']:.2f}x"
+    report.check("overlapped switch: both jobs bit-exact", r["bit_exact"])
+
+
 # --------------------------------------------------------------------------- output
 
 
@@ -449,6 +472,8 @@ def main(argv: list[str] | None = None) -> int:
         asyncio.run(cuda_part(args, report))
     if not args.skip_torch:
         torch_part(args, report)
+    if not args.skip_overlap:
+        overlap_part(args, report)
     print(render(report, as_json=args.json))
     return 0 if report.ok else 1
 

@@ -21,6 +21,14 @@ Why this shape:
   ``copy_`` keeps the cost of a plain copy of the same bytes (see
   ``bench/offload.py``).
 
+* **Switches may overlap** (issue 9 §2). With ``free_progressively`` a snapshot frees
+  each storage as soon as its bytes are on the host (chunked offload: memory comes
+  free piece by piece) instead of once everything is copied; :func:`overlap_switch`
+  runs one adapter's snapshot and another's restore at once (device-to-host on the
+  outgoing adapter's streams, host-to-device on the incoming one's: opposite copy
+  directions), the restore allocating each storage only once the snapshot has freed
+  enough within a device budget, so a switch costs about the longer copy.
+
 The storage machinery (blocks, host buffers, the copier) is in
 :mod:`tslice.workload.adapters.torch_storage`; this module decides what to move.
 
@@ -40,7 +48,8 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import ClassVar
 
 import torch
@@ -94,6 +103,9 @@ class TorchAdapter(base.WorkloadAdapter):
         release_cached_memory: after a snapshot, hand freed CUDA memory back to
             the driver (``torch.cuda.empty_cache()``) so that another process
             can use it; turn off only if the next job runs in this process.
+        free_progressively: an OFFLOAD snapshot frees each storage once its bytes
+            are on the host (a later failure copies the freed ones back first, so
+            a failed snapshot still leaves the tensors intact).
     """
 
     name: ClassVar[str] = "torch"
@@ -107,6 +119,7 @@ class TorchAdapter(base.WorkloadAdapter):
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         streams_per_device: int = 2,
         release_cached_memory: bool = True,
+        free_progressively: bool = False,
     ) -> None:
         if chunk_bytes <= 0:
             raise ValueError(f"chunk_bytes must be positive (got {chunk_bytes})")
@@ -123,6 +136,7 @@ class TorchAdapter(base.WorkloadAdapter):
             chunk_bytes=chunk_bytes, streams_per_device=streams_per_device
         )
         self._release_cached_memory = release_cached_memory
+        self._free_progressively = free_progressively
         self._stats = TorchAdapterStats()
         # The workload channel runs commands on its own thread; one move at a time.
         self._lock = threading.Lock()
@@ -216,24 +230,35 @@ class TorchAdapter(base.WorkloadAdapter):
         )
 
     def snapshot(
-        self, mode: base.SuspendMode | int | str, tags: Sequence[str] = ()
+        self,
+        mode: base.SuspendMode | int | str,
+        tags: Sequence[str] = (),
+        *,
+        freed_bytes: Callable[[int], None] | None = None,
     ) -> base.AdapterResult:
         """Take ``tags`` (all when empty) off the device: OFFLOAD copies them to host
         memory first, DISCARD drops them. Tags already off the device are left as they are.
 
-        Nothing is freed unless every copy succeeded, so a failure leaves the tensors intact.
+        Nothing is freed unless every copy succeeded, so a failure leaves the tensors
+        intact (with ``free_progressively``, the storages freed so far are copied back
+        first). ``freed_bytes`` is told every storage's bytes as they are freed.
         """
         resolved = base.SuspendMode.parse(mode)
         with self._lock:
             wanted = [tag for tag in self._resolve(tags) if tag not in self._parked]
             plan = self._plan(wanted)
+            progressive = self._free_progressively and resolved == OFFLOAD
             if resolved == OFFLOAD:
+                copy = self._offload_progressively if progressive else self._copy_to_host
                 for tag, blocks in plan.items():
-                    self._copy_to_host(tag, blocks)
+                    copy(tag, blocks, freed_bytes)
             freed = 0
             for tag, blocks in plan.items():
                 for block in blocks:
-                    torch_storage.free(block)
+                    if not progressive:
+                        torch_storage.free(block)
+                        if freed_bytes is not None:
+                            freed_bytes(block.nbytes)
                     freed += block.nbytes
                 self._parked[tag] = torch_storage.Parked(mode=resolved, blocks=blocks)
                 if resolved == DISCARD:
@@ -247,11 +272,16 @@ class TorchAdapter(base.WorkloadAdapter):
             )
             return base.AdapterResult(device_bytes=freed, host_bytes=self._saved_bytes())
 
-    def restore(self, tags: Sequence[str] = ()) -> base.AdapterResult:
+    def restore(
+        self, tags: Sequence[str] = (), *, admit: Callable[[int], None] | None = None
+    ) -> base.AdapterResult:
         """Bring ``tags`` (all suspended ones when empty) back onto their devices.
 
         Tags already resident are left as they are. If allocation fails, the tags
         whose memory could not be allocated stay suspended, with their saved bytes.
+        ``admit`` is called with each storage's bytes before it is allocated and may
+        block until there is room (an overlapping switch, see :func:`overlap_switch`);
+        the storages of a tag are then allocated and refilled one by one.
         """
         with self._lock:
             wanted = [
@@ -260,13 +290,8 @@ class TorchAdapter(base.WorkloadAdapter):
             restored = 0
             for tag in wanted:
                 parked = self._parked[tag]
-                torch_storage.allocate(parked.blocks)
                 try:
-                    if parked.mode == OFFLOAD:
-                        self._copier.to_device(parked.blocks, self._buffers.get(tag))
-                    else:
-                        for block in parked.blocks:
-                            block.byte_view().zero_()
+                    self._bring_back(tag, parked, admit)
                 except BaseException:
                     for block in parked.blocks:
                         block.storage.resize_(0)
@@ -283,6 +308,45 @@ class TorchAdapter(base.WorkloadAdapter):
             return base.AdapterResult(device_bytes=restored, host_bytes=self._saved_bytes())
 
     # ---- internals ----------------------------------------------------------
+
+    def _bring_back(
+        self, tag: str, parked: torch_storage.Parked, admit: Callable[[int], None] | None
+    ) -> None:
+        """Allocate and refill a parked tag's storages (one by one when ``admit`` gates them)."""
+        steps = [[block] for block in parked.blocks] if admit is not None else [parked.blocks]
+        for blocks in steps:
+            if admit is not None:
+                admit(sum(b.nbytes for b in blocks))
+            torch_storage.allocate(blocks)
+            if parked.mode == OFFLOAD:
+                self._copier.to_device(blocks, self._buffers.get(tag))
+            else:
+                for block in blocks:
+                    block.byte_view().zero_()
+
+    def _offload_progressively(
+        self,
+        tag: str,
+        blocks: list[torch_storage.Block],
+        freed_bytes: Callable[[int], None] | None,
+    ) -> None:
+        """Copy each storage to the host and free it at once; on a failure, copy the ones
+        freed so far back (the snapshot then changes nothing) and re-raise."""
+        buffer = self._host_buffer_for(tag, blocks)
+        done: list[torch_storage.Block] = []
+        try:
+            for block in blocks:
+                self._copier.to_host([block], buffer)
+                torch_storage.free(block)
+                done.append(block)
+                if freed_bytes is not None:
+                    freed_bytes(block.nbytes)
+        except BaseException:
+            torch_storage.allocate(done)
+            self._copier.to_device(done, buffer)
+            for block in done:
+                torch_storage.repoint(block)
+            raise
 
     def _resolve(self, tags: Sequence[str], *, default: Iterable[str] | None = None) -> list[str]:
         if not tags:
@@ -391,7 +455,12 @@ class TorchAdapter(base.WorkloadAdapter):
                         f"move tag {tag!r} together with it"
                     )
 
-    def _copy_to_host(self, tag: str, blocks: list[torch_storage.Block]) -> None:
+    def _copy_to_host(
+        self,
+        tag: str,
+        blocks: list[torch_storage.Block],
+        _freed: Callable[[int], None] | None = None,
+    ) -> None:
         self._copier.to_host(blocks, self._host_buffer_for(tag, blocks))
 
     def _host_buffer_for(self, tag: str, blocks: Sequence[torch_storage.Block]) -> torch.Tensor:
@@ -405,3 +474,92 @@ class TorchAdapter(base.WorkloadAdapter):
 
     def _saved_bytes(self) -> int:
         return sum(p.nbytes for p in self._parked.values() if p.mode == OFFLOAD)
+
+
+@dataclasses.dataclass(frozen=True)
+class SwitchTimes:
+    """How long an :func:`overlap_switch` took, seconds."""
+
+    snapshot_s: float
+    restore_s: float
+    total_s: float
+    #: Most device bytes both adapters held at once during the switch.
+    peak_bytes: int
+
+
+class _Budget:
+    """Device bytes in use by both adapters of a switch, within a budget (thread-safe)."""
+
+    def __init__(self, *, in_use: int, budget: int | None) -> None:
+        self.in_use = in_use
+        self.budget = budget
+        self.peak = in_use
+        self._changed = threading.Condition()
+
+    def freed(self, nbytes: int) -> None:
+        with self._changed:
+            self.in_use -= nbytes
+            self._changed.notify_all()
+
+    def lift(self) -> None:
+        """The snapshot failed: nothing more comes free, stop holding the restore back."""
+        with self._changed:
+            self.budget = None
+            self._changed.notify_all()
+
+    def admit(self, nbytes: int) -> None:
+        """Wait until ``nbytes`` more fit (always, without a budget)."""
+        with self._changed:
+            budget = self.budget
+            if budget is not None:
+                self._changed.wait_for(lambda: self.in_use + nbytes <= budget)
+            self.in_use += nbytes
+            self.peak = max(self.peak, self.in_use)
+
+
+def overlap_switch(
+    outgoing: TorchAdapter,
+    incoming: TorchAdapter,
+    *,
+    mode: base.SuspendMode | int | str = OFFLOAD,
+    budget_bytes: int | None = None,
+    in_use_bytes: int = 0,
+) -> SwitchTimes:
+    """Snapshot ``outgoing`` and restore ``incoming`` at once (issue 9 §2).
+
+    The snapshot runs on a thread of its own (its copies on the outgoing adapter's
+    streams), the restore here; with ``budget_bytes`` (device memory both may use,
+    ``in_use_bytes`` of it taken when the switch starts) each storage of the incoming
+    job is allocated only once the outgoing one has freed enough: never two states
+    resident beyond the budget. Give ``outgoing`` ``free_progressively`` so that its
+    memory comes free piece by piece. Errors of either side are raised after both end.
+    """
+    budget = _Budget(in_use=in_use_bytes, budget=budget_bytes)
+    times: dict[str, float] = {}
+    errors: list[BaseException] = []
+    began = time.perf_counter()
+
+    def snapshot() -> None:
+        try:
+            outgoing.snapshot(mode, freed_bytes=budget.freed)
+        except BaseException as err:  # re-raised below, in the caller's thread
+            errors.append(err)
+            budget.lift()
+        finally:
+            times["snapshot"] = time.perf_counter() - began
+
+    thread = threading.Thread(target=snapshot, name="tslice-overlap-snapshot")
+    thread.start()
+    try:
+        incoming.restore(admit=budget.admit)
+        times["restore"] = time.perf_counter() - began
+    finally:
+        thread.join()
+    if errors:
+        raise errors[0]
+    return SwitchTimes(
+        snapshot_s=times["snapshot"],
+        restore_s=times["restore"],
+        total_s=time.perf_counter() - began,
+        peak_bytes=budget.peak,
+    )
