@@ -9,6 +9,7 @@ on a stream only after reading the first request (an Acquire in flight).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 from collections.abc import Iterator
 from concurrent import futures
@@ -75,9 +76,10 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Servers]:
         cluster.close()
 
 
-@pytest.fixture(scope="module")
-def follower(servers: Servers) -> Iterator[tuple[str, Follower]]:
-    handler = Follower(servers.orchestrator)
+@contextlib.contextmanager
+def _following(servers: Servers, leader: str) -> Iterator[tuple[str, Follower]]:
+    """A stand-in follower on the servers' loop, naming ``leader``."""
+    handler = Follower(leader)
 
     async def start() -> tuple[grpc.aio.Server, int]:
         server = grpc.aio.server()
@@ -91,6 +93,12 @@ def follower(servers: Servers) -> Iterator[tuple[str, Follower]]:
         yield f"127.0.0.1:{port}", handler
     finally:
         asyncio.run_coroutine_threadsafe(server.stop(None), servers.loop).result(10)
+
+
+@pytest.fixture(scope="module")
+def follower(servers: Servers) -> Iterator[tuple[str, Follower]]:
+    with _following(servers, servers.orchestrator) as running:
+        yield running
 
 
 @pytest.fixture
@@ -177,3 +185,45 @@ async def test_no_address_answering_fails_naming_them_all() -> None:
         with pytest.raises(tslice.Unavailable, match="failed to connect to the orchestrator at"):
             await client.list_groups()
         assert ",".join(dead) in str(client.address)
+
+
+def test_followers_naming_each_other_end_in_unavailable(servers: Servers) -> None:
+    with _following(servers, "") as (one, first), _following(servers, one) as (two, second):
+        first.leader = two  # a loop: each says the other leads
+        with (
+            tslice.Client(two, job_id="admin", default_group="trainer") as admin,
+            pytest.raises(tslice.Unavailable, match="a follower"),
+        ):
+            admin.drain()  # never retried: refused once the redirects are spent
+        assert len(first.refused) + len(second.refused) == _failover.MAX_REDIRECTS + 1
+
+
+class _Refusal(grpc.RpcError):
+    def __init__(self, code: grpc.StatusCode, leader: str | None = None) -> None:
+        self._code = code
+        self._trailers = () if leader is None else ((_failover.LEADER_METADATA_KEY, leader),)
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def trailing_metadata(self) -> Any:
+        return self._trailers
+
+
+def test_targets_move_on_once_and_follow_only_wellformed_redirects() -> None:
+    targets = _failover.Targets(["a:1", "b:2", "c:3"])
+    down = _Refusal(grpc.StatusCode.UNAVAILABLE)
+    assert not targets.after_error("a:1", down)
+    assert not targets.after_error("a:1", down)  # a second call that failed on a:1 too
+    assert targets.current == "b:2"
+    assert not targets.after_error("b:2", _Refusal(grpc.StatusCode.NOT_FOUND))
+    assert targets.current == "b:2"
+    # A malformed or empty trailer is no redirect: on to the next address.
+    assert not targets.after_error("b:2", _Refusal(grpc.StatusCode.UNAVAILABLE, "http://x:1"))
+    assert targets.current == "c:3"
+    assert not targets.after_error("c:3", _Refusal(grpc.StatusCode.UNAVAILABLE, ""))
+    assert targets.current == "a:1"
+    assert targets.after_error("a:1", _Refusal(grpc.StatusCode.UNAVAILABLE, "leader"))
+    assert targets.current == "leader:50051"
+    assert not targets.after_error("leader:50051", down)
+    assert targets.current == "a:1"  # the learnt address is one of the list now
