@@ -259,7 +259,7 @@ CASES: dict[str, tuple[Callable[[random.Random, int], policy.PolicySpec], Bound]
 }
 
 
-@pytest.mark.parametrize("seed", range(12))
+@pytest.mark.parametrize("seed", range(20))
 @pytest.mark.parametrize("kind", list(CASES))
 def test_random_runs_keep_one_holder_and_the_starvation_bound(kind: str, seed: int) -> None:
     rng = random.Random(f"{kind}-{seed}")

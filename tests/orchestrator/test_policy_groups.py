@@ -250,7 +250,7 @@ class Cluster:
         assert self.grants > 0
 
 
-@pytest.mark.parametrize("seed", range(8))
+@pytest.mark.parametrize("seed", range(12))
 @pytest.mark.parametrize("kind", list(CASES))
 def test_multi_group_runs_keep_devices_exclusive_and_every_bound(kind: str, seed: int) -> None:
     rng = random.Random(f"groups-{kind}-{seed}")

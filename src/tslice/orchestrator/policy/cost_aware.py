@@ -27,11 +27,13 @@ class CostAware(base.Policy):
     Starvation bound: once ``W`` has waited ``max_defer_s`` only waiters that were
     already overdue before it (queued before it) go first, each at most once: ``W``
     is granted at the latest on the J-th grant after ``queued_at + max_defer_s`` (J
-    jobs in the group), with no idle hold after that moment. Waits count from the
-    restart after one (the measured costs and gaps start again too).
+    jobs in the group), with no idle hold after that moment. When each waiter started
+    waiting is in the lock's record (``keeps_wait_times``), so the bound holds across
+    a restart where the store keeps it (the measured costs and gaps start again).
     """
 
     kind = "cost-aware"
+    keeps_wait_times = True
 
     def __init__(self, settings: spec.CostAwareSpec, phases: base.Phases | None = None) -> None:
         super().__init__(
