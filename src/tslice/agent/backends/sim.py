@@ -119,6 +119,8 @@ class SimBackend(base.Backend):
         #: Prefetches in flight, and the restores that take them over.
         self._prefetching: dict[device.Key, asyncio.Event] = {}
         self._taken_over: set[device.Key] = set()
+        #: Restores in flight (a prefetch of one of them would land its bytes twice).
+        self._restoring: set[device.Key] = set()
 
     @classmethod
     def create_on_node(
@@ -295,6 +297,15 @@ class SimBackend(base.Backend):
                 f"job {job.job_id} has no saved state for group {job.group} on sim node "
                 f"{self.node.node}; nothing to restore"
             )
+        k = (job.job_id, job.group)
+        self._restoring.add(k)
+        try:
+            return await self._restore_saved(job, saved)
+        finally:
+            self._restoring.discard(k)
+
+    async def _restore_saved(self, job: base.JobContext, saved: device.SavedState) -> base.OpResult:
+        key = {"job": job.job_id, "group": job.group}
         await self._take_over_prefetch(job.job_id, job.group)
         footprint = saved.footprint_bytes
         # A discarded state has nothing to copy back: the restore only allocates.
@@ -350,7 +361,7 @@ class SimBackend(base.Backend):
         k = (job.job_id, job.group)
         key = {"job": job.job_id, "group": job.group}
         saved = self.node.saved(**key)
-        if not self.prefetches or saved is None or k in self._prefetching:
+        if not self.prefetches or saved is None or k in self._prefetching or k in self._restoring:
             return self.node.landed_bytes(**key)
         done = self._prefetching[k] = asyncio.Event()
         try:
