@@ -164,6 +164,17 @@ def test_cost_aware_waits_out_a_residents_short_gap_instead_of_switching_twice()
     assert switch_to(g.on_expire(now=g.wake_at)) == "b"
 
 
+def test_a_hold_for_the_resident_needs_no_wake_up_once_its_waiters_left() -> None:
+    g = with_policy(policy.CostAwareSpec(default_switch_s=2.0), woken=True)
+    now = bursty(g)
+    g.on_acquire("b", now=now)
+    g.on_yield("a", now=now + 1)
+    assert g.wake_at is not None
+    g.on_cancel("b", now=now + 1.1)
+    assert g.wake_at is None
+    assert g.on_expire(now=now + 5) == []
+
+
 def test_cost_aware_never_holds_for_the_resident_past_a_waiters_max_defer() -> None:
     g = with_policy(policy.CostAwareSpec(default_switch_s=2.0, max_defer_s=3), woken=True)
     now = bursty(g, gap=1.0)

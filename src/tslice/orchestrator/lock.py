@@ -446,7 +446,7 @@ class GroupLock(lock_state.LockState):
         self._claim.contended = True
         released = self._let_go()
         # Waiters kept back for the resident (a policy's hold) now ask for the claim.
-        return [*released, *self._promote(now)] if released and self._wake_at else released
+        return [*released, *self._promote(now)] if released and self.wake_at else released
 
     # ---- internals ------------------------------------------------------------------------
 

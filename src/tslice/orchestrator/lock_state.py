@@ -220,8 +220,8 @@ class LockState:
     @property
     def wake_at(self) -> float | None:
         """When the driver must call ``on_expire``: the policy keeps the idle group for
-        its resident until then (None: no wake-up needed)."""
-        return self._wake_at
+        its resident until then (None: no wake-up needed, e.g. its waiters left)."""
+        return self._wake_at if self.attached_waiters else None
 
     def next_waiter(self, *, now: float) -> str | None:
         """The live waiter the policy would promote next (None: nobody waits)."""
