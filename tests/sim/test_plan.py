@@ -192,3 +192,12 @@ def test_the_model_hands_over_as_the_orchestrator_does() -> None:
     )
     assert back.makespan_s == 65.5 and back.switches["trainer"] == 2
     assert back.switching_s["trainer"] == 9.5 and back.held_s["trainer"] == 30.0
+    # What a whole switch took beyond its copies (SWITCH_DONE) is added to each hand-over.
+    slower = predict.together(
+        {"A": _lane((("trainer",), 10)), "B": _lane((("trainer",), 10))},
+        switch=switch,
+        shared=["trainer"],
+        slowdown=1.0,
+        overhead_s={"trainer": 2.0},
+    )
+    assert slower.makespan_s == 26.0

@@ -461,7 +461,7 @@ def plan_view(plan: planning.Plan, simulated: simulate.Simulated | None) -> Rend
                 _seconds(use.wait.median),
             )
     costs = Table(title="switch costs (median)", box=box.SIMPLE_HEAD, title_justify="left")
-    for column in ("group", "snapshot", "restore", "SWITCH_DONE", "n"):
+    for column in ("group", "snapshot", "restore", "SWITCH_DONE", "n", "beyond the copies"):
         costs.add_column(column, justify="left" if column == "group" else "right")
     for cost in plan.switch_costs:
         done = cost.switch_done
@@ -471,6 +471,7 @@ def plan_view(plan: planning.Plan, simulated: simulate.Simulated | None) -> Rend
             _seconds(cost.restore_s),
             _seconds(done.median) if done.count else "-",
             str(done.count),
+            _seconds(cost.overhead_s) if done.count else "-",
         )
     best = plan.recommended
     rec = Table(

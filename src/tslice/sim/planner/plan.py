@@ -167,11 +167,13 @@ def make_plan(config: PlanConfig) -> Plan:
         for job, i in index.items()
     }
     unit = rec.unit_s
+    costs = profile.switches(rec, model)
+    overhead = {c.group: c.overhead_s / unit for c in costs}
     forecasts: dict[search.Block, BlockForecast] = {}
 
     def forecast(block: search.Block) -> BlockForecast:
         if block not in forecasts:
-            forecasts[block] = _forecast(model, {j: plans[j] for j in block}, unit)
+            forecasts[block] = _forecast(model, {j: plans[j] for j in block}, unit, overhead)
         return forecasts[block]
 
     solo = {job: predict.solo_s(lanes) * unit for job, lanes in plans.items()}
@@ -216,7 +218,7 @@ def make_plan(config: PlanConfig) -> Plan:
         solo_s=solo,
         replays={job: model.shape(i).job for job, i in index.items()},
         profiles=profile.jobs(rec),
-        switch_costs=profile.switches(rec, model),
+        switch_costs=costs,
         method=searched.method,
         considered=len(searched.scored),
         recommended=best,
@@ -225,7 +227,10 @@ def make_plan(config: PlanConfig) -> Plan:
 
 
 def _forecast(
-    model: trace.PhaseModel, lanes: Mapping[str, predict.Lanes], unit: float
+    model: trace.PhaseModel,
+    lanes: Mapping[str, predict.Lanes],
+    unit: float,
+    overhead: Mapping[str, float] | None = None,
 ) -> BlockForecast:
     pools = shared_pools(model, list(lanes.values()))
     if len(lanes) == 1:
@@ -238,7 +243,11 @@ def _forecast(
         outcome = predict.Outcome(predict.solo_s(only), held, zero, dict.fromkeys(pools, 0.0))
     else:
         outcome = predict.together(
-            lanes, switch=model.switch, shared=pools, slowdown=model.contention
+            lanes,
+            switch=model.switch,
+            shared=pools,
+            slowdown=model.contention,
+            overhead_s=overhead,
         )
     span = max(outcome.makespan_s, 1e-12)
     return BlockForecast(
@@ -291,7 +300,10 @@ def to_json(plan: Plan) -> dict[str, Any]:
             for j in plan.jobs
         },
         "profiles": [dataclasses.asdict(p) for p in plan.profiles],
-        "switch_costs": [dataclasses.asdict(s) for s in plan.switch_costs],
+        "switch_costs": [
+            dataclasses.asdict(s) | {"overhead_s": round(s.overhead_s, 6)}
+            for s in plan.switch_costs
+        ],
         "search": {"method": plan.method, "groupings_scored": plan.considered},
         "recommended": cand(plan.recommended),
         "alternatives": [cand(c) for c in plan.alternatives],

@@ -6,10 +6,11 @@ the pools the phase does not need, then asks for the new ones in order, keeping 
 holds: the weight hand-over holds the trainer while asking for the sampler); each
 shared pool is a FIFO lock. A hand-over to another job costs the pool's snapshot of the
 resident job plus the restore of the incoming one (a job never loaded before has nothing
-to restore); a pool yielded while nobody waits keeps its resident, so a job that asks
-again gets it back at no cost, as the orchestrator's zero-cost re-acquire does. While
-jobs share, every phase is stretched by the model's contention factor (the replay does
-the same).
+to restore), plus what whole switches took beyond those copies where the recording
+measured them (an event log's SWITCH_DONE: the orchestrator's own work); a pool yielded
+while nobody waits keeps its resident, so a job that asks again gets it back at no cost,
+as the orchestrator's zero-cost re-acquire does. While jobs share, every phase is
+stretched by the model's contention factor (the replay does the same).
 
 This is the *predicted* side of a plan: fast enough to score every grouping of a few
 jobs. :mod:`tslice.sim.planner.simulate` checks the recommendation on the real
@@ -72,6 +73,8 @@ def _ops(lane: Sequence[Sequence[trace.Phase]], slowdown: float) -> Iterator[_Op
 class _Pool:
     snapshot_s: float
     restore_s: float
+    #: What a hand-over costs beyond its copies (the orchestrator's own work).
+    overhead_s: float
     holder: str | None = None
     resident: str | None = None
     saved: set[str] = dataclasses.field(default_factory=set)
@@ -85,11 +88,19 @@ class _Pool:
 
 
 class _Engine:
-    def __init__(self, switch: Mapping[str, trace.SwitchCost], shared: Sequence[str]) -> None:
+    def __init__(
+        self,
+        switch: Mapping[str, trace.SwitchCost],
+        shared: Sequence[str],
+        overhead_s: Mapping[str, float],
+    ) -> None:
         self.now = 0.0
         self._heap: list[tuple[float, int, Callable[[], None]]] = []
         self._seq = itertools.count()
-        self.pools = {p: _Pool(switch[p].snapshot.median, switch[p].restore.median) for p in shared}
+        self.pools = {
+            p: _Pool(switch[p].snapshot.median, switch[p].restore.median, overhead_s.get(p, 0.0))
+            for p in shared
+        }
 
     def at(self, t: float, then: Callable[[], None]) -> None:
         heapq.heappush(self._heap, (t, next(self._seq), then))
@@ -119,7 +130,7 @@ class _Engine:
         cost = 0.0
         if p.resident is not None and p.resident != job:
             p.saved.add(p.resident)
-            cost += p.snapshot_s
+            cost += p.snapshot_s + p.overhead_s
             p.switches += 1
         if p.resident != job and job in p.saved:
             p.saved.discard(job)
@@ -140,9 +151,11 @@ def together(
     switch: Mapping[str, trace.SwitchCost],
     shared: Sequence[str],
     slowdown: float,
+    overhead_s: Mapping[str, float] | None = None,
 ) -> Outcome:
-    """``plans`` run at once on one set of ``shared`` pools (FIFO, see the module doc)."""
-    engine = _Engine(switch, shared)
+    """``plans`` run at once on one set of ``shared`` pools (FIFO, see the module doc);
+    ``overhead_s``: per pool, what a hand-over costs beyond its snapshot and restore."""
+    engine = _Engine(switch, shared, overhead_s or {})
     finished: list[float] = []
 
     def play(job: str, ops: Iterator[_Op]) -> None:

@@ -71,6 +71,13 @@ class SwitchProfile:
     restore_s: float
     switch_done: Spread
 
+    @property
+    def overhead_s(self) -> float:
+        """What a whole switch (SWITCH_DONE) took beyond a snapshot and a restore."""
+        if not self.switch_done.count:
+            return 0.0
+        return max(self.switch_done.median - self.snapshot_s - self.restore_s, 0.0)
+
 
 def jobs(rec: recording.Recording) -> tuple[JobProfile, ...]:
     ts: Mapping[str, Any] = rec.raw["timeslice"]
