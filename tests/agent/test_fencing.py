@@ -120,6 +120,9 @@ async def test_a_deposed_leader_moves_nothing_even_after_a_sigkill(
         err = await _refused(stub.Restore(restore, metadata=_term(2)))
         assert err.code() == grpc.StatusCode.FAILED_PRECONDITION
         assert "has seen term 3" in (err.details() or "")
+        prefetch = pb.RestoreRequest(job_id="job-a", group="g", prefetch=True)
+        err = await _refused(stub.Restore(prefetch, metadata=_term(2)))
+        assert err.code() == grpc.StatusCode.FAILED_PRECONDITION
         wait = pb.WaitOperationRequest(operation_id="00000000-0000-4000-8000-000000000000")
         err = await _refused(stub.WaitOperation(wait, metadata=_term(1)))
         assert err.code() == grpc.StatusCode.FAILED_PRECONDITION

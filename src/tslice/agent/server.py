@@ -192,6 +192,7 @@ class SnapshotAgentServicer(pb_grpc.SnapshotAgentServiceServicer):
         self, request: pb.RestoreRequest, context: grpc.aio.ServicerContext
     ) -> pb.RestoreResponse:
         """Restore with ``prefetch`` (issue 9 §2): started, the job stays SAVED; no operation."""
+        await self._fenced(context)  # it copies into device memory: a directive too
         job_id = await refusals.checked(context, refusals.checked_id, "job_id", request.job_id)
         group = await refusals.checked(context, _checked_group, request.group)
         config = await refusals.checked(context, _checked_config, request)
