@@ -115,8 +115,10 @@ def _dead_address() -> str:
 
 
 def test_the_redirect_trailer_is_pinned() -> None:
-    # The HA followers' side of the wire (tslice.orchestrator.kube.leadership).
-    assert _failover.LEADER_METADATA_KEY == "x-tslice-leader"
+    # The HA followers' side of the wire: the client may not import the orchestrator's.
+    from tslice.orchestrator.kube import leadership
+
+    assert _failover.LEADER_METADATA_KEY == leadership.LEADER_METADATA_KEY == "x-tslice-leader"
 
 
 def test_addresses_as_a_list_or_comma_separated(monkeypatch: pytest.MonkeyPatch) -> None:
