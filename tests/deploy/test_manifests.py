@@ -33,7 +33,7 @@ from tslice.orchestrator import config as orch_config
 
 ROOT = Path(__file__).resolve().parents[2]
 KUSTOMIZE = ROOT / "deploy" / "kubernetes"
-SERVER_OVERLAYS = ("single", "tls")
+SERVER_OVERLAYS = ("single", "tls", "ha")
 OVERLAYS = (*SERVER_OVERLAYS, "rl-job-example")
 #: The oldest Kubernetes the manifests are for (resource.k8s.io/v1) and the newest known.
 KUBERNETES_VERSIONS = ("1.34", k8s_schemas.major_minor(k8s_schemas.latest_version()))
@@ -256,8 +256,9 @@ def test_the_agent_is_a_privileged_daemonset_on_the_shared_nodes(overlay: str) -
 @pytest.mark.parametrize("overlay", SERVER_OVERLAYS)
 def test_the_orchestrator_runs_unprivileged_on_its_state_volume(overlay: str) -> None:
     orchestrator, _ = servers(overlay)
-    assert orchestrator["spec"]["replicas"] == 1, "no leader election yet: one replica"
-    assert orchestrator["spec"]["strategy"]["type"] == "Recreate"
+    if overlay != "ha":  # one replica on its SQLite volume (HA: test_the_ha_overlay...)
+        assert orchestrator["spec"]["replicas"] == 1, "without --ha: one replica"
+        assert orchestrator["spec"]["strategy"]["type"] == "Recreate"
     pod = pod_template(orchestrator)["spec"]
     assert pod["securityContext"]["runAsNonRoot"] is True
     assert pod["securityContext"]["runAsUser"] == image.user()
@@ -266,8 +267,11 @@ def test_the_orchestrator_runs_unprivileged_on_its_state_volume(overlay: str) ->
     assert security["allowPrivilegeEscalation"] is False
     assert security["capabilities"]["drop"] == ["ALL"]
     state = volume_at(orchestrator, flag(orchestrator, "--state-dir") or "")[1]
-    claim = state["persistentVolumeClaim"]["claimName"]
-    one(render(overlay), "PersistentVolumeClaim", claim)
+    if overlay == "ha":
+        assert set(state) == {"name", "emptyDir"}  # its state is in the API server
+    else:
+        claim = state["persistentVolumeClaim"]["claimName"]
+        one(render(overlay), "PersistentVolumeClaim", claim)
     assert container(orchestrator)["resources"]["requests"]
 
 
@@ -339,7 +343,15 @@ def rules_of(objs: tuple[Obj, ...], account: str) -> set[tuple[str, str, str]]:
 def test_rbac_grants_each_component_only_what_it_reads(overlay: str) -> None:
     objs = render(overlay)
     read = ("get", "list", "watch")
-    assert rules_of(objs, ORCHESTRATOR) == {("", r, v) for r in ("nodes", "pods") for v in read}
+    reads = {("", r, v) for r in ("nodes", "pods") for v in read}
+    if overlay == "ha":  # the Lease and the state ConfigMaps, in its namespace only
+        writes = {("coordination.k8s.io", "leases", v) for v in ("get", "create", "update")}
+        writes |= {("", "configmaps", v) for v in ("get", "list", "create", "update", "delete")}
+        assert rules_of(objs, ORCHESTRATOR) == reads | writes
+        ha_role = one(objs, "Role", "tslice-orchestrator-ha")
+        assert ha_role["metadata"]["namespace"] == kl.NAMESPACE
+    else:
+        assert rules_of(objs, ORCHESTRATOR) == reads
     assert rules_of(objs, AGENT) == {("", "pods", v) for v in read}
     for workload in workloads(objs):
         account = pod_template(workload)["spec"]["serviceAccountName"]
@@ -488,3 +500,28 @@ def test_both_servers_run_in_kubernetes_mode(overlay: str) -> None:
     agent's once: it then admitted workloads without checking their pods)."""
     for workload in servers(overlay):
         assert "--kubernetes" in args(workload), f"{overlay}: {name_of(workload)}"
+
+
+def test_the_ha_overlay_runs_replicas_that_elect_a_leader() -> None:
+    objs = render("ha")
+    orchestrator, _ = servers("ha")
+    assert orchestrator["spec"]["replicas"] >= 2
+    assert orchestrator["spec"]["strategy"] == {
+        "type": "RollingUpdate",
+        "rollingUpdate": {"maxUnavailable": 1, "maxSurge": 0},
+    }
+    assert "--ha" in args(orchestrator)
+    assert flag(orchestrator, "--lease-namespace") == kl.NAMESPACE
+    # --identity and --advertise-address default to the pod's name and IP.
+    env = {
+        e["name"]: e["valueFrom"]["fieldRef"]["fieldPath"] for e in container(orchestrator)["env"]
+    }
+    assert env == {"POD_NAME": "metadata.name", "POD_IP": "status.podIP"}
+    assert not [o for o in objs if o["kind"] == "PersistentVolumeClaim"]
+    budget = one(objs, "PodDisruptionBudget", ORCHESTRATOR)["spec"]
+    assert budget["maxUnavailable"] == 1 and "minAvailable" not in budget
+    # Renewals leave several tries before the Lease expires (the CLI refuses less).
+    assert (
+        float(flag(orchestrator, "--renew-interval") or 0)
+        < int(flag(orchestrator, "--lease-duration") or 0) * 2 / 3
+    )

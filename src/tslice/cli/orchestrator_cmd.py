@@ -18,6 +18,10 @@ def _kube(flag: str, help: str, metavar: str) -> Any:
     return typer.Option(flag, help=help, metavar=metavar, rich_help_panel="Kubernetes")
 
 
+def _ha(flag: str, help: str, metavar: str) -> Any:
+    return typer.Option(flag, help=help, metavar=metavar, rich_help_panel="High availability")
+
+
 def register(app: typer.Typer) -> None:
     """Add the ``orchestrator`` command to ``app``."""
     app.command("orchestrator")(orchestrator)
@@ -75,6 +79,59 @@ def orchestrator(
     job_namespace: Annotated[
         str | None,
         _kube("--job-namespace", "Namespace of RL job pods (default: all namespaces).", "NS"),
+    ] = None,
+    ha: Annotated[
+        bool,
+        typer.Option(
+            "--ha",
+            help="Kubernetes mode with several replicas: one leads (a coordination.k8s.io "
+            "Lease), its state in ConfigMaps; followers redirect callers to it.",
+            rich_help_panel="High availability",
+        ),
+    ] = False,
+    lease_name: Annotated[
+        str | None, _ha("--lease-name", "Name of the Lease (default tslice-orchestrator).", "NAME")
+    ] = None,
+    lease_namespace: Annotated[
+        str | None,
+        _ha(
+            "--lease-namespace",
+            "Namespace of the Lease and the state ConfigMaps (default timeslice-system).",
+            "NS",
+        ),
+    ] = None,
+    identity: Annotated[
+        str | None,
+        _ha(
+            "--identity",
+            "This replica's name in the Lease (default $POD_NAME, else the host name).",
+            "NAME",
+        ),
+    ] = None,
+    advertise_address: Annotated[
+        str | None,
+        _ha(
+            "--advertise-address",
+            "Where clients reach this replica, named in followers' redirects (default "
+            "$POD_IP:<port>, else the address served on).",
+            "HOST:PORT",
+        ),
+    ] = None,
+    lease_duration: Annotated[
+        int | None,
+        _ha(
+            "--lease-duration",
+            "A leader not renewing for this long is replaced, s (default 15).",
+            "S",
+        ),
+    ] = None,
+    renew_interval: Annotated[
+        float | None,
+        _ha(
+            "--renew-interval",
+            "How often the leader renews and followers look, s (default 2).",
+            "S",
+        ),
     ] = None,
     host: Annotated[str | None, options.HOST] = None,
     port: Annotated[int | None, options.port("gRPC", 50051)] = None,
@@ -139,10 +196,60 @@ def orchestrator(
         "shutdown_grace_s": shutdown_grace,
         **options.tls_overrides(tls_cert, tls_key, tls_client_ca, insecure),
     }
+    ha_flags = {
+        "--lease-name": lease_name,
+        "--lease-namespace": lease_namespace,
+        "--identity": identity,
+        "--advertise-address": advertise_address,
+        "--lease-duration": lease_duration,
+        "--renew-interval": renew_interval,
+    }
     with options.config_errors_exit_2():
         settings = orch_config.build(config_file=config, overrides=overrides)
+        ha_settings = _ha_settings(ha, settings.kubernetes is not None, ha_flags)
     try:
-        orch_app.run(settings, ready_file=ready_file)
+        orch_app.run(settings, ready_file=ready_file, ha=ha_settings)
     except (store.StoreError, OSError) as err:
         typer.echo(f"error: {err}", err=True)
         raise typer.Exit(1) from None
+
+
+def _ha_settings(ha: bool, kubernetes: bool, flags: dict[str, Any]) -> Any:
+    """The HA settings of the flags (None without --ha); ConfigError naming the fix."""
+    import os
+    import socket
+
+    from tslice.common import errors
+    from tslice.orchestrator.kube import leadership
+
+    given = [flag for flag, value in flags.items() if value is not None]
+    if not ha:
+        if given:
+            raise errors.ConfigError(f"{', '.join(given)}: options of --ha; add --ha or drop them")
+        return None
+    if not kubernetes:
+        raise errors.ConfigError(
+            "--ha elects a leader through a Kubernetes Lease and keeps the state in the API "
+            "server: add --kubernetes"
+        )
+    defaults = leadership.HaSettings(identity="", address="")
+    duration = flags["--lease-duration"] or defaults.lease_duration_s
+    renew = flags["--renew-interval"] or defaults.renew_interval_s
+    if duration < 1:
+        raise errors.ConfigError("--lease-duration is whole seconds, at least 1")
+    if not 0 < renew < duration * 2 / 3:
+        raise errors.ConfigError(
+            f"--renew-interval {renew:g} must be above 0 and well below --lease-duration "
+            f"{duration} (under 2/3 of it: the leader gets several tries before it expires)"
+        )
+    address = flags["--advertise-address"] or ""
+    if address and not address.rpartition(":")[2].isdigit():
+        raise errors.ConfigError(f"--advertise-address {address!r} is not HOST:PORT")
+    return leadership.HaSettings(
+        identity=flags["--identity"] or os.environ.get("POD_NAME") or socket.gethostname(),
+        address=address,
+        lease_name=flags["--lease-name"] or defaults.lease_name,
+        namespace=flags["--lease-namespace"] or defaults.namespace,
+        lease_duration_s=duration,
+        renew_interval_s=renew,
+    )

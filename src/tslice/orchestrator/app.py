@@ -9,16 +9,25 @@ UNAVAILABLE, an in-flight switch may finish within ``shutdown_grace_s``, waiters
 get UNAVAILABLE "orchestrator shutting down; retry" while their queue entries
 stay persisted so they keep their place after a restart), then the gRPC server
 stops with the same grace.
+
+In Kubernetes HA mode (``ha``) the process serves at once as a follower (every call of
+the orchestrator service redirected to the leader, ``kube.leadership``) and campaigns
+for the Lease; each term it wins, it leads as above over the state in the API server
+(``kube.ha``), until it loses the Lease, is deposed, or is stopped (then the groups
+stop first and the Lease is released, so the next leader starts at once).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
+import importlib
 import logging
+import os
 import pathlib
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from collections.abc import AsyncIterator, Callable
+from typing import TYPE_CHECKING, Any, cast
 
 import grpc
 import prometheus_client as prom
@@ -27,12 +36,14 @@ from grpc_reflection.v1alpha import reflection
 
 from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2 as opb
 from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2_grpc as opb_grpc
-from tslice.common import auth, errors, ids, logs, serving, undecodable
+from tslice.common import auth, errors, ids, leader_term, logs, serving, undecodable
 from tslice.common import metrics_http as common_metrics_http
 from tslice.orchestrator import agents, config, events, group, manager, metrics, server, store
 
 if TYPE_CHECKING:
     from tslice.orchestrator.kube import discovery as kube_discovery
+    from tslice.orchestrator.kube import leadership as kube_leadership
+    from tslice.orchestrator.kube.leadership import HaSettings
 
 log = logging.getLogger(__name__)
 
@@ -63,20 +74,24 @@ async def serve(
     *,
     ready: Callable[[str], None] | None = None,
     stop: asyncio.Event | None = None,
+    ha: HaSettings | None = None,
 ) -> None:
     """Serve until ``stop`` is set (forever if None); ``ready(address)`` once listening.
 
     The state directory stays locked meanwhile: a second orchestrator on it is refused.
+    With ``ha`` (Kubernetes mode only) this is one replica of several: it leads while it
+    holds the Lease, with its state in the API server (``tslice.orchestrator.kube``).
     """
     with serving.locked_state_dir(cfg.state_dir, what="orchestrator"):
-        await _serve_locked(cfg, ready=ready, stop=stop)
+        await _serve_locked(cfg, ready=ready, stop=stop or asyncio.Event(), ha=ha)
 
 
 async def _serve_locked(
     cfg: config.OrchestratorConfig,
     *,
     ready: Callable[[str], None] | None,
-    stop: asyncio.Event | None,
+    stop: asyncio.Event,
+    ha: HaSettings | None,
 ) -> None:
     # First: an unreadable tokens file stops the start before anything is opened.
     interceptors = [
@@ -84,25 +99,36 @@ async def _serve_locked(
         # Inside authentication: a caller is verified before its bytes are parsed.
         undecodable.UndecodableRequests(),
     ]
-    db = await store.Store.open(cfg.state_dir, synchronous=cfg.sqlite_synchronous)
+    role: kube_leadership.Leadership | None = None
+    if ha is not None:
+        if cfg.kubernetes is None:
+            raise errors.ConfigError(
+                "--ha elects a leader among Kubernetes-mode replicas: add --kubernetes"
+            )
+        leadership = _kube_module("leadership")
+        role = leadership.Leadership(SERVICE_NAME, ha.identity)
+        # Innermost: a follower refuses only callers that are allowed to call at all.
+        interceptors.append(leadership.FollowerGate(role))
+    db = (
+        await store.Store.open(cfg.state_dir, synchronous=cfg.sqlite_synchronous)
+        if ha is None
+        else None
+    )
+    term = leader_term.Term()
     pool = agents.AgentPool(
         rpc_timeout_s=cfg.agent_rpc_timeout_s,
         operation_timeout_s=cfg.operation_timeout_s,
         wait_chunk_s=cfg.wait_chunk_s,
         security=cfg.agent_client,
+        term=term,
     )
-    bus = events.EventBus()
     m = metrics.OrchestratorMetrics()
-    bus.on_drop = m.events_dropped.inc
     grpc_server = grpc.aio.server(
         options=[*_SERVER_OPTIONS, *serving.SERVER_OPTIONS],
         interceptors=interceptors,
     )
     health_servicer = health.aio.HealthServicer()
     metrics_http: Any = None
-    groups: manager.GroupManager | None = None
-    servicer: server.OrchestratorServicer | None = None
-    discovery: kube_discovery.Discovery | None = None
     try:
         # Bound first: a port in use fails the start before anything else happens.
         port = serving.bind_grpc(
@@ -114,13 +140,6 @@ async def _serve_locked(
             insecure=cfg.insecure,
         )
         cfg = await _name_local_agents(cfg, pool)
-        if cfg.kubernetes is not None:
-            discovery = _discovery(cfg.kubernetes)
-            found = await discovery.start(stop)
-            if found is None:
-                return  # stopped while the API server had not answered yet
-            cfg = dataclasses.replace(cfg, topology=config.Topology(groups=found))
-        groups = manager.GroupManager(group.Services(cfg=cfg, db=db, pool=pool, bus=bus, metrics=m))
         if cfg.metrics_port:
             metrics_http = common_metrics_http.serve(
                 prom.make_wsgi_app(m.registry),
@@ -131,45 +150,134 @@ async def _serve_locked(
                 auth_settings=cfg.auth,
                 insecure=cfg.insecure,
             )
-        await groups.start()
-        if discovery is not None:
-            discovery.follow(groups)
-        servicer = server.OrchestratorServicer(groups=groups, bus=bus)
-        opb_grpc.add_TimeSliceOrchestratorServiceServicer_to_server(servicer, grpc_server)
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, grpc_server)
         reflection.enable_server_reflection(
             [SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], grpc_server
         )
-        await grpc_server.start()
-        for name in ("", SERVICE_NAME):
-            await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
         address = _public_address(cfg.host, port)
-        log.info(
-            "orchestrator serving on %s (%s mode, %d groups, %s)",
-            address,
-            _mode(cfg),
-            len(groups.ids()),
-            serving.transport_name(cfg.tls),
-            extra={"address": address, "state_dir": str(cfg.state_dir)},
-        )
-        if ready is not None:
-            ready(address)
-        await (stop.wait() if stop is not None else asyncio.Event().wait())
+        leader = _Leader(cfg, pool=pool, metrics=m, stop=stop)
+
+        async def serving_now(groups: int, role_name: str = "") -> None:
+            await grpc_server.start()
+            for name in ("", SERVICE_NAME) if role is None else ("",):
+                await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+            log.info(
+                "orchestrator serving on %s (%s mode%s, %d groups, %s)",
+                address,
+                _mode(cfg),
+                role_name,
+                groups,
+                serving.transport_name(cfg.tls),
+                extra={"address": address, "state_dir": str(cfg.state_dir)},
+            )
+            if ready is not None:
+                ready(address)
+
+        if ha is None or role is None:  # the embedded mode: it leads, once
+            assert db is not None
+            async with leader.lead(db, grace_s=lambda: cfg.shutdown_grace_s) as servicer:
+                if servicer is None:
+                    return  # stopped while the API server had not answered yet
+                opb_grpc.add_TimeSliceOrchestratorServiceServicer_to_server(servicer, grpc_server)
+                await serving_now(len(leader.group_ids()))
+                await stop.wait()
+                await health_servicer.enter_graceful_shutdown()
+        else:
+            if not ha.address:
+                ha = dataclasses.replace(ha, address=_advertised(cfg.host, port))
+            forwarding = _kube_module("leadership").forwarding(
+                server.OrchestratorServicer, _METHODS, role
+            )
+            opb_grpc.add_TimeSliceOrchestratorServiceServicer_to_server(forwarding, grpc_server)
+            await serving_now(0, ", HA: a follower until it holds the Lease")
+            await _kube_module("ha").run_terms(
+                cfg, ha, role=role, term=term, leader=leader, health=health_servicer, stop=stop
+            )
     finally:
         await health_servicer.enter_graceful_shutdown()
-        if discovery is not None:
-            await discovery.close()
-        if groups is not None:
-            await groups.stop(grace_s=cfg.shutdown_grace_s)
-        if servicer is not None:
-            servicer.close()
-        bus.close()
         await grpc_server.stop(cfg.shutdown_grace_s)
         await pool.close()
-        await db.close()
+        if db is not None:
+            await db.close()
         if metrics_http is not None:
             metrics_http.stop()
         log.info("orchestrator stopped")
+
+
+_METHODS = [m.name for m in opb.DESCRIPTOR.services_by_name["TimeSliceOrchestratorService"].methods]
+
+
+class _Leader:
+    """What leading is: the groups over a store, the topology followed, the servicer.
+
+    The embedded mode leads once, for the whole process; HA mode once per term won.
+    """
+
+    def __init__(
+        self,
+        cfg: config.OrchestratorConfig,
+        *,
+        pool: agents.AgentPool,
+        metrics: metrics.OrchestratorMetrics,
+        stop: asyncio.Event,
+    ) -> None:
+        self.cfg, self._pool, self._metrics, self._stop = cfg, pool, metrics, stop
+        self._groups: manager.GroupManager | None = None
+
+    def group_ids(self) -> list[str]:
+        return self._groups.ids() if self._groups is not None else []
+
+    @contextlib.asynccontextmanager
+    async def lead(
+        self, db: store.LockStore, *, grace_s: Callable[[], float]
+    ) -> AsyncIterator[server.OrchestratorServicer | None]:
+        """The servicer of this leadership (None: stopped before the topology was known);
+        on the way out the groups stop, an in-flight switch given ``grace_s()``."""
+        cfg = self.cfg
+        bus = events.EventBus()
+        bus.on_drop = self._metrics.events_dropped.inc
+        groups: manager.GroupManager | None = None
+        servicer: server.OrchestratorServicer | None = None
+        discovery: kube_discovery.Discovery | None = None
+        try:
+            if cfg.kubernetes is not None:
+                discovery = _discovery(cfg.kubernetes)
+                found = await discovery.start(self._stop)
+                if found is None:
+                    yield None
+                    return
+                cfg = dataclasses.replace(cfg, topology=config.Topology(groups=found))
+            services = group.Services(
+                cfg=cfg,
+                db=cast(store.Store, db),  # any LockStore (see .scratch/requests/ha.md)
+                pool=self._pool,
+                bus=bus,
+                metrics=self._metrics,
+            )
+            groups = self._groups = manager.GroupManager(services)
+            await groups.start()
+            if discovery is not None:
+                discovery.follow(groups)
+            servicer = server.OrchestratorServicer(groups=groups, bus=bus)
+            yield servicer
+        finally:
+            if discovery is not None:
+                await discovery.close()
+            if groups is not None:
+                await groups.stop(grace_s=grace_s())
+                self._groups = None
+            if servicer is not None:
+                servicer.close()
+            bus.close()
+
+
+def _advertised(host: str, port: int) -> str:
+    """Where clients reach this replica: the pod's IP (``$POD_IP``, the downward API) on a
+    wildcard host, else the host served on."""
+    pod_ip = os.environ.get("POD_IP", "")
+    if host in ("", "0.0.0.0", "::", "[::]") and pod_ip:
+        return _bind_address(pod_ip, port)
+    return _public_address(host, port)
 
 
 def _mode(cfg: config.OrchestratorConfig) -> str:
@@ -178,16 +286,21 @@ def _mode(cfg: config.OrchestratorConfig) -> str:
     return "local" if cfg.topology.local else "static"
 
 
-def _discovery(settings: config.KubeSettings) -> kube_discovery.Discovery:
-    """Kubernetes mode's discovery, imported only here: lightkube is an optional extra."""
+def _kube_module(name: str) -> Any:
+    """A module of Kubernetes mode, imported only when used: lightkube is an optional extra."""
     try:
-        from tslice.orchestrator.kube import discovery
+        return importlib.import_module(f"tslice.orchestrator.kube.{name}")
     except ImportError as err:
         raise errors.ConfigError(
             f"--kubernetes needs the kubernetes extra (cannot import {err.name or err}): "
             "pip install 'tslice[kubernetes]'"
         ) from err
-    return discovery.Discovery(settings)
+
+
+def _discovery(settings: config.KubeSettings) -> kube_discovery.Discovery:
+    """Kubernetes mode's discovery."""
+    found: kube_discovery.Discovery = _kube_module("discovery").Discovery(settings)
+    return found
 
 
 async def _name_local_agents(
@@ -216,9 +329,14 @@ async def _name_local_agents(
     return dataclasses.replace(cfg, topology=config.Topology(local_nodes=named))
 
 
-def run(cfg: config.OrchestratorConfig, *, ready_file: pathlib.Path | None = None) -> None:
-    """Blocking entry point: SIGTERM/SIGINT stop gracefully."""
+def run(
+    cfg: config.OrchestratorConfig,
+    *,
+    ready_file: pathlib.Path | None = None,
+    ha: HaSettings | None = None,
+) -> None:
+    """Blocking entry point: SIGTERM/SIGINT stop gracefully (a leader hands over)."""
     logs.setup(cfg.log_level)
     serving.run_until_signalled(
-        lambda ready, stop: serve(cfg, ready=ready, stop=stop), ready_file=ready_file
+        lambda ready, stop: serve(cfg, ready=ready, stop=stop, ha=ha), ready_file=ready_file
     )

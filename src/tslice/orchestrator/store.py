@@ -1,4 +1,11 @@
-"""SQLite persistence of every group's lock state (``<state_dir>/orchestrator.db``).
+"""Persistence of every group's lock state: the interface (:class:`LockStore`) and its
+default, SQLite (``<state_dir>/orchestrator.db``, :class:`Store`).
+
+The interface is what the group worker and the group manager use: :meth:`LockStore.load`
+every group, :meth:`LockStore.save` one group's record (returning once it is durable),
+:meth:`LockStore.forget` a group, :meth:`LockStore.close`. Kubernetes HA mode keeps the
+state in the API server instead (``tslice.orchestrator.kube.state``); a store that finds a
+newer leader's write in its way raises :class:`Deposed`.
 
 Saves are applied in the order they were made, and a save returns only once its
 transaction has committed (the per-group driver awaits each save before acting,
@@ -32,7 +39,7 @@ import pathlib
 import sqlite3
 import time
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 from tslice.common import sqlite_wal, wal_limit
 from tslice.orchestrator import records
@@ -93,6 +100,41 @@ class StoreError(Exception):
     """The state database cannot be opened or written."""
 
 
+class Deposed(StoreError):
+    """A newer leader has written the state (HA mode): this process is no longer the
+    leader and must not act on the group again (retrying cannot help)."""
+
+
+#: Every persisted group: ``group_id -> (nodes as (name, address), record)``.
+Persisted = dict[str, tuple[list[tuple[str, str]], records.LockRecord]]
+
+
+class LockStore(Protocol):
+    """Where the orchestrator keeps every group's lock state (see the module doc)."""
+
+    async def load(self) -> Persisted:
+        """Every persisted group."""
+        ...
+
+    async def save(
+        self,
+        group_id: str,
+        *,
+        nodes: list[tuple[str, str]],
+        record: records.LockRecord,
+        previous: records.LockRecord | None,
+    ) -> None:
+        """Write ``record``; return once it is durable. Raises :class:`StoreError`
+        (retried by the caller) or :class:`Deposed` (never retried)."""
+        ...
+
+    def forget(self, group_id: str) -> None:
+        """Delete a group that is gone, before any later save of the same id."""
+        ...
+
+    async def close(self) -> None: ...
+
+
 def _check_integrity(conn: sqlite3.Connection) -> None:
     """Raise ``sqlite3.DatabaseError`` if the file is damaged (a truncated or empty file
     is a valid empty database; garbage fails here, or already at the first PRAGMA)."""
@@ -143,7 +185,7 @@ class Store:
             await self._checkpoints.close()
         self._executor.shutdown(wait=True)
 
-    async def load(self) -> dict[str, tuple[list[tuple[str, str]], records.LockRecord]]:
+    async def load(self) -> Persisted:
         """Every persisted group: ``group_id -> (nodes, record)``."""
         return await self._run(self._load_sync)
 
@@ -243,10 +285,10 @@ class Store:
         self._conn.close()
         self._conn = None
 
-    def _load_sync(self) -> dict[str, tuple[list[tuple[str, str]], records.LockRecord]]:
+    def _load_sync(self) -> Persisted:
         conn = self._conn
         assert conn is not None
-        out: dict[str, tuple[list[tuple[str, str]], records.LockRecord]] = {}
+        out: Persisted = {}
         groups = conn.execute(
             "SELECT group_id, nodes, holder, resident, grant_epoch, switch_count, next_seq, "
             "holder_lease_ms, draining, holder_unclaimed_until FROM groups ORDER BY group_id"

@@ -5,8 +5,11 @@ two phases:
 
 1. *apply*: run each command with the batch's time (it mutates the pure lock and the
    driver's bookkeeping, and returns effects);
-2. *persist*, then *effect*: write the lock's new state in one SQLite transaction
-   (retried until it is on disk) and only then run the effects ("write before act").
+2. *persist*, then *effect*: write the lock's new state to the store (one SQLite
+   transaction, or the API server in HA mode; retried until it is durable) and only
+   then run the effects ("write before act"). A store that says a newer leader wrote
+   the state (:class:`store.Deposed`) stops the worker for good: no effect of this
+   batch or any later one runs (the HA controller stops the group).
 
 Urgent effects run first; while a switch that one of them started has not sent its
 first agent calls, the other effects are held back (see :meth:`Worker.hold_back`).
@@ -35,7 +38,7 @@ class Worker:
 
     group_id: str
     nodes: tuple[config.NodeRef, ...]
-    db: store.Store
+    db: store.LockStore
     backoff: switch.Backoff
     #: The state on disk (None: nothing saved yet), and how to read the state to persist.
     saved: records.LockRecord | None
@@ -126,6 +129,10 @@ class Worker:
             try:
                 await self.db.save(self.group_id, nodes=nodes, record=record, previous=self.saved)
                 break
+            except store.Deposed as err:
+                # Not ours to act on any more: nothing after this may reach an agent.
+                log.error("group %s: %s; it stops acting", self.group_id, err)
+                await asyncio.Event().wait()  # until the group is stopped (cancelled)
             except store.StoreError as err:
                 # Nothing may act on state that is not on disk: hold this group until it is.
                 delay = self.backoff.delay(attempt)

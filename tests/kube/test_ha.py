@@ -1,0 +1,182 @@
+"""HA mode end to end: real orchestrator replicas (``--kubernetes --ha``) and real agents
+against the API-server emulator. A follower redirects to the leader; a leader killed with
+SIGKILL in the middle of a switch is replaced once its Lease expires, and the new leader
+finishes the switch and grants the queued jobs from the state in the ConfigMaps (the
+device journals are checked: exclusive throughout); a leader whose state write meets a
+newer term's write steps down instead of overwriting it; a leader stopped with SIGTERM
+hands the Lease over at once. Waits are on the servers' log lines, the event stream and
+the replies."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import pathlib
+import time
+from collections.abc import Iterator
+
+import grpc
+import pytest
+
+pytest.importorskip("lightkube")
+
+from tests.kube import objects
+from tests.kube.emulator import ApiServerEmulator
+from tests.kube.ha_stack import NAMESPACE, HaStack
+from tests.kube.stack import WAIT_S, events_of, exclusive_sim, next_event, running
+from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2 as opb
+from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2_grpc as opb_grpc
+from tslice.client import AsyncClient, EventKind
+from tslice.sim import checker
+
+STATE = "timeslice.io/orchestrator-state=group"
+
+
+@pytest.fixture
+def stack(api: ApiServerEmulator, tmp_path: pathlib.Path) -> Iterator[HaStack]:
+    with running(HaStack, api, tmp_path) as started:
+        yield started
+
+
+def _group_state(api: ApiServerEmulator) -> dict[str, object]:
+    _, found = api.store.list("configmaps", NAMESPACE, _selector(STATE))
+    (cm,) = found
+    return cm
+
+
+def _selector(selector: str):  # type: ignore[no-untyped-def]
+    from tests.kube import apistore
+
+    return apistore.label_selector(selector)
+
+
+async def test_a_follower_redirects_and_takes_over_a_leader_killed_mid_switch(
+    api: ApiServerEmulator, stack: HaStack
+) -> None:
+    sim = exclusive_sim()
+    for job in ("job-a", "job-b", "job-c"):
+        api.apply(objects.job_pod(f"{job}-trainer-0", job, "trainer"))
+    for node in ("gpu-a", "gpu-b"):
+        api.apply(objects.node(node, "trainer"))
+    old = stack.start_ha({"gpu-a": sim.flags(), "gpu-b": sim.flags()}, ["orch-a", "orch-b"])
+    new = stack.follower(old)
+    first, second = stack.addresses[old], stack.addresses[new]
+    stack.replicas[new].wait_for(rf"leader election: {old} leads \(term 1\) at {first}")
+    # A follower answers UNAVAILABLE, naming the leader, its address in the trailers.
+    async with grpc.aio.insecure_channel(second) as channel:
+        stub = opb_grpc.TimeSliceOrchestratorServiceStub(channel)
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await stub.Acquire(opb.AcquireRequest(group_id="trainer", job_id="job-a"))
+    assert refused.value.code() is grpc.StatusCode.UNAVAILABLE
+    assert f"the leader is {old} at {first}" in str(refused.value.details())
+    assert dict(refused.value.trailing_metadata() or ())["x-tslice-leader"] == first
+
+    windows = {
+        j: checker.Window(job=f"job-{j}", group="trainer", requested=0.0) for j in ("a", "b", "c")
+    }
+    async with (
+        AsyncClient(first, job_id="job-a", lease_s=None) as a,
+        AsyncClient(first, job_id="job-b", lease_s=None) as b,
+        AsyncClient(first, job_id="job-c", lease_s=None) as c,
+        events_of(b, "trainer") as events,
+    ):
+        windows["a"].requested = time.time()
+        await a.acquire("trainer", timeout=WAIT_S)
+        windows["a"].acquired = time.time()
+        windows["b"].requested = windows["c"].requested = time.time()
+        waiting = [asyncio.create_task(b.acquire("trainer", timeout=WAIT_S))]
+        await next_event(events, EventKind.QUEUED, "job-b")
+        waiting.append(asyncio.create_task(c.acquire("trainer", timeout=WAIT_S)))
+        await next_event(events, EventKind.QUEUED, "job-c")
+        windows["a"].yielded = time.time()
+        await a.yield_("trainer")
+        await next_event(events, EventKind.SWITCH_STARTED, "job-b")
+        stack.kill(old)  # in the middle of the switch
+        for task in waiting:
+            task.cancel()
+        await asyncio.gather(*waiting, return_exceptions=True)
+    # Lease expired: the follower leads in term 2, from the ConfigMaps' state.
+    stack.leads(new, 2)
+    async with (
+        AsyncClient(second, job_id="job-b", lease_s=None) as b,
+        AsyncClient(second, job_id="job-c", lease_s=None) as c,
+        events_of(b, "trainer") as events,
+    ):
+        # The switch is finished (rolled forward) and job-b gets its grant.
+        assert (await b.acquire("trainer", timeout=WAIT_S)).success
+        windows["b"].acquired = time.time()
+        # job-c kept its place in the queue: it is granted when job-b yields.
+        waiting_c = asyncio.create_task(c.acquire("trainer", timeout=WAIT_S))
+        await next_event(events, EventKind.QUEUED, "job-c")
+        windows["b"].yielded = time.time()
+        await b.yield_("trainer")
+        assert (await asyncio.wait_for(waiting_c, WAIT_S)).success
+        windows["c"].acquired = time.time()
+        status = await c.status("trainer")
+        assert status.locking_job == "job-c"
+        windows["c"].yielded = time.time()
+    state = _group_state(api)
+    assert state["metadata"]["annotations"]["timeslice.io/leader-term"] == "2"  # type: ignore[index]
+    assert (
+        checker.check(
+            journal=stack.journal(),
+            windows=list(windows.values()),
+            group_nodes={"trainer": ["gpu-a", "gpu-b"]},
+        )
+        == []
+    )
+
+
+async def test_a_leader_whose_write_meets_a_newer_terms_steps_down(
+    api: ApiServerEmulator, stack: HaStack
+) -> None:
+    for job in ("job-a", "job-b"):
+        api.apply(objects.job_pod(f"{job}-trainer-0", job, "trainer"))
+    api.apply(objects.node("gpu-a", "trainer"))
+    stack.start_ha({"gpu-a": ["--backend", "noop"]}, ["orch-a"])
+    leader = stack.replicas["orch-a"]
+    address = stack.addresses["orch-a"]
+    async with AsyncClient(address, job_id="job-a", lease_s=None) as a:
+        await a.acquire("trainer", timeout=WAIT_S)
+        # A newer leader (term 7) writes the group's state: it drained the group.
+        cm = _group_state(api)
+        record = json.loads(cm["data"]["record"])  # type: ignore[index]
+        assert record["holder"] == "job-a"
+        cm["metadata"]["annotations"]["timeslice.io/leader-term"] = "7"  # type: ignore[index]
+        cm["data"]["record"] = json.dumps({**record, "draining": True})  # type: ignore[index]
+        api.store.update("configmaps", NAMESPACE, cm["metadata"]["name"], cm)  # type: ignore[index]
+        # The next write of term 1 (the yield's) conflicts: it steps down, overwriting nothing.
+        yielding = asyncio.create_task(a.yield_("trainer"))
+        # (in a thread: the event loop must go on sending the yield meanwhile)
+        await asyncio.to_thread(
+            leader.wait_for,
+            r"stepping down as leader \(term 1\): leader term 7 wrote state ConfigMap "
+            r"timeslice-system/tslice-group-trainer-\w+ after this replica's term 1",
+        )
+        # Campaigning again, it finds term 7 in the state and leads above it, from that state.
+        await asyncio.to_thread(stack.leads, "orch-a", 8)
+        await asyncio.wait_for(yielding, WAIT_S)  # retried against the leader of term 8
+        assert (await a.status("trainer")).draining
+
+
+async def test_a_leader_stopped_gracefully_hands_the_lease_over_at_once(
+    api: ApiServerEmulator, stack: HaStack
+) -> None:
+    api.apply(objects.job_pod("job-a-trainer-0", "job-a", "trainer"))
+    api.apply(objects.node("gpu-a", "trainer"))
+    # A Lease of 30 s: a follower that took it on expiry would not be here in time.
+    agents = {"gpu-a": ["--backend", "noop"]}
+    first = stack.start_ha(agents, ["orch-a", "orch-b"], lease_duration_s=30)
+    second = stack.follower(first)
+    old, new = stack.replicas[first], stack.replicas[second]
+    new.wait_for(rf"leader election: {first} leads \(term 1\)")
+    async with AsyncClient(stack.addresses[first], job_id="job-a", lease_s=None) as a:
+        await a.acquire("trainer", timeout=WAIT_S)
+    old.terminate()
+    old.wait_for(r"released Lease timeslice-system/tslice-orchestrator")
+    new.wait_for(r"took Lease timeslice-system/tslice-orchestrator \(free\); leader term 2")
+    stack.leads(second, 2)
+    async with AsyncClient(stack.addresses[second], job_id="job-a", lease_s=None) as a:
+        # The holder is still the holder under the new leader.
+        assert (await a.status("trainer")).locking_job == "job-a"
+        await a.yield_("trainer")
