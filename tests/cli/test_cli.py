@@ -21,6 +21,8 @@ COMMANDS = [
     "demo",
     "agent",
     "orchestrator",
+    "plan",
+    "events",
 ]
 
 

@@ -30,6 +30,7 @@ DOCS = [
     ROOT / "docs" / "deployment.md",
     ROOT / "docs" / "operations.md",
     ROOT / "docs" / "deploy-kubernetes.md",
+    ROOT / "docs" / "demo.md",
 ]
 #: Pages whose YAML blocks are Kubernetes manifests, not tslice config files.
 _MANIFEST_PAGES = {ROOT / "docs" / "deploy-kubernetes.md"}
@@ -69,6 +70,8 @@ def tslice_commands() -> list[tuple[str, list[str]]]:
             words = shlex.split(line, comments=True)
             if words and words[-1] == "&":
                 words = words[:-1]
+            if ">" in words:  # a redirection of the command's output
+                words = words[: words.index(">")]
             if words and words[0] in ("tslice", ".venv/bin/tslice"):
                 commands.append((where, words[1:]))
     return commands
@@ -153,6 +156,24 @@ def test_flag_lists_match_the_commands(name: str) -> None:
     documented = set(re.findall(r"--[a-z][a-z-]*", text))
     assert documented - flags(name) == set(), f"documented flags `tslice {name}` does not have"
     assert flags(name) - documented == set(), f"flags of `tslice {name}` not documented"
+
+
+@pytest.mark.parametrize(
+    ("name", "page", "heading"),
+    [
+        ("plan", "demo.md", "## Planning placements (`tslice plan`)"),
+        ("events", "operations.md", "## Events"),
+    ],
+)
+def test_flag_tables_of_plan_and_events(name: str, page: str, heading: str) -> None:
+    text = _section(ROOT / "docs" / page, heading)
+    rows = "\n".join(row.split("|")[1] for row in text.splitlines() if row.startswith("| `"))
+    documented = set(re.findall(r"--[a-z][a-z-]*", rows))
+    # A switch's secondary name (--no-simulate) is documented beside its first.
+    secondary = {
+        opt for param in command(name).params for opt in getattr(param, "secondary_opts", [])
+    }
+    assert documented == flags(name) | secondary, documented ^ (flags(name) | secondary)
 
 
 def _extra_keys() -> set[str]:
