@@ -215,3 +215,36 @@ def test_a_plaintext_command_against_a_tls_orchestrator_names_the_tls_setting(
     lines = err.strip().splitlines()
     assert len(lines) == 1, err
     assert "not reachable" in lines[0] and f"${tls.TLS_CA_ENV}" in lines[0], lines[0]
+
+
+def test_events_json_lines_are_an_event_log(address: str) -> None:
+    """`tslice events --json` prints the stream as JSON lines, the event log `tslice plan` reads."""
+    watcher = subprocess.Popen(
+        [
+            *(sys.executable, "-c", "from tslice.cli.main import main; main()"),
+            *("events", "ev-g", "--json", "--count", "4", "--addr", address),
+            *("--kind", "GRANTED", "--kind", "YIELDED"),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        with tsclient.Client(address, job_id=None) as client:
+            # Turns go on until the watcher, subscribed at some point, has seen four events.
+            for turn in range(2_000):
+                if watcher.poll() is not None:
+                    break
+                job = f"ev-{turn % 2}"
+                client.acquire("ev-g", job_id=job)
+                client.yield_("ev-g", job_id=job)
+        out, _ = watcher.communicate(timeout=60)
+    finally:
+        watcher.kill()
+    assert watcher.returncode == 0
+    records = [json.loads(line) for line in out.splitlines()]
+    assert len(records) == 4
+    assert {r["kind"] for r in records} <= {"GRANTED", "YIELDED"}
+    assert {r["group_id"] for r in records} == {"ev-g"}
+    assert {r["job_id"] for r in records} <= {"ev-0", "ev-1"}
+    # What the planner's reader needs of every line (tslice.sim.planner.recording).
+    assert all({"kind", "group_id", "time"} <= set(r) for r in records)
