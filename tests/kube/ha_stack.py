@@ -1,8 +1,9 @@
 """HA mode's processes for the tests: agents with their pods, and orchestrator replicas
 (``tslice orchestrator --kubernetes --ha``) against the API-server emulator.
 
-Leases are short here (1 s, renewed every 0.2 s): a follower takes over a dead leader
-within about a second. Every wait is on a server's log line or on a reply, never a sleep.
+Leases are short here (2 s, renewed every 0.1 s: a loaded machine's slow renewals still
+leave the leader its 1.3 s renew deadline): a follower takes over a dead leader within
+about two seconds. Every wait is on a server's log line or on a reply, never a sleep.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ class HaStack(stack.Cluster):
         nodes: dict[str, list[str]],
         replicas: Sequence[str],
         *,
-        lease_duration_s: int = 1,
+        lease_duration_s: int = 2,
         shutdown_grace_s: float = 1.0,
     ) -> str:
         """An agent per node and the ``replicas``, all started at once; the replica that
@@ -42,7 +43,7 @@ class HaStack(stack.Cluster):
             self.replicas[name] = self.launch(name, [
                 "orchestrator", "--kubernetes", "--kubeconfig", str(kubeconfig),
                 "--ha", "--identity", name, "--lease-namespace", NAMESPACE,
-                "--lease-duration", str(lease_duration_s), "--renew-interval", "0.2",
+                "--lease-duration", str(lease_duration_s), "--renew-interval", "0.1",
                 "--host", "127.0.0.1", "--port", "0", "--metrics-port", "0",
                 "--state-dir", str(self.tmp_path / name),
                 "--shutdown-grace", str(shutdown_grace_s),

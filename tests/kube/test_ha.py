@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import pathlib
+import signal
 import time
 from collections.abc import Iterator
 
@@ -74,40 +75,33 @@ async def test_a_follower_redirects_and_takes_over_a_leader_killed_mid_switch(
     windows = {
         j: checker.Window(job=f"job-{j}", group="trainer", requested=0.0) for j in ("a", "b", "c")
     }
+    # The clients know both replicas: they follow the redirect and the failover themselves.
+    both = [first, second]
     async with (
-        AsyncClient(first, job_id="job-a", lease_s=None) as a,
-        AsyncClient(first, job_id="job-b", lease_s=None) as b,
-        AsyncClient(first, job_id="job-c", lease_s=None) as c,
-        events_of(b, "trainer") as events,
+        AsyncClient(both, job_id="job-a", lease_s=None) as a,
+        AsyncClient(both, job_id="job-b", lease_s=None) as b,
+        AsyncClient(both, job_id="job-c", lease_s=None) as c,
     ):
-        windows["a"].requested = time.time()
-        await a.acquire("trainer", timeout=WAIT_S)
-        windows["a"].acquired = time.time()
-        windows["b"].requested = windows["c"].requested = time.time()
-        waiting = [asyncio.create_task(b.acquire("trainer", timeout=WAIT_S))]
-        await next_event(events, EventKind.QUEUED, "job-b")
-        waiting.append(asyncio.create_task(c.acquire("trainer", timeout=WAIT_S)))
-        await next_event(events, EventKind.QUEUED, "job-c")
-        windows["a"].yielded = time.time()
-        await a.yield_("trainer")
-        await next_event(events, EventKind.SWITCH_STARTED, "job-b")
-        stack.kill(old)  # in the middle of the switch
-        for task in waiting:
-            task.cancel()
-        await asyncio.gather(*waiting, return_exceptions=True)
-    # Lease expired: the follower leads in term 2, from the ConfigMaps' state.
-    stack.leads(new, 2)
-    async with (
-        AsyncClient(second, job_id="job-b", lease_s=None) as b,
-        AsyncClient(second, job_id="job-c", lease_s=None) as c,
-        events_of(b, "trainer") as events,
-    ):
-        # The switch is finished (rolled forward) and job-b gets its grant.
-        assert (await b.acquire("trainer", timeout=WAIT_S)).success
+        async with events_of(b, "trainer") as events:
+            windows["a"].requested = time.time()
+            await a.acquire("trainer", timeout=WAIT_S)
+            windows["a"].acquired = time.time()
+            windows["b"].requested = windows["c"].requested = time.time()
+            waiting_b = asyncio.create_task(b.acquire("trainer", timeout=WAIT_S))
+            await next_event(events, EventKind.QUEUED, "job-b")
+            waiting_c = asyncio.create_task(c.acquire("trainer", timeout=WAIT_S))
+            await next_event(events, EventKind.QUEUED, "job-c")
+            windows["a"].yielded = time.time()
+            await a.yield_("trainer")
+            await next_event(events, EventKind.SWITCH_STARTED, "job-b")
+            stack.kill(old)  # in the middle of the switch
+        # Lease expired, the follower leads in term 2 from the ConfigMaps' state: it
+        # finishes the switch (rolled forward), and job-b's Acquire, re-issued there by the
+        # client, gets its grant; job-c's waits on, in its place.
+        assert (await asyncio.wait_for(waiting_b, WAIT_S)).success
         windows["b"].acquired = time.time()
-        # job-c kept its place in the queue: it is granted when job-b yields.
-        waiting_c = asyncio.create_task(c.acquire("trainer", timeout=WAIT_S))
-        await next_event(events, EventKind.QUEUED, "job-c")
+        assert stack.replicas[new].wait_for(r"leading as \S+ \(leader term (\d+),").group(1) == "2"
+        assert not waiting_c.done()
         windows["b"].yielded = time.time()
         await b.yield_("trainer")
         assert (await asyncio.wait_for(waiting_c, WAIT_S)).success
@@ -180,3 +174,52 @@ async def test_a_leader_stopped_gracefully_hands_the_lease_over_at_once(
         # The holder is still the holder under the new leader.
         assert (await a.status("trainer")).locking_job == "job-a"
         await a.yield_("trainer")
+
+
+async def test_a_partitioned_old_leader_is_fenced(api: ApiServerEmulator, stack: HaStack) -> None:
+    sim = exclusive_sim()
+    for job in ("job-a", "job-b"):
+        api.apply(objects.job_pod(f"{job}-trainer-0", job, "trainer"))
+    for node in ("gpu-a", "gpu-b"):
+        api.apply(objects.node(node, "trainer"))
+    old = stack.start_ha({"gpu-a": sim.flags(), "gpu-b": sim.flags()}, ["orch-a", "orch-b"])
+    new = stack.follower(old)
+    windows = {j: checker.Window(job=f"job-{j}", group="trainer", requested=0.0) for j in "ab"}
+    async with (
+        AsyncClient(stack.addresses[old], job_id="job-a", lease_s=None) as a,
+        AsyncClient(stack.addresses[old], job_id="job-b", lease_s=None) as b,
+        events_of(b, "trainer") as events,
+    ):
+        windows["a"].requested = time.time()
+        await a.acquire("trainer", timeout=WAIT_S)
+        windows["a"].acquired = windows["b"].requested = time.time()
+        waiting = asyncio.create_task(b.acquire("trainer", timeout=WAIT_S))
+        await next_event(events, EventKind.QUEUED, "job-b")
+        windows["a"].yielded = time.time()
+        await a.yield_("trainer")
+        await next_event(events, EventKind.SWITCH_STARTED, "job-b")
+        # Partitioned in the middle of its switch: it cannot renew, nor tell anyone.
+        stack.replicas[old].proc.send_signal(signal.SIGSTOP)
+        waiting.cancel()
+        await asyncio.gather(waiting, return_exceptions=True)
+    await asyncio.to_thread(stack.leads, new, 2)
+    async with AsyncClient(stack.addresses[new], job_id="job-b", lease_s=None) as b:
+        assert (await b.acquire("trainer", timeout=WAIT_S)).success
+        windows["b"].acquired = time.time()
+        # Back, the old leader of term 1 goes on with its switch: the agents, which have
+        # seen term 2, refuse it, or its own renew deadline stops it first. Either way it
+        # steps down without moving device state.
+        stack.replicas[old].proc.send_signal(signal.SIGCONT)
+        await asyncio.to_thread(stack.replicas[old].wait_for, r"stepping down as leader \(term 1\)")
+        status = await b.status("trainer")
+        assert status.locking_job == "job-b"
+        windows["b"].yielded = time.time()
+        await b.yield_("trainer")
+    assert (
+        checker.check(
+            journal=stack.journal(),
+            windows=list(windows.values()),
+            group_nodes={"trainer": ["gpu-a", "gpu-b"]},
+        )
+        == []
+    )

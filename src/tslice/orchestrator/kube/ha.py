@@ -124,11 +124,14 @@ class _Terms:
         self._role, self._term, self._leader, self._health = role, term, leader, health
         self._elector = lease.Elector(client, ha, on_seen=role.saw_leader)
         self._ending = _Ending()
-        term.on_deposed(
-            lambda newer: self._ending.end(
-                f"an agent refused a directive: it has seen leader term {newer}, newer "
-                f"than this replica's {term.value}"
-            )
+        term.on_deposed(self._agent_deposed)
+
+    def _agent_deposed(self, newer: int) -> None:
+        # The next win is above it (the Lease may have been created again, its count lower).
+        self._elector.floor = max(self._elector.floor, newer)
+        self._ending.end(
+            f"an agent refused a directive: it has seen leader term {newer}, newer than "
+            f"this replica's {self._term.value}"
         )
 
     async def run(self, stop: asyncio.Event) -> None:

@@ -45,7 +45,7 @@ _CONFLICT, _NOT_FOUND = 409, 404
 
 def configmap_name(group_id: str) -> str:
     """A DNS-1123 name for a group's ConfigMap, unique per id (ids may have upper case)."""
-    slug = re.sub(r"[^a-z0-9-]+", "-", group_id.lower()).strip("-")[:40].strip("-")
+    slug = re.sub(r"[^a-z0-9-]+", "-", group_id.lower()).strip("-")[:39].strip("-")
     digest = hashlib.sha256(group_id.encode()).hexdigest()[:10]
     return f"tslice-group-{slug}-{digest}" if slug else f"tslice-group-{digest}"
 
