@@ -172,6 +172,9 @@ def test_a_hold_for_the_resident_needs_no_wake_up_once_its_waiters_left() -> Non
     assert g.wake_at is not None
     g.on_cancel("b", now=now + 1.1)
     assert g.wake_at is None
+    g.on_acquire("a", now=now + 1.2)  # zero cost: nobody waits
+    g.on_acquire("b", now=now + 1.3)  # queued behind the holder: no hold to end
+    assert g.wake_at is None
     assert g.on_expire(now=now + 5) == []
 
 

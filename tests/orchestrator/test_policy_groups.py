@@ -119,6 +119,7 @@ class Cluster:
                 assert not isinstance(a, decisions.Abort), a
         wake = lock.wake_at
         if wake is not None:
+            assert wake > self.now, f"{g}: a wake-up asked for a time already past"
             self.at(wake, "wake", g)
 
     def claim_granted(self, g: str, job: str) -> None:

@@ -488,6 +488,7 @@ class GroupLock(lock_state.LockState):
         self._receivers = attached
         self._undelivered = 0
         self._confirm_deadline = None
+        self._wake_at = None
         self._policy.granted(job, now=now)
 
     def on_switch_measured(self, from_job: str | None, to_job: str, *, seconds: float) -> None:

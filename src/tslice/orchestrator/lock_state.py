@@ -220,8 +220,10 @@ class LockState:
     @property
     def wake_at(self) -> float | None:
         """When the driver must call ``on_expire``: the policy keeps the idle group for
-        its resident until then (None: no wake-up needed, e.g. its waiters left)."""
-        return self._wake_at if self.attached_waiters else None
+        its resident until then (None: no wake-up needed: no hold, or it is over, e.g.
+        the waiters left or the resident was granted again)."""
+        idle = self._holder is None and self._switch is None and self.attached_waiters > 0
+        return self._wake_at if idle else None
 
     def next_waiter(self, *, now: float) -> str | None:
         """The live waiter the policy would promote next (None: nobody waits)."""
