@@ -17,6 +17,8 @@ servicers are registered once per server, a leader's groups live for one term).
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import dataclasses
 import inspect
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -128,6 +130,8 @@ def _refusing(handler: Any, method: str, leadership: Leadership) -> Any:
         await leadership.abort(context, method)
 
     async def refuse_stream(request: Any, context: _Context) -> AsyncIterator[Any]:
+        if handler.request_streaming:
+            await _first_request(request)
         await leadership.abort(context, method)
         yield  # pragma: no cover (abort raises): makes this an async generator
 
@@ -143,6 +147,19 @@ def _refusing(handler: Any, method: str, leadership: Leadership) -> Any:
     if streaming:
         return grpc.unary_stream_rpc_method_handler(refuse_stream, **options)
     return grpc.unary_unary_rpc_method_handler(refuse, **options)
+
+
+#: How long a refused stream waits for its caller's first request, seconds.
+_FIRST_REQUEST_S = 1.0
+
+
+async def _first_request(requests: AsyncIterator[Any]) -> None:
+    """Until the caller's first request has arrived (or a second went by). A grpc.aio
+    client whose request stream ends before its first write completes reports INTERNAL
+    "Internal error from Core" instead of our status (grpc/grpc#36066): the Session's
+    first write is its call, so once that has arrived the refusal reaches the client."""
+    with contextlib.suppress(Exception):
+        await asyncio.wait_for(anext(aiter(requests)), _FIRST_REQUEST_S)
 
 
 def forwarding(servicer_type: type[Any], methods: list[str], leadership: Leadership) -> Any:
