@@ -159,8 +159,15 @@ async def _serve_locked(
 
         async def serving_now(groups: int, role_name: str = "") -> None:
             await grpc_server.start()
-            for name in ("", SERVICE_NAME) if role is None else ("",):
-                await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+            for name in ("", SERVICE_NAME):
+                # HA mode: the orchestrator service is SERVING on the leader only (kube.ha).
+                up = name == "" or role is None
+                await health_servicer.set(
+                    name,
+                    health_pb2.HealthCheckResponse.SERVING
+                    if up
+                    else health_pb2.HealthCheckResponse.NOT_SERVING,
+                )
             log.info(
                 "orchestrator serving on %s (%s mode%s, %d groups, %s)",
                 address,

@@ -91,6 +91,7 @@ class Leadership:
         elif address:
             where = "it was just elected leader and is reading the state"
             fix = "retry in a moment"
+            address = ""  # not a redirect: the client backs off instead of calling again at once
         else:
             where = "no leader is elected yet (the Lease is free or expiring)"
             fix = "retry in a few seconds"
