@@ -14,7 +14,7 @@ import subprocess
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-KEYS = ("grants_per_s", "orch_ms", "handover_p50", "handover_p99")
+KEYS = ("grants_per_s", "orch_ms", "agents_ms", "clients_ms", "handover_p50", "handover_p99")
 
 
 def run(tree: str, extra: list[str]) -> dict[str, float]:
@@ -27,6 +27,8 @@ def run(tree: str, extra: list[str]) -> dict[str, float]:
     return {
         "grants_per_s": r["grants_per_s"],
         "orch_ms": r["orchestrator"]["cpu_ms_per_grant"],
+        "agents_ms": r["agents_cpu_ms_per_grant"],
+        "clients_ms": r["generators_cpu_ms_per_grant"],
         "handover_p50": r["handover_ms"]["p50"],
         "handover_p99": r["handover_ms"]["p99"],
     }

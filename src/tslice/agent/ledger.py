@@ -6,10 +6,20 @@ undone if the disk refuses, so a reply never gets ahead of the store and a refus
 write changes nothing. Only the outcome of a finished backend call is kept in memory
 even when the disk refuses (:meth:`Ledger.record_outcome`): the state really moved,
 and a restart asks the backend again.
+
+Outcomes are written at the end of the loop turn they finished in (:meth:`Ledger.flush`,
+scheduled with ``call_soon``), all of that turn in one transaction: the two moves of a
+hand-over (the holder's snapshot, the next job's restore) usually finish together, so a
+grant costs three commits instead of four (≈ 0.25 ms of agent CPU each under load). The
+flush runs before anything woken by the outcome (callbacks run in the order they were
+scheduled: the operation's waiters, and so the Grant reply, come after it), and before
+any :meth:`commit` or :meth:`prune` (in the same transaction as the commit, ahead of its
+records: a newer record of the same job is never overwritten by an older outcome).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Iterable
 
@@ -33,6 +43,8 @@ class Ledger:
         self.jobs: dict[job_model.Key, job_model.Job] = {}
         self.operations: dict[str, job_model.Operation] = {}
         self.marks: dict[str, job_model.GrantMark] = {}
+        #: Outcomes in memory whose write waits for the end of the loop turn (see above).
+        self._unsaved: list[tuple[job_model.Job, job_model.Operation]] = []
 
     async def load(self) -> None:
         loaded = await self._store.load()
@@ -135,14 +147,17 @@ class Ledger:
         self._apply(job_list, op_list)
         for mark in mark_list:
             self.marks[mark.group] = mark
+        # Outcomes not yet on disk go first, in the same transaction (older records).
+        unsaved, self._unsaved = self._unsaved, []
         try:
             self._store.put(
-                job_records=job_list,
-                operation_records=op_list,
+                job_records=[j for j, _ in unsaved] + job_list,
+                operation_records=[o for _, o in unsaved] + op_list,
                 grant_marks=mark_list,
                 deleted_jobs=moved,
             )
         except Exception as err:
+            self._unsaved = unsaved + self._unsaved  # the scheduled flush tries them again
             for job in job_list:
                 self.jobs.pop(job.key, None)
             if previous is not None:
@@ -162,18 +177,37 @@ class Ledger:
             ) from err
 
     def record_outcome(self, job: job_model.Job, op: job_model.Operation) -> None:
-        """Store a finished operation and its job; in memory even if the disk refuses."""
+        """Keep a finished operation and its job; on disk at the end of this loop turn
+        (see the module docstring), in memory even if the disk refuses."""
+        self._apply([job], [op])
+        first = not self._unsaved
+        self._unsaved.append((job, op))
+        if not first:
+            return  # the flush of this turn is scheduled already
         try:
-            # On disk before anybody can see it: a reply never gets ahead of the store.
-            self._store.put(job_records=[job], operation_records=[op])
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # no loop (a synchronous caller): at once
+            self.flush()
+        else:
+            loop.call_soon(self.flush)
+
+    def flush(self) -> None:
+        """Write the outcomes kept since the last write, in one transaction."""
+        unsaved, self._unsaved = self._unsaved, []
+        if not unsaved:
+            return
+        try:
+            self._store.put(
+                job_records=[j for j, _ in unsaved], operation_records=[o for _, o in unsaved]
+            )
         except Exception:
-            # The outcome stays served from memory; a restart re-asks the backend.
-            log.exception("could not persist the outcome of operation %s", op.op_id)
-        finally:
-            self._apply([job], [op])
+            # The outcomes stay served from memory; a restart re-asks the backend.
+            ids = ", ".join(o.op_id for _, o in unsaved)
+            log.exception("could not persist the outcome of operation(s) %s", ids)
 
     def prune(self, *, now: float) -> int:
         """Forget finished operations past retention (and beyond the count limit)."""
+        self.flush()  # an outcome written after the delete would bring its row back
         referenced = {j.operation_id for j in self.jobs.values()}
         finished = sorted(
             (op for op in self.operations.values() if op.finished and op.op_id not in referenced),

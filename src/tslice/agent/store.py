@@ -23,6 +23,7 @@ import concurrent.futures
 import dataclasses
 import enum
 import json
+import operator
 import sqlite3
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
@@ -127,6 +128,10 @@ def _json(value: Mapping[str, Any]) -> str:
     return json.dumps(dict(value)) if value else "{}"
 
 
+def _same(value: object) -> object:
+    return value
+
+
 @dataclasses.dataclass(frozen=True)
 class _Column:
     """One column of a record's table: its name, the record's field, how a value is
@@ -134,8 +139,24 @@ class _Column:
 
     name: str
     field: str
-    dump: Callable[[Any], object] = lambda value: value
+    dump: Callable[[Any], object] = _same
     load: Callable[[Any], Any] = str
+
+
+class _RowOf:
+    """A record's row for its table's columns, the lookups worked out once: every state
+    change writes two to four records (a field read and a call per column cost ≈ 10 µs
+    a record)."""
+
+    def __init__(self, columns: tuple[_Column, ...]) -> None:
+        self._values = operator.attrgetter(*(c.field for c in columns))
+        self._dumps = tuple((i, c.dump) for i, c in enumerate(columns) if c.dump is not _same)
+
+    def __call__(self, record: object) -> tuple[object, ...]:
+        row = list(self._values(record))
+        for i, dump in self._dumps:
+            row[i] = dump(row[i])
+        return tuple(row)
 
 
 #: The tables' columns in their order, one per field of the record (``job_model.Job``).
@@ -347,24 +368,18 @@ class Store:
             conn.executemany("DELETE FROM operations WHERE op_id = ?", ids)
 
 
-def _row(columns: tuple[_Column, ...], record: object) -> tuple[object, ...]:
-    return tuple(c.dump(getattr(record, c.field)) for c in columns)
-
-
 def _fields(columns: tuple[_Column, ...], row: Sequence[object]) -> dict[str, Any]:
     return {c.field: c.load(value) for c, value in zip(columns, row, strict=True)}
 
 
-def _job_row(job: job_model.Job) -> tuple[object, ...]:
-    return _row(_JOB_COLUMNS, job)
+_job_row = _RowOf(_JOB_COLUMNS)
 
 
 def _job_from_row(row: tuple[object, ...]) -> job_model.Job:
     return job_model.Job(**_fields(_JOB_COLUMNS, row))
 
 
-def _operation_row(op: job_model.Operation) -> tuple[object, ...]:
-    return _row(_OPERATION_COLUMNS, op)
+_operation_row = _RowOf(_OPERATION_COLUMNS)
 
 
 def _operation_from_row(row: tuple[object, ...]) -> job_model.Operation:
