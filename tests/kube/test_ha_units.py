@@ -6,7 +6,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+from typing import Any
 
+import grpc
 import pytest
 
 from tests.cli.test_cli import run_cli
@@ -72,3 +74,55 @@ def test_configmap_names_are_dns_names_unique_per_group() -> None:
     for name in names:
         assert len(name) <= 63 and name == name.lower() and name[0].isalpha()
         assert set(name) <= set("abcdefghijklmnopqrstuvwxyz0123456789-")
+
+
+async def test_a_follower_refuses_every_call_of_the_service_naming_the_leader() -> None:
+    from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2 as opb
+    from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2_grpc as opb_grpc
+    from tslice.common import undecodable
+    from tslice.orchestrator import app, server
+    from tslice.orchestrator.kube import leadership
+
+    role = leadership.Leadership(app.SERVICE_NAME, "orch-b")
+    role.saw_leader("orch-a", "10.0.0.7:50051")
+    grpc_server = grpc.aio.server(
+        interceptors=[undecodable.UndecodableRequests(), leadership.FollowerGate(role)]
+    )
+    methods = [
+        m.name for m in opb.DESCRIPTOR.services_by_name["TimeSliceOrchestratorService"].methods
+    ]
+    opb_grpc.add_TimeSliceOrchestratorServiceServicer_to_server(
+        leadership.forwarding(server.OrchestratorServicer, methods, role), grpc_server
+    )
+    port = grpc_server.add_insecure_port("127.0.0.1:0")
+    await grpc_server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = opb_grpc.TimeSliceOrchestratorServiceStub(channel)
+            session = stub.Session()
+            await session.write(opb.SessionRequest(request_id=1))
+            calls = {
+                "Acquire": stub.Acquire(opb.AcquireRequest(group_id="g", job_id="j")),
+                "ListGroups": stub.ListGroups(opb.ListGroupsRequest()),
+                "Drain": stub.Drain(opb.DrainRequest(group_id="g")),
+                "WatchEvents": _drain(stub.WatchEvents(opb.WatchEventsRequest())),
+                "Hold": _drain(stub.Hold(opb.HoldRequest(group_id="g", job_id="j"))),
+                "Session": _drain(session),
+            }
+            for name, call in calls.items():
+                with pytest.raises(grpc.aio.AioRpcError) as refused:
+                    await call
+                error = refused.value
+                assert error.code() is grpc.StatusCode.UNAVAILABLE, name
+                assert str(error.details()).startswith(
+                    f"{name}: this orchestrator replica (orch-b) is a follower; the leader is "
+                    "orch-a at 10.0.0.7:50051"
+                )
+                assert dict(error.trailing_metadata() or ())["x-tslice-leader"] == "10.0.0.7:50051"
+    finally:
+        await grpc_server.stop(0)
+
+
+async def _drain(stream: Any) -> None:
+    async for _ in stream:
+        pass
