@@ -146,9 +146,24 @@ class _Terms:
                 continue
             term.advance(won)
             self._ending.reset()
-            db = await self._claim(won)
-            if db is not None:
-                await self._lead(won, db, stop)
+            # Renewed from the take on: claiming many ConfigMaps may outlast the Lease.
+            holding = tasks.spawn(elector.hold(), name="ha:lease")
+            holding.add_done_callback(self._held_until)
+            ending = self._ending
+            try:
+                db = await self._claim(won)
+                if db is not None and not ending.event.is_set():
+                    await self._lead(won, db, stop)
+                elif db is not None:
+                    log.warning("leader term %d ended before leading: %s", won, ending.why)
+                    await db.close()
+            finally:
+                await tasks.cancel_all([holding])
+            await elector.release()
+
+    def _held_until(self, holding: asyncio.Task[str]) -> None:
+        if not holding.cancelled():
+            self._ending.end(_lost(holding))
 
     async def _claim(self, won: int) -> state.ConfigMapStore | None:
         """The term's state, claimed; None (the Lease given up) if it cannot be."""
@@ -169,13 +184,10 @@ class _Terms:
         except store.StoreError as err:
             log.error("leader term %d: %s; giving the Lease up", won, err)
             await asyncio.sleep(ha.renew_interval_s)  # not at once: the next read may work
-        await self._elector.release()
         return None
 
     async def _lead(self, won: int, db: state.ConfigMapStore, stop: asyncio.Event) -> None:
         role, ending = self._role, self._ending
-        holding = tasks.spawn(self._elector.hold(), name="ha:lease")
-        holding.add_done_callback(lambda t: None if t.cancelled() else ending.end(_lost(t)))
         graceful = False
         try:
             async with self._leader.lead(
@@ -211,9 +223,7 @@ class _Terms:
                 )
         finally:
             role.follow()
-            await tasks.cancel_all([holding])
             await db.close()
-        await self._elector.release()
         log.info("leader term %d ended; following", won)
 
 

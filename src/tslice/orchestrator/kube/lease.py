@@ -71,6 +71,8 @@ class Elector:
         #: A term known to be taken (the state says so, though the Lease may have been
         #: deleted and created again since): the next win is above it.
         self.floor = 0
+        #: When the last take or renewal that succeeded was sent (monotonic).
+        self._renewed_at = 0.0
         #: The holder and its address as last seen.
         self._leader: tuple[str | None, str | None] = (None, None)
 
@@ -147,23 +149,27 @@ class Elector:
             ),
             spec=self._spec(self.floor + 1, _now()),
         )
+        sent = time.monotonic()
         try:
             self._held = await self._client.create(lease)
         except ApiError as err:
             if err.status.code == _CONFLICT:  # another replica created it first
                 return None
             raise
+        self._renewed_at = sent
         return self._won("created")
 
     async def _take(self, lease: Any, *, why: str) -> int | None:
         lease.metadata.annotations = self._annotations(lease)
         lease.spec = self._spec(max(_term(lease), self.floor) + 1, _now())
+        sent = time.monotonic()
         try:
             self._held = await self._client.replace(lease)
         except ApiError as err:
             if err.status.code == _CONFLICT:  # another candidate took it first
                 return None
             raise
+        self._renewed_at = sent
         return self._won(why)
 
     def _won(self, why: str) -> int:
@@ -181,7 +187,7 @@ class Elector:
     async def hold(self) -> str:
         """Renew the Lease until it is lost; why it was lost."""
         s = self._settings
-        renewed = time.monotonic()
+        renewed = self._renewed_at  # the deadline runs from the take
         while True:
             await asyncio.sleep(s.renew_interval_s)
             started = time.monotonic()
