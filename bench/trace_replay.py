@@ -15,14 +15,19 @@ once under each configuration:
   Nodes one after the other: every pool is one node here, so there is nothing to order.
   Run with the trace's own job count it must reproduce the recorded speedup (1.45x for
   the veRL trace, within +/-10 %): this validates the simulator against reality.
-* ``ours (fifo)``: the system as it is: FIFO, snapshot then restore, WaitOperation
+* ours, one configuration per switch mechanism (issue 9 §2), FIFO, WaitOperation
   long-polls (no polling), switch costs at the physical floor: the pool's state
-  (``--state``, default the demo's footprints: sampler 60 GiB, trainer 70 GiB, other
-  pools 60 GiB) over ``--bandwidth`` per direction (default 50 GB/s: a PCIe Gen5 x16
-  host link with pinned memory, ~50 of its 64 GB/s).
+  (default the demo's footprints: sampler 60 GiB, trainer 70 GiB, other pools 60 GiB)
+  over ``--bandwidth`` per direction (default 50 GB/s: a PCIe Gen5 x16 host link with
+  pinned memory, ~50 of its 64 GB/s), each direction its own link:
+  ``sequential`` (snapshot, then restore; 80 GiB devices), ``overlap`` (the restore
+  beside the snapshot, :data:`CHUNKS` chunks, landing only in freed memory),
+  ``+prefetch`` (and the first waiter brought in beside the holder where it fits, on
+  141 GB devices) and ``+discard`` (and the sampler's state discarded: the next weight
+  sync re-sends it). ``--only NAME`` runs some of them.
 
-Each switch mechanism and policy of issue 9 §2-§4 (prefetch, overlap, multi-group,
-policies) becomes one more entry of :data:`CONFIGURATIONS` when it lands.
+Policies and multi-group acquire (issue 9 §3-§4) become more entries of
+:data:`CONFIGURATIONS` when they land.
 
 Printed per configuration and job count: duty cycle per pool, makespan, speedup over
 back-to-back and GPU-hours saved, next to the bound the phase model allows
@@ -33,6 +38,7 @@ time) by the time scale: at 750x (the default), 20 ms are 15 trace seconds.
 
     python bench/trace_replay.py [--trace FILE] [--jobs N] [--json] [--quick]
                                  [--steps N] [--time-scale X] [--bandwidth 50GB/s]
+                                 [--only CONFIGURATION]
 """
 
 from __future__ import annotations
