@@ -16,12 +16,22 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    _slow_modules_first(items)
     if config.getoption("--with-gpu"):
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU: run with --with-gpu on a GPU machine")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def _slow_modules_first(items: list[pytest.Item]) -> None:
+    """Run the modules with a test marked slow (clusters of real processes, torch and
+    transformers jobs: 20-40 s each) first, each module's tests in their order: on
+    pytest-xdist their long tests then start while short modules fill the other workers,
+    instead of one of them ending the run alone."""
+    slow = {item.path for item in items if item.get_closest_marker("slow") is not None}
+    items.sort(key=lambda item: item.path not in slow)  # stable: the rest keeps its order
 
 
 @pytest.fixture

@@ -10,9 +10,14 @@ from __future__ import annotations
 
 import os
 
+import pytest
+
 from tslice.sim import chaos
 
 SEED = int(os.environ.get("TSLICE_CHAOS_SEED", "1"))
+
+# A 12 s run of a whole cluster of processes (about 25 s with its start and checks).
+pytestmark = pytest.mark.slow
 
 
 async def test_a_short_chaos_run_survives_every_kind_of_kill_with_no_violation() -> None:
