@@ -171,3 +171,13 @@ def test_demo_command_defaults_match_the_library() -> None:
 
     assert demo_cmd.DEFAULT_STEPS == demo.DEFAULT_STEPS == demo.DemoConfig().steps
     assert demo_cmd.DEFAULT_TIME_SCALE == demo.DEFAULT_TIME_SCALE == demo.DemoConfig().time_scale
+
+
+def test_an_unknown_policy_flag_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = run_cli(
+        capsys, "orchestrator", "--policy", "lottery", "--local-agent", "127.0.0.1:1"
+    )
+    assert code == 2
+    assert (
+        "unknown policy kind 'lottery'; use one of: fifo, priority, fair-share, cost-aware" in err
+    )

@@ -11,8 +11,9 @@ import pytest
 
 from tslice.common import wal_limit
 from tslice.orchestrator import lock as lk
-from tslice.orchestrator import records
+from tslice.orchestrator import policy, records
 from tslice.orchestrator import store as st
+from tslice.orchestrator.policy import spec as policy_spec
 
 NODES = [("node-a", "127.0.0.1:9001"), ("node-b", "127.0.0.1:9002")]
 
@@ -74,11 +75,16 @@ async def test_unwritable_state_dir_is_a_clear_error(tmp_path: pathlib.Path) -> 
         await st.Store.open(blocker / "sub")
 
 
-async def test_every_saved_record_loads_back_after_random_changes(tmp_path: pathlib.Path) -> None:
-    """Saves write only what changed since ``previous``; what loads is the last record."""
+@pytest.mark.parametrize("scheduling", ["fifo", "priority"])
+async def test_every_saved_record_loads_back_after_random_changes(
+    tmp_path: pathlib.Path, scheduling: str
+) -> None:
+    """Saves write only what changed since ``previous``; what loads is the last record
+    (with priority, the waits' beginnings too: its aging bound holds across a restart)."""
     rng = random.Random(7)
     s = await st.Store.open(tmp_path)
-    g = lk.GroupLock()
+    spec = policy_spec.PrioritySpec() if scheduling == "priority" else policy_spec.FifoSpec()
+    g = lk.GroupLock(policy=policy.build(spec))
     previous = None
     jobs = ["a", "b", "c", "d"]
     for step in range(300):
@@ -98,6 +104,8 @@ async def test_every_saved_record_loads_back_after_random_changes(tmp_path: path
         if step % 50 == 49:
             (_, loaded) = (await s.load())["g"]
             assert loaded == record, step
+            if scheduling == "priority" and record.queue:
+                assert all(q.queued_at is not None for q in loaded.queue)
     await s.close()
 
 

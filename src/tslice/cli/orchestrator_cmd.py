@@ -46,6 +46,16 @@ def orchestrator(
         ),
     ] = None,
     group: Annotated[list[str] | None, options.LOCAL_GROUPS] = None,
+    policy: Annotated[
+        str | None,
+        typer.Option(
+            "--policy",
+            metavar="KIND",
+            help="Scheduling policy of every group whose topology names none: fifo "
+            "(default), priority, fair-share or cost-aware (their settings: the config "
+            "file's `policy:`, which this flag replaces).",
+        ),
+    ] = None,
     kubernetes: Annotated[
         bool,
         typer.Option(
@@ -180,6 +190,7 @@ def orchestrator(
         "topology_file": topology.resolve() if topology is not None else None,
         "local_agents": local_agent or None,
         "local_groups": group or None,
+        "policy": policy,
         "kubernetes": kubernetes or None,
         "kubeconfig": kubeconfig.resolve() if kubeconfig is not None else None,
         "agent_namespace": agent_namespace,

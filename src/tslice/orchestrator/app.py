@@ -27,7 +27,7 @@ import logging
 import os
 import pathlib
 from collections.abc import AsyncIterator, Callable
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 import grpc
 import prometheus_client as prom
@@ -256,7 +256,7 @@ class _Leader:
                 cfg = dataclasses.replace(cfg, topology=config.Topology(groups=found))
             services = group.Services(
                 cfg=cfg,
-                db=cast(store.Store, db),  # any LockStore (see .scratch/requests/ha.md)
+                db=db,
                 pool=self._pool,
                 bus=bus,
                 metrics=self._metrics,

@@ -40,6 +40,7 @@ from tslice.orchestrator import (
     lock,
     metrics,
     overlap,
+    policy,
     prefetching,
     records,
     recovery,
@@ -48,6 +49,7 @@ from tslice.orchestrator import (
     store,
     switch,
     switching,
+    wake,
     worker,
 )
 
@@ -66,7 +68,7 @@ class Services:
     """What every group of one orchestrator shares."""
 
     cfg: config.OrchestratorConfig
-    db: store.Store
+    db: store.LockStore
     pool: agents.AgentPool
     bus: events.EventBus
     metrics: metrics.OrchestratorMetrics
@@ -102,13 +104,26 @@ class GroupDriver:
         self._metrics = services.metrics
         self._arbiter = services.arbiter
         grace = cfg.reattach_grace_s
+        scheduling = policy.build(cfg.policy_for(group_id))
         if record is None:
             offset = time.time() - time.monotonic()
-            self.lock = lock.GroupLock(reattach_grace_s=grace, wall_offset_s=offset)
+            self.lock = lock.GroupLock(
+                reattach_grace_s=grace, wall_offset_s=offset, policy=scheduling
+            )
         else:
             self.lock = lock.GroupLock.from_record(
-                record, now=time.monotonic(), reattach_grace_s=grace, wall_now=time.time()
+                record,
+                now=time.monotonic(),
+                reattach_grace_s=grace,
+                wall_now=time.time(),
+                policy=scheduling,
             )
+        # This driver wakes the lock at lock.wake_at (a policy keeping the group for its
+        # resident: see tslice.orchestrator.wake).
+        self.lock.use_policy(scheduling, woken=True)
+        self._wake = wake.Wake(
+            lambda: self.post(lambda now: self.bind(self.lock.on_expire(now=now)))
+        )
         self._backoff = switch.Backoff(cfg.backoff_initial_s, cfg.backoff_max_s)
         self._callers = callers.Callers()
         self.views: dict[str, steps.NodeView] = {}
@@ -170,6 +185,7 @@ class GroupDriver:
     async def stop(self, *, grace_s: float) -> None:
         """Refuse new work, let a switch in flight finish within the grace, fail waiters."""
         self._stopping = True
+        self._wake.cancel()
         self._arbiter.leave(self.group_id)
         await self._switches.finish(grace_s=grace_s)
         self.release_deferred()
@@ -486,10 +502,14 @@ class GroupDriver:
         """Effect: start bringing the next waiter in beside the holder (see prefetching),
         once per waiter and grant."""
         lk = self.lock
-        candidate = prefetching.next_to_prefetch(lk, switching=lk.switching is not None)
+        candidate = prefetching.next_to_prefetch(
+            lk, switching=lk.switching is not None, now=time.monotonic()
+        )
         if candidate is None or candidate == self._prefetched or self._stopping:
             return
         self._prefetched = candidate
+        # (Finished prefetches are dropped: one is started per waiter and grant.)
+        self._tasks = [t for t in self._tasks if not t.done()]
         self._tasks.append(
             tasks.spawn(
                 prefetching.prefetch_everywhere(self._pool, self.nodes, self.group_id, candidate),
@@ -563,6 +583,7 @@ class GroupDriver:
     def _settled(self) -> None:
         self._sync_leases()
         self._refresh_state()
+        self._wake.arm(None if self._stopping else self.lock.wake_at)
 
     def _sync_leases(self) -> None:
         self._leases.sync(self.lock, self.post, self._lease_expired)

@@ -40,6 +40,8 @@ class LockView(Protocol):
 
     def footprint(self, job: str) -> int: ...
 
+    def next_waiter(self, *, now: float) -> str | None: ...
+
 
 @dataclasses.dataclass(frozen=True)
 class Candidate:
@@ -50,14 +52,13 @@ class Candidate:
     epoch: int
 
 
-def next_to_prefetch(lock: LockView, *, switching: bool) -> Candidate | None:
+def next_to_prefetch(lock: LockView, *, switching: bool, now: float) -> Candidate | None:
     """The waiter to prefetch now, or ``None``: the group has a holder, no switch is
-    running, and the first waiter (the next grant under FIFO) declared its footprint
-    (without one, nobody can tell whether it fits)."""
-    holder, waiting = lock.holder, lock.waiting_jobs
-    if holder is None or switching or not waiting or waiting[0] == holder:
+    running, and the next waiter (the policy's choice, which is not always the first in
+    the queue) declared its footprint (without one, nobody can tell whether it fits)."""
+    holder, job = lock.holder, lock.next_waiter(now=now)
+    if holder is None or switching or job is None or job == holder:
         return None
-    job = waiting[0]
     footprint = lock.footprint(job)
     if footprint <= 0:
         return None

@@ -68,6 +68,7 @@ CREATE TABLE IF NOT EXISTS queue (
     job_id    TEXT NOT NULL,
     seq       INTEGER NOT NULL,
     footprint INTEGER NOT NULL,
+    queued_at REAL,     -- wall clock the wait began (a policy's bound); NULL: unknown
     PRIMARY KEY (group_id, job_id)
 );
 CREATE TABLE IF NOT EXISTS footprints (
@@ -261,6 +262,9 @@ class Store:
         for column, declared in _ADDED_COLUMNS.items():
             if column not in columns:
                 conn.execute(f"ALTER TABLE groups ADD COLUMN {column} {declared}")
+        # ... and before waits were kept for the scheduling policies (they count from then).
+        if "queued_at" not in {row[1] for row in conn.execute("PRAGMA table_info(queue)")}:
+            conn.execute("ALTER TABLE queue ADD COLUMN queued_at REAL")
         row = conn.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
         if row is None:
             conn.execute(
@@ -297,9 +301,11 @@ class Store:
             gid, nodes_json, holder, resident, epoch, switches, next_seq, *rest = row
             lease_ms, draining, unclaimed_until = rest
             queue = tuple(
-                records.QueueRecord(job, seq, fp)
-                for job, seq, fp in conn.execute(
-                    "SELECT job_id, seq, footprint FROM queue WHERE group_id=? ORDER BY seq", (gid,)
+                records.QueueRecord(job, seq, fp, since)
+                for job, seq, fp, since in conn.execute(
+                    "SELECT job_id, seq, footprint, queued_at FROM queue WHERE group_id=?"
+                    " ORDER BY seq",
+                    (gid,),
                 )
             )
             footprints = tuple(
@@ -389,10 +395,11 @@ class Store:
                 [(gid, q.job) for q in before - after],
             )
             conn.executemany(
-                "INSERT INTO queue(group_id, job_id, seq, footprint) VALUES (?,?,?,?)"
+                "INSERT INTO queue(group_id, job_id, seq, footprint, queued_at)"
+                " VALUES (?,?,?,?,?)"
                 " ON CONFLICT(group_id, job_id) DO UPDATE SET"
-                " seq=excluded.seq, footprint=excluded.footprint",
-                [(gid, q.job, q.seq, q.footprint_bytes) for q in after - before],
+                " seq=excluded.seq, footprint=excluded.footprint, queued_at=excluded.queued_at",
+                [(gid, q.job, q.seq, q.footprint_bytes, q.queued_at) for q in after - before],
             )
         if prev is None or prev.footprints != rec.footprints:
             old = dict(prev.footprints) if prev is not None else {}

@@ -58,6 +58,11 @@ class GiveUp(Exception):
     """Nobody wants the switch any more and a node keeps failing."""
 
 
+class Deposed(GiveUp):
+    """An agent has seen a newer leader term: this elected leader was deposed. Nothing
+    moved; the switch is the new leader's now (this replica steps down)."""
+
+
 class NodeDegraded(GiveUp):
     """The node kept refusing the switch (not unreachable: it answered) past the bound."""
 
@@ -194,6 +199,10 @@ class NodeSwitcher:
                 refusals = failures = 0
             except agents.AgentRejected as err:
                 unreachable, detail = False, str(err)
+                if isinstance(err, agents.AgentDeposed) and err.sent:
+                    # Retrying would only mark a healthy node degraded (an embedded
+                    # orchestrator, term 0, does get the node degraded with the fix).
+                    raise Deposed(f"{self.name}: {err.reason}") from err
                 if err.code in _REFUSED_FOR_GOOD:
                     raise JobRefused(self.name, _REFUSED_FOR_GOOD[err.code], err.reason) from err
                 mark = _stale_mark(err, self.plan.epoch)

@@ -31,7 +31,6 @@ from tslice.orchestrator import (
     lock,
     metrics,
     overlap,
-    policy,
     status,
     steps,
     switch,
@@ -87,10 +86,6 @@ class SwitchRunner:
         self._durations: dict[tuple[str, str], Any] = {}
         self._completed = series.switches.labels(group_id=self._gid, outcome="completed")
         self._duration = series.switch_duration.labels(group_id=self._gid)
-        # The group's policy from its configuration, unless its driver gave the lock one;
-        # the runner feeds it what it measures.
-        if not group.lock.policy_configured:
-            group.lock.use_policy(policy.build(cfg.policy_for(self._gid)))
 
     def start(self, s: decisions.StartSwitch) -> None:
         """Start the switch ``s`` (from the worker, once its intent is persisted)."""
@@ -216,6 +211,17 @@ class SwitchRunner:
             log.warning("group %s: %s", self._gid, why, extra={"group_id": self._gid})
             self._failed(s, why)
             self._ended(lambda now: group.lock.on_stale_epoch(epoch=s.epoch, mark=mark, now=now))
+            return
+        except switch.Deposed as deposed:
+            # The group's state is the new leader's: nothing is recorded here (this
+            # replica steps down and its groups stop).
+            log.warning(
+                "group %s: switch to %s stopped, this leader was deposed: %s",
+                self._gid,
+                s.to_job,
+                deposed,
+                extra={"group_id": self._gid},
+            )
             return
         except switch.NodeDegraded as degraded:
             self._failed(s, str(degraded))
