@@ -410,6 +410,25 @@ class SimNode:
             (s["job"], s["group"]): SavedState(int(s["footprint_bytes"]), int(s["host_bytes"]))
             for s in saved
         }
+        self._reconcile_journal()
+
+    def _reconcile_journal(self) -> None:
+        """After a restart, make the journal say what the devices hold: a snapshot cut
+        by a crash journaled ``free`` when it started but left the state resident (usable
+        again: ``alloc``), and a crash between a state change and its journal line left
+        the journal one event behind. Without this the checker would miss a residency."""
+        if self._journal_path is None:
+            return
+        last: dict[Key, Event] = {}
+        for event in _iter_journal(self._journal_path):
+            if event.node == self.node:
+                last[(event.job, event.group)] = event
+        for key, held in self._resident.items():
+            if key not in last or last[key].event == "free":
+                self._journal(job=key[0], group=key[1], event="alloc", bytes_per_device=held)
+        for key, event in last.items():
+            if event.event == "alloc" and key not in self._resident:
+                self._journal(job=key[0], group=key[1], event="free", bytes_per_device=event.bytes)
 
     def _save(self) -> None:
         if self._state_path is None:
