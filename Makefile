@@ -15,9 +15,12 @@ API_DIR     := src/tslice/api
 PIP_INSTALL := -m pip install --quiet --disable-pip-version-check --no-compile
 # pytest-xdist workers for the suites below (CI has 2 cores); PYTEST_WORKERS=0 runs them in
 # the pytest process itself (pdb, -x). --dist loadfile keeps a module's tests, and the
-# servers its module-scoped fixtures start, on one worker. A plain `pytest` runs serially.
+# servers its module-scoped fixtures start, on one worker; --no-loadscope-reorder keeps the
+# collection's order (the slow modules first, tests/conftest.py) where xdist would send the
+# modules with most tests first, and so the one-test 20-40 s modules last, together. A plain
+# `pytest` runs serially.
 PYTEST_WORKERS ?= 2
-XDIST := -n $(PYTEST_WORKERS) --dist loadfile
+XDIST := -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 .PHONY: all venv demo test test-oldest oldest-venv oldest-install jobside-venvs jobside-deps test-floor test-newest test-protobuf test-jobside unit \
 	test-ray test-verl verl-venv lint typecheck \
