@@ -295,13 +295,15 @@ class ThreadCaller(_Callers[Req, Rep]):
         with self._guard:
             request_id = self._pending.add(reply)
             call, outbox = self._ensure_open()
-        outbox.put(request(request_id))
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         # Abandoned first, lock-free: an interrupt (delivered at any bytecode) that lands
         # in the bookkeeping after it must not cost the peer its cancel.
         drop = None if abandon is None else lambda: outbox.put(abandon(request_id))
         try:
             with self._unanswered(call, drop):
+                # Sent inside: an interrupt anywhere after the send is abandoned (a cancel
+                # for a request the peer never got is ignored by `serve`).
+                outbox.put(request(request_id))
                 while True:
                     left = None if deadline is None else deadline - time.monotonic()
                     if left is not None and left <= 0:
