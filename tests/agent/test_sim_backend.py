@@ -173,21 +173,19 @@ def test_copy_speed_refuses_impossible_rates(bad: dict[str, float]) -> None:
 
 
 async def test_restore_copies_at_the_restore_bandwidth(tmp_path: Path) -> None:
-    # Snapshot ~0.3 s, restore 100x faster: the ordering holds on any machine.
+    # Snapshot ~3 ms, restore 100x slower (~0.3 s): a restore at the snapshot's bandwidth
+    # would be done long before 0.25 s. (Only lower bounds: a busy machine makes copies
+    # longer, never shorter, than their bandwidth says.)
     backend = fast(
         tmp_path,
-        bandwidth_bytes_per_s=int(GiB / 0.3),
-        restore_bandwidth_bytes_per_s=int(GiB / 0.003),
+        bandwidth_bytes_per_s=int(GiB / 0.003),
+        restore_bandwidth_bytes_per_s=int(GiB / 0.3),
     )
     await backend.activate(ctx(footprint=GiB))
-    began = time.monotonic()
     await backend.snapshot(ctx(), pb.SUSPEND_MODE_OFFLOAD)
-    snapshot_s = time.monotonic() - began
     began = time.monotonic()
     await backend.restore(ctx())
-    restore_s = time.monotonic() - began
-    assert snapshot_s >= 0.25
-    assert restore_s * 4 < snapshot_s
+    assert time.monotonic() - began >= 0.25
     assert backend.node.used_bytes() == GiB
 
 

@@ -111,7 +111,13 @@ def _plan_of_the_demo_log(
     assert {"GRANTED", "YIELDED", "SNAPSHOT_DONE", "RESTORE_DONE", "SWITCH_DONE"} <= kinds
     handovers = [e for e in events if e["kind"] == "SWITCH_DONE" and e["from_job"]]
     assert len(handovers) == switches + 2  # the exclusive run's A -> B on both pools
-    code, stdout, err = run_cli(capsys, "plan", str(event_log), "--steps", "2", "--time-scale", "2")
+    # Wide enough that rich wraps no column header (its width otherwise depends on where
+    # the test runs: a terminal, a pipe, a pytest-xdist worker).
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("COLUMNS", "200")
+        code, stdout, err = run_cli(
+            capsys, "plan", str(event_log), "--steps", "2", "--time-scale", "2"
+        )
     assert code == 0, err
     assert "recommended: {A, B} on 2 GPU(s)" in stdout
     predicted = re.search(r"predicted gain (\d+\.\d+)x", stdout)
