@@ -72,13 +72,23 @@ class Cluster:
         """The agents and the orchestrator; its address once all serve."""
         agents = self.launch_agents(nodes)
         kubeconfig = self.api.write_kubeconfig(self.tmp_path / "kubeconfig")
-        self.orchestrator = self.launch("orchestrator", [
+        self._orchestrator_args = [
             "orchestrator", "--kubernetes", "--kubeconfig", str(kubeconfig),
             "--host", "127.0.0.1", "--port", "0", "--metrics-port", "0",
             "--state-dir", str(self.tmp_path / "orchestrator"),
             "--shutdown-grace", str(shutdown_grace_s),
-        ])  # fmt: skip
+        ]  # fmt: skip
+        self.orchestrator = self.launch("orchestrator", self._orchestrator_args)
         self.register(agents)
+        return self.orchestrator.wait_for(r"serving on (127\.0\.0\.1:\d+)").group(1)
+
+    def restart_orchestrator(self) -> str:
+        """SIGKILL the orchestrator and start it again on its state; its new address."""
+        assert self.orchestrator is not None
+        self.orchestrator.proc.kill()
+        self.orchestrator.stop()
+        name = f"orchestrator-{len(self.servers)}"
+        self.orchestrator = self.launch(name, self._orchestrator_args)
         return self.orchestrator.wait_for(r"serving on (127\.0\.0\.1:\d+)").group(1)
 
     def logged(self, pattern: str) -> None:

@@ -123,3 +123,21 @@ async def test_a_node_cordoned_mid_switch_leaves_the_group_which_stays_exclusive
         )
         == []
     )
+
+
+async def test_a_job_that_finished_while_no_orchestrator_watched_is_evicted_at_start(
+    api: ApiServerEmulator, cluster: Cluster
+) -> None:
+    for job in ("job-a", "job-b"):
+        api.apply(objects.job_pod(f"{job}-trainer-0", job, "trainer"))
+    api.apply(objects.node("gpu-a", "trainer"))
+    address = cluster.start({"gpu-a": ["--backend", "noop"]})
+    async with AsyncClient(address, job_id="job-a", lease_s=None) as a:
+        await a.acquire("trainer", timeout=WAIT_S)
+    # The orchestrator dies; meanwhile the holder's pod fails (no watcher sees it go).
+    api.apply(objects.job_pod("job-a-trainer-0", "job-a", "trainer", phase="Failed"))
+    address = cluster.restart_orchestrator()
+    cluster.logged(r"job job-a evicted from group trainer \(it was holder\)")
+    async with AsyncClient(address, job_id="job-b", lease_s=None) as b:
+        assert (await b.acquire("trainer", timeout=WAIT_S)).success
+        assert (await b.status("trainer")).locking_job == "job-b"

@@ -7,6 +7,10 @@ whole topology, so a burst of events is one pass) and evicts, from every group, 
 job whose pods all went (Succeeded, Failed or deleted) and have not come back: it loses
 its lock (the next waiter is granted) or leaves the queue, and the group's event stream
 says so. A job never seen with a live pod is left alone (a client outside the cluster).
+The same holds for what changed while no orchestrator watched (a restart, a failover):
+a job whose pods are all listed as Succeeded or Failed at start is evicted once the
+groups have their state back; one whose pods were *deleted* meanwhile cannot be told
+from a client outside the cluster and keeps its place until its holder lease lapses.
 """
 
 from __future__ import annotations
@@ -73,6 +77,9 @@ class Discovery:
 
     def follow(self, groups: manager.GroupManager) -> None:
         """Keep ``groups`` in step with the cluster from now on."""
+        assert self._watcher is not None
+        # Jobs that finished while no orchestrator watched are gone as well.
+        self._gone_jobs.extend(sorted(self._watcher.model.finished_jobs()))
         self._follower = tasks.spawn(self._follow(groups), name="kube:follow")
         self._changed.set()  # what changed between the first list and now
 

@@ -164,6 +164,11 @@ class ClusterModel:
             p.job for p in self._items["job"].values() if isinstance(p, JobPod) and p.live
         )
 
+    def finished_jobs(self) -> frozenset[str]:
+        """Jobs whose pods are all Succeeded or Failed (listed, none live)."""
+        listed = frozenset(p.job for p in self._items["job"].values() if isinstance(p, JobPod))
+        return listed - self.live_jobs()
+
     def pending_nodes(self) -> dict[str, str]:
         """Labelled nodes that do not count, or whose groups cannot switch, with why: for
         the logs."""
