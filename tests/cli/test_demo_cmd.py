@@ -14,6 +14,7 @@ import pytest
 
 from tests.cli.test_cli import run_cli
 from tests.sim.traces import three_pools_one_private
+from tslice.cli import render
 
 
 def test_demo_json_end_to_end(
@@ -113,11 +114,16 @@ def _plan_of_the_demo_log(
     assert len(handovers) == switches + 2  # the exclusive run's A -> B on both pools
     # Wide enough that rich wraps no column header (its width otherwise depends on where
     # the test runs: a terminal, a pipe, a pytest-xdist worker).
+    # (The console is made once per process: made again here, and after.)
     with pytest.MonkeyPatch.context() as env:
         env.setenv("COLUMNS", "200")
-        code, stdout, err = run_cli(
-            capsys, "plan", str(event_log), "--steps", "2", "--time-scale", "2"
-        )
+        render.stdout.cache_clear()
+        try:
+            code, stdout, err = run_cli(
+                capsys, "plan", str(event_log), "--steps", "2", "--time-scale", "2"
+            )
+        finally:
+            render.stdout.cache_clear()
     assert code == 0, err
     assert "recommended: {A, B} on 2 GPU(s)" in stdout
     predicted = re.search(r"predicted gain (\d+\.\d+)x", stdout)
