@@ -229,15 +229,33 @@ class Elector:
         held, self._held = self._held, None
         if held is None:
             return
-        held.spec.holderIdentity = None
-        held.spec.leaseDurationSeconds = 1
-        held.spec.renewTime = _now()
         try:
-            await asyncio.wait_for(self._client.replace(held), self._settings.renew_deadline_s)
+            await asyncio.wait_for(self._give_up(held), self._settings.renew_deadline_s)
         except Exception as err:  # not ours any more, or unreachable: it expires
             log.warning("leader election: could not release %s (%s)", self._what, _why(err))
             return
         log.info("leader election: %s released %s", self._settings.identity, self._what)
+
+    async def _give_up(self, held: Any) -> None:
+        """Write ``held`` with nobody holding it. A renewal cut off by the stop may have
+        reached the API server without its answer (``held`` is then one version behind):
+        on a conflict the Lease is read again and, still this replica's in this term,
+        given up at its current version."""
+        for attempt in range(2):
+            held.spec.holderIdentity = None
+            held.spec.leaseDurationSeconds = 1
+            held.spec.renewTime = _now()
+            try:
+                await self._client.replace(held)
+                return
+            except ApiError as err:
+                if err.status.code != _CONFLICT or attempt:
+                    raise
+            s = self._settings
+            lease = await self._client.get(Lease, s.lease_name, namespace=s.namespace)
+            if _holder(lease) != s.identity or _term(lease) != _term(held):
+                raise RuntimeError(f"{self._what} is now held by {_holder(lease) or 'nobody'}")
+            held = lease
 
 
 def _why(err: BaseException) -> str:
