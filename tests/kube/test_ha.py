@@ -51,6 +51,15 @@ def _selector(selector: str):  # type: ignore[no-untyped-def]
     return apistore.label_selector(selector)
 
 
+def _violations(stack: HaStack, windows: dict[str, checker.Window]) -> list[checker.Violation]:
+    """What the device-journal checker finds wrong with the trainer group's turns."""
+    return checker.check(
+        journal=stack.journal(),
+        windows=list(windows.values()),
+        group_nodes={"trainer": ["gpu-a", "gpu-b"]},
+    )
+
+
 async def test_a_follower_redirects_and_takes_over_a_leader_killed_mid_switch(
     api: ApiServerEmulator, stack: HaStack
 ) -> None:
@@ -111,14 +120,7 @@ async def test_a_follower_redirects_and_takes_over_a_leader_killed_mid_switch(
         windows["c"].yielded = time.time()
     state = _group_state(api)
     assert state["metadata"]["annotations"]["timeslice.io/leader-term"] == "2"  # type: ignore[index]
-    assert (
-        checker.check(
-            journal=stack.journal(),
-            windows=list(windows.values()),
-            group_nodes={"trainer": ["gpu-a", "gpu-b"]},
-        )
-        == []
-    )
+    assert _violations(stack, windows) == []
 
 
 async def test_a_leader_whose_write_meets_a_newer_terms_steps_down(
@@ -215,11 +217,4 @@ async def test_a_partitioned_old_leader_is_fenced(api: ApiServerEmulator, stack:
         assert status.locking_job == "job-b"
         windows["b"].yielded = time.time()
         await b.yield_("trainer")
-    assert (
-        checker.check(
-            journal=stack.journal(),
-            windows=list(windows.values()),
-            group_nodes={"trainer": ["gpu-a", "gpu-b"]},
-        )
-        == []
-    )
+    assert _violations(stack, windows) == []
