@@ -68,6 +68,15 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
         report.sections.append(("servers' logs (last lines)", stack.logs(last=40)))
 
 
+@pytest.fixture(autouse=True)
+def _stack_left_whole(request: pytest.FixtureRequest) -> Iterator[None]:
+    """After each test the stack is whole again even if the test failed half-way (a test
+    that dies with the orchestrator killed would otherwise fail every later one)."""
+    yield
+    if "stack" in request.fixturenames:
+        request.getfixturevalue("stack").make_whole()
+
+
 @pytest.fixture(scope="package")
 def stack() -> Iterator[Stack]:
     base = Path(tempfile.mkdtemp(prefix="tslice-faults-"))

@@ -151,6 +151,14 @@ class Process:
         self.spawn()
         return self.wait_ready()
 
+    def make_whole(self) -> bool:
+        """Running and not stopped again (restarted if it died); True if it had to be."""
+        if self.popen is not None and self.popen.poll() is None:
+            self.popen.send_signal(signal.SIGCONT)
+            return False
+        self.restart()
+        return True
+
     def stop(self) -> None:
         if self.popen is None or self.popen.poll() is not None:
             return
@@ -220,6 +228,14 @@ class Stack:
             self.stop()
             raise
         return self
+
+    def make_whole(self) -> list[str]:
+        """Every link up and every server running (agents before the orchestrator), so
+        that a test which failed before it brought back what it broke fails alone; the
+        names of the servers that had to be restarted."""
+        for netns in self.netns.values():
+            netns.heal()
+        return [p.name for p in (*self.agents.values(), self.orchestrator) if p.make_whole()]
 
     def stop(self) -> None:
         for process in (self.orchestrator, *self.agents.values()):
