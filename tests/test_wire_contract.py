@@ -101,12 +101,35 @@ ADMIN_MESSAGES: dict[str, dict[str, tuple[int, int, str | None, str | None]]] = 
         "waiter_queue_depth": (5, I64, None, None),
     },
 }
+# The all-or-nothing Acquire of several groups (issue 9 §3), and its place on Session.
+SET_MESSAGES: dict[str, dict[str, tuple[int, int, str | None, str | None]]] = {
+    "AcquireSetRequest": {
+        "job_id": (1, STR, None, None),
+        "group_ids": (2, STR, None, REP),
+        "footprint_bytes": (3, I64, None, None),
+        "lease_ms": (4, I64, None, None),
+        "timeout_ms": (5, I64, None, None),
+    },
+    "AcquireSetResponse": {
+        "success": (1, BOOL, None, None),
+        "waited_ms": (2, I64, None, None),
+        "grants": (3, MSG, f"{ORCH_PKG}.SetGrant", REP),
+    },
+    "SetGrant": {
+        "group_id": (1, STR, None, None),
+        "context_restored": (2, BOOL, None, None),
+        "grant_epoch": (3, I64, None, None),
+    },
+    "SessionRequest": {"acquire_set": (5, MSG, f"{ORCH_PKG}.AcquireSetRequest", None)},
+    "SessionResponse": {"acquire_set": (6, MSG, f"{ORCH_PKG}.AcquireSetResponse", None)},
+}
 ADMIN_ENUMS = {"Eviction.Role": [("ROLE_UNSPECIFIED", 0), ("ROLE_HOLDER", 1), ("ROLE_WAITER", 2)]}
 ADMIN_RPCS = {
     "ClearDegraded": ("ClearDegradedRequest", "ClearDegradedResponse", False, False),
     "Evict": ("EvictRequest", "EvictResponse", False, False),
     "Drain": ("DrainRequest", "DrainResponse", False, False),
 }
+SET_RPCS = {"AcquireSet": ("AcquireSetRequest", "AcquireSetResponse", False, False)}
 
 ORCH_ENUMS = {
     "GroupStatus.State": [
@@ -352,6 +375,18 @@ def test_admin_rpcs_messages_and_enums_keep_their_shape() -> None:
     _check_messages(opb.DESCRIPTOR, ORCH_PKG, ADMIN_MESSAGES)
     for name, values in ADMIN_ENUMS.items():
         _check_enum(opb.DESCRIPTOR, ORCH_PKG, name, values)
+
+
+def test_the_set_acquire_keeps_its_shape_and_needs_the_job_role() -> None:
+    from tslice.common import auth
+
+    _check_service(opb.DESCRIPTOR, ORCH_PKG, "TimeSliceOrchestratorService", SET_RPCS)
+    for name in ("AcquireSetRequest", "AcquireSetResponse", "SetGrant"):
+        msg = opb.DESCRIPTOR.pool.FindMessageTypeByName(f"{ORCH_PKG}.{name}")
+        assert sorted(f.name for f in msg.fields) == sorted(SET_MESSAGES[name]), name
+    _check_messages(opb.DESCRIPTOR, ORCH_PKG, SET_MESSAGES)
+    service = f"/{ORCH_PKG}.TimeSliceOrchestratorService/AcquireSet"
+    assert auth.ORCHESTRATOR_RULES[service] is auth.Rule.JOB
 
 
 def test_admin_rpcs_need_the_admin_role() -> None:

@@ -378,7 +378,7 @@ _ORCH = "/timeslice_orchestrator.v1alpha1.TimeSliceOrchestratorService/"
 _AGENT = "/snapshot_agent.v1alpha1.SnapshotAgentService/"
 
 ORCHESTRATOR_RULES: Mapping[str, Rule] = {
-    **{_ORCH + m: Rule.JOB for m in ("Acquire", "Yield", "Hold", "Session")},
+    **{_ORCH + m: Rule.JOB for m in ("Acquire", "AcquireSet", "Yield", "Hold", "Session")},
     **{_ORCH + m: Rule.VERIFIED for m in ("ListGroups", "GetGroupStatus", "WatchEvents")},
     **{_ORCH + m: Rule.ADMIN for m in ("ClearDegraded", "Evict", "Drain")},
 }

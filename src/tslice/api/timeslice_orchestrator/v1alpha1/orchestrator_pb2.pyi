@@ -8,6 +8,40 @@ from typing import ClassVar as _ClassVar, Iterable as _Iterable, Mapping as _Map
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class AcquireSetRequest(_message.Message):
+    __slots__ = ("job_id", "group_ids", "footprint_bytes", "lease_ms", "timeout_ms")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    GROUP_IDS_FIELD_NUMBER: _ClassVar[int]
+    FOOTPRINT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LEASE_MS_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    group_ids: _containers.RepeatedScalarFieldContainer[str]
+    footprint_bytes: int
+    lease_ms: int
+    timeout_ms: int
+    def __init__(self, job_id: _Optional[str] = ..., group_ids: _Optional[_Iterable[str]] = ..., footprint_bytes: _Optional[int] = ..., lease_ms: _Optional[int] = ..., timeout_ms: _Optional[int] = ...) -> None: ...
+
+class AcquireSetResponse(_message.Message):
+    __slots__ = ("success", "waited_ms", "grants")
+    SUCCESS_FIELD_NUMBER: _ClassVar[int]
+    WAITED_MS_FIELD_NUMBER: _ClassVar[int]
+    GRANTS_FIELD_NUMBER: _ClassVar[int]
+    success: bool
+    waited_ms: int
+    grants: _containers.RepeatedCompositeFieldContainer[SetGrant]
+    def __init__(self, success: bool = ..., waited_ms: _Optional[int] = ..., grants: _Optional[_Iterable[_Union[SetGrant, _Mapping]]] = ...) -> None: ...
+
+class SetGrant(_message.Message):
+    __slots__ = ("group_id", "context_restored", "grant_epoch")
+    GROUP_ID_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_RESTORED_FIELD_NUMBER: _ClassVar[int]
+    GRANT_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    group_id: str
+    context_restored: bool
+    grant_epoch: int
+    def __init__(self, group_id: _Optional[str] = ..., context_restored: bool = ..., grant_epoch: _Optional[int] = ...) -> None: ...
+
 class EvictRequest(_message.Message):
     __slots__ = ("group_id", "job_id", "reason")
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
@@ -87,30 +121,34 @@ class DegradedNode(_message.Message):
     def __init__(self, node: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class SessionRequest(_message.Message):
-    __slots__ = ("request_id", "acquire", "release", "cancel")
+    __slots__ = ("request_id", "acquire", "release", "cancel", "acquire_set")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     ACQUIRE_FIELD_NUMBER: _ClassVar[int]
     RELEASE_FIELD_NUMBER: _ClassVar[int]
     CANCEL_FIELD_NUMBER: _ClassVar[int]
+    ACQUIRE_SET_FIELD_NUMBER: _ClassVar[int]
     request_id: int
     acquire: AcquireRequest
     release: YieldRequest
     cancel: bool
-    def __init__(self, request_id: _Optional[int] = ..., acquire: _Optional[_Union[AcquireRequest, _Mapping]] = ..., release: _Optional[_Union[YieldRequest, _Mapping]] = ..., cancel: bool = ...) -> None: ...
+    acquire_set: AcquireSetRequest
+    def __init__(self, request_id: _Optional[int] = ..., acquire: _Optional[_Union[AcquireRequest, _Mapping]] = ..., release: _Optional[_Union[YieldRequest, _Mapping]] = ..., cancel: bool = ..., acquire_set: _Optional[_Union[AcquireSetRequest, _Mapping]] = ...) -> None: ...
 
 class SessionResponse(_message.Message):
-    __slots__ = ("request_id", "acquire", "release", "status_code", "status_message")
+    __slots__ = ("request_id", "acquire", "release", "acquire_set", "status_code", "status_message")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     ACQUIRE_FIELD_NUMBER: _ClassVar[int]
     RELEASE_FIELD_NUMBER: _ClassVar[int]
+    ACQUIRE_SET_FIELD_NUMBER: _ClassVar[int]
     STATUS_CODE_FIELD_NUMBER: _ClassVar[int]
     STATUS_MESSAGE_FIELD_NUMBER: _ClassVar[int]
     request_id: int
     acquire: AcquireResponse
     release: YieldResponse
+    acquire_set: AcquireSetResponse
     status_code: int
     status_message: str
-    def __init__(self, request_id: _Optional[int] = ..., acquire: _Optional[_Union[AcquireResponse, _Mapping]] = ..., release: _Optional[_Union[YieldResponse, _Mapping]] = ..., status_code: _Optional[int] = ..., status_message: _Optional[str] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[int] = ..., acquire: _Optional[_Union[AcquireResponse, _Mapping]] = ..., release: _Optional[_Union[YieldResponse, _Mapping]] = ..., acquire_set: _Optional[_Union[AcquireSetResponse, _Mapping]] = ..., status_code: _Optional[int] = ..., status_message: _Optional[str] = ...) -> None: ...
 
 class AcquireRequest(_message.Message):
     __slots__ = ("job_id", "group_id", "footprint_bytes", "lease_ms", "timeout_ms")

@@ -65,6 +65,11 @@ class TimeSliceOrchestratorServiceStub(object):
                 request_serializer=timeslice__orchestrator_dot_v1alpha1_dot_orchestrator__pb2.DrainRequest.SerializeToString,
                 response_deserializer=timeslice__orchestrator_dot_v1alpha1_dot_orchestrator__pb2.DrainResponse.FromString,
                 )
+        self.AcquireSet = channel.unary_unary(
+                '/timeslice_orchestrator.v1alpha1.TimeSliceOrchestratorService/AcquireSet',
+                request_serializer=timeslice__orchestrator_dot_v1alpha1_dot_orchestrator__pb2.AcquireSetRequest.SerializeToString,
+                response_deserializer=timeslice__orchestrator_dot_v1alpha1_dot_orchestrator__pb2.AcquireSetResponse.FromString,
+                )
 
 
 class TimeSliceOrchestratorServiceServicer(object):
@@ -152,6 +157,19 @@ class TimeSliceOrchestratorServiceServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def AcquireSet(self, request, context):
+        """tslice: Acquire several groups all-or-nothing. Blocks until the job holds every
+        group of the set (each switch runs concurrently with the others); no group of the
+        set is granted to it while another one still waits, so two jobs that each want the
+        same groups can never each hold part and wait for the rest. Groups the job already
+        holds count as granted. Each group is then held and yielded as after its own
+        Acquire (Hold streams and Yield per group). Same status codes as Acquire; when the
+        call fails or is cancelled, no group of the set stays granted because of it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TimeSliceOrchestratorServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -204,6 +222,11 @@ def add_TimeSliceOrchestratorServiceServicer_to_server(servicer, server):
                     servicer.Drain,
                     request_deserializer=timeslice__orchestrator_dot_v1alpha1_dot_orchestrator__pb2.DrainRequest.FromString,
                     response_serializer=timeslice__orchestrator_dot_v1alpha1_dot_orchestrator__pb2.DrainResponse.SerializeToString,
+            ),
+            'AcquireSet': grpc.unary_unary_rpc_method_handler(
+                    servicer.AcquireSet,
+                    request_deserializer=timeslice__orchestrator_dot_v1alpha1_dot_orchestrator__pb2.AcquireSetRequest.FromString,
+                    response_serializer=timeslice__orchestrator_dot_v1alpha1_dot_orchestrator__pb2.AcquireSetResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -382,5 +405,22 @@ class TimeSliceOrchestratorService(object):
         return grpc.experimental.unary_unary(request, target, '/timeslice_orchestrator.v1alpha1.TimeSliceOrchestratorService/Drain',
             timeslice__orchestrator_dot_v1alpha1_dot_orchestrator__pb2.DrainRequest.SerializeToString,
             timeslice__orchestrator_dot_v1alpha1_dot_orchestrator__pb2.DrainResponse.FromString,
+            options, channel_credentials,
+            insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
+
+    @staticmethod
+    def AcquireSet(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(request, target, '/timeslice_orchestrator.v1alpha1.TimeSliceOrchestratorService/AcquireSet',
+            timeslice__orchestrator_dot_v1alpha1_dot_orchestrator__pb2.AcquireSetRequest.SerializeToString,
+            timeslice__orchestrator_dot_v1alpha1_dot_orchestrator__pb2.AcquireSetResponse.FromString,
             options, channel_credentials,
             insecure, call_credentials, compression, wait_for_ready, timeout, metadata)

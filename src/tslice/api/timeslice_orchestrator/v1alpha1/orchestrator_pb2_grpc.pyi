@@ -74,6 +74,15 @@ class TimeSliceOrchestratorServiceStub:
     turn until it yields or is evicted; waiters stay queued); drain = false resumes.
     The mark is persisted: it survives an orchestrator restart.
     """
+    AcquireSet: _grpc.UnaryUnaryMultiCallable[_orchestrator_pb2.AcquireSetRequest, _orchestrator_pb2.AcquireSetResponse]
+    """tslice: Acquire several groups all-or-nothing. Blocks until the job holds every
+    group of the set (each switch runs concurrently with the others); no group of the
+    set is granted to it while another one still waits, so two jobs that each want the
+    same groups can never each hold part and wait for the rest. Groups the job already
+    holds count as granted. Each group is then held and yielded as after its own
+    Acquire (Hold streams and Yield per group). Same status codes as Acquire; when the
+    call fails or is cancelled, no group of the set stays granted because of it.
+    """
 
 @_typing.type_check_only
 class TimeSliceOrchestratorServiceAsyncStub(TimeSliceOrchestratorServiceStub):
@@ -115,6 +124,15 @@ class TimeSliceOrchestratorServiceAsyncStub(TimeSliceOrchestratorServiceStub):
     """tslice (admin role): a draining group grants no new turn (the holder keeps its
     turn until it yields or is evicted; waiters stay queued); drain = false resumes.
     The mark is persisted: it survives an orchestrator restart.
+    """
+    AcquireSet: _aio.UnaryUnaryMultiCallable[_orchestrator_pb2.AcquireSetRequest, _orchestrator_pb2.AcquireSetResponse]  # type: ignore[assignment]
+    """tslice: Acquire several groups all-or-nothing. Blocks until the job holds every
+    group of the set (each switch runs concurrently with the others); no group of the
+    set is granted to it while another one still waits, so two jobs that each want the
+    same groups can never each hold part and wait for the rest. Groups the job already
+    holds count as granted. Each group is then held and yielded as after its own
+    Acquire (Hold streams and Yield per group). Same status codes as Acquire; when the
+    call fails or is cancelled, no group of the set stays granted because of it.
     """
 
 class TimeSliceOrchestratorServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -214,6 +232,21 @@ class TimeSliceOrchestratorServiceServicer(metaclass=_abc_1.ABCMeta):
         """tslice (admin role): a draining group grants no new turn (the holder keeps its
         turn until it yields or is evicted; waiters stay queued); drain = false resumes.
         The mark is persisted: it survives an orchestrator restart.
+        """
+
+    @_abc_1.abstractmethod
+    def AcquireSet(
+        self,
+        request: _orchestrator_pb2.AcquireSetRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_orchestrator_pb2.AcquireSetResponse, _abc.Awaitable[_orchestrator_pb2.AcquireSetResponse]]:
+        """tslice: Acquire several groups all-or-nothing. Blocks until the job holds every
+        group of the set (each switch runs concurrently with the others); no group of the
+        set is granted to it while another one still waits, so two jobs that each want the
+        same groups can never each hold part and wait for the rest. Groups the job already
+        holds count as granted. Each group is then held and yielded as after its own
+        Acquire (Hold streams and Yield per group). Same status codes as Acquire; when the
+        call fails or is cancelled, no group of the set stays granted because of it.
         """
 
 def add_TimeSliceOrchestratorServiceServicer_to_server(servicer: TimeSliceOrchestratorServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
