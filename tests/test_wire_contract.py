@@ -120,8 +120,11 @@ SET_MESSAGES: dict[str, dict[str, tuple[int, int, str | None, str | None]]] = {
         "context_restored": (2, BOOL, None, None),
         "grant_epoch": (3, I64, None, None),
     },
-    "SessionRequest": {"acquire_set": (5, MSG, f"{ORCH_PKG}.AcquireSetRequest", None)},
-    "SessionResponse": {"acquire_set": (6, MSG, f"{ORCH_PKG}.AcquireSetResponse", None)},
+}
+#: Where AcquireSet rides on a Session stream: (message, field) -> (number, message type).
+SET_ON_SESSION = {
+    ("SessionRequest", "acquire_set"): (5, f"{ORCH_PKG}.AcquireSetRequest"),
+    ("SessionResponse", "acquire_set"): (6, f"{ORCH_PKG}.AcquireSetResponse"),
 }
 ADMIN_ENUMS = {"Eviction.Role": [("ROLE_UNSPECIFIED", 0), ("ROLE_HOLDER", 1), ("ROLE_WAITER", 2)]}
 ADMIN_RPCS = {
@@ -381,10 +384,15 @@ def test_the_set_acquire_keeps_its_shape_and_needs_the_job_role() -> None:
     from tslice.common import auth
 
     _check_service(opb.DESCRIPTOR, ORCH_PKG, "TimeSliceOrchestratorService", SET_RPCS)
-    for name in ("AcquireSetRequest", "AcquireSetResponse", "SetGrant"):
+    for name, fields in SET_MESSAGES.items():
         msg = opb.DESCRIPTOR.pool.FindMessageTypeByName(f"{ORCH_PKG}.{name}")
-        assert sorted(f.name for f in msg.fields) == sorted(SET_MESSAGES[name]), name
+        assert sorted(f.name for f in msg.fields) == sorted(fields), name
     _check_messages(opb.DESCRIPTOR, ORCH_PKG, SET_MESSAGES)
+    for (name, field), (number, type_name) in SET_ON_SESSION.items():
+        found = opb.DESCRIPTOR.pool.FindMessageTypeByName(f"{ORCH_PKG}.{name}").fields_by_name
+        assert found[field].number == number, (name, field)
+        assert found[field].message_type.full_name == type_name, (name, field)
+        assert found[field].containing_oneof is not None, (name, field)
     service = f"/{ORCH_PKG}.TimeSliceOrchestratorService/AcquireSet"
     assert auth.ORCHESTRATOR_RULES[service] is auth.Rule.JOB
 
