@@ -9,7 +9,8 @@ state:
 - :class:`Abort`  fail the pending Acquires of ``job`` (with a refusal code);
 - :class:`Emit`  publish an event (queued, yielded, cancelled...);
 - :class:`NeedClaim` / :class:`ReleaseClaim`  ask for / give back the device claim
-  that groups sharing devices take turns on (``tslice.orchestrator.overlap``).
+  that groups sharing devices take turns on (``tslice.orchestrator.overlap``);
+- :class:`NeedSet`  this group is ready for a set member (``tslice.orchestrator.sets``).
 """
 
 from __future__ import annotations
@@ -71,6 +72,16 @@ class NeedClaim:
 
 
 @dataclasses.dataclass(frozen=True)
+class NeedSet:
+    """``job`` waits here as a member of set ``set_seq`` (AcquireSet) and this group is
+    reserved for it: tell the set's coordinator that this group is ready (see
+    ``tslice.orchestrator.set_gate``)."""
+
+    job: str
+    set_seq: int
+
+
+@dataclasses.dataclass(frozen=True)
 class ReleaseClaim:
     """Give the device claim back: nobody holds the group and another group wants it."""
 
@@ -90,7 +101,7 @@ class Emit:
     detail: str = ""
 
 
-Action: TypeAlias = "Granted | StartSwitch | Abort | Emit | NeedClaim | ReleaseClaim"
+Action: TypeAlias = "Granted | StartSwitch | Abort | Emit | NeedClaim | NeedSet | ReleaseClaim"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -44,6 +44,7 @@ from tslice.orchestrator import (
     prefetching,
     records,
     recovery,
+    sets,
     status,
     steps,
     store,
@@ -74,6 +75,8 @@ class Services:
     metrics: metrics.OrchestratorMetrics
     #: Groups that share devices take turns through it (see overlap).
     arbiter: overlap.DeviceArbiter = dataclasses.field(default_factory=overlap.DeviceArbiter)
+    #: Sets of groups acquired all-or-nothing are granted through it (see sets).
+    sets: sets.SetCoordinator = dataclasses.field(default_factory=sets.SetCoordinator)
 
 
 #: Who evicts when the Evict RPC does (Kubernetes mode names itself).
@@ -162,6 +165,13 @@ class GroupDriver:
             ),
             contended=lambda: self.post(lambda now: self.bind(self.lock.on_contended(now=now))),
         )
+        self._sets = services.sets
+        self._sets.join(
+            group_id,
+            lambda job, seq: self.post(
+                lambda now: self.bind(self.lock.on_set_ready(job, set_seq=seq, now=now))
+            ),
+        )
         if self.lock.holder is not None:
             self._arbiter.seize(group_id, self.lock.holder)
         self.lock.start_claim(self.lock.holder)
@@ -170,6 +180,11 @@ class GroupDriver:
     @property
     def stopping(self) -> bool:
         return self._stopping
+
+    @property
+    def set_coordinator(self) -> sets.SetCoordinator:
+        """Where this group's AcquireSet parts are granted together (shared by all groups)."""
+        return self._sets
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -187,6 +202,7 @@ class GroupDriver:
         self._stopping = True
         self._wake.cancel()
         self._arbiter.leave(self.group_id)
+        self._sets.leave(self.group_id)
         await self._switches.finish(grace_s=grace_s)
         self.release_deferred()
         self.events.release()
@@ -249,9 +265,16 @@ class GroupDriver:
     # ---- RPC entry points ------------------------------------------------------------------
 
     async def acquire(
-        self, job: str, *, footprint_bytes: int, lease_ms: int = 0, time_left: float | None = None
+        self,
+        job: str,
+        *,
+        footprint_bytes: int,
+        lease_ms: int = 0,
+        time_left: float | None = None,
+        set_seq: int | None = None,
     ) -> callers.Grant:
-        """The grant; ``time_left`` is the caller's deadline (None: it has none)."""
+        """The grant; ``time_left`` is the caller's deadline (None: it has none);
+        ``set_seq``: this is one group of that set (see sets), granted with the others."""
         if self._stopping:
             raise self._gone()
         started = time.monotonic()
@@ -270,7 +293,11 @@ class GroupDriver:
             self._callers.add(waiter)
             effects = self.bind(
                 self.lock.on_acquire(
-                    job, footprint_bytes=footprint_bytes, lease_ms=lease_ms, now=now
+                    job,
+                    footprint_bytes=footprint_bytes,
+                    lease_ms=lease_ms,
+                    set_seq=set_seq,
+                    now=now,
                 )
             )
             return [*effects, self._prefetch]
@@ -490,6 +517,9 @@ class GroupDriver:
                 effects.append(self._switch_effect(action))
             elif isinstance(action, decisions.NeedClaim):
                 effects += self._claim(action)
+            elif isinstance(action, decisions.NeedSet):
+                # Its answer comes through the inbox (on_set_ready), for every group alike.
+                self._sets.ready(self.group_id, action.job, action.set_seq)
             elif isinstance(action, decisions.ReleaseClaim):
                 # Another group may now move what is on the shared devices: re-read first.
                 self.views.clear()

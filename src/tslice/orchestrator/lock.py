@@ -117,9 +117,18 @@ class GroupLock(lock_state.LockState):
     # ---- events ---------------------------------------------------------------------------
 
     def on_acquire(
-        self, job: str, *, footprint_bytes: int = 0, lease_ms: int = 0, now: float
+        self,
+        job: str,
+        *,
+        footprint_bytes: int = 0,
+        lease_ms: int = 0,
+        set_seq: int | None = None,
+        now: float,
     ) -> list[act.Action]:
-        """One Acquire RPC of ``job`` arrived (it stays attached until granted or departed)."""
+        """One Acquire RPC of ``job`` arrived (it stays attached until granted or departed).
+
+        ``set_seq``: it is one group of set ``set_seq`` (AcquireSet): it is granted only
+        once the whole set is ready (:meth:`on_set_ready`), never at once."""
         self._evicted.pop(job, None)
         if footprint_bytes > 0:
             self._footprints[job] = footprint_bytes
@@ -140,6 +149,7 @@ class GroupLock(lock_state.LockState):
             return [act.Granted(job, self._epoch, False, 0.0, zero_cost=True, held=True)]
         if self.blocked:
             return [act.Abort(job, self.blocked, code=refusals.Code.UNAVAILABLE)]
+        self._sets.mark(job, set_seq)
         entry = self._queue.get(job)
         if entry is not None:
             entry.attached += 1
@@ -150,7 +160,8 @@ class GroupLock(lock_state.LockState):
             return [*actions, *self._promote(now)]
         self._policy.arrived(job, now=now, active=self._active())
         if (
-            not self._recovering
+            set_seq is None
+            and not self._recovering
             and not self.draining
             and self._claim.allows(job)
             and self._holder is None
@@ -182,7 +193,10 @@ class GroupLock(lock_state.LockState):
             entry.attached -= 1
             if entry.attached == 0:
                 del self._queue[job]
-                return [act.Emit(act.EventKind.CANCELLED, job, "left the queue")]
+                return [
+                    act.Emit(act.EventKind.CANCELLED, job, "left the queue"),
+                    *self._left(job, now),
+                ]
         return []
 
     def on_undelivered(self, job: str, *, epoch: int, now: float) -> list[act.Action]:
@@ -257,9 +271,8 @@ class GroupLock(lock_state.LockState):
             return act.EvictOutcome(None, "", [])
         self._remember_eviction(job, why)
         gone: list[act.Action] = [act.Abort(job, why)] if entry.attached > 0 else []
-        return act.EvictOutcome(
-            act.Role.WAITER, "", [*gone, act.Emit(act.EventKind.CANCELLED, job, why)]
-        )
+        left = [act.Emit(act.EventKind.CANCELLED, job, why), *self._left(job, now)]
+        return act.EvictOutcome(act.Role.WAITER, "", [*gone, *left])
 
     def on_drain(self, drain: bool, *, now: float) -> list[act.Action]:
         """An administrator drains the group (no new turn is granted: the holder keeps
@@ -448,7 +461,17 @@ class GroupLock(lock_state.LockState):
         # Waiters kept back for the resident (a policy's hold) now ask for the claim.
         return [*released, *self._promote(now)] if released and self.wake_at else released
 
+    def on_set_ready(self, job: str, *, set_seq: int, now: float) -> list[act.Action]:
+        """Every group of ``job``'s set ``set_seq`` is reserved for it: grant it here."""
+        return self._promote(now) if self._sets.on_ready(job, set_seq) else []
+
     # ---- internals ------------------------------------------------------------------------
+
+    def _left(self, job: str, now: float) -> list[act.Action]:
+        """``job`` left the queue: a group kept free for it moves on."""
+        reserved = self._sets.reserved == job
+        self._sets.drop(job)
+        return self._promote(now) if reserved else []
 
     def _end_switch(self, epoch: int) -> lock_state.Switch | None:
         """The switch of ``epoch`` ends (None: it is not the one in progress)."""
@@ -530,17 +553,24 @@ class GroupLock(lock_state.LockState):
         attached = self._ranked(now)
         if not attached or self.blocked or self.draining:
             return released
-        entry = attached[0]
+        entry = self._sets.choose(attached, self._queue)
+        kept = self._sets.reserved is not None
         chosen, self._claim.chosen = self._claim.chosen, None
-        if self._claim.held and chosen is not None and chosen != entry.job:
+        if kept:
+            # Kept for a set member: nobody passes it (see set_gate).
+            need = self._sets.waiting(entry.job)
+            if need is not None:
+                return [*released, need]
+        elif self._claim.held and chosen is not None and chosen != entry.job:
             entry = next((e for e in attached if e.job == chosen), entry)
         elif chosen is None and self._holds_for_resident(attached, now):
             return released
         if not self._claim.allows(entry.job):
             # Asked again whenever the waiters change: a nested acquire may pass the head.
-            others = tuple(e.job for e in attached if e.job != entry.job)
+            others = () if kept else tuple(e.job for e in attached if e.job != entry.job)
             return [*released, act.NeedClaim(entry.job, others)]
         del self._queue[entry.job]
+        self._sets.drop(entry.job)
         if entry.job == self._resident and self._verified:
             self._grant_to(entry.job, now, attached=entry.attached, new_epoch=True)
             waited = max(0.0, now - entry.queued_at)

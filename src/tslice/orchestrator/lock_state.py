@@ -13,7 +13,7 @@ import enum
 
 from tslice.orchestrator import decisions as act
 from tslice.orchestrator import policy as sched
-from tslice.orchestrator import records
+from tslice.orchestrator import records, set_gate
 
 
 class Phase(enum.Enum):
@@ -103,6 +103,8 @@ class LockState:
         #: The device claim (see overlap). A lock on its own holds it for anybody; a
         #: driver starts without it (start_claim) unless it has a holder.
         self._claim = Claim()
+        #: Set members among the waiters (AcquireSet), and whom the group keeps itself for.
+        self._sets = set_gate.SetGate()
         #: Why no switch may start (a degraded node); "" = none.
         self.blocked = ""
         #: An administrator drained the group: no new turn is granted (persisted).

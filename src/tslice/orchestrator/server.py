@@ -22,7 +22,7 @@ import grpc
 from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2 as opb
 from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2_grpc as opb_grpc
 from tslice.common import auth, refusals, unique_requests, validation
-from tslice.orchestrator import decisions, events, group, manager
+from tslice.orchestrator import decisions, events, group, manager, set_acquire
 
 _T = TypeVar("_T")
 log = logging.getLogger(__name__)
@@ -30,6 +30,8 @@ log = logging.getLogger(__name__)
 
 #: Characters of an administrator's eviction reason (it travels into errors and logs).
 MAX_REASON = 256
+#: Groups of one AcquireSet.
+MAX_SET_GROUPS = 16
 
 
 def _checked_fields(message: Any) -> None:
@@ -54,6 +56,41 @@ def _sooner(time_left: float | None, timeout_ms: int) -> float | None:
         return time_left
     own = timeout_ms / 1000
     return own if time_left is None else min(time_left, own)
+
+
+def _checked_terms(
+    job: str, request: opb.AcquireRequest | opb.AcquireSetRequest, time_left: float | None
+) -> float | None:
+    """The caller may act as ``job``, and the Acquire's numbers are valid; the time left
+    (the nearer of the call's deadline and ``timeout_ms``)."""
+    auth.require_job(job)  # a job credential acts only as its own job ids
+    _at_least_0("footprint_bytes", request.footprint_bytes, "default")
+    _at_least_0("lease_ms", request.lease_ms, "no lease")
+    return _sooner(time_left, _at_least_0("timeout_ms", request.timeout_ms, "no deadline"))
+
+
+def _checked_set(group_ids: list[str]) -> list[str]:
+    """An AcquireSet's groups: each a valid id, at least one, each once, at most 16."""
+    if not group_ids:
+        raise refusals.Refused(
+            refusals.Code.INVALID_ARGUMENT,
+            "group_ids is empty: name the groups to acquire together",
+        )
+    if len(group_ids) > MAX_SET_GROUPS:
+        raise refusals.Refused(
+            refusals.Code.INVALID_ARGUMENT,
+            f"group_ids names {len(group_ids)} groups; one AcquireSet takes at most "
+            f"{MAX_SET_GROUPS}",
+        )
+    checked = [refusals.checked_id("group_ids", gid) for gid in group_ids]
+    repeated = sorted({gid for gid in checked if checked.count(gid) > 1})
+    if repeated:
+        raise refusals.Refused(
+            refusals.Code.INVALID_ARGUMENT,
+            f"group_ids names {', '.join(map(repr, repeated))} more than once; name each "
+            "group once",
+        )
+    return checked
 
 
 def _checked_reason(reason: str) -> str:
@@ -113,6 +150,12 @@ class OrchestratorServicer(opb_grpc.TimeSliceOrchestratorServiceServicer):
         time_left = context.time_remaining()
         return await refusals.answered(context, self.acquire(request, time_left=time_left))
 
+    async def AcquireSet(
+        self, request: opb.AcquireSetRequest, context: grpc.aio.ServicerContext
+    ) -> opb.AcquireSetResponse:
+        time_left = context.time_remaining()
+        return await refusals.answered(context, self.acquire_set(request, time_left=time_left))
+
     async def Yield(
         self, request: opb.YieldRequest, context: grpc.aio.ServicerContext
     ) -> opb.YieldResponse:
@@ -142,10 +185,12 @@ class OrchestratorServicer(opb_grpc.TimeSliceOrchestratorServiceServicer):
                 reply.acquire.CopyFrom(await self.acquire(request.acquire))
             elif kind == "release":
                 reply.release.CopyFrom(await self.yield_(request.release))
+            elif kind == "acquire_set":
+                reply.acquire_set.CopyFrom(await self.acquire_set(request.acquire_set))
             else:
                 raise refusals.Refused(
                     refusals.Code.INVALID_ARGUMENT,
-                    "a Session request carries acquire, release or cancel",
+                    "a Session request carries acquire, acquire_set, release or cancel",
                 )
         except refusals.Refused as refused:
             return _refused(request.request_id, refused)
@@ -166,10 +211,7 @@ class OrchestratorServicer(opb_grpc.TimeSliceOrchestratorServiceServicer):
         started = time.monotonic()
         job = refusals.checked_id("job_id", request.job_id)
         gid = refusals.checked_id("group_id", request.group_id)
-        auth.require_job(job)  # a job credential acts only as its own job ids
-        _at_least_0("footprint_bytes", request.footprint_bytes, "default")
-        _at_least_0("lease_ms", request.lease_ms, "no lease")
-        time_left = _sooner(time_left, _at_least_0("timeout_ms", request.timeout_ms, "no deadline"))
+        time_left = _checked_terms(job, request, time_left)
         driver = self._found(gid, await self._groups.get_or_create(gid))
         grant = await driver.acquire(
             job,
@@ -182,6 +224,36 @@ class OrchestratorServicer(opb_grpc.TimeSliceOrchestratorServiceServicer):
             waited_ms=int((time.monotonic() - started) * 1000),
             context_restored=grant.restored,
             grant_epoch=grant.epoch,
+        )
+
+    async def acquire_set(
+        self, request: opb.AcquireSetRequest, *, time_left: float | None = None
+    ) -> opb.AcquireSetResponse:
+        """One AcquireSet (unary or over a Session); raises ``refusals.Refused``."""
+        started = time.monotonic()
+        job = refusals.checked_id("job_id", request.job_id)
+        gids = _checked_set(list(request.group_ids))
+        time_left = _checked_terms(job, request, time_left)
+        # Every group is checked before any is asked for: an unknown one loses nothing.
+        drivers = {gid: self._found(gid, await self._groups.get_or_create(gid)) for gid in gids}
+        grants = await set_acquire.acquire_set(
+            drivers,
+            job,
+            footprint_bytes=request.footprint_bytes,
+            lease_ms=request.lease_ms,
+            time_left=time_left,
+        )
+        return opb.AcquireSetResponse(
+            success=True,
+            waited_ms=int((time.monotonic() - started) * 1000),
+            grants=[
+                opb.SetGrant(
+                    group_id=gid,
+                    context_restored=grants[gid].restored,
+                    grant_epoch=grants[gid].epoch,
+                )
+                for gid in gids
+            ],
         )
 
     async def yield_(self, request: opb.YieldRequest) -> opb.YieldResponse:

@@ -1,0 +1,83 @@
+"""All-or-nothing acquires of several groups (``AcquireSet``): the coordinator.
+
+A set is numbered when it arrives (one counter for the whole orchestrator, so two sets
+order the same way in every group they share) and its job joins the queue of each of
+its groups as a member of it. A group that would promote the member reserves itself
+and reports ready (``decisions.NeedSet``, see ``tslice.orchestrator.set_gate``); when
+every group of the set is ready, :class:`SetCoordinator` tells each one to grant, and
+their switches run at once, each in its own group. Nobody holds part of a set while
+waiting for the rest: the set's grant is one decision.
+
+Like the device arbiter, the coordinator is bookkeeping only: it reaches the groups
+through callbacks that post to their inboxes, so every change of a group still happens
+in its own worker. Nothing here is persisted: after a restart each re-issued
+AcquireSet is numbered anew and its members keep their places in the groups' queues.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable, Iterable
+
+log = logging.getLogger(__name__)
+
+#: Post "grant ``job``, the member of set ``seq``" to a group's inbox.
+Ready = Callable[[str, int], None]
+
+
+@dataclasses.dataclass
+class _Set:
+    job: str
+    groups: frozenset[str]
+    ready: set[str] = dataclasses.field(default_factory=set)
+    granted: bool = False
+
+
+class SetCoordinator:
+    """Which sets wait, which of their groups are ready (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self._next = 1
+        self._sets: dict[int, _Set] = {}
+        self._groups: dict[str, Ready] = {}
+
+    def join(self, group: str, ready: Ready) -> None:
+        self._groups[group] = ready
+
+    def leave(self, group: str) -> None:
+        self._groups.pop(group, None)
+
+    def open(self, job: str, groups: Iterable[str]) -> int:
+        """Number a new set of ``job``'s; its members then join the groups' queues."""
+        seq = self._next
+        self._next += 1
+        self._sets[seq] = _Set(job, frozenset(groups))
+        return seq
+
+    def close(self, seq: int) -> None:
+        """The AcquireSet ended (granted, failed or cancelled)."""
+        self._sets.pop(seq, None)
+
+    def ready(self, group: str, job: str, seq: int) -> None:
+        """``group`` is reserved for ``job``'s set ``seq``; the last one grants the set."""
+        entry = self._sets.get(seq)
+        if entry is None or entry.job != job or group not in entry.groups or entry.granted:
+            return
+        entry.ready.add(group)
+        if entry.ready != entry.groups:
+            return
+        entry.granted = True
+        log.debug("set %d of job %s granted: %s", seq, job, ", ".join(sorted(entry.groups)))
+        for member in sorted(entry.groups):
+            post = self._groups.get(member)
+            if post is not None:  # a group stopping meanwhile fails its own Acquire
+                post(job, seq)
+
+    def waiting(self) -> list[tuple[int, str, frozenset[str], frozenset[str]]]:
+        """``(seq, job, groups, ready)`` of every set not granted yet, oldest first."""
+        return [
+            (seq, s.job, s.groups, frozenset(s.ready))
+            for seq, s in sorted(self._sets.items())
+            if not s.granted
+        ]
