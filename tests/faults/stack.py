@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import signal
 from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
 
+from tests.faults.processes import Process
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2_grpc as pb_grpc
 from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2 as opb
@@ -106,14 +108,20 @@ def _match(event: opb.OrchestratorEvent, kind: int, job: str, node: str) -> bool
 
 
 async def switch_under_way(
-    o: Orchestrator, group: str, *, timeout: float = WAIT_S
+    o: Orchestrator, group: str, *, timeout: float = WAIT_S, frozen: Process | None = None
 ) -> tuple[Events, asyncio.Task[Any]]:
     """a holds ``group``, b waits (its Acquire is the task), a yields: returns once b's
-    switch has started (every node's first call is under way)."""
+    switch has started (every node's first call is under way).
+
+    ``frozen``: an agent SIGSTOPped before a yields, left stopped for the caller to
+    SIGCONT: it answers nothing meanwhile, so the switch is still in flight when this
+    returns and until the caller acts, however long the steps in between take."""
     await o.acquire("a", group)
     events = await o.events(group)
     waiter = o.acquiring("b", group, timeout=timeout)
     await events.wait_for(K.KIND_QUEUED, job="b")
+    if frozen is not None:
+        frozen.signal(signal.SIGSTOP)
     await o.yield_("a", group)
     await events.wait_for(K.KIND_SWITCH_STARTED, job="b")
     return events, waiter

@@ -7,6 +7,9 @@ is snapshotting for group ``partition``: the orchestrator's calls get no answer 
 with its work. Where namespaces cannot be made (not root, no iproute2) the agent is
 frozen with SIGSTOP instead: its kernel still holds the connections, the agent answers
 nothing; that is the closest fault without a namespace, and it is said in the test id.
+Either way node-1 is frozen from before the switch starts until its link is cut (with a
+namespace it is let go on behind the cut): its 1-s snapshot cannot finish, and the
+switch with it, before the partition, however slow the machine is.
 """
 
 from __future__ import annotations
@@ -31,11 +34,10 @@ async def test_a_partition_mid_switch_is_retried_and_the_switch_finishes_once_he
     agent = stack.agents["node-1"]
     netns = stack.netns.get("node-1")
     try:
-        events, waiter = await switch_under_way(o, "partition")
+        events, waiter = await switch_under_way(o, "partition", frozen=agent)
         if netns is not None:
             netns.cut()
-        else:
-            agent.signal(signal.SIGSTOP)
+            agent.signal(signal.SIGCONT)  # the agent goes on with its work, unheard
         try:
             # No answer within an agent call's deadline: the step failed, to be retried.
             failed = await events.wait_for(K.KIND_SWITCH_FAILED, node="node-1")
