@@ -641,7 +641,14 @@ class GroupDriver:
         return expired
 
     def _reported_state(self) -> tuple[str, str]:
-        return status.reported_state(self.lock, self.health, self._conflicts)
+        return status.reported_state(self.lock, self.health, self._conflicts, self._kept_for)
+
+    def _kept_for(self, job: str, seq: int) -> str:
+        busy = next((sorted(g - r) for s, j, g, r in self._sets.waiting() if s == seq), [])
+        return (
+            f"kept free for job {job!r}, whose AcquireSet is granted once all its groups "
+            f"are free (still waiting for: {', '.join(busy) or 'nothing'})"
+        )
 
     def _conflicts(self) -> frozenset[str]:
         return self._arbiter.conflicts(self.group_id)

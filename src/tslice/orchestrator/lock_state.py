@@ -271,6 +271,14 @@ class LockState:
     def claimed(self) -> bool:
         return self._claim.held
 
+    @property
+    def reserved_for(self) -> tuple[str, int] | None:
+        """``(job, set)``: the set member the free group keeps itself for (AcquireSet)."""
+        job = self._sets.reserved
+        if job is None or self._holder is not None or self._switch is not None:
+            return None
+        return job, self._sets.members[job]
+
     def phase(self) -> Phase:
         if self._switch is not None:
             return Phase.SWITCHING

@@ -62,10 +62,14 @@ class Health:
 
 
 def reported_state(
-    lk: lock.GroupLock, health: Health, conflicts: Callable[[], frozenset[str]]
+    lk: lock.GroupLock,
+    health: Health,
+    conflicts: Callable[[], frozenset[str]],
+    kept_for: Callable[[str, int], str] = lambda job, seq: "",
 ) -> tuple[str, str]:
     """The group's state on the wire and its detail; ``conflicts`` names the overlapping
-    groups (asked only while the group waits for their devices: this runs every batch)."""
+    groups (asked only while the group waits for their devices: this runs every batch);
+    ``kept_for(job, set)`` says what the set member the group is kept free for waits for."""
     if health.unreachable:
         return "UNKNOWN", "agents unreachable: " + "; ".join(
             f"{n}: {d}" for n, d in sorted(health.unreachable.items())
@@ -82,6 +86,9 @@ def reported_state(
     if not lk.claimed and lk.attached_waiters:
         others = ", ".join(sorted(conflicts()))
         return phase.value, f"waiting for the devices it shares with group(s) {others}"
+    reserved = lk.reserved_for
+    if reserved is not None:
+        return phase.value, kept_for(*reserved)
     return phase.value, lk.detail
 
 
