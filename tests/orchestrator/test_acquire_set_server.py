@@ -7,20 +7,26 @@ from __future__ import annotations
 import asyncio
 
 import grpc
+import httpx
 import pytest
 
-from tests.orchestrator.orch_harness import Cluster, Events, acquire, yield_
+from tests.orchestrator.orch_harness import Cluster, Events, acquire, free_port, yield_
 from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2 as opb
 
 K = opb.OrchestratorEvent
 GS = opb.GroupStatus
 
 
-async def _two_groups(cluster: Cluster) -> object:
+async def _two_groups(cluster: Cluster, **overrides: object) -> object:
     await cluster.start_agent("node-a")
     await cluster.start_agent("node-b")
-    await cluster.start_orchestrator(groups={"g1": ["node-a"], "g2": ["node-b"]})
+    await cluster.start_orchestrator(groups={"g1": ["node-a"], "g2": ["node-b"]}, **overrides)
     return cluster.stub()
+
+
+async def _metrics(port: int) -> str:
+    async with httpx.AsyncClient() as http:
+        return (await http.get(f"http://127.0.0.1:{port}/metrics")).text
 
 
 def _acquire_set(stub: object, job: str, *groups: str, **kw: object) -> asyncio.Task[object]:
@@ -36,7 +42,8 @@ async def _status(stub: object, group: str) -> opb.GroupStatus:
 async def test_a_free_group_is_kept_for_the_set_and_says_what_it_waits_for(
     cluster: Cluster,
 ) -> None:
-    stub = await _two_groups(cluster)
+    port = free_port()
+    stub = await _two_groups(cluster, metrics_port=port)
     await acquire(stub, "a", "g1")
     await acquire(stub, "b", "g2")
     events = await Events.open(stub, "g1")
@@ -51,10 +58,15 @@ async def test_a_free_group_is_kept_for_the_set_and_says_what_it_waits_for(
     assert g1.locking_job == "" and list(g1.waiting_jobs) == ["c", "d"], g1
     assert "kept free for job 'c'" in g1.detail and "waiting for: g2" in g1.detail, g1.detail
     assert not pending.done() and not late.done()
+    assert 'tslice_orchestrator_group_reserved{group_id="g1"} 1.0' in await _metrics(port)
     await yield_(stub, "b", "g2")
     reply = await pending
     assert [(g.group_id, g.grant_epoch) for g in reply.grants] == [("g1", 2), ("g2", 2)]
     assert (await _status(stub, "g1")).detail == ""
+    text = await _metrics(port)
+    assert 'tslice_orchestrator_group_reserved{group_id="g1"} 0.0' in text
+    assert 'tslice_orchestrator_acquire_sets_total{outcome="granted"} 1.0' in text
+    assert "tslice_orchestrator_acquire_set_wait_duration_seconds_count 1.0" in text
     await yield_(stub, "c", "g1")
     assert (await late).grant_epoch == 3
     events.cancel()

@@ -101,6 +101,8 @@ class GroupDriver:
     ) -> None:
         self.group_id = group_id
         self.nodes = nodes
+        #: What it shares with the other groups (an AcquireSet reaches their coordinator).
+        self.services = services
         cfg = self._cfg = services.cfg
         self._db = services.db
         self._pool = services.pool
@@ -180,11 +182,6 @@ class GroupDriver:
     @property
     def stopping(self) -> bool:
         return self._stopping
-
-    @property
-    def set_coordinator(self) -> sets.SetCoordinator:
-        """Where this group's AcquireSet parts are granted together (shared by all groups)."""
-        return self._sets
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -654,7 +651,9 @@ class GroupDriver:
         return self._arbiter.conflicts(self.group_id)
 
     def _refresh_state(self) -> None:
-        self._reporter.refresh(self._reported_state()[0], len(self.lock.waiting_jobs))
+        lk = self.lock
+        reserved = lk.reserved_for is not None
+        self._reporter.refresh(self._reported_state()[0], len(lk.waiting_jobs), reserved=reserved)
 
     def _group_status(self, loaded_job: str | None) -> opb.GroupStatus:
         return status.group_status(

@@ -67,6 +67,24 @@ class OrchestratorMetrics:
             "1 for the group's current state, 0 for the others",
             ["group_id", "state"],
         )
+        self.reserved = self._gauge(
+            "tslice_orchestrator_group_reserved",
+            "1 while the free group is kept for a member of an AcquireSet whose other "
+            "groups are still busy (the idle time a set costs)",
+            group,
+        )
+        self.acquire_sets = self._counter(
+            "tslice_orchestrator_acquire_sets",
+            "AcquireSet calls by outcome (granted, failed: refused, cancelled or past "
+            "their deadline)",
+            ["outcome"],
+        )
+        self.acquire_set_wait = self._histogram(
+            "tslice_orchestrator_acquire_set_wait_duration_seconds",
+            "Time from AcquireSet to the grant of every group of the set",
+            [],
+            _WAIT_BUCKETS,
+        )
         self.hold_streams = self._gauge(
             "tslice_orchestrator_hold_streams",
             "Open Hold streams of holders keeping a lease",

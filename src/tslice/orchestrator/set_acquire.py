@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Mapping
 
 from tslice.common import refusals
@@ -34,7 +35,9 @@ async def acquire_set(
     raises the first part's ``refusals.Refused`` (or the caller's cancellation)."""
     if not drivers:
         return {}
-    coordinator = next(iter(drivers.values())).set_coordinator
+    services = next(iter(drivers.values())).services
+    coordinator, series = services.sets, services.metrics
+    started = time.monotonic()
     held = {gid for gid, d in drivers.items() if d.lock.holder == job}
     seq = coordinator.open(job, set(drivers) - held)
     parts = {
@@ -51,12 +54,15 @@ async def acquire_set(
     }
     try:
         await _all_or_first_failure(list(parts.values()))
-        return {gid: part.result() for gid, part in parts.items()}
     except BaseException:
+        series.acquire_sets.labels(outcome="failed").inc()
         await _withdraw(drivers, job, parts, held)
         raise
     finally:
         coordinator.close(seq)
+    series.acquire_sets.labels(outcome="granted").inc()
+    series.acquire_set_wait.observe(time.monotonic() - started)
+    return {gid: part.result() for gid, part in parts.items()}
 
 
 async def _all_or_first_failure(parts: list[asyncio.Future[callers.Grant]]) -> None:

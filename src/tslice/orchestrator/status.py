@@ -99,11 +99,16 @@ class Reporter:
         self._group_id = group_id
         self._metrics = series
         self._queue_depth_series = series.queue_depth.labels(group_id=group_id)
+        self._reserved_series = series.reserved.labels(group_id=group_id)
         self._state = ""
         self._queue_depth = -1
+        self._reserved: bool | None = None
         self.timestamp = timestamp_pb2.Timestamp()
 
-    def refresh(self, state: str, queue_depth: int) -> None:
+    def refresh(self, state: str, queue_depth: int, *, reserved: bool = False) -> None:
+        if reserved != self._reserved:
+            self._reserved = reserved
+            self._reserved_series.set(1 if reserved else 0)
         if state != self._state:
             self._state = state
             self.timestamp = timestamp_pb2.Timestamp()
