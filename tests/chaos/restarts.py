@@ -4,7 +4,10 @@ chaos tests of crash recovery."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+import contextlib
+import os
+import signal
+from collections.abc import AsyncIterator, Iterator
 
 from tslice.client import AsyncClient, EventKind, OrchestratorEvent
 from tslice.sim.cluster import ORCHESTRATOR, LocalCluster
@@ -16,6 +19,20 @@ async def next_of(events: AsyncIterator[OrchestratorEvent], job: str) -> Orchest
         if event.job_id == job:
             return event
     raise AssertionError(f"the event stream ended before an event of {job}")
+
+
+@contextlib.contextmanager
+def frozen(cluster: LocalCluster, name: str) -> Iterator[None]:
+    """Process ``name`` stopped (SIGSTOP) inside the block: an agent frozen from before a
+    switch starts answers none of its calls, so the switch is still in flight when the
+    block kills what it kills, however long that takes."""
+    pid = cluster.pid(name)
+    assert pid is not None, f"{name} is not running"
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(pid, signal.SIGCONT)
 
 
 async def restart_until_rolled_forward(cluster: LocalCluster, group: str, job: str) -> None:

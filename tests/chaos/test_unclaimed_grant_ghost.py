@@ -6,8 +6,11 @@ the orchestrator was killed once more before that, the holder on disk looked lik
 whose client got the reply: with no lease and no grace it kept the group for ever, and
 every other job waited behind a holder that did not exist.
 
-Real processes: an orchestrator and one sim agent whose copies take COPY_S (the switch
-is caught in the middle); the device journal is checked against the jobs' windows.
+Real processes: an orchestrator and one sim agent whose copies take COPY_S; the agent is
+frozen (SIGSTOP) from before a yields until the orchestrator is dead, so the switch is
+caught in the middle however slow the machine is (a loaded one could otherwise take
+longer than a copy between the switch's start and the kill, and b would get its grant);
+the device journal is checked against the jobs' windows.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.chaos.restarts import next_of, restart_until_rolled_forward
+from tests.chaos.restarts import frozen, next_of, restart_until_rolled_forward
 from tslice.client import AsyncClient, EventKind
 from tslice.sim import checker
 from tslice.sim.cluster import ORCHESTRATOR, LocalCluster, SimAgent
@@ -55,12 +58,13 @@ async def test_an_unclaimed_grant_is_released_after_a_second_restart(
         await events.started()
         b_acquire = asyncio.create_task(b.acquire("g", timeout=60))
         await asyncio.wait_for(next_of(events, "b"), 20)  # queued
-        wa.yielded = time.time()
-        await a.yield_("g")
-        await asyncio.wait_for(next_of(events, "b"), 20)  # the switch a -> b started
-        # Mid-switch (a's snapshot takes COPY_S): the orchestrator dies with b's Acquire,
-        # and b's client gives up on it (a unary client whose process went away).
-        cluster.kill(ORCHESTRATOR)
+        with frozen(cluster, "node-1"):
+            wa.yielded = time.time()
+            await a.yield_("g")
+            await asyncio.wait_for(next_of(events, "b"), 20)  # the switch a -> b started
+            # Mid-switch (node-1 answers nothing): the orchestrator dies with b's Acquire,
+            # and b's client gives up on it (a unary client whose process went away).
+            cluster.kill(ORCHESTRATOR)
         b_acquire.cancel()
         with contextlib.suppress(asyncio.CancelledError, Exception):
             await b_acquire
