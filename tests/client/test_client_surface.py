@@ -239,6 +239,7 @@ def test_only_safe_rpcs_are_retried() -> None:
     }
     assert retried == {
         "Acquire",
+        "AcquireSet",
         "Yield",
         "ListGroups",
         "GetGroupStatus",

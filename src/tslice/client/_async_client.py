@@ -7,6 +7,7 @@ the two side by side when editing (a parity test compares their public surfaces)
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
@@ -22,6 +23,7 @@ from tslice.client import (
     _slice,
     _types,
 )
+from tslice.common import errors
 
 if TYPE_CHECKING:
     from typing_extensions import Self
@@ -72,6 +74,28 @@ class AsyncClient(_base.BaseClient[_lease.AsyncHoldKeeper]):
         if self._wants_lease(response):
             await self._keep(call.job, call.group, response.grant_epoch)
         return _types.acquire_result(response)
+
+    async def acquire_set(
+        self,
+        groups: Iterable[str],
+        *,
+        job_id: str | None = None,
+        timeout: _config.Timeout = _config.USE_CLIENT_DEFAULT,
+        footprint_bytes: int | None = None,
+    ) -> dict[str, _types.AcquireResult]:
+        """See :meth:`Client.acquire_set`; a cancelled task leaves the job queued nowhere."""
+        call = self._prepare_acquire_set(groups, job_id, timeout, footprint_bytes)
+        if call.answer is not None:
+            return call.answer
+        with self._acquire_set_errors(call):
+            response = await self._orchestrator("acquire a set of groups").acquire_set(
+                call.request, call.options
+            )
+        results = self._set_results(call, response)
+        if self._lease_ms:
+            for group, result in results.items():
+                await self._keep(call.job, group, result.grant_epoch)
+        return results
 
     async def yield_(
         self,
@@ -168,7 +192,7 @@ class AsyncClient(_base.BaseClient[_lease.AsyncHoldKeeper]):
         job_id: str | None = None,
         timeout: _config.Timeout = _config.USE_CLIENT_DEFAULT,
     ) -> _slice.AsyncSliceContext:
-        """See :meth:`Client.slice`; use with ``async with``."""
+        """See :meth:`Client.slice` (one AcquireSet for its groups); use with ``async with``."""
         return _slice.AsyncSliceContext(
             self, groups=self._slice_groups(groups), job=self._job(job_id), timeout=timeout
         )
@@ -228,12 +252,39 @@ class AsyncClient(_base.BaseClient[_lease.AsyncHoldKeeper]):
         clock = self._slice_clock(timeout)
         results: dict[str, _types.AcquireResult] = {}
         try:
-            for group in groups:
+            rest = groups
+            if self._wants_set(groups):
+                rest = await self._hold_set(groups, job, clock, results)
+            for group in rest:
                 results[group] = await self._hold(job, group, clock)
         except BaseException:
             await self._exit_slice(tuple(results), job, raise_errors=False)
             raise
-        return results
+        return {group: results[group] for group in groups}
+
+    async def _hold_set(
+        self,
+        groups: tuple[str, ...],
+        job: str,
+        clock: _base.SliceClock,
+        results: dict[str, _types.AcquireResult],
+    ) -> tuple[str, ...]:
+        """See :meth:`Client._hold_set`."""
+        async with contextlib.AsyncExitStack() as locked:
+            for group in sorted(groups):
+                await locked.enter_async_context(self._key_lock((job, group)))
+            wanted = self._join_held(groups, job, results)
+            if len(wanted) < 2:
+                return wanted
+            wait = clock.remaining(job=job, group=",".join(wanted))
+            try:
+                granted = await self.acquire_set(wanted, job_id=job, timeout=wait)
+            except errors.RPCError as err:
+                if not self._set_refused(err):
+                    raise
+                return wanted
+            self._record_set(job, granted, results)
+            return ()
 
     async def _hold(self, job: str, group: str, clock: _base.SliceClock) -> _types.AcquireResult:
         key = (job, group)

@@ -1,8 +1,8 @@
 """Everything :class:`~tslice.client.Client` and :class:`~tslice.client.AsyncClient`
 share that does no I/O: the constructor and configuration, id resolution, request
-building (:class:`AcquireCall`, :class:`YieldCall`), deadline arithmetic, the no-op
-answers, the registry of lease keepers, lost leases, and the per-(job, group) hold
-counts behind ``slice()``.
+building (:class:`AcquireCall`, :class:`AcquireSetCall`, :class:`YieldCall`), deadline
+arithmetic, the no-op answers, the registry of lease keepers, lost leases, and the
+per-(job, group) hold counts behind ``slice()``.
 
 The two clients then differ only in the lines that make a call (``await`` or
 not), as in httpx.
@@ -86,6 +86,32 @@ class AcquireCall:
     options: _channel.CallOptions
     started: float
 
+    @property
+    def wanted(self) -> str:
+        """What the job waits for, in an error's words."""
+        return f"group {self.group!r}"
+
+
+@dataclasses.dataclass(frozen=True)
+class AcquireSetCall:
+    """One AcquireSet, resolved and checked: sent unless ``answer`` is known (no-op mode)."""
+
+    job: str
+    groups: tuple[str, ...]
+    request: opb.AcquireSetRequest
+    options: _channel.CallOptions
+    started: float
+    answer: dict[str, _types.AcquireResult] | None = None
+
+    @property
+    def group(self) -> str:
+        """The groups as one id-like label (``AcquireTimeout.group_id``)."""
+        return ",".join(self.groups)
+
+    @property
+    def wanted(self) -> str:
+        return f"groups {', '.join(map(repr, self.groups))} together"
+
 
 @dataclasses.dataclass(frozen=True)
 class YieldCall(Generic[K]):
@@ -167,6 +193,9 @@ class BaseClient(Generic[K]):
         # and the grant they share. Only slice() uses it; acquire()/yield_() are raw.
         self._hold_counts: dict[HoldKey, int] = {}
         self._hold_results: dict[HoldKey, _types.AcquireResult] = {}
+        #: False once the orchestrator answered UNIMPLEMENTED to an AcquireSet: a slice
+        #: then takes its groups one by one (sorted) without asking again.
+        self._sets_supported = True
         # Lease keepers of the groups held; the sync client reaches them from threads.
         self._guard = threading.Lock()
         self._keepers: dict[HoldKey, K] = {}
@@ -313,21 +342,92 @@ class BaseClient(Generic[K]):
     ) -> AcquireCall | None:
         """The acquire to send, checked; ``None`` in no-op mode (answer NOOP_ACQUIRE)."""
         job, group_id = self._job(job_id), self._group(group)
-        if footprint_bytes is not None and footprint_bytes < 0:
-            raise ValueError(f"footprint_bytes must be >= 0, got {footprint_bytes!r}")
-        footprint = self._config.footprint_bytes if footprint_bytes is None else footprint_bytes
-        request = opb.AcquireRequest(
-            job_id=job, group_id=group_id, footprint_bytes=footprint, lease_ms=self._lease_ms
-        )
+        request = opb.AcquireRequest(job_id=job, group_id=group_id, **self._terms(footprint_bytes))
         wait = self._acquire_timeout(timeout)
         if self._noop():
             return None
         options = self._options(job, group_id, wait)
         return AcquireCall(job, group_id, request, options, started=time.monotonic())
 
+    def _terms(self, footprint_bytes: int | None) -> dict[str, int]:
+        """An Acquire's (or AcquireSet's) footprint, the call's (checked) else the
+        client's, and the client's lease."""
+        if footprint_bytes is not None and footprint_bytes < 0:
+            raise ValueError(f"footprint_bytes must be >= 0, got {footprint_bytes!r}")
+        footprint = self._config.footprint_bytes if footprint_bytes is None else footprint_bytes
+        return {"footprint_bytes": footprint, "lease_ms": self._lease_ms}
+
+    def _prepare_acquire_set(
+        self,
+        groups: Iterable[str],
+        job_id: str | None,
+        timeout: _config.Timeout,
+        footprint_bytes: int | None,
+    ) -> AcquireSetCall:
+        """The AcquireSet to send, checked (its groups each once, in the order given)."""
+        if isinstance(groups, str):
+            raise TypeError(
+                f"groups must be a collection of group ids, not one string ({groups!r}): "
+                f"acquire_set([{groups!r}, ...]), or acquire({groups!r}) for one group"
+            )
+        job = self._job(job_id)
+        given = tuple(_config.check_id("group_id", g, source="the groups argument") for g in groups)
+        if not given:
+            raise ValueError("groups is empty: name the groups to acquire together")
+        group_ids = tuple(dict.fromkeys(given))
+        request = opb.AcquireSetRequest(
+            job_id=job, group_ids=group_ids, **self._terms(footprint_bytes)
+        )
+        wait = self._acquire_timeout(timeout)
+        noop = dict.fromkeys(group_ids, NOOP_ACQUIRE) if self._noop() else None
+        # The groups as the call's group: NOT_FOUND then is UnknownGroup (the server names it).
+        options = self._options(job, ",".join(group_ids), wait)
+        return AcquireSetCall(job, group_ids, request, options, time.monotonic(), answer=noop)
+
+    @contextlib.contextmanager
+    def _acquire_set_errors(self, call: AcquireSetCall) -> Iterator[None]:
+        """Acquire's errors, and UNIMPLEMENTED (no AcquireSet) with what to do instead;
+        the client then remembers it (``slice()`` asks no more)."""
+        try:
+            with self._acquire_deadline(call):
+                yield
+        except errors.RPCError as err:
+            if err.status != grpc.StatusCode.UNIMPLEMENTED:
+                raise
+            self._sets_supported = False
+            log.info("the orchestrator has no AcquireSet: slices take their groups one by one")
+            raise errors.RPCError(
+                grpc.StatusCode.UNIMPLEMENTED,
+                f"the orchestrator at {self._config.address} has no AcquireSet (an llm-d "
+                "orchestrator or an older tslice): acquire the groups one by one in sorted "
+                f"order, or use slice(), which does so by itself ({err.message})",
+            ) from err
+
+    @staticmethod
+    def _set_results(
+        call: AcquireSetCall, response: opb.AcquireSetResponse
+    ) -> dict[str, _types.AcquireResult]:
+        """Each group's grant (in the order asked), checked against the request."""
+        grants = {grant.group_id: grant for grant in response.grants}
+        if not response.success or sorted(grants) != sorted(call.groups):
+            raise errors.RPCError(
+                grpc.StatusCode.UNKNOWN,
+                f"the orchestrator answered AcquireSet({call.job!r}, {list(call.groups)!r}) "
+                f"with success={response.success} and grants for {sorted(grants)!r}",
+            )
+        return {
+            group: _types.AcquireResult(
+                success=True,
+                waited_ms=response.waited_ms,
+                context_restored=grants[group].context_restored,
+                grant_epoch=grants[group].grant_epoch,
+            )
+            for group in call.groups
+        }
+
     @staticmethod
     @contextlib.contextmanager
-    def _acquire_deadline(call: AcquireCall) -> Iterator[None]:
+    def _acquire_deadline(call: AcquireCall | AcquireSetCall) -> Iterator[None]:
         """An acquire that ran out of time is an AcquireTimeout (the job left the queue)."""
         try:
             yield
@@ -338,7 +438,7 @@ class BaseClient(Generic[K]):
                 group_id=call.group,
                 waited_ms=waited_ms,
                 message=(
-                    f"job {call.job!r} was not granted group {call.group!r} within "
+                    f"job {call.job!r} was not granted {call.wanted} within "
                     f"{waited_ms} ms; it is no longer queued"
                 ),
             ) from err
@@ -487,6 +587,39 @@ class BaseClient(Generic[K]):
             )
         self._hold_counts[key] = 1
         self._hold_results[key] = result
+
+    def _wants_set(self, groups: tuple[str, ...]) -> bool:
+        """Whether a slice asks for its groups in one AcquireSet (when 2+ are not held)."""
+        return self._sets_supported and len(groups) >= 2
+
+    def _join_held(
+        self, groups: Iterable[str], job: str, results: dict[str, _types.AcquireResult]
+    ) -> tuple[str, ...]:
+        """Count one more holder of each group an open slice holds (into ``results``);
+        return the others (under their key locks)."""
+        wanted = []
+        for group in groups:
+            held = self._held((job, group))
+            if held is None:
+                wanted.append(group)
+            else:
+                results[group] = held
+        return tuple(wanted)
+
+    def _record_set(
+        self,
+        job: str,
+        granted: dict[str, _types.AcquireResult],
+        results: dict[str, _types.AcquireResult],
+    ) -> None:
+        for group, result in granted.items():
+            self._record_hold((job, group), result)
+            results[group] = result
+
+    def _set_refused(self, err: errors.RPCError) -> bool:
+        """An AcquireSet of a slice failed with ``err``: True when the orchestrator has
+        none (take the groups one by one), False to raise ``err``."""
+        return err.status == grpc.StatusCode.UNIMPLEMENTED
 
     def _drop_hold(self, key: HoldKey) -> bool:
         """Count one holder less; True when it was the last (time to yield)."""

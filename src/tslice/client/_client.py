@@ -7,6 +7,7 @@ side when editing: a parity test compares their public surfaces.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING
@@ -23,6 +24,7 @@ from tslice.client import (
     _slice,
     _types,
 )
+from tslice.common import errors
 
 if TYPE_CHECKING:
     from typing_extensions import Self
@@ -84,6 +86,41 @@ class Client(_base.BaseClient[_lease.HoldKeeper]):
         if self._wants_lease(response):
             self._keep(call.job, call.group, response.grant_epoch)
         return _types.acquire_result(response)
+
+    def acquire_set(
+        self,
+        groups: Iterable[str],
+        *,
+        job_id: str | None = None,
+        timeout: _config.Timeout = _config.USE_CLIENT_DEFAULT,
+        footprint_bytes: int | None = None,
+    ) -> dict[str, _types.AcquireResult]:
+        """Block until the job holds every group of ``groups`` (a collection of ids),
+        granted all or nothing; returns group -> :class:`AcquireResult` in their order.
+
+        The job holds no group of the set while another one still waits, so two jobs
+        that want overlapping sets cannot each hold part of one (no lock order needed);
+        the set is granted once every group is free, and the switches of all of them
+        run at once. Groups the job holds already count as granted. After the grant
+        each group is an ordinary one: its own lease (Hold stream), its own
+        :meth:`yield_`. ``timeout`` and errors as for :meth:`acquire`: on expiry,
+        failure or Ctrl-C the job is queued nowhere and holds none of the groups the
+        call was granted. An orchestrator without the RPC (llm-d's, an older tslice)
+        raises :class:`~tslice.common.errors.RPCError` ``UNIMPLEMENTED``;
+        :meth:`slice` falls back by itself.
+        """
+        call = self._prepare_acquire_set(groups, job_id, timeout, footprint_bytes)
+        if call.answer is not None:
+            return call.answer
+        with self._acquire_set_errors(call):
+            response = self._orchestrator("acquire a set of groups").acquire_set(
+                call.request, call.options
+            )
+        results = self._set_results(call, response)
+        if self._lease_ms:
+            for group, result in results.items():
+                self._keep(call.job, group, result.grant_epoch)
+        return results
 
     def yield_(
         self,
@@ -197,10 +234,12 @@ class Client(_base.BaseClient[_lease.HoldKeeper]):
     ) -> _slice.SliceContext:
         """Hold ``groups`` (default: the default group) for a ``with`` block or a call.
 
-        Groups are acquired in sorted order, whatever order they are given in, so that
-        two jobs taking the same two groups cannot deadlock; they are yielded in
-        reverse order on exit, also when the block raises. ``timeout`` bounds the
-        acquisition of all of them together.
+        Two or more groups not held yet by an open slice of this client and job are
+        taken in one :meth:`acquire_set` (all or nothing); from an orchestrator without
+        it, one by one in sorted order, whatever order they are given in, so that two
+        jobs taking the same two groups cannot deadlock (the client remembers and does
+        not ask again). They are yielded in reverse order on exit, also when the block
+        raises. ``timeout`` bounds the acquisition of all of them together.
         """
         return _slice.SliceContext(
             self, groups=self._slice_groups(groups), job=self._job(job_id), timeout=timeout
@@ -261,12 +300,41 @@ class Client(_base.BaseClient[_lease.HoldKeeper]):
         clock = self._slice_clock(timeout)
         results: dict[str, _types.AcquireResult] = {}
         try:
-            for group in groups:
+            rest = groups
+            if self._wants_set(groups):
+                rest = self._hold_set(groups, job, clock, results)
+            for group in rest:
                 results[group] = self._hold(job, group, clock)
         except BaseException:
             self._exit_slice(tuple(results), job, raise_errors=False)
             raise
-        return results
+        return {group: results[group] for group in groups}
+
+    def _hold_set(
+        self,
+        groups: tuple[str, ...],
+        job: str,
+        clock: _base.SliceClock,
+        results: dict[str, _types.AcquireResult],
+    ) -> tuple[str, ...]:
+        """Hold the groups of a slice not held yet in one AcquireSet, into ``results``;
+        returns those left to take one by one (all of them without AcquireSet)."""
+        with contextlib.ExitStack() as locked:
+            # Every key lock of the set, in one order: a set is held all or nothing.
+            for group in sorted(groups):
+                locked.enter_context(self._key_lock((job, group)))
+            wanted = self._join_held(groups, job, results)
+            if len(wanted) < 2:
+                return wanted
+            wait = clock.remaining(job=job, group=",".join(wanted))
+            try:
+                granted = self.acquire_set(wanted, job_id=job, timeout=wait)
+            except errors.RPCError as err:
+                if not self._set_refused(err):
+                    raise
+                return wanted
+            self._record_set(job, granted, results)
+            return ()
 
     def _hold(self, job: str, group: str, clock: _base.SliceClock) -> _types.AcquireResult:
         key = (job, group)

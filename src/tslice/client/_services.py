@@ -44,6 +44,9 @@ ORCHESTRATOR_METHODS = {
     for m in (
         # The orchestrator keeps a re-issued Acquire's place or recognises the holder.
         Method(_ORCH, "Acquire", retryable=True),
+        # Likewise for each group of the set: a re-issued AcquireSet re-attaches to its
+        # queue entries (and a group already granted to the job counts as granted).
+        Method(_ORCH, "AcquireSet", retryable=True),
         # A Yield whose reply was lost may already have handed the group on: the
         # re-issued one then meets PERMISSION_DENIED, yet the job did let go.
         Method(
@@ -195,6 +198,12 @@ class _OrchestratorRpcs:
     yield_ = Unary[opb.YieldRequest, opb.YieldResponse](
         _O["Yield"], via="_yield", settled=_yield_settled
     )
+    # Unary, not over the Session: an older tslice's Session refuses a request it cannot
+    # read with INVALID_ARGUMENT, where the unary RPC answers UNIMPLEMENTED, which a
+    # client can tell from a refusal of the set itself (and falls back on).
+    acquire_set = Unary[opb.AcquireSetRequest, opb.AcquireSetResponse](
+        _O["AcquireSet"], via="_acquire_set"
+    )
     list_groups = Unary[opb.ListGroupsRequest, opb.ListGroupsResponse](_O["ListGroups"])
     get_group_status = Unary[opb.GetGroupStatusRequest, opb.GetGroupStatusResponse](
         _O["GetGroupStatus"]
@@ -232,6 +241,8 @@ class OrchestratorCalls(_OrchestratorRpcs, SyncCalls):
         self._session = _session.SyncSession(stub, metadata=transport.metadata(NO_OPTIONS))
         self._acquire = _unary.SyncUnaryFallback(self._session.acquire, stub.Acquire)
         self._yield = _unary.SyncUnaryFallback(self._session.yield_, stub.Yield)
+        # Started by a helper thread, so that Ctrl-C never loses the call (a ghost set).
+        self._acquire_set = _unary.SyncUnaryFallback(None, stub.AcquireSet)
 
     def close(self) -> None:
         """End the Session stream (before the channel closes)."""
@@ -249,6 +260,7 @@ class AsyncOrchestratorCalls(_OrchestratorRpcs, AsyncCalls):
         self._session = _session.Session(stub, metadata=transport.metadata(NO_OPTIONS))
         self._acquire = _unary.UnaryFallback(self._session.acquire, stub.Acquire)
         self._yield = _unary.UnaryFallback(self._session.yield_, stub.Yield)
+        self._acquire_set = stub.AcquireSet
 
     async def close(self) -> None:
         """End the Session stream (before the channel closes)."""

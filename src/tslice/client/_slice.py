@@ -1,7 +1,9 @@
 """``with client.slice(...)`` / ``@client.sliced(...)``: hold groups for a block.
 
-A slice acquires its groups in sorted order (see ``BaseClient._slice_groups``) and
-yields them in reverse order on exit, also when the block raises. Slices nest: a
+A slice acquires the groups it does not hold yet together, all or nothing, when
+there are two or more (AcquireSet), else (or from an orchestrator without it) one by
+one in sorted order (see ``BaseClient._slice_groups``), and yields them in reverse
+order on exit, also when the block raises. Slices nest: a
 group already held by an open slice of the same client and job is not acquired
 again, and only the outermost slice yields it. Each use of a slice object, and
 each call of a function it decorates, is an independent entry.

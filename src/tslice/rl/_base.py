@@ -8,12 +8,18 @@ awaited in the asyncio twin. The rules a begin or an end follows are
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator, Mapping
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
-from tslice.client import USE_CLIENT_DEFAULT, AcquireResult, AsyncClient, Client
+from tslice.client import (
+    USE_CLIENT_DEFAULT,
+    AcquireResult,
+    AsyncClient,
+    AsyncSliceContext,
+    Client,
+    SliceContext,
+)
 from tslice.common import errors
 from tslice.rl import _book, _workload, roles, settings
 
@@ -168,18 +174,19 @@ class PhasesBase(Generic[ClientT]):
         return MappingProxyType(dict.fromkeys(entry.groups, _NOOP))
 
     def _slices(self, entry: _book.OpenPhase, timeout: float | None) -> Iterator[Any]:
-        """The slice of each of the phase's groups, in order, each made when the one
-        before it is held: all of them wait within one ``timeout`` (else the Phases')."""
+        """One slice of all the phase's groups, waiting within ``timeout`` (else the
+        Phases'): two groups not held yet are granted together (AcquireSet); from an
+        orchestrator without it, one by one in the phase's order (trainer group first:
+        one order for every job)."""
+        if not entry.groups:
+            return
         timeout = self._timeout if timeout is None else timeout
-        deadline = None if timeout is None else time.monotonic() + timeout
-        for group in entry.groups:
-            wait = USE_CLIENT_DEFAULT if deadline is None else _left(deadline)
-            yield self._client.slice(group, job_id=self._job, timeout=wait)
-
-
-def _left(deadline: float) -> float:
-    # A tiny positive wait still lets the client raise its own AcquireTimeout.
-    return max(deadline - time.monotonic(), 1e-3)
+        wait = USE_CLIENT_DEFAULT if timeout is None else timeout
+        client = self._client
+        if isinstance(client, AsyncClient):
+            yield AsyncSliceContext(client, groups=entry.groups, job=self._job, timeout=wait)
+        else:
+            yield SliceContext(client, groups=entry.groups, job=self._job, timeout=wait)
 
 
 def env_groups() -> tuple[str | None, str | None]:

@@ -11,7 +11,7 @@
         rewards = score(rollouts)                  # CPU: another job may use the GPUs
         with phases.phase("train"):                # the trainer group
             train(policy, rollouts, rewards)
-        with phases.phase("weight_sync"):          # both groups, trainer group first
+        with phases.phase("weight_sync"):          # both groups, granted together
             push_weights(policy)
     phases.close()
 
@@ -68,9 +68,11 @@ class Phases(_base.PhasesBase[Client]):
     checks apply (unknown phases, unbalanced ends), so a script that runs without
     the platform runs with it.
 
-    Several groups are taken one after the other, trainer group first (one global
-    order for every job; the atomic all-or-nothing multi-group acquire does not
-    exist yet). Thread-safe; a begin waits without blocking ends in other threads.
+    A phase's groups not held yet are granted together, all or nothing
+    (:meth:`~tslice.Client.acquire_set`: ``weight_sync`` gets both pools as soon as
+    both are free, and both switch at once); from an orchestrator without it, one
+    after the other, trainer group first (one global order for every job).
+    Thread-safe; a begin waits without blocking ends in other threads.
     """
 
     def _connect(self, address: str | None, job_id: str | None) -> Client:

@@ -31,11 +31,12 @@ Groups that are the same group, or a group that is not configured, collapse: a
 colocated job with a single group takes it in every phase; a trainer whose sampler
 pool is not time-sliced takes only the trainer group in ``weight_sync``.
 
-Several groups are taken **trainer group first, then sampler group**, by every
-role and every phase: that is one fixed global order (also the one llm-d's
+A phase's groups that are not held yet are granted together, all or nothing
+(AcquireSet: ``weight_sync`` gets both pools once both are free). From an
+orchestrator without it they are taken **trainer group first, then sampler group**,
+by every role and every phase: that is one fixed global order (also the one llm-d's
 integrations use), so two jobs can never each hold one pool while waiting for the
-other. An atomic all-or-nothing multi-group acquire does not exist yet; when it
-does, ``weight_sync`` will use it.
+other.
 """
 
 from __future__ import annotations

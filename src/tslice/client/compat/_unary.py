@@ -48,10 +48,16 @@ class UnaryFallback(Generic[Req, Rep]):
 
 
 class SyncUnaryFallback(Generic[Req, Rep]):
-    """``call.future(request, timeout=, metadata=).result()``: over the session, else unary."""
+    """``call.future(request, timeout=, metadata=).result()``: over the session, else unary.
+
+    ``session`` None: always unary (an RPC the Session stream does not carry), still
+    started so that an interrupt finds it (see :class:`_Outcome`).
+    """
 
     def __init__(
-        self, session: Callable[[Req, float | None], Rep], unary: _channel.SyncUnary[Req, Rep]
+        self,
+        session: Callable[[Req, float | None], Rep] | None,
+        unary: _channel.SyncUnary[Req, Rep],
     ) -> None:
         self._session = session
         self._unary = unary
@@ -91,10 +97,12 @@ class _Outcome(Generic[Req, Rep]):
     _started: threading.Event = dataclasses.field(default_factory=threading.Event)
 
     def result(self) -> Rep:
-        try:
-            return self.call._session(self.request, self.timeout)
-        except multiplex.Unsupported:
-            pass
+        session = self.call._session
+        if session is not None:
+            try:
+                return session(self.request, self.timeout)
+            except multiplex.Unsupported:
+                pass
         threading.Thread(target=self._start, name="tslice-unary-call", daemon=True).start()
         while not self._started.wait(_INTERRUPTIBLE_S):
             pass
