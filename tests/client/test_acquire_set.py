@@ -16,6 +16,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from concurrent import futures
+from typing import Any
 
 import pytest
 
@@ -209,9 +210,25 @@ async def test_a_cancelled_async_set_leaves_the_job_queued_nowhere(address: str)
         await a.yield_("g2")
 
 
-def test_ctrl_c_during_a_set_leaves_the_job_queued_nowhere(address: str) -> None:
+@pytest.mark.parametrize("moment", ["waiting", "sending"])
+def test_ctrl_c_during_a_set_leaves_the_job_queued_nowhere(address: str, moment: str) -> None:
+    """Ctrl-C while the set waits, or while the call is still on its way (the stub's
+    ``future()`` has sent it but not returned it: the interrupt must not lose the call)."""
     with clients(address, "a", "b") as (a, b, observer):
         a.acquire("g2")
+        interrupted = threading.Event()
+        if moment == "sending":
+            fallback = b._orchestrator("acquire a set of groups")._acquire_set
+            sent = fallback._unary
+
+            class SlowToReturn:
+                def future(self, request: object, **options: Any) -> Any:
+                    outcome = sent.future(request, **options)
+                    while not interrupted.wait(0.01):  # until the caller has given up
+                        pass
+                    return outcome
+
+            fallback._unary = SlowToReturn()
         outcome: list[BaseException] = []
 
         def waiter() -> None:
@@ -226,6 +243,7 @@ def test_ctrl_c_during_a_set_leaves_the_job_queued_nowhere(address: str) -> None
         _until(_waiting(observer, "b", "g1", "g2"))
         _interrupt(thread)
         thread.join(30)
+        interrupted.set()
         assert outcome and isinstance(outcome[0], KeyboardInterrupt)
         _until(lambda: not any("b" in observer.status(g).waiting_jobs for g in GROUPS))
         assert _holders(observer) == {"g1": "", "g2": "a"}
