@@ -277,6 +277,21 @@ def test_refused_and_timed_out_sets_raise_the_acquire_errors(address: str) -> No
         a.yield_("g2")
 
 
+def test_a_set_evicted_from_one_group_is_aborted_and_queued_nowhere(
+    address: str, executor: futures.ThreadPoolExecutor
+) -> None:
+    with clients(address, "a", "b") as (a, b, observer):
+        a.acquire("g2")
+        pending = executor.submit(b.acquire_set, ["g1", "g2"])
+        _until(_waiting(observer, "b", "g1", "g2"))
+        observer.evict("g2", "b", reason="maintenance")
+        with pytest.raises(errors.Aborted, match="maintenance"):
+            pending.result(30)
+        _until(lambda: not any("b" in observer.status(g).waiting_jobs for g in GROUPS))
+        assert _holders(observer) == {"g1": "", "g2": "a"}
+        a.yield_("g2")
+
+
 def test_nested_slices_take_only_the_groups_not_held_yet(address: str) -> None:
     with clients(address, "n") as (client, observer):
         with client.slice("g1") as outer:
