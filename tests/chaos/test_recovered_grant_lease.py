@@ -5,9 +5,11 @@ ran out, the grant was on disk as an ordinary holder with no lease: a ghost hold
 no lease, grace or yield ever released, and every later Acquire of the group waited for
 ever.
 
-Real processes: an orchestrator and one sim agent whose copies take 3 s (the switch is
-long enough to be caught in the middle), a holder job ``b`` with a 1 s lease that is
-SIGKILLed while the switch to it runs, then the orchestrator SIGKILLed twice.
+Real processes: an orchestrator and one sim agent whose copies take 3 s, a holder job
+``b`` with a 1 s lease that is SIGKILLed while the switch to it runs, then the
+orchestrator SIGKILLed twice. The agent is frozen (SIGSTOP) from before the switch
+starts until the orchestrator is dead, so the switch is caught in the middle however
+slow the machine is.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.chaos.restarts import next_of, restart_until_rolled_forward
+from tests.chaos.restarts import frozen, next_of, restart_until_rolled_forward
 from tslice.client import AsyncClient, EventKind
 from tslice.sim.cluster import ORCHESTRATOR, LocalCluster, SimAgent
 
@@ -65,12 +67,13 @@ async def test_a_recovered_grant_keeps_its_targets_lease_across_restarts(
         b = _job_b(address)
         try:
             await asyncio.wait_for(next_of(events, "b"), 20)  # queued
-            await a.yield_("g")
-            await asyncio.wait_for(next_of(events, "b"), 20)  # the switch a -> b started
-            # Mid-switch (a's snapshot takes COPY_S): b dies, then the orchestrator.
-            b.kill()
-            b.wait(10)
-            cluster.kill(ORCHESTRATOR)
+            with frozen(cluster, "node-1"):
+                await a.yield_("g")
+                await asyncio.wait_for(next_of(events, "b"), 20)  # the switch a -> b started
+                # Mid-switch (node-1 answers nothing): b dies, then the orchestrator.
+                b.kill()
+                b.wait(10)
+                cluster.kill(ORCHESTRATOR)
         finally:
             await events.aclose()
             if b.poll() is None:
