@@ -104,8 +104,10 @@ class Client(_base.BaseClient[_lease.HoldKeeper]):
         run at once. Groups the job holds already count as granted. After the grant
         each group is an ordinary one: its own lease (Hold stream), its own
         :meth:`yield_`. ``timeout`` and errors as for :meth:`acquire`: on expiry,
-        failure or Ctrl-C the job is queued nowhere and holds none of the groups the
-        call was granted. An orchestrator without the RPC (llm-d's, an older tslice)
+        failure or Ctrl-C the job is queued nowhere, and a group granted for the set
+        meanwhile is yielded again (never one held before). While the set waits for a
+        busy group, a free group of it may be kept free for it (a single Acquire of that
+        group then waits). An orchestrator without the RPC (llm-d's, an older tslice)
         raises :class:`~tslice.common.errors.RPCError` ``UNIMPLEMENTED``;
         :meth:`slice` falls back by itself.
         """
