@@ -15,6 +15,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2
 
+from tests.agent.agent_doubles import GatedBackend
 from tests.agent.conftest import AgentRunner
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
 
@@ -176,17 +177,22 @@ async def test_well_formed_ids_are_accepted(agents: AgentRunner, job_id: str) ->
 
 
 async def test_a_duplicate_grant_stream_request_id_is_refused(agents: AgentRunner) -> None:
-    # Slow copies: the first Grant is still in flight when the second arrives.
-    agent = await agents.start(sim={"bandwidth": "4GB/s"})
+    # The first Grant's eviction waits on the gate: it is still in flight when the second
+    # arrives, however slow the machine (a copy's length was the margin once).
+    gated = GatedBackend()
+    agent = await agents.start(default_backend="gated", instances={"gated": gated})
     assert await agent.grant("a", epoch=1) == pb.JOB_STATE_RUNNING
     call = agent.stub.GrantStream()
     first = pb.GrantRequest(job_id="b", group="g", grant_epoch=2, evict=["a"], wait_ms=60_000)
     await call.write(pb.GrantStreamRequest(request_id=1, grant=first))
+    await gated.started.wait()
     await call.write(pb.GrantStreamRequest(request_id=1, grant=first))
     refused = await call.read()
     assert refused.request_id == 1
     assert refused.status_code == grpc.StatusCode.INVALID_ARGUMENT.value[0], refused
     assert "already in flight" in refused.status_message
+    assert gated.calls == ["snapshot"]
+    gated.release()
     granted = await call.read()  # the first one goes on
     assert granted.request_id == 1 and granted.status_code == 0 and granted.grant.granted
     await call.done_writing()
