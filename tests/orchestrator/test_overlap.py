@@ -72,6 +72,20 @@ def test_a_job_that_holds_a_group_passes_waiters_it_would_otherwise_deadlock_on(
     assert arb.request("g3", "job-2") == "job-2"
 
 
+def test_a_waiting_group_gets_the_claim_once_its_blocker_holds_it_for_the_same_job() -> None:
+    # A set's two groups share devices: the second asks first, while the first still
+    # keeps its claim idle for its last holder; the first then takes it for the same
+    # job (its own part of the set). Nothing else would wake the second: the first lets
+    # go only when the job yields, which waits for the second (a deadlock).
+    a = Arbiter({"o1": (node("n", 0, 1),), "o2": (node("n", 1),)})
+    arb = a.arbiter
+    assert arb.request("o1", "job-2") == "job-2"
+    arb.note_holder("o1", None)  # job-2 yielded: o1 keeps its claim idle
+    assert arb.request("o2", "job-3") is None  # blocked by o1's idle claim
+    assert arb.request("o1", "job-3") == "job-3"
+    assert a.granted == [("o2", "job-3")]
+
+
 def test_fifo_among_overlapping_waiters_for_jobs_that_hold_nothing() -> None:
     a = Arbiter({"s": (node("n"),), "t": (node("n"),), "u": (node("n"),)})
     arb = a.arbiter

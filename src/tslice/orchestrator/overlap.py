@@ -128,6 +128,9 @@ class DeviceArbiter:
         if group in self._claims:
             if not self._blockers(group, job):
                 self._claims[group] = job
+                # Held for ``job`` now: a group waiting for the claim for the same job
+                # (another group of its set, a nested acquire) may be blocked no more.
+                self._grant_waiting(asking=group)
                 return job
             del self._claims[group]
         for i, (g, _, _) in enumerate(self._waiting):
