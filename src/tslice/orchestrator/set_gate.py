@@ -9,11 +9,14 @@ them grant, so no group of a set is granted while another one still waits.
 
 A reserved group grants nobody else until the set is granted or leaves (so a set that
 is complete is never undone by a later arrival), and it reserves itself only for the
-*oldest* set among its waiters, whatever the policy's order among sets. Two sets
-order the same way in every group they share, so a set can only wait on a reserved
-group for an older one: the chain ends at the oldest set, which every group of it
-reserves for as soon as it is free. No cycle, no deadlock; the policy still decides
-between single waiters and the sets.
+*oldest* set among its waiters, whatever the policy's order among sets: an older
+member that reaches the group later (its Acquire was held up on the way) takes the
+reservation over, and the coordinator never counts a group ready for a set while an
+older set that names the group may still reach it. So two sets order the same way in
+every group they share, and a set can only wait on a group reserved for an older
+one: the chain ends at the oldest set, which every group of it reserves for as soon
+as it is free. No cycle, no deadlock; the policy still decides between single
+waiters and the sets.
 """
 
 from __future__ import annotations
@@ -53,21 +56,22 @@ class SetGate:
             self.reserved = None
 
     def choose(self, ranked: Sequence[Entry], queued: Container[str]) -> Entry:
-        """The waiter to promote: the reserved member, else the policy's head, except
-        that a set member at the head gives way to the oldest set member (reserved)."""
+        """The waiter to promote: the policy's head, unless the group is reserved or
+        the head is a set member: then the oldest set member, reserved for."""
         for job in [j for j in self.members if j not in queued]:
             self.drop(job)
-        by_job = {e.job: e for e in ranked}
-        if self.reserved is not None and self.reserved in by_job:
-            return by_job[self.reserved]
         head = ranked[0]
-        if head.job not in self.members:
+        if self.reserved is None and head.job not in self.members:
             return head
-        oldest = min(
-            (e for e in ranked if e.job in self.members), key=lambda e: self.members[e.job]
+        members = [e for e in ranked if e.job in self.members]
+        # A member whose set is granted goes first: its other groups grant it now.
+        # Otherwise an older member that came since takes the reservation over (the
+        # coordinator did not count this group ready for the younger one meanwhile).
+        kept = next((e for e in members if e.job in self.ready), None) or min(
+            members, key=lambda e: self.members[e.job], default=head
         )
-        self.reserved = oldest.job
-        return oldest
+        self.reserved = kept.job if kept.job in self.members else None
+        return kept
 
     def waiting(self, job: str) -> act.NeedSet | None:
         """What a member still waits for before it may be granted (None: nothing)."""
@@ -75,8 +79,10 @@ class SetGate:
         return None if seq is None or job in self.ready else act.NeedSet(job, seq)
 
     def on_ready(self, job: str, set_seq: int) -> bool:
-        """The coordinator says ``job``'s set ``set_seq`` is ready everywhere."""
+        """The coordinator says ``job``'s set ``set_seq`` is ready everywhere (True:
+        promote now). Any other set (gone, or the coordinator's nudge, ``("", 0)``)
+        grants nobody; a member kept for and not ready yet is then reported again."""
         if self.members.get(job) != set_seq:
-            return False  # gone, or waiting in another set since
+            return self.reserved is not None and self.reserved not in self.ready
         self.ready.add(job)
         return True

@@ -8,6 +8,14 @@ every group of the set is ready, :class:`SetCoordinator` tells each one to grant
 their switches run at once, each in its own group. Nobody holds part of a set while
 waiting for the rest: the set's grant is one decision.
 
+A part may reach its group late (its driver first reads a node it never read), so a
+group may be free and kept for a set while an older set that names it is still on its
+way there. The coordinator does not count such a group ready (the older set, once
+there, takes the reservation over: see ``set_gate``); if the older set ends without
+coming, the group is nudged (its ready callback with ``("", 0)``, which grants
+nobody) to report again. Ready is counted for one set per group: a group that reports
+for another set is no longer counted for the one it reported before.
+
 Like the device arbiter, the coordinator is bookkeeping only: it reaches the groups
 through callbacks that post to their inboxes, so every change of a group still happens
 in its own worker. Nothing here is persisted: after a restart each re-issued
@@ -25,6 +33,9 @@ log = logging.getLogger(__name__)
 #: Post "grant ``job``, the member of set ``seq``" to a group's inbox.
 Ready = Callable[[str, int], None]
 
+#: What a nudge posts: no set has it, so the group grants nobody and reports again.
+NUDGE = ("", 0)
+
 
 @dataclasses.dataclass
 class _Set:
@@ -32,6 +43,9 @@ class _Set:
     groups: frozenset[str]
     ready: set[str] = dataclasses.field(default_factory=set)
     granted: bool = False
+    #: Groups not counted ready for a younger set because of this one: nudged when it
+    #: ends without being granted.
+    holding_back: set[str] = dataclasses.field(default_factory=set)
 
 
 class SetCoordinator:
@@ -57,13 +71,30 @@ class SetCoordinator:
 
     def close(self, seq: int) -> None:
         """The AcquireSet ended (granted, failed or cancelled)."""
-        self._sets.pop(seq, None)
+        entry = self._sets.pop(seq, None)
+        if entry is None or entry.granted:
+            return
+        for group in sorted(entry.holding_back):
+            post = self._groups.get(group)
+            if post is not None:
+                post(*NUDGE)
 
     def ready(self, group: str, job: str, seq: int) -> None:
         """``group`` is reserved for ``job``'s set ``seq``; the last one grants the set."""
         entry = self._sets.get(seq)
         if entry is None or entry.job != job or group not in entry.groups or entry.granted:
             return
+        older = [
+            s for n, s in self._sets.items() if n < seq and group in s.groups and not s.granted
+        ]
+        for other in older:
+            # It may still reach the group, and would take the reservation over.
+            other.holding_back.add(group)
+        if older:
+            return
+        for other in self._sets.values():
+            if not other.granted:
+                other.ready.discard(group)
         entry.ready.add(group)
         if entry.ready != entry.groups:
             return
