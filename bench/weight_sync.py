@@ -58,8 +58,9 @@ SYNC, GEN, TRAIN, THIRD = "sync", "gen", "train", "third"
 HOLDERS = {SAMPLER: GEN, TRAINER: TRAIN}
 GIB = 2**30
 STATE_BYTES = {SAMPLER: 60 * GIB, TRAINER: 70 * GIB}
-DEFAULT_TIME_SCALE = 5.0
-QUICK = {"reps": 1, "time_scale": 40.0}
+#: What --reps, --time-scale and --nodes default to, and in the smoke form (--quick).
+DEFAULTS = {"reps": 5, "time_scale": 5.0, "nodes": 2}
+QUICK = {"reps": 1, "time_scale": 40.0, "nodes": 1}
 #: The round's durations (model seconds): flag, default, what it is.
 DURATIONS = (
     ("--gap", 2.0, "between the two holders' Yields (but in together)"),
@@ -119,19 +120,23 @@ class Timing:
 def modelled_wait(timing: Timing, scenario: Scenario, variant: Variant) -> float:
     """From both pools free to the sync job's grant, copies only (no control overhead).
 
-    One by one, a pool granted early is switched while the other is still held; a job
-    that asks between the two Acquires (``third``) is ahead in the second one's queue.
+    One by one, the second Acquire is sent once the first pool is switched in; ``third``,
+    queued on the sampler after the sync job's first Acquire, is ahead of it there when
+    the sampler comes second.
     """
-    s, t = timing.switch[SAMPLER], timing.switch[TRAINER]
-    gap, work = timing.gap, timing.third_work
+    switch, work = timing.switch, timing.third_work
+    freed = {pool: 0.0 for pool in POOLS}  # relative to both pools free
+    if scenario.first is not None:
+        freed[scenario.first] = -timing.gap
     if variant.order is None:
-        return max(s, t)
-    if variant.order[0] == SAMPLER:
-        return max(s - gap, 0.0) + t if scenario.first == SAMPLER else s + t
-    # Trainer first: third, queued on the sampler before the sync job, goes first there.
-    if scenario.first == SAMPLER:  # third took the sampler gap before the trainer freed
-        return max(t, s + work - gap) + s
-    return 2 * s + work
+        return max(switch.values())
+    first, second = variant.order
+    asked = freed[first] + switch[first]
+    if second == SAMPLER:
+        ready = max(asked, freed[SAMPLER] + switch[SAMPLER] + work)
+    else:
+        ready = max(asked, freed[second])
+    return ready + switch[second]
 
 
 class Watch:
@@ -394,6 +399,8 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
         "sync_hold_s": args.sync_hold,
         "third_work_s": args.third_work,
         "reps": args.reps,
+        "scenarios": {c.name: c.description for c in SCENARIOS},
+        "variants": {v.name: v.description for v in VARIANTS},
         "switch_modelled_s": {p: round(v, 3) for p, v in timing.switch.items()},
         "summary": _summary(rounds, timing),
         "rounds": rounds,
@@ -504,27 +511,29 @@ def _text(report: Mapping[str, Any]) -> None:
         "idle: from the pool's Yield to the grant, neither switching nor used by third; "
         "third: from the sampler's Yield to its grant (first: granted before the sync job)"
     )
+    for kind in ("scenarios", "variants"):
+        console.print("; ".join(f"{name}: {what}" for name, what in report[kind].items()))
     console.print(f"wall {report['wall_s']:.0f} s")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--reps", type=int, default=None, help="repetitions of every round (5)")
-    p.add_argument("--nodes", type=int, default=2, help="sim nodes per pool")
+    p.add_argument("--nodes", type=int, default=None, help="sim nodes per pool (2)")
     p.add_argument("--time-scale", type=float, default=None, help="model seconds per second (5)")
     p.add_argument("--bandwidth", default="50GB/s", help="copy rate per direction")
     for flag, default, what in DURATIONS:
         p.add_argument(flag, type=float, default=default, help=f"{what}, model seconds")
-    p.add_argument("--quick", action="store_true", help="smoke form: 1 repetition, 40x")
+    p.add_argument(
+        "--quick", action="store_true", help="smoke form: 1 repetition, 40x, 1 node per pool"
+    )
     p.add_argument("--log-level", default="warning", help="of the servers")
     p.add_argument("--json", action="store_true", help="print one JSON document")
     args = p.parse_args(argv)
     args.bandwidth = sizes.parse_rate(args.bandwidth, option="--bandwidth")
-    if args.quick:
-        args.reps = args.reps or QUICK["reps"]
-        args.time_scale = args.time_scale or QUICK["time_scale"]
-    args.reps = args.reps or 5
-    args.time_scale = args.time_scale or DEFAULT_TIME_SCALE
+    for key, value in (QUICK if args.quick else DEFAULTS).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
     if args.reps < 1 or args.nodes < 1:
         p.error("--reps and --nodes must be at least 1")
     report = asyncio.run(measure(args))
