@@ -92,9 +92,7 @@ class SetCoordinator:
             other.holding_back.add(group)
         if older:
             return
-        for other in self._sets.values():
-            if not other.granted:
-                other.ready.discard(group)
+        self.withdraw(group)  # counted for one set at a time
         entry.ready.add(group)
         if entry.ready != entry.groups:
             return
@@ -104,6 +102,13 @@ class SetCoordinator:
             post = self._groups.get(member)
             if post is not None:  # a group stopping meanwhile fails its own Acquire
                 post(job, seq)
+
+    def withdraw(self, group: str) -> None:
+        """``group`` is counted ready for no set that is not granted yet (it reports
+        for another one, or may grant none now: drained)."""
+        for entry in self._sets.values():
+            if not entry.granted:
+                entry.ready.discard(group)
 
     def waiting(self) -> list[tuple[int, str, frozenset[str], frozenset[str]]]:
         """``(seq, job, groups, ready)`` of every set not granted yet, oldest first."""
