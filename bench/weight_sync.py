@@ -459,7 +459,7 @@ def _text(report: Mapping[str, Any]) -> None:
     from rich.table import Table
 
     def cell(s: Mapping[str, float]) -> str:
-        return f"{s['median']:.2f} [{s['min']:.2f}-{s['max']:.2f}]"
+        return f"{s['median']:.2f} ({s['min']:.2f}-{s['max']:.2f})"
 
     states = ", ".join(f"{p} {b / GIB:.0f} GiB" for p, b in report["state_bytes"].items())
     switch = ", ".join(f"{p} {v:.2f} s" for p, v in report["switch_modelled_s"].items())
@@ -468,7 +468,7 @@ def _text(report: Mapping[str, Any]) -> None:
             f"weight sync hand-over, {report['nodes_per_pool']} nodes per pool, state {states} "
             f"over {report['bandwidth_bytes_per_s'] / 1e9:g} GB/s per direction (a switch: "
             f"{switch}); model seconds at time scale {report['time_scale']:g}, median "
-            f"[min-max] of {report['reps']}"
+            f"(min-max) of {report['reps']}"
         ),
         title_justify="left",
     )
