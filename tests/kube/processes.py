@@ -3,6 +3,7 @@ word that something happened: no sleeps, no polling)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pathlib
 import re
@@ -11,7 +12,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 #: How long a server may take to report a line a test waits for, seconds.
 WAIT_S = 60.0
@@ -84,3 +85,18 @@ class LoggedServer:
         self._reader.join(timeout=15)
         if self.proc.stdout is not None:
             self.proc.stdout.close()
+
+
+@contextlib.contextmanager
+def frozen(servers: Iterable[LoggedServer]) -> Iterator[None]:
+    """``servers`` stopped (SIGSTOP) inside the block: agents frozen from before a switch
+    starts answer none of its calls, so the switch is still in flight when the block acts
+    (kills a leader, cordons a node), however long that takes."""
+    stopped = list(servers)
+    for server in stopped:
+        server.proc.send_signal(signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        for server in stopped:
+            server.proc.send_signal(signal.SIGCONT)

@@ -44,6 +44,7 @@ class Cluster:
     def __init__(self, api: ApiServerEmulator, tmp_path: pathlib.Path, short: pathlib.Path):
         self.api, self.tmp_path, self.short = api, tmp_path, short
         self.servers: list[LoggedServer] = []
+        self.agents: dict[str, LoggedServer] = {}
         self.orchestrator: LoggedServer | None = None
 
     def launch(self, name: str, args: list[str]) -> LoggedServer:
@@ -60,6 +61,7 @@ class Cluster:
                 "--metrics-port", "0", "--state-dir", str(self.short / node), *flags,
             ]  # fmt: skip
             started[node] = self.launch(node, args)
+        self.agents.update(started)
         return started
 
     def register(self, agents: dict[str, LoggedServer]) -> None:

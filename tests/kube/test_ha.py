@@ -24,6 +24,7 @@ pytest.importorskip("lightkube")
 from tests.kube import objects
 from tests.kube.emulator import ApiServerEmulator
 from tests.kube.ha_stack import NAMESPACE, HaStack
+from tests.kube.processes import frozen
 from tests.kube.stack import WAIT_S, events_of, exclusive_sim, next_event, running
 from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2 as opb
 from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2_grpc as opb_grpc
@@ -100,10 +101,13 @@ async def test_a_follower_redirects_and_takes_over_a_leader_killed_mid_switch(
             await next_event(events, EventKind.QUEUED, "job-b")
             waiting_c = asyncio.create_task(c.acquire("trainer", timeout=WAIT_S))
             await next_event(events, EventKind.QUEUED, "job-c")
-            windows["a"].yielded = time.time()
-            await a.yield_("trainer")
-            await next_event(events, EventKind.SWITCH_STARTED, "job-b")
-            stack.kill(old)  # in the middle of the switch
+            # The agents are frozen from before the switch until the leader is dead: it
+            # dies in the middle of the switch however slow the machine is.
+            with frozen(stack.agents.values()):
+                windows["a"].yielded = time.time()
+                await a.yield_("trainer")
+                await next_event(events, EventKind.SWITCH_STARTED, "job-b")
+                stack.kill(old)  # in the middle of the switch
         # Lease expired, the follower leads in term 2 from the ConfigMaps' state: it
         # finishes the switch (rolled forward), and job-b's Acquire, re-issued there by the
         # client, gets its grant; job-c's waits on, in its place.
