@@ -18,6 +18,7 @@ pytest.importorskip("lightkube")
 
 from tests.kube import objects
 from tests.kube.emulator import ApiServerEmulator
+from tests.kube.processes import frozen
 from tests.kube.stack import WAIT_S, Cluster, events_of, exclusive_sim, next_event, running
 from tslice.client import AsyncClient, EventKind, GroupState
 from tslice.common import errors
@@ -104,11 +105,14 @@ async def test_a_node_cordoned_mid_switch_leaves_the_group_which_stays_exclusive
         windows.append(second)
         waiting = asyncio.create_task(b.acquire("trainer", timeout=WAIT_S))
         await next_event(events, EventKind.QUEUED, "job-b")
-        first.yielded = time.time()
-        await a.yield_("trainer")
-        await next_event(events, EventKind.SWITCH_STARTED, "job-b")
-        api.apply(objects.node("gpu-b", "trainer", unschedulable=True))
-        cluster.logged(rf"group trainer: nodes changed \({both} -> gpu-a@[^,]+\)")
+        # The agents are frozen from before the switch until the group has restarted: the
+        # cordon lands in the middle of the switch however slow the machine is.
+        with frozen(cluster.agents.values()):
+            first.yielded = time.time()
+            await a.yield_("trainer")
+            await next_event(events, EventKind.SWITCH_STARTED, "job-b")
+            api.apply(objects.node("gpu-b", "trainer", unschedulable=True))
+            cluster.logged(rf"group trainer: nodes changed \({both} -> gpu-a@[^,]+\)")
         # The client re-issues its Acquire across the group's restart (UNAVAILABLE).
         assert (await asyncio.wait_for(waiting, WAIT_S)).success
         second.acquired = time.time()
