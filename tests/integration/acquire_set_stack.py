@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import random
 import shutil
 import signal
 import tempfile
@@ -348,6 +349,48 @@ async def cut_by_the_kill(call: asyncio.Future[Any]) -> None:
     raise AssertionError("a call outlived the orchestrator it was made to")
 
 
+# ---- random jobs ----------------------------------------------------------------------------
+
+
+async def random_job(
+    o: SetOrchestrator, job: str, groups: Sequence[str], *, cycles: int, windows: Windows
+) -> None:
+    rng = random.Random(job)
+    for _ in range(cycles):
+        # A single group, or a set of 2-3 named in a random order.
+        names = rng.sample(groups, rng.choice([1, 2, 2, 3]))
+        await windows.take(o, job, *names)
+        await asyncio.sleep(rng.uniform(0, 0.01))  # the job's work on its groups
+        for group in rng.sample(names, len(names)):
+            await windows.give(o, job, group)
+        await asyncio.sleep(rng.uniform(0, 0.01))
+
+
+async def random_jobs(
+    address: str, groups: Sequence[str], *, jobs: int = 6, cycles: int = 8
+) -> Windows:
+    """``jobs`` random jobs over ``groups`` until each did ``cycles`` turns; checks that
+    none deadlocked and, from the orchestrator's events, that every set was granted
+    all-or-nothing. The windows, for the journal checker."""
+    windows = Windows()
+    o = SetOrchestrator(address)
+    try:
+        async with Recorder(o.stub) as events:
+            runs = [random_job(o, f"job-{i}", groups, cycles=cycles, windows=windows)
+                    for i in range(jobs)]  # fmt: skip
+            # The bound only turns a deadlock into a failure (each call has its own too).
+            await asyncio.wait_for(asyncio.gather(*runs), WAIT_S * 3)
+            await events.until(len(windows.seen), K.KIND_YIELDED, groups)  # all delivered
+    finally:
+        await o.close()
+    assert all(w.acquired and w.yielded for w in windows.seen)
+    assert all_or_nothing_violations(events.seen, windows.taken) == []
+    # Not vacuous: sets of 2 and 3, and some set found a group free before the rest.
+    assert {len(t.epochs) for t in windows.taken} == {1, 2, 3}
+    assert kept_free(events.seen, windows.taken) > 0
+    return windows
+
+
 # ---- the device journals ------------------------------------------------------------------
 
 
@@ -357,7 +400,8 @@ def journal_violations(
     groups: Mapping[str, GroupNodes],
     conflicts: Mapping[str, Collection[str]] | None = None,
 ) -> list[checker.Violation]:
-    """The checker over this test's groups' journal lines and windows."""
+    """The checker over this test's groups' journal lines and windows (``conflicts``: the
+    groups that share devices with each; default none)."""
     journal = [
         e
         for name in NODES

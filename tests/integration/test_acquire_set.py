@@ -5,13 +5,11 @@ they never contend with another scenario's), one process stack for the module. T
 scenarios synchronise on the orchestrator's events (subscribed before acting), on
 replies and on status reads; where one needs an operation in flight, its agent is frozen
 (SIGSTOP) so that it is in flight however slow the machine is. The crash scenarios are
-in test_acquire_set_crash.py.
+in test_acquire_set_crash.py, local mode in test_acquire_set_local.py.
 """
 
 from __future__ import annotations
 
-import asyncio
-import random
 from collections.abc import Collection, Iterator, Mapping, Sequence
 
 import grpc
@@ -21,9 +19,7 @@ from tests.faults.processes import GroupNodes, Stack
 from tests.faults.stack import GS, WAIT_S, K
 from tests.integration.acquire_set_stack import (
     Recorder,
-    SetOrchestrator,
     Taken,
-    Windows,
     all_or_nothing_violations,
     at,
     connected,
@@ -31,10 +27,10 @@ from tests.integration.acquire_set_stack import (
     held_by,
     journal_violations,
     kept_for_a_set,
-    kept_free,
     no_violations,
     queued,
     queued_set,
+    random_jobs,
     running_stack,
 )
 from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2 as opb
@@ -56,7 +52,10 @@ OVERLAPPING: dict[str, GroupNodes] = {
 }
 OVERLAPS = {"o1": {"o2"}, "o2": {"o1", "o3"}, "o3": {"o2"}}
 #: One pair per scenario: the first group on node-a, the second on node-b.
-PAIRS = {name: (f"{name}-a", f"{name}-b") for name in ("order", "sync", "cancel", "late", "lease")}
+PAIRS = {
+    name: (f"{name}-a", f"{name}-b")
+    for name in ("order", "sync", "cancel", "late", "lease", "evict")
+}
 GROUPS: dict[str, GroupNodes] = {
     **DISJOINT,
     **OVERLAPPING,
@@ -66,6 +65,7 @@ GROUPS: dict[str, GroupNodes] = {
         for group, node in zip(pair, ("node-a", "node-b"), strict=True)
     },
     "refused": {"node-a": [15]},
+    "refused-b": {"node-b": [15]},
 }
 
 
@@ -78,50 +78,17 @@ def stack() -> Iterator[Stack]:
 # ---- 1. random jobs ------------------------------------------------------------------------
 
 
-async def _random_job(
-    o: SetOrchestrator, job: str, groups: Sequence[str], *, cycles: int, windows: Windows
-) -> None:
-    rng = random.Random(job)
-    for _ in range(cycles):
-        # A single group, or a set of 2-3 named in a random order.
-        names = rng.sample(groups, rng.choice([1, 2, 2, 3]))
-        await windows.take(o, job, *names)
-        await asyncio.sleep(rng.uniform(0, 0.01))  # the job's work on its groups
-        for group in rng.sample(names, len(names)):
-            await windows.give(o, job, group)
-        await asyncio.sleep(rng.uniform(0, 0.01))
-
-
-#: Until overlap.DeviceArbiter.request re-grants waiters when a claim changes hands in place
-#: (.scratch/requests/set-integration.md): a set over groups sharing devices deadlocks.
-OVERLAP_BUG = pytest.mark.xfail(
-    strict=True, reason="DeviceArbiter.request: claim taken for the same job, waiter not woken"
-)
-
-
 @pytest.mark.parametrize(
     ("groups", "overlaps"),
-    [(DISJOINT, None), pytest.param(OVERLAPPING, OVERLAPS, marks=OVERLAP_BUG)],
+    [(DISJOINT, None), (OVERLAPPING, OVERLAPS)],
     ids=["disjoint", "shared"],
 )
 async def test_random_jobs_taking_sets_and_single_groups_never_deadlock_nor_overlap(
     stack: Stack, groups: Mapping[str, GroupNodes], overlaps: Mapping[str, Collection[str]] | None
 ) -> None:
-    windows = Windows()
-    names = sorted(groups)
-    async with connected(stack) as o, Recorder(o.stub) as events:
-        runs = [_random_job(o, f"job-{i}", names, cycles=8, windows=windows) for i in range(6)]
-        # The bound only turns a deadlock into a failure (each call has its own too).
-        await asyncio.wait_for(asyncio.gather(*runs), WAIT_S * 3)
-        await events.until(len(windows.seen), K.KIND_YIELDED, names)  # all delivered
-
-    assert all(w.acquired and w.yielded for w in windows.seen)
+    windows = await random_jobs(stack.orchestrator.address, sorted(groups))
     journal = journal_violations(stack, windows.seen, groups, overlaps)
     assert journal == [], no_violations(journal)
-    assert all_or_nothing_violations(events.seen, windows.taken) == []
-    # Not vacuous: sets of 2 and 3, and some set found a group free before the rest.
-    assert {len(t.epochs) for t in windows.taken} == {1, 2, 3}
-    assert kept_free(events.seen, windows.taken) > 0
 
 
 # ---- 2. opposite orders ------------------------------------------------------------------
@@ -244,6 +211,29 @@ async def test_a_deadline_passing_while_one_group_is_granted_and_one_switches_le
         await o.yield_("z", switching)
 
 
+async def test_a_set_member_evicted_from_one_group_fails_aborted_and_leaves_the_other(
+    stack: Stack,
+) -> None:
+    first, second = PAIRS["evict"]
+    async with held_by(stack, {first: "h1", second: "h2"}) as (o, events):
+        pending, late = await kept_for_a_set(
+            o, events, "w", (first, second), kept=first, holder="h1", late="x"
+        )
+        request = opb.EvictRequest(job_id="w", group_id=second, reason="make room for h2")
+        await o.stub.Evict(request, timeout=WAIT_S, wait_for_ready=True)
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await pending
+        assert err.value.code() == grpc.StatusCode.ABORTED, err.value
+        assert "make room for h2" in (err.value.details() or ""), err.value
+        # Its part in the kept group left that queue too: the group moves on.
+        await events.wait_for(K.KIND_CANCELLED, first, "w")
+        assert (await late).success
+        assert (await o.waiting(first)) == ("x", [])
+        assert (await o.waiting(second)) == ("h2", [])
+        await o.yield_("x", first)
+        await o.yield_("h2", second)
+
+
 # ---- 5. leases ---------------------------------------------------------------------------------
 
 
@@ -300,6 +290,10 @@ async def test_bad_sets_are_refused_with_what_to_fix_and_queue_nothing(stack: St
              grpc.StatusCode.INVALID_ARGUMENT, ["job_id"]),
             (opb.AcquireSetRequest(job_id="w", group_ids=[group], lease_ms=-1),
              grpc.StatusCode.INVALID_ARGUMENT, ["lease_ms", ">= 0"]),
+            # More than the device memory of either group's node: never resident there.
+            (opb.AcquireSetRequest(job_id="w", group_ids=[group, "refused-b"],
+                                   footprint_bytes=2 * 1024**4),
+             grpc.StatusCode.RESOURCE_EXHAUSTED, ["footprint"]),
         ]  # fmt: skip
         for request, code, words in cases:
             err = await o.refusal(request)
