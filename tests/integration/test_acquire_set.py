@@ -10,7 +10,9 @@ in test_acquire_set_crash.py, local mode in test_acquire_set_local.py.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterator, Mapping, Sequence
+import asyncio
+from collections.abc import Awaitable, Callable, Collection, Iterator, Mapping, Sequence
+from typing import Any
 
 import grpc
 import pytest
@@ -19,6 +21,7 @@ from tests.faults.processes import GroupNodes, Stack
 from tests.faults.stack import GS, WAIT_S, K
 from tests.integration.acquire_set_stack import (
     Recorder,
+    SetOrchestrator,
     Taken,
     all_or_nothing_violations,
     at,
@@ -159,17 +162,36 @@ async def test_weight_sync_is_granted_once_both_pools_are_free_and_switches_both
 # ---- 4. cancellation and deadlines -----------------------------------------------------------
 
 
-async def test_a_cancelled_pending_set_leaves_every_queue_and_the_kept_group_moves_on(
-    stack: Stack,
+#: How a pending set ends: (orchestrator, the set's call, the group it still waits for).
+SetEnd = Callable[[SetOrchestrator, "asyncio.Task[Any]", str], Awaitable[None]]
+
+
+async def _cancelled(o: SetOrchestrator, pending: asyncio.Task[Any], second: str) -> None:
+    pending.cancel()  # the caller goes away
+
+
+async def _evicted(o: SetOrchestrator, pending: asyncio.Task[Any], second: str) -> None:
+    request = opb.EvictRequest(job_id="w", group_id=second, reason="make room for h2")
+    await o.stub.Evict(request, timeout=WAIT_S, wait_for_ready=True)
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await pending
+    assert err.value.code() == grpc.StatusCode.ABORTED, err.value
+    assert "make room for h2" in (err.value.details() or ""), err.value
+
+
+@pytest.mark.parametrize(("pair", "end"), [("cancel", _cancelled), ("evict", _evicted)])
+async def test_a_pending_set_that_ends_leaves_every_queue_and_the_kept_group_moves_on(
+    stack: Stack, pair: str, end: SetEnd
 ) -> None:
-    first, second = PAIRS["cancel"]
+    """Cancelled by its caller, or its job evicted (by an administrator) from the group
+    it still waits for: either way its part in the group kept for it leaves too."""
+    first, second = PAIRS[pair]
     async with held_by(stack, {first: "h1", second: "h2"}) as (o, events):
         pending, late = await kept_for_a_set(
             o, events, "w", (first, second), kept=first, holder="h1", late="x"
         )
-        pending.cancel()
+        await end(o, pending, second)
         await events.wait_for(K.KIND_CANCELLED, first, "w")
-        await events.wait_for(K.KIND_CANCELLED, second, "w")
         # The group kept for w goes to the next waiter; w waits nowhere.
         assert (await late).success
         assert (await o.waiting(first)) == ("x", [])
@@ -209,29 +231,6 @@ async def test_a_deadline_passing_while_one_group_is_granted_and_one_switches_le
         assert (await o.acquire("z", switching)).success
         await o.yield_("z", resident)
         await o.yield_("z", switching)
-
-
-async def test_a_set_member_evicted_from_one_group_fails_aborted_and_leaves_the_other(
-    stack: Stack,
-) -> None:
-    first, second = PAIRS["evict"]
-    async with held_by(stack, {first: "h1", second: "h2"}) as (o, events):
-        pending, late = await kept_for_a_set(
-            o, events, "w", (first, second), kept=first, holder="h1", late="x"
-        )
-        request = opb.EvictRequest(job_id="w", group_id=second, reason="make room for h2")
-        await o.stub.Evict(request, timeout=WAIT_S, wait_for_ready=True)
-        with pytest.raises(grpc.aio.AioRpcError) as err:
-            await pending
-        assert err.value.code() == grpc.StatusCode.ABORTED, err.value
-        assert "make room for h2" in (err.value.details() or ""), err.value
-        # Its part in the kept group left that queue too: the group moves on.
-        await events.wait_for(K.KIND_CANCELLED, first, "w")
-        assert (await late).success
-        assert (await o.waiting(first)) == ("x", [])
-        assert (await o.waiting(second)) == ("h2", [])
-        await o.yield_("x", first)
-        await o.yield_("h2", second)
 
 
 # ---- 5. leases ---------------------------------------------------------------------------------
