@@ -7,9 +7,10 @@ is snapshotting for group ``partition``: the orchestrator's calls get no answer 
 with its work. Where namespaces cannot be made (not root, no iproute2) the agent is
 frozen with SIGSTOP instead: its kernel still holds the connections, the agent answers
 nothing; that is the closest fault without a namespace, and it is said in the test id.
-Either way node-1 is frozen from before the switch starts until its link is cut (with a
-namespace it is let go on behind the cut): its 1-s snapshot cannot finish, and the
-switch with it, before the partition, however slow the machine is.
+node-1 is frozen (SIGSTOP) from before the switch starts: with a namespace it is let go
+on once its link is cut, without one the freeze is the partition. Either way its 1-s
+snapshot, and the switch with it, cannot finish before the partition, however slow the
+machine is.
 """
 
 from __future__ import annotations
