@@ -8,7 +8,8 @@ and the coordinator's answer is posted to each group's inbox, to run later as
 a little later. Jobs repeatedly take one group or a set of 2-3 groups, hold them,
 yield them all, pause and start again. A part of a set reaches its group after a
 random delay (the driver reads a node never read before it queues the Acquire), so
-two sets may reach two groups in opposite orders. Some jobs give up waiting: as
+two sets may reach two groups in opposite orders. Some jobs give up waiting, and an
+operator now and then evicts a waiter (its part fails, so its set does): as
 ``set_acquire`` does, the parts still waiting leave, the parts granted are yielded,
 then the set is closed. Switches take time.
 
@@ -135,6 +136,7 @@ class Cluster:
         self.out_of_order = 0
         self.nudges = 0
         self.held_back = 0
+        self.evictions = 0
 
     # ---- plumbing ---------------------------------------------------------------------------
 
@@ -172,8 +174,8 @@ class Cluster:
                     self.held_back += 1  # an older set may still reach g
             elif isinstance(a, decisions.NeedClaim):
                 self.bind(g, lock.on_claim_granted(a.job, now=self.now))
-            else:
-                assert not isinstance(a, decisions.Abort), a
+            elif isinstance(a, decisions.Abort):
+                self.aborted(g, a.job)
         wake = lock.wake_at
         if wake is not None:
             assert wake > self.now, f"{g}: a wake-up asked for a time already past"
@@ -311,17 +313,41 @@ class Cluster:
             if g in req.granted:
                 req.yields_left += 1
                 self.post(g, functools.partial(self.yielded, g, req))
-            elif g in req.arrived:
+            elif g in req.arrived and g not in req.departed:
                 self.post(g, functools.partial(self.depart, g, req))
         if req.yields_left == 0:
             self.finish(req)
 
-    def depart(self, g: str, req: Request) -> None:
-        job = req.job
+    def evict(self) -> None:
+        """An operator evicts a waiter: its part fails, so its whole set does."""
+        g = self.rng.choice(self.groups)
+        waiting = [j for j, w in self.waits[g].items() if not w.picked]
+        if waiting:
+            out = self.locks[g].on_evict(self.rng.choice(waiting), why="operator", now=self.now)
+            assert out.role is decisions.Role.WAITER, out
+            self.bind(g, out.actions)
+        if not self.closed:
+            self.at(self.now + self.rng.expovariate(1 / 8), self.evict)
+
+    def aborted(self, g: str, job: str) -> None:
+        del self.waits[g][job]
+        req = self.left(g, job)
+        self.evictions += 1
+        self.cancel(req)  # set_acquire withdraws the other parts
+
+    def left(self, g: str, job: str) -> Request:
+        """``job``'s part leaves ``g`` (cancelled or evicted), kept for or not."""
+        req = self.parts[g].pop(job)
         req.departed.add(g)
-        del self.parts[g][job]
         if self.committed.get(g) == job:
             del self.committed[g]
+        return req
+
+    def depart(self, g: str, req: Request) -> None:
+        job = req.job
+        if g in req.departed:
+            return  # evicted meanwhile
+        self.left(g, job)
         lock = self.locks[g]
         epoch = req.granted.get(g)
         if epoch is not None:  # granted before its departure ran: never delivered
@@ -387,6 +413,7 @@ class Cluster:
     def run(self, horizon: float) -> None:
         for job in self.jobs:
             self.at(self.rng.uniform(0, 1), functools.partial(self.start, job))
+        self.at(self.rng.expovariate(1 / 8), self.evict)
         while self.heap and self.now < horizon:
             self.step()
         self.closed = True  # no new requests: everybody waiting must be granted
@@ -457,14 +484,14 @@ def test_random_sets_never_deadlock_nor_break_a_bound(kind: str, seed: int) -> N
     rng = random.Random(f"sets-{kind}-{seed}")
     spec = SPECS[kind](rng, 12)
     cluster = Cluster(rng, spec, BOUNDS[kind])
-    cluster.run(horizon=rng.uniform(30, 60))
+    cluster.run(horizon=rng.uniform(40, 80))
 
 
 def test_the_random_runs_reach_what_they_check() -> None:
     """The runs above are not passed vacuously: sets give up, groups serve older sets
     ahead of the policy's order, and a group free for a set is not counted while an
     older set's part is still on its way."""
-    totals = {"cancels": 0, "out_of_order": 0, "held_back": 0}
+    totals = {"cancels": 0, "evictions": 0, "out_of_order": 0, "held_back": 0}
     for kind, bound in BOUNDS.items():
         rng = random.Random(f"sets-{kind}-0")
         cluster = Cluster(rng, SPECS[kind](rng, 12), bound)
