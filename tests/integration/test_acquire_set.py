@@ -57,7 +57,7 @@ OVERLAPS = {"o1": {"o2"}, "o2": {"o1", "o3"}, "o3": {"o2"}}
 #: One pair per scenario: the first group on node-a, the second on node-b.
 PAIRS = {
     name: (f"{name}-a", f"{name}-b")
-    for name in ("order", "sync", "cancel", "late", "lease", "evict")
+    for name in ("order", "sync", "cancel", "late", "lease", "evict", "alone")
 }
 GROUPS: dict[str, GroupNodes] = {
     **DISJOINT,
@@ -197,6 +197,35 @@ async def test_a_pending_set_that_ends_leaves_every_queue_and_the_kept_group_mov
         assert (await o.waiting(first)) == ("x", [])
         assert (await o.waiting(second)) == ("h2", [])
         await o.yield_("x", first)
+        await o.yield_("h2", second)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="a set that ends ungranted keeps a group reserved where another Acquire of its "
+    "job waits (.scratch/requests/set-integration.md, 3)",
+)
+async def test_a_set_that_ends_leaves_the_job_s_own_acquire_of_one_of_its_groups_waiting_alone(
+    stack: Stack,
+) -> None:
+    """w waits for `first` alone and in a set (one queue entry, two calls); the set is
+    cancelled: the group is kept for it no longer, and w's own Acquire is granted."""
+    first, second = PAIRS["alone"]
+    async with held_by(stack, {first: "h1", second: "h2"}) as (o, events):
+        alone = await queued(o, events, "w", first)
+        pending = o.acquiring_set("w", first, second)
+        # Its parts are posted to both groups together: once it is queued at `second`,
+        # the part at `first` was posted before this status read.
+        await events.wait_for(K.KIND_QUEUED, second, "w")
+        assert (await o.waiting(first)) == ("h1", ["w"])
+        await o.yield_("h1", first)
+        assert (await o.waiting(first)) == ("", ["w"])  # kept for the set
+        pending.cancel()
+        await events.wait_for(K.KIND_CANCELLED, second, "w")
+        # The bound only turns the stall into a failure: the grant is due at once.
+        assert (await asyncio.wait_for(alone, 10)).success
+        assert (await o.waiting(second)) == ("h2", [])
+        await o.yield_("w", first)
         await o.yield_("h2", second)
 
 
