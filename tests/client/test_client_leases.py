@@ -93,11 +93,12 @@ async def lease_of(cluster: Cluster, job: str, group: str = "g") -> int:
 
 
 async def test_async_client_sends_its_lease_and_yield_ends_the_hold(cluster: Cluster) -> None:
-    async with tslice.AsyncClient(cluster.orch_address, job_id="j", lease_s=0.3) as client:
-        assert client.lease_s == 0.3
+    # A lease a stalled runner cannot outlast (0.3 s once ran out before lease_of's Hold).
+    async with tslice.AsyncClient(cluster.orch_address, job_id="j", lease_s=3.0) as client:
+        assert client.lease_s == 3.0
         ev = await Events.open(cluster.stub(), "g")
         await client.acquire("g")
-        assert await lease_of(cluster, "j") == 300
+        assert await lease_of(cluster, "j") == 3000
         keeper = client._keepers[("j", "g")]
         result = await client.yield_("g")
         assert result.success and ("j", "g") not in client._keepers
@@ -160,11 +161,12 @@ async def test_a_slice_shorter_than_a_quarter_lease_opens_no_hold_stream(
         # Nor a thread: the keeper's thread starts only when its stream is due.
         assert not [t for t in threading.enumerate() if t.name.startswith("tslice-hold:")]
     assert await hold_streams_opened(port) == 0
-    # A slice that outlasts a quarter of its lease does open one (and keeps the group).
-    async with tslice.AsyncClient(cluster.orch_address, job_id="j", lease_s=0.2) as client:
+    # A slice that outlasts a quarter of its lease does open one (and keeps the group). The
+    # lease leaves a stalled runner 0.75 s to open it (0.2 s left it 0.15 s, and it lost).
+    async with tslice.AsyncClient(cluster.orch_address, job_id="j", lease_s=1.0) as client:
         await client.acquire("g")
         keeper = client._keepers[("j", "g")]
-        await asyncio.sleep(0.6)  # the subject: time passing, three leases long
+        await asyncio.sleep(3.0)  # the subject: time passing, three leases long
         assert await hold_streams_opened(port) == 1 and not keeper.done
         assert (await client.status("g")).locking_job == "j" and client.lost_leases == {}
         assert (await client.yield_("g")).success
