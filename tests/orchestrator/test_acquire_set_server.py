@@ -150,3 +150,26 @@ async def test_a_bad_set_is_refused_and_queues_nothing(
     assert err.value.code() == code and words in (err.value.details() or ""), err.value
     assert list((await _status(stub, "g1")).waiting_jobs) == []
     assert (await _status(stub, "g1")).group_state == GS.STATE_IDLE
+
+
+async def test_a_holder_of_another_group_of_the_set_passes_the_group_kept_for_it(
+    cluster: Cluster,
+) -> None:
+    """k holds g2 and then asks for g1 (a nested acquire: hold and wait), where g1 is kept
+    for c's set {g1, g2}: the set waits for k's g2 anyway, so k goes first; kept back, k
+    would wait for c's set, which waits for k: a deadlock."""
+    stub = await _two_groups(cluster)
+    await acquire(stub, "k", "g2")
+    events = await Events.open(stub, "g1")
+    pending = _acquire_set(stub, "c", "g1", "g2")
+    await events.wait_for(K.KIND_QUEUED, job="c")
+    assert "kept free for job 'c'" in (await _status(stub, "g1")).detail
+    # (The deadline only turns the deadlock into a failure.)
+    request = opb.AcquireRequest(job_id="k", group_id="g1")
+    nested = await stub.Acquire(request, timeout=15)  # type: ignore[attr-defined]
+    assert nested.grant_epoch == 1 and not pending.done()
+    await yield_(stub, "k", "g1")
+    await yield_(stub, "k", "g2")
+    reply = await pending
+    assert [(g.group_id, g.grant_epoch) for g in reply.grants] == [("g1", 2), ("g2", 2)]
+    events.cancel()

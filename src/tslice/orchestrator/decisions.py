@@ -79,6 +79,9 @@ class NeedSet:
 
     job: str
     set_seq: int
+    #: The single waiters behind it, in the policy's order: one that holds another group
+    #: of the set may go first (it would otherwise wait for the set that waits for it).
+    others: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)

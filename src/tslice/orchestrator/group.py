@@ -77,6 +77,8 @@ class Services:
     arbiter: overlap.DeviceArbiter = dataclasses.field(default_factory=overlap.DeviceArbiter)
     #: Sets of groups acquired all-or-nothing are granted through it (see sets).
     sets: sets.SetCoordinator = dataclasses.field(default_factory=sets.SetCoordinator)
+    #: Each group's holder, read by a group kept for a set (who may pass it).
+    holders: dict[str, Callable[[], str | None]] = dataclasses.field(default_factory=dict)
 
 
 #: Who evicts when the Evict RPC does (Kubernetes mode names itself).
@@ -168,6 +170,7 @@ class GroupDriver:
             contended=lambda: self.post(lambda now: self.bind(self.lock.on_contended(now=now))),
         )
         self._sets = services.sets
+        services.holders[group_id] = self._holder
         self._sets.join(
             group_id,
             lambda job, seq: self.post(
@@ -200,6 +203,8 @@ class GroupDriver:
         self._wake.cancel()
         self._arbiter.leave(self.group_id)
         self._sets.leave(self.group_id)
+        if self.services.holders.get(self.group_id) == self._holder:
+            del self.services.holders[self.group_id]
         await self._switches.finish(grace_s=grace_s)
         self.release_deferred()
         self.events.release()
@@ -515,8 +520,7 @@ class GroupDriver:
             elif isinstance(action, decisions.NeedClaim):
                 effects += self._claim(action)
             elif isinstance(action, decisions.NeedSet):
-                # Its answer comes through the inbox (on_set_ready), for every group alike.
-                self._sets.ready(self.group_id, action.job, action.set_seq)
+                effects += self._kept_for_set(action)
             elif isinstance(action, decisions.ReleaseClaim):
                 # Another group may now move what is on the shared devices: re-read first.
                 self.views.clear()
@@ -544,6 +548,34 @@ class GroupDriver:
             )
         )
         self._tasks = [t for t in self._tasks if not t.done()]
+
+    def _holder(self) -> str | None:
+        return self.lock.holder
+
+    def _kept_for_set(self, need: decisions.NeedSet) -> list[Effect]:
+        """The group is kept for a set member: report it ready (the set's grant comes
+        through the inbox, on_set_ready, for every group alike), unless a waiter that
+        holds another group of the set is behind it: that one goes first, since the set
+        waits for it anyway, and it would otherwise wait for the set (a deadlock)."""
+        groups = next((g for s, _, g, _ in self._sets.waiting() if s == need.set_seq), None)
+        holding = {
+            read()
+            for gid, read in self.services.holders.items()
+            if groups is not None and gid in groups and gid != self.group_id
+        }
+        passing = next((job for job in need.others if job in holding), None)
+        if passing is None:
+            self._sets.ready(self.group_id, need.job, need.set_seq)
+            return []
+        self._sets.withdraw(self.group_id)
+        log.info(
+            "group %s: job %s, which holds another group of job %s's set, goes first",
+            self.group_id,
+            passing,
+            need.job,
+            extra={"group_id": self.group_id, "job_id": passing},
+        )
+        return self.bind(self.lock.on_set_passed(passing, now=time.monotonic()))
 
     def _claim(self, need: decisions.NeedClaim) -> list[Effect]:
         """Ask for the device claim (see overlap); wait for it if it is not free."""

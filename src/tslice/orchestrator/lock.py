@@ -30,6 +30,8 @@ granted, every live waiter granted).
 
 from __future__ import annotations
 
+import dataclasses
+
 from tslice.common import refusals
 from tslice.orchestrator import decisions as act
 from tslice.orchestrator import lock_state, records
@@ -461,6 +463,12 @@ class GroupLock(lock_state.LockState):
         # Waiters kept back for the resident (a policy's hold) now ask for the claim.
         return [*released, *self._promote(now)] if released and self.wake_at else released
 
+    def on_set_passed(self, job: str, *, now: float) -> list[act.Action]:
+        """The coordinator lets ``job`` (a single waiter that holds another group of the
+        set this group is kept for) go first: the set waits for it anyway."""
+        self._set_pass = job
+        return self._promote(now)
+
     def on_set_ready(self, job: str, *, set_seq: int, now: float) -> list[act.Action]:
         """Every group of ``job``'s set ``set_seq`` is reserved for it: grant it here."""
         return self._promote(now) if self._sets.on_ready(job, set_seq) else []
@@ -471,6 +479,8 @@ class GroupLock(lock_state.LockState):
         """``job`` left the queue: a group kept free for it moves on."""
         reserved = self._sets.reserved == job
         self._sets.drop(job)
+        if self._set_pass == job:
+            self._set_pass = None
         return self._promote(now) if reserved else []
 
     def _end_switch(self, epoch: int) -> lock_state.Switch | None:
@@ -557,10 +567,14 @@ class GroupLock(lock_state.LockState):
         kept = self._sets.reserved is not None
         chosen, self._claim.chosen = self._claim.chosen, None
         if kept:
-            # Kept for a set member: nobody passes it (see set_gate).
+            # Kept for a set member: only a waiter that holds another group of the set
+            # passes it, when the coordinator lets it (on_set_passed).
             need = self._sets.waiting(entry.job)
-            if need is not None:
-                return [*released, need]
+            passing = next((e for e in attached if e.job == self._set_pass), None)
+            if need is not None and passing is None:
+                singles = tuple(e.job for e in attached if e.job not in self._sets.members)
+                return [*released, dataclasses.replace(need, others=singles)]
+            entry = passing if need is not None and passing is not None else entry
         elif self._claim.held and chosen is not None and chosen != entry.job:
             entry = next((e for e in attached if e.job == chosen), entry)
         elif chosen is None and self._holds_for_resident(attached, now):
@@ -571,6 +585,7 @@ class GroupLock(lock_state.LockState):
             return [*released, act.NeedClaim(entry.job, others)]
         del self._queue[entry.job]
         self._sets.drop(entry.job)
+        self._set_pass = None
         if entry.job == self._resident and self._verified:
             self._grant_to(entry.job, now, attached=entry.attached, new_epoch=True)
             waited = max(0.0, now - entry.queued_at)

@@ -105,6 +105,8 @@ class LockState:
         self._claim = Claim()
         #: Set members among the waiters (AcquireSet), and whom the group keeps itself for.
         self._sets = set_gate.SetGate()
+        #: A single waiter let past the member the group is kept for (on_set_passed).
+        self._set_pass: str | None = None
         #: Why no switch may start (a degraded node); "" = none.
         self.blocked = ""
         #: An administrator drained the group: no new turn is granted (persisted).

@@ -83,12 +83,12 @@ def reported_state(
         return phase.value, DRAINING
     if phase is lock.Phase.SWITCHING:
         return phase.value, health.switch_detail
-    if not lk.claimed and lk.attached_waiters:
-        others = ", ".join(sorted(conflicts()))
-        return phase.value, f"waiting for the devices it shares with group(s) {others}"
     reserved = lk.reserved_for
     if reserved is not None:
         return phase.value, kept_for(*reserved)
+    if not lk.claimed and lk.attached_waiters:
+        others = ", ".join(sorted(conflicts()))
+        return phase.value, f"waiting for the devices it shares with group(s) {others}"
     return phase.value, lk.detail
 
 
