@@ -88,6 +88,11 @@ def switches(actions: list[decisions.Action]) -> list[str]:
     return [a.to_job for a in actions if isinstance(a, decisions.StartSwitch)]
 
 
+def needs(actions: list[decisions.Action]) -> list[tuple[str, int]]:
+    """The sets this group reported ready for."""
+    return [(a.job, a.set_seq) for a in actions if isinstance(a, decisions.NeedSet)]
+
+
 def grants(actions: list[decisions.Action]) -> list[str]:
     return [a.job for a in actions if isinstance(a, decisions.Granted) and not a.held]
 
@@ -97,7 +102,7 @@ def test_a_member_is_not_granted_before_every_group_is_ready() -> None:
     gs.hold("g2", "x")
     seq = gs.open("a", "g1", "g2")
     first = gs.acquire("g1", "a", seq)
-    assert first[-1] == decisions.NeedSet("a", seq)
+    assert needs(first) == [("a", seq)]
     assert not switches(first) and not grants(first)
     assert gs.locks["g1"].reserved_for == ("a", seq)
     gs.acquire("g2", "a", seq)
@@ -137,7 +142,7 @@ def test_the_group_reserves_for_the_oldest_set_even_when_the_policy_ranks_a_youn
     gs.acquire("g1", "b", young)
     assert gs.locks["g1"].next_waiter(now=gs.now) == "b"  # the policy's head
     out = gs.yield_("g1", "x")
-    assert decisions.NeedSet("a", old) in out and gs.locks["g1"].reserved_for == ("a", old)
+    assert needs(out) == [("a", old)] and gs.locks["g1"].reserved_for == ("a", old)
     gs.acquire("g2", "a", old)
     assert switches(gs.pump()["g1"]) == ["a"]
 
@@ -152,7 +157,7 @@ def test_a_member_that_leaves_frees_the_reservation_and_the_next_is_promoted() -
     gs.acquire("g1", "s")
     assert gs.locks["g1"].reserved_for == ("a", a)
     out = gs.cancel("g1", "a")
-    assert decisions.NeedSet("b", b) in out and gs.locks["g1"].reserved_for == ("b", b)
+    assert needs(out) == [("b", b)] and gs.locks["g1"].reserved_for == ("b", b)
     evicted = gs.locks["g1"].on_evict("b", why="operator", now=gs.tick())
     gs.bind("g1", evicted.actions)
     assert evicted.role is decisions.Role.WAITER
@@ -168,7 +173,7 @@ def test_a_member_that_is_the_yielded_resident_is_not_granted_at_no_cost_before_
     gs.hold("g2", "x")
     seq = gs.open("a", "g1", "g2")
     out = gs.acquire("g1", "a", seq)
-    assert not grants(out) and out[-1] == decisions.NeedSet("a", seq)
+    assert not grants(out) and needs(out) == [("a", seq)]
     gs.acquire("g2", "a", seq)
     gs.yield_("g2", "x")
     ready = gs.pump()
@@ -186,7 +191,7 @@ def test_on_set_ready_for_a_stale_set_grants_nobody() -> None:
     new = gs.open("a", "g1", "g2")
     gs.acquire("g1", "a", new)
     lock = gs.locks["g1"]
-    for job, stale in (("a", old), ("a", new + 1), sets.NUDGE):
+    for job, stale in (("a", old), ("a", new + 1), ("a", sets.closed(old)), ("b", -1)):
         out = gs.bind("g1", lock.on_set_ready(job, set_seq=stale, now=gs.tick()))
         assert not switches(out) and not grants(out) and lock.switching is None
     assert lock.reserved_for == ("a", new)
@@ -242,3 +247,24 @@ def test_a_group_kept_for_a_younger_set_waits_until_an_older_one_closes() -> Non
     gs.coordinator.close(a)
     out = gs.pump()
     assert switches(out["g1"]) == ["b"] and switches(out["g2"]) == ["b"]
+
+
+def test_a_set_that_ends_ungranted_lets_another_acquire_of_its_job_wait_alone() -> None:
+    """w waits for g1 alone and in a set (one entry, kept for the set); the set is
+    cancelled: g1 is kept for it no longer and w's own Acquire is granted (before the
+    fix g1 stayed kept for the closed set forever)."""
+    gs = Groups("g1", "g2")
+    gs.hold("g1", "h1")
+    gs.hold("g2", "h2")
+    gs.acquire("g1", "w")  # w's own Acquire of g1 ...
+    seq = gs.open("w", "g1", "g2")
+    gs.acquire("g1", "w", seq)  # ... and its set's part there: the same entry
+    gs.acquire("g2", "w", seq)
+    gs.yield_("g1", "h1")
+    assert gs.pump() == {} and gs.locks["g1"].reserved_for == ("w", seq)
+    gs.cancel("g1", "w")  # set_acquire withdraws the set's parts, then closes it
+    gs.cancel("g2", "w")
+    gs.coordinator.close(seq)
+    assert gs.inbox == collections.deque([("g1", "w", sets.closed(seq)), ("g2", "w", -seq)])
+    out = gs.pump()
+    assert switches(out["g1"]) == ["w"] and gs.locks["g1"].reserved_for is None

@@ -134,7 +134,7 @@ class Cluster:
         self.set_grants = 0
         self.cancels = 0
         self.out_of_order = 0
-        self.nudges = 0
+        self.closes = 0
         self.held_back = 0
         self.evictions = 0
 
@@ -219,6 +219,8 @@ class Cluster:
         del self.waits[g][a.job]
         req = self.parts[g][a.job]
         assert g not in req.departed, (g, a)
+        if req.seq is not None:  # its switch, if any, was started for another request
+            assert req.seq in self.granted_sets, f"{g}: part of set {req.seq} before the set"
         assert self.holder[g] is None, f"{g}: {a.job} granted while {self.holder[g]} holds"
         self.holder[g], self.target[g] = a.job, None
         req.granted[g] = a.epoch
@@ -232,8 +234,8 @@ class Cluster:
         """The coordinator posts "grant set ``seq``" to ``g``; at its first post every
         group of the set must be free and kept for it."""
         self.post(g, functools.partial(self.set_ready, g, job, seq))
-        if (job, seq) == sets.NUDGE:
-            self.nudges += 1
+        if seq < 0:
+            self.closes += 1  # a set closed without its grant
             return
         if seq in self.granted_sets:
             return

@@ -79,9 +79,15 @@ class SetGate:
         return None if seq is None or job in self.ready else act.NeedSet(job, seq)
 
     def on_ready(self, job: str, set_seq: int) -> bool:
-        """The coordinator says ``job``'s set ``set_seq`` is ready everywhere (True:
-        promote now). Any other set (gone, or the coordinator's nudge, ``("", 0)``)
-        grants nobody; a member kept for and not ready yet is then reported again."""
+        """The coordinator says ``job``'s set ``set_seq`` is ready everywhere, or, with
+        the number negated, that it ended without its grant (True: promote now).
+
+        A closed set's member (another Acquire of the job keeps the entry) waits alone
+        from now on. Any other set grants nobody; the member kept for, not ready yet,
+        is then reported again (an older set it waited for may be the one closed)."""
+        if set_seq < 0 and self.members.get(job) == -set_seq:
+            self.drop(job)
+            return True
         if self.members.get(job) != set_seq:
             return self.reserved is not None and self.reserved not in self.ready
         self.ready.add(job)

@@ -11,10 +11,14 @@ waiting for the rest: the set's grant is one decision.
 A part may reach its group late (its driver first reads a node it never read), so a
 group may be free and kept for a set while an older set that names it is still on its
 way there. The coordinator does not count such a group ready (the older set, once
-there, takes the reservation over: see ``set_gate``); if the older set ends without
-coming, the group is nudged (its ready callback with ``("", 0)``, which grants
-nobody) to report again. Ready is counted for one set per group: a group that reports
-for another set is no longer counted for the one it reported before.
+there, takes the reservation over: see ``set_gate``). Ready is counted for one set
+per group: a group that reports for another set is no longer counted for the one it
+reported before.
+
+A set that ends without its grant is posted to each of its groups as *closed* (its
+ready callback with the set's number negated, :func:`closed`): a group where another
+Acquire of the job keeps the queue entry lets that entry wait alone, and a group
+kept for a younger set reports again (it was not counted while this one was open).
 
 Like the device arbiter, the coordinator is bookkeeping only: it reaches the groups
 through callbacks that post to their inboxes, so every change of a group still happens
@@ -33,8 +37,10 @@ log = logging.getLogger(__name__)
 #: Post "grant ``job``, the member of set ``seq``" to a group's inbox.
 Ready = Callable[[str, int], None]
 
-#: What a nudge posts: no set has it, so the group grants nobody and reports again.
-NUDGE = ("", 0)
+
+def closed(seq: int) -> int:
+    """What the ready callback carries for set ``seq`` that ended without its grant."""
+    return -seq
 
 
 @dataclasses.dataclass
@@ -43,9 +49,6 @@ class _Set:
     groups: frozenset[str]
     ready: set[str] = dataclasses.field(default_factory=set)
     granted: bool = False
-    #: Groups not counted ready for a younger set because of this one: nudged when it
-    #: ends without being granted.
-    holding_back: set[str] = dataclasses.field(default_factory=set)
 
 
 class SetCoordinator:
@@ -74,23 +77,19 @@ class SetCoordinator:
         entry = self._sets.pop(seq, None)
         if entry is None or entry.granted:
             return
-        for group in sorted(entry.holding_back):
+        for group in sorted(entry.groups):
             post = self._groups.get(group)
             if post is not None:
-                post(*NUDGE)
+                post(entry.job, closed(seq))
 
     def ready(self, group: str, job: str, seq: int) -> None:
         """``group`` is reserved for ``job``'s set ``seq``; the last one grants the set."""
         entry = self._sets.get(seq)
         if entry is None or entry.job != job or group not in entry.groups or entry.granted:
             return
-        older = [
-            s for n, s in self._sets.items() if n < seq and group in s.groups and not s.granted
-        ]
-        for other in older:
-            # It may still reach the group, and would take the reservation over.
-            other.holding_back.add(group)
-        if older:
+        if any(n < seq and group in s.groups and not s.granted for n, s in self._sets.items()):
+            # It may still reach the group, and would take the reservation over; the
+            # group reports again when it has, or when that set is closed.
             return
         self.withdraw(group)  # counted for one set at a time
         entry.ready.add(group)
