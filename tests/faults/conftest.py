@@ -26,6 +26,11 @@ COPY_S = 1.0
 FAST = ["--backend", "sim", "--sim-capacity", "80GiB", "--sim-footprint", "1GiB",
         "--sim-bandwidth", "1TB/s", "--sim-latency", "0"]  # fmt: skip
 SLOW = [*FAST, "--sim-devices", "8", "--sim-extra-latency", str(COPY_S)]
+#: node-hold's copies take this long: the test that kills it mid-snapshot ends the copy
+#: itself (the kill), so no runner is slow enough to see it finish first; it restarts the
+#: agent with quick copies.
+HOLD_S = 300
+HOLD = [*FAST, "--sim-extra-latency", str(HOLD_S)]
 #: Seed 1: the first copy hangs, the next ones do not (Random(1): 0.13, 0.85, 0.76).
 HANG_ONCE = [*FAST, "--sim-hang-prob", "0.5", "--sim-seed", "1", "--operation-timeout", "1"]
 FAIL_ALWAYS = [*FAST, "--sim-devices", "2", "--sim-fail-prob", "1.0"]
@@ -34,7 +39,7 @@ FAIL_ALWAYS = [*FAST, "--sim-devices", "2", "--sim-fail-prob", "1.0"]
 KILL_STATES = ("idle", "locked", "yielded", "switching", "waiters")
 GROUPS: dict[str, GroupNodes] = {
     **{group: {"node-1": [i]} for i, group in enumerate(KILL_STATES)},
-    "restart": {"node-1": [len(KILL_STATES)]},
+    "restart": {"node-hold": None},
     "down": {"node-down": None},
     "deadline": {"node-hang": None},
     "failing": {"node-fail": [0]},
@@ -85,6 +90,7 @@ def stack() -> Iterator[Stack]:
         netns.create()
     agents = {
         "node-1": SLOW,
+        "node-hold": HOLD,
         "node-down": FAST,
         "node-hang": HANG_ONCE,
         "node-fail": FAIL_ALWAYS,

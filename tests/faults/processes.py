@@ -151,6 +151,16 @@ class Process:
         self.spawn()
         return self.wait_ready()
 
+    def restart_as(self, *extra: str) -> str:
+        """Restart on the same port and state with ``extra`` flags after its own (the
+        last of a repeated flag wins), for this start only."""
+        held = self.args
+        self.args = [*held, *extra]
+        try:
+            return self.restart()
+        finally:
+            self.args = held
+
     def make_whole(self) -> bool:
         """Running and not stopped again (restarted if it died); True if it had to be."""
         if self.popen is not None and self.popen.poll() is None:

@@ -1,7 +1,8 @@
 """Agent faults during a switch, on real processes: killed and restarted mid-snapshot, an
 operation past its deadline, a snapshot that always fails, an agent that does not answer.
 
-Each test has its group (see conftest.py): ``restart`` on node-1 (1-s copies),
+Each test has its group (see conftest.py): ``restart`` on node-hold (copies that never
+end before the test kills the agent, which it restarts with quick ones),
 ``deadline`` on node-hang (its first copy hangs; the agent's operation deadline is 1 s),
 ``failing`` and ``failing-retried`` on node-fail (every copy fails), ``down`` on
 node-down.
@@ -35,19 +36,20 @@ async def test_an_agent_killed_mid_snapshot_and_restarted_finishes_the_switch(
     stack: Stack,
 ) -> None:
     o = Orchestrator(stack.orchestrator.address)
-    agent = stack.agents["node-1"]
+    agent = stack.agents["node-hold"]
     try:
         events, waiter = await switch_under_way(o, "restart")
         assert (await job_states(agent.address, "restart"))["a"].state == (
             pb.JOB_STATE_TRANSITIONING
         )
-        agent.kill()  # mid-copy: the snapshot's operation is cut
-        failed = await events.wait_for(K.KIND_SWITCH_FAILED, node="node-1")
-        assert "node-1" in failed.detail or agent.address in failed.detail, failed
+        agent.kill()  # mid-copy (a copy here ends only so): the snapshot's operation is cut
+        failed = await events.wait_for(K.KIND_SWITCH_FAILED, node="node-hold")
+        assert "node-hold" in failed.detail or agent.address in failed.detail, failed
         st = await o.status("restart")
         assert st.group_state in (GS.STATE_SWITCHING, GS.STATE_UNKNOWN), st
-        assert "node-1" in st.detail, st.detail
-        agent.restart()  # the agent settles the cut operation from its backend
+        assert "node-hold" in st.detail, st.detail
+        # The agent settles the cut operation from its backend; its copies are quick now.
+        agent.restart_as("--sim-extra-latency", "0")
         assert (await waiter).grant_epoch == 2
         states = await job_states(agent.address, "restart")
         assert running(states) == {"b"} and states["a"].state == pb.JOB_STATE_SAVED
