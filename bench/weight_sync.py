@@ -5,6 +5,11 @@ Each node copies at ``--bandwidth`` per direction and each job's state is the po
 (default sampler 60 GiB, trainer 70 GiB per device, the demo's footprints), so a switch
 (snapshot, then restore) costs 2 x state / bandwidth; time is compressed ``--time-scale``
 times and every figure is printed in model seconds (wall seconds x the scale).
+``--switch overlap`` or ``prefetch`` makes the nodes switch as bench/trace_replay.py's
+configurations of those names do (issue 9 §2); a prefetch lands only while the holder
+still holds, so give the holders a ``--lead``. Single Acquires declare each pool's
+footprint; an AcquireSet has one for all its groups, so it declares none, and each group
+uses the footprint the job last declared there (in the warm-up round's single Acquires).
 
 Four jobs, the same in every round: ``gen`` generates on the sampler alone, ``train``
 trains on the trainer alone; ``sync`` wants both pools for its weight sync (it holds them
@@ -28,7 +33,8 @@ repetition, after a warm-up round), so drift hits all alike; per-repetition rati
 the set are the figures to compare. ``modelled`` is the wait the copies alone explain.
 
     python bench/weight_sync.py [--reps 5] [--nodes 2] [--time-scale 5] [--quick] [--json]
-                                [--bandwidth 50GB/s] [--gap 2] [--sync-hold 1] [--third-work 2]
+                                [--bandwidth 50GB/s] [--switch sequential|overlap|prefetch]
+                                [--lead 0] [--gap 2] [--sync-hold 1] [--third-work 2]
 """
 
 from __future__ import annotations
@@ -46,6 +52,7 @@ from typing import Any
 
 import grpc
 
+from tslice.agent.backends import simdevice as device
 from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2 as opb
 from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2_grpc as opb_grpc
 from tslice.cli import sizes
@@ -60,9 +67,10 @@ GIB = 2**30
 STATE_BYTES = {SAMPLER: 60 * GIB, TRAINER: 70 * GIB}
 #: What --reps, --time-scale and --nodes default to, and in the smoke form (--quick).
 DEFAULTS = {"reps": 5, "time_scale": 5.0, "nodes": 2}
-QUICK = {"reps": 1, "time_scale": 40.0, "nodes": 1}
+QUICK = {"reps": 1, "time_scale": 100.0, "nodes": 1}
 #: The round's durations (model seconds): flag, default, what it is.
 DURATIONS = (
+    ("--lead", 0.0, "how long the holders go on once both waiters queued (a prefetch needs it)"),
     ("--gap", 2.0, "between the two holders' Yields (but in together)"),
     ("--sync-hold", 1.0, "the weight sync: how long the sync job holds both pools"),
     ("--third-work", 2.0, "how long third holds the sampler"),
@@ -87,6 +95,10 @@ VARIANTS = (
 )
 
 
+#: The variant of the warm-up round.
+WARM_UP = VARIANTS[1]
+
+
 @dataclasses.dataclass(frozen=True)
 class Scenario:
     name: str
@@ -102,16 +114,61 @@ SCENARIOS = (
 )
 
 
+#: Pieces of every copy when moves overlap (chunked offload), as in bench/trace_replay.py.
+CHUNKS = 8
+#: Memory of an H200-class device: two 60 GiB sampler states fit beside each other, two
+#: 70 GiB trainer states do not.
+H200_BYTES = 141 * 10**9
+
+
+@dataclasses.dataclass(frozen=True)
+class Mechanism:
+    """How a node switches (issue 9 §2): the sim backend's settings, the device memory."""
+
+    name: str
+    description: str
+    overlap: bool = False
+    prefetch: bool = False
+    capacity_bytes: int = device.DEFAULT_CAPACITY_BYTES
+
+    def sim_settings(self) -> dict[str, object] | None:
+        if not (self.overlap or self.prefetch):
+            return None
+        return {"chunks": CHUNKS, "overlap": self.overlap, "prefetch": self.prefetch}
+
+    def switch_s(self, pool: str, *, bandwidth: float, prefetched: bool) -> float:
+        """The copies of one switch on ``pool``, model seconds; ``prefetched``: the holder
+        went on long enough for a prefetch to land (``--lead``)."""
+        one_way = STATE_BYTES[pool] / bandwidth
+        if self.prefetch and prefetched and 2 * STATE_BYTES[pool] <= self.capacity_bytes:
+            return one_way  # brought in beside the holder: only the snapshot is left
+        return one_way * (1 + 1 / CHUNKS) if self.overlap else 2 * one_way
+
+
+MECHANISMS = (
+    Mechanism("sequential", "snapshot, then restore, 80 GiB devices"),
+    Mechanism("overlap", f"the restore beside the snapshot ({CHUNKS} chunks)", overlap=True),
+    Mechanism(
+        "prefetch",
+        "overlap, and the next waiter brought in beside the holder where it fits (141 GB)",
+        overlap=True,
+        prefetch=True,
+        capacity_bytes=H200_BYTES,
+    ),
+)
+
+
 @dataclasses.dataclass(frozen=True)
 class Timing:
     """Model seconds of the run and the time scale that turns them into wall seconds."""
 
     scale: float
+    lead: float
     gap: float
     sync_hold: float
     third_work: float
-    #: One switch per pool: snapshot of the holder, then restore of the next job.
-    switch: Mapping[str, float]
+    #: Per variant and pool, the copies of one switch to the sync job (and to third).
+    switch: Mapping[str, Mapping[str, float]]
 
     def wall(self, model_s: float) -> float:
         return model_s / self.scale
@@ -124,7 +181,7 @@ def modelled_wait(timing: Timing, scenario: Scenario, variant: Variant) -> float
     queued on the sampler after the sync job's first Acquire, is ahead of it there when
     the sampler comes second.
     """
-    switch, work = timing.switch, timing.third_work
+    switch, work = timing.switch[variant.name], timing.third_work
     freed = {pool: 0.0 for pool in POOLS}  # relative to both pools free
     if scenario.first is not None:
         freed[scenario.first] = -timing.gap
@@ -183,14 +240,15 @@ class Jobs:
         self._stub = stub
 
     async def acquire(self, job: str, pool: str) -> float:
-        reply = await self._stub.Acquire(
-            opb.AcquireRequest(job_id=job, group_id=pool), timeout=STUCK_S
-        )
+        request = opb.AcquireRequest(job_id=job, group_id=pool, footprint_bytes=STATE_BYTES[pool])
+        reply = await self._stub.Acquire(request, timeout=STUCK_S)
         if not reply.success:
             raise RuntimeError(f"Acquire of {pool} by {job} failed: {reply}")
         return time.time()
 
     async def acquire_set(self, job: str, pools: Sequence[str]) -> float:
+        # A set has one footprint for all its groups, and the pools' differ: none is
+        # declared; each group keeps the one the job last declared there.
         reply = await self._stub.AcquireSet(
             opb.AcquireSetRequest(job_id=job, group_ids=list(pools)), timeout=STUCK_S
         )
@@ -308,6 +366,7 @@ async def _round(
     await watch.wait_seen(mark, Kind.KIND_QUEUED, SYNC, first)
     third = asyncio.create_task(_third(jobs, timing.wall(timing.third_work)))
     await watch.wait_seen(mark, Kind.KIND_QUEUED, THIRD, [SAMPLER])
+    await asyncio.sleep(timing.wall(timing.lead))  # the holders' work goes on
     yielded: dict[str, float] = {}
 
     async def free(pool: str) -> None:
@@ -348,7 +407,7 @@ async def _watching(stub: opb_grpc.TimeSliceOrchestratorServiceAsyncStub) -> Asy
             await task
 
 
-def _cluster(args: argparse.Namespace) -> LocalCluster:
+def _cluster(args: argparse.Namespace, mechanism: Mechanism) -> LocalCluster:
     rate = max(int(args.bandwidth * args.time_scale), 1)
     agents = [
         SimAgent(
@@ -356,6 +415,8 @@ def _cluster(args: argparse.Namespace) -> LocalCluster:
             bandwidth_bytes_per_s=rate,
             latency_s=0.0,
             footprint_bytes=STATE_BYTES[pool],
+            capacity_bytes=mechanism.capacity_bytes,
+            sim_settings=mechanism.sim_settings(),
         )
         for pool in POOLS
         for i in range(args.nodes)
@@ -366,16 +427,24 @@ def _cluster(args: argparse.Namespace) -> LocalCluster:
 
 async def measure(args: argparse.Namespace) -> dict[str, Any]:
     began = time.time()
+    mechanism = next(m for m in MECHANISMS if m.name == args.switch)
     timing = Timing(
         scale=args.time_scale,
+        lead=args.lead,
         gap=args.gap,
         sync_hold=args.sync_hold,
         third_work=args.third_work,
-        switch={p: 2 * STATE_BYTES[p] / args.bandwidth for p in POOLS},
+        switch={
+            v.name: {
+                p: mechanism.switch_s(p, bandwidth=args.bandwidth, prefetched=args.lead > 0)
+                for p in POOLS
+            }
+            for v in VARIANTS
+        },
     )
     rounds: list[dict[str, Any]] = []
     async with (
-        _cluster(args) as cluster,
+        _cluster(args, mechanism) as cluster,
         grpc.aio.insecure_channel(cluster.orchestrator_address) as channel,
     ):
         stub: opb_grpc.TimeSliceOrchestratorServiceAsyncStub = (
@@ -383,8 +452,9 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
         )
         jobs = Jobs(stub)
         async with _watching(stub) as watch:
-            # Warm-up: every job's state exists after it, so every later switch restores.
-            await _round(jobs, watch, timing, SCENARIOS[0], VARIANTS[0])
+            # Warm-up: every job's state exists after it, so every later switch restores,
+            # and the sync job has declared its footprint on each pool (single Acquires).
+            await _round(jobs, watch, timing, SCENARIOS[0], WARM_UP)
             for rep in range(args.reps):
                 for scenario in SCENARIOS:
                     for variant in VARIANTS:
@@ -395,13 +465,17 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
         "state_bytes": STATE_BYTES,
         "bandwidth_bytes_per_s": args.bandwidth,
         "time_scale": args.time_scale,
+        "lead_s": args.lead,
         "gap_s": args.gap,
         "sync_hold_s": args.sync_hold,
         "third_work_s": args.third_work,
         "reps": args.reps,
         "scenarios": {c.name: c.description for c in SCENARIOS},
         "variants": {v.name: v.description for v in VARIANTS},
-        "switch_modelled_s": {p: round(v, 3) for p, v in timing.switch.items()},
+        "switch_mechanism": {"name": mechanism.name, "description": mechanism.description},
+        "switch_modelled_s": {
+            v: {p: round(s, 3) for p, s in by_pool.items()} for v, by_pool in timing.switch.items()
+        },
         "summary": _summary(rounds, timing),
         "rounds": rounds,
         "wall_s": round(time.time() - began, 1),
@@ -462,13 +536,21 @@ def _text(report: Mapping[str, Any]) -> None:
         return f"{s['median']:.2f} ({s['min']:.2f}-{s['max']:.2f})"
 
     states = ", ".join(f"{p} {b / GIB:.0f} GiB" for p, b in report["state_bytes"].items())
-    switch = ", ".join(f"{p} {v:.2f} s" for p, v in report["switch_modelled_s"].items())
+    costs = {
+        v: ", ".join(f"{p} {s:.2f} s" for p, s in by_pool.items())
+        for v, by_pool in report["switch_modelled_s"].items()
+    }
+    switch = (
+        next(iter(costs.values()))
+        if len(set(costs.values())) == 1
+        else "; ".join(f"{v}: {c}" for v, c in costs.items())
+    )
     table = Table(
         title=(
             f"weight sync hand-over, {report['nodes_per_pool']} nodes per pool, state {states} "
-            f"over {report['bandwidth_bytes_per_s'] / 1e9:g} GB/s per direction (a switch: "
-            f"{switch}); model seconds at time scale {report['time_scale']:g}, median "
-            f"(min-max) of {report['reps']}"
+            f"over {report['bandwidth_bytes_per_s'] / 1e9:g} GB/s per direction, switches "
+            f"{report['switch_mechanism']['name']} (copies: {switch}); model seconds at time "
+            f"scale {report['time_scale']:g}, median (min-max) of {report['reps']}"
         ),
         title_justify="left",
     )
@@ -522,10 +604,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--nodes", type=int, default=None, help="sim nodes per pool (2)")
     p.add_argument("--time-scale", type=float, default=None, help="model seconds per second (5)")
     p.add_argument("--bandwidth", default="50GB/s", help="copy rate per direction")
+    p.add_argument(
+        "--switch",
+        choices=[m.name for m in MECHANISMS],
+        default="sequential",
+        help="how a node switches: " + "; ".join(f"{m.name}: {m.description}" for m in MECHANISMS),
+    )
     for flag, default, what in DURATIONS:
         p.add_argument(flag, type=float, default=default, help=f"{what}, model seconds")
     p.add_argument(
-        "--quick", action="store_true", help="smoke form: 1 repetition, 40x, 1 node per pool"
+        "--quick", action="store_true", help="smoke form: 1 repetition, 100x, 1 node per pool"
     )
     p.add_argument("--log-level", default="warning", help="of the servers")
     p.add_argument("--json", action="store_true", help="print one JSON document")
