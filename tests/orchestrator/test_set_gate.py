@@ -33,11 +33,20 @@ class Groups:
         self.inbox.append((g, job, seq))
 
     def bind(self, g: str, actions: list[decisions.Action]) -> list[decisions.Action]:
+        """As the driver: a group kept for a set reports ready, or lets a waiter that
+        holds another group go first (``SetCoordinator.passer``)."""
         self.log[g] += actions
+        out = list(actions)
         for a in actions:
             if isinstance(a, decisions.NeedSet):
-                self.coordinator.ready(g, a.job, a.set_seq)
-        return actions
+                holders = {h: lock.holder for h, lock in self.locks.items()}
+                passing = self.coordinator.passer(g, a.set_seq, a.others, holders)
+                if passing is None:
+                    self.coordinator.ready(g, a.job, a.set_seq)
+                else:
+                    self.coordinator.withdraw(g)
+                    out += self.bind(g, self.locks[g].on_set_passed(passing, now=self.tick()))
+        return out
 
     def tick(self) -> float:
         self.now += 1.0
@@ -268,3 +277,37 @@ def test_a_set_that_ends_ungranted_lets_another_acquire_of_its_job_wait_alone() 
     assert gs.inbox == collections.deque([("g1", "w", sets.closed(seq)), ("g2", "w", -seq)])
     out = gs.pump()
     assert switches(out["g1"]) == ["w"] and gs.locks["g1"].reserved_for is None
+
+
+def test_a_job_that_holds_a_group_goes_past_a_group_kept_for_a_set() -> None:
+    """z takes g1 then g2, x takes g2 then g3 (one order); the set of s waits for g1.
+    Kept out of g3, x would wait for s, s for z, z for x: let through, x goes on."""
+    gs = Groups("g1", "g2", "g3")
+    gs.hold("g1", "z")
+    gs.hold("g2", "x")
+    seq = gs.open("s", "g1", "g3")
+    gs.acquire("g1", "s", seq)
+    gs.acquire("g3", "s", seq)  # g3 is free: kept for s
+    assert gs.locks["g3"].reserved_for == ("s", seq)
+    assert switches(gs.acquire("g3", "x")) == ["x"]  # x holds g2 (no group of the set)
+    assert switches(gs.acquire("g3", "y")) == []  # one that holds nothing waits
+    gs.done("g3")
+    gs.acquire("g2", "z")
+    gs.yield_("g3", "x")  # g3 is kept for s again, ahead of y
+    assert gs.locks["g3"].reserved_for == ("s", seq)
+    assert switches(gs.yield_("g2", "x")) == ["z"]
+    gs.done("g2")
+    gs.yield_("g1", "z")
+    out = gs.pump()
+    assert switches(out["g1"]) == ["s"] and switches(out["g3"]) == ["s"]
+
+
+def test_nobody_goes_past_a_set_once_it_is_granted() -> None:
+    gs = Groups("g1", "g2")
+    seq = gs.open("s", "g1", "g2")
+    holders = {"g1": None, "g2": "x"}
+    assert gs.coordinator.passer("g1", seq, ("y", "x"), holders) == "x"
+    assert gs.coordinator.passer("g2", seq, ("x",), holders) is None  # x holds only g2
+    gs.acquire("g1", "s", seq)
+    gs.acquire("g2", "s", seq)  # granted now
+    assert gs.coordinator.passer("g1", seq, ("x",), holders) is None

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 log = logging.getLogger(__name__)
 
@@ -101,6 +101,29 @@ class SetCoordinator:
             post = self._groups.get(member)
             if post is not None:  # a group stopping meanwhile fails its own Acquire
                 post(job, seq)
+
+    def passer(
+        self,
+        group: str,
+        seq: int,
+        others: Sequence[str],
+        holders: Mapping[str, str | None],
+    ) -> str | None:
+        """Who of ``others`` (the single waiters behind the member ``group`` is kept
+        for set ``seq``, in the policy's order) goes first: the first that holds
+        another group (``holders``: group -> holder), while the set is not granted.
+
+        Such a job waits with a group in hand (a nested acquire); kept out, it would
+        wait for the set, which may wait for what it holds, directly or through other
+        jobs that hold and wait (x holds g2 and waits for g3, kept for a set that waits
+        for g1, held by z, which waits for g2): a cycle. Let through, the holders never
+        wait for a kept group, and a set holds nothing while it waits: no cycle, where
+        the jobs that hold and wait take their groups in one order."""
+        entry = self._sets.get(seq)
+        if entry is None or entry.granted:
+            return None
+        holding = {job for g, job in holders.items() if g != group and job is not None}
+        return next((job for job in others if job in holding), None)
 
     def withdraw(self, group: str) -> None:
         """``group`` is counted ready for no set that is not granted yet (it reports
