@@ -8,14 +8,15 @@ ready; only when every group of the set is ready does the coordinator let each o
 them grant, so no group of a set is granted while another one still waits.
 
 A reserved group grants nobody else until the set is granted or leaves (so a set that
-is complete is never undone by a later arrival), and it reserves itself only for the
-*oldest* set among its waiters, whatever the policy's order among sets: an older
-member that reaches the group later (its Acquire was held up on the way) takes the
-reservation over, and the coordinator never counts a group ready for a set while an
-older set that names the group may still reach it. So two sets order the same way in
-every group they share, and a set can only wait on a group reserved for an older
-one: the chain ends at the oldest set, which every group of it reserves for as soon
-as it is free. No cycle, no deadlock; the policy still decides between single
+is complete is never undone by a later arrival; only a waiter that holds another group
+goes first while the set is not granted: ``SetCoordinator.passer``), and it reserves
+itself only for the *oldest* set among its waiters, whatever the policy's order among
+sets: an older member that reaches the group later (its Acquire was held up on the
+way) takes the reservation over, and the coordinator never counts a group ready for a
+set while an older set that names the group may still reach it. So two sets order the
+same way in every group they share, and a set can only wait on a group reserved for
+an older one: the chain ends at the oldest set, which every group of it reserves for
+as soon as it is free. No cycle, no deadlock; the policy still decides between single
 waiters and the sets.
 """
 

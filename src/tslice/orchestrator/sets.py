@@ -15,6 +15,10 @@ there, takes the reservation over: see ``set_gate``). Ready is counted for one s
 per group: a group that reports for another set is no longer counted for the one it
 reported before.
 
+A job that holds a group and waits for another (a nested acquire) is let past a group
+kept for a set that is not granted yet (:meth:`SetCoordinator.passer`): kept out, it
+could wait for the set while the set waits for what it holds.
+
 A set that ends without its grant is posted to each of its groups as *closed* (its
 ready callback with the set's number negated, :func:`closed`): a group where another
 Acquire of the job keeps the queue entry lets that entry wait alone, and a group
