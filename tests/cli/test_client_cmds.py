@@ -92,6 +92,25 @@ def test_json_documents(address: str, capsys: pytest.CaptureFixture[str]) -> Non
     assert code == 0 and json.loads(out)["held"] is False
 
 
+def test_acquire_of_comma_separated_groups_takes_them_together(
+    address: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, out, err = cli(capsys, "acquire", "set-a,set-b", "job-s", "--addr", address)
+    assert code == 0, err
+    lines = out.strip().splitlines()
+    assert [line.split(" (")[0] for line in lines] == [
+        "job job-s holds group set-a",
+        "job job-s holds group set-b",
+    ]
+    code, out, _ = cli(capsys, "acquire", "set-a,set-b", "job-s", "--addr", address, "--json")
+    assert code == 0
+    held = json.loads(out)
+    assert held["job_id"] == "job-s" and sorted(held["groups"]) == ["set-a", "set-b"]
+    assert all(g["success"] and g["grant_epoch"] == 1 for g in held["groups"].values())
+    for group in ("set-a", "set-b"):
+        assert cli(capsys, "yield", group, "job-s", "--addr", address)[0] == 0
+
+
 def test_yield_of_a_group_not_held_says_so(
     address: str, capsys: pytest.CaptureFixture[str]
 ) -> None:

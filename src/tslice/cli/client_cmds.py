@@ -174,7 +174,13 @@ def status(
 
 
 def acquire(
-    group: GroupArg,
+    group: Annotated[
+        str,
+        typer.Argument(
+            help="Group id; several, comma-separated (sampler,trainer), are acquired "
+            "together: all or nothing (AcquireSet)."
+        ),
+    ],
     job: JobArg,
     *,
     addr: Address = DEFAULT_ADDRESS,
@@ -193,13 +199,25 @@ def acquire(
 ) -> None:
     """Wait until JOB holds GROUP (its state resident on every node), then return.
 
-    While it waits on a terminal, a status line shows its place in the queue.
+    While it waits on a terminal, a status line shows its place in the queue (of the
+    first group of a set).
     """
+    groups = [g.strip() for g in group.split(",")]
     with (
         _client(addr, connect_timeout=connect_timeout, timeout=timeout, job_id=job) as client,
-        _waiting_line(client, group=group, job=job),
+        _waiting_line(client, group=groups[0], job=job),
     ):
-        result = client.acquire(group, timeout=timeout, footprint_bytes=footprint)
+        if len(groups) > 1:
+            results = client.acquire_set(groups, timeout=timeout, footprint_bytes=footprint)
+        else:
+            result = client.acquire(group, timeout=timeout, footprint_bytes=footprint)
+    if len(groups) > 1:
+        render.show(
+            {"job_id": job, "groups": {g: render.jsonable(r) for g, r in results.items()}},
+            render.acquire_set_result(job=job, results=results),
+            as_json=as_json,
+        )
+        return
     render.show(
         {"group_id": group, "job_id": job, **render.jsonable(result)},
         render.acquire_result(group=group, job=job, result=result),

@@ -177,6 +177,13 @@ def acquire_result(*, group: str, job: str, result: tsclient.AcquireResult) -> T
     )
 
 
+def acquire_set_result(*, job: str, results: Mapping[str, tsclient.AcquireResult]) -> Text:
+    """Every group of an AcquireSet, one line each."""
+    return Text("\n").join(
+        acquire_result(group=group, job=job, result=result) for group, result in results.items()
+    )
+
+
 def yield_result(*, group: str, job: str, result: tsclient.YieldResult, held: bool = True) -> Text:
     if not held:
         return Text(f"job {job} did not hold group {group} (nobody does); nothing was released")
