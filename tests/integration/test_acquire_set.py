@@ -139,15 +139,7 @@ async def _as_a_set(o: SetOrchestrator, first: str, second: str) -> None:
     ("pair", "ask"),
     [
         ("nested", _alone),
-        pytest.param(
-            "nested-set",
-            _as_a_set,
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="a set member that holds another group of an older kept set waits "
-                "for it (.scratch/requests/set-integration.md, 4)",
-            ),
-        ),
+        ("nested-set", _as_a_set),
     ],
 )
 async def test_a_job_holding_one_group_of_a_waiting_set_gets_the_other_first(

@@ -173,3 +173,24 @@ async def test_a_holder_of_another_group_of_the_set_passes_the_group_kept_for_it
     reply = await pending
     assert [(g.group_id, g.grant_epoch) for g in reply.grants] == [("g1", 2), ("g2", 2)]
     events.cancel()
+
+
+async def test_a_second_pending_set_of_one_job_over_a_shared_group_is_refused(
+    cluster: Cluster,
+) -> None:
+    """It would take the first one's place in each queue and neither would be granted."""
+    stub = await _two_groups(cluster)
+    await acquire(stub, "b", "g2")
+    events = await Events.open(stub, "g2")
+    first = _acquire_set(stub, "c", "g1", "g2")
+    await events.wait_for(K.KIND_QUEUED, job="c")
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await _acquire_set(stub, "c", "g2", "g1")
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION, err.value
+    assert "already waits in an AcquireSet" in (err.value.details() or "")
+    await yield_(stub, "b", "g2")
+    assert [g.group_id for g in (await first).grants] == ["g1", "g2"]
+    # Granted: the same set again is answered at once (the job holds both).
+    again = await _acquire_set(stub, "c", "g2", "g1")
+    assert [g.grant_epoch for g in again.grants] == [2, 1]
+    events.cancel()

@@ -311,3 +311,48 @@ def test_nobody_goes_past_a_set_once_it_is_granted() -> None:
     gs.acquire("g1", "s", seq)
     gs.acquire("g2", "s", seq)  # granted now
     assert gs.coordinator.passer("g1", seq, ("x",), holders) is None
+
+
+def test_a_group_drained_after_it_was_counted_ready_does_not_split_its_set() -> None:
+    gs = Groups("g1", "g2")
+    gs.hold("g2", "x")
+    seq = gs.open("a", "g1", "g2")
+    gs.acquire("g1", "a", seq)  # g1 is free: kept for a, counted ready
+    gs.acquire("g2", "a", seq)
+    for a in gs.bind("g1", gs.locks["g1"].on_drain(True, now=gs.tick())):
+        if isinstance(a, decisions.NotReady):  # as the driver does
+            gs.coordinator.withdraw("g1")
+    gs.yield_("g2", "x")
+    out = gs.pump()
+    assert not switches(out.get("g1", [])) and not switches(out.get("g2", []))
+    gs.bind("g1", gs.locks["g1"].on_drain(False, now=gs.tick()))  # resumed: both at once
+    out = gs.pump()
+    assert switches(out["g1"]) == ["a"] and switches(out["g2"]) == ["a"]
+
+
+def test_a_set_granted_before_the_drain_is_still_granted_by_the_drained_group() -> None:
+    gs = Groups("g1", "g2")
+    seq = gs.open("a", "g1", "g2")
+    gs.acquire("g1", "a", seq)
+    gs.acquire("g2", "a", seq)  # granted: on its way to both inboxes
+    gs.bind("g1", gs.locks["g1"].on_drain(True, now=gs.tick()))
+    out = gs.pump()
+    assert switches(out["g1"]) == ["a"] and switches(out["g2"]) == ["a"]
+
+
+def test_a_set_part_reaching_its_jobs_abandoned_switch_waits_for_its_set() -> None:
+    """a's Acquire of g1 left during its own switch; a's AcquireSet comes back before
+    that switch ends: the part must not take the switch over (g1 would be a's alone)."""
+    gs = Groups("g1", "g2")
+    gs.hold("g2", "x")
+    gs.acquire("g1", "a")
+    assert gs.switching_to("g1") == "a"
+    gs.cancel("g1", "a")  # left during its own switch
+    seq = gs.open("a", "g1", "g2")
+    gs.acquire("g1", "a", seq)
+    gs.acquire("g2", "a", seq)
+    assert not grants(gs.done("g1")) and gs.locks["g1"].holder is None
+    assert gs.locks["g1"].reserved_for == ("a", seq)
+    gs.yield_("g2", "x")
+    out = gs.pump()
+    assert grants(out["g1"]) == ["a"] and switches(out["g2"]) == ["a"]

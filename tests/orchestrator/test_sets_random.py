@@ -11,7 +11,8 @@ which a group kept for a set lets go first: ``SetCoordinator.passer``), hold the
 yield them all, pause and start again. A part of a set reaches its group after a
 random delay (the driver reads a node never read before it queues the Acquire), so
 two sets may reach two groups in opposite orders. Some jobs give up waiting, and an
-operator now and then evicts a waiter (its part fails, so its set does): as
+operator now and then evicts a waiter (its part fails, so its set does) or drains a
+group for a while (no new turn, except a set granted before the drain): as
 ``set_acquire`` does, the parts still waiting leave, the parts granted are yielded,
 then the set is closed. Switches take time.
 
@@ -178,6 +179,8 @@ class Cluster:
                 )
             elif isinstance(a, decisions.NeedSet):
                 self.kept(g, a)
+            elif isinstance(a, decisions.NotReady):
+                self.coordinator.withdraw(g)
             elif isinstance(a, decisions.NeedClaim):
                 self.bind(g, lock.on_claim_granted(a.job, now=self.now))
             elif isinstance(a, decisions.Abort):
@@ -420,6 +423,14 @@ class Cluster:
 
     # ---- the run ----------------------------------------------------------------------------
 
+    def drain(self, g: str, drain: bool) -> None:
+        """An operator drains ``g`` for a while (no new turn), then resumes it."""
+        self.bind(g, self.locks[g].on_drain(drain, now=self.now))
+        if drain:
+            self.post(g, functools.partial(self.drain, g, False), delay=self.rng.uniform(0.5, 3))
+        elif not self.closed:
+            self.at(self.now + self.rng.expovariate(1 / 15), functools.partial(self.drain, g, True))
+
     def switch_done(self, g: str, epoch: int) -> None:
         lock = self.locks[g]
         sw = lock.switching
@@ -447,6 +458,8 @@ class Cluster:
         for job in self.jobs:
             self.at(self.rng.uniform(0, 1), functools.partial(self.start, job))
         self.at(self.rng.expovariate(1 / 8), self.evict)
+        for g in self.groups:
+            self.at(self.rng.expovariate(1 / 15), functools.partial(self.drain, g, True))
         while self.heap and self.now < horizon:
             self.step()
         self.closed = True  # no new requests: everybody waiting must be granted

@@ -10,7 +10,8 @@ state:
 - :class:`Emit`  publish an event (queued, yielded, cancelled...);
 - :class:`NeedClaim` / :class:`ReleaseClaim`  ask for / give back the device claim
   that groups sharing devices take turns on (``tslice.orchestrator.overlap``);
-- :class:`NeedSet`  this group is ready for a set member (``tslice.orchestrator.sets``).
+- :class:`NeedSet` / :class:`NotReady`  this group is ready for a set member, or is
+  no longer (``tslice.orchestrator.sets``).
 """
 
 from __future__ import annotations
@@ -85,6 +86,12 @@ class NeedSet:
 
 
 @dataclasses.dataclass(frozen=True)
+class NotReady:
+    """This group, reserved for a set member and reported ready, may not grant it now
+    (drained): the set's coordinator counts it ready no longer (``sets``)."""
+
+
+@dataclasses.dataclass(frozen=True)
 class ReleaseClaim:
     """Give the device claim back: nobody holds the group and another group wants it."""
 
@@ -104,7 +111,9 @@ class Emit:
     detail: str = ""
 
 
-Action: TypeAlias = "Granted | StartSwitch | Abort | Emit | NeedClaim | NeedSet | ReleaseClaim"
+Action: TypeAlias = (
+    "Granted | StartSwitch | Abort | Emit | NeedClaim | NeedSet | NotReady | ReleaseClaim"
+)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -521,6 +521,8 @@ class GroupDriver:
                 effects += self._claim(action)
             elif isinstance(action, decisions.NeedSet):
                 effects += self._kept_for_set(action)
+            elif isinstance(action, decisions.NotReady):
+                self._sets.withdraw(self.group_id)
             elif isinstance(action, decisions.ReleaseClaim):
                 # Another group may now move what is on the shared devices: re-read first.
                 self.views.clear()
@@ -555,21 +557,16 @@ class GroupDriver:
     def _kept_for_set(self, need: decisions.NeedSet) -> list[Effect]:
         """The group is kept for a set member: report it ready (the set's grant comes
         through the inbox, on_set_ready, for every group alike), unless a waiter that
-        holds another group of the set is behind it: that one goes first, since the set
-        waits for it anyway, and it would otherwise wait for the set (a deadlock)."""
-        groups = next((g for s, _, g, _ in self._sets.waiting() if s == need.set_seq), None)
-        holding = {
-            read()
-            for gid, read in self.services.holders.items()
-            if groups is not None and gid in groups and gid != self.group_id
-        }
-        passing = next((job for job in need.others if job in holding), None)
+        holds another group is behind it: that one goes first, since it would otherwise
+        wait for the set, which may wait for what it holds (see sets.passer)."""
+        holders = {gid: read() for gid, read in self.services.holders.items()}
+        passing = self._sets.passer(self.group_id, need.set_seq, need.others, holders)
         if passing is None:
             self._sets.ready(self.group_id, need.job, need.set_seq)
             return []
         self._sets.withdraw(self.group_id)
         log.info(
-            "group %s: job %s, which holds another group of job %s's set, goes first",
+            "group %s: job %s, which holds another group, goes before job %s's set",
             self.group_id,
             passing,
             need.job,

@@ -139,8 +139,9 @@ class GroupLock(lock_state.LockState):
         else:
             self._leases.pop(job, None)
         s = self._switch
-        if s is not None and s.to_job == job:
+        if s is not None and s.to_job == job and (set_seq is None or not s.departed):
             # Its own switch is running (or a recovered one): wait for it to finish.
+            # (Not a set's part after that switch's Acquire left: it waits for its set.)
             s.attached += 1
             s.departed = False
             self._holder = job
@@ -280,7 +281,12 @@ class GroupLock(lock_state.LockState):
         """An administrator drains the group (no new turn is granted: the holder keeps
         its own, waiters stay queued) or resumes it (the head of the queue is promoted)."""
         self.draining = drain
-        return [] if drain else self._promote(now)
+        if not drain:
+            return self._promote(now)
+        # A group kept for a set must not be counted ready while it may grant nobody:
+        # its set would be granted by the other groups alone (a set granted before the
+        # drain is still honoured: see _promote).
+        return [act.NotReady()] if self.reserved_for is not None else []
 
     def on_switch_done(self, *, epoch: int, restored: bool, now: float) -> list[act.Action]:
         s = self._end_switch(epoch)
@@ -561,9 +567,11 @@ class GroupLock(lock_state.LockState):
         released = self._let_go()
         self._wake_at = None
         attached = self._ranked(now)
-        if not attached or self.blocked or self.draining:
+        if not attached or self.blocked:
             return released
         entry = self._sets.choose(attached, self._queue)
+        if self.draining and entry.job not in self._sets.ready:
+            return released  # drained: only a set granted before the drain goes on
         kept = self._sets.reserved is not None
         chosen, self._claim.chosen = self._claim.chosen, None
         if kept:

@@ -5,8 +5,11 @@ deadlines, faults that hold a group back, Hold streams and Yields work per group
 for any Acquire. What is added: the groups grant only together (``set_gate``), and
 when one part fails or the caller goes away every other part is withdrawn, and a part
 already granted is yielded again, so that no group stays granted because of a set that
-did not complete. A group the job already holds (or is being switched to) is not part
-of the set: it is answered at once, as a holder's second Acquire is.
+did not complete. A group the job already holds (or is being switched to) is answered
+at once, as a holder's second Acquire is; the job's other groups are then plain
+Acquires (it waits holding part of the set already, and as plain waiters they may pass
+a group kept for an older set that waits for what the job holds). A job has one
+pending set per group at a time.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import time
 from collections.abc import Mapping
 
 from tslice.common import refusals
-from tslice.orchestrator import callers, group
+from tslice.orchestrator import callers, group, sets
 
 log = logging.getLogger(__name__)
 
@@ -38,8 +41,13 @@ async def acquire_set(
     services = next(iter(drivers.values())).services
     coordinator, series = services.sets, services.metrics
     started = time.monotonic()
+    _refuse_a_second_set(coordinator, job, set(drivers))
     held = {gid for gid, d in drivers.items() if d.lock.holder == job}
-    seq = coordinator.open(job, set(drivers) - held)
+    # A job that holds part of the set already waits for the rest while holding it: its
+    # other parts are plain Acquires. As set members they would wait behind an older
+    # set that waits for what the job holds (a deadlock); as plain waiters holding a
+    # group of that set they pass the groups kept for it.
+    seq = coordinator.open(job, () if held else set(drivers))
     parts = {
         gid: asyncio.ensure_future(
             d.acquire(
@@ -47,7 +55,7 @@ async def acquire_set(
                 footprint_bytes=footprint_bytes,
                 lease_ms=lease_ms,
                 time_left=time_left,
-                set_seq=None if gid in held else seq,
+                set_seq=None if held else seq,
             )
         )
         for gid, d in drivers.items()
@@ -63,6 +71,20 @@ async def acquire_set(
     series.acquire_sets.labels(outcome="granted").inc()
     series.acquire_set_wait.observe(time.monotonic() - started)
     return {gid: part.result() for gid, part in parts.items()}
+
+
+def _refuse_a_second_set(coordinator: sets.SetCoordinator, job: str, groups: set[str]) -> None:
+    """One pending set per job and group: a second would stand in the first one's place
+    in each queue and neither would be granted."""
+    for _, other_job, other, _ in coordinator.waiting():
+        shared = sorted(groups & other)
+        if other_job == job and shared:
+            raise refusals.Refused(
+                refusals.Code.FAILED_PRECONDITION,
+                f"job {job!r} already waits in an AcquireSet for group(s) "
+                f"{', '.join(map(repr, shared))}; wait for that call or cancel it before "
+                "asking again",
+            )
 
 
 async def _all_or_first_failure(parts: list[asyncio.Future[callers.Grant]]) -> None:
