@@ -124,6 +124,12 @@ class Policy:
     queued again goes to the back. The only exception is the device claim's rule
     for jobs that already hold an overlapping group (``tslice.orchestrator.overlap``),
     which applies under every policy.
+
+    With AcquireSet (``set_gate``) a waiter is also passed, at most once each, by the
+    sets older than itself (a set member) or than the youngest set member ahead of it (a
+    single waiter) whose part had not reached the group when it queued; jobs let past a
+    group kept for a set (they hold another group: ``sets.passer``) are, like the device
+    claim's exception, outside the bound.
     """
 
     kind: ClassVar[str] = "fifo"

@@ -30,6 +30,10 @@ class CostAware(base.Policy):
     jobs in the group), with no idle hold after that moment. When each waiter started
     waiting is in the lock's record (``keeps_wait_times``), so the bound holds across
     a restart where the store keeps it (the measured costs and gaps start again).
+
+    With AcquireSet the bound holds as stated for set members and single waiters alike:
+    a group kept for the oldest set serves a set at least as old as a job already
+    waiting then, each once (jobs let past a kept group, ``sets.passer``, aside).
     """
 
     kind = "cost-aware"

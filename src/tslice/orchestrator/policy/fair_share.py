@@ -26,6 +26,11 @@ class FairShare(base.Policy):
     only while its usage is at most ``u_W``. So ``W`` is passed by at most
     ``sum over X != W of (floor((u_W - V + credit_s) * w_X / quantum_s) + 1)``
     grants, with ``u_W - V <= memory_s`` (:meth:`passes_bound`).
+
+    With AcquireSet a set member is passed, besides this bound, at most once by each
+    older set naming the group that was waiting or on its way when it queued; a single
+    waiter is not bounded against sets (when a set member with less usage reaches the
+    head, the group serves the older sets first, whatever their usage).
     """
 
     kind = "fair-share"

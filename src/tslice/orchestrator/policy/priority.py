@@ -23,6 +23,10 @@ class Priority(base.Policy):
     J-th grant after that moment (J jobs in the group), or, in time, within
     ``(P_max - p_W) * aging_s`` plus J - 1 turns and their switches.
 
+    With AcquireSet the bound holds as stated for set members and single waiters alike:
+    a group kept for the oldest set serves a set at least as old as a job already
+    waiting then, each once (jobs let past a kept group, ``sets.passer``, aside).
+
     When each waiter started waiting is in the lock's record (``keeps_wait_times``),
     so the bound holds across a restart where the store keeps it; otherwise the
     waits count from the restart.
