@@ -162,12 +162,17 @@ def check_raw(channel: grpc.Channel, method: Method, payloads: Sequence[bytes]) 
 
 
 def acquires(requests: Sequence[Any]) -> Iterator[opb.AcquireRequest]:
-    """The Acquire requests among ``requests`` (unary, or inside Session requests)."""
+    """The Acquire requests among ``requests`` (unary, or inside Session requests); an
+    AcquireSet counts as an Acquire of each of its groups."""
     for request in requests:
-        if isinstance(request, opb.AcquireRequest):
-            yield request
-        elif isinstance(request, opb.SessionRequest) and request.WhichOneof("call") == "acquire":
-            yield request.acquire
+        call = request
+        if isinstance(request, opb.SessionRequest):
+            call = getattr(request, str(request.WhichOneof("call")), None)
+        if isinstance(call, opb.AcquireRequest):
+            yield call
+        elif isinstance(call, opb.AcquireSetRequest):
+            for gid in call.group_ids:
+                yield opb.AcquireRequest(job_id=call.job_id, group_id=gid)
 
 
 def leave_as_found(channel: grpc.Channel, requests: Sequence[Any]) -> None:

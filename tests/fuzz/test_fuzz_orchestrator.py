@@ -48,11 +48,15 @@ def _aimed(request: Any) -> Any:
     aimed = type(request)()
     aimed.CopyFrom(request)
     inner = aimed
-    if isinstance(aimed, opb.SessionRequest) and aimed.WhichOneof("call") in ("acquire", "release"):
+    calls_aimed = ("acquire", "release", "acquire_set")
+    if isinstance(aimed, opb.SessionRequest) and aimed.WhichOneof("call") in calls_aimed:
         inner = getattr(aimed, str(aimed.WhichOneof("call")))
     fields = type(inner).DESCRIPTOR.fields_by_name
     if "job_id" in fields and "group_id" in fields:
         inner.job_id, inner.group_id = HOLDER, HELD
+    elif "job_id" in fields and "group_ids" in fields:  # AcquireSet: the held group alone
+        inner.job_id = HOLDER
+        inner.group_ids[:] = [HELD]
     return aimed
 
 
@@ -77,7 +81,8 @@ def test_every_orchestrator_rpc_answers_fuzzed_messages(
             stub.Acquire(acquire, timeout=calls.PROMPT_S)
         if method.name == "Session":
             requests = _with_cancels(requests)
-        waits = held and method.name == "Acquire" and _waits_for_holder(requests)
+        acquiring = method.name in ("Acquire", "AcquireSet")
+        waits = held and acquiring and _waits_for_holder(requests)
         answer = methods.call(
             orchestrator.channel, method, requests, timeout=WAITING_S if waits else calls.PROMPT_S
         )
