@@ -13,6 +13,11 @@ API_DIR     := src/tslice/api
 # Every pip install: no byte-compiling of what it installs (torch, transformers, verl: about a
 # minute and a half of CPU on 2 cores per venv); Python compiles what a test imports, once.
 PIP_INSTALL := -m pip install --quiet --disable-pip-version-check --no-compile
+# ... which needs Python to write what it compiled: with PYTHONDONTWRITEBYTECODE set (as on
+# these machines and CI runners) every server process a test starts compiled grpc, protobuf,
+# pydantic and tslice from source again (the suite took 704 s on a clean clone, 490 s where
+# an older install had left the .pyc files).
+unexport PYTHONDONTWRITEBYTECODE
 # pytest-xdist workers for the suites below (CI has 2 cores); PYTEST_WORKERS=0 runs them in
 # the pytest process itself (pdb, -x). --dist loadfile keeps a module's tests, and the
 # servers its module-scoped fixtures start, on one worker; --no-loadscope-reorder keeps the
