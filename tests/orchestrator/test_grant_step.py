@@ -136,9 +136,10 @@ async def test_a_slow_node_is_waited_on_and_its_grant_reissued(cluster: Cluster)
 
     calls = await agent_calls(port)
     # node-b's Grant came back unfinished (50 ms chunks, 300 ms copies): the orchestrator
-    # waited on the operations, then re-issued it; node-a needed one Grant per switch.
+    # waited on the operations, then re-issued it; node-a needed one Grant per switch (more
+    # only if a loaded machine kept its few-ms copies past a 50-ms chunk).
     assert calls[("node-b", "grant")] >= 5, calls
-    assert calls[("node-a", "grant")] == 3, calls
+    assert calls[("node-a", "grant")] >= 3, calls
     # Each operation is reported once, however many times a Grant listed it.
     both = [("node-a", FOOTPRINT), ("node-b", FOOTPRINT)]
     assert node_events(ev, K.KIND_SNAPSHOT_DONE, "b") == both

@@ -251,14 +251,18 @@ async def test_a_collected_group_leaves_no_rows_and_no_metrics_behind(cluster: C
     for job, gid in (("a", "old"), ("b", "mid"), ("c", "new")):  # each gives way to the next
         await acquire(stub, job, gid, footprint_bytes=BIG)
         await yield_(stub, job, gid)
-    assert await _groups(stub) == ["mid", "new"]  # "old" went to make room for "new"
+    # "old" went to make room for "new"; "mid" (idle, its state given way) may go too at
+    # any periodic sweep (every second with a TTL of 0): on a loaded machine one can fall
+    # between any two lines here.
+    listed = await _groups(stub)
+    assert "old" not in listed and "new" in listed, listed
     async with httpx.AsyncClient() as http:
         text = (await http.get(f"http://127.0.0.1:{cfg.metrics_port}/metrics")).text
     assert 'group_id="new"' in text and 'group_id="old"' not in text
     await cluster.stop_orchestrator()
     with sqlite3.connect(cfg.state_dir / "orchestrator.db") as db:
-        rows = db.execute("SELECT group_id FROM groups").fetchall()
-    assert sorted(rows) == [("mid",), ("new",)]
+        rows = {gid for (gid,) in db.execute("SELECT group_id FROM groups")}
+    assert "new" in rows and rows <= set(listed), (rows, listed)
 
 
 async def test_declared_groups_are_never_collected(cluster: Cluster) -> None:
