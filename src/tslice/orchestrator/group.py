@@ -541,14 +541,13 @@ class GroupDriver:
         if candidate is None or candidate == self._prefetched or self._stopping:
             return
         self._prefetched = candidate
-        # (Finished prefetches are dropped: one is started per waiter and grant.)
-        self._tasks = [t for t in self._tasks if not t.done()]
         self._tasks.append(
             tasks.spawn(
                 prefetching.prefetch_everywhere(self._pool, self.nodes, self.group_id, candidate),
                 name=f"group:{self.group_id}:prefetch:{candidate.job}",
             )
         )
+        # (Finished prefetches are dropped: one is started per waiter and grant.)
         self._tasks = [t for t in self._tasks if not t.done()]
 
     def _holder(self) -> str | None:
@@ -559,8 +558,10 @@ class GroupDriver:
         through the inbox, on_set_ready, for every group alike), unless a waiter that
         holds another group is behind it: that one goes first, since it would otherwise
         wait for the set, which may wait for what it holds (see sets.passer)."""
-        holders = {gid: read() for gid, read in self.services.holders.items()}
-        passing = self._sets.passer(self.group_id, need.set_seq, need.others, holders)
+        passing = None
+        if need.others:  # (the holders are read only when someone could pass)
+            holders = {gid: read() for gid, read in self.services.holders.items()}
+            passing = self._sets.passer(self.group_id, need.set_seq, need.others, holders)
         if passing is None:
             self._sets.ready(self.group_id, need.job, need.set_seq)
             return []

@@ -575,14 +575,15 @@ class GroupLock(lock_state.LockState):
         kept = self._sets.reserved is not None
         chosen, self._claim.chosen = self._claim.chosen, None
         if kept:
-            # Kept for a set member: only a waiter that holds another group of the set
-            # passes it, when the coordinator lets it (on_set_passed).
+            # Kept for a set member not granted yet: only a waiter that holds another
+            # group passes it, when the coordinator lets it (on_set_passed).
             need = self._sets.waiting(entry.job)
-            passing = next((e for e in attached if e.job == self._set_pass), None)
-            if need is not None and passing is None:
-                singles = tuple(e.job for e in attached if e.job not in self._sets.members)
-                return [*released, dataclasses.replace(need, others=singles)]
-            entry = passing if need is not None and passing is not None else entry
+            if need is not None:
+                passing = next((e for e in attached if e.job == self._set_pass), None)
+                if passing is None:
+                    singles = tuple(e.job for e in attached if e.job not in self._sets.members)
+                    return [*released, dataclasses.replace(need, others=singles)]
+                entry = passing
         elif self._claim.held and chosen is not None and chosen != entry.job:
             entry = next((e for e in attached if e.job == chosen), entry)
         elif chosen is None and self._holds_for_resident(attached, now):
