@@ -4,6 +4,9 @@
 ``tslice up``, the demo and tests can run it in-process); ``run()`` is the
 blocking entry point of ``tslice orchestrator`` with signal handling.
 
+Health is NOT_SERVING while the state cannot be written (a full disk, a corrupt database:
+see ``store_health``), the reason logged, and SERVING again once a save goes through.
+
 Shutdown order: health NOT_SERVING, then each group stops (new RPCs get
 UNAVAILABLE, an in-flight switch may finish within ``shutdown_grace_s``, waiters
 get UNAVAILABLE "orchestrator shutting down; retry" while their queue entries
@@ -36,9 +39,19 @@ from grpc_reflection.v1alpha import reflection
 
 from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2 as opb
 from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2_grpc as opb_grpc
-from tslice.common import auth, errors, ids, leader_term, logs, serving, undecodable
+from tslice.common import auth, errors, ids, leader_term, logs, serving, tasks, undecodable
 from tslice.common import metrics_http as common_metrics_http
-from tslice.orchestrator import agents, config, events, group, manager, metrics, server, store
+from tslice.orchestrator import (
+    agents,
+    config,
+    events,
+    group,
+    manager,
+    metrics,
+    server,
+    store,
+    store_health,
+)
 
 if TYPE_CHECKING:
     from tslice.orchestrator.kube import discovery as kube_discovery
@@ -187,6 +200,7 @@ async def _serve_locked(
                     return  # stopped while the API server had not answered yet
                 opb_grpc.add_TimeSliceOrchestratorServiceServicer_to_server(servicer, grpc_server)
                 await serving_now(len(leader.group_ids()))
+                _report_store_health(leader.store_health, health_servicer)
                 await stop.wait()
                 await health_servicer.enter_graceful_shutdown()
         else:
@@ -230,6 +244,8 @@ class _Leader:
     ) -> None:
         self.cfg, self._pool, self._metrics, self._stop = cfg, pool, metrics, stop
         self._groups: manager.GroupManager | None = None
+        #: Whether this leadership's store takes writes (see store_health).
+        self.store_health = store_health.StoreHealth()
 
     def group_ids(self) -> list[str]:
         return self._groups.ids() if self._groups is not None else []
@@ -260,12 +276,13 @@ class _Leader:
                 pool=self._pool,
                 bus=bus,
                 metrics=self._metrics,
+                store_health=self.store_health,
             )
             groups = self._groups = manager.GroupManager(services)
             await groups.start()
             if discovery is not None:
                 discovery.follow(groups)
-            servicer = server.OrchestratorServicer(groups=groups, bus=bus)
+            servicer = server.OrchestratorServicer(groups=groups, bus=bus, store=self.store_health)
             yield servicer
         finally:
             if discovery is not None:
@@ -276,6 +293,37 @@ class _Leader:
             if servicer is not None:
                 servicer.close()
             bus.close()
+
+
+def _report_store_health(
+    state: store_health.StoreHealth, health_servicer: health.aio.HealthServicer
+) -> None:
+    """Health NOT_SERVING (logged with the reason) while the state cannot be written, so
+    that a supervisor sees it; SERVING again once a save goes through (embedded mode: in
+    HA mode the leadership sets health)."""
+    pending: set[asyncio.Task[None]] = set()
+
+    async def set_all(serving: bool) -> None:
+        status = (
+            health_pb2.HealthCheckResponse.SERVING
+            if serving
+            else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
+        for name in ("", SERVICE_NAME):
+            await health_servicer.set(name, status)
+
+    def changed(problem: str) -> None:
+        if problem:
+            log.error("orchestrator NOT_SERVING: %s", problem)
+        else:
+            log.warning("orchestrator SERVING again: its state is written again")
+        task = tasks.spawn(set_all(not problem), name="health:store")
+        pending.add(task)
+        task.add_done_callback(pending.discard)
+
+    state.watch(changed)
+    if state.problem:  # it failed before serving began
+        changed(state.problem)
 
 
 def _advertised(host: str, port: int) -> str:
