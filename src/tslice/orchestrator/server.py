@@ -67,7 +67,10 @@ def _checked_terms(
     (the nearer of the call's deadline and ``timeout_ms``)."""
     auth.require_job(job)  # a job credential acts only as its own job ids
     _at_least_0("footprint_bytes", request.footprint_bytes, "default")
-    _at_least_0("lease_ms", request.lease_ms, "no lease")
+    try:
+        validation.check_lease("lease_ms", request.lease_ms)
+    except validation.InvalidInput as err:
+        raise refusals.Refused(refusals.Code.INVALID_ARGUMENT, str(err)) from None
     return _sooner(time_left, _at_least_0("timeout_ms", request.timeout_ms, "no deadline"))
 
 
