@@ -76,3 +76,42 @@ def test_events_refuses_an_unknown_kind_before_connecting(
     code, _, err = run_cli(capsys, "events", "--kind", "GRANTD", "--addr", "127.0.0.1:1")
     assert code == 2
     assert "unknown event kind 'GRANTD'" in err and "SWITCH_DONE" in err
+
+
+def test_apply_never_replaces_the_file_with_a_result_that_does_not_load(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The topology was written before it was validated: an invalid result replaced the
+    existing file (and the command exited 2)."""
+    out = tmp_path / "topology.yaml"
+    out.write_text("# the operator's topology\n")
+    out.chmod(0o640)
+    source = str(_four_jobs(tmp_path))
+    bad = [f"--agent=not an address {i}" for i in range(4)]
+    code, _, err = run_cli(
+        capsys, "plan", source, "--no-simulate", "--apply", "--out", str(out), *bad
+    )
+    assert code == 2
+    assert f"does not load, so {out} was left as it was" in err and "not an agent address" in err
+    assert out.read_text() == "# the operator's topology\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run.json", "topology.yaml"]
+    # A good result replaces it in one rename, keeping its mode.
+    code, _, err = run_cli(capsys, "plan", source, "--no-simulate", "--apply", "--out", str(out))
+    assert code == 0, err
+    assert config.load_topology(out).groups and (out.stat().st_mode & 0o777) == 0o640
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run.json", "topology.yaml"]
+
+
+def test_apply_refuses_a_symbolic_link_and_leaves_its_target_alone(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    target = tmp_path / "elsewhere.conf"
+    target.write_text("precious\n")
+    link = tmp_path / "topology.yaml"
+    link.symlink_to(target)
+    code, _, err = run_cli(
+        capsys, "plan", str(_four_jobs(tmp_path)), "--no-simulate", "--apply", "--out", str(link)
+    )
+    assert code == 2
+    assert "is a symbolic link" in err and "nothing was written" in err
+    assert target.read_text() == "precious\n" and link.is_symlink()
