@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from tests.cli.test_cli import run_cli
-from tests.sim.test_plan import _four_jobs
+from tests.sim.test_plan import _four_jobs, _two_jobs_log
 from tslice.orchestrator import config
 
 
@@ -115,3 +115,25 @@ def test_apply_refuses_a_symbolic_link_and_leaves_its_target_alone(
     assert code == 2
     assert "is a symbolic link" in err and "nothing was written" in err
     assert target.read_text() == "precious\n" and link.is_symlink()
+
+
+def test_a_job_id_from_the_log_cannot_inject_yaml_into_the_topology(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Job ids went unchecked into the '# job(s) ...' comment lines: a newline in one
+    started a line of YAML of its own (an extra `groups:`, `mode: local`)."""
+    lines = _two_jobs_log()
+    evil = "B\nmode: local\ngroups: {}\n#"
+    for line in lines:
+        if line["job_id"] == "B":
+            line["job_id"] = evil
+    source = tmp_path / "events.jsonl"
+    source.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    out = tmp_path / "topology.yaml"
+    out.write_text("# the operator's topology\n")
+    code, _, err = run_cli(
+        capsys, "plan", str(source), "--no-simulate", "--apply", "--out", str(out)
+    )
+    assert code == 2
+    assert "job_id 'B\\nmode: local" in err and "is malformed" in err
+    assert out.read_text() == "# the operator's topology\n"
