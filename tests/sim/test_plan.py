@@ -278,3 +278,31 @@ def test_malformed_json_gets_a_clear_error(tmp_path: Path, content: str, expecte
     path.write_text(content)
     with pytest.raises(recording.PlanInputError, match=expected):
         plan.make_plan(plan.PlanConfig(source=path))
+
+
+def test_steps_are_bounded(tmp_path: Path) -> None:
+    """--steps 10000000 never finished."""
+    source = _events(tmp_path, _two_jobs_log())
+    for steps in (0, plan.MAX_STEPS + 1, 10**7):
+        with pytest.raises(recording.PlanInputError, match=r"--steps must be between 1 and 100"):
+            plan.make_plan(plan.PlanConfig(source=source, steps=steps))
+    assert plan.make_plan(plan.PlanConfig(source=source, steps=plan.MAX_STEPS)).jobs
+
+
+@pytest.mark.timeout(30)
+def test_twenty_thousand_windows_open_at_once_are_read_in_linear_time(tmp_path: Path) -> None:
+    """Each yield scanned every open window, and the derivation compared every window with
+    every job: 20,000 windows open at once took 34 s to read and as long again to derive
+    (0.9 s and 2 s now). Not a benchmark: the bound is 10x what it takes here, far below
+    what quadratic work takes."""
+    count = 20_000
+    lines = [_event(i * 0.001, "GRANTED", "g", f"j{i}", duration_ms=0) for i in range(count)]
+    # Yielded in the opposite order: the last window opened is closed first.
+    lines += [_event(30 + k * 0.001, "YIELDED", "g", f"j{count - 1 - k}") for k in range(count)]
+    lines += [_event(59, "SNAPSHOT_DONE", "g", "j1", duration_ms=5)]
+    lines += [_event(59, "RESTORE_DONE", "g", "j1", duration_ms=5)]
+    rec = recording.load(_events(tmp_path, lines))
+    assert sum(len(w) for w in rec.raw["timeslice"]["windows"].values()) == count
+    # Every job had one turn: the derivation reads them all, then says what is missing.
+    with pytest.raises(recording.PlanInputError, match="fewer than two RL steps"):
+        plan.load_model(rec)

@@ -36,7 +36,8 @@ def plan(
         ),
     ] = None,
     steps: Annotated[
-        int, typer.Option("--steps", min=1, help="RL steps per job, predicted and simulated.")
+        int,
+        typer.Option("--steps", min=1, help="RL steps per job, predicted and simulated (1-100)."),
     ] = 4,
     max_sets: Annotated[
         int | None,

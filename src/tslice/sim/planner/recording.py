@@ -166,7 +166,8 @@ def _from_events(path: Path, records: Sequence[Mapping[str, Any]]) -> Recording:
     lead: dict[str, str] = {}
     steps: collections.Counter[str] = collections.Counter()
     switch_done: dict[str, list[float]] = collections.defaultdict(list)
-    pending: list[dict[str, Any]] = []  # acquired events of windows not closed yet
+    #: The acquired event of each window not closed yet, by (group, job) as open_at.
+    pending: dict[tuple[str, str], dict[str, Any]] = {}
     for when, _, r in timed:
         t = (when - origin) * scale
         kind, group, job = r.get("kind"), str(r.get("group_id", "")), str(r.get("job_id", ""))
@@ -177,14 +178,12 @@ def _from_events(path: Path, records: Sequence[Mapping[str, Any]]) -> Recording:
             if first == group:
                 steps[job] += 1
             acquired = {"t": t, "kind": "acquired", "job": job, "pool": group}
-            pending.append(acquired | {"wait_ms": ms * scale, "step": steps[job] - 1})
+            pending[(group, job)] = acquired | {"wait_ms": ms * scale, "step": steps[job] - 1}
         elif kind in (tsclient.EventKind.YIELDED.value, tsclient.EventKind.CANCELLED.value):
             t0 = open_at.pop((group, job), None)
             if t0 is not None:
                 windows[group].append({"t0": t0, "t1": t, "job": job})
-                match = next(a for a in pending if a["job"] == job and a["pool"] == group)
-                pending.remove(match)
-                events.append(match)
+                events.append(pending.pop((group, job)))
         elif kind == tsclient.EventKind.SNAPSHOT_DONE.value:
             events.append({"t": t, "kind": "ckpt_done", "pool": group, "ms": ms * scale})
         elif kind == tsclient.EventKind.RESTORE_DONE.value:
@@ -200,11 +199,12 @@ def _check_switch_costs(
     path: Path, windows: Mapping[str, list[dict[str, Any]]], events: Sequence[Mapping[str, Any]]
 ) -> None:
     """A group several jobs took turns on needs its snapshot and restore times."""
+    timed = {(e["kind"], e["pool"]) for e in events}
     for group, items in windows.items():
         if len({w["job"] for w in items}) < 2:
             continue
         for kind, name in (("ckpt_done", "SNAPSHOT_DONE"), ("restore_done", "RESTORE_DONE")):
-            if not any(e["kind"] == kind and e["pool"] == group for e in events):
+            if (kind, group) not in timed:
                 raise PlanInputError(
                     f"{path}: group {group} was shared by several jobs but the log has no "
                     f"{name} event of it, so its switch cost is unknown: record the log "
