@@ -316,7 +316,7 @@ def _report_store_health(
         if problem:
             log.error("orchestrator NOT_SERVING: %s", problem)
         else:
-            log.warning("orchestrator SERVING again: its state is written again")
+            log.warning("orchestrator SERVING again: no group waits for its state to be written")
         task = tasks.spawn(set_all(not problem), name="health:store")
         pending.add(task)
         task.add_done_callback(pending.discard)
