@@ -81,7 +81,9 @@ def enum_values(enum: descriptor.EnumDescriptor) -> str:
 
 def check_lease(field: str, lease_ms: int) -> int:
     """``lease_ms``: 0 (no lease) or at least :data:`MIN_LEASE_MS`."""
-    if lease_ms < 0 or 0 < lease_ms < MIN_LEASE_MS:
+    if lease_ms < 0:
+        raise InvalidInput(f"{field} must be >= 0 (got {lease_ms}); 0 = no lease")
+    if lease_ms < MIN_LEASE_MS and lease_ms != 0:
         raise InvalidInput(
             f"{field} must be 0 (no lease) or at least {MIN_LEASE_MS} ms (got {lease_ms}): a "
             "shorter lease lapses before the holder can open its Hold stream; use 5000 or "
