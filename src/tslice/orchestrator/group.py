@@ -353,6 +353,27 @@ class GroupDriver:
         # The yield is applied even if the caller goes away: shield the reply.
         return await asyncio.shield(reply)
 
+    def lost_grant(self, job: str, epoch: int) -> str | None:
+        """Why ``job`` no longer holds this group under grant ``epoch`` (None: it does)."""
+        lk = self.lock
+        if lk.holder == job and lk.grant_epoch == epoch:
+            return None
+        return lk.eviction(job) or (
+            f"its grant {epoch} of group {self.group_id!r} ended meanwhile (yielded, or its "
+            f"lease lapsed); {lk.holder or 'nobody'} holds it now"
+        )
+
+    async def give_back(self, job: str, epoch: int, why: str) -> None:
+        """``job``'s AcquireSet got grant ``epoch`` here but did not complete: its part of
+        the grant is undelivered. The group is released only if no other call of the job
+        was answered with that grant (see lock.on_undelivered)."""
+        await self._decide(
+            lambda now: (
+                None,
+                self.bind(self.lock.on_undelivered(job, epoch=epoch, now=now, why=why)),
+            )
+        )
+
     async def open_hold(self, job: str, *, epoch: int) -> leases.HoldSession:
         """Register a Hold stream of ``job`` (``epoch`` 0 = the current grant).
 

@@ -202,18 +202,22 @@ class GroupLock(lock_state.LockState):
                 ]
         return []
 
-    def on_undelivered(self, job: str, *, epoch: int, now: float) -> list[act.Action]:
-        """An Acquire RPC of ``job`` was granted but cancelled before the reply went out.
+    def on_undelivered(
+        self, job: str, *, epoch: int, now: float, why: str = "grant not delivered (RPC cancelled)"
+    ) -> list[act.Action]:
+        """An Acquire RPC of ``job`` was granted but cancelled before the reply went out
+        (or an AcquireSet that did not complete gives back its part of the grant).
 
         When every receiver of the grant is gone, the job never learnt that it holds
         the group: release it like a yield so that it does not become a ghost holder.
+        While one receiver was answered, the grant stands: a success answer is taken
+        back only by the job's yield, its lease or an eviction.
         """
         if self._holder != job or self._epoch != epoch or self._switch is not None:
             return []
         self._undelivered += 1
         if self._undelivered < self._receivers:
             return []
-        why = "grant not delivered (RPC cancelled)"
         return self._release(job, now, act.EventKind.CANCELLED, why)
 
     def on_yield(self, job: str, *, now: float) -> act.YieldOutcome:
