@@ -59,7 +59,7 @@ PAIRS = {
     name: (f"{name}-a", f"{name}-b")
     for name in (
         "order", "sync", "cancel", "late", "lease", "evict", "alone", "nested", "nested-set",
-        "kept-deadline", "kept-evicted", "held-evicted",
+        "kept-deadline", "kept-evicted", "held-evicted", "early-lease",
     )
 }  # fmt: skip
 GROUPS: dict[str, GroupNodes] = {
@@ -409,6 +409,39 @@ async def test_a_set_s_lease_is_kept_per_group_by_its_own_hold_stream(stack: Sta
         assert (await events.wait_for(K.KIND_YIELDED, second, "w")).detail == "lease expired"
         await o.yield_("x", first)
         await o.yield_("y", second)
+
+
+async def test_a_set_s_lease_starts_when_the_set_is_answered_not_when_a_part_is_granted(
+    stack: Stack,
+) -> None:
+    """`resident` is granted to w's set at once (w's state is still there), `switching`
+    only after a switch that takes longer than the lease (node-b frozen meanwhile). w can
+    open no Hold stream before the set answers: the early part's lease must not run out
+    meanwhile (it did, and the set was then answered with a group w no longer held)."""
+    resident, switching = PAIRS["early-lease"]
+    lease_ms = 1000
+    async with connected(stack) as o:
+        await o.acquire("w", resident)
+        await o.yield_("w", resident)
+        await o.acquire("b", switching)
+        await o.yield_("b", switching)
+        async with Recorder(o.stub) as events:
+            with frozen(stack.agents["node-b"]):
+                pending = o.acquiring_set("w", resident, switching, lease_ms=lease_ms)
+                await events.wait_for(K.KIND_GRANTED, resident, "w")
+                await events.wait_for(K.KIND_SWITCH_STARTED, switching, "w")
+                # Three leases long; no event may end w's grant of `resident` meanwhile.
+                await asyncio.sleep(3 * lease_ms / 1000)
+            reply = await pending
+            assert events.count(K.KIND_YIELDED, (resident,), "w") == 0
+        epochs = {g.group_id: g.grant_epoch for g in reply.grants}
+        assert (await o.waiting(resident)) == ("w", [])
+        holds = {g: o.hold("w", g, epochs[g]) for g in (resident, switching)}
+        for hold in holds.values():
+            assert (await hold.read()).lease_ms == lease_ms
+        for group, hold in holds.items():
+            await o.yield_("w", group)
+            hold.cancel()
 
 
 # ---- 7. refusals ----------------------------------------------------------------------------

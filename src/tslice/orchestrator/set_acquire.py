@@ -69,6 +69,8 @@ async def acquire_set(
         await _all_or_first_failure(list(parts.values()))
         grants = {gid: part.result() for gid, part in parts.items()}
         _refuse_a_lost_part(drivers, job, grants)
+        for gid, grant in grants.items():
+            drivers[gid].answered(job, grant.epoch)
     except BaseException as failure:
         series.acquire_sets.labels(outcome="failed").inc()
         await _withdraw(drivers, job, parts, _why(failure))
