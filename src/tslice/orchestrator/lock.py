@@ -131,7 +131,6 @@ class GroupLock(lock_state.LockState):
 
         ``set_seq``: it is one group of set ``set_seq`` (AcquireSet): it is granted only
         once the whole set is ready (:meth:`on_set_ready`), never at once."""
-        self._evicted.pop(job, None)
         if footprint_bytes > 0:
             self._footprints[job] = footprint_bytes
         if lease_ms > 0:
@@ -553,6 +552,7 @@ class GroupLock(lock_state.LockState):
         if new_epoch:
             self._epoch += 1
         self._holder = job
+        self._evicted.pop(job, None)  # (kept until then: a late Yield is told why)
         self._receivers = attached
         self._undelivered = 0
         self._answered = attached  # (less the parts of sets: on_granted_to_set_parts)
