@@ -194,6 +194,17 @@ async def test_lock_timeout_rolls_back_and_is_transient(node: Node) -> None:
     assert caught.value.retry_after > 0
 
 
+async def test_a_lock_timeout_is_confirmed_by_reading_the_state(node: Node) -> None:
+    # The driver said "not ready" but the lock took: the snapshot goes on.
+    node.driver.lock_times_out(pid=node.pids[0], leave_state=S.LOCKED)
+    await node.backend().snapshot(job(node.pids[:1]), OFFLOAD)
+    assert node.states()[0] is S.CHECKPOINTED
+    # The driver said "not ready" and left the process FAILED: no "try later".
+    node.driver.lock_times_out(pid=node.pids[1], leave_state=S.FAILED)
+    with pytest.raises(base.FatalBackendError, match="now failed, not running"):
+        await node.backend().snapshot(job(node.pids[1:2]), OFFLOAD)
+
+
 async def test_checkpoint_failure_after_lock_unlocks_and_reports(node: Node) -> None:
     node.driver.fail("checkpoint", pid=node.pids[0], message="out of host memory")
     with pytest.raises(base.FatalBackendError) as caught:

@@ -70,6 +70,8 @@ FAKE_TOOL = textwrap.dedent("""\
         time.sleep(120)
     if fault == "timeout":
         finish(1, "Error: lock operation timed out")
+    if fault == "not-ready":
+        finish(1, "Error locking process: CUDA_ERROR_NOT_READY (device not ready)")
     if fault:
         finish(2, fault)
     want, new = {"lock": ("running", "locked"), "checkpoint": ("locked", "checkpointed"),
@@ -148,11 +150,15 @@ async def test_binary_driver_errors_carry_the_tool_output(tool: FakeTool) -> Non
         await driver.get_state(7)
 
 
-async def test_binary_driver_recognises_a_lock_timeout(tool: FakeTool) -> None:
-    tool.set(states={42: "running"}, faults={"lock": "timeout"})
+@pytest.mark.parametrize(("fault", "said"), [("timeout", "timed out"), ("not-ready", "NOT_READY")])
+async def test_binary_driver_recognises_a_lock_timeout(
+    tool: FakeTool, fault: str, said: str
+) -> None:
+    tool.set(states={42: "running"}, faults={"lock": fault})
     driver = cuda_binary.BinaryDriver(path=str(tool.path))
-    with pytest.raises(cuda_driver.LockTimeoutError, match="timed out"):
-        await driver.lock(42, timeout_ms=100)
+    # A long timeout: the tool's words say it, not the time the call took.
+    with pytest.raises(cuda_driver.LockTimeoutError, match=said):
+        await driver.lock(42, timeout_ms=600_000)
     assert tool.states() == {42: "running"}
 
 
@@ -271,6 +277,7 @@ def test_normalize_gpu_uuid_refuses_indexes() -> None:
 class _CUresult(enum.IntEnum):
     CUDA_SUCCESS = 0
     CUDA_ERROR_INVALID_VALUE = 1
+    CUDA_ERROR_NOT_READY = 600
     CUDA_ERROR_NO_DEVICE = 100
     CUDA_ERROR_ILLEGAL_STATE = 401
     CUDA_ERROR_NOT_FOUND = 500
@@ -366,12 +373,24 @@ async def test_bindings_driver_calls_and_state_mapping() -> None:
     assert await driver.device_count() == 8
 
 
+@pytest.mark.parametrize("code", [_CUresult.CUDA_ERROR_NOT_READY, _CUresult.CUDA_ERROR_TIMEOUT])
+async def test_bindings_driver_takes_not_ready_as_the_lock_timeout(code: _CUresult) -> None:
+    # cuCheckpointProcessLock documents CUDA_ERROR_NOT_READY for a timeoutMs that ran out.
+    module = FakeCudaModule()
+    driver = cuda_bindings.BindingsDriver(module=module)
+    module.errors["lock"] = code
+    with pytest.raises(cuda_driver.LockTimeoutError, match=code.name):
+        await driver.lock(5, timeout_ms=10)
+    # The same code from another call is no timeout.
+    module.errors["checkpoint"] = code
+    with pytest.raises(cuda_driver.DriverError) as caught:
+        await driver.checkpoint(5)
+    assert not isinstance(caught.value, cuda_driver.LockTimeoutError)
+
+
 async def test_bindings_driver_maps_errors() -> None:
     module = FakeCudaModule()
     driver = cuda_bindings.BindingsDriver(module=module)
-    module.errors["lock"] = _CUresult.CUDA_ERROR_TIMEOUT
-    with pytest.raises(cuda_driver.LockTimeoutError, match="CUDA_ERROR_TIMEOUT"):
-        await driver.lock(5, timeout_ms=10)
     module.errors["checkpoint"] = _CUresult.CUDA_ERROR_ILLEGAL_STATE
     with pytest.raises(cuda_driver.DriverError) as caught:
         await driver.checkpoint(5)
@@ -411,6 +430,16 @@ def test_bindings_driver_without_libcuda_or_checkpoint_api() -> None:
 
 
 # --------------------------------------------------------------------------- the fake
+
+
+async def test_fake_driver_times_out_a_lock_as_the_driver_does() -> None:
+    driver = cuda_fake.FakeDriver()
+    driver.add_process(1)
+    driver.lock_times_out(pid=1)
+    with pytest.raises(cuda_driver.LockTimeoutError) as caught:
+        await driver.lock(1, timeout_ms=1)
+    assert caught.value.code == "CUDA_ERROR_NOT_READY"
+    assert await driver.get_state(1) is S.RUNNING
 
 
 async def test_fake_driver_enforces_the_driver_state_machine() -> None:

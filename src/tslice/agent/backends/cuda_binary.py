@@ -15,6 +15,8 @@ from tslice.agent.backends import base, cuda_driver
 
 #: Where the reference image ships the tool when it is not on PATH.
 FALLBACK_BINARY = "/usr/local/bin/cuda-checkpoint"
+#: Words of a failed lock's output that say its timeout ran out.
+_LOCK_TIMEOUT_WORDS = ("not ready", "not_ready", "timeout", "timed out")
 
 
 def find_binary(explicit: str | None = None) -> str | None:
@@ -73,11 +75,11 @@ class BinaryDriver(cuda_driver.CheckpointDriver):
                 f"exited with {proc.returncode}: {shown}"
             )
             lowered = output.lower()
-            # The tool's wording is not specified: a failed lock that mentions a
-            # timeout, or that took the whole timeout, is a timeout.
+            # The tool's wording is not specified: a failed lock that names the
+            # driver's timeout code (CUDA_ERROR_NOT_READY, "device not ready"), mentions
+            # a timeout, or took the whole timeout, is a timeout.
             timed_out = op == "lock" and (
-                "timeout" in lowered
-                or "timed out" in lowered
+                any(word in lowered for word in _LOCK_TIMEOUT_WORDS)
                 or (time.monotonic() - started) * 1000 >= lock_timeout_ms > 0
             )
             error_cls = cuda_driver.LockTimeoutError if timed_out else cuda_driver.DriverError

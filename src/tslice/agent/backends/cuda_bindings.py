@@ -116,7 +116,7 @@ class BindingsDriver(cuda_driver.CheckpointDriver):
         message = f"{op} of pid {pid} failed with {code}" + (f": {detail}" if detail else "")
         error_cls = (
             cuda_driver.LockTimeoutError
-            if op == "lock" and code == "CUDA_ERROR_TIMEOUT"
+            if op == "lock" and code in cuda_driver.LOCK_TIMEOUT_CODES
             else cuda_driver.DriverError
         )
         raise error_cls(message, pid=pid, op=op, code=code)

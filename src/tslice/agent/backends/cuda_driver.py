@@ -63,7 +63,13 @@ class DriverError(Exception):
 
 
 class LockTimeoutError(DriverError):
-    """The lock did not take within its timeout; the process is still RUNNING."""
+    """The lock did not take within its timeout; the process is still RUNNING (the
+    caller confirms that by reading the state: :meth:`ProcessSteps.save`)."""
+
+
+#: What ``cuCheckpointProcessLock`` returns when its ``timeoutMs`` ran out: the driver
+#: documents ``CUDA_ERROR_NOT_READY``; ``CUDA_ERROR_TIMEOUT`` is taken the same way.
+LOCK_TIMEOUT_CODES = frozenset({"CUDA_ERROR_NOT_READY", "CUDA_ERROR_TIMEOUT"})
 
 
 GpuPairs = Mapping[str, str]

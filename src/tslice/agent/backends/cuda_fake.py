@@ -80,9 +80,18 @@ class FakeDriver(cuda_driver.CheckpointDriver):
         (or ``error``), leaving the process in ``leave_state`` if given."""
         self._faults.append(_Fault(op, pid, times, "error", message, leave_state, error))
 
-    def lock_times_out(self, *, pid: int | None = None, times: int = 1) -> None:
-        """Make the next ``times`` locks raise LockTimeoutError (the process stays RUNNING)."""
-        self._faults.append(_Fault("lock", pid, times, "lock-timeout", "lock timed out"))
+    def lock_times_out(
+        self,
+        *,
+        pid: int | None = None,
+        times: int = 1,
+        leave_state: cuda_driver.ProcessState | None = None,
+    ) -> None:
+        """Make the next ``times`` locks report the driver's timeout (CUDA_ERROR_NOT_READY);
+        the process stays RUNNING unless ``leave_state`` says otherwise."""
+        self._faults.append(
+            _Fault("lock", pid, times, "lock-timeout", "lock timed out", leave_state)
+        )
 
     def hang(self, op: str, *, pid: int | None = None, times: int = 1) -> None:
         """Make the next ``times`` calls of ``op`` block until :meth:`release` or cancel."""
@@ -116,11 +125,14 @@ class FakeDriver(cuda_driver.CheckpointDriver):
                 self.hung.set()
                 await self._release.wait()
             elif fault.kind == "lock-timeout":
+                if fault.leave_state is not None:
+                    self.states[pid] = fault.leave_state
+                # What the driver returns when the lock's timeoutMs runs out.
                 raise cuda_driver.LockTimeoutError(
-                    f"lock of pid {pid} failed with CUDA_ERROR_TIMEOUT",
+                    f"lock of pid {pid} failed with CUDA_ERROR_NOT_READY: device not ready",
                     pid=pid,
                     op=op,
-                    code="CUDA_ERROR_TIMEOUT",
+                    code="CUDA_ERROR_NOT_READY",
                 )
             else:
                 if fault.leave_state is not None:

@@ -82,12 +82,34 @@ class ProcessSteps:
         if state is FAILED:
             raise _failed(pid, "the process must be restarted")
         if state is RUNNING:
-            timeout_ms = self._lock_timeout_ms(deadline)
-            await self.step(
-                lambda: driver.lock(pid, timeout_ms=timeout_ms), deadline, pid=pid, op="lock"
-            )
+            await self.lock(pid, deadline)
         await self.step(lambda: driver.checkpoint(pid), deadline, pid=pid, op="checkpoint")
         return "checkpointed"
+
+    async def lock(self, pid: int, deadline: Deadline) -> None:
+        """RUNNING → LOCKED within the lock timeout. A timeout the driver reports is
+        confirmed by reading the state: still RUNNING, it is a LockTimeoutError (nothing
+        changed); LOCKED after all, the lock took; anything else is a DriverError."""
+        timeout_ms = self._lock_timeout_ms(deadline)
+        try:
+            await self.step(
+                lambda: self.driver.lock(pid, timeout_ms=timeout_ms),
+                deadline,
+                pid=pid,
+                op="lock",
+            )
+        except cuda_driver.LockTimeoutError as timed_out:
+            now = await self.state(pid, deadline)
+            if now is RUNNING:
+                raise
+            if now is LOCKED:
+                return
+            raise cuda_driver.DriverError(
+                f"{timed_out}, and the process is now {now.value}, not running",
+                pid=pid,
+                op="lock",
+                code=timed_out.code,
+            ) from timed_out
 
     async def resume(
         self, pid: int, deadline: Deadline, *, gpu_pairs: Mapping[str, str] | None
