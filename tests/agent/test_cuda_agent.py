@@ -101,7 +101,7 @@ async def test_a_lock_timeout_is_retried_by_the_agent(agents: Any, node: GpuNode
     snap = await agent.snapshot("job-a", backend_config=node.config())
     assert snap.status == pb.OPERATION_STATUS_COMPLETE, snap.error
     assert node.driver.calls.count(("lock", node.pids[1])) == 2
-    assert ("restore", node.pids[0]) in node.driver.calls  # the rollback of the first try
+    assert ("unlock", node.pids[0]) in node.driver.calls  # the rollback of the first try
 
 
 async def test_checkpoint_failure_faults_then_reset_finds_it_running(

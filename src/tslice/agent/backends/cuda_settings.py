@@ -28,9 +28,19 @@ class CudaSettings:
     operation_timeout_s: float = 300.0
     #: Budget for rolling a failed snapshot back, seconds. Default 120.
     rollback_timeout_s: float = 120.0
-    #: GPU remap applied at every restore, old UUID → new UUID (driver >= 580).
-    #: The driver wants every GPU the process can see in the map. Default: none.
+    #: GPU remap applied at every restore, old UUID → new UUID (driver >= 580 and a
+    #: cuda-bindings with ``gpuPairs``, checked at start). A permutation of the node's
+    #: GPUs: the driver wants every checkpointed GPU in the map. Applied at *every*
+    #: restore, so a map other than the identity moves the jobs at every cycle: it is for
+    #: restoring states saved before the node's GPUs were renumbered or swapped, once.
+    #: A map the driver refuses is dropped (the job lands where it was). Default: none.
     device_map: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    #: Processes of a job moved at once per phase (lock, checkpoint, restore, unlock);
+    #: 0 = all of them (one per GPU link). Default 0.
+    parallel_processes: int = 0
+    #: Longest wait for one state read, seconds (it can hang: cuda-checkpoint #30).
+    #: Default 30; the operation then fails, changing nothing.
+    state_timeout_s: float = 30.0
     #: Where process information lives (tests point this at a fixture tree).
     proc_root: str = "/proc"
     #: Measure bytes moved with NVML. Default true; without NVML bytes read 0.
@@ -52,6 +62,8 @@ class _SettingsModel(pydantic.BaseModel):
     operation_timeout_s: float = pydantic.Field(300.0, gt=0)
     rollback_timeout_s: float = pydantic.Field(120.0, gt=0)
     device_map: dict[str, str] = pydantic.Field(default_factory=dict)
+    parallel_processes: int = pydantic.Field(0, ge=0)
+    state_timeout_s: float = pydantic.Field(30.0, gt=0)
     proc_root: str = "/proc"
     measure_bytes: bool = True
     repair_on_recover: bool = True
@@ -59,10 +71,17 @@ class _SettingsModel(pydantic.BaseModel):
     @pydantic.field_validator("device_map")
     @classmethod
     def _uuids(cls, value: dict[str, str]) -> dict[str, str]:
-        return {
+        mapped = {
             cuda_driver.normalize_gpu_uuid(k): cuda_driver.normalize_gpu_uuid(v)
             for k, v in value.items()
         }
+        if set(mapped.values()) != set(mapped):
+            raise ValueError(
+                "device_map must be a permutation of the node's GPUs: every GPU it maps "
+                "from is mapped to, once (the driver restores only with every checkpointed "
+                "GPU in the map)"
+            )
+        return mapped
 
 
 def parse_settings(settings: Mapping[str, Any]) -> CudaSettings:
