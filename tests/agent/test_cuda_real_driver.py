@@ -326,3 +326,25 @@ async def test_a_map_the_driver_refuses_lands_the_job_where_it_was_once(
 async def test_settings_reject_a_map_that_is_no_permutation() -> None:
     with pytest.raises(errors.ConfigError, match="permutation"):
         cuda_settings.parse_settings({"device_map": {GPU0: GPU1, GPU1: GPU1}})
+
+
+# --------------------------------------------------------------------------- NVML on MIG
+
+
+async def test_on_a_mig_gpu_processes_are_found_and_the_unknown_bytes_said(
+    node: Node, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Per-process memory reads N/A on a MIG-enabled GPU: the processes must still be
+    # matched to the group's devices (they were all dropped), and the log says why the
+    # bytes read 0.
+    gpu0 = node.nvml.gpus[0]
+    for pid in node.pids:
+        gpu0.compute[pid] = None
+        node.registry.register(job_id="rl-a", pid=pid)
+    backend = node.backend()
+    ctx = base.JobContext(job_id="rl-a", group="pool", devices=(0,))
+    with caplog.at_level(logging.WARNING):
+        saved = await backend.snapshot(ctx, OFFLOAD)
+    assert saved.state["pids"] == node.pids
+    assert node.states() == [S.CHECKPOINTED] * 3
+    assert any("MIG-enabled" in r.getMessage() for r in caplog.records)

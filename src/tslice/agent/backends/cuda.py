@@ -75,6 +75,7 @@ class CudaBackend(base.Backend):
         self._nvml = nvml
         self._nvml_problem: str | None = None
         self._busy: dict[int, str] = {}
+        self._said_unknown: set[int] = set()
         #: Why the driver refused ``device_map`` at a restore: it is not tried again.
         self.map_refused = ""
         self.targets = cuda_targets.TargetFinder(
@@ -185,6 +186,15 @@ class CudaBackend(base.Backend):
         except Exception as exc:  # measuring must never fail an operation
             log.warning("NVML query failed; bytes read 0", exc_info=exc)
             return {}
+        unknown = discovery.memory_unknown(procs) & set(pids)
+        if unknown - self._said_unknown:
+            self._said_unknown |= unknown
+            log.warning(
+                "NVML cannot tell the device memory of processes %s (N/A: a MIG-enabled "
+                "GPU, or vGPU): bytes moved read 0 for them, and that they released "
+                "their memory cannot be checked per process",
+                sorted(unknown),
+            )
         totals = discovery.device_bytes_by_pid(procs)
         return {pid: totals.get(pid, 0) for pid in pids}
 
