@@ -165,6 +165,25 @@ def descends_from(
     return False
 
 
+#: What NCCL names its shared-memory segments (``/dev/shm/nccl-XXXXXX``): a process that
+#: maps one holds a communicator with peers on this node.
+NCCL_SHM_MARK = "/dev/shm/nccl-"
+
+
+def holds_nccl_peers(pid: int, *, proc_root: str | os.PathLike[str] = "/proc") -> bool:
+    """Whether ``pid`` maps an NCCL shared-memory segment (a communicator with a peer on
+    this node, through the SHM or P2P transport); False if its maps cannot be read.
+
+    A heuristic, documented as such: loading libnccl (every PyTorch CUDA process does)
+    is not enough; a communicator between processes of one node is.
+    """
+    try:
+        with (Path(proc_root) / str(pid) / "maps").open(errors="replace") as maps:
+            return any(NCCL_SHM_MARK in line for line in maps)
+    except OSError:
+        return False
+
+
 class InvalidPidError(ValueError):
     """A PID given by the caller is not usable; the message says which and why."""
 

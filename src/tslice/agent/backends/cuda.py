@@ -154,6 +154,8 @@ class CudaBackend(base.Backend):
             deadline=cuda_steps.Deadline(self.settings.operation_timeout_s),
             rollback_budget_s=self.settings.rollback_timeout_s,
             parallel=self.settings.parallel_processes,
+            hooks=self.registry.hooks,
+            hook_timeout_s=self.settings.hook_timeout_s,
         )
 
     async def _open_nvml(self) -> nvml_mod.Nvml | None:
@@ -251,6 +253,7 @@ class CudaBackend(base.Backend):
         steps = await self._steps()
         targets = await self.targets.for_snapshot(job)
         pids = [t.pid for t in targets]
+        self._refuse_unquiesced_nccl(job, pids)
         async with self._claim(job.job_id, pids, steps.driver):
             before = await self._measure(pids)
             moved = await self._moves(steps, job).snapshot(pids)
@@ -264,6 +267,26 @@ class CudaBackend(base.Backend):
             host_bytes=sum(saved.values()),
             state=self._state(kept, steps.driver, saved),
         )
+
+    def _refuse_unquiesced_nccl(self, job: base.JobContext, pids: list[int]) -> None:
+        """Refuse, before anything is touched, ranks that would hang once one is locked."""
+        if not self.settings.nccl_guard:
+            return
+        root = self.settings.proc_root
+        ranks = [pid for pid in pids if discovery.holds_nccl_peers(pid, proc_root=root)]
+        bare = [pid for pid in pids if not self.registry.hooks.has(pid)]
+        if ranks and bare:
+            raise base.RefusedBackendError(
+                f"job {job.job_id!r}: process(es) {ranks} hold NCCL communicators with peers "
+                "on this node (they map /dev/shm/nccl-* segments), and process(es) "
+                f"{bare} announced no quiesce hook. Locked from the outside, one rank makes "
+                "the others' collectives hang (cuda-checkpoint #30, #45). Suspend the "
+                "communicators first: announce every process with hooks "
+                "(tslice.workload.process.announce_process(job_id, quiesce=..., resume=...): "
+                "ncclCommSuspend/ncclCommResume from NCCL 2.29.7, or parking each rank at "
+                "the end of a step), or move the job with the app-channel backend. Nothing "
+                "was changed (the cuda backend's nccl_guard: false turns this check off)"
+            )
 
     async def restore(self, job: base.JobContext) -> base.OpResult:
         """Restore and unlock every process of the job (no-op for running ones)."""

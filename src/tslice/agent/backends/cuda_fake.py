@@ -85,6 +85,13 @@ class FakeDriver(cuda_driver.CheckpointDriver):
         #: Each process's own link, bytes per second: checkpoint and restore take
         #: ``bytes / copy_bytes_per_s`` (None: no time at all).
         self.copy_bytes_per_s = copy_bytes_per_s
+        #: A model of the processes (tests with real ones): the lock waits, up to its
+        #: timeout, until ``lock_ready(pid)`` (the process has no CUDA call in flight,
+        #: e.g. not inside a collective), then ``on_lock(pid)`` stops it from making
+        #: more; ``on_unlock(pid)`` lets it go on.
+        self.lock_ready: Callable[[int], bool] | None = None
+        self.on_lock: Callable[[int], None] | None = None
+        self.on_unlock: Callable[[int], None] | None = None
 
     def add_process(
         self,
@@ -242,6 +249,24 @@ class FakeDriver(cuda_driver.CheckpointDriver):
                 code="CUDA_ERROR_ILLEGAL_STATE",
             )
 
+    async def _wait_lockable(self, pid: int, timeout_ms: int) -> None:
+        """As the driver's lock: wait for the process's calls in flight to end, at most
+        ``timeout_ms``; then CUDA_ERROR_NOT_READY, the process still running."""
+        ready = self.lock_ready
+        if ready is None:
+            return
+        loop = asyncio.get_running_loop()
+        end = loop.time() + timeout_ms / 1000
+        while not ready(pid):
+            if loop.time() >= end:
+                raise cuda_driver.LockTimeoutError(
+                    f"lock of pid {pid} failed with CUDA_ERROR_NOT_READY: device not ready",
+                    pid=pid,
+                    op="lock",
+                    code="CUDA_ERROR_NOT_READY",
+                )
+            await asyncio.sleep(0.002)  # the driver polls the process's calls too
+
     async def _copy(self, pid: int, nbytes: int) -> None:
         """The time a copy of the process's memory takes over its own link."""
         if self.copy_bytes_per_s:
@@ -266,6 +291,9 @@ class FakeDriver(cuda_driver.CheckpointDriver):
     async def lock(self, pid: int, *, timeout_ms: int) -> None:
         async def lock() -> None:
             self._expect("lock", pid, cuda_driver.ProcessState.RUNNING)
+            await self._wait_lockable(pid, timeout_ms)
+            if self.on_lock is not None:
+                self.on_lock(pid)
             self.states[pid] = cuda_driver.ProcessState.LOCKED
 
         await self._call("lock", pid, lock)
@@ -300,6 +328,8 @@ class FakeDriver(cuda_driver.CheckpointDriver):
     async def unlock(self, pid: int) -> None:
         async def unlock() -> None:
             self._expect("unlock", pid, cuda_driver.ProcessState.LOCKED)
+            if self.on_unlock is not None:
+                self.on_unlock(pid)
             self.states[pid] = cuda_driver.ProcessState.RUNNING
 
         await self._call("unlock", pid, unlock)

@@ -38,6 +38,7 @@ import logging
 from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from typing import Literal, Protocol
 
+from tslice.agent import quiesce
 from tslice.agent.backends import base, cuda_driver, cuda_steps
 
 log = logging.getLogger(__name__)
@@ -49,18 +50,14 @@ FAILED = cuda_steps.FAILED
 Kind = Literal["snapshot", "restore"]
 
 
-class HookError(Exception):
-    """A workload's quiesce hook failed or did not answer; the message says which."""
-
-
 class Hooks(Protocol):
-    """Workload hooks around a move (see :mod:`tslice.agent.quiesce`)."""
+    """Workload hooks around a move (:class:`tslice.agent.quiesce.ProcessHooks`)."""
 
-    async def quiesce(self, pids: Sequence[int]) -> None:
+    async def quiesce(self, pids: Sequence[int], *, timeout_s: float) -> None:
         """Ask the processes to reach a safe point (communicators suspended) before they
-        are locked; raise HookError if one cannot."""
+        are locked; raise :class:`tslice.agent.quiesce.HookError` if one cannot."""
 
-    async def resume(self, pids: Sequence[int]) -> None:
+    async def resume(self, pids: Sequence[int], *, timeout_s: float) -> None:
         """Let them go on (communicators resumed); never raises."""
 
 
@@ -88,6 +85,7 @@ class JobMoves:
         rollback_budget_s: float,
         parallel: int = 0,
         hooks: Hooks | None = None,
+        hook_timeout_s: float = 60.0,
     ) -> None:
         self.steps = steps
         self.job_id = job_id
@@ -95,6 +93,7 @@ class JobMoves:
         self.rollback_budget_s = rollback_budget_s
         self._gate = asyncio.Semaphore(parallel) if parallel > 0 else None
         self.hooks = hooks
+        self.hook_timeout_s = hook_timeout_s
         self._order: list[int] = []
 
     # ------------------------------------------------------------------ snapshot
@@ -347,9 +346,9 @@ class JobMoves:
         if self.hooks is None or not pids:
             return
         try:
-            await self.hooks.quiesce(pids)
-        except HookError as exc:
-            await self.hooks.resume(pids)
+            await self.hooks.quiesce(pids, timeout_s=self.hook_timeout_s)
+        except quiesce.HookError as exc:
+            await self.hooks.resume(pids, timeout_s=self.hook_timeout_s)
             raise base.RefusedBackendError(
                 f"snapshot of job {self.job_id!r}: a workload hook could not quiesce the "
                 f"processes before they were locked ({exc}); nothing was changed"
@@ -357,7 +356,7 @@ class JobMoves:
 
     async def _resume(self, pids: Sequence[int]) -> None:
         if self.hooks is not None and pids:
-            await self.hooks.resume(pids)
+            await self.hooks.resume(pids, timeout_s=self.hook_timeout_s)
 
     def _first(self, failures: Mapping[int, BaseException]) -> tuple[int, BaseException]:
         pid = next(p for p in self._order if p in failures)

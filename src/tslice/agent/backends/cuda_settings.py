@@ -41,6 +41,13 @@ class CudaSettings:
     #: Longest wait for one state read, seconds (it can hang: cuda-checkpoint #30).
     #: Default 30; the operation then fails, changing nothing.
     state_timeout_s: float = 30.0
+    #: Refuse (nothing changed) a snapshot of a job whose processes hold NCCL
+    #: communicators with peers on this node (they map ``/dev/shm/nccl-*``) unless every
+    #: process of the job announced quiesce hooks: locking one rank makes the others'
+    #: collectives hang (cuda-checkpoint #30, #45). Default true.
+    nccl_guard: bool = True
+    #: How long a workload's quiesce or resume hook may take, seconds. Default 60.
+    hook_timeout_s: float = 60.0
     #: Where process information lives (tests point this at a fixture tree).
     proc_root: str = "/proc"
     #: Measure bytes moved with NVML. Default true; without NVML bytes read 0.
@@ -64,6 +71,8 @@ class _SettingsModel(pydantic.BaseModel):
     device_map: dict[str, str] = pydantic.Field(default_factory=dict)
     parallel_processes: int = pydantic.Field(0, ge=0)
     state_timeout_s: float = pydantic.Field(30.0, gt=0)
+    nccl_guard: bool = True
+    hook_timeout_s: float = pydantic.Field(60.0, gt=0)
     proc_root: str = "/proc"
     measure_bytes: bool = True
     repair_on_recover: bool = True
