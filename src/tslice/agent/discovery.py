@@ -62,6 +62,17 @@ def gpu_processes(nvml: nvml_mod.Nvml) -> list[GpuProcess]:
     return sorted(found.values(), key=lambda p: (p.pid, p.device))
 
 
+def listed_without_memory(nvml: nvml_mod.Nvml) -> set[int]:
+    """PIDs that NVML lists (so it sees them, in this PID namespace) with 0 bytes on
+    every device: a CUDA context and nothing to move (a launcher, a Ray daemon)."""
+    empty: set[int] = set()
+    holding: set[int] = set()
+    for index in range(nvml.device_count()):
+        for proc in nvml.processes(index):
+            (empty if proc.used_bytes == 0 else holding).add(proc.pid)
+    return empty - holding
+
+
 def memory_unknown(processes: Iterable[GpuProcess]) -> set[int]:
     """PIDs whose device memory NVML cannot tell on some device (MIG, vGPU)."""
     return {proc.pid for proc in processes if not proc.memory_known}

@@ -44,6 +44,7 @@ from tslice.agent.backends import (
     cuda_settings,
     cuda_steps,
     cuda_targets,
+    cuda_verify,
     services,
 )
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
@@ -178,27 +179,27 @@ class CudaBackend(base.Backend):
             return None
         return await self._open_nvml()
 
-    async def _measure(self, pids: list[int]) -> dict[int, int]:
-        """Device bytes per PID now (empty if NVML is unavailable)."""
+    async def _read(self, pids: list[int]) -> cuda_verify.Reading:
+        """What NVML says the processes hold now (never raises: measuring must not fail
+        an operation, the reading says why it is missing)."""
         nvml = await self._get_nvml()
         if nvml is None:
-            return {}
+            why = self._nvml_problem or "measure_bytes is off"
+            return cuda_verify.unread(why, pids)
         try:
-            procs = await asyncio.to_thread(discovery.gpu_processes, nvml)
-        except Exception as exc:  # measuring must never fail an operation
+            reading = await asyncio.to_thread(cuda_verify.read, nvml, pids)
+        except Exception as exc:
             log.warning("NVML query failed; bytes read 0", exc_info=exc)
-            return {}
-        unknown = discovery.memory_unknown(procs) & set(pids)
-        if unknown - self._said_unknown:
-            self._said_unknown |= unknown
+            return cuda_verify.unread(f"the NVML query failed ({exc})", pids)
+        if reading.unknown - self._said_unknown:
+            self._said_unknown |= reading.unknown
             log.warning(
                 "NVML cannot tell the device memory of processes %s (N/A: a MIG-enabled "
                 "GPU, or vGPU): bytes moved read 0 for them, and that they released "
                 "their memory cannot be checked per process",
-                sorted(unknown),
+                sorted(reading.unknown),
             )
-        totals = discovery.device_bytes_by_pid(procs)
-        return {pid: totals.get(pid, 0) for pid in pids}
+        return reading
 
     @contextlib.asynccontextmanager
     async def _claim(
@@ -255,17 +256,31 @@ class CudaBackend(base.Backend):
         pids = [t.pid for t in targets]
         self._refuse_unquiesced_nccl(job, pids)
         async with self._claim(job.job_id, pids, steps.driver):
-            before = await self._measure(pids)
-            moved = await self._moves(steps, job).snapshot(pids)
-            after = await self._measure(pids)
+            before = await self._read(pids)
+            moved = await self._moves(steps, job).snapshot(pids, idle=before.idle)
+            after = await self._read(pids)
         kept = [t for t in targets if t.pid in moved.pids]
+        held = cuda_verify.still_held(
+            after, moved.pids, tolerance=self.settings.released_tolerance_bytes
+        )
+        if held:
+            shown = ", ".join(f"pid {pid} {n} bytes" for pid, n in held.items())
+            raise base.FatalBackendError(
+                f"snapshot of job {job.job_id!r}: the driver checkpointed its processes, but "
+                f"NVML still shows {sum(held.values())} bytes of theirs on the device "
+                f"({shown}; tolerance {self.settings.released_tolerance_bytes} bytes): the "
+                "memory is not free for the next job, so the job is not SAVED"
+            )
         previous = {int(k): int(v) for k, v in job.state.get("saved_bytes", {}).items()}
-        saved = {t.pid: before.get(t.pid, 0) or previous.get(t.pid, 0) for t in kept}
-        freed = max(0, sum(before.values()) - sum(after.values()))
+        saved = {t.pid: before.bytes.get(t.pid, 0) or previous.get(t.pid, 0) for t in kept}
+        state = self._state(kept, steps.driver, saved)
+        state["released"] = cuda_verify.verification(after, moved.pids)
+        if moved.skipped:
+            state["skipped"] = {str(pid): why for pid, why in moved.skipped.items()}
         return base.OpResult(
-            device_bytes=freed,
+            device_bytes=max(0, before.total() - after.total()),
             host_bytes=sum(saved.values()),
-            state=self._state(kept, steps.driver, saved),
+            state=state,
         )
 
     def _refuse_unquiesced_nccl(self, job: base.JobContext, pids: list[int]) -> None:
@@ -295,9 +310,9 @@ class CudaBackend(base.Backend):
         pids = [t.pid for t in targets]
         pairs = dict(self.settings.device_map) if not self.map_refused else {}
         async with self._claim(job.job_id, pids, steps.driver):
-            before = await self._measure(pids)
+            before = await self._read(pids)
             moved, _changed = await self._moves(steps, job).restore(pids, gpu_pairs=pairs or None)
-            after = await self._measure(pids)
+            after = await self._read(pids)
         if moved.map_refused:
             self.map_refused = moved.map_refused
             log.error(
@@ -305,7 +320,7 @@ class CudaBackend(base.Backend):
                 "from, and the map is not used again until the agent restarts",
                 extra={"job_id": job.job_id, "reason": moved.map_refused},
             )
-        landed = max(0, sum(after.values()) - sum(before.values()))
+        landed = max(0, after.total() - before.total())
         state = self._state(targets, steps.driver, {})
         if moved.map_refused:
             state["device_map_refused"] = moved.map_refused

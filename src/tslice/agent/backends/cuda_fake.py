@@ -90,6 +90,9 @@ class FakeDriver(cuda_driver.CheckpointDriver):
         #: e.g. not inside a collective), then ``on_lock(pid)`` stops it from making
         #: more; ``on_unlock(pid)`` lets it go on.
         self.lock_ready: Callable[[int], bool] | None = None
+        #: Processes whose checkpoint succeeds but leaves their memory on the device
+        #: (what the freed-memory check must catch).
+        self.keeps_memory: set[int] = set()
         self.on_lock: Callable[[int], None] | None = None
         self.on_unlock: Callable[[int], None] | None = None
 
@@ -304,7 +307,7 @@ class FakeDriver(cuda_driver.CheckpointDriver):
             nbytes = self._bytes_of(pid)
             await self._copy(pid, nbytes)
             self._held[pid] = nbytes
-            if self.nvml is not None:
+            if self.nvml is not None and pid not in self.keeps_memory:
                 self._parked[pid] = self.nvml.take_process(pid)
             self.states[pid] = cuda_driver.ProcessState.CHECKPOINTED
 

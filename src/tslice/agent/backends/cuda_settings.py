@@ -50,8 +50,13 @@ class CudaSettings:
     hook_timeout_s: float = 60.0
     #: Where process information lives (tests point this at a fixture tree).
     proc_root: str = "/proc"
-    #: Measure bytes moved with NVML. Default true; without NVML bytes read 0.
+    #: Measure bytes moved with NVML, and check that a snapshot freed the processes'
+    #: memory. Default true; without NVML bytes read 0 and the release is not verified.
     measure_bytes: bool = True
+    #: Device bytes a checkpointed process may still show in NVML; more makes the
+    #: snapshot fatal (the job FAULTED, never SAVED with its memory held). Default
+    #: 16 MiB (a checkpointed process normally shows none: it leaves NVML's list).
+    released_tolerance_bytes: int = 16 * 2**20
     #: On recover(): unlock processes left LOCKED and checkpoint the resident rest of a
     #: half-checkpointed job, so the job ends SAVED or RUNNING instead of FAULTED. Both
     #: actions only keep or free device memory, never load it. Default true.
@@ -75,6 +80,7 @@ class _SettingsModel(pydantic.BaseModel):
     hook_timeout_s: float = pydantic.Field(60.0, gt=0)
     proc_root: str = "/proc"
     measure_bytes: bool = True
+    released_tolerance_bytes: int = pydantic.Field(16 * 2**20, ge=0)
     repair_on_recover: bool = True
 
     @pydantic.field_validator("device_map")

@@ -293,7 +293,7 @@ class GetOperationRequest(_message.Message):
     def __init__(self, operation_id: _Optional[str] = ...) -> None: ...
 
 class GetOperationResponse(_message.Message):
-    __slots__ = ("status", "storage_bytes", "snapshot_device_bytes", "elapsed_ms", "error", "job_id", "kind", "group")
+    __slots__ = ("status", "storage_bytes", "snapshot_device_bytes", "elapsed_ms", "error", "job_id", "kind", "group", "throughput_gbps")
     STATUS_FIELD_NUMBER: _ClassVar[int]
     STORAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     SNAPSHOT_DEVICE_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -302,6 +302,7 @@ class GetOperationResponse(_message.Message):
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     GROUP_FIELD_NUMBER: _ClassVar[int]
+    THROUGHPUT_GBPS_FIELD_NUMBER: _ClassVar[int]
     status: OperationStatus
     storage_bytes: int
     snapshot_device_bytes: int
@@ -310,7 +311,8 @@ class GetOperationResponse(_message.Message):
     job_id: str
     kind: str
     group: str
-    def __init__(self, status: _Optional[_Union[OperationStatus, str]] = ..., storage_bytes: _Optional[int] = ..., snapshot_device_bytes: _Optional[int] = ..., elapsed_ms: _Optional[int] = ..., error: _Optional[str] = ..., job_id: _Optional[str] = ..., kind: _Optional[str] = ..., group: _Optional[str] = ...) -> None: ...
+    throughput_gbps: float
+    def __init__(self, status: _Optional[_Union[OperationStatus, str]] = ..., storage_bytes: _Optional[int] = ..., snapshot_device_bytes: _Optional[int] = ..., elapsed_ms: _Optional[int] = ..., error: _Optional[str] = ..., job_id: _Optional[str] = ..., kind: _Optional[str] = ..., group: _Optional[str] = ..., throughput_gbps: _Optional[float] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
     __slots__ = ()
