@@ -14,8 +14,17 @@ Why this shape:
   rather than reading freed memory; restore re-points it at its original
   storage, which is resized back and refilled.
 * **Host buffers are paid for once.** Each tag owns one flat byte buffer
-  (pinned when the tensors are on a CUDA device), sized at the first offload and
-  reused by every later one; it grows only if the tag's tensors grow.
+  (pinned when the tensors are on a CUDA device, at its exact size: no power-of-two
+  rounding), sized at the first offload and reused by every later one; it grows only
+  if the tag's tensors grow.
+* **What did not change is not copied again** (``skip_unchanged``). After a restore
+  the host buffer still holds every storage's bytes; a storage none of whose tensors
+  has been written since (their version counters, ``tensor._version``, unchanged: any
+  in-place operation, an optimizer step included, bumps them) is only freed at the
+  next snapshot, not copied. With a frozen base model or LoRA a snapshot then moves
+  only the trainable part. Writes through ``tensor.data`` (``p.data.copy_(w)``, as some
+  weight loaders do) bypass the counter: call :meth:`TorchAdapter.mark_changed`
+  after them, or leave ``skip_unchanged`` off.
 * **Copies are chunked.** On CUDA the chunks alternate between side streams so
   that copies overlap and the training stream is not blocked; on CPU a chunked
   ``copy_`` keeps the cost of a plain copy of the same bytes (see
@@ -48,7 +57,6 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import ClassVar
 
@@ -78,6 +86,23 @@ class TorchAdapterStats:
     #: Successful restore calls, and device bytes they brought back.
     restores: int = 0
     bytes_in: int = 0
+    #: Bytes snapshots copied to host memory, and bytes they did not copy because the
+    #: host already held them unchanged (``skip_unchanged``).
+    bytes_copied_out: int = 0
+    bytes_skipped_out: int = 0
+    #: Host buffers allocated so far (reused ones are not counted again).
+    host_allocations: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class _HostCopy:
+    """A resident storage whose bytes its tag's host buffer still holds since a restore."""
+
+    host_offset: int
+    nbytes: int
+    buffer_ptr: int
+    #: ``(id(tensor), tensor._version)`` of every tensor viewing the storage then.
+    versions: frozenset[tuple[int, int]]
 
 
 class TorchAdapter(base.WorkloadAdapter):
@@ -106,6 +131,9 @@ class TorchAdapter(base.WorkloadAdapter):
         free_progressively: an OFFLOAD snapshot frees each storage once its bytes
             are on the host (a later failure copies the freed ones back first, so
             a failed snapshot still leaves the tensors intact).
+        skip_unchanged: a snapshot does not copy a storage whose tensors were not
+            written since the last restore (see the module docstring); off by
+            default, since writes through ``.data`` go unseen.
     """
 
     name: ClassVar[str] = "torch"
@@ -120,6 +148,7 @@ class TorchAdapter(base.WorkloadAdapter):
         streams_per_device: int = 2,
         release_cached_memory: bool = True,
         free_progressively: bool = False,
+        skip_unchanged: bool = False,
     ) -> None:
         if chunk_bytes <= 0:
             raise ValueError(f"chunk_bytes must be positive (got {chunk_bytes})")
@@ -137,6 +166,8 @@ class TorchAdapter(base.WorkloadAdapter):
         )
         self._release_cached_memory = release_cached_memory
         self._free_progressively = free_progressively
+        self._skip_unchanged = skip_unchanged
+        self._host_copies: dict[str, dict[tuple[torch.device, int], _HostCopy]] = {}
         self._stats = TorchAdapterStats()
         # The workload channel runs commands on its own thread; one move at a time.
         self._lock = threading.Lock()
@@ -175,12 +206,20 @@ class TorchAdapter(base.WorkloadAdapter):
     @property
     def stats(self) -> TorchAdapterStats:
         """Counts of successful snapshots and restores and the bytes they moved."""
-        return self._stats
+        return dataclasses.replace(self._stats, host_allocations=self._buffers.allocations)
 
     @property
     def host_buffer_bytes(self) -> int:
         """Host memory reserved for offloads, kept across cycles (see ``release_host_buffers``)."""
         return self._buffers.nbytes
+
+    def mark_changed(self, *tags: str) -> None:
+        """Say that tensors of ``tags`` (all when none) were written in a way their version
+        counters do not see (through ``.data``): the next snapshot copies them."""
+        self._check_known(tags)
+        with self._lock:
+            for tag in tags or self.tags:
+                self._host_copies.pop(tag, None)
 
     def mark_resynced(self, *tags: str) -> None:
         """Say that the application has re-provisioned discarded tags (e.g. after a weight sync)."""
@@ -215,7 +254,10 @@ class TorchAdapter(base.WorkloadAdapter):
     def release_host_buffers(self) -> None:
         """Free the host buffers of resident tags (the next offload allocates them again)."""
         with self._lock:
-            self._buffers.release(tag for tag in self.tags if tag not in self._parked)
+            resident = [tag for tag in self.tags if tag not in self._parked]
+            for tag in resident:
+                self._host_copies.pop(tag, None)
+            self._buffers.release(resident)
 
     # ---- moves ------------------------------------------------------------
 
@@ -261,6 +303,7 @@ class TorchAdapter(base.WorkloadAdapter):
                             freed_bytes(block.nbytes)
                     freed += block.nbytes
                 self._parked[tag] = torch_storage.Parked(mode=resolved, blocks=blocks)
+                self._host_copies.pop(tag, None)
                 if resolved == DISCARD:
                     self._needs_resync.add(tag)
             if self._release_cached_memory:
@@ -300,6 +343,8 @@ class TorchAdapter(base.WorkloadAdapter):
                     torch_storage.repoint(block)
                 del self._parked[tag]
                 restored += parked.nbytes
+                if parked.mode == OFFLOAD:
+                    self._remember_host_copy(tag, parked.blocks)
             self._stats = dataclasses.replace(
                 self._stats,
                 restores=self._stats.restores + 1,
@@ -324,6 +369,47 @@ class TorchAdapter(base.WorkloadAdapter):
                 for block in blocks:
                     block.byte_view().zero_()
 
+    def _remember_host_copy(self, tag: str, blocks: Sequence[torch_storage.Block]) -> None:
+        """The tag is resident again and its host buffer holds every storage's bytes."""
+        if not self._skip_unchanged:
+            return
+        buffer = self._buffers.get(tag)
+        self._host_copies[tag] = {
+            (block.device, block.storage.data_ptr()): _HostCopy(
+                host_offset=block.host_offset,
+                nbytes=block.nbytes,
+                buffer_ptr=buffer.data_ptr(),
+                versions=_versions(block),
+            )
+            for block in blocks
+        }
+
+    def _to_copy(
+        self, tag: str, blocks: Sequence[torch_storage.Block], buffer: torch.Tensor
+    ) -> list[torch_storage.Block]:
+        """The blocks whose bytes the host buffer does not hold unchanged (all of them
+        without ``skip_unchanged``); counts the bytes copied and skipped."""
+        held = self._host_copies.get(tag, {})
+        copy: list[torch_storage.Block] = []
+        for block in blocks:
+            known = held.get((block.device, block.storage.data_ptr()))
+            if not (
+                known is not None
+                and known.host_offset == block.host_offset
+                and known.nbytes == block.nbytes
+                and known.buffer_ptr == buffer.data_ptr()
+                and known.versions == _versions(block)
+            ):
+                copy.append(block)
+        copied = sum(b.nbytes for b in copy)
+        skipped = sum(b.nbytes for b in blocks) - copied
+        self._stats = dataclasses.replace(
+            self._stats,
+            bytes_copied_out=self._stats.bytes_copied_out + copied,
+            bytes_skipped_out=self._stats.bytes_skipped_out + skipped,
+        )
+        return copy
+
     def _offload_progressively(
         self,
         tag: str,
@@ -333,10 +419,12 @@ class TorchAdapter(base.WorkloadAdapter):
         """Copy each storage to the host and free it at once; on a failure, copy the ones
         freed so far back (the snapshot then changes nothing) and re-raise."""
         buffer = self._host_buffer_for(tag, blocks)
+        needed = {id(block) for block in self._to_copy(tag, blocks, buffer)}
         done: list[torch_storage.Block] = []
         try:
             for block in blocks:
-                self._copier.to_host([block], buffer)
+                if id(block) in needed:
+                    self._copier.to_host([block], buffer)
                 torch_storage.free(block)
                 done.append(block)
                 if freed_bytes is not None:
@@ -461,7 +549,8 @@ class TorchAdapter(base.WorkloadAdapter):
         blocks: list[torch_storage.Block],
         _freed: Callable[[int], None] | None = None,
     ) -> None:
-        self._copier.to_host(blocks, self._host_buffer_for(tag, blocks))
+        buffer = self._host_buffer_for(tag, blocks)
+        self._copier.to_host(self._to_copy(tag, blocks, buffer), buffer)
 
     def _host_buffer_for(self, tag: str, blocks: Sequence[torch_storage.Block]) -> torch.Tensor:
         """Lay ``blocks`` out in the tag's host buffer, growing it only if they do not fit."""
@@ -476,90 +565,12 @@ class TorchAdapter(base.WorkloadAdapter):
         return sum(p.nbytes for p in self._parked.values() if p.mode == OFFLOAD)
 
 
-@dataclasses.dataclass(frozen=True)
-class SwitchTimes:
-    """How long an :func:`overlap_switch` took, seconds."""
-
-    snapshot_s: float
-    restore_s: float
-    total_s: float
-    #: Most device bytes both adapters held at once during the switch.
-    peak_bytes: int
+def _versions(block: torch_storage.Block) -> frozenset[tuple[int, int]]:
+    return frozenset((id(a.tensor), int(a.tensor._version)) for a in block.aliases)
 
 
-class _Budget:
-    """Device bytes in use by both adapters of a switch, within a budget (thread-safe)."""
+# The overlapped switch of two adapters lives in its own module; re-exported here, where
+# users have always found it.
+from tslice.workload.adapters.torch_overlap import SwitchTimes, overlap_switch  # noqa: E402
 
-    def __init__(self, *, in_use: int, budget: int | None) -> None:
-        self.in_use = in_use
-        self.budget = budget
-        self.peak = in_use
-        self._changed = threading.Condition()
-
-    def freed(self, nbytes: int) -> None:
-        with self._changed:
-            self.in_use -= nbytes
-            self._changed.notify_all()
-
-    def lift(self) -> None:
-        """The snapshot failed: nothing more comes free, stop holding the restore back."""
-        with self._changed:
-            self.budget = None
-            self._changed.notify_all()
-
-    def admit(self, nbytes: int) -> None:
-        """Wait until ``nbytes`` more fit (always, without a budget)."""
-        with self._changed:
-            budget = self.budget
-            if budget is not None:
-                self._changed.wait_for(lambda: self.in_use + nbytes <= budget)
-            self.in_use += nbytes
-            self.peak = max(self.peak, self.in_use)
-
-
-def overlap_switch(
-    outgoing: TorchAdapter,
-    incoming: TorchAdapter,
-    *,
-    mode: base.SuspendMode | int | str = OFFLOAD,
-    budget_bytes: int | None = None,
-    in_use_bytes: int = 0,
-) -> SwitchTimes:
-    """Snapshot ``outgoing`` and restore ``incoming`` at once (issue 9 §2).
-
-    The snapshot runs on a thread of its own (its copies on the outgoing adapter's
-    streams), the restore here; with ``budget_bytes`` (device memory both may use,
-    ``in_use_bytes`` of it taken when the switch starts) each storage of the incoming
-    job is allocated only once the outgoing one has freed enough: never two states
-    resident beyond the budget. Give ``outgoing`` ``free_progressively`` so that its
-    memory comes free piece by piece. Errors of either side are raised after both end.
-    """
-    budget = _Budget(in_use=in_use_bytes, budget=budget_bytes)
-    times: dict[str, float] = {}
-    errors: list[BaseException] = []
-    began = time.perf_counter()
-
-    def snapshot() -> None:
-        try:
-            outgoing.snapshot(mode, freed_bytes=budget.freed)
-        except BaseException as err:  # re-raised below, in the caller's thread
-            errors.append(err)
-            budget.lift()
-        finally:
-            times["snapshot"] = time.perf_counter() - began
-
-    thread = threading.Thread(target=snapshot, name="tslice-overlap-snapshot")
-    thread.start()
-    try:
-        incoming.restore(admit=budget.admit)
-        times["restore"] = time.perf_counter() - began
-    finally:
-        thread.join()
-    if errors:
-        raise errors[0]
-    return SwitchTimes(
-        snapshot_s=times["snapshot"],
-        restore_s=times["restore"],
-        total_s=time.perf_counter() - began,
-        peak_bytes=budget.peak,
-    )
+__all__ = ["SwitchTimes", "TorchAdapter", "TorchAdapterStats", "overlap_switch"]
