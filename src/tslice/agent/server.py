@@ -253,7 +253,10 @@ class SnapshotAgentServicer(pb_grpc.SnapshotAgentServiceServicer):
         # first Status read fences the node before it directs anything).
         await self._fenced(context, directive=False)
         accelerators = await self._core.accelerators()
+        host_limit, host_parked = self._core.host_memory()
         return pb.StatusResponse(
+            host_budget_bytes=host_limit or 0,
+            host_parked_bytes=host_parked,
             job_statuses=[job_to_pb(job) for job in self._core.list_jobs()],
             accelerator_statuses=[
                 pb.AcceleratorStatus(

@@ -303,6 +303,18 @@ class CudaBackend(base.Backend):
                 "was changed (the cuda backend's nccl_guard: false turns this check off)"
             )
 
+    async def host_bytes_needed(self, job: base.JobContext) -> int | None:
+        """What the job's processes hold on the device now, per NVML (the driver copies it
+        all to host memory); None where NVML cannot tell."""
+        try:
+            targets = await self.targets.for_snapshot(job)
+        except base.BackendError:
+            return None
+        reading = await self._read([t.pid for t in targets])
+        if reading.missing or reading.unknown:
+            return None
+        return reading.total()
+
     async def restore(self, job: base.JobContext) -> base.OpResult:
         """Restore and unlock every process of the job (no-op for running ones)."""
         steps = await self._steps()

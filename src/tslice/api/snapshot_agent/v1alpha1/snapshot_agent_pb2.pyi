@@ -349,16 +349,20 @@ class AcceleratorStatus(_message.Message):
     def __init__(self, id: _Optional[str] = ..., memory_used_bytes: _Optional[int] = ..., memory_total_bytes: _Optional[int] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("job_statuses", "accelerator_statuses", "node", "features")
+    __slots__ = ("job_statuses", "accelerator_statuses", "node", "features", "host_budget_bytes", "host_parked_bytes")
     JOB_STATUSES_FIELD_NUMBER: _ClassVar[int]
     ACCELERATOR_STATUSES_FIELD_NUMBER: _ClassVar[int]
     NODE_FIELD_NUMBER: _ClassVar[int]
     FEATURES_FIELD_NUMBER: _ClassVar[int]
+    HOST_BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    HOST_PARKED_BYTES_FIELD_NUMBER: _ClassVar[int]
     job_statuses: _containers.RepeatedCompositeFieldContainer[JobStatus]
     accelerator_statuses: _containers.RepeatedCompositeFieldContainer[AcceleratorStatus]
     node: str
     features: AgentFeatures
-    def __init__(self, job_statuses: _Optional[_Iterable[_Union[JobStatus, _Mapping]]] = ..., accelerator_statuses: _Optional[_Iterable[_Union[AcceleratorStatus, _Mapping]]] = ..., node: _Optional[str] = ..., features: _Optional[_Union[AgentFeatures, _Mapping]] = ...) -> None: ...
+    host_budget_bytes: int
+    host_parked_bytes: int
+    def __init__(self, job_statuses: _Optional[_Iterable[_Union[JobStatus, _Mapping]]] = ..., accelerator_statuses: _Optional[_Iterable[_Union[AcceleratorStatus, _Mapping]]] = ..., node: _Optional[str] = ..., features: _Optional[_Union[AgentFeatures, _Mapping]] = ..., host_budget_bytes: _Optional[int] = ..., host_parked_bytes: _Optional[int] = ...) -> None: ...
 
 class AgentFeatures(_message.Message):
     __slots__ = ("grant_step", "grant_stream", "prefetch")
