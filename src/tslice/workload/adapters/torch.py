@@ -56,13 +56,15 @@ tensors restored after DISCARD are *not* the old values, by design.
 from __future__ import annotations
 
 import dataclasses
+import os
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import ClassVar
 
 import torch
 
-from tslice.workload.adapters import base, torch_storage
+from tslice.workload.adapters import base, torch_spill, torch_storage
 
 WEIGHTS = "weights"
 LORA = "lora"
@@ -92,17 +94,12 @@ class TorchAdapterStats:
     bytes_skipped_out: int = 0
     #: Host buffers allocated so far (reused ones are not counted again).
     host_allocations: int = 0
-
-
-@dataclasses.dataclass(frozen=True)
-class _HostCopy:
-    """A resident storage whose bytes its tag's host buffer still holds since a restore."""
-
-    host_offset: int
-    nbytes: int
-    buffer_ptr: int
-    #: ``(id(tensor), tensor._version)`` of every tensor viewing the storage then.
-    versions: frozenset[tuple[int, int]]
+    #: Spill tier (``spill_dir``): bytes written to files and read back, and the seconds
+    #: those copies took (flush to disk included), for GB/s.
+    bytes_spilled: int = 0
+    spill_write_s: float = 0.0
+    bytes_unspilled: int = 0
+    spill_read_s: float = 0.0
 
 
 class TorchAdapter(base.WorkloadAdapter):
@@ -134,6 +131,11 @@ class TorchAdapter(base.WorkloadAdapter):
         skip_unchanged: a snapshot does not copy a storage whose tensors were not
             written since the last restore (see the module docstring); off by
             default, since writes through ``.data`` go unseen.
+        spill_dir, host_budget_bytes: the host buffers stay within
+            ``host_budget_bytes``; a tag whose state does not fit is parked in a file
+            in ``spill_dir`` (local disk) instead, restored bit for bit
+            (:mod:`tslice.workload.adapters.torch_spill`). Results report only the
+            bytes held in host memory; ``stats`` the bytes spilled and their GB/s.
     """
 
     name: ClassVar[str] = "torch"
@@ -149,6 +151,8 @@ class TorchAdapter(base.WorkloadAdapter):
         release_cached_memory: bool = True,
         free_progressively: bool = False,
         skip_unchanged: bool = False,
+        spill_dir: str | os.PathLike[str] | None = None,
+        host_budget_bytes: int | None = None,
     ) -> None:
         if chunk_bytes <= 0:
             raise ValueError(f"chunk_bytes must be positive (got {chunk_bytes})")
@@ -167,7 +171,11 @@ class TorchAdapter(base.WorkloadAdapter):
         self._release_cached_memory = release_cached_memory
         self._free_progressively = free_progressively
         self._skip_unchanged = skip_unchanged
-        self._host_copies: dict[str, dict[tuple[torch.device, int], _HostCopy]] = {}
+        if (spill_dir is None) != (host_budget_bytes is None):
+            raise ValueError("give spill_dir and host_budget_bytes together (or neither)")
+        self._spill = torch_spill.SpillFiles(spill_dir) if spill_dir is not None else None
+        self._host_budget = host_budget_bytes
+        self._host_copies = torch_storage.HostCopies()
         self._stats = TorchAdapterStats()
         # The workload channel runs commands on its own thread; one move at a time.
         self._lock = threading.Lock()
@@ -219,7 +227,7 @@ class TorchAdapter(base.WorkloadAdapter):
         self._check_known(tags)
         with self._lock:
             for tag in tags or self.tags:
-                self._host_copies.pop(tag, None)
+                self._host_copies.forget(tag)
 
     def mark_resynced(self, *tags: str) -> None:
         """Say that the application has re-provisioned discarded tags (e.g. after a weight sync)."""
@@ -256,7 +264,7 @@ class TorchAdapter(base.WorkloadAdapter):
         with self._lock:
             resident = [tag for tag in self.tags if tag not in self._parked]
             for tag in resident:
-                self._host_copies.pop(tag, None)
+                self._host_copies.forget(tag)
             self._buffers.release(resident)
 
     # ---- moves ------------------------------------------------------------
@@ -303,7 +311,7 @@ class TorchAdapter(base.WorkloadAdapter):
                             freed_bytes(block.nbytes)
                     freed += block.nbytes
                 self._parked[tag] = torch_storage.Parked(mode=resolved, blocks=blocks)
-                self._host_copies.pop(tag, None)
+                self._host_copies.forget(tag)
                 if resolved == DISCARD:
                     self._needs_resync.add(tag)
             if self._release_cached_memory:
@@ -343,7 +351,9 @@ class TorchAdapter(base.WorkloadAdapter):
                     torch_storage.repoint(block)
                 del self._parked[tag]
                 restored += parked.nbytes
-                if parked.mode == OFFLOAD:
+                if self._spill is not None and self._spill.holds(tag):
+                    self._spill.drop(tag)
+                elif parked.mode == OFFLOAD:
                     self._remember_host_copy(tag, parked.blocks)
             self._stats = dataclasses.replace(
                 self._stats,
@@ -363,7 +373,11 @@ class TorchAdapter(base.WorkloadAdapter):
             if admit is not None:
                 admit(sum(b.nbytes for b in blocks))
             torch_storage.allocate(blocks)
-            if parked.mode == OFFLOAD:
+            if parked.mode == OFFLOAD and self._spill is not None and self._spill.holds(tag):
+                began = time.perf_counter()
+                self._copier.to_device(blocks, self._spill.get(tag))
+                self._count_spill(read=sum(b.nbytes for b in blocks), began=began)
+            elif parked.mode == OFFLOAD:
                 self._copier.to_device(blocks, self._buffers.get(tag))
             else:
                 for block in blocks:
@@ -371,36 +385,15 @@ class TorchAdapter(base.WorkloadAdapter):
 
     def _remember_host_copy(self, tag: str, blocks: Sequence[torch_storage.Block]) -> None:
         """The tag is resident again and its host buffer holds every storage's bytes."""
-        if not self._skip_unchanged:
-            return
-        buffer = self._buffers.get(tag)
-        self._host_copies[tag] = {
-            (block.device, block.storage.data_ptr()): _HostCopy(
-                host_offset=block.host_offset,
-                nbytes=block.nbytes,
-                buffer_ptr=buffer.data_ptr(),
-                versions=_versions(block),
-            )
-            for block in blocks
-        }
+        if self._skip_unchanged:
+            self._host_copies.remember(tag, blocks, self._buffers.get(tag))
 
     def _to_copy(
         self, tag: str, blocks: Sequence[torch_storage.Block], buffer: torch.Tensor
     ) -> list[torch_storage.Block]:
         """The blocks whose bytes the host buffer does not hold unchanged (all of them
         without ``skip_unchanged``); counts the bytes copied and skipped."""
-        held = self._host_copies.get(tag, {})
-        copy: list[torch_storage.Block] = []
-        for block in blocks:
-            known = held.get((block.device, block.storage.data_ptr()))
-            if not (
-                known is not None
-                and known.host_offset == block.host_offset
-                and known.nbytes == block.nbytes
-                and known.buffer_ptr == buffer.data_ptr()
-                and known.versions == _versions(block)
-            ):
-                copy.append(block)
+        copy = [b for b in blocks if not self._host_copies.unchanged(tag, b, buffer)]
         copied = sum(b.nbytes for b in copy)
         skipped = sum(b.nbytes for b in blocks) - copied
         self._stats = dataclasses.replace(
@@ -418,7 +411,7 @@ class TorchAdapter(base.WorkloadAdapter):
     ) -> None:
         """Copy each storage to the host and free it at once; on a failure, copy the ones
         freed so far back (the snapshot then changes nothing) and re-raise."""
-        buffer = self._host_buffer_for(tag, blocks)
+        buffer = self._host_buffer_for(tag, blocks, may_spill=True)
         needed = {id(block) for block in self._to_copy(tag, blocks, buffer)}
         done: list[torch_storage.Block] = []
         try:
@@ -486,44 +479,12 @@ class TorchAdapter(base.WorkloadAdapter):
         for tag in tags:
             blocks: list[torch_storage.Block] = []
             for name, tensor in self._named_tensors(tag):
-                block = self._block_for(f"{tag}/{name}", tensor, seen)
+                block = torch_storage.block_for(f"{tag}/{name}", tensor, seen)
                 if block is not None:
                     blocks.append(block)
             plan[tag] = blocks
         self._check_not_shared_with_resident(tags, seen)
         return plan
-
-    @staticmethod
-    def _block_for(
-        name: str, tensor: torch.Tensor, seen: dict[tuple[torch.device, int], torch_storage.Block]
-    ) -> torch_storage.Block | None:
-        """Record ``tensor`` under its storage's block; return the block if it is new."""
-        if tensor.layout != torch.strided:
-            raise ValueError(f"{name} has layout {tensor.layout}; only strided tensors can move")
-        if tensor.device.type == "meta":
-            return None
-        storage = tensor.untyped_storage()
-        nbytes = storage.nbytes()
-        if nbytes == 0:
-            return None
-        key = torch_storage.storage_key(tensor)
-        block = seen.get(key)
-        if block is not None:
-            block.aliases.append(torch_storage.Alias.of(name, tensor))
-            return None
-        if not storage.resizable():
-            raise ValueError(
-                f"{name} uses memory that torch cannot free (e.g. torch.from_numpy or "
-                "shared memory); allocate it with torch instead"
-            )
-        block = torch_storage.Block(
-            storage=storage,
-            device=tensor.device,
-            nbytes=nbytes,
-            aliases=[torch_storage.Alias.of(name, tensor)],
-        )
-        seen[key] = block
-        return block
 
     def _check_not_shared_with_resident(
         self, moving: Sequence[str], seen: Mapping[tuple[torch.device, int], torch_storage.Block]
@@ -549,24 +510,48 @@ class TorchAdapter(base.WorkloadAdapter):
         blocks: list[torch_storage.Block],
         _freed: Callable[[int], None] | None = None,
     ) -> None:
-        buffer = self._host_buffer_for(tag, blocks)
+        buffer = self._host_buffer_for(tag, blocks, may_spill=True)
+        began = time.perf_counter()
         self._copier.to_host(self._to_copy(tag, blocks, buffer), buffer)
+        if self._spill is not None and self._spill.holds(tag):
+            self._spill.flush(tag)
+            self._count_spill(written=sum(b.nbytes for b in blocks), began=began)
 
-    def _host_buffer_for(self, tag: str, blocks: Sequence[torch_storage.Block]) -> torch.Tensor:
-        """Lay ``blocks`` out in the tag's host buffer, growing it only if they do not fit."""
+    def _host_buffer_for(
+        self, tag: str, blocks: Sequence[torch_storage.Block], *, may_spill: bool = False
+    ) -> torch.Tensor:
+        """Lay ``blocks`` out in the tag's host buffer, growing it only if they do not fit;
+        ``may_spill``: in a spill file instead where the host budget cannot hold them."""
         total = 0
         for block in blocks:
             block.host_offset = total
             total = torch_storage.align(total + block.nbytes)
+        if may_spill and self._spill is not None and self._host_budget is not None:
+            held = self._buffers.nbytes - self._buffers.size_of(tag)
+            if held + total > self._host_budget:
+                self._buffers.release([tag])
+                self._host_copies.forget(tag)
+                return self._spill.buffer(tag, total)
         pinned = torch.cuda.is_available() and any(b.device.type == "cuda" for b in blocks)
         return self._buffers.reserve(tag, total, pinned=pinned)
 
+    def _count_spill(self, *, began: float, written: int = 0, read: int = 0) -> None:
+        took = time.perf_counter() - began
+        stats = self._stats
+        self._stats = dataclasses.replace(
+            stats,
+            bytes_spilled=stats.bytes_spilled + written,
+            spill_write_s=stats.spill_write_s + (took if written else 0.0),
+            bytes_unspilled=stats.bytes_unspilled + read,
+            spill_read_s=stats.spill_read_s + (took if read else 0.0),
+        )
+
     def _saved_bytes(self) -> int:
-        return sum(p.nbytes for p in self._parked.values() if p.mode == OFFLOAD)
-
-
-def _versions(block: torch_storage.Block) -> frozenset[tuple[int, int]]:
-    return frozenset((id(a.tensor), int(a.tensor._version)) for a in block.aliases)
+        """Host memory the parked state holds (a spilled tag holds none)."""
+        spilled = self._spill.holds if self._spill is not None else (lambda _tag: False)
+        return sum(
+            p.nbytes for tag, p in self._parked.items() if p.mode == OFFLOAD and not spilled(tag)
+        )
 
 
 # The overlapped switch of two adapters lives in its own module; re-exported here, where

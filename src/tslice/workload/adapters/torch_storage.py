@@ -106,6 +106,10 @@ class HostBuffers:
     def get(self, tag: str) -> torch.Tensor:
         return self._by_tag[tag]
 
+    def size_of(self, tag: str) -> int:
+        buffer = self._by_tag.get(tag)
+        return 0 if buffer is None else buffer.numel()
+
     def release(self, tags: Iterable[str]) -> None:
         for tag in tags:
             self._drop(tag)
@@ -251,4 +255,84 @@ def repoint(block: Block) -> None:
     for alias in block.aliases:
         alias.tensor.data = torch.empty(0, dtype=alias.dtype, device=block.device).set_(
             block.storage, alias.storage_offset, alias.size, alias.stride
+        )
+
+
+def block_for(
+    name: str, tensor: torch.Tensor, seen: dict[tuple[torch.device, int], Block]
+) -> Block | None:
+    """Record ``tensor`` under its storage's block in ``seen``; the block if it is new."""
+    if tensor.layout != torch.strided:
+        raise ValueError(f"{name} has layout {tensor.layout}; only strided tensors can move")
+    if tensor.device.type == "meta":
+        return None
+    storage = tensor.untyped_storage()
+    nbytes = storage.nbytes()
+    if nbytes == 0:
+        return None
+    key = storage_key(tensor)
+    block = seen.get(key)
+    if block is not None:
+        block.aliases.append(Alias.of(name, tensor))
+        return None
+    if not storage.resizable():
+        raise ValueError(
+            f"{name} uses memory that torch cannot free (e.g. torch.from_numpy or "
+            "shared memory); allocate it with torch instead"
+        )
+    block = Block(
+        storage=storage, device=tensor.device, nbytes=nbytes, aliases=[Alias.of(name, tensor)]
+    )
+    seen[key] = block
+    return block
+
+
+@dataclasses.dataclass(frozen=True)
+class HostCopy:
+    """A resident storage whose bytes its tag's host buffer still holds since a restore."""
+
+    host_offset: int
+    nbytes: int
+    buffer_ptr: int
+    #: ``(id(tensor), tensor._version)`` of every tensor viewing the storage then.
+    versions: frozenset[tuple[int, int]]
+
+
+def _versions(block: Block) -> frozenset[tuple[int, int]]:
+    return frozenset((id(a.tensor), int(a.tensor._version)) for a in block.aliases)
+
+
+class HostCopies:
+    """What each tag's host buffer still holds unchanged since the tag's last restore.
+
+    A storage counts as held while it is the same storage (address), at the same slot of
+    the same buffer, and none of its tensors' version counters moved (any in-place
+    operation bumps them; writes through ``.data`` do not, see ``mark_changed``).
+    """
+
+    def __init__(self) -> None:
+        self._by_tag: dict[str, dict[tuple[torch.device, int], HostCopy]] = {}
+
+    def remember(self, tag: str, blocks: Sequence[Block], buffer: torch.Tensor) -> None:
+        self._by_tag[tag] = {
+            (block.device, block.storage.data_ptr()): HostCopy(
+                host_offset=block.host_offset,
+                nbytes=block.nbytes,
+                buffer_ptr=buffer.data_ptr(),
+                versions=_versions(block),
+            )
+            for block in blocks
+        }
+
+    def forget(self, tag: str) -> None:
+        self._by_tag.pop(tag, None)
+
+    def unchanged(self, tag: str, block: Block, buffer: torch.Tensor) -> bool:
+        known = self._by_tag.get(tag, {}).get((block.device, block.storage.data_ptr()))
+        return (
+            known is not None
+            and known.host_offset == block.host_offset
+            and known.nbytes == block.nbytes
+            and known.buffer_ptr == buffer.data_ptr()
+            and known.versions == _versions(block)
         )
