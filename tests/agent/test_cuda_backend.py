@@ -8,8 +8,6 @@ checkpointed process, deadlines, and the missing-GPU error.
 from __future__ import annotations
 
 import asyncio
-import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -31,21 +29,6 @@ from tslice.common import errors
 
 S = cuda_driver.ProcessState
 OFFLOAD = pb.SUSPEND_MODE_OFFLOAD
-
-
-@pytest.fixture
-def pids() -> Iterator[list[int]]:
-    """Three real processes (the backend checks /proc), killed at the end."""
-    children = [subprocess.Popen(["sleep", "300"]) for _ in range(3)]
-    yield [c.pid for c in children]
-    for child in children:
-        child.kill()
-        child.wait()
-
-
-@pytest.fixture
-def node(pids: list[int]) -> Node:
-    return Node(pids)
 
 
 # --------------------------------------------------------------------------- happy paths

@@ -6,9 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import os
-import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -31,13 +30,6 @@ GPU0 = "GPU-00000000-0000-0000-0000-000000000000"
 GPU1 = "GPU-12345678-9abc-def0-1234-56789abcdef0"
 
 # --------------------------------------------------------------------------- the binary
-
-
-@pytest.fixture
-def tool(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> FakeTool:
-    fake = FakeTool(tmp_path)
-    monkeypatch.setenv("FAKE_CC_STATE", str(fake.state_file))
-    return fake
 
 
 async def test_binary_driver_walks_the_state_machine_one_pid_per_call(tool: FakeTool) -> None:
@@ -122,12 +114,8 @@ def test_binary_driver_needs_the_tool(tmp_path: Path) -> None:
 
 
 @pytest.fixture
-def sleepers() -> Iterator[list[int]]:
-    children = [subprocess.Popen(["sleep", "300"]) for _ in range(2)]
-    yield [c.pid for c in children]
-    for child in children:
-        child.kill()
-        child.wait()
+def sleepers(sleeping: Callable[[int], list[int]]) -> list[int]:
+    return sleeping(2)
 
 
 async def test_backend_over_the_binary_end_to_end(tool: FakeTool, sleepers: list[int]) -> None:

@@ -5,8 +5,6 @@ with no device memory are left alone; every operation reports bytes and GB/s."""
 from __future__ import annotations
 
 import logging
-import subprocess
-from collections.abc import Iterator
 
 import pytest
 
@@ -16,20 +14,6 @@ from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
 
 S = cuda_driver.ProcessState
 OFFLOAD = pb.SUSPEND_MODE_OFFLOAD
-
-
-@pytest.fixture
-def pids() -> Iterator[list[int]]:
-    children = [subprocess.Popen(["sleep", "300"]) for _ in range(3)]
-    yield [c.pid for c in children]
-    for child in children:
-        child.kill()
-        child.wait()
-
-
-@pytest.fixture
-def node(pids: list[int]) -> Node:
-    return Node(pids)
 
 
 async def test_a_snapshot_is_checked_to_have_freed_the_memory(node: Node) -> None:

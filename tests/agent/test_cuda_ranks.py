@@ -13,9 +13,8 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import subprocess
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import pytest
@@ -39,12 +38,8 @@ async def eventually(check: Callable[[], bool], *, timeout: float = 30.0) -> Non
 
 
 @pytest.fixture
-def sleepers() -> Iterator[list[int]]:
-    children = [subprocess.Popen(["sleep", "300"]) for _ in range(8)]
-    yield [c.pid for c in children]
-    for child in children:
-        child.kill()
-        child.wait()
+def sleepers(sleeping: Callable[[int], list[int]]) -> list[int]:
+    return sleeping(8)
 
 
 # --------------------------------------------------------------------------- concurrency

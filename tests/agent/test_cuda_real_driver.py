@@ -10,10 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import subprocess
 import sys
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -42,27 +40,6 @@ from tslice.common import errors
 
 S = cuda_driver.ProcessState
 OFFLOAD = pb.SUSPEND_MODE_OFFLOAD
-
-
-@pytest.fixture
-def pids() -> Iterator[list[int]]:
-    children = [subprocess.Popen(["sleep", "300"]) for _ in range(3)]
-    yield [c.pid for c in children]
-    for child in children:
-        child.kill()
-        child.wait()
-
-
-@pytest.fixture
-def node(pids: list[int]) -> Node:
-    return Node(pids)
-
-
-@pytest.fixture
-def tool(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> FakeTool:
-    fake = FakeTool(tmp_path)
-    monkeypatch.setenv("FAKE_CC_STATE", str(fake.state_file))
-    return fake
 
 
 # --------------------------------------------------------------------------- hung calls

@@ -73,13 +73,17 @@ async def start(agents: Any, node: Node, **overrides: Any) -> Any:
     )
 
 
+async def park(agent: Any, node: Node, *jobs: str) -> None:
+    for job in jobs:
+        done = await agent.snapshot(job, backend_config=node.config(job))
+        assert done.status == pb.OPERATION_STATUS_COMPLETE, done.error
+
+
 async def test_a_third_parked_state_is_refused_before_anything_is_frozen(
     agents: Any, node: Node
 ) -> None:
     agent = await start(agents, node)
-    for job in ("job-a", "job-b"):
-        done = await agent.snapshot(job, backend_config=node.config(job))
-        assert done.status == pb.OPERATION_STATUS_COMPLETE, done.error
+    await park(agent, node, "job-a", "job-b")
     node.driver.calls.clear()
     with pytest.raises(grpc.aio.AioRpcError) as refused:
         await agent.snapshot("job-c", backend_config=node.config("job-c"))
@@ -96,15 +100,12 @@ async def test_a_third_parked_state_is_refused_before_anything_is_frozen(
     assert (status.host_budget_bytes, status.host_parked_bytes) == (5 * GiB, 4 * GiB)
     # Once one parked state is restored, the third fits.
     assert (await agent.restore("job-a")).status == pb.OPERATION_STATUS_COMPLETE
-    done = await agent.snapshot("job-c", backend_config=node.config("job-c"))
-    assert done.status == pb.OPERATION_STATUS_COMPLETE, done.error
+    await park(agent, node, "job-c")
 
 
 async def test_the_accounting_survives_an_agent_restart(agents: Any, node: Node) -> None:
     agent = await start(agents, node)
-    for job in ("job-a", "job-b"):
-        done = await agent.snapshot(job, backend_config=node.config(job))
-        assert done.status == pb.OPERATION_STATUS_COMPLETE, done.error
+    await park(agent, node, "job-a", "job-b")
     restarted = await agents.restart(agent, instances={"cuda": node.backend()})
     status = await restarted.stub.Status(pb.StatusRequest())
     assert status.host_parked_bytes == 4 * GiB
@@ -117,9 +118,7 @@ async def test_a_switch_whose_eviction_cannot_be_parked_touches_no_one(
     agents: Any, node: Node
 ) -> None:
     agent = await start(agents, node)
-    for job in ("job-a", "job-b"):
-        done = await agent.snapshot(job, backend_config=node.config(job))
-        assert done.status == pb.OPERATION_STATUS_COMPLETE, done.error
+    await park(agent, node, "job-a", "job-b")
     # job-d holds the group; job-c's switch must park job-d's state.
     await agent.grant("job-d", group="g", epoch=1, backend_config=node.config("job-d"))
     node.driver.calls.clear()
