@@ -25,15 +25,21 @@ FakeDriver and FakeNvml, to check the script anywhere (``make test`` runs it).
 What the GPU machine needs: the NVIDIA driver >= 580 (570 without device maps), PyTorch
 with CUDA, cuda-bindings >= 12.9.1 (or cuda-checkpoint on PATH), nvidia-ml-py, grpcio,
 protobuf and typing_extensions: all on the lent H100/H200 image. The agent pieces the
-check uses import no pydantic, httpx, PyYAML or other server dependency (checked here with
-them blocked), so nothing else must travel with the working tree. Where a package is missing there, carry it as a wheel: here, in the
-repository's root, ``echo /.whl/ >> .git/info/exclude`` and ``python3 -m pip download
---no-deps --only-binary=:all: --python-version 3.12 --implementation cp --platform
-manylinux_2_17_x86_64 -d .whl NAME==VERSION`` (pure-Python wheels need only the first
-three options); then the device command carries ``.whl`` and starts with ``python3 -m pip
-install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export
-PYTHONPATH=/tmp/site:$PYTHONPATH``. A part whose import fails says which package it
-lacks, and the rest still run.
+check uses import no pydantic, httpx, PyYAML or other server dependency (checked here
+with them blocked), so nothing else must travel with the working tree. Where a package
+is missing there, carry it as a wheel. Here, in the repository's root:
+
+    echo /.whl/ >> .git/info/exclude
+    python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12
+        --implementation cp --platform manylinux_2_17_x86_64 -d .whl NAME==VERSION
+
+(one command; pure-Python wheels need only the first three options); then the device
+command carries ``.whl`` and starts with
+
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
+    export PYTHONPATH=/tmp/site:$PYTHONPATH
+
+A part whose import fails says which package it lacks, and the rest still run.
 """
 
 from __future__ import annotations
