@@ -105,6 +105,8 @@ def agent_registry(tmp_path: Path) -> Iterator[tuple[Path, registration.ProcessR
 @pytest.fixture
 def local_ray() -> Iterator[None]:
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    if ray.is_initialized():  # left by an earlier module (test_ray_env's Ray lives on)
+        ray.shutdown()
     ray.init(
         num_cpus=8,
         num_gpus=3,  # logical: Ray hands out GPU ids; nothing here touches a device
