@@ -115,9 +115,11 @@ def _locking_job(caller: Caller, group: str) -> str:
     return str(reply.group.locking_job)
 
 
-def _job_state(caller: Caller, job: str) -> int:
+def _job_state(caller: Caller, job: str, group: str) -> int:
+    """The agent's state of ``job``'s state for ``group`` (other modules leave the same
+    job resident for groups of their own on this session's agent)."""
     status = caller.agent.Status(pb.StatusRequest(), timeout=TIMEOUT_S, metadata=caller.metadata)
-    return next(j.state for j in status.job_statuses if j.job_id == job)
+    return next(j.state for j in status.job_statuses if (j.job_id, j.group) == (job, group))
 
 
 @pytest.mark.parametrize("identity", ["job:job-b", "admin"])
@@ -145,7 +147,7 @@ def test_only_the_orchestrator_moves_state_on_an_agent(
     err = attacker.streamed_refusal(attacker.agent.GrantStream, iter([grant]))
     assert err.code() == grpc.StatusCode.PERMISSION_DENIED
     # Nothing moved: job a still runs there and holds its group at the same grant.
-    assert _job_state(attacker, "job-a") == pb.JOB_STATE_RUNNING
+    assert _job_state(attacker, "job-a", group) == pb.JOB_STATE_RUNNING
     assert _locking_job(job_a, group) == "job-a"
     assert _holds(job_a, "job-a", group) == epoch  # re-acquire: the same grant
     job_a.orch.Yield(opb.YieldRequest(job_id="job-a", group_id=group), timeout=TIMEOUT_S)

@@ -280,7 +280,8 @@ class PromiseRun:
                     call.cancel()
                 got = await asyncio.gather(call, return_exceptions=True)
                 held = got[0] if isinstance(got[0], list) else []
-                await asyncio.sleep(rng.uniform(0, 0.05))  # its work
+                # Its work: mostly short, now and then long enough to be evicted during it.
+                await asyncio.sleep(rng.uniform(0.3, 1.0) if rng.random() < 0.3 else 0.02)
                 for group in rng.sample(held, len(held)):
                     await self._give(client, job, group)
                 await asyncio.sleep(rng.uniform(0, 0.05))
