@@ -12,14 +12,16 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 
 #: How long a server may take to report a line a test waits for, seconds.
 WAIT_S = 60.0
 
 
 class LoggedServer:
-    def __init__(self, args: Sequence[str], log_path: pathlib.Path) -> None:
+    def __init__(
+        self, args: Sequence[str], log_path: pathlib.Path, *, env: Mapping[str, str] | None = None
+    ) -> None:
         self.log_path = log_path
         self._lines: list[str] = []
         self._changed = threading.Condition()
@@ -30,7 +32,7 @@ class LoggedServer:
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
         )
         self._reader = threading.Thread(target=self._read, name=f"{args[0]}-log", daemon=True)
         self._reader.start()

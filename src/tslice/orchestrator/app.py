@@ -38,10 +38,19 @@ from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2 as opb
 from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2_grpc as opb_grpc
 from tslice.common import auth, errors, ids, leader_term, logs, serving, undecodable
 from tslice.common import metrics_http as common_metrics_http
-from tslice.orchestrator import agents, config, events, group, manager, metrics, server, store
+from tslice.orchestrator import (
+    agents,
+    config,
+    discovered,
+    events,
+    group,
+    manager,
+    metrics,
+    server,
+    store,
+)
 
 if TYPE_CHECKING:
-    from tslice.orchestrator.kube import discovery as kube_discovery
     from tslice.orchestrator.kube import leadership as kube_leadership
     from tslice.orchestrator.kube.leadership import HaSettings
 
@@ -245,10 +254,9 @@ class _Leader:
         bus.on_drop = self._metrics.events_dropped.inc
         groups: manager.GroupManager | None = None
         servicer: server.OrchestratorServicer | None = None
-        discovery: kube_discovery.Discovery | None = None
+        discovery = _discovery(cfg)
         try:
-            if cfg.kubernetes is not None:
-                discovery = _discovery(cfg.kubernetes)
+            if discovery is not None:
                 found = await discovery.start(self._stop)
                 if found is None:
                     yield None
@@ -290,6 +298,8 @@ def _advertised(host: str, port: int) -> str:
 def _mode(cfg: config.OrchestratorConfig) -> str:
     if cfg.kubernetes is not None:
         return "kubernetes"
+    if cfg.slurm is not None:
+        return "slurm"
     return "local" if cfg.topology.local else "static"
 
 
@@ -304,9 +314,15 @@ def _kube_module(name: str) -> Any:
         ) from err
 
 
-def _discovery(settings: config.KubeSettings) -> kube_discovery.Discovery:
-    """Kubernetes mode's discovery."""
-    found: kube_discovery.Discovery = _kube_module("discovery").Discovery(settings)
+def _discovery(cfg: config.OrchestratorConfig) -> discovered.Source | None:
+    """Where a discovered mode's topology comes from (None: a topology of the config)."""
+    if cfg.slurm is not None:
+        from tslice.orchestrator.slurm import discovery as slurm_discovery
+
+        return slurm_discovery.Discovery(cfg.slurm)
+    if cfg.kubernetes is None:
+        return None
+    found: discovered.Source = _kube_module("discovery").Discovery(cfg.kubernetes)
     return found
 
 
