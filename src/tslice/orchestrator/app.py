@@ -36,9 +36,10 @@ from grpc_reflection.v1alpha import reflection
 
 from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2 as opb
 from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2_grpc as opb_grpc
-from tslice.common import auth, errors, ids, leader_term, logs, serving, undecodable
+from tslice.common import auth, errors, ids, leader_term, logs, serving, tasks, undecodable
 from tslice.common import metrics_http as common_metrics_http
 from tslice.orchestrator import (
+    agent_check,
     agents,
     config,
     discovered,
@@ -255,6 +256,7 @@ class _Leader:
         groups: manager.GroupManager | None = None
         servicer: server.OrchestratorServicer | None = None
         discovery = _discovery(cfg)
+        checking: asyncio.Task[None] | None = None
         try:
             if discovery is not None:
                 found = await discovery.start(self._stop)
@@ -271,11 +273,16 @@ class _Leader:
             )
             groups = self._groups = manager.GroupManager(services)
             await groups.start()
+            # Each agent asked once: one that does not answer (or whose TLS does not
+            # match agent_client) is a warning now, not a group silently UNKNOWN.
+            checking = tasks.spawn(agent_check.warn_at_start(cfg, self._pool), name="agents:check")
             if discovery is not None:
                 discovery.follow(groups)
             servicer = server.OrchestratorServicer(groups=groups, bus=bus)
             yield servicer
         finally:
+            if checking is not None:
+                await tasks.cancel_all([checking])
             if discovery is not None:
                 await discovery.close()
             if groups is not None:
