@@ -24,25 +24,11 @@ def start(name: str, args: list[str], tmp: pathlib.Path) -> LoggedServer:
 def agents(certs: Certs, tmp_path: pathlib.Path) -> Iterator[dict[str, str]]:
     """node-a serving mutual TLS, node-b plaintext, node-c nowhere: their addresses."""
     common = ["--host", "127.0.0.1", "--port", "0", "--backend", "noop"]
+    a = ["agent", "--node-name", "node-a", *common, "--state-dir", str(tmp_path / "a")]
+    b = ["agent", "--node-name", "node-b", *common, "--state-dir", str(tmp_path / "b")]
     servers = {
-        "node-a": start(
-            "node-a",
-            [
-                "agent",
-                "--node-name",
-                "node-a",
-                *common,
-                "--state-dir",
-                str(tmp_path / "a"),
-                *tls_args(certs, mutual=True),
-            ],
-            tmp_path,
-        ),  # fmt: skip
-        "node-b": start(
-            "node-b",
-            ["agent", "--node-name", "node-b", *common, "--state-dir", str(tmp_path / "b")],
-            tmp_path,
-        ),  # fmt: skip
+        "node-a": start("node-a", [*a, *tls_args(certs, mutual=True)], tmp_path),
+        "node-b": start("node-b", b, tmp_path),
     }
     try:
         found = {

@@ -1,6 +1,7 @@
 """Slurm mode's pure parts: the nodes and groups (``model``), the settings and their errors,
 the jobs that live, end and act as names (``jobs``), on text as the commands print it."""
 
+# ruff: noqa: E501  (scontrol prints each node on one long line)
 from __future__ import annotations
 
 import pytest
@@ -61,7 +62,9 @@ def test_groups_of_a_partition_a_feature_and_a_host_list() -> None:
         agent_address="{node_hostname}.cluster:9101",
         agents={"gpu-05": "10.9.9.9:1"},
     )
-    groups = {gid: [(n.name, n.address) for n in ns] for gid, ns in model.groups(nodes, chosen).items()}
+    groups = {
+        gid: [(n.name, n.address) for n in ns] for gid, ns in model.groups(nodes, chosen).items()
+    }
     # Drained, down and unresponsive nodes count for no group; gpu-02 leaves "pair".
     assert groups == {
         "train": [("gpu-01", "gpu-01.cluster:9101")],
@@ -171,6 +174,8 @@ def test_a_name_is_one_users_while_a_job_bound_to_it_lives() -> None:
     gone = book.update(rows("30|30|CANCELLED|alice\n31|31|COMPLETED|alice\n40|40|RUNNING|bob"))
     assert gone == [
         jobs.Gone("31", "Slurm job 31 ended (COMPLETED)"),
-        jobs.Gone("grpo", "every Slurm job that acted as grpo ended: 30 (CANCELLED), 31 (COMPLETED)"),
+        jobs.Gone(
+            "grpo", "every Slurm job that acted as grpo ended: 30 (CANCELLED), 31 (COMPLETED)"
+        ),
     ]
     assert book.claim("grpo", job="40", user="bob") is None  # free again
