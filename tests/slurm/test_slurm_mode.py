@@ -12,7 +12,10 @@ import asyncio
 import datetime
 import itertools
 import json
+import os
 import pathlib
+import re
+import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator
@@ -266,3 +269,16 @@ async def test_a_node_drained_while_in_a_group_leaves_it_as_a_cordoned_node_does
     await tester.acquire("pair", timeout=WAIT_S)
     assert (await tester.status("pair")).nodes == ("gpu-a", "gpu-b")
     await tester.yield_("pair")
+
+
+def test_doctor_asks_the_agent_of_every_slurm_node_the_config_selects(stack: Stack) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "tslice", "doctor",
+         "--orchestrator-config", str(stack.root / "orchestrator.yaml")],
+        capture_output=True, text=True, check=False, timeout=120,
+        env={**os.environ, **stack.slurm.env, "COLUMNS": "200"},
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert re.search(r"Slurm controller +ok +3 group\(s\)", done.stdout), done.stdout
+    for node in stack.slurm.nodes:
+        assert re.search(rf"agent {node} \(127\.0\.0\.1:\d+\) +ok +answers", done.stdout)

@@ -23,6 +23,7 @@ from tslice.cli import (
     certs_cmd,
     client_cmds,
     demo_cmd,
+    doctor_cmd,
     plan_cmd,
     render,
     slurm_cmd,
@@ -91,6 +92,8 @@ def _register_all() -> None:
     certs_cmd.register(app)
     # ``tslice admin ...``: evict, drain, resume, reset-fault (the admin role).
     admin_cmd.register(app)
+    # ``tslice doctor``: is a node ready, can the orchestrator reach its agents.
+    doctor_cmd.register(app)
     # ``tslice slurm prolog``: what Slurm's Prolog runs on a node.
     slurm_cmd.register(app)
 
