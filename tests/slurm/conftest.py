@@ -81,7 +81,7 @@ class Stack:
                     {
                         "name": "tester",
                         "roles": ["admin", "job"],
-                        "jobs": ["test-*"],
+                        "job_prefixes": ["test-"],
                         "sha256": hashlib.sha256(TESTER_TOKEN.encode()).hexdigest(),
                     }
                 ],
