@@ -49,13 +49,13 @@ class LoggedServer:
             self._ended = True
             self._changed.notify_all()
 
-    def wait_for(self, pattern: str) -> re.Match[str]:
-        """The first line matching ``pattern``; raises with the log if the server exits,
-        or has not written it within ``WAIT_S``."""
+    def wait_for(self, pattern: str, *, since: int = 0) -> re.Match[str]:
+        """The first line matching ``pattern`` (from line ``since`` on: see :meth:`mark`);
+        raises with the log if the server exits, or has not written it within ``WAIT_S``."""
         regex = re.compile(pattern)
         deadline = time.monotonic() + WAIT_S
         with self._changed:
-            index = 0
+            index = since
             while True:
                 for line in self._lines[index:]:
                     match = regex.search(line)
@@ -65,6 +65,11 @@ class LoggedServer:
                 left = deadline - time.monotonic()
                 if self._ended or left <= 0 or not self._changed.wait(left):
                     raise AssertionError(f"no log line matched {pattern!r}:\n{self.logs()}")
+
+    def mark(self) -> int:
+        """How many lines it has written: ``wait_for(since=...)`` looks at the later ones."""
+        with self._changed:
+            return len(self._lines)
 
     def logs(self) -> str:
         with self._changed:

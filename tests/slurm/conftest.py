@@ -102,9 +102,15 @@ class Stack:
         env_file = self.slurm.scripts / "tslice-slurm.env"
         env_file.write_text(env_file.read_text() + f"JOB_TSLICE_ORCHESTRATOR={self.address}\n")
 
-    def logged(self, pattern: str) -> str:
+    def mark(self) -> int:
+        """Where the orchestrator's log is now (``logged(since=...)`` looks after it)."""
         assert self.orchestrator is not None
-        return self.orchestrator.wait_for(pattern).group(0)
+        return self.orchestrator.mark()
+
+    def logged(self, pattern: str, *, since: int) -> str:
+        """The first line of the orchestrator's log after ``since`` matching ``pattern``."""
+        assert self.orchestrator is not None
+        return self.orchestrator.wait_for(pattern, since=since).group(0)
 
     def journal(self) -> list[device.Event]:
         paths = [self.root / node / "sim-journal.jsonl" for node in self.slurm.nodes]

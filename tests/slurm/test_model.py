@@ -178,4 +178,11 @@ def test_a_name_is_one_users_while_a_job_bound_to_it_lives() -> None:
             "grpo", "every Slurm job that acted as grpo ended: 30 (CANCELLED), 31 (COMPLETED)"
         ),
     ]
+    # A group that comes back on its persisted queue learns why these went.
+    assert book.gone_reason("31") == "Slurm job 31 ended (COMPLETED)"
+    assert book.gone_reason(
+        "grpo",
+    ).startswith("every Slurm job that acted as grpo ended")
+    assert book.gone_reason("40") is None
     assert book.claim("grpo", job="40", user="bob") is None  # free again
+    assert book.gone_reason("grpo") is None

@@ -252,20 +252,22 @@ async def test_a_node_drained_while_in_a_group_leaves_it_as_a_cordoned_node_does
     slurm = stack.slurm
     await tester.acquire("pair", timeout=WAIT_S)
     assert (await tester.status("pair")).nodes == ("gpu-a", "gpu-b")
+    drained = stack.mark()
     slurm.command("scontrol", "update", "nodename=gpu-b", "state=drain", "reason=tslice-test")
     stack.logged(r"Slurm node gpu-b counts for no group: it is drained or draining "
-                 r"\(Reason=tslice-test")  # fmt: skip
-    stack.logged(r"group pair: nodes changed \(gpu-a@\S+, gpu-b@\S+ -> gpu-a@\S+\)")
-    stack.logged(r"group gpu-b is gone")
+                 r"\(Reason=tslice-test", since=drained)  # fmt: skip
+    stack.logged(r"group pair: nodes changed \(gpu-a@\S+, gpu-b@\S+ -> gpu-a@\S+\)", since=drained)
+    stack.logged(r"group gpu-b is gone", since=drained)
     # The group carries on over the node left; the holder keeps its turn there.
     await tester.acquire("pair", timeout=WAIT_S)
     status = await tester.status("pair")
     assert (status.locking_job, status.nodes) == ("test-holder", ("gpu-a",))
     with pytest.raises(errors.NotFound, match="no usable Slurm node"):
         await tester.acquire("gpu-b", timeout=5)
+    resumed = stack.mark()
     slurm.command("scontrol", "update", "nodename=gpu-b", "state=resume")
-    stack.logged(r"group gpu-b appeared")
-    stack.logged(r"group pair: nodes changed \(gpu-a@\S+ -> gpu-a@\S+, gpu-b@\S+\)")
+    stack.logged(r"group gpu-b appeared", since=resumed)
+    stack.logged(r"group pair: nodes changed \(gpu-a@\S+ -> gpu-a@\S+, gpu-b@\S+\)", since=resumed)
     await tester.acquire("pair", timeout=WAIT_S)
     assert (await tester.status("pair")).nodes == ("gpu-a", "gpu-b")
     await tester.yield_("pair")
@@ -282,3 +284,54 @@ def test_doctor_asks_the_agent_of_every_slurm_node_the_config_selects(stack: Sta
     assert re.search(r"Slurm controller +ok +3 group\(s\)", done.stdout), done.stdout
     for node in stack.slurm.nodes:
         assert re.search(rf"agent {node} \(127\.0\.0\.1:\d+\) +ok +answers", done.stdout)
+
+
+async def test_a_holder_whose_node_fails_loses_the_group(stack: Stack, tester: AsyncClient) -> None:
+    slurm, out = stack.slurm, stack.slurm.root / "out"
+    start = stack.mark()
+    holder = slurm.sbatch(
+        job("hold", "gpu-b", out / "node-fail.jsonl"), "--nodelist=gpu-b", "--no-requeue",
+        env={"TSLICE_LEASE_S": "none"},
+    )  # fmt: skip
+    stack.logged(rf"group gpu-b: switch \S+ -> {holder} done", since=start)
+    # Down, the node's jobs fail (NODE_FAIL); slurmd still answers, so with
+    # ReturnToService=2 the node may be back before a read sees it down, or not.
+    slurm.command("scontrol", "update", "nodename=gpu-b", "state=down", "reason=tslice-test")
+    assert slurm.wait_state(holder, ENDED) == "NODE_FAIL"
+    slurm.command("scontrol", "update", "nodename=gpu-b", "state=resume", check=False)
+    stack.logged(
+        rf"job {holder} evicted from group gpu-b \(it was holder\): Slurm job {holder} ended "
+        r"\(NODE_FAIL\)",
+        since=start,
+    )
+    assert (await tester.status("gpu-b")).locking_job == ""
+
+
+async def test_a_job_that_ends_while_its_group_is_away_is_evicted_when_it_comes_back(
+    stack: Stack, tester: AsyncClient
+) -> None:
+    slurm, out = stack.slurm, stack.slurm.root / "out"
+    start = stack.mark()
+    holder = slurm.sbatch(
+        job("hold", "gpu-b", out / "away.jsonl"), "--nodelist=gpu-b",
+        env={"TSLICE_LEASE_S": "none"},
+    )  # fmt: skip
+    stack.logged(rf"group gpu-b: switch \S+ -> {holder} done", since=start)
+    waiting = asyncio.create_task(tester.acquire("gpu-b", job_id="test-next", timeout=WAIT_S))
+    # Drained, the node leaves its groups (gpu-b goes, its holder and queue kept on disk);
+    # meanwhile the holder ends, with no group left to evict it from.
+    drained = stack.mark()
+    slurm.command("scontrol", "update", "nodename=gpu-b", "state=drain", "reason=tslice-away")
+    stack.logged(r"group gpu-b is gone", since=drained)
+    slurm.command("scancel", holder)
+    assert slurm.wait_state(holder, ENDED) == "CANCELLED"
+    resumed = stack.mark()
+    slurm.command("scontrol", "update", "nodename=gpu-b", "state=resume")
+    # Back on its persisted queue, the group does not keep the ended job as its holder.
+    stack.logged(
+        rf"job {holder} evicted from group gpu-b \(it was holder\): Slurm job {holder} ended "
+        r"\(CANCELLED\)",
+        since=resumed,
+    )
+    assert (await asyncio.wait_for(waiting, WAIT_S)).success
+    await tester.yield_("gpu-b", job_id="test-next")

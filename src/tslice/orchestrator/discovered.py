@@ -56,6 +56,15 @@ async def apply_groups(groups: manager.GroupManager, wanted: Groups, *, gone_why
         raise failed[0]
 
 
+async def jobs_in(groups: manager.GroupManager, gid: str) -> set[str]:
+    """The holder and the waiters of group ``gid`` (none if it is not there)."""
+    driver = groups.get(gid)
+    if driver is None:
+        return set()
+    found = (await driver.describe()).group
+    return {found.locking_job, *found.waiting_jobs} - {""}
+
+
 async def evict_gone(groups: manager.GroupManager, job: str, reason: str, *, by: str) -> None:
     """Take ``job``, whose processes are gone, out of every group (``by``: the mode)."""
     outcomes = await groups.evict(job, reason, by=by)

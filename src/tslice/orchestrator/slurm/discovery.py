@@ -5,7 +5,8 @@ groups are known). Afterwards it is read every ``poll_s``: the groups become tho
 the nodes as they are now (``tslice.orchestrator.discovered``, as in Kubernetes mode: a
 drained node leaves its groups, a resumed one comes back), and every Slurm job that
 ended since the last read (``jobs.JobBook``; at the first read, those that ended while
-no orchestrator watched) is evicted from every group: it loses its lock (the next
+no orchestrator watched; in a group that comes back, those that ended while it was away)
+is evicted from every group: it loses its lock (the next
 waiter is granted) or leaves the queue, and the group's event stream says so. A
 controller that does not answer changes nothing: the groups stay as they were, and the
 failure is logged once until it answers again.
@@ -105,12 +106,23 @@ class Discovery:
             )
             self._failing = str(err)
 
+    async def _evict_ended(self, groups: manager.GroupManager, gid: str) -> None:
+        """A group that is back (its node resumed) resumes its persisted queue: a job
+        that ended while the group was away is evicted now, not kept as a ghost holder."""
+        for job in sorted(await discovered.jobs_in(groups, gid)):
+            reason = self._book.gone_reason(job)
+            if reason is not None:
+                await discovered.evict_gone(groups, job, reason, by=BY)
+
     async def _follow(self, groups: manager.GroupManager) -> None:
         wanted: dict[str, tuple[config.NodeRef, ...]] | None = None  # start()'s are applied
         while True:
             try:
                 if wanted is not None:
+                    before = set(groups.ids())
                     await discovered.apply_groups(groups, wanted, gone_why=GONE_WHY)
+                    for gid in sorted(set(groups.ids()) - before):
+                        await self._evict_ended(groups, gid)
                 while self._gone:
                     gone = self._gone[0]
                     await discovered.evict_gone(groups, gone.job, gone.reason, by=BY)

@@ -80,6 +80,8 @@ class JobBook:
         #: Ids known to have ended (reported gone), with their state.
         self._ended: dict[str, str] = {}
         self._names: dict[str, _Name] = {}
+        #: Names gone, with why (a group that comes back may still list them).
+        self._names_ended: dict[str, str] = {}
         self._read = False
 
     @property
@@ -120,9 +122,18 @@ class JobBook:
         for name, bound in sorted(self._names.items()):
             if bound.jobs and all(j in self._ended for j in bound.jobs):
                 ended = ", ".join(f"{j} ({self._ended[j]})" for j in sorted(bound.jobs, key=int))
-                gone.append(Gone(name, f"every Slurm job that acted as {name} ended: {ended}"))
+                why = f"every Slurm job that acted as {name} ended: {ended}"
+                gone.append(Gone(name, why))
+                self._names_ended[name] = why
                 del self._names[name]
         return gone
+
+    def gone_reason(self, job: str) -> str | None:
+        """Why a job id is gone, if it is (an ended Slurm job, a name whose jobs all ended)."""
+        with self._guard:
+            if job in self._ended:
+                return f"Slurm job {job} ended ({self._ended[job]})"
+            return self._names_ended.get(job)
 
     def ended(self, job: str) -> str | None:
         """The state a Slurm job ended in, if it is known to have ended."""
@@ -142,6 +153,7 @@ class JobBook:
                 bound = None
             if bound is None:
                 bound = self._names[name] = _Name(user, set())
+                self._names_ended.pop(name, None)
             bound.jobs.add(job)
             return None
 
