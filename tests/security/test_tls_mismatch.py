@@ -14,6 +14,7 @@ from tests.integration.test_hostile_agent import closed_port
 from tests.kube.processes import LoggedServer
 from tests.security.conftest import Certs, tls_args
 from tslice.client import AsyncClient, GroupState
+from tslice.common import errors, tls
 
 
 def start(name: str, args: list[str], tmp: pathlib.Path) -> LoggedServer:
@@ -95,5 +96,32 @@ async def test_a_tls_orchestrator_is_told_which_side_lacks_what(
             r"agent of node node-b at \S+ does not answer: .*TLS mismatch: the server does not "
             r"serve TLS, but agent_client connects with TLS"
         )
+    finally:
+        orch.stop()
+
+
+async def test_a_job_whose_tls_does_not_match_the_orchestrators_is_told_so(
+    certs: Certs, rogue_certs: Certs, tmp_path: pathlib.Path
+) -> None:
+    orch = start(
+        "orch",
+        ["orchestrator", "--local-agent", f"node-a=127.0.0.1:{closed_port()}",
+         "--host", "127.0.0.1", "--port", "0", "--metrics-port", "0",
+         "--state-dir", str(tmp_path / "orch"), *tls_args(certs, mutual=False)],
+        tmp_path,
+    )  # fmt: skip
+    try:
+        address = orch.wait_for(r"serving on (127\.0\.0\.1:\d+)").group(1)
+        plain = AsyncClient(address, job_id="j", lease_s=None, connect_timeout=3)
+        async with plain:
+            with pytest.raises(errors.Unavailable, match=r"TLS mismatch\? the server closed"):
+                await plain.list_groups()
+        rogue = tls.ClientSecurity.from_env(rogue_certs.env(None))
+        untrusting = AsyncClient(
+            address, job_id="j", lease_s=None, connect_timeout=3, security=rogue
+        )
+        async with untrusting:
+            with pytest.raises(errors.Unavailable, match="TLS mismatch: the server's certificate"):
+                await untrusting.list_groups()
     finally:
         orch.stop()

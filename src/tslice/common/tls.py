@@ -276,7 +276,7 @@ def mismatch_hint(detail: str, security: ClientSecurity, *, settings: str) -> st
             f"TLS mismatch: the server does not serve TLS, but {settings} connects with TLS "
             "(drop its ca/cert/key, or serve TLS there)"
         )
-    if "certificate_verify_failed" in low:
+    if "certificate_verify_failed" in low or "certificate signature failure" in low:
         return (
             "TLS mismatch: the server's certificate is not signed by the CA "
             f"{settings} trusts (its ca)"
