@@ -375,7 +375,7 @@ class _Transport:
         )
         server = self.endpoint
         # A reason that shows TLS on one side only says so (else the general hint).
-        hint = tls.mismatch_hint(reason, server.security, settings=_TLS_SETTINGS)
+        hint = tls.mismatch_hint(reason or "", server.security, settings=_TLS_SETTINGS)
         return errors.Unavailable(
             grpc.StatusCode.UNAVAILABLE,
             f"failed to connect to {server.peer} at {server.target} within {waited_s:.3g} s "
