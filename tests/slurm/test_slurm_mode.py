@@ -66,6 +66,18 @@ async def next_event_within(
     return await asyncio.wait_for(first(), timeout_s)
 
 
+async def next_event_of(events: AsyncIterator[OrchestratorEvent], job: str) -> OrchestratorEvent:
+    """The next event of ``job``, whatever its kind."""
+
+    async def first() -> OrchestratorEvent:
+        async for event in events:
+            if event.job_id == job:
+                return event
+        raise AssertionError(f"the event stream ended before an event of job {job}")
+
+    return await asyncio.wait_for(first(), WAIT_S)
+
+
 @pytest.fixture
 async def tester(stack: Stack) -> AsyncIterator[AsyncClient]:
     security = tls.ClientSecurity(token=tls.TokenSource(token=TESTER_TOKEN))
@@ -142,6 +154,16 @@ async def test_scancel_of_the_holder_hands_the_group_over_within_seconds(
         status = await tester.status("gpu-b")
         assert status.locking_job == waiter
         assert holder not in status.waiting_jobs
+        # A cancelled waiter leaves the queue, with an event: its Acquire's connection
+        # closes as its process dies (CANCELLED), or else the controller says it ended.
+        queued = slurm.sbatch(
+            job("hold", "gpu-b", out / "queued.jsonl"), "--nodelist=gpu-b", env=no_lease
+        )
+        await next_event(events, EventKind.QUEUED, queued)
+        slurm.command("scancel", queued)
+        left = await next_event_of(events, queued)
+        assert left.kind is EventKind.CANCELLED or "by Slurm mode" in left.detail, left
+        assert queued not in (await tester.status("gpu-b")).waiting_jobs
         slurm.command("scancel", waiter)
         yielded = await next_event(events, EventKind.YIELDED, waiter)
     assert (await tester.status("gpu-b")).locking_job == ""
