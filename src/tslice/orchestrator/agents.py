@@ -408,6 +408,8 @@ class AgentClient:
             # The agent's message speaks to a job; the orchestrator's own fix is its config.
             detail = f"{detail} [the orchestrator's credential: {_CREDENTIALS_FIX}]"
         if code in _UNREACHABLE:
+            hint = tls.mismatch_hint(detail, self._security, settings="agent_client")
+            detail = f"{detail} [{hint}]" if hint else detail
             # The connection may be another agent's when it comes back: ask it again.
             self.features = None
             return AgentUnreachable(self.address, operation, detail)

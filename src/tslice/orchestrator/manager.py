@@ -240,6 +240,13 @@ class GroupManager:
                 f"{kube_labels.group_node_label(gid)}=true (Ready, not cordoned, with an "
                 "agent pod on each)"
             )
+        if self._cfg.slurm is not None:
+            return (
+                f"group {gid!r} has no usable Slurm node (known groups: {known}); a group "
+                "is a GPU node (named after it) or one of the config's slurm.groups, with "
+                "at least one node that is not drained, down or unresponsive (sinfo -R "
+                "lists why; scontrol update nodename=NODE state=resume brings one back)"
+            )
         if self._cfg.topology.local_groups:
             return f"group {gid!r} is not one of the groups given with --group ({known})"
         return f"group {gid!r} is not in the topology (known groups: {known})"
