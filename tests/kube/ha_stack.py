@@ -39,7 +39,7 @@ class HaStack(stack.Cluster):
         took the Lease, once it leads."""
         agents = self.launch_agents(nodes)
         for name in replicas:
-            kubeconfig = self.api.write_kubeconfig(self.tmp_path / f"kubeconfig-{name}")
+            kubeconfig = self.api.write_kubeconfig(self.tmp_path / f"kubeconfig-{name}", user=name)
             self.replicas[name] = self.launch(name, [
                 "orchestrator", "--kubernetes", "--kubeconfig", str(kubeconfig),
                 "--ha", "--identity", name, "--lease-namespace", NAMESPACE,

@@ -168,13 +168,17 @@ class SnapshotAgentServicer(pb_grpc.SnapshotAgentServiceServicer):
     def close(self) -> None:
         self._closing.set()
 
-    async def _fenced(self, context: grpc.aio.ServicerContext, *, directive: bool = True) -> int:
+    async def _fenced(
+        self, context: grpc.aio.ServicerContext, *, directive: bool = True
+    ) -> fencing.Sent:
         """Admit the call's leader term (see ``tslice.agent.fencing``); returns it. Every
         handler calls this first: a deposed leader's directive is refused untouched."""
-        term = await refusals.checked(context, fencing.sent_term, context.invocation_metadata())
-        admit = functools.partial(self._fence.admit, directive=directive, adopt=_orchestrating())
-        await refusals.checked(context, admit, term)
-        return term
+        sent = await refusals.checked(context, fencing.sent, context.invocation_metadata())
+        admit = functools.partial(
+            self._fence.admit, directive=directive, adopt=_orchestrating(), leader=sent.leader
+        )
+        await refusals.checked(context, admit, sent.term)
+        return sent
 
     async def Snapshot(
         self, request: pb.SnapshotRequest, context: grpc.aio.ServicerContext
@@ -293,10 +297,10 @@ class SnapshotAgentServicer(pb_grpc.SnapshotAgentServiceServicer):
             yield reply
 
     async def _stream_reply(
-        self, request: pb.GrantStreamRequest, *, term: int
+        self, request: pb.GrantStreamRequest, *, term: fencing.Sent
     ) -> pb.GrantStreamResponse:
         try:
-            self._fence.admit(term, directive=True)
+            self._fence.admit(term.term, directive=True, leader=term.leader)
             grant = await self.grant_reply(request.grant)
         except refusals.Refused as refused:
             return pb.GrantStreamResponse(
