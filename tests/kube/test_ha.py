@@ -11,10 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-import pathlib
 import signal
 import time
-from collections.abc import Iterator
 
 import grpc
 import pytest
@@ -25,19 +23,13 @@ from tests.kube import objects
 from tests.kube.emulator import ApiServerEmulator
 from tests.kube.ha_stack import NAMESPACE, HaStack
 from tests.kube.processes import frozen
-from tests.kube.stack import WAIT_S, events_of, exclusive_sim, next_event, running
+from tests.kube.stack import WAIT_S, events_of, exclusive_sim, next_event
 from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2 as opb
 from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2_grpc as opb_grpc
 from tslice.client import AsyncClient, EventKind
 from tslice.sim import checker
 
 STATE = "timeslice.io/orchestrator-state=group"
-
-
-@pytest.fixture
-def stack(api: ApiServerEmulator, tmp_path: pathlib.Path) -> Iterator[HaStack]:
-    with running(HaStack, api, tmp_path) as started:
-        yield started
 
 
 def _group_state(api: ApiServerEmulator) -> dict[str, object]:
@@ -183,13 +175,7 @@ async def test_a_leader_stopped_gracefully_hands_the_lease_over_at_once(
 
 
 async def test_a_partitioned_old_leader_is_fenced(api: ApiServerEmulator, stack: HaStack) -> None:
-    sim = exclusive_sim()
-    for job in ("job-a", "job-b"):
-        api.apply(objects.job_pod(f"{job}-trainer-0", job, "trainer"))
-    for node in ("gpu-a", "gpu-b"):
-        api.apply(objects.node(node, "trainer"))
-    old = stack.start_ha({"gpu-a": sim.flags(), "gpu-b": sim.flags()}, ["orch-a", "orch-b"])
-    new = stack.follower(old)
+    old, new = stack.start_trainers(["job-a", "job-b"], ["gpu-a", "gpu-b"])
     windows = {j: checker.Window(job=f"job-{j}", group="trainer", requested=0.0) for j in "ab"}
     async with (
         AsyncClient(stack.addresses[old], job_id="job-a", lease_s=None) as a,

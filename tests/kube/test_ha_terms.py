@@ -12,26 +12,18 @@ it, and nothing it does moves device state any more. The device journals are che
 from __future__ import annotations
 
 import asyncio
-import pathlib
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import pytest
 
 pytest.importorskip("lightkube")
 
-from tests.kube import objects
 from tests.kube.emulator import ApiServerEmulator
 from tests.kube.ha_stack import LEASE, NAMESPACE, HaStack
-from tests.kube.stack import WAIT_S, events_of, exclusive_sim, next_event, running
+from tests.kube.stack import WAIT_S, events_of, next_event
 from tslice.client import AsyncClient, EventKind
 from tslice.sim import checker
-
-
-@pytest.fixture
-def stack(api: ApiServerEmulator, tmp_path: pathlib.Path) -> Iterator[HaStack]:
-    with running(HaStack, api, tmp_path) as started:
-        yield started
 
 
 def _delete(api: ApiServerEmulator) -> None:
@@ -48,13 +40,8 @@ def _replace_by_hand(api: ApiServerEmulator) -> None:
 async def _old_leader_acts_after_a_new_one_took_over(
     api: ApiServerEmulator, stack: HaStack, take_away: Callable[[ApiServerEmulator], None]
 ) -> list[checker.Violation]:
-    sim = exclusive_sim()
-    for job in ("job-a", "job-b"):
-        api.apply(objects.job_pod(f"{job}-trainer-0", job, "trainer"))
-    api.apply(objects.node("gpu-a", "trainer"))
     # A Lease of 30 s: the old leader's renew deadline (20 s) outlasts the test's steps.
-    old = stack.start_ha({"gpu-a": sim.flags()}, ["orch-a", "orch-b"], lease_duration_s=30)
-    new = stack.follower(old)
+    old, new = stack.start_trainers(["job-a", "job-b"], ["gpu-a"], lease_duration_s=30)
     stack.replicas[new].wait_for(rf"leader election: {old} leads \(term 1\)")
     both = [stack.addresses[old], stack.addresses[new]]
     windows = [checker.Window(job=j, group="trainer", requested=0.0) for j in ("job-a", "job-b")]

@@ -64,7 +64,7 @@ class GroupManager:
         configured = topo.groups or {gid: topo.local_nodes for gid in topo.local_groups}
         for gid, nodes in configured.items():
             entry = persisted.get(gid)
-            self._add(gid, nodes, entry[1] if entry else None)
+            self._add(gid, nodes, entry[1] if entry else self._services.db.unrecorded(gid))
         for gid in sorted(set(persisted) - set(configured)):
             log.warning("group %s has persisted state but is not configured; ignoring it", gid)
 
@@ -89,7 +89,7 @@ class GroupManager:
             await self.replace_nodes(gid, nodes)
             return
         entry = (await self._services.db.load()).get(gid)
-        self._add(gid, nodes, entry[1] if entry else None)
+        self._add(gid, nodes, entry[1] if entry else self._services.db.unrecorded(gid))
         log.info(
             "group %s appeared with %d node(s): %s",
             gid,
@@ -131,7 +131,7 @@ class GroupManager:
         # Which groups it shares devices with is worked out again from its new nodes.
         self._services.arbiter.forget(gid)
         entry = (await self._services.db.load()).get(gid)
-        self._add(gid, nodes, entry[1] if entry else None)
+        self._add(gid, nodes, entry[1] if entry else self._services.db.unrecorded(gid))
 
     async def evict(
         self, job: str, reason: str = "", *, by: str = group.BY_ADMIN

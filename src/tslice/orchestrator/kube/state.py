@@ -106,6 +106,8 @@ class ConfigMapStore:
         self._versions: dict[str, str] = {}
         self._persisted: store.Persisted = {}
         self._deletions: list[asyncio.Task[None]] = []
+        #: ConfigMap name -> why its record could not be read (at claim).
+        self._unreadable: dict[str, str] = {}
 
     async def claim(self) -> None:
         """Claim every group's ConfigMap for this term and read them; raises
@@ -149,7 +151,14 @@ class ConfigMapStore:
             nodes = [(str(n), str(a)) for n, a in json.loads(data["nodes"])]
             record = codec.decode(data["record"])
         except (KeyError, ValueError, TypeError) as err:
-            log.error("state ConfigMap %s is unreadable (%s); ignoring it", cm.metadata.name, err)
+            log.error(
+                "state ConfigMap %s/%s is unreadable (%s): its group's holder will be looked "
+                "for on the agents, and the ConfigMap is written anew at the group's next change",
+                self._namespace,
+                cm.metadata.name,
+                err,
+            )
+            self._unreadable[cm.metadata.name] = str(err)
             return
         self._versions[gid] = str(cm.metadata.resourceVersion)
         self._persisted[gid] = (nodes, record)
@@ -186,6 +195,27 @@ class ConfigMapStore:
 
     async def load(self) -> store.Persisted:
         return dict(self._persisted)
+
+    def unrecorded(self, group_id: str) -> records.LockRecord:
+        """A group without a readable record: new, or its ConfigMap was deleted or left
+        unreadable (no way to tell): "nobody holds" could be wrong, so its holder is
+        looked for on the agents (``tslice.orchestrator.found_holder``)."""
+        name = configmap_name(group_id)
+        why = self._unreadable.get(name)
+        what = (
+            f"an unreadable state ConfigMap {self._namespace}/{name} ({why})"
+            if why is not None
+            else f"no state ConfigMap {self._namespace}/{name} (new, or deleted)"
+        )
+        log.log(
+            logging.INFO if why is None else logging.WARNING,
+            "group %s has %s: its holder is taken from the agents (a job resident on every "
+            "node keeps the group until it yields)",
+            group_id,
+            what,
+            extra={"group_id": group_id},
+        )
+        return records.LockRecord.lost()
 
     async def save(
         self,
