@@ -104,6 +104,7 @@ class Discovery:
             await self._changed.wait()
             self._changed.clear()
             try:
+                groups.revoke_evictions(cluster.live_jobs())
                 await self._apply_groups(groups, cluster.groups())
                 while self._gone_jobs:
                     job = self._gone_jobs[0]
