@@ -10,7 +10,7 @@ import pytest
 
 from tests.kube.emulator import ApiServerEmulator
 from tests.kube.ha_stack import HaStack
-from tests.kube.stack import running
+from tests.kube.stack import Cluster, running
 
 
 @pytest.fixture
@@ -22,4 +22,10 @@ def api() -> Iterator[ApiServerEmulator]:
 @pytest.fixture
 def stack(api: ApiServerEmulator, tmp_path: pathlib.Path) -> Iterator[HaStack]:
     with running(HaStack, api, tmp_path) as started:
+        yield started
+
+
+@pytest.fixture
+def cluster(api: ApiServerEmulator, tmp_path: pathlib.Path) -> Iterator[Cluster]:
+    with running(Cluster, api, tmp_path) as started:
         yield started

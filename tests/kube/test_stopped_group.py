@@ -9,9 +9,7 @@ journals are checked."""
 
 from __future__ import annotations
 
-import pathlib
 import time
-from collections.abc import Iterator
 
 import pytest
 
@@ -19,15 +17,9 @@ pytest.importorskip("lightkube")
 
 from tests.kube import objects
 from tests.kube.emulator import ApiServerEmulator
-from tests.kube.stack import WAIT_S, Cluster, events_of, exclusive_sim, next_event, running
+from tests.kube.stack import WAIT_S, Cluster, events_of, exclusive_sim, next_event
 from tslice.client import AsyncClient, EventKind
 from tslice.sim import checker
-
-
-@pytest.fixture
-def cluster(api: ApiServerEmulator, tmp_path: pathlib.Path) -> Iterator[Cluster]:
-    with running(Cluster, api, tmp_path) as started:
-        yield started
 
 
 def _cordon(api: ApiServerEmulator, cluster: Cluster, *, cordoned: bool) -> None:

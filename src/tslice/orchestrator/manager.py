@@ -132,7 +132,8 @@ class GroupManager:
         log.warning("group %s is gone (%s); it stops", gid, why, extra={"group_id": gid})
         self._stopped.add(gid)
         await driver.stop(grace_s=self._cfg.shutdown_grace_s)
-        self._services.arbiter.forget(gid)
+        # Its state left on nodes of other groups gives way to them, unless it is held.
+        self._services.arbiter.stopped(gid, driver.lock.holder)
         self._services.metrics.forget_group(gid)
 
     async def replace_nodes(self, gid: str, nodes: tuple[config.NodeRef, ...]) -> None:
@@ -154,8 +155,9 @@ class GroupManager:
         )
         # Listed while it stops: calls meanwhile are told UNAVAILABLE (retry), not NOT_FOUND.
         await driver.stop(grace_s=self._cfg.shutdown_grace_s)
-        # Which groups it shares devices with is worked out again from its new nodes.
-        self._services.arbiter.forget(gid)
+        # Which groups it shares devices with is worked out again from its new nodes
+        # (meanwhile its holder's state is not stray).
+        self._services.arbiter.stopped(gid, driver.lock.holder)
         entry = (await self._services.db.load()).get(gid)
         restarted = self._add(gid, nodes, entry[1] if entry else self._services.db.unrecorded(gid))
         await self._apply_held_over(restarted)
