@@ -145,8 +145,10 @@ async def test_a_leader_whose_write_meets_a_newer_terms_steps_down(
             r"stepping down as leader \(term 1\): leader term 7 wrote state ConfigMap "
             r"timeslice-system/tslice-group-trainer-\w+ after this replica's term 1",
         )
-        # Campaigning again, it finds term 7 in the state and leads above it, from that state.
+        # Campaigning again, it leads above term 7 at once (no wasted election in between),
+        # from that state.
         await asyncio.to_thread(stack.leads, "orch-a", 8)
+        assert "leader term 2" not in leader.logs()
         await asyncio.wait_for(yielding, WAIT_S)  # retried against the leader of term 8
         assert (await a.status("trainer")).draining
 
@@ -208,3 +210,24 @@ async def test_a_partitioned_old_leader_is_fenced(api: ApiServerEmulator, stack:
         windows["b"].yielded = time.time()
         await b.yield_("trainer")
     assert _violations(stack, windows) == []
+
+
+async def test_a_leader_cut_off_from_the_api_server_says_it_stepped_down(
+    api: ApiServerEmulator, stack: HaStack
+) -> None:
+    api.apply(objects.node("gpu-a", "trainer"))
+    stack.start_ha({"gpu-a": ["--backend", "noop"]}, ["orch-a"])
+    api.refuse(10**9)  # an outage: nothing gets through, the Lease still names orch-a
+    await asyncio.to_thread(
+        stack.replicas["orch-a"].wait_for, r"stepping down as leader \(term 1\)"
+    )
+    async with grpc.aio.insecure_channel(stack.addresses["orch-a"]) as channel:
+        stub = opb_grpc.TimeSliceOrchestratorServiceStub(channel)
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await stub.Acquire(opb.AcquireRequest(group_id="trainer", job_id="job-a"))
+    api.refuse(0)
+    assert refused.value.code() is grpc.StatusCode.UNAVAILABLE
+    details = str(refused.value.details())
+    assert "just elected" not in details
+    assert "it stopped leading (could not renew Lease" in details
+    assert "no new leader is known yet" in details

@@ -158,6 +158,7 @@ class _Terms:
                 await elector.release()
                 continue
             term.advance(won)
+            self._role.elected()
             self._ending.reset()
             # Renewed from the take on: claiming many ConfigMaps may outlast the Lease.
             holding = tasks.spawn(elector.hold(), name="ha:lease")
@@ -194,8 +195,10 @@ class _Terms:
         except state.NewerTerm as err:
             log.error("leader term %d: %s; campaigning again above it", won, err)
             self._elector.raise_floor(err.term)
+            self._role.follow(f"deposed while claiming the state: {err}")
         except store.StoreError as err:
             log.error("leader term %d: %s; giving the Lease up", won, err)
+            self._role.follow(f"could not read the state: {err}")
             await asyncio.sleep(ha.renew_interval_s)  # not at once: the next read may work
         return None
 
@@ -225,15 +228,12 @@ class _Terms:
                 finally:
                     for waiting in waits:
                         waiting.cancel()
-                # Refuse from now on, before the groups stop: nothing new starts here.
-                role.follow()
-                await self._health.set(role.service, health_pb2.HealthCheckResponse.NOT_SERVING)
                 graceful = not ending.event.is_set()
-                log.warning(
-                    "stepping down as leader (term %d): %s; its groups stop",
-                    won,
-                    "stopping (SIGTERM)" if graceful else ending.why,
-                )
+                why = "stopping (SIGTERM)" if graceful else ending.why
+                # Refuse from now on, before the groups stop: nothing new starts here.
+                role.follow(why)
+                await self._health.set(role.service, health_pb2.HealthCheckResponse.NOT_SERVING)
+                log.warning("stepping down as leader (term %d): %s; its groups stop", won, why)
         finally:
             role.follow()
             await db.close()
