@@ -5,6 +5,7 @@ or a grant mark from it)."""
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 from collections.abc import Awaitable
@@ -16,6 +17,7 @@ import pytest
 
 from tests.agent.conftest import AgentRunner
 from tests.agent.test_agent_process import AgentProcess, processes
+from tests.cli.test_cli import run_cli
 from tslice.agent import fencing
 from tslice.agent.backends import simdevice as device
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
@@ -86,6 +88,10 @@ def test_a_term_belongs_to_the_first_leader_that_names_it() -> None:
     with pytest.raises(refusals.Refused):
         legacy.admit(7, directive=True, leader="orch-d")
     assert fencing.sent([(KEY, "3"), (LEADER, "orch-a")]) == fencing.Sent(3, "orch-a")
+    with pytest.raises(refusals.Refused) as too_high:  # more than a Lease can count
+        fencing.sent([(KEY, str(2**31))])
+    assert too_high.value.code is refusals.Code.INVALID_ARGUMENT
+    assert "2147483647" in too_high.value.message
     with pytest.raises(refusals.Refused) as bad:
         fencing.sent([(KEY, "3"), (LEADER, "x\n" * 200)])
     assert bad.value.code is refusals.Code.INVALID_ARGUMENT
@@ -218,7 +224,7 @@ async def test_with_authentication_only_the_orchestrator_raises_the_term(
         return (("authorization", f"Bearer {tokens[name]}"), *_term(term))
 
     # A reader's Status with a huge term would fence the leader out: it is not adopted.
-    await agent.stub.Status(pb.StatusRequest(), metadata=as_("reader", 2**62))
+    await agent.stub.Status(pb.StatusRequest(), metadata=as_("reader", leader_term.MAX_TERM))
     await agent.stub.Status(pb.StatusRequest(), metadata=as_("orch", 5))
     await agent.stub.Grant(pb.GrantRequest(job_id="job-a", group="g"), metadata=as_("orch", 5))
     err = await _refused(
@@ -261,3 +267,42 @@ async def test_two_leaders_of_one_term_the_second_is_deposed_even_after_a_sigkil
     finally:
         await a.close()
         await b.close()
+
+
+async def test_without_authentication_a_term_beyond_a_lease_fences_nobody_out(
+    agents: AgentRunner,
+) -> None:
+    agent = await agents.start()
+    err = await _refused(agent.stub.Status(pb.StatusRequest(), metadata=_term(2**63 - 1)))
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+    # The leader of term 5 is not fenced out by it.
+    await agent.stub.Grant(pb.GrantRequest(job_id="job-a", group="g"), metadata=_term(5))
+
+
+async def test_an_administrator_resets_the_term_and_nobody_else_may(
+    agents: AgentRunner, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tokens = {"admin": "token-of-the-admin", "orch": "token-of-the-orchestrator"}
+    roles = {"admin": ["admin"], "orch": ["orchestrator"]}
+    entries = [{"name": n, "roles": roles[n], "sha256": _sha(t)} for n, t in tokens.items()]
+    agent = await agents.start(auth={"tokens": entries})
+    orch = (("authorization", f"Bearer {tokens['orch']}"),)
+    leader = leader_term.Term(9, leader="orch-a").metadata()
+    await agent.stub.Status(pb.StatusRequest(), metadata=(*orch, *leader))
+    reset = pb.ResetLeaderTermRequest()
+    err = await _refused(agent.stub.ResetLeaderTerm(reset, metadata=orch))
+    assert err.code() == grpc.StatusCode.PERMISSION_DENIED
+    err = await _refused(
+        agent.stub.Grant(pb.GrantRequest(job_id="job-a", group="g"), metadata=orch)
+    )
+    assert "DELETE FROM leader_term" in (err.details() or "")  # fenced: no term sent
+    assert "tslice admin reset-term" in (err.details() or "")
+    monkeypatch.setenv("TSLICE_TOKEN", tokens["admin"])
+    args = ("admin", "reset-term", "--agent", agent.address)
+    code, out, _ = await asyncio.to_thread(run_cli, capsys, *args)
+    assert code == 0, out
+    assert f"agent {agent.address}: leader term 9 (orch-a) -> 0" in out
+    # An orchestrator without a term drives the node again; the next leader fences it.
+    await agent.stub.Grant(pb.GrantRequest(job_id="job-a", group="g"), metadata=orch)
+    code, _, error = await asyncio.to_thread(run_cli, capsys, *args, "--term", str(2**31))
+    assert code == 1 and "INVALID_ARGUMENT" in error and "2147483647" in error

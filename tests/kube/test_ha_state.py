@@ -14,6 +14,7 @@ import pytest
 
 pytest.importorskip("lightkube")
 
+from lightkube.models.coordination_v1 import LeaseSpec
 from lightkube.models.meta_v1 import ObjectMeta
 from lightkube.resources.coordination_v1 import Lease
 
@@ -93,3 +94,15 @@ async def test_a_new_lease_starts_above_the_terms_in_the_state(client: Any) -> N
     await client.delete(Lease, settings.lease_name, namespace=NAMESPACE)
     await client.create(fresh)
     assert await elector.acquire() == 11
+
+
+async def test_no_term_is_won_beyond_what_a_lease_counts(client: Any) -> None:
+    settings = leadership.HaSettings(identity="orch-a", address="127.0.0.1:1")
+    full = Lease(
+        metadata=ObjectMeta(name=settings.lease_name, namespace=NAMESPACE),
+        spec=LeaseSpec(leaseTransitions=2**31 - 1),
+    )
+    await client.create(full)
+    elector = lease.Elector(client, settings, on_seen=lambda holder, address: None)
+    with pytest.raises(RuntimeError, match=r"above 2147483647, the most a Lease counts"):
+        await elector._try_acquire()

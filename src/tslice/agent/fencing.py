@@ -110,6 +110,36 @@ class TermFence:
                 refusals.Code.FAILED_PRECONDITION, leader_term.refusal(term, self._seen)
             )
 
+    def reset(self, term: int, *, by: str) -> tuple[int, str]:
+        """An administrator (``by``) sets the term, with no leader named (0: none, the node
+        takes directives without a term again); the term and leader it replaces."""
+        if not 0 <= term <= leader_term.MAX_TERM:
+            raise refusals.Refused(
+                refusals.Code.INVALID_ARGUMENT,
+                f"term {term} is not a leader term (0 to {leader_term.MAX_TERM}); give 0 to "
+                "hand the node to an orchestrator without a term",
+            )
+        before = (self._seen, self._leader)
+        if self._state is not None:
+            try:
+                self._state.put_leader_term(term, "")
+            except (sqlite3.Error, OSError) as err:
+                raise refusals.Refused(
+                    refusals.Code.UNAVAILABLE,
+                    f"this agent cannot record leader term {term} in {self._state.path} "
+                    f"({err}); nothing was changed: fix the agent's state disk, then retry",
+                ) from err
+        self._seen, self._leader = term, ""
+        log.warning(
+            "leader term reset by %s: %d (of %s) -> %d; %s",
+            by,
+            before[0],
+            before[1] or "no leader named",
+            term,
+            "directives without a term are taken again" if not term else "newer terms fence it",
+        )
+        return before
+
     def _adopt(self, term: int, leader: str, *, directive: bool) -> None:
         if self._state is not None:
             try:

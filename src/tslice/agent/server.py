@@ -372,6 +372,17 @@ class SnapshotAgentServicer(pb_grpc.SnapshotAgentServiceServicer):
         state = await refusals.answered(context, self._core.reset(job_id=job_id, group=group))
         return pb.ResetJobResponse(state=job_model.to_pb(state))
 
+    async def ResetLeaderTerm(
+        self, request: pb.ResetLeaderTermRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ResetLeaderTermResponse:
+        """An administrator's repair of the term fence (not fenced itself: the admin role
+        is checked by the authentication rules)."""
+        caller = auth.principal_of()
+        by = caller.name if caller is not None else f"an unauthenticated caller ({context.peer()})"
+        reset = functools.partial(self._fence.reset, by=by)
+        term, leader = await refusals.checked(context, reset, request.term)
+        return pb.ResetLeaderTermResponse(previous_term=term, previous_leader=leader)
+
     async def WorkloadChannel(
         self, request_iterator: AsyncIterator[pb.WorkloadMessage], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.AgentCommand]:

@@ -31,8 +31,10 @@ log = logging.getLogger(__name__)
 METADATA_KEY = "x-tslice-leader-term"
 #: gRPC metadata key carrying the sender's identity (the replica that won the term).
 LEADER_METADATA_KEY = "x-tslice-leader-identity"
-#: Terms are int64 on every side (the agent's store, the Lease's counter).
-MAX_TERM = 2**63 - 1
+#: The highest term: a Lease counts its transitions in an int32 (``leaseTransitions``),
+#: so no election can win above it. A call carrying more is refused (a term that high
+#: would fence every leader out for ever).
+MAX_TERM = 2**31 - 1
 
 _SEEN = re.compile(r"\[leader term (\d{1,19})\]$")
 
@@ -57,9 +59,11 @@ class Term:
         return self._value
 
     def advance(self, value: int) -> None:
-        """Enter term ``value``; a term never goes back."""
+        """Enter term ``value``; a term never goes back, nor past :data:`MAX_TERM`."""
         if value < self._value:
             raise ValueError(f"leader term {value} is older than the current term {self._value}")
+        if value > MAX_TERM:
+            raise ValueError(f"leader term {value} is above the highest a Lease holds, {MAX_TERM}")
         self._value = value
 
     def metadata(self) -> tuple[tuple[str, str], ...]:
@@ -93,7 +97,8 @@ def parse(value: str) -> int:
     if not value.isdigit() or len(value) > 19 or int(value) > MAX_TERM:
         raise ValueError(
             f"metadata {METADATA_KEY}={value[:40]!r} is not a leader term (a decimal number "
-            f"from 0 to {MAX_TERM}); only a tslice orchestrator should set it"
+            f"from 0 to {MAX_TERM}, the most a Lease can count); only a tslice orchestrator "
+            "should set it"
         )
     return int(value)
 
@@ -112,7 +117,8 @@ def refusal(sent: int, seen: int) -> str:
             "elected orchestrator leader (Kubernetes HA mode): an orchestrator without a term "
             "(embedded mode, or llm-d's) must not drive this node alongside it; point only "
             "the HA orchestrator at this agent, or, to hand the node back to a single "
-            "orchestrator, stop the agent and clear its fence with "
+            "orchestrator, clear its fence: tslice admin reset-term --agent <this agent> "
+            "(the admin role), or with the agent stopped "
             "sqlite3 <state-dir>/agent.sqlite3 'DELETE FROM leader_term'"
         )
     return f"{why} [leader term {seen}]"

@@ -43,6 +43,7 @@ from lightkube.models.coordination_v1 import LeaseSpec
 from lightkube.models.meta_v1 import ObjectMeta
 from lightkube.resources.coordination_v1 import Lease
 
+from tslice.common import leader_term
 from tslice.orchestrator.kube import leadership
 
 log = logging.getLogger(__name__)
@@ -179,7 +180,7 @@ class Elector:
             metadata=ObjectMeta(
                 name=s.lease_name, namespace=s.namespace, annotations=self._annotations(None)
             ),
-            spec=self._spec(self.floor + 1, _now()),
+            spec=self._spec(self._next_term(0), _now()),
         )
         sent = time.monotonic()
         try:
@@ -193,7 +194,7 @@ class Elector:
 
     async def _take(self, lease: Any, *, why: str) -> int | None:
         lease.metadata.annotations = self._annotations(lease)
-        lease.spec = self._spec(max(_term(lease), self.floor) + 1, _now())
+        lease.spec = self._spec(self._next_term(_term(lease)), _now())
         sent = time.monotonic()
         try:
             self._held = await self._client.replace(lease)
@@ -203,6 +204,18 @@ class Elector:
             raise
         self._renewed_at = sent
         return self._won(why)
+
+    def _next_term(self, counted: int) -> int:
+        """The term of a win over a Lease that counted ``counted``: above the floor too."""
+        term = max(counted, self.floor) + 1
+        if term > leader_term.MAX_TERM:
+            raise RuntimeError(
+                f"leader term {term} would be above {leader_term.MAX_TERM}, the most a Lease "
+                f"counts (a term of {self.floor} was seen in the state or at an agent): reset "
+                "the agents' terms (tslice admin reset-term) and delete the state "
+                "ConfigMaps' timeslice.io/leader-term annotations, see docs/security.md"
+            )
+        return term
 
     def _won(self, why: str) -> int:
         term = _term(self._held)
