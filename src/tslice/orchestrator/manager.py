@@ -25,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
 from tslice.common import kube_labels, refusals, tasks
@@ -179,7 +179,7 @@ class GroupManager:
             self._held_over.keep(gid, held_over.Eviction(job, reason, by))
         return outcomes
 
-    def revoke_evictions(self, live: frozenset[str]) -> None:
+    def revoke_evictions(self, live: Collection[str]) -> None:
         """Jobs ``live`` again (a pod of theirs came back) keep their place in the stopped
         groups."""
         self._held_over.revoke(live)
