@@ -158,6 +158,17 @@ class GuardedBackends:
                 f"({type(err).__name__}: {err}); nothing was changed",
             ) from err
 
+    def holds_host_memory(self, name: str) -> bool:
+        """Whether backend ``name``'s parked states hold the node's host memory."""
+        backend = self.backends.get(name)
+        return backend is not None and bool(backend.holds_host_memory)
+
+    async def host_bytes_needed(self, route: job_model.Route, job: job_model.Job) -> int | None:
+        """The backend's estimate of what a snapshot of the job would park; None if it
+        cannot tell or fails (logged)."""
+        question = self.backends[route.backend].host_bytes_needed(self._context(job, route.config))
+        return await self._ask(route.backend, question, f"estimate job {job.job_id}'s state")
+
     async def recover(self, name: str, job: job_model.Job) -> job_model.State | None:
         """What backend ``name`` reports for the job; ``None`` if it cannot tell or fails."""
         ctx = self._context(job, job.backend_config())

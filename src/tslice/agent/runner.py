@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import logging
 import time
 import uuid
@@ -40,6 +41,7 @@ from tslice.agent import (
     jobs,
     ledger,
     metrics,
+    parking,
     routing,
     store,
     workload_presence,
@@ -74,6 +76,7 @@ class AgentCore:
         channel_registered: Callable[[str, str], bool] | None = None,
         on_backend_error: Callable[[str, base.BackendError], None] | None = None,
         clock: Callable[[], float] = time.time,
+        host_budget: parking.HostBudget | None = None,
     ) -> None:
         if default_backend not in backends:
             raise ValueError(f"default backend {default_backend!r} is not among the backends")
@@ -94,6 +97,7 @@ class AgentCore:
             max_operations=max_operations,
         )
         self._metrics = agent_metrics
+        self.host_budget = host_budget or parking.HostBudget()  # DESIGN.md invariant 8
         agent_metrics.count_jobs(self._book.job_counts)
         self._channel_registered = channel_registered or (lambda _job_id, _group: False)
         self._clock = clock
@@ -284,6 +288,8 @@ class AgentCore:
                     order.group,
                     extra={"job_id": move.keys[0][0]},
                 )
+            for key in move.keys:  # every evicted state must fit before any is frozen
+                await self._parkable(self._book.jobs.get(key), None)
             started = [await self._start_eviction(key) for key in move.keys]
             moves = [op for op in started if op is not None]
             if move.bring_in:
@@ -365,6 +371,9 @@ class AgentCore:
         # A typo creates nothing: an unknown job is adopted only if its backend holds it.
         probe = job if job is not None else job_model.Job(job_id=job_id, group=group)
         recovered = await self._recovered(route, probe, unknown=job is None)
+        # Refused (RESOURCE_EXHAUSTED) before anything is frozen if it cannot be parked:
+        adopted = dataclasses.replace(probe, state=recovered or job_model.State.RUNNING)
+        await self._parkable(job or adopted, route)
         plan = jobs.plan_snapshot(job, self._request(job_id, group, route), recovered=recovered)
         if isinstance(plan, job_model.Done):  # nothing resident: the job's workload left
             self._book.commit(jobs_=[plan.job], ops=[plan.operation], previous=job)
@@ -497,6 +506,17 @@ class AgentCore:
         self, route: job_model.Route, job: job_model.Job | None, *, job_id: str, group: str
     ) -> None:
         await self._guarded.validate(route, job or job_model.Job(job_id=job_id, group=group))
+
+    async def _parkable(self, job: job_model.Job | None, route: job_model.Route | None) -> None:
+        """Refused where the node's host memory cannot park the state (tslice.agent.parking)."""
+        if job is not None:
+            route = route or self._route(job.job_id, job, None, 0)
+            await parking.check(
+                self._guarded, self.host_budget, self._book.jobs.values(), route, job
+            )
+
+    def host_memory(self) -> tuple[int | None, int]:  # (limit, parked bytes), for Status
+        return parking.usage(self._guarded, self.host_budget, self._book.jobs.values())
 
     async def _recovered(
         self, route: job_model.Route, job: job_model.Job | None, *, unknown: bool = False
