@@ -89,6 +89,15 @@ class HaServers:
         return ",".join(f"127.0.0.1:{self._ports[name]}" for name in REPLICAS)
 
     def start(self) -> HaServers:
+        """Everything up; on a failure what was started is stopped (the run's own cleanup
+        comes only after a start that succeeded)."""
+        try:
+            return self._start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def _start(self) -> HaServers:
         self.base_dir.mkdir(parents=True, exist_ok=True)
         for agent in self._agents:
             groups = [g for g, nodes in chaos.TOPOLOGY.items() if agent.name in nodes]
