@@ -128,7 +128,7 @@ async def _serve_locked(
         if ha is None
         else None
     )
-    term = leader_term.Term()
+    term = leader_term.Term(leader=ha.identity if ha is not None else "")
     pool = agents.AgentPool(
         rpc_timeout_s=cfg.agent_rpc_timeout_s,
         operation_timeout_s=cfg.operation_timeout_s,

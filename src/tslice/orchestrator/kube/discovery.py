@@ -3,7 +3,8 @@
 At start the groups are those of the first full list of every stream (the orchestrator
 serves once they are known). Afterwards every batch of changes wakes one follower task,
 which makes the manager's groups those of the model (level-triggered: it compares the
-whole topology, so a burst of events is one pass) and evicts, from every group, each
+whole topology, so a burst of events is one pass; and only after the topology changed,
+so that a job pod's event costs what it touches) and evicts, from every group, each
 job whose pods all went (Succeeded, Failed or deleted) and have not come back: it loses
 its lock (the next waiter is granted) or leaves the queue, and the group's event stream
 says so. A job never seen with a live pod is left alone (a client outside the cluster).
@@ -33,6 +34,9 @@ class Discovery:
         self._settings = settings
         self._changed = asyncio.Event()
         self._gone_jobs: list[str] = []
+        #: A group appeared, changed or went since the last pass (a pod's event alone
+        #: does not make the pass compare the whole topology).
+        self._topology_changed = True
         self._watcher: watch.Watcher | None = None
         self._follower: asyncio.Task[None] | None = None
 
@@ -93,6 +97,8 @@ class Discovery:
                 log.info("Kubernetes: %s", model.describe(event))
             if isinstance(event, model.JobGone):
                 self._gone_jobs.append(event.job)
+            else:
+                self._topology_changed = True
         self._changed.set()
 
     async def _follow(self, groups: manager.GroupManager) -> None:
@@ -102,11 +108,14 @@ class Discovery:
             await self._changed.wait()
             self._changed.clear()
             try:
-                await discovered.apply_groups(
-                    groups,
-                    cluster.groups(),
-                    gone_why="no Ready, schedulable node is labelled for it",
-                )
+                groups.revoke_evictions(cluster.live_jobs())
+                if self._topology_changed:
+                    self._topology_changed = False
+                    await discovered.apply_groups(
+                        groups,
+                        cluster.groups(),
+                        gone_why="no Ready, schedulable node is labelled for it",
+                    )
                 while self._gone_jobs:
                     job = self._gone_jobs[0]
                     if job not in cluster.live_jobs():  # its pods may be back meanwhile
@@ -118,4 +127,5 @@ class Discovery:
                 # tried again shortly.
                 log.exception("applying a Kubernetes change failed; retrying in %g s", _RETRY_S)
                 await asyncio.sleep(_RETRY_S)
+                self._topology_changed = True
                 self._changed.set()
