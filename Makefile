@@ -68,11 +68,11 @@ OLDEST_VENV   := .venv-oldest
 # tests/orchestrator, tests/workload, the wire pins). The job side on 3.10 is test-floor's
 # (tests/jobside against real servers); the suites of whole clusters of real processes
 # (integration, security, fuzzing, chaos, faults, the benchmarks' short forms, Kubernetes
-# mode), the CLI's, the simulator's and the manifests' test behaviour, not the language:
-# `make test` runs them.
+# and Slurm modes), the CLI's, the simulator's and the manifests' test behaviour, not the
+# language: `make test` runs them.
 OLDEST_SKIPS := tests/jobside tests/integration tests/security tests/fuzz tests/chaos \
-	tests/faults tests/bench tests/kube tests/deploy tests/client tests/cli tests/sim \
-	tests/test_serving.py
+	tests/faults tests/bench tests/kube tests/slurm tests/deploy tests/client tests/cli \
+	tests/sim tests/test_serving.py
 # (mypy is not run again here: `make test`'s mypy already checks for 3.10, python_version
 # in pyproject.toml.)
 test-oldest: api-tools oldest-install

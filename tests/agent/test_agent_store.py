@@ -150,6 +150,25 @@ def test_a_version_1_database_is_migrated(tmp_path: Path) -> None:
     assert sqlite3.connect(path).execute("PRAGMA user_version").fetchone() == (2,)
 
 
+async def test_a_leader_term_kept_without_its_leader_reads_as_unnamed(tmp_path: Path) -> None:
+    # The table as a release that kept no identity wrote it.
+    conn = sqlite3.connect(tmp_path / store.DB_FILE)
+    conn.executescript(
+        """
+        CREATE TABLE leader_term (id INTEGER PRIMARY KEY CHECK (id = 0), term INTEGER NOT NULL);
+        INSERT INTO leader_term VALUES (0, 6);
+        """
+    )
+    conn.close()
+    db = await store.Store.open(tmp_path)
+    try:
+        assert await db.leader_term() == (6, "")
+        db.put_leader_term(7, "orch-a")
+        assert await db.leader_term() == (7, "orch-a")
+    finally:
+        await db.close()
+
+
 async def test_the_wal_stays_bounded_under_steady_writes(tmp_path: Path) -> None:
     db = await store.Store.open(tmp_path)
     wal = tmp_path / f"{store.DB_FILE}-wal"

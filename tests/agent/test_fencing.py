@@ -5,6 +5,7 @@ or a grant mark from it)."""
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 from collections.abc import Awaitable
@@ -16,6 +17,7 @@ import pytest
 
 from tests.agent.conftest import AgentRunner
 from tests.agent.test_agent_process import AgentProcess, processes
+from tests.cli.test_cli import run_cli
 from tslice.agent import fencing
 from tslice.agent.backends import simdevice as device
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
@@ -25,6 +27,7 @@ from tslice.orchestrator import agents
 __all__ = ["processes"]  # the fixture, shared with the agent's process tests
 
 KEY = "x-tslice-leader-term"
+LEADER = "x-tslice-leader-identity"
 
 
 def test_the_metadata_key_is_pinned() -> None:
@@ -32,6 +35,7 @@ def test_the_metadata_key_is_pinned() -> None:
     assert leader_term.METADATA_KEY == KEY
     assert leader_term.Term().metadata() == ()  # term 0 (embedded mode) sends nothing
     assert leader_term.Term(7).metadata() == ((KEY, "7"),)
+    assert leader_term.Term(7, leader="orch-a").metadata() == ((KEY, "7"), (LEADER, "orch-a"))
 
 
 def test_the_fence_admits_newer_and_refuses_older_directives() -> None:
@@ -60,6 +64,39 @@ def test_the_fence_admits_newer_and_refuses_older_directives() -> None:
     assert fencing.sent_term([("other", "5"), (KEY, b"5")]) == 5
 
 
+def test_a_term_belongs_to_the_first_leader_that_names_it() -> None:
+    fence = fencing.TermFence(None)
+    fence.admit(4, directive=False, leader="orch-a")
+    assert (fence.seen, fence.leader) == (4, "orch-a")
+    fence.admit(4, directive=True, leader="orch-a")
+    # Another replica in the same term (the Lease deleted, created again at the same
+    # count): refused, as an older term would be, and the refusal deposes it.
+    for leader in ("orch-b", ""):
+        with pytest.raises(refusals.Refused) as second:
+            fence.admit(4, directive=True, leader=leader)
+        assert second.value.code is refusals.Code.FAILED_PRECONDITION
+        assert "two orchestrator replicas were elected in one term" in second.value.message
+        assert leader_term.seen_in(second.value.message) == 4
+    fence.admit(4, directive=False, leader="orch-b")  # a read is answered, adopts nothing
+    assert fence.leader == "orch-a"
+    fence.admit(5, directive=True, leader="orch-b")  # a newer term: its own leader
+    assert (fence.seen, fence.leader) == (5, "orch-b")
+    # A term recorded without a leader (an earlier release) goes to the first that names it.
+    legacy = fencing.TermFence(None, seen=7)
+    legacy.admit(7, directive=True, leader="orch-c")
+    assert legacy.leader == "orch-c"
+    with pytest.raises(refusals.Refused):
+        legacy.admit(7, directive=True, leader="orch-d")
+    assert fencing.sent([(KEY, "3"), (LEADER, "orch-a")]) == fencing.Sent(3, "orch-a")
+    with pytest.raises(refusals.Refused) as too_high:  # more than a Lease can count
+        fencing.sent([(KEY, str(2**31))])
+    assert too_high.value.code is refusals.Code.INVALID_ARGUMENT
+    assert "2147483647" in too_high.value.message
+    with pytest.raises(refusals.Refused) as bad:
+        fencing.sent([(KEY, "3"), (LEADER, "x\n" * 200)])
+    assert bad.value.code is refusals.Code.INVALID_ARGUMENT
+
+
 def _term(value: int) -> tuple[tuple[str, str], ...]:
     return ((KEY, str(value)),)
 
@@ -82,14 +119,19 @@ async def _refused(call: Awaitable[Any]) -> grpc.aio.AioRpcError:
     return info.value
 
 
+async def _agent(state_dir: Path, processes: list[AgentProcess]) -> tuple[AgentProcess, str]:
+    """A real agent process on ``state_dir``, and its address."""
+    agent = AgentProcess(state_dir)
+    processes.append(agent)
+    await agent.start()
+    return agent, json.loads(agent.ready_file.read_text())["address"]
+
+
 async def test_a_deposed_leader_moves_nothing_even_after_a_sigkill(
     tmp_path: Path, processes: list[AgentProcess]
 ) -> None:
     state_dir = tmp_path / "state"
-    first = AgentProcess(state_dir)
-    processes.append(first)
-    await first.start()
-    address = json.loads(first.ready_file.read_text())["address"]
+    first, address = await _agent(state_dir, processes)
     old_term, new_term = leader_term.Term(2), leader_term.Term(3)
     deposed: list[int] = []
     old_term.on_deposed(deposed.append)
@@ -182,7 +224,7 @@ async def test_with_authentication_only_the_orchestrator_raises_the_term(
         return (("authorization", f"Bearer {tokens[name]}"), *_term(term))
 
     # A reader's Status with a huge term would fence the leader out: it is not adopted.
-    await agent.stub.Status(pb.StatusRequest(), metadata=as_("reader", 2**62))
+    await agent.stub.Status(pb.StatusRequest(), metadata=as_("reader", leader_term.MAX_TERM))
     await agent.stub.Status(pb.StatusRequest(), metadata=as_("orch", 5))
     await agent.stub.Grant(pb.GrantRequest(job_id="job-a", group="g"), metadata=as_("orch", 5))
     err = await _refused(
@@ -193,3 +235,74 @@ async def test_with_authentication_only_the_orchestrator_raises_the_term(
 
 def _sha(token: str) -> str:
     return hashlib.sha256(token.encode()).hexdigest()
+
+
+async def test_two_leaders_of_one_term_the_second_is_deposed_even_after_a_sigkill(
+    tmp_path: Path, processes: list[AgentProcess]
+) -> None:
+    state_dir = tmp_path / "state"
+    first, address = await _agent(state_dir, processes)
+    ours, theirs = leader_term.Term(2, leader="orch-a"), leader_term.Term(2, leader="orch-b")
+    deposed: list[int] = []
+    theirs.on_deposed(deposed.append)
+    a = agents.AgentClient(address, term=ours)
+    b = agents.AgentClient(address, term=theirs)
+    try:
+        await a.status()  # the first of term 2 to reach the node: it is orch-a's term
+        assert (await _grant(a, "job-a", 1, [])).granted
+        await b.status()  # answered, adopts nothing
+        with pytest.raises(agents.AgentDeposed) as info:
+            await _grant(b, "job-b", 2, ["job-a"])
+        assert (info.value.sent, info.value.seen) == (2, 2)
+        assert deposed == [2]
+        await first.kill()
+        second = AgentProcess(state_dir)
+        processes.append(second)
+        stub = await second.start()
+        grant = pb.GrantRequest(job_id="job-b", group="g", grant_epoch=2, evict=["job-a"])
+        err = await _refused(stub.Grant(grant, metadata=theirs.metadata()))
+        assert err.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "from orch-a" in (err.details() or "")
+        assert _journal(state_dir) == [("job-a", "alloc")]
+    finally:
+        await a.close()
+        await b.close()
+
+
+async def test_without_authentication_a_term_beyond_a_lease_fences_nobody_out(
+    agents: AgentRunner,
+) -> None:
+    agent = await agents.start()
+    err = await _refused(agent.stub.Status(pb.StatusRequest(), metadata=_term(2**63 - 1)))
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+    # The leader of term 5 is not fenced out by it.
+    await agent.stub.Grant(pb.GrantRequest(job_id="job-a", group="g"), metadata=_term(5))
+
+
+async def test_an_administrator_resets_the_term_and_nobody_else_may(
+    agents: AgentRunner, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tokens = {"admin": "token-of-the-admin", "orch": "token-of-the-orchestrator"}
+    roles = {"admin": ["admin"], "orch": ["orchestrator"]}
+    entries = [{"name": n, "roles": roles[n], "sha256": _sha(t)} for n, t in tokens.items()]
+    agent = await agents.start(auth={"tokens": entries})
+    orch = (("authorization", f"Bearer {tokens['orch']}"),)
+    leader = leader_term.Term(9, leader="orch-a").metadata()
+    await agent.stub.Status(pb.StatusRequest(), metadata=(*orch, *leader))
+    reset = pb.ResetLeaderTermRequest()
+    err = await _refused(agent.stub.ResetLeaderTerm(reset, metadata=orch))
+    assert err.code() == grpc.StatusCode.PERMISSION_DENIED
+    err = await _refused(
+        agent.stub.Grant(pb.GrantRequest(job_id="job-a", group="g"), metadata=orch)
+    )
+    assert "DELETE FROM leader_term" in (err.details() or "")  # fenced: no term sent
+    assert "tslice admin reset-term" in (err.details() or "")
+    monkeypatch.setenv("TSLICE_TOKEN", tokens["admin"])
+    args = ("admin", "reset-term", "--agent", agent.address)
+    code, out, _ = await asyncio.to_thread(run_cli, capsys, *args)
+    assert code == 0, out
+    assert f"agent {agent.address}: leader term 9 (orch-a) -> 0" in out
+    # An orchestrator without a term drives the node again; the next leader fences it.
+    await agent.stub.Grant(pb.GrantRequest(job_id="job-a", group="g"), metadata=orch)
+    code, _, error = await asyncio.to_thread(run_cli, capsys, *args, "--term", str(2**31))
+    assert code == 1 and "INVALID_ARGUMENT" in error and "2147483647" in error

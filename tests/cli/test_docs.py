@@ -30,6 +30,8 @@ DOCS = [
     ROOT / "docs" / "deployment.md",
     ROOT / "docs" / "operations.md",
     ROOT / "docs" / "deploy-kubernetes.md",
+    ROOT / "docs" / "deploy-bare-metal.md",
+    ROOT / "docs" / "deploy-slurm.md",
     ROOT / "docs" / "demo.md",
 ]
 #: Pages whose YAML blocks are Kubernetes manifests, not tslice config files.
@@ -121,7 +123,7 @@ async def test_yaml_snippet_validates(where: str, text: str, tmp_path: Path) -> 
     else:
         overrides = (
             {}
-            if {"topology", "topology_file", "local_agents"} & set(data)
+            if {"topology", "topology_file", "local_agents", "slurm"} & set(data)
             else {"local_agents": ["node-a=127.0.0.1:9001"]}
         )
         orch_config.build(config_file=path, overrides=overrides)

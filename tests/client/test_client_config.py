@@ -135,6 +135,9 @@ def test_argument_beats_environment(monkeypatch: pytest.MonkeyPatch) -> None:
         ({"TSLICE_JOB_ID": "one"}, "one"),
         ({"TIMESLICE_JOB_ID": "two"}, "two"),
         ({"TSLICE_JOB_ID": "one", "TIMESLICE_JOB_ID": "two"}, "one"),
+        # Inside a Slurm job: its id, unless the job set a name (its tasks then act as one).
+        ({"SLURM_JOB_ID": "4242"}, "4242"),
+        ({"SLURM_JOB_ID": "4242", "TSLICE_JOB_ID": "grpo-7"}, "grpo-7"),
     ],
 )
 def test_job_id_from_environment(

@@ -15,7 +15,13 @@ configmaps and leases (tests/kube/apistore.py), and:
   409 Conflict on a stale ``metadata.resourceVersion``), delete;
 - faults a test triggers: :meth:`close_watches` (the server ends every watch cleanly),
   :meth:`drop_watches` (connections cut mid-stream), :meth:`expire_watches` (history
-  compacted, open watches told 410 Gone), :meth:`refuse` (the next requests answer 500).
+  compacted, open watches told 410 Gone), :meth:`refuse` (the next requests answer 500),
+  :meth:`stall` (one client's requests of one kind hang until :meth:`unstall`: an API
+  server slow for that client alone, e.g. a leader whose Lease renewals do not get
+  through while another replica's do).
+
+Each kubeconfig names its user (:meth:`write_kubeconfig`): a request's user is the one
+whose token it carries.
 
 Every request is recorded in :attr:`requests` (method, path, query) for assertions.
 """
@@ -46,6 +52,11 @@ class Request:
     method: str
     path: str
     query: dict[str, str]
+    #: Whose token the request carried (see :meth:`ApiServerEmulator.write_kubeconfig`).
+    user: str = ""
+
+
+_TOKEN_PREFIX = "emulator-token-"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,6 +107,8 @@ class ApiServerEmulator:
         self.requests: list[Request] = []
         self._closes = self._drops = self._expiries = self._bookmarks = 0
         self._refusals = 0
+        #: (user, plural) whose requests hang until unstalled.
+        self._stalls: set[tuple[str, str]] = set()
         #: Watches being served now.
         self._open_watches = 0
         self._stopping = False
@@ -133,17 +146,20 @@ class ApiServerEmulator:
         assert self._server is not None
         return f"http://127.0.0.1:{self._server.server_address[1]}"
 
-    def write_kubeconfig(self, path: pathlib.Path, *, namespace: str = "default") -> pathlib.Path:
-        """A kubeconfig whose current context points at this emulator (a bearer token)."""
+    def write_kubeconfig(
+        self, path: pathlib.Path, *, namespace: str = "default", user: str = "tester"
+    ) -> pathlib.Path:
+        """A kubeconfig whose current context points at this emulator (a bearer token
+        naming ``user``)."""
         config = {
             "apiVersion": "v1",
             "kind": "Config",
             "clusters": [{"name": "emulator", "cluster": {"server": self.url}}],
-            "users": [{"name": "tester", "user": {"token": "emulator-token"}}],
+            "users": [{"name": user, "user": {"token": f"{_TOKEN_PREFIX}{user}"}}],
             "contexts": [
                 {
                     "name": "emulator",
-                    "context": {"cluster": "emulator", "user": "tester", "namespace": namespace},
+                    "context": {"cluster": "emulator", "user": user, "namespace": namespace},
                 }
             ],
             "current-context": "emulator",
@@ -180,6 +196,24 @@ class ApiServerEmulator:
         ends it."""
         with self.store.changed:
             self._refusals = count
+
+    def stall(self, user: str, plural: str) -> None:
+        """Requests of ``user`` on ``plural`` (e.g. "leases") hang from now until
+        :meth:`unstall` (or the emulator stops); their clients time out as they would."""
+        with self.store.changed:
+            self._stalls.add((user, plural))
+
+    def unstall(self) -> None:
+        """Every stalled request goes on."""
+        with self.store.changed:
+            self._stalls.clear()
+            self.store.changed.notify_all()
+
+    def wait_unless_stalled(self, user: str, plural: str) -> None:
+        with self.store.changed:
+            self.store.changed.wait_for(
+                lambda: self._stopping or (user, plural) not in self._stalls
+            )
 
     def wait_for_watches(self, count: int, timeout_s: float = 10.0) -> None:
         """Until at least ``count`` watches are open (a fault sent before would miss them)."""
@@ -352,11 +386,14 @@ class _Handler(BaseHTTPRequestHandler):
         length = int(self.headers.get("Content-Length") or 0)
         body = json.loads(self.rfile.read(length)) if length else None
         emu = self.emulator
-        emu.requests.append(Request(method, url.path, query))
+        token = (self.headers.get("Authorization") or "").removeprefix("Bearer ")
+        user = token.removeprefix(_TOKEN_PREFIX)
+        emu.requests.append(Request(method, url.path, query, user))
         try:
             if emu.take_refusal():
                 raise ApiFailure(500, "InternalError", "the emulator was told to refuse")
             target = _parse_path(url.path)
+            emu.wait_unless_stalled(user, target.plural)
             if method == "GET" and target.name is None and query.get("watch") in ("true", "1"):
                 self._stream(emu.watch_lines(target, query))
                 return

@@ -12,7 +12,7 @@ import pathlib
 import signal
 from collections.abc import Sequence
 
-from tests.kube import stack
+from tests.kube import objects, stack
 from tests.kube.apistore import ApiFailure
 from tests.kube.emulator import ApiServerEmulator
 from tests.kube.processes import WAIT_S, LoggedServer
@@ -39,7 +39,7 @@ class HaStack(stack.Cluster):
         took the Lease, once it leads."""
         agents = self.launch_agents(nodes)
         for name in replicas:
-            kubeconfig = self.api.write_kubeconfig(self.tmp_path / f"kubeconfig-{name}")
+            kubeconfig = self.api.write_kubeconfig(self.tmp_path / f"kubeconfig-{name}", user=name)
             self.replicas[name] = self.launch(name, [
                 "orchestrator", "--kubernetes", "--kubeconfig", str(kubeconfig),
                 "--ha", "--identity", name, "--lease-namespace", NAMESPACE,
@@ -54,6 +54,23 @@ class HaStack(stack.Cluster):
         leader = self.holder()
         self.leads(leader, 1)
         return leader
+
+    def start_trainers(
+        self, jobs: Sequence[str], nodes: Sequence[str], *, lease_duration_s: int = 2
+    ) -> tuple[str, str]:
+        """``jobs``' pods in group trainer, on ``nodes`` with exclusive simulated devices,
+        and replicas orch-a and orch-b: the leader and the follower, once it leads."""
+        for job in jobs:
+            self.api.apply(objects.job_pod(f"{job}-trainer-0", job, "trainer"))
+        for node in nodes:
+            self.api.apply(objects.node(node, "trainer"))
+        sim = stack.exclusive_sim()
+        leader = self.start_ha(
+            {node: sim.flags() for node in nodes},
+            ["orch-a", "orch-b"],
+            lease_duration_s=lease_duration_s,
+        )
+        return leader, self.follower(leader)
 
     def holder(self, *, other_than: str = "") -> str:
         """Until the Lease has a holder (other than ``other_than``): its name."""

@@ -12,14 +12,16 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 
 #: How long a server may take to report a line a test waits for, seconds.
 WAIT_S = 60.0
 
 
 class LoggedServer:
-    def __init__(self, args: Sequence[str], log_path: pathlib.Path) -> None:
+    def __init__(
+        self, args: Sequence[str], log_path: pathlib.Path, *, env: Mapping[str, str] | None = None
+    ) -> None:
         self.log_path = log_path
         self._lines: list[str] = []
         self._changed = threading.Condition()
@@ -30,7 +32,7 @@ class LoggedServer:
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
         )
         self._reader = threading.Thread(target=self._read, name=f"{args[0]}-log", daemon=True)
         self._reader.start()
@@ -47,13 +49,13 @@ class LoggedServer:
             self._ended = True
             self._changed.notify_all()
 
-    def wait_for(self, pattern: str) -> re.Match[str]:
-        """The first line matching ``pattern``; raises with the log if the server exits,
-        or has not written it within ``WAIT_S``."""
+    def wait_for(self, pattern: str, *, since: int = 0) -> re.Match[str]:
+        """The first line matching ``pattern`` (from line ``since`` on: see :meth:`mark`);
+        raises with the log if the server exits, or has not written it within ``WAIT_S``."""
         regex = re.compile(pattern)
         deadline = time.monotonic() + WAIT_S
         with self._changed:
-            index = 0
+            index = since
             while True:
                 for line in self._lines[index:]:
                     match = regex.search(line)
@@ -63,6 +65,11 @@ class LoggedServer:
                 left = deadline - time.monotonic()
                 if self._ended or left <= 0 or not self._changed.wait(left):
                     raise AssertionError(f"no log line matched {pattern!r}:\n{self.logs()}")
+
+    def mark(self) -> int:
+        """How many lines it has written: ``wait_for(since=...)`` looks at the later ones."""
+        with self._changed:
+            return len(self._lines)
 
     def logs(self) -> str:
         with self._changed:

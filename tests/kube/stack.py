@@ -133,8 +133,9 @@ def running(
 
 @contextlib.asynccontextmanager
 async def events_of(
-    client: AsyncClient, group: str
+    client: AsyncClient, group: str | None
 ) -> AsyncIterator[AsyncIterator[OrchestratorEvent]]:
+    """The events of ``group`` (None: of every group, one that does not exist yet too)."""
     stream = client.watch_events(group)
     await stream.started()
     try:

@@ -11,10 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-import pathlib
 import signal
 import time
-from collections.abc import Iterator
 
 import grpc
 import pytest
@@ -25,19 +23,13 @@ from tests.kube import objects
 from tests.kube.emulator import ApiServerEmulator
 from tests.kube.ha_stack import NAMESPACE, HaStack
 from tests.kube.processes import frozen
-from tests.kube.stack import WAIT_S, events_of, exclusive_sim, next_event, running
+from tests.kube.stack import WAIT_S, events_of, exclusive_sim, next_event
 from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2 as opb
 from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2_grpc as opb_grpc
 from tslice.client import AsyncClient, EventKind
 from tslice.sim import checker
 
 STATE = "timeslice.io/orchestrator-state=group"
-
-
-@pytest.fixture
-def stack(api: ApiServerEmulator, tmp_path: pathlib.Path) -> Iterator[HaStack]:
-    with running(HaStack, api, tmp_path) as started:
-        yield started
 
 
 def _group_state(api: ApiServerEmulator) -> dict[str, object]:
@@ -153,8 +145,10 @@ async def test_a_leader_whose_write_meets_a_newer_terms_steps_down(
             r"stepping down as leader \(term 1\): leader term 7 wrote state ConfigMap "
             r"timeslice-system/tslice-group-trainer-\w+ after this replica's term 1",
         )
-        # Campaigning again, it finds term 7 in the state and leads above it, from that state.
+        # Campaigning again, it leads above term 7 at once (no wasted election in between),
+        # from that state.
         await asyncio.to_thread(stack.leads, "orch-a", 8)
+        assert "leader term 2" not in leader.logs()
         await asyncio.wait_for(yielding, WAIT_S)  # retried against the leader of term 8
         assert (await a.status("trainer")).draining
 
@@ -183,13 +177,7 @@ async def test_a_leader_stopped_gracefully_hands_the_lease_over_at_once(
 
 
 async def test_a_partitioned_old_leader_is_fenced(api: ApiServerEmulator, stack: HaStack) -> None:
-    sim = exclusive_sim()
-    for job in ("job-a", "job-b"):
-        api.apply(objects.job_pod(f"{job}-trainer-0", job, "trainer"))
-    for node in ("gpu-a", "gpu-b"):
-        api.apply(objects.node(node, "trainer"))
-    old = stack.start_ha({"gpu-a": sim.flags(), "gpu-b": sim.flags()}, ["orch-a", "orch-b"])
-    new = stack.follower(old)
+    old, new = stack.start_trainers(["job-a", "job-b"], ["gpu-a", "gpu-b"])
     windows = {j: checker.Window(job=f"job-{j}", group="trainer", requested=0.0) for j in "ab"}
     async with (
         AsyncClient(stack.addresses[old], job_id="job-a", lease_s=None) as a,
@@ -222,3 +210,24 @@ async def test_a_partitioned_old_leader_is_fenced(api: ApiServerEmulator, stack:
         windows["b"].yielded = time.time()
         await b.yield_("trainer")
     assert _violations(stack, windows) == []
+
+
+async def test_a_leader_cut_off_from_the_api_server_says_it_stepped_down(
+    api: ApiServerEmulator, stack: HaStack
+) -> None:
+    api.apply(objects.node("gpu-a", "trainer"))
+    stack.start_ha({"gpu-a": ["--backend", "noop"]}, ["orch-a"])
+    api.refuse(10**9)  # an outage: nothing gets through, the Lease still names orch-a
+    await asyncio.to_thread(
+        stack.replicas["orch-a"].wait_for, r"stepping down as leader \(term 1\)"
+    )
+    async with grpc.aio.insecure_channel(stack.addresses["orch-a"]) as channel:
+        stub = opb_grpc.TimeSliceOrchestratorServiceStub(channel)
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await stub.Acquire(opb.AcquireRequest(group_id="trainer", job_id="job-a"))
+    api.refuse(0)
+    assert refused.value.code() is grpc.StatusCode.UNAVAILABLE
+    details = str(refused.value.details())
+    assert "just elected" not in details
+    assert "it stopped leading (could not renew Lease" in details
+    assert "no new leader is known yet" in details

@@ -8,9 +8,7 @@ the servers' log lines, the orchestrator's event stream and the Acquire replies.
 from __future__ import annotations
 
 import asyncio
-import pathlib
 import time
-from collections.abc import Iterator
 
 import pytest
 
@@ -19,16 +17,10 @@ pytest.importorskip("lightkube")
 from tests.kube import objects
 from tests.kube.emulator import ApiServerEmulator
 from tests.kube.processes import frozen
-from tests.kube.stack import WAIT_S, Cluster, events_of, exclusive_sim, next_event, running
+from tests.kube.stack import WAIT_S, Cluster, events_of, exclusive_sim, next_event
 from tslice.client import NO_RETRY, AsyncClient, EventKind, GroupState
 from tslice.common import errors
 from tslice.sim import checker
-
-
-@pytest.fixture
-def cluster(api: ApiServerEmulator, tmp_path: pathlib.Path) -> Iterator[Cluster]:
-    with running(Cluster, api, tmp_path) as started:
-        yield started
 
 
 async def test_a_labelled_group_is_acquired_and_a_gone_holder_loses_it(

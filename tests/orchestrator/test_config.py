@@ -54,6 +54,12 @@ groups:
             "groups:\n  t: {nodes: [{name: a, agent: 'h:1'}, {name: a, agent: 'h:2'}]}\n",
             "groups.t.nodes: node name 'a' appears twice",
         ),
+        (
+            # One node, two agents: refused (it was accepted, and the groups disagreed).
+            "groups:\n  a: {nodes: [{name: n1, agent: 'h:1'}]}\n"
+            "  b: {nodes: [{name: n1, agent: 'h:2'}]}\n",
+            "node 'n1' has two agent addresses, h:1 and h:2 (group b)",
+        ),
         ("groups:\n  t: {nodes: []}\n", "groups.t.nodes: List should have at least 1 item"),
         ("groups: {}\n", "no groups defined"),
         (

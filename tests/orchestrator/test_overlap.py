@@ -167,3 +167,19 @@ def test_a_blocked_lock_fails_its_waiters_and_starts_nothing() -> None:
     outcome = lk.on_yield("a", now=0.0)
     assert not any(isinstance(x, decisions.StartSwitch) for x in outcome.actions)
     assert lk.on_unblocked(now=0.0) == []
+
+
+def test_a_groups_state_on_a_node_it_left_is_stray_once_nobody_holds_it() -> None:
+    # "t" left node "c" (its label taken off): it spans "a" now; "s" still spans "c".
+    a = Arbiter({"s": (node("c"),), "t": (node("a"),)})
+    arb = a.arbiter
+    assert not arb.stray("a", "t")  # its own node
+    assert arb.request("t", "job-d") == "job-d"
+    assert not arb.stray("c", "t")  # held: its holder may still run there
+    arb.note_holder("t", None)  # yielded, the claim kept idle
+    assert arb.stray("c", "t")
+    assert arb.stray("c", "gone")  # a group nobody runs any more
+    arb.stopped("u", "job-x")  # stopped (its nodes all gone) with a holder: kept
+    assert not arb.stray("c", "u")
+    arb.stopped("t", None)
+    assert arb.stray("c", "t") and arb.stray("a", "t")

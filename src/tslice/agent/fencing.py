@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import sqlite3
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, NamedTuple
 
 from tslice.agent import store
 from tslice.common import leader_term, refusals
@@ -30,55 +30,121 @@ from tslice.common import leader_term, refusals
 log = logging.getLogger(__name__)
 
 
+class Sent(NamedTuple):
+    """What a call's metadata says of its sender's leadership."""
+
+    term: int
+    leader: str = ""
+
+
 def sent_term(metadata: Iterable[Any] | None) -> int:
     """The term a call's metadata carries (0: none); INVALID_ARGUMENT if malformed."""
+    return sent(metadata).term
+
+
+def sent(metadata: Iterable[Any] | None) -> Sent:
+    """The term and leader identity a call's metadata carries (0 and "": none);
+    INVALID_ARGUMENT if either is malformed."""
+    term, leader = 0, ""
     for key, value in metadata or ():
-        if key == leader_term.METADATA_KEY:
-            text = value.decode("ascii", "replace") if isinstance(value, bytes) else str(value)
-            try:
-                return leader_term.parse(text)
-            except ValueError as err:
-                raise refusals.Refused(refusals.Code.INVALID_ARGUMENT, str(err)) from None
-    return 0
+        if key not in (leader_term.METADATA_KEY, leader_term.LEADER_METADATA_KEY):
+            continue
+        text = value.decode("ascii", "replace") if isinstance(value, bytes) else str(value)
+        try:
+            if key == leader_term.METADATA_KEY:
+                term = leader_term.parse(text)
+            else:
+                leader = leader_term.parse_leader(text)
+        except ValueError as err:
+            raise refusals.Refused(refusals.Code.INVALID_ARGUMENT, str(err)) from None
+    return Sent(term, leader)
 
 
 class TermFence:
     """The highest leader term this agent has seen, and the check of each call against it."""
 
     def __init__(
-        self, state: store.Store | None, *, seen: int = 0, accept_unfenced: bool = False
+        self,
+        state: store.Store | None,
+        *,
+        seen: int = 0,
+        leader: str = "",
+        accept_unfenced: bool = False,
     ) -> None:
         #: Where the term is kept; None: in memory only (tests of the servicer alone).
         self._state = state
         self._seen = seen
+        #: The identity that sent the term seen ("": none named it yet).
+        self._leader = leader
         self.accept_unfenced = accept_unfenced
 
     @classmethod
     async def open(cls, state: store.Store, *, accept_unfenced: bool = False) -> TermFence:
         """The fence with the term ``state`` recorded."""
-        return cls(state, seen=await state.leader_term(), accept_unfenced=accept_unfenced)
+        term, leader = await state.leader_term()
+        return cls(state, seen=term, leader=leader, accept_unfenced=accept_unfenced)
 
     @property
     def seen(self) -> int:
         return self._seen
 
-    def admit(self, term: int, *, directive: bool, adopt: bool = True) -> None:
-        """Let a call of ``term`` (0: none sent) through, adopting a newer term first
-        (unless not ``adopt``: a read by a caller that is not the orchestrator); raise
-        ``refusals.Refused`` for a directive of an older one."""
-        if term > self._seen:
+    @property
+    def leader(self) -> str:
+        return self._leader
+
+    def admit(self, term: int, *, directive: bool, adopt: bool = True, leader: str = "") -> None:
+        """Let a call of ``term`` (0: none sent) from ``leader`` through, adopting a newer
+        term first (unless not ``adopt``: a read by a caller that is not the
+        orchestrator); raise ``refusals.Refused`` for a directive of an older term, or of
+        the same term from another leader."""
+        if term > self._seen or (term and term == self._seen and leader and not self._leader):
             if adopt or directive:
-                self._adopt(term, directive=directive)
+                self._adopt(term, leader, directive=directive)
+        elif directive and term and term == self._seen and leader != self._leader:
+            raise refusals.Refused(
+                refusals.Code.FAILED_PRECONDITION,
+                leader_term.second_leader_refusal(term, leader, self._leader),
+            )
         elif directive and term < self._seen and (term or not self.accept_unfenced):
             raise refusals.Refused(
                 refusals.Code.FAILED_PRECONDITION, leader_term.refusal(term, self._seen)
             )
 
-    def _adopt(self, term: int, *, directive: bool) -> None:
+    def reset(self, term: int, *, by: str) -> tuple[int, str]:
+        """An administrator (``by``) sets the term, with no leader named (0: none, the node
+        takes directives without a term again); the term and leader it replaces."""
+        if not 0 <= term <= leader_term.MAX_TERM:
+            raise refusals.Refused(
+                refusals.Code.INVALID_ARGUMENT,
+                f"term {term} is not a leader term (0 to {leader_term.MAX_TERM}); give 0 to "
+                "hand the node to an orchestrator without a term",
+            )
+        before = (self._seen, self._leader)
+        if self._state is not None:
+            try:
+                self._state.put_leader_term(term, "")
+            except (sqlite3.Error, OSError) as err:
+                raise refusals.Refused(
+                    refusals.Code.UNAVAILABLE,
+                    f"this agent cannot record leader term {term} in {self._state.path} "
+                    f"({err}); nothing was changed: fix the agent's state disk, then retry",
+                ) from err
+        self._seen, self._leader = term, ""
+        log.warning(
+            "leader term reset by %s: %d (of %s) -> %d; %s",
+            by,
+            before[0],
+            before[1] or "no leader named",
+            term,
+            "directives without a term are taken again" if not term else "newer terms fence it",
+        )
+        return before
+
+    def _adopt(self, term: int, leader: str, *, directive: bool) -> None:
         if self._state is not None:
             try:
                 # Synchronous, as every store write: on disk before the call goes on.
-                self._state.put_leader_term(term)
+                self._state.put_leader_term(term, leader)
             except (sqlite3.Error, OSError) as err:
                 if not directive:
                     log.warning("leader term %d not recorded: %s", term, err)
@@ -88,5 +154,10 @@ class TermFence:
                     f"this agent cannot record leader term {term} in {self._state.path} ({err}); "
                     "nothing was done: fix the agent's state disk, then retry",
                 ) from err
-        log.info("leader term %d seen (was %d): older terms are fenced", term, self._seen)
-        self._seen = term
+        log.info(
+            "leader term %d of %s seen (was %d): older terms are fenced",
+            term,
+            leader or "an unnamed leader",
+            self._seen,
+        )
+        self._seen, self._leader = term, leader

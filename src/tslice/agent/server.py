@@ -170,13 +170,17 @@ class SnapshotAgentServicer(pb_grpc.SnapshotAgentServiceServicer):
     def close(self) -> None:
         self._closing.set()
 
-    async def _fenced(self, context: grpc.aio.ServicerContext, *, directive: bool = True) -> int:
+    async def _fenced(
+        self, context: grpc.aio.ServicerContext, *, directive: bool = True
+    ) -> fencing.Sent:
         """Admit the call's leader term (see ``tslice.agent.fencing``); returns it. Every
         handler calls this first: a deposed leader's directive is refused untouched."""
-        term = await refusals.checked(context, fencing.sent_term, context.invocation_metadata())
-        admit = functools.partial(self._fence.admit, directive=directive, adopt=_orchestrating())
-        await refusals.checked(context, admit, term)
-        return term
+        sent = await refusals.checked(context, fencing.sent, context.invocation_metadata())
+        admit = functools.partial(
+            self._fence.admit, directive=directive, adopt=_orchestrating(), leader=sent.leader
+        )
+        await refusals.checked(context, admit, sent.term)
+        return sent
 
     async def Snapshot(
         self, request: pb.SnapshotRequest, context: grpc.aio.ServicerContext
@@ -298,10 +302,10 @@ class SnapshotAgentServicer(pb_grpc.SnapshotAgentServiceServicer):
             yield reply
 
     async def _stream_reply(
-        self, request: pb.GrantStreamRequest, *, term: int
+        self, request: pb.GrantStreamRequest, *, term: fencing.Sent
     ) -> pb.GrantStreamResponse:
         try:
-            self._fence.admit(term, directive=True)
+            self._fence.admit(term.term, directive=True, leader=term.leader)
             grant = await self.grant_reply(request.grant)
         except refusals.Refused as refused:
             return pb.GrantStreamResponse(
@@ -372,6 +376,17 @@ class SnapshotAgentServicer(pb_grpc.SnapshotAgentServiceServicer):
         group = await refusals.checked(context, _checked_group, request.group)
         state = await refusals.answered(context, self._core.reset(job_id=job_id, group=group))
         return pb.ResetJobResponse(state=job_model.to_pb(state))
+
+    async def ResetLeaderTerm(
+        self, request: pb.ResetLeaderTermRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ResetLeaderTermResponse:
+        """An administrator's repair of the term fence (not fenced itself: the admin role
+        is checked by the authentication rules)."""
+        caller = auth.principal_of()
+        by = caller.name if caller is not None else f"an unauthenticated caller ({context.peer()})"
+        reset = functools.partial(self._fence.reset, by=by)
+        term, leader = await refusals.checked(context, reset, request.term)
+        return pb.ResetLeaderTermResponse(previous_term=term, previous_leader=leader)
 
     async def WorkloadChannel(
         self, request_iterator: AsyncIterator[pb.WorkloadMessage], context: grpc.aio.ServicerContext

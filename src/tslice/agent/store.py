@@ -75,11 +75,13 @@ CREATE TABLE IF NOT EXISTS grants (
 );
 CREATE TABLE IF NOT EXISTS leader_term (
     id INTEGER PRIMARY KEY CHECK (id = 0),
-    term INTEGER NOT NULL
+    term INTEGER NOT NULL,
+    leader TEXT NOT NULL DEFAULT ''
 );
 """
-# leader_term (one row, the highest orchestrator leader term seen: tslice.agent.fencing)
-# needs no new schema version: an older agent on this database ignores the table.
+# leader_term (one row, the highest orchestrator leader term seen and the identity that
+# sent it: tslice.agent.fencing) needs no new schema version: an older agent on this
+# database ignores the table, and its ``leader`` column is added where it is missing.
 
 
 #: Version 1 keyed jobs by job id alone; its rows become the (job, group) rows they name.
@@ -199,7 +201,7 @@ _UPSERT_OPERATION = _upsert(
 _SELECT_JOBS = f"SELECT {', '.join(c.name for c in _JOB_COLUMNS)} FROM jobs"
 _SELECT_OPERATIONS = f"SELECT {', '.join(c.name for c in _OPERATION_COLUMNS)} FROM operations"
 _UPSERT_MARK = _upsert("grants", ("grp", "epoch", "job_id"))
-_UPSERT_TERM = _upsert("leader_term", ("id", "term"))
+_UPSERT_TERM = _upsert("leader_term", ("id", "term", "leader"))
 
 
 class StateDatabaseError(errors.ConfigError):
@@ -268,13 +270,14 @@ class Store:
         if job_rows or op_rows or mark_rows or deleted_jobs:
             self._put_sync(job_rows, op_rows, mark_rows, list(deleted_jobs))
 
-    def put_leader_term(self, term: int) -> None:
-        """Store the highest leader term seen, synchronously (before the directive runs)."""
+    def put_leader_term(self, term: int, leader: str = "") -> None:
+        """Store the highest leader term seen and who sent it, synchronously (before the
+        directive runs)."""
         with self._checkpoints.transaction(self._connection()) as conn:
-            conn.execute(_UPSERT_TERM, (0, term))
+            conn.execute(_UPSERT_TERM, (0, term, leader))
 
-    async def leader_term(self) -> int:
-        """The leader term stored (0: none seen)."""
+    async def leader_term(self) -> tuple[int, str]:
+        """The leader term stored and its leader (0 and "": none seen)."""
         return await self._run(self._leader_term_sync)
 
     def delete_operations(self, op_ids: Iterable[str]) -> None:
@@ -315,6 +318,9 @@ class Store:
             if version == 1:
                 conn.executescript(f"BEGIN;{_MIGRATE_FROM_1.format(schema=_SCHEMA)}COMMIT;")
             conn.executescript(_SCHEMA)
+            columns = {str(r[1]) for r in conn.execute("PRAGMA table_info(leader_term)")}
+            if "leader" not in columns:  # written by a release that kept no identity
+                conn.execute("ALTER TABLE leader_term ADD COLUMN leader TEXT NOT NULL DEFAULT ''")
             conn.execute(f"PRAGMA user_version={_SCHEMA_VERSION}")
         except BaseException:
             conn.close()
@@ -337,9 +343,9 @@ class Store:
             )
         return loaded
 
-    def _leader_term_sync(self) -> int:
-        row = self._connection().execute("SELECT term FROM leader_term").fetchone()
-        return int(row[0]) if row else 0
+    def _leader_term_sync(self) -> tuple[int, str]:
+        row = self._connection().execute("SELECT term, leader FROM leader_term").fetchone()
+        return (int(row[0]), str(row[1])) if row else (0, "")
 
     def _connection(self) -> sqlite3.Connection:
         if self._conn is None:

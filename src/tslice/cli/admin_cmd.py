@@ -6,7 +6,9 @@
   holder has yielded (or was evicted) and no switch is in flight, showing who still
   holds it on a terminal;
 - ``resume GROUP``: GROUP grants turns again;
-- ``reset-fault GROUP [--node NODE]``: ClearDegraded under its operator's name.
+- ``reset-fault GROUP [--node NODE]``: ClearDegraded under its operator's name;
+- ``reset-term --agent HOST:PORT [--term N]``: set a node agent's leader-term fence
+  (``tslice.cli.term_cmd``).
 
 Credentials come as for every client (``$TSLICE_TLS_*``, ``$TSLICE_TOKEN*``). Exit codes:
 0 done, 1 refused or failed (one line on stderr saying why), 2 bad input; ``drain
@@ -25,7 +27,7 @@ import typer
 from rich.text import Text
 
 import tslice.client as tsclient
-from tslice.cli import client_cmds, render
+from tslice.cli import client_cmds, render, term_cmd
 from tslice.client import _admin
 from tslice.common import errors
 
@@ -51,6 +53,7 @@ def register(app: typer.Typer) -> None:
     admin.command("drain")(drain)
     admin.command("resume")(resume)
     admin.command("reset-fault")(client_cmds.clear_degraded)
+    admin.command("reset-term")(term_cmd.reset_term)
     app.add_typer(admin)
 
 

@@ -18,7 +18,17 @@ import typer
 import typer.exceptions
 
 import tslice
-from tslice.cli import admin_cmd, certs_cmd, client_cmds, demo_cmd, plan_cmd, render, up_cmd
+from tslice.cli import (
+    admin_cmd,
+    certs_cmd,
+    client_cmds,
+    demo_cmd,
+    doctor_cmd,
+    plan_cmd,
+    render,
+    slurm_cmd,
+    up_cmd,
+)
 from tslice.common import errors
 
 #: Server command modules written by the layer owners; each offers ``register(app)``.
@@ -82,6 +92,10 @@ def _register_all() -> None:
     certs_cmd.register(app)
     # ``tslice admin ...``: evict, drain, resume, reset-fault (the admin role).
     admin_cmd.register(app)
+    # ``tslice doctor``: is a node ready, can the orchestrator reach its agents.
+    doctor_cmd.register(app)
+    # ``tslice slurm prolog``: what Slurm's Prolog runs on a node.
+    slurm_cmd.register(app)
 
 
 _register_all()

@@ -90,6 +90,27 @@ def orchestrator(
         str | None,
         _kube("--job-namespace", "Namespace of RL job pods (default: all namespaces).", "NS"),
     ] = None,
+    slurm: Annotated[
+        bool,
+        typer.Option(
+            "--slurm",
+            help="Topology and job liveness from the Slurm controller (scontrol, squeue): "
+            "a group per GPU node unless --slurm-group or the config's slurm.groups say "
+            "otherwise; drained or down nodes leave their groups; a Slurm job that ends "
+            "loses its locks.",
+            rich_help_panel="Slurm",
+        ),
+    ] = False,
+    slurm_group: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--slurm-group",
+            metavar="NAME=KIND:VALUE",
+            help="A group of GPU nodes (repeatable); KIND is partition, feature or nodes "
+            "(a host list): trainer=partition:gpu, '*=feature:h100' (a group per node).",
+            rich_help_panel="Slurm",
+        ),
+    ] = None,
     ha: Annotated[
         bool,
         typer.Option(
@@ -196,6 +217,7 @@ def orchestrator(
         "agent_namespace": agent_namespace,
         "agent_selector": agent_selector,
         "job_namespace": job_namespace,
+        "slurm": {"enabled": slurm or None, "groups": slurm_group or None},
         "host": host,
         "port": port,
         "state_dir": state_dir,

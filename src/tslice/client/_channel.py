@@ -37,6 +37,12 @@ T = TypeVar("T")
 _Req_contra = TypeVar("_Req_contra", contravariant=True)
 _Rep_co = TypeVar("_Rep_co", covariant=True)
 
+#: The job side's TLS settings, as a TLS-mismatch hint names them.
+_TLS_SETTINGS = (
+    f"the client (${tls.TLS_CA_ENV}, ${tls.TLS_CERT_ENV}/${tls.TLS_KEY_ENV}, "
+    f"${tls.TLS_SERVER_NAME_ENV})"
+)
+
 JOB_ID_HEADER = "x-tslice-job-id"
 CLIENT_VERSION_HEADER = "x-tslice-client-version"
 
@@ -368,11 +374,14 @@ class _Transport:
             else "the connection was not completed"
         )
         server = self.endpoint
+        # A reason that shows TLS on one side only says so (else the general hint).
+        hint = tls.mismatch_hint(reason or "", server.security, settings=_TLS_SETTINGS)
         return errors.Unavailable(
             grpc.StatusCode.UNAVAILABLE,
             f"failed to connect to {server.peer} at {server.target} within {waited_s:.3g} s "
             f"({reason}): is it running, and is the address right? "
-            f"{server.security.connect_hint()} (${_config.CONNECT_TIMEOUT_ENV} waits longer)",
+            f"{hint or server.security.connect_hint()} (${_config.CONNECT_TIMEOUT_ENV} waits "
+            "longer)",
         )
 
     def metadata(self, options: CallOptions) -> Metadata:

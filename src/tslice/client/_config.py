@@ -23,6 +23,9 @@ from tslice.common import errors, ids, tls, validation
 ADDRESS_ENV: Final = ("TSLICE_ORCHESTRATOR", "TIMESLICE_ORCH_ADDR")
 #: Job id; the first variable set wins (the second is llm-d's name).
 JOB_ID_ENV: Final = ("TSLICE_JOB_ID", "TIMESLICE_JOB_ID")
+#: Inside a Slurm job, the job id when none of :data:`JOB_ID_ENV` is set: its steps act
+#: as one job (array tasks too, where they set ``TSLICE_JOB_ID=$SLURM_ARRAY_JOB_ID``).
+SLURM_JOB_ID_ENV: Final = "SLURM_JOB_ID"
 #: Group used when a call names none.
 GROUP_ENV: Final = ("TSLICE_GROUP",)
 #: ``1``/``true``/``yes``/``on`` forces no-op mode even when an address is given.
@@ -44,7 +47,8 @@ USE_CLIENT_DEFAULT: Final = _Default.TOKEN
 Timeout: TypeAlias = float | Literal[_Default.TOKEN] | None
 #: One gRPC channel option (``("grpc.keepalive_time_ms", 60000)``); grpc checks the values.
 ChannelOption: TypeAlias = tuple[str, object]
-#: A job id; ``None``: calls name theirs (``job_id=``); the default: ``$TSLICE_JOB_ID``, required.
+#: A job id; ``None``: calls name theirs (``job_id=``); the default: ``$TSLICE_JOB_ID`` (in a
+#: Slurm job, else ``$SLURM_JOB_ID``), required.
 JobId: TypeAlias = str | Literal[_Default.TOKEN] | None
 
 
@@ -220,7 +224,7 @@ def resolve(
     resolved_job: str | None = None
     if isinstance(job_id, str):
         resolved_job = check_id("job_id", job_id, source="the job_id argument")
-    elif found := _first_env(env, JOB_ID_ENV):
+    elif found := _first_env(env, (*JOB_ID_ENV, SLURM_JOB_ID_ENV)):
         resolved_job = check_id("job_id", found[1], source=f"${found[0]}")
     if default_group is not None:
         default_group = check_id("group_id", default_group, source="the default_group argument")
@@ -254,7 +258,8 @@ def resolve(
     elif resolved_job is None and job_required:
         raise errors.ConfigError(
             f"a job id is required: pass job_id= to the client or set ${JOB_ID_ENV[0]} "
-            f"(or ${JOB_ID_ENV[1]}); job_id=None makes each acquire/yield/slice name its job"
+            f"(or ${JOB_ID_ENV[1]}; in a Slurm job ${SLURM_JOB_ID_ENV} is taken); "
+            "job_id=None makes each acquire/yield/slice name its job"
         )
 
     if footprint_bytes is not None and footprint_bytes < 0:

@@ -503,6 +503,7 @@ AGENT_RULES: Mapping[str, Rule] = {
     },
     **{_AGENT + m: Rule.VERIFIED for m in ("Status", "GetOperation", "WaitOperation")},
     _AGENT + "WorkloadChannel": Rule.WORKLOAD,
+    _AGENT + "ResetLeaderTerm": Rule.ADMIN,
 }
 _ROLE_OF = {Rule.JOB: JOB, Rule.ORCHESTRATOR: ORCHESTRATOR, Rule.ADMIN: ADMIN}
 

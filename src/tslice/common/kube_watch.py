@@ -35,6 +35,8 @@ WATCH_TIMEOUT_S = 300
 #: Objects per page of a list.
 LIST_PAGE = 500
 _HTTP_GONE = 410
+#: Watch events handled between two turns of the event loop (a burst is read buffered).
+_EVENTS_PER_TURN = 32
 
 
 class Backoff(Protocol):
@@ -107,6 +109,7 @@ async def run(
     backoff = backoff or JitteredBackoff()
     version: str | None = None
     failures = 0
+    handled = 0
     while True:
         try:
             if version is None:
@@ -123,6 +126,11 @@ async def run(
                     version = (obj.metadata and obj.metadata.resourceVersion) or version
                     if stream.on_progress is not None:
                         stream.on_progress(version)
+                    handled += 1
+                    if handled % _EVENTS_PER_TURN == 0:
+                        # A burst arrives buffered: read on without a pause, it would
+                        # hold the event loop (Lease renewals, calls) for its whole length.
+                        await asyncio.sleep(0)
         except ApiError as err:
             if err.status.code == _HTTP_GONE:
                 log.info(

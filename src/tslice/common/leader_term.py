@@ -11,6 +11,11 @@ term is never adopted from a refusal: the refusal names the agent's term
 (:func:`refusal`, read back by :func:`seen_in`) only so that the caller knows it was
 deposed and steps down (:meth:`Term.deposed`).
 Term 0 means "not elected": the embedded (single-orchestrator) mode, which sends none.
+
+A term belongs to one leader: with its term a leader sends its identity (the replica's
+name in the Lease) under :data:`LEADER_METADATA_KEY`, and an agent that has seen a term
+from one identity refuses the same term's directives from another (an operator who
+deletes or replaces the Lease must not let two replicas act under one number).
 """
 
 from __future__ import annotations
@@ -24,8 +29,12 @@ log = logging.getLogger(__name__)
 
 #: gRPC metadata key carrying the sender's leader term (decimal).
 METADATA_KEY = "x-tslice-leader-term"
-#: Terms are int64 on every side (the agent's store, the Lease's counter).
-MAX_TERM = 2**63 - 1
+#: gRPC metadata key carrying the sender's identity (the replica that won the term).
+LEADER_METADATA_KEY = "x-tslice-leader-identity"
+#: The highest term: a Lease counts its transitions in an int32 (``leaseTransitions``),
+#: so no election can win above it. A call carrying more is refused (a term that high
+#: would fence every leader out for ever).
+MAX_TERM = 2**31 - 1
 
 _SEEN = re.compile(r"\[leader term (\d{1,19})\]$")
 
@@ -38,8 +47,10 @@ class Term:
     are told the agent's term.
     """
 
-    def __init__(self, value: int = 0) -> None:
+    def __init__(self, value: int = 0, *, leader: str = "") -> None:
         self._value = value
+        #: The identity this process leads as (HA mode's replica name; "" if none).
+        self.leader = leader
         self._listeners: list[Callable[[int], None]] = []
         self._guard = threading.Lock()
 
@@ -48,14 +59,21 @@ class Term:
         return self._value
 
     def advance(self, value: int) -> None:
-        """Enter term ``value``; a term never goes back."""
+        """Enter term ``value``; a term never goes back, nor past :data:`MAX_TERM`."""
         if value < self._value:
             raise ValueError(f"leader term {value} is older than the current term {self._value}")
+        if value > MAX_TERM:
+            raise ValueError(f"leader term {value} is above the highest a Lease holds, {MAX_TERM}")
         self._value = value
 
     def metadata(self) -> tuple[tuple[str, str], ...]:
-        """What a call to an agent carries: the term, or nothing in term 0."""
-        return ((METADATA_KEY, str(self._value)),) if self._value else ()
+        """What a call to an agent carries: the term (and the leader's identity, if it
+        has one), or nothing in term 0."""
+        if not self._value:
+            return ()
+        if not self.leader:
+            return ((METADATA_KEY, str(self._value)),)
+        return ((METADATA_KEY, str(self._value)), (LEADER_METADATA_KEY, self.leader))
 
     def on_deposed(self, listener: Callable[[int], None]) -> None:
         """Call ``listener(newer_term)`` each time an agent refuses this term as deposed."""
@@ -79,7 +97,8 @@ def parse(value: str) -> int:
     if not value.isdigit() or len(value) > 19 or int(value) > MAX_TERM:
         raise ValueError(
             f"metadata {METADATA_KEY}={value[:40]!r} is not a leader term (a decimal number "
-            f"from 0 to {MAX_TERM}); only a tslice orchestrator should set it"
+            f"from 0 to {MAX_TERM}, the most a Lease can count); only a tslice orchestrator "
+            "should set it"
         )
     return int(value)
 
@@ -98,10 +117,34 @@ def refusal(sent: int, seen: int) -> str:
             "elected orchestrator leader (Kubernetes HA mode): an orchestrator without a term "
             "(embedded mode, or llm-d's) must not drive this node alongside it; point only "
             "the HA orchestrator at this agent, or, to hand the node back to a single "
-            "orchestrator, stop the agent and clear its fence with "
+            "orchestrator, clear its fence: tslice admin reset-term --agent <this agent> "
+            "(the admin role), or with the agent stopped "
             "sqlite3 <state-dir>/agent.sqlite3 'DELETE FROM leader_term'"
         )
     return f"{why} [leader term {seen}]"
+
+
+def parse_leader(value: str) -> str:
+    """The leader identity a call's metadata names; ValueError (with the fix) if it is
+    not a replica name (printable ASCII, at most 253 characters: a pod name)."""
+    if not value or len(value) > 253 or not value.isascii() or not value.isprintable():
+        raise ValueError(
+            f"metadata {LEADER_METADATA_KEY}={value[:40]!r} is not an orchestrator replica "
+            "name (1 to 253 printable ASCII characters); only a tslice orchestrator should set it"
+        )
+    return value
+
+
+def second_leader_refusal(term: int, sent_leader: str, seen_leader: str) -> str:
+    """Why an agent that has seen ``term`` from ``seen_leader`` refuses a directive of the
+    same term from ``sent_leader``, ending with the tag :func:`seen_in` reads."""
+    return (
+        f"directive from leader term {term} of {sent_leader or 'a replica that names none'}, "
+        f"but this agent has seen term {term} from {seen_leader or 'a replica that named none'}: "
+        "two orchestrator replicas were elected in one term (the Lease was deleted or "
+        "replaced by hand?); this replica must step down and campaign above it "
+        f"[leader term {term}]"
+    )
 
 
 def seen_in(message: str) -> int | None:

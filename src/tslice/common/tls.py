@@ -263,6 +263,48 @@ class ClientSecurity:
         )
 
 
+def mismatch_hint(detail: str, security: ClientSecurity, *, settings: str) -> str | None:
+    """What a failed connection's ``detail`` says about TLS on the two sides (None:
+    nothing), naming the client's ``settings`` to change (``agent_client`` ...).
+
+    A server that closes the connection at once ("Socket closed") may serve TLS to a
+    plaintext client or require a client certificate: that one is a guess, said so
+    (:mod:`tslice.orchestrator.agent_check` makes it certain with a handshake)."""
+    low = detail.lower()
+    if "wrong_version_number" in low:
+        return (
+            f"TLS mismatch: the server does not serve TLS, but {settings} connects with TLS "
+            "(drop its ca/cert/key, or serve TLS there)"
+        )
+    if "certificate_verify_failed" in low or "certificate signature failure" in low:
+        return (
+            "TLS mismatch: the server's certificate is not signed by the CA "
+            f"{settings} trusts (its ca)"
+        )
+    if "hostname verification" in low or "peer name" in low:
+        return (
+            "TLS mismatch: the server's certificate does not name the address connected "
+            f"to (give {settings} a server_name, or add the name to the certificate)"
+        )
+    if "socket closed" in low or "connection reset" in low:
+        if security.tls is None:
+            return (
+                "TLS mismatch? the server closed the connection at once, as a TLS server "
+                f"does to a plaintext client: if it serves TLS, give {settings} its ca "
+                "(and cert/key for mutual TLS)"
+            )
+        if security.tls.cert is None:
+            return (
+                "TLS mismatch? the server closed the connection at once, as a server that "
+                f"requires client certificates does: give {settings} cert and key"
+            )
+        return (
+            "TLS mismatch? the server closed the connection at once: it may not trust the "
+            f"CA of {settings}'s client certificate"
+        )
+    return None
+
+
 @dataclasses.dataclass(frozen=True)
 class ServerTLS:
     """Certificate and key a server serves; with ``client_ca``, mutual TLS."""

@@ -103,7 +103,8 @@ class AgentRejected(AgentError):
 
 class AgentDeposed(AgentRejected):
     """The agent refused a directive: it has seen leader term :attr:`seen`, newer than ours
-    (:attr:`sent`; 0: we sent none). Nothing moved there; this orchestrator must not lead."""
+    (:attr:`sent`; 0: we sent none), or ours from another replica. Nothing moved there;
+    this orchestrator must not lead."""
 
     def __init__(self, address: str, operation: str, detail: str, *, sent: int, seen: int) -> None:
         super().__init__(address, operation, detail, grpc.StatusCode.FAILED_PRECONDITION)
@@ -408,12 +409,15 @@ class AgentClient:
             # The agent's message speaks to a job; the orchestrator's own fix is its config.
             detail = f"{detail} [the orchestrator's credential: {_CREDENTIALS_FIX}]"
         if code in _UNREACHABLE:
+            hint = tls.mismatch_hint(detail, self._security, settings="agent_client")
+            detail = f"{detail} [{hint}]" if hint else detail
             # The connection may be another agent's when it comes back: ask it again.
             self.features = None
             return AgentUnreachable(self.address, operation, detail)
         seen = leader_term.seen_in(detail) if code == grpc.StatusCode.FAILED_PRECONDITION else None
         sent = self._term.value
-        if seen is not None and seen > sent:
+        # The same term refused: another replica was elected in it (the agent saw it first).
+        if seen is not None and (seen > sent or seen == sent != 0):
             # Never adopted (only an election raises a term): we are deposed; say so.
             log.warning("agent %s: %s: %s", self.address, operation, detail)
             self._term.deposed(seen)

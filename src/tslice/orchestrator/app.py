@@ -42,8 +42,10 @@ from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2_grpc as 
 from tslice.common import auth, errors, ids, leader_term, logs, serving, tasks, undecodable
 from tslice.common import metrics_http as common_metrics_http
 from tslice.orchestrator import (
+    agent_check,
     agents,
     config,
+    discovered,
     events,
     group,
     manager,
@@ -54,7 +56,6 @@ from tslice.orchestrator import (
 )
 
 if TYPE_CHECKING:
-    from tslice.orchestrator.kube import discovery as kube_discovery
     from tslice.orchestrator.kube import leadership as kube_leadership
     from tslice.orchestrator.kube.leadership import HaSettings
 
@@ -127,7 +128,7 @@ async def _serve_locked(
         if ha is None
         else None
     )
-    term = leader_term.Term()
+    term = leader_term.Term(leader=ha.identity if ha is not None else "")
     pool = agents.AgentPool(
         rpc_timeout_s=cfg.agent_rpc_timeout_s,
         operation_timeout_s=cfg.operation_timeout_s,
@@ -261,10 +262,10 @@ class _Leader:
         bus.on_drop = self._metrics.events_dropped.inc
         groups: manager.GroupManager | None = None
         servicer: server.OrchestratorServicer | None = None
-        discovery: kube_discovery.Discovery | None = None
+        discovery = _discovery(cfg)
+        checking: asyncio.Task[None] | None = None
         try:
-            if cfg.kubernetes is not None:
-                discovery = _discovery(cfg.kubernetes)
+            if discovery is not None:
                 found = await discovery.start(self._stop)
                 if found is None:
                     yield None
@@ -280,11 +281,16 @@ class _Leader:
             )
             groups = self._groups = manager.GroupManager(services)
             await groups.start()
+            # Each agent asked once: one that does not answer (or whose TLS does not
+            # match agent_client) is a warning now, not a group silently UNKNOWN.
+            checking = tasks.spawn(agent_check.warn_at_start(cfg, self._pool), name="agents:check")
             if discovery is not None:
                 discovery.follow(groups)
             servicer = server.OrchestratorServicer(groups=groups, bus=bus, store=self.store_health)
             yield servicer
         finally:
+            if checking is not None:
+                await tasks.cancel_all([checking])
             if discovery is not None:
                 await discovery.close()
             if groups is not None:
@@ -338,6 +344,8 @@ def _advertised(host: str, port: int) -> str:
 def _mode(cfg: config.OrchestratorConfig) -> str:
     if cfg.kubernetes is not None:
         return "kubernetes"
+    if cfg.slurm is not None:
+        return "slurm"
     return "local" if cfg.topology.local else "static"
 
 
@@ -352,9 +360,15 @@ def _kube_module(name: str) -> Any:
         ) from err
 
 
-def _discovery(settings: config.KubeSettings) -> kube_discovery.Discovery:
-    """Kubernetes mode's discovery."""
-    found: kube_discovery.Discovery = _kube_module("discovery").Discovery(settings)
+def _discovery(cfg: config.OrchestratorConfig) -> discovered.Source | None:
+    """Where a discovered mode's topology comes from (None: a topology of the config)."""
+    if cfg.slurm is not None:
+        from tslice.orchestrator.slurm import discovery as slurm_discovery
+
+        return slurm_discovery.Discovery(cfg.slurm)
+    if cfg.kubernetes is None:
+        return None
+    found: discovered.Source = _kube_module("discovery").Discovery(cfg.kubernetes)
     return found
 
 

@@ -44,6 +44,7 @@ from tslice.common.auth import AuthSettings
 from tslice.common.tls import ClientSecurity, ServerTLS, check_listen
 from tslice.orchestrator.policy import models as policy_models
 from tslice.orchestrator.policy import spec as policy_spec
+from tslice.orchestrator.slurm import settings as slurm_settings
 
 DEFAULT_PORT = 50051
 DEFAULT_METRICS_PORT = 8080
@@ -150,6 +151,16 @@ class TopologyModel(_Model):
             if not self.nodes:
                 raise ValueError("`mode: local` needs `nodes: [{name: ..., agent: host:port}]`")
             GroupModel(nodes=self.nodes)  # same uniqueness rule
+        agents: dict[str, str] = {}
+        for gid, group in self.groups.items():
+            for node in group.nodes:
+                known = agents.setdefault(node.name, node.agent)
+                if known != node.agent:
+                    raise ValueError(
+                        f"node {node.name!r} has two agent addresses, {known} and "
+                        f"{node.agent} (group {gid}); a node has one agent: give it the "
+                        "same address in every group, or two names if they are two nodes"
+                    )
         return self
 
 
@@ -193,6 +204,8 @@ class OrchestratorModel(_Model):
     agent_namespace: str | None = None
     agent_selector: str | None = None
     job_namespace: str | None = None
+    #: Slurm mode: the topology and job liveness from the controller (see SlurmSettings).
+    slurm: slurm_settings.SlurmModel | None = None
 
     @pydantic.field_validator("local_groups")
     @classmethod
@@ -301,6 +314,8 @@ class OrchestratorConfig:
     auth: AuthSettings | None = None
     #: Kubernetes mode (the topology is empty at start: groups come from the API server).
     kubernetes: KubeSettings | None = None
+    #: Slurm mode (the topology is empty at start: groups come from the controller).
+    slurm: slurm_settings.SlurmSettings | None = None
     #: Scheduling policy of the groups whose topology names none (local mode: all).
     policy: policy_spec.PolicySpec = dataclasses.field(default_factory=policy_spec.FifoSpec)
 
@@ -409,8 +424,9 @@ def build(
         raise errors.ConfigError(where + format_validation_error(err)) from err
 
     kube = _kube_settings(model, where, config_file)
+    slurm = _slurm_settings(model, where)
     local: list[NodeRef] = [parse_local_agent(s) for s in model.local_agents]
-    topology: Topology | None = Topology() if kube is not None else None
+    topology: Topology | None = Topology() if kube is not None or slurm is not None else None
     if model.topology is not None:
         topology = _topology(model.topology)
     if model.topology_file is not None:
@@ -447,7 +463,13 @@ def build(
     settings = {f.name: getattr(model, f.name) for f in dataclasses.fields(OrchestratorConfig)}
     settings["policy"] = policy_models.spec_of(model.policy)
     return OrchestratorConfig(
-        **{**settings, **_security(model, where), "topology": topology, "kubernetes": kube}
+        **{
+            **settings,
+            **_security(model, where),
+            "topology": topology,
+            "kubernetes": kube,
+            "slurm": slurm,
+        }
     )
 
 
@@ -507,6 +529,22 @@ def _kube_settings(
         agent_selector=model.agent_selector or kube_labels.AGENT_SELECTOR,
         job_namespace=model.job_namespace,
     )
+
+
+def _slurm_settings(model: OrchestratorModel, where: str) -> slurm_settings.SlurmSettings | None:
+    """Slurm mode's settings, or None; a topology (or Kubernetes mode) given with it is
+    refused, naming both."""
+    if model.slurm is None or not model.slurm.enabled:
+        return None
+    clashing = [flag for key, flag in _NOT_WITH_KUBE.items() if getattr(model, key)]
+    clashing += ["--kubernetes"] if model.kubernetes else []
+    if clashing:
+        raise errors.ConfigError(
+            f"{where}--slurm takes the topology from the Slurm controller (groups of GPU "
+            f"nodes, agents on each); {', '.join(clashing)} cannot be combined with it: drop "
+            "one or the other"
+        )
+    return slurm_settings.build(model.slurm)
 
 
 _DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")

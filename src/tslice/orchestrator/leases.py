@@ -46,6 +46,12 @@ class Leases:
         """A Hold stream of ``job`` (``epoch`` 0 = the current grant); refused
         (FAILED_PRECONDITION) unless ``job`` holds the group under that grant."""
         gid = self._group_id
+        if lk.finding_holder:
+            raise refusals.Refused(
+                refusals.Code.UNAVAILABLE,
+                f"group {gid!r} lost its record and is reading its agents to find its "
+                "holder; retry in a moment",
+            )
         if lk.holder != job or lk.switching is not None:
             why = lk.eviction(job) or (
                 "its Acquire has not returned yet"
@@ -58,7 +64,7 @@ class Leases:
                 refusals.Code.FAILED_PRECONDITION,
                 f"job {job!r} does not hold group {gid!r} ({why}); Acquire it first",
             )
-        if epoch and epoch != lk.grant_epoch:
+        if epoch and epoch != lk.grant_epoch and not lk.holder_epoch_unknown:
             raise refusals.Refused(
                 refusals.Code.FAILED_PRECONDITION,
                 f"job {job!r} does not hold group {gid!r} under grant {epoch} "

@@ -34,7 +34,7 @@ import dataclasses
 
 from tslice.common import refusals
 from tslice.orchestrator import decisions as act
-from tslice.orchestrator import lock_state, records
+from tslice.orchestrator import found_holder, lock_state, records
 from tslice.orchestrator import policy as sched
 
 #: The group's state from the lock alone (named here too: callers read ``lock.Phase``).
@@ -98,6 +98,7 @@ class GroupLock(lock_state.LockState):
             lock._holder = it.to_job
         lock._recovering = True
         lock._recovered_at = now
+        lock._search = found_holder.HolderSearch.of(record)
         # A holder that was granted before the crash keeps the lock; its client got the
         # reply. One whose grant was never delivered keeps it only until its deadline
         # (not extended by this restart) unless an Acquire of it comes back; never more
@@ -250,6 +251,7 @@ class GroupLock(lock_state.LockState):
                 False, self._holder, self.attached_waiters, False, [], evicted=evicted
             )
         # Nobody holds the group: idempotent no-op.
+        self._search.departed(job)
         deferred = s is None and self._resident == job
         return act.YieldOutcome(True, None, self.attached_waiters, deferred, [])
 
@@ -282,6 +284,7 @@ class GroupLock(lock_state.LockState):
             return act.EvictOutcome(act.Role.HOLDER, self._holder or next(attached, ""), actions)
         entry = self._queue.pop(job, None)
         if entry is None:
+            self._search.departed(job)
             return act.EvictOutcome(None, "", [])
         self._remember_eviction(job, why)
         gone: list[act.Action] = [act.Abort(job, why)] if entry.attached > 0 else []
@@ -420,6 +423,14 @@ class GroupLock(lock_state.LockState):
                 actions.append(act.Emit(act.EventKind.ROLLED_BACK, s.to_job, why))
             else:
                 return [self._start_switch(s)]
+        elif self._search.pending:
+            found = self._search.decide(
+                resident, waiting=resident in self._queue, epoch=self._epoch
+            )
+            if found is not None:
+                self._holder, self._receivers = found, 1
+                self.detail = found_holder.holder_detail(found)
+                actions.append(act.NeedClaim(found, ()))  # its devices, as a holder on disk
         return [*actions, *self._promote(now)]
 
     def on_observed(self, *, epoch: int, resident: str | None, running_everywhere: bool) -> None:

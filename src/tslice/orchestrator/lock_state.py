@@ -12,8 +12,8 @@ import dataclasses
 import enum
 
 from tslice.orchestrator import decisions as act
+from tslice.orchestrator import found_holder, records, set_gate
 from tslice.orchestrator import policy as sched
-from tslice.orchestrator import records, set_gate
 
 
 class Phase(enum.Enum):
@@ -91,6 +91,8 @@ class LockState:
         #: lease_ms of each job's latest Acquire (0 = no lease); see holder_lease_ms.
         self._leases: dict[str, int] = {}
         self._recovering = False
+        #: Whether the holder is (being) found on the agents (a lost record).
+        self._search = found_holder.HolderSearch()
         # Delivery tracking of the current grant: how many Acquire RPCs received it
         # and how many of those were cancelled before the reply went out.
         self._receivers = 0
@@ -147,6 +149,7 @@ class LockState:
             holder_lease_ms=self._leases.get(leased, 0) if leased is not None else 0,
             draining=self.draining,
             holder_unclaimed_until=self._unclaimed_until(holder),
+            holder_from_agents=self._search.recorded(holder, self._epoch),
         )
 
     def _since(self, entry: Entry) -> float | None:
@@ -206,6 +209,16 @@ class LockState:
     @property
     def recovering(self) -> bool:
         return self._recovering
+
+    @property
+    def finding_holder(self) -> bool:
+        """The record was lost and the agents not read yet: nobody knows who holds."""
+        return self._search.pending
+
+    @property
+    def holder_epoch_unknown(self) -> bool:
+        """The holder was found on the agents: its client's grant epoch is unknown."""
+        return self._switch is None and self._search.epoch_unknown(self._holder, self._epoch)
 
     @property
     def switching(self) -> act.StartSwitch | None:

@@ -15,7 +15,9 @@ the discovery (``tslice.orchestrator.kube``) adds a group that appears
 state stays persisted, so it resumes if its nodes come back), restarts one whose
 nodes changed on the new ones (:meth:`replace_nodes`: as after a crash of the
 orchestrator, for that group alone) and evicts a job whose pods are all gone from
-every group (:meth:`evict`).
+every group (:meth:`evict`). What comes for a group while it is stopped (a Yield of its
+holder, the eviction of a job it names) is kept and applied when it is back
+(``tslice.orchestrator.held_over``).
 """
 
 from __future__ import annotations
@@ -23,10 +25,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable, Collection
 
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
 from tslice.common import kube_labels, refusals, tasks
-from tslice.orchestrator import config, decisions, group, records
+from tslice.orchestrator import config, decisions, group, held_over, records
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +47,10 @@ class GroupManager:
         #: One creation (with its sweep) at a time.
         self._creating = asyncio.Lock()
         self._collector: asyncio.Task[None] | None = None
+        #: Groups removed (their nodes all gone) whose state stays persisted, and what
+        #: came for them meanwhile.
+        self._stopped: set[str] = set()
+        self._held_over = held_over.HeldOver()
 
     @property
     def local(self) -> bool:
@@ -64,7 +71,7 @@ class GroupManager:
         configured = topo.groups or {gid: topo.local_nodes for gid in topo.local_groups}
         for gid, nodes in configured.items():
             entry = persisted.get(gid)
-            self._add(gid, nodes, entry[1] if entry else None)
+            self._add(gid, nodes, entry[1] if entry else self._services.db.unrecorded(gid))
         for gid in sorted(set(persisted) - set(configured)):
             log.warning("group %s has persisted state but is not configured; ignoring it", gid)
 
@@ -75,6 +82,7 @@ class GroupManager:
             group_id=gid, nodes=nodes, services=self._services, record=record
         )
         self._groups[gid] = driver
+        self._stopped.discard(gid)
         driver.start()
         return driver
 
@@ -89,7 +97,7 @@ class GroupManager:
             await self.replace_nodes(gid, nodes)
             return
         entry = (await self._services.db.load()).get(gid)
-        self._add(gid, nodes, entry[1] if entry else None)
+        driver = self._add(gid, nodes, entry[1] if entry else self._services.db.unrecorded(gid))
         log.info(
             "group %s appeared with %d node(s): %s",
             gid,
@@ -97,6 +105,23 @@ class GroupManager:
             ", ".join(n.name for n in nodes),
             extra={"group_id": gid},
         )
+        await self._apply_held_over(driver)
+
+    async def _apply_held_over(self, driver: group.GroupDriver) -> None:
+        """What came while the group was stopped, before it grants anything (it is still
+        reading its agents)."""
+        for kept in self._held_over.take(driver.group_id):
+            log.warning(
+                "group %s is back: applying the %s of job %s that came while it was stopped",
+                driver.group_id,
+                "yield" if isinstance(kept, held_over.Yield) else "eviction",
+                kept.job,
+                extra={"group_id": driver.group_id, "job_id": kept.job},
+            )
+            if isinstance(kept, held_over.Yield):
+                await driver.yield_(kept.job)
+            else:
+                await driver.evict(kept.job, kept.reason, by=kept.by)
 
     async def remove_group(self, gid: str, why: str) -> None:
         """A group whose nodes are all gone: it stops (its waiters are told to retry, an
@@ -105,8 +130,10 @@ class GroupManager:
         if driver is None:
             return
         log.warning("group %s is gone (%s); it stops", gid, why, extra={"group_id": gid})
+        self._stopped.add(gid)
         await driver.stop(grace_s=self._cfg.shutdown_grace_s)
-        self._services.arbiter.forget(gid)
+        # Its state left on nodes of other groups gives way to them, unless it is held.
+        self._services.arbiter.stopped(gid, driver.lock.holder)
         self._services.metrics.forget_group(gid)
 
     async def replace_nodes(self, gid: str, nodes: tuple[config.NodeRef, ...]) -> None:
@@ -128,16 +155,65 @@ class GroupManager:
         )
         # Listed while it stops: calls meanwhile are told UNAVAILABLE (retry), not NOT_FOUND.
         await driver.stop(grace_s=self._cfg.shutdown_grace_s)
-        # Which groups it shares devices with is worked out again from its new nodes.
-        self._services.arbiter.forget(gid)
+        # Which groups it shares devices with is worked out again from its new nodes
+        # (meanwhile its holder's state is not stray).
+        self._services.arbiter.stopped(gid, driver.lock.holder)
         entry = (await self._services.db.load()).get(gid)
-        self._add(gid, nodes, entry[1] if entry else None)
+        restarted = self._add(gid, nodes, entry[1] if entry else self._services.db.unrecorded(gid))
+        await self._apply_held_over(restarted)
 
     async def evict(
         self, job: str, reason: str = "", *, by: str = group.BY_ADMIN
     ) -> list[tuple[str, decisions.EvictOutcome]]:
-        """Take ``job`` out of every group where it holds or waits (``by``: who does)."""
-        return await group.evict_everywhere(list(self._groups.values()), job, reason, by=by)
+        """Take ``job`` out of every group where it holds or waits (``by``: who does); a
+        stopped group is told when it is back."""
+        outcomes = await group.evict_everywhere(list(self._groups.values()), job, reason, by=by)
+        for gid in await self._stopped_naming(job, held_over.names):
+            log.warning(
+                "group %s is stopped: the eviction of job %s is applied when it is back (%s)",
+                gid,
+                job,
+                reason,
+                extra={"group_id": gid, "job_id": job},
+            )
+            self._held_over.keep(gid, held_over.Eviction(job, reason, by))
+        return outcomes
+
+    def revoke_evictions(self, live: Collection[str]) -> None:
+        """Jobs ``live`` again (a pod of theirs came back) keep their place in the stopped
+        groups."""
+        self._held_over.revoke(live)
+
+    async def keep_yield(self, gid: str, job: str) -> decisions.YieldOutcome | None:
+        """A Yield for a group that is not running: kept if the group is stopped and
+        ``job`` holds it (applied when it is back); None otherwise (no such group)."""
+        if gid in self._groups or gid not in await self._stopped_naming(job, held_over.holds):
+            return None
+        log.warning(
+            "group %s is stopped: the yield of job %s is applied when it is back",
+            gid,
+            job,
+            extra={"group_id": gid, "job_id": job},
+        )
+        self._held_over.keep(gid, held_over.Yield(job))
+        return decisions.YieldOutcome(True, None, 0, False, [])
+
+    async def _stopped_naming(
+        self, job: str, test: Callable[[records.LockRecord, str], bool]
+    ) -> list[str]:
+        """The stopped groups whose persisted record ``test`` says names ``job``, and the
+        groups restarting on new nodes (skipped by an eviction) whose lock does."""
+        found = [
+            gid for gid, d in self._groups.items() if d.stopping and test(d.lock.record(), job)
+        ]
+        if self._stopped - set(self._groups):
+            persisted = await self._services.db.load()
+            found += [
+                gid
+                for gid in self._stopped - set(self._groups)
+                if gid in persisted and test(persisted[gid][1], job)
+            ]
+        return sorted(found)
 
     async def get_or_create(self, gid: str) -> group.GroupDriver | None:
         """The group, created first in local mode (``None``: no such group); raises
@@ -239,6 +315,13 @@ class GroupManager:
                 f"group {gid!r} has no nodes (known groups: {known}); label its nodes "
                 f"{kube_labels.group_node_label(gid)}=true (Ready, not cordoned, with an "
                 "agent pod on each)"
+            )
+        if self._cfg.slurm is not None:
+            return (
+                f"group {gid!r} has no usable Slurm node (known groups: {known}); a group "
+                "is a GPU node (named after it) or one of the config's slurm.groups, with "
+                "at least one node that is not drained, down or unresponsive (sinfo -R "
+                "lists why; scontrol update nodename=NODE state=resume brings one back)"
             )
         if self._cfg.topology.local_groups:
             return f"group {gid!r} is not one of the groups given with --group ({known})"

@@ -13,7 +13,10 @@ else is on them). A group keeps its claim while it has a holder (or a switch); a
 idle group keeps it too, so that its yielded resident re-acquires for free, until
 an overlapping group asks for it: then it lets go at once, and its deferred
 resident becomes fair game (the other group's Grant lists it in ``give_way``, and
-the agent snapshots it only if the devices are needed). A group with a holder lets
+the agent snapshots it only if the devices are needed). The state a group left on a
+node that is no longer one of its nodes (Kubernetes mode: a label taken off) is *stray*
+and gives way the same, once nobody holds the group (or the group is gone, unless it
+stopped with a holder). A group with a holder lets
 go when the holder releases, even if it has waiters of its own: they ask again and
 queue behind, so overlapping groups alternate. Waiting is FIFO among overlapping
 groups, except that a job which already holds a group (a nested or multi-group
@@ -71,6 +74,8 @@ class DeviceArbiter:
         self._claims: dict[str, str | None] = {}
         #: (group, job, the group's other waiters) waiting for the claim, in request order.
         self._waiting: list[tuple[str, str, tuple[str, ...]]] = []
+        #: Groups that stopped (every node gone) with a holder: their state stays.
+        self._stopped_holders: dict[str, str] = {}
 
     def join(
         self,
@@ -81,6 +86,7 @@ class DeviceArbiter:
         contended: Callable[[], None],
     ) -> None:
         """Add a group; ``granted(job)`` and ``contended()`` post to its inbox."""
+        self._stopped_holders.pop(group, None)
         self._members[group] = _Member(nodes, granted, contended)
         self._conflicts[group] = set()
         for other, member in self._members.items():
@@ -91,6 +97,13 @@ class DeviceArbiter:
     def leave(self, group: str) -> None:
         self._waiting = [w for w in self._waiting if w[0] != group]
         self.release(group)
+
+    def stopped(self, group: str, holder: str | None) -> None:
+        """The group stopped (its nodes all gone; Kubernetes mode), ``holder`` holding it:
+        its state on those nodes is not stray while it does."""
+        self.forget(group)
+        if holder is not None:
+            self._stopped_holders[group] = holder
 
     def forget(self, group: str) -> None:
         """The group is gone for good (an idle local group collected): drop it."""
@@ -111,6 +124,16 @@ class DeviceArbiter:
     def released(self, group: str) -> frozenset[str]:
         """Overlapping groups that do not hold the claim: their residents may give way."""
         return frozenset(c for c in self._conflicts.get(group, ()) if c not in self._claims)
+
+    def stray(self, node: str, group: str) -> bool:
+        """Whether ``group``'s state on ``node`` is left over: ``node`` is not one of the
+        group's nodes (any more, or the group is gone) and nobody holds the group."""
+        member = self._members.get(group)
+        if member is None:
+            return group not in self._stopped_holders
+        if any(n.name == node for n in member.nodes):
+            return False
+        return self._claims.get(group) is None
 
     # ---- changes ---------------------------------------------------------------------------
 

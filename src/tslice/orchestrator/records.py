@@ -47,7 +47,16 @@ class LockRecord:
     #: (``time.time()``) by which an Acquire of it must claim the grant, else it loses
     #: the lock. None: the holder's client got its grant (or there is no holder).
     holder_unclaimed_until: float | None = None
+    #: The record was lost (HA: its ConfigMap deleted or unreadable): recovery takes the
+    #: job resident on every node as the holder; then, until the holder's next grant, its
+    #: grant epoch is unknown (``tslice.orchestrator.found_holder``).
+    holder_from_agents: bool = False
 
     @classmethod
     def empty(cls) -> LockRecord:
         return cls(None, None, 0, 0, 1, (), None, ())
+
+    @classmethod
+    def lost(cls) -> LockRecord:
+        """A group whose record may have been lost: its holder is looked for on the agents."""
+        return dataclasses.replace(cls.empty(), holder_from_agents=True)

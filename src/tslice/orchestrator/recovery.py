@@ -43,7 +43,8 @@ def decide_recovery(
     runs on every node, the incoming one nowhere, no operation in flight), else roll
     forward. Without: keep the resident if it runs everywhere; adopt the one job of
     the group that runs everywhere; otherwise leave it unverified so the next
-    switch snapshots the extras first.
+    switch snapshots the extras first (naming the one job that runs everywhere, if
+    none was resident).
     """
 
     def ours(job: str, jv: steps.JobView) -> bool:
@@ -72,6 +73,15 @@ def decide_recovery(
         return RecoveryDecision(job, True, False, f"adopted {job}, running on every node")
     if not busy and not anywhere:
         return RecoveryDecision(None, True, False, "nothing resident")
+    if resident is None and len(everywhere) == 1:
+        # The one job on every node is named (a lost record's holder may be it).
+        (job,) = everywhere
+        return RecoveryDecision(
+            job,
+            False,
+            False,
+            f"agents disagree ({job} runs on every node): extras evicted at next switch",
+        )
     return RecoveryDecision(
         resident, False, False, "agents disagree: extras evicted at next switch"
     )

@@ -276,9 +276,10 @@ class OrchestratorServicer(opb_grpc.TimeSliceOrchestratorServiceServicer):
         job = refusals.checked_id("job_id", request.job_id)
         gid = refusals.checked_id("group_id", request.group_id)
         auth.require_job(job)
-        driver = self._driver(gid)
         self._store.check()
-        out = await driver.yield_(job)
+        driver = self._groups.get(gid)
+        kept = await self._groups.keep_yield(gid, job) if driver is None else None
+        out = kept or await self._found(gid, driver).yield_(job)
         if not out.ok and out.holder is None:
             # Nobody holds it, and an administrator took it from this job.
             raise refusals.Refused(

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Protocol
 
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
@@ -97,6 +97,13 @@ class SwitchPlan:
     footprint_bytes: int
     #: Per node: the overlapping groups (with no holder) whose residents may give way.
     give_way: Mapping[str, frozenset[str]] = dataclasses.field(default_factory=dict)
+    #: ``stray(node, group)``: ``group``'s state on ``node`` is left over (the node left
+    #: the group, nobody holds it): it gives way as well (``overlap.DeviceArbiter.stray``).
+    stray: Callable[[str, str], bool] = lambda node, group: False
+
+    def may_give_way(self, node: str, group: str) -> bool:
+        """Whether ``group``'s resident on ``node`` may be moved out to make room."""
+        return group in self.give_way.get(node, ()) or self.stray(node, group)
 
     def evictees(self, view: NodeView) -> list[str]:
         """Jobs to move out of ``view``: the group's residents other than the target."""

@@ -133,6 +133,12 @@ class LockStore(Protocol):
         """Delete a group that is gone, before any later save of the same id."""
         ...
 
+    def unrecorded(self, group_id: str) -> records.LockRecord | None:
+        """What a group without a persisted record starts from: None (fresh, nobody
+        holds), or :meth:`records.LockRecord.lost` where a missing record may have been
+        lost (its holder is then looked for on the agents)."""
+        ...
+
     async def close(self) -> None: ...
 
 
@@ -220,6 +226,11 @@ class Store:
             self._executor, _outcome, self._save_batch_sync, batch
         )
         pending.add_done_callback(lambda f: _settle(f.result(), self.path))
+
+    def unrecorded(self, group_id: str) -> records.LockRecord | None:
+        """A group without a row is new: the database is never partly lost (a corrupt
+        one is refused at start)."""
+        return None
 
     def forget(self, group_id: str) -> None:
         """Delete every row of a group that is gone (an idle local group collected).

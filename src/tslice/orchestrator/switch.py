@@ -311,11 +311,10 @@ class NodeSwitcher:
             if jv.state == pb.JOB_STATE_FAULTED
             and (jv.group == p.group or job in (p.from_job, p.to_job))
         ]
-        give_way = p.give_way.get(self.name, frozenset())
         touched += [
             key
             for key, jv in sorted(view.others.items())
-            if jv.state == pb.JOB_STATE_FAULTED and key[1] in give_way
+            if jv.state == pb.JOB_STATE_FAULTED and p.may_give_way(self.name, key[1])
         ]
         for job, group in touched:
             self.calling("reset")
@@ -326,9 +325,12 @@ class NodeSwitcher:
 
     def _give_way(self, view: steps.NodeView) -> list[tuple[str, str]]:
         """Other groups' residents here that may be snapshotted to make room."""
-        groups = self.plan.give_way.get(self.name, frozenset())
-        others = view.others.items()
-        return sorted(key for key, jv in others if key[1] in groups and jv.state in steps.RESIDENT)
+        p, others = self.plan, view.others.items()
+        return sorted(
+            key
+            for key, jv in others
+            if jv.state in steps.RESIDENT and p.may_give_way(self.name, key[1])
+        )
 
     async def _grant(self, view: steps.NodeView) -> None:
         """One Grant, re-issued after waiting on the operations it reports."""

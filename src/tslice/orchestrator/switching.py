@@ -168,7 +168,13 @@ class SwitchRunner:
     async def _run(self, s: decisions.StartSwitch) -> None:
         group = self._group
         plan = steps.SwitchPlan(
-            self._gid, s.from_job, s.to_job, s.epoch, s.footprint_bytes, self._give_way()
+            self._gid,
+            s.from_job,
+            s.to_job,
+            s.epoch,
+            s.footprint_bytes,
+            self._give_way(),
+            stray=self._arbiter.stray,
         )
         fields = {"job_id": s.to_job, "from_job": s.from_job or "", "grant_epoch": s.epoch}
 

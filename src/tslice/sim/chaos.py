@@ -33,7 +33,7 @@ import sys
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import tslice.client as tsclient
 from tslice.agent.backends import simdevice as device
@@ -58,6 +58,28 @@ LEASE_LOST = "lease_lost"
 GROUP_WEDGED = "group_wedged"
 _HOLDER_SEARCH_S = 5.0
 _HOLDER_POLL_S = 0.05
+
+
+class Servers(Protocol):
+    """What a run needs of the servers it disrupts (a
+    :class:`~tslice.sim.cluster.LocalCluster`, or another deployment of them)."""
+
+    base_dir: Path
+
+    @property
+    def orchestrator_address(self) -> str: ...
+
+    def start(self) -> Any: ...
+
+    def stop(self) -> None: ...
+
+    def kill(self, name: str) -> None: ...
+
+    def restart(self, name: str) -> None: ...
+
+    def state_dir(self, name: str) -> Path: ...
+
+    def read_journals(self) -> list[device.Event]: ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -181,17 +203,23 @@ class ChaosResult:
 
 
 class ChaosRun:
-    """One run; :meth:`run` returns its :class:`ChaosResult`."""
+    """One run; :meth:`run` returns its :class:`ChaosResult`. A variant (Kubernetes HA
+    mode: tests/kube/ha_chaos.py) brings its own :class:`Servers` and disruptions
+    (:attr:`kinds`, :meth:`_disrupt`) and hears of each job's end (:meth:`_ended`)."""
 
-    def __init__(self, config: ChaosConfig) -> None:
+    #: The kinds of disruption a run counts (each happens at least once first).
+    kinds: Sequence[str] = ALL_KILL_KINDS
+    first_kinds: Sequence[str] = KILL_KINDS
+
+    def __init__(self, config: ChaosConfig, servers: Servers | None = None) -> None:
         config.check()
         self.config = config
         self.rng = random.Random(config.seed)
         self.kills: collections.Counter[str] = collections.Counter()
         self.jobs: list[_Job] = []
         self._next_job = 0
-        self.local = cluster.LocalCluster(
-            agents=[self._agent(name, i) for i, name in enumerate(NODES)],
+        self.local: Servers = servers or cluster.LocalCluster(
+            agents=[self.sim_agent(name, i) for i, name in enumerate(NODES)],
             groups=None if config.local_mode else TOPOLOGY,
             base_dir=config.base_dir,
             log_level=config.log_level,
@@ -199,7 +227,7 @@ class ChaosRun:
         )
         self.records_dir = self.local.base_dir / "jobs"
 
-    def _agent(self, name: str, index: int) -> cluster.SimAgent:
+    def sim_agent(self, name: str, index: int) -> cluster.SimAgent:
         # 30 GiB of 80: two states fit on a device, a third makes a deferred one give way.
         return cluster.SimAgent(
             name=name,
@@ -255,8 +283,12 @@ class ChaosRun:
         while time.monotonic() < deadline:
             job = await self._spawn(job_id)
             await job.process.wait()
+            await self._ended(job)
             again = job.killed_at is not None and self.rng.random() < self.config.same_id_restart
             job_id = job.job_id if again else ""
+
+    async def _ended(self, job: _Job) -> None:
+        """``job``'s process exited (killed or done)."""
 
     async def _spawn(self, job_id: str) -> _Job:
         if not job_id:
@@ -293,7 +325,7 @@ class ChaosRun:
 
     async def _chaos(self, deadline: float) -> None:
         # Every kind once first (in a random order), then random kinds.
-        order = list(KILL_KINDS)
+        order = list(self.first_kinds)
         self.rng.shuffle(order)
         while True:
             gap = self.rng.uniform(*self.config.kill_gap_s)
@@ -302,17 +334,20 @@ class ChaosRun:
             elif time.monotonic() + gap >= deadline:
                 return
             await asyncio.sleep(gap)
-            kind = order.pop(0) if order else self.rng.choice(ALL_KILL_KINDS)
-            if kind == HOLDER_KILL:
-                await self._kill_holder()
-            else:
-                names = {
-                    ORCHESTRATOR_KILL: [cluster.ORCHESTRATOR],
-                    AGENT_KILL: [self.rng.choice(NODES)],
-                    BOTH_KILL: [cluster.ORCHESTRATOR, self.rng.choice(NODES)],
-                }[kind]
-                await self._kill_servers(names)
+            kind = order.pop(0) if order else self.rng.choice(self.kinds)
+            await self._disrupt(kind)
             self.kills[kind] += 1
+
+    async def _disrupt(self, kind: str) -> None:
+        if kind == HOLDER_KILL:
+            await self._kill_holder()
+            return
+        names = {
+            ORCHESTRATOR_KILL: [cluster.ORCHESTRATOR],
+            AGENT_KILL: [self.rng.choice(NODES)],
+            BOTH_KILL: [cluster.ORCHESTRATOR, self.rng.choice(NODES)],
+        }[kind]
+        await self._kill_servers(names)
 
     async def _kill_servers(self, names: Sequence[str]) -> None:
         for name in names:
@@ -412,7 +447,7 @@ class ChaosRun:
         ]
         return ChaosResult(
             seed=self.config.seed,
-            kills={k: self.kills[k] for k in ALL_KILL_KINDS},
+            kills={k: self.kills[k] for k in self.kinds},
             switches=_switches(windows),
             faults={kind: sum(f.kind == kind for f in faults) for kind in ("fail", "hang")},
             violations=tuple(violations),

@@ -3,7 +3,8 @@
 At start the groups are those of the first full list of every stream (the orchestrator
 serves once they are known). Afterwards every batch of changes wakes one follower task,
 which makes the manager's groups those of the model (level-triggered: it compares the
-whole topology, so a burst of events is one pass) and evicts, from every group, each
+whole topology, so a burst of events is one pass; and only after the topology changed,
+so that a job pod's event costs what it touches) and evicts, from every group, each
 job whose pods all went (Succeeded, Failed or deleted) and have not come back: it loses
 its lock (the next waiter is granted) or leaves the queue, and the group's event stream
 says so. A job never seen with a live pod is left alone (a client outside the cluster).
@@ -17,11 +18,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Coroutine
-from typing import Any
 
 from tslice.common import errors, tasks
-from tslice.orchestrator import config, manager
+from tslice.orchestrator import config, discovered, manager
 from tslice.orchestrator.kube import model, watch
 
 log = logging.getLogger(__name__)
@@ -35,6 +34,9 @@ class Discovery:
         self._settings = settings
         self._changed = asyncio.Event()
         self._gone_jobs: list[str] = []
+        #: A group appeared, changed or went since the last pass (a pod's event alone
+        #: does not make the pass compare the whole topology).
+        self._topology_changed = True
         self._watcher: watch.Watcher | None = None
         self._follower: asyncio.Task[None] | None = None
 
@@ -95,6 +97,8 @@ class Discovery:
                 log.info("Kubernetes: %s", model.describe(event))
             if isinstance(event, model.JobGone):
                 self._gone_jobs.append(event.job)
+            else:
+                self._topology_changed = True
         self._changed.set()
 
     async def _follow(self, groups: manager.GroupManager) -> None:
@@ -104,52 +108,24 @@ class Discovery:
             await self._changed.wait()
             self._changed.clear()
             try:
-                await self._apply_groups(groups, cluster.groups())
+                groups.revoke_evictions(cluster.live_jobs())
+                if self._topology_changed:
+                    self._topology_changed = False
+                    await discovered.apply_groups(
+                        groups,
+                        cluster.groups(),
+                        gone_why="no Ready, schedulable node is labelled for it",
+                    )
                 while self._gone_jobs:
                     job = self._gone_jobs[0]
                     if job not in cluster.live_jobs():  # its pods may be back meanwhile
-                        await self._evict(groups, job)
+                        reason = f"every pod of job {job} is gone (Succeeded, Failed or deleted)"
+                        await discovered.evict_gone(groups, job, reason, by="Kubernetes mode")
                     self._gone_jobs.pop(0)
             except Exception:
                 # What is left (the topology is compared whole, the jobs stay listed) is
                 # tried again shortly.
                 log.exception("applying a Kubernetes change failed; retrying in %g s", _RETRY_S)
                 await asyncio.sleep(_RETRY_S)
+                self._topology_changed = True
                 self._changed.set()
-
-    @staticmethod
-    async def _apply_groups(
-        groups: manager.GroupManager, wanted: dict[str, tuple[config.NodeRef, ...]]
-    ) -> None:
-        changes: list[Coroutine[Any, Any, None]] = [
-            groups.remove_group(gid, "no Ready, schedulable node is labelled for it")
-            for gid in groups.ids()
-            if gid not in wanted
-        ]
-        for gid, nodes in wanted.items():
-            driver = groups.get(gid)
-            if driver is None:
-                changes.append(groups.add_group(gid, nodes))
-            elif driver.nodes != nodes:
-                changes.append(groups.replace_nodes(gid, nodes))
-        # Each touches its own group: side by side, so that one group's shutdown grace does
-        # not hold up another's (nor the evictions after them).
-        outcomes = await asyncio.gather(*changes, return_exceptions=True)
-        failed = [o for o in outcomes if isinstance(o, BaseException)]
-        if failed:
-            raise failed[0]
-
-    @staticmethod
-    async def _evict(groups: manager.GroupManager, job: str) -> None:
-        reason = f"every pod of job {job} is gone (Succeeded, Failed or deleted)"
-        outcomes = await groups.evict(job, reason, by="Kubernetes mode")
-        for gid, out in outcomes:
-            role = out.role.value if out.role is not None else "?"
-            log.warning(
-                "job %s evicted from group %s (it was %s): %s",
-                job,
-                gid,
-                role,
-                reason,
-                extra={"group_id": gid, "job_id": job},
-            )

@@ -122,17 +122,30 @@ class _Terms:
     ) -> None:
         self._cfg, self._ha, self._client = cfg, ha, client
         self._role, self._term, self._leader, self._health = role, term, leader, health
-        self._elector = lease.Elector(client, ha, on_seen=role.saw_leader)
+        self._elector = lease.Elector(
+            client,
+            ha,
+            on_seen=role.saw_leader,
+            known_terms=lambda: state.highest_term(client, ha.namespace),
+        )
         self._ending = _Ending()
         term.on_deposed(self._agent_deposed)
 
     def _agent_deposed(self, newer: int) -> None:
         # The next win is above it (the Lease may have been created again, its count lower).
-        self._elector.floor = max(self._elector.floor, newer)
+        self._elector.raise_floor(newer)
+        mine = self._term.value
         self._ending.end(
             f"an agent refused a directive: it has seen leader term {newer}, newer than "
-            f"this replica's {self._term.value}"
+            f"this replica's {mine}"
+            if newer > mine
+            else f"an agent refused a directive: it has seen this replica's leader term {mine} "
+            "from another replica (two replicas elected in one term)"
         )
+
+    def _state_deposed(self, why: str, term: int) -> None:
+        self._elector.raise_floor(term)  # the next win is above the ConfigMap's writer
+        self._ending.end(why)
 
     async def run(self, stop: asyncio.Event) -> None:
         elector, term = self._elector, self._term
@@ -140,11 +153,12 @@ class _Terms:
             won = await _unless_stopped(elector.acquire(), stop)
             if won is None:
                 return
-            if won <= term.value:  # the Lease was created again: a term above ours
-                elector.floor = term.value
+            if won <= term.value:  # never: every win is above the floor, ours included
+                elector.raise_floor(term.value)
                 await elector.release()
                 continue
             term.advance(won)
+            self._role.elected()
             self._ending.reset()
             # Renewed from the take on: claiming many ConfigMaps may outlast the Lease.
             holding = tasks.spawn(elector.hold(), name="ha:lease")
@@ -173,16 +187,18 @@ class _Terms:
             namespace=ha.namespace,
             term=won,
             identity=ha.identity,
-            on_deposed=self._ending.end,
+            on_deposed=self._state_deposed,
         )
         try:
             await db.claim()
             return db
         except state.NewerTerm as err:
             log.error("leader term %d: %s; campaigning again above it", won, err)
-            self._elector.floor = max(self._elector.floor, err.term)
+            self._elector.raise_floor(err.term)
+            self._role.follow(f"deposed while claiming the state: {err}")
         except store.StoreError as err:
             log.error("leader term %d: %s; giving the Lease up", won, err)
+            self._role.follow(f"could not read the state: {err}")
             await asyncio.sleep(ha.renew_interval_s)  # not at once: the next read may work
         return None
 
@@ -212,15 +228,12 @@ class _Terms:
                 finally:
                     for waiting in waits:
                         waiting.cancel()
-                # Refuse from now on, before the groups stop: nothing new starts here.
-                role.follow()
-                await self._health.set(role.service, health_pb2.HealthCheckResponse.NOT_SERVING)
                 graceful = not ending.event.is_set()
-                log.warning(
-                    "stepping down as leader (term %d): %s; its groups stop",
-                    won,
-                    "stopping (SIGTERM)" if graceful else ending.why,
-                )
+                why = "stopping (SIGTERM)" if graceful else ending.why
+                # Refuse from now on, before the groups stop: nothing new starts here.
+                role.follow(why)
+                await self._health.set(role.service, health_pb2.HealthCheckResponse.NOT_SERVING)
+                log.warning("stepping down as leader (term %d): %s; its groups stop", won, why)
         finally:
             role.follow()
             await db.close()

@@ -67,16 +67,26 @@ class Leadership:
         #: The leader's address as last seen in the Lease (None: no leader known).
         self.leader_address: str | None = None
         self.leader_identity: str | None = None
+        #: Why this replica stopped leading, while the Lease still names it (None: it
+        #: was just elected, or never led).
+        self.stepped_down: str | None = None
 
     @property
     def leading(self) -> bool:
         return self.servicer is not None
 
+    def elected(self) -> None:
+        """This replica won the Lease: it reads the state before it leads."""
+        self.stepped_down = None
+
     def lead(self, servicer: Any) -> None:
         self.servicer = servicer
 
-    def follow(self) -> None:
+    def follow(self, why: str | None = None) -> None:
+        """Not leading (any more); ``why`` it stopped, if it led."""
         self.servicer = None
+        if why is not None:
+            self.stepped_down = why
 
     def saw_leader(self, identity: str | None, address: str | None) -> None:
         self.leader_identity, self.leader_address = identity, address
@@ -88,6 +98,12 @@ class Leadership:
         if address and self.leader_identity != self.identity:
             where = f"the leader is {self.leader_identity} at {address}"
             fix = f"call {address} (tslice clients follow the {LEADER_METADATA_KEY} trailer)"
+        elif address and self.stepped_down is not None:
+            # The Lease, as last read, still names this replica (the API server may be out
+            # of reach): no other leader is known yet.
+            where = f"it stopped leading ({self.stepped_down}) and no new leader is known yet"
+            fix = "retry in a few seconds"
+            address = ""
         elif address:
             where = "it was just elected leader and is reading the state"
             fix = "retry in a moment"

@@ -16,6 +16,15 @@ As client-go's leader election, with a term:
 - on a graceful stop the leader releases the Lease (no holder): a candidate takes it at
   its next read, without waiting for it to expire.
 
+A term is never used twice, whatever an operator does to the Lease: the count of a Lease
+deleted, or replaced by hand with a fresh one, starts again at 0, so every win is above
+the :attr:`Elector.floor`, the highest term this replica knows to be taken (every term it
+read on the Lease, its own, a newer one an agent or a ConfigMap named), and a Lease
+created anew starts above the terms in the state ConfigMaps too (``known_terms``: a
+replica that never saw the old Lease). A leader that finds its Lease deleted has lost it.
+Two replicas that still win the same number (each knew nothing of the other's) are told
+apart by the agents and the ConfigMaps, which keep the identity with the term.
+
 The holder's address (``host:port``, where its clients go) is the Lease's annotation
 :data:`ADDRESS_ANNOTATION`, which followers name in their redirects.
 """
@@ -26,7 +35,7 @@ import asyncio
 import datetime
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from lightkube import ApiError
@@ -34,6 +43,7 @@ from lightkube.models.coordination_v1 import LeaseSpec
 from lightkube.models.meta_v1 import ObjectMeta
 from lightkube.resources.coordination_v1 import Lease
 
+from tslice.common import leader_term
 from tslice.orchestrator.kube import leadership
 
 log = logging.getLogger(__name__)
@@ -43,6 +53,12 @@ _CONFLICT, _NOT_FOUND = 409, 404
 
 #: ``(holder identity, holder address)`` each time the Lease is read (None: no holder).
 OnSeen = Callable[[str | None, str | None], None]
+#: The highest leader term the state names (read before a Lease is created anew).
+KnownTerms = Callable[[], Awaitable[int]]
+
+
+async def _none_known() -> int:
+    return 0
 
 
 def _now() -> datetime.datetime:
@@ -60,16 +76,25 @@ def _holder(lease: Any) -> str | None:
 class Elector:
     """Campaigns for, holds and releases one Lease."""
 
-    def __init__(self, client: Any, settings: leadership.HaSettings, *, on_seen: OnSeen) -> None:
+    def __init__(
+        self,
+        client: Any,
+        settings: leadership.HaSettings,
+        *,
+        on_seen: OnSeen,
+        known_terms: KnownTerms = _none_known,
+    ) -> None:
         self._client = client
         self._settings = settings
         self._on_seen = on_seen
+        self._known_terms = known_terms
         #: The Lease as this replica last wrote it while leading.
         self._held: Any = None
         #: ``(resourceVersion, monotonic time it was first seen)`` of the Lease.
         self._seen: tuple[str, float] | None = None
-        #: A term known to be taken (the state says so, though the Lease may have been
-        #: deleted and created again since): the next win is above it.
+        #: The highest term known to be taken (read on the Lease, won, or named by the
+        #: state or an agent, though the Lease may have been deleted and created again
+        #: since): the next win is above it.
         self.floor = 0
         #: When the last take or renewal that succeeded was sent (monotonic).
         self._renewed_at = 0.0
@@ -121,7 +146,12 @@ class Elector:
             return None
         return await self._take(lease, why="free" if holder is None else "expired")
 
+    def raise_floor(self, term: int) -> None:
+        """``term`` is taken: the next win is above it."""
+        self.floor = max(self.floor, term)
+
     def _saw(self, holder: str | None, address: str | None, term: int) -> None:
+        self.raise_floor(term)
         if (holder, address) != self._leader:
             self._leader = (holder, address)
             if holder is not None and holder != self._settings.identity:
@@ -143,11 +173,14 @@ class Elector:
 
     async def _create(self) -> int | None:
         s = self._settings
+        # The Lease is gone (deleted, or never made): its count with it. The state's terms
+        # are read first, in case this replica never saw the Lease at all.
+        self.raise_floor(await self._known_terms())
         lease = Lease(
             metadata=ObjectMeta(
                 name=s.lease_name, namespace=s.namespace, annotations=self._annotations(None)
             ),
-            spec=self._spec(self.floor + 1, _now()),
+            spec=self._spec(self._next_term(0), _now()),
         )
         sent = time.monotonic()
         try:
@@ -161,7 +194,7 @@ class Elector:
 
     async def _take(self, lease: Any, *, why: str) -> int | None:
         lease.metadata.annotations = self._annotations(lease)
-        lease.spec = self._spec(max(_term(lease), self.floor) + 1, _now())
+        lease.spec = self._spec(self._next_term(_term(lease)), _now())
         sent = time.monotonic()
         try:
             self._held = await self._client.replace(lease)
@@ -172,8 +205,21 @@ class Elector:
         self._renewed_at = sent
         return self._won(why)
 
+    def _next_term(self, counted: int) -> int:
+        """The term of a win over a Lease that counted ``counted``: above the floor too."""
+        term = max(counted, self.floor) + 1
+        if term > leader_term.MAX_TERM:
+            raise RuntimeError(
+                f"leader term {term} would be above {leader_term.MAX_TERM}, the most a Lease "
+                f"counts (a term of {self.floor} was seen in the state or at an agent): reset "
+                "the agents' terms (tslice admin reset-term) and delete the state "
+                "ConfigMaps' timeslice.io/leader-term annotations, see docs/security.md"
+            )
+        return term
+
     def _won(self, why: str) -> int:
         term = _term(self._held)
+        self.raise_floor(term)
         self._saw(self._settings.identity, self._settings.address, term)
         log.info(
             "leader election: %s took %s (%s); leader term %d",
@@ -218,7 +264,14 @@ class Elector:
             if err.status.code not in (_CONFLICT, _NOT_FOUND):
                 raise
         s = self._settings
-        lease = await self._client.get(Lease, s.lease_name, namespace=s.namespace)
+        try:
+            lease = await self._client.get(Lease, s.lease_name, namespace=s.namespace)
+        except ApiError as err:
+            if err.status.code != _NOT_FOUND:
+                raise
+            # Deleted (by hand): whoever creates it next must not take this term again.
+            return f"{self._what} was deleted (term {_term(held)} was this replica's)"
+        self.raise_floor(_term(lease))
         if _holder(lease) == s.identity and _term(lease) == _term(held):
             self._held = lease  # our own renewal, applied though its answer was lost
             return None

@@ -11,8 +11,11 @@ leader last wrote is stale; every later write carries the version this leader la
 wrote. A write refused with 409 Conflict was someone else's in between: the ConfigMap
 is read again, and if a newer term wrote it this leader is deposed
 (:class:`tslice.orchestrator.store.Deposed`, and ``on_deposed``: it stops leading at
-once); a write of its own whose answer was lost (the same term) is adopted and retried.
-A ConfigMap whose term is newer than this leader's, found while claiming, deposes it too.
+once); a write of its own whose answer was lost (the same term, and this replica's
+identity in :data:`LEADER_ANNOTATION`) is adopted and retried. A write of the same term
+by another identity is never adopted: two replicas won one term (the Lease was deleted
+or replaced by hand), and this one steps down too. A ConfigMap whose term is newer than
+this leader's, or is this term of another identity, found while claiming, deposes it too.
 Nothing is ever overwritten on an old version. What this leader wrote is kept in memory
 too (it is the only writer while it leads), so :meth:`ConfigMapStore.load` costs nothing.
 """
@@ -65,6 +68,23 @@ def _term_of(cm: Any) -> int:
         return 0
 
 
+def _leader_of(cm: Any) -> str:
+    return str((cm.metadata.annotations or {}).get(LEADER_ANNOTATION, ""))
+
+
+async def highest_term(client: Any, namespace: str) -> int:
+    """The highest leader term any state ConfigMap in ``namespace`` was written in."""
+    return max(
+        [
+            _term_of(cm)
+            async for cm in client.list(
+                ConfigMap, namespace=namespace, labels={STATE_LABEL: "group"}
+            )
+        ],
+        default=0,
+    )
+
+
 class ConfigMapStore:
     """A :class:`tslice.orchestrator.store.LockStore` in ConfigMaps; :meth:`claim` it first."""
 
@@ -75,7 +95,7 @@ class ConfigMapStore:
         namespace: str,
         term: int,
         identity: str,
-        on_deposed: Callable[[str], None],
+        on_deposed: Callable[[str, int], None],
     ) -> None:
         self._client = client
         self._namespace = namespace
@@ -86,6 +106,8 @@ class ConfigMapStore:
         self._versions: dict[str, str] = {}
         self._persisted: store.Persisted = {}
         self._deletions: list[asyncio.Task[None]] = []
+        #: ConfigMap name -> why its record could not be read (at claim).
+        self._unreadable: dict[str, str] = {}
 
     async def claim(self) -> None:
         """Claim every group's ConfigMap for this term and read them; raises
@@ -111,8 +133,7 @@ class ConfigMapStore:
     async def _claim(self, cm: Any) -> None:
         while True:
             name = cm.metadata.name
-            if _term_of(cm) > self._term:
-                raise self._deposed(name, _term_of(cm))
+            self._check_writer(cm)
             cm.metadata.annotations = self._stamp(cm.metadata.annotations)
             try:
                 cm = await self._client.replace(cm)
@@ -130,7 +151,14 @@ class ConfigMapStore:
             nodes = [(str(n), str(a)) for n, a in json.loads(data["nodes"])]
             record = codec.decode(data["record"])
         except (KeyError, ValueError, TypeError) as err:
-            log.error("state ConfigMap %s is unreadable (%s); ignoring it", cm.metadata.name, err)
+            log.error(
+                "state ConfigMap %s/%s is unreadable (%s): its group's holder will be looked "
+                "for on the agents, and the ConfigMap is written anew at the group's next change",
+                self._namespace,
+                cm.metadata.name,
+                err,
+            )
+            self._unreadable[cm.metadata.name] = str(err)
             return
         self._versions[gid] = str(cm.metadata.resourceVersion)
         self._persisted[gid] = (nodes, record)
@@ -142,16 +170,52 @@ class ConfigMapStore:
             LEADER_ANNOTATION: self._identity,
         }
 
-    def _deposed(self, name: str, term: int) -> NewerTerm:
-        why = (
-            f"leader term {term} wrote state ConfigMap {self._namespace}/{name} after this "
-            f"replica's term {self._term}: this replica is no longer the leader"
-        )
-        self._on_deposed(why)
+    def _check_writer(self, cm: Any) -> None:
+        """Raise :class:`NewerTerm` if ``cm`` was written in a newer term, or in this
+        term by another replica (never adopted: one term, one leader)."""
+        name, term, leader = cm.metadata.name, _term_of(cm), _leader_of(cm)
+        if term > self._term:
+            raise self._deposed(
+                term,
+                f"leader term {term} wrote state ConfigMap {self._namespace}/{name} after "
+                f"this replica's term {self._term}: this replica is no longer the leader",
+            )
+        if term == self._term and leader != self._identity:
+            raise self._deposed(
+                term,
+                f"{leader or 'another replica'} wrote state ConfigMap {self._namespace}/{name} "
+                f"in leader term {term}, this replica's term: two replicas were elected in "
+                "one term (the Lease was deleted or replaced by hand?); this one steps down "
+                "and campaigns above it",
+            )
+
+    def _deposed(self, term: int, why: str) -> NewerTerm:
+        self._on_deposed(why, term)
         return NewerTerm(why, term)
 
     async def load(self) -> store.Persisted:
         return dict(self._persisted)
+
+    def unrecorded(self, group_id: str) -> records.LockRecord:
+        """A group without a readable record: new, or its ConfigMap was deleted or left
+        unreadable (no way to tell): "nobody holds" could be wrong, so its holder is
+        looked for on the agents (``tslice.orchestrator.found_holder``)."""
+        name = configmap_name(group_id)
+        why = self._unreadable.get(name)
+        what = (
+            f"an unreadable state ConfigMap {self._namespace}/{name} ({why})"
+            if why is not None
+            else f"no state ConfigMap {self._namespace}/{name} (new, or deleted)"
+        )
+        log.log(
+            logging.INFO if why is None else logging.WARNING,
+            "group %s has %s: its holder is taken from the agents (a job resident on every "
+            "node keeps the group until it yields)",
+            group_id,
+            what,
+            extra={"group_id": group_id},
+        )
+        return records.LockRecord.lost()
 
     async def save(
         self,
@@ -195,15 +259,15 @@ class ConfigMapStore:
         self._persisted[group_id] = (list(nodes), record)
 
     async def _conflict(self, group_id: str, name: str) -> None:
-        """A 409: deposed if a newer term wrote the ConfigMap, else adopt its version (a
-        write of this term whose answer was lost, or an older leader's create of a group
-        this one had not claimed) so that the retry goes through."""
+        """A 409: deposed if a newer term wrote the ConfigMap, or this term by another
+        replica; else adopt its version (a write of this replica's whose answer was lost,
+        or an older leader's create of a group this one had not claimed) so that the
+        retry goes through."""
         try:
             current = await self._client.get(ConfigMap, name, namespace=self._namespace)
         except ApiError:
             return  # the retry finds out
-        if _term_of(current) > self._term:
-            raise self._deposed(name, _term_of(current))
+        self._check_writer(current)
         self._versions[group_id] = str(current.metadata.resourceVersion)
 
     def forget(self, group_id: str) -> None:

@@ -461,3 +461,17 @@ class ResetJobResponse(_message.Message):
     STATE_FIELD_NUMBER: _ClassVar[int]
     state: JobState
     def __init__(self, state: _Optional[_Union[JobState, str]] = ...) -> None: ...
+
+class ResetLeaderTermRequest(_message.Message):
+    __slots__ = ("term",)
+    TERM_FIELD_NUMBER: _ClassVar[int]
+    term: int
+    def __init__(self, term: _Optional[int] = ...) -> None: ...
+
+class ResetLeaderTermResponse(_message.Message):
+    __slots__ = ("previous_term", "previous_leader")
+    PREVIOUS_TERM_FIELD_NUMBER: _ClassVar[int]
+    PREVIOUS_LEADER_FIELD_NUMBER: _ClassVar[int]
+    previous_term: int
+    previous_leader: str
+    def __init__(self, previous_term: _Optional[int] = ..., previous_leader: _Optional[str] = ...) -> None: ...

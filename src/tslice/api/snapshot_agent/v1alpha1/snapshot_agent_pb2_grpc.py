@@ -60,6 +60,11 @@ class SnapshotAgentServiceStub(object):
                 request_serializer=snapshot__agent_dot_v1alpha1_dot_snapshot__agent__pb2.ResetJobRequest.SerializeToString,
                 response_deserializer=snapshot__agent_dot_v1alpha1_dot_snapshot__agent__pb2.ResetJobResponse.FromString,
                 )
+        self.ResetLeaderTerm = channel.unary_unary(
+                '/snapshot_agent.v1alpha1.SnapshotAgentService/ResetLeaderTerm',
+                request_serializer=snapshot__agent_dot_v1alpha1_dot_snapshot__agent__pb2.ResetLeaderTermRequest.SerializeToString,
+                response_deserializer=snapshot__agent_dot_v1alpha1_dot_snapshot__agent__pb2.ResetLeaderTermResponse.FromString,
+                )
 
 
 class SnapshotAgentServiceServicer(object):
@@ -132,6 +137,15 @@ class SnapshotAgentServiceServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ResetLeaderTerm(self, request, context):
+        """tslice: an administrator sets the node's leader-term fence (with
+        authentication on: the admin role): back to 0 to hand the node to an
+        orchestrator without a term, or down from a term no election can reach.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SnapshotAgentServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -179,6 +193,11 @@ def add_SnapshotAgentServiceServicer_to_server(servicer, server):
                     servicer.ResetJob,
                     request_deserializer=snapshot__agent_dot_v1alpha1_dot_snapshot__agent__pb2.ResetJobRequest.FromString,
                     response_serializer=snapshot__agent_dot_v1alpha1_dot_snapshot__agent__pb2.ResetJobResponse.SerializeToString,
+            ),
+            'ResetLeaderTerm': grpc.unary_unary_rpc_method_handler(
+                    servicer.ResetLeaderTerm,
+                    request_deserializer=snapshot__agent_dot_v1alpha1_dot_snapshot__agent__pb2.ResetLeaderTermRequest.FromString,
+                    response_serializer=snapshot__agent_dot_v1alpha1_dot_snapshot__agent__pb2.ResetLeaderTermResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -340,5 +359,22 @@ class SnapshotAgentService(object):
         return grpc.experimental.unary_unary(request, target, '/snapshot_agent.v1alpha1.SnapshotAgentService/ResetJob',
             snapshot__agent_dot_v1alpha1_dot_snapshot__agent__pb2.ResetJobRequest.SerializeToString,
             snapshot__agent_dot_v1alpha1_dot_snapshot__agent__pb2.ResetJobResponse.FromString,
+            options, channel_credentials,
+            insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
+
+    @staticmethod
+    def ResetLeaderTerm(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(request, target, '/snapshot_agent.v1alpha1.SnapshotAgentService/ResetLeaderTerm',
+            snapshot__agent_dot_v1alpha1_dot_snapshot__agent__pb2.ResetLeaderTermRequest.SerializeToString,
+            snapshot__agent_dot_v1alpha1_dot_snapshot__agent__pb2.ResetLeaderTermResponse.FromString,
             options, channel_credentials,
             insecure, call_credentials, compression, wait_for_ready, timeout, metadata)

@@ -62,6 +62,11 @@ class SnapshotAgentServiceStub:
     """tslice: clears a FAULTED job (back to IDLE, or SAVED if the backend still
     holds its state) without restarting the agent.
     """
+    ResetLeaderTerm: _grpc.UnaryUnaryMultiCallable[_snapshot_agent_pb2.ResetLeaderTermRequest, _snapshot_agent_pb2.ResetLeaderTermResponse]
+    """tslice: an administrator sets the node's leader-term fence (with
+    authentication on: the admin role): back to 0 to hand the node to an
+    orchestrator without a term, or down from a term no election can reach.
+    """
 
 @_typing.type_check_only
 class SnapshotAgentServiceAsyncStub(SnapshotAgentServiceStub):
@@ -91,6 +96,11 @@ class SnapshotAgentServiceAsyncStub(SnapshotAgentServiceStub):
     ResetJob: _aio.UnaryUnaryMultiCallable[_snapshot_agent_pb2.ResetJobRequest, _snapshot_agent_pb2.ResetJobResponse]  # type: ignore[assignment]
     """tslice: clears a FAULTED job (back to IDLE, or SAVED if the backend still
     holds its state) without restarting the agent.
+    """
+    ResetLeaderTerm: _aio.UnaryUnaryMultiCallable[_snapshot_agent_pb2.ResetLeaderTermRequest, _snapshot_agent_pb2.ResetLeaderTermResponse]  # type: ignore[assignment]
+    """tslice: an administrator sets the node's leader-term fence (with
+    authentication on: the admin role): back to 0 to hand the node to an
+    orchestrator without a term, or down from a term no election can reach.
     """
 
 class SnapshotAgentServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -172,6 +182,17 @@ class SnapshotAgentServiceServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_snapshot_agent_pb2.ResetJobResponse, _abc.Awaitable[_snapshot_agent_pb2.ResetJobResponse]]:
         """tslice: clears a FAULTED job (back to IDLE, or SAVED if the backend still
         holds its state) without restarting the agent.
+        """
+
+    @_abc_1.abstractmethod
+    def ResetLeaderTerm(
+        self,
+        request: _snapshot_agent_pb2.ResetLeaderTermRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_snapshot_agent_pb2.ResetLeaderTermResponse, _abc.Awaitable[_snapshot_agent_pb2.ResetLeaderTermResponse]]:
+        """tslice: an administrator sets the node's leader-term fence (with
+        authentication on: the admin role): back to 0 to hand the node to an
+        orchestrator without a term, or down from a term no election can reach.
         """
 
 def add_SnapshotAgentServiceServicer_to_server(servicer: SnapshotAgentServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
