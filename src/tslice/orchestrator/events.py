@@ -96,6 +96,10 @@ class EventBus:
         self.started = time.time()
         #: Called with the number of events a subscriber dropped (metrics hook).
         self.on_drop: Callable[[int], None] | None = None
+        #: Set: every event published is also appended to this list (the history and the
+        #: metrics derived from events, :mod:`tslice.orchestrator.tap`, drain it in
+        #: batches): one list append on the hand-over path, nothing more.
+        self.tap: list[opb.OrchestratorEvent] | None = None
 
     def _watching(self, group_id: str) -> list[Subscription]:
         """The subscribers that may want an event of ``group_id``."""
@@ -105,6 +109,9 @@ class EventBus:
         return watching
 
     def publish(self, event: opb.OrchestratorEvent) -> None:
+        tap = self.tap
+        if tap is not None:
+            tap.append(event)
         for sub in self._watching(event.group_id):
             before = sub.dropped
             sub.offer(event)
@@ -113,7 +120,7 @@ class EventBus:
 
     def wants(self, group_id: str, kind: int) -> bool:
         """Whether any subscriber would get such an event (if not, it need not be built)."""
-        return any(sub.accepts(group_id, kind) for sub in self._watching(group_id))
+        return self.tap is not None or any(sub.accepts(group_id, kind) for sub in self._watching(group_id))
 
     def subscribe(self, *, group_id: str = "", kinds: frozenset[int] = frozenset()) -> Subscription:
         sub = Subscription(group_id=group_id, maxlen=self._maxlen, kinds=kinds)
