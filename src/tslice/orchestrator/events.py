@@ -120,7 +120,9 @@ class EventBus:
 
     def wants(self, group_id: str, kind: int) -> bool:
         """Whether any subscriber would get such an event (if not, it need not be built)."""
-        return self.tap is not None or any(sub.accepts(group_id, kind) for sub in self._watching(group_id))
+        if self.tap is not None:
+            return True
+        return any(sub.accepts(group_id, kind) for sub in self._watching(group_id))
 
     def subscribe(self, *, group_id: str = "", kinds: frozenset[int] = frozenset()) -> Subscription:
         sub = Subscription(group_id=group_id, maxlen=self._maxlen, kinds=kinds)

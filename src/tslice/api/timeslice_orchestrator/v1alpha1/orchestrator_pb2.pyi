@@ -289,12 +289,20 @@ class SnapshotAgentJobState(_message.Message):
     def __init__(self, agent: _Optional[str] = ..., job_state: _Optional[_Union[SnapshotAgentJobState.State, str]] = ..., job_id: _Optional[str] = ...) -> None: ...
 
 class WatchEventsRequest(_message.Message):
-    __slots__ = ("group_id", "kinds")
+    __slots__ = ("group_id", "kinds", "since", "until", "job_id", "history_only")
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     KINDS_FIELD_NUMBER: _ClassVar[int]
+    SINCE_FIELD_NUMBER: _ClassVar[int]
+    UNTIL_FIELD_NUMBER: _ClassVar[int]
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    HISTORY_ONLY_FIELD_NUMBER: _ClassVar[int]
     group_id: str
     kinds: _containers.RepeatedScalarFieldContainer[OrchestratorEvent.Kind]
-    def __init__(self, group_id: _Optional[str] = ..., kinds: _Optional[_Iterable[_Union[OrchestratorEvent.Kind, str]]] = ...) -> None: ...
+    since: _timestamp_pb2.Timestamp
+    until: _timestamp_pb2.Timestamp
+    job_id: str
+    history_only: bool
+    def __init__(self, group_id: _Optional[str] = ..., kinds: _Optional[_Iterable[_Union[OrchestratorEvent.Kind, str]]] = ..., since: _Optional[_Union[_timestamp_pb2.Timestamp, _Mapping]] = ..., until: _Optional[_Union[_timestamp_pb2.Timestamp, _Mapping]] = ..., job_id: _Optional[str] = ..., history_only: bool = ...) -> None: ...
 
 class OrchestratorEvent(_message.Message):
     __slots__ = ("time", "kind", "group_id", "job_id", "node", "duration_ms", "from_job", "detail", "grant_epoch", "bytes")
