@@ -62,7 +62,8 @@ class OrchestratorMetrics:
         )
         self.switches = self._counter(
             "tslice_orchestrator_switches",
-            "Switches by outcome (completed, abandoned)",
+            "Switches by outcome: completed, or failed as refused, degraded (a node kept "
+            "refusing), stale_epoch or abandoned",
             ["group_id", "outcome"],
         )
         self.switch_duration = self._histogram(

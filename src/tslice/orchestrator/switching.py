@@ -195,7 +195,7 @@ class SwitchRunner:
             raise
         except switch.JobRefused as refused:
             code, why = refused.code, refused.detail
-            self._failed(s, f"refused: {why}")
+            self._failed(s, f"refused: {why}", "refused")
             self._ended(
                 lambda now: group.lock.on_switch_refused(
                     epoch=s.epoch, code=code, detail=why, now=now
@@ -209,7 +209,7 @@ class SwitchRunner:
                 "orchestrator's state was lost or truncated); granting again past it"
             )
             log.warning("group %s: %s", self._gid, why, extra={"group_id": self._gid})
-            self._failed(s, why)
+            self._failed(s, why, "stale_epoch")
             self._ended(lambda now: group.lock.on_stale_epoch(epoch=s.epoch, mark=mark, now=now))
             return
         except switch.Deposed as deposed:
@@ -224,14 +224,14 @@ class SwitchRunner:
             )
             return
         except switch.NodeDegraded as degraded:
-            self._failed(s, str(degraded))
+            self._failed(s, str(degraded), "degraded")
             self._ended(self._degrade(s, degraded.node, degraded.reason))
             return
         except Exception as err:
             if not isinstance(err, switch.GiveUp):
                 log.exception("group %s: switch to %s crashed", self._gid, s.to_job)
             detail = str(err)
-            self._failed(s, f"abandoned (nobody waits any more): {detail}")
+            self._failed(s, f"abandoned (nobody waits any more): {detail}", "abandoned")
             self._ended(
                 lambda now: group.lock.on_switch_failed(epoch=s.epoch, detail=detail, now=now)
             )
@@ -271,9 +271,10 @@ class SwitchRunner:
 
         group.post(done)
 
-    def _failed(self, s: decisions.StartSwitch, detail: str) -> None:
-        """The switch ended without a grant: say so (events, metrics) at once."""
-        self._metrics.switches.labels(group_id=self._gid, outcome="abandoned").inc()
+    def _failed(self, s: decisions.StartSwitch, detail: str, outcome: str) -> None:
+        """The switch ended without a grant (``outcome``: refused, stale_epoch, degraded,
+        abandoned): say so (events, metrics) at once."""
+        self._metrics.switches.labels(group_id=self._gid, outcome=outcome).inc()
         self._group.events.emit(
             Kind.KIND_SWITCH_FAILED,
             job_id=s.to_job,
