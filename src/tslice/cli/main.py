@@ -18,7 +18,17 @@ import typer
 import typer.exceptions
 
 import tslice
-from tslice.cli import admin_cmd, certs_cmd, client_cmds, demo_cmd, plan_cmd, render, up_cmd
+from tslice.cli import (
+    admin_cmd,
+    certs_cmd,
+    client_cmds,
+    demo_cmd,
+    events_cmd,
+    plan_cmd,
+    render,
+    timeline_cmd,
+    up_cmd,
+)
 from tslice.common import errors
 
 #: Server command modules written by the layer owners; each offers ``register(app)``.
@@ -77,6 +87,8 @@ def _register_all() -> None:
         module.register(app)
     up_cmd.register(app)
     client_cmds.register(app)
+    events_cmd.register(app)
+    timeline_cmd.register(app)
     demo_cmd.register(app)
     plan_cmd.register(app)
     certs_cmd.register(app)

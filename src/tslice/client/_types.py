@@ -139,6 +139,31 @@ class OrchestratorEvent:
     bytes: int = 0
 
 
+@dataclasses.dataclass(frozen=True)
+class StoredEvents:
+    """Which of the orchestrator's stored events a ``watch_events`` replays first: those
+    from ``since`` (to ``until``), of ``job`` if given; then it follows live unless
+    ``until`` is given or ``follow`` is false."""
+
+    since: datetime.datetime
+    until: datetime.datetime | None = None
+    job: str | None = None
+    follow: bool = True
+
+    def fill(self, request: opb.WatchEventsRequest) -> None:
+        request.since.FromDatetime(_utc(self.since))
+        if self.until is not None:
+            request.until.FromDatetime(_utc(self.until))
+        if self.job:
+            request.job_id = self.job
+        request.history_only = not self.follow
+
+
+def _utc(when: datetime.datetime) -> datetime.datetime:
+    """An aware time in UTC (a naive one is taken as local time)."""
+    return when.astimezone(datetime.timezone.utc)
+
+
 def group_state(value: int) -> GroupState:
     """Wire enum → :class:`GroupState`; a number this client does not know is UNSPECIFIED."""
     return _wire.enum_member(GroupState, opb.GroupStatus.State, value, prefix="STATE_")

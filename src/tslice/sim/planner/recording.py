@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import datetime
 import json
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -32,6 +31,7 @@ from typing import Any
 
 import tslice.client as tsclient
 from tslice.common import errors
+from tslice.timeline import export
 
 TRACE = "trace"
 EVENT_LOG = "event log"
@@ -63,20 +63,12 @@ class Recording:
     switch_done_s: Mapping[str, Sequence[float]]
 
 
-def event_record(event: tsclient.OrchestratorEvent) -> dict[str, Any]:
-    """One event as a line of an event log (what ``tslice events --json`` prints)."""
-    out = dataclasses.asdict(event)
-    out["kind"] = event.kind.value
-    out["time"] = event.time.isoformat() if event.time is not None else None
-    return out
-
-
 def write_events(path: Path, events: Iterable[tsclient.OrchestratorEvent]) -> Path:
     """An event log file: one JSON object per line."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w", encoding="utf-8") as out:
         for event in events:
-            out.write(json.dumps(event_record(event)) + "\n")
+            out.write(json.dumps(export.record(event)) + "\n")
     return path
 
 
@@ -129,16 +121,13 @@ def _is_event(record: Any) -> bool:
 
 
 def _time(path: Path, record: Mapping[str, Any]) -> float:
-    value = record.get("time")
-    try:
-        if isinstance(value, int | float) and not isinstance(value, bool):
-            return float(value)
-        return datetime.datetime.fromisoformat(str(value)).timestamp()
-    except ValueError:
+    when = export.seconds(record.get("time"))
+    if when is None:
         raise PlanInputError(
             f"{path}: event {dict(record)} has no readable 'time' (ISO 8601, as `tslice "
             "events --json` writes it)"
-        ) from None
+        )
+    return when
 
 
 def _from_events(path: Path, records: Sequence[Mapping[str, Any]]) -> Recording:
