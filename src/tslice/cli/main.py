@@ -28,6 +28,7 @@ from tslice.cli import (
     render,
     timeline_cmd,
     up_cmd,
+    watch_cmd,
 )
 from tslice.common import errors
 
@@ -89,6 +90,7 @@ def _register_all() -> None:
     client_cmds.register(app)
     events_cmd.register(app)
     timeline_cmd.register(app)
+    watch_cmd.register(app)
     demo_cmd.register(app)
     plan_cmd.register(app)
     certs_cmd.register(app)

@@ -121,6 +121,10 @@ class GroupStatus:
     degraded: tuple[DegradedNode, ...] = ()
     #: An administrator drained the group (`tslice admin drain`): it grants no new turn.
     draining: bool = False
+    #: The group's scheduling policy, as an operator reads it ("" from an older server).
+    policy: str = ""
+    #: When each of ``waiting_jobs`` started waiting (empty from an older server).
+    waiting_since: tuple[datetime.datetime, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -189,6 +193,9 @@ def group_status(response: opb.GetGroupStatusResponse) -> GroupStatus:
         group,
         group_state=group_state(group.group_state),
         state_timestamp=_wire.time(group, "state_timestamp"),
+        waiting_since=tuple(
+            t.ToDatetime(tzinfo=datetime.timezone.utc) for t in group.waiting_since
+        ),
         degraded=tuple(_wire.value(DegradedNode, node) for node in group.degraded),
         agent_job_states=tuple(
             _wire.value(AgentJobStatus, state, job_state=agent_job_state(state.job_state))
