@@ -46,7 +46,7 @@ from tslice.agent import (
 )
 from tslice.agent.backends import base
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
-from tslice.common import tasks
+from tslice.common import logs, tasks
 
 log = logging.getLogger(__name__)
 
@@ -542,9 +542,16 @@ class AgentCore:
         self._running.add(task)
         task.add_done_callback(self._running.discard)
 
+    @property
+    def guarded_backends(self) -> guarded.GuardedBackends:
+        """The node's backends, as every operation calls them (tracing wraps them)."""
+        return self._guarded
+
     async def _execute(
         self, job: job_model.Job, op: job_model.Operation, config: pb.BackendConfig | None
     ) -> None:
+        # Every log line of this operation's task names it (a C call: no work to speak of).
+        logs.IDS.set({"job_id": job.job_id, "group_id": job.group, "operation_id": op.op_id})
         started = time.monotonic()
         outcome = await self._guarded.run(op, job, config)
         # The lock keeps a concurrent record change (a channel registration) from being lost.

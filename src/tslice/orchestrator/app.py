@@ -37,7 +37,7 @@ from grpc_reflection.v1alpha import reflection
 
 from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2 as opb
 from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2_grpc as opb_grpc
-from tslice.common import auth, errors, ids, leader_term, logs, serving, undecodable
+from tslice.common import auth, errors, ids, leader_term, logs, serving, tracing, undecodable
 from tslice.common import metrics_http as common_metrics_http
 from tslice.orchestrator import (
     agents,
@@ -385,7 +385,14 @@ def run(
     ha: HaSettings | None = None,
 ) -> None:
     """Blocking entry point: SIGTERM/SIGINT stop gracefully (a leader hands over)."""
-    logs.setup(cfg.log_level)
-    serving.run_until_signalled(
-        lambda ready, stop: serve(cfg, ready=ready, stop=stop, ha=ha), ready_file=ready_file
-    )
+    logs.setup(cfg.log_level, static={"component": "orchestrator"})
+    try:
+        tracing.from_env("tslice-orchestrator")
+    except tracing.TracingUnavailable as err:
+        raise errors.ConfigError(str(err)) from err
+    try:
+        serving.run_until_signalled(
+            lambda ready, stop: serve(cfg, ready=ready, stop=stop, ha=ha), ready_file=ready_file
+        )
+    finally:
+        tracing.shutdown()

@@ -21,7 +21,7 @@ import grpc
 
 from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2 as opb
 from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2_grpc as opb_grpc
-from tslice.common import auth, refusals, unique_requests, validation
+from tslice.common import auth, logs, refusals, unique_requests, validation
 from tslice.orchestrator import decisions, events, group, history, manager, set_acquire, tap
 
 _T = TypeVar("_T")
@@ -219,6 +219,7 @@ class OrchestratorServicer(opb_grpc.TimeSliceOrchestratorServiceServicer):
         started = time.monotonic()
         job = refusals.checked_id("job_id", request.job_id)
         gid = refusals.checked_id("group_id", request.group_id)
+        logs.IDS.set({"job_id": job, "group_id": gid})  # every log line of this call
         time_left = _checked_terms(job, request, time_left)
         driver = self._found(gid, await self._groups.get_or_create(gid))
         grant = await driver.acquire(
@@ -268,6 +269,7 @@ class OrchestratorServicer(opb_grpc.TimeSliceOrchestratorServiceServicer):
         """One Yield (unary or over a Session); raises ``refusals.Refused``."""
         job = refusals.checked_id("job_id", request.job_id)
         gid = refusals.checked_id("group_id", request.group_id)
+        logs.IDS.set({"job_id": job, "group_id": gid})  # every log line of this call
         auth.require_job(job)
         out = await self._driver(gid).yield_(job)
         if not out.ok and out.holder is None:
