@@ -181,7 +181,8 @@ class GroupEvents:
         self._timer: asyncio.TimerHandle | None = None
 
     def wants(self, kind: opb.OrchestratorEvent.Kind) -> bool:
-        return self._bus.wants(self.group_id, kind)
+        bus = self._bus
+        return bus.tap is not None or bus.wants(self.group_id, kind)
 
     def publish(self, event: opb.OrchestratorEvent) -> None:
         if self._held is not None:
@@ -190,8 +191,10 @@ class GroupEvents:
             self._bus.publish(event)
 
     def emit(self, kind: opb.OrchestratorEvent.Kind, **fields: Any) -> None:
-        """Publish an event of this group, if anybody watches such events."""
-        if self.wants(kind):  # nobody watching: not even built
+        """Publish an event of this group, if anybody watches such events (or the tap)."""
+        bus = self._bus
+        # The tap first: with it every event is wanted, and asking costs two calls.
+        if bus.tap is not None or bus.wants(self.group_id, kind):  # else: not even built
             self.publish(make_event(kind, group_id=self.group_id, **fields))
 
     def granted(self, g: decisions.Granted) -> None:
