@@ -18,13 +18,14 @@ from collections.abc import Iterator
 import pytest
 
 import tslice.client as tsclient
+from tests.timeline import chromium
 from tslice.cli import main
 from tslice.sim import cluster, trace
 from tslice.timeline import export
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 #: Work and CPU phases of the jobs below, seconds (drawn x100: seconds of a trace).
-HOLD_S, CPU_S = 0.05, 0.03
+HOLD_S, CPU_S = 0.15, 0.08
 SCALE = "100"
 
 
@@ -41,7 +42,13 @@ def local(tmp_path_factory: pytest.TempPathFactory) -> Iterator[cluster.LocalClu
     config = tmp_path_factory.mktemp("orchestrator") / "orchestrator.yaml"
     config.write_text("history: {flush_interval_s: 0.2}\n")
     with cluster.LocalCluster(
-        agents=[cluster.SimAgent(name="node-1"), cluster.SimAgent(name="node-2")],
+        # Switches of a few tens of ms (256 MiB at 10 GB/s), as on fast hardware.
+        agents=[
+            cluster.SimAgent(
+                name=n, bandwidth_bytes_per_s=10 * 10**9, footprint_bytes=2**28, latency_s=0.005
+            )
+            for n in ("node-1", "node-2")
+        ],
         groups={"sampler": ["node-1"], "trainer": ["node-2"]},
         orchestrator_args=["--config", str(config)],
     ) as running:
@@ -206,6 +213,10 @@ def test_history_survives_a_sigkill_and_exports_a_plannable_trace(
     html_text = page.read_text()
     assert "sampler" in html_text and "trainer" in html_text and 'class="switch"' in html_text
     assert page.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    dom = chromium.dom(page)
+    assert 'data-ready="yes"' in dom and 'data-errors=""' in dom
+    shot = chromium.screenshot(page, tmp_path / "shot.png", width=1300, height=620)
+    chromium.keep(shot, "timeline-real-run.png")
     code, _, err = cli(
         capsys,
         "timeline",
