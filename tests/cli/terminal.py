@@ -8,22 +8,12 @@ import os
 import pathlib
 import re
 import shlex
-import shutil
 import subprocess
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 
-import pytest
-
-
-def tmux_binary() -> str:
-    found = shutil.which("tmux")
-    if found is None:
-        if os.environ.get("CI"):
-            pytest.fail("tmux is missing: .ci/run installs Debian's tmux package")
-        pytest.skip("tmux not installed (apt-get install tmux)")
-    return found
+from tests import debian_tools
 
 
 class Tmux:
@@ -32,7 +22,7 @@ class Tmux:
     def __init__(
         self, command: Sequence[str], *, env: Mapping[str, str], width: int, height: int
     ) -> None:
-        self._tmux = tmux_binary()
+        self._tmux = debian_tools.binary("tmux", "tmux")
         self._socket = f"tslice-test-{os.getpid()}-{time.monotonic_ns()}"
         exports = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items())
         # The shell survives a Ctrl-C meant for the command (a trap, not an ignored

@@ -18,8 +18,8 @@ from collections.abc import Iterator
 import pytest
 
 import tslice.client as tsclient
+from tests.cli.test_client_cmds import cli
 from tests.timeline import chromium
-from tslice.cli import main
 from tslice.sim import cluster, trace
 from tslice.timeline import export
 
@@ -27,14 +27,6 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 #: Work and CPU phases of the jobs below, seconds (drawn x100: seconds of a trace).
 HOLD_S, CPU_S = 0.15, 0.08
 SCALE = "100"
-
-
-def cli(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
-    with pytest.raises(SystemExit) as exit_info:
-        main.main(list(args))
-    out, err = capsys.readouterr()
-    code = exit_info.value.code
-    return (code if isinstance(code, int) else 0), out, err
 
 
 @pytest.fixture(scope="module")

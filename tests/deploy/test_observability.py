@@ -13,20 +13,18 @@
 from __future__ import annotations
 
 import json
-import os
 import pathlib
 import re
-import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
 from typing import Any
 
 import httpx
-import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests import debian_tools
 from tests.orchestrator.orch_harness import Cluster, acquire, free_port, yield_
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -46,17 +44,8 @@ _WORDS = """sum min max avg count stddev stdvar topk bottomk quantile count_valu
 PROMQL_WORDS = frozenset(_WORDS.split())
 
 
-def _promtool() -> str:
-    found = shutil.which("promtool")
-    if found is None:
-        if os.environ.get("CI"):
-            pytest.fail("promtool is missing: .ci/run installs Debian's prometheus package")
-        pytest.skip("promtool not installed (apt-get install prometheus)")
-    return found
-
-
 def test_alert_rules_pass_promtool_and_their_unit_tests() -> None:
-    promtool = _promtool()
+    promtool = debian_tools.binary("promtool", "prometheus")
     checked = subprocess.run(
         [promtool, "check", "rules", str(RULES)],
         check=False,

@@ -13,7 +13,7 @@ import shutil
 import subprocess
 import tempfile
 
-import pytest
+from tests import debian_tools
 
 FLAGS = (
     "--headless",
@@ -28,19 +28,16 @@ FLAGS = (
 )
 
 
-def binary() -> str:
-    found = shutil.which("chromium")
-    if found is None:
-        if os.environ.get("CI"):
-            pytest.fail("chromium is missing: .ci/run installs Debian's chromium package")
-        pytest.skip("chromium not installed (apt-get install chromium)")
-    return found
-
-
 def _run(page: pathlib.Path, *args: str) -> subprocess.CompletedProcess[str]:
     with tempfile.TemporaryDirectory(prefix="tslice-chromium-") as profile:
         return subprocess.run(
-            [binary(), *FLAGS, f"--user-data-dir={profile}", *args, page.resolve().as_uri()],
+            [
+                debian_tools.binary("chromium", "chromium"),
+                *FLAGS,
+                f"--user-data-dir={profile}",
+                *args,
+                page.resolve().as_uri(),
+            ],
             capture_output=True,
             text=True,
             timeout=120,

@@ -15,7 +15,7 @@ import json
 import re
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -221,6 +221,36 @@ def _of_job(
             yield event
 
 
+def history_document(
+    address: str,
+    *,
+    group: str | None,
+    stored: tsclient.StoredEvents,
+    time_scale: float,
+    connect_timeout: float | None,
+) -> tuple[dict[str, Any], int]:
+    """The stored events of the range in the recorded-run format, from the first event
+    (``--since`` may be long before it) to ``until`` or the last; and how many there were.
+    TsliceError when there is none."""
+    from tslice.timeline import export
+
+    found = stored_events(address, group=group, stored=stored, connect_timeout=connect_timeout)
+    if not found:
+        raise errors.TsliceError(
+            f"no stored event from {stored.since.isoformat(timespec='seconds')} on"
+            + (f" of group {group!r}" if group else "")
+            + (f" naming job {stored.job!r}" if stored.job else "")
+            + " (`tslice events --since 7d` lists what is kept)"
+        )
+    doc = export.document(
+        [export.record(e) for e in found],
+        time_scale=time_scale,
+        label=f"tslice run from {stored.since.astimezone().isoformat(timespec='seconds')}",
+        end=stored.until.timestamp() if stored.until is not None else None,
+    )
+    return doc, len(found)
+
+
 def _export(
     address: str,
     *,
@@ -230,28 +260,14 @@ def _export(
     time_scale: float,
     connect_timeout: float | None,
 ) -> None:
-    from tslice.timeline import export
-
-    found = stored_events(address, group=group, stored=stored, connect_timeout=connect_timeout)
-    if not found:
-        raise errors.TsliceError(
-            f"no stored event from {stored.since.isoformat(timespec='seconds')} on"
-            + (f" of group {group!r}" if group else "")
-            + ": nothing to export (an earlier --since? `tslice events --since 7d` lists what "
-            "is kept)"
-        )
-    end = stored.until.timestamp() if stored.until is not None else None
-    doc = export.document(
-        [export.record(e) for e in found],
-        time_scale=time_scale,
-        label=f"tslice run from {stored.since.astimezone().isoformat(timespec='seconds')}",
-        end=end,
+    doc, count = history_document(
+        address, group=group, stored=stored, time_scale=time_scale, connect_timeout=connect_timeout
     )
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
     windows = sum(len(w) for w in doc["timeslice"]["windows"].values())
     render.stdout().print(
-        f"wrote {path}: {len(found)} events, {windows} lock windows, "
+        f"wrote {path}: {count} events, {windows} lock windows, "
         f"{doc['summary'].get('swaps', 0)} switches",
         highlight=False,
     )

@@ -66,9 +66,9 @@ def timeline(
 ) -> None:
     """Draw a run: lock windows per pool, switches with their durations, duty per GPU and
     a summary, as an HTML page (no network needed to open it) and a PNG."""
-    from tslice.timeline import export, recorded
     from tslice.timeline import html as timeline_html
     from tslice.timeline import png as timeline_png
+    from tslice.timeline import recorded
 
     if source is not None:
         if since is not None or until is not None:
@@ -86,22 +86,8 @@ def timeline(
             )
         stored = events_cmd.stored_range(since, until, job=job, follow=False)
         assert stored is not None
-        found = events_cmd.stored_events(
-            addr, group=group, stored=stored, connect_timeout=connect_timeout
-        )
-        if not found:
-            raise errors.TsliceError(
-                f"no stored event from {stored.since.isoformat(timespec='seconds')} on"
-                + (f" of group {group!r}" if group else "")
-                + (f" naming job {job!r}" if job else "")
-                + ": nothing to draw (`tslice events --since 7d` lists what is kept)"
-            )
-        end = stored.until.timestamp() if stored.until is not None else None
-        doc = export.document(
-            [export.record(e) for e in found],
-            time_scale=time_scale,
-            end=end,  # and from the first event: --since may be long before it
-            label=f"tslice run from {stored.since.astimezone().isoformat(timespec='seconds')}",
+        doc, _ = events_cmd.history_document(
+            addr, group=group, stored=stored, time_scale=time_scale, connect_timeout=connect_timeout
         )
     drawn = recorded.timeline(doc, title=title)
     written = [timeline_html.write(out, timeline_html.render(drawn))]

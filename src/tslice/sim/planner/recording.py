@@ -9,9 +9,10 @@ Two inputs are accepted, told apart by their content:
   (``time`` ISO 8601, ``kind``, ``group_id``, ``job_id``, ``node``, ``duration_ms``,
   ``from_job``, ``detail``, ...).
 
-An event log is turned into the trace format so that one derivation
+An event log is turned into the trace format (by the export of ``tslice events --export``,
+:mod:`tslice.timeline.export`) so that one derivation
 (:mod:`tslice.sim.derive`) serves both: a window of a group is a job's GRANTED to its
-YIELDED (or CANCELLED); its request time is the grant minus the wait GRANTED reports; a
+YIELDED (or CANCELLED, or the end of the log); its request time is the grant minus the wait GRANTED reports; a
 job's RL step starts at each grant of the first group the job was ever granted (its
 steps repeat, so that group opens every step); SNAPSHOT_DONE and RESTORE_DONE give the
 switch costs. The derivation drops stretches under half a trace second as rounding
@@ -131,47 +132,25 @@ def _time(path: Path, record: Mapping[str, Any]) -> float:
 
 
 def _from_events(path: Path, records: Sequence[Mapping[str, Any]]) -> Recording:
-    """The event log in the trace format (see the module docstring)."""
-    timed = sorted(((_time(path, r), i, r) for i, r in enumerate(records)), key=lambda x: x[:2])
-    if not any(r.get("kind") == tsclient.EventKind.GRANTED.value for _, _, r in timed):
+    """The event log in the trace format (see the module docstring): the export of
+    ``tslice events --export`` (:mod:`tslice.timeline.export`), on a clock in ms."""
+    for record in records:
+        _time(path, record)  # an unreadable time is refused, naming the event
+    if not any(r.get("kind") == tsclient.EventKind.GRANTED.value for r in records):
         raise PlanInputError(
             f"{path} has {len(records)} event(s) but no GRANTED one: no job held a group "
             "while it was recorded; record the log while jobs run"
         )
-    origin = timed[0][0]
     scale = 1.0 / EVENT_LOG_UNIT_S
-    windows: dict[str, list[dict[str, Any]]] = collections.defaultdict(list)
-    events: list[dict[str, Any]] = []
-    open_at: dict[tuple[str, str], float] = {}
-    lead: dict[str, str] = {}
-    steps: collections.Counter[str] = collections.Counter()
-    switch_done: dict[str, list[float]] = collections.defaultdict(list)
-    pending: list[dict[str, Any]] = []  # acquired events of windows not closed yet
-    for when, _, r in timed:
-        t = (when - origin) * scale
-        kind, group, job = r.get("kind"), str(r.get("group_id", "")), str(r.get("job_id", ""))
-        ms = float(r.get("duration_ms") or 0)
-        if kind == tsclient.EventKind.GRANTED.value and job and (group, job) not in open_at:
-            open_at[(group, job)] = t
-            first = lead.setdefault(job, group)
-            if first == group:
-                steps[job] += 1
-            acquired = {"t": t, "kind": "acquired", "job": job, "pool": group}
-            pending.append(acquired | {"wait_ms": ms * scale, "step": steps[job] - 1})
-        elif kind in (tsclient.EventKind.YIELDED.value, tsclient.EventKind.CANCELLED.value):
-            t0 = open_at.pop((group, job), None)
-            if t0 is not None:
-                windows[group].append({"t0": t0, "t1": t, "job": job})
-                match = next(a for a in pending if a["job"] == job and a["pool"] == group)
-                pending.remove(match)
-                events.append(match)
-        elif kind == tsclient.EventKind.SNAPSHOT_DONE.value:
-            events.append({"t": t, "kind": "ckpt_done", "pool": group, "ms": ms * scale})
-        elif kind == tsclient.EventKind.RESTORE_DONE.value:
-            events.append({"t": t, "kind": "restore_done", "pool": group, "ms": ms * scale})
-        elif kind == tsclient.EventKind.SWITCH_DONE.value and r.get("from_job"):
-            switch_done[group].append(ms / 1000.0)
+    doc = export.document(records, time_scale=scale)
+    run = doc["timeslice"]
+    windows: Mapping[str, list[dict[str, Any]]] = run["windows"]
+    events: list[dict[str, Any]] = run["events"]
     _check_switch_costs(path, windows, events)
+    switch_done: dict[str, list[float]] = collections.defaultdict(list)
+    for s in run["switches"]:
+        if s["from"]:
+            switch_done[s["pool"]].append(s["ms"] / scale / 1000.0)
     raw = {"meta": {"source": "event log"}, "timeslice": {"windows": windows, "events": events}}
     return Recording(path, EVENT_LOG, raw, EVENT_LOG_UNIT_S, dict(switch_done))
 
