@@ -9,16 +9,16 @@ Two inputs are accepted, told apart by their content:
   (``time`` ISO 8601, ``kind``, ``group_id``, ``job_id``, ``node``, ``duration_ms``,
   ``from_job``, ``detail``, ...).
 
-An event log is turned into the trace format (by the export of ``tslice events --export``,
-:mod:`tslice.timeline.export`) so that one derivation
+An event log is turned into the trace format (by the export of ``tslice events
+--export``, :mod:`tslice.timeline.export`) so that one derivation
 (:mod:`tslice.sim.derive`) serves both: a window of a group is a job's GRANTED to its
-YIELDED (or CANCELLED, or the end of the log); its request time is the grant minus the wait GRANTED reports; a
-job's RL step starts at each grant of the first group the job was ever granted (its
-steps repeat, so that group opens every step); SNAPSHOT_DONE and RESTORE_DONE give the
-switch costs. The derivation drops stretches under half a trace second as rounding
-noise, which would be every phase of a time-compressed demo: an event log's clock is
-therefore read in milliseconds (one model second = :data:`EVENT_LOG_UNIT_S` of the
-log), and :attr:`Recording.unit_s` converts back.
+YIELDED (or CANCELLED, or the end of the log); its request time is the grant minus the
+wait GRANTED reports; a job's RL step starts at each grant of the first group the job
+was ever granted (its steps repeat, so that group opens every step); SNAPSHOT_DONE and
+RESTORE_DONE give the switch costs. The derivation drops stretches under half a trace
+second as rounding noise, which would be every phase of a time-compressed demo: an event
+log's clock is therefore read in milliseconds (one model second =
+:data:`EVENT_LOG_UNIT_S` of the log), and :attr:`Recording.unit_s` converts back.
 """
 
 from __future__ import annotations
