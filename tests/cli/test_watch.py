@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import pathlib
 import signal
+import subprocess
 import sys
 import threading
 from collections.abc import Iterator
@@ -167,3 +168,19 @@ def test_watch_says_why_it_cannot_start(tmp_path: pathlib.Path) -> None:
         assert "command-exit=1" in done and "not reachable" in done and "Traceback" not in done
     finally:
         term.close()
+
+
+def test_watch_not_on_a_terminal_prints_one_screen(stack: tuple[str, str, int, Certs]) -> None:
+    orchestrator, _, _, certs = stack
+    with _client(orchestrator, certs, "job-a") as a:
+        a.acquire("piped")
+        done = subprocess.run(
+            [sys.executable, "-m", "tslice", "watch", "--addr", orchestrator],
+            env={**os.environ, **certs.env("admin"), "COLUMNS": str(WIDTH)},
+            capture_output=True, text=True, timeout=120, check=False,
+        )  # fmt: skip
+        a.yield_("piped")
+    assert done.returncode == 0, done.stderr
+    rows = _rows(done.stdout, "piped")
+    assert rows and rows[0][1:3] == ["LOCKED", "job-a"], done.stdout
+    assert "(TLS)" in done.stdout and "\x1b" not in done.stdout

@@ -1,4 +1,5 @@
-"""``tslice watch``: a live view of the orchestrator in the terminal, until Ctrl-C.
+"""``tslice watch``: a live view of the orchestrator in the terminal, until Ctrl-C (not on a
+terminal, e.g. piped: one screen, then it ends).
 
 A background thread runs an :class:`~tslice.client.AsyncClient` (TLS and tokens from the
 environment, as every command): it polls every group's status at once each ``--refresh``
@@ -66,6 +67,14 @@ def watch(
     feeder = _Feeder(addr, data, refresh=refresh, since=since, connect=connect_timeout)
     feeder.start()
     console = render.stdout()
+    if not console.is_terminal:
+        # Not a terminal (a pipe, a file): one screen, once the first poll is in.
+        try:
+            feeder.wait_polled(timeout=max(refresh * 4, 5.0) + (connect_timeout or 0))
+        finally:
+            feeder.stop()
+        console.print(watch_view.view(data.view(), events=events, width=console.width))
+        return
     from rich.live import Live
 
     try:
@@ -112,6 +121,12 @@ class _Feeder:
 
     def alive(self) -> bool:
         return self._thread.is_alive()
+
+    def wait_polled(self, *, timeout: float) -> None:
+        """Until the first status poll is in (or ``timeout`` s, or the thread ended)."""
+        deadline = time.monotonic() + timeout
+        while self.alive() and self._data.view().age_s is None and time.monotonic() < deadline:
+            time.sleep(0.05)  # a poll of the data the thread fills; bounded
 
     def stop(self) -> None:
         stop = self._stop
