@@ -160,7 +160,7 @@ test-ray: $(STAMP)
 	  print('ray', ray.__version__, 'protobuf', google.protobuf.__version__)"
 	@# (serially, as test-verl: nearly all of the time is one module's Ray cluster)
 	TSLICE_SERVER_PYTHON=$(abspath $(PY)) $(RAY_VENV)/bin/python -m pytest -q \
-	  tests/jobside/test_ray_actors.py tests/jobside/test_ray_env.py \
+	  tests/jobside/test_ray_actors.py tests/jobside/test_ray_announce.py tests/jobside/test_ray_env.py \
 	  tests/jobside/test_verl_launcher.py
 
 ## veRL's real trainer classes on CPU (tests/jobside/test_verl.py): its own venv (about 2 GB

@@ -13,6 +13,14 @@ violations (must be 0) and jobs lost (must be 0), and exits 1 otherwise.
     python bench/soak.py [--minutes 3] [--json] [--seed S] [--slots 4] [--mode both]
                          [--keep DIR] [--log-level info]
 
+``--promises``: instead, the long form of the grant-promise run (issue 21 §1; see
+:mod:`tslice.sim.promises`): leaseless jobs of two processes each take single groups and
+sets, with deadlines and cancels, while an administrator evicts and drains and the
+orchestrator is SIGKILLed every 4-8 s; it prints the grants answered, how each ended, the
+calls and their outcomes, and violations (must be 0), and exits 1 otherwise.
+
+    python bench/soak.py --promises [--minutes 3] [--seed S] [--json]
+
 ``--mode topology``: groups g1 = node-1+node-2, g2 = node-2+node-3, g3 = node-3 (g1 and
 g2 share node-2, g2 and g3 node-3); ``--mode local``: local mode, every group spans every
 node, so all three share the devices (device claims, deferred residents giving way);
@@ -25,12 +33,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import random
 import sys
 from pathlib import Path
 from typing import Any
 
-from tslice.sim import chaos
+from tslice.sim import chaos, promises
 
 MODES = {"topology": (False,), "local": (True,), "both": (False, True)}
 MODES_NAME = {False: "topology", True: "local"}
@@ -46,8 +55,13 @@ def main() -> int:
     p.add_argument("--keep", type=Path, default=None, help="keep state, logs, records here")
     p.add_argument("--log-level", default="warning", help="of the servers (their logs: --keep)")
     p.add_argument("--json", action="store_true", help="print one JSON document")
+    p.add_argument(
+        "--promises", action="store_true", help="run the grant-promise run instead (issue 21)"
+    )
     args = p.parse_args()
     seed = args.seed if args.seed is not None else random.randrange(2**31)
+    if args.promises:
+        return _promises(args, seed)
     modes = MODES[args.mode]
     results: list[chaos.ChaosResult] = []
     for local in modes:
@@ -83,6 +97,21 @@ def main() -> int:
             f"violations {total['violations']}, jobs lost {total['jobs_lost']}"
         )
     return 0 if ok else 1
+
+
+def _promises(args: argparse.Namespace, seed: int) -> int:
+    logging.getLogger("tslice.client").setLevel(logging.ERROR)  # (retries during kills)
+    if not args.json:
+        print(f"grant promises: seed {seed}, {args.minutes:g} min", flush=True)
+    config = promises.PromiseConfig(
+        seed=seed,
+        duration_s=args.minutes * 60,
+        base_dir=args.keep,
+        log_level=args.log_level,
+    )
+    result = asyncio.run(promises.run_promises(config))
+    print(json.dumps(result.to_json(), indent=2) if args.json else result.summary())
+    return 0 if result.ok else 1
 
 
 def _totals(results: list[chaos.ChaosResult], names: list[str]) -> dict[str, Any]:

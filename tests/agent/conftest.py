@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import AsyncIterator, Mapping
+import subprocess
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +13,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2_grpc
 
+from tests.agent.cuda_doubles import FakeTool, Node
 from tslice.agent import app, config
 from tslice.agent.backends import base
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
@@ -163,3 +165,40 @@ async def agents(tmp_path: Path) -> AsyncIterator[AgentRunner]:
 @pytest.fixture
 async def agent(agents: AgentRunner) -> Agent:
     return await agents.start()
+
+
+# ---- the cuda backend's node: real (sleeping) processes, the FakeDriver, FakeNvml
+
+
+@pytest.fixture
+def sleeping() -> Iterator[Callable[[int], list[int]]]:
+    """Start ``n`` real processes (the cuda backend checks /proc); killed at the end."""
+    children: list[subprocess.Popen[bytes]] = []
+
+    def start(n: int) -> list[int]:
+        started = [subprocess.Popen(["sleep", "300"]) for _ in range(n)]
+        children.extend(started)
+        return [child.pid for child in started]
+
+    yield start
+    for child in children:
+        child.kill()
+        child.wait()
+
+
+@pytest.fixture
+def pids(sleeping: Callable[[int], list[int]]) -> list[int]:
+    return sleeping(3)
+
+
+@pytest.fixture
+def node(pids: list[int]) -> Node:
+    return Node(pids)
+
+
+@pytest.fixture
+def tool(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> FakeTool:
+    """A cuda-checkpoint look-alike on PATH's stead, its states in a JSON file."""
+    fake = FakeTool(tmp_path)
+    monkeypatch.setenv("FAKE_CC_STATE", str(fake.state_file))
+    return fake

@@ -201,6 +201,13 @@ async def test_metrics_count_operations_and_bytes() -> None:
     agent_metrics.observe(
         backend="sim", kind="snapshot", outcome="complete", seconds=0.1, device_bytes=5
     )
+    agent_metrics.observe(
+        backend="sim", kind="snapshot", outcome="complete", seconds=2.0, device_bytes=8 * 10**9
+    )
+    # A failed operation's bytes (what moved before it failed) are no throughput.
+    agent_metrics.observe(
+        backend="sim", kind="snapshot", outcome="failed", seconds=1.0, device_bytes=10**9
+    )
     agent_metrics.count_jobs(lambda: {"RUNNING": 2, "SAVED": 0})
     port = agent_metrics.serve(port=0, host="127.0.0.1")
     try:
@@ -209,10 +216,20 @@ async def test_metrics_count_operations_and_bytes() -> None:
     finally:
         agent_metrics.stop()
     assert (
-        'tslice_agent_operations_total{backend="sim",kind="snapshot",outcome="complete"} 1.0'
+        'tslice_agent_operations_total{backend="sim",kind="snapshot",outcome="complete"} 2.0'
         in text
     )
-    assert 'tslice_agent_bytes_moved_total{backend="sim",kind="snapshot"} 5.0' in text
+    assert 'tslice_agent_bytes_moved_total{backend="sim",kind="snapshot"} 9.000000005e+09' in text
+    # GB/s per completed operation, per backend: 5e-8 and 4.0.
+    assert 'tslice_agent_operation_throughput_gbps_count{backend="sim",kind="snapshot"} 2.0' in text
+    assert (
+        'tslice_agent_operation_throughput_gbps_bucket{backend="sim",kind="snapshot",le="4.0"} 2.0'
+        in text
+    )
+    assert (
+        'tslice_agent_operation_throughput_gbps_bucket{backend="sim",kind="snapshot",le="2.0"} 1.0'
+        in text
+    )
     assert 'tslice_agent_jobs{state="RUNNING"} 2.0' in text
     assert 'tslice_agent_jobs{state="SAVED"} 0.0' in text
     assert "tslice_agent_operation_duration_seconds_bucket" in text

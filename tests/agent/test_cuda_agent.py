@@ -81,6 +81,28 @@ async def test_snapshot_and_restore_through_the_agent(agents: Any, node: GpuNode
     assert [node.driver.states[p] for p in node.pids] == [S.RUNNING] * 2
 
 
+async def test_a_completed_operation_reports_its_gb_per_s(agents: Any, node: GpuNode) -> None:
+    node.driver.copy_bytes_per_s = 40e9  # 2 GiB per process: about 54 ms each, at once
+    agent = await start(agents, node)
+    snap = await agent.snapshot("job-a", backend_config=node.config())
+    assert snap.status == pb.OPERATION_STATUS_COMPLETE, snap.error
+    assert snap.elapsed_ms >= 50
+    assert snap.throughput_gbps == pytest.approx(snap.snapshot_device_bytes / snap.elapsed_ms / 1e6)
+    restore = await agent.restore("job-a")
+    assert restore.throughput_gbps == pytest.approx(4 * GiB / restore.elapsed_ms / 1e6)
+
+
+async def test_a_snapshot_that_left_memory_on_the_device_faults_the_job(
+    agents: Any, node: GpuNode
+) -> None:
+    node.driver.keeps_memory.add(node.pids[0])
+    agent = await start(agents, node)
+    snap = await agent.snapshot("job-a", backend_config=node.config())
+    assert snap.status == pb.OPERATION_STATUS_FAILED
+    assert f"pid {node.pids[0]} {2 * GiB} bytes" in snap.error
+    assert await agent.state("job-a") == pb.JOB_STATE_FAULTED  # never SAVED
+
+
 async def test_agent_restart_keeps_a_checkpointed_job_restorable(
     agents: Any, node: GpuNode
 ) -> None:
@@ -101,7 +123,7 @@ async def test_a_lock_timeout_is_retried_by_the_agent(agents: Any, node: GpuNode
     snap = await agent.snapshot("job-a", backend_config=node.config())
     assert snap.status == pb.OPERATION_STATUS_COMPLETE, snap.error
     assert node.driver.calls.count(("lock", node.pids[1])) == 2
-    assert ("restore", node.pids[0]) in node.driver.calls  # the rollback of the first try
+    assert ("unlock", node.pids[0]) in node.driver.calls  # the rollback of the first try
 
 
 async def test_checkpoint_failure_faults_then_reset_finds_it_running(

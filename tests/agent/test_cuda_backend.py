@@ -8,15 +8,12 @@ checkpointed process, deadlines, and the missing-GPU error.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
-import json
-import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tests.agent.cuda_doubles import GPU0, GPU1, GiB, Node, exited_pid, job
 from tslice.agent import channel, nvml, registration
 from tslice.agent.backends import (
     base,
@@ -30,82 +27,8 @@ from tslice.agent.backends import (
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
 from tslice.common import errors
 
-GiB = 2**30
-GPU0 = "GPU-00000000-0000-0000-0000-000000000000"
-GPU1 = "GPU-00000000-0000-0000-0000-000000000001"
 S = cuda_driver.ProcessState
 OFFLOAD = pb.SUSPEND_MODE_OFFLOAD
-
-
-@pytest.fixture
-def pids() -> Iterator[list[int]]:
-    """Three real processes (the backend checks /proc), killed at the end."""
-    children = [subprocess.Popen(["sleep", "300"]) for _ in range(3)]
-    yield [c.pid for c in children]
-    for child in children:
-        child.kill()
-        child.wait()
-
-
-def _exited_pid() -> int:
-    """The pid of a process that has exited and been reaped."""
-    child = subprocess.Popen(["true"])
-    child.wait()
-    return child.pid
-
-
-@dataclasses.dataclass
-class Node:
-    """One simulated GPU node: the driver and NVML outlive any backend (agent) instance."""
-
-    pids: list[int]
-    nvml: nvml.FakeNvml = dataclasses.field(
-        default_factory=lambda: nvml.FakeNvml(
-            [nvml.FakeGpu(GPU0, 80 * GiB), nvml.FakeGpu(GPU1, 80 * GiB)]
-        )
-    )
-    driver: cuda_fake.FakeDriver = dataclasses.field(init=False)
-    registry: registration.ProcessRegistry = dataclasses.field(
-        default_factory=registration.ProcessRegistry
-    )
-
-    def __post_init__(self) -> None:
-        self.driver = cuda_fake.FakeDriver(nvml=self.nvml)
-        for i, pid in enumerate(self.pids):
-            self.driver.add_process(pid)
-            self.nvml.gpus[0].compute[pid] = (i + 1) * GiB
-
-    def backend(self, **settings: Any) -> cuda.CudaBackend:
-        return cuda.CudaBackend(
-            settings=cuda_settings.CudaSettings(**settings),
-            driver=self.driver,
-            nvml=self.nvml,
-            registry=self.registry,
-        )
-
-    def states(self) -> list[S]:
-        return [self.driver.states[p] for p in self.pids]
-
-    def ops(self, *, skip: tuple[str, ...] = ("get_state",)) -> list[tuple[str, int]]:
-        return [c for c in self.driver.calls if c[0] not in skip]
-
-
-@pytest.fixture
-def node(pids: list[int]) -> Node:
-    return Node(pids)
-
-
-def job(
-    pids: list[int] | None = None, *, state: dict[str, Any] | None = None, job_id: str = "rl-a"
-) -> base.JobContext:
-    config = None
-    if pids is not None:
-        config = pb.BackendConfig(
-            cuda=pb.CudaBackendConfig(explicit_target=pb.ProcessTarget(pids=pids))
-        )
-    # The agent persists OpResult.state as JSON: round-trip it the same way.
-    persisted = json.loads(json.dumps(state or {}))
-    return base.JobContext(job_id=job_id, group="pool", config=config, state=persisted)
 
 
 # --------------------------------------------------------------------------- happy paths
@@ -115,8 +38,9 @@ async def test_snapshot_then_restore_moves_every_process_in_order(node: Node) ->
     backend = node.backend()
     saved = await backend.snapshot(job(node.pids), OFFLOAD)
     assert node.states() == [S.CHECKPOINTED] * 3
-    assert node.ops() == [op for pid in node.pids for op in (("lock", pid), ("checkpoint", pid))]
-    # One process at a time: each process is fully checkpointed before the next is touched.
+    # Every process is locked before any is checkpointed (ranks never run beside a
+    # checkpointed peer).
+    assert node.ops() == [("lock", p) for p in node.pids] + [("checkpoint", p) for p in node.pids]
     assert saved.device_bytes == saved.host_bytes == 6 * GiB
     assert saved.state["pids"] == node.pids
     assert (await backend.accelerators())[0] == base.Accelerator(GPU0, 0, 80 * GiB)
@@ -124,7 +48,8 @@ async def test_snapshot_then_restore_moves_every_process_in_order(node: Node) ->
     node.driver.calls.clear()
     restored = await backend.restore(job(state=saved.state))
     assert node.states() == [S.RUNNING] * 3
-    assert node.ops() == [op for pid in node.pids for op in (("restore", pid), ("unlock", pid))]
+    # Every process is back before any is unlocked.
+    assert node.ops() == [("restore", p) for p in node.pids] + [("unlock", p) for p in node.pids]
     assert restored.device_bytes == 6 * GiB
     assert restored.host_bytes == 0
     assert (await backend.accelerators())[0].memory_used_bytes == 6 * GiB
@@ -182,16 +107,29 @@ async def test_lock_timeout_rolls_back_and_is_transient(node: Node) -> None:
     node.driver.lock_times_out(pid=node.pids[1])
     with pytest.raises(base.TransientBackendError) as caught:
         await node.backend().snapshot(job(node.pids), OFFLOAD)
-    # pid 1 had been checkpointed; it is restored so the whole job runs again.
+    # The others had been locked; they are unlocked, nothing was checkpointed.
     assert node.states() == [S.RUNNING] * 3
-    assert ("restore", node.pids[0]) in node.driver.calls
-    assert ("checkpoint", node.pids[1]) not in node.driver.calls
-    assert ("lock", node.pids[2]) not in node.driver.calls
+    assert not [op for op, _ in node.ops() if op == "checkpoint"]
+    assert sorted(p for op, p in node.ops() if op == "unlock") == sorted(
+        [node.pids[0], node.pids[2]]
+    )
     message = str(caught.value)
     assert f"failed at pid {node.pids[1]} (2 of 3)" in message
+    assert "CUDA_ERROR_NOT_READY" in message
     assert "nothing changed" in message
-    assert f"pid {node.pids[0]} restored" in message
+    assert f"pid {node.pids[0]} unlocked" in message
     assert caught.value.retry_after > 0
+
+
+async def test_a_lock_timeout_is_confirmed_by_reading_the_state(node: Node) -> None:
+    # The driver said "not ready" but the lock took: the snapshot goes on.
+    node.driver.lock_times_out(pid=node.pids[0], leave_state=S.LOCKED)
+    await node.backend().snapshot(job(node.pids[:1]), OFFLOAD)
+    assert node.states()[0] is S.CHECKPOINTED
+    # The driver said "not ready" and left the process FAILED: no "try later".
+    node.driver.lock_times_out(pid=node.pids[1], leave_state=S.FAILED)
+    with pytest.raises(base.FatalBackendError, match="now failed, not running"):
+        await node.backend().snapshot(job(node.pids[1:2]), OFFLOAD)
 
 
 async def test_checkpoint_failure_after_lock_unlocks_and_reports(node: Node) -> None:
@@ -199,25 +137,32 @@ async def test_checkpoint_failure_after_lock_unlocks_and_reports(node: Node) -> 
     with pytest.raises(base.FatalBackendError) as caught:
         await node.backend().snapshot(job(node.pids), OFFLOAD)
     assert node.states() == [S.RUNNING] * 3
-    assert node.ops() == [
-        ("lock", node.pids[0]),
-        ("checkpoint", node.pids[0]),
-        ("unlock", node.pids[0]),
+    p0, p1, p2 = node.pids
+    # All locked, all checkpointed at once; then the failed one unlocked and the
+    # others restored and unlocked.
+    assert node.ops()[:6] == [("lock", p) for p in node.pids] + [
+        ("checkpoint", p) for p in node.pids
     ]
+    assert sorted(node.ops()[6:]) == sorted(
+        [("unlock", p0), ("restore", p1), ("unlock", p1), ("restore", p2), ("unlock", p2)]
+    )
     message = str(caught.value)
     assert "out of host memory" in message
-    assert f"pid {node.pids[0]} unlocked" in message
+    assert f"pid {p0} unlocked" in message
+    assert f"pid {p1} restored" in message
     assert "the job is RUNNING again" in message
 
 
-async def test_failed_rollback_is_reported_as_partial(node: Node) -> None:
+async def test_failed_rollback_says_what_each_process_is_now(node: Node) -> None:
     node.driver.fail("checkpoint", pid=node.pids[1])
     node.driver.fail("restore", pid=node.pids[0], message="restore broke")
     with pytest.raises(base.FatalBackendError) as caught:
         await node.backend().snapshot(job(node.pids), OFFLOAD)
-    assert node.states()[:2] == [S.CHECKPOINTED, S.RUNNING]
-    assert f"pid {node.pids[0]} NOT rolled back" in str(caught.value)
-    assert "partly checkpointed" in str(caught.value)
+    assert node.states() == [S.CHECKPOINTED, S.RUNNING, S.RUNNING]
+    message = str(caught.value)
+    assert f"pid {node.pids[0]} NOT rolled back" in message
+    p0, p1, p2 = node.pids
+    assert f"now: pid {p0} checkpointed, pid {p1} running, pid {p2} running" in message
 
 
 async def test_driver_unavailable_mid_snapshot_is_rolled_back(node: Node) -> None:
@@ -225,11 +170,13 @@ async def test_driver_unavailable_mid_snapshot_is_rolled_back(node: Node) -> Non
     node.driver.fail("get_state", pid=node.pids[0], error=gone)
     with pytest.raises(base.BackendUnavailableError, match="went away"):
         await node.backend().snapshot(job(node.pids), OFFLOAD)  # nothing touched yet
+    assert node.ops() == []
     node.driver.fail("checkpoint", pid=node.pids[1], error=gone)
     with pytest.raises(base.FatalBackendError) as caught:
         await node.backend().snapshot(job(node.pids), OFFLOAD)
     assert "went away" in str(caught.value)
     assert f"pid {node.pids[1]} unlocked" in str(caught.value)
+    assert f"pid {node.pids[0]} restored" in str(caught.value)
     assert node.states() == [S.RUNNING] * 3
 
 
@@ -245,8 +192,11 @@ async def test_operation_deadline_during_a_hung_checkpoint(node: Node) -> None:
     with pytest.raises(base.FatalBackendError) as caught:
         await backend.snapshot(job(node.pids), OFFLOAD)
     assert node.driver.hung.is_set()
-    assert "deadline passed during checkpoint of pid" in str(caught.value)
-    assert "nothing was rolled back" in str(caught.value)
+    message = str(caught.value)
+    assert "deadline passed during checkpoint of pid" in message
+    assert "nothing was rolled back" in message
+    p0, p1, p2 = node.pids
+    assert f"pid {p0} unknown, pid {p1} checkpointed, pid {p2} checkpointed" in message
     node.driver.release()
 
 
@@ -254,9 +204,13 @@ async def test_restore_failure_before_any_change_is_transient(node: Node) -> Non
     backend = node.backend()
     saved = await backend.snapshot(job(node.pids), OFFLOAD)
     node.driver.fail("restore", pid=node.pids[0], message="out of device memory")
+    node.driver.calls.clear()
     with pytest.raises(base.TransientBackendError, match="still checkpointed"):
         await backend.restore(job(state=saved.state))
+    # The others came back (still locked, never ran) and were checkpointed again.
     assert node.states() == [S.CHECKPOINTED] * 3
+    assert ("unlock", node.pids[1]) not in node.driver.calls
+    assert ("checkpoint", node.pids[1]) in node.driver.calls
     # The retry the agent makes then succeeds.
     await backend.restore(job(state=saved.state))
     assert node.states() == [S.RUNNING] * 3
@@ -268,14 +222,15 @@ async def test_restore_failure_after_a_change_is_fatal(node: Node) -> None:
     node.driver.fail("unlock", pid=node.pids[1])
     with pytest.raises(base.FatalBackendError) as caught:
         await backend.restore(job(state=saved.state))
-    assert f"restored so far: [{node.pids[0]}]" in str(caught.value)
-    assert node.states() == [S.RUNNING, S.LOCKED, S.CHECKPOINTED]
+    p0, p1, p2 = node.pids
+    assert f"now: pid {p0} running, pid {p1} locked, pid {p2} running" in str(caught.value)
+    assert node.states() == [S.RUNNING, S.LOCKED, S.RUNNING]
 
 
 async def test_restore_of_an_exited_process_changes_nothing(node: Node, pids: list[int]) -> None:
     backend = node.backend()
     saved = await backend.snapshot(job(node.pids), OFFLOAD)
-    victim = _exited_pid()
+    victim = exited_pid()
     state = {**saved.state, "pids": [*saved.state["pids"], victim]}
     node.driver.calls.clear()
     with pytest.raises(base.FatalBackendError, match=rf"\[{victim}\] have exited"):
@@ -299,7 +254,7 @@ async def test_concurrent_operations_never_share_a_process(node: Node) -> None:
 
 
 async def test_explicit_pid_that_does_not_exist_is_refused(node: Node) -> None:
-    gone = _exited_pid()
+    gone = exited_pid()
     with pytest.raises(base.FatalBackendError, match=f"pid {gone} does not exist"):
         await node.backend().snapshot(job([node.pids[0], gone]), OFFLOAD)
     assert node.driver.calls == []
@@ -318,7 +273,7 @@ async def test_validate_refuses_bad_explicit_pids_before_any_operation(node: Nod
     await backend.validate(job())  # no explicit PIDs: nothing to check
     with pytest.raises(base.InvalidBackendConfigError, match="must be positive"):
         await backend.validate(job([node.pids[0], 0]))
-    gone = _exited_pid()
+    gone = exited_pid()
     with pytest.raises(base.InvalidBackendConfigError, match=f"pid {gone} does not exist"):
         await backend.validate(job([gone]))
     node.registry.register(job_id="rl-b", pid=node.pids[1])
@@ -490,7 +445,7 @@ async def test_recover_with_a_failed_process_is_faulted(node: Node) -> None:
 
 
 async def test_recover_when_processes_exited(node: Node) -> None:
-    gone = _exited_pid()
+    gone = exited_pid()
     backend = node.backend()
     assert await backend.recover(job(state={"pids": [gone]})) == pb.JOB_STATE_IDLE
     assert await backend.recover(job(state={"pids": [node.pids[0], gone]})) == (
@@ -597,12 +552,13 @@ def test_settings_normalise_the_device_map() -> None:
     backend = cuda.CudaBackend.create(
         {
             "device_map": {
-                "00000000-0000-0000-0000-000000000000": GPU1.upper().replace("GPU-", "")
+                "00000000-0000-0000-0000-000000000000": GPU1.upper().replace("GPU-", ""),
+                GPU1: GPU0,
             },
             "lock_timeout_ms": 500,
         }
     )
-    assert backend.settings.device_map == {GPU0: GPU1}
+    assert backend.settings.device_map == {GPU0: GPU1, GPU1: GPU0}
     assert backend.settings.lock_timeout_ms == 500
     assert backend.registry is registration.default_registry()
     assert backend.name == "cuda"

@@ -5,19 +5,14 @@ since no GPU is here), driver selection, and the FakeDriver's state machine."""
 from __future__ import annotations
 
 import asyncio
-import ctypes
-import enum
-import json
 import os
-import subprocess
 import sys
-import textwrap
-from collections.abc import Iterator
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import pytest
 
+from tests.agent.cuda_doubles import CuProcessState, CuResult, FakeCudaModule, FakeTool
 from tslice.agent import registration
 from tslice.agent.backends import (
     base,
@@ -35,85 +30,6 @@ GPU0 = "GPU-00000000-0000-0000-0000-000000000000"
 GPU1 = "GPU-12345678-9abc-def0-1234-56789abcdef0"
 
 # --------------------------------------------------------------------------- the binary
-
-FAKE_TOOL = textwrap.dedent("""\
-    import json, os, sys, time
-    path = os.environ["FAKE_CC_STATE"]
-    with open(path) as f:
-        data = json.load(f)
-    args = sys.argv[1:]
-    data.setdefault("calls", []).append(args)
-
-    def finish(code, text=""):
-        with open(path + ".tmp", "w") as f:
-            json.dump(data, f)
-        os.replace(path + ".tmp", path)
-        if text:
-            print(text)
-        sys.exit(code)
-
-    if args == ["--help"]:
-        finish(0, data.get("help", "--action lock | checkpoint | restore | unlock --pid <pid>"))
-    pid = args[args.index("--pid") + 1]
-    state = data["states"].get(pid)
-    if state is None:
-        finish(1, f"Could not find CUDA process {pid}")
-    if args[0] == "--get-state":
-        finish(0, state)
-    action = args[args.index("--action") + 1]
-    fault = data.get("faults", {}).pop(action, None)
-    if fault == "hang":
-        data["hung_pid"] = os.getpid()
-        with open(path + ".tmp", "w") as f:
-            json.dump(data, f)
-        os.replace(path + ".tmp", path)
-        time.sleep(120)
-    if fault == "timeout":
-        finish(1, "Error: lock operation timed out")
-    if fault:
-        finish(2, fault)
-    want, new = {"lock": ("running", "locked"), "checkpoint": ("locked", "checkpointed"),
-                 "restore": ("checkpointed", "locked"), "unlock": ("locked", "running")}[action]
-    if state != want:
-        finish(1, f"process {pid} is {state}, cannot {action}")
-    data["states"][pid] = new
-    finish(0)
-""")
-
-
-class FakeTool:
-    """A cuda-checkpoint look-alike whose per-PID states live in a JSON file."""
-
-    def __init__(self, directory: Path) -> None:
-        self.path = directory / "cuda-checkpoint"
-        self.path.write_text(f"#!{sys.executable}\n{FAKE_TOOL}")
-        self.path.chmod(0o755)
-        self.state_file = directory / "state.json"
-        self.write({"states": {}})
-
-    def read(self) -> dict[str, Any]:
-        data: dict[str, Any] = json.loads(self.state_file.read_text())
-        return data
-
-    def write(self, data: dict[str, Any]) -> None:
-        self.state_file.write_text(json.dumps(data))
-
-    def set(self, *, states: dict[int, str] | None = None, **extra: Any) -> None:
-        data = self.read()
-        if states is not None:
-            data["states"] = {str(k): v for k, v in states.items()}
-        data.update(extra)
-        self.write(data)
-
-    def states(self) -> dict[int, str]:
-        return {int(k): v for k, v in self.read()["states"].items()}
-
-
-@pytest.fixture
-def tool(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> FakeTool:
-    fake = FakeTool(tmp_path)
-    monkeypatch.setenv("FAKE_CC_STATE", str(fake.state_file))
-    return fake
 
 
 async def test_binary_driver_walks_the_state_machine_one_pid_per_call(tool: FakeTool) -> None:
@@ -148,11 +64,15 @@ async def test_binary_driver_errors_carry_the_tool_output(tool: FakeTool) -> Non
         await driver.get_state(7)
 
 
-async def test_binary_driver_recognises_a_lock_timeout(tool: FakeTool) -> None:
-    tool.set(states={42: "running"}, faults={"lock": "timeout"})
+@pytest.mark.parametrize(("fault", "said"), [("timeout", "timed out"), ("not-ready", "NOT_READY")])
+async def test_binary_driver_recognises_a_lock_timeout(
+    tool: FakeTool, fault: str, said: str
+) -> None:
+    tool.set(states={42: "running"}, faults={"lock": fault})
     driver = cuda_binary.BinaryDriver(path=str(tool.path))
-    with pytest.raises(cuda_driver.LockTimeoutError, match="timed out"):
-        await driver.lock(42, timeout_ms=100)
+    # A long timeout: the tool's words say it, not the time the call took.
+    with pytest.raises(cuda_driver.LockTimeoutError, match=said):
+        await driver.lock(42, timeout_ms=600_000)
     assert tool.states() == {42: "running"}
 
 
@@ -194,12 +114,8 @@ def test_binary_driver_needs_the_tool(tmp_path: Path) -> None:
 
 
 @pytest.fixture
-def sleepers() -> Iterator[list[int]]:
-    children = [subprocess.Popen(["sleep", "300"]) for _ in range(2)]
-    yield [c.pid for c in children]
-    for child in children:
-        child.kill()
-        child.wait()
+def sleepers(sleeping: Callable[[int], list[int]]) -> list[int]:
+    return sleeping(2)
 
 
 async def test_backend_over_the_binary_end_to_end(tool: FakeTool, sleepers: list[int]) -> None:
@@ -268,90 +184,10 @@ def test_normalize_gpu_uuid_refuses_indexes() -> None:
 # --------------------------------------------------------------------------- the bindings
 
 
-class _CUresult(enum.IntEnum):
-    CUDA_SUCCESS = 0
-    CUDA_ERROR_INVALID_VALUE = 1
-    CUDA_ERROR_NO_DEVICE = 100
-    CUDA_ERROR_ILLEGAL_STATE = 401
-    CUDA_ERROR_NOT_FOUND = 500
-    CUDA_ERROR_NOT_SUPPORTED = 801
-    CUDA_ERROR_TIMEOUT = 909
-
-
-class _CUprocessState(enum.IntEnum):
-    CU_PROCESS_STATE_RUNNING = 0
-    CU_PROCESS_STATE_LOCKED = 1
-    CU_PROCESS_STATE_CHECKPOINTED = 2
-    CU_PROCESS_STATE_FAILED = 3
-
-
-class FakeCudaModule:
-    """The shape of ``cuda.bindings.driver`` that BindingsDriver uses."""
-
-    CUresult = _CUresult
-    CUprocessState = _CUprocessState
-
-    class CUcheckpointLockArgs:
-        timeoutMs = 0
-
-    class CUcheckpointRestoreArgs:
-        gpuPairs: list[Any] | None = None
-        gpuPairsCount = 0
-
-    class CUcheckpointGpuPair:
-        oldUuid: Any = None
-        newUuid: Any = None
-
-    class CUuuid:
-        def __init__(self, address: int) -> None:
-            self.raw = ctypes.string_at(address, 16)
-
-    def __init__(self, *, init: _CUresult = _CUresult.CUDA_SUCCESS, version: int = 12080) -> None:
-        self.init = init
-        self.version = version
-        self.state = _CUprocessState.CU_PROCESS_STATE_RUNNING
-        self.errors: dict[str, _CUresult] = {}
-        self.seen: dict[str, Any] = {}
-
-    def cuInit(self, flags: int) -> tuple[_CUresult]:
-        return (self.init,)
-
-    def cuDriverGetVersion(self) -> tuple[_CUresult, int]:
-        return _CUresult.CUDA_SUCCESS, self.version
-
-    def cuDeviceGetCount(self) -> tuple[_CUresult, int]:
-        return _CUresult.CUDA_SUCCESS, 8
-
-    def cuGetErrorString(self, err: _CUresult) -> tuple[_CUresult, bytes]:
-        return _CUresult.CUDA_SUCCESS, f"description of {err.name}".encode()
-
-    def _result(self, op: str) -> _CUresult:
-        return self.errors.pop(op, _CUresult.CUDA_SUCCESS)
-
-    def cuCheckpointProcessGetState(self, pid: int) -> tuple[_CUresult, _CUprocessState]:
-        return self._result("get_state"), self.state
-
-    def cuCheckpointProcessLock(self, pid: int, args: Any) -> tuple[_CUresult]:
-        self.seen["lock_timeout"] = args.timeoutMs
-        return (self._result("lock"),)
-
-    def cuCheckpointProcessCheckpoint(self, pid: int, args: Any) -> tuple[_CUresult]:
-        return (self._result("checkpoint"),)
-
-    def cuCheckpointProcessRestore(self, pid: int, args: Any) -> tuple[_CUresult]:
-        if args is not None:
-            self.seen["pairs"] = [(p.oldUuid.raw, p.newUuid.raw) for p in args.gpuPairs]
-            self.seen["count"] = args.gpuPairsCount
-        return (self._result("restore"),)
-
-    def cuCheckpointProcessUnlock(self, pid: int, args: Any) -> tuple[_CUresult]:
-        return (self._result("unlock"),)
-
-
 async def test_bindings_driver_calls_and_state_mapping() -> None:
-    module = FakeCudaModule()
+    module = FakeCudaModule(version=13000)
     driver = cuda_bindings.BindingsDriver(module=module)
-    for raw, state in zip(_CUprocessState, S, strict=True):
+    for raw, state in zip(CuProcessState, S, strict=True):
         module.state = raw
         assert await driver.get_state(5) is state
     await driver.lock(5, timeout_ms=2500)
@@ -366,26 +202,46 @@ async def test_bindings_driver_calls_and_state_mapping() -> None:
     assert await driver.device_count() == 8
 
 
+@pytest.mark.parametrize("code", [CuResult.CUDA_ERROR_NOT_READY, CuResult.CUDA_ERROR_TIMEOUT])
+async def test_bindings_driver_takes_not_ready_as_the_lock_timeout(code: CuResult) -> None:
+    # cuCheckpointProcessLock documents CUDA_ERROR_NOT_READY for a timeoutMs that ran out.
+    module = FakeCudaModule()
+    driver = cuda_bindings.BindingsDriver(module=module)
+    module.errors["lock"] = code
+    with pytest.raises(cuda_driver.LockTimeoutError, match=code.name):
+        await driver.lock(5, timeout_ms=10)
+    # The same code from another call is no timeout.
+    module.errors["checkpoint"] = code
+    with pytest.raises(cuda_driver.DriverError) as caught:
+        await driver.checkpoint(5)
+    assert not isinstance(caught.value, cuda_driver.LockTimeoutError)
+
+
 async def test_bindings_driver_maps_errors() -> None:
     module = FakeCudaModule()
     driver = cuda_bindings.BindingsDriver(module=module)
-    module.errors["lock"] = _CUresult.CUDA_ERROR_TIMEOUT
-    with pytest.raises(cuda_driver.LockTimeoutError, match="CUDA_ERROR_TIMEOUT"):
-        await driver.lock(5, timeout_ms=10)
-    module.errors["checkpoint"] = _CUresult.CUDA_ERROR_ILLEGAL_STATE
+    module.errors["checkpoint"] = CuResult.CUDA_ERROR_ILLEGAL_STATE
     with pytest.raises(cuda_driver.DriverError) as caught:
         await driver.checkpoint(5)
     assert caught.value.code == "CUDA_ERROR_ILLEGAL_STATE"
     assert "description of CUDA_ERROR_ILLEGAL_STATE" in str(caught.value)
-    module.errors["restore"] = _CUresult.CUDA_ERROR_NOT_SUPPORTED
-    with pytest.raises(base.BackendUnavailableError, match="need >= 570"):
+    # NOT_SUPPORTED from a call for one process is that process's refusal (UVM, IPC,
+    # vGPU), not an old driver (checked at start).
+    module.errors["restore"] = CuResult.CUDA_ERROR_NOT_SUPPORTED
+    with pytest.raises(cuda_driver.ProcessNotSupportedError) as refused:
         await driver.restore(5)
+    assert "need >= 570" not in str(refused.value)
+    assert "refuses to restore pid 5" in str(refused.value)
+    assert "CUDA IPC memory" in str(refused.value)
+    module.errors["get_state"] = CuResult.CUDA_ERROR_NOT_FOUND
+    with pytest.raises(base.BackendUnavailableError, match="need >= 570"):
+        await driver.get_state(5)
 
 
 @pytest.mark.parametrize(
     ("module", "message"),
     [
-        (FakeCudaModule(init=_CUresult.CUDA_ERROR_NO_DEVICE), "no NVIDIA GPU is visible"),
+        (FakeCudaModule(init=CuResult.CUDA_ERROR_NO_DEVICE), "no NVIDIA GPU is visible"),
         (FakeCudaModule(version=12040), "needs driver >= 570"),
     ],
     ids=["no-device", "old-driver"],
@@ -397,7 +253,7 @@ def test_bindings_driver_unavailable_at_init(module: FakeCudaModule, message: st
 
 def test_bindings_driver_without_libcuda_or_checkpoint_api() -> None:
     class NoLibcuda(FakeCudaModule):
-        def cuInit(self, flags: int) -> tuple[_CUresult]:
+        def cuInit(self, flags: int) -> tuple[CuResult]:
             raise RuntimeError("Failed to dlopen libcuda.so.1")
 
     with pytest.raises(base.BackendUnavailableError, match="could not be loaded"):
@@ -411,6 +267,16 @@ def test_bindings_driver_without_libcuda_or_checkpoint_api() -> None:
 
 
 # --------------------------------------------------------------------------- the fake
+
+
+async def test_fake_driver_times_out_a_lock_as_the_driver_does() -> None:
+    driver = cuda_fake.FakeDriver()
+    driver.add_process(1)
+    driver.lock_times_out(pid=1)
+    with pytest.raises(cuda_driver.LockTimeoutError) as caught:
+        await driver.lock(1, timeout_ms=1)
+    assert caught.value.code == "CUDA_ERROR_NOT_READY"
+    assert await driver.get_state(1) is S.RUNNING
 
 
 async def test_fake_driver_enforces_the_driver_state_machine() -> None:

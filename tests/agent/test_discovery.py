@@ -24,7 +24,7 @@ def _gpu(n: int) -> str:
 # --------------------------------------------------------------------------- NVML lists
 
 
-def test_gpu_processes_merges_lists_drops_empty_and_unknown_memory() -> None:
+def test_gpu_processes_merges_lists_drops_empty_keeps_unknown_memory() -> None:
     fake = nvml.FakeNvml(
         [
             nvml.FakeGpu(
@@ -40,14 +40,27 @@ def test_gpu_processes_merges_lists_drops_empty_and_unknown_memory() -> None:
     assert found == [
         discovery.GpuProcess(10, 0, _gpu(0), 4096),
         discovery.GpuProcess(10, 1, _gpu(1), 100),
+        # N/A (None from pynvml, or the raw value): on a MIG-enabled GPU every process
+        # reads so. Dropping them dropped every process of a MIG node; they are kept,
+        # their memory unknown.
+        discovery.GpuProcess(12, 0, _gpu(0), 0, memory_known=False),
+        discovery.GpuProcess(13, 0, _gpu(0), 0, memory_known=False),
         discovery.GpuProcess(14, 0, _gpu(0), 1024),
         discovery.GpuProcess(15, 0, _gpu(0), 512),
         discovery.GpuProcess(16, 1, _gpu(1), 7),
     ]
-    assert discovery.device_bytes_by_pid(found) == {10: 4196, 14: 1024, 15: 512, 16: 7}
-    # A process maps to every device it holds memory on (11, 12, 13 hold none).
+    assert discovery.device_bytes_by_pid(found) == {
+        10: 4196,
+        12: 0,
+        13: 0,
+        14: 1024,
+        15: 512,
+        16: 7,
+    }
+    assert discovery.memory_unknown(found) == {12, 13}
+    # A process maps to every device it is on (11 holds nothing there).
     assert discovery.pids_on_devices(found, [1]) == {10, 16}
-    assert discovery.pids_on_devices(found, [0]) == {10, 14, 15}
+    assert discovery.pids_on_devices(found, [0]) == {10, 12, 13, 14, 15}
     assert discovery.pids_on_devices(found, [2]) == set()
 
 
@@ -98,10 +111,33 @@ def test_pynvml_wrapper_reads_devices_and_processes() -> None:
     assert wrapped.device_count() == 1
     assert wrapped.device_uuid(0) == _gpu(7)
     assert wrapped.memory(0) == (300, 1000)
-    assert discovery.gpu_processes(wrapped) == [discovery.GpuProcess(5, 0, _gpu(7), 200)]
+    assert discovery.gpu_processes(wrapped) == [
+        discovery.GpuProcess(5, 0, _gpu(7), 200),
+        discovery.GpuProcess(6, 0, _gpu(7), 0, memory_known=False),
+    ]
     wrapped.close()
     wrapped.close()
     assert module.shutdowns == 1
+
+
+def test_a_failing_graphics_query_does_not_lose_the_compute_processes() -> None:
+    class NVMLError_NotSupported(Exception):
+        pass
+
+    class NoGraphics(_FakePynvml):
+        def nvmlDeviceGetGraphicsRunningProcesses(self, handle: str) -> list[Any]:
+            raise NVMLError_NotSupported("Not Supported")
+
+    wrapped = nvml.PynvmlNvml(module=NoGraphics())
+    assert [p.pid for p in wrapped.processes(0)] == [5, 6]
+
+    class NoCompute(_FakePynvml):
+        def nvmlDeviceGetComputeRunningProcesses(self, handle: str) -> list[Any]:
+            raise NVMLError_NotSupported("Not Supported")
+
+    # The compute list is what counts: its error is not hidden.
+    with pytest.raises(NVMLError_NotSupported):
+        nvml.PynvmlNvml(module=NoCompute()).processes(0)
 
 
 def test_pynvml_init_failure_is_a_clear_unavailable_error() -> None:

@@ -49,9 +49,13 @@ SETTINGS = {
 
 
 @contextlib.contextmanager
-def running_stack(groups: Mapping[str, GroupNodes]) -> Iterator[Stack]:
+def running_stack(
+    groups: Mapping[str, GroupNodes], settings: Mapping[str, Any] | None = None
+) -> Iterator[Stack]:
+    """The stack (``settings``: orchestrator settings besides :data:`SETTINGS`)."""
     base = Path(tempfile.mkdtemp(prefix="ts-set-"))
-    stack = Stack(base, {n: AGENT_FLAGS for n in NODES}, groups, orchestrator_settings=SETTINGS)
+    merged = {**SETTINGS, **(settings or {})}
+    stack = Stack(base, {n: AGENT_FLAGS for n in NODES}, groups, orchestrator_settings=merged)
     try:
         yield stack.start()
     finally:

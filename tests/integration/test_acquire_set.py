@@ -58,7 +58,8 @@ OVERLAPS = {"o1": {"o2"}, "o2": {"o1", "o3"}, "o3": {"o2"}}
 PAIRS = {
     name: (f"{name}-a", f"{name}-b")
     for name in (
-        "order", "sync", "cancel", "late", "lease", "evict", "alone", "nested", "nested-set"
+        "order", "sync", "cancel", "late", "lease", "evict", "alone", "nested", "nested-set",
+        "kept-deadline", "kept-evicted", "held-evicted", "early-lease",
     )
 }  # fmt: skip
 GROUPS: dict[str, GroupNodes] = {
@@ -281,8 +282,9 @@ async def test_a_deadline_passing_while_one_group_is_granted_and_one_switches_le
                 granted = await events.wait_for(K.KIND_GRANTED, resident, "w")
                 assert granted.detail == "zero-cost", granted
                 await events.wait_for(K.KIND_SWITCH_STARTED, switching, "w")
-                # The granted part is yielded again; the part in its switch leaves it.
-                await events.wait_for(K.KIND_YIELDED, resident, "w")
+                # The granted part is given back; the part in its switch leaves it.
+                given_back = await events.wait_for(K.KIND_CANCELLED, resident, "w")
+                assert "AcquireSet was cancelled" in given_back.detail, given_back
                 await events.wait_for(K.KIND_CANCELLED, switching, "w")
             await events.wait_for(K.KIND_SWITCH_DONE, switching, "w")
             assert events.count(K.KIND_GRANTED, (switching,)) == 0
@@ -293,6 +295,85 @@ async def test_a_deadline_passing_while_one_group_is_granted_and_one_switches_le
         assert (await o.acquire("z", switching)).success
         await o.yield_("z", resident)
         await o.yield_("z", switching)
+
+
+# ---- 4b. a success answer is never taken back by the set (issue 21 §1) ------------------------
+
+
+async def _set_deadline(o: SetOrchestrator, pending: asyncio.Task[Any], second: str) -> None:
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await pending
+    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED, err.value
+
+
+async def _set_evicted(o: SetOrchestrator, pending: asyncio.Task[Any], second: str) -> None:
+    request = opb.EvictRequest(job_id="j", group_id=second, reason="not now")
+    await o.stub.Evict(request, timeout=WAIT_S, wait_for_ready=True)
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await pending  # (answered once the set's withdrawal is done)
+    assert err.value.code() == grpc.StatusCode.ABORTED, err.value
+
+
+@pytest.mark.parametrize(
+    ("pair", "end"), [("kept-deadline", _set_deadline), ("kept-evicted", _set_evicted)]
+)
+async def test_a_failed_set_never_takes_back_a_group_another_acquire_of_its_job_was_granted(
+    stack: Stack, pair: str, end: SetEnd
+) -> None:
+    """k holds `second`; j asks for both as a set (3-s deadline), and another process of j
+    for `first` alone: granted at once, which also completes the set's part there. The
+    set then fails (its deadline, or j evicted from `second`): its withdrawal must not
+    yield `first`, which j was told it holds. (Before: l was granted `first` while j
+    used it, and j's Yield was refused as 'held by l'.)"""
+    first, second = PAIRS[pair]
+    async with held_by(stack, {second: "k"}) as (o, events):
+        pending = o.acquiring_set("j", first, second, timeout=3.0)
+        for group in (first, second):
+            await events.wait_for(K.KIND_QUEUED, group, "j")
+        other = await queued(o, events, "l", first)
+        assert (await o.acquire("j", first)).success  # j's other process
+        await end(o, pending, second)
+        # The set's part left `second` (CANCELLED there) before its share of `first` was
+        # given back, and a status read of `first` is served after that: j still holds.
+        await events.wait_for(K.KIND_CANCELLED, second, "j")
+        assert (await o.waiting(first)) == ("j", ["l"])
+        assert events.count(K.KIND_CANCELLED, (first,), "j") == 0
+        assert not other.done()
+        await o.yield_("j", first)  # j's own yield is what lets l in
+        assert (await other).success
+        await o.yield_("l", first)
+        await o.yield_("k", second)
+
+
+async def test_a_set_whose_held_group_was_evicted_meanwhile_is_refused_not_granted_stale(
+    stack: Stack,
+) -> None:
+    """j holds `first` and asks for both; an administrator evicts j from `first`, and n
+    is granted it. When `second` frees, the set must not answer success with `first`'s
+    old grant: it fails ABORTED naming the eviction, and gives `second` back."""
+    first, second = PAIRS["held-evicted"]
+    async with held_by(stack, {first: "j", second: "k"}) as (o, events):
+        pending = o.acquiring_set("j", first, second)
+        await events.wait_for(K.KIND_QUEUED, second, "j")
+        n = await queued(o, events, "n", first)
+        request = opb.EvictRequest(job_id="j", group_id=first, reason="node maintenance")
+        await o.stub.Evict(request, timeout=WAIT_S, wait_for_ready=True)
+        assert (await n).success
+        await o.yield_("k", second)
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await pending
+        assert err.value.code() == grpc.StatusCode.ABORTED, err.value
+        message = err.value.details() or ""
+        assert f"lost group {first!r}" in message and "node maintenance" in message, message
+        assert (await o.waiting(first)) == ("n", [])
+        assert (await o.waiting(second)) == ("", [])  # given back: nobody holds it
+        # j's next call about `first` is told why.
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await o.yield_("j", first)
+        # (n holds it now: the refusal names the holder and the eviction.)
+        assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED, err.value
+        assert "node maintenance" in (err.value.details() or ""), err.value
+        await o.yield_("n", first)
 
 
 # ---- 5. leases ---------------------------------------------------------------------------------
@@ -328,6 +409,39 @@ async def test_a_set_s_lease_is_kept_per_group_by_its_own_hold_stream(stack: Sta
         assert (await events.wait_for(K.KIND_YIELDED, second, "w")).detail == "lease expired"
         await o.yield_("x", first)
         await o.yield_("y", second)
+
+
+async def test_a_set_s_lease_starts_when_the_set_is_answered_not_when_a_part_is_granted(
+    stack: Stack,
+) -> None:
+    """`resident` is granted to w's set at once (w's state is still there), `switching`
+    only after a switch that takes longer than the lease (node-b frozen meanwhile). w can
+    open no Hold stream before the set answers: the early part's lease must not run out
+    meanwhile (it did, and the set was then answered with a group w no longer held)."""
+    resident, switching = PAIRS["early-lease"]
+    lease_ms = 1000
+    async with connected(stack) as o:
+        await o.acquire("w", resident)
+        await o.yield_("w", resident)
+        await o.acquire("b", switching)
+        await o.yield_("b", switching)
+        async with Recorder(o.stub) as events:
+            with frozen(stack.agents["node-b"]):
+                pending = o.acquiring_set("w", resident, switching, lease_ms=lease_ms)
+                await events.wait_for(K.KIND_GRANTED, resident, "w")
+                await events.wait_for(K.KIND_SWITCH_STARTED, switching, "w")
+                # Three leases long; no event may end w's grant of `resident` meanwhile.
+                await asyncio.sleep(3 * lease_ms / 1000)
+            reply = await pending
+            assert events.count(K.KIND_YIELDED, (resident,), "w") == 0
+        epochs = {g.group_id: g.grant_epoch for g in reply.grants}
+        assert (await o.waiting(resident)) == ("w", [])
+        holds = {g: o.hold("w", g, epochs[g]) for g in (resident, switching)}
+        for hold in holds.values():
+            assert (await hold.read()).lease_ms == lease_ms
+        for group, hold in holds.items():
+            await o.yield_("w", group)
+            hold.cancel()
 
 
 # ---- 7. refusals ----------------------------------------------------------------------------

@@ -9,13 +9,14 @@ neither switch can end first however slow the machine is).
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Iterator
 
 import pytest
 
 from tests.faults.processes import GroupNodes, Stack
-from tests.faults.stack import K, job_states, running
+from tests.faults.stack import WAIT_S, K, job_states, running
 from tests.integration.acquire_set_stack import (
     Recorder,
     Windows,
@@ -136,3 +137,50 @@ async def test_a_set_whose_switches_are_in_flight_at_the_kill_is_finished_and_gr
 
     violations = journal_violations(stack, windows.seen, {g: GROUPS[g] for g in SWITCHING})
     assert violations == [], no_violations(violations)
+
+
+#: A short re-attach grace, for a job that never comes back.
+GONE = ("gone-a", "gone-b")
+
+
+@pytest.fixture(scope="module")
+def short_grace_stack() -> Iterator[Stack]:
+    groups: dict[str, GroupNodes] = {GONE[0]: {"node-a": [0]}, GONE[1]: {"node-b": [0]}}
+    with running_stack(groups, {"reattach_grace_s": 2.0}) as running_:
+        yield running_
+
+
+async def test_a_leaseless_set_s_part_granted_before_the_kill_is_released_if_its_job_never_returns(
+    short_grace_stack: Stack,
+) -> None:
+    """w's set is granted `resident` at once (w's state is still there) while `switching`
+    waits for its switch (node-b frozen); the orchestrator dies and w never returns. w
+    was never told it holds anything: after the re-attach grace both groups are free.
+    (Before: `switching` was released, `resident` stayed w's for ever, no lease to end it.)"""
+    stack = short_grace_stack
+    resident, switching = GONE
+    async with connected(stack) as o:
+        await o.acquire("w", resident)
+        await o.yield_("w", resident)  # w stays resident there: its next grant is at once
+        await o.acquire("b", switching)
+        await o.yield_("b", switching)
+        async with Recorder(o.stub) as events:
+            with frozen(stack.agents["node-b"]):
+                cut = o.acquiring_set("w", resident, switching)
+                granted = await events.wait_for(K.KIND_GRANTED, resident, "w")
+                assert granted.detail == "zero-cost", granted
+                await events.wait_for(K.KIND_SWITCH_STARTED, switching, "w")
+                stack.orchestrator.kill()
+            await cut_by_the_kill(cut)
+    stack.orchestrator.restart()
+
+    async with connected(stack) as o:
+        # (Read, not watched: the release may come before a watch could be opened.)
+        deadline = time.monotonic() + WAIT_S
+        while [await o.waiting(g) for g in GONE] != [("", [])] * 2:
+            assert time.monotonic() < deadline, [await o.waiting(g) for g in GONE]
+            await asyncio.sleep(0.1)
+        # Another job gets each at once.
+        for group in (resident, switching):
+            assert (await o.acquire("z", group)).success
+            await o.yield_("z", group)

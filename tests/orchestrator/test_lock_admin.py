@@ -39,6 +39,19 @@ def test_an_evicted_holder_with_nobody_waiting_stays_resident_and_its_yield_is_r
     assert g.eviction("a") == "" and g.on_yield("a", now=4).ok
 
 
+def test_an_evicted_holder_asking_again_is_still_told_why_until_it_is_granted_again() -> None:
+    """Another process of the job asks again while b holds: a late Yield of the evicted
+    process must still name the eviction (found by the grant-promise runs)."""
+    g = locked()
+    g.on_acquire("b", now=1)
+    g.on_evict("a", why=WHY, now=2)
+    g.on_acquire("a", now=3)  # a waits behind b
+    late = g.on_yield("a", now=4)
+    assert not late.ok and late.holder == "b" and late.evicted == WHY
+    g.on_cancel("a", now=5)
+    assert g.eviction("a") == WHY
+
+
 def test_evicting_the_target_of_the_switch_in_progress_aborts_its_acquire() -> None:
     g = locked()
     g.on_acquire("b", now=1)

@@ -103,3 +103,53 @@ async def test_the_unclaimed_deadline_is_stored_and_an_older_database_migrates(
     await s.close()
     assert old.holder == "b" and old.holder_unclaimed_until is None
     assert saved == record
+
+
+# ---- a grant made to the parts of a set not answered yet (issue 21 §3) --------------------
+
+
+def _granted_to_a_set_part(g: lk.GroupLock, now: float) -> int:
+    """j's set part is granted (the driver tells the lock it was a set's part)."""
+    start = g.on_acquire("j", now=now)[-1]  # (the gate is the driver's: a free group)
+    assert isinstance(start, act.StartSwitch)
+    (granted,) = g.on_switch_done(epoch=start.epoch, restored=False, now=now)
+    assert isinstance(granted, act.Granted)
+    g.on_granted_to_set_parts("j", epoch=granted.epoch, parts=1, now=now)
+    return granted.epoch
+
+
+def test_a_grant_only_a_set_s_part_received_is_unclaimed_on_disk_until_the_set_is_answered() -> (
+    None
+):
+    g = lk.GroupLock(reattach_grace_s=GRACE_S, wall_offset_s=1000)
+    epoch = _granted_to_a_set_part(g, now=5)
+    assert g.provisional and g.holder == "j"
+    assert g.record().holder_unclaimed_until == 1000 + 5 + GRACE_S
+    # Live, nothing expires it: its part is attached (the set waits for other groups).
+    assert g.on_expire(now=5 + GRACE_S + 1) == [] and g.holder == "j"
+    g.on_set_answered("j", epoch=epoch)
+    assert not g.provisional and g.record().holder_unclaimed_until is None
+
+
+def test_after_a_restart_an_unanswered_set_part_s_grant_ends_at_the_grace_unless_claimed() -> None:
+    g = lk.GroupLock(reattach_grace_s=GRACE_S, wall_offset_s=1000)
+    _granted_to_a_set_part(g, now=5)
+    # The restart comes 3 s later (wall 1008, a new monotonic clock at 50): the grant's
+    # deadline (wall 1015) is monotonic 57.
+    back = lk.GroupLock.from_record(g.record(), now=50, reattach_grace_s=GRACE_S, wall_now=1008)
+    back.on_recovered(resident="j", verified=True, rollback=False, now=50)
+    assert back.on_expire(now=56) == [] and back.holder == "j"
+    (released,) = back.on_expire(now=57)
+    assert isinstance(released, act.Emit) and released.kind is act.EventKind.CANCELLED
+    assert back.holder is None
+
+
+def test_a_plain_acquire_among_the_receivers_claims_the_grant() -> None:
+    g = lk.GroupLock(reattach_grace_s=GRACE_S, wall_offset_s=1000)
+    _granted_to_a_set_part(g, now=5)
+    (again,) = g.on_acquire("j", now=6)  # another process of j: answered at once
+    assert isinstance(again, act.Granted) and again.held
+    assert not g.provisional and g.record().holder_unclaimed_until is None
+    # The set then fails: its share goes back, the grant stands (j was told).
+    assert g.on_undelivered("j", epoch=again.epoch, now=7) == []
+    assert g.holder == "j"

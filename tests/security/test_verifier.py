@@ -1,16 +1,19 @@
 """The verifier's rules without servers: tokens (inline, from a file, rotated), the
-certificate convention, job-id patterns, and config errors that name the field."""
+certificate convention, literal job ids and explicit prefixes, and config errors that
+name the field."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import pathlib
+import threading
 
 import pytest
 import yaml
 
-from tslice.common import auth, tls
+from tslice.common import auth, errors, tls
 
 
 def _sha(token: str) -> str:
@@ -32,11 +35,20 @@ def test_a_rotated_tokens_file_is_read_again_and_the_old_token_refused(
     principal = verifier.verify(auth.Presented(token="old"))
     assert principal == auth.Principal("ops", frozenset({"admin"}), (), "token")
     _write(tokens, f"tokens: [{{name: ops, roles: [admin], sha256: {_sha('new')}}}]\n")
+    _reread(verifier)
     assert verifier.verify(auth.Presented(token="new")) == principal
     with pytest.raises(auth.Unauthenticated):
         verifier.verify(auth.Presented(token="old"))
     _write(tokens, "tokens: [{name: ops, roles: [wizard], sha256: 00}]\n")  # a bad edit
+    _reread(verifier)
     assert verifier.verify(auth.Presented(token="new")) == principal  # the last good file stays
+
+
+def _reread(verifier: auth.StaticVerifier) -> None:
+    """A call's check starts the re-read (in a thread of its own); wait for it."""
+    with contextlib.suppress(auth.Unauthenticated):  # (its own answer is not looked at)
+        verifier.verify(auth.Presented(token="any"))
+    verifier.settle()
 
 
 def test_a_client_token_file_is_read_again_when_it_changes(tmp_path: pathlib.Path) -> None:
@@ -50,7 +62,7 @@ def test_a_client_token_file_is_read_again_when_it_changes(tmp_path: pathlib.Pat
 
 def test_certificate_identities_follow_the_convention_unless_mapped() -> None:
     mapped = auth.Grant.parse(
-        {"name": "ci-bot", "roles": ["job"], "jobs": ["ci/*"]}, where="x", token=False
+        {"name": "ci-bot", "roles": ["job"], "job_prefixes": ["ci/"]}, where="x", token=False
     )
     verifier = auth.StaticVerifier(identities=[mapped])
 
@@ -123,3 +135,84 @@ def test_a_plugged_in_verifier_is_asked_first_and_the_static_rules_still_apply()
     assert ops is not None and ops.roles == {"admin"}
     with pytest.raises(auth.Unauthenticated):
         verifier.verify(auth.Presented(token="neither"))
+
+
+# ---- the tokens file: rotation, what is read, off the caller's thread (issue 21 §3) ----
+
+
+def _ops(token: str) -> str:
+    return f"tokens: [{{name: ops, roles: [admin], sha256: {_sha(token)}}}]\n"
+
+
+def test_a_tokens_file_removed_during_a_rotation_keeps_the_last_good_tokens(
+    tmp_path: pathlib.Path,
+) -> None:
+    """`rm` then `cp`: between the two the file is missing; the check that meets the gap
+    must neither fail the call nor drop the tokens."""
+    tokens = tmp_path / "tokens.yaml"
+    _write(tokens, _ops("old"))
+    verifier = auth.StaticVerifier(tokens_file=tokens, load_yaml=yaml.safe_load, reload_check_s=0)
+    tokens.unlink()
+    _reread(verifier)
+    assert verifier.verify(auth.Presented(token="old")) is not None
+    _write(tokens, _ops("new"))
+    _reread(verifier)
+    assert verifier.verify(auth.Presented(token="new")) is not None
+
+
+@pytest.mark.parametrize("kind", ["device", "fifo", "huge"])
+def test_a_tokens_file_that_is_no_small_regular_file_is_not_read(
+    tmp_path: pathlib.Path, kind: str
+) -> None:
+    """/dev/zero was read until the OOM killer came; a FIFO blocked the open."""
+    tokens = tmp_path / "tokens.yaml"
+    if kind == "device":
+        tokens.symlink_to("/dev/zero")
+    elif kind == "fifo":
+        os.mkfifo(tokens)
+    else:
+        _write(tokens, _ops("t") + "#" * (auth.MAX_TOKENS_FILE_BYTES + 1))
+    message = "larger than" if kind == "huge" else "not a regular file"
+    with pytest.raises(errors.ConfigError, match=message):
+        auth.StaticVerifier(tokens_file=tokens, load_yaml=yaml.safe_load)
+    # At a reload: the last good tokens stay.
+    good = tmp_path / "good.yaml"
+    _write(good, _ops("t"))
+    verifier = auth.StaticVerifier(tokens_file=good, load_yaml=yaml.safe_load, reload_check_s=0)
+    good.unlink()
+    os.rename(tokens, good)
+    _reread(verifier)
+    assert verifier.verify(auth.Presented(token="t")) is not None
+
+
+def test_a_slow_tokens_file_never_stalls_a_call(tmp_path: pathlib.Path) -> None:
+    """The re-read (here a parser that does not return until told) runs beside the calls:
+    they are answered meanwhile with the tokens read last."""
+    tokens = tmp_path / "tokens.yaml"
+    _write(tokens, _ops("old"))
+    release = threading.Event()
+    parsing = threading.Event()
+
+    def slow_yaml(text: str) -> object:
+        if "new" in text or _sha("new") in text:
+            parsing.set()
+            release.wait(30)
+        return yaml.safe_load(text)
+
+    verifier = auth.StaticVerifier(tokens_file=tokens, load_yaml=slow_yaml, reload_check_s=0)
+    _write(tokens, _ops("new"))
+    answered = threading.Event()
+
+    def call() -> None:
+        verifier.verify(auth.Presented(token="old"))
+        answered.set()
+
+    caller = threading.Thread(target=call, daemon=True)
+    caller.start()
+    try:
+        assert parsing.wait(10), "the re-read did not start"
+        assert answered.wait(10), "the call waited for the tokens file to be parsed"
+    finally:
+        release.set()
+    verifier.settle()
+    assert verifier.verify(auth.Presented(token="new")) is not None

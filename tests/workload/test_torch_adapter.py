@@ -278,7 +278,12 @@ def test_moves_are_idempotent_and_counted(trained) -> None:
     assert adapter.restore(["weights"]).device_bytes == first.device_bytes
     assert adapter.restore(["weights"]).device_bytes == 0
     assert adapter.stats == torch_adapter.TorchAdapterStats(
-        snapshots=2, bytes_out=first.device_bytes, restores=3, bytes_in=first.device_bytes
+        snapshots=2,
+        bytes_out=first.device_bytes,
+        restores=3,
+        bytes_in=first.device_bytes,
+        bytes_copied_out=first.device_bytes,
+        host_allocations=1,
     )
 
 

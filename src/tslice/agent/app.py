@@ -20,7 +20,17 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from tslice.agent import channel, fencing, metrics, registration, runner, server, store, traced
+from tslice.agent import (
+    channel,
+    fencing,
+    metrics,
+    parking,
+    registration,
+    runner,
+    server,
+    store,
+    traced,
+)
 from tslice.agent import config as agent_config
 from tslice.agent.backends import base, registry, services
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
@@ -152,6 +162,9 @@ async def serve(
             max_operations=config.max_operations,
             channel_registered=hub.is_registered,
             on_backend_error=monitor.mark_unavailable,
+            host_budget=parking.HostBudget(
+                budget_bytes=config.host_budget_bytes, reserve_bytes=config.host_reserve_bytes
+            ),
         )
         await core.start()
         hub.add_listener(core.on_workload_event)
@@ -166,7 +179,7 @@ async def serve(
             ],
         )
         servicer = server.SnapshotAgentServicer(core=core, hub=hub, fence=fence)
-        traced.install(servicer, core.guarded_backends, node=config.node_name)  # tracing on only
+        traced.install(servicer, core.guarded, node=config.node_name)  # tracing on only
         pb_grpc.add_SnapshotAgentServiceServicer_to_server(servicer, grpc_server)
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, grpc_server)
         reflection.enable_server_reflection(

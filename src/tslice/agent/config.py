@@ -14,6 +14,8 @@ File shape (every key optional)::
     default_backend: sim
     backends: [sim, noop]          # enabled in addition to default_backend
     operation_timeout_s: 600
+    host_budget: 512GiB            # host memory parked states may hold (default: see below)
+    host_reserve: 16GiB            # kept free when host_budget is not set
     metrics_port: 0
     log_level: info
     tls: {cert: agent.pem, key: agent.key, client_ca: ca.pem}   # off: plaintext
@@ -128,6 +130,13 @@ class AgentConfig:
     sim: SimConfig = dataclasses.field(default_factory=SimConfig)
     #: Deadline of one operation, retries included; past it the job is FAULTED.
     operation_timeout_s: float = 600.0
+    #: Host memory the parked states of this node may hold, bytes; a snapshot beyond it
+    #: is refused before anything is frozen (tslice.agent.parking). None (default): the
+    #: node's available memory at each snapshot, less ``host_reserve_bytes``.
+    host_budget_bytes: int | None = None
+    #: Kept free for the node's own processes when ``host_budget_bytes`` is not set;
+    #: None (default): 10 % of the node's memory, at least 2 GiB.
+    host_reserve_bytes: int | None = None
     #: Finished operations stay pollable this long (seconds)...
     operation_retention_s: float = 24 * 3600.0
     #: ...and at most this many are kept.
@@ -232,6 +241,8 @@ class _AgentModel(BaseModel):
     backend_settings: dict[str, dict[str, Any]] = Field(default_factory=dict)
     sim: _SimModel = Field(default_factory=_SimModel)
     operation_timeout_s: float = Field(default=600.0, gt=0)
+    host_budget: ByteSize | None = Field(default=None, ge=0)
+    host_reserve: ByteSize | None = Field(default=None, ge=0)
     operation_retention_s: float = Field(default=24 * 3600.0, gt=0)
     max_operations: int = Field(default=10_000, ge=1)
     health_interval_s: float = Field(default=10.0, gt=0)
@@ -257,6 +268,8 @@ class _AgentModel(BaseModel):
     def freeze(self) -> AgentConfig:
         # The fields are AgentConfig's, by name; only these change type on the way.
         fields = {name: getattr(self, name) for name in type(self).model_fields}
+        fields["host_budget_bytes"] = _bytes(fields.pop("host_budget"))
+        fields["host_reserve_bytes"] = _bytes(fields.pop("host_reserve"))
         fields.update(
             state_dir=self.state_dir.expanduser(),
             backends=tuple(self.backends),

@@ -9,8 +9,11 @@ Three sources, in the order the cuda backend trusts them:
 3. NVML process lists matched to a pod through ``/proc/<pid>/cgroup``
    (:func:`gpu_processes` then :func:`pids_for_pod`), for Kubernetes mode.
 
-Processes that hold a CUDA context but no device memory (launchers, daemons)
-are dropped from NVML lists: locking them fails and there is nothing to move.
+Processes that NVML lists with no device memory (launchers, daemons) are dropped:
+locking them fails and there is nothing to move. A process whose memory NVML cannot
+tell (``N/A``: every process on a MIG-enabled GPU, and under vGPU) is kept, with its
+memory unknown (``GpuProcess.memory_known``): it is on the device, but bytes moved
+read 0 for it and the freed-memory check cannot be made per process.
 All functions are synchronous and cheap except the NVML queries.
 """
 
@@ -32,26 +35,47 @@ class GpuProcess:
     device: int
     device_uuid: str
     used_bytes: int
+    #: False where NVML reads N/A (MIG, vGPU): ``used_bytes`` is then 0, not measured.
+    memory_known: bool = True
 
 
 def gpu_processes(nvml: nvml_mod.Nvml) -> list[GpuProcess]:
     """Processes holding device memory, one entry per (pid, device), over all devices.
 
-    Compute and graphics lists are merged; entries reporting 0 bytes or "not
-    available" are dropped (they hold a context but nothing to checkpoint).
+    Compute and graphics lists are merged; entries reporting 0 bytes are dropped (they
+    hold a context but nothing to checkpoint); entries whose memory is "not available"
+    are kept with ``memory_known=False`` (see the module docstring).
     """
     found: dict[tuple[int, int], GpuProcess] = {}
     for index in range(nvml.device_count()):
         uuid = nvml.device_uuid(index)
         for proc in nvml.processes(index):
             used = proc.used_bytes
-            if used is None or used == 0 or used >= nvml_mod.NVML_VALUE_NOT_AVAILABLE:
+            if used == 0:
                 continue
+            known = used is not None and used < nvml_mod.NVML_VALUE_NOT_AVAILABLE
+            entry = GpuProcess(proc.pid, index, uuid, used if known and used else 0, known)
             key = (proc.pid, index)
             previous = found.get(key)
-            if previous is None or previous.used_bytes < used:
-                found[key] = GpuProcess(proc.pid, index, uuid, used)
+            if previous is None or (known and previous.used_bytes < entry.used_bytes):
+                found[key] = entry
     return sorted(found.values(), key=lambda p: (p.pid, p.device))
+
+
+def listed_without_memory(nvml: nvml_mod.Nvml) -> set[int]:
+    """PIDs that NVML lists (so it sees them, in this PID namespace) with 0 bytes on
+    every device: a CUDA context and nothing to move (a launcher, a Ray daemon)."""
+    empty: set[int] = set()
+    holding: set[int] = set()
+    for index in range(nvml.device_count()):
+        for proc in nvml.processes(index):
+            (empty if proc.used_bytes == 0 else holding).add(proc.pid)
+    return empty - holding
+
+
+def memory_unknown(processes: Iterable[GpuProcess]) -> set[int]:
+    """PIDs whose device memory NVML cannot tell on some device (MIG, vGPU)."""
+    return {proc.pid for proc in processes if not proc.memory_known}
 
 
 def device_bytes_by_pid(processes: Iterable[GpuProcess]) -> dict[int, int]:
@@ -150,6 +174,25 @@ def descends_from(
             return True
         current = parent_pid(current, proc_root=proc_root)
     return False
+
+
+#: What NCCL names its shared-memory segments (``/dev/shm/nccl-XXXXXX``): a process that
+#: maps one holds a communicator with peers on this node.
+NCCL_SHM_MARK = "/dev/shm/nccl-"
+
+
+def holds_nccl_peers(pid: int, *, proc_root: str | os.PathLike[str] = "/proc") -> bool:
+    """Whether ``pid`` maps an NCCL shared-memory segment (a communicator with a peer on
+    this node, through the SHM or P2P transport); False if its maps cannot be read.
+
+    A heuristic, documented as such: loading libnccl (every PyTorch CUDA process does)
+    is not enough; a communicator between processes of one node is.
+    """
+    try:
+        with (Path(proc_root) / str(pid) / "maps").open(errors="replace") as maps:
+            return any(NCCL_SHM_MARK in line for line in maps)
+    except OSError:
+        return False
 
 
 class InvalidPidError(ValueError):

@@ -28,7 +28,7 @@ from typing import Any, TypeVar
 from tslice.agent import job_model
 from tslice.agent.backends import base
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
-from tslice.common import refusals
+from tslice.common import logs, refusals
 
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")
@@ -158,6 +158,17 @@ class GuardedBackends:
                 f"({type(err).__name__}: {err}); nothing was changed",
             ) from err
 
+    def holds_host_memory(self, name: str) -> bool:
+        """Whether backend ``name``'s parked states hold the node's host memory."""
+        backend = self.backends.get(name)
+        return backend is not None and bool(backend.holds_host_memory)
+
+    async def host_bytes_needed(self, route: job_model.Route, job: job_model.Job) -> int | None:
+        """The backend's estimate of what a snapshot of the job would park; None if it
+        cannot tell or fails (logged)."""
+        question = self.backends[route.backend].host_bytes_needed(self._context(job, route.config))
+        return await self._ask(route.backend, question, f"estimate job {job.job_id}'s state")
+
     async def recover(self, name: str, job: job_model.Job) -> job_model.State | None:
         """What backend ``name`` reports for the job; ``None`` if it cannot tell or fails."""
         ctx = self._context(job, job.backend_config())
@@ -210,6 +221,8 @@ class GuardedBackends:
         self, op: job_model.Operation, job: job_model.Job, config: pb.BackendConfig | None
     ) -> job_model.Outcome:
         """Run the operation's backend call under its deadline, retrying transient failures."""
+        # Every log line of the operation's task names it (a C call: no work to speak of).
+        logs.IDS.set({"job_id": job.job_id, "group_id": job.group, "operation_id": op.op_id})
         backend, ctx, mode = self.backends[op.backend], self._context(job, config), mode_of(config)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.operation_timeout_s

@@ -13,6 +13,9 @@ from prometheus_client.registry import Collector
 from tslice.common import auth, metrics_http, tls
 
 _DURATION_BUCKETS = (0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+#: GB/s: from a driver checkpoint in the field (2-6) to a PCIe Gen5 link (~50) and beyond
+#: (several GPUs of one job moved at once add up).
+_THROUGHPUT_BUCKETS = (0.5, 1, 2, 4, 8, 16, 25, 50, 100, 200, 400)
 
 
 class AgentMetrics:
@@ -39,11 +42,19 @@ class AgentMetrics:
             ["backend", "kind"],
             registry=self.registry,
         )
+        self.throughput = Histogram(
+            "tslice_agent_operation_throughput_gbps",
+            "Device bytes moved per second by each completed operation that moved bytes, "
+            "GB/s (10^9 bytes), retries included.",
+            ["backend", "kind"],
+            buckets=_THROUGHPUT_BUCKETS,
+            registry=self.registry,
+        )
         #: Counted when scraped (see count_jobs): nothing to update on a hand-over.
         self._jobs = _JobsCollector()
         self.registry.register(self._jobs)
         self._server: metrics_http.MetricsServer | None = None
-        self._series: dict[tuple[str, str, str], tuple[Any, Any, Any]] = {}
+        self._series: dict[tuple[str, str, str], tuple[Any, Any, Any, Any]] = {}
 
     def observe(
         self, *, backend: str, kind: str, outcome: str, seconds: float, device_bytes: int
@@ -55,13 +66,16 @@ class AgentMetrics:
                 self.operations.labels(backend=backend, kind=kind, outcome=outcome),
                 self.duration.labels(backend=backend, kind=kind),
                 self.bytes_moved.labels(backend=backend, kind=kind),
+                self.throughput.labels(backend=backend, kind=kind),
             )
             self._series[(backend, kind, outcome)] = series
-        count, duration, moved = series
+        count, duration, moved, throughput = series
         count.inc()
         duration.observe(seconds)
         if device_bytes > 0:
             moved.inc(device_bytes)
+            if outcome == "complete" and seconds > 0:
+                throughput.observe(device_bytes / seconds / 1e9)
 
     def count_jobs(self, counts: Callable[[], Mapping[str, int]]) -> None:
         """Where ``tslice_agent_jobs`` comes from: called (from the HTTP thread) per scrape."""

@@ -15,12 +15,15 @@ from __future__ import annotations
 import abc
 import dataclasses
 import importlib
+import logging
 import threading
 from collections.abc import Iterable, Mapping
 from typing import Any
 
 #: What NVML reports (as an unsigned 64-bit value) when it cannot tell a process's memory.
 NVML_VALUE_NOT_AVAILABLE = 2**64 - 1
+
+log = logging.getLogger(__name__)
 
 
 class NvmlUnavailableError(RuntimeError):
@@ -95,15 +98,17 @@ class PynvmlNvml(Nvml):
         return int(info.used), int(info.total)
 
     def processes(self, index: int) -> list[ProcessMemory]:
+        """Compute processes (an error here is raised), then graphics processes, whose
+        query's errors are ignored: many data-centre GPUs and drivers refuse it
+        (NVMLError_NotSupported), and a CUDA job is a compute process anyway."""
         handle = self._handle(index)
-        found: list[ProcessMemory] = []
-        for query in (
-            self._nv.nvmlDeviceGetComputeRunningProcesses,
-            self._nv.nvmlDeviceGetGraphicsRunningProcesses,
-        ):
-            for proc in query(handle):
-                used = getattr(proc, "usedGpuMemory", None)
-                found.append(ProcessMemory(int(proc.pid), None if used is None else int(used)))
+        found = [_entry(proc) for proc in self._nv.nvmlDeviceGetComputeRunningProcesses(handle)]
+        try:
+            graphics = self._nv.nvmlDeviceGetGraphicsRunningProcesses(handle)
+        except Exception as exc:  # NVMLError_*: the compute list above is what counts
+            log.debug("NVML graphics process list unavailable on device %d: %s", index, exc)
+            graphics = []
+        found.extend(_entry(proc) for proc in graphics)
         return found
 
     def close(self) -> None:
@@ -111,6 +116,11 @@ class PynvmlNvml(Nvml):
             if self._open:
                 self._open = False
                 self._nv.nvmlShutdown()
+
+
+def _entry(proc: Any) -> ProcessMemory:
+    used = getattr(proc, "usedGpuMemory", None)
+    return ProcessMemory(int(proc.pid), None if used is None else int(used))
 
 
 def open_nvml() -> Nvml:

@@ -15,6 +15,10 @@ Protocol (one exchange per connection, UTF-8 JSON lines):
 A registration is keyed by PID plus process start time, so a reused PID never
 inherits an old registration; processes that exit are dropped lazily.
 
+A process that has workload hooks (quiesce before the cuda backend locks it, resume
+after) sends ``"hooks": true`` too; the connection then stays open for the agent's
+hook calls (:mod:`tslice.agent.quiesce`) until the process closes it or exits.
+
 The same socket binds a workload channel to its process (gRPC reports a Unix peer as
 ``unix:`` only, with no credentials): a workload sends
 ``{"job_id": ..., "group": ..., "channel_instance": "<token>"}`` with the random
@@ -52,7 +56,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from tslice.agent import discovery
+from tslice.agent import discovery, quiesce
 from tslice.common import ids
 
 log = logging.getLogger(__name__)
@@ -102,6 +106,8 @@ class ProcessRegistry:
         # Insertion order of the dict = registration order.
         self._by_pid: dict[int, Registration] = {}
         self._bindings: dict[str, ChannelBinding] = {}
+        #: Quiesce/resume hooks of the processes that announced them.
+        self.hooks = quiesce.ProcessHooks()
 
     def _alive(self, reg: Registration | ChannelBinding) -> bool:
         now = discovery.process_start_time(reg.pid, proc_root=self._proc_root)
@@ -291,6 +297,7 @@ class RegistrationServer:
         if server is None:
             return
         server.close()
+        await self.registry.hooks.close()  # kept connections, or wait_closed() waits on them
         await server.wait_closed()
         try:
             if stat.S_ISSOCK(self.path.lstat().st_mode):
@@ -306,20 +313,27 @@ class RegistrationServer:
         await self.close()
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        keep = False
         try:
             reply = await self._exchange(reader, writer)
         except Exception as exc:  # one bad client must not disturb the server
             log.warning("process registration failed", exc_info=exc)
             reply = {"ok": False, "error": f"internal error: {exc}"}
+        hooks_of = reply.pop("_hooks_of", None)
         try:
             writer.write(json.dumps(reply).encode() + b"\n")
             await writer.drain()
+            if isinstance(hooks_of, int):
+                # The connection stays open for the process's hooks (tslice.agent.quiesce).
+                self.registry.hooks.attach(hooks_of, reader, writer)
+                keep = True
         except OSError:
             pass  # the client went away; nothing to tell it
         finally:
-            writer.close()
-            with contextlib.suppress(OSError):
-                await writer.wait_closed()
+            if not keep:
+                writer.close()
+                with contextlib.suppress(OSError):
+                    await writer.wait_closed()
 
     async def _exchange(
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
@@ -359,11 +373,21 @@ class RegistrationServer:
             reg = self.registry.register(job_id=job_id, pid=pid, group=group, uid=uid)
         except RegistrationError as exc:
             return {"ok": False, "error": str(exc)}
+        hooks = message.get("hooks") is True
         log.info(
             "process registered",
-            extra={"job_id": reg.job_id, "group_id": reg.group, "pid": pid, "uid": uid},
+            extra={
+                "job_id": reg.job_id,
+                "group_id": reg.group,
+                "pid": pid,
+                "uid": uid,
+                "hooks": hooks,
+            },
         )
-        return {"ok": True, "pid": pid, "job_id": reg.job_id}
+        reply: dict[str, Any] = {"ok": True, "pid": pid, "job_id": reg.job_id}
+        if hooks:
+            reply["_hooks_of"] = pid
+        return reply
 
     def _bind(
         self, instance: object, *, job_id: str, group: str, pid: int, uid: int

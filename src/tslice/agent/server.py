@@ -47,6 +47,8 @@ def operation_to_pb(op: job_model.Operation, *, now: float) -> pb.GetOperationRe
     if op.status is job_model.OpStatus.COMPLETE:
         response.storage_bytes = op.storage_bytes or 0
         response.snapshot_device_bytes = op.device_bytes or 0
+        if op.device_bytes and response.elapsed_ms > 0:
+            response.throughput_gbps = op.device_bytes / response.elapsed_ms / 1e6
     elif op.status is job_model.OpStatus.FAILED:
         response.error = validation.bounded(op.error or "operation failed")
     return response
@@ -251,7 +253,10 @@ class SnapshotAgentServicer(pb_grpc.SnapshotAgentServiceServicer):
         # first Status read fences the node before it directs anything).
         await self._fenced(context, directive=False)
         accelerators = await self._core.accelerators()
+        host_limit, host_parked = self._core.host_memory()
         return pb.StatusResponse(
+            host_budget_bytes=host_limit or 0,
+            host_parked_bytes=host_parked,
             job_statuses=[job_to_pb(job) for job in self._core.list_jobs()],
             accelerator_statuses=[
                 pb.AcceleratorStatus(

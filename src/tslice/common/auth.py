@@ -11,6 +11,10 @@ with its mutual-TLS certificate; a :class:`Verifier` maps what it presented to a
   its common name) under a convention — ``orchestrator`` has the orchestrator role,
   ``admin`` the admin role, ``job:<id>`` the job role for job ``<id>`` — or as the
   ``identities:`` entries map it;
+
+Identities are literal: a job id a certificate names or a grant lists is compared as a
+string, never as a pattern (a certificate ``job:*`` signed by an outside PKI must not act
+as every job). A grant may name ``job_prefixes:`` explicitly instead.
 - anything else (Kubernetes service-account tokens...): ``verifier: module:factory``,
   asked first.
 
@@ -31,12 +35,13 @@ from __future__ import annotations
 import contextvars
 import dataclasses
 import enum
-import fnmatch
 import hashlib
 import hmac
 import importlib
 import inspect
 import logging
+import os
+import stat
 import threading
 import time
 from collections.abc import Awaitable, Callable, Collection, Iterator, Mapping, Sequence
@@ -58,6 +63,8 @@ IDENTITY_SCHEME = "tslice:"
 _JOB_PREFIX = "job:"
 #: How often a tokens file is looked at for changes, seconds.
 _RELOAD_CHECK_S = 1.0
+#: The largest tokens file read (thousands of entries fit; /dev/zero does not).
+MAX_TOKENS_FILE_BYTES = 4 * 1024 * 1024
 
 HOW_TO_AUTHENTICATE = (
     "present a client certificate signed by the server's client CA "
@@ -72,13 +79,17 @@ class Principal:
 
     name: str
     roles: frozenset[str] = frozenset()
-    #: Job ids (or ``fnmatch`` patterns: ``team-a/*``) it may act as with the job role.
+    #: Job ids it may act as with the job role, compared literally.
     jobs: tuple[str, ...] = ()
     #: How it proved itself: "token", "certificate", or a custom verifier's word.
     via: str = "token"
+    #: Prefixes of the job ids it may also act as (only where a grant names them).
+    job_prefixes: tuple[str, ...] = ()
 
     def may_act_as(self, job_id: str) -> bool:
-        return JOB in self.roles and any(fnmatch.fnmatchcase(job_id, p) for p in self.jobs)
+        return JOB in self.roles and (
+            job_id in self.jobs or any(job_id.startswith(p) for p in self.job_prefixes)
+        )
 
     def __str__(self) -> str:
         return f"{self.name!r} ({self.via})"
@@ -117,12 +128,19 @@ class Grant:
     jobs: tuple[str, ...]
     #: SHA-256 of the token (tokens only).
     digest: bytes = b""
+    job_prefixes: tuple[str, ...] = ()
 
     @classmethod
     def parse(cls, data: object, *, where: str, token: bool) -> Grant:
         if not isinstance(data, Mapping):
             raise ValueError(f"{where} must be a mapping ({{name, roles, jobs, ...}})")
-        keys = ("name", "roles", "jobs", *(("sha256", "token_file") if token else ()))
+        keys = (
+            "name",
+            "roles",
+            "jobs",
+            "job_prefixes",
+            *(("sha256", "token_file") if token else ()),
+        )
         unknown = sorted(set(data) - set(keys))
         if unknown:
             raise ValueError(f"{where}: unknown key {unknown[0]!r}; the keys are {', '.join(keys)}")
@@ -134,19 +152,69 @@ class Grant:
         if roles - set(ROLES):
             bad = sorted(roles - set(ROLES))[0]
             raise ValueError(f"{where}.roles: {bad!r} is not a role; use {', '.join(ROLES)}")
-        jobs = tuple(_strings(data.get("jobs", []), f"{where}.jobs"))
-        if jobs and JOB not in roles:
+        jobs = tuple(_job_ids(data.get("jobs", []), f"{where}.jobs"))
+        prefixes = tuple(_job_prefixes(data.get("job_prefixes", []), f"{where}.job_prefixes"))
+        if (jobs or prefixes) and JOB not in roles:
             raise ValueError(f"{where}: jobs are given but roles has no {JOB!r}; add it")
-        return cls(name, roles, jobs, _token_digest(data, where) if token else b"")
+        digest = _token_digest(data, where) if token else b""
+        return cls(name, roles, jobs, digest, prefixes)
 
     def principal(self, via: str) -> Principal:
-        return Principal(self.name, self.roles, self.jobs, via)
+        return Principal(self.name, self.roles, self.jobs, via, self.job_prefixes)
 
 
 def _strings(value: object, where: str) -> list[str]:
     if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
         raise ValueError(f"{where} must be a list of strings")
     return list(value)
+
+
+def _job_ids(value: object, where: str) -> list[str]:
+    """Job ids, each a valid id: compared literally, a ``*`` is no wildcard."""
+    found = _strings(value, where)
+    for i, job in enumerate(found):
+        try:
+            ids.check_id("job id", job)
+        except ids.InvalidIdError as err:
+            prefix = job.rstrip("*?")
+            hint = (
+                f"; jobs are compared literally: for every job id starting with {prefix!r} "
+                f"write job_prefixes: [{prefix!r}]"
+                if prefix != job and prefix
+                else ""
+            )
+            raise ValueError(f"{where}[{i}]: {err}{hint}") from None
+    return found
+
+
+def _job_prefixes(value: object, where: str) -> list[str]:
+    """Prefixes of job ids: not empty (that would be every job), id characters only."""
+    found = _strings(value, where)
+    for i, prefix in enumerate(found):
+        if not prefix:
+            raise ValueError(f"{where}[{i}] is empty, which would be every job: name a prefix")
+        try:
+            ids.check_id("job id prefix", prefix + "x")  # a prefix completes to an id
+        except ids.InvalidIdError as err:
+            raise ValueError(f"{where}[{i}]: {err}") from None
+    return found
+
+
+def _read_small_file(path: Path, limit: int) -> tuple[os.stat_result, str]:
+    """A regular file's status and text, if it holds at most ``limit`` bytes (raises
+    ValueError otherwise: a device, a FIFO or a runaway file is never read whole)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO does not block the open
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode):
+            raise ValueError("is not a regular file")
+        data = f.read(limit + 1)
+    if len(data) > limit:
+        raise ValueError(f"is larger than {limit} bytes")
+    try:
+        return st, data.decode()
+    except UnicodeDecodeError as err:
+        raise ValueError(f"is not UTF-8 text ({err.reason})") from None
 
 
 def _token_digest(data: Mapping[str, Any], where: str) -> bytes:
@@ -175,13 +243,30 @@ def certificate_principal(identity: str, mapped: Mapping[str, Grant]) -> Princip
         return grant.principal("certificate")
     if identity in (ORCHESTRATOR, ADMIN):
         return Principal(identity, frozenset({identity}), (), "certificate")
-    if identity.startswith(_JOB_PREFIX) and len(identity) > len(_JOB_PREFIX):
-        return Principal(identity, frozenset({JOB}), (identity[len(_JOB_PREFIX) :],), "certificate")
+    if identity.startswith(_JOB_PREFIX):
+        job = identity[len(_JOB_PREFIX) :]
+        try:
+            ids.check_id("the job id", job)
+        except ids.InvalidIdError as err:
+            # Refused, not merely role-less: such a certificate was issued by mistake.
+            raise Unauthenticated(
+                f"the client certificate names identity {identity!r}, and {err}; a job "
+                "identity is one job id, compared literally (no wildcards): issue the "
+                "certificate for job:<job id>"
+            ) from None
+        return Principal(identity, frozenset({JOB}), (job,), "certificate")
     return Principal(identity, frozenset(), (), "certificate")
 
 
 class StaticVerifier:
-    """Static tokens (inline and from a file re-read on change) and certificate identities."""
+    """Static tokens (inline and from a file re-read on change) and certificate identities.
+
+    The tokens file is read at start (an error stops the server). Later, at most every
+    ``reload_check_s``, a call's verification starts a re-read in a thread of its own
+    and goes on with the tokens read last: a slow or huge file never stalls the event
+    loop, and a file that is missing (``rm`` then ``cp`` during a rotation), unreadable
+    or malformed keeps the last good tokens.
+    """
 
     def __init__(
         self,
@@ -201,6 +286,7 @@ class StaticVerifier:
         self._from_file: tuple[Grant, ...] = ()
         self._stamp: tuple[int, int, int] | None = None
         self._checked = 0.0
+        self._reload: threading.Thread | None = None
         if tokens_file is not None:
             self._from_file = self._read_file()
 
@@ -210,12 +296,14 @@ class StaticVerifier:
             raise errors.ConfigError("a tokens file needs the server's YAML loader (load_yaml)")
         path = self._file
         try:
-            st = path.stat()
-            data = self._load_yaml(path.read_text())
+            st, text = _read_small_file(path, MAX_TOKENS_FILE_BYTES)
+            data = self._load_yaml(text)
         except OSError as err:
             raise errors.ConfigError(
                 f"cannot read the tokens file {path} ({err.strerror or err}); fix auth.tokens_file"
             ) from err
+        except ValueError as err:  # not a regular file, too large, not UTF-8, not YAML
+            raise errors.ConfigError(f"tokens file {path}: {err}") from err
         tokens = data.get("tokens") if isinstance(data, Mapping) else None
         if not isinstance(tokens, list):
             raise errors.ConfigError(
@@ -236,23 +324,49 @@ class StaticVerifier:
             return self._inline
         with self._guard:
             now = time.monotonic()
-            if now - self._checked >= self._reload_check_s:
+            if now - self._checked >= self._reload_check_s and self._reload is None:
                 self._checked = now
-                self._reload_if_changed()
+                self._reload = threading.Thread(
+                    target=self._reload_if_changed, name="tslice-tokens-reload", daemon=True
+                )
+                self._reload.start()
             return self._inline + self._from_file
+
+    def settle(self, timeout_s: float = 10.0) -> None:
+        """Wait for a re-read of the tokens file in progress (tests, and a clean stop)."""
+        reload = self._reload
+        if reload is not None:
+            reload.join(timeout_s)
 
     def _reload_if_changed(self) -> None:
         assert self._file is not None
         try:
-            st = self._file.stat()
-            if (st.st_ino, st.st_size, st.st_mtime_ns) == self._stamp:
+            try:
+                st = self._file.stat()
+                if (st.st_ino, st.st_size, st.st_mtime_ns) == self._stamp:
+                    return
+            except OSError as err:
+                # Between an `rm` and a `cp`: the tokens read last stay.
+                log.warning(
+                    "tokens file %s not read (%s); the previous tokens stay",
+                    self._file,
+                    err.strerror or err,
+                )
                 return
-            self._from_file = self._read_file()
-        except errors.ConfigError as err:
-            # A bad edit must not lock everyone out: the tokens read last stay.
-            log.error("tokens file not reloaded, the previous tokens stay: %s", err)
-            return
-        log.info("tokens reloaded from %s (%d tokens)", self._file, len(self._from_file))
+            try:
+                grants = self._read_file()
+            except errors.ConfigError as err:
+                # A bad edit must not lock everyone out: the tokens read last stay.
+                log.error("tokens file not reloaded, the previous tokens stay: %s", err)
+                return
+            with self._guard:
+                self._from_file = grants
+            log.info("tokens reloaded from %s (%d tokens)", self._file, len(grants))
+        except Exception:  # a thread's failure would be lost: say it, keep the tokens
+            log.exception("tokens file %s not reloaded; the previous tokens stay", self._file)
+        finally:
+            with self._guard:
+                self._reload = None
 
     def verify(self, presented: Presented) -> Principal | None:
         if presented.token is not None:
@@ -418,7 +532,7 @@ def enforced() -> bool:
 
 
 class JobScope(Collection[str]):
-    """The job ids a principal may act as, patterns included (``in`` matches them)."""
+    """The job ids a principal may act as (``in`` also matches its grant's prefixes)."""
 
     def __init__(self, principal: Principal | None) -> None:
         self._principal = principal
@@ -457,10 +571,17 @@ def require_job(job_id: str) -> None:
 
 
 def presented_by(context: Any) -> Presented:
-    """What the caller of ``context`` (a grpc.aio.ServicerContext) presented."""
+    """What the caller of ``context`` (a grpc.aio.ServicerContext) presented; raises
+    :class:`Unauthenticated` for a call with more than one ``authorization`` header
+    (which one counts would be a guess)."""
     token = None
-    for key, value in context.invocation_metadata() or ():
-        if key == tls.AUTHORIZATION and isinstance(value, str):
+    headers = [v for k, v in context.invocation_metadata() or () if k == tls.AUTHORIZATION]
+    if len(headers) > 1:
+        raise Unauthenticated(
+            f"the call carries {len(headers)} '{tls.AUTHORIZATION}' headers; send one"
+        )
+    for value in headers:
+        if isinstance(value, str):
             scheme, _, rest = value.partition(" ")
             if scheme.lower() == "bearer" and rest.strip():
                 token = rest.strip()
@@ -503,13 +624,18 @@ class Interceptor(grpc.aio.ServerInterceptor):
 
     async def _admit(self, method: str, context: Any) -> None:
         """Verify the caller of ``method``; abort the call, or keep its principal."""
-        presented = presented_by(context)
         try:
+            try:
+                presented = presented_by(context)
+            except Unauthenticated as err:
+                raise _Refusal(
+                    grpc.StatusCode.UNAUTHENTICATED, f"{err} (refused by the {self._server})"
+                ) from None
             principal = self.decide(method, presented)
         except _Refusal as refusal:
             # An audit trail of what was tried (a caller that presented nothing: debug only).
             level = logging.DEBUG if refusal.anonymous else logging.WARNING
-            log.log(level, "refused a call from %s: %s", presented.peer, refusal.message)
+            log.log(level, "refused a call from %s: %s", context.peer(), refusal.message)
             await context.abort(refusal.code, refusal.message)
         _CALLER.set(principal)
 
@@ -527,10 +653,14 @@ class Interceptor(grpc.aio.ServerInterceptor):
         try:
             principal = self._verifier.verify(presented)
         except Unauthenticated as err:
+            fix = (
+                f": check the token (${tls.TOKEN_ENV} or ${tls.TOKEN_FILE_ENV}), or have its "
+                "sha256 added to the server's auth.tokens"
+                if presented.token is not None
+                else ""
+            )
             raise _Refusal(
-                grpc.StatusCode.UNAUTHENTICATED,
-                f"{err} by the {self._server}: check the token (${tls.TOKEN_ENV} or "
-                f"${tls.TOKEN_FILE_ENV}), or have its sha256 added to the server's auth.tokens",
+                grpc.StatusCode.UNAUTHENTICATED, f"{err} (refused by the {self._server}){fix}"
             ) from None
         if principal is None:
             raise _Refusal(

@@ -34,10 +34,12 @@ class Waiter:
     job: str
     future: asyncio.Future[Grant]
     granted_epoch: int | None = None
+    #: The set it is a part of (AcquireSet), answered only with the whole set.
+    set_seq: int | None = None
 
     @classmethod
-    def new(cls, job: str) -> Waiter:
-        return cls(job, asyncio.get_running_loop().create_future())
+    def new(cls, job: str, set_seq: int | None = None) -> Waiter:
+        return cls(job, asyncio.get_running_loop().create_future(), set_seq=set_seq)
 
 
 class Callers:

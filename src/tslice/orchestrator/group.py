@@ -289,7 +289,7 @@ class GroupDriver:
                 footprint_bytes=footprint_bytes,
                 status_timeout_s=self._cfg.status_timeout_s,
             )
-        waiter = callers.Waiter.new(job)
+        waiter = callers.Waiter.new(job, set_seq)
 
         def apply(now: float) -> list[Effect]:
             self._callers.add(waiter)
@@ -352,6 +352,32 @@ class GroupDriver:
         self.post(apply)
         # The yield is applied even if the caller goes away: shield the reply.
         return await asyncio.shield(reply)
+
+    def lost_grant(self, job: str, epoch: int) -> str | None:
+        """Why ``job`` no longer holds this group under grant ``epoch`` (None: it does)."""
+        lk = self.lock
+        if lk.holder == job and lk.grant_epoch == epoch:
+            return None
+        return lk.eviction(job) or (
+            f"its grant {epoch} of group {self.group_id!r} ended meanwhile (yielded, or its "
+            f"lease lapsed); {lk.holder or 'nobody'} holds it now"
+        )
+
+    async def give_back(self, job: str, epoch: int, why: str) -> None:
+        """``job``'s AcquireSet got grant ``epoch`` here but did not complete: its part of
+        the grant is undelivered. The group is released only if no other call of the job
+        was answered with that grant (see lock.on_undelivered)."""
+        await self._decide(
+            lambda now: (
+                None,
+                self.bind(self.lock.on_undelivered(job, epoch=epoch, now=now, why=why)),
+            )
+        )
+
+    def answered(self, job: str, epoch: int) -> None:
+        """``job``'s AcquireSet is answered with grant ``epoch`` of this group: the grant
+        is claimed from now (and a lease starts), see lock.on_set_answered."""
+        self.post(inbox.change(lambda: self.lock.on_set_answered(job, epoch=epoch)))
 
     async def open_hold(self, job: str, *, epoch: int) -> leases.HoldSession:
         """Register a Hold stream of ``job`` (``epoch`` 0 = the current grant).
@@ -511,6 +537,11 @@ class GroupDriver:
         for action in actions:
             if isinstance(action, decisions.Granted):
                 receivers = self._callers.granted(action.job, action.epoch)
+                parts = 0 if action.held else sum(w.set_seq is not None for w in receivers)
+                if parts:
+                    self.lock.on_granted_to_set_parts(
+                        action.job, epoch=action.epoch, parts=parts, now=time.monotonic()
+                    )
                 announce = functools.partial(self.events.granted, action)
                 effects += [callers.resolve_effect(action, receivers), announce, self._prefetch]
             elif isinstance(action, decisions.Abort):

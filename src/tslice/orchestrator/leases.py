@@ -106,7 +106,9 @@ class Leases:
         if len(self._holds) != self._reported:
             self._reported = len(self._holds)
             self._open_now.set(self._reported)
-        key = (holder, epoch) if holder is not None and lease_ms > 0 and not self._holds else None
+        # A grant held only for a set not answered yet: its job cannot open a stream yet.
+        leased = lease_ms > 0 and not lk.provisional and not self._holds
+        key = (holder, epoch) if holder is not None and leased else None
         if key == self._key:
             return
         self._cancel_timer()

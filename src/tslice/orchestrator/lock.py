@@ -105,7 +105,7 @@ class GroupLock(lock_state.LockState):
         unclaimed = record.holder_unclaimed_until
         if granted and unclaimed is not None:
             lock._confirm_deadline = unclaimed - offset
-        lock._receivers = 1 if granted and unclaimed is None else 0
+        lock._receivers = lock._answered = 1 if granted and unclaimed is None else 0
         return lock
 
     def use_policy(self, policy: sched.Policy, *, woken: bool = False) -> None:
@@ -131,7 +131,6 @@ class GroupLock(lock_state.LockState):
 
         ``set_seq``: it is one group of set ``set_seq`` (AcquireSet): it is granted only
         once the whole set is ready (:meth:`on_set_ready`), never at once."""
-        self._evicted.pop(job, None)
         if footprint_bytes > 0:
             self._footprints[job] = footprint_bytes
         if lease_ms > 0:
@@ -148,7 +147,9 @@ class GroupLock(lock_state.LockState):
             return []
         if self._holder == job:
             self._receivers += 1
-            self._confirm_deadline = None
+            if set_seq is None:  # (a set's part is answered with its set: on_set_answered)
+                self._answered += 1
+                self._confirm_deadline = None
             return [act.Granted(job, self._epoch, False, 0.0, zero_cost=True, held=True)]
         if self.blocked:
             return [act.Abort(job, self.blocked, code=refusals.Code.UNAVAILABLE)]
@@ -202,18 +203,27 @@ class GroupLock(lock_state.LockState):
                 ]
         return []
 
-    def on_undelivered(self, job: str, *, epoch: int, now: float) -> list[act.Action]:
-        """An Acquire RPC of ``job`` was granted but cancelled before the reply went out.
+    def on_undelivered(
+        self,
+        job: str,
+        *,
+        epoch: int,
+        now: float,
+        why: str = "grant not delivered (RPC cancelled)",
+    ) -> list[act.Action]:
+        """An Acquire RPC of ``job`` was granted but cancelled before the reply went out
+        (or an AcquireSet that did not complete gives back its part of the grant).
 
         When every receiver of the grant is gone, the job never learnt that it holds
         the group: release it like a yield so that it does not become a ghost holder.
+        While one receiver was answered, the grant stands: a success answer is taken
+        back only by the job's yield, its lease or an eviction.
         """
         if self._holder != job or self._epoch != epoch or self._switch is not None:
             return []
         self._undelivered += 1
         if self._undelivered < self._receivers:
             return []
-        why = "grant not delivered (RPC cancelled)"
         return self._release(job, now, act.EventKind.CANCELLED, why)
 
     def on_yield(self, job: str, *, now: float) -> act.YieldOutcome:
@@ -475,6 +485,24 @@ class GroupLock(lock_state.LockState):
         self._set_pass = job
         return self._promote(now)
 
+    def on_granted_to_set_parts(self, job: str, *, epoch: int, parts: int, now: float) -> None:
+        """Of the receivers of ``job``'s new grant ``epoch``, ``parts`` are the parts of
+        sets not answered yet: they count as answered only with their set. Granted to
+        such parts alone, the grant is unclaimed on disk until then (a crash meanwhile
+        must not leave for ever a holder that was never told) and its lease waits."""
+        if self._holder != job or self._epoch != epoch or self._switch is not None:
+            return
+        self._answered = max(0, self._answered - parts)
+        if self._answered == 0:
+            self._confirm_deadline = now + self._grace
+
+    def on_set_answered(self, job: str, *, epoch: int) -> None:
+        """``job``'s set, granted here under ``epoch``, was answered success: its part is
+        an answered receiver now (the grant is claimed, and its lease may start)."""
+        if self._holder == job and self._epoch == epoch and self._switch is None:
+            self._answered += 1
+            self._confirm_deadline = None
+
     def on_set_ready(self, job: str, *, set_seq: int, now: float) -> list[act.Action]:
         """Every group of ``job``'s set ``set_seq`` is reserved for it: grant it here."""
         return self._promote(now) if self._sets.on_ready(job, set_seq) else []
@@ -524,8 +552,10 @@ class GroupLock(lock_state.LockState):
         if new_epoch:
             self._epoch += 1
         self._holder = job
+        self._evicted.pop(job, None)  # (kept until then: a late Yield is told why)
         self._receivers = attached
         self._undelivered = 0
+        self._answered = attached  # (less the parts of sets: on_granted_to_set_parts)
         self._confirm_deadline = None
         self._wake_at = None
         self._policy.granted(job, now=now)
@@ -558,6 +588,7 @@ class GroupLock(lock_state.LockState):
         self._holder = None
         self._receivers = 0
         self._undelivered = 0
+        self._answered = 0
         self._confirm_deadline = None
         return [act.Emit(kind, job, detail), *self._promote(now)]
 

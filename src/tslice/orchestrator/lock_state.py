@@ -95,6 +95,10 @@ class LockState:
         # and how many of those were cancelled before the reply went out.
         self._receivers = 0
         self._undelivered = 0
+        # Of those, how many were answered: a set's part is answered only once its whole
+        # set is (on_set_answered). A grant nobody was answered is unclaimed on disk, and
+        # its lease waits for the answer (the job cannot open a Hold stream before).
+        self._answered = 0
         # A grant made by a recovered switch (never delivered: unclaimed) is kept until
         # then for its job to re-attach; persisted, so a restart does not extend it.
         self._confirm_deadline: float | None = None
@@ -151,7 +155,7 @@ class LockState:
 
     def _unclaimed_until(self, holder: str | None) -> float | None:
         """The wall-clock deadline of a holder whose grant nobody received (None: claimed)."""
-        if holder is None or self._receivers > 0 or self._confirm_deadline is None:
+        if holder is None or self._answered > 0 or self._confirm_deadline is None:
             return None
         return self._confirm_deadline + self._wall_offset
 
@@ -180,6 +184,16 @@ class LockState:
     @property
     def verified(self) -> bool:
         return self._verified
+
+    @property
+    def provisional(self) -> bool:
+        """The holder's grant went only to the parts of a set not answered yet."""
+        return (
+            self._holder is not None
+            and self._switch is None
+            and self._receivers > 0
+            and self._answered == 0
+        )
 
     @property
     def grant_epoch(self) -> int:

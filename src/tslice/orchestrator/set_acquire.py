@@ -3,19 +3,24 @@
 Each group gets its own Acquire of the job, tagged with the set's number, so leases,
 deadlines, faults that hold a group back, Hold streams and Yields work per group as
 for any Acquire. What is added: the groups grant only together (``set_gate``), and
-when one part fails or the caller goes away every other part is withdrawn, and a part
-already granted is yielded again, so that no group stays granted because of a set that
-did not complete. A group the job already holds (or is being switched to) is answered
-at once, as a holder's second Acquire is; the job's other groups are then plain
-Acquires (it waits holding part of the set already, and as plain waiters they may pass
-a group kept for an older set that waits for what the job holds). A job has one
-pending set per group at a time.
+when one part fails or the caller goes away every other part is withdrawn, so that no
+group stays granted because of a set that did not complete. A group the job already
+holds (or is being switched to) is answered at once, as a holder's second Acquire is;
+the job's other groups are then plain Acquires (it waits holding part of the set
+already, and as plain waiters they may pass a group kept for an older set that waits
+for what the job holds). A job has one pending set per group at a time.
+
+A set never takes back what another call of the job was told: a withdrawn part gives
+back only its own share of the grant (``GroupDriver.give_back``: as an undelivered
+reply), so a group that another Acquire of the job was granted, or held before, stays
+the job's. And a set answers success only with grants that still hold when it answers:
+a part granted early (a group the job held) that was evicted or lapsed meanwhile fails
+the set ABORTED, naming why.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Mapping
@@ -62,15 +67,43 @@ async def acquire_set(
     }
     try:
         await _all_or_first_failure(list(parts.values()))
-    except BaseException:
+        grants = {gid: part.result() for gid, part in parts.items()}
+        _refuse_a_lost_part(drivers, job, grants)
+        for gid, grant in grants.items():
+            drivers[gid].answered(job, grant.epoch)
+    except BaseException as failure:
         series.acquire_sets.labels(outcome="failed").inc()
-        await _withdraw(drivers, job, parts, held)
+        await _withdraw(drivers, job, parts, _why(failure))
         raise
     finally:
         coordinator.close(seq)
     series.acquire_sets.labels(outcome="granted").inc()
     series.acquire_set_wait.observe(time.monotonic() - started)
-    return {gid: part.result() for gid, part in parts.items()}
+    return grants
+
+
+def _refuse_a_lost_part(
+    drivers: Mapping[str, group.GroupDriver], job: str, grants: Mapping[str, callers.Grant]
+) -> None:
+    """Every part's grant must still hold as the set answers (a group the job held at the
+    start was answered at once, and may have been evicted or lapsed since)."""
+    for gid, grant in grants.items():
+        lost = drivers[gid].lost_grant(job, grant.epoch)
+        if lost is not None:
+            raise refusals.Refused(
+                refusals.Code.ABORTED,
+                f"job {job!r}'s AcquireSet of {', '.join(sorted(grants))} is not granted: it "
+                f"lost group {gid!r} while the set waited ({lost}); the set's other groups "
+                "were given back: acquire the set again",
+            )
+
+
+def _why(failure: BaseException) -> str:
+    if isinstance(failure, refusals.Refused):
+        return f"its AcquireSet did not complete: {failure.message}"
+    if isinstance(failure, asyncio.CancelledError):
+        return "its AcquireSet was cancelled before all its groups were granted"
+    return f"its AcquireSet did not complete ({type(failure).__name__})"
 
 
 def _refuse_a_second_set(coordinator: sets.SetCoordinator, job: str, groups: set[str]) -> None:
@@ -99,25 +132,19 @@ async def _withdraw(
     drivers: Mapping[str, group.GroupDriver],
     job: str,
     parts: Mapping[str, asyncio.Future[callers.Grant]],
-    held: set[str],
+    why: str,
 ) -> None:
-    """Cancel the parts still waiting (each leaves its queue) and yield the ones the set
-    had granted (never a group the job held before the call)."""
+    """Cancel the parts still waiting (each leaves its queue; one granted meanwhile
+    departs undelivered) and give back each granted part's share of its grant: the
+    group is released only where no other call of the job was answered with it."""
     for part in parts.values():
         part.cancel()
     # Shielded: a cancelled caller must not leave a granted part behind.
     await asyncio.shield(asyncio.gather(*parts.values(), return_exceptions=True))
-    granted = [
-        gid
+    granted = {
+        gid: part.result().epoch
         for gid, part in parts.items()
-        if gid not in held and not part.cancelled() and part.exception() is None
-    ]
-    for gid in granted:
-        with contextlib.suppress(refusals.Refused):
-            await asyncio.shield(drivers[gid].yield_(job))
-        log.info(
-            "group %s: yielded again for job %s, whose AcquireSet did not complete",
-            gid,
-            job,
-            extra={"group_id": gid, "job_id": job},
-        )
+        if not part.cancelled() and part.exception() is None
+    }
+    for gid, epoch in granted.items():
+        await asyncio.shield(drivers[gid].give_back(job, epoch, why))

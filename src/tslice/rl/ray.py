@@ -23,6 +23,11 @@ own client. ::
             with self.phases.phase("train"):
                 ...
 
+Each GPU worker process is announced to its node agent (:func:`announce_gpu_worker`:
+the actors Ray gave GPUs, with the job id and the group of their role), so that the
+``cuda`` backend finds them; :func:`phases` does it for its actor, and so does veRL in
+each of its workers. Call it in the ``__init__`` of any other GPU actor of the job.
+
 :func:`phases` and :func:`client` return one object per process, made on first use
 and closed at a normal exit (a killed process's groups go when its lease runs out), so
 that an actor's methods (and the tasks that reuse a worker process) share one channel.
@@ -48,8 +53,12 @@ from collections.abc import Mapping
 
 from tslice.client import Client
 from tslice.common import errors, ids
-from tslice.rl import _workload, roles, settings
+from tslice.rl import _announce, _workload, roles, settings
 from tslice.rl import phases as _phases
+
+#: Announce this process to the node agent as one of the job's GPU processes (for the
+#: ``cuda`` backend); :func:`phases` does it, veRL's workers do it when verl loads.
+announce_gpu_worker = _announce.announce_gpu_worker
 
 log = logging.getLogger("tslice.rl.ray")
 
@@ -204,6 +213,9 @@ def phases(
             )
             state.made_with = others
             _say_if_restarted(state.phases)
+            if state.phases.enabled:
+                # This actor may hold the job's GPU state itself (a trainer actor).
+                announce_gpu_worker(job_id=state.phases.job_id)
         elif (role is not None and roles.parse_role(role) is not state.phases.role) or (
             others not in (defaults, state.made_with)
         ):

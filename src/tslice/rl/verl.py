@@ -33,6 +33,11 @@ Phases at verl's hooks (V1 ``PPOTrainer``; names as in verl 0.9.1)::
 A hand-over from one phase to the next takes the new phase's groups before it yields
 the old one's when the tslice rules allow it (trainer group first), so a group both
 need is never given up in between.
+
+For the ``cuda`` backend, each of verl's GPU worker processes announces itself to its
+node agent when verl loads this plugin there (:func:`tslice.rl.ray.announce_gpu_worker`:
+the job id from ``$TIMESLICE_JOB_ID``, the group from ``$TSLICE_GROUP`` or the role's),
+so a veRL job's snapshot finds them with no patch.
 """
 
 from __future__ import annotations
@@ -204,3 +209,8 @@ def register(name: str = TRAINER_MODE, base: type | None = None) -> type:
 # register then; imported without verl, the module stays light and registers nothing.
 if "verl" in sys.modules:
     register()
+# verl loads its plugins in every process that imports it, its GPU workers (FSDP or
+# Megatron ranks, rollout engines) included: each announces itself to its node agent,
+# so that the cuda backend finds the job's processes with no patch. Only a Ray worker
+# that Ray gave GPUs does (not the TaskRunner, not the driver).
+_ray.announce_gpu_worker(only_in_ray=True)

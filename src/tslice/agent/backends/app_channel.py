@@ -130,6 +130,11 @@ class AppChannelBackend(base.Backend):
             ),
         )
 
+    async def host_bytes_needed(self, job: base.JobContext) -> int | None:
+        """Nothing for a DISCARD; else unknown (the workload says what it parked)."""
+        mode, _tags = _request(job)
+        return 0 if mode == pb.SUSPEND_MODE_DISCARD else None
+
     async def restore(self, job: base.JobContext) -> base.OpResult:
         _mode, tags = _request(job)
         return await self._move(

@@ -124,6 +124,10 @@ class Backend(abc.ABC):
     #: device memory ahead of its grant, keeping the host copy; the backend drops that
     #: copy whenever the memory is needed, and a later restore finds it there.
     prefetches: bool = False
+    #: The states this backend parks hold the node's host memory, so they count against
+    #: its budget for parked states (:mod:`tslice.agent.parking`). False for simulated
+    #: states (``sim``, ``noop``).
+    holds_host_memory: ClassVar[bool] = True
 
     @classmethod
     def create(cls, settings: Mapping[str, Any]) -> Self:
@@ -181,6 +185,13 @@ class Backend(abc.ABC):
         ``None`` (the default) means the backend cannot tell, and room is made. No side
         effects; may raise NeverFitsError.
         """
+        return None
+
+    async def host_bytes_needed(self, job: JobContext) -> int | None:
+        """Host bytes a snapshot of the RUNNING job would park now, asked before the
+        snapshot is started (the budget check, :mod:`tslice.agent.parking`); ``None``
+        (the default) if the backend cannot tell: the agent then takes the device bytes
+        the job was last seen to hold. No side effects; may block briefly (I/O)."""
         return None
 
     async def prefetch(self, job: JobContext) -> int:

@@ -1,49 +1,35 @@
 """The ``cuda`` backend: whole-process CUDA state moved by the driver checkpoint API.
 
-Snapshot, for each process of the job, one at a time, in the job's PID order:
-read the state; RUNNING → lock (with a timeout) → checkpoint; LOCKED →
-checkpoint; CHECKPOINTED → already done; FAILED → error. Restore, same order:
-CHECKPOINTED → restore (optionally onto other GPUs) → unlock; LOCKED → unlock;
-RUNNING → nothing. Because every step reads the state first, a restore aimed at
-a running process is a no-op, never a checkpoint (the reference's ``--toggle``
-bug), and retrying a half-done operation finishes it.
+A job's processes on this node move together (:mod:`tslice.agent.backends.cuda_moves`):
+every process is locked (each with a timeout), then every process is checkpointed,
+one task each over its own GPU's link; a restore brings every process back, then
+unlocks every one. Every step reads the state first and does only what is left, so a
+restore aimed at a running process is a no-op, never a checkpoint (the reference's
+``--toggle`` bug), and retrying a half-done operation finishes it. The failure rules
+(all or nothing: a failed snapshot is rolled back to RUNNING; lock timeouts are
+transient, per-process refusals refused, the rest fatal; a restore that changed
+nothing is transient) are in that module's docstring.
 
-Failure rules (the agent branches on the exception class):
+Which processes: :mod:`tslice.agent.backends.cuda_targets`. Residency is per (job,
+group): a process that named its group belongs to that group; one that named none
+belongs to each group of the job, unless the group names the device indices it uses
+on this node (``JobContext.devices``), in which case it belongs to the groups whose
+devices it holds memory on, as NVML reports. The list is persisted in
+``OpResult.state`` so restore and ``recover()`` work after an agent restart. Processes
+with no CUDA context, or (NVML says) no device memory, are skipped with a warning.
 
-* a snapshot that fails after touching some processes is rolled back: every
-  process handled so far (and the failing one) is brought back to RUNNING, so
-  the job is consistently resident;
-* a lock that times out (the process keeps running) then raises
-  ``TransientBackendError``: nothing changed, try again later;
-* any other snapshot failure raises ``FatalBackendError`` naming the failing
-  step and what the rollback did (the job is RUNNING again if it succeeded;
-  ResetJob confirms that from the driver);
-* a restore that fails before changing anything (the first process is still
-  CHECKPOINTED) is transient; later failures are fatal (nothing is re-checkpointed);
-* the operation deadline (``operation_timeout_s``) leaves the current process in
-  an unknown state: fatal, no rollback, ``recover()`` reads the truth later.
+Bytes are measured with NVML (per-process used memory summed over devices) before and
+after each operation; without NVML they are reported as 0. After a snapshot, NVML must
+show the processes' memory released (:mod:`tslice.agent.backends.cuda_verify`).
 
-Which processes: explicit PIDs from the request (checked to exist and not to be
-registered to another job), else the processes that announced themselves for the
-job's group (:mod:`tslice.agent.registration`) together with the PIDs recorded at
-the last operation of that (job, group) that are still the same processes. Residency
-is per (job, group): a process that named its group belongs to that group; one that
-named none belongs to each group of the job, unless the group names the device
-indices it uses on this node (``JobContext.devices``, from the topology through
-``GrantRequest.devices``), in which case it belongs to the groups whose devices it
-holds memory on, as NVML reports. The list is persisted in ``OpResult.state`` so
-restore and ``recover()`` work after an agent restart, when no process is visible to
-NVML any more.
-
-Bytes are measured with NVML (per-process used memory summed over devices)
-before and after each operation; without NVML they are reported as 0.
+A process is never driven by two operations at once, nor called into while a driver
+call of an earlier operation (one whose deadline passed) still runs on its thread.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 from collections.abc import AsyncIterator, Mapping
 from typing import TYPE_CHECKING, Any
@@ -54,8 +40,11 @@ from tslice.agent.backends import (
     base,
     cuda_binary,
     cuda_driver,
+    cuda_moves,
     cuda_settings,
     cuda_steps,
+    cuda_targets,
+    cuda_verify,
     services,
 )
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
@@ -64,12 +53,6 @@ if TYPE_CHECKING:
     from typing_extensions import Self
 
 log = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass(frozen=True)
-class _Target:
-    pid: int
-    start_time: int | None
 
 
 class CudaBackend(base.Backend):
@@ -89,9 +72,19 @@ class CudaBackend(base.Backend):
         self.settings = settings if settings is not None else cuda_settings.CudaSettings()
         self.registry = registry if registry is not None else registration.default_registry()
         self._driver = driver
+        self._driver_checked = False
         self._nvml = nvml
         self._nvml_problem: str | None = None
         self._busy: dict[int, str] = {}
+        self._said_unknown: set[int] = set()
+        #: Why the driver refused ``device_map`` at a restore: it is not tried again.
+        self.map_refused = ""
+        self.targets = cuda_targets.TargetFinder(
+            settings=self.settings,
+            registry=self.registry,
+            open_nvml=self._open_nvml,
+            nvml_problem=lambda: self._nvml_problem,
+        )
 
     @classmethod
     def create(cls, settings: Mapping[str, Any]) -> Self:
@@ -118,14 +111,53 @@ class CudaBackend(base.Backend):
                 binary=self.settings.binary,
             )
             log.info("cuda checkpoint driver selected", extra={"driver": self._driver.name})
+        if not self._driver_checked:
+            if self.settings.device_map:
+                await self._check_device_map(self._driver)
+            self._driver_checked = True
         return self._driver
+
+    async def _check_device_map(self, driver: cuda_driver.CheckpointDriver) -> None:
+        """A configured map needs the driver's support and must be a permutation of the
+        GPUs NVML lists (the driver wants every checkpointed GPU in it)."""
+        await driver.check_device_map()
+        nvml = await self._open_nvml()
+        if nvml is None:
+            raise base.BackendUnavailableError(
+                "device_map is configured, but NVML is unavailable to check that it maps "
+                f"every GPU of this node ({self._nvml_problem}); install tslice[gpu]"
+            )
+        found = await asyncio.to_thread(
+            lambda: {nvml.device_uuid(i) for i in range(nvml.device_count())}
+        )
+        uuids = {cuda_driver.normalize_gpu_uuid(u) for u in found}
+        mapped = set(self.settings.device_map)
+        if mapped != uuids or set(self.settings.device_map.values()) != uuids:
+            raise base.BackendUnavailableError(
+                "device_map must map every GPU of this node to one of them (a permutation "
+                f"of the GPUs NVML lists: {sorted(uuids)}); it maps {sorted(mapped)} to "
+                f"{sorted(self.settings.device_map.values())}. The driver restores only "
+                "with every checkpointed GPU in the map"
+            )
 
     async def _steps(self) -> cuda_steps.ProcessSteps:
         driver = await self._get_driver()
-        return cuda_steps.ProcessSteps(driver, lock_timeout_ms=self.settings.lock_timeout_ms)
+        return cuda_steps.ProcessSteps(
+            driver,
+            lock_timeout_ms=self.settings.lock_timeout_ms,
+            state_timeout_s=self.settings.state_timeout_s,
+        )
 
-    async def _rollback(self, steps: cuda_steps.ProcessSteps, pids: list[int]) -> tuple[bool, str]:
-        return await steps.rollback(pids, budget_s=self.settings.rollback_timeout_s)
+    def _moves(self, steps: cuda_steps.ProcessSteps, job: base.JobContext) -> cuda_moves.JobMoves:
+        return cuda_moves.JobMoves(
+            steps,
+            job_id=job.job_id,
+            deadline=cuda_steps.Deadline(self.settings.operation_timeout_s),
+            rollback_budget_s=self.settings.rollback_timeout_s,
+            parallel=self.settings.parallel_processes,
+            hooks=self.registry.hooks,
+            hook_timeout_s=self.settings.hook_timeout_s,
+        )
 
     async def _open_nvml(self) -> nvml_mod.Nvml | None:
         """NVML, opened on first use; None where it cannot be (why: ``_nvml_problem``)."""
@@ -147,153 +179,48 @@ class CudaBackend(base.Backend):
             return None
         return await self._open_nvml()
 
-    async def _measure(self, pids: list[int]) -> dict[int, int]:
-        """Device bytes per PID now (empty if NVML is unavailable)."""
+    async def _read(self, pids: list[int]) -> cuda_verify.Reading:
+        """What NVML says the processes hold now (never raises: measuring must not fail
+        an operation, the reading says why it is missing)."""
         nvml = await self._get_nvml()
         if nvml is None:
-            return {}
+            why = self._nvml_problem or "measure_bytes is off"
+            return cuda_verify.unread(why, pids)
         try:
-            procs = await asyncio.to_thread(discovery.gpu_processes, nvml)
-        except Exception as exc:  # measuring must never fail an operation
+            reading = await asyncio.to_thread(cuda_verify.read, nvml, pids)
+        except Exception as exc:
             log.warning("NVML query failed; bytes read 0", exc_info=exc)
-            return {}
-        totals = discovery.device_bytes_by_pid(procs)
-        return {pid: totals.get(pid, 0) for pid in pids}
-
-    # ----------------------------------------------------------------- targets
-
-    def _alive(self, target: _Target) -> bool:
-        now = discovery.process_start_time(target.pid, proc_root=self.settings.proc_root)
-        if now is None or not discovery.process_exists(
-            target.pid, proc_root=self.settings.proc_root
-        ):
-            return False
-        return target.start_time is None or target.start_time == now
-
-    def _target(self, pid: int) -> _Target:
-        return _Target(pid, discovery.process_start_time(pid, proc_root=self.settings.proc_root))
-
-    @staticmethod
-    def _recorded(job: base.JobContext) -> list[_Target]:
-        starts = job.state.get("start_times", {})
-        return [_Target(int(pid), starts.get(str(pid))) for pid in job.state.get("pids", [])]
-
-    @staticmethod
-    def _explicit(job: base.JobContext) -> list[int]:
-        config = job.config
-        if config is None or config.WhichOneof("backend") != "cuda":
-            return []
-        return list(config.cuda.explicit_target.pids)
-
-    def _foreign_owner(self, job: base.JobContext, pids: list[int]) -> str:
-        """Why one of ``pids`` may not be driven for ``job`` ('' if none)."""
-        for pid in pids:
-            owner = self.registry.job_of(pid)
-            if owner is not None and owner != job.job_id:
-                return (
-                    f"pid {pid} registered itself as part of job {owner!r}, not "
-                    f"{job.job_id!r}; a process belongs to one job"
-                )
-        return ""
-
-    def _explicit_pids(self, job: base.JobContext) -> list[int]:
-        """The request's PIDs, checked: InvalidBackendConfigError if one is not a process
-        here, BackendConfigRefusedError if one belongs to another job."""
-        try:
-            pids = discovery.validate_pids(self._explicit(job), proc_root=self.settings.proc_root)
-        except discovery.InvalidPidError as exc:
-            raise base.InvalidBackendConfigError(
-                f"CudaBackendConfig.explicit_target.pids for job {job.job_id!r}: {exc}"
-            ) from exc
-        foreign = self._foreign_owner(job, pids)
-        if foreign:
-            raise base.BackendConfigRefusedError(foreign)
-        return pids
-
-    async def _group_pids(self, job: base.JobContext) -> list[int]:
-        """The processes announced for the job that belong to ``job.group`` here (the rule
-        of the module docstring), in registration order; no group = all of the job's."""
-        announced = [r for r in self.registry.registrations() if r.job_id == job.job_id]
-        if not job.group:
-            return [r.pid for r in announced]
-        unnamed = [r.pid for r in announced if not r.group]
-        if job.devices and unnamed:
-            on_devices = await self._pids_on_devices(job)
-            unnamed = [pid for pid in unnamed if pid in on_devices]
-        return [r.pid for r in announced if r.group == job.group or r.pid in unnamed]
-
-    async def _pids_on_devices(self, job: base.JobContext) -> set[int]:
-        nvml = await self._open_nvml()
-        what = (
-            f"matching the processes of job {job.job_id!r} that named no group to the "
-            f"devices {list(job.devices)} of group {job.group!r}"
-        )
-        if nvml is None:
-            raise base.RefusedBackendError(
-                f"{what} needs NVML, which is unavailable ({self._nvml_problem}): install "
-                "tslice[gpu] on the agent, or announce each process with its group "
-                "(tslice.workload.process.announce_process(job_id, group=...)); nothing "
-                "was changed"
+            return cuda_verify.unread(f"the NVML query failed ({exc})", pids)
+        if reading.unknown - self._said_unknown:
+            self._said_unknown |= reading.unknown
+            log.warning(
+                "NVML cannot tell the device memory of processes %s (N/A: a MIG-enabled "
+                "GPU, or vGPU): bytes moved read 0 for them, and that they released "
+                "their memory cannot be checked per process",
+                sorted(reading.unknown),
             )
-        try:
-            procs = await asyncio.to_thread(discovery.gpu_processes, nvml)
-        except Exception as exc:  # an NVML hiccup: nothing was touched, try again
-            raise base.TransientBackendError(
-                f"{what}: the NVML query failed ({exc}); nothing was changed"
-            ) from exc
-        return discovery.pids_on_devices(procs, job.devices)
-
-    async def _snapshot_targets(self, job: base.JobContext) -> list[_Target]:
-        if self._explicit(job):
-            try:
-                pids = self._explicit_pids(job)
-            except base.InvalidBackendConfigError as exc:
-                raise base.FatalBackendError(
-                    f"cannot snapshot job {job.job_id!r}: {exc}; nothing was changed"
-                ) from exc
-            return [self._target(pid) for pid in pids]
-        targets = [t for t in self._recorded(job) if self._alive(t)]
-        known = {t.pid for t in targets}
-        targets += [self._target(pid) for pid in await self._group_pids(job) if pid not in known]
-        if not targets:
-            in_group = f" in group {job.group!r}" if job.group else ""
-            raise base.FatalBackendError(
-                f"no processes are known for job {job.job_id!r}{in_group} on this node: pass "
-                "CudaBackendConfig.explicit_target.pids, or call "
-                "tslice.workload.process.announce_process(job_id) in each GPU process of "
-                "the job; nothing was changed"
-            )
-        return targets
-
-    def _restore_targets(self, job: base.JobContext) -> list[_Target]:
-        targets = self._recorded(job)
-        known = {t.pid for t in targets}
-        for pid in self._explicit(job):
-            if pid > 0 and pid not in known:
-                targets.append(self._target(pid))
-                known.add(pid)
-        if not targets:
-            raise base.FatalBackendError(
-                f"no processes were recorded for job {job.job_id!r}: it was not snapshotted "
-                "by the cuda backend on this node; pass CudaBackendConfig.explicit_target.pids"
-            )
-        gone = [t.pid for t in targets if not self._alive(t)]
-        if gone:
-            raise base.FatalBackendError(
-                f"cannot restore job {job.job_id!r}: process(es) {gone} have exited, so their "
-                "checkpointed device state is lost; nothing was restored. Restart the job "
-                "(or ResetJob after killing its remaining processes)"
-            )
-        return targets
+        return reading
 
     @contextlib.asynccontextmanager
-    async def _claim(self, job_id: str, pids: list[int]) -> AsyncIterator[None]:
-        """Never drive one process from two operations at once."""
+    async def _claim(
+        self, job_id: str, pids: list[int], driver: cuda_driver.CheckpointDriver
+    ) -> AsyncIterator[None]:
+        """Never drive one process from two operations at once, nor call into one whose
+        earlier driver call (its caller's deadline passed) has not returned yet."""
         clash = {pid: self._busy[pid] for pid in pids if pid in self._busy}
         if clash:
             raise base.TransientBackendError(
                 f"process(es) {sorted(clash)} of job {job_id!r} are being checkpointed or "
                 f"restored by an operation of job(s) {sorted(set(clash.values()))}"
+            )
+        stuck = {pid: op for pid, op in driver.calls_in_flight().items() if pid in pids}
+        if stuck:
+            calls = ", ".join(f"{op} of pid {pid}" for pid, op in sorted(stuck.items()))
+            raise base.TransientBackendError(
+                f"job {job_id!r}: a driver call of an earlier operation has not returned yet "
+                f"({calls}; its deadline passed); the agent calls into those processes again "
+                "only once it returns",
+                retry_after=5.0,
             )
         self._busy.update(dict.fromkeys(pids, job_id))
         try:
@@ -304,7 +231,7 @@ class CudaBackend(base.Backend):
 
     def _state(
         self,
-        targets: list[_Target],
+        targets: list[cuda_targets.Target],
         driver: cuda_driver.CheckpointDriver,
         saved_bytes: Mapping[int, int],
     ) -> dict[str, Any]:
@@ -319,102 +246,97 @@ class CudaBackend(base.Backend):
 
     async def validate(self, job: base.JobContext) -> None:
         """Refuse explicit PIDs that are not processes on this node, or belong to another job."""
-        self._explicit_pids(job)
+        self.targets.explicit_pids(job)
 
     async def snapshot(self, job: base.JobContext, mode: int) -> base.OpResult:
         """Checkpoint every process of the job (DISCARD is treated as OFFLOAD: the
         driver always keeps the state in host memory)."""
         steps = await self._steps()
-        targets = await self._snapshot_targets(job)
+        targets = await self.targets.for_snapshot(job)
         pids = [t.pid for t in targets]
-        async with self._claim(job.job_id, pids):
-            deadline = cuda_steps.Deadline(self.settings.operation_timeout_s)
-            before = await self._measure(pids)
-            done: list[int] = []
-            touched: list[int] = []
-            for index, pid in enumerate(pids):
-                where = _where("snapshot", job, pid, index, len(pids))
-                try:
-                    outcome = await steps.save(pid, deadline, touched=touched)
-                except cuda_steps.DeadlineHit as hit:
-                    raise _deadline_passed(
-                        where, deadline, hit, "nothing was rolled back"
-                    ) from None
-                except base.BackendUnavailableError as exc:
-                    if not touched:
-                        raise  # failed reading the first state: nothing changed
-                    _, report = await self._rollback(steps, [*done, pid])
-                    raise base.FatalBackendError(f"{where}: {exc}; {report}") from exc
-                except cuda_driver.DriverError as exc:
-                    ok, report = await self._rollback(steps, [*done, pid])
-                    if ok and isinstance(exc, cuda_driver.LockTimeoutError):
-                        raise base.TransientBackendError(
-                            f"{where}: {exc} (the process kept running); {report}; nothing changed",
-                            retry_after=1.0,
-                        ) from exc
-                    suffix = (
-                        "; the job is RUNNING again" if ok else "; the job is partly checkpointed"
-                    )
-                    raise base.FatalBackendError(f"{where}: {exc}; {report}{suffix}") from exc
-                log.info(
-                    "process checkpointed",
-                    extra={"job_id": job.job_id, "pid": pid, "outcome": outcome},
-                )
-                done.append(pid)
-            after = await self._measure(pids)
-        previous = {int(k): int(v) for k, v in job.state.get("saved_bytes", {}).items()}
-        saved = {pid: before.get(pid, 0) or previous.get(pid, 0) for pid in pids}
-        freed = max(0, sum(before.values()) - sum(after.values()))
-        return base.OpResult(
-            device_bytes=freed,
-            host_bytes=sum(saved.values()),
-            state=self._state(targets, steps.driver, saved),
+        self._refuse_unquiesced_nccl(job, pids)
+        async with self._claim(job.job_id, pids, steps.driver):
+            before = await self._read(pids)
+            moved = await self._moves(steps, job).snapshot(pids, idle=before.idle)
+            after = await self._read(pids)
+        kept = [t for t in targets if t.pid in moved.pids]
+        held = cuda_verify.still_held(
+            after, moved.pids, tolerance=self.settings.released_tolerance_bytes
         )
+        if held:
+            shown = ", ".join(f"pid {pid} {n} bytes" for pid, n in held.items())
+            raise base.FatalBackendError(
+                f"snapshot of job {job.job_id!r}: the driver checkpointed its processes, but "
+                f"NVML still shows {sum(held.values())} bytes of theirs on the device "
+                f"({shown}; tolerance {self.settings.released_tolerance_bytes} bytes): the "
+                "memory is not free for the next job, so the job is not SAVED"
+            )
+        previous = {int(k): int(v) for k, v in job.state.get("saved_bytes", {}).items()}
+        saved = {t.pid: before.bytes.get(t.pid, 0) or previous.get(t.pid, 0) for t in kept}
+        state = self._state(kept, steps.driver, saved)
+        state["released"] = cuda_verify.verification(after, moved.pids)
+        if moved.skipped:
+            state["skipped"] = {str(pid): why for pid, why in moved.skipped.items()}
+        return base.OpResult(
+            device_bytes=max(0, before.total() - after.total()),
+            host_bytes=sum(saved.values()),
+            state=state,
+        )
+
+    def _refuse_unquiesced_nccl(self, job: base.JobContext, pids: list[int]) -> None:
+        """Refuse, before anything is touched, ranks that would hang once one is locked."""
+        if not self.settings.nccl_guard:
+            return
+        root = self.settings.proc_root
+        ranks = [pid for pid in pids if discovery.holds_nccl_peers(pid, proc_root=root)]
+        bare = [pid for pid in pids if not self.registry.hooks.has(pid)]
+        if ranks and bare:
+            raise base.RefusedBackendError(
+                f"job {job.job_id!r}: process(es) {ranks} hold NCCL communicators with peers "
+                "on this node (they map /dev/shm/nccl-* segments), and process(es) "
+                f"{bare} announced no quiesce hook. Locked from the outside, one rank makes "
+                "the others' collectives hang (cuda-checkpoint #30, #45). Suspend the "
+                "communicators first: announce every process with hooks "
+                "(tslice.workload.process.announce_process(job_id, quiesce=..., resume=...): "
+                "ncclCommSuspend/ncclCommResume from NCCL 2.29.7, or parking each rank at "
+                "the end of a step), or move the job with the app-channel backend. Nothing "
+                "was changed (the cuda backend's nccl_guard: false turns this check off)"
+            )
+
+    async def host_bytes_needed(self, job: base.JobContext) -> int | None:
+        """What the job's processes hold on the device now, per NVML (the driver copies it
+        all to host memory); None where NVML cannot tell."""
+        try:
+            targets = await self.targets.for_snapshot(job)
+        except base.BackendError:
+            return None
+        reading = await self._read([t.pid for t in targets])
+        if reading.missing or reading.unknown:
+            return None
+        return reading.total()
 
     async def restore(self, job: base.JobContext) -> base.OpResult:
         """Restore and unlock every process of the job (no-op for running ones)."""
         steps = await self._steps()
-        targets = self._restore_targets(job)
+        targets = self.targets.for_restore(job)
         pids = [t.pid for t in targets]
-        pairs = dict(self.settings.device_map) or None
-        async with self._claim(job.job_id, pids):
-            deadline = cuda_steps.Deadline(self.settings.operation_timeout_s)
-            before = await self._measure(pids)
-            changed: list[int] = []
-            for index, pid in enumerate(pids):
-                where = _where("restore", job, pid, index, len(pids))
-                try:
-                    outcome, did_change = await steps.resume(pid, deadline, gpu_pairs=pairs)
-                except cuda_steps.DeadlineHit as hit:
-                    so_far = f"restored so far: {changed or 'none'}"
-                    raise _deadline_passed(where, deadline, hit, so_far) from None
-                except base.BackendUnavailableError:
-                    if not changed:
-                        raise
-                    raise base.FatalBackendError(
-                        f"{where}: the driver became unavailable; restored so far: {changed}"
-                    ) from None
-                except cuda_driver.DriverError as exc:
-                    if not changed and await steps.still(pid, cuda_steps.CHECKPOINTED):
-                        raise base.TransientBackendError(
-                            f"{where}: {exc}; nothing changed (all processes are still "
-                            "checkpointed)",
-                            retry_after=1.0,
-                        ) from exc
-                    raise base.FatalBackendError(
-                        f"{where}: {exc}; restored so far: {changed or 'none'}; nothing is "
-                        "re-checkpointed"
-                    ) from exc
-                log.info(
-                    "process restored", extra={"job_id": job.job_id, "pid": pid, "outcome": outcome}
-                )
-                if did_change:
-                    changed.append(pid)
-            after = await self._measure(pids)
-        landed = max(0, sum(after.values()) - sum(before.values()))
-        return base.OpResult(
-            device_bytes=landed, host_bytes=0, state=self._state(targets, steps.driver, {})
-        )
+        pairs = dict(self.settings.device_map) if not self.map_refused else {}
+        async with self._claim(job.job_id, pids, steps.driver):
+            before = await self._read(pids)
+            moved, _changed = await self._moves(steps, job).restore(pids, gpu_pairs=pairs or None)
+            after = await self._read(pids)
+        if moved.map_refused:
+            self.map_refused = moved.map_refused
+            log.error(
+                "the driver refused device_map; the job was restored onto the GPUs it came "
+                "from, and the map is not used again until the agent restarts",
+                extra={"job_id": job.job_id, "reason": moved.map_refused},
+            )
+        landed = max(0, after.total() - before.total())
+        state = self._state(targets, steps.driver, {})
+        if moved.map_refused:
+            state["device_map_refused"] = moved.map_refused
+        return base.OpResult(device_bytes=landed, host_bytes=0, state=state)
 
     async def recover(self, job: base.JobContext) -> pb.JobState | None:
         """Read every recorded process's state back from the driver.
@@ -429,18 +351,18 @@ class CudaBackend(base.Backend):
         job whose first snapshot failed) the request's explicit PIDs and the
         processes registered for the job's group (None if they cannot be told).
         """
-        targets = self._recorded(job)
+        targets = self.targets.recorded(job)
         if not targets:
             try:
-                announced = await self._group_pids(job)
+                announced = await self.targets.group_pids(job)
             except base.BackendError as exc:
                 log.warning(
                     "cannot recover job: its processes are unknown",
                     extra={"job_id": job.job_id, "group_id": job.group, "reason": str(exc)},
                 )
                 return None
-            pids = dict.fromkeys([*self._explicit(job), *announced])
-            targets = [self._target(pid) for pid in pids if pid > 0]
+            pids = dict.fromkeys([*self.targets.explicit(job), *announced])
+            targets = [self.targets.target(pid) for pid in pids if pid > 0]
         if not targets:
             return None
         try:
@@ -451,13 +373,20 @@ class CudaBackend(base.Backend):
                 extra={"job_id": job.job_id, "reason": str(exc)},
             )
             return None
-        alive = [t for t in targets if self._alive(t)]
+        alive = [t for t in targets if self.targets.alive(t)]
         if not alive:
             return pb.JOB_STATE_IDLE
         if len(alive) < len(targets):
             log.warning(
                 "some processes of the job have exited",
                 extra={"job_id": job.job_id, "gone": [t.pid for t in targets if t not in alive]},
+            )
+            return pb.JOB_STATE_FAULTED
+        stuck = {t.pid: op for t in targets if (op := steps.driver.calls_in_flight().get(t.pid))}
+        if stuck:
+            log.warning(
+                "cannot recover job: a driver call of an earlier operation has not returned",
+                extra={"job_id": job.job_id, "calls": stuck},
             )
             return pb.JOB_STATE_FAULTED
         deadline = cuda_steps.Deadline(self.settings.operation_timeout_s)
@@ -499,7 +428,7 @@ class CudaBackend(base.Backend):
     ) -> pb.JobState:
         deadline = cuda_steps.Deadline(self.settings.operation_timeout_s)
         try:
-            async with self._claim(job.job_id, pids):
+            async with self._claim(job.job_id, pids, steps.driver):
                 for pid in pids:
                     if to_saved:
                         await steps.save(pid, deadline)
@@ -556,16 +485,3 @@ class CudaBackend(base.Backend):
             await self._driver.close()
         if self._nvml is not None:
             await asyncio.to_thread(self._nvml.close)
-
-
-def _where(kind: str, job: base.JobContext, pid: int, index: int, count: int) -> str:
-    return f"{kind} of job {job.job_id!r} failed at pid {pid} ({index + 1} of {count})"
-
-
-def _deadline_passed(
-    where: str, deadline: cuda_steps.Deadline, hit: cuda_steps.DeadlineHit, consequence: str
-) -> base.FatalBackendError:
-    return base.FatalBackendError(
-        f"{where}: the {deadline.seconds:g} s deadline passed during {hit}; its state is "
-        f"unknown; {consequence}"
-    )

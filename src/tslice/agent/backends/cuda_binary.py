@@ -15,6 +15,19 @@ from tslice.agent.backends import base, cuda_driver
 
 #: Where the reference image ships the tool when it is not on PATH.
 FALLBACK_BINARY = "/usr/local/bin/cuda-checkpoint"
+#: Words of a failed lock's output that say its timeout ran out.
+_LOCK_TIMEOUT_WORDS = ("not ready", "not_ready", "timeout", "timed out")
+#: Words of a failed call's output that say the driver refuses this process.
+_NOT_SUPPORTED_WORDS = ("not supported", "not_supported")
+#: Words of a failed --get-state's output that say the process has no CUDA context.
+_NO_CONTEXT_WORDS = (
+    "not initialized",
+    "not_initialized",
+    "invalid value",
+    "invalid_value",
+    "invalid argument",
+    "could not find cuda process",
+)
 
 
 def find_binary(explicit: str | None = None) -> str | None:
@@ -73,14 +86,21 @@ class BinaryDriver(cuda_driver.CheckpointDriver):
                 f"exited with {proc.returncode}: {shown}"
             )
             lowered = output.lower()
-            # The tool's wording is not specified: a failed lock that mentions a
-            # timeout, or that took the whole timeout, is a timeout.
+            # The tool's wording is not specified: a failed lock that names the
+            # driver's timeout code (CUDA_ERROR_NOT_READY, "device not ready"), mentions
+            # a timeout, or took the whole timeout, is a timeout.
             timed_out = op == "lock" and (
-                "timeout" in lowered
-                or "timed out" in lowered
+                any(word in lowered for word in _LOCK_TIMEOUT_WORDS)
                 or (time.monotonic() - started) * 1000 >= lock_timeout_ms > 0
             )
-            error_cls = cuda_driver.LockTimeoutError if timed_out else cuda_driver.DriverError
+            error_cls: type[cuda_driver.DriverError] = cuda_driver.DriverError
+            if timed_out:
+                error_cls = cuda_driver.LockTimeoutError
+            elif any(word in lowered for word in _NOT_SUPPORTED_WORDS):
+                error_cls = cuda_driver.ProcessNotSupportedError
+                message += f"; {cuda_driver.NOT_SUPPORTED_WHY}"
+            elif op == "get_state" and any(word in lowered for word in _NO_CONTEXT_WORDS):
+                error_cls = cuda_driver.NoCudaContextError
             raise error_cls(message, pid=pid, op=op, code=f"exit {proc.returncode}")
         return output
 
@@ -130,6 +150,23 @@ class BinaryDriver(cuda_driver.CheckpointDriver):
 
     async def check_tool(self) -> None:
         """Raise BackendUnavailableError if the tool predates ``--action`` (driver < 570)."""
+        out = await self._help()
+        if b"--action" not in out:
+            raise base.BackendUnavailableError(
+                f"{self.path} has no --action (lock/checkpoint/restore/unlock): it is older "
+                "than r570; install the cuda-checkpoint that matches driver >= 570"
+            )
+
+    async def check_device_map(self) -> None:
+        """The tool restores onto other GPUs only from r580 (``--device-map``)."""
+        out = await self._help()
+        if b"--device-map" not in out:
+            raise base.BackendUnavailableError(
+                f"device_map is configured, but {self.path} has no --device-map: restoring "
+                "onto other GPUs needs the cuda-checkpoint of driver >= 580"
+            )
+
+    async def _help(self) -> bytes:
         try:
             proc = await asyncio.create_subprocess_exec(
                 self.path,
@@ -141,8 +178,4 @@ class BinaryDriver(cuda_driver.CheckpointDriver):
             out, _ = await asyncio.wait_for(proc.communicate(), timeout=10)
         except (OSError, asyncio.TimeoutError) as exc:
             raise base.BackendUnavailableError(f"cannot run {self.path} --help: {exc}") from exc
-        if b"--action" not in out:
-            raise base.BackendUnavailableError(
-                f"{self.path} has no --action (lock/checkpoint/restore/unlock): it is older "
-                "than r570; install the cuda-checkpoint that matches driver >= 570"
-            )
+        return out

@@ -35,6 +35,11 @@ from tslice.agent.backends import base
 
 #: CUDA 12.8 = driver r570: the first with the checkpoint API and lock timeouts.
 MIN_DRIVER_VERSION = 12080
+#: CUDA 13.0 = driver r580: the first that restores onto other GPUs (``gpuPairs``).
+MIN_DEVICE_MAP_DRIVER_VERSION = 13000
+#: The first cuda-bindings whose driver calls release the GIL (12.9.1, and 13.0.0 on):
+#: with an older one a checkpoint freezes the agent's event loop for its whole length.
+MIN_BINDINGS_VERSION = (12, 9, 1)
 INSTALL_HINT = "install tslice[gpu] (cuda-bindings) or put NVIDIA's cuda-checkpoint on PATH"
 _MAX_OUTPUT_CHARS = 2000
 _UUID_RE = re.compile(
@@ -63,8 +68,34 @@ class DriverError(Exception):
 
 
 class LockTimeoutError(DriverError):
-    """The lock did not take within its timeout; the process is still RUNNING."""
+    """The lock did not take within its timeout; the process is still RUNNING (the
+    caller confirms that by reading the state: :meth:`ProcessSteps.save`)."""
 
+
+#: What ``cuCheckpointProcessLock`` returns when its ``timeoutMs`` ran out: the driver
+#: documents ``CUDA_ERROR_NOT_READY``; ``CUDA_ERROR_TIMEOUT`` is taken the same way.
+LOCK_TIMEOUT_CODES = frozenset({"CUDA_ERROR_NOT_READY", "CUDA_ERROR_TIMEOUT"})
+
+
+class ProcessNotSupportedError(DriverError):
+    """The driver refuses to checkpoint this one process (``CUDA_ERROR_NOT_SUPPORTED`` from
+    a per-process call): it uses something the driver cannot save. Nothing about the
+    node's driver: other processes may checkpoint fine, and retrying will not help."""
+
+
+class NoCudaContextError(DriverError):
+    """The process has no CUDA context (it never initialised CUDA, or not yet): the
+    driver has nothing to checkpoint in it."""
+
+
+#: Why a per-process ``CUDA_ERROR_NOT_SUPPORTED`` happens, for the message.
+NOT_SUPPORTED_WHY = (
+    "the process uses something the driver cannot checkpoint: CUDA IPC memory "
+    "(cudaIpc*/cuMemExportToShareableHandle, used by NCCL's P2P transport and by "
+    "multi-process engines), UVM/managed memory on a driver that cannot save it, or a "
+    "vGPU; the other processes are not concerned. Move this job with the app-channel "
+    "backend (its own adapter copies the memory), or run it without those features"
+)
 
 GpuPairs = Mapping[str, str]
 
@@ -111,6 +142,15 @@ class CheckpointDriver(abc.ABC):
     async def device_count(self) -> int | None:
         """GPUs the driver sees, or None if this driver cannot tell."""
         return None
+
+    def calls_in_flight(self) -> dict[int, str]:
+        """PID → operation of driver calls that have not returned yet, including calls
+        whose caller gave up (a deadline): a PID listed here must not be called into."""
+        return {}
+
+    async def check_device_map(self) -> None:  # noqa: B027 - optional hook
+        """Raise BackendUnavailableError (saying why) if restores cannot take a GPU map
+        on this node. Default: they can."""
 
     async def close(self) -> None:  # noqa: B027 - optional hook, nothing to release by default
         """Release driver resources."""
@@ -162,5 +202,28 @@ def _bindings_missing() -> str | None:
     except Exception as exc:  # a broken install must not crash driver selection
         return f"cuda-bindings failed to import ({exc})"
     if not hasattr(module, "cuCheckpointProcessLock"):
-        return "the installed cuda-bindings predates the checkpoint API (need >= 12.8)"
+        return "the installed cuda-bindings predates the checkpoint API (need >= 12.9.1)"
+    return bindings_too_old(installed_bindings_version())
+
+
+def installed_bindings_version() -> str | None:
+    """``cuda.bindings.__version__``, or None if it cannot be read."""
+    try:
+        version = importlib.import_module("cuda.bindings").__version__
+    except Exception:  # absent, broken, or no version: not ours to fail on here
+        return None
+    return str(version)
+
+
+def bindings_too_old(version: str | None) -> str | None:
+    """Why cuda-bindings ``version`` must not be used (None if it may, or is unknown)."""
+    if version is None:
+        return None
+    numbers = tuple(int(part) for part in re.findall(r"\d+", version)[:3])
+    if numbers and numbers < MIN_BINDINGS_VERSION:
+        return (
+            f"cuda-bindings {version} holds the GIL during driver calls, so a checkpoint "
+            "would freeze the agent; install cuda-bindings >= 12.9.1 (pip install -U "
+            "'tslice[gpu]')"
+        )
     return None

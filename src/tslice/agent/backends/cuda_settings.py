@@ -1,14 +1,11 @@
-"""Settings of the ``cuda`` backend: the frozen values it uses, and their file boundary."""
+"""Settings of the ``cuda`` backend: the frozen values it uses (the file boundary, with
+pydantic, is :mod:`tslice.agent.backends.cuda_settings_file`)."""
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
 from typing import Any, Literal
-
-import pydantic
-
-from tslice.agent.backends import cuda_driver, sections
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,44 +25,47 @@ class CudaSettings:
     operation_timeout_s: float = 300.0
     #: Budget for rolling a failed snapshot back, seconds. Default 120.
     rollback_timeout_s: float = 120.0
-    #: GPU remap applied at every restore, old UUID → new UUID (driver >= 580).
-    #: The driver wants every GPU the process can see in the map. Default: none.
+    #: GPU remap applied at every restore, old UUID → new UUID (driver >= 580 and a
+    #: cuda-bindings with ``gpuPairs``, checked at start). A permutation of the node's
+    #: GPUs: the driver wants every checkpointed GPU in the map. Applied at *every*
+    #: restore, so a map other than the identity moves the jobs at every cycle: it is for
+    #: restoring states saved before the node's GPUs were renumbered or swapped, once.
+    #: A map the driver refuses is dropped (the job lands where it was). Default: none.
     device_map: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    #: Processes of a job moved at once per phase (lock, checkpoint, restore, unlock);
+    #: 0 = all of them (one per GPU link). Default 0.
+    parallel_processes: int = 0
+    #: Longest wait for one state read, seconds (it can hang: cuda-checkpoint #30).
+    #: Default 30; the operation then fails, changing nothing.
+    state_timeout_s: float = 30.0
+    #: Refuse (nothing changed) a snapshot of a job whose processes hold NCCL
+    #: communicators with peers on this node (they map ``/dev/shm/nccl-*``) unless every
+    #: process of the job announced quiesce hooks: locking one rank makes the others'
+    #: collectives hang (cuda-checkpoint #30, #45). Default true.
+    nccl_guard: bool = True
+    #: How long a workload's quiesce or resume hook may take, seconds. Default 60.
+    hook_timeout_s: float = 60.0
     #: Where process information lives (tests point this at a fixture tree).
     proc_root: str = "/proc"
-    #: Measure bytes moved with NVML. Default true; without NVML bytes read 0.
+    #: Measure bytes moved with NVML, and check that a snapshot freed the processes'
+    #: memory. Default true; without NVML bytes read 0 and the release is not verified.
     measure_bytes: bool = True
+    #: Device bytes a checkpointed process may still show in NVML; more makes the
+    #: snapshot fatal (the job FAULTED, never SAVED with its memory held). Default
+    #: 16 MiB (a checkpointed process normally shows none: it leaves NVML's list).
+    released_tolerance_bytes: int = 16 * 2**20
     #: On recover(): unlock processes left LOCKED and checkpoint the resident rest of a
     #: half-checkpointed job, so the job ends SAVED or RUNNING instead of FAULTED. Both
     #: actions only keep or free device memory, never load it. Default true.
     repair_on_recover: bool = True
 
 
-class _SettingsModel(pydantic.BaseModel):
-    """File/env boundary for :class:`CudaSettings`."""
-
-    model_config = pydantic.ConfigDict(extra="forbid")
-
-    driver: Literal["auto", "bindings", "binary", "fake"] = "auto"
-    binary: str | None = None
-    lock_timeout_ms: int = pydantic.Field(10_000, gt=0, le=2**31 - 1)
-    operation_timeout_s: float = pydantic.Field(300.0, gt=0)
-    rollback_timeout_s: float = pydantic.Field(120.0, gt=0)
-    device_map: dict[str, str] = pydantic.Field(default_factory=dict)
-    proc_root: str = "/proc"
-    measure_bytes: bool = True
-    repair_on_recover: bool = True
-
-    @pydantic.field_validator("device_map")
-    @classmethod
-    def _uuids(cls, value: dict[str, str]) -> dict[str, str]:
-        return {
-            cuda_driver.normalize_gpu_uuid(k): cuda_driver.normalize_gpu_uuid(v)
-            for k, v in value.items()
-        }
-
-
 def parse_settings(settings: Mapping[str, Any]) -> CudaSettings:
-    """Validate a settings mapping; ConfigError names the field and the fix."""
-    model = sections.validate(_SettingsModel, settings, backend="cuda")
-    return CudaSettings(**model.model_dump())
+    """Validate a settings mapping; ConfigError names the field and the fix.
+
+    (pydantic is imported here, on use: the backend itself runs without it, as on a GPU
+    machine that carries only tslice, see bench/gpu_check.py.)
+    """
+    from tslice.agent.backends import cuda_settings_file
+
+    return CudaSettings(**cuda_settings_file.validate(settings))

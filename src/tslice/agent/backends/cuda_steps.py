@@ -1,10 +1,11 @@
 """One process through the CUDA checkpoint state machine, each step bounded by a deadline.
 
-Every step reads the process's state first and does only what is left: saving a
-CHECKPOINTED process does nothing, resuming a RUNNING one does nothing (never a
-checkpoint, the reference's ``--toggle`` bug), and a half-done operation retried
-finishes. The cuda backend strings these steps together over a job's processes and
-decides what a failure means for the job.
+Every composite step reads the process's state first and does only what is left:
+saving a CHECKPOINTED process does nothing, resuming a RUNNING one does nothing
+(never a checkpoint, the reference's ``--toggle`` bug), and a half-done operation
+retried finishes. :mod:`tslice.agent.backends.cuda_moves` strings the single steps
+together over all of a job's processes at once; the cuda backend decides what a
+failure means for the job.
 """
 
 from __future__ import annotations
@@ -44,13 +45,30 @@ class Deadline:
 class ProcessSteps:
     """The per-process steps on one driver; calls for one PID run one at a time."""
 
-    def __init__(self, driver: cuda_driver.CheckpointDriver, *, lock_timeout_ms: int) -> None:
+    def __init__(
+        self,
+        driver: cuda_driver.CheckpointDriver,
+        *,
+        lock_timeout_ms: int,
+        state_timeout_s: float = 30.0,
+    ) -> None:
         self.driver = driver
         self.lock_timeout_ms = lock_timeout_ms
+        #: A state read never takes longer than this (it can hang: cuda-checkpoint #30).
+        self.state_timeout_s = state_timeout_s
 
     @staticmethod
-    async def step(call: Callable[[], Awaitable[T]], deadline: Deadline, *, pid: int, op: str) -> T:
+    async def step(
+        call: Callable[[], Awaitable[T]],
+        deadline: Deadline,
+        *,
+        pid: int,
+        op: str,
+        at_most: float | None = None,
+    ) -> T:
         remaining = deadline.remaining()
+        if at_most is not None:
+            remaining = min(remaining, at_most)
         if remaining <= 0:
             raise DeadlineHit(pid, op)
         try:
@@ -60,7 +78,11 @@ class ProcessSteps:
 
     async def state(self, pid: int, deadline: Deadline) -> cuda_driver.ProcessState:
         return await self.step(
-            lambda: self.driver.get_state(pid), deadline, pid=pid, op="get_state"
+            lambda: self.driver.get_state(pid),
+            deadline,
+            pid=pid,
+            op="get_state",
+            at_most=self.state_timeout_s,
         )
 
     def _lock_timeout_ms(self, deadline: Deadline) -> int:
@@ -68,77 +90,106 @@ class ProcessSteps:
         room_ms = int(deadline.remaining() * 900)
         return max(1, min(self.lock_timeout_ms, room_ms))
 
-    async def save(self, pid: int, deadline: Deadline, *, touched: list[int] | None = None) -> str:
-        """Bring one process to CHECKPOINTED; returns what was done.
+    async def lock(self, pid: int, deadline: Deadline) -> None:
+        """RUNNING → LOCKED within the lock timeout. A timeout the driver reports is
+        confirmed by reading the state: still RUNNING, it is a LockTimeoutError (nothing
+        changed); LOCKED after all, the lock took; anything else is a DriverError."""
+        timeout_ms = self._lock_timeout_ms(deadline)
+        try:
+            await self.step(
+                lambda: self.driver.lock(pid, timeout_ms=timeout_ms),
+                deadline,
+                pid=pid,
+                op="lock",
+            )
+        except cuda_driver.LockTimeoutError as timed_out:
+            now = await self.state(pid, deadline)
+            if now is RUNNING:
+                raise
+            if now is LOCKED:
+                return
+            raise cuda_driver.DriverError(
+                f"{timed_out}, and the process is now {now.value}, not running",
+                pid=pid,
+                op="lock",
+                code=timed_out.code,
+            ) from timed_out
 
-        ``pid`` is appended to ``touched`` before the first call that may change it.
-        """
-        driver = self.driver
+    async def checkpoint(self, pid: int, deadline: Deadline) -> None:
+        """LOCKED → CHECKPOINTED (the device memory copied out and released)."""
+        await self.step(lambda: self.driver.checkpoint(pid), deadline, pid=pid, op="checkpoint")
+
+    async def restore(
+        self, pid: int, deadline: Deadline, *, gpu_pairs: Mapping[str, str] | None
+    ) -> None:
+        """CHECKPOINTED → LOCKED (the device memory back, the process still locked)."""
+        await self.step(
+            lambda: self.driver.restore(pid, gpu_pairs=gpu_pairs), deadline, pid=pid, op="restore"
+        )
+
+    async def unlock(self, pid: int, deadline: Deadline) -> None:
+        """LOCKED → RUNNING."""
+        await self.step(lambda: self.driver.unlock(pid), deadline, pid=pid, op="unlock")
+
+    async def save(self, pid: int, deadline: Deadline) -> str:
+        """Bring one process to CHECKPOINTED, whatever its state; returns what was done."""
         state = await self.state(pid, deadline)
-        if touched is not None and state is not CHECKPOINTED:
-            touched.append(pid)
         if state is CHECKPOINTED:
             return "already checkpointed"
         if state is FAILED:
-            raise _failed(pid, "the process must be restarted")
+            raise failed(pid, "the process must be restarted")
         if state is RUNNING:
-            timeout_ms = self._lock_timeout_ms(deadline)
-            await self.step(
-                lambda: driver.lock(pid, timeout_ms=timeout_ms), deadline, pid=pid, op="lock"
-            )
-        await self.step(lambda: driver.checkpoint(pid), deadline, pid=pid, op="checkpoint")
+            await self.lock(pid, deadline)
+        await self.checkpoint(pid, deadline)
         return "checkpointed"
 
     async def resume(
         self, pid: int, deadline: Deadline, *, gpu_pairs: Mapping[str, str] | None
     ) -> tuple[str, bool]:
         """Bring one process to RUNNING; returns (what was done, whether it changed)."""
-        driver = self.driver
         state = await self.state(pid, deadline)
         if state is RUNNING:
             return "already running", False
         if state is FAILED:
-            raise _failed(pid, "its device state is lost and the process must be restarted")
+            raise failed(pid, "its device state is lost and the process must be restarted")
         done = "unlocked"
         if state is CHECKPOINTED:
-            await self.step(
-                lambda: driver.restore(pid, gpu_pairs=gpu_pairs), deadline, pid=pid, op="restore"
-            )
+            await self.restore(pid, deadline, gpu_pairs=gpu_pairs)
             done = "restored"
-        await self.step(lambda: driver.unlock(pid), deadline, pid=pid, op="unlock")
+        await self.unlock(pid, deadline)
         return done, True
 
     async def rollback(self, pids: Sequence[int], *, budget_s: float) -> tuple[bool, str]:
-        """Bring ``pids`` back to RUNNING, last first; returns (all ok, report)."""
+        """Bring ``pids`` back to RUNNING, all at once, onto the GPUs they came from (no
+        remap); returns (all ok, report)."""
         deadline = Deadline(budget_s)
-        notes: list[str] = []
-        ok = True
-        for pid in reversed(pids):
+
+        async def back(pid: int) -> tuple[bool, str]:
             try:
-                # Back onto the GPUs it came from: no remap.
                 done, _ = await self.resume(pid, deadline, gpu_pairs=None)
-                notes.append(f"pid {pid} {done}")
             except (cuda_driver.DriverError, base.BackendUnavailableError) as exc:
-                ok = False
-                notes.append(f"pid {pid} NOT rolled back ({exc})")
+                return False, f"pid {pid} NOT rolled back ({exc})"
             except DeadlineHit as hit:
-                ok = False
-                notes.append(
+                return False, (
                     f"pid {pid} NOT rolled back ({hit} passed the "
                     f"{deadline.seconds:g} s rollback budget)"
                 )
-        return ok, "rolled back: " + ", ".join(notes)
+            return True, f"pid {pid} {done}"
 
-    async def still(self, pid: int, expected: cuda_driver.ProcessState) -> bool:
-        """True if the process is (still) in ``expected``; False if it cannot be read."""
+        results = await asyncio.gather(*(back(pid) for pid in pids))
+        notes = [note for _, note in results]
+        return all(ok for ok, _ in results), "rolled back: " + (", ".join(notes) or "nothing")
+
+    async def now(self, pid: int) -> str:
+        """The process's state as a word for a report ('unknown' if it cannot be read)."""
         try:
-            state = await asyncio.wait_for(self.driver.get_state(pid), timeout=30)
+            state = await asyncio.wait_for(self.driver.get_state(pid), timeout=self.state_timeout_s)
         except (cuda_driver.DriverError, base.BackendUnavailableError, asyncio.TimeoutError):
-            return False
-        return state is expected
+            return "unknown"
+        return state.value
 
 
-def _failed(pid: int, consequence: str) -> cuda_driver.DriverError:
+def failed(pid: int, consequence: str) -> cuda_driver.DriverError:
     return cuda_driver.DriverError(
         f"pid {pid} is in the driver's FAILED checkpoint state; {consequence}",
         pid=pid,

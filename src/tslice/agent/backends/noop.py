@@ -13,6 +13,8 @@ class NoopBackend(base.Backend):
     """Every operation succeeds after ``delay_s`` seconds (default 0) and moves 0 bytes."""
 
     name: ClassVar[str] = "noop"
+    #: Simulated states hold no host memory: never counted against the host budget.
+    holds_host_memory: ClassVar[bool] = False
 
     def __init__(self, *, delay_s: float = 0.0) -> None:
         if delay_s < 0:

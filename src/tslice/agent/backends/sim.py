@@ -52,6 +52,8 @@ class SimBackend(base.Backend):
     """
 
     name: ClassVar[str] = "sim"
+    #: Simulated states hold no host memory: never counted against the host budget.
+    holds_host_memory: ClassVar[bool] = False
 
     def __init__(
         self,

@@ -14,8 +14,17 @@ Why this shape:
   rather than reading freed memory; restore re-points it at its original
   storage, which is resized back and refilled.
 * **Host buffers are paid for once.** Each tag owns one flat byte buffer
-  (pinned when the tensors are on a CUDA device), sized at the first offload and
-  reused by every later one; it grows only if the tag's tensors grow.
+  (pinned when the tensors are on a CUDA device, at its exact size: no power-of-two
+  rounding), sized at the first offload and reused by every later one; it grows only
+  if the tag's tensors grow.
+* **What did not change is not copied again** (``skip_unchanged``). After a restore
+  the host buffer still holds every storage's bytes; a storage none of whose tensors
+  has been written since (their version counters, ``tensor._version``, unchanged: any
+  in-place operation, an optimizer step included, bumps them) is only freed at the
+  next snapshot, not copied. With a frozen base model or LoRA a snapshot then moves
+  only the trainable part. Writes through ``tensor.data`` (``p.data.copy_(w)``, as some
+  weight loaders do) bypass the counter: call :meth:`TorchAdapter.mark_changed`
+  after them, or leave ``skip_unchanged`` off.
 * **Copies are chunked.** On CUDA the chunks alternate between side streams so
   that copies overlap and the training stream is not blocked; on CPU a chunked
   ``copy_`` keeps the cost of a plain copy of the same bytes (see
@@ -47,6 +56,7 @@ tensors restored after DISCARD are *not* the old values, by design.
 from __future__ import annotations
 
 import dataclasses
+import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -54,7 +64,7 @@ from typing import ClassVar
 
 import torch
 
-from tslice.workload.adapters import base, torch_storage
+from tslice.workload.adapters import base, torch_spill, torch_storage
 
 WEIGHTS = "weights"
 LORA = "lora"
@@ -78,6 +88,18 @@ class TorchAdapterStats:
     #: Successful restore calls, and device bytes they brought back.
     restores: int = 0
     bytes_in: int = 0
+    #: Bytes snapshots copied to host memory, and bytes they did not copy because the
+    #: host already held them unchanged (``skip_unchanged``).
+    bytes_copied_out: int = 0
+    bytes_skipped_out: int = 0
+    #: Host buffers allocated so far (reused ones are not counted again).
+    host_allocations: int = 0
+    #: Spill tier (``spill_dir``): bytes written to files and read back, and the seconds
+    #: those copies took (flush to disk included), for GB/s.
+    bytes_spilled: int = 0
+    spill_write_s: float = 0.0
+    bytes_unspilled: int = 0
+    spill_read_s: float = 0.0
 
 
 class TorchAdapter(base.WorkloadAdapter):
@@ -106,6 +128,14 @@ class TorchAdapter(base.WorkloadAdapter):
         free_progressively: an OFFLOAD snapshot frees each storage once its bytes
             are on the host (a later failure copies the freed ones back first, so
             a failed snapshot still leaves the tensors intact).
+        skip_unchanged: a snapshot does not copy a storage whose tensors were not
+            written since the last restore (see the module docstring); off by
+            default, since writes through ``.data`` go unseen.
+        spill_dir, host_budget_bytes: the host buffers stay within
+            ``host_budget_bytes``; a tag whose state does not fit is parked in a file
+            in ``spill_dir`` (local disk) instead, restored bit for bit
+            (:mod:`tslice.workload.adapters.torch_spill`). Results report only the
+            bytes held in host memory; ``stats`` the bytes spilled and their GB/s.
     """
 
     name: ClassVar[str] = "torch"
@@ -120,6 +150,9 @@ class TorchAdapter(base.WorkloadAdapter):
         streams_per_device: int = 2,
         release_cached_memory: bool = True,
         free_progressively: bool = False,
+        skip_unchanged: bool = False,
+        spill_dir: str | os.PathLike[str] | None = None,
+        host_budget_bytes: int | None = None,
     ) -> None:
         if chunk_bytes <= 0:
             raise ValueError(f"chunk_bytes must be positive (got {chunk_bytes})")
@@ -137,6 +170,12 @@ class TorchAdapter(base.WorkloadAdapter):
         )
         self._release_cached_memory = release_cached_memory
         self._free_progressively = free_progressively
+        self._skip_unchanged = skip_unchanged
+        if (spill_dir is None) != (host_budget_bytes is None):
+            raise ValueError("give spill_dir and host_budget_bytes together (or neither)")
+        self._spill = torch_spill.SpillFiles(spill_dir) if spill_dir is not None else None
+        self._host_budget = host_budget_bytes
+        self._host_copies = torch_storage.HostCopies()
         self._stats = TorchAdapterStats()
         # The workload channel runs commands on its own thread; one move at a time.
         self._lock = threading.Lock()
@@ -175,12 +214,20 @@ class TorchAdapter(base.WorkloadAdapter):
     @property
     def stats(self) -> TorchAdapterStats:
         """Counts of successful snapshots and restores and the bytes they moved."""
-        return self._stats
+        return dataclasses.replace(self._stats, host_allocations=self._buffers.allocations)
 
     @property
     def host_buffer_bytes(self) -> int:
         """Host memory reserved for offloads, kept across cycles (see ``release_host_buffers``)."""
         return self._buffers.nbytes
+
+    def mark_changed(self, *tags: str) -> None:
+        """Say that tensors of ``tags`` (all when none) were written in a way their version
+        counters do not see (through ``.data``): the next snapshot copies them."""
+        self._check_known(tags)
+        with self._lock:
+            for tag in tags or self.tags:
+                self._host_copies.forget(tag)
 
     def mark_resynced(self, *tags: str) -> None:
         """Say that the application has re-provisioned discarded tags (e.g. after a weight sync)."""
@@ -215,7 +262,10 @@ class TorchAdapter(base.WorkloadAdapter):
     def release_host_buffers(self) -> None:
         """Free the host buffers of resident tags (the next offload allocates them again)."""
         with self._lock:
-            self._buffers.release(tag for tag in self.tags if tag not in self._parked)
+            resident = [tag for tag in self.tags if tag not in self._parked]
+            for tag in resident:
+                self._host_copies.forget(tag)
+            self._buffers.release(resident)
 
     # ---- moves ------------------------------------------------------------
 
@@ -261,6 +311,7 @@ class TorchAdapter(base.WorkloadAdapter):
                             freed_bytes(block.nbytes)
                     freed += block.nbytes
                 self._parked[tag] = torch_storage.Parked(mode=resolved, blocks=blocks)
+                self._host_copies.forget(tag)
                 if resolved == DISCARD:
                     self._needs_resync.add(tag)
             if self._release_cached_memory:
@@ -300,6 +351,10 @@ class TorchAdapter(base.WorkloadAdapter):
                     torch_storage.repoint(block)
                 del self._parked[tag]
                 restored += parked.nbytes
+                if self._spill is not None and self._spill.holds(tag):
+                    self._spill.drop(tag)
+                elif parked.mode == OFFLOAD:
+                    self._remember_host_copy(tag, parked.blocks)
             self._stats = dataclasses.replace(
                 self._stats,
                 restores=self._stats.restores + 1,
@@ -318,11 +373,35 @@ class TorchAdapter(base.WorkloadAdapter):
             if admit is not None:
                 admit(sum(b.nbytes for b in blocks))
             torch_storage.allocate(blocks)
-            if parked.mode == OFFLOAD:
+            if parked.mode == OFFLOAD and self._spill is not None and self._spill.holds(tag):
+                began = time.perf_counter()
+                self._copier.to_device(blocks, self._spill.get(tag))
+                self._count_spill(read=sum(b.nbytes for b in blocks), began=began)
+            elif parked.mode == OFFLOAD:
                 self._copier.to_device(blocks, self._buffers.get(tag))
             else:
                 for block in blocks:
                     block.byte_view().zero_()
+
+    def _remember_host_copy(self, tag: str, blocks: Sequence[torch_storage.Block]) -> None:
+        """The tag is resident again and its host buffer holds every storage's bytes."""
+        if self._skip_unchanged:
+            self._host_copies.remember(tag, blocks, self._buffers.get(tag))
+
+    def _to_copy(
+        self, tag: str, blocks: Sequence[torch_storage.Block], buffer: torch.Tensor
+    ) -> list[torch_storage.Block]:
+        """The blocks whose bytes the host buffer does not hold unchanged (all of them
+        without ``skip_unchanged``); counts the bytes copied and skipped."""
+        copy = [b for b in blocks if not self._host_copies.unchanged(tag, b, buffer)]
+        copied = sum(b.nbytes for b in copy)
+        skipped = sum(b.nbytes for b in blocks) - copied
+        self._stats = dataclasses.replace(
+            self._stats,
+            bytes_copied_out=self._stats.bytes_copied_out + copied,
+            bytes_skipped_out=self._stats.bytes_skipped_out + skipped,
+        )
+        return copy
 
     def _offload_progressively(
         self,
@@ -332,11 +411,13 @@ class TorchAdapter(base.WorkloadAdapter):
     ) -> None:
         """Copy each storage to the host and free it at once; on a failure, copy the ones
         freed so far back (the snapshot then changes nothing) and re-raise."""
-        buffer = self._host_buffer_for(tag, blocks)
+        buffer = self._host_buffer_for(tag, blocks, may_spill=True)
+        needed = {id(block) for block in self._to_copy(tag, blocks, buffer)}
         done: list[torch_storage.Block] = []
         try:
             for block in blocks:
-                self._copier.to_host([block], buffer)
+                if id(block) in needed:
+                    self._copier.to_host([block], buffer)
                 torch_storage.free(block)
                 done.append(block)
                 if freed_bytes is not None:
@@ -398,44 +479,12 @@ class TorchAdapter(base.WorkloadAdapter):
         for tag in tags:
             blocks: list[torch_storage.Block] = []
             for name, tensor in self._named_tensors(tag):
-                block = self._block_for(f"{tag}/{name}", tensor, seen)
+                block = torch_storage.block_for(f"{tag}/{name}", tensor, seen)
                 if block is not None:
                     blocks.append(block)
             plan[tag] = blocks
         self._check_not_shared_with_resident(tags, seen)
         return plan
-
-    @staticmethod
-    def _block_for(
-        name: str, tensor: torch.Tensor, seen: dict[tuple[torch.device, int], torch_storage.Block]
-    ) -> torch_storage.Block | None:
-        """Record ``tensor`` under its storage's block; return the block if it is new."""
-        if tensor.layout != torch.strided:
-            raise ValueError(f"{name} has layout {tensor.layout}; only strided tensors can move")
-        if tensor.device.type == "meta":
-            return None
-        storage = tensor.untyped_storage()
-        nbytes = storage.nbytes()
-        if nbytes == 0:
-            return None
-        key = torch_storage.storage_key(tensor)
-        block = seen.get(key)
-        if block is not None:
-            block.aliases.append(torch_storage.Alias.of(name, tensor))
-            return None
-        if not storage.resizable():
-            raise ValueError(
-                f"{name} uses memory that torch cannot free (e.g. torch.from_numpy or "
-                "shared memory); allocate it with torch instead"
-            )
-        block = torch_storage.Block(
-            storage=storage,
-            device=tensor.device,
-            nbytes=nbytes,
-            aliases=[torch_storage.Alias.of(name, tensor)],
-        )
-        seen[key] = block
-        return block
 
     def _check_not_shared_with_resident(
         self, moving: Sequence[str], seen: Mapping[tuple[torch.device, int], torch_storage.Block]
@@ -461,105 +510,52 @@ class TorchAdapter(base.WorkloadAdapter):
         blocks: list[torch_storage.Block],
         _freed: Callable[[int], None] | None = None,
     ) -> None:
-        self._copier.to_host(blocks, self._host_buffer_for(tag, blocks))
+        buffer = self._host_buffer_for(tag, blocks, may_spill=True)
+        began = time.perf_counter()
+        self._copier.to_host(self._to_copy(tag, blocks, buffer), buffer)
+        if self._spill is not None and self._spill.holds(tag):
+            self._spill.flush(tag)
+            self._count_spill(written=sum(b.nbytes for b in blocks), began=began)
 
-    def _host_buffer_for(self, tag: str, blocks: Sequence[torch_storage.Block]) -> torch.Tensor:
-        """Lay ``blocks`` out in the tag's host buffer, growing it only if they do not fit."""
+    def _host_buffer_for(
+        self, tag: str, blocks: Sequence[torch_storage.Block], *, may_spill: bool = False
+    ) -> torch.Tensor:
+        """Lay ``blocks`` out in the tag's host buffer, growing it only if they do not fit;
+        ``may_spill``: in a spill file instead where the host budget cannot hold them."""
         total = 0
         for block in blocks:
             block.host_offset = total
             total = torch_storage.align(total + block.nbytes)
+        if may_spill and self._spill is not None and self._host_budget is not None:
+            held = self._buffers.nbytes - self._buffers.size_of(tag)
+            if held + total > self._host_budget:
+                self._buffers.release([tag])
+                self._host_copies.forget(tag)
+                return self._spill.buffer(tag, total)
         pinned = torch.cuda.is_available() and any(b.device.type == "cuda" for b in blocks)
         return self._buffers.reserve(tag, total, pinned=pinned)
 
+    def _count_spill(self, *, began: float, written: int = 0, read: int = 0) -> None:
+        took = time.perf_counter() - began
+        stats = self._stats
+        self._stats = dataclasses.replace(
+            stats,
+            bytes_spilled=stats.bytes_spilled + written,
+            spill_write_s=stats.spill_write_s + (took if written else 0.0),
+            bytes_unspilled=stats.bytes_unspilled + read,
+            spill_read_s=stats.spill_read_s + (took if read else 0.0),
+        )
+
     def _saved_bytes(self) -> int:
-        return sum(p.nbytes for p in self._parked.values() if p.mode == OFFLOAD)
+        """Host memory the parked state holds (a spilled tag holds none)."""
+        spilled = self._spill.holds if self._spill is not None else (lambda _tag: False)
+        return sum(
+            p.nbytes for tag, p in self._parked.items() if p.mode == OFFLOAD and not spilled(tag)
+        )
 
 
-@dataclasses.dataclass(frozen=True)
-class SwitchTimes:
-    """How long an :func:`overlap_switch` took, seconds."""
+# The overlapped switch of two adapters lives in its own module; re-exported here, where
+# users have always found it.
+from tslice.workload.adapters.torch_overlap import SwitchTimes, overlap_switch  # noqa: E402
 
-    snapshot_s: float
-    restore_s: float
-    total_s: float
-    #: Most device bytes both adapters held at once during the switch.
-    peak_bytes: int
-
-
-class _Budget:
-    """Device bytes in use by both adapters of a switch, within a budget (thread-safe)."""
-
-    def __init__(self, *, in_use: int, budget: int | None) -> None:
-        self.in_use = in_use
-        self.budget = budget
-        self.peak = in_use
-        self._changed = threading.Condition()
-
-    def freed(self, nbytes: int) -> None:
-        with self._changed:
-            self.in_use -= nbytes
-            self._changed.notify_all()
-
-    def lift(self) -> None:
-        """The snapshot failed: nothing more comes free, stop holding the restore back."""
-        with self._changed:
-            self.budget = None
-            self._changed.notify_all()
-
-    def admit(self, nbytes: int) -> None:
-        """Wait until ``nbytes`` more fit (always, without a budget)."""
-        with self._changed:
-            budget = self.budget
-            if budget is not None:
-                self._changed.wait_for(lambda: self.in_use + nbytes <= budget)
-            self.in_use += nbytes
-            self.peak = max(self.peak, self.in_use)
-
-
-def overlap_switch(
-    outgoing: TorchAdapter,
-    incoming: TorchAdapter,
-    *,
-    mode: base.SuspendMode | int | str = OFFLOAD,
-    budget_bytes: int | None = None,
-    in_use_bytes: int = 0,
-) -> SwitchTimes:
-    """Snapshot ``outgoing`` and restore ``incoming`` at once (issue 9 §2).
-
-    The snapshot runs on a thread of its own (its copies on the outgoing adapter's
-    streams), the restore here; with ``budget_bytes`` (device memory both may use,
-    ``in_use_bytes`` of it taken when the switch starts) each storage of the incoming
-    job is allocated only once the outgoing one has freed enough: never two states
-    resident beyond the budget. Give ``outgoing`` ``free_progressively`` so that its
-    memory comes free piece by piece. Errors of either side are raised after both end.
-    """
-    budget = _Budget(in_use=in_use_bytes, budget=budget_bytes)
-    times: dict[str, float] = {}
-    errors: list[BaseException] = []
-    began = time.perf_counter()
-
-    def snapshot() -> None:
-        try:
-            outgoing.snapshot(mode, freed_bytes=budget.freed)
-        except BaseException as err:  # re-raised below, in the caller's thread
-            errors.append(err)
-            budget.lift()
-        finally:
-            times["snapshot"] = time.perf_counter() - began
-
-    thread = threading.Thread(target=snapshot, name="tslice-overlap-snapshot")
-    thread.start()
-    try:
-        incoming.restore(admit=budget.admit)
-        times["restore"] = time.perf_counter() - began
-    finally:
-        thread.join()
-    if errors:
-        raise errors[0]
-    return SwitchTimes(
-        snapshot_s=times["snapshot"],
-        restore_s=times["restore"],
-        total_s=time.perf_counter() - began,
-        peak_bytes=budget.peak,
-    )
+__all__ = ["SwitchTimes", "TorchAdapter", "TorchAdapterStats", "overlap_switch"]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import weakref
 from collections.abc import Iterable, Sequence
 
 import torch
@@ -73,10 +74,18 @@ class Parked:
 
 
 class HostBuffers:
-    """One flat byte buffer per tag, allocated once and reused across cycles."""
+    """One flat byte buffer per tag, allocated once at its exact size and reused.
+
+    Pinned buffers are plain host allocations of the exact size, then registered with
+    the driver (``cudaHostRegister``): PyTorch's pinned allocator (``pin_memory=True``)
+    rounds every block up to a power of two, which over-commits host memory (1.67x in
+    one field report) exactly where parked states must fit a budget.
+    """
 
     def __init__(self) -> None:
         self._by_tag: dict[str, torch.Tensor] = {}
+        #: Buffers allocated so far (a reused buffer is not counted again).
+        self.allocations = 0
 
     def reserve(self, tag: str, nbytes: int, *, pinned: bool) -> torch.Tensor:
         current = self._by_tag.get(tag)
@@ -87,22 +96,44 @@ class HostBuffers:
         ):
             return current
         # Drop the old one first so that peak host memory is not old + new.
-        self._by_tag.pop(tag, None)
+        self._drop(tag)
         del current
-        buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
+        buffer = _exact_host_buffer(nbytes, pinned=pinned)
         self._by_tag[tag] = buffer
+        self.allocations += 1
         return buffer
 
     def get(self, tag: str) -> torch.Tensor:
         return self._by_tag[tag]
 
+    def size_of(self, tag: str) -> int:
+        buffer = self._by_tag.get(tag)
+        return 0 if buffer is None else buffer.numel()
+
     def release(self, tags: Iterable[str]) -> None:
         for tag in tags:
-            self._by_tag.pop(tag, None)
+            self._drop(tag)
+
+    def _drop(self, tag: str) -> None:
+        self._by_tag.pop(tag, None)  # its finaliser unregisters it, before it is freed
 
     @property
     def nbytes(self) -> int:
         return sum(buffer.numel() for buffer in self._by_tag.values())
+
+
+def _exact_host_buffer(nbytes: int, *, pinned: bool) -> torch.Tensor:
+    """``nbytes`` of host memory, page-locked if ``pinned`` (registered where the driver
+    allows it, else PyTorch's rounded pinned allocation)."""
+    buffer = torch.empty(nbytes, dtype=torch.uint8)
+    if not pinned or nbytes == 0:
+        return buffer
+    cudart = torch.cuda.cudart()
+    if int(cudart.cudaHostRegister(buffer.data_ptr(), nbytes, 0)) != 0:
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    # Unregistered when the buffer goes, before its memory returns to the allocator.
+    weakref.finalize(buffer, cudart.cudaHostUnregister, buffer.data_ptr())
+    return buffer
 
 
 class Copier:
@@ -224,4 +255,84 @@ def repoint(block: Block) -> None:
     for alias in block.aliases:
         alias.tensor.data = torch.empty(0, dtype=alias.dtype, device=block.device).set_(
             block.storage, alias.storage_offset, alias.size, alias.stride
+        )
+
+
+def block_for(
+    name: str, tensor: torch.Tensor, seen: dict[tuple[torch.device, int], Block]
+) -> Block | None:
+    """Record ``tensor`` under its storage's block in ``seen``; the block if it is new."""
+    if tensor.layout != torch.strided:
+        raise ValueError(f"{name} has layout {tensor.layout}; only strided tensors can move")
+    if tensor.device.type == "meta":
+        return None
+    storage = tensor.untyped_storage()
+    nbytes = storage.nbytes()
+    if nbytes == 0:
+        return None
+    key = storage_key(tensor)
+    block = seen.get(key)
+    if block is not None:
+        block.aliases.append(Alias.of(name, tensor))
+        return None
+    if not storage.resizable():
+        raise ValueError(
+            f"{name} uses memory that torch cannot free (e.g. torch.from_numpy or "
+            "shared memory); allocate it with torch instead"
+        )
+    block = Block(
+        storage=storage, device=tensor.device, nbytes=nbytes, aliases=[Alias.of(name, tensor)]
+    )
+    seen[key] = block
+    return block
+
+
+@dataclasses.dataclass(frozen=True)
+class HostCopy:
+    """A resident storage whose bytes its tag's host buffer still holds since a restore."""
+
+    host_offset: int
+    nbytes: int
+    buffer_ptr: int
+    #: ``(id(tensor), tensor._version)`` of every tensor viewing the storage then.
+    versions: frozenset[tuple[int, int]]
+
+
+def _versions(block: Block) -> frozenset[tuple[int, int]]:
+    return frozenset((id(a.tensor), int(a.tensor._version)) for a in block.aliases)
+
+
+class HostCopies:
+    """What each tag's host buffer still holds unchanged since the tag's last restore.
+
+    A storage counts as held while it is the same storage (address), at the same slot of
+    the same buffer, and none of its tensors' version counters moved (any in-place
+    operation bumps them; writes through ``.data`` do not, see ``mark_changed``).
+    """
+
+    def __init__(self) -> None:
+        self._by_tag: dict[str, dict[tuple[torch.device, int], HostCopy]] = {}
+
+    def remember(self, tag: str, blocks: Sequence[Block], buffer: torch.Tensor) -> None:
+        self._by_tag[tag] = {
+            (block.device, block.storage.data_ptr()): HostCopy(
+                host_offset=block.host_offset,
+                nbytes=block.nbytes,
+                buffer_ptr=buffer.data_ptr(),
+                versions=_versions(block),
+            )
+            for block in blocks
+        }
+
+    def forget(self, tag: str) -> None:
+        self._by_tag.pop(tag, None)
+
+    def unchanged(self, tag: str, block: Block, buffer: torch.Tensor) -> bool:
+        known = self._by_tag.get(tag, {}).get((block.device, block.storage.data_ptr()))
+        return (
+            known is not None
+            and known.host_offset == block.host_offset
+            and known.nbytes == block.nbytes
+            and known.buffer_ptr == buffer.data_ptr()
+            and known.versions == _versions(block)
         )

@@ -293,7 +293,7 @@ class GetOperationRequest(_message.Message):
     def __init__(self, operation_id: _Optional[str] = ...) -> None: ...
 
 class GetOperationResponse(_message.Message):
-    __slots__ = ("status", "storage_bytes", "snapshot_device_bytes", "elapsed_ms", "error", "job_id", "kind", "group")
+    __slots__ = ("status", "storage_bytes", "snapshot_device_bytes", "elapsed_ms", "error", "job_id", "kind", "group", "throughput_gbps")
     STATUS_FIELD_NUMBER: _ClassVar[int]
     STORAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     SNAPSHOT_DEVICE_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -302,6 +302,7 @@ class GetOperationResponse(_message.Message):
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     GROUP_FIELD_NUMBER: _ClassVar[int]
+    THROUGHPUT_GBPS_FIELD_NUMBER: _ClassVar[int]
     status: OperationStatus
     storage_bytes: int
     snapshot_device_bytes: int
@@ -310,7 +311,8 @@ class GetOperationResponse(_message.Message):
     job_id: str
     kind: str
     group: str
-    def __init__(self, status: _Optional[_Union[OperationStatus, str]] = ..., storage_bytes: _Optional[int] = ..., snapshot_device_bytes: _Optional[int] = ..., elapsed_ms: _Optional[int] = ..., error: _Optional[str] = ..., job_id: _Optional[str] = ..., kind: _Optional[str] = ..., group: _Optional[str] = ...) -> None: ...
+    throughput_gbps: float
+    def __init__(self, status: _Optional[_Union[OperationStatus, str]] = ..., storage_bytes: _Optional[int] = ..., snapshot_device_bytes: _Optional[int] = ..., elapsed_ms: _Optional[int] = ..., error: _Optional[str] = ..., job_id: _Optional[str] = ..., kind: _Optional[str] = ..., group: _Optional[str] = ..., throughput_gbps: _Optional[float] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
     __slots__ = ()
@@ -347,16 +349,20 @@ class AcceleratorStatus(_message.Message):
     def __init__(self, id: _Optional[str] = ..., memory_used_bytes: _Optional[int] = ..., memory_total_bytes: _Optional[int] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("job_statuses", "accelerator_statuses", "node", "features")
+    __slots__ = ("job_statuses", "accelerator_statuses", "node", "features", "host_budget_bytes", "host_parked_bytes")
     JOB_STATUSES_FIELD_NUMBER: _ClassVar[int]
     ACCELERATOR_STATUSES_FIELD_NUMBER: _ClassVar[int]
     NODE_FIELD_NUMBER: _ClassVar[int]
     FEATURES_FIELD_NUMBER: _ClassVar[int]
+    HOST_BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    HOST_PARKED_BYTES_FIELD_NUMBER: _ClassVar[int]
     job_statuses: _containers.RepeatedCompositeFieldContainer[JobStatus]
     accelerator_statuses: _containers.RepeatedCompositeFieldContainer[AcceleratorStatus]
     node: str
     features: AgentFeatures
-    def __init__(self, job_statuses: _Optional[_Iterable[_Union[JobStatus, _Mapping]]] = ..., accelerator_statuses: _Optional[_Iterable[_Union[AcceleratorStatus, _Mapping]]] = ..., node: _Optional[str] = ..., features: _Optional[_Union[AgentFeatures, _Mapping]] = ...) -> None: ...
+    host_budget_bytes: int
+    host_parked_bytes: int
+    def __init__(self, job_statuses: _Optional[_Iterable[_Union[JobStatus, _Mapping]]] = ..., accelerator_statuses: _Optional[_Iterable[_Union[AcceleratorStatus, _Mapping]]] = ..., node: _Optional[str] = ..., features: _Optional[_Union[AgentFeatures, _Mapping]] = ..., host_budget_bytes: _Optional[int] = ..., host_parked_bytes: _Optional[int] = ...) -> None: ...
 
 class AgentFeatures(_message.Message):
     __slots__ = ("grant_step", "grant_stream", "prefetch")
