@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from tests.cli.test_cli import run_cli
-from tests.sim.test_plan import _four_jobs
+from tests.sim.test_plan import _four_jobs, _two_jobs_log
 from tslice.orchestrator import config
 
 
@@ -76,3 +76,64 @@ def test_events_refuses_an_unknown_kind_before_connecting(
     code, _, err = run_cli(capsys, "events", "--kind", "GRANTD", "--addr", "127.0.0.1:1")
     assert code == 2
     assert "unknown event kind 'GRANTD'" in err and "SWITCH_DONE" in err
+
+
+def test_apply_never_replaces_the_file_with_a_result_that_does_not_load(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The topology was written before it was validated: an invalid result replaced the
+    existing file (and the command exited 2)."""
+    out = tmp_path / "topology.yaml"
+    out.write_text("# the operator's topology\n")
+    out.chmod(0o640)
+    source = str(_four_jobs(tmp_path))
+    bad = [f"--agent=not an address {i}" for i in range(4)]
+    code, _, err = run_cli(
+        capsys, "plan", source, "--no-simulate", "--apply", "--out", str(out), *bad
+    )
+    assert code == 2
+    assert f"does not load, so {out} was left as it was" in err and "not an agent address" in err
+    assert out.read_text() == "# the operator's topology\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run.json", "topology.yaml"]
+    # A good result replaces it in one rename, keeping its mode.
+    code, _, err = run_cli(capsys, "plan", source, "--no-simulate", "--apply", "--out", str(out))
+    assert code == 0, err
+    assert config.load_topology(out).groups and (out.stat().st_mode & 0o777) == 0o640
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run.json", "topology.yaml"]
+
+
+def test_apply_refuses_a_symbolic_link_and_leaves_its_target_alone(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    target = tmp_path / "elsewhere.conf"
+    target.write_text("precious\n")
+    link = tmp_path / "topology.yaml"
+    link.symlink_to(target)
+    code, _, err = run_cli(
+        capsys, "plan", str(_four_jobs(tmp_path)), "--no-simulate", "--apply", "--out", str(link)
+    )
+    assert code == 2
+    assert "is a symbolic link" in err and "nothing was written" in err
+    assert target.read_text() == "precious\n" and link.is_symlink()
+
+
+def test_a_job_id_from_the_log_cannot_inject_yaml_into_the_topology(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Job ids went unchecked into the '# job(s) ...' comment lines: a newline in one
+    started a line of YAML of its own (an extra `groups:`, `mode: local`)."""
+    lines = _two_jobs_log()
+    evil = "B\nmode: local\ngroups: {}\n#"
+    for line in lines:
+        if line["job_id"] == "B":
+            line["job_id"] = evil
+    source = tmp_path / "events.jsonl"
+    source.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    out = tmp_path / "topology.yaml"
+    out.write_text("# the operator's topology\n")
+    code, _, err = run_cli(
+        capsys, "plan", str(source), "--no-simulate", "--apply", "--out", str(out)
+    )
+    assert code == 2
+    assert "job_id 'B\\nmode: local" in err and "is malformed" in err
+    assert out.read_text() == "# the operator's topology\n"

@@ -208,6 +208,17 @@ def test_lease_must_be_positive_or_none() -> None:
             tslice.Client("127.0.0.1:1", job_id="j", lease_s=bad)
 
 
+def test_a_lease_below_the_servers_floor_is_refused_before_any_call(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    with pytest.raises(ValueError, match=r"lease_s=0.001 is shorter than .* floor of 0.1 s"):
+        tslice.Client("127.0.0.1:1", job_id="j", lease_s=0.001)
+    assert tslice.Client("127.0.0.1:1", job_id="j", lease_s=0.1).lease_s == 0.1
+    monkeypatch.setenv("TSLICE_LEASE_S", "0.05")
+    with pytest.raises(tslice.ConfigError, match=r"TSLICE_LEASE_S=0.05 is shorter"):
+        tslice.Client("127.0.0.1:1", job_id="j")
+
+
 def test_noop_client_keeps_no_lease() -> None:
     client = tslice.Client(job_id="j", lease_s=5.0)
     assert not client.enabled

@@ -64,14 +64,32 @@ def test_sigkilled_holder_loses_the_group_within_its_lease(cluster: LocalCluster
             holder.stdout.close()
 
 
+#: The lease of a holder that must outlive an orchestrator restart: docs/operations.md asks
+#: for 5 s or more there. After a long outage the client's channel waits up to ~2.4 s
+#: (gRPC's reconnect back-off, 2 s +- 20 %) before it tries again, so the 1-s lease this
+#: test used ran out with its holder alive whenever a loaded runner made the restart slow
+#: (with the outage below: lost in 5 of 6 runs at 1 s, kept in every run at 5 s).
+RESTART_LEASE_S = 5.0
+#: How long the orchestrator stays down: a restart as slow as a loaded runner's, long
+#: enough for the client's reconnect back-off to reach its cap (the injected fault).
+OUTAGE_S = 3.0
+
+
 def test_background_hold_keeps_the_group_across_an_orchestrator_restart(
     cluster: LocalCluster,
 ) -> None:
-    with tslice.Client(cluster.orchestrator_address, job_id="trainer", lease_s=LEASE_S) as client:
+    with tslice.Client(
+        cluster.orchestrator_address, job_id="trainer", lease_s=RESTART_LEASE_S
+    ) as client:
         client.acquire("g")
+        cluster.kill(ORCHESTRATOR, signal.SIGTERM)
+        time.sleep(OUTAGE_S)  # the fault itself: the orchestrator is down this long
         cluster.restart(ORCHESTRATOR)
-        # The holder works (sleeps) for longer than its lease; its Hold thread reconnects.
-        time.sleep(LEASE_S * 2.5)
+        serving = time.monotonic()
+        # The holder works (sleeps) past its lease, counted from the restart (when it
+        # serves again); its Hold thread re-opened the stream meanwhile.
+        time.sleep(RESTART_LEASE_S + 1.0)
+        assert time.monotonic() - serving > RESTART_LEASE_S
         assert client.status("g").locking_job == "trainer"
         assert client.lost_leases == {}
         assert client.yield_("g").success

@@ -55,7 +55,7 @@ def test_every_kind_loads(tmp_path: pathlib.Path, section: str, spec: policy.Pol
         ("{aging_s: 3}", "groups.g.policy: the policy needs a `kind`"),
         ("3", "groups.g.policy: write `policy: KIND` or `policy: {kind: KIND, ...}`"),
         ("{kind: priority, aging_s: 0}", "groups.g.policy.aging_s: Input should be greater than 0"),
-        ("{kind: priority, aging_s: .inf}", "groups.g.policy.aging_s: Input should be a finite"),
+        ("{kind: priority, aging_s: .inf}", "groups.g.policy.aging_s: Input should be less"),
         ("{kind: priority, priority: {'bad id': 1}}", "groups.g.policy.priority: job id 'bad id'"),
         (
             "{kind: fair-share, weights: {a: -1}}",
@@ -63,6 +63,19 @@ def test_every_kind_loads(tmp_path: pathlib.Path, section: str, spec: policy.Pol
         ),
         ("{kind: fair-share, weight: {a: 1}}", "groups.g.policy.weight: Extra inputs"),
         ("{kind: cost-aware, gap_samples: 0}", "groups.g.policy.gap_samples: Input should be"),
+        # Found in issue 21: `true` was taken as level 1, 1e308 made the starvation bound
+        # infinite.
+        ("{kind: priority, priority: {a: true}}", "groups.g.policy.priority.a: true is not a"),
+        ("{kind: priority, default_priority: false}", "policy.default_priority: false is not"),
+        ("{kind: priority, aging_s: 1e308}", "groups.g.policy.aging_s: Input should be less"),
+        ("{kind: priority, aging_s: 1.0e308}", "groups.g.policy.aging_s: Input should be less"),
+        (
+            "{kind: priority, aging_s: 60, priority: {a: 1000000}}",
+            "groups.g.policy: a waiter at level 0 could wait 694 days before it passes level",
+        ),
+        ("{kind: fair-share, weights: {a: true}}", "groups.g.policy.weights.a: true is not a"),
+        ("{kind: fair-share, quantum_s: 1e308}", "groups.g.policy.quantum_s: Input should be"),
+        ("{kind: cost-aware, gap_samples: true}", "groups.g.policy.gap_samples: true is not"),
     ],
 )
 def test_bad_policies_name_the_field_and_the_fix(
@@ -78,3 +91,22 @@ def test_the_default_policy_is_checked_too_and_local_mode_uses_it() -> None:
         config.build(overrides={"local_agents": ["h:1"], "policy": "x"})
     cfg = config.build(overrides={"local_agents": ["h:1"], "policy": {"kind": "cost-aware"}})
     assert cfg.policy_for("any-group") == policy.CostAwareSpec()
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "fragment"),
+    [
+        ("port", "true", "port: true is not a number"),
+        ("reattach_grace_s", "false", "reattach_grace_s: false is not a number"),
+        ("reattach_grace_s", ".inf", "reattach_grace_s: Input should be a finite number"),
+        ("backoff_max_s", ".nan", "backoff_max_s: Input should be a finite number"),
+    ],
+)
+def test_the_orchestrators_numbers_are_numbers_and_finite(
+    tmp_path: pathlib.Path, key: str, value: str, fragment: str
+) -> None:
+    path = tmp_path / "orchestrator.yaml"
+    path.write_text(f"local_agents: ['h:1']\n{key}: {value}\n")
+    with pytest.raises(errors.ConfigError) as info:
+        config.build(config_file=path)
+    assert fragment in str(info.value)

@@ -15,6 +15,7 @@ import pytest
 
 from tests.orchestrator.orch_harness import Cluster, Events, acquire, yield_
 from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2 as opb
+from tslice.common import validation
 
 K = opb.OrchestratorEvent
 
@@ -172,3 +173,53 @@ async def test_restart_gives_the_holder_its_lease_to_reopen(cluster: Cluster) ->
     assert b.grant_epoch == granted.grant_epoch + 1
     assert (await ev.wait_for(K.KIND_YIELDED, job="a")).detail == "lease expired"
     ev.cancel()
+
+
+async def test_a_lease_below_the_floor_is_refused_on_every_path_that_takes_one(
+    cluster: Cluster,
+) -> None:
+    """lease_ms=1 was accepted and lapsed before any client could open its Hold stream."""
+    await cluster.start_agent("node-a")
+    await cluster.start_orchestrator()
+    stub = cluster.stub()
+    too_short = validation.MIN_LEASE_MS - 1
+
+    def refused(err: grpc.aio.AioRpcError) -> None:
+        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, err
+        assert f"at least {validation.MIN_LEASE_MS} ms" in (err.details() or "")
+
+    for lease_ms in (1, too_short):
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await acquire(stub, "a", "g", lease_ms=lease_ms)
+        refused(info.value)
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await stub.AcquireSet(
+                opb.AcquireSetRequest(job_id="a", group_ids=["g", "h"], lease_ms=lease_ms)
+            )
+        refused(info.value)
+
+    async def one(request: opb.SessionRequest) -> opb.SessionResponse:
+        async def outgoing():  # type: ignore[no-untyped-def]
+            yield request
+
+        reply: opb.SessionResponse = await stub.Session(outgoing()).read()
+        return reply
+
+    for kind in ("acquire", "acquire_set"):
+        if kind == "acquire":
+            call = opb.SessionRequest(
+                request_id=1, acquire=opb.AcquireRequest(job_id="a", group_id="g", lease_ms=1)
+            )
+        else:
+            call = opb.SessionRequest(
+                request_id=1,
+                acquire_set=opb.AcquireSetRequest(job_id="a", group_ids=["g"], lease_ms=1),
+            )
+        reply = await one(call)
+        assert reply.status_code == grpc.StatusCode.INVALID_ARGUMENT.value[0], reply
+        assert f"at least {validation.MIN_LEASE_MS} ms" in reply.status_message
+    # The refusals created nothing (local mode: not even the group); the floor is taken.
+    assert list((await stub.ListGroups(opb.ListGroupsRequest())).group_ids) == []
+    granted = await acquire(stub, "a", "g", lease_ms=validation.MIN_LEASE_MS)
+    assert granted.success
+    await yield_(stub, "a", "g")

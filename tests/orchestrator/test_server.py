@@ -162,6 +162,30 @@ async def test_acquire_deadline_leaves_the_queue(cluster: Cluster) -> None:
     ev.cancel()
 
 
+async def test_a_unary_timeout_ms_without_a_grpc_deadline_is_enforced(cluster: Cluster) -> None:
+    """docs/api.md: on a unary call the nearer of timeout_ms and the call's deadline counts.
+    A waiter only queued behind a holder, with timeout_ms and no gRPC deadline, waited for
+    ever (its deadline was left to a gRPC deadline it did not have)."""
+    stub = await two_node_cluster(cluster)
+    await acquire(stub, "a", "g")
+    ev = await Events.open(stub, "g")
+    # Bounded by the test, not by the call: the call itself carries no deadline.
+    waiting = asyncio.ensure_future(
+        stub.Acquire(opb.AcquireRequest(job_id="b", group_id="g", timeout_ms=300))
+    )
+    try:
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await asyncio.wait_for(asyncio.shield(waiting), 20)
+    finally:
+        waiting.cancel()
+    assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert "timeout_ms" in (info.value.details() or ""), info.value.details()
+    await ev.wait_for(K.KIND_CANCELLED, job="b")
+    out = await yield_(stub, "a", "g")
+    assert out.pending_waiters == 0 and out.snapshot_deferred
+    ev.cancel()
+
+
 async def test_concurrent_acquires_of_one_job_share_the_slot(cluster: Cluster) -> None:
     stub = await two_node_cluster(cluster)
     await acquire(stub, "a", "g")

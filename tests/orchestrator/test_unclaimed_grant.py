@@ -105,6 +105,23 @@ async def test_the_unclaimed_deadline_is_stored_and_an_older_database_migrates(
     assert saved == record
 
 
+def test_a_wall_clock_stepped_back_across_a_restart_keeps_the_grant_no_longer_than_the_grace() -> (
+    None
+):
+    """The clock was set back an hour while the orchestrator was down: the deadline on disk
+    is then an hour away. What is left is capped at the re-attach grace (it was kept for
+    about an hour, a leaseless ghost holder)."""
+    record = _unclaimed_holder_b()
+    g = lk.GroupLock.from_record(record, now=50, reattach_grace_s=GRACE_S, wall_now=1000 - 3600)
+    assert max(g.expiry_deadlines()) == 50 + GRACE_S
+    # The capped deadline is what is persisted: another restart does not bring the hour back.
+    assert g.record().holder_unclaimed_until == 1000 - 3600 + GRACE_S
+    g.on_recovered(resident="b", verified=True, rollback=False, now=50)
+    (released,) = g.on_expire(now=50 + GRACE_S)
+    assert isinstance(released, act.Emit) and released.job == "b"
+    assert "never claimed" in released.detail and g.holder is None
+
+
 # ---- a grant made to the parts of a set not answered yet (issue 21 §3) --------------------
 
 

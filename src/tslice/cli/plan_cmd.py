@@ -36,7 +36,8 @@ def plan(
         ),
     ] = None,
     steps: Annotated[
-        int, typer.Option("--steps", min=1, help="RL steps per job, predicted and simulated.")
+        int,
+        typer.Option("--steps", min=1, help="RL steps per job, predicted and simulated (1-100)."),
     ] = 4,
     max_sets: Annotated[
         int | None,
@@ -114,7 +115,7 @@ def plan(
             "wall_s": round(simulated.wall_s, 2),
         }
     if written is not None:
-        _write_topology(out, written)
+        topology.write(out, written)
         document["topology"] = str(out)
     view = "" if as_json else render.plan_view(result, simulated)
     render.show(document, view, as_json=as_json)
@@ -122,15 +123,3 @@ def plan(
         render.stdout().print(f"wrote {out} (the recommended topology)", soft_wrap=True)
     if simulated is not None and simulated.errors:
         raise typer.Exit(1)
-
-
-def _write_topology(path: Path, text: str) -> None:
-    from tslice.common import errors
-    from tslice.orchestrator import config
-
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text)
-    except OSError as err:
-        raise errors.ConfigError(f"--out {path}: cannot write the topology ({err})") from None
-    config.load_topology(path)  # what the orchestrator will read: it must load

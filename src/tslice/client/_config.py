@@ -15,7 +15,7 @@ from typing import Final, Literal, TypeAlias
 import grpc
 
 from tslice.client import _address, _retry
-from tslice.common import errors, ids, tls
+from tslice.common import errors, ids, tls, validation
 
 #: Orchestrator address, or several (``a:50051,b:50051``: HA replicas, tried in turn, a
 #: follower's redirect to the leader followed); the first variable set wins (the second
@@ -89,8 +89,9 @@ def resolve_seconds(
 
 
 def resolve_lease(lease_s: Timeout, environ: Mapping[str, str] | None = None) -> float | None:
-    """The holder lease in seconds (None: no lease): the argument, else the environment."""
-    return resolve_seconds(
+    """The holder lease in seconds (None: no lease): the argument, else the environment;
+    one shorter than the servers' floor is refused here, before any call."""
+    lease = resolve_seconds(
         lease_s,
         name="lease_s",
         env=LEASE_ENV,
@@ -98,6 +99,17 @@ def resolve_lease(lease_s: Timeout, environ: Mapping[str, str] | None = None) ->
         none_means="no lease",
         environ=environ,
     )
+    if lease is not None and lease * 1000 < validation.MIN_LEASE_MS:
+        floor = validation.MIN_LEASE_MS / 1000
+        why = (
+            f"is shorter than the orchestrator's floor of {floor:g} s: the lease would lapse "
+            f"before the Hold stream opens; use {floor:g} s or more (5 s or more where the "
+            "orchestrator may restart), or None for no lease"
+        )
+        if lease_s is USE_CLIENT_DEFAULT:
+            raise errors.ConfigError(f"{LEASE_ENV}={lease:g} {why}")
+        raise ValueError(f"lease_s={lease!r} {why}")
+    return lease
 
 
 def resolve_connect_timeout(

@@ -34,6 +34,8 @@ class Code(enum.Enum):
     RESOURCE_EXHAUSTED = "RESOURCE_EXHAUSTED"
     UNAVAILABLE = "UNAVAILABLE"
     INTERNAL = "INTERNAL"
+    #: A deadline the request carries itself (``timeout_ms``) passed.
+    DEADLINE_EXCEEDED = "DEADLINE_EXCEEDED"
 
     @property
     def grpc(self) -> grpc.StatusCode:

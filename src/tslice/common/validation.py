@@ -32,6 +32,10 @@ MAX_TEXT = 2048
 MAX_MESSAGE = 2048
 #: Entries of a list quoted in an error message.
 MAX_SHOWN_ITEMS = 8
+#: Shortest holder lease (``lease_ms``) a server takes, other than 0 (no lease): the
+#: Python client opens its Hold stream a quarter of the lease after the grant, and a
+#: shorter lease lapses before any client can be expected to have opened one (1 ms did).
+MIN_LEASE_MS = 100
 
 _FD = descriptor.FieldDescriptor
 
@@ -73,6 +77,19 @@ def bounded(text: str, limit: int = MAX_MESSAGE) -> str:
 def enum_values(enum: descriptor.EnumDescriptor) -> str:
     """``NAME (n), ...`` of every value of ``enum``, for messages that name them."""
     return ", ".join(f"{v.name} ({v.number})" for v in enum.values)
+
+
+def check_lease(field: str, lease_ms: int) -> int:
+    """``lease_ms``: 0 (no lease) or at least :data:`MIN_LEASE_MS`."""
+    if lease_ms < 0:
+        raise InvalidInput(f"{field} must be >= 0 (got {lease_ms}); 0 = no lease")
+    if lease_ms < MIN_LEASE_MS and lease_ms != 0:
+        raise InvalidInput(
+            f"{field} must be 0 (no lease) or at least {MIN_LEASE_MS} ms (got {lease_ms}): a "
+            "shorter lease lapses before the holder can open its Hold stream; use 5000 or "
+            "more where the orchestrator may restart"
+        )
+    return lease_ms
 
 
 def check_enum(field: str, enum: descriptor.EnumDescriptor, value: int) -> int:

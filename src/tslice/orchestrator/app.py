@@ -4,6 +4,9 @@
 ``tslice up``, the demo and tests can run it in-process); ``run()`` is the
 blocking entry point of ``tslice orchestrator`` with signal handling.
 
+Health is NOT_SERVING while the state cannot be written (a full disk, a corrupt database:
+see ``store_health``), the reason logged, and SERVING again once a save goes through.
+
 Shutdown order: health NOT_SERVING, then each group stops (new RPCs get
 UNAVAILABLE, an in-flight switch may finish within ``shutdown_grace_s``, waiters
 get UNAVAILABLE "orchestrator shutting down; retry" while their queue entries
@@ -37,7 +40,7 @@ from grpc_reflection.v1alpha import reflection
 
 from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2 as opb
 from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2_grpc as opb_grpc
-from tslice.common import auth, errors, ids, leader_term, logs, serving, tracing, undecodable
+from tslice.common import auth, errors, ids, leader_term, logs, serving, tasks, tracing, undecodable
 from tslice.common import metrics_http as common_metrics_http
 from tslice.orchestrator import (
     agents,
@@ -49,6 +52,7 @@ from tslice.orchestrator import (
     metrics,
     server,
     store,
+    store_health,
     tap,
 )
 
@@ -208,6 +212,7 @@ async def _serve_locked(
                     return  # stopped while the API server had not answered yet
                 opb_grpc.add_TimeSliceOrchestratorServiceServicer_to_server(servicer, grpc_server)
                 await serving_now(len(leader.group_ids()))
+                _report_store_health(leader.store_health, health_servicer)
                 await stop.wait()
                 await health_servicer.enter_graceful_shutdown()
         else:
@@ -254,6 +259,8 @@ class _Leader:
         self.cfg, self._pool, self._metrics, self._stop = cfg, pool, metrics, stop
         self._tap = event_tap
         self._groups: manager.GroupManager | None = None
+        #: Whether this leadership's store takes writes (see store_health).
+        self.store_health = store_health.StoreHealth()
 
     def group_ids(self) -> list[str]:
         return self._groups.ids() if self._groups is not None else []
@@ -285,13 +292,16 @@ class _Leader:
                 pool=self._pool,
                 bus=bus,
                 metrics=self._metrics,
+                store_health=self.store_health,
             )
             groups = self._groups = manager.GroupManager(services)
             await groups.start()
             if discovery is not None:
                 discovery.follow(groups)
             self._metrics.health.read = functools.partial(_health, groups)
-            servicer = server.OrchestratorServicer(groups=groups, bus=bus, event_tap=self._tap)
+            servicer = server.OrchestratorServicer(
+                groups=groups, bus=bus, store=self.store_health, event_tap=self._tap
+            )
             yield servicer
         finally:
             if discovery is not None:
@@ -318,6 +328,37 @@ def _health(groups: manager.GroupManager) -> metrics.HealthReading:
         except RuntimeError:  # a dict changed size while it was copied
             continue
     return {}
+
+
+def _report_store_health(
+    state: store_health.StoreHealth, health_servicer: health.aio.HealthServicer
+) -> None:
+    """Health NOT_SERVING (logged with the reason) while the state cannot be written, so
+    that a supervisor sees it; SERVING again once a save goes through (embedded mode: in
+    HA mode the leadership sets health)."""
+    pending: set[asyncio.Task[None]] = set()
+
+    async def set_all(serving: bool) -> None:
+        status = (
+            health_pb2.HealthCheckResponse.SERVING
+            if serving
+            else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
+        for name in ("", SERVICE_NAME):
+            await health_servicer.set(name, status)
+
+    def changed(problem: str) -> None:
+        if problem:
+            log.error("orchestrator NOT_SERVING: %s", problem)
+        else:
+            log.warning("orchestrator SERVING again: no group waits for its state to be written")
+        task = tasks.spawn(set_all(not problem), name="health:store")
+        pending.add(task)
+        task.add_done_callback(pending.discard)
+
+    state.watch(changed)
+    if state.problem:  # it failed before serving began
+        changed(state.problem)
 
 
 def _advertised(host: str, port: int) -> str:

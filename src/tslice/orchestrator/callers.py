@@ -131,11 +131,13 @@ async def granted(
     held_back_by: Callable[[], str],
     depart: Callable[[], None],
 ) -> Grant:
-    """The grant of ``waiter``; ``time_left`` is the caller's deadline (None: it has none).
+    """The grant of ``waiter``; ``time_left`` is the caller's deadline (None: it has none):
+    the nearer of the call's gRPC deadline and the request's ``timeout_ms``.
 
     Shortly before the deadline, a waiter that a fault or a drain holds back
     (``held_back_by`` names it, and what to do) departs and is refused UNAVAILABLE
-    with the reason.
+    with the reason. At the deadline any other waiter departs, DEADLINE_EXCEEDED: a
+    ``timeout_ms`` counts without a gRPC deadline too (with one, gRPC ends the call then).
     """
     if time_left is None:
         return await waiter.future
@@ -145,12 +147,24 @@ async def granted(
     except asyncio.TimeoutError:
         pass
     why = held_back_by()
-    if not why or waiter.future.done():
-        return await waiter.future  # only queued behind others, or just granted
+    if why and not waiter.future.done():
+        depart()
+        raise refusals.Refused(
+            refusals.Code.UNAVAILABLE,
+            f"group {group_id}: job {waiter.job} was not granted within the call's deadline: {why}",
+        )
+    try:
+        return await asyncio.wait_for(asyncio.shield(waiter.future), time_left - answer_in)
+    except asyncio.TimeoutError:
+        pass
+    if waiter.future.done():
+        return await waiter.future  # granted (or aborted) just now
     depart()
     raise refusals.Refused(
-        refusals.Code.UNAVAILABLE,
-        f"group {group_id}: job {waiter.job} was not granted within the call's deadline: {why}",
+        refusals.Code.DEADLINE_EXCEEDED,
+        f"group {group_id}: job {waiter.job} was not granted within its deadline "
+        f"({time_left * 1000:.0f} ms: the nearer of timeout_ms and the call's deadline); "
+        "it left the queue",
     )
 
 

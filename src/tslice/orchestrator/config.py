@@ -76,7 +76,17 @@ def check_address(value: str) -> str:
 
 
 class _Model(pydantic.BaseModel):
-    model_config = pydantic.ConfigDict(extra="forbid", frozen=True)
+    # Numbers are finite (.inf as a timeout or a grace is no bound).
+    model_config = pydantic.ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+    @pydantic.field_validator("*", mode="before")
+    @classmethod
+    def _no_boolean_numbers(cls, v: Any, info: pydantic.ValidationInfo) -> Any:
+        # pydantic's lax mode takes `port: true` as 1 and `reattach_grace_s: false` as 0.
+        field = cls.model_fields.get(info.field_name or "")
+        if isinstance(v, bool) and field is not None and field.annotation in (int, float):
+            raise ValueError(f"{str(v).lower()} is not a number: write a number")
+        return v
 
 
 class NodeModel(_Model):

@@ -48,6 +48,7 @@ from tslice.orchestrator import (
     status,
     steps,
     store,
+    store_health,
     switch,
     switching,
     wake,
@@ -79,6 +80,10 @@ class Services:
     sets: sets.SetCoordinator = dataclasses.field(default_factory=sets.SetCoordinator)
     #: Each group's holder, read by a group kept for a set (who may pass it).
     holders: dict[str, Callable[[], str | None]] = dataclasses.field(default_factory=dict)
+    #: Whether the state can be written, and why not (see store_health).
+    store_health: store_health.StoreHealth = dataclasses.field(
+        default_factory=store_health.StoreHealth
+    )
 
 
 #: Who evicts when the Evict RPC does (Kubernetes mode names itself).
@@ -156,6 +161,7 @@ class GroupDriver:
             # Overlapping groups see who holds this one at once (see overlap).
             applied=lambda: self._arbiter.note_holder(group_id, self.lock.holder),
             settled=self._settled,
+            health=services.store_health,
         )
         #: Collected as idle (local mode): its rows are deleted, a new driver takes its id.
         self.retired = False
@@ -699,7 +705,13 @@ class GroupDriver:
         return expired
 
     def _reported_state(self) -> tuple[str, str]:
-        return status.reported_state(self.lock, self.health, self._conflicts, self._kept_for)
+        return status.reported_state(
+            self.lock,
+            self.health,
+            self._conflicts,
+            self._kept_for,
+            unsaved=self.services.store_health.problem,
+        )
 
     def _kept_for(self, job: str, seq: int) -> str:
         busy = next((sorted(g - r) for s, j, g, r in self._sets.waiting() if s == seq), [])

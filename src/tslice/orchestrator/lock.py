@@ -100,11 +100,12 @@ class GroupLock(lock_state.LockState):
         lock._recovered_at = now
         # A holder that was granted before the crash keeps the lock; its client got the
         # reply. One whose grant was never delivered keeps it only until its deadline
-        # (not extended by this restart) unless an Acquire of it comes back.
+        # (not extended by this restart) unless an Acquire of it comes back; never more
+        # than the grace from now (a wall clock set back across the restart).
         granted = lock._holder is not None and lock._switch is None
         unclaimed = record.holder_unclaimed_until
         if granted and unclaimed is not None:
-            lock._confirm_deadline = unclaimed - offset
+            lock._confirm_deadline = min(unclaimed - offset, now + reattach_grace_s)
         lock._receivers = lock._answered = 1 if granted and unclaimed is None else 0
         return lock
 

@@ -6,7 +6,9 @@ drivers. Status codes: INVALID_ARGUMENT (bad ids or footprint), NOT_FOUND
 (yield of a lock another job holds), UNAVAILABLE (shutting down; retry), ABORTED
 (the job yielded while its own Acquire was pending, or an administrator evicted
 it), FAILED_PRECONDITION (Hold by a job that does not hold the group; Yield by a
-job an administrator evicted); CANCELLED / DEADLINE_EXCEEDED come from the caller.
+job an administrator evicted); UNAVAILABLE also while the orchestrator cannot write its
+state (``store_health``: a full disk, a corrupt database), naming why, for every call that
+would change a group; CANCELLED / DEADLINE_EXCEEDED come from the caller.
 """
 
 from __future__ import annotations
@@ -22,7 +24,16 @@ import grpc
 from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2 as opb
 from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2_grpc as opb_grpc
 from tslice.common import auth, logs, refusals, unique_requests, validation
-from tslice.orchestrator import decisions, events, group, history, manager, set_acquire, tap
+from tslice.orchestrator import (
+    decisions,
+    events,
+    group,
+    history,
+    manager,
+    set_acquire,
+    store_health,
+    tap,
+)
 
 _T = TypeVar("_T")
 log = logging.getLogger(__name__)
@@ -65,7 +76,10 @@ def _checked_terms(
     (the nearer of the call's deadline and ``timeout_ms``)."""
     auth.require_job(job)  # a job credential acts only as its own job ids
     _at_least_0("footprint_bytes", request.footprint_bytes, "default")
-    _at_least_0("lease_ms", request.lease_ms, "no lease")
+    try:
+        validation.check_lease("lease_ms", request.lease_ms)
+    except validation.InvalidInput as err:
+        raise refusals.Refused(refusals.Code.INVALID_ARGUMENT, str(err)) from None
     return _sooner(time_left, _at_least_0("timeout_ms", request.timeout_ms, "no deadline"))
 
 
@@ -131,10 +145,13 @@ class OrchestratorServicer(opb_grpc.TimeSliceOrchestratorServiceServicer):
         *,
         groups: manager.GroupManager,
         bus: events.EventBus,
+        store: store_health.StoreHealth | None = None,
         event_tap: tap.EventTap | None = None,
     ) -> None:
         self._groups = groups
         self._bus = bus
+        #: While the state cannot be written, calls that would change a group are refused.
+        self._store = store if store is not None else store_health.StoreHealth()
         #: The history behind WatchEvents' ``since`` (None: none kept).
         self._tap = event_tap
         #: Set when the orchestrator stops: Session streams end at once.
@@ -221,6 +238,7 @@ class OrchestratorServicer(opb_grpc.TimeSliceOrchestratorServiceServicer):
         gid = refusals.checked_id("group_id", request.group_id)
         logs.IDS.set({"job_id": job, "group_id": gid})  # every log line of this call
         time_left = _checked_terms(job, request, time_left)
+        self._store.check()
         driver = self._found(gid, await self._groups.get_or_create(gid))
         grant = await driver.acquire(
             job,
@@ -243,6 +261,7 @@ class OrchestratorServicer(opb_grpc.TimeSliceOrchestratorServiceServicer):
         job = refusals.checked_id("job_id", request.job_id)
         gids = _checked_set(list(request.group_ids))
         time_left = _checked_terms(job, request, time_left)
+        self._store.check()
         # Every group is checked before any is asked for: an unknown one loses nothing.
         drivers = {gid: self._found(gid, await self._groups.get_or_create(gid)) for gid in gids}
         grants = await set_acquire.acquire_set(
@@ -271,7 +290,9 @@ class OrchestratorServicer(opb_grpc.TimeSliceOrchestratorServiceServicer):
         gid = refusals.checked_id("group_id", request.group_id)
         logs.IDS.set({"job_id": job, "group_id": gid})  # every log line of this call
         auth.require_job(job)
-        out = await self._driver(gid).yield_(job)
+        driver = self._driver(gid)
+        self._store.check()
+        out = await driver.yield_(job)
         if not out.ok and out.holder is None:
             # Nobody holds it, and an administrator took it from this job.
             raise refusals.Refused(
@@ -317,6 +338,7 @@ class OrchestratorServicer(opb_grpc.TimeSliceOrchestratorServiceServicer):
             missing = f"node {node!r} is not in group {gid!r} (its nodes: {known})"
             # NOT_FOUND is kept for unknown groups: a bad node of a known one is an argument.
             await refusals.abort(context, refusals.Refused(refusals.Code.INVALID_ARGUMENT, missing))
+        await refusals.checked(context, self._store.check)
         return opb.ClearDegradedResponse(cleared=await driver.clear_degraded(node))
 
     async def Evict(
@@ -324,6 +346,9 @@ class OrchestratorServicer(opb_grpc.TimeSliceOrchestratorServiceServicer):
     ) -> opb.EvictResponse:
         job = await refusals.checked(context, refusals.checked_id, "job_id", request.job_id)
         reason = await refusals.checked(context, _checked_reason, request.reason)
+        if request.group_id:
+            await refusals.checked(context, refusals.checked_id, "group_id", request.group_id)
+        await refusals.checked(context, self._store.check)
         if not request.group_id:
             evicted = await self._groups.evict(job, reason)
             if not evicted:
@@ -349,6 +374,7 @@ class OrchestratorServicer(opb_grpc.TimeSliceOrchestratorServiceServicer):
     ) -> opb.DrainResponse:
         gid = await refusals.checked(context, refusals.checked_id, "group_id", request.group_id)
         driver = await refusals.checked(context, self._driver, gid)
+        await refusals.checked(context, self._store.check)
         return await refusals.answered(context, driver.drain(request.drain))
 
     async def WatchEvents(

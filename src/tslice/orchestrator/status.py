@@ -66,10 +66,16 @@ def reported_state(
     health: Health,
     conflicts: Callable[[], frozenset[str]],
     kept_for: Callable[[str, int], str] = lambda job, seq: "",
+    *,
+    unsaved: str = "",
 ) -> tuple[str, str]:
     """The group's state on the wire and its detail; ``conflicts`` names the overlapping
     groups (asked only while the group waits for their devices: this runs every batch);
-    ``kept_for(job, set)`` says what the set member the group is kept free for waits for."""
+    ``kept_for(job, set)`` says what the set member the group is kept free for waits for;
+    ``unsaved``: why the orchestrator cannot write its state ("" = it can)."""
+    if unsaved:
+        # What is in memory may not be on disk, and nothing is acted on until it is.
+        return "UNKNOWN", f"state not persisted: {unsaved}"
     if health.unreachable:
         return "UNKNOWN", "agents unreachable: " + "; ".join(
             f"{n}: {d}" for n, d in sorted(health.unreachable.items())

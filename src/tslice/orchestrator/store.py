@@ -456,6 +456,26 @@ def _settle(outcomes: list[tuple[_Save, Exception | None]], path: pathlib.Path) 
         if error is None:
             save.done.set_result(None)
         else:
-            save.done.set_exception(
-                StoreError(f"cannot write state of group {save.group_id!r} to {path}: {error}")
-            )
+            save.done.set_exception(StoreError(write_failure(error, save.group_id, path)))
+
+
+def write_failure(error: Exception, group_id: str, path: pathlib.Path) -> str:
+    """Why a save of ``group_id`` to ``path`` failed, and what to do (the worker retries).
+
+    A damaged file is said to be corrupt (retrying cannot help: an operator moves it
+    aside); anything else (a full disk, an I/O error, a read-only filesystem) is the
+    filesystem's to fix, and the orchestrator resumes on its own once a write succeeds.
+    """
+    name = type(error).__name__
+    # SQLITE_CORRUPT and SQLITE_NOTADB raise the base class itself (its subclasses are
+    # other errors: OperationalError for a full disk, ProgrammingError, IntegrityError).
+    if type(error) is sqlite3.DatabaseError:
+        return (
+            f"state database {path} is corrupt ({name}: {error}); stop the orchestrator, move "
+            "the file aside (keep it for a post-mortem) and start it again: the agents' "
+            "reports restore grant epochs and residents, waiting jobs re-queue when they retry"
+        )
+    return (
+        f"cannot write state of group {group_id!r} to {path} ({name}: {error}); free space on "
+        "its filesystem (or fix it) and the orchestrator resumes on its own"
+    )

@@ -9,7 +9,9 @@ two phases:
    transaction, or the API server in HA mode; retried until it is durable) and only
    then run the effects ("write before act"). A store that says a newer leader wrote
    the state (:class:`store.Deposed`) stops the worker for good: no effect of this
-   batch or any later one runs (the HA controller stops the group).
+   batch or any later one runs (the HA controller stops the group). While a save
+   fails, :class:`store_health.StoreHealth` says why (calls are refused naming it,
+   health goes NOT_SERVING) and :meth:`Worker.ask` answers reads at once.
 
 Urgent effects run first; while a switch that one of them started has not sent its
 first agent calls, the other effects are held back (see :meth:`Worker.hold_back`).
@@ -25,7 +27,7 @@ import time
 from collections.abc import Callable
 from typing import TypeVar
 
-from tslice.orchestrator import config, inbox, records, store, switch
+from tslice.orchestrator import config, inbox, records, store, store_health, switch
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +49,10 @@ class Worker:
     #: Run after each command, and after each batch's effects.
     applied: Callable[[], None]
     settled: Callable[[], None]
+    #: Told when a save fails and when saving works again (shared by every group).
+    health: store_health.StoreHealth = dataclasses.field(default_factory=store_health.StoreHealth)
+    #: A save failed and is being retried (the worker is held until it goes through).
+    waiting_on_store: bool = dataclasses.field(init=False, default=False)
     _inbox: asyncio.Queue[inbox.Command] = dataclasses.field(
         init=False, default_factory=asyncio.Queue
     )
@@ -60,12 +66,17 @@ class Worker:
         self._inbox.put_nowait(command)
 
     async def ask(self, compute: Callable[[float], _T]) -> _T:
-        """``compute`` run by the worker (at once once the group stops); its result."""
-        if self.stopping():
-            return compute(time.monotonic())  # nothing else changes the group any more
+        """``compute`` run by the worker; its result. At once once the group stops, and
+        while a failing save holds the worker: ``compute`` only reads the group or changes
+        what is not persisted (a status read, a Hold stream), which must not wait for disk.
+        """
+        if self.stopping() or self.waiting_on_store:
+            return compute(time.monotonic())  # nothing else changes the group meanwhile
         answer: asyncio.Future[_T] = asyncio.get_running_loop().create_future()
 
         def command(now: float) -> list[inbox.Effect]:
+            if answer.done():
+                return []  # the asker went away (cancelled): nobody takes the result
             try:
                 answer.set_result(compute(now))
             except Exception as err:
@@ -125,18 +136,32 @@ class Worker:
             return
         attempt = 0
         nodes = [(n.name, n.address) for n in self.nodes]
-        while True:
-            try:
-                await self.db.save(self.group_id, nodes=nodes, record=record, previous=self.saved)
-                break
-            except store.Deposed as err:
-                # Not ours to act on any more: nothing after this may reach an agent.
-                log.error("group %s: %s; it stops acting", self.group_id, err)
-                await asyncio.Event().wait()  # until the group is stopped (cancelled)
-            except store.StoreError as err:
-                # Nothing may act on state that is not on disk: hold this group until it is.
-                delay = self.backoff.delay(attempt)
-                attempt += 1
-                log.error("group %s: %s; retrying in %.2f s", self.group_id, err, delay)
-                await asyncio.sleep(delay)
+        try:
+            while True:
+                try:
+                    await self.db.save(
+                        self.group_id, nodes=nodes, record=record, previous=self.saved
+                    )
+                    break
+                except store.Deposed as err:
+                    # Not ours to act on any more: nothing after this may reach an agent.
+                    log.error("group %s: %s; it stops acting", self.group_id, err)
+                    await asyncio.Event().wait()  # until the group is stopped (cancelled)
+                except store.StoreError as err:
+                    # Nothing may act on state that is not on disk: hold this group until
+                    # it is, and say why meanwhile (see store_health).
+                    self.waiting_on_store = True
+                    self.health.failed(self.group_id, str(err))
+                    delay = self.backoff.delay(attempt)
+                    attempt += 1
+                    log.error("group %s: %s; retrying in %.2f s", self.group_id, err, delay)
+                    await asyncio.sleep(delay)
+        finally:
+            if self.waiting_on_store:  # saved again, or the group stops
+                self.waiting_on_store = False
+                self.health.saved(self.group_id)
+        if attempt:
+            log.warning(
+                "group %s: state saved again after %d failed attempts", self.group_id, attempt
+            )
         self.saved = record

@@ -31,6 +31,7 @@ Per job of ``timeslice``, over the job's own lock windows and acquire events:
 
 from __future__ import annotations
 
+import bisect
 import collections
 import graphlib
 import itertools
@@ -173,13 +174,21 @@ def _windows(
     acquired: Mapping[tuple[str, str], list[tuple[float, float, int]]],
 ) -> list[_Window]:
     out: list[_Window] = []
+    # Each (job, pool)'s grants in time order, so that a window finds its own by bisection
+    # (a scan of them all per window was quadratic in a long recording).
+    ordered = {key: sorted(grants, key=lambda a: a[0]) for key, grants in acquired.items()}
+    times = {key: [a[0] for a in grants] for key, grants in ordered.items()}
     for pool, items in by_pool.items():
         for i, w in enumerate(r.items(items, f"timeslice.windows.{pool}", "the pool's windows")):
             path = f"timeslice.windows.{pool}[{i}]"
             job = str(r.field(w, "job", path, "the job that held the pool"))
             t0 = r.number(w, "t0", path, "when the pool was granted")
             t1 = r.number(w, "t1", path, "when the pool was yielded")
-            match = [a for a in acquired.get((job, pool), []) if abs(a[0] - t0) <= _MATCH_S]
+            at = times.get((job, pool), [])
+            near = ordered.get((job, pool), [])
+            lo = bisect.bisect_left(at, t0 - _MATCH_S)
+            hi = bisect.bisect_right(at, t0 + _MATCH_S)
+            match = [a for a in near[lo:hi] if abs(a[0] - t0) <= _MATCH_S]
             if not match:
                 raise r.fail(
                     f"{path} (job {job}, t0={t0:g}) has no 'acquired' event of job {job} on "
@@ -196,11 +205,20 @@ def _is_private(windows: Sequence[_Window], jobs: Sequence[str]) -> bool:
     if len(jobs) > 1 and len(users) == 1:
         return True
     ordered = sorted(windows, key=lambda w: w.t0)
-    reach: dict[str, float] = {}
+    # The latest end of any job's windows so far, and the latest of any other job: enough
+    # to ask "does another job still hold it?" in O(1) (asking every job was quadratic).
+    first: tuple[float, str] | None = None
+    second: tuple[float, str] | None = None
     for w in ordered:
-        if any(job != w.job and end > w.t0 + _MATCH_S for job, end in reach.items()):
+        other = second if first is not None and first[1] == w.job else first
+        if other is not None and other[0] > w.t0 + _MATCH_S:
             return True
-        reach[w.job] = max(reach.get(w.job, w.t1), w.t1)
+        if first is not None and first[1] == w.job:
+            first = (max(first[0], w.t1), w.job)
+        elif first is None or w.t1 > first[0]:
+            first, second = (w.t1, w.job), first
+        elif second is None or w.t1 > second[0]:
+            second = (w.t1, w.job)
     return False
 
 
@@ -210,18 +228,34 @@ def _mode(r: _Reader, meta: Any, windows: Sequence[_Window], jobs: Sequence[str]
         return trace.ASYNC
     if "sync" in declared:
         return trace.SYNC
+    by_job: dict[str, list[_Window]] = collections.defaultdict(list)
+    for w in windows:
+        by_job[w.job].append(w)
     for job in jobs:
-        mine = [w for w in windows if w.job == job]
+        mine = by_job.get(job, [])
         held = sum(w.t1 - w.t0 for w in mine)
-        overlap = sum(
-            max(0.0, min(a.t1, b.t1) - max(a.t0, b.t0))
-            for a in mine
-            for b in mine
-            if a.pool < b.pool
-        )
-        if held > 0 and 2 * overlap / held > _ASYNC_OVERLAP:
+        if held > 0 and 2 * _cross_pool_overlap(mine) / held > _ASYNC_OVERLAP:
             return trace.ASYNC
     return trace.SYNC
+
+
+def _cross_pool_overlap(windows: Sequence[_Window]) -> float:
+    """Sum over pairs of windows on different pools of their overlap, by one sweep: at each
+    moment ``n`` windows are open, ``c_p`` of them on pool ``p``, and the pairs on different
+    pools number ``(n**2 - sum c_p**2) / 2`` (summing every pair was quadratic)."""
+    edges = sorted(
+        [(w.t0, 1, w.pool) for w in windows if w.t1 > w.t0]
+        + [(w.t1, -1, w.pool) for w in windows if w.t1 > w.t0]
+    )
+    open_on: collections.Counter[str] = collections.Counter()
+    total, squares, last, overlap = 0, 0, 0.0, 0.0
+    for t, change, pool in edges:
+        overlap += (t - last) * (total * total - squares) / 2
+        last = t
+        squares += 2 * change * open_on[pool] + 1  # (c + change)**2 - c**2, change = +-1
+        open_on[pool] += change
+        total += change
+    return overlap
 
 
 def _stretches(windows: Sequence[_Window]) -> list[_Stretch]:

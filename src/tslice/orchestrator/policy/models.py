@@ -2,7 +2,10 @@
 the boundary by ``tslice.orchestrator.config``), and their specs (``spec``).
 
 ``policy: priority`` is short for ``policy: {kind: priority}``; job ids in the maps
-are checked like every job id; numbers must be finite and in range.
+are checked like every job id; numbers must be numbers (``true`` is no priority level:
+pydantic's lax mode took it as 1), finite and in range: a
+duration at most :data:`MAX_POLICY_S`, and a priority policy's starvation bound at most
+:data:`MAX_STARVATION_S` (``aging_s: 1e308`` made it infinite).
 """
 
 from __future__ import annotations
@@ -25,9 +28,26 @@ def _job_ids(v: dict[str, Any]) -> dict[str, Any]:
     return v
 
 
-_Seconds = Annotated[float, pydantic.Field(gt=0, allow_inf_nan=False)]
-_Level = Annotated[int, pydantic.Field(ge=-1_000_000, le=1_000_000)]
-_Weight = Annotated[float, pydantic.Field(gt=0, allow_inf_nan=False)]
+#: Longest duration a policy takes, seconds (a day: every policy knob is far below it).
+MAX_POLICY_S = 86_400.0
+#: Longest starvation bound of a priority policy, seconds: ``(P_max - P_min) * aging_s``
+#: (how long the lowest level may wait before it passes the highest), 30 days.
+MAX_STARVATION_S = 30 * 86_400.0
+
+
+def _not_a_boolean(v: Any) -> Any:
+    # pydantic's lax mode takes true as 1; YAML's 1e308 (a string to YAML 1.1) stays a number.
+    if isinstance(v, bool):
+        raise ValueError(f"{str(v).lower()} is not a number: write a number")
+    return v
+
+
+_NotBool = pydantic.BeforeValidator(_not_a_boolean)
+_Seconds = Annotated[float, _NotBool, pydantic.Field(gt=0, le=MAX_POLICY_S, allow_inf_nan=False)]
+_SecondsOr0 = Annotated[float, _NotBool, pydantic.Field(ge=0, le=MAX_POLICY_S, allow_inf_nan=False)]
+_Level = Annotated[int, _NotBool, pydantic.Field(ge=-1_000_000, le=1_000_000)]
+_Weight = Annotated[float, _NotBool, pydantic.Field(gt=0, allow_inf_nan=False)]
+_Number = Annotated[float, _NotBool, pydantic.Field(ge=0, allow_inf_nan=False)]
 
 
 class FifoModel(_Model):
@@ -41,6 +61,19 @@ class PriorityModel(_Model):
     default_priority: _Level = 0
     _jobs = pydantic.field_validator("priority")(_job_ids)
 
+    @pydantic.model_validator(mode="after")
+    def _starvation_bounded(self) -> PriorityModel:
+        levels = [self.default_priority, *self.priority.values()]
+        bound = (max(levels) - min(levels)) * self.aging_s
+        if bound > MAX_STARVATION_S:
+            raise ValueError(
+                f"a waiter at level {min(levels)} could wait {bound / 86_400:.0f} days before "
+                f"it passes level {max(levels)} ((P_max - P_min) x aging_s = {bound:g} s); "
+                f"keep it within {MAX_STARVATION_S / 86_400:.0f} days: lower aging_s or "
+                "bring the levels closer"
+            )
+        return self
+
 
 class FairShareModel(_Model):
     kind: Literal["fair-share"]
@@ -48,17 +81,19 @@ class FairShareModel(_Model):
     default_weight: _Weight = 1.0
     quantum_s: _Seconds = 1.0
     memory_s: _Seconds = 600.0
-    credit_s: float = pydantic.Field(10.0, ge=0, allow_inf_nan=False)
+    credit_s: _SecondsOr0 = 10.0
     _jobs = pydantic.field_validator("weights")(_job_ids)
 
 
 class CostAwareModel(_Model):
     kind: Literal["cost-aware"]
     max_defer_s: _Seconds = 30.0
-    default_switch_s: float = pydantic.Field(1.0, ge=0, allow_inf_nan=False)
-    bandwidth_gb_s: float = pydantic.Field(0.0, ge=0, allow_inf_nan=False)
-    gap_samples: int = pydantic.Field(2, ge=1)
-    gap_patience: float = pydantic.Field(1.5, gt=0, le=100, allow_inf_nan=False)
+    default_switch_s: _SecondsOr0 = 1.0
+    bandwidth_gb_s: _Number = 0.0
+    gap_samples: Annotated[int, _NotBool, pydantic.Field(ge=1)] = 2
+    gap_patience: Annotated[float, _NotBool, pydantic.Field(gt=0, le=100, allow_inf_nan=False)] = (
+        1.5
+    )
 
 
 def _policy_shorthand(v: Any) -> Any:

@@ -21,6 +21,9 @@ from tslice.sim import trace
 from tslice.sim.planner import predict, profile, recording, search
 
 DEFAULT_STEPS = 4
+#: RL steps per job at most: prediction and replay grow with them (100 steps of 26 jobs
+#: are predicted in about 25 s here; 10**7 never finished).
+MAX_STEPS = 100
 DEFAULT_ALTERNATIVES = 5
 ALONE = "each job alone"
 ALL_IN_ONE = "all jobs on one set"
@@ -40,8 +43,11 @@ class PlanConfig:
     alternatives: int = DEFAULT_ALTERNATIVES
 
     def check(self) -> None:
-        if self.steps < 1:
-            raise recording.PlanInputError(f"--steps must be at least 1 (got {self.steps})")
+        if not 1 <= self.steps <= MAX_STEPS:
+            raise recording.PlanInputError(
+                f"--steps must be between 1 and {MAX_STEPS} (got {self.steps}): a few steps "
+                f"show how jobs interleave, the default is {DEFAULT_STEPS}"
+            )
         if self.jobs is not None and not 2 <= self.jobs <= 26:
             raise recording.PlanInputError(f"--jobs must be between 2 and 26 (got {self.jobs})")
         if self.max_sets is not None and self.max_sets < 1:

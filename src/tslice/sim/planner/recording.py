@@ -19,6 +19,9 @@ RESTORE_DONE give the switch costs. The derivation drops stretches under half a 
 second as rounding noise, which would be every phase of a time-compressed demo: an event
 log's clock is therefore read in milliseconds (one model second =
 :data:`EVENT_LOG_UNIT_S` of the log), and :attr:`Recording.unit_s` converts back.
+
+What a recording names and holds is checked first (:mod:`.input_checks`): strict JSON,
+ids for every job and group, typed event fields.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import tslice.client as tsclient
-from tslice.common import errors
+from tslice.sim.planner import input_checks
 from tslice.timeline import export
 
 TRACE = "trace"
@@ -46,8 +49,7 @@ _FIX = (
 )
 
 
-class PlanInputError(errors.ConfigError):
-    """The planner's input cannot be used; the message names what is wrong and the fix."""
+PlanInputError = input_checks.PlanInputError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,14 +89,19 @@ def load(path: Path) -> Recording:
             f"{path.name}`, or `tslice demo --events {path.name}`)"
         )
     try:
-        whole: Any = json.loads(text)
+        whole: Any = input_checks.parse(text, str(path))
     except ValueError:
         whole = None
     if isinstance(whole, Mapping) and "timeslice" in whole:
+        if isinstance(whole["timeslice"], Mapping):
+            input_checks.trace_names(str(path), whole["timeslice"])
         return Recording(path, TRACE, whole, 1.0, {})
     if isinstance(whole, Mapping) and "kind" in whole:
+        input_checks.event(str(path), whole)
         return _from_events(path, [whole])
     if isinstance(whole, list) and whole and all(_is_event(e) for e in whole):
+        for number, record in enumerate(whole, 1):
+            input_checks.event(f"{path} event {number}", record)
         return _from_events(path, whole)
     if whole is not None:
         raise PlanInputError(f"{path} is JSON but neither a trace nor an event log: {_FIX}")
@@ -102,8 +109,9 @@ def load(path: Path) -> Recording:
     for number, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
+        where = f"{path} line {number}"
         try:
-            record = json.loads(line)
+            record = input_checks.parse(line, where)
         except ValueError:
             raise PlanInputError(
                 f"{path} line {number} is not JSON ({line[:40]!r}): unknown format; {_FIX}"
@@ -113,6 +121,7 @@ def load(path: Path) -> Recording:
                 f"{path} line {number} is not an orchestrator event (it needs 'kind', "
                 f"'group_id' and 'time'): {_FIX}"
             )
+        input_checks.event(where, record)
         records.append(record)
     return _from_events(path, records)
 
@@ -159,11 +168,12 @@ def _check_switch_costs(
     path: Path, windows: Mapping[str, list[dict[str, Any]]], events: Sequence[Mapping[str, Any]]
 ) -> None:
     """A group several jobs took turns on needs its snapshot and restore times."""
+    timed = {(e["kind"], e["pool"]) for e in events}
     for group, items in windows.items():
         if len({w["job"] for w in items}) < 2:
             continue
         for kind, name in (("ckpt_done", "SNAPSHOT_DONE"), ("restore_done", "RESTORE_DONE")):
-            if not any(e["kind"] == kind and e["pool"] == group for e in events):
+            if (kind, group) not in timed:
                 raise PlanInputError(
                     f"{path}: group {group} was shared by several jobs but the log has no "
                     f"{name} event of it, so its switch cost is unknown: record the log "
