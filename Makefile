@@ -7,8 +7,8 @@ DEMO_STAMP := $(VENV)/.installed-demo
 STAMP      := $(VENV)/.installed
 # Extras the test suite exercises (torch: the CPU build for the TorchAdapter tests;
 # trl: transformers and TRL for tests/jobside/test_trl_*.py, on CPU; kubernetes: lightkube for
-# tests/kube).
-TEST_EXTRAS ?= server,dev,torch,trl,kubernetes
+# tests/kube; otel: OpenTelemetry for the tracing tests).
+TEST_EXTRAS ?= server,dev,torch,trl,kubernetes,otel
 API_DIR     := src/tslice/api
 # Every pip install: no byte-compiling of what it installs (torch, transformers, verl: about a
 # minute and a half of CPU on 2 cores per venv); Python compiles what a test imports, once.

@@ -164,7 +164,7 @@ def test_flag_lists_match_the_commands(name: str) -> None:
     ("name", "page", "heading"),
     [
         ("plan", "demo.md", "## Planning placements (`tslice plan`)"),
-        ("events", "operations.md", "## Events"),
+        ("events", "observability.md", "### `tslice events`"),
     ],
 )
 def test_flag_tables_of_plan_and_events(name: str, page: str, heading: str) -> None:

@@ -72,6 +72,7 @@ def test_client_package_exports_are_pinned() -> None:
         "SliceContext",
         "SnapshotAgentClient",
         "SnapshotAgentError",
+        "StoredEvents",
         "TimeSliceOrchestratorClient",
         "YieldResult",
         "compat",

@@ -10,6 +10,7 @@ the replies."""
 from __future__ import annotations
 
 import asyncio
+import datetime
 import json
 import signal
 import time
@@ -26,7 +27,7 @@ from tests.kube.processes import frozen
 from tests.kube.stack import WAIT_S, events_of, exclusive_sim, next_event
 from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2 as opb
 from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2_grpc as opb_grpc
-from tslice.client import AsyncClient, EventKind
+from tslice.client import AsyncClient, EventKind, StoredEvents
 from tslice.sim import checker
 
 STATE = "timeslice.io/orchestrator-state=group"
@@ -174,6 +175,12 @@ async def test_a_leader_stopped_gracefully_hands_the_lease_over_at_once(
         # The holder is still the holder under the new leader.
         assert (await a.status("trainer")).locking_job == "job-a"
         await a.yield_("trainer")
+        # The event history is each replica's own (docs/observability.md): the new
+        # leader's holds what it published (the yield), not the old leader's grant.
+        since = datetime.datetime.now(datetime.timezone.utc) - datetime.timedelta(minutes=10)
+        stored = StoredEvents(since=since, follow=False)
+        kinds = [e.kind async for e in a.watch_events("trainer", stored=stored)]
+    assert EventKind.YIELDED in kinds and EventKind.GRANTED not in kinds, kinds
 
 
 async def test_a_partitioned_old_leader_is_fenced(api: ApiServerEmulator, stack: HaStack) -> None:

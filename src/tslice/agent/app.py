@@ -29,12 +29,13 @@ from tslice.agent import (
     runner,
     server,
     store,
+    traced,
 )
 from tslice.agent import config as agent_config
 from tslice.agent.backends import base, registry, services
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2_grpc as pb_grpc
-from tslice.common import auth, errors, logs, serving, tasks, undecodable
+from tslice.common import auth, errors, logs, serving, tasks, tracing, undecodable
 
 log = logging.getLogger(__name__)
 
@@ -178,6 +179,7 @@ async def serve(
             ],
         )
         servicer = server.SnapshotAgentServicer(core=core, hub=hub, fence=fence)
+        traced.install(servicer, core.guarded, node=config.node_name)  # tracing on only
         pb_grpc.add_SnapshotAgentServiceServicer_to_server(servicer, grpc_server)
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, grpc_server)
         reflection.enable_server_reflection(
@@ -345,7 +347,14 @@ async def _prune_loop(core: runner.AgentCore, *, stop: asyncio.Event) -> None:
 
 def run(config: agent_config.AgentConfig, *, ready_file: Path | None = None) -> None:
     """Blocking entry point: serve until SIGTERM/SIGINT, then stop gracefully."""
-    logs.setup(config.log_level)
-    serving.run_until_signalled(
-        lambda ready, stop: serve(config, ready=ready, stop=stop), ready_file=ready_file
-    )
+    logs.setup(config.log_level, static={"node": config.node_name})
+    try:
+        tracing.from_env("tslice-agent")
+    except tracing.TracingUnavailable as err:
+        raise errors.ConfigError(str(err)) from err
+    try:
+        serving.run_until_signalled(
+            lambda ready, stop: serve(config, ready=ready, stop=stop), ready_file=ready_file
+        )
+    finally:
+        tracing.shutdown()

@@ -28,7 +28,7 @@ from typing import Any, TypeVar
 from tslice.agent import job_model
 from tslice.agent.backends import base
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
-from tslice.common import refusals
+from tslice.common import logs, refusals
 
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")
@@ -221,6 +221,8 @@ class GuardedBackends:
         self, op: job_model.Operation, job: job_model.Job, config: pb.BackendConfig | None
     ) -> job_model.Outcome:
         """Run the operation's backend call under its deadline, retrying transient failures."""
+        # Every log line of the operation's task names it (a C call: no work to speak of).
+        logs.IDS.set({"job_id": job.job_id, "group_id": job.group, "operation_id": op.op_id})
         backend, ctx, mode = self.backends[op.backend], self._context(job, config), mode_of(config)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.operation_timeout_s

@@ -86,7 +86,7 @@ class AgentCore:
         self.operation_timeout_s = operation_timeout_s
         self.operation_retention_s = operation_retention_s
         self.max_operations = max_operations
-        self._guarded = guarded.GuardedBackends(
+        self.guarded = guarded.GuardedBackends(
             backends, operation_timeout_s=operation_timeout_s, on_unavailable=on_backend_error
         )
         #: One record per (job, group): see ``job_model.Key``.
@@ -125,8 +125,8 @@ class AgentCore:
         for job in list(self._book.jobs.values()):
             if job.state is not job_model.State.TRANSITIONING:
                 continue
-            enabled = job.backend in self._guarded
-            recovered = await self._guarded.recover(job.backend, job) if enabled else None
+            enabled = job.backend in self.guarded
+            recovered = await self.guarded.recover(job.backend, job) if enabled else None
             new_job, op = jobs.after_restart(
                 job,
                 self._book.operations.get(job.operation_id),
@@ -189,7 +189,7 @@ class AgentCore:
         return [self._book.operations.get(op.op_id, op) for op in ops]
 
     async def accelerators(self) -> list[base.Accelerator]:
-        return await self._guarded.accelerators()
+        return await self.guarded.accelerators()
 
     # ---- requests -------------------------------------------------------------------------
 
@@ -244,9 +244,9 @@ class AgentCore:
         jobs.check_epoch(job_id=job_id, group=group, epoch=order.epoch, last=last, node=self.node)
         # Which of this node's devices the group uses (the cuda backend acts on them only).
         if devices:
-            self._guarded.devices[group] = tuple(devices)
+            self.guarded.devices[group] = tuple(devices)
         else:
-            self._guarded.devices.pop(group, None)
+            self.guarded.devices.pop(group, None)
         seen: dict[str, job_model.Operation] = {}
         for _ in range(order.max_steps):
             moves = await self._next_moves(order)
@@ -273,10 +273,10 @@ class AgentCore:
         target = self._book.key(order.job_id, order.group)
         job = self._book.jobs.get(target)
         route = self._route(order.job_id, job, order.config, 0)
-        overlap = self._guarded.overlaps_moves(route.backend)
+        overlap = self.guarded.overlaps_moves(route.backend)
         move = grants.next_move(order, self._book.jobs, target=target, overlap=overlap)
         if isinstance(move, grants.AskFit):
-            fits = await self._guarded.fits(route, grants.as_asked(order, job))
+            fits = await self.guarded.fits(route, grants.as_asked(order, job))
             move = grants.next_move(order, self._book.jobs, target=target, fits=fits)
         if isinstance(move, grants.Evict):
             if move.giving_way:
@@ -319,11 +319,11 @@ class AgentCore:
             jobs.check_prefetch(
                 job,
                 backend=route.backend,
-                declared=self._guarded.prefetches(route.backend),
+                declared=self.guarded.prefetches(route.backend),
                 node=self.node,
             )
             self._spawn(
-                self._guarded.prefetch(route.backend, job), name=f"prefetch-{job_id}-{job.group}"
+                self.guarded.prefetch(route.backend, job), name=f"prefetch-{job_id}-{job.group}"
             )
             return job
 
@@ -333,8 +333,8 @@ class AgentCore:
                 self._book.find(job_id, group), job_id=job_id, group=group, node=self.node
             )
             recovered: job_model.State | None = None
-            if job.backend in self._guarded:
-                recovered = await self._guarded.recover(job.backend, job)
+            if job.backend in self.guarded:
+                recovered = await self.guarded.recover(job.backend, job)
             new_job = jobs.after_reset(job, recovered=recovered)
             self._book.commit(jobs_=[new_job], previous=job)
             log.info(
@@ -392,7 +392,7 @@ class AgentCore:
         route = self._route(job_id, job, config, deprecated_backend)
         await self._validate(route, job, job_id=job_id, group=group)
         recovered = await self._recovered(route, job)
-        partial = job is not None and await self._guarded.missing_tags(route, job)
+        partial = job is not None and await self.guarded.missing_tags(route, job)
         plan = jobs.plan_restore(
             job,
             self._request(job_id, group, route),
@@ -435,7 +435,7 @@ class AgentCore:
                 if running is not None:
                     return running
             route = self._route(job_id, job, order.config, 0)
-            await self._guarded.validate(route, grants.as_asked(order, job))
+            await self.guarded.validate(route, grants.as_asked(order, job))
             last = self._book.marks.get(group)
             mark = jobs.new_mark(job_id=job_id, group=group, epoch=order.epoch, last=last)
             request = self._request(job_id, group, route)
@@ -505,18 +505,18 @@ class AgentCore:
     async def _validate(
         self, route: job_model.Route, job: job_model.Job | None, *, job_id: str, group: str
     ) -> None:
-        await self._guarded.validate(route, job or job_model.Job(job_id=job_id, group=group))
+        await self.guarded.validate(route, job or job_model.Job(job_id=job_id, group=group))
 
     async def _parkable(self, job: job_model.Job | None, route: job_model.Route | None) -> None:
         """Refused where the node's host memory cannot park the state (tslice.agent.parking)."""
         if job is not None:
             route = route or self._route(job.job_id, job, None, 0)
             await parking.check(
-                self._guarded, self.host_budget, self._book.jobs.values(), route, job
+                self.guarded, self.host_budget, self._book.jobs.values(), route, job
             )
 
     def host_memory(self) -> tuple[int | None, int]:  # (limit, parked bytes), for Status
-        return parking.usage(self._guarded, self.host_budget, self._book.jobs.values())
+        return parking.usage(self.guarded, self.host_budget, self._book.jobs.values())
 
     async def _recovered(
         self, route: job_model.Route, job: job_model.Job | None, *, unknown: bool = False
@@ -525,7 +525,7 @@ class AgentCore:
         job, and (``unknown``) for a job this node has no record of."""
         if job is None or not (unknown or job.state is job_model.State.FAULTED):
             return None
-        return await self._guarded.recover(route.backend, job)
+        return await self.guarded.recover(route.backend, job)
 
     def _launch(
         self,
@@ -566,7 +566,7 @@ class AgentCore:
         self, job: job_model.Job, op: job_model.Operation, config: pb.BackendConfig | None
     ) -> None:
         started = time.monotonic()
-        outcome = await self._guarded.run(op, job, config)
+        outcome = await self.guarded.run(op, job, config)
         # The lock keeps a concurrent record change (a channel registration) from being lost.
         async with self._locks[job.job_id]:
             current = self._book.jobs.get(job.key, job)

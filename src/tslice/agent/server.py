@@ -22,7 +22,7 @@ from tslice.agent import channel, fencing, grants, job_model, runner
 from tslice.agent.backends import base
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2_grpc as pb_grpc
-from tslice.common import auth, refusals, tasks, unique_requests, validation
+from tslice.common import auth, logs, refusals, tasks, unique_requests, validation
 
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")
@@ -328,6 +328,7 @@ class SnapshotAgentServicer(pb_grpc.SnapshotAgentServiceServicer):
         """Validate and run one Grant (unary or streamed); raises ``refusals.Refused``."""
         job_id = refusals.checked_id("job_id", request.job_id)
         group = _checked_group(request.group)
+        logs.IDS.set({"job_id": job_id, "group_id": group, "grant_epoch": request.grant_epoch})
         # Counts and enums before any list is looked at.
         config = _checked_config(request)
         if request.grant_epoch < 0 or request.footprint_bytes < 0:

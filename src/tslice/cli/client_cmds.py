@@ -1,5 +1,5 @@
-"""Client commands: ``tslice list``, ``status``, ``acquire``, ``yield``, ``clear-degraded``,
-``events``.
+"""Client commands: ``tslice list``, ``status``, ``acquire``, ``yield``, ``clear-degraded``
+(``tslice events`` is :mod:`tslice.cli.events_cmd`).
 
 Each parses its options, calls :class:`tslice.client.Client` and hands the result to
 :mod:`tslice.cli.render`. Errors become one line and exit code 1 (2 for bad input).
@@ -41,6 +41,9 @@ def _seconds(value: float | None) -> float | None:
     return value
 
 
+#: For the other command modules: a seconds option's check.
+seconds_option = _seconds
+
 Timeout = Annotated[
     float,
     typer.Option("--timeout", callback=_seconds, help="Give up after this many seconds."),
@@ -79,7 +82,6 @@ def register(app: typer.Typer) -> None:
     app.command("acquire")(acquire)
     app.command("yield")(yield_)
     app.command("clear-degraded")(clear_degraded)
-    app.command("events")(events)
 
 
 def _within(*bounds: float | None) -> str:
@@ -139,6 +141,10 @@ def _client(
         raise errors.TsliceError(f"{err.status.name.lower()}: {err.message}") from err
     finally:
         client.close()
+
+
+#: For the other command modules: a client whose errors become one line (see _client).
+connected = _client
 
 
 def list_groups(
@@ -274,68 +280,6 @@ def clear_degraded(
         render.cleared_degraded(group=group, node=node, cleared=cleared),
         as_json=as_json,
     )
-
-
-def events(
-    group: Annotated[
-        str | None, typer.Argument(help="Only this group's events (default: every group).")
-    ] = None,
-    *,
-    kind: Annotated[
-        list[str] | None,
-        typer.Option(
-            "--kind",
-            help="Only events of this kind, e.g. GRANTED, SWITCH_DONE (repeat; default: all).",
-        ),
-    ] = None,
-    count: Annotated[
-        int | None, typer.Option("--count", min=1, help="Stop after this many events.")
-    ] = None,
-    duration: Annotated[
-        float | None,
-        typer.Option("--for", callback=_seconds, help="Stop after this many seconds."),
-    ] = None,
-    addr: Address = DEFAULT_ADDRESS,
-    connect_timeout: ConnectTimeout = None,
-    as_json: Annotated[
-        bool,
-        typer.Option(
-            "--json",
-            help="One JSON object per event and line: an event log `tslice plan` reads.",
-        ),
-    ] = False,
-) -> None:
-    """Stream the orchestrator's events (WatchEvents) until interrupted, --count or --for.
-
-    Save them for `tslice plan` with `tslice events --json > events.jsonl` while jobs run.
-    """
-    kinds = [_event_kind(k) for k in kind or ()]
-    seen = 0
-    with _client(addr, connect_timeout=connect_timeout, timeout=duration) as client:
-        stream = client.watch_events(group, kinds=kinds, timeout=duration)
-        try:
-            for event in stream:
-                if as_json:
-                    render.print_json(render.jsonable(event))
-                else:
-                    render.stdout().print(render.event_line(event), highlight=False)
-                seen += 1
-                if count is not None and seen >= count:
-                    break
-        except errors.DeadlineExceeded:
-            pass  # --for ran out: that is the end asked for
-        finally:
-            stream.close()  # type: ignore[attr-defined]
-
-
-def _event_kind(name: str) -> tsclient.EventKind:
-    try:
-        return tsclient.EventKind(name.strip().upper())
-    except ValueError:
-        known = ", ".join(
-            k.value for k in tsclient.EventKind if k != tsclient.EventKind.UNSPECIFIED
-        )
-        raise typer.BadParameter(f"unknown event kind {name!r}; one of {known}") from None
 
 
 @contextlib.contextmanager

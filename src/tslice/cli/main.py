@@ -24,10 +24,13 @@ from tslice.cli import (
     client_cmds,
     demo_cmd,
     doctor_cmd,
+    events_cmd,
     plan_cmd,
     render,
     slurm_cmd,
+    timeline_cmd,
     up_cmd,
+    watch_cmd,
 )
 from tslice.common import errors
 
@@ -87,6 +90,9 @@ def _register_all() -> None:
         module.register(app)
     up_cmd.register(app)
     client_cmds.register(app)
+    events_cmd.register(app)
+    timeline_cmd.register(app)
+    watch_cmd.register(app)
     demo_cmd.register(app)
     plan_cmd.register(app)
     certs_cmd.register(app)

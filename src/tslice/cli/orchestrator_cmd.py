@@ -7,7 +7,7 @@ from typing import Annotated, Any
 
 import typer
 
-from tslice.cli import options
+from tslice.cli import options, sizes
 
 
 def _timeout(flag: str, help: str) -> Any:
@@ -172,6 +172,31 @@ def orchestrator(
     metrics_port: Annotated[
         int | None, typer.Option("--metrics-port", help="Prometheus port (default 8080; 0 = off).")
     ] = None,
+    history: Annotated[
+        bool | None,
+        typer.Option(
+            "--history/--no-history",
+            help="Keep the event history beside the state (default on; `tslice events --since`).",
+            rich_help_panel="Event history",
+        ),
+    ] = None,
+    history_max_size: Annotated[
+        str | None,
+        typer.Option(
+            "--history-max-size",
+            help="The history file's bound, e.g. 1GiB (default), 64MiB; the oldest go first.",
+            rich_help_panel="Event history",
+        ),
+    ] = None,
+    history_max_age: Annotated[
+        float | None,
+        typer.Option(
+            "--history-max-age",
+            min=0.001,
+            help="Events older than this many hours go (default 168: 7 days).",
+            rich_help_panel="Event history",
+        ),
+    ] = None,
     ready_file: Annotated[Path | None, options.READY_FILE] = None,
     log_level: Annotated[str | None, options.LOG_LEVEL] = None,
     tls_cert: Annotated[Path | None, options.TLS_CERT] = None,
@@ -227,6 +252,11 @@ def orchestrator(
         "operation_timeout_s": operation_timeout,
         "reattach_grace_s": reattach_grace,
         "shutdown_grace_s": shutdown_grace,
+        "history": {
+            "enabled": history,
+            "max_bytes": sizes.parse_bytes_or_none(history_max_size, option="--history-max-size"),
+            "max_age_s": history_max_age * 3600 if history_max_age is not None else None,
+        },
         **options.tls_overrides(tls_cert, tls_key, tls_client_ca, insecure),
     }
     ha_flags = {

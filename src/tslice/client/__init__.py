@@ -21,6 +21,7 @@ from tslice.client._types import (
     GroupState,
     GroupStatus,
     OrchestratorEvent,
+    StoredEvents,
     YieldResult,
 )
 from tslice.client.compat import (
@@ -53,6 +54,7 @@ __all__ = [
     "SliceContext",
     "SnapshotAgentClient",
     "SnapshotAgentError",
+    "StoredEvents",
     "TimeSliceOrchestratorClient",
     "YieldResult",
     "compat",

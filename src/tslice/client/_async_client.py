@@ -180,11 +180,13 @@ class AsyncClient(_base.BaseClient[_lease.AsyncHoldKeeper]):
         *,
         kinds: Iterable[_types.EventKind] = (),
         timeout: float | None = None,
+        stored: _types.StoredEvents | None = None,
     ) -> _events.EventStream:
         """See :meth:`Client.watch_events`; ``await events.started()`` returns once the
         orchestrator has subscribed the stream, ``aclose()`` ends it."""
         calls = self._orchestrator("watch events")
-        return _events.EventStream(calls.watch_events(*self._watch_request(group, kinds, timeout)))
+        request = self._watch_request(group, kinds, timeout, stored)
+        return _events.EventStream(calls.watch_events(*request))
 
     def slice(
         self,

@@ -514,10 +514,16 @@ class BaseClient(Generic[K]):
         return opb.DrainRequest(group_id=group_id, drain=drain), options
 
     def _watch_request(
-        self, group: str | None, kinds: Iterable[_types.EventKind], timeout: float | None
+        self,
+        group: str | None,
+        kinds: Iterable[_types.EventKind],
+        timeout: float | None,
+        stored: _types.StoredEvents | None = None,
     ) -> tuple[opb.WatchEventsRequest, _channel.CallOptions]:
         group_id = "" if group is None else self._group(group)
         request = opb.WatchEventsRequest(group_id=group_id, kinds=_types.event_kinds(kinds))
+        if stored is not None:
+            stored.fill(request)
         return request, self._options(
             self.job_id, group_id, _config.check_timeout("timeout", timeout)
         )

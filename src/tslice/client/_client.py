@@ -216,15 +216,18 @@ class Client(_base.BaseClient[_lease.HoldKeeper]):
         *,
         kinds: Iterable[_types.EventKind] = (),
         timeout: float | None = None,
+        stored: _types.StoredEvents | None = None,
     ) -> Iterator[_types.OrchestratorEvent]:
         """Stream orchestrator events (of ``group``, or of every group when ``None``;
-        only ``kinds`` when given, filtered by the server).
+        only ``kinds`` when given, filtered by the server). With ``stored``, the
+        orchestrator's event history from ``stored.since`` comes first, oldest first,
+        then the live events without a gap (unless ``stored`` says to stop there).
 
         Close the returned generator to end the stream. Not retried: a stream cut by
         an orchestrator restart ends with :class:`~tslice.common.errors.Unavailable`.
         """
         calls = self._orchestrator("watch events")
-        stream = calls.watch_events(*self._watch_request(group, kinds, timeout))
+        stream = calls.watch_events(*self._watch_request(group, kinds, timeout, stored))
         stream.started()  # subscribed: no event published from here on is missed
         return _events.events(stream)
 

@@ -121,6 +121,10 @@ class GroupStatus:
     degraded: tuple[DegradedNode, ...] = ()
     #: An administrator drained the group (`tslice admin drain`): it grants no new turn.
     draining: bool = False
+    #: The group's scheduling policy, as an operator reads it ("" from an older server).
+    policy: str = ""
+    #: When each of ``waiting_jobs`` started waiting (empty from an older server).
+    waiting_since: tuple[datetime.datetime, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,6 +141,31 @@ class OrchestratorEvent:
     detail: str = ""
     grant_epoch: int = 0
     bytes: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class StoredEvents:
+    """Which of the orchestrator's stored events a ``watch_events`` replays first: those
+    from ``since`` (to ``until``), of ``job`` if given; then it follows live unless
+    ``until`` is given or ``follow`` is false."""
+
+    since: datetime.datetime
+    until: datetime.datetime | None = None
+    job: str | None = None
+    follow: bool = True
+
+    def fill(self, request: opb.WatchEventsRequest) -> None:
+        request.since.FromDatetime(_utc(self.since))
+        if self.until is not None:
+            request.until.FromDatetime(_utc(self.until))
+        if self.job:
+            request.job_id = self.job
+        request.history_only = not self.follow
+
+
+def _utc(when: datetime.datetime) -> datetime.datetime:
+    """An aware time in UTC (a naive one is taken as local time)."""
+    return when.astimezone(datetime.timezone.utc)
 
 
 def group_state(value: int) -> GroupState:
@@ -164,6 +193,9 @@ def group_status(response: opb.GetGroupStatusResponse) -> GroupStatus:
         group,
         group_state=group_state(group.group_state),
         state_timestamp=_wire.time(group, "state_timestamp"),
+        waiting_since=tuple(
+            t.ToDatetime(tzinfo=datetime.timezone.utc) for t in group.waiting_since
+        ),
         degraded=tuple(_wire.value(DegradedNode, node) for node in group.degraded),
         agent_job_states=tuple(
             _wire.value(AgentJobStatus, state, job_state=agent_job_state(state.job_state))

@@ -1,17 +1,41 @@
-"""JSON logging (stdlib) for servers: one object per line, extra fields kept."""
+"""JSON logging (stdlib) for servers: one object per line, extra fields kept.
+
+Every line carries the ids of what it is about: those passed as ``extra``, those of the
+task that logs (:data:`IDS`: a switch binds its group, jobs and grant epoch, an agent's
+operation its job, group and operation id), the process's own (``setup(static=...)``:
+the agent's node) and, while tracing is on, the trace and span ids. Binding is one
+``IDS.set({...})`` (a C call) at the start of a task: the ids are read only when a line
+is written.
+"""
 
 from __future__ import annotations
 
+import contextvars
 import json
 import logging
 import sys
 import time
+import types
+from collections.abc import Mapping
 from typing import Any
+
+from tslice.common import tracing
+
+#: The ids of the work the current task does (set once at the task's start; a task
+#: spawned later inherits them).
+IDS: contextvars.ContextVar[Mapping[str, Any]] = contextvars.ContextVar(
+    "tslice_log_ids", default=types.MappingProxyType({})
+)
 
 _STANDARD = set(logging.LogRecord("", 0, "", 0, "", None, None).__dict__) | {"message", "asctime"}
 
 
 class JsonFormatter(logging.Formatter):
+    def __init__(self, static: Mapping[str, Any] | None = None) -> None:
+        super().__init__()
+        #: Fields of every line of this process (the agent's node).
+        self.static = dict(static or {})
+
     def format(self, record: logging.LogRecord) -> str:
         payload: dict[str, Any] = {
             "ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
@@ -19,7 +43,11 @@ class JsonFormatter(logging.Formatter):
             "level": record.levelname.lower(),
             "logger": record.name,
             "msg": record.getMessage(),
+            **self.static,
+            **IDS.get(),
         }
+        if tracing.ENABLED:
+            payload.update(tracing.ids())
         for key, value in record.__dict__.items():
             if key not in _STANDARD and not key.startswith("_"):
                 payload[key] = value
@@ -45,11 +73,14 @@ class _StderrHandler(logging.StreamHandler):  # type: ignore[type-arg]
         pass
 
 
-def setup(level: str = "info", *, json_format: bool = True) -> None:
-    """Configure the root logger once for a server process."""
+def setup(
+    level: str = "info", *, json_format: bool = True, static: Mapping[str, Any] | None = None
+) -> None:
+    """Configure the root logger once for a server process (``static``: fields of every
+    line, e.g. the agent's node)."""
     handler = _StderrHandler()
     if json_format:
-        handler.setFormatter(JsonFormatter())
+        handler.setFormatter(JsonFormatter(static))
     else:
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     root = logging.getLogger()

@@ -41,7 +41,8 @@ import grpc
 
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2_grpc as pb_grpc
-from tslice.common import leader_term, multiplex, tasks, tls
+from tslice.common import leader_term, multiplex, tasks, tls, tracing
+from tslice.orchestrator import tracing_hooks
 
 _R = TypeVar("_R")
 log = logging.getLogger(__name__)
@@ -304,7 +305,10 @@ class AgentClient:
         await self._renew_channel()
         if self._grants_term != self._term.value:
             await self._grants.close()  # opened in an older term: re-opened with this one
-        if self.features is None or not self.features.grant_stream:
+        # A hand-over being traced sends its trace context in the call's metadata: the
+        # GrantStream's metadata is the stream's, so its Grant goes as a unary call.
+        traced = tracing.ENABLED and tracing_hooks.in_trace()
+        if traced or self.features is None or not self.features.grant_stream:
             resp = await self._call(
                 "grant", self._stub.Grant, request, pb.GrantResponse, timeout_s, issued=issued
             )
@@ -392,6 +396,17 @@ class AgentClient:
     ) -> _R:
         """``issued`` is called once the call is under way (created, its send scheduled)."""
         try:
+            if tracing.ENABLED and tracing_hooks.in_trace():
+                timeout = timeout_s or self.rpc_timeout_s
+                replied = await tracing_hooks.agent_call(
+                    lambda metadata: method(request, timeout=timeout, metadata=metadata),
+                    metadata=self._metadata(),
+                    issued=issued,
+                    operation=operation,
+                    address=self.address,
+                    request=request,
+                )
+                return cast(_R, replied)
             call = method(
                 request,
                 timeout=timeout_s or self.rpc_timeout_s,

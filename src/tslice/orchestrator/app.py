@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import importlib
 import logging
 import os
@@ -39,7 +40,7 @@ from grpc_reflection.v1alpha import reflection
 
 from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2 as opb
 from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2_grpc as opb_grpc
-from tslice.common import auth, errors, ids, leader_term, logs, serving, tasks, undecodable
+from tslice.common import auth, errors, ids, leader_term, logs, serving, tasks, tracing, undecodable
 from tslice.common import metrics_http as common_metrics_http
 from tslice.orchestrator import (
     agent_check,
@@ -48,11 +49,13 @@ from tslice.orchestrator import (
     discovered,
     events,
     group,
+    history,
     manager,
     metrics,
     server,
     store,
     store_health,
+    tap,
 )
 
 if TYPE_CHECKING:
@@ -137,6 +140,15 @@ async def _serve_locked(
         term=term,
     )
     m = metrics.OrchestratorMetrics()
+    # The event history (beside the state, in every mode) and the metrics derived from
+    # events: one tap for the whole process, across leaderships.
+    kept = cfg.history
+    event_tap = tap.EventTap(
+        series=m,
+        store=await history.History.open(cfg.state_dir, kept) if kept.enabled else None,
+        flush_interval_s=kept.flush_interval_s,
+    )
+    event_tap.start()
     grpc_server = grpc.aio.server(
         options=[*_SERVER_OPTIONS, *serving.SERVER_OPTIONS],
         interceptors=interceptors,
@@ -169,7 +181,7 @@ async def _serve_locked(
             [SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], grpc_server
         )
         address = _public_address(cfg.host, port)
-        leader = _Leader(cfg, pool=pool, metrics=m, stop=stop)
+        leader = _Leader(cfg, pool=pool, metrics=m, stop=stop, event_tap=event_tap)
 
         async def serving_now(groups: int, role_name: str = "") -> None:
             await grpc_server.start()
@@ -218,6 +230,7 @@ async def _serve_locked(
     finally:
         await health_servicer.enter_graceful_shutdown()
         await grpc_server.stop(cfg.shutdown_grace_s)
+        await event_tap.close()  # after the groups stopped: their last events are written
         await pool.close()
         if db is not None:
             await db.close()
@@ -242,8 +255,10 @@ class _Leader:
         pool: agents.AgentPool,
         metrics: metrics.OrchestratorMetrics,
         stop: asyncio.Event,
+        event_tap: tap.EventTap,
     ) -> None:
         self.cfg, self._pool, self._metrics, self._stop = cfg, pool, metrics, stop
+        self._tap = event_tap
         self._groups: manager.GroupManager | None = None
         #: Whether this leadership's store takes writes (see store_health).
         self.store_health = store_health.StoreHealth()
@@ -260,6 +275,7 @@ class _Leader:
         cfg = self.cfg
         bus = events.EventBus()
         bus.on_drop = self._metrics.events_dropped.inc
+        self._tap.attach(bus)
         groups: manager.GroupManager | None = None
         servicer: server.OrchestratorServicer | None = None
         discovery = _discovery(cfg)
@@ -286,7 +302,10 @@ class _Leader:
             checking = tasks.spawn(agent_check.warn_at_start(cfg, self._pool), name="agents:check")
             if discovery is not None:
                 discovery.follow(groups)
-            servicer = server.OrchestratorServicer(groups=groups, bus=bus, store=self.store_health)
+            self._metrics.health.read = functools.partial(_health, groups)
+            servicer = server.OrchestratorServicer(
+                groups=groups, bus=bus, store=self.store_health, event_tap=self._tap
+            )
             yield servicer
         finally:
             if checking is not None:
@@ -294,11 +313,27 @@ class _Leader:
             if discovery is not None:
                 await discovery.close()
             if groups is not None:
+                self._metrics.health.read = dict
                 await groups.stop(grace_s=grace_s())
                 self._groups = None
             if servicer is not None:
                 servicer.close()
             bus.close()
+
+
+def _health(groups: manager.GroupManager) -> metrics.HealthReading:
+    """Degraded and unreachable nodes per group. A scrape reads them in the HTTP thread
+    while the loop may change them: a read that raced a change is tried again."""
+    for _ in range(3):
+        try:
+            drivers = [d for d in map(groups.get, groups.ids()) if d is not None]
+            return {
+                d.group_id: (len(dict(d.health.degraded)), len(dict(d.health.unreachable)))
+                for d in drivers
+            }
+        except RuntimeError:  # a dict changed size while it was copied
+            continue
+    return {}
 
 
 def _report_store_health(
@@ -405,7 +440,14 @@ def run(
     ha: HaSettings | None = None,
 ) -> None:
     """Blocking entry point: SIGTERM/SIGINT stop gracefully (a leader hands over)."""
-    logs.setup(cfg.log_level)
-    serving.run_until_signalled(
-        lambda ready, stop: serve(cfg, ready=ready, stop=stop, ha=ha), ready_file=ready_file
-    )
+    logs.setup(cfg.log_level, static={"component": "orchestrator"})
+    try:
+        tracing.from_env("tslice-orchestrator")
+    except tracing.TracingUnavailable as err:
+        raise errors.ConfigError(str(err)) from err
+    try:
+        serving.run_until_signalled(
+            lambda ready, stop: serve(cfg, ready=ready, stop=stop, ha=ha), ready_file=ready_file
+        )
+    finally:
+        tracing.shutdown()

@@ -42,6 +42,7 @@ import yaml
 from tslice.common import errors, ids, kube_labels, serving
 from tslice.common.auth import AuthSettings
 from tslice.common.tls import ClientSecurity, ServerTLS, check_listen
+from tslice.orchestrator.history import HistorySettings
 from tslice.orchestrator.policy import models as policy_models
 from tslice.orchestrator.policy import spec as policy_spec
 from tslice.orchestrator.slurm import settings as slurm_settings
@@ -164,6 +165,16 @@ class TopologyModel(_Model):
         return self
 
 
+class HistoryModel(_Model):
+    """``history:`` in the config file (see tslice.orchestrator.history)."""
+
+    enabled: bool = True
+    #: (the defaults of HistorySettings; tests/orchestrator/test_history.py checks so)
+    max_age_s: float = pydantic.Field(default=7 * 86400.0, gt=0)
+    max_bytes: int = pydantic.Field(default=1 << 30, ge=1 << 20)
+    flush_interval_s: float = pydantic.Field(default=1.0, gt=0, le=60)
+
+
 class OrchestratorModel(_Model):
     host: str = "127.0.0.1"
     port: int = pydantic.Field(DEFAULT_PORT, ge=0, le=65535)
@@ -206,6 +217,8 @@ class OrchestratorModel(_Model):
     job_namespace: str | None = None
     #: Slurm mode: the topology and job liveness from the controller (see SlurmSettings).
     slurm: slurm_settings.SlurmModel | None = None
+    #: The event history kept beside the state (tslice events --since).
+    history: HistoryModel = HistoryModel()
 
     @pydantic.field_validator("local_groups")
     @classmethod
@@ -318,6 +331,8 @@ class OrchestratorConfig:
     slurm: slurm_settings.SlurmSettings | None = None
     #: Scheduling policy of the groups whose topology names none (local mode: all).
     policy: policy_spec.PolicySpec = dataclasses.field(default_factory=policy_spec.FifoSpec)
+    #: The event history: on/off, its bounds (age, size) and how often it is written.
+    history: HistorySettings = dataclasses.field(default_factory=HistorySettings)
 
     def policy_for(self, group_id: str) -> policy_spec.PolicySpec:
         """The group's scheduling policy: its own from the topology, else the default."""
@@ -462,6 +477,7 @@ def build(
     # Every other setting has the same name in the file model and in the config.
     settings = {f.name: getattr(model, f.name) for f in dataclasses.fields(OrchestratorConfig)}
     settings["policy"] = policy_models.spec_of(model.policy)
+    settings["history"] = HistorySettings(**model.history.model_dump())
     return OrchestratorConfig(
         **{
             **settings,

@@ -96,6 +96,10 @@ class EventBus:
         self.started = time.time()
         #: Called with the number of events a subscriber dropped (metrics hook).
         self.on_drop: Callable[[int], None] | None = None
+        #: Set: every event published is also appended to this list (the history and the
+        #: metrics derived from events, :mod:`tslice.orchestrator.tap`, drain it in
+        #: batches): one list append on the hand-over path, nothing more.
+        self.tap: list[opb.OrchestratorEvent] | None = None
 
     def _watching(self, group_id: str) -> list[Subscription]:
         """The subscribers that may want an event of ``group_id``."""
@@ -105,6 +109,9 @@ class EventBus:
         return watching
 
     def publish(self, event: opb.OrchestratorEvent) -> None:
+        tap = self.tap
+        if tap is not None:
+            tap.append(event)
         for sub in self._watching(event.group_id):
             before = sub.dropped
             sub.offer(event)
@@ -113,6 +120,8 @@ class EventBus:
 
     def wants(self, group_id: str, kind: int) -> bool:
         """Whether any subscriber would get such an event (if not, it need not be built)."""
+        if self.tap is not None:
+            return True
         return any(sub.accepts(group_id, kind) for sub in self._watching(group_id))
 
     def subscribe(self, *, group_id: str = "", kinds: frozenset[int] = frozenset()) -> Subscription:
@@ -172,7 +181,8 @@ class GroupEvents:
         self._timer: asyncio.TimerHandle | None = None
 
     def wants(self, kind: opb.OrchestratorEvent.Kind) -> bool:
-        return self._bus.wants(self.group_id, kind)
+        bus = self._bus
+        return bus.tap is not None or bus.wants(self.group_id, kind)
 
     def publish(self, event: opb.OrchestratorEvent) -> None:
         if self._held is not None:
@@ -181,8 +191,10 @@ class GroupEvents:
             self._bus.publish(event)
 
     def emit(self, kind: opb.OrchestratorEvent.Kind, **fields: Any) -> None:
-        """Publish an event of this group, if anybody watches such events."""
-        if self.wants(kind):  # nobody watching: not even built
+        """Publish an event of this group, if anybody watches such events (or the tap)."""
+        bus = self._bus
+        # The tap first: with it every event is wanted, and asking costs two calls.
+        if bus.tap is not None or bus.wants(self.group_id, kind):  # else: not even built
             self.publish(make_event(kind, group_id=self.group_id, **fields))
 
     def granted(self, g: decisions.Granted) -> None:

@@ -228,6 +228,10 @@ class LockState:
     def waiting_jobs(self) -> list[str]:
         return list(self._queue)
 
+    def waiting_since(self) -> list[float]:
+        """When each of :attr:`waiting_jobs` started waiting, wall clock (status reads)."""
+        return [e.queued_at + self._wall_offset for e in self._queue.values()]
+
     @property
     def attached_waiters(self) -> int:
         return sum(1 for e in self._queue.values() if e.attached > 0)

@@ -1,15 +1,24 @@
 """Prometheus metrics of the orchestrator (own registry, so several servers fit in one process).
 
 The first four names are those already used by dashboards of the reference
-implementation; the operation histogram deliberately has no job label (bounded
-cardinality).
+implementation; no histogram has a job label (bounded cardinality). The only job label
+is on :attr:`OrchestratorMetrics.job_hold`, a counter kept for at most
+:data:`MAX_JOB_SERIES` jobs per group.
+
+Grants, hold times, per-job device time and lease expiries are derived from the event
+stream in batches, off the hand-over path (:mod:`tslice.orchestrator.event_metrics`);
+degraded and unreachable nodes are read when Prometheus scrapes
+(:class:`GroupHealthCollector`): nothing is updated for them on a hand-over.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, TypeVar
 
 import prometheus_client as prom
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 _Family = TypeVar("_Family", prom.Gauge, prom.Counter, prom.Histogram)
 
@@ -17,6 +26,11 @@ GROUP_STATES = ("UNKNOWN", "IDLE", "IDLE_YIELDED", "LOCKED", "SWITCHING")
 
 _OP_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 900)
 _WAIT_BUCKETS = (0.001, 0.01, 0.05, 0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 900, 3600)
+_HOLD_BUCKETS = (0.01, 0.1, 0.5, 1, 5, 10, 30, 60, 120, 300, 600, 1800, 3600, 7200, 21600)
+
+#: Jobs per group with a ``job_hold`` series; past it the job that held least recently
+#: loses its series (a cluster where thousands of jobs come and go keeps a bounded set).
+MAX_JOB_SERIES = 64
 
 
 class OrchestratorMetrics:
@@ -48,7 +62,8 @@ class OrchestratorMetrics:
         )
         self.switches = self._counter(
             "tslice_orchestrator_switches",
-            "Switches by outcome (completed, abandoned)",
+            "Switches by outcome: completed, or failed as refused, degraded (a node kept "
+            "refusing), stale_epoch or abandoned",
             ["group_id", "outcome"],
         )
         self.switch_duration = self._histogram(
@@ -101,6 +116,49 @@ class OrchestratorMetrics:
             "Events dropped because a WatchEvents subscriber was too slow",
             [],
         )
+        # ---- derived from the event stream (tslice.orchestrator.event_metrics) ----
+        self.grants = self._counter(
+            "tslice_orchestrator_grants",
+            "Grants (each ends an Acquire: a hand-over) by how the job got its state: "
+            "switched (a switch moved it in), zero_cost (it was still resident)",
+            ["group_id", "how"],
+        )
+        self.hold = self._histogram(
+            "tslice_orchestrator_hold_duration_seconds",
+            "How long a job held the group, grant to yield (or lease expiry, eviction)",
+            group,
+            _HOLD_BUCKETS,
+        )
+        self.job_hold = self._counter(
+            "tslice_orchestrator_job_hold_seconds",
+            "Seconds each job held the group (device time; credited while it holds). "
+            f"At most {MAX_JOB_SERIES} jobs per group keep a series",
+            ["group_id", "job_id"],
+        )
+        self.lease_expiries = self._counter(
+            "tslice_orchestrator_lease_expiries",
+            "Holders whose lease ran out (no Hold stream, no Yield): the lock was released",
+            group,
+        )
+        self.evictions = self._counter(
+            "tslice_orchestrator_evictions",
+            "Jobs taken out of the group by an administrator, Kubernetes or Slurm",
+            group,
+        )
+        self.history_written = self._counter(
+            "tslice_orchestrator_history_events_written",
+            "Events written to the event history (tslice events --since)",
+            [],
+        )
+        self.history_failures = self._counter(
+            "tslice_orchestrator_history_write_failures",
+            "Batches of events the history could not write (each is logged)",
+            [],
+        )
+        self.health = GroupHealthCollector()
+        self.registry.register(self.health)
+        #: Also told when a group is forgotten (the event-derived series' own caches).
+        self.on_forget_group: Callable[[str], None] | None = None
         self._states: dict[str, str] = {}
         self._state_children: dict[tuple[str, str], Any] = {}
 
@@ -128,6 +186,8 @@ class OrchestratorMetrics:
             del self._state_children[key]
         for family in self._per_group:
             _remove_group(family, group_id)
+        if self.on_forget_group is not None:
+            self.on_forget_group(group_id)
 
     def set_state(self, group_id: str, state: str) -> None:
         previous = self._states.get(group_id)
@@ -157,3 +217,33 @@ def _remove_group(family: Any, group_id: str) -> None:
     with family._lock:
         for values in [v for v in family._metrics if v[at] == group_id]:
             del family._metrics[values]
+
+
+#: What :class:`GroupHealthCollector` reads per group: (degraded nodes, unreachable nodes).
+HealthReading = Mapping[str, tuple[int, int]]
+
+
+class GroupHealthCollector(Collector):
+    """``tslice_orchestrator_degraded_nodes`` and ``..._unreachable_nodes`` per group,
+    counted when scraped (from the HTTP thread) by :attr:`read`, which the leader sets."""
+
+    def __init__(self) -> None:
+        self.read: Callable[[], HealthReading] = dict
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        degraded = GaugeMetricFamily(
+            "tslice_orchestrator_degraded_nodes",
+            "Nodes of the group that kept refusing a switch; no switch starts until an "
+            "operator clears them (tslice clear-degraded)",
+            labels=["group_id"],
+        )
+        unreachable = GaugeMetricFamily(
+            "tslice_orchestrator_unreachable_nodes",
+            "Nodes of the group whose agent does not answer (the group is UNKNOWN)",
+            labels=["group_id"],
+        )
+        for gid, (bad, gone) in sorted(self.read().items()):
+            degraded.add_metric([gid], bad)
+            unreachable.add_metric([gid], gone)
+        yield degraded
+        yield unreachable

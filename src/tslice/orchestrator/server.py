@@ -23,8 +23,17 @@ import grpc
 
 from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2 as opb
 from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2_grpc as opb_grpc
-from tslice.common import auth, refusals, unique_requests, validation
-from tslice.orchestrator import decisions, events, group, manager, set_acquire, store_health
+from tslice.common import auth, logs, refusals, unique_requests, validation
+from tslice.orchestrator import (
+    decisions,
+    events,
+    group,
+    history,
+    manager,
+    set_acquire,
+    store_health,
+    tap,
+)
 
 _T = TypeVar("_T")
 log = logging.getLogger(__name__)
@@ -137,11 +146,14 @@ class OrchestratorServicer(opb_grpc.TimeSliceOrchestratorServiceServicer):
         groups: manager.GroupManager,
         bus: events.EventBus,
         store: store_health.StoreHealth | None = None,
+        event_tap: tap.EventTap | None = None,
     ) -> None:
         self._groups = groups
         self._bus = bus
         #: While the state cannot be written, calls that would change a group are refused.
         self._store = store if store is not None else store_health.StoreHealth()
+        #: The history behind WatchEvents' ``since`` (None: none kept).
+        self._tap = event_tap
         #: Set when the orchestrator stops: Session streams end at once.
         self._closing = asyncio.Event()
 
@@ -224,6 +236,7 @@ class OrchestratorServicer(opb_grpc.TimeSliceOrchestratorServiceServicer):
         started = time.monotonic()
         job = refusals.checked_id("job_id", request.job_id)
         gid = refusals.checked_id("group_id", request.group_id)
+        logs.IDS.set({"job_id": job, "group_id": gid})  # every log line of this call
         time_left = _checked_terms(job, request, time_left)
         self._store.check()
         driver = self._found(gid, await self._groups.get_or_create(gid))
@@ -275,6 +288,7 @@ class OrchestratorServicer(opb_grpc.TimeSliceOrchestratorServiceServicer):
         """One Yield (unary or over a Session); raises ``refusals.Refused``."""
         job = refusals.checked_id("job_id", request.job_id)
         gid = refusals.checked_id("group_id", request.group_id)
+        logs.IDS.set({"job_id": job, "group_id": gid})  # every log line of this call
         auth.require_job(job)
         self._store.check()
         driver = self._groups.get(gid)
@@ -370,18 +384,61 @@ class OrchestratorServicer(opb_grpc.TimeSliceOrchestratorServiceServicer):
         gid = request.group_id
         if gid:
             await refusals.checked(context, refusals.checked_id, "group_id", gid)
-            if not self._groups.local:
+            if not self._groups.local and not request.HasField("since"):
                 await refusals.checked(context, self._driver, gid)
+        job = request.job_id
+        if job:
+            await refusals.checked(context, refusals.checked_id, "job_id", job)
         await refusals.checked(context, _checked_fields, request)
+        query = await refusals.checked(context, self._history_query, request)
         sub = self._bus.subscribe(group_id=gid, kinds=frozenset(request.kinds))
+        # In the same turn as the subscription: the replay ends where the live part starts.
+        mark = self._tap.mark() if query is not None and self._tap is not None else None
         try:
             # Headers go out once subscribed: a client awaiting initial_metadata() then
             # knows that no later event will be missed.
             await context.send_initial_metadata(())
+            if query is not None and mark is not None and self._tap is not None:
+                async for event in self._tap.replay(query, mark):
+                    yield event
+                if request.history_only or request.HasField("until"):
+                    return
             async for event in sub:
-                yield event
+                if not job or job in (event.job_id, event.from_job):
+                    yield event
         finally:
             self._bus.unsubscribe(sub)
+
+    def _history_query(self, request: opb.WatchEventsRequest) -> history.Query | None:
+        """The stored events a WatchEvents asks for (None: live only)."""
+        if not request.HasField("since"):
+            if request.HasField("until") or request.history_only:
+                raise refusals.Refused(
+                    refusals.Code.INVALID_ARGUMENT,
+                    "until and history_only need since: the time the stored events start",
+                )
+            return None
+        if self._tap is None or self._tap.history is None:
+            raise refusals.Refused(
+                refusals.Code.FAILED_PRECONDITION,
+                "this orchestrator keeps no event history (`history: {enabled: false}` in "
+                "its config); watch live events only (no since)",
+            )
+        since = request.since.ToNanoseconds()
+        until = request.until.ToNanoseconds() if request.HasField("until") else 0
+        if request.HasField("until") and until < since:
+            raise refusals.Refused(
+                refusals.Code.INVALID_ARGUMENT,
+                f"until ({request.until.ToJsonString()}) is before since "
+                f"({request.since.ToJsonString()})",
+            )
+        return history.Query(
+            since_ns=since,
+            until_ns=until,
+            group_id=request.group_id,
+            job_id=request.job_id,
+            kinds=frozenset(request.kinds),
+        )
 
     async def Hold(
         self, request: opb.HoldRequest, context: grpc.aio.ServicerContext

@@ -150,7 +150,15 @@ def group_status(
         detail=state[1],
         degraded=[opb.DegradedNode(node=n, reason=r) for n, r in sorted(health.degraded.items())],
         draining=lk.draining,
+        policy=lk.policy.describe(),
+        waiting_since=[_timestamp(t) for t in lk.waiting_since()],
     )
+
+
+def _timestamp(wall_s: float) -> timestamp_pb2.Timestamp:
+    stamp = timestamp_pb2.Timestamp()
+    stamp.FromNanoseconds(int(wall_s * 1e9))
+    return stamp
 
 
 def known_jobs(lk: lock.GroupLock) -> set[str]:

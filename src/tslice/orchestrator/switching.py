@@ -21,7 +21,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2 as opb
-from tslice.common import tasks
+from tslice.common import logs, tasks, tracing
 from tslice.orchestrator import (
     agents,
     config,
@@ -34,6 +34,7 @@ from tslice.orchestrator import (
     status,
     steps,
     switch,
+    tracing_hooks,
 )
 
 log = logging.getLogger(__name__)
@@ -90,7 +91,10 @@ class SwitchRunner:
     def start(self, s: decisions.StartSwitch) -> None:
         """Start the switch ``s`` (from the worker, once its intent is persisted)."""
         self._group.events.hold()
-        self.task = tasks.spawn(self._run(s), name=f"group:{self._gid}:switch:{s.epoch}")
+        run = self._run(s)
+        if tracing.ENABLED:  # (off: not even a call)
+            run = tracing_hooks.handover(run, group=self._gid, switch=s, nodes=self._group.nodes)
+        self.task = tasks.spawn(run, name=f"group:{self._gid}:switch:{s.epoch}")
 
     async def finish(self, *, grace_s: float) -> None:
         """Let a switch in flight finish within the grace."""
@@ -166,6 +170,15 @@ class SwitchRunner:
         return {node: frozenset(groups) for node, groups in by_node.items()}
 
     async def _run(self, s: decisions.StartSwitch) -> None:
+        # Every log line of the switch's task names it (a C call: no work to speak of).
+        logs.IDS.set(
+            {
+                "group_id": self._gid,
+                "job_id": s.to_job,
+                "from_job": s.from_job or "",
+                "grant_epoch": s.epoch,
+            }
+        )
         group = self._group
         plan = steps.SwitchPlan(
             self._gid,
@@ -201,7 +214,7 @@ class SwitchRunner:
             raise
         except switch.JobRefused as refused:
             code, why = refused.code, refused.detail
-            self._failed(s, f"refused: {why}")
+            self._failed(s, f"refused: {why}", "refused")
             self._ended(
                 lambda now: group.lock.on_switch_refused(
                     epoch=s.epoch, code=code, detail=why, now=now
@@ -215,7 +228,7 @@ class SwitchRunner:
                 "orchestrator's state was lost or truncated); granting again past it"
             )
             log.warning("group %s: %s", self._gid, why, extra={"group_id": self._gid})
-            self._failed(s, why)
+            self._failed(s, why, "stale_epoch")
             self._ended(lambda now: group.lock.on_stale_epoch(epoch=s.epoch, mark=mark, now=now))
             return
         except switch.Deposed as deposed:
@@ -230,14 +243,14 @@ class SwitchRunner:
             )
             return
         except switch.NodeDegraded as degraded:
-            self._failed(s, str(degraded))
+            self._failed(s, str(degraded), "degraded")
             self._ended(self._degrade(s, degraded.node, degraded.reason))
             return
         except Exception as err:
             if not isinstance(err, switch.GiveUp):
                 log.exception("group %s: switch to %s crashed", self._gid, s.to_job)
             detail = str(err)
-            self._failed(s, f"abandoned (nobody waits any more): {detail}")
+            self._failed(s, f"abandoned (nobody waits any more): {detail}", "abandoned")
             self._ended(
                 lambda now: group.lock.on_switch_failed(epoch=s.epoch, detail=detail, now=now)
             )
@@ -277,9 +290,12 @@ class SwitchRunner:
 
         group.post(done)
 
-    def _failed(self, s: decisions.StartSwitch, detail: str) -> None:
-        """The switch ended without a grant: say so (events, metrics) at once."""
-        self._metrics.switches.labels(group_id=self._gid, outcome="abandoned").inc()
+    def _failed(self, s: decisions.StartSwitch, detail: str, outcome: str) -> None:
+        """The switch ended without a grant (``outcome``: refused, stale_epoch, degraded,
+        abandoned): say so (events, metrics) at once."""
+        self._metrics.switches.labels(group_id=self._gid, outcome=outcome).inc()
+        if tracing.ENABLED:
+            tracing_hooks.failed(outcome, detail)
         self._group.events.emit(
             Kind.KIND_SWITCH_FAILED,
             job_id=s.to_job,

@@ -31,7 +31,10 @@ from typing import Any
 import tslice.client as tsclient
 from tslice.agent.backends import simdevice as device
 from tslice.common import errors
-from tslice.sim import checker, measure, replay, rljob, timeline, trace
+from tslice.sim import checker, measure, replay, rljob, trace
+from tslice.timeline import export, model, recorded
+from tslice.timeline import html as timeline_html
+from tslice.timeline import png as timeline_png
 
 GiB = device.GiB
 #: The veRL trace's nodes (any trace's: :func:`tslice.sim.replay.nodes`).
@@ -370,7 +373,9 @@ async def run_demo(config: DemoConfig, *, progress: DemoProgress | None = None) 
         timeline_path=out_dir / "timeline.html",
         wall_s=time.time() - began,
     )
-    timeline.write(result.timeline_path, _timeline_html(result, events, ids))
+    drawn = _timeline(result, events, ids)
+    timeline_html.write(result.timeline_path, timeline_html.render(drawn))
+    timeline_png.write(result.timeline_path.with_suffix(".png"), drawn)
     (out_dir / "summary.json").write_text(json.dumps(result.to_json(), indent=2) + "\n")
     if config.events_path is not None:
         from tslice.sim.planner import recording
@@ -398,46 +403,40 @@ async def _run_phases(
     return runs
 
 
-def _timeline_html(
+def _timeline(
     result: DemoResult, events: Sequence[tsclient.OrchestratorEvent], ids: Sequence[str]
-) -> str:
-    ops: list[timeline.SwitchOp] = []
-    for e in events:
-        if e.kind not in (tsclient.EventKind.SNAPSHOT_DONE, tsclient.EventKind.RESTORE_DONE):
-            continue
-        end = measure.event_time(e)
-        kind = timeline.SNAPSHOT if e.kind == tsclient.EventKind.SNAPSHOT_DONE else timeline.RESTORE
-        ops.append(
-            timeline.SwitchOp(
-                node=e.node,
-                group=e.group_id,
-                job=e.job_id,
-                kind=kind,
-                start=end - e.duration_ms / 1000.0,
-                end=end,
-            )
+) -> model.Timeline:
+    """Each run's events through the same export and drawing as `tslice timeline`'s, on
+    the trace's clock."""
+    scale = result.config.time_scale
+    runs = []
+    for name, run in result.runs.items():
+        records = [
+            export.record(e) for e in events if run.start <= measure.event_time(e) <= run.end
+        ]
+        doc = export.document(
+            records, time_scale=scale, start=run.start, end=run.end, groups=result.model.pools
         )
-    views = [
-        timeline.RunView(
-            name=f"{name}: makespan {_minutes(run.makespan_s * result.config.time_scale)} "
-            f"trace ({run.makespan_s:.1f} s demo), {run.switches} switches",
-            start=run.start,
-            end=run.end,
-            windows=run.windows,
-            ops=[op for op in ops if run.start <= op.start <= run.end],
+        title = (
+            f"{name}: makespan {_minutes(run.makespan_s * scale)} trace "
+            f"({run.makespan_s:.1f} s demo), {run.switches} switches"
         )
-        for name, run in result.runs.items()
-    ]
-    return timeline.render_html(
+        drawn = recorded.run_of(doc, name=title)
+        # Pools each job has to itself never reach the orchestrator: the jobs' own windows.
+        private = [
+            model.Window(w.pool, w.job, (w.acquired - run.start) * scale, (end - run.start) * scale)
+            for w in run.windows
+            if not w.group and w.acquired is not None
+            for end in [w.yielded if w.yielded is not None else run.end]
+        ]
+        runs.append(dataclasses.replace(drawn, windows=[*drawn.windows, *private]))
+    return model.Timeline(
         title="tslice demo: simulated RL jobs, exclusive vs time-sliced",
-        runs=views,
-        lanes=[
-            timeline.Lane(pool=p, group=p if p in result.nodes else "", nodes=_nodes(result, p))
-            for p in result.model.pools
-        ],
+        pools=[model.Pool(p, ", ".join(_nodes(result, p))) for p in result.model.pools],
         jobs=ids,
-        time_scale=result.config.time_scale,
+        runs=runs,
         summary=summary_rows(result),
+        clock=f"trace seconds (the demo ran {scale:g}x faster)",
     )
 
 

@@ -9,15 +9,16 @@ Two inputs are accepted, told apart by their content:
   (``time`` ISO 8601, ``kind``, ``group_id``, ``job_id``, ``node``, ``duration_ms``,
   ``from_job``, ``detail``, ...).
 
-An event log is turned into the trace format so that one derivation
+An event log is turned into the trace format (by the export of ``tslice events
+--export``, :mod:`tslice.timeline.export`) so that one derivation
 (:mod:`tslice.sim.derive`) serves both: a window of a group is a job's GRANTED to its
-YIELDED (or CANCELLED); its request time is the grant minus the wait GRANTED reports; a
-job's RL step starts at each grant of the first group the job was ever granted (its
-steps repeat, so that group opens every step); SNAPSHOT_DONE and RESTORE_DONE give the
-switch costs. The derivation drops stretches under half a trace second as rounding
-noise, which would be every phase of a time-compressed demo: an event log's clock is
-therefore read in milliseconds (one model second = :data:`EVENT_LOG_UNIT_S` of the
-log), and :attr:`Recording.unit_s` converts back.
+YIELDED (or CANCELLED, or the end of the log); its request time is the grant minus the
+wait GRANTED reports; a job's RL step starts at each grant of the first group the job
+was ever granted (its steps repeat, so that group opens every step); SNAPSHOT_DONE and
+RESTORE_DONE give the switch costs. The derivation drops stretches under half a trace
+second as rounding noise, which would be every phase of a time-compressed demo: an event
+log's clock is therefore read in milliseconds (one model second =
+:data:`EVENT_LOG_UNIT_S` of the log), and :attr:`Recording.unit_s` converts back.
 
 What a recording names and holds is checked first (:mod:`.input_checks`): strict JSON,
 ids for every job and group, typed event fields.
@@ -27,7 +28,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import datetime
 import json
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -35,6 +35,7 @@ from typing import Any
 
 import tslice.client as tsclient
 from tslice.sim.planner import input_checks
+from tslice.timeline import export
 
 TRACE = "trace"
 EVENT_LOG = "event log"
@@ -65,20 +66,12 @@ class Recording:
     switch_done_s: Mapping[str, Sequence[float]]
 
 
-def event_record(event: tsclient.OrchestratorEvent) -> dict[str, Any]:
-    """One event as a line of an event log (what ``tslice events --json`` prints)."""
-    out = dataclasses.asdict(event)
-    out["kind"] = event.kind.value
-    out["time"] = event.time.isoformat() if event.time is not None else None
-    return out
-
-
 def write_events(path: Path, events: Iterable[tsclient.OrchestratorEvent]) -> Path:
     """An event log file: one JSON object per line."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w", encoding="utf-8") as out:
         for event in events:
-            out.write(json.dumps(event_record(event)) + "\n")
+            out.write(json.dumps(export.record(event)) + "\n")
     return path
 
 
@@ -138,59 +131,35 @@ def _is_event(record: Any) -> bool:
 
 
 def _time(path: Path, record: Mapping[str, Any]) -> float:
-    value = record.get("time")
-    try:
-        if isinstance(value, int | float) and not isinstance(value, bool):
-            return float(value)
-        return datetime.datetime.fromisoformat(str(value)).timestamp()
-    except ValueError:
+    when = export.seconds(record.get("time"))
+    if when is None:
         raise PlanInputError(
             f"{path}: event {dict(record)} has no readable 'time' (ISO 8601, as `tslice "
             "events --json` writes it)"
-        ) from None
+        )
+    return when
 
 
 def _from_events(path: Path, records: Sequence[Mapping[str, Any]]) -> Recording:
-    """The event log in the trace format (see the module docstring)."""
-    timed = sorted(((_time(path, r), i, r) for i, r in enumerate(records)), key=lambda x: x[:2])
-    if not any(r.get("kind") == tsclient.EventKind.GRANTED.value for _, _, r in timed):
+    """The event log in the trace format (see the module docstring): the export of
+    ``tslice events --export`` (:mod:`tslice.timeline.export`), on a clock in ms."""
+    for record in records:
+        _time(path, record)  # an unreadable time is refused, naming the event
+    if not any(r.get("kind") == tsclient.EventKind.GRANTED.value for r in records):
         raise PlanInputError(
             f"{path} has {len(records)} event(s) but no GRANTED one: no job held a group "
             "while it was recorded; record the log while jobs run"
         )
-    origin = timed[0][0]
     scale = 1.0 / EVENT_LOG_UNIT_S
-    windows: dict[str, list[dict[str, Any]]] = collections.defaultdict(list)
-    events: list[dict[str, Any]] = []
-    open_at: dict[tuple[str, str], float] = {}
-    lead: dict[str, str] = {}
-    steps: collections.Counter[str] = collections.Counter()
-    switch_done: dict[str, list[float]] = collections.defaultdict(list)
-    #: The acquired event of each window not closed yet, by (group, job) as open_at.
-    pending: dict[tuple[str, str], dict[str, Any]] = {}
-    for when, _, r in timed:
-        t = (when - origin) * scale
-        kind, group, job = r.get("kind"), str(r.get("group_id", "")), str(r.get("job_id", ""))
-        ms = float(r.get("duration_ms") or 0)
-        if kind == tsclient.EventKind.GRANTED.value and job and (group, job) not in open_at:
-            open_at[(group, job)] = t
-            first = lead.setdefault(job, group)
-            if first == group:
-                steps[job] += 1
-            acquired = {"t": t, "kind": "acquired", "job": job, "pool": group}
-            pending[(group, job)] = acquired | {"wait_ms": ms * scale, "step": steps[job] - 1}
-        elif kind in (tsclient.EventKind.YIELDED.value, tsclient.EventKind.CANCELLED.value):
-            t0 = open_at.pop((group, job), None)
-            if t0 is not None:
-                windows[group].append({"t0": t0, "t1": t, "job": job})
-                events.append(pending.pop((group, job)))
-        elif kind == tsclient.EventKind.SNAPSHOT_DONE.value:
-            events.append({"t": t, "kind": "ckpt_done", "pool": group, "ms": ms * scale})
-        elif kind == tsclient.EventKind.RESTORE_DONE.value:
-            events.append({"t": t, "kind": "restore_done", "pool": group, "ms": ms * scale})
-        elif kind == tsclient.EventKind.SWITCH_DONE.value and r.get("from_job"):
-            switch_done[group].append(ms / 1000.0)
+    doc = export.document(records, time_scale=scale)
+    run = doc["timeslice"]
+    windows: Mapping[str, list[dict[str, Any]]] = run["windows"]
+    events: list[dict[str, Any]] = run["events"]
     _check_switch_costs(path, windows, events)
+    switch_done: dict[str, list[float]] = collections.defaultdict(list)
+    for s in run["switches"]:
+        if s["from"]:
+            switch_done[s["pool"]].append(s["ms"] / scale / 1000.0)
     raw = {"meta": {"source": "event log"}, "timeslice": {"windows": windows, "events": events}}
     return Recording(path, EVENT_LOG, raw, EVENT_LOG_UNIT_S, dict(switch_done))
 

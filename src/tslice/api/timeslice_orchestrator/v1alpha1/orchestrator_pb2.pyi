@@ -219,7 +219,7 @@ class GetGroupStatusResponse(_message.Message):
     def __init__(self, group: _Optional[_Union[GroupStatus, _Mapping]] = ..., agent_job_states: _Optional[_Iterable[_Union[SnapshotAgentJobState, _Mapping]]] = ...) -> None: ...
 
 class GroupStatus(_message.Message):
-    __slots__ = ("group_id", "group_state", "state_timestamp", "locking_job", "active_job", "waiter_queue_depth", "loaded_job", "waiting_jobs", "nodes", "grant_epoch", "switch_count", "detail", "degraded", "draining")
+    __slots__ = ("group_id", "group_state", "state_timestamp", "locking_job", "active_job", "waiter_queue_depth", "loaded_job", "waiting_jobs", "nodes", "grant_epoch", "switch_count", "detail", "degraded", "draining", "policy", "waiting_since")
     class State(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         STATE_UNSPECIFIED: _ClassVar[GroupStatus.State]
@@ -248,6 +248,8 @@ class GroupStatus(_message.Message):
     DETAIL_FIELD_NUMBER: _ClassVar[int]
     DEGRADED_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    WAITING_SINCE_FIELD_NUMBER: _ClassVar[int]
     group_id: str
     group_state: GroupStatus.State
     state_timestamp: _timestamp_pb2.Timestamp
@@ -262,7 +264,9 @@ class GroupStatus(_message.Message):
     detail: str
     degraded: _containers.RepeatedCompositeFieldContainer[DegradedNode]
     draining: bool
-    def __init__(self, group_id: _Optional[str] = ..., group_state: _Optional[_Union[GroupStatus.State, str]] = ..., state_timestamp: _Optional[_Union[_timestamp_pb2.Timestamp, _Mapping]] = ..., locking_job: _Optional[str] = ..., active_job: _Optional[str] = ..., waiter_queue_depth: _Optional[int] = ..., loaded_job: _Optional[str] = ..., waiting_jobs: _Optional[_Iterable[str]] = ..., nodes: _Optional[_Iterable[str]] = ..., grant_epoch: _Optional[int] = ..., switch_count: _Optional[int] = ..., detail: _Optional[str] = ..., degraded: _Optional[_Iterable[_Union[DegradedNode, _Mapping]]] = ..., draining: bool = ...) -> None: ...
+    policy: str
+    waiting_since: _containers.RepeatedCompositeFieldContainer[_timestamp_pb2.Timestamp]
+    def __init__(self, group_id: _Optional[str] = ..., group_state: _Optional[_Union[GroupStatus.State, str]] = ..., state_timestamp: _Optional[_Union[_timestamp_pb2.Timestamp, _Mapping]] = ..., locking_job: _Optional[str] = ..., active_job: _Optional[str] = ..., waiter_queue_depth: _Optional[int] = ..., loaded_job: _Optional[str] = ..., waiting_jobs: _Optional[_Iterable[str]] = ..., nodes: _Optional[_Iterable[str]] = ..., grant_epoch: _Optional[int] = ..., switch_count: _Optional[int] = ..., detail: _Optional[str] = ..., degraded: _Optional[_Iterable[_Union[DegradedNode, _Mapping]]] = ..., draining: bool = ..., policy: _Optional[str] = ..., waiting_since: _Optional[_Iterable[_Union[_timestamp_pb2.Timestamp, _Mapping]]] = ...) -> None: ...
 
 class SnapshotAgentJobState(_message.Message):
     __slots__ = ("agent", "job_state", "job_id")
@@ -289,12 +293,20 @@ class SnapshotAgentJobState(_message.Message):
     def __init__(self, agent: _Optional[str] = ..., job_state: _Optional[_Union[SnapshotAgentJobState.State, str]] = ..., job_id: _Optional[str] = ...) -> None: ...
 
 class WatchEventsRequest(_message.Message):
-    __slots__ = ("group_id", "kinds")
+    __slots__ = ("group_id", "kinds", "since", "until", "job_id", "history_only")
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     KINDS_FIELD_NUMBER: _ClassVar[int]
+    SINCE_FIELD_NUMBER: _ClassVar[int]
+    UNTIL_FIELD_NUMBER: _ClassVar[int]
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    HISTORY_ONLY_FIELD_NUMBER: _ClassVar[int]
     group_id: str
     kinds: _containers.RepeatedScalarFieldContainer[OrchestratorEvent.Kind]
-    def __init__(self, group_id: _Optional[str] = ..., kinds: _Optional[_Iterable[_Union[OrchestratorEvent.Kind, str]]] = ...) -> None: ...
+    since: _timestamp_pb2.Timestamp
+    until: _timestamp_pb2.Timestamp
+    job_id: str
+    history_only: bool
+    def __init__(self, group_id: _Optional[str] = ..., kinds: _Optional[_Iterable[_Union[OrchestratorEvent.Kind, str]]] = ..., since: _Optional[_Union[_timestamp_pb2.Timestamp, _Mapping]] = ..., until: _Optional[_Union[_timestamp_pb2.Timestamp, _Mapping]] = ..., job_id: _Optional[str] = ..., history_only: bool = ...) -> None: ...
 
 class OrchestratorEvent(_message.Message):
     __slots__ = ("time", "kind", "group_id", "job_id", "node", "duration_ms", "from_job", "detail", "grant_epoch", "bytes")
