@@ -57,7 +57,7 @@ class LockMachine(stateful.RuleBasedStateMachine):
         self.undelivered_rpcs = 0
         #: An administrator drained the group: nobody is promoted (persisted).
         self.draining = False
-        #: Jobs evicted since they last acquired -> why (kept in memory only).
+        #: Jobs evicted since they were last granted -> why (kept in memory only).
         self.evicted: dict[str, str] = {}
 
     # ---- the model's own rules --------------------------------------------------------
@@ -73,6 +73,7 @@ class LockMachine(stateful.RuleBasedStateMachine):
         self.holder = job
         if job == self.resident and self.verified:
             self.receivers, self.undelivered_rpcs = attached, 0
+            self.evicted.pop(job, None)
         else:
             self.switch = Switch(job, self.epoch, attached)
 
@@ -107,7 +108,6 @@ class LockMachine(stateful.RuleBasedStateMachine):
     )
     def acquire(self, job: str, footprint: int = 0, lease: int = 0) -> None:
         s = self.switch
-        self.evicted.pop(job, None)
         granted_at_once = False
         if s is not None and s.to_job == job:
             s.attached += 1
@@ -131,6 +131,7 @@ class LockMachine(stateful.RuleBasedStateMachine):
             self.epoch += 1
             self.holder = job
             self.receivers, self.undelivered_rpcs = 1, 0
+            self.evicted.pop(job, None)
             granted_at_once = True
         else:
             self.queue[job] = 1
@@ -193,6 +194,7 @@ class LockMachine(stateful.RuleBasedStateMachine):
         else:
             self.holder = s.to_job
             self.receivers, self.undelivered_rpcs = s.attached, 0
+            self.evicted.pop(s.to_job, None)
         actions = self.lock.on_switch_done(epoch=s.epoch, restored=restored, now=self._now)
         self._apply(actions)
 

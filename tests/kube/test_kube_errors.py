@@ -20,7 +20,9 @@ def test_without_the_extra_the_mode_names_it(monkeypatch: pytest.MonkeyPatch) ->
         monkeypatch.delitem(sys.modules, f"tslice.orchestrator.kube.{name}", raising=False)
         monkeypatch.delattr(kube, name, raising=False)
     with pytest.raises(errors.ConfigError, match=r"pip install 'tslice\[kubernetes\]'"):
-        app._discovery(config.KubeSettings())
+        app._discovery(
+            config.OrchestratorConfig(topology=config.Topology(), kubernetes=config.KubeSettings())
+        )
 
 
 async def test_unreadable_credentials_stop_the_start(tmp_path: pathlib.Path) -> None:

@@ -187,10 +187,11 @@ async def test_an_llmd_agent_gets_snapshot_and_restore_directives_only(
     finally:
         await llmd.stop()
 
-    # node-a heard only llm-d's RPCs: a Status read before each switch (workloads register
-    # there behind the orchestrator's back), the directives, and GetOperation polls.
+    # node-a heard only llm-d's RPCs: the start-up check's Status read (is every agent of
+    # the topology there?), a Status read before each switch (workloads register there
+    # behind the orchestrator's back), the directives, and GetOperation polls.
     assert set(llmd.calls) == {"Status", "Snapshot", "Restore", "GetOperation"}, llmd.calls
-    assert (llmd.calls["Status"], llmd.calls["Snapshot"], llmd.calls["Restore"]) == (3, 2, 2)
+    assert (llmd.calls["Status"], llmd.calls["Snapshot"], llmd.calls["Restore"]) == (4, 2, 2)
     assert llmd.jobs == {"a": pb.JOB_STATE_RUNNING, "b": pb.JOB_STATE_SAVED}
     # node-b, a tslice agent in the same group, took one Grant per switch.
     calls = await agent_calls(port)

@@ -270,6 +270,7 @@ def _export(
         f"wrote {path}: {count} events, {windows} lock windows, "
         f"{doc['summary'].get('swaps', 0)} switches",
         highlight=False,
+        soft_wrap=True,  # a path stays whole however narrow the terminal
     )
 
 

@@ -228,7 +228,7 @@ def show(document: Any, view: RenderableType, *, as_json: bool) -> None:
     if as_json:
         print_json(document)
     else:
-        stdout().print(view)
+        stdout().print(view, soft_wrap=isinstance(view, str))  # (a path stays whole)
 
 
 # ---- tslice up -------------------------------------------------------------------------

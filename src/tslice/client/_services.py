@@ -85,6 +85,8 @@ AGENT_METHODS = {
         Method(AGENT_SERVICE, "Grant", retryable=True),
         Method(AGENT_SERVICE, "GrantStream"),
         Method(AGENT_SERVICE, "ResetJob", retryable=True),
+        # An administrator's: not re-issued (the operator must see what the first did).
+        Method(AGENT_SERVICE, "ResetLeaderTerm"),
     )
 }
 HEALTH_CHECK = Method(HEALTH_SERVICE, "Check", retryable=True)
@@ -227,6 +229,9 @@ class _AgentRpcs:
     grant = Unary[pb.GrantRequest, pb.GrantResponse](_A["Grant"])
     grant_stream = BidiStream[pb.GrantStreamRequest, pb.GrantStreamResponse](_A["GrantStream"])
     reset_job = Unary[pb.ResetJobRequest, pb.ResetJobResponse](_A["ResetJob"])
+    reset_leader_term = Unary[pb.ResetLeaderTermRequest, pb.ResetLeaderTermResponse](
+        _A["ResetLeaderTerm"]
+    )
     check_health = Unary[HealthCheckRequest, HealthCheckResponse](HEALTH_CHECK, via="_check")
 
 
