@@ -310,8 +310,14 @@ async def test_async_command_is_cancelled_at_its_deadline(
 
     handle = register(tcp_hub.address, "job-dl", on_snapshot=never, on_restore=lambda t: None)
     await _registered(tcp_hub, handle)
-    with pytest.raises(channel.CommandTimeoutError, match=r"within 0\.3 s"):
-        await tcp_hub.hub.snapshot("job-dl", timeout_s=0.3)
+    try:
+        outcome = await tcp_hub.hub.snapshot("job-dl", timeout_s=0.3)
+    except channel.CommandTimeoutError as err:
+        assert "within 0.3 s" in str(err)
+    else:
+        # The workload's own deadline (0.3 s from when it got the command) answered
+        # first: an agent loop stalled under load reads that answer before its timer.
+        assert not outcome.ok and "Timeout" in outcome.error, outcome
     assert await asyncio.to_thread(cancelled.wait, 10)
     state = tcp_hub.hub.session_state("job-dl")
     assert state is not None and state.residency == residency.FULL
