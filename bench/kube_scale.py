@@ -189,7 +189,7 @@ async def measure(args: argparse.Namespace, emulator: Emulator, kubeconfig: Path
 
 
 def found_client(kubeconfig: Path) -> Any:
-    from tslice.common import kube_watch
+    from tslice.server import kube_watch
 
     return kube_watch.connect(kubeconfig)
 

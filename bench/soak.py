@@ -7,14 +7,14 @@ processes that take one or two random groups at a time with a 3 s holder lease. 
 agent, both at once (restarted on their ports and state) or a job that holds a group;
 job slots start fresh jobs all along, and half of the killed jobs come back under their
 own id. Then the device journals of every agent are checked against what the jobs saw
-(see :mod:`tslice.sim.chaos`). It prints kills survived, switches, faults injected,
+(see :mod:`tslice.chaos.runner`). It prints kills survived, switches, faults injected,
 violations (must be 0) and jobs lost (must be 0), and exits 1 otherwise.
 
     python bench/soak.py [--minutes 3] [--json] [--seed S] [--slots 4] [--mode both]
                          [--keep DIR] [--log-level info]
 
 ``--promises``: instead, the long form of the grant-promise run (issue 21 §1; see
-:mod:`tslice.sim.promises`): leaseless jobs of two processes each take single groups and
+:mod:`tslice.chaos.promises`): leaseless jobs of two processes each take single groups and
 sets, with deadlines and cancels, while an administrator evicts and drains and the
 orchestrator is SIGKILLed every 4-8 s; it prints the grants answered, how each ended, the
 calls and their outcomes, and violations (must be 0), and exits 1 otherwise.
@@ -39,7 +39,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from tslice.sim import chaos, promises
+from tslice.chaos import promises, runner
 
 MODES = {"topology": (False,), "local": (True,), "both": (False, True)}
 MODES_NAME = {False: "topology", True: "local"}
@@ -63,7 +63,7 @@ def main() -> int:
     if args.promises:
         return _promises(args, seed)
     modes = MODES[args.mode]
-    results: list[chaos.ChaosResult] = []
+    results: list[runner.ChaosResult] = []
     for local in modes:
         name = "local" if local else "topology"
         if not args.json:
@@ -72,7 +72,7 @@ def main() -> int:
                 f"{args.slots} jobs at once",
                 flush=True,
             )
-        config = chaos.ChaosConfig(
+        config = runner.ChaosConfig(
             seed=seed,
             duration_s=args.minutes * 60 / len(modes),
             slots=args.slots,
@@ -82,7 +82,7 @@ def main() -> int:
             base_dir=args.keep / name if args.keep is not None else None,
             log_level=args.log_level,
         )
-        result = asyncio.run(chaos.run_chaos(config))
+        result = asyncio.run(runner.run_chaos(config))
         results.append(result)
         if not args.json:
             print(result.summary(), flush=True)
@@ -114,7 +114,7 @@ def _promises(args: argparse.Namespace, seed: int) -> int:
     return 0 if result.ok else 1
 
 
-def _totals(results: list[chaos.ChaosResult], names: list[str]) -> dict[str, Any]:
+def _totals(results: list[runner.ChaosResult], names: list[str]) -> dict[str, Any]:
     docs = [r.to_json() for r in results]
     out: dict[str, Any] = {"ok": all(r.ok for r in results), "seed": results[0].seed}
     for key in ("kills_survived", "switches", "faults_injected", "violations", "jobs_lost"):

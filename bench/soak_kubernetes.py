@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tests.kube import ha_chaos
 from tests.kube.emulator import ApiServerEmulator
-from tslice.sim import chaos
+from tslice.chaos import runner
 
 
 def main() -> int:
@@ -44,7 +44,7 @@ def main() -> int:
     seed = args.seed if args.seed is not None else random.randrange(2**31)
     if not args.json:
         print(f"soak (kubernetes HA): seed {seed}, {args.minutes:g} min, {args.slots} jobs at once")
-    config = chaos.ChaosConfig(
+    config = runner.ChaosConfig(
         seed=seed,
         duration_s=args.minutes * 60,
         slots=args.slots,

@@ -2,7 +2,7 @@
 
 Two jobs of ``--size-gib`` each (float32 parameters in ``--tensors`` tensors) take turns
 on one device. A *sequential* switch offloads the outgoing job, then restores the
-incoming one; an *overlapped* switch (:func:`tslice.workload.adapters.torch.overlap_switch`)
+incoming one; an *overlapped* switch (:func:`tslice.workload.adapters.torch_overlap.overlap_switch`)
 runs both at once, the outgoing one freeing each storage as soon as it is on the host
 (``free_progressively``) and the incoming one allocating each storage only once that
 fits within the device budget (one job's state plus one tensor: never two states
@@ -42,6 +42,7 @@ def measure(size_gib: float, tensors: int, reps: int, device: str) -> dict[str, 
     import torch
 
     from tslice.workload.adapters import torch as torch_adapter
+    from tslice.workload.adapters import torch_overlap
 
     per_tensor = max(int(size_gib * GIB) // 4 // tensors, 1)
 
@@ -76,7 +77,7 @@ def measure(size_gib: float, tensors: int, reps: int, device: str) -> dict[str, 
     def overlapped(out: torch_adapter.TorchAdapter, into: torch_adapter.TorchAdapter) -> float:
         sync()
         began = time.perf_counter()
-        times = torch_adapter.overlap_switch(out, into, budget_bytes=budget, in_use_bytes=state)
+        times = torch_overlap.overlap_switch(out, into, budget_bytes=budget, in_use_bytes=state)
         sync()
         if times.peak_bytes > budget:
             raise AssertionError(f"overlap held {times.peak_bytes} bytes, budget {budget}")

@@ -2,8 +2,8 @@
 
 Issue 9 §1.
 
-The phase model of the trace (:mod:`tslice.sim.derive`) drives simulated jobs
-(:mod:`tslice.sim.rljob`) against a real orchestrator and one real sim agent per shared
+The phase model of the trace (:mod:`tslice.phases.derive`) drives simulated jobs
+(:mod:`tslice.phases.rljob`) against a real orchestrator and one real sim agent per shared
 pool, all processes on 127.0.0.1, time-compressed (``--time-scale`` trace seconds per
 second). Every job first runs alone on GPUs of its own, as in the recorded baseline (its
 *solo* makespan; back-to-back of N jobs is the sum of the first N), then N jobs run at
@@ -31,7 +31,7 @@ Policies and multi-group acquire (issue 9 §3-§4) become more entries of
 
 Printed per configuration and job count: duty cycle per pool, makespan, speedup over
 back-to-back and GPU-hours saved, next to the bound the phase model allows
-(:func:`tslice.sim.replay.bound`: the busiest pool's total work plus the fill no
+(:func:`tslice.phases.replay.bound`: the busiest pool's total work plus the fill no
 schedule avoids), and the median hand-over per pool as the jobs felt it. Time
 compression inflates the orchestrator's own fixed cost per hand-over (a few ms of real
 time) by the time scale: at 750x (the default), 20 ms are 15 trace seconds.
@@ -57,7 +57,8 @@ from typing import Any
 
 from tslice.agent.backends import simdevice as device
 from tslice.cli import sizes
-from tslice.sim import checker, measure, replay, trace
+from tslice.phases import derive, measure, replay, trace
+from tslice.sim import checker
 
 #: The reference polls GetOperation every second: an operation is seen done, on average,
 #: half a poll interval after it is.
@@ -321,7 +322,7 @@ def _row(
 
 async def replay_all(args: argparse.Namespace) -> dict[str, Any]:
     began = time.time()
-    model = trace.load_model(args.trace)
+    model = derive.load(args.trace)
     steps = args.steps or model.recorded_steps
     counts = sorted(set(args.jobs))
     setup = Setup(

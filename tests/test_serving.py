@@ -21,7 +21,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from tslice.common import serving
+from tslice.server import serving
 
 KINDS = ("orchestrator", "agent")
 # Local mode over an agent that is never called (groups are created lazily); a noop agent.

@@ -381,7 +381,7 @@ def test_admin_rpcs_messages_and_enums_keep_their_shape() -> None:
 
 
 def test_the_set_acquire_keeps_its_shape_and_needs_the_job_role() -> None:
-    from tslice.common import auth
+    from tslice.security import auth
 
     _check_service(opb.DESCRIPTOR, ORCH_PKG, "TimeSliceOrchestratorService", SET_RPCS)
     for name, fields in SET_MESSAGES.items():
@@ -399,7 +399,7 @@ def test_the_set_acquire_keeps_its_shape_and_needs_the_job_role() -> None:
 
 def test_admin_rpcs_need_the_admin_role() -> None:
     """What a caller without it gets: PERMISSION_DENIED naming the role (tests/security)."""
-    from tslice.common import auth
+    from tslice.security import auth
 
     service = f"/{ORCH_PKG}.TimeSliceOrchestratorService/"
     for name in ADMIN_RPCS:
@@ -411,8 +411,8 @@ def test_admin_status_codes_keep_their_meaning() -> None:
     test_admin_rpcs.py): an evicted waiter's Acquire ends ABORTED; a job that neither holds
     nor waits, or an unknown group, is NOT_FOUND; an evicted job's later Yield is
     FAILED_PRECONDITION (nobody holds) or PERMISSION_DENIED (another job holds)."""
-    from tslice.common import refusals
     from tslice.orchestrator import decisions
+    from tslice.rpc import refusals
 
     assert decisions.Abort("j", "m").code is refusals.Code.ABORTED
     numbers = {c: refusals.status_number(c) for c in refusals.Code}

@@ -14,9 +14,6 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-__version__ = "0.1.0"
-
-# Imported after __version__: the client reads it for its version header.
 from tslice.client import (
     AcquireResult,
     AgentJobState,
@@ -32,6 +29,7 @@ from tslice.client import (
     TimeSliceOrchestratorClient,
     YieldResult,
 )
+from tslice.common import version
 from tslice.common.errors import (
     AcquireTimeout,
     Cancelled,
@@ -45,6 +43,8 @@ from tslice.common.errors import (
     Unavailable,
     UnknownGroup,
 )
+
+__version__ = version.VERSION
 
 __all__ = [
     "AcquireResult",

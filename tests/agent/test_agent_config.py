@@ -19,7 +19,8 @@ from tslice.agent.backends import noop, registry, sim
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2_grpc as pb_grpc
 from tslice.cli import agent_cmd
-from tslice.common import errors, serving
+from tslice.common import errors
+from tslice.server import serving
 
 GiB = 1024**3
 

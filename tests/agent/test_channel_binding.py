@@ -27,7 +27,7 @@ import pytest
 from tests.agent.test_channel import HubServer, RawWorkload, _Servicer, _start
 from tslice.agent import channel, registration
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2_grpc as pb_grpc
-from tslice.common import auth
+from tslice.security import auth
 
 #: Far longer than any test: a workload that is let in during it did not wait the grace out.
 LONG_GRACE_S = 120.0

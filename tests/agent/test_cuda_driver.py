@@ -21,6 +21,7 @@ from tslice.agent.backends import (
     cuda_bindings,
     cuda_driver,
     cuda_fake,
+    cuda_select,
     cuda_settings,
 )
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
@@ -150,17 +151,17 @@ def test_select_driver(tool: FakeTool, tmp_path: Path, monkeypatch: pytest.Monke
     monkeypatch.setitem(sys.modules, "cuda.bindings.driver", None)
     monkeypatch.setattr(cuda_binary, "FALLBACK_BINARY", str(tmp_path / "absent"))
     monkeypatch.setenv("PATH", str(tmp_path))  # the fake tool is on PATH
-    chosen = cuda_driver.select_driver()
+    chosen = cuda_select.select_driver()
     assert isinstance(chosen, cuda_binary.BinaryDriver)
     assert chosen.path == str(tool.path)
-    assert isinstance(cuda_driver.select_driver(preference="fake"), cuda_fake.FakeDriver)
+    assert isinstance(cuda_select.select_driver(preference="fake"), cuda_fake.FakeDriver)
     with pytest.raises(base.BackendUnavailableError, match="cuda-bindings is not installed"):
-        cuda_driver.select_driver(preference="bindings")
+        cuda_select.select_driver(preference="bindings")
     with pytest.raises(base.BackendUnavailableError, match="unknown cuda driver"):
-        cuda_driver.select_driver(preference="magic")
+        cuda_select.select_driver(preference="magic")
     monkeypatch.setenv("PATH", str(tmp_path / "empty"))
     with pytest.raises(base.BackendUnavailableError, match="put NVIDIA's cuda-checkpoint on PATH"):
-        cuda_driver.select_driver()
+        cuda_select.select_driver()
 
 
 @pytest.mark.parametrize(

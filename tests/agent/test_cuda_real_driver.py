@@ -33,6 +33,7 @@ from tslice.agent.backends import (
     cuda_bindings,
     cuda_calls,
     cuda_driver,
+    cuda_select,
     cuda_settings,
 )
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
@@ -215,7 +216,7 @@ def test_auto_falls_back_to_the_tool_past_old_bindings(
     monkeypatch.setitem(sys.modules, "cuda.bindings.driver", module)  # type: ignore[arg-type]
     monkeypatch.setitem(sys.modules, "cuda.bindings", package)
     monkeypatch.setenv("PATH", str(tmp_path))
-    chosen = cuda_driver.select_driver()
+    chosen = cuda_select.select_driver()
     assert isinstance(chosen, cuda_binary.BinaryDriver)
 
 

@@ -21,8 +21,10 @@ from tests.cli.test_cli import run_cli
 from tslice.agent import fencing
 from tslice.agent.backends import simdevice as device
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
-from tslice.common import grant_marks, leader_term, refusals
 from tslice.orchestrator import agents
+from tslice.rpc import refusals
+from tslice.security import leader_term
+from tslice.server import grant_marks
 
 __all__ = ["processes"]  # the fixture, shared with the agent's process tests
 

@@ -9,7 +9,7 @@ import pytest
 from tslice.agent import job_model, jobs, routing
 from tslice.agent.backends import base
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
-from tslice.common import refusals
+from tslice.rpc import refusals
 
 S = job_model.State
 NODE = "node-a"

@@ -26,7 +26,7 @@ from tslice.agent import discovery
 from tslice.agent.kube import admission, model, pods
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2_grpc as pb_grpc
-from tslice.common import kube_watch
+from tslice.server import kube_watch
 from tslice.workload import register_workload
 from tslice.workload.process import RegistrationError, announce_process
 

@@ -6,7 +6,7 @@ import pytest
 
 from tslice.agent import job_model, jobs
 from tslice.agent.backends import base
-from tslice.common import refusals
+from tslice.rpc import refusals
 
 S = job_model.State
 NODE = "node-a"

@@ -12,7 +12,7 @@ import os
 
 import pytest
 
-from tslice.sim import chaos
+from tslice.chaos import runner
 
 SEED = int(os.environ.get("TSLICE_CHAOS_SEED", "1"))
 
@@ -21,13 +21,13 @@ pytestmark = pytest.mark.slow
 
 
 async def test_a_short_chaos_run_survives_every_kind_of_kill_with_no_violation() -> None:
-    result = await chaos.run_chaos(chaos.ChaosConfig(seed=SEED, duration_s=12.0, slots=3))
+    result = await runner.run_chaos(runner.ChaosConfig(seed=SEED, duration_s=12.0, slots=3))
     print(result.summary())
 
     assert result.ok, result.summary()
     assert result.violations == () and result.jobs_lost == ()
     # Not vacuous: each kind of kill happened, faults were injected, groups changed hands.
-    assert all(result.kills[kind] >= 1 for kind in chaos.KILL_KINDS), result.summary()
+    assert all(result.kills[kind] >= 1 for kind in runner.KILL_KINDS), result.summary()
     assert result.jobs_killed >= 1 and result.jobs_completed >= 3
     assert result.faults["fail"] + result.faults["hang"] >= 1, result.summary()
     assert result.switches >= 10

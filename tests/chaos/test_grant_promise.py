@@ -16,8 +16,8 @@ import time
 import grpc
 import pytest
 
+from tslice.chaos import promises
 from tslice.common import errors
-from tslice.sim import promises
 
 SEED = int(os.environ.get("TSLICE_CHAOS_SEED", "1"))
 

@@ -167,10 +167,12 @@ def test_python_dash_m_runs_the_cli_without_traceback() -> None:
 
 def test_demo_command_defaults_match_the_library() -> None:
     from tslice.cli import demo_cmd
-    from tslice.sim import demo
+    from tslice.demo import runner
 
-    assert demo_cmd.DEFAULT_STEPS == demo.DEFAULT_STEPS == demo.DemoConfig().steps
-    assert demo_cmd.DEFAULT_TIME_SCALE == demo.DEFAULT_TIME_SCALE == demo.DemoConfig().time_scale
+    assert demo_cmd.DEFAULT_STEPS == runner.DEFAULT_STEPS == runner.DemoConfig().steps
+    assert (
+        demo_cmd.DEFAULT_TIME_SCALE == runner.DEFAULT_TIME_SCALE == runner.DemoConfig().time_scale
+    )
 
 
 def test_an_unknown_policy_flag_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:

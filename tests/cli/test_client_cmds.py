@@ -21,7 +21,7 @@ import tslice.client as tsclient
 from tests.integration.test_hostile_agent import closed_port
 from tests.security.conftest import make_certs, orchestrator_args, serving, tls_args
 from tslice.cli import main
-from tslice.common import tls
+from tslice.security import tls
 from tslice.sim import cluster
 
 _ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
@@ -265,5 +265,5 @@ def test_events_json_lines_are_an_event_log(address: str) -> None:
     assert {r["kind"] for r in records} <= {"GRANTED", "YIELDED"}
     assert {r["group_id"] for r in records} == {"ev-g"}
     assert {r["job_id"] for r in records} <= {"ev-0", "ev-1"}
-    # What the planner's reader needs of every line (tslice.sim.planner.recording).
+    # What the planner's reader needs of every line (tslice.planner.recording).
     assert all({"kind", "group_id", "time"} <= set(r) for r in records)

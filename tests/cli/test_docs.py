@@ -21,8 +21,8 @@ from tslice.agent import app as agent_app
 from tslice.agent import channel
 from tslice.agent import config as agent_config
 from tslice.cli import main
-from tslice.common import logs
 from tslice.orchestrator import config as orch_config
+from tslice.server import logs
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = [

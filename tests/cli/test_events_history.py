@@ -20,7 +20,8 @@ import pytest
 import tslice.client as tsclient
 from tests.cli.test_client_cmds import cli
 from tests.timeline import chromium
-from tslice.sim import cluster, trace
+from tslice.phases import derive
+from tslice.sim import cluster
 from tslice.timeline import export
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -158,7 +159,7 @@ def test_history_survives_a_sigkill_and_exports_a_plannable_trace(
     doc = json.loads(exported.read_text())
     assert set(doc["timeslice"]["windows"]) == {"sampler", "trainer"}
     assert len(doc["timeslice"]["windows"]["sampler"]) == 8  # 2 jobs x 4 steps
-    model = trace.load_model(exported)
+    model = derive.load(exported)
     assert {s.job for s in model.jobs} == {"A", "B"}
     assert set(model.shared) == {"sampler", "trainer"}
     code, out, err = cli(capsys, "plan", str(exported), "--no-simulate", "--json")

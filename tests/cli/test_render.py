@@ -10,7 +10,8 @@ from rich.console import Console
 
 import tslice.client as tsclient
 from tslice.cli import render
-from tslice.sim import demo, rljob
+from tslice.demo import runner
+from tslice.phases import rljob
 
 
 def text_of(renderable: object) -> str:
@@ -32,7 +33,7 @@ def update(job: str, step: int, activity: str, holding: tuple[str, ...]) -> rljo
 
 
 def test_live_view_tracks_holders_steps_and_switches() -> None:
-    progress = demo.DemoProgress(jobs=2, steps=3, time_scale=100.0)
+    progress = runner.DemoProgress(jobs=2, steps=3, time_scale=100.0)
     progress.start_run("exclusive", ["A", "B"], 3)
     progress.on_job(update("A", 1, "sample", ("sampler",)))
     progress.on_job(update("B", 0, "wait sampler", ()))

@@ -27,7 +27,8 @@ from tests.security.conftest import (
     serving_all,
     tls_args,
 )
-from tslice.common import errors, tls
+from tslice.common import errors
+from tslice.security import tls
 
 WIDTH = 80
 

@@ -16,8 +16,9 @@ import tslice
 from tests.orchestrator.orch_harness import Cluster, Events, one_node
 from tests.orchestrator.test_operations import free_port
 from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2 as opb
-from tslice.common import errors, multiplex
+from tslice.common import errors
 from tslice.orchestrator import server as orch_server
+from tslice.rpc import multiplex
 
 K = opb.OrchestratorEvent
 

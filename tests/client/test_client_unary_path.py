@@ -14,7 +14,7 @@ import tslice
 import tslice.client
 from tests.client.client_fakes import FakeOrchestrator, ServerThread
 from tslice.client.compat import _unary
-from tslice.common import multiplex
+from tslice.rpc import multiplex
 
 
 def fake(server: ServerThread) -> FakeOrchestrator:

@@ -4,7 +4,7 @@ Every overlay renders (``kubectl kustomize``) and every rendered object validate
 the Kubernetes JSON schemas (``kubernetes-validate``, strict: unknown fields are errors) of
 Kubernetes 1.34, the first release with ``resource.k8s.io/v1`` (DRA) generally available,
 and of the newest release the package knows (nothing used has been removed since).
-The labels, taint, namespace and ports are the strings of ``tslice.common.kube_labels``;
+The labels, taint, namespace and ports are the strings of ``tslice.server.kube_labels``;
 every ``tslice ...`` container command line parses with the real command line; the
 TLS overlay's config files load with the real loaders; the image:
 test_dockerfile.py; the example job's script: test_example_script.py.
@@ -28,8 +28,8 @@ from kubernetes_validate import utils as k8s_schemas
 from tests.deploy import image
 from tslice.agent import config as agent_config
 from tslice.cli import main
-from tslice.common import kube_labels as kl
 from tslice.orchestrator import config as orch_config
+from tslice.server import kube_labels as kl
 
 ROOT = Path(__file__).resolve().parents[2]
 KUSTOMIZE = ROOT / "deploy" / "kubernetes"
@@ -177,7 +177,7 @@ def test_the_base_has_what_a_cluster_needs() -> None:
     }
 
 
-# ---- conventions: tslice.common.kube_labels ------------------------------------------------
+# ---- conventions: tslice.server.kube_labels ------------------------------------------------
 
 
 @pytest.mark.parametrize("overlay", SERVER_OVERLAYS)

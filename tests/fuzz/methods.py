@@ -28,10 +28,10 @@ SUBSCRIPTIONS = frozenset({"WatchEvents"})
 #: Whether the servers parse their own requests (the interceptor asked for in
 #: .scratch/requests/fuzz.md). Until then bytes that do not parse end a unary call
 #: UNKNOWN and a stream OK, and the random-bytes tests are expected to fail.
-UNDECODABLE_REFUSED = importlib.util.find_spec("tslice.common.undecodable") is not None
+UNDECODABLE_REFUSED = importlib.util.find_spec("tslice.rpc.undecodable") is not None
 refuses_undecodable = pytest.mark.xfail(
     not UNDECODABLE_REFUSED,
-    reason="undecodable requests end UNKNOWN (unary) or OK (streams): tslice.common.undecodable",
+    reason="undecodable requests end UNKNOWN (unary) or OK (streams): tslice.rpc.undecodable",
     strict=True,
 )
 #: The field the first message of a stream sets, often, to get past "first say who you are".

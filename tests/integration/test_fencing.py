@@ -14,7 +14,7 @@ from tests.client.test_against_servers import Servers
 from tslice.agent.backends import simdevice as device
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2_grpc as pb_grpc
-from tslice.common import leader_term
+from tslice.security import leader_term
 
 
 async def _fence(address: str, term: int) -> None:

@@ -1,4 +1,4 @@
-"""HA mode's chaos run (issue 22, acceptance): the chaos run of ``tslice.sim.chaos`` against
+"""HA mode's chaos run (issue 22, acceptance): the chaos run of ``tslice.chaos.runner`` against
 two orchestrator replicas (``--kubernetes --ha``) and three simulated agents, all real
 processes, with the API-server emulator as the cluster.
 
@@ -36,7 +36,7 @@ from tests.kube.emulator import ApiServerEmulator
 from tests.kube.ha_stack import LEASE, NAMESPACE
 from tests.kube.processes import LoggedServer
 from tslice.agent.backends import simdevice as device
-from tslice.sim import chaos
+from tslice.chaos import runner
 from tslice.sim.cluster import SimAgent
 
 REPLICAS = ("orch-a", "orch-b")
@@ -50,7 +50,7 @@ KINDS = (
     FOLLOWER_STOP,
     LEASE_DELETED,
     STATE_DELETED,
-    chaos.HOLDER_KILL,
+    runner.HOLDER_KILL,
 )
 _STATE = apistore.label_selector("timeslice.io/orchestrator-state=group")
 
@@ -62,7 +62,7 @@ def _free_port() -> int:
 
 
 class HaServers:
-    """The replicas and the agents of a chaos run (:class:`tslice.sim.chaos.Servers`)."""
+    """The replicas and the agents of a chaos run (:class:`tslice.chaos.runner.Servers`)."""
 
     def __init__(
         self,
@@ -100,7 +100,7 @@ class HaServers:
     def _start(self) -> HaServers:
         self.base_dir.mkdir(parents=True, exist_ok=True)
         for agent in self._agents:
-            groups = [g for g, nodes in chaos.TOPOLOGY.items() if agent.name in nodes]
+            groups = [g for g, nodes in runner.TOPOLOGY.items() if agent.name in nodes]
             self.api.apply(objects.node(agent.name, *groups))
             self._args[agent.name] = [
                 "agent", "--node-name", agent.name, "--host", "127.0.0.1", "--port", "0",
@@ -186,18 +186,18 @@ class HaServers:
         shutil.rmtree(self._short, ignore_errors=True)
 
 
-class HaChaosRun(chaos.ChaosRun):
+class HaChaosRun(runner.ChaosRun):
     """A chaos run whose disruptions are HA mode's (see the module docstring)."""
 
     kinds = KINDS
     first_kinds = KINDS
 
-    def __init__(self, config: chaos.ChaosConfig, api: ApiServerEmulator, base_dir: pathlib.Path):
+    def __init__(self, config: runner.ChaosConfig, api: ApiServerEmulator, base_dir: pathlib.Path):
         self.api = api
         self.ha = HaServers(
             api,
             base_dir,
-            [self.sim_agent(name, i) for i, name in enumerate(chaos.NODES)],
+            [self.sim_agent(name, i) for i, name in enumerate(runner.NODES)],
         )
         super().__init__(config, servers=self.ha)
 
@@ -205,8 +205,8 @@ class HaChaosRun(chaos.ChaosRun):
         # Before super().__init__: only the config is needed (set here for it).
         return SimAgent(
             name=name,
-            capacity_bytes=80 * chaos.GiB,
-            footprint_bytes=30 * chaos.GiB,
+            capacity_bytes=80 * runner.GiB,
+            footprint_bytes=30 * runner.GiB,
             bandwidth_bytes_per_s=1000 * 10**9,
             latency_s=0.005,
         )
@@ -245,6 +245,6 @@ class HaChaosRun(chaos.ChaosRun):
 
 
 async def run(
-    config: chaos.ChaosConfig, api: ApiServerEmulator, base_dir: pathlib.Path
-) -> chaos.ChaosResult:
+    config: runner.ChaosConfig, api: ApiServerEmulator, base_dir: pathlib.Path
+) -> runner.ChaosResult:
     return await HaChaosRun(config, api, base_dir).run()

@@ -17,7 +17,7 @@ pytest.importorskip("lightkube")
 
 from tests.kube import ha_chaos
 from tests.kube.emulator import ApiServerEmulator
-from tslice.sim import chaos
+from tslice.chaos import runner
 
 SEED = int(os.environ.get("TSLICE_CHAOS_SEED", "1"))
 
@@ -29,7 +29,7 @@ pytestmark = pytest.mark.slow
 async def test_a_short_ha_chaos_run_has_no_violation_and_loses_no_job(
     api: ApiServerEmulator, tmp_path: pathlib.Path
 ) -> None:
-    config = chaos.ChaosConfig(
+    config = runner.ChaosConfig(
         seed=SEED,
         duration_s=25.0,
         slots=3,

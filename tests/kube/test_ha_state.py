@@ -20,9 +20,9 @@ from lightkube.resources.coordination_v1 import Lease
 
 from tests.kube.emulator import ApiServerEmulator
 from tests.kube.ha_stack import NAMESPACE
-from tslice.common import kube_watch
 from tslice.orchestrator import records
 from tslice.orchestrator.kube import leadership, lease, state
+from tslice.server import kube_watch
 
 
 @pytest.fixture

@@ -79,9 +79,9 @@ def test_configmap_names_are_dns_names_unique_per_group() -> None:
 async def test_a_follower_refuses_every_call_of_the_service_naming_the_leader() -> None:
     from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2 as opb
     from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2_grpc as opb_grpc
-    from tslice.common import undecodable
     from tslice.orchestrator import app, server
     from tslice.orchestrator.kube import leadership
+    from tslice.rpc import undecodable
 
     role = leadership.Leadership(app.SERVICE_NAME, "orch-b")
     role.saw_leader("orch-a", "10.0.0.7:50051")

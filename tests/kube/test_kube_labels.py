@@ -6,7 +6,7 @@ import pathlib
 
 import pytest
 
-from tslice.common import kube_labels as kl
+from tslice.server import kube_labels as kl
 
 #: WIRE.md's section, as written there (the strings clusters labelled for llm-d carry).
 WIRE_SECTION = """\

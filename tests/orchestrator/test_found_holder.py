@@ -9,10 +9,10 @@ from __future__ import annotations
 import pytest
 
 from tests.orchestrator.test_units import F, R, S, decide, view
-from tslice.common import refusals
 from tslice.orchestrator import decisions as act
 from tslice.orchestrator import leases, metrics, records
 from tslice.orchestrator import lock as lk
+from tslice.rpc import refusals
 
 
 def _lost() -> lk.GroupLock:

@@ -8,8 +8,9 @@ import pytest
 from typer.testing import CliRunner
 
 from tslice.cli.main import app
-from tslice.common import errors, kube_labels
+from tslice.common import errors
 from tslice.orchestrator import config
+from tslice.server import kube_labels
 
 
 def test_kubernetes_mode_defaults() -> None:

@@ -6,9 +6,9 @@ import random
 
 import pytest
 
-from tslice.common import refusals
 from tslice.orchestrator import decisions, records
 from tslice.orchestrator import lock as lk
+from tslice.rpc import refusals
 
 
 def kinds(actions: list[decisions.Action]) -> list[str]:

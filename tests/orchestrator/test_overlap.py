@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import random
 
-from tslice.common import refusals
 from tslice.orchestrator import config, decisions, lock, overlap
+from tslice.rpc import refusals
 
 
 def node(name: str, *devices: int) -> config.NodeRef:

@@ -9,11 +9,11 @@ import time
 
 import pytest
 
-from tslice.common import wal_limit
 from tslice.orchestrator import lock as lk
 from tslice.orchestrator import policy, records
 from tslice.orchestrator import store as st
 from tslice.orchestrator.policy import spec as policy_spec
+from tslice.server import wal_limit
 
 NODES = [("node-a", "127.0.0.1:9001"), ("node-b", "127.0.0.1:9002")]
 

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 import pytest
 
 from tests.orchestrator.orch_harness import Cluster, acquire, yield_
-from tslice.common import logs, tracing
+from tslice.server import logs, tracing
 
 sdk_trace = pytest.importorskip("opentelemetry.sdk.trace")
 in_memory = pytest.importorskip("opentelemetry.sdk.trace.export.in_memory_span_exporter")

@@ -17,7 +17,7 @@ import pytest
 
 from tests.integration.test_hostile_agent import Server, closed_port
 from tslice.cli import certs_cmd
-from tslice.common import tls
+from tslice.security import tls
 
 #: The client identities every test may use.
 IDENTITIES = ("orchestrator", "admin", "job:job-a", "job:job-b")

@@ -34,7 +34,8 @@ from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2_grpc as pb_grp
 from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2 as opb
 from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2_grpc as opb_grpc
 from tslice.client import _admin
-from tslice.common import errors, tls
+from tslice.common import errors
+from tslice.security import tls
 
 TIMEOUT_S = 20.0
 

@@ -10,7 +10,8 @@ import pytest
 from cryptography import x509
 
 from tslice.cli import main
-from tslice.common import errors, tls
+from tslice.common import errors
+from tslice.security import tls
 
 
 def _certs(*args: str) -> int | str | None:

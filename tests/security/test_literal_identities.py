@@ -17,7 +17,7 @@ from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2_grpc as pb_grp
 from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2 as opb
 from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2_grpc as opb_grpc
 from tslice.cli import certs_cmd
-from tslice.common import auth, tls
+from tslice.security import auth, tls
 
 TIMEOUT_S = 20.0
 

@@ -1,4 +1,4 @@
-"""The metrics endpoint's server (tslice.common.metrics_http) on real loopback sockets:
+"""The metrics endpoint's server (tslice.server.metrics_http) on real loopback sockets:
 HTTPS with the server's certificate, mutual TLS, tokens, renewed certificates, and the
 refusal of plaintext where other machines reach it."""
 
@@ -17,7 +17,9 @@ import prometheus_client
 import pytest
 
 from tests.security.conftest import Certs
-from tslice.common import auth, errors, metrics_http, tls
+from tslice.common import errors
+from tslice.security import auth, tls
+from tslice.server import metrics_http
 
 TOKEN = "scraper-token-0123456789"
 

@@ -29,7 +29,8 @@ from tslice.client.compat import (
     SnapshotAgentError,
     TimeSliceOrchestratorClient,
 )
-from tslice.common import errors, tls
+from tslice.common import errors
+from tslice.security import tls
 
 #: A first connection that cannot happen fails after this (the default waits 5 s).
 CONNECT_S = 1.0

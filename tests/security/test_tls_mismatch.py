@@ -14,7 +14,8 @@ from tests.integration.test_hostile_agent import closed_port
 from tests.kube.processes import LoggedServer
 from tests.security.conftest import Certs, tls_args
 from tslice.client import AsyncClient, GroupState
-from tslice.common import errors, tls
+from tslice.common import errors
+from tslice.security import tls
 
 
 def start(name: str, args: list[str], tmp: pathlib.Path) -> LoggedServer:

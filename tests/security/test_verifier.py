@@ -13,7 +13,8 @@ import threading
 import pytest
 import yaml
 
-from tslice.common import auth, errors, tls
+from tslice.common import errors
+from tslice.security import auth, tls
 
 
 def _sha(token: str) -> str:

@@ -6,21 +6,22 @@ import pytest
 
 from tslice.agent.backends import simdevice as device
 from tslice.common import errors
-from tslice.sim import demo, trace
+from tslice.demo import runner
+from tslice.phases import derive, trace
 
 GB = 10**9
 
 
 @pytest.fixture(scope="module")
 def model() -> trace.PhaseModel:
-    return trace.load_model()
+    return derive.load()
 
 
 def test_derived_speeds_reproduce_the_recorded_medians_per_direction(
     model: trace.PhaseModel,
 ) -> None:
-    config = demo.DemoConfig()
-    speeds = demo.derived_speeds(config, model)
+    config = runner.DemoConfig()
+    speeds = runner.derived_speeds(config, model)
     for pool, footprint in config.footprints(model).items():
         recorded = model.switch[pool]
         stats: list[tuple[device.Direction, trace.Stat]] = [
@@ -38,20 +39,20 @@ def test_derived_speeds_reproduce_the_recorded_medians_per_direction(
 def test_sim_bandwidth_overrides_both_directions_and_restore_bandwidth_restores(
     model: trace.PhaseModel,
 ) -> None:
-    both = demo.derived_speeds(demo.DemoConfig(sim_bandwidth_bytes_per_s=500 * GB), model)
+    both = runner.derived_speeds(runner.DemoConfig(sim_bandwidth_bytes_per_s=500 * GB), model)
     for speed in both.values():
         assert speed.rate("snapshot") == speed.rate("restore") == 500 * GB
-    split = demo.derived_speeds(
-        demo.DemoConfig(
+    split = runner.derived_speeds(
+        runner.DemoConfig(
             sim_bandwidth_bytes_per_s=500 * GB, sim_restore_bandwidth_bytes_per_s=1500 * GB
         ),
         model,
     )
     for speed in split.values():
         assert (speed.rate("snapshot"), speed.rate("restore")) == (500 * GB, 1500 * GB)
-    derived = demo.derived_speeds(demo.DemoConfig(), model)
-    only_restore = demo.derived_speeds(
-        demo.DemoConfig(sim_restore_bandwidth_bytes_per_s=1500 * GB), model
+    derived = runner.derived_speeds(runner.DemoConfig(), model)
+    only_restore = runner.derived_speeds(
+        runner.DemoConfig(sim_restore_bandwidth_bytes_per_s=1500 * GB), model
     )
     for pool, speed in only_restore.items():
         assert speed.rate("snapshot") == derived[pool].rate("snapshot")
@@ -60,4 +61,4 @@ def test_sim_bandwidth_overrides_both_directions_and_restore_bandwidth_restores(
 
 def test_restore_bandwidth_must_be_positive() -> None:
     with pytest.raises(errors.ConfigError, match="--sim-restore-bandwidth must be positive"):
-        demo.DemoConfig(sim_restore_bandwidth_bytes_per_s=0).check()
+        runner.DemoConfig(sim_restore_bandwidth_bytes_per_s=0).check()

@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 
 from tests.sim.traces import Lane, constructed
-from tslice.sim import trace
-from tslice.sim.planner import plan, predict, recording, search
+from tslice.phases import derive, trace
+from tslice.planner import plan, predict, recording, search
 
 # A and C mostly train, B and D mostly sample. A/B and C/D are each other's mirror
 # image (one trains while the other samples, and their steps last as long); A/D or
@@ -75,7 +75,7 @@ def test_max_sets_and_max_share_bound_the_blocks(tmp_path: Path) -> None:
 
 def test_the_heuristic_finds_the_pairs_beyond_exhaustive_search() -> None:
     # Ten jobs: five of each mirror shape. The cost is the predicted GPU-seconds.
-    model = trace.derive_model(
+    model = derive.model(
         constructed(
             {j: (i * 1000.0, [_SHAPES[j]]) for i, j in enumerate("AB")},
             steps=3,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tslice.sim import measure, replay, rljob, trace
+from tslice.phases import measure, replay, rljob, trace
 
 
 def phase(pools: tuple[str, ...], seconds: float) -> trace.Phase:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import asyncio
 
-from tslice.sim import checker, cluster, rljob, trace
+from tslice.phases import rljob, trace
+from tslice.sim import checker, cluster
 
 GiB = 1024**3
 

@@ -11,7 +11,7 @@ import pytest
 
 from tests.sim.traces import Lane, constructed, three_pools_one_private
 from tslice.common import errors
-from tslice.sim import trace
+from tslice.phases import derive, trace
 
 PACKAGED = Path(trace.__file__).parent / "traces" / trace.TRACE_NAME
 SHARED = Path(__file__).resolve().parents[3] / "shared" / "traces" / trace.TRACE_NAME
@@ -77,7 +77,7 @@ def synthetic(
 
 
 def test_synthetic_trace_gives_back_its_phases() -> None:
-    m = trace.derive_model(synthetic(sync=10, sample=100, reward=5, train=200, wait=15))
+    m = derive.model(synthetic(sync=10, sample=100, reward=5, train=200, wait=15))
     assert m.mode == trace.SYNC and m.pools == ("sampler", "trainer") and m.private == ()
     (shape,) = m.jobs
     # One lane; its step starts at the trainer grant (the step of the acquire events).
@@ -101,12 +101,12 @@ def test_synthetic_trace_gives_back_its_phases() -> None:
 
 
 def test_contention_never_below_one() -> None:
-    m = trace.derive_model(synthetic(sync=5, sample=50, reward=5, train=50, wait=0))
+    m = derive.model(synthetic(sync=5, sample=50, reward=5, train=50, wait=0))
     assert m.contention == 1.0
 
 
 def test_recorded_trace_model_is_sensible() -> None:
-    m = trace.load_model(PACKAGED)
+    m = derive.load(PACKAGED)
     assert m.mode == trace.SYNC
     assert m.pools == ("sampler", "trainer") and m.private == ()
     assert [s.job for s in m.jobs] == ["A", "B"]
@@ -136,7 +136,7 @@ def test_recorded_trace_model_is_sensible() -> None:
 
 
 def test_job_steps_shape_and_seed() -> None:
-    m = trace.load_model(PACKAGED)
+    m = derive.load(PACKAGED)
     plan = m.job_steps(steps=3, seed=7)
     assert [p.name for p in plan[0]] == ["trainer", "sampler+trainer", "sampler", "cpu"]
     assert plan[0][1].pools == (trace.SAMPLER, trace.TRAINER)
@@ -169,7 +169,7 @@ def test_three_pools_one_private() -> None:
     """gen and learn are shared, judge is each job's own (their windows there overlap);
     no baseline: contention 1."""
     raw = three_pools_one_private()
-    m = trace.derive_model(raw)
+    m = derive.model(raw)
     assert m.mode == trace.SYNC
     assert m.pools == ("gen", "learn", "judge")
     assert m.shared == ("gen", "learn") and m.private == ("judge",)
@@ -195,7 +195,7 @@ def test_fully_asynchronous_jobs_get_one_lane_per_pool() -> None:
     update: Lane = [((), 20), (("update",), 40), ((), 60)]
     jobs = {"A": (0.0, [rollout, update]), "B": (60.0, [rollout, update])}
     for mode in ("fully async", None):  # declared, or inferred from the overlap
-        m = trace.derive_model(constructed(jobs, steps=6, mode=mode, shared=("rollout", "update")))
+        m = derive.model(constructed(jobs, steps=6, mode=mode, shared=("rollout", "update")))
         assert m.mode == trace.ASYNC
         assert m.pools == ("rollout", "update") and m.private == ()
         for shape in m.jobs:
@@ -217,26 +217,26 @@ def test_jobs_holding_and_waiting_in_opposite_orders_are_refused() -> None:
     b: Lane = [(("y",), 40), (("x", "y"), 10), ((), 70)]
     raw = constructed({"A": (0.0, [a]), "B": (60.0, [b])}, steps=4, mode=None, shared=("x", "y"))
     with pytest.raises(trace.TraceError, match="can deadlock") as caught:
-        trace.derive_model(raw)
+        derive.model(raw)
     message = str(caught.value)
     assert "job A holds x while asking for y" in message
     assert "job B holds y while asking for x" in message
     # The same jobs in one lock order are fine.
     raw = constructed({"A": (0.0, [a]), "B": (60.0, [a])}, steps=4, mode=None, shared=("x", "y"))
-    assert trace.derive_model(raw).shared == ("x", "y")
+    assert derive.model(raw).shared == ("x", "y")
 
 
 def test_unusable_traces_are_config_errors(tmp_path: Path) -> None:
     with pytest.raises(errors.ConfigError, match="does not exist"):
-        trace.load_model(tmp_path / "nope.json")
+        derive.load(tmp_path / "nope.json")
     bad = tmp_path / "bad.json"
     bad.write_text("{not json")
     with pytest.raises(errors.ConfigError, match="not readable JSON"):
-        trace.load_model(bad)
+        derive.load(bad)
     shape = tmp_path / "shape.json"
     shape.write_text(json.dumps({"timeslice": {"windows": {}, "events": []}}))
     with pytest.raises(trace.TraceError, match=r"timeslice\.windows has no pool"):
-        trace.load_model(shape)
+        derive.load(shape)
 
 
 def rename_pool(raw: dict[str, Any], old: str, new: str) -> None:
@@ -272,4 +272,4 @@ def test_a_trace_missing_a_needed_field_says_which(damage: Any, named: str) -> N
     raw = json.loads(PACKAGED.read_text())
     damage(raw)
     with pytest.raises(trace.TraceError, match=named):
-        trace.derive_model(raw, source="damaged.json")
+        derive.model(raw, source="damaged.json")

@@ -11,8 +11,9 @@ import sys
 
 import pytest
 
-from tslice.common import auth, errors
+from tslice.common import errors
 from tslice.orchestrator.slurm import identity, jobs, token
+from tslice.security import auth
 
 KEY = b"k" * 32
 

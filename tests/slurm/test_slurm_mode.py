@@ -26,7 +26,8 @@ from tests.kube.stack import WAIT_S, events_of, next_event
 from tests.slurm.cluster import ENDED
 from tests.slurm.conftest import TESTER_TOKEN, Stack
 from tslice.client import AsyncClient, EventKind, OrchestratorEvent
-from tslice.common import errors, tls
+from tslice.common import errors
+from tslice.security import tls
 from tslice.sim import checker
 
 pytestmark = pytest.mark.slow

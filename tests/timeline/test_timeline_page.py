@@ -10,7 +10,7 @@ import re
 from PIL import Image
 
 from tests.timeline import chromium
-from tslice.sim import trace
+from tslice.phases import trace
 from tslice.timeline import html, model, png, recorded
 
 TRACE = trace.default_trace_path()

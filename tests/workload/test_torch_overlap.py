@@ -8,6 +8,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from tslice.workload.adapters import torch as torch_adapter  # noqa: E402
+from tslice.workload.adapters import torch_overlap  # noqa: E402
 
 MIB = 1024**2
 
@@ -35,14 +36,14 @@ def test_overlap_switch_stays_within_the_budget_and_is_bit_exact() -> None:
     size = resident(out_model)
     # Room for one state and a little: the restore must wait for the snapshot's frees.
     budget = size + size // 8
-    times = torch_adapter.overlap_switch(outgoing, incoming, budget_bytes=budget, in_use_bytes=size)
+    times = torch_overlap.overlap_switch(outgoing, incoming, budget_bytes=budget, in_use_bytes=size)
     assert times.peak_bytes <= budget
     assert outgoing.suspended_tags == ["weights"] and incoming.resident_tags == ["weights"]
     assert resident(out_model) == 0
     for got, want in zip(in_model.parameters(), expected_in, strict=True):
         assert torch.equal(got, want)
     # And back again: the first job returns exactly as it left.
-    back = torch_adapter.overlap_switch(incoming, outgoing, budget_bytes=budget, in_use_bytes=size)
+    back = torch_overlap.overlap_switch(incoming, outgoing, budget_bytes=budget, in_use_bytes=size)
     assert back.peak_bytes <= budget and resident(out_model) == size
     for got, want in zip(out_model.parameters(), expected_out, strict=True):
         assert torch.equal(got, want)

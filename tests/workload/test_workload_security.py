@@ -16,7 +16,7 @@ from collections.abc import Iterator
 import pytest
 
 from tests.security.conftest import Certs, agent_args, make_certs, serving, tls_args
-from tslice.common import tls
+from tslice.security import tls
 from tslice.workload import WorkloadHandle, register_workload
 
 TOKENS = {"job-a": "job-a-workload-token-0123", "job-b": "job-b-workload-token-4567"}

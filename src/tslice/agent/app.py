@@ -35,7 +35,10 @@ from tslice.agent import config as agent_config
 from tslice.agent.backends import base, registry, services
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2_grpc as pb_grpc
-from tslice.common import auth, errors, logs, serving, tasks, tracing, undecodable
+from tslice.common import errors, tasks
+from tslice.rpc import undecodable
+from tslice.security import auth
+from tslice.server import logs, serving, tracing
 
 log = logging.getLogger(__name__)
 

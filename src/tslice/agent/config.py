@@ -40,9 +40,10 @@ import pydantic
 import yaml
 from pydantic import BaseModel, ByteSize, ConfigDict, Field
 
-from tslice.common import errors, ids, serving
-from tslice.common.auth import AuthSettings
-from tslice.common.tls import ServerTLS, check_listen
+from tslice.common import errors, ids
+from tslice.security.auth import AuthSettings
+from tslice.security.tls import ServerTLS, check_listen
+from tslice.server import serving
 
 _LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
@@ -153,7 +154,7 @@ class AgentConfig:
     tls: ServerTLS | None = None
     #: Plaintext on a non-loopback host is meant (a trusted network).
     insecure: bool = False
-    #: Authentication and roles (tslice.common.auth); None: every caller may call everything.
+    #: Authentication and roles (tslice.security.auth); None: every caller may call everything.
     auth: AuthSettings | None = None
 
     @property

@@ -71,10 +71,10 @@ def driver(needed: bool, proc: Path = Path("/proc")) -> Check:
 
 def checkpoint(needed: bool) -> Check:
     """The CUDA checkpoint API (cuda-bindings >= 12.8) or the ``cuda-checkpoint`` binary."""
-    from tslice.agent.backends import cuda_driver
+    from tslice.agent.backends import cuda_select
 
     try:
-        chosen = cuda_driver.select_driver(preference="auto")
+        chosen = cuda_select.select_driver(preference="auto")
     except Exception as err:  # BackendUnavailableError, or a driver that fails to load
         return Check("CUDA checkpoint", _missing(needed), str(err))
     return Check("CUDA checkpoint", Level.OK, f"available (through {chosen.name})")

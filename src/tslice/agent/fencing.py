@@ -1,4 +1,4 @@
-"""The agent's fence against a deposed orchestrator leader (see ``tslice.common.leader_term``).
+"""The agent's fence against a deposed orchestrator leader (see ``tslice.security.leader_term``).
 
 Every call may carry the caller's leader term in its metadata. The highest term seen is
 adopted from any call (a new leader's first Status read fences the node) and stored
@@ -25,7 +25,8 @@ from collections.abc import Iterable
 from typing import Any, NamedTuple
 
 from tslice.agent import store
-from tslice.common import leader_term, refusals
+from tslice.rpc import refusals
+from tslice.security import leader_term
 
 log = logging.getLogger(__name__)
 

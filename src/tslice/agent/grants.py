@@ -30,7 +30,7 @@ from collections.abc import Iterable, Mapping, Sequence
 
 from tslice.agent import job_model
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
-from tslice.common import refusals
+from tslice.rpc import refusals
 
 #: Moves one Grant may make (evict, bring in) before it reports that states keep changing;
 #: each listed ``give_way`` resident adds one.

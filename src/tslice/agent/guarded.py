@@ -28,7 +28,8 @@ from typing import Any, TypeVar
 from tslice.agent import job_model
 from tslice.agent.backends import base
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
-from tslice.common import logs, refusals
+from tslice.rpc import refusals
+from tslice.server import logs
 
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")

@@ -41,7 +41,8 @@ from tslice.agent.job_model import (
     Unchanged,
 )
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
-from tslice.common import grant_marks, refusals
+from tslice.rpc import refusals
+from tslice.server import grant_marks
 
 
 def _done(job: Job, request: Request, *, kind: Kind) -> Done:

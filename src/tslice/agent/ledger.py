@@ -24,7 +24,7 @@ import logging
 from collections.abc import Iterable
 
 from tslice.agent import job_model, store
-from tslice.common import refusals
+from tslice.rpc import refusals
 
 log = logging.getLogger(__name__)
 _STATE_NAMES = tuple(s.value for s in job_model.State)

@@ -10,7 +10,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from tslice.common import auth, metrics_http, tls
+from tslice.security import auth, tls
+from tslice.server import metrics_http
 
 _DURATION_BUCKETS = (0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 #: GB/s: from a driver checkpoint in the field (2-6) to a PCIe Gen5 link (~50) and beyond
@@ -92,7 +93,7 @@ class AgentMetrics:
     ) -> int:
         """Expose ``/metrics`` on ``port`` (0 = any free one) until :meth:`stop`; the port.
 
-        As protected as the agent's gRPC port (see :mod:`tslice.common.metrics_http`).
+        As protected as the agent's gRPC port (see :mod:`tslice.server.metrics_http`).
         """
         self._server = metrics_http.serve(
             prometheus_client.make_wsgi_app(self.registry),

@@ -33,7 +33,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from tslice.agent import guarded, job_model
-from tslice.common import refusals
+from tslice.rpc import refusals
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ from collections.abc import Iterable, Mapping
 
 from tslice.agent import job_model
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
-from tslice.common import refusals
+from tslice.rpc import refusals
 
 BACKEND_BY_ARM: Mapping[str, str] = {
     "cuda": "cuda",

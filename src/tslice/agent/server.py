@@ -22,7 +22,10 @@ from tslice.agent import channel, fencing, grants, job_model, runner
 from tslice.agent.backends import base
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2_grpc as pb_grpc
-from tslice.common import auth, logs, refusals, tasks, unique_requests, validation
+from tslice.common import tasks, validation
+from tslice.rpc import refusals, unique_requests
+from tslice.security import auth
+from tslice.server import logs
 
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")

@@ -12,7 +12,7 @@ between, so that a cancellation never separates the two (see ``tslice.agent.runn
 A commit survives a crash of the process; only a power loss can drop the last ones,
 and a GPU's memory does not survive that either. WAL checkpoints (which do fsync) run
 in a thread of their own, and keep the WAL bounded
-(:class:`tslice.common.wal_limit.BoundedWalCheckpointer`); opening and loading use a
+(:class:`tslice.server.wal_limit.BoundedWalCheckpointer`); opening and loading use a
 thread too.
 """
 
@@ -30,7 +30,8 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from tslice.agent import job_model
-from tslice.common import errors, sqlite_wal, wal_limit
+from tslice.common import errors
+from tslice.server import sqlite_wal, wal_limit
 
 _T = TypeVar("_T")
 

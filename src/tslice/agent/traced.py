@@ -1,4 +1,4 @@
-"""The agent's part of a hand-over's trace (with tracing on: ``tslice.common.tracing``).
+"""The agent's part of a hand-over's trace (with tracing on: ``tslice.server.tracing``).
 
 Installed once at start, and only when tracing is on, as wrappers around the servicer's
 ``Grant`` and the backends' operations, so the agent's code path is unchanged (and costs
@@ -18,7 +18,7 @@ import grpc
 
 from tslice.agent import guarded, job_model, server
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
-from tslice.common import tracing
+from tslice.server import tracing
 
 
 def install(

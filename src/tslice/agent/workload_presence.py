@@ -16,7 +16,7 @@ from collections.abc import Callable, Coroutine
 from typing import Any
 
 from tslice.agent import job_model, jobs, ledger
-from tslice.common import refusals
+from tslice.rpc import refusals
 
 log = logging.getLogger(__name__)
 

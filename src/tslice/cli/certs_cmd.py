@@ -6,7 +6,7 @@ their own PKI (cert-manager, Vault, SPIFFE...). What tslice reads from a certifi
 - servers: the subject alternative names (DNS names and IP addresses) clients check;
 - clients: the identity, a URI SAN ``tslice:<identity>`` (``tslice:orchestrator``,
   ``tslice:admin``, ``tslice:job:<job-id>``), which the servers' verifier maps to roles
-  (see ``tslice.common.auth``). The common name repeats it when it fits (64 characters).
+  (see ``tslice.security.auth``). The common name repeats it when it fits (64 characters).
 
 Keys are ECDSA P-256 (fast to make, accepted by every gRPC); private keys are written
 with mode 0600. An existing CA in the directory is reused, so certificates can be added

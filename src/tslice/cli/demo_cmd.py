@@ -14,7 +14,7 @@ import typer
 
 from tslice.cli import client_cmds, render, sizes
 
-# Mirrors tslice.sim.demo.DEFAULT_* (a test pins them): importing the demo here would
+# Mirrors tslice.demo.runner.DEFAULT_* (a test pins them): importing the demo here would
 # slow down the start of every `tslice` process, servers included.
 DEFAULT_STEPS = 4
 DEFAULT_TIME_SCALE = 240.0
@@ -88,9 +88,9 @@ def run(
     no_live: Annotated[bool, typer.Option("--no-live", help="No live view.")] = False,
 ) -> None:
     """Simulated RL jobs share the pools of a recorded run: exclusive vs time-sliced."""
-    from tslice.sim import demo
+    from tslice.demo import runner
 
-    config = demo.DemoConfig(
+    config = runner.DemoConfig(
         trace_path=trace,
         jobs=jobs,
         steps=steps,
@@ -110,7 +110,7 @@ def run(
         events_path=events,
     )
     config.check()
-    progress = demo.DemoProgress(jobs=jobs, steps=steps, time_scale=time_scale)
+    progress = runner.DemoProgress(jobs=jobs, steps=steps, time_scale=time_scale)
     console = render.stdout()
     live = not as_json and not no_live and console.is_terminal
     if live:
@@ -121,14 +121,14 @@ def run(
             console=console,
             refresh_per_second=8,
         ):
-            result = asyncio.run(demo.run_demo(config, progress=progress))
+            result = asyncio.run(runner.run_demo(config, progress=progress))
     else:
         if not as_json:
             console.print(
                 f"tslice demo: {jobs} job(s) x {steps} steps, time scale {time_scale:g}; "
                 "exclusive run, then time-sliced run..."
             )
-        result = asyncio.run(demo.run_demo(config, progress=progress))
+        result = asyncio.run(runner.run_demo(config, progress=progress))
     # The table is only built when shown: --json needs nothing but the summary.
     view = "" if as_json else render.demo_summary(result)
     render.show(result.to_json(), view, as_json=as_json)

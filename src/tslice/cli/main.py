@@ -17,7 +17,6 @@ from typing import Annotated
 import typer
 import typer.exceptions
 
-import tslice
 from tslice.cli import (
     admin_cmd,
     certs_cmd,
@@ -33,6 +32,7 @@ from tslice.cli import (
     watch_cmd,
 )
 from tslice.common import errors
+from tslice.common import version as package_version
 
 #: Server command modules written by the layer owners; each offers ``register(app)``.
 _SERVER_COMMANDS = ("tslice.cli.orchestrator_cmd", "tslice.cli.agent_cmd")
@@ -75,7 +75,7 @@ def _root(
 @app.command()
 def version() -> None:
     """Print the tslice version."""
-    render.stdout().print(f"tslice {tslice.__version__}")
+    render.stdout().print(f"tslice {package_version.VERSION}")
 
 
 def _register_all() -> None:

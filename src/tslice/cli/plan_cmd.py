@@ -90,9 +90,9 @@ def plan(
     as_json: client_cmds.AsJson = False,
 ) -> None:
     """Recommend which jobs share which pools, from a recording; predicted vs simulated gain."""
-    from tslice.sim.planner import plan as planning
-    from tslice.sim.planner import simulate as simulation
-    from tslice.sim.planner import topology
+    from tslice.planner import plan as planning
+    from tslice.planner import simulate as simulation
+    from tslice.planner import topology
 
     config = planning.PlanConfig(
         source=source, jobs=jobs, steps=steps, seed=seed, max_sets=max_sets, max_share=max_share

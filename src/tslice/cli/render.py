@@ -28,9 +28,9 @@ import tslice.client as tsclient
 if TYPE_CHECKING:
     # The demo pulls in the local cluster and the timeline; server commands should
     # not pay for that at start-up, so it is imported where it is drawn.
-    from tslice.sim import demo
-    from tslice.sim.planner import plan as planning
-    from tslice.sim.planner import simulate
+    from tslice.demo import runner
+    from tslice.planner import plan as planning
+    from tslice.planner import simulate
 
 _STATE_STYLE = {
     "LOCKED": "green",
@@ -265,7 +265,7 @@ def cluster_table(
 # ---- tslice demo -----------------------------------------------------------------------
 
 
-def demo_live(progress: demo.DemoProgress) -> RenderableType:
+def demo_live(progress: runner.DemoProgress) -> RenderableType:
     """The live view: who holds each pool, each job's step and activity, the last switches."""
     now = time.time()
     scale = progress.time_scale
@@ -329,7 +329,7 @@ def demo_live(progress: demo.DemoProgress) -> RenderableType:
     return Panel(Group(*parts), expand=False)
 
 
-def demo_summary(result: demo.DemoResult) -> RenderableType:
+def demo_summary(result: runner.DemoResult) -> RenderableType:
     scale = result.config.time_scale
     runs = Table(
         title=f"results (time scale {scale:g}: 1 demo second = {scale:g} trace seconds)",

@@ -19,7 +19,8 @@ from rich.text import Text
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2_grpc as pb_grpc
 from tslice.cli import client_cmds, render
-from tslice.common import errors, tls
+from tslice.common import errors
+from tslice.security import tls
 
 
 def reset_term(

@@ -13,7 +13,8 @@ from typing import Annotated
 import typer
 
 from tslice.cli import options, render, sizes
-from tslice.common import errors, tls
+from tslice.common import errors
+from tslice.security import tls
 from tslice.sim import cluster
 
 

@@ -23,7 +23,8 @@ import grpc
 
 from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2 as opb
 from tslice.client import _channel, _config, _lease, _retry, _types
-from tslice.common import errors, tls
+from tslice.common import errors
+from tslice.security import tls
 
 log = logging.getLogger("tslice.client")
 

@@ -27,9 +27,9 @@ import grpc
 import grpc.aio
 from google.protobuf import wrappers_pb2
 
-import tslice
 from tslice.client import _address, _config, _failover, _retry
-from tslice.common import errors, tls
+from tslice.common import errors, version
+from tslice.security import tls
 
 Req = TypeVar("Req")
 Rep = TypeVar("Rep")
@@ -385,7 +385,7 @@ class _Transport:
         )
 
     def metadata(self, options: CallOptions) -> Metadata:
-        items = [(CLIENT_VERSION_HEADER, tslice.__version__), *self.endpoint.security.metadata()]
+        items = [(CLIENT_VERSION_HEADER, version.VERSION), *self.endpoint.security.metadata()]
         if options.job_id:
             items.append((JOB_ID_HEADER, options.job_id))
         return tuple(items)

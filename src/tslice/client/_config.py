@@ -15,7 +15,8 @@ from typing import Final, Literal, TypeAlias
 import grpc
 
 from tslice.client import _address, _retry
-from tslice.common import errors, ids, tls, validation
+from tslice.common import errors, ids, validation
+from tslice.security import tls
 
 #: Orchestrator address, or several (``a:50051,b:50051``: HA replicas, tried in turn, a
 #: follower's redirect to the leader followed); the first variable set wins (the second

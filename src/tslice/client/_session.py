@@ -1,7 +1,7 @@
 """Acquire and Yield of the clients over the orchestrator's ``Session`` stream (see
-:mod:`tslice.common.multiplex`): :class:`Session` for ``AsyncClient`` (a
-:class:`~tslice.common.multiplex.Caller`), :class:`SyncSession` for ``Client`` (its
-blocking twin, :class:`~tslice.common.multiplex.ThreadCaller`).
+:mod:`tslice.rpc.multiplex`): :class:`Session` for ``AsyncClient`` (a
+:class:`~tslice.rpc.multiplex.Caller`), :class:`SyncSession` for ``Client`` (its
+blocking twin, :class:`~tslice.rpc.multiplex.ThreadCaller`).
 
 They are the first and last legs of every hand-over; a message on an open stream
 costs about half a unary call. A call raises ``grpc.RpcError`` as a unary call would
@@ -9,7 +9,7 @@ costs about half a unary call. A call raises ``grpc.RpcError`` as a unary call w
 cancelled Acquire sends ``cancel`` (the job leaves the queue at once, as when a unary
 call is cancelled); a broken stream fails the calls in flight with ``UNAVAILABLE``
 and the next call opens a new one. An orchestrator without the RPC makes a call
-raise :class:`~tslice.common.multiplex.Unsupported`:
+raise :class:`~tslice.rpc.multiplex.Unsupported`:
 :mod:`tslice.client.compat._unary` then makes the unary call.
 """
 
@@ -25,7 +25,7 @@ import grpc.aio
 
 from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2 as opb
 from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2_grpc as opb_grpc
-from tslice.common import multiplex
+from tslice.rpc import multiplex
 
 R = TypeVar("R")
 

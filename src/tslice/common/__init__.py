@@ -1,5 +1,3 @@
-"""Small pieces shared by every layer (ids, errors, logging, task supervision).
-
-Layers (orchestrator, agent, client, workload) share only this package and
-``tslice.api``; see the import-linter contract in pyproject.toml.
-"""
+"""What the job side shares with the servers: ids, errors, input validation, residency
+states and task supervision. Anything only servers use lives in ``tslice.server``,
+``tslice.rpc`` or ``tslice.security``."""

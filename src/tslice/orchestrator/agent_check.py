@@ -15,8 +15,8 @@ import logging
 import ssl
 from collections.abc import Iterable
 
-from tslice.common import tls
 from tslice.orchestrator import agents, config
+from tslice.security import tls
 
 log = logging.getLogger(__name__)
 

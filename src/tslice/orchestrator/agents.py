@@ -9,10 +9,10 @@ deadlines are applied and gRPC failures are translated:
   NOT_FOUND, UNIMPLEMENTED...): our view of the node is stale; re-read its Status and re-plan;
 - :class:`AgentDeposed`  (an :class:`AgentRejected`) the agent has seen a newer leader term
   than ours: another orchestrator leads now; :meth:`Term.deposed
-  <tslice.common.leader_term.Term.deposed>` tells the HA mode to step down.
+  <tslice.security.leader_term.Term.deposed>` tells the HA mode to step down.
 
-Every call carries the orchestrator's leader term (``tslice.common.leader_term``; none in
-term 0, the embedded mode), read from the :class:`~tslice.common.leader_term.Term` given
+Every call carries the orchestrator's leader term (``tslice.security.leader_term``; none in
+term 0, the embedded mode), read from the :class:`~tslice.security.leader_term.Term` given
 to the clients at each call, so an election won later applies to the next call (and to
 the next GrantStream: one opened in an older term is re-opened).
 
@@ -41,8 +41,11 @@ import grpc
 
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2_grpc as pb_grpc
-from tslice.common import leader_term, multiplex, tasks, tls, tracing
+from tslice.common import tasks
 from tslice.orchestrator import tracing_hooks
+from tslice.rpc import multiplex
+from tslice.security import leader_term, tls
+from tslice.server import tracing
 
 _R = TypeVar("_R")
 log = logging.getLogger(__name__)

@@ -40,8 +40,7 @@ from grpc_reflection.v1alpha import reflection
 
 from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2 as opb
 from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2_grpc as opb_grpc
-from tslice.common import auth, errors, ids, leader_term, logs, serving, tasks, tracing, undecodable
-from tslice.common import metrics_http as common_metrics_http
+from tslice.common import errors, ids, tasks
 from tslice.orchestrator import (
     agent_check,
     agents,
@@ -57,6 +56,10 @@ from tslice.orchestrator import (
     store_health,
     tap,
 )
+from tslice.rpc import undecodable
+from tslice.security import auth, leader_term
+from tslice.server import logs, serving, tracing
+from tslice.server import metrics_http as common_metrics_http
 
 if TYPE_CHECKING:
     from tslice.orchestrator.kube import leadership as kube_leadership

@@ -15,8 +15,8 @@ import asyncio
 import dataclasses
 from collections.abc import Callable
 
-from tslice.common import refusals
 from tslice.orchestrator import agents, config, decisions, inbox, steps
+from tslice.rpc import refusals
 
 #: How long before an Acquire's deadline a waiter that a fault (or a drain) holds back is answered
 #: UNAVAILABLE with the reason, instead of gRPC's DEADLINE_EXCEEDED that names none.

@@ -39,13 +39,14 @@ from typing import Any, Literal
 import pydantic
 import yaml
 
-from tslice.common import errors, ids, kube_labels, serving
-from tslice.common.auth import AuthSettings
-from tslice.common.tls import ClientSecurity, ServerTLS, check_listen
+from tslice.common import errors, ids
 from tslice.orchestrator.history import HistorySettings
 from tslice.orchestrator.policy import models as policy_models
 from tslice.orchestrator.policy import spec as policy_spec
 from tslice.orchestrator.slurm import settings as slurm_settings
+from tslice.security.auth import AuthSettings
+from tslice.security.tls import ClientSecurity, ServerTLS, check_listen
+from tslice.server import kube_labels, serving
 
 DEFAULT_PORT = 50051
 DEFAULT_METRICS_PORT = 8080
@@ -201,13 +202,13 @@ class OrchestratorModel(_Model):
     metrics_port: int = pydantic.Field(DEFAULT_METRICS_PORT, ge=0, le=65535)
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     sqlite_synchronous: Literal["normal", "full"] = "normal"
-    #: ``{cert, key, client_ca}``: serve TLS (mutual TLS with client_ca); see common.tls.
+    #: ``{cert, key, client_ca}``: serve TLS (mutual TLS with client_ca); see security.tls.
     tls: dict[str, Any] | None = None
     #: Serve plaintext on a non-loopback host anyway (a trusted network).
     insecure: bool = False
     #: How the orchestrator calls agents: ``{ca, cert, key, server_name, token_file}``.
     agent_client: dict[str, Any] | None = None
-    #: Who may call what (tslice.common.auth); absent: no authentication.
+    #: Who may call what (tslice.security.auth); absent: no authentication.
     auth: dict[str, Any] | None = None
     #: Kubernetes mode: the topology from the API server (see KubeSettings).
     kubernetes: bool = False
@@ -567,7 +568,7 @@ _DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
 
 
 def _security(model: OrchestratorModel, where: str) -> dict[str, Any]:
-    """The TLS sections, parsed (their rules live in tslice.common.tls); plaintext on a
+    """The TLS sections, parsed (their rules live in tslice.security.tls); plaintext on a
     non-loopback host is refused here, before anything starts."""
     try:
         server_tls = ServerTLS.from_mapping(model.tls, where="tls")

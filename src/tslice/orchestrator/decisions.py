@@ -20,7 +20,7 @@ import dataclasses
 import enum
 from typing import TypeAlias
 
-from tslice.common import refusals
+from tslice.rpc import refusals
 
 
 @dataclasses.dataclass(frozen=True)

@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
 from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2 as opb
-from tslice.common import refusals, tasks
+from tslice.common import tasks
 from tslice.orchestrator import (
     agents,
     callers,
@@ -54,6 +54,7 @@ from tslice.orchestrator import (
     wake,
     worker,
 )
+from tslice.rpc import refusals
 
 log = logging.getLogger(__name__)
 

@@ -13,8 +13,8 @@ import asyncio
 import dataclasses
 from collections.abc import Callable
 
-from tslice.common import refusals
 from tslice.orchestrator import inbox, lock, metrics
+from tslice.rpc import refusals
 
 
 @dataclasses.dataclass(eq=False)

@@ -32,10 +32,10 @@ from __future__ import annotations
 
 import dataclasses
 
-from tslice.common import refusals
 from tslice.orchestrator import decisions as act
 from tslice.orchestrator import found_holder, lock_state, records
 from tslice.orchestrator import policy as sched
+from tslice.rpc import refusals
 
 #: The group's state from the lock alone (named here too: callers read ``lock.Phase``).
 Phase = lock_state.Phase

@@ -28,8 +28,10 @@ import time
 from collections.abc import Callable, Collection
 
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
-from tslice.common import kube_labels, refusals, tasks
+from tslice.common import tasks
 from tslice.orchestrator import config, decisions, group, held_over, records
+from tslice.rpc import refusals
+from tslice.server import kube_labels
 
 log = logging.getLogger(__name__)
 

@@ -23,7 +23,7 @@ import grpc
 
 from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2 as opb
 from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2_grpc as opb_grpc
-from tslice.common import auth, logs, refusals, unique_requests, validation
+from tslice.common import validation
 from tslice.orchestrator import (
     decisions,
     events,
@@ -34,6 +34,9 @@ from tslice.orchestrator import (
     store_health,
     tap,
 )
+from tslice.rpc import refusals, unique_requests
+from tslice.security import auth
+from tslice.server import logs
 
 _T = TypeVar("_T")
 log = logging.getLogger(__name__)

@@ -25,8 +25,8 @@ import logging
 import time
 from collections.abc import Mapping
 
-from tslice.common import refusals
 from tslice.orchestrator import callers, group, sets
+from tslice.rpc import refusals
 
 log = logging.getLogger(__name__)
 

@@ -24,12 +24,19 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Container, Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol, TypeVar
 
 from tslice.orchestrator import decisions as act
 
-if TYPE_CHECKING:  # lock_state keeps a gate: no import back at run time
-    from tslice.orchestrator.lock_state import Entry
+
+class _Waiting(Protocol):
+    """A queue entry as the gate sees it (lock_state.Entry)."""
+
+    @property
+    def job(self) -> str: ...
+
+
+Entry = TypeVar("Entry", bound=_Waiting)
 
 
 @dataclasses.dataclass

@@ -22,7 +22,7 @@ against a crash of the process (SIGKILL included) because the WAL lives in the
 OS page cache, and it costs no fsync on the hand-over path. Such a commit is a
 few tens of microseconds, less than a hop to a thread and back, so it runs on the
 event loop; the WAL checkpoints, which do fsync, run in a thread of their own and
-keep the WAL bounded (:class:`tslice.common.wal_limit.BoundedWalCheckpointer`). Only a
+keep the WAL bounded (:class:`tslice.server.wal_limit.BoundedWalCheckpointer`). Only a
 power loss or kernel crash can lose the last commits; recovery then re-reads the agents, which hold
 the ground truth about residency. ``synchronous="full"`` is available for
 deployments that want power-loss durability of queues and holders as well: every
@@ -41,8 +41,8 @@ import time
 from collections.abc import Callable
 from typing import Protocol, TypeVar
 
-from tslice.common import sqlite_wal, wal_limit
 from tslice.orchestrator import records
+from tslice.server import sqlite_wal, wal_limit
 
 _T = TypeVar("_T")
 

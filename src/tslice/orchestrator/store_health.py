@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from tslice.common import refusals
+from tslice.rpc import refusals
 
 #: What a refused call is told before the reason.
 _REFUSED = "the orchestrator cannot persist its state, so it changes nothing now: "

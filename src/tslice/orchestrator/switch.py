@@ -50,8 +50,9 @@ import grpc
 
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
 from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2 as opb
-from tslice.common import grant_marks, refusals
 from tslice.orchestrator import agents, compat_agent, config, events, steps
+from tslice.rpc import refusals
+from tslice.server import grant_marks
 
 
 class GiveUp(Exception):

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2 as opb
-from tslice.common import logs, tasks, tracing
+from tslice.common import tasks
 from tslice.orchestrator import (
     agents,
     config,
@@ -36,6 +36,7 @@ from tslice.orchestrator import (
     switch,
     tracing_hooks,
 )
+from tslice.server import logs, tracing
 
 log = logging.getLogger(__name__)
 

@@ -1,5 +1,5 @@
 """The orchestrator's part of a hand-over's trace (with tracing on:
-``tslice.common.tracing``): the ``tslice.handover`` span around a switch, and the client
+``tslice.server.tracing``): the ``tslice.handover`` span around a switch, and the client
 span of each agent call made within it, whose trace context goes in the call's metadata.
 Called only where ``tracing.ENABLED`` was tested, so nothing here runs when it is off."""
 
@@ -8,8 +8,8 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import Any, TypeVar
 
-from tslice.common import tracing
 from tslice.orchestrator import config, decisions
+from tslice.server import tracing
 
 _T = TypeVar("_T")
 

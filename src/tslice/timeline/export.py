@@ -27,8 +27,10 @@ from __future__ import annotations
 import collections
 import dataclasses
 import datetime
+import json
 import statistics
 from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import tslice.client as tsclient
@@ -52,6 +54,15 @@ def record(event: tsclient.OrchestratorEvent) -> dict[str, Any]:
     out["kind"] = event.kind.value
     out["time"] = event.time.isoformat() if event.time is not None else None
     return out
+
+
+def write_events(path: Path, events: Iterable[tsclient.OrchestratorEvent]) -> Path:
+    """An event log file: one JSON object per line (what ``tslice plan`` reads)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", encoding="utf-8") as out:
+        for event in events:
+            out.write(json.dumps(record(event)) + "\n")
+    return path
 
 
 def seconds(value: Any) -> float | None:

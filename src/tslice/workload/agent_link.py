@@ -1,7 +1,7 @@
 """Where a workload's agent is and how the workload channel reaches it: the address,
 the register socket, TLS and token, keepalive and reconnect settings.
 
-Security is the job side's own (:class:`tslice.common.tls.ClientSecurity`, by default
+Security is the job side's own (:class:`tslice.security.tls.ClientSecurity`, by default
 ``$TSLICE_TLS_CA``, ``$TSLICE_TLS_CERT``/``$TSLICE_TLS_KEY``, ``$TSLICE_TOKEN`` or
 ``$TSLICE_TOKEN_FILE``, as every job-side client): over TCP the channel this library
 opens uses its TLS settings, and every stream carries its token (an agent with ``auth:``
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import grpc
 
-from tslice.common import tls
+from tslice.security import tls
 from tslice.workload import process
 
 #: Environment variables read when ``agent`` is not given (first one set wins).

@@ -64,7 +64,8 @@ import grpc
 
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2_grpc as pb_grpc
-from tslice.common import ids, tls
+from tslice.common import ids
+from tslice.security import tls
 from tslice.workload import adapters, agent_link, commands, process
 from tslice.workload.adapters import base, callbacks
 from tslice.workload.agent_link import AGENT_ENV_VARS, ChannelSettings

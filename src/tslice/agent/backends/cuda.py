@@ -41,6 +41,7 @@ from tslice.agent.backends import (
     cuda_binary,
     cuda_driver,
     cuda_moves,
+    cuda_select,
     cuda_settings,
     cuda_steps,
     cuda_targets,
@@ -106,7 +107,7 @@ class CudaBackend(base.Backend):
         if self._driver is None:
             # cuInit can take a while on a big node; keep it off the event loop.
             self._driver = await asyncio.to_thread(
-                cuda_driver.select_driver,
+                cuda_select.select_driver,
                 preference=self.settings.driver,
                 binary=self.settings.binary,
             )

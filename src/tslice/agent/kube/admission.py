@@ -11,7 +11,7 @@ from collections.abc import Iterable
 from tslice.agent import discovery, registration
 from tslice.agent.channel_admission import PodCheck
 from tslice.agent.kube import model
-from tslice.common import kube_labels
+from tslice.server import kube_labels
 
 
 def pod_of(

@@ -1,5 +1,5 @@
 """The stream of this node's job pods (``spec.nodeName=<node>``, ``timeslice.io/job-id``
-present, every namespace), kept in a :class:`model.NodePods` (tslice.common.kube_watch:
+present, every namespace), kept in a :class:`model.NodePods` (tslice.server.kube_watch:
 list, watch, bookmarks, backoff, re-list on 410 Gone)."""
 
 from __future__ import annotations
@@ -12,7 +12,8 @@ from typing import Any
 from lightkube.resources.core_v1 import Pod
 
 from tslice.agent.kube import model
-from tslice.common import errors, kube_labels, kube_watch, tasks
+from tslice.common import errors, tasks
+from tslice.server import kube_labels, kube_watch
 
 log = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 
 tslice's clients send both over one ``Session`` stream; an orchestrator without that
 RPC (llm-d's, an older tslice) answers ``UNIMPLEMENTED``, the session raises
-:class:`~tslice.common.multiplex.Unsupported`, and from then on the unary calls of
+:class:`~tslice.rpc.multiplex.Unsupported`, and from then on the unary calls of
 the wire contract carry them. This is the one place that decides between the two:
 the session and the transport know nothing of the unary path, and the transport
 retries, times and maps errors of either alike.
@@ -19,7 +19,7 @@ from collections.abc import Awaitable, Callable
 from typing import Generic, TypeVar
 
 from tslice.client import _channel
-from tslice.common import multiplex
+from tslice.rpc import multiplex
 
 Req = TypeVar("Req")
 Rep = TypeVar("Rep")

@@ -1,7 +1,7 @@
 """HA mode's terms: campaign, lead over the API-server state, step down, campaign again.
 
 Each Lease won (``kube.lease``) is a term: the process's leader term is advanced to it
-(every agent call carries it from then on, ``tslice.common.leader_term``), the state
+(every agent call carries it from then on, ``tslice.security.leader_term``), the state
 ConfigMaps are claimed (``kube.state``), and the replica leads as the embedded mode does
 (groups resumed through the crash-recovery path: each group reads its agents before it
 grants anything, a switch in progress is rolled forward or back). The term ends when
@@ -27,9 +27,11 @@ from typing import Any, Protocol, TypeVar
 
 from grpc_health.v1 import health_pb2
 
-from tslice.common import errors, kube_watch, leader_term, tasks
+from tslice.common import errors, tasks
 from tslice.orchestrator import config, store
 from tslice.orchestrator.kube import leadership, lease, state
+from tslice.security import leader_term
+from tslice.server import kube_watch
 
 log = logging.getLogger(__name__)
 

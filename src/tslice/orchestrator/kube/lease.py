@@ -8,7 +8,7 @@ As client-go's leader election, with a term:
   (no clock is compared across machines). It takes it with an update that carries the
   version it read: of two candidates one wins, the other gets 409 Conflict;
 - every take raises ``leaseTransitions`` by one, and the new value is the winner's
-  **term** (``tslice.common.leader_term``): it only rises, whoever wins, even a replica
+  **term** (``tslice.security.leader_term``): it only rises, whoever wins, even a replica
   taking the Lease back from itself;
 - the leader renews every interval; once it has not renewed for the renew deadline (2/3
   of the duration, from the start of its last successful renewal), or it finds the Lease
@@ -43,8 +43,8 @@ from lightkube.models.coordination_v1 import LeaseSpec
 from lightkube.models.meta_v1 import ObjectMeta
 from lightkube.resources.coordination_v1 import Lease
 
-from tslice.common import leader_term
 from tslice.orchestrator.kube import leadership
+from tslice.security import leader_term
 
 log = logging.getLogger(__name__)
 

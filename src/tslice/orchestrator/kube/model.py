@@ -3,7 +3,7 @@
 Three kinds of object come in (already reduced to what matters, see ``watch``):
 
 - **nodes**: a node is a member of the groups its labels name
-  (``group.timeslice.io/<g>=true``, tslice.common.kube_labels) while it is Ready and not
+  (``group.timeslice.io/<g>=true``, tslice.server.kube_labels) while it is Ready and not
   cordoned (``spec.unschedulable``);
 - **agent pods** (the DaemonSet's, by the agent selector): the agent of a node is
   reached at its pod IP and its container port named ``grpc`` (9001 when unnamed);
@@ -28,8 +28,8 @@ from collections.abc import Iterable, Mapping
 from collections.abc import Set as AbstractSet
 from typing import Literal
 
-from tslice.common import kube_labels
 from tslice.orchestrator import config
+from tslice.server import kube_labels
 
 Kind = Literal["node", "agent", "job"]
 

@@ -1,6 +1,6 @@
 """List-then-watch of the API server (lightkube), feeding a :class:`model.ClusterModel`.
 
-Three streams (``tslice.common.kube_watch``: list, watch from the list's version,
+Three streams (``tslice.server.kube_watch``: list, watch from the list's version,
 bookmarks, backoff, re-list on ``410 Gone``):
 
 - nodes (all of them: a group label can be added to any node);
@@ -20,9 +20,10 @@ from typing import Any
 from lightkube import AsyncClient
 from lightkube.resources.core_v1 import Node, Pod
 
-from tslice.common import kube_labels, kube_watch, tasks
+from tslice.common import tasks
 from tslice.orchestrator import config, switch
 from tslice.orchestrator.kube import model
+from tslice.server import kube_labels, kube_watch
 
 log = logging.getLogger(__name__)
 

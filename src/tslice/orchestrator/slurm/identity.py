@@ -25,8 +25,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from tslice.common import auth, errors
+from tslice.common import errors
 from tslice.orchestrator.slurm import jobs, token
+from tslice.security import auth
 
 
 @dataclasses.dataclass(frozen=True)

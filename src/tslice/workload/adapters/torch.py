@@ -32,7 +32,7 @@ Why this shape:
 
 * **Switches may overlap** (issue 9 §2). With ``free_progressively`` a snapshot frees
   each storage as soon as its bytes are on the host (chunked offload: memory comes
-  free piece by piece) instead of once everything is copied; :func:`overlap_switch`
+  free piece by piece) instead of once everything is copied; ``torch_overlap.overlap_switch``
   runs one adapter's snapshot and another's restore at once (device-to-host on the
   outgoing adapter's streams, host-to-device on the incoming one's: opposite copy
   directions), the restore allocating each storage only once the snapshot has freed
@@ -331,7 +331,7 @@ class TorchAdapter(base.WorkloadAdapter):
         Tags already resident are left as they are. If allocation fails, the tags
         whose memory could not be allocated stay suspended, with their saved bytes.
         ``admit`` is called with each storage's bytes before it is allocated and may
-        block until there is room (an overlapping switch, see :func:`overlap_switch`);
+        block until there is room (an overlapping switch, see ``torch_overlap.overlap_switch``);
         the storages of a tag are then allocated and refilled one by one.
         """
         with self._lock:
@@ -554,8 +554,4 @@ class TorchAdapter(base.WorkloadAdapter):
         )
 
 
-# The overlapped switch of two adapters lives in its own module; re-exported here, where
-# users have always found it.
-from tslice.workload.adapters.torch_overlap import SwitchTimes, overlap_switch  # noqa: E402
-
-__all__ = ["SwitchTimes", "TorchAdapter", "TorchAdapterStats", "overlap_switch"]
+__all__ = ["TorchAdapter", "TorchAdapterStats"]

@@ -1,4 +1,4 @@
-"""Derivation of the phase model (:class:`tslice.sim.trace.PhaseModel`) from a recorded run.
+"""Derivation of the phase model (:class:`tslice.phases.trace.PhaseModel`) from a recorded run.
 
 Per job of ``timeslice``, over the job's own lock windows and acquire events:
 
@@ -35,12 +35,14 @@ import bisect
 import collections
 import graphlib
 import itertools
+import json
 import statistics
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any, NamedTuple
 
-from tslice.common import ids
-from tslice.sim import trace
+from tslice.common import errors, ids
+from tslice.phases import trace
 
 #: Stretches shorter than this (trace seconds) are rounding noise of the recording.
 MIN_PHASE_S = 0.5
@@ -92,7 +94,7 @@ class _Reader:
         return obj
 
 
-def model(raw: Mapping[str, Any], *, source: str) -> trace.PhaseModel:
+def model(raw: Mapping[str, Any], *, source: str = "<trace>") -> trace.PhaseModel:
     """The phase model of a parsed trace (see the module docstring)."""
     r = _Reader(source)
     ts = r.field(raw, "timeslice", "", "the time-sliced run every phase is measured on")
@@ -446,3 +448,16 @@ def _recorded(summary: Any) -> trace.Recorded:
         gpus_baseline=int(s.get("gpus_bl", 0)),
         gpus_time_sliced=int(s.get("gpus_ts", 0)),
     )
+
+
+def load(path: Path | None = None) -> trace.PhaseModel:
+    """Read a trace file (default: :func:`trace.default_trace_path`) and derive its phase
+    model; :class:`ConfigError` if unusable."""
+    trace_path = path or trace.default_trace_path()
+    try:
+        raw = json.loads(trace_path.read_text())
+    except FileNotFoundError as err:
+        raise errors.ConfigError(f"trace file {trace_path} does not exist") from err
+    except (OSError, ValueError) as err:
+        raise errors.ConfigError(f"trace file {trace_path} is not readable JSON: {err}") from err
+    return model(raw, source=str(trace_path))

@@ -2,7 +2,7 @@
 
 Two inputs are accepted, told apart by their content:
 
-* a **recorded trace** (``shared/traces/*.json``, the format :mod:`tslice.sim.trace`
+* a **recorded trace** (``shared/traces/*.json``, the format :mod:`tslice.phases.trace`
   reads): one JSON object with ``timeslice``;
 * an **event log**: the orchestrator's ``WatchEvents`` stream as JSON lines, one event a
   line, as ``tslice events --json`` prints it and ``tslice demo --events FILE`` saves it
@@ -11,7 +11,7 @@ Two inputs are accepted, told apart by their content:
 
 An event log is turned into the trace format (by the export of ``tslice events
 --export``, :mod:`tslice.timeline.export`) so that one derivation
-(:mod:`tslice.sim.derive`) serves both: a window of a group is a job's GRANTED to its
+(:mod:`tslice.phases.derive`) serves both: a window of a group is a job's GRANTED to its
 YIELDED (or CANCELLED, or the end of the log); its request time is the grant minus the
 wait GRANTED reports; a job's RL step starts at each grant of the first group the job
 was ever granted (its steps repeat, so that group opens every step); SNAPSHOT_DONE and
@@ -28,13 +28,12 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import json
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import tslice.client as tsclient
-from tslice.sim.planner import input_checks
+from tslice.planner import input_checks
 from tslice.timeline import export
 
 TRACE = "trace"
@@ -58,21 +57,12 @@ class Recording:
 
     path: Path
     kind: str
-    #: The trace format (:mod:`tslice.sim.trace`), times in model seconds.
+    #: The trace format (:mod:`tslice.phases.trace`), times in model seconds.
     raw: Mapping[str, Any]
     #: Seconds of the source per model second (1 for a trace).
     unit_s: float
     #: Group -> SWITCH_DONE durations, seconds of the source (event logs only).
     switch_done_s: Mapping[str, Sequence[float]]
-
-
-def write_events(path: Path, events: Iterable[tsclient.OrchestratorEvent]) -> Path:
-    """An event log file: one JSON object per line."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w", encoding="utf-8") as out:
-        for event in events:
-            out.write(json.dumps(export.record(event)) + "\n")
-    return path
 
 
 def load(path: Path) -> Recording:

@@ -1,6 +1,6 @@
 """The planner's throughput model: jobs sharing pools, played out in simulated time.
 
-A discrete-event model of what :mod:`tslice.sim.rljob` does against the orchestrator,
+A discrete-event model of what :mod:`tslice.phases.rljob` does against the orchestrator,
 without processes: every lane of every job walks its phases (before a phase it yields
 the pools the phase does not need, then asks for the new ones in order, keeping what it
 holds: the weight hand-over holds the trainer while asking for the sampler); each
@@ -13,7 +13,7 @@ as the orchestrator's zero-cost re-acquire does. While jobs share, every phase i
 stretched by the model's contention factor (the replay does the same).
 
 This is the *predicted* side of a plan: fast enough to score every grouping of a few
-jobs. :mod:`tslice.sim.planner.simulate` checks the recommendation on the real
+jobs. :mod:`tslice.planner.simulate` checks the recommendation on the real
 orchestrator.
 """
 
@@ -25,7 +25,7 @@ import heapq
 import itertools
 from collections.abc import Callable, Iterator, Mapping, Sequence
 
-from tslice.sim import trace
+from tslice.phases import trace
 
 Lanes = Sequence[Sequence[Sequence[trace.Phase]]]
 _Op = tuple[str, str, float]  # ("acquire" | "release" | "hold", pool, seconds)

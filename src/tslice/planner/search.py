@@ -11,7 +11,7 @@ i.e. the GPU-seconds the same work takes dedicated, over the GPU-seconds it take
 grouped (1 = no better than dedicated; for jobs of one shape all in one block it is the
 speedup over running them back to back). The work is fixed, so the best grouping is the
 one whose blocks cost the fewest GPU-seconds: the cost is a sum over blocks, and each
-block is predicted once (:mod:`tslice.sim.planner.predict`) whatever grouping it is in.
+block is predicted once (:mod:`tslice.planner.predict`) whatever grouping it is in.
 
 Up to :data:`EXHAUSTIVE_MAX_JOBS` jobs every grouping is scored (Bell(8) = 4140); beyond,
 a heuristic: start from every job alone, merge the two blocks whose merge saves the most

@@ -24,8 +24,8 @@ import yaml
 
 from tslice.common import errors
 from tslice.orchestrator import config
-from tslice.sim.planner import plan as planning
-from tslice.sim.planner import recording
+from tslice.planner import plan as planning
+from tslice.planner import recording
 
 DEFAULT_FIRST_PORT = 9001
 

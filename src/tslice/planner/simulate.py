@@ -1,6 +1,6 @@
 """The recommendation replayed through the real orchestrator: the *simulated* gain.
 
-The replay of the demo and the benchmark (:mod:`tslice.sim.replay`): an orchestrator
+The replay of the demo and the benchmark (:mod:`tslice.phases.replay`): an orchestrator
 and one sim agent per pool of each block with several jobs (a :class:`replay.Site` per
 block, its groups prefixed ``p1-``, ``p2-``, ...), each agent copying at the speed that
 makes a snapshot and a restore take the recording's medians. The jobs play the very
@@ -20,8 +20,8 @@ from pathlib import Path
 from typing import Any
 
 import tslice.client as tsclient
-from tslice.sim import measure, replay
-from tslice.sim.planner import plan as planning
+from tslice.phases import measure, replay
+from tslice.planner import plan as planning
 
 #: Wall seconds the longest predicted run should last when no time scale is given.
 TARGET_WALL_S = 8.0

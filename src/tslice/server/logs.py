@@ -19,7 +19,7 @@ import types
 from collections.abc import Mapping
 from typing import Any
 
-from tslice.common import tracing
+from tslice.server import tracing
 
 #: The ids of the work the current task does (set once at the task's start; a task
 #: spawned later inherits them).

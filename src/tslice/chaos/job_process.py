@@ -1,4 +1,4 @@
-"""One job of a chaos run, as its own process: ``python -m tslice.sim.chaos_job``.
+"""One job of a chaos run, as its own process: ``python -m tslice.chaos.job_process``.
 
 It loops ``--steps`` times: acquire one or two random groups (two in sorted order, as a
 weight sync holds a sampler and a trainer pool), work a random while, yield them in
@@ -36,7 +36,7 @@ REQUEST, ACQUIRED, YIELD, STEP, DONE, ERROR = (
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m tslice.sim.chaos_job", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m tslice.chaos.job_process", description=__doc__)
     p.add_argument("--address", required=True, help="orchestrator host:port")
     p.add_argument("--job", required=True, help="job id")
     p.add_argument("--groups", required=True, help="comma-separated group ids to pick from")

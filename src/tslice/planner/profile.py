@@ -1,7 +1,7 @@
 """Per-job phase profiles of a recording: busy and idle time per group, gaps, switch costs.
 
 Read from the recording's lock windows and grants (trace format, see
-:mod:`tslice.sim.planner.recording`), in seconds of the source. *Busy* is the time a job
+:mod:`tslice.planner.recording`), in seconds of the source. *Busy* is the time a job
 held a group; a *gap* is the time from a yield of a group to the job's next request of
 it (it did not need the group: what another job can use); *waiting* (request to grant)
 is neither. The duty of a job on a group is its busy share of the time from its first
@@ -17,8 +17,8 @@ import statistics
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from tslice.sim import trace
-from tslice.sim.planner import recording
+from tslice.phases import trace
+from tslice.planner import recording
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """Request ids on a multiplexed stream are unique among the requests in flight.
 
-:func:`tslice.common.multiplex.serve` keys the requests it runs by their id; a caller
+:func:`tslice.rpc.multiplex.serve` keys the requests it runs by their id; a caller
 that sends a second request with the id of one still running would make the first
 unreachable (its cancel, and the end of the stream, would reach only the second), so
 an Acquire could outlive its stream as a ghost waiter and later become a holder with
@@ -20,7 +20,7 @@ import itertools
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Generic, TypeVar
 
-from tslice.common import multiplex
+from tslice.rpc import multiplex
 
 Req = TypeVar("Req")
 Rep = TypeVar("Rep")

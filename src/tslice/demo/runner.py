@@ -2,8 +2,8 @@
 
 A real orchestrator and real agents (sim backend) run as processes: one node per
 shared pool of the trace (for the veRL trace node-a carries the ``sampler`` group,
-node-b the ``trainer`` group; see :mod:`tslice.sim.replay`). Jobs follow the phase
-model derived from the trace (:mod:`tslice.sim.trace`), compressed by
+node-b the ``trainer`` group; see :mod:`tslice.phases.replay`). Jobs follow the phase
+model derived from the trace (:mod:`tslice.phases.trace`), compressed by
 ``time_scale``. First every job runs alone, one after the other (the baseline: what
 a job gets with the GPUs to itself), then all jobs run at once and share both pools
 through the orchestrator. The speedup is measured from the two makespans; the
@@ -31,13 +31,14 @@ from typing import Any
 import tslice.client as tsclient
 from tslice.agent.backends import simdevice as device
 from tslice.common import errors
-from tslice.sim import checker, measure, replay, rljob, trace
+from tslice.phases import derive, measure, replay, rljob, trace
+from tslice.sim import checker
 from tslice.timeline import export, model, recorded
 from tslice.timeline import html as timeline_html
 from tslice.timeline import png as timeline_png
 
 GiB = device.GiB
-#: The veRL trace's nodes (any trace's: :func:`tslice.sim.replay.nodes`).
+#: The veRL trace's nodes (any trace's: :func:`tslice.phases.replay.nodes`).
 NODES = {trace.SAMPLER: "node-a", trace.TRAINER: "node-b"}
 EXCLUSIVE = "exclusive"
 TIME_SLICED = "time-sliced"
@@ -68,7 +69,7 @@ class DemoConfig:
     #: Memory of each simulated device, bytes (an H100 has 80 GiB).
     capacity_bytes: int = replay.DEFAULT_CAPACITY
     #: Device bytes a job holds on a pool's node while resident, by pool (a pool not
-    #: named: tslice.sim.replay.FOOTPRINTS, else 60 GiB).
+    #: named: tslice.phases.replay.FOOTPRINTS, else 60 GiB).
     footprint_bytes: Mapping[str, int] = dataclasses.field(default_factory=dict)
     #: Phase stretch while jobs share the host (None = measured from the trace).
     contention: float | None = None
@@ -281,7 +282,7 @@ job_ids = replay.job_ids
 
 def derived_speeds(config: DemoConfig, model: trace.PhaseModel) -> dict[str, device.CopySpeed]:
     """Per shared pool, the sim copy speed reproducing the recorded snapshot and restore
-    medians, scaled (:func:`tslice.sim.replay.recorded_speeds`).
+    medians, scaled (:func:`tslice.phases.replay.recorded_speeds`).
 
     ``--sim-bandwidth`` replaces both derived rates, ``--sim-restore-bandwidth`` the
     restore rate.
@@ -313,7 +314,7 @@ async def run_demo(config: DemoConfig, *, progress: DemoProgress | None = None) 
     """Run both phases end to end and return the measured result (see the module doc)."""
     config.check()
     began = time.time()
-    model = trace.load_model(config.trace_path)
+    model = derive.load(config.trace_path)
     contention = config.contention if config.contention is not None else model.contention
     speeds = derived_speeds(config, model)
     node_of = replay.nodes(model)
@@ -378,9 +379,7 @@ async def run_demo(config: DemoConfig, *, progress: DemoProgress | None = None) 
     timeline_png.write(result.timeline_path.with_suffix(".png"), drawn)
     (out_dir / "summary.json").write_text(json.dumps(result.to_json(), indent=2) + "\n")
     if config.events_path is not None:
-        from tslice.sim.planner import recording
-
-        recording.write_events(config.events_path, events)
+        export.write_events(config.events_path, events)
     progress.stage = "done"
     return result
 

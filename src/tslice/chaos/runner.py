@@ -2,7 +2,7 @@
 
 A :class:`~tslice.sim.cluster.LocalCluster` (an orchestrator and simulated agents whose
 backends inject seeded failures and hangs) serves jobs that are processes of their own
-(:mod:`tslice.sim.chaos_job`: acquire one or two random groups, work, yield, with a
+(:mod:`tslice.chaos.job_process`: acquire one or two random groups, work, yield, with a
 holder lease). While they run, the runner SIGKILLs, at random moments drawn from the
 seed, the orchestrator (restarted on its port and state), an agent (likewise) or a job
 that holds a group (its lock must go when its lease runs out; a fresh job takes its
@@ -37,8 +37,9 @@ from typing import Any, Protocol
 
 import tslice.client as tsclient
 from tslice.agent.backends import simdevice as device
+from tslice.chaos import job_process
 from tslice.common import errors
-from tslice.sim import chaos_job, checker, cluster
+from tslice.sim import checker, cluster
 
 GiB = device.GiB
 ORCHESTRATOR_KILL, AGENT_KILL, HOLDER_KILL = "orchestrator", "agent", "holder"
@@ -297,7 +298,7 @@ class ChaosRun:
         incarnation = sum(j.job_id == job_id for j in self.jobs)
         records = self.records_dir / f"{job_id}.{incarnation}.jsonl"
         args = [
-            "-m", chaos_job.__name__,
+            "-m", job_process.__name__,
             "--address", self.local.orchestrator_address,
             "--job", job_id,
             "--groups", ",".join(TOPOLOGY),
@@ -412,7 +413,7 @@ class ChaosRun:
             if job.killed_at is not None:
                 killed += 1
                 job_windows = _close_at_kill(job_windows, job.killed_at)
-            elif any(r["e"] == chaos_job.DONE for r in records):
+            elif any(r["e"] == job_process.DONE for r in records):
                 completed += 1
             else:
                 lost.append(job.job_id)
@@ -472,9 +473,9 @@ def _holds(path: Path) -> bool:
     """The job's records end inside a window: it holds a group now."""
     held: set[str] = set()
     for r in _read_records(path):
-        if r["e"] == chaos_job.ACQUIRED:
+        if r["e"] == job_process.ACQUIRED:
             held.add(r["group"])
-        elif r["e"] == chaos_job.YIELD:
+        elif r["e"] == job_process.YIELD:
             held.discard(r["group"])
     return bool(held)
 
@@ -484,16 +485,16 @@ def _windows(job: str, records: Sequence[Mapping[str, Any]]) -> list[Window]:
     open_: dict[str, Window] = {}
     for r in records:
         kind, group = r["e"], r.get("group", "")
-        if kind == chaos_job.REQUEST:
+        if kind == job_process.REQUEST:
             open_[group] = Window(job=job, group=group, requested=float(r["t"]))
             windows.append(open_[group])
-        elif kind == chaos_job.ACQUIRED and group in open_:
+        elif kind == job_process.ACQUIRED and group in open_:
             open_[group].acquired = float(r["t"])
-        elif kind == chaos_job.YIELD and group in open_:
+        elif kind == job_process.YIELD and group in open_:
             window = open_.pop(group)
             window.yielded = float(r["t"])
             window.lost_lease = str(r.get("lost", ""))
-        elif kind == chaos_job.ERROR and group in open_:
+        elif kind == job_process.ERROR and group in open_:
             open_[group].error = str(r.get("msg", ""))
     return windows
 

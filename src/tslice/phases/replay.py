@@ -4,7 +4,7 @@ Shared by the demo and ``bench/trace_replay.py``. Each shared pool of the model 
 orchestrator group on one simulated node (``node-a``, ``node-b``, ... in the model's
 pool order); a private pool has no node: each job has its own, which nobody else can
 hold, so its phases are played without asking the orchestrator. Simulated jobs
-(:mod:`tslice.sim.rljob`) replay the trace's jobs round robin (job ``i`` plays trace job
+(:mod:`tslice.phases.rljob`) replay the trace's jobs round robin (job ``i`` plays trace job
 ``i mod K``), at ``time_scale`` trace seconds per wall-clock second.
 """
 
@@ -21,7 +21,8 @@ from pathlib import Path
 import tslice.client as tsclient
 from tslice.agent.backends import simdevice as device
 from tslice.common import errors
-from tslice.sim import cluster, measure, rljob, trace
+from tslice.phases import measure, rljob, trace
+from tslice.sim import cluster
 
 GiB = device.GiB
 #: Device bytes a job holds on a pool's node while resident (the default trace's pools;

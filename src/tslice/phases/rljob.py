@@ -1,4 +1,4 @@
-"""A simulated RL job: the phases of :mod:`tslice.sim.trace` played against a real orchestrator.
+"""A simulated RL job: the phases of :mod:`tslice.phases.trace` played against a real orchestrator.
 
 The job does what a training loop wrapped with tslice does: before a phase it
 acquires the pools the phase needs, sleeps for the phase's duration (trace seconds
@@ -26,7 +26,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 import tslice.client as tsclient
 from tslice.common import errors
-from tslice.sim import trace
+from tslice.phases import trace
 
 
 @dataclasses.dataclass(frozen=True)

@@ -50,7 +50,9 @@ from typing import Any, Protocol
 
 import grpc
 
-from tslice.common import errors, ids, refusals, tls
+from tslice.common import errors, ids
+from tslice.rpc import refusals
+from tslice.security import tls
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 
 import tslice.client as tsclient
-from tslice.sim import rljob, trace
+from tslice.phases import rljob, trace
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """A WAL checkpointer that keeps the ``-wal`` file of a SQLite database bounded.
 
-:class:`tslice.common.sqlite_wal.WalCheckpointer` runs PASSIVE checkpoints beside the
+:class:`tslice.server.sqlite_wal.WalCheckpointer` runs PASSIVE checkpoints beside the
 writer (they never block it). Under steady writes a PASSIVE checkpoint never catches
 up with the last commit, so SQLite never starts the WAL over and the file grows
 without bound (hundreds of MB for the orchestrator and the agent under load). Here a
@@ -25,7 +25,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from tslice.common import sqlite_wal
+from tslice.server import sqlite_wal
 
 #: Past this size of the ``-wal`` file the next checkpoint empties it.
 LIMIT_BYTES = 16 * 1024 * 1024

@@ -30,7 +30,9 @@ from collections.abc import Callable, Iterable
 from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
 
-from tslice.common import auth, errors, serving, tls
+from tslice.common import errors
+from tslice.security import auth, tls
+from tslice.server import serving
 
 log = logging.getLogger(__name__)
 

@@ -1,13 +1,13 @@
 """``tslice plan``: from a recording, which jobs should share which pools.
 
-The recording (a trace or an event log, :mod:`tslice.sim.planner.recording`) gives the
-phase model (:mod:`tslice.sim.derive`, the demo's and the benchmark's derivation) and the
-per-job profiles (:mod:`tslice.sim.planner.profile`). Planned job ``i`` replays job
+The recording (a trace or an event log, :mod:`tslice.planner.recording`) gives the
+phase model (:mod:`tslice.phases.derive`, the demo's and the benchmark's derivation) and the
+per-job profiles (:mod:`tslice.planner.profile`). Planned job ``i`` replays job
 ``i mod K`` of the recording's K jobs (``jobs``: K unless asked otherwise), with the same
 seeded phase draws as the demo and the benchmark. Every grouping is scored by its
-predicted throughput gain (:mod:`tslice.sim.planner.search`, with the model of
-:mod:`tslice.sim.planner.predict`); the best one is recommended, and
-:mod:`tslice.sim.planner.simulate` replays it through the real orchestrator.
+predicted throughput gain (:mod:`tslice.planner.search`, with the model of
+:mod:`tslice.planner.predict`); the best one is recommended, and
+:mod:`tslice.planner.simulate` replays it through the real orchestrator.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from tslice.sim import trace
-from tslice.sim.planner import predict, profile, recording, search
+from tslice.phases import derive, trace
+from tslice.planner import predict, profile, recording, search
 
 DEFAULT_STEPS = 4
 #: RL steps per job at most: prediction and replay grow with them (100 steps of 26 jobs
@@ -121,7 +121,7 @@ def shared_pools(model: trace.PhaseModel, jobs: Sequence[predict.Lanes]) -> tupl
 
 def load_model(rec: recording.Recording) -> trace.PhaseModel:
     try:
-        return trace.derive_model(rec.raw, source=str(rec.path))
+        return derive.model(rec.raw, source=str(rec.path))
     except trace.TraceError as err:
         if rec.kind == recording.TRACE:
             raise

@@ -23,7 +23,8 @@ import socket
 from collections.abc import Awaitable, Callable, Iterator, Mapping
 from typing import TYPE_CHECKING
 
-from tslice.common import auth, errors, tls
+from tslice.common import errors
+from tslice.security import auth, tls
 
 if TYPE_CHECKING:
     import grpc

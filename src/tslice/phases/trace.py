@@ -1,4 +1,4 @@
-"""Phase model of RL jobs, derived from a recorded run (see :mod:`tslice.sim.derive`).
+"""Phase model of RL jobs, derived from a recorded run (see :mod:`tslice.phases.derive`).
 
 A recorded run (``shared/traces/*.json``) holds, for RL jobs time-sliced on GPU pools,
 every lock window per pool (``timeslice.windows.<pool>``: ``t0``, ``t1``, ``job``),
@@ -14,7 +14,7 @@ same time). Pools used by several jobs one at a time are *shared*: they switch, 
 their snapshot and restore times are measured. Pools that each job had to itself
 (windows of different jobs overlap there, or only one job uses it) are *private*:
 they never switch. Durations are stored uncontended (measured / contention, see
-:mod:`tslice.sim.derive`); nothing is typed in from the trace's summary, whose
+:mod:`tslice.phases.derive`); nothing is typed in from the trace's summary, whose
 numbers are kept only to be shown next to what the simulation measures.
 """
 
@@ -22,12 +22,10 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.resources
-import json
 import random
 import statistics
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
 
 from tslice.common import errors
 
@@ -216,23 +214,4 @@ def default_trace_path() -> Path:
     shared = repo_root.parent / "shared" / "traces" / TRACE_NAME
     if shared.is_file():
         return shared
-    return Path(str(importlib.resources.files("tslice.sim") / "traces" / TRACE_NAME))
-
-
-def load_model(path: Path | None = None) -> PhaseModel:
-    """Read a trace file and derive its phase model; :class:`ConfigError` if unusable."""
-    trace_path = path or default_trace_path()
-    try:
-        raw = json.loads(trace_path.read_text())
-    except FileNotFoundError as err:
-        raise errors.ConfigError(f"trace file {trace_path} does not exist") from err
-    except (OSError, ValueError) as err:
-        raise errors.ConfigError(f"trace file {trace_path} is not readable JSON: {err}") from err
-    return derive_model(raw, source=str(trace_path))
-
-
-def derive_model(trace: Mapping[str, Any], *, source: str = "<trace>") -> PhaseModel:
-    """Compute the phase model from a parsed trace; :class:`TraceError` naming what is missing."""
-    from tslice.sim import derive
-
-    return derive.model(trace, source=source)
+    return Path(str(importlib.resources.files("tslice.phases") / "traces" / TRACE_NAME))
