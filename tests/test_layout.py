@@ -14,8 +14,8 @@ MAX_LINES = 600
 #: Modules still over it, with their size when this list was written: each may only shrink
 #: (issue 17 brings them under the limit; then they leave this list).
 OVER_THE_LIMIT = {
-    "orchestrator/lock.py": 650,
-    "orchestrator/group.py": 754,
+    "orchestrator/group/lock.py": 650,
+    "orchestrator/group/driver.py": 754,
     "client/_base.py": 661,
     "security/auth.py": 725,
 }

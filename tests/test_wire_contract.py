@@ -411,7 +411,7 @@ def test_admin_status_codes_keep_their_meaning() -> None:
     test_admin_rpcs.py): an evicted waiter's Acquire ends ABORTED; a job that neither holds
     nor waits, or an unknown group, is NOT_FOUND; an evicted job's later Yield is
     FAILED_PRECONDITION (nobody holds) or PERMISSION_DENIED (another job holds)."""
-    from tslice.orchestrator import decisions
+    from tslice.orchestrator.group import effects as decisions
     from tslice.rpc import refusals
 
     assert decisions.Abort("j", "m").code is refusals.Code.ABORTED

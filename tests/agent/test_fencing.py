@@ -21,7 +21,7 @@ from tests.cli.test_cli import run_cli
 from tslice.agent import fencing
 from tslice.agent.backends import simdevice as device
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
-from tslice.orchestrator import agents
+from tslice.orchestrator.switch import pool as agents
 from tslice.rpc import refusals
 from tslice.security import leader_term
 from tslice.server import grant_marks

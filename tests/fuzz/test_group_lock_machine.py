@@ -1,4 +1,4 @@
-"""A hypothesis state machine of one group's lock (``tslice.orchestrator.lock.GroupLock``)
+"""A hypothesis state machine of one group's lock (``tslice.orchestrator.group.lock.GroupLock``)
 against a simple model: a FIFO queue of waiting jobs (each with its count of Acquire
 RPCs), at most one holder, and at most one switch in progress (its target, epoch,
 attached RPCs, whether its target left).
@@ -24,8 +24,8 @@ from hypothesis import stateful
 from hypothesis import strategies as st
 
 from tests.fuzz.examples import fuzz_settings
-from tslice.orchestrator import decisions as act
-from tslice.orchestrator import lock as lk
+from tslice.orchestrator.group import effects as act
+from tslice.orchestrator.group import lock as lk
 
 JOBS = st.sampled_from(["a", "b", "c", "d"])
 

@@ -8,7 +8,12 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from tslice.orchestrator import agents, config, events, group, manager, metrics, store
+from tslice.orchestrator import config, metrics
+from tslice.orchestrator.events import bus as events
+from tslice.orchestrator.group import driver as group
+from tslice.orchestrator.group import manager
+from tslice.orchestrator.persistence import store
+from tslice.orchestrator.switch import pool as agents
 
 N1 = config.NodeRef("gpu-1", "127.0.0.1:1")
 N2 = config.NodeRef("gpu-2", "127.0.0.1:2")

@@ -20,8 +20,8 @@ from lightkube.resources.coordination_v1 import Lease
 
 from tests.kube.emulator import ApiServerEmulator
 from tests.kube.ha_stack import NAMESPACE
-from tslice.orchestrator import records
 from tslice.orchestrator.kube import leadership, lease, state
+from tslice.orchestrator.persistence import records
 from tslice.server import kube_watch
 
 

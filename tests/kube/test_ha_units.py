@@ -12,8 +12,8 @@ import grpc
 import pytest
 
 from tests.cli.test_cli import run_cli
-from tslice.orchestrator import records
 from tslice.orchestrator.kube import codec
+from tslice.orchestrator.persistence import records
 
 pytest.importorskip("lightkube")
 

@@ -19,8 +19,9 @@ from lightkube.resources.core_v1 import Pod
 
 from tests.kube import apistore, objects
 from tests.kube.emulator import ApiServerEmulator
-from tslice.orchestrator import config, switch
+from tslice.orchestrator import config
 from tslice.orchestrator.kube import model, watch
+from tslice.orchestrator.switch import step as switch
 from tslice.server import kube_watch
 
 WAIT_S = 10.0  # a bound on a wait that should end at once (a hang fails, it does not stall)

@@ -13,7 +13,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.orchestrator.orch_harness import Cluster, Events, acquire, free_port, yield_
 from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2 as opb
-from tslice.orchestrator import event_metrics, metrics
+from tslice.orchestrator import metrics
+from tslice.orchestrator.events import derived as event_metrics
 
 K = opb.OrchestratorEvent.Kind
 

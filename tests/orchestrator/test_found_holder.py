@@ -9,9 +9,11 @@ from __future__ import annotations
 import pytest
 
 from tests.orchestrator.test_units import F, R, S, decide, view
-from tslice.orchestrator import decisions as act
-from tslice.orchestrator import leases, metrics, records
-from tslice.orchestrator import lock as lk
+from tslice.orchestrator import metrics
+from tslice.orchestrator.group import effects as act
+from tslice.orchestrator.group import leases
+from tslice.orchestrator.group import lock as lk
+from tslice.orchestrator.persistence import records
 from tslice.rpc import refusals
 
 

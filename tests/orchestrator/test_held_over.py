@@ -4,7 +4,8 @@ test_stopped_group.py."""
 
 from __future__ import annotations
 
-from tslice.orchestrator import held_over, records
+from tslice.orchestrator.group import held_over
+from tslice.orchestrator.persistence import records
 
 
 def test_kept_in_order_per_group_and_a_job_back_is_not_evicted() -> None:

@@ -18,7 +18,7 @@ from tests.orchestrator.orch_harness import Cluster, acquire, yield_
 from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2 as opb
 from tslice.common import errors
 from tslice.orchestrator import config as orch_config
-from tslice.orchestrator import history
+from tslice.orchestrator.persistence import history
 
 Kind = opb.OrchestratorEvent.Kind
 

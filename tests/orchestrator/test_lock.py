@@ -6,8 +6,9 @@ import random
 
 import pytest
 
-from tslice.orchestrator import decisions, records
-from tslice.orchestrator import lock as lk
+from tslice.orchestrator.group import effects as decisions
+from tslice.orchestrator.group import lock as lk
+from tslice.orchestrator.persistence import records
 from tslice.rpc import refusals
 
 

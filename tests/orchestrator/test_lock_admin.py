@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from tests.orchestrator.test_lock import locked
-from tslice.orchestrator import decisions, records
-from tslice.orchestrator import lock as lk
+from tslice.orchestrator.group import effects as decisions
+from tslice.orchestrator.group import lock as lk
+from tslice.orchestrator.persistence import records
 from tslice.rpc import refusals
 
 WHY = "evicted from group 'g' by an administrator: stuck"

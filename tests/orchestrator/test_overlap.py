@@ -1,10 +1,12 @@
-"""The device claim of groups that share devices (orchestrator/overlap.py) and the lock's side."""
+"""The device claim of groups that share devices (orchestrator/group/overlap.py) and the lock."""
 
 from __future__ import annotations
 
 import random
 
-from tslice.orchestrator import config, decisions, lock, overlap
+from tslice.orchestrator import config
+from tslice.orchestrator.group import effects as decisions
+from tslice.orchestrator.group import lock, overlap
 from tslice.rpc import refusals
 
 

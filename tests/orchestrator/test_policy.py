@@ -9,8 +9,9 @@ import pytest
 
 from tests.orchestrator.orch_harness import Cluster, Events, acquire, yield_
 from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2 as opb
-from tslice.orchestrator import decisions, policy
-from tslice.orchestrator import lock as lk
+from tslice.orchestrator import policy
+from tslice.orchestrator.group import effects as decisions
+from tslice.orchestrator.group import lock as lk
 
 K = opb.OrchestratorEvent
 

@@ -19,8 +19,9 @@ from collections.abc import Callable
 
 import pytest
 
-from tslice.orchestrator import decisions, policy
-from tslice.orchestrator import lock as lk
+from tslice.orchestrator import policy
+from tslice.orchestrator.group import effects as decisions
+from tslice.orchestrator.group import lock as lk
 
 
 @dataclasses.dataclass

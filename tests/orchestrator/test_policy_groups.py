@@ -1,7 +1,7 @@
 """Randomized multi-group runs: jobs hold several groups at once, groups share devices.
 
 Group locks are driven as their drivers would drive them, through one
-:class:`~tslice.orchestrator.overlap.DeviceArbiter` (its callbacks are posted and run
+:class:`~tslice.orchestrator.group.overlap.DeviceArbiter` (its callbacks are posted and run
 after the batch, as in the drivers' inboxes). The topology is a few *pools*: the
 groups of a pool share a node's devices; a job needs a few groups, possibly of
 several pools, and takes them in a fixed order (pool by pool), holds them all, yields
@@ -25,8 +25,10 @@ from collections.abc import Callable
 import pytest
 
 from tests.orchestrator.test_policy_bounds import CASES, Bound, Wait
-from tslice.orchestrator import config, decisions, overlap, policy
-from tslice.orchestrator import lock as lk
+from tslice.orchestrator import config, policy
+from tslice.orchestrator.group import effects as decisions
+from tslice.orchestrator.group import lock as lk
+from tslice.orchestrator.group import overlap
 
 
 @dataclasses.dataclass

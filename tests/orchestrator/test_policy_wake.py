@@ -1,4 +1,4 @@
-"""The group driver wakes its lock (tslice.orchestrator.wake): under cost-aware, a real
+"""The group driver wakes its lock (tslice.orchestrator.group.wake): under cost-aware, a real
 orchestrator keeps an idle group for its yielded resident whose gaps are short, grants the
 resident's quick re-acquire at no cost ahead of a waiter whose switch-in would cost more,
 and, when the resident does not come back, grants the waiter once the hold ends."""

@@ -7,8 +7,10 @@ import dataclasses
 
 from tests.orchestrator.llmd_agent import LlmdAgent
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
-from tslice.orchestrator import agents, policy, prefetching
-from tslice.orchestrator import lock as lk
+from tslice.orchestrator import policy
+from tslice.orchestrator.group import lock as lk
+from tslice.orchestrator.switch import pool as agents
+from tslice.orchestrator.switch import prefetching
 
 
 @dataclasses.dataclass

@@ -18,7 +18,7 @@ from tests.orchestrator.orch_harness import Cluster, Events, acquire, free_port,
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
 from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2 as opb
 from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2_grpc as opb_grpc
-from tslice.orchestrator import records, store
+from tslice.orchestrator.persistence import records, store
 
 K = opb.OrchestratorEvent
 GS = opb.GroupStatus

@@ -12,8 +12,10 @@ import functools
 
 import pytest
 
-from tslice.orchestrator import decisions, policy, sets
-from tslice.orchestrator import lock as lk
+from tslice.orchestrator import policy
+from tslice.orchestrator.group import effects as decisions
+from tslice.orchestrator.group import lock as lk
+from tslice.orchestrator.sets import coordinator as sets
 
 
 class Groups:

@@ -1,7 +1,7 @@
 """Randomized runs of AcquireSet on the pure locks: no deadlock, no violation, every bound.
 
-A few groups, each a :class:`~tslice.orchestrator.lock.GroupLock` with its own policy,
-share one :class:`~tslice.orchestrator.sets.SetCoordinator`, wired as the group
+A few groups, each a :class:`~tslice.orchestrator.group.lock.GroupLock` with its own policy,
+share one :class:`~tslice.orchestrator.sets.coordinator.SetCoordinator`, wired as the group
 drivers wire them: a lock's ``NeedSet`` is handed to the coordinator at once, and its
 answer is posted to each group's inbox, to run later as
 ``lock.on_set_ready``. Every group has an inbox: what is posted to it runs in order,
@@ -59,8 +59,11 @@ from collections.abc import Callable
 import pytest
 
 from tests.orchestrator import test_policy_bounds as bounds
-from tslice.orchestrator import decisions, lock_state, policy, sets
-from tslice.orchestrator import lock as lk
+from tslice.orchestrator import policy
+from tslice.orchestrator.group import effects as decisions
+from tslice.orchestrator.group import lock as lk
+from tslice.orchestrator.group import state
+from tslice.orchestrator.sets import coordinator as sets
 
 
 @dataclasses.dataclass
@@ -225,9 +228,7 @@ class Cluster:
             self.let_through += 1
             return
         others = {j: w for j, w in self.waits[g].items() if j != job and not w.picked}
-        entries = [
-            lock_state.Entry(j, n, w.since, 1) for n, (j, w) in enumerate(self.waits[g].items())
-        ]
+        entries = [state.Entry(j, n, w.since, 1) for n, (j, w) in enumerate(self.waits[g].items())]
         live = [e for e in entries if e.job == job or e.job in others]
         order = [e.job for e in self.locks[g].policy.rank(live, self.view(g))]
         for other, w in others.items():

@@ -9,9 +9,10 @@ import time
 
 import pytest
 
-from tslice.orchestrator import lock as lk
-from tslice.orchestrator import policy, records
-from tslice.orchestrator import store as st
+from tslice.orchestrator import policy
+from tslice.orchestrator.group import lock as lk
+from tslice.orchestrator.persistence import records
+from tslice.orchestrator.persistence import store as st
 from tslice.orchestrator.policy import spec as policy_spec
 from tslice.server import wal_limit
 

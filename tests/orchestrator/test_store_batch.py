@@ -9,9 +9,9 @@ import sqlite3
 
 import pytest
 
-from tslice.orchestrator import lock as lk
-from tslice.orchestrator import records
-from tslice.orchestrator import store as st
+from tslice.orchestrator.group import lock as lk
+from tslice.orchestrator.persistence import records
+from tslice.orchestrator.persistence import store as st
 
 NODES = [("node-a", "127.0.0.1:9001")]
 

@@ -9,10 +9,10 @@ from __future__ import annotations
 import pathlib
 import sqlite3
 
-from tslice.orchestrator import decisions as act
-from tslice.orchestrator import lock as lk
-from tslice.orchestrator import records
-from tslice.orchestrator import store as st
+from tslice.orchestrator.group import effects as act
+from tslice.orchestrator.group import lock as lk
+from tslice.orchestrator.persistence import records
+from tslice.orchestrator.persistence import store as st
 
 GRACE_S = 10.0
 NODES = [("node-a", "127.0.0.1:9001")]

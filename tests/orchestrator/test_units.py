@@ -6,7 +6,11 @@ import asyncio
 
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
 from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2 as opb
-from tslice.orchestrator import decisions, events, recovery, steps, switch
+from tslice.orchestrator.events import bus as events
+from tslice.orchestrator.group import effects as decisions
+from tslice.orchestrator.group import recovery
+from tslice.orchestrator.switch import plan as steps
+from tslice.orchestrator.switch import step as switch
 
 R, S, T, F = (
     pb.JOB_STATE_RUNNING,

@@ -10,9 +10,10 @@ import pathlib
 
 import pytest
 
-from tslice.orchestrator import lock as lk
-from tslice.orchestrator import store as st
-from tslice.orchestrator import switch, worker
+from tslice.orchestrator.group import executor as worker
+from tslice.orchestrator.group import lock as lk
+from tslice.orchestrator.persistence import store as st
+from tslice.orchestrator.switch import step as switch
 
 
 async def test_a_cancelled_question_is_not_computed_and_logs_nothing(

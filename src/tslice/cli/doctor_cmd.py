@@ -4,7 +4,7 @@ On a node (the default): the NVIDIA driver, the CUDA checkpoint API or ``cuda-ch
 NVML, the register socket and host memory (``tslice.agent.doctor``). With
 ``--orchestrator-config``: every agent of the topology (static, local, or the Slurm
 controller's nodes) asked as the orchestrator asks it, TLS included
-(``tslice.orchestrator.agent_check``). Each line says what was found and what to fix; the
+(``tslice.orchestrator.switch.check``). Each line says what was found and what to fix; the
 exit code is 1 when something blocks, 0 otherwise.
 """
 
@@ -111,7 +111,8 @@ def _node(agent_config: Path | None, backends: list[str] | None) -> list[tuple[s
 
 
 async def _agents(cfg: OrchestratorConfig) -> list[tuple[str, str, str]]:
-    from tslice.orchestrator import agent_check, agents
+    from tslice.orchestrator.switch import check as agent_check
+    from tslice.orchestrator.switch import pool as agents
 
     rows: list[tuple[str, str, str]] = []
     if cfg.kubernetes is not None:

@@ -229,7 +229,7 @@ def orchestrator(
     # Imported here so that `tslice --help` does not pay for grpc servers.
     from tslice.orchestrator import app as orch_app
     from tslice.orchestrator import config as orch_config
-    from tslice.orchestrator import store
+    from tslice.orchestrator.persistence import store
 
     overrides: dict[str, Any] = {
         # Relative to the working directory, not to --config's directory.

@@ -41,21 +41,15 @@ from grpc_reflection.v1alpha import reflection
 from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2 as opb
 from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2_grpc as opb_grpc
 from tslice.common import errors, ids, tasks
-from tslice.orchestrator import (
-    agent_check,
-    agents,
-    config,
-    discovered,
-    events,
-    group,
-    history,
-    manager,
-    metrics,
-    server,
-    store,
-    store_health,
-    tap,
-)
+from tslice.orchestrator import config, metrics, server
+from tslice.orchestrator.events import bus as events
+from tslice.orchestrator.events import tap
+from tslice.orchestrator.group import discovered, manager
+from tslice.orchestrator.group import driver as group
+from tslice.orchestrator.persistence import health as store_health
+from tslice.orchestrator.persistence import history, store
+from tslice.orchestrator.switch import check as agent_check
+from tslice.orchestrator.switch import pool as agents
 from tslice.rpc import undecodable
 from tslice.security import auth, leader_term
 from tslice.server import logs, serving, tracing

@@ -40,7 +40,7 @@ import pydantic
 import yaml
 
 from tslice.common import errors, ids
-from tslice.orchestrator.history import HistorySettings
+from tslice.orchestrator.persistence.history import HistorySettings
 from tslice.orchestrator.policy import models as policy_models
 from tslice.orchestrator.policy import spec as policy_spec
 from tslice.orchestrator.slurm import settings as slurm_settings
@@ -95,7 +95,7 @@ class NodeModel(_Model):
     name: str
     agent: str
     #: Device indices of the node that the group uses (None = all of them). Groups
-    #: whose devices on a node intersect take turns there (tslice.orchestrator.overlap).
+    #: whose devices on a node intersect take turns there (tslice.orchestrator.group.overlap).
     devices: list[pydantic.NonNegativeInt] | None = pydantic.Field(default=None, min_length=1)
 
     @pydantic.field_validator("name")
@@ -167,7 +167,7 @@ class TopologyModel(_Model):
 
 
 class HistoryModel(_Model):
-    """``history:`` in the config file (see tslice.orchestrator.history)."""
+    """``history:`` in the config file (see tslice.orchestrator.persistence.history)."""
 
     enabled: bool = True
     #: (the defaults of HistorySettings; tests/orchestrator/test_history.py checks so)

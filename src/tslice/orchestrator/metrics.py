@@ -6,7 +6,7 @@ is on :attr:`OrchestratorMetrics.job_hold`, a counter kept for at most
 :data:`MAX_JOB_SERIES` jobs per group.
 
 Grants, hold times, per-job device time and lease expiries are derived from the event
-stream in batches, off the hand-over path (:mod:`tslice.orchestrator.event_metrics`);
+stream in batches, off the hand-over path (:mod:`tslice.orchestrator.events.derived`);
 degraded and unreachable nodes are read when Prometheus scrapes
 (:class:`GroupHealthCollector`): nothing is updated for them on a hand-over.
 """
@@ -116,7 +116,7 @@ class OrchestratorMetrics:
             "Events dropped because a WatchEvents subscriber was too slow",
             [],
         )
-        # ---- derived from the event stream (tslice.orchestrator.event_metrics) ----
+        # ---- derived from the event stream (tslice.orchestrator.events.derived) ----
         self.grants = self._counter(
             "tslice_orchestrator_grants",
             "Grants (each ends an Acquire: a hand-over) by how the job got its state: "

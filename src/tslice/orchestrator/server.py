@@ -24,16 +24,14 @@ import grpc
 from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2 as opb
 from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2_grpc as opb_grpc
 from tslice.common import validation
-from tslice.orchestrator import (
-    decisions,
-    events,
-    group,
-    history,
-    manager,
-    set_acquire,
-    store_health,
-    tap,
-)
+from tslice.orchestrator.events import bus as events
+from tslice.orchestrator.events import tap
+from tslice.orchestrator.group import driver as group
+from tslice.orchestrator.group import effects as decisions
+from tslice.orchestrator.group import manager
+from tslice.orchestrator.persistence import health as store_health
+from tslice.orchestrator.persistence import history
+from tslice.orchestrator.sets import acquire as set_acquire
 from tslice.rpc import refusals, unique_requests
 from tslice.security import auth
 from tslice.server import logs

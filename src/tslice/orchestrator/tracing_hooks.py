@@ -8,7 +8,8 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import Any, TypeVar
 
-from tslice.orchestrator import config, decisions
+from tslice.orchestrator import config
+from tslice.orchestrator.group import effects as decisions
 from tslice.server import tracing
 
 _T = TypeVar("_T")

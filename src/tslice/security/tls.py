@@ -269,7 +269,7 @@ def mismatch_hint(detail: str, security: ClientSecurity, *, settings: str) -> st
 
     A server that closes the connection at once ("Socket closed") may serve TLS to a
     plaintext client or require a client certificate: that one is a guess, said so
-    (:mod:`tslice.orchestrator.agent_check` makes it certain with a handshake)."""
+    (:mod:`tslice.orchestrator.switch.check` makes it certain with a handshake)."""
     low = detail.lower()
     if "wrong_version_number" in low:
         return (

@@ -1,6 +1,6 @@
 """A group's persisted record as JSON, generically (no client library; HA mode's state).
 
-The record (``tslice.orchestrator.records.LockRecord``) is turned into JSON from its
+The record (``tslice.orchestrator.persistence.records.LockRecord``) is turned into JSON from its
 dataclass fields and back from their type hints, so a field added to it later (with a
 default) is stored and read without a change here: a field the JSON lacks takes its
 default (state written by an older release), a key the record no longer has is ignored
@@ -16,7 +16,7 @@ import types
 import typing
 from typing import Any, TypeVar
 
-from tslice.orchestrator import records
+from tslice.orchestrator.persistence import records
 
 _D = TypeVar("_D")
 

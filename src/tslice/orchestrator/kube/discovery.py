@@ -20,7 +20,8 @@ import asyncio
 import logging
 
 from tslice.common import errors, tasks
-from tslice.orchestrator import config, discovered, manager
+from tslice.orchestrator import config
+from tslice.orchestrator.group import discovered, manager
 from tslice.orchestrator.kube import model, watch
 
 log = logging.getLogger(__name__)

@@ -28,8 +28,9 @@ from typing import Any, Protocol, TypeVar
 from grpc_health.v1 import health_pb2
 
 from tslice.common import errors, tasks
-from tslice.orchestrator import config, store
+from tslice.orchestrator import config
 from tslice.orchestrator.kube import leadership, lease, state
+from tslice.orchestrator.persistence import store
 from tslice.security import leader_term
 from tslice.server import kube_watch
 

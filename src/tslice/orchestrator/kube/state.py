@@ -10,7 +10,7 @@ update carrying the version it read, setting its term), so the version each olde
 leader last wrote is stale; every later write carries the version this leader last
 wrote. A write refused with 409 Conflict was someone else's in between: the ConfigMap
 is read again, and if a newer term wrote it this leader is deposed
-(:class:`tslice.orchestrator.store.Deposed`, and ``on_deposed``: it stops leading at
+(:class:`tslice.orchestrator.persistence.store.Deposed`, and ``on_deposed``: it stops leading at
 once); a write of its own whose answer was lost (the same term, and this replica's
 identity in :data:`LEADER_ANNOTATION`) is adopted and retried. A write of the same term
 by another identity is never adopted: two replicas won one term (the Lease was deleted
@@ -35,8 +35,8 @@ from lightkube.models.meta_v1 import ObjectMeta
 from lightkube.resources.core_v1 import ConfigMap
 
 from tslice.common import tasks
-from tslice.orchestrator import records, store
 from tslice.orchestrator.kube import codec
+from tslice.orchestrator.persistence import records, store
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +86,8 @@ async def highest_term(client: Any, namespace: str) -> int:
 
 
 class ConfigMapStore:
-    """A :class:`tslice.orchestrator.store.LockStore` in ConfigMaps; :meth:`claim` it first."""
+    """A :class:`tslice.orchestrator.persistence.store.LockStore` in ConfigMaps; :meth:`claim`
+    it first."""
 
     def __init__(
         self,
@@ -199,7 +200,7 @@ class ConfigMapStore:
     def unrecorded(self, group_id: str) -> records.LockRecord:
         """A group without a readable record: new, or its ConfigMap was deleted or left
         unreadable (no way to tell): "nobody holds" could be wrong, so its holder is
-        looked for on the agents (``tslice.orchestrator.found_holder``)."""
+        looked for on the agents (``tslice.orchestrator.group.found_holder``)."""
         name = configmap_name(group_id)
         why = self._unreadable.get(name)
         what = (

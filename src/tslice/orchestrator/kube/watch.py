@@ -21,8 +21,9 @@ from lightkube import AsyncClient
 from lightkube.resources.core_v1 import Node, Pod
 
 from tslice.common import tasks
-from tslice.orchestrator import config, switch
+from tslice.orchestrator import config
 from tslice.orchestrator.kube import model
+from tslice.orchestrator.switch import step as switch
 from tslice.server import kube_labels, kube_watch
 
 log = logging.getLogger(__name__)

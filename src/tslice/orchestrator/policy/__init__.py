@@ -3,7 +3,7 @@
 :class:`Policy` is the interface and FIFO (the default); :class:`Priority` (with
 aging), :class:`FairShare` (weighted device time) and :class:`CostAware` (switch
 costs and gaps) extend it. Each states its starvation bound in its docstring. The
-group's lock (``tslice.orchestrator.lock``) consults its policy whenever it promotes
+group's lock (``tslice.orchestrator.group.lock``) consults its policy whenever it promotes
 a waiter; :func:`build` makes one from its configuration (``spec``).
 """
 

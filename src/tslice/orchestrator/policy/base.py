@@ -1,6 +1,6 @@
 """The interface between a group's lock and its scheduling policy, and FIFO.
 
-The lock (``tslice.orchestrator.lock``) stays the only one that changes who holds
+The lock (``tslice.orchestrator.group.lock``) stays the only one that changes who holds
 the group; a policy only *orders* the live waiters when the lock promotes one
 (:meth:`Policy.rank`) and may ask it to keep an idle group for its resident a little
 longer (:meth:`Policy.hold_until`). It learns what happens through the lock's calls
@@ -122,7 +122,7 @@ class Policy:
     Starvation bound (FIFO): a live waiter is passed by at most the waiters ahead
     of it when it queued (fewer than the number of jobs), since a job granted and
     queued again goes to the back. The only exception is the device claim's rule
-    for jobs that already hold an overlapping group (``tslice.orchestrator.overlap``),
+    for jobs that already hold an overlapping group (``tslice.orchestrator.group.overlap``),
     which applies under every policy.
 
     With AcquireSet (``set_gate``) a waiter is also passed, at most once each, by the
@@ -147,7 +147,7 @@ class Policy:
     def hold_until(self, resident: str, waiters: Sequence[Waiter], view: View) -> float | None:
         """Keep the idle group for ``resident`` (verified, it yielded) until then
         instead of switching to ``waiters`` now (None: switch now). Only asked when the
-        lock's driver wakes it at :attr:`~tslice.orchestrator.lock_state.LockState.wake_at`."""
+        lock's driver wakes it at :attr:`~tslice.orchestrator.group.state.LockState.wake_at`."""
         return None
 
     # ---- what the lock tells it ------------------------------------------------------------

@@ -1,7 +1,7 @@
 """Should the next waiter's state start coming in before the holder yields?
 
 A pure decision for the group driver that runs prefetches: it asks
-:meth:`tslice.orchestrator.lock_state.LockState.prefetch_advice` (which fills in
+:meth:`tslice.orchestrator.group.state.LockState.prefetch_advice` (which fills in
 what the lock knows) or :func:`should_prefetch` directly.
 """
 

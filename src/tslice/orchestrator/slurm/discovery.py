@@ -2,7 +2,7 @@
 
 At start the controller is read until it answers (the orchestrator serves once the
 groups are known). Afterwards it is read every ``poll_s``: the groups become those of
-the nodes as they are now (``tslice.orchestrator.discovered``, as in Kubernetes mode: a
+the nodes as they are now (``tslice.orchestrator.group.discovered``, as in Kubernetes mode: a
 drained node leaves its groups, a resumed one comes back), and every Slurm job that
 ended since the last read (``jobs.JobBook``; at the first read, those that ended while
 no orchestrator watched; in a group that comes back, those that ended while it was away)
@@ -19,7 +19,8 @@ import contextlib
 import logging
 
 from tslice.common import errors, tasks
-from tslice.orchestrator import config, discovered, manager
+from tslice.orchestrator import config
+from tslice.orchestrator.group import discovered, manager
 from tslice.orchestrator.slurm import controller, jobs, model
 from tslice.orchestrator.slurm import settings as slurm_settings
 

@@ -1,0 +1,1 @@
+"""The orchestrator's events: the bus behind WatchEvents, and the tap."""

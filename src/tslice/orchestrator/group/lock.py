@@ -1,0 +1,650 @@
+"""The per-group lock and wait queue as a pure state machine.
+
+Every decision about who holds a group, who waits and when a switch starts is
+taken here, with no I/O and no clock of its own (callers pass ``now``). Each
+``on_*`` method mutates the state and returns a list of *actions*
+(``tslice.orchestrator.group.effects``) that the async group driver executes in order,
+after it has persisted the new state; what must survive a crash is its record
+(``tslice.orchestrator.persistence.records``). A group grants only while it holds the device
+claim that groups sharing devices take turns on (``tslice.orchestrator.group.overlap``).
+
+Vocabulary: the *holder* owns the lock (during a switch, the switch target);
+the *resident* is the job whose state is on the devices; *verified* says the
+resident was confirmed on every node (after a completed switch or by reading the
+agents); a queue entry is *attached* while at least one Acquire RPC of its job
+is waiting, *detached* when it was restored from disk after a crash and its RPCs
+are gone. Only attached entries are promoted; detached ones keep their place for
+``reattach_grace_s`` and are then dropped. An administrator may *evict* a job
+(it loses the lock, or its place in the queue) and *drain* the group (no new turn is
+granted until it is resumed). Its state, record and read-only views: ``state.LockState``.
+
+Who of the live waiters is promoted is the group's *policy*'s choice
+(``tslice.orchestrator.policy``: FIFO by default); the lock tells it what happens
+(arrivals, grants, releases, measured switches) and asks it to rank the waiters.
+
+Because this module is pure, randomized tests drive it directly and check the
+invariants (one holder, the policy's order and starvation bound, no departed job
+granted, every live waiter granted).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from tslice.orchestrator import policy as sched
+from tslice.orchestrator.group import effects as act
+from tslice.orchestrator.group import found_holder, state
+from tslice.orchestrator.persistence import records
+from tslice.rpc import refusals
+
+#: The group's state from the lock alone (named here too: callers read ``lock.Phase``).
+Phase = state.Phase
+
+#: Why a job restored from disk was dropped after ``reattach_grace_s``.
+_NOT_BACK = "did not re-attach after recovery"
+#: Why the holder granted by a recovered switch lost the lock.
+_UNCLAIMED = (
+    f"{_NOT_BACK}: its grant (a switch finished after a restart) was never claimed, "
+    "no Acquire of it came back within the re-attach grace"
+)
+#: Evicted jobs remembered (until they acquire again), so that a late Yield is told why.
+_EVICTIONS_KEPT = 64
+
+
+class GroupLock(state.LockState):
+    """Lock, queue and residency of one group. Not thread-safe; one driver owns it."""
+
+    # ---- construction from disk -----------------------------------------------------------
+
+    @classmethod
+    def from_record(
+        cls,
+        record: records.LockRecord,
+        *,
+        now: float,
+        reattach_grace_s: float = 30.0,
+        wall_now: float | None = None,
+        policy: sched.Policy | None = None,
+    ) -> GroupLock:
+        """Rebuild after a restart: every queue entry is detached; recovery is pending.
+
+        ``wall_now``: the wall clock at ``now`` (deadlines on disk are wall-clock times);
+        None: ``now`` is itself the wall clock. Waits count from when the record says
+        they began, where it says (otherwise from ``now``).
+        """
+        offset = 0.0 if wall_now is None else wall_now - now
+        lock = cls(reattach_grace_s=reattach_grace_s, wall_offset_s=offset, policy=policy)
+        lock._holder = record.holder
+        lock._resident = record.resident
+        lock._epoch = record.grant_epoch
+        lock._switch_count = record.switch_count
+        lock._next_seq = record.next_seq
+        lock._footprints = dict(record.footprints)
+        lock.draining = record.draining
+        # The lease on disk is the holder's, or while switching the target's.
+        leased = record.intent.to_job if record.intent is not None else record.holder
+        if leased is not None and record.holder_lease_ms > 0:
+            lock._leases[leased] = record.holder_lease_ms
+        for q in sorted(record.queue, key=lambda q: q.seq):
+            since = now if q.queued_at is None else min(now, q.queued_at - offset)
+            lock._queue[q.job] = state.Entry(q.job, q.seq, since, 0, detached_since=now)
+            if q.footprint_bytes:
+                lock._footprints[q.job] = q.footprint_bytes
+        if record.intent is not None:
+            it = record.intent
+            lock._switch = state.Switch(
+                it.from_job, it.to_job, it.epoch, it.seq, now, attached=0, recovered=True
+            )
+            lock._holder = it.to_job
+        lock._recovering = True
+        lock._recovered_at = now
+        lock._search = found_holder.HolderSearch.of(record)
+        # A holder that was granted before the crash keeps the lock; its client got the
+        # reply. One whose grant was never delivered keeps it only until its deadline
+        # (not extended by this restart) unless an Acquire of it comes back; never more
+        # than the grace from now (a wall clock set back across the restart).
+        granted = lock._holder is not None and lock._switch is None
+        unclaimed = record.holder_unclaimed_until
+        if granted and unclaimed is not None:
+            lock._confirm_deadline = min(unclaimed - offset, now + reattach_grace_s)
+        lock._receivers = lock._answered = 1 if granted and unclaimed is None else 0
+        return lock
+
+    def use_policy(self, policy: sched.Policy, *, woken: bool = False) -> None:
+        """Schedule with ``policy`` from now on. ``woken``: the driver calls
+        :meth:`on_expire` at :attr:`wake_at`, so the policy may keep an idle group for
+        its resident (cost-aware); without it the group never waits idle."""
+        self._policy = policy
+        self._policy_given = True
+        self._woken = woken
+
+    # ---- events ---------------------------------------------------------------------------
+
+    def on_acquire(
+        self,
+        job: str,
+        *,
+        footprint_bytes: int = 0,
+        lease_ms: int = 0,
+        set_seq: int | None = None,
+        now: float,
+    ) -> list[act.Action]:
+        """One Acquire RPC of ``job`` arrived (it stays attached until granted or departed).
+
+        ``set_seq``: it is one group of set ``set_seq`` (AcquireSet): it is granted only
+        once the whole set is ready (:meth:`on_set_ready`), never at once."""
+        if footprint_bytes > 0:
+            self._footprints[job] = footprint_bytes
+        if lease_ms > 0:
+            self._leases[job] = lease_ms
+        else:
+            self._leases.pop(job, None)
+        s = self._switch
+        if s is not None and s.to_job == job and (set_seq is None or not s.departed):
+            # Its own switch is running (or a recovered one): wait for it to finish.
+            # (Not a set's part after that switch's Acquire left: it waits for its set.)
+            s.attached += 1
+            s.departed = False
+            self._holder = job
+            return []
+        if self._holder == job:
+            self._receivers += 1
+            if set_seq is None:  # (a set's part is answered with its set: on_set_answered)
+                self._answered += 1
+                self._confirm_deadline = None
+            return [act.Granted(job, self._epoch, False, 0.0, zero_cost=True, held=True)]
+        if self.blocked:
+            return [act.Abort(job, self.blocked, code=refusals.Code.UNAVAILABLE)]
+        self._sets.mark(job, set_seq)
+        entry = self._queue.get(job)
+        if entry is not None:
+            entry.attached += 1
+            actions: list[act.Action] = []
+            if entry.detached_since is not None:
+                entry.detached_since = None
+                actions.append(act.Emit(act.EventKind.QUEUED, job, "re-attached after restart"))
+            return [*actions, *self._promote(now)]
+        self._policy.arrived(job, now=now, active=self._active())
+        if (
+            set_seq is None
+            and not self._recovering
+            and not self.draining
+            and self._claim.allows(job)
+            and self._holder is None
+            and s is None
+            and self._resident == job
+            and self._verified
+            and self.attached_waiters == 0
+        ):
+            # Zero-cost re-acquire: still resident everywhere and nobody waits.
+            self._grant_to(job, now, attached=1, new_epoch=True)
+            return [act.Granted(job, self._epoch, restored=False, waited_s=0.0, zero_cost=True)]
+        self._queue[job] = state.Entry(job, self._next_seq, now, attached=1)
+        self._next_seq += 1
+        return [act.Emit(act.EventKind.QUEUED, job), *self._promote(now)]
+
+    def on_cancel(self, job: str, *, now: float) -> list[act.Action]:
+        """An Acquire RPC of ``job`` went away before it was granted."""
+        s = self._switch
+        if s is not None and s.to_job == job and s.attached > 0:
+            s.attached -= 1
+            if s.attached == 0:
+                s.departed = True
+                self._holder = None
+                why = "left during its own switch; the switch finishes, then the group moves on"
+                return [act.Emit(act.EventKind.CANCELLED, job, why)]
+            return []
+        entry = self._queue.get(job)
+        if entry is not None and entry.attached > 0:
+            entry.attached -= 1
+            if entry.attached == 0:
+                del self._queue[job]
+                return [
+                    act.Emit(act.EventKind.CANCELLED, job, "left the queue"),
+                    *self._left(job, now),
+                ]
+        return []
+
+    def on_undelivered(
+        self,
+        job: str,
+        *,
+        epoch: int,
+        now: float,
+        why: str = "grant not delivered (RPC cancelled)",
+    ) -> list[act.Action]:
+        """An Acquire RPC of ``job`` was granted but cancelled before the reply went out
+        (or an AcquireSet that did not complete gives back its part of the grant).
+
+        When every receiver of the grant is gone, the job never learnt that it holds
+        the group: release it like a yield so that it does not become a ghost holder.
+        While one receiver was answered, the grant stands: a success answer is taken
+        back only by the job's yield, its lease or an eviction.
+        """
+        if self._holder != job or self._epoch != epoch or self._switch is not None:
+            return []
+        self._undelivered += 1
+        if self._undelivered < self._receivers:
+            return []
+        return self._release(job, now, act.EventKind.CANCELLED, why)
+
+    def on_yield(self, job: str, *, now: float) -> act.YieldOutcome:
+        s = self._switch
+        if s is not None and s.to_job == job and not s.departed and self._holder == job:
+            # Yield during its own switch: finish the switch, then treat it as yielded.
+            s.departed = True
+            s.attached = 0
+            self._holder = None
+            pending = self.attached_waiters
+            actions: list[act.Action] = [
+                act.Abort(job, f"job {job!r} yielded the group while its own Acquire was pending"),
+                act.Emit(act.EventKind.YIELDED, job, "during its own switch"),
+            ]
+            return act.YieldOutcome(True, None, pending, pending == 0, actions)
+        if self._holder == job:
+            pending = self.attached_waiters
+            actions = self._release(job, now, act.EventKind.YIELDED, "")
+            return act.YieldOutcome(True, None, pending, pending == 0, actions)
+        evicted = self.eviction(job)
+        if self._holder is not None or evicted:
+            return act.YieldOutcome(
+                False, self._holder, self.attached_waiters, False, [], evicted=evicted
+            )
+        # Nobody holds the group: idempotent no-op.
+        self._search.departed(job)
+        deferred = s is None and self._resident == job
+        return act.YieldOutcome(True, None, self.attached_waiters, deferred, [])
+
+    def on_lease_expired(self, job: str, *, epoch: int, now: float) -> list[act.Action]:
+        """``job`` kept no Hold stream open for its lease: release it as if it had yielded."""
+        if self._holder != job or self._epoch != epoch or self._switch is not None:
+            return []
+        return self._release(job, now, act.EventKind.YIELDED, "lease expired")
+
+    def on_evict(self, job: str, *, why: str, now: float) -> act.EvictOutcome:
+        """An administrator takes ``job`` out of the group; ``why`` is what it is told.
+
+        A holder loses the lock as a lapsed lease does (the next waiter is promoted; a
+        switch moves the evicted state off the devices); the target of the switch in
+        progress is treated as if it yielded during it. A waiter leaves the queue and
+        its pending Acquires fail ABORTED. Neither: nothing changes (``role`` None).
+        """
+        s = self._switch
+        if self._holder == job:
+            self._remember_eviction(job, why)
+            if s is not None and s.to_job == job:
+                # The switch finishes (its agents are at work), then the group moves on.
+                s.departed, s.attached, self._holder = True, 0, None
+                actions: list[act.Action] = [act.Abort(job, why)]
+                actions.append(act.Emit(act.EventKind.YIELDED, job, why))
+                return act.EvictOutcome(act.Role.HOLDER, "", actions)
+            actions = self._release(job, now, act.EventKind.YIELDED, why)
+            # The new holder, or the waiter promoted once the device claim is granted.
+            attached = (e.job for e in self._queue.values() if e.attached > 0)
+            return act.EvictOutcome(act.Role.HOLDER, self._holder or next(attached, ""), actions)
+        entry = self._queue.pop(job, None)
+        if entry is None:
+            self._search.departed(job)
+            return act.EvictOutcome(None, "", [])
+        self._remember_eviction(job, why)
+        gone: list[act.Action] = [act.Abort(job, why)] if entry.attached > 0 else []
+        left = [act.Emit(act.EventKind.CANCELLED, job, why), *self._left(job, now)]
+        return act.EvictOutcome(act.Role.WAITER, "", [*gone, *left])
+
+    def on_drain(self, drain: bool, *, now: float) -> list[act.Action]:
+        """An administrator drains the group (no new turn is granted: the holder keeps
+        its own, waiters stay queued) or resumes it (the head of the queue is promoted)."""
+        self.draining = drain
+        if not drain:
+            return self._promote(now)
+        # A group kept for a set must not be counted ready while it may grant nobody:
+        # its set would be granted by the other groups alone (a set granted before the
+        # drain is still honoured: see _promote).
+        return [act.NotReady()] if self.reserved_for is not None else []
+
+    def on_switch_done(self, *, epoch: int, restored: bool, now: float) -> list[act.Action]:
+        s = self._end_switch(epoch)
+        if s is None:
+            return []
+        self._resident = s.to_job
+        self._verified = True
+        self._switch_count += 1
+        self.detail = ""
+        if s.departed:
+            return self._promote(now)
+        if s.attached == 0 and s.recovered:
+            # Granted by a recovered switch: keep the lock for the job until it re-attaches.
+            self._grant_to(s.to_job, now, attached=0, new_epoch=False)
+            deadline = self.grace_deadline()
+            if deadline is not None and now >= deadline:
+                return self._release(s.to_job, now, act.EventKind.CANCELLED, _UNCLAIMED)
+            self._confirm_deadline = deadline
+            return []
+        self._grant_to(s.to_job, now, attached=s.attached, new_epoch=False)
+        return [
+            act.Granted(s.to_job, epoch, restored=restored, waited_s=max(0.0, now - s.queued_at))
+        ]
+
+    def on_switch_failed(self, *, epoch: int, detail: str, now: float) -> list[act.Action]:
+        """The driver gave up on a switch (nobody wants it any more)."""
+        s = self._end_switch(epoch)
+        if s is None:
+            return []
+        # Half done: the next switch re-reads every node and evicts whatever runs there.
+        self._resident = s.to_job
+        self._verified = False
+        self.detail = f"switch {s.from_job or '-'} -> {s.to_job} abandoned: {detail}"
+        if s.attached > 0:
+            # Its job came back meanwhile: it is promoted again (a new switch, which
+            # re-reads every node).
+            self._queue_first(s)
+        return self._promote(now)
+
+    def on_stale_epoch(self, *, epoch: int, mark: int, now: float) -> list[act.Action]:
+        """A node refused the switch's grant as stale, naming its mark: this group's
+        state was lost (its epochs start again below what the agents saw). Epochs go on
+        past the mark, never below it, and the target is granted again at once."""
+        s = self._switch
+        if s is None or s.epoch != epoch:
+            return []
+        self._epoch = max(self._epoch, mark)
+        actions = self.on_switch_failed(epoch=epoch, detail=f"stale epoch (mark {mark})", now=now)
+        if self._switch is None:
+            self.detail = f"grant epochs continue past the agents' mark {mark}"
+        return actions
+
+    def on_switch_refused(
+        self, *, epoch: int, code: refusals.Code, detail: str, now: float
+    ) -> list[act.Action]:
+        """An agent refused the switch's target for good (its state can never fit):
+        its Acquires fail with ``code`` and the group moves on without it."""
+        s = self._end_switch(epoch)
+        if s is None:
+            return []
+        # The outgoing job may have been moved out on some nodes: re-check at the next switch.
+        self._resident = s.from_job
+        self._verified = False
+        self.detail = f"job {s.to_job} refused: {detail}"
+        actions: list[act.Action] = []
+        if s.attached > 0 and not s.departed:
+            actions.append(act.Abort(s.to_job, detail, code=code))
+        return [*actions, *self._promote(now)]
+
+    def on_blocked(self, reason: str) -> list[act.Action]:
+        """A node is degraded: no switch starts until an operator clears it, and every
+        waiting Acquire fails now with the reason (UNAVAILABLE)."""
+        self.blocked = reason
+        actions: list[act.Action] = []
+        for job, entry in list(self._queue.items()):
+            if entry.attached > 0:
+                del self._queue[job]
+                actions.append(act.Abort(job, reason, code=refusals.Code.UNAVAILABLE))
+        return actions
+
+    def on_degraded(self, *, epoch: int, cause: str, reason: str, now: float) -> list[act.Action]:
+        """A node kept refusing the switch: the switch ends, no other starts (not even
+        for its own target) and every waiting Acquire fails with ``reason``."""
+        self.blocked = reason
+        return [
+            *self.on_switch_failed(epoch=epoch, detail=cause, now=now),
+            *self.on_blocked(reason),
+        ]
+
+    def on_unblocked(self, *, now: float) -> list[act.Action]:
+        self.blocked = ""
+        return self._promote(now)
+
+    def on_recovered(
+        self,
+        *,
+        resident: str | None,
+        verified: bool,
+        rollback: bool,
+        now: float,
+    ) -> list[act.Action]:
+        """Agents were read after a restart; decide the switch in progress and resume.
+
+        ``rollback`` (only meaningful with a switch in progress): nothing moved on any
+        node, so the switch is undone and its target goes back to the head of the queue.
+        """
+        self._recovering = False
+        self._resident = resident
+        self._verified = verified
+        s = self._switch
+        actions: list[act.Action] = []
+        if s is not None:
+            if rollback and s.attached == 0:
+                self._end_switch(s.epoch)
+                self._queue_first(s, detached_since=now)
+                why = (
+                    f"switch {s.from_job or '-'} -> {s.to_job} rolled back after restart: "
+                    "nothing had moved; the job keeps its place in the queue"
+                )
+                actions.append(act.Emit(act.EventKind.ROLLED_BACK, s.to_job, why))
+            else:
+                return [self._start_switch(s)]
+        elif self._search.pending:
+            found = self._search.decide(
+                resident, waiting=resident in self._queue, epoch=self._epoch
+            )
+            if found is not None:
+                self._holder, self._receivers = found, 1
+                self.detail = found_holder.holder_detail(found)
+                actions.append(act.NeedClaim(found, ()))  # its devices, as a holder on disk
+        return [*actions, *self._promote(now)]
+
+    def on_observed(self, *, epoch: int, resident: str | None, running_everywhere: bool) -> None:
+        """A live read of the agents (GetGroupStatus) confirmed or refuted the resident."""
+        if self._switch is not None or self._recovering:
+            return
+        if epoch != self._epoch or resident != self._resident:
+            return
+        self._verified = running_everywhere
+
+    def on_expire(self, *, now: float) -> list[act.Action]:
+        """Drop detached entries and unconfirmed recovered grants older than the grace."""
+        actions: list[act.Action] = []
+        for job, entry in list(self._queue.items()):
+            since = entry.detached_since
+            if entry.attached == 0 and since is not None and now - since >= self._grace:
+                del self._queue[job]
+                actions.append(act.Emit(act.EventKind.CANCELLED, job, _NOT_BACK))
+        if (
+            self._holder is not None
+            and self._switch is None
+            and self._confirm_deadline is not None
+            and now >= self._confirm_deadline
+            and self._receivers == 0
+        ):
+            actions += self._release(self._holder, now, act.EventKind.CANCELLED, _UNCLAIMED)
+        return [*actions, *self._promote(now)]
+
+    def start_claim(self, job: str | None) -> None:
+        """The claim at start: held for ``job`` (its holder, found on disk after a
+        restart), or not held (a driver whose group may share devices asks per job)."""
+        self._claim.held, self._claim.job, self._claim.contended = job is not None, job, False
+
+    def on_claim_granted(self, job: str, *, now: float, shared: bool = False) -> list[act.Action]:
+        """The device claim is this group's for ``job``: promote the head of the queue.
+
+        ``shared``: the group shares devices with others. Then a resident verified while
+        the claim was not held (after a restart: recovery reads the agents before any
+        claim is held) may have given way to another group's switch meanwhile.
+        """
+        if shared and not self._claim.held:
+            self._verified = False
+        self._claim.held, self._claim.job, self._claim.chosen = True, job, job
+        return self._promote(now)
+
+    def on_claim_waiting(self) -> None:
+        """The claim was asked for and must be waited for: meanwhile another group may
+        move what is on the shared devices, the deferred resident included."""
+        self._claim.held = False
+        self._verified = False
+
+    def on_contended(self, *, now: float) -> list[act.Action]:
+        """An overlapping group asks for the claim: let go now if nobody holds the group."""
+        if not self._claim.held:
+            return []
+        self._claim.contended = True
+        released = self._let_go()
+        # Waiters kept back for the resident (a policy's hold) now ask for the claim.
+        return [*released, *self._promote(now)] if released and self.wake_at else released
+
+    def on_set_passed(self, job: str, *, now: float) -> list[act.Action]:
+        """The coordinator lets ``job`` (a single waiter that holds another group of the
+        set this group is kept for) go first: the set waits for it anyway."""
+        self._set_pass = job
+        return self._promote(now)
+
+    def on_granted_to_set_parts(self, job: str, *, epoch: int, parts: int, now: float) -> None:
+        """Of the receivers of ``job``'s new grant ``epoch``, ``parts`` are the parts of
+        sets not answered yet: they count as answered only with their set. Granted to
+        such parts alone, the grant is unclaimed on disk until then (a crash meanwhile
+        must not leave for ever a holder that was never told) and its lease waits."""
+        if self._holder != job or self._epoch != epoch or self._switch is not None:
+            return
+        self._answered = max(0, self._answered - parts)
+        if self._answered == 0:
+            self._confirm_deadline = now + self._grace
+
+    def on_set_answered(self, job: str, *, epoch: int) -> None:
+        """``job``'s set, granted here under ``epoch``, was answered success: its part is
+        an answered receiver now (the grant is claimed, and its lease may start)."""
+        if self._holder == job and self._epoch == epoch and self._switch is None:
+            self._answered += 1
+            self._confirm_deadline = None
+
+    def on_set_ready(self, job: str, *, set_seq: int, now: float) -> list[act.Action]:
+        """Every group of ``job``'s set ``set_seq`` is reserved for it: grant it here."""
+        return self._promote(now) if self._sets.on_ready(job, set_seq) else []
+
+    # ---- internals ------------------------------------------------------------------------
+
+    def _left(self, job: str, now: float) -> list[act.Action]:
+        """``job`` left the queue: a group kept free for it moves on."""
+        reserved = self._sets.reserved == job
+        self._sets.drop(job)
+        if self._set_pass == job:
+            self._set_pass = None
+        return self._promote(now) if reserved else []
+
+    def _end_switch(self, epoch: int) -> state.Switch | None:
+        """The switch of ``epoch`` ends (None: it is not the one in progress)."""
+        s = self._switch
+        if s is None or s.epoch != epoch:
+            return None
+        self._switch = None
+        self._holder = None
+        return s
+
+    def _queue_first(self, s: state.Switch, *, detached_since: float | None = None) -> None:
+        """The switch's target goes back to the head of the queue, keeping its place."""
+        entry = state.Entry(s.to_job, s.seq, s.queued_at, s.attached, detached_since)
+        self._queue = {s.to_job: entry, **self._queue}
+
+    def _let_go(self) -> list[act.Action]:
+        """Give the claim back if contended and free; the resident may then be evicted."""
+        if not (self._claim.contended and self._holder is None and self._switch is None):
+            return []
+        self._claim.held = self._claim.contended = False
+        # Another group's Grant may make the deferred resident give way: re-check it.
+        self._verified = False
+        return [act.ReleaseClaim()]
+
+    def _remember_eviction(self, job: str, why: str) -> None:
+        self._evicted.pop(job, None)
+        self._evicted[job] = why
+        while len(self._evicted) > _EVICTIONS_KEPT:
+            del self._evicted[next(iter(self._evicted))]
+
+    def _grant_to(self, job: str, now: float, *, attached: int, new_epoch: bool) -> None:
+        # A switch's grant was numbered when the switch started (the epoch travels to
+        # the agents in Grant); grants without a switch are numbered here.
+        if new_epoch:
+            self._epoch += 1
+        self._holder = job
+        self._evicted.pop(job, None)  # (kept until then: a late Yield is told why)
+        self._receivers = attached
+        self._undelivered = 0
+        self._answered = attached  # (less the parts of sets: on_granted_to_set_parts)
+        self._confirm_deadline = None
+        self._wake_at = None
+        self._policy.granted(job, now=now)
+
+    def on_switch_measured(self, from_job: str | None, to_job: str, *, seconds: float) -> None:
+        """The switch runner measured a completed switch (for the policy's costs)."""
+        self._policy.switched(from_job, to_job, seconds=seconds)
+
+    def _active(self) -> set[str]:
+        """Jobs holding, switching in or waiting."""
+        busy = {self._holder, self._switch.to_job if self._switch is not None else None}
+        return {*self._queue, *(j for j in busy if j is not None)}
+
+    def _holds_for_resident(self, ranked: list[state.Entry], now: float) -> bool:
+        """Keep the idle group for its yielded resident a while (the policy's call)?"""
+        resident = self._resident
+        if not (self._woken and self._verified and self._claim.held and resident is not None):
+            return False
+        if resident in self._queue:
+            return False  # it asks again: the ranking decides
+        until = self._policy.hold_until(resident, ranked, self._view(now))
+        if until is None or until <= now:
+            return False
+        self._wake_at = until
+        return True
+
+    def _release(self, job: str, now: float, kind: act.EventKind, detail: str) -> list[act.Action]:
+        self._policy.released(job, now=now)
+        self._leases.pop(job, None)
+        self._holder = None
+        self._receivers = 0
+        self._undelivered = 0
+        self._answered = 0
+        self._confirm_deadline = None
+        return [act.Emit(kind, job, detail), *self._promote(now)]
+
+    def _promote(self, now: float) -> list[act.Action]:
+        if self._recovering or self._holder is not None or self._switch is not None:
+            return []
+        released = self._let_go()
+        self._wake_at = None
+        attached = self._ranked(now)
+        if not attached or self.blocked:
+            return released
+        entry = self._sets.choose(attached, self._queue)
+        if self.draining and entry.job not in self._sets.ready:
+            return released  # drained: only a set granted before the drain goes on
+        kept = self._sets.reserved is not None
+        chosen, self._claim.chosen = self._claim.chosen, None
+        if kept:
+            # Kept for a set member not granted yet: only a waiter that holds another
+            # group passes it, when the coordinator lets it (on_set_passed).
+            need = self._sets.waiting(entry.job)
+            if need is not None:
+                passing = next((e for e in attached if e.job == self._set_pass), None)
+                if passing is None:
+                    singles = tuple(e.job for e in attached if e.job not in self._sets.members)
+                    return [*released, dataclasses.replace(need, others=singles)]
+                entry = passing
+        elif self._claim.held and chosen is not None and chosen != entry.job:
+            entry = next((e for e in attached if e.job == chosen), entry)
+        elif chosen is None and self._holds_for_resident(attached, now):
+            return released
+        if not self._claim.allows(entry.job):
+            # Asked again whenever the waiters change: a nested acquire may pass the head.
+            others = () if kept else tuple(e.job for e in attached if e.job != entry.job)
+            return [*released, act.NeedClaim(entry.job, others)]
+        del self._queue[entry.job]
+        self._sets.drop(entry.job)
+        self._set_pass = None
+        if entry.job == self._resident and self._verified:
+            self._grant_to(entry.job, now, attached=entry.attached, new_epoch=True)
+            waited = max(0.0, now - entry.queued_at)
+            return [act.Granted(entry.job, self._epoch, False, waited, zero_cost=True)]
+        self._epoch += 1
+        self._holder = entry.job
+        self._switch = state.Switch(
+            self._resident, entry.job, self._epoch, entry.seq, entry.queued_at, entry.attached
+        )
+        return [self._start_switch(self._switch)]

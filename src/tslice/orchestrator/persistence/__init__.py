@@ -1,0 +1,1 @@
+"""What survives a restart: the lock store, its records, the event history, its health."""

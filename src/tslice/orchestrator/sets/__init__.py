@@ -1,0 +1,1 @@
+"""All-or-nothing acquires of several groups (AcquireSet)."""

@@ -1,0 +1,483 @@
+"""Connections to node agents: one channel per address, a deadline on every call.
+
+Every agent RPC goes through :meth:`AgentClient._call`, the one place where
+deadlines are applied and gRPC failures are translated:
+
+- :class:`AgentUnreachable`  the agent did not answer (UNAVAILABLE, DEADLINE_EXCEEDED...):
+  the truth on that node is unknown; retry with backoff, report UNKNOWN meanwhile;
+- :class:`AgentRejected`  the agent answered and refused (FAILED_PRECONDITION, ABORTED,
+  NOT_FOUND, UNIMPLEMENTED...): our view of the node is stale; re-read its Status and re-plan;
+- :class:`AgentDeposed`  (an :class:`AgentRejected`) the agent has seen a newer leader term
+  than ours: another orchestrator leads now; :meth:`Term.deposed
+  <tslice.security.leader_term.Term.deposed>` tells the HA mode to step down.
+
+Every call carries the orchestrator's leader term (``tslice.security.leader_term``; none in
+term 0, the embedded mode), read from the :class:`~tslice.security.leader_term.Term` given
+to the clients at each call, so an election won later applies to the next call (and to
+the next GrantStream: one opened in an older term is re-opened).
+
+What an agent speaks is negotiated, never guessed: its Status reply declares it
+(``StatusResponse.features``, see :class:`Features`), the client keeps the declaration
+of its current connection (:attr:`AgentClient.features`, dropped when the connection
+is lost) and the switch picks its path from it once per read: a tslice agent gets one
+Grant per node (:meth:`AgentClient.grant`: evict, restore, record), over one
+GrantStream when declared; an agent that declares nothing is llm-d's and gets
+Snapshot/Restore directives (``tslice.orchestrator.switch.llmd``).
+
+tslice's operations are awaited with the WaitOperation long-poll in chunks, never by
+polling.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar, cast
+
+import grpc
+
+from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
+from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2_grpc as pb_grpc
+from tslice.common import tasks
+from tslice.orchestrator import tracing_hooks
+from tslice.rpc import multiplex
+from tslice.security import leader_term, tls
+from tslice.server import tracing
+
+_R = TypeVar("_R")
+log = logging.getLogger(__name__)
+
+# RESOURCE_EXHAUSTED is not here: a tslice agent says so when a job's state can never fit.
+_UNREACHABLE = {
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.CANCELLED,
+    grpc.StatusCode.UNKNOWN,
+    grpc.StatusCode.INTERNAL,
+    grpc.StatusCode.UNIMPLEMENTED,
+}
+
+#: An agent refusing the orchestrator's credential (authentication on there), and the fix.
+_CREDENTIALS = {grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED}
+_CREDENTIALS_FIX = (
+    "agent_client: {ca, cert, key} in its config (a client certificate of identity "
+    "orchestrator: tslice certs --client orchestrator) or {token_file} of a token with the "
+    "orchestrator role in the agents' auth.tokens"
+)
+
+#: How often renewed TLS files are looked for, seconds (a stat of each, on a call).
+_TLS_CHECK_S = 1.0
+
+# Reconnect quickly after an agent restarts (grpc's default backoff grows to 2 min).
+_CHANNEL_OPTIONS = [
+    # The grant stream sends nothing between switches; keepalive notices a dead peer.
+    # 60 s stays within what default servers (llm-d's agents too) tolerate.
+    ("grpc.keepalive_time_ms", 60_000),
+    ("grpc.keepalive_timeout_ms", 20_000),
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 2000),
+]
+
+
+class AgentError(Exception):
+    def __init__(self, address: str, operation: str, detail: str) -> None:
+        super().__init__(f"agent {address}: {operation}: {detail}")
+        self.address = address
+        self.operation = operation
+        self.detail = detail
+
+
+class AgentUnreachable(AgentError):
+    """The agent did not answer; nothing is known about what happened there."""
+
+
+class AgentRejected(AgentError):
+    """The agent answered with an error status (its state differs from what we assumed)."""
+
+    def __init__(self, address: str, operation: str, detail: str, code: grpc.StatusCode) -> None:
+        super().__init__(address, operation, f"{code.name}: {detail}")
+        self.code = code
+        #: The agent's own message, without the code.
+        self.reason = detail
+
+
+class AgentDeposed(AgentRejected):
+    """The agent refused a directive: it has seen leader term :attr:`seen`, newer than ours
+    (:attr:`sent`; 0: we sent none), or ours from another replica. Nothing moved there;
+    this orchestrator must not lead."""
+
+    def __init__(self, address: str, operation: str, detail: str, *, sent: int, seen: int) -> None:
+        super().__init__(address, operation, detail, grpc.StatusCode.FAILED_PRECONDITION)
+        self.sent = sent
+        self.seen = seen
+
+
+class OperationFailed(AgentError):
+    """A snapshot/restore operation finished as FAILED (or never finished in time)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Features:
+    """What an agent declared in its Status reply (``AgentFeatures``); all false: llm-d's."""
+
+    #: The one-step Grant (evict, give_way, restore, wait_ms), WaitOperation and ResetJob.
+    grant_step: bool = False
+    #: Grants over one GrantStream (only meaningful with ``grant_step``).
+    grant_stream: bool = False
+
+    @classmethod
+    def declared(cls, status: pb.StatusResponse) -> Features:
+        f = status.features
+        return cls(grant_step=f.grant_step, grant_stream=f.grant_step and f.grant_stream)
+
+
+class AgentClient:
+    """Typed calls to one agent, each with a deadline."""
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        rpc_timeout_s: float = 10.0,
+        operation_timeout_s: float = 900.0,
+        wait_chunk_s: float = 30.0,
+        security: tls.ClientSecurity | None = None,
+        term: leader_term.Term | None = None,
+    ) -> None:
+        self.address = address
+        #: This orchestrator's leader term, sent with every call (Term(0): none sent).
+        self._term = term if term is not None else leader_term.Term()
+        #: The term the open GrantStream was opened with (its metadata cannot change).
+        self._grants_term = self._term.value
+        #: TLS of the channel and the token every call carries (the orchestrator's identity).
+        self._security = security or tls.ClientSecurity()
+        self.rpc_timeout_s = rpc_timeout_s
+        self.operation_timeout_s = operation_timeout_s
+        self.wait_chunk_s = wait_chunk_s
+        #: What the agent declared on the current connection; None until a Status read.
+        self.features: Features | None = None
+        #: Device memory of the node in all (its accelerators' totals) as its last Status
+        #: reply listed them; None until read, or when it lists none (noop, llm-d's agents).
+        self.capacity_bytes: int | None = None
+        #: Whether a Status reply was ever read (capacity_bytes is then what it listed).
+        self.status_seen = False
+        self._watch: asyncio.Task[None] | None = None
+        tls_files = self._security.tls
+        #: The TLS files as the channel read them, and when they were last looked at.
+        self._tls_stamp = tls_files.stamp() if tls_files is not None else None
+        self._tls_checked = time.monotonic()
+        self._channel = self._security.aio_channel(address, _CHANNEL_OPTIONS)
+        self._stub: Any = pb_grpc.SnapshotAgentServiceStub(self._channel)
+        # Grants go over one long-lived GrantStream where declared (half a unary call
+        # each; they are on every hand-over's path), else unary Grants.
+        self._grants: multiplex.Caller[pb.GrantStreamRequest, pb.GrantStreamResponse] = (
+            multiplex.Caller(
+                self._open_grants,
+                reply_id=lambda r: r.request_id,
+                name=f"agent {address}",
+            )
+        )
+
+    def _metadata(self) -> tuple[tuple[str, str], ...]:
+        return (*self._security.metadata(), *self._term.metadata())
+
+    def _open_grants(self) -> Any:
+        self._grants_term = self._term.value
+        return self._stub.GrantStream(metadata=self._metadata())
+
+    async def close(self) -> None:
+        if self._watch is not None:
+            await tasks.cancel_all([self._watch])
+        await self._grants.close()
+        await self._channel.close()
+
+    async def _renew_channel(self) -> None:
+        """A channel on renewed TLS files (the client certificate, the CA), once the one
+        in use is not connected: an open connection keeps its handshake, and a reconnect
+        with an expired or untrusted certificate would fail for ever (no restart needed)."""
+        tls_files = self._security.tls
+        now = time.monotonic()
+        if tls_files is None or now - self._tls_checked < _TLS_CHECK_S:
+            return
+        self._tls_checked = now
+        stamp = tls_files.stamp()
+        if stamp is None or stamp == self._tls_stamp:
+            return
+        if self._channel.get_state() == grpc.ChannelConnectivity.READY:
+            return
+        self._tls_stamp = stamp  # before any await: one renewal at a time
+        old = self._channel
+        self._channel = self._security.aio_channel(self.address, _CHANNEL_OPTIONS)
+        self._stub = pb_grpc.SnapshotAgentServiceStub(self._channel)
+        self.features = None
+        if self._watch is not None:
+            await tasks.cancel_all([self._watch])
+            self._watch = None
+        await self._grants.close()  # re-opened on the new channel by the next grant
+        await old.close()
+        log.info("agent %s: TLS files renewed; reconnecting with them", self.address)
+
+    async def _forget_on_disconnect(self) -> None:
+        """A declaration holds for one connection: the next may reach another agent."""
+        state = self._channel.get_state()
+        while True:
+            await self._channel.wait_for_state_change(state)
+            new = self._channel.get_state()
+            if state == grpc.ChannelConnectivity.READY:
+                self.features = None
+            state = new
+
+    async def status(
+        self, *, timeout_s: float | None = None, issued: Callable[[], None] | None = None
+    ) -> pb.StatusResponse:
+        """The node's job states; learns what the agent declares (:attr:`features`)."""
+        await self._renew_channel()
+        resp = await self._call(
+            "status",
+            self._stub.Status,
+            pb.StatusRequest(),
+            pb.StatusResponse,
+            timeout_s,
+            issued=issued,
+        )
+        self.features = Features.declared(resp)
+        total = sum(max(0, a.memory_total_bytes) for a in resp.accelerator_statuses)
+        self.capacity_bytes = total or None
+        self.status_seen = True
+        if self._watch is None:
+            self._watch = tasks.spawn(self._forget_on_disconnect(), name=f"agent {self.address}")
+        if self.features.grant_stream and self._grants.supported is False:
+            self._grants.supported = None  # declared now (an upgraded agent): try it again
+        return resp
+
+    async def snapshot(self, *, job_id: str, group: str) -> str:
+        """llm-d's Snapshot directive; returns the operation id at once."""
+        # backend_config stays empty: the agent knows each job's backend.
+        request = pb.SnapshotRequest(job_id=job_id, group=group)
+        resp = await self._call("snapshot", self._stub.Snapshot, request, pb.SnapshotResponse)
+        return resp.operation_id
+
+    async def restore(self, *, job_id: str, group: str) -> str:
+        """llm-d's Restore directive; returns the operation id at once."""
+        request = pb.RestoreRequest(job_id=job_id, group=group)
+        resp = await self._call("restore", self._stub.Restore, request, pb.RestoreResponse)
+        return resp.operation_id
+
+    async def get_operation(self, operation_id: str) -> pb.GetOperationResponse:
+        """llm-d's GetOperation: the operation as it stands (no waiting)."""
+        request = pb.GetOperationRequest(operation_id=operation_id)
+        resp = await self._call("poll", self._stub.GetOperation, request, pb.GetOperationResponse)
+        return resp
+
+    async def grant(
+        self,
+        *,
+        job_id: str,
+        group: str,
+        epoch: int,
+        footprint_bytes: int,
+        evict: list[str],
+        wait_s: float,
+        give_way: Sequence[tuple[str, str]] = (),
+        devices: Sequence[int] = (),
+        issued: Callable[[], None] | None = None,
+    ) -> pb.GrantResponse:
+        """One node step of a switch: evict, restore ``job_id`` if SAVED, record the grant
+        (``devices``: the node's device indices the group uses, empty = all).
+
+        The agent replies once done (``granted``) or after ``wait_s`` with the operations
+        so far; re-issuing the same request continues where the node stands. Only for an
+        agent that declared ``grant_step``; over its GrantStream if it declared that too.
+        """
+        request = pb.GrantRequest(
+            job_id=job_id,
+            group=group,
+            grant_epoch=epoch,
+            footprint_bytes=footprint_bytes,
+            evict=evict,
+            restore=True,
+            wait_ms=max(1, int(wait_s * 1000)),
+            give_way=[pb.JobRef(job_id=j, group=g) for j, g in give_way],
+            devices=devices,
+        )
+        timeout_s = wait_s + self.rpc_timeout_s
+        await self._renew_channel()
+        if self._grants_term != self._term.value:
+            await self._grants.close()  # opened in an older term: re-opened with this one
+        # A hand-over being traced sends its trace context in the call's metadata: the
+        # GrantStream's metadata is the stream's, so its Grant goes as a unary call.
+        traced = tracing.ENABLED and tracing_hooks.in_trace()
+        if traced or self.features is None or not self.features.grant_stream:
+            resp = await self._call(
+                "grant", self._stub.Grant, request, pb.GrantResponse, timeout_s, issued=issued
+            )
+            return resp
+        try:
+            reply = await self._grants.call(
+                lambda rid: pb.GrantStreamRequest(request_id=rid, grant=request),
+                timeout_s=timeout_s,
+                issued=issued,
+            )
+        except multiplex.Unsupported as err:
+            raise self._error(
+                "grant",
+                grpc.StatusCode.UNIMPLEMENTED,
+                "the agent declared grant_stream but has no GrantStream",
+            ) from err
+        except multiplex.Broken as err:
+            raise self._error("grant", err.code, err.detail) from err
+        except TimeoutError as err:
+            raise self._error("grant", grpc.StatusCode.DEADLINE_EXCEEDED, str(err)) from err
+        if reply.status_code != grpc.StatusCode.OK.value[0]:
+            code = multiplex.status_code(reply.status_code)
+            raise self._error("grant", code, reply.status_message)
+        return reply.grant
+
+    async def reset_job(self, *, job_id: str, group: str = "") -> pb.JobState:
+        resp = await self._call(
+            "reset",
+            self._stub.ResetJob,
+            pb.ResetJobRequest(job_id=job_id, group=group),
+            pb.ResetJobResponse,
+        )
+        return resp.state
+
+    async def wait_operation(self, operation_id: str) -> pb.GetOperationResponse:
+        """Long-poll until the operation finished; raise OperationFailed past the timeout."""
+        deadline = time.monotonic() + self.operation_timeout_s
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise OperationFailed(
+                    self.address,
+                    "wait",
+                    f"operation {operation_id} did not finish within "
+                    f"{self.operation_timeout_s:g} s (operation_timeout_s)",
+                )
+            chunk = min(self.wait_chunk_s, left)
+            resp = await self._call(
+                "wait",
+                self._stub.WaitOperation,
+                pb.WaitOperationRequest(operation_id=operation_id, timeout_ms=int(chunk * 1000)),
+                pb.GetOperationResponse,
+                chunk + self.rpc_timeout_s,
+            )
+            if resp.status != pb.OPERATION_STATUS_PENDING:
+                return resp
+
+    # ---- prefetch (issue 9 §2) ---------------------------------------------------------
+
+    async def prefetch(self, *, job_id: str, group: str, footprint_bytes: int) -> str:
+        """Ask the agent to bring a SAVED job's state in ahead of its grant, if it
+        declares ``prefetch`` and ``footprint_bytes`` fits in the free memory of every
+        accelerator its Status lists; returns what was done (for the log). Reads
+        Status first: a declaration is the agent's, never inferred, and an agent that
+        does not declare it (llm-d's) would take the Restore for a real one."""
+        resp = await self.status()
+        if not resp.features.prefetch:
+            return "the agent declares no prefetch"
+        free = [a.memory_total_bytes - a.memory_used_bytes for a in resp.accelerator_statuses]
+        if not free or min(free) < footprint_bytes:
+            return f"does not fit: {min(free, default=0)} bytes free on the fullest device"
+        request = pb.RestoreRequest(job_id=job_id, group=group, prefetch=True)
+        await self._call("prefetch", self._stub.Restore, request, pb.RestoreResponse)
+        return "started"
+
+    async def _call(
+        self,
+        operation: str,
+        method: Any,
+        request: object,
+        response_type: type[_R],
+        timeout_s: float | None = None,
+        *,
+        issued: Callable[[], None] | None = None,
+    ) -> _R:
+        """``issued`` is called once the call is under way (created, its send scheduled)."""
+        try:
+            if tracing.ENABLED and tracing_hooks.in_trace():
+                timeout = timeout_s or self.rpc_timeout_s
+                replied = await tracing_hooks.agent_call(
+                    lambda metadata: method(request, timeout=timeout, metadata=metadata),
+                    metadata=self._metadata(),
+                    issued=issued,
+                    operation=operation,
+                    address=self.address,
+                    request=request,
+                )
+                return cast(_R, replied)
+            call = method(
+                request,
+                timeout=timeout_s or self.rpc_timeout_s,
+                metadata=self._metadata(),
+            )
+            if issued is not None:
+                issued()
+            return cast(_R, await call)
+        except grpc.aio.AioRpcError as err:
+            detail = err.details() or err.code().name.lower()
+            raise self._error(operation, err.code(), detail) from err
+
+    def _error(self, operation: str, code: grpc.StatusCode, detail: str) -> AgentError:
+        if code in _CREDENTIALS:
+            # The agent's message speaks to a job; the orchestrator's own fix is its config.
+            detail = f"{detail} [the orchestrator's credential: {_CREDENTIALS_FIX}]"
+        if code in _UNREACHABLE:
+            hint = tls.mismatch_hint(detail, self._security, settings="agent_client")
+            detail = f"{detail} [{hint}]" if hint else detail
+            # The connection may be another agent's when it comes back: ask it again.
+            self.features = None
+            return AgentUnreachable(self.address, operation, detail)
+        seen = leader_term.seen_in(detail) if code == grpc.StatusCode.FAILED_PRECONDITION else None
+        sent = self._term.value
+        # The same term refused: another replica was elected in it (the agent saw it first).
+        if seen is not None and (seen > sent or seen == sent != 0):
+            # Never adopted (only an election raises a term): we are deposed; say so.
+            log.warning("agent %s: %s: %s", self.address, operation, detail)
+            self._term.deposed(seen)
+            return AgentDeposed(self.address, operation, detail, sent=sent, seen=seen)
+        return AgentRejected(self.address, operation, detail, code)
+
+
+class AgentPool:
+    """One :class:`AgentClient` per agent address, shared by every group using it."""
+
+    def __init__(
+        self,
+        *,
+        rpc_timeout_s: float,
+        operation_timeout_s: float,
+        wait_chunk_s: float,
+        security: tls.ClientSecurity | None = None,
+        term: leader_term.Term | None = None,
+    ) -> None:
+        self._security = security
+        #: Shared by every client: the orchestrator's leader term (HA mode advances it).
+        self._term = term if term is not None else leader_term.Term()
+        self._rpc_timeout_s = rpc_timeout_s
+        self._operation_timeout_s = operation_timeout_s
+        self._wait_chunk_s = wait_chunk_s
+        self._clients: dict[str, AgentClient] = {}
+
+    def get(self, address: str) -> AgentClient:
+        client = self._clients.get(address)
+        if client is None:
+            client = AgentClient(
+                address,
+                rpc_timeout_s=self._rpc_timeout_s,
+                operation_timeout_s=self._operation_timeout_s,
+                wait_chunk_s=self._wait_chunk_s,
+                security=self._security,
+                term=self._term,
+            )
+            self._clients[address] = client
+        return client
+
+    async def close(self) -> None:
+        for client in self._clients.values():
+            await client.close()
+        self._clients.clear()
