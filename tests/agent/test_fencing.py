@@ -21,6 +21,7 @@ from tests.cli.test_cli import run_cli
 from tslice.agent import fencing
 from tslice.agent.backends import simdevice as device
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
+from tslice.orchestrator.switch import links, step
 from tslice.orchestrator.switch import pool as agents
 from tslice.rpc import refusals
 from tslice.security import leader_term
@@ -106,9 +107,15 @@ def _term(value: int) -> tuple[tuple[str, str], ...]:
 async def _grant(
     client: agents.AgentClient, job: str, epoch: int, evict: list[str]
 ) -> pb.GrantResponse:
-    return await client.grant(
-        job_id=job, group="g", epoch=epoch, footprint_bytes=0, evict=evict, wait_s=10
+    """A Grant through the link the orchestrator moves the node with (its GrantStream)."""
+    link = client.link
+    if not isinstance(link, links.GrantLink):
+        link = step.chosen(client, await client.status())
+    assert isinstance(link, links.GrantLink)
+    request = pb.GrantRequest(
+        job_id=job, group="g", grant_epoch=epoch, evict=evict, restore=True, wait_ms=10_000
     )
+    return await link.grant(request, timeout_s=20)
 
 
 def _journal(state_dir: Path) -> list[tuple[str, str]]:
@@ -198,6 +205,7 @@ async def test_a_deposed_leader_moves_nothing_even_after_a_sigkill(
         await new.status()
         assert (await _grant(new, "job-b", 2, ["job-a"])).granted
         new_term.advance(4)
+        await new.drop_link()  # as a new leadership does: its stream re-opens in term 4
         await new.status()  # term 4 adopted: a stream still in term 3 would be refused
         assert (await _grant(new, "job-a", 3, ["job-b"])).granted
         assert _journal(state_dir) == [

@@ -134,12 +134,23 @@ def _repeated(
     return st.one_of(short, short, short, many)
 
 
+def _map(field: descriptor.FieldDescriptor, depth: int, wild: bool) -> st.SearchStrategy[Any]:
+    """A map field (``map<K, V>``, a repeated entry message on the wire): a dict."""
+    entry = field.message_type
+    keys = _scalar(entry.fields_by_name["key"], depth, wild)
+    values = _scalar(entry.fields_by_name["value"], depth, wild)
+    return st.dictionaries(keys, values, max_size=4)
+
+
 def _field_strategies(
     desc: descriptor.Descriptor, depth: int, wild: bool
 ) -> dict[str, st.SearchStrategy[Any]]:
     fields: dict[str, st.SearchStrategy[Any]] = {}
     for field in desc.fields:
         if field.type == _FD.TYPE_MESSAGE and depth >= 4:
+            continue
+        if field.type == _FD.TYPE_MESSAGE and field.message_type.GetOptions().map_entry:
+            fields[field.name] = _map(field, depth, wild)
             continue
         repeated = validation._is_repeated(field)
         fields[field.name] = (_repeated if repeated else _scalar)(field, depth, wild)

@@ -25,6 +25,11 @@ from tslice.orchestrator.persistence import records
 from tslice.server import kube_watch
 
 
+def whole(record: records.LockRecord) -> records.Changes:
+    """A record written whole (as a group's first save writes what it started from)."""
+    return records.Changes(row=record.row, queued=record.queue, footprints=record.footprints)
+
+
 @pytest.fixture
 async def client(api: ApiServerEmulator, tmp_path: pathlib.Path) -> AsyncIterator[Any]:
     kube = kube_watch.connect(api.write_kubeconfig(tmp_path / "kubeconfig"))
@@ -54,7 +59,7 @@ async def test_a_same_term_write_by_another_replica_is_never_adopted(client: Any
     a = _store(client, 3, "orch-a", deposed_a)
     await a.claim()
     nodes = [("gpu-a", "127.0.0.1:1")]
-    await a.save("trainer", nodes=nodes, record=_held_by("job-a"), previous=None)
+    await a.save("trainer", nodes=nodes, changes=whole(_held_by("job-a")))
     # orch-b won term 3 too: its claim finds orch-a's write of term 3 and steps down.
     b = _store(client, 3, "orch-b", deposed_b)
     with pytest.raises(state.NewerTerm) as claimed:
@@ -69,7 +74,7 @@ async def test_a_same_term_write_by_another_replica_is_never_adopted(client: Any
     cm.data["record"] = state.codec.encode(_held_by("job-b"))
     await client.replace(cm)
     with pytest.raises(state.NewerTerm):
-        await a.save("trainer", nodes=nodes, record=_held_by("job-c"), previous=None)
+        await a.save("trainer", nodes=nodes, changes=whole(_held_by("job-c")))
     assert [t for _, t in deposed_a] == [3]
     kept = await client.get(state.ConfigMap, cm.metadata.name, namespace=NAMESPACE)
     assert state.codec.decode(kept.data["record"]).holder == "job-b"
@@ -78,7 +83,7 @@ async def test_a_same_term_write_by_another_replica_is_never_adopted(client: Any
 async def test_a_new_lease_starts_above_the_terms_in_the_state(client: Any) -> None:
     a = _store(client, 9, "orch-a", [])
     await a.claim()
-    await a.save("trainer", nodes=[], record=_held_by("job-a"), previous=None)
+    await a.save("trainer", nodes=[], changes=whole(_held_by("job-a")))
     # No Lease (deleted by hand), and a replica that never saw it: it starts above term 9.
     settings = leadership.HaSettings(identity="orch-b", address="127.0.0.1:1")
     elector = lease.Elector(

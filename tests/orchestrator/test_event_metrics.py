@@ -8,12 +8,12 @@ import asyncio
 
 import httpx
 import prometheus_client
-from google.protobuf import timestamp_pb2
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.orchestrator.orch_harness import Cluster, Events, acquire, free_port, yield_
 from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2 as opb
 from tslice.orchestrator import metrics
+from tslice.orchestrator.events import bus
 from tslice.orchestrator.events import derived as event_metrics
 
 K = opb.OrchestratorEvent.Kind
@@ -86,10 +86,10 @@ async def test_grants_holds_device_time_and_lease_expiries(cluster: Cluster) -> 
     assert _value(samples, "tslice_orchestrator_history_events_written_total") > 10
 
 
-def _event(kind: int, job: str, t: float, detail: str = "") -> opb.OrchestratorEvent:
-    ts = timestamp_pb2.Timestamp()
-    ts.FromNanoseconds(int(t * 1e9))
-    return opb.OrchestratorEvent(time=ts, kind=kind, group_id="g", job_id=job, detail=detail)
+def _event(kind: int, job: str, t: float, detail: str = "") -> bus.Event:
+    event = bus.Event(kind, "g", job, detail=detail)
+    event.time_ns = int(t * 1e9)
+    return event
 
 
 def test_the_job_label_stays_bounded_and_histograms_have_none() -> None:

@@ -77,7 +77,7 @@ def test_the_one_job_on_every_node_is_named_even_when_the_agents_disagree() -> N
 
 async def test_its_hold_stream_is_accepted_under_the_lost_grant_epoch() -> None:
     g = _lost()
-    holds = leases.Leases("g", metrics.OrchestratorMetrics())
+    holds = leases.Leases("g", metrics.OrchestratorMetrics(), expired=lambda *_: None)
     with pytest.raises(refusals.Refused) as early:
         holds.open(g, "a", 7)
     assert early.value.code is refusals.Code.UNAVAILABLE  # retried, not "lost"

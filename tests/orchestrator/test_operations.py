@@ -68,13 +68,21 @@ async def test_shutdown_fails_waiters_with_unavailable_and_keeps_their_place(
 async def test_metrics_endpoint_exposes_dashboard_names(cluster: Cluster) -> None:
     await cluster.start_agent("node-a")
     port = free_port()
-    await cluster.start_orchestrator(groups={"g": ["node-a"]}, metrics_port=port)
+    await cluster.start_orchestrator(
+        groups={"g": ["node-a"]}, metrics_port=port, history={"flush_interval_s": 0.05}
+    )
     stub = cluster.stub()
     await acquire(stub, "a", "g")
     await yield_(stub, "a", "g")  # deferred
     await acquire(stub, "b", "g")  # switch
+    # Grants and their waits are counted from the events, in the tap's batches.
+    wait_count = 'timeslice_orchestrator_acquire_wait_duration_seconds_count{group_id="g"} 2.0'
     async with httpx.AsyncClient() as http:
-        text = (await http.get(f"http://127.0.0.1:{port}/metrics")).text
+        for _ in range(100):  # the tap drains every flush_interval_s (0.05 s here)
+            text = (await http.get(f"http://127.0.0.1:{port}/metrics")).text
+            if wait_count in text:
+                break
+            await asyncio.sleep(0.05)
     for name in (
         'timeslice_orchestrator_queue_depth{group_id="g"} 0.0',
         'timeslice_orchestrator_acquire_wait_duration_seconds_count{group_id="g"} 2.0',

@@ -23,20 +23,28 @@ def test_groups_overlap_where_a_node_is_shared_and_the_devices_intersect() -> No
     assert overlap.overlap([node("a")], [node("b")]) == ()
 
 
+class Member:
+    """A group as the arbiter tells it: what it is told is recorded, not posted."""
+
+    def __init__(self, arbiter: Arbiter, group: str) -> None:
+        self._arbiter, self._group = arbiter, group
+
+    def claim_granted(self, job: str) -> None:
+        self._arbiter.granted.append((self._group, job))
+
+    def claim_contended(self) -> None:
+        self._arbiter.contended.append(self._group)
+
+
 class Arbiter:
-    """A DeviceArbiter whose callbacks are recorded instead of posted to inboxes."""
+    """A DeviceArbiter whose members record what they are told."""
 
     def __init__(self, groups: dict[str, tuple[config.NodeRef, ...]]) -> None:
         self.arbiter = overlap.DeviceArbiter()
         self.granted: list[tuple[str, str]] = []
         self.contended: list[str] = []
         for group, nodes in groups.items():
-            self.arbiter.join(
-                group,
-                nodes,
-                granted=lambda job, g=group: self.granted.append((g, job)),
-                contended=lambda g=group: self.contended.append(g),
-            )
+            self.arbiter.join(group, nodes, Member(self, group))
 
 
 def test_overlapping_groups_take_turns_and_an_idle_holder_is_asked_to_let_go() -> None:

@@ -42,6 +42,19 @@ class Job:
     turn: int = 0
 
 
+class _Member:
+    """A group as the arbiter tells it: what it is told goes to the cluster's inbox."""
+
+    def __init__(self, inbox: collections.deque[tuple[str, str, str]], group: str) -> None:
+        self._inbox, self._group = inbox, group
+
+    def claim_granted(self, job: str) -> None:
+        self._inbox.append((self._group, "granted", job))
+
+    def claim_contended(self) -> None:
+        self._inbox.append((self._group, "contended", ""))
+
+
 class Cluster:
     def __init__(
         self, rng: random.Random, make: Callable[[], policy.PolicySpec], bound: Bound
@@ -62,12 +75,7 @@ class Cluster:
             lock.use_policy(policy.build(make()), woken=True)
             lock.start_claim(None)
             self.locks[g] = lock
-            self.arbiter.join(
-                g,
-                self.nodes[g],
-                granted=lambda job, g=g: self.inbox.append((g, "granted", job)),
-                contended=lambda g=g: self.inbox.append((g, "contended", "")),
-            )
+            self.arbiter.join(g, self.nodes[g], _Member(self.inbox, g))
         self.jobs = {
             f"j{i}": Job(
                 needs=sorted(rng.sample(names, rng.randint(1, min(3, len(names))))),

@@ -9,8 +9,8 @@ from tests.orchestrator.llmd_agent import LlmdAgent
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
 from tslice.orchestrator import policy
 from tslice.orchestrator.group import lock as lk
-from tslice.orchestrator.switch import pool as agents
-from tslice.orchestrator.switch import prefetching
+from tslice.orchestrator.policy import prefetch as prefetching
+from tslice.orchestrator.switch import pool, step
 
 
 @dataclasses.dataclass
@@ -55,13 +55,14 @@ def test_the_waiter_prefetched_is_the_policys_next_not_the_first_in_the_queue() 
 async def test_an_llmd_agent_never_gets_the_directive() -> None:
     llmd = LlmdAgent({"a": pb.JOB_STATE_RUNNING, "b": pb.JOB_STATE_SAVED})
     address = await llmd.start()
-    client = agents.AgentClient(address)
+    client = pool.AgentClient(address)
     try:
-        done = await client.prefetch(job_id="b", group="", footprint_bytes=1)
+        link = step.chosen(client, await client.status())
+        done = await link.prefetch(job_id="b", group="", footprint_bytes=1)
     finally:
         await client.close()
         await llmd.stop()
-    assert done == "the agent declares no prefetch"
+    assert done == "the agent's protocol has no prefetch"
     # It read the declaration and sent nothing else: an llm-d agent would take a
     # Restore with an unknown field for a real restore.
     assert llmd.calls["Status"] == 1 and llmd.calls["Restore"] == 0

@@ -20,6 +20,12 @@ from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2 as opb
 from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2_grpc as opb_grpc
 from tslice.orchestrator.persistence import records, store
 
+
+def whole(record: records.LockRecord) -> records.Changes:
+    """A record written whole (as a group's first save writes what it started from)."""
+    return records.Changes(row=record.row, queued=record.queue, footprints=record.footprints)
+
+
 K = opb.OrchestratorEvent
 GS = opb.GroupStatus
 
@@ -93,7 +99,7 @@ async def test_detached_entries_are_dropped_after_the_grace(cluster: Cluster) ->
 async def seed_db(cluster: Cluster, record: records.LockRecord, nodes: list[str]) -> None:
     db = await store.Store.open(cluster.tmp_path / "orch")
     pairs = [(n, cluster.agents[n].address) for n in nodes]
-    await db.save("g", nodes=pairs, record=record, previous=None)
+    await db.save("g", nodes=pairs, changes=whole(record))
     await db.close()
 
 

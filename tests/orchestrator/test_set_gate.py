@@ -8,7 +8,7 @@ inbox and runs later (``pump``) as ``lock.on_set_ready``.
 from __future__ import annotations
 
 import collections
-import functools
+from collections.abc import Callable
 
 import pytest
 
@@ -16,6 +16,16 @@ from tslice.orchestrator import policy
 from tslice.orchestrator.group import effects as decisions
 from tslice.orchestrator.group import lock as lk
 from tslice.orchestrator.sets import coordinator as sets
+
+
+class _Member:
+    """A group as the set coordinator tells it: recorded by the test."""
+
+    def __init__(self, posted: Callable[[str, str, int], None], group: str) -> None:
+        self._posted, self._group = posted, group
+
+    def set_ready(self, job: str, seq: int) -> None:
+        self._posted(self._group, job, seq)
 
 
 class Groups:
@@ -29,7 +39,7 @@ class Groups:
         for g in names:
             pol = policy.build(build) if build is not None else None
             self.locks[g] = lk.GroupLock(policy=pol)
-            self.coordinator.join(g, functools.partial(self.posted, g))
+            self.coordinator.join(g, _Member(self.posted, g))
 
     def posted(self, g: str, job: str, seq: int) -> None:
         self.inbox.append((g, job, seq))

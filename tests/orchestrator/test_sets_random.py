@@ -66,6 +66,16 @@ from tslice.orchestrator.group import state
 from tslice.orchestrator.sets import coordinator as sets
 
 
+class _Member:
+    """A group as the set coordinator tells it: recorded by the test."""
+
+    def __init__(self, posted: Callable[[str, str, int], None], group: str) -> None:
+        self._posted, self._group = posted, group
+
+    def set_ready(self, job: str, seq: int) -> None:
+        self._posted(self._group, job, seq)
+
+
 @dataclasses.dataclass
 class Request:
     """One Acquire (``seq`` None) or AcquireSet of a job."""
@@ -118,7 +128,7 @@ class Cluster:
             lock = lk.GroupLock(reattach_grace_s=1e9)
             lock.use_policy(policy.build(spec), woken=True)
             self.locks[g] = lock
-            self.coordinator.join(g, functools.partial(self.set_posted, g))
+            self.coordinator.join(g, _Member(self.set_posted, g))
         self.jobs = {
             f"j{i}": Job(
                 hold=rng.uniform(0.1, 2), gap=rng.uniform(0.05, 6), switch=rng.uniform(0.05, 1)

@@ -19,6 +19,25 @@ from tslice.server import wal_limit
 NODES = [("node-a", "127.0.0.1:9001"), ("node-b", "127.0.0.1:9002")]
 
 
+def whole(record: records.LockRecord) -> records.Changes:
+    """A record written whole (as a group's first save writes what it started from)."""
+    return records.Changes(row=record.row, queued=record.queue, footprints=record.footprints)
+
+
+class Saver:
+    """Saves a lock as its group's executor does: what changed since the last save."""
+
+    def __init__(self, store: st.Store, group: str, lock: lk.GroupLock) -> None:
+        self.store, self.group, self.lock = store, group, lock
+        self.saved: records.GroupRow | None = None
+
+    async def save(self, nodes: list[tuple[str, str]] = NODES) -> records.LockRecord:
+        changes = self.lock.changes(self.saved)
+        await self.store.save(self.group, nodes=nodes, changes=changes)
+        self.saved = changes.row or self.saved
+        return self.lock.record()
+
+
 async def test_save_and_load_round_trip(tmp_path: pathlib.Path) -> None:
     s = await st.Store.open(tmp_path)
     g = lk.GroupLock()
@@ -26,12 +45,11 @@ async def test_save_and_load_round_trip(tmp_path: pathlib.Path) -> None:
     g.on_switch_done(epoch=1, restored=False, now=0)
     g.on_acquire("b", footprint_bytes=20, now=1)
     g.on_acquire("c", now=1)
-    r1 = g.record()
-    await s.save("g1", nodes=NODES, record=r1, previous=None)
+    saver = Saver(s, "g1", g)
+    await saver.save()
     g.on_yield("a", now=2)  # switch a -> b: intent
-    r2 = g.record()
-    await s.save("g1", nodes=NODES, record=r2, previous=r1)
-    await s.save("g2", nodes=NODES[:1], record=records.LockRecord.empty(), previous=None)
+    r2 = await saver.save()
+    await s.save("g2", nodes=NODES[:1], changes=whole(records.LockRecord.empty()))
     await s.close()
 
     s2 = await st.Store.open(tmp_path)
@@ -51,10 +69,10 @@ async def test_intent_cleared_after_switch(tmp_path: pathlib.Path) -> None:
     s = await st.Store.open(tmp_path)
     g = lk.GroupLock()
     g.on_acquire("a", now=0)
-    r1 = g.record()
-    await s.save("g", nodes=NODES, record=r1, previous=None)
+    saver = Saver(s, "g", g)
+    await saver.save()
     g.on_switch_done(epoch=1, restored=False, now=0)
-    await s.save("g", nodes=NODES, record=g.record(), previous=r1)
+    await saver.save()
     (_, rec) = (await s.load())["g"]
     await s.close()
     assert rec.intent is None and rec.holder == "a" and rec.resident == "a"
@@ -80,13 +98,13 @@ async def test_unwritable_state_dir_is_a_clear_error(tmp_path: pathlib.Path) -> 
 async def test_every_saved_record_loads_back_after_random_changes(
     tmp_path: pathlib.Path, scheduling: str
 ) -> None:
-    """Saves write only what changed since ``previous``; what loads is the last record
+    """Saves write only what changed since the last one; what loads is the last record
     (with priority, the waits' beginnings too: its aging bound holds across a restart)."""
     rng = random.Random(7)
     s = await st.Store.open(tmp_path)
     spec = policy_spec.PrioritySpec() if scheduling == "priority" else policy_spec.FifoSpec()
     g = lk.GroupLock(policy=policy.build(spec))
-    previous = None
+    saver = Saver(s, "g", g)
     jobs = ["a", "b", "c", "d"]
     for step in range(300):
         job = rng.choice(jobs)
@@ -99,9 +117,7 @@ async def test_every_saved_record_loads_back_after_random_changes(
             g.on_yield(job, now=step)
         else:
             g.on_cancel(job, now=step)
-        record = g.record()
-        await s.save("g", nodes=NODES, record=record, previous=previous)
-        previous = record
+        record = await saver.save()
         if step % 50 == 49:
             (_, loaded) = (await s.load())["g"]
             assert loaded == record, step
@@ -119,7 +135,7 @@ async def _largest_wal_over_saves(directory: pathlib.Path, saves: int) -> int:
         for i in range(saves):
             queue = tuple(records.QueueRecord(f"job-{k}", k, 0) for k in range(i % 7))
             rec = records.LockRecord(f"h{i % 3}", "r", i, i, i + 10, queue, None, (), 0)
-            await s.save(f"g{i % 50}", nodes=NODES, record=rec, previous=None)
+            await s.save(f"g{i % 50}", nodes=NODES, changes=whole(rec))
             if i % 100 == 0:
                 largest = max(largest, wal.stat().st_size if wal.exists() else 0)
     finally:
@@ -158,13 +174,12 @@ async def test_the_drain_mark_is_saved_and_loads_back(tmp_path: pathlib.Path) ->
     s = await st.Store.open(tmp_path)
     g = lk.GroupLock()
     g.on_drain(True, now=0)
-    r1 = g.record()
-    await s.save("g", nodes=NODES, record=r1, previous=None)
+    r1 = await Saver(s, "g", g).save()
     await s.close()
     s2 = await st.Store.open(tmp_path)
     (_, rec) = (await s2.load())["g"]
     g.on_drain(False, now=1)
-    await s2.save("g", nodes=NODES, record=g.record(), previous=rec)
+    await Saver(s2, "g", g).save()
     (_, resumed) = (await s2.load())["g"]
     await s2.close()
     assert rec.draining and rec == r1
@@ -175,7 +190,7 @@ async def test_a_database_from_before_drains_opens_with_no_group_drained(
     tmp_path: pathlib.Path,
 ) -> None:
     s = await st.Store.open(tmp_path)
-    await s.save("g", nodes=NODES, record=records.LockRecord.empty(), previous=None)
+    await s.save("g", nodes=NODES, changes=whole(records.LockRecord.empty()))
     await s.close()
     conn = sqlite3.connect(tmp_path / "orchestrator.db")
     conn.execute("ALTER TABLE groups DROP COLUMN draining")

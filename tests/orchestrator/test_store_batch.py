@@ -13,6 +13,12 @@ from tslice.orchestrator.group import lock as lk
 from tslice.orchestrator.persistence import records
 from tslice.orchestrator.persistence import store as st
 
+
+def whole(record: records.LockRecord) -> records.Changes:
+    """A record written whole (as a group's first save writes what it started from)."""
+    return records.Changes(row=record.row, queued=record.queue, footprints=record.footprints)
+
+
 NODES = [("node-a", "127.0.0.1:9001")]
 
 
@@ -40,14 +46,12 @@ async def test_saves_of_one_turn_share_one_commit_and_return_once_committed(
     commits: list[str] = []
     assert s._conn is not None
     s._conn.set_trace_callback(lambda sql: commits.append(sql) if sql == "COMMIT" else None)
-    saves = [
-        s.save(f"g{i}", nodes=NODES, record=_held_by(f"job-{i}"), previous=None) for i in range(5)
-    ]
+    saves = [s.save(f"g{i}", nodes=NODES, changes=whole(_held_by(f"job-{i}"))) for i in range(5)]
     await asyncio.gather(*saves)
     # Acknowledged: each is on disk for any reader.
     assert _holders_on_disk(s.path) == {f"g{i}": f"job-{i}" for i in range(5)}
     assert commits == ["COMMIT"]
-    await s.save("g0", nodes=NODES, record=_held_by("job-x"), previous=_held_by("job-0"))
+    await s.save("g0", nodes=NODES, changes=whole(_held_by("job-x")))
     assert commits == ["COMMIT", "COMMIT"]  # a save alone still commits at once
     await s.close()
 
@@ -59,17 +63,17 @@ async def test_a_save_that_cannot_be_written_fails_alone_and_holds_no_other_back
     write_rows = s._write_rows
     tried: list[str] = []
 
-    def failing(conn: sqlite3.Connection, gid: str, *args: object) -> None:
-        tried.append(gid)
-        if gid == "g-bad":
+    def failing(conn: sqlite3.Connection, save: st._Save) -> None:
+        tried.append(save.group_id)
+        if save.group_id == "g-bad":
             raise sqlite3.OperationalError("disk I/O error")
-        write_rows(conn, gid, *args)  # type: ignore[arg-type]
+        write_rows(conn, save)
 
     monkeypatch.setattr(s, "_write_rows", failing)
     outcomes = await asyncio.gather(
-        s.save("g-good", nodes=NODES, record=_held_by("a"), previous=None),
-        s.save("g-bad", nodes=NODES, record=_held_by("b"), previous=None),
-        s.save("g-also", nodes=NODES, record=_held_by("c"), previous=None),
+        s.save("g-good", nodes=NODES, changes=whole(_held_by("a"))),
+        s.save("g-bad", nodes=NODES, changes=whole(_held_by("b"))),
+        s.save("g-also", nodes=NODES, changes=whole(_held_by("c"))),
         return_exceptions=True,
     )
     assert outcomes[0] is None and outcomes[2] is None
@@ -80,6 +84,6 @@ async def test_a_save_that_cannot_be_written_fails_alone_and_holds_no_other_back
     assert _holders_on_disk(s.path) == {"g-good": "a", "g-also": "c"}
     monkeypatch.setattr(s, "_write_rows", write_rows)
     # The group retries its own save (as the driver does), and it sticks.
-    await s.save("g-bad", nodes=NODES, record=_held_by("b"), previous=None)
+    await s.save("g-bad", nodes=NODES, changes=whole(_held_by("b")))
     assert _holders_on_disk(s.path) == {"g-good": "a", "g-bad": "b", "g-also": "c"}
     await s.close()

@@ -14,6 +14,12 @@ from tslice.orchestrator.group import lock as lk
 from tslice.orchestrator.persistence import records
 from tslice.orchestrator.persistence import store as st
 
+
+def whole(record: records.LockRecord) -> records.Changes:
+    """A record written whole (as a group's first save writes what it started from)."""
+    return records.Changes(row=record.row, queued=record.queue, footprints=record.footprints)
+
+
 GRACE_S = 10.0
 NODES = [("node-a", "127.0.0.1:9001")]
 
@@ -86,7 +92,7 @@ async def test_the_unclaimed_deadline_is_stored_and_an_older_database_migrates(
 ) -> None:
     record = _unclaimed_holder_b()
     s = await st.Store.open(tmp_path)
-    await s.save("g", nodes=NODES, record=record, previous=None)
+    await s.save("g", nodes=NODES, changes=whole(record))
     await s.close()
     s = await st.Store.open(tmp_path)
     (_, loaded) = (await s.load())["g"]
@@ -98,7 +104,7 @@ async def test_the_unclaimed_deadline_is_stored_and_an_older_database_migrates(
     conn.close()
     s = await st.Store.open(tmp_path)
     (_, old) = (await s.load())["g"]
-    await s.save("g", nodes=NODES, record=record, previous=old)
+    await s.save("g", nodes=NODES, changes=whole(record))
     (_, saved) = (await s.load())["g"]
     await s.close()
     assert old.holder == "b" and old.holder_unclaimed_until is None

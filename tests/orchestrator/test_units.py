@@ -1,12 +1,8 @@
-"""Small pure pieces: recovery decisions, the event bus, backoff."""
+"""Small pure pieces: recovery decisions, backoff."""
 
 from __future__ import annotations
 
-import asyncio
-
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
-from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2 as opb
-from tslice.orchestrator.events import bus as events
 from tslice.orchestrator.group import effects as decisions
 from tslice.orchestrator.group import recovery
 from tslice.orchestrator.switch import plan as steps
@@ -60,53 +56,6 @@ def test_resident_verified_adopted_or_left_unverified() -> None:
 def test_jobs_of_other_groups_are_ignored() -> None:
     other = {"z": steps.JobView(R, "other-group")}
     assert decide("a", [{**view(a=R), **other}]).verified
-
-
-async def test_slow_watcher_drops_oldest_and_never_blocks() -> None:
-    bus = events.EventBus(maxlen=3)
-    dropped: list[int] = []
-    bus.on_drop = dropped.append
-    sub = bus.subscribe(group_id="g")
-    for i in range(5):
-        bus.publish(
-            events.make_event(opb.OrchestratorEvent.KIND_QUEUED, group_id="g", job_id=f"j{i}")
-        )
-    bus.publish(events.make_event(opb.OrchestratorEvent.KIND_QUEUED, group_id="h", job_id="x"))
-    assert sub.dropped == 2 and sum(dropped) == 2
-    bus.close()
-    got = [e.job_id async for e in sub]
-    assert got == ["j2", "j3", "j4"]
-
-
-async def test_subscription_wakes_on_publish() -> None:
-    bus = events.EventBus()
-    sub = bus.subscribe()
-    it = sub.__aiter__()
-    nxt = asyncio.ensure_future(it.__anext__())
-    await asyncio.sleep(0)
-    assert not nxt.done()
-    bus.publish(events.make_event(opb.OrchestratorEvent.KIND_GRANTED, group_id="g", job_id="a"))
-    assert (await asyncio.wait_for(nxt, 5)).job_id == "a"
-    bus.close()
-
-
-def test_events_reach_their_groups_watchers_and_the_watchers_of_all() -> None:
-    bus = events.EventBus()
-    queued = opb.OrchestratorEvent.KIND_QUEUED
-    of_g, of_h, of_all = (bus.subscribe(group_id=g) for g in ("g", "h", ""))
-    assert bus.wants("g", queued) and bus.wants("other", queued)
-    for gid in ("g", "h", "other", ""):
-        bus.publish(events.make_event(queued, group_id=gid, job_id=f"of-{gid}"))
-    assert [e.job_id for e in of_g._buffer] == ["of-g"]
-    assert [e.job_id for e in of_h._buffer] == ["of-h"]
-    assert [e.job_id for e in of_all._buffer] == ["of-g", "of-h", "of-other", "of-"]
-    bus.unsubscribe(of_all)
-    assert bus.wants("g", queued) and not bus.wants("other", queued)
-    bus.unsubscribe(of_g)
-    bus.unsubscribe(of_g)  # twice: nothing left to remove
-    assert not bus.wants("g", queued) and bus.wants("h", queued)
-    bus.close()
-    assert of_h.closed and not bus.wants("h", queued)
 
 
 def test_backoff_grows_and_is_capped() -> None:

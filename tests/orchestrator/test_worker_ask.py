@@ -1,5 +1,5 @@
-"""A question asked of a group's worker whose asker went away (a GetGroupStatus or a Hold
-whose client gave up while the worker was busy) is dropped quietly: it is not computed
+"""A question asked of a group's executor whose asker went away (a GetGroupStatus or a
+Hold whose client gave up while the group was busy) is dropped quietly: it is not computed
 (a Hold session opened for nobody would keep a lease alive) and logs no traceback."""
 
 from __future__ import annotations
@@ -7,44 +7,54 @@ from __future__ import annotations
 import asyncio
 import logging
 import pathlib
+from typing import Any
 
 import pytest
 
-from tslice.orchestrator.group import executor as worker
+from tslice.orchestrator.group import executor
 from tslice.orchestrator.group import lock as lk
-from tslice.orchestrator.persistence import store as st
-from tslice.orchestrator.switch import step as switch
+from tslice.orchestrator.persistence import health, store
+from tslice.orchestrator.switch import step
+
+
+class Group:
+    """The group's side of its executor (and its coordination): nothing to do here."""
+
+    def applied(self) -> None:
+        return None
+
+    def settled(self) -> None:
+        return None
+
+    def __getattr__(self, name: str) -> Any:
+        raise AssertionError(f"the executor asked the group for {name}")
 
 
 async def test_a_cancelled_question_is_not_computed_and_logs_nothing(
     tmp_path: pathlib.Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    db = await st.Store.open(tmp_path)
-    group = lk.GroupLock()
-    w = worker.Worker(
+    db = await store.Store.open(tmp_path)
+    run = executor.Executor(
         group_id="g",
         nodes=(),
+        lk=lk.GroupLock(),
+        group=Group(),  # type: ignore[arg-type]
+        coordination=Group(),  # type: ignore[arg-type]
+        switches=None,  # type: ignore[arg-type]
         db=db,
-        backoff=switch.Backoff(0.01, 0.1),
-        saved=None,
-        record=group.record,
-        stopping=lambda: False,
-        applied=lambda: None,
-        settled=lambda: None,
+        store_health=health.StoreHealth(),
+        backoff=step.Backoff(0.01, 0.1),
     )
     computed: list[float] = []
-    asked = asyncio.ensure_future(w.ask(computed.append))
-    await asyncio.sleep(0)  # posted: the worker is not running yet (busy)
-    asked.cancel()
     caplog.set_level(logging.ERROR)
-    running = asyncio.ensure_future(w.run())
     try:
-        # A later question is answered: the cancelled one went through the worker first.
-        assert await w.ask(lambda now: "answered") == "answered"
+        asked = run.ask(computed.append)  # posted: the batch runs at the next turn
+        asked.cancel()
+        # A later question is answered: the cancelled one went through the batch first.
+        assert await run.ask(lambda now: "answered") == "answered"
     finally:
-        running.cancel()
-        await asyncio.gather(running, return_exceptions=True)
         await db.close()
     assert asked.cancelled()
     assert computed == []
     assert [r for r in caplog.records if r.levelno >= logging.ERROR] == []
+    await asyncio.sleep(0)

@@ -23,7 +23,7 @@ from tslice.agent.backends import base
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2_grpc as pb_grpc
 from tslice.common import tasks, validation
-from tslice.rpc import refusals, unique_requests
+from tslice.rpc import multiplex, refusals
 from tslice.security import auth
 from tslice.server import logs
 
@@ -135,7 +135,7 @@ def _duplicate_grant(request: pb.GrantStreamRequest) -> pb.GrantStreamResponse:
     return pb.GrantStreamResponse(
         request_id=request.request_id,
         status_code=refusals.status_number(refusals.Code.INVALID_ARGUMENT),
-        status_message=unique_requests.duplicate_message(request.request_id),
+        status_message=multiplex.duplicate_message(request.request_id),
     )
 
 
@@ -294,7 +294,7 @@ class SnapshotAgentServicer(pb_grpc.SnapshotAgentServiceServicer):
         checked for each grant, whose reply carries the refusal: a stream refused as a
         whole would read to the caller as an agent without GrantStream."""
         term = await self._fenced(context, directive=False)
-        async for reply in unique_requests.serve(
+        async for reply in multiplex.serve(
             request_iterator,
             functools.partial(self._stream_reply, term=term),
             request_id=lambda r: r.request_id,

@@ -376,9 +376,9 @@ class BaseClient(Generic[K]):
         if not given:
             raise ValueError("groups is empty: name the groups to acquire together")
         group_ids = tuple(dict.fromkeys(given))
-        request = opb.AcquireSetRequest(
-            job_id=job, group_ids=group_ids, **self._terms(footprint_bytes)
-        )
+        request = opb.AcquireSetRequest(job_id=job, group_ids=group_ids)
+        for field, value in self._terms(footprint_bytes).items():
+            setattr(request, field, value)
         wait = self._acquire_timeout(timeout)
         noop = dict.fromkeys(group_ids, NOOP_ACQUIRE) if self._noop() else None
         # The groups as the call's group: NOT_FOUND then is UnknownGroup (the server names it).

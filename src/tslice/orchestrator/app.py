@@ -42,8 +42,7 @@ from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2 as opb
 from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2_grpc as opb_grpc
 from tslice.common import errors, ids, tasks
 from tslice.orchestrator import config, metrics, server
-from tslice.orchestrator.events import bus as events
-from tslice.orchestrator.events import tap
+from tslice.orchestrator.events import bus, tap
 from tslice.orchestrator.group import discovered, manager
 from tslice.orchestrator.group import driver as group
 from tslice.orchestrator.persistence import health as store_health
@@ -270,9 +269,11 @@ class _Leader:
         """The servicer of this leadership (None: stopped before the topology was known);
         on the way out the groups stop, an in-flight switch given ``grace_s()``."""
         cfg = self.cfg
-        bus = events.EventBus()
-        bus.on_drop = self._metrics.events_dropped.inc
-        self._tap.attach(bus)
+        events = bus.EventBus(caps=cfg.limits)
+        events.on_drop = self._metrics.events_dropped.inc
+        self._tap.attach(events)
+        # A new leadership reads every node again before it moves anything there.
+        await self._pool.new_term()
         groups: manager.GroupManager | None = None
         servicer: server.OrchestratorServicer | None = None
         discovery = _discovery(cfg)
@@ -288,7 +289,7 @@ class _Leader:
                 cfg=cfg,
                 db=db,
                 pool=self._pool,
-                bus=bus,
+                bus=events,
                 metrics=self._metrics,
                 store_health=self.store_health,
             )
@@ -299,9 +300,9 @@ class _Leader:
             checking = tasks.spawn(agent_check.warn_at_start(cfg, self._pool), name="agents:check")
             if discovery is not None:
                 discovery.follow(groups)
-            self._metrics.health.read = functools.partial(_health, groups)
+            self._metrics.health.read = functools.partial(_readings, groups, self.store_health)
             servicer = server.OrchestratorServicer(
-                groups=groups, bus=bus, store=self.store_health, event_tap=self._tap
+                groups=groups, events=events, store=self.store_health, event_tap=self._tap
             )
             yield servicer
         finally:
@@ -315,17 +316,25 @@ class _Leader:
                 self._groups = None
             if servicer is not None:
                 servicer.close()
-            bus.close()
+            events.close()
 
 
-def _health(groups: manager.GroupManager) -> metrics.HealthReading:
-    """Degraded and unreachable nodes per group. A scrape reads them in the HTTP thread
+def _readings(
+    groups: manager.GroupManager, store: store_health.StoreHealth
+) -> dict[str, metrics.GroupReading]:
+    """Each group's state, queue and nodes, for a scrape. It reads them in the HTTP thread
     while the loop may change them: a read that raced a change is tried again."""
     for _ in range(3):
         try:
             drivers = [d for d in map(groups.get, groups.ids()) if d is not None]
             return {
-                d.group_id: (len(dict(d.health.degraded)), len(dict(d.health.unreachable)))
+                d.group_id: metrics.GroupReading(
+                    state=d.reported_state()[0],
+                    queue_depth=len(d.lock.queue),
+                    reserved=d.lock.reserved_for is not None,
+                    degraded=len(dict(d.health.degraded)),
+                    unreachable=len(dict(d.health.unreachable)),
+                )
                 for d in drivers
             }
         except RuntimeError:  # a dict changed size while it was copied

@@ -40,6 +40,7 @@ import pydantic
 import yaml
 
 from tslice.common import errors, ids
+from tslice.orchestrator.limits import Limits, LimitsModel
 from tslice.orchestrator.persistence.history import HistorySettings
 from tslice.orchestrator.policy import models as policy_models
 from tslice.orchestrator.policy import spec as policy_spec
@@ -220,6 +221,8 @@ class OrchestratorModel(_Model):
     slurm: slurm_settings.SlurmModel | None = None
     #: The event history kept beside the state (tslice events --since).
     history: HistoryModel = HistoryModel()
+    #: Caps on waiters and event watchers (see tslice.orchestrator.limits).
+    limits: LimitsModel = LimitsModel()
 
     @pydantic.field_validator("local_groups")
     @classmethod
@@ -334,6 +337,8 @@ class OrchestratorConfig:
     policy: policy_spec.PolicySpec = dataclasses.field(default_factory=policy_spec.FifoSpec)
     #: The event history: on/off, its bounds (age, size) and how often it is written.
     history: HistorySettings = dataclasses.field(default_factory=HistorySettings)
+    #: Caps on a group's waiters and on event watchers (see tslice.orchestrator.limits).
+    limits: Limits = dataclasses.field(default_factory=Limits)
 
     def policy_for(self, group_id: str) -> policy_spec.PolicySpec:
         """The group's scheduling policy: its own from the topology, else the default."""
@@ -479,6 +484,7 @@ def build(
     settings = {f.name: getattr(model, f.name) for f in dataclasses.fields(OrchestratorConfig)}
     settings["policy"] = policy_models.spec_of(model.policy)
     settings["history"] = HistorySettings(**model.history.model_dump())
+    settings["limits"] = model.limits.settings()
     return OrchestratorConfig(
         **{
             **settings,

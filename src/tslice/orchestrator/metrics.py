@@ -6,13 +6,14 @@ is on :attr:`OrchestratorMetrics.job_hold`, a counter kept for at most
 :data:`MAX_JOB_SERIES` jobs per group.
 
 Grants, hold times, per-job device time and lease expiries are derived from the event
-stream in batches, off the hand-over path (:mod:`tslice.orchestrator.events.derived`);
-degraded and unreachable nodes are read when Prometheus scrapes
-(:class:`GroupHealthCollector`): nothing is updated for them on a hand-over.
+stream in batches, off the hand-over path (``events.derived``); each group's state, queue
+depth, reservation and degraded and unreachable nodes are read when Prometheus scrapes
+(:class:`GroupCollector`): nothing is updated for them on a hand-over.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, TypeVar
 
@@ -40,9 +41,6 @@ class OrchestratorMetrics:
         self._per_group: list[Any] = []
         group = ["group_id"]
         per_node = ["group_id", "node", "operation"]
-        self.queue_depth = self._gauge(
-            "timeslice_orchestrator_queue_depth", "Jobs waiting for the group", group
-        )
         self.acquire_wait = self._histogram(
             "timeslice_orchestrator_acquire_wait_duration_seconds",
             "Time from Acquire to grant",
@@ -76,17 +74,6 @@ class OrchestratorMetrics:
             "tslice_orchestrator_switch_step_failures",
             "Failed switch steps on a node (each is retried with backoff)",
             per_node,
-        )
-        self.group_state = self._gauge(
-            "tslice_orchestrator_group_state",
-            "1 for the group's current state, 0 for the others",
-            ["group_id", "state"],
-        )
-        self.reserved = self._gauge(
-            "tslice_orchestrator_group_reserved",
-            "1 while the free group is kept for a member of an AcquireSet whose other "
-            "groups are still busy (the idle time a set costs)",
-            group,
         )
         self.acquire_sets = self._counter(
             "tslice_orchestrator_acquire_sets",
@@ -155,12 +142,10 @@ class OrchestratorMetrics:
             "Batches of events the history could not write (each is logged)",
             [],
         )
-        self.health = GroupHealthCollector()
+        self.health = GroupCollector()
         self.registry.register(self.health)
         #: Also told when a group is forgotten (the event-derived series' own caches).
         self.on_forget_group: Callable[[str], None] | None = None
-        self._states: dict[str, str] = {}
-        self._state_children: dict[tuple[str, str], Any] = {}
 
     def _gauge(self, name: str, doc: str, labels: list[str]) -> prom.Gauge:
         return self._family(prom.Gauge(name, doc, labels, registry=self.registry), labels)
@@ -181,32 +166,10 @@ class OrchestratorMetrics:
 
     def forget_group(self, group_id: str) -> None:
         """Drop every series of a group that is gone (an idle local group collected)."""
-        self._states.pop(group_id, None)
-        for key in [k for k in self._state_children if k[0] == group_id]:
-            del self._state_children[key]
         for family in self._per_group:
             _remove_group(family, group_id)
         if self.on_forget_group is not None:
             self.on_forget_group(group_id)
-
-    def set_state(self, group_id: str, state: str) -> None:
-        previous = self._states.get(group_id)
-        if previous is None:
-            for s in GROUP_STATES:
-                self._state_series(group_id, s).set(1 if s == state else 0)
-        elif previous != state:
-            # Two series move on a hand-over; the others stay 0.
-            self._state_series(group_id, previous).set(0)
-            self._state_series(group_id, state).set(1)
-        self._states[group_id] = state
-
-    def _state_series(self, group_id: str, state: str) -> Any:
-        # labels() costs more than set(): look each child up once.
-        series = self._state_children.get((group_id, state))
-        if series is None:
-            series = self.group_state.labels(group_id=group_id, state=state)
-            self._state_children[(group_id, state)] = series
-        return series
 
 
 def _remove_group(family: Any, group_id: str) -> None:
@@ -219,18 +182,41 @@ def _remove_group(family: Any, group_id: str) -> None:
             del family._metrics[values]
 
 
-#: What :class:`GroupHealthCollector` reads per group: (degraded nodes, unreachable nodes).
-HealthReading = Mapping[str, tuple[int, int]]
+@dataclasses.dataclass(frozen=True)
+class GroupReading:
+    """One group as a scrape reads it."""
+
+    state: str
+    queue_depth: int
+    reserved: bool
+    degraded: int
+    unreachable: int
 
 
-class GroupHealthCollector(Collector):
-    """``tslice_orchestrator_degraded_nodes`` and ``..._unreachable_nodes`` per group,
-    counted when scraped (from the HTTP thread) by :attr:`read`, which the leader sets."""
+class GroupCollector(Collector):
+    """The series of each group's state, read when scraped (from the HTTP thread) by
+    :attr:`read`, which the leader sets: nothing is updated for them on a hand-over."""
 
     def __init__(self) -> None:
-        self.read: Callable[[], HealthReading] = dict
+        self.read: Callable[[], Mapping[str, GroupReading]] = dict
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
+        state = GaugeMetricFamily(
+            "tslice_orchestrator_group_state",
+            "1 for the group's current state, 0 for the others",
+            labels=["group_id", "state"],
+        )
+        depth = GaugeMetricFamily(
+            "timeslice_orchestrator_queue_depth",
+            "Jobs waiting for the group",
+            labels=["group_id"],
+        )
+        reserved = GaugeMetricFamily(
+            "tslice_orchestrator_group_reserved",
+            "1 while the free group is kept for a member of an AcquireSet whose other "
+            "groups are still busy (the idle time a set costs)",
+            labels=["group_id"],
+        )
         degraded = GaugeMetricFamily(
             "tslice_orchestrator_degraded_nodes",
             "Nodes of the group that kept refusing a switch; no switch starts until an "
@@ -242,8 +228,11 @@ class GroupHealthCollector(Collector):
             "Nodes of the group whose agent does not answer (the group is UNKNOWN)",
             labels=["group_id"],
         )
-        for gid, (bad, gone) in sorted(self.read().items()):
-            degraded.add_metric([gid], bad)
-            unreachable.add_metric([gid], gone)
-        yield degraded
-        yield unreachable
+        for gid, r in sorted(self.read().items()):
+            for s in GROUP_STATES:
+                state.add_metric([gid, s], 1 if s == r.state else 0)
+            depth.add_metric([gid], r.queue_depth)
+            reserved.add_metric([gid], 1 if r.reserved else 0)
+            degraded.add_metric([gid], r.degraded)
+            unreachable.add_metric([gid], r.unreachable)
+        yield from (state, depth, reserved, degraded, unreachable)

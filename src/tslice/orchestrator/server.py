@@ -1,14 +1,20 @@
 """The v1alpha1 TimeSliceOrchestratorService servicer (grpc.aio).
 
-Validation and status-code mapping live here; decisions live in the group
-drivers. Status codes: INVALID_ARGUMENT (bad ids or footprint), NOT_FOUND
-(unknown group; Evict of a job that neither holds nor waits), PERMISSION_DENIED
-(yield of a lock another job holds), UNAVAILABLE (shutting down; retry), ABORTED
-(the job yielded while its own Acquire was pending, or an administrator evicted
-it), FAILED_PRECONDITION (Hold by a job that does not hold the group; Yield by a
-job an administrator evicted); UNAVAILABLE also while the orchestrator cannot write its
-state (``store_health``: a full disk, a corrupt database), naming why, for every call that
-would change a group; CANCELLED / DEADLINE_EXCEEDED come from the caller.
+Validation and status-code mapping live here; decisions live in the groups
+(``group.driver``). An Acquire is a waiter of its group, answered when the group's
+executor resolves it: over a Session from the waiter's callback
+(``rpc.multiplex.serve``), with no task per request; a unary call awaits it.
+
+Status codes: INVALID_ARGUMENT (bad ids or footprint), NOT_FOUND (unknown group; Evict of
+a job that neither holds nor waits), PERMISSION_DENIED (yield of a lock another job
+holds), UNAVAILABLE (shutting down; retry), ABORTED (the job yielded while its own
+Acquire was pending, or an administrator evicted it), FAILED_PRECONDITION (Hold by a job
+that does not hold the group; Yield by a job an administrator evicted),
+RESOURCE_EXHAUSTED (a footprint that never fits, a group's waiters or the event watchers
+past their caps, a watcher that fell behind); UNAVAILABLE also while the orchestrator
+cannot write its state (``persistence.health``: a full disk, a corrupt database), naming
+why, for every call that would change a group; CANCELLED / DEADLINE_EXCEEDED come from
+the caller.
 """
 
 from __future__ import annotations
@@ -16,27 +22,23 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
-from typing import Any, TypeVar
+from collections.abc import AsyncIterator, Awaitable, Coroutine
+from typing import Any
 
 import grpc
 
 from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2 as opb
 from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2_grpc as opb_grpc
 from tslice.common import validation
-from tslice.orchestrator.events import bus as events
-from tslice.orchestrator.events import tap
-from tslice.orchestrator.group import driver as group
-from tslice.orchestrator.group import effects as decisions
-from tslice.orchestrator.group import manager
-from tslice.orchestrator.persistence import health as store_health
-from tslice.orchestrator.persistence import history
+from tslice.orchestrator.events import bus, tap
+from tslice.orchestrator.group import callers, driver, manager
+from tslice.orchestrator.group import effects as fx
+from tslice.orchestrator.persistence import health
 from tslice.orchestrator.sets import acquire as set_acquire
-from tslice.rpc import refusals, unique_requests
+from tslice.rpc import multiplex, refusals
 from tslice.security import auth
 from tslice.server import logs
 
-_T = TypeVar("_T")
 log = logging.getLogger(__name__)
 
 
@@ -44,6 +46,9 @@ log = logging.getLogger(__name__)
 MAX_REASON = 256
 #: Groups of one AcquireSet.
 MAX_SET_GROUPS = 16
+#: Ids found valid lately, remembered so that a request of a known job or group costs
+#: a lookup, not a match (a bound: the memory is cleared when it is full).
+_VALID_IDS_KEPT = 4096
 
 
 def _checked_fields(message: Any) -> None:
@@ -77,11 +82,31 @@ def _checked_terms(
     (the nearer of the call's deadline and ``timeout_ms``)."""
     auth.require_job(job)  # a job credential acts only as its own job ids
     _at_least_0("footprint_bytes", request.footprint_bytes, "default")
-    try:
-        validation.check_lease("lease_ms", request.lease_ms)
-    except validation.InvalidInput as err:
-        raise refusals.Refused(refusals.Code.INVALID_ARGUMENT, str(err)) from None
-    return _sooner(time_left, _at_least_0("timeout_ms", request.timeout_ms, "no deadline"))
+    lease_ms = request.lease_ms
+    if lease_ms != 0 and not lease_ms >= validation.MIN_LEASE_MS:  # (the check names why)
+        try:
+            validation.check_lease("lease_ms", lease_ms)
+        except validation.InvalidInput as err:
+            raise refusals.Refused(refusals.Code.INVALID_ARGUMENT, str(err)) from None
+    timeout_ms = request.timeout_ms
+    if timeout_ms == 0:
+        return time_left
+    return _sooner(time_left, _at_least_0("timeout_ms", timeout_ms, "no deadline"))
+
+
+def _set_footprints(request: opb.AcquireSetRequest, gids: list[str]) -> dict[str, int]:
+    """Each group's footprint: its own (``footprints``), else ``footprint_bytes``."""
+    named = dict(request.footprints)
+    strange = sorted(set(named) - set(gids))
+    if strange:
+        raise refusals.Refused(
+            refusals.Code.INVALID_ARGUMENT,
+            f"footprints names {', '.join(map(repr, strange))}, not among group_ids; give "
+            "a footprint only for the groups of the set",
+        )
+    for gid, footprint in named.items():
+        _at_least_0(f"footprints[{gid!r}]", footprint, "footprint_bytes")
+    return {gid: named.get(gid) or request.footprint_bytes for gid in gids}
 
 
 def _checked_set(group_ids: list[str]) -> list[str]:
@@ -119,10 +144,8 @@ def _checked_reason(reason: str) -> str:
     return reason
 
 
-def _eviction(gid: str, out: decisions.EvictOutcome) -> opb.Eviction:
-    role = (
-        opb.Eviction.ROLE_HOLDER if out.role is decisions.Role.HOLDER else opb.Eviction.ROLE_WAITER
-    )
+def _eviction(gid: str, out: fx.EvictOutcome) -> opb.Eviction:
+    role = opb.Eviction.ROLE_HOLDER if out.role is fx.Role.HOLDER else opb.Eviction.ROLE_WAITER
     return opb.Eviction(group_id=gid, role=role, next_job=out.next_job)
 
 
@@ -136,8 +159,62 @@ def _refused(request_id: int, refused: refusals.Refused) -> opb.SessionResponse:
 
 def _duplicate(request: opb.SessionRequest) -> opb.SessionResponse:
     """A second request with the id of one in flight: refused, never run (no ghost waiter)."""
-    message = unique_requests.duplicate_message(request.request_id)
+    message = multiplex.duplicate_message(request.request_id)
     return _refused(request.request_id, refusals.Refused(refusals.Code.INVALID_ARGUMENT, message))
+
+
+def _acquired(grant: callers.Grant) -> opb.AcquireResponse:
+    return opb.AcquireResponse(
+        success=True,
+        waited_ms=int(grant.waited_s * 1000),
+        context_restored=grant.restored,
+        grant_epoch=grant.epoch,
+    )
+
+
+def _yielded(request: opb.YieldRequest, out: fx.YieldOutcome) -> opb.YieldResponse:
+    """The Yield's answer; raises ``refusals.Refused`` if the job did not hold the group."""
+    job, gid = request.job_id, request.group_id
+    if not out.ok and out.holder is None:
+        # Nobody holds it, and an administrator took it from this job.
+        raise refusals.Refused(
+            refusals.Code.FAILED_PRECONDITION,
+            f"job {job!r} no longer holds group {gid!r}: it was {out.evicted}; Acquire it again",
+        )
+    if not out.ok:
+        evicted = f" (job {job!r} was {out.evicted})" if out.evicted else ""
+        raise refusals.Refused(
+            refusals.Code.PERMISSION_DENIED,
+            f"group {gid!r} is held by job {out.holder!r}, not {job!r}{evicted}; "
+            "only the holder can yield it",
+        )
+    return opb.YieldResponse(
+        success=True,
+        pending_waiters=out.pending_waiters,
+        snapshot_deferred=out.snapshot_deferred,
+    )
+
+
+def _session_answer(request: opb.SessionRequest, done: asyncio.Future[Any]) -> opb.SessionResponse:
+    """A Session request's reply, from its finished grant, yield or set (or refusal)."""
+    rid = request.request_id
+    try:
+        result = done.result()
+        reply = opb.SessionResponse(request_id=rid)
+        if isinstance(result, callers.Grant):
+            reply.acquire.CopyFrom(_acquired(result))
+        elif isinstance(result, fx.YieldOutcome):
+            reply.release.CopyFrom(_yielded(request.release, result))
+        else:
+            reply.acquire_set.CopyFrom(result)
+        return reply
+    except refusals.Refused as refused:
+        return _refused(rid, refused)
+    except Exception as err:
+        # A unary call would end UNKNOWN; a Session request must not go unanswered.
+        log.error("session request %d failed", rid, exc_info=err)
+        failed = f"the orchestrator failed on this request ({type(err).__name__}: {err})"
+        return _refused(rid, refusals.Refused(refusals.Code.INTERNAL, failed))
 
 
 class OrchestratorServicer(opb_grpc.TimeSliceOrchestratorServiceServicer):
@@ -145,14 +222,15 @@ class OrchestratorServicer(opb_grpc.TimeSliceOrchestratorServiceServicer):
         self,
         *,
         groups: manager.GroupManager,
-        bus: events.EventBus,
-        store: store_health.StoreHealth | None = None,
+        events: bus.EventBus,
+        store: health.StoreHealth | None = None,
         event_tap: tap.EventTap | None = None,
     ) -> None:
         self._groups = groups
-        self._bus = bus
+        self._bus = events
         #: While the state cannot be written, calls that would change a group are refused.
-        self._store = store if store is not None else store_health.StoreHealth()
+        self._store = store if store is not None else health.StoreHealth()
+        self._valid_ids: set[str] = set()
         #: The history behind WatchEvents' ``since`` (None: none kept).
         self._tap = event_tap
         #: Set when the orchestrator stops: Session streams end at once.
@@ -162,19 +240,32 @@ class OrchestratorServicer(opb_grpc.TimeSliceOrchestratorServiceServicer):
         """End the long-lived Session streams (after the groups stopped)."""
         self._closing.set()
 
-    def _driver(self, gid: str) -> group.GroupDriver:
+    def _driver(self, gid: str) -> driver.GroupDriver:
         return self._found(gid, self._groups.get(gid))
 
-    def _found(self, gid: str, driver: group.GroupDriver | None) -> group.GroupDriver:
-        if driver is None:
-            raise refusals.Refused(refusals.Code.NOT_FOUND, self._groups.not_found_message(gid))
-        return driver
+    def _found(self, gid: str, found: driver.GroupDriver | None) -> driver.GroupDriver:
+        if found is None:
+            raise self._not_found(gid)
+        return found
+
+    def _not_found(self, gid: str) -> refusals.Refused:
+        return refusals.Refused(refusals.Code.NOT_FOUND, self._groups.not_found_message(gid))
+
+    def _checked_id(self, field: str, value: str) -> str:
+        """``value`` if it is a well-formed id, else refused naming ``field``."""
+        if value in self._valid_ids:
+            return value
+        checked = refusals.checked_id(field, value)
+        if len(self._valid_ids) >= _VALID_IDS_KEPT:
+            self._valid_ids.clear()
+        self._valid_ids.add(checked)
+        return checked
 
     async def Acquire(
         self, request: opb.AcquireRequest, context: grpc.aio.ServicerContext
     ) -> opb.AcquireResponse:
         time_left = context.time_remaining()
-        return await refusals.answered(context, self.acquire(request, time_left=time_left))
+        return await refusals.answered(context, self._unary_acquire(request, time_left))
 
     async def AcquireSet(
         self, request: opb.AcquireSetRequest, context: grpc.aio.ServicerContext
@@ -185,74 +276,100 @@ class OrchestratorServicer(opb_grpc.TimeSliceOrchestratorServiceServicer):
     async def Yield(
         self, request: opb.YieldRequest, context: grpc.aio.ServicerContext
     ) -> opb.YieldResponse:
-        return await refusals.answered(context, self.yield_(request))
+        return await refusals.answered(context, self._unary_yield(request))
+
+    async def _unary_yield(self, request: opb.YieldRequest) -> opb.YieldResponse:
+        return _yielded(request, await self.yield_(request))
 
     async def Session(
         self,
         request_iterator: AsyncIterator[opb.SessionRequest],
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[opb.SessionResponse]:
-        async for reply in unique_requests.serve(
+        async for reply in multiplex.serve(
             request_iterator,
-            self._session_reply,
+            self._session_start,
             request_id=lambda r: r.request_id,
             duplicate=_duplicate,
+            answer=_session_answer,
             is_cancel=lambda r: r.WhichOneof("call") == "cancel",
             name="session",
             closing=self._closing,
         ):
             yield reply
 
-    async def _session_reply(self, request: opb.SessionRequest) -> opb.SessionResponse:
-        reply = opb.SessionResponse(request_id=request.request_id)
-        try:
-            kind = request.WhichOneof("call")
-            if kind == "acquire":
-                reply.acquire.CopyFrom(await self.acquire(request.acquire))
-            elif kind == "release":
-                reply.release.CopyFrom(await self.yield_(request.release))
-            elif kind == "acquire_set":
-                reply.acquire_set.CopyFrom(await self.acquire_set(request.acquire_set))
-            else:
-                raise refusals.Refused(
-                    refusals.Code.INVALID_ARGUMENT,
-                    "a Session request carries acquire, acquire_set, release or cancel",
-                )
-        except refusals.Refused as refused:
-            return _refused(request.request_id, refused)
-        except Exception as err:
-            # A unary call would end UNKNOWN; a Session request must not go unanswered.
-            log.exception("session request %d failed", request.request_id)
-            failed = f"the orchestrator failed on this request ({type(err).__name__}: {err})"
-            return _refused(request.request_id, refusals.Refused(refusals.Code.INTERNAL, failed))
-        return reply
+    def _session_start(self, request: opb.SessionRequest) -> Awaitable[Any]:
+        """A Session request under way: its grant, its yield's outcome, its set."""
+        kind = request.WhichOneof("call")
+        if kind == "acquire":
+            return self.acquire(request.acquire)
+        if kind == "release":
+            return self.yield_(request.release)
+        if kind == "acquire_set":
+            return self.acquire_set(request.acquire_set)
+        raise refusals.Refused(
+            refusals.Code.INVALID_ARGUMENT,
+            "a Session request carries acquire, acquire_set, release or cancel",
+        )
 
-    async def acquire(
+    def acquire(
         self, request: opb.AcquireRequest, *, time_left: float | None = None
-    ) -> opb.AcquireResponse:
-        """One Acquire (unary or over a Session); raises ``refusals.Refused``.
+    ) -> Awaitable[callers.Grant]:
+        """One Acquire under way (over a Session, or unary): its grant. Raises
+        ``refusals.Refused``. ``time_left``: seconds to the call's deadline (None: none),
+        bounded by the request's own ``timeout_ms``."""
+        started = self._acquiring(request, time_left)
+        return started.future if isinstance(started, callers.Waiter) else started
 
-        ``time_left``: seconds to the call's deadline (None: none; Session requests),
-        bounded by the request's own ``timeout_ms`` (how a Session request carries one)."""
-        started = time.monotonic()
-        job = refusals.checked_id("job_id", request.job_id)
-        gid = refusals.checked_id("group_id", request.group_id)
+    async def _unary_acquire(
+        self, request: opb.AcquireRequest, time_left: float | None
+    ) -> opb.AcquireResponse:
+        started = self._acquiring(request, time_left)
+        if not isinstance(started, callers.Waiter):
+            return _acquired(await started)
+        try:
+            grant = await started.future
+        except asyncio.CancelledError:
+            if started.future.done() and not started.future.cancelled():
+                callers.undelivered(started)  # granted, its reply lost
+            raise
+        return _acquired(grant)
+
+    def _acquiring(
+        self, request: opb.AcquireRequest, time_left: float | None
+    ) -> callers.Waiter | Coroutine[Any, Any, callers.Grant]:
+        """The Acquire under way (unary or over a Session): its waiter, or a coroutine
+        where its group must be created first or its nodes read for the footprint."""
+        job = self._checked_id("job_id", request.job_id)
+        gid = self._checked_id("group_id", request.group_id)
         logs.IDS.set({"job_id": job, "group_id": gid})  # every log line of this call
         time_left = _checked_terms(job, request, time_left)
         self._store.check()
-        driver = self._found(gid, await self._groups.get_or_create(gid))
-        grant = await driver.acquire(
-            job,
-            footprint_bytes=request.footprint_bytes,
-            lease_ms=request.lease_ms,
-            time_left=time_left,
+        found = self._groups.get(gid)
+        footprint = request.footprint_bytes
+        if found is None or (footprint > 0 and found.needs_read()):
+            return self._acquire_later(request, job, gid, time_left)
+        return found.acquire(
+            job, footprint_bytes=footprint, lease_ms=request.lease_ms, time_left=time_left
         )
-        return opb.AcquireResponse(
-            success=True,
-            waited_ms=int((time.monotonic() - started) * 1000),
-            context_restored=grant.restored,
-            grant_epoch=grant.epoch,
+
+    async def _acquire_later(
+        self, request: opb.AcquireRequest, job: str, gid: str, time_left: float | None
+    ) -> callers.Grant:
+        """An Acquire that first creates its group (local mode) or reads its nodes."""
+        found = self._found(gid, await self._groups.get_or_create(gid))
+        footprint = request.footprint_bytes
+        if footprint > 0:
+            await found.fits(job, footprint)
+        waiter = found.acquire(
+            job, footprint_bytes=footprint, lease_ms=request.lease_ms, time_left=time_left
         )
+        try:
+            return await waiter.future
+        except asyncio.CancelledError:
+            if waiter.future.done() and not waiter.future.cancelled():
+                callers.undelivered(waiter)  # granted, its reply lost
+            raise
 
     async def acquire_set(
         self, request: opb.AcquireSetRequest, *, time_left: float | None = None
@@ -262,13 +379,14 @@ class OrchestratorServicer(opb_grpc.TimeSliceOrchestratorServiceServicer):
         job = refusals.checked_id("job_id", request.job_id)
         gids = _checked_set(list(request.group_ids))
         time_left = _checked_terms(job, request, time_left)
+        footprints = _set_footprints(request, gids)
         self._store.check()
         # Every group is checked before any is asked for: an unknown one loses nothing.
         drivers = {gid: self._found(gid, await self._groups.get_or_create(gid)) for gid in gids}
         grants = await set_acquire.acquire_set(
             drivers,
             job,
-            footprint_bytes=request.footprint_bytes,
+            footprints=footprints,
             lease_ms=request.lease_ms,
             time_left=time_left,
         )
@@ -285,35 +403,25 @@ class OrchestratorServicer(opb_grpc.TimeSliceOrchestratorServiceServicer):
             ],
         )
 
-    async def yield_(self, request: opb.YieldRequest) -> opb.YieldResponse:
-        """One Yield (unary or over a Session); raises ``refusals.Refused``."""
-        job = refusals.checked_id("job_id", request.job_id)
-        gid = refusals.checked_id("group_id", request.group_id)
+    def yield_(self, request: opb.YieldRequest) -> Awaitable[fx.YieldOutcome]:
+        """One Yield under way (over a Session, or unary): its outcome once persisted.
+        Raises ``refusals.Refused``."""
+        job = self._checked_id("job_id", request.job_id)
+        gid = self._checked_id("group_id", request.group_id)
         logs.IDS.set({"job_id": job, "group_id": gid})  # every log line of this call
         auth.require_job(job)
         self._store.check()
-        driver = self._groups.get(gid)
-        kept = await self._groups.keep_yield(gid, job) if driver is None else None
-        out = kept or await self._found(gid, driver).yield_(job)
-        if not out.ok and out.holder is None:
-            # Nobody holds it, and an administrator took it from this job.
-            raise refusals.Refused(
-                refusals.Code.FAILED_PRECONDITION,
-                f"job {job!r} no longer holds group {gid!r}: it was {out.evicted}; "
-                "Acquire it again",
-            )
-        if not out.ok:
-            evicted = f" (job {job!r} was {out.evicted})" if out.evicted else ""
-            raise refusals.Refused(
-                refusals.Code.PERMISSION_DENIED,
-                f"group {gid!r} is held by job {out.holder!r}, not {job!r}{evicted}; "
-                "only the holder can yield it",
-            )
-        return opb.YieldResponse(
-            success=True,
-            pending_waiters=out.pending_waiters,
-            snapshot_deferred=out.snapshot_deferred,
-        )
+        found = self._groups.get(gid)
+        if found is None:
+            return self._yield_kept(gid, job)
+        return found.yield_(job)
+
+    async def _yield_kept(self, gid: str, job: str) -> fx.YieldOutcome:
+        """A Yield for a group that is not running (kept for it if it is stopped)."""
+        kept = await self._groups.keep_yield(gid, job)
+        if kept is None:
+            raise self._not_found(gid)
+        return kept
 
     async def ListGroups(
         self, request: opb.ListGroupsRequest, context: grpc.aio.ServicerContext
@@ -324,24 +432,24 @@ class OrchestratorServicer(opb_grpc.TimeSliceOrchestratorServiceServicer):
         self, request: opb.GetGroupStatusRequest, context: grpc.aio.ServicerContext
     ) -> opb.GetGroupStatusResponse:
         gid = await refusals.checked(context, refusals.checked_id, "group_id", request.group_id)
-        driver = await refusals.checked(context, self._driver, gid)
-        return await driver.describe()
+        found = await refusals.checked(context, self._driver, gid)
+        return await found.describe()
 
     async def ClearDegraded(
         self, request: opb.ClearDegradedRequest, context: grpc.aio.ServicerContext
     ) -> opb.ClearDegradedResponse:
         gid = await refusals.checked(context, refusals.checked_id, "group_id", request.group_id)
-        driver = await refusals.checked(context, self._driver, gid)
+        found = await refusals.checked(context, self._driver, gid)
         node = request.node
         if node:
             await refusals.checked(context, refusals.checked_id, "node", node)
-        if node and node not in {n.name for n in driver.nodes}:
-            known = ", ".join(n.name for n in driver.nodes)
+        if node and node not in {n.name for n in found.nodes}:
+            known = ", ".join(n.name for n in found.nodes)
             missing = f"node {node!r} is not in group {gid!r} (its nodes: {known})"
             # NOT_FOUND is kept for unknown groups: a bad node of a known one is an argument.
             await refusals.abort(context, refusals.Refused(refusals.Code.INVALID_ARGUMENT, missing))
         await refusals.checked(context, self._store.check)
-        return opb.ClearDegradedResponse(cleared=await driver.clear_degraded(node))
+        return opb.ClearDegradedResponse(cleared=await found.clear_degraded(node))
 
     async def Evict(
         self, request: opb.EvictRequest, context: grpc.aio.ServicerContext
@@ -361,8 +469,8 @@ class OrchestratorServicer(opb_grpc.TimeSliceOrchestratorServiceServicer):
                 await refusals.abort(context, refusals.Refused(refusals.Code.NOT_FOUND, nowhere))
             return opb.EvictResponse(evictions=[_eviction(gid, out) for gid, out in evicted])
         gid = await refusals.checked(context, refusals.checked_id, "group_id", request.group_id)
-        driver = await refusals.checked(context, self._driver, gid)
-        out = await refusals.answered(context, driver.evict(job, reason))
+        found = await refusals.checked(context, self._driver, gid)
+        out = await refusals.answered(context, found.evict(job, reason))
         if out.role is None:
             absent = (
                 f"job {job!r} neither holds nor waits for group {gid!r}; nothing to evict "
@@ -375,9 +483,9 @@ class OrchestratorServicer(opb_grpc.TimeSliceOrchestratorServiceServicer):
         self, request: opb.DrainRequest, context: grpc.aio.ServicerContext
     ) -> opb.DrainResponse:
         gid = await refusals.checked(context, refusals.checked_id, "group_id", request.group_id)
-        driver = await refusals.checked(context, self._driver, gid)
+        found = await refusals.checked(context, self._driver, gid)
         await refusals.checked(context, self._store.check)
-        return await refusals.answered(context, driver.drain(request.drain))
+        return await refusals.answered(context, found.drain(request.drain))
 
     async def WatchEvents(
         self, request: opb.WatchEventsRequest, context: grpc.aio.ServicerContext
@@ -391,10 +499,16 @@ class OrchestratorServicer(opb_grpc.TimeSliceOrchestratorServiceServicer):
         if job:
             await refusals.checked(context, refusals.checked_id, "job_id", job)
         await refusals.checked(context, _checked_fields, request)
-        query = await refusals.checked(context, self._history_query, request)
-        sub = self._bus.subscribe(group_id=gid, kinds=frozenset(request.kinds))
+        query = await refusals.checked(context, tap.query, request, self._tap)
+        try:
+            sub = self._bus.subscribe(
+                group_id=gid, kinds=frozenset(request.kinds), job_id=job, caller=_caller(context)
+            )
+        except refusals.Refused as refused:  # too many watchers: refused before any event
+            await refusals.abort(context, refused)
         # In the same turn as the subscription: the replay ends where the live part starts.
         mark = self._tap.mark() if query is not None and self._tap is not None else None
+        missed = 0
         try:
             # Headers go out once subscribed: a client awaiting initial_metadata() then
             # knows that no later event will be missed.
@@ -404,42 +518,16 @@ class OrchestratorServicer(opb_grpc.TimeSliceOrchestratorServiceServicer):
                     yield event
                 if request.history_only or request.HasField("until"):
                     return
-            async for event in sub:
-                if not job or job in (event.job_id, event.from_job):
+            try:
+                async for event in sub:
                     yield event
-        finally:
-            self._bus.unsubscribe(sub)
-
-    def _history_query(self, request: opb.WatchEventsRequest) -> history.Query | None:
-        """The stored events a WatchEvents asks for (None: live only)."""
-        if not request.HasField("since"):
-            if request.HasField("until") or request.history_only:
-                raise refusals.Refused(
-                    refusals.Code.INVALID_ARGUMENT,
-                    "until and history_only need since: the time the stored events start",
+            except bus.FellBehind as behind:
+                missed = behind.missed
+                await refusals.abort(
+                    context, refusals.Refused(refusals.Code.RESOURCE_EXHAUSTED, str(behind))
                 )
-            return None
-        if self._tap is None or self._tap.history is None:
-            raise refusals.Refused(
-                refusals.Code.FAILED_PRECONDITION,
-                "this orchestrator keeps no event history (`history: {enabled: false}` in "
-                "its config); watch live events only (no since)",
-            )
-        since = request.since.ToNanoseconds()
-        until = request.until.ToNanoseconds() if request.HasField("until") else 0
-        if request.HasField("until") and until < since:
-            raise refusals.Refused(
-                refusals.Code.INVALID_ARGUMENT,
-                f"until ({request.until.ToJsonString()}) is before since "
-                f"({request.since.ToJsonString()})",
-            )
-        return history.Query(
-            since_ns=since,
-            until_ns=until,
-            group_id=request.group_id,
-            job_id=request.job_id,
-            kinds=frozenset(request.kinds),
-        )
+        finally:
+            self._bus.unsubscribe(sub, missed=missed)
 
     async def Hold(
         self, request: opb.HoldRequest, context: grpc.aio.ServicerContext
@@ -452,8 +540,8 @@ class OrchestratorServicer(opb_grpc.TimeSliceOrchestratorServiceServicer):
         await refusals.checked(
             context, _at_least_0, "grant_epoch", request.grant_epoch, "the current grant"
         )
-        driver = await refusals.checked(context, self._driver, gid)
-        session = await refusals.answered(context, driver.open_hold(job, epoch=request.grant_epoch))
+        found = await refusals.checked(context, self._driver, gid)
+        session = await refusals.answered(context, found.open_hold(job, epoch=request.grant_epoch))
         try:
             # Keepalives well within the lease show the holder that the lock is still its own.
             interval = max(session.lease_ms / 3000, 0.05) if session.lease_ms > 0 else 10.0
@@ -473,4 +561,13 @@ class OrchestratorServicer(opb_grpc.TimeSliceOrchestratorServiceServicer):
                     yield opb.HoldEvent(released=True)
                 return
         finally:
-            driver.close_hold(session)
+            found.close_hold(session)
+
+
+def _caller(context: grpc.aio.ServicerContext) -> str:
+    """Whose the call is, for the caps on watchers: its verified identity, else its host."""
+    principal = auth.principal_of(context)
+    if principal is not None:
+        return principal.name
+    peer = context.peer() or ""
+    return peer.rsplit(":", 1)[0] if peer.count(":") > 1 else peer

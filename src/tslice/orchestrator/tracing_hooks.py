@@ -53,7 +53,6 @@ async def agent_call(
     make: Callable[[tuple[tuple[str, str], ...]], Awaitable[_T]],
     *,
     metadata: tuple[tuple[str, str], ...],
-    issued: Callable[[], None] | None,
     operation: str,
     address: str,
     request: object,
@@ -66,7 +65,4 @@ async def agent_call(
         "tslice.job": str(getattr(request, "job_id", "")),
     }
     with tracing.span(f"tslice.agent.{operation}", attributes):
-        call = make((*metadata, *tracing.inject()))
-        if issued is not None:
-            issued()
-        return await call
+        return await make((*metadata, *tracing.inject()))

@@ -12,9 +12,12 @@ legs of every hand-over: Acquire/Yield (client -> orchestrator, ``Session``) and
   for another reason than a lost connection): :class:`Unsupported`, for good.
   :class:`ThreadCaller` is its blocking twin (a ``grpc.Channel`` stream read by a daemon
   thread); both keep their bookkeeping in one I/O-free :class:`Pending`.
-* :func:`serve` runs each incoming request in its own task as it arrives and streams the
-  replies back as they finish; a cancel message, or the end of the stream, cancels the
-  requests still running (as a cancelled unary call would be).
+* :func:`serve` starts each incoming request as it arrives (a future the server
+  resolves is answered from its callback, without a task; a coroutine gets a task) and
+  streams the replies back as they finish; a cancel message, or the end of the stream,
+  cancels the requests still running (as a cancelled unary call would be). Request ids
+  are unique among the requests in flight: a second request with the id of one still
+  running is answered at once with the caller's refusal and never run.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import functools
 import itertools
 import logging
 import queue
@@ -367,46 +371,69 @@ def _expire(reply: asyncio.Future[Any], timeout_s: float) -> None:
 
 async def serve(
     requests: AsyncIterator[Req],
-    handle: Callable[[Req], Awaitable[Rep]],
+    handle: Callable[[Req], Awaitable[Any]],
     *,
     request_id: Callable[[Req], int],
+    duplicate: Callable[[Req], Rep],
+    answer: Callable[[Req, asyncio.Future[Any]], Rep] | None = None,
     is_cancel: Callable[[Req], bool] = lambda _request: False,
     name: str,
     closing: asyncio.Event | None = None,
 ) -> AsyncIterator[Rep]:
-    """Server side: the replies of ``handle`` for each request, in the order they finish.
+    """Server side: the reply to each request, in the order they finish.
 
-    A request for which ``is_cancel`` holds cancels the running request with its id
-    (no reply). When the caller half-closes, the running requests are answered first;
-    when it goes away, or when ``closing`` is set (the server is stopping: a long-lived
-    stream must not hold its shutdown for the whole grace period), they are cancelled and
-    the stream ends; the caller's requests in flight then fail as UNAVAILABLE.
+    ``handle(request)`` starts it: a future (something resolves it: no task waits for
+    it) or a coroutine (it runs in a task of its own). ``answer(request, done)`` makes the
+    reply from the finished future or task (default: its result). A request for which
+    ``is_cancel`` holds cancels the running request with its id (no reply). A request
+    whose id is in flight gets ``duplicate(request)`` at once and is never run: else the
+    first would be unreachable (its cancel, and the end of the stream, would reach only
+    the second), and an Acquire could outlive its stream as a ghost waiter. When the
+    caller half-closes, the running requests are answered first; when it goes away, or
+    when ``closing`` is set (the server is stopping: a long-lived stream must not hold
+    its shutdown for the whole grace period), they are cancelled and the stream ends; the
+    caller's requests in flight then fail as UNAVAILABLE.
     """
     replies: asyncio.Queue[Rep | None] = asyncio.Queue()
-    running: dict[int, asyncio.Task[None]] = {}
+    running: dict[int, asyncio.Future[Any]] = {}
+    done_reading = False
 
-    async def run(rid: int, request: Req) -> None:
-        try:
-            replies.put_nowait(await handle(request))
-        finally:
-            running.pop(rid, None)
+    def finished(request: Req, rid: int, done: asyncio.Future[Any]) -> None:
+        if running.get(rid) is done:
+            del running[rid]
+        if not done.cancelled():
+            try:
+                replies.put_nowait(done.result() if answer is None else answer(request, done))
+            except Exception:
+                log.exception("%s: request %d failed", name, rid)
+        if done_reading and not running:
+            replies.put_nowait(None)
 
     async def read() -> None:
+        nonlocal done_reading
         try:
             async for request in requests:
                 rid = request_id(request)
+                started = running.get(rid)
                 if is_cancel(request):
-                    task = running.get(rid)
-                    if task is not None:
-                        task.cancel()
+                    if started is not None:
+                        started.cancel()
                     continue
-                running[rid] = tasks.spawn(run(rid, request), name=f"{name}:{rid}")
-            if running:  # half-closed: answer what was asked, then end
-                await asyncio.wait(set(running.values()))
+                if started is not None:
+                    replies.put_nowait(duplicate(request))
+                    continue
+                future = _started(handle, request, f"{name}:{rid}")
+                running[rid] = future
+                future.add_done_callback(functools.partial(finished, request, rid))
         except grpc.RpcError as err:
             log.debug("%s: the caller ended the stream: %s", name, err)
+            for future in list(running.values()):
+                future.cancel()
+            running.clear()
         finally:
-            replies.put_nowait(None)
+            done_reading = True
+            if not running:  # half-closed: the last answer ends the stream
+                replies.put_nowait(None)
 
     reader = tasks.spawn(read(), name=f"{name}:reader")
     watchers: list[asyncio.Task[Any]] = []
@@ -414,7 +441,10 @@ async def serve(
 
         async def end_when_closing() -> None:
             await closing.wait()
-            reader.cancel()  # its finally ends the replies
+            reader.cancel()
+            for future in list(running.values()):
+                future.cancel()
+            replies.put_nowait(None)
 
         watchers.append(tasks.spawn(end_when_closing(), name=f"{name}:closing"))
     try:
@@ -422,4 +452,32 @@ async def serve(
             yield reply
     finally:
         # The caller is gone (or the server stops): what it asked for stops at a safe point.
-        await tasks.cancel_all([reader, *watchers, *running.values()])
+        for future in list(running.values()):
+            future.cancel()
+        await tasks.cancel_all(
+            [reader, *watchers, *(f for f in running.values() if isinstance(f, asyncio.Task))]
+        )
+
+
+def _started(
+    handle: Callable[[Req], Awaitable[Any]], request: Req, name: str
+) -> asyncio.Future[Any]:
+    """The request under way as a future: the one ``handle`` gave, a task for its
+    coroutine, or a future failed with what it raised at once."""
+    try:
+        work = handle(request)
+    except Exception as err:
+        failed: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        failed.set_exception(err)
+        return failed
+    if isinstance(work, asyncio.Future):
+        return work
+    # A plain task: its outcome, a refusal included, is the reply's to tell (``answer``).
+    return asyncio.get_running_loop().create_task(work, name=name)  # type: ignore[arg-type]
+
+
+def duplicate_message(request_id: int) -> str:
+    return (
+        f"request_id {request_id} is already in flight on this stream; give every request "
+        "a new id (an id may be used again once its request was answered)"
+    )

@@ -1,8 +1,21 @@
-"""In-process event bus behind the WatchEvents stream.
+"""The in-process event bus behind WatchEvents: publishing costs the hand-over nothing.
 
-Publishing never blocks and never awaits: each subscriber has a bounded queue;
-when a slow watcher falls behind, its oldest events are dropped and counted, so
-the lock path is never slowed down by a client that reads slowly.
+Publishing an event (:class:`Event`, a light record: its protobuf is built once, by the
+first reader that needs it) appends it to the tap's list (the history and the derived
+metrics, ``events.tap``) and to the ring of its group and the ring of all groups, where
+anybody watches them. Nothing is written to a watcher on the publisher's path: one
+fan-out per loop turn wakes the subscribers that wait for new events and whose filter
+(group, kinds, job) an event passes; each then reads the ring at its own pace, in its
+own task.
+
+Bounded everywhere (issue 21 §4):
+
+- a ring keeps the last :data:`RING_EVENTS` events of its group; a subscriber whose
+  position fell off it (a slow reader, or one that stopped reading) is dropped with the
+  reason (:class:`FellBehind`: how far behind, and to catch up with ``since`` from the
+  history); one that never reads costs nothing once its stream stops taking writes;
+- subscribers are capped per caller (its verified identity, else its peer host) and in
+  all (``limits.Limits``): past a cap, WatchEvents is refused RESOURCE_EXHAUSTED.
 """
 
 from __future__ import annotations
@@ -16,210 +29,287 @@ from typing import Any
 from google.protobuf import timestamp_pb2
 
 from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2 as opb
-from tslice.orchestrator.group import effects as decisions
+from tslice.orchestrator import limits
+from tslice.rpc import refusals
 
 Kind = opb.OrchestratorEvent.Kind
 
+#: Events a ring keeps (per watched group, and for the watchers of every group).
+RING_EVENTS = 4096
 
-def make_event(
-    kind: opb.OrchestratorEvent.Kind,
-    *,
-    group_id: str,
-    job_id: str = "",
-    node: str = "",
-    duration_ms: int = 0,
-    from_job: str = "",
-    detail: str = "",
-    grant_epoch: int = 0,
-    size_bytes: int = 0,
-) -> opb.OrchestratorEvent:
-    ts = timestamp_pb2.Timestamp()
-    ts.FromNanoseconds(time.time_ns())  # GetCurrentTime goes through datetime: 5x slower
-    return opb.OrchestratorEvent(
-        time=ts,
-        kind=kind,
-        group_id=group_id,
-        job_id=job_id,
-        node=node,
-        duration_ms=duration_ms,
-        from_job=from_job,
-        detail=detail,
-        grant_epoch=grant_epoch,
-        bytes=size_bytes,
+
+class Event:
+    """One published event: made on the hand-over's path, turned into its protobuf
+    (:meth:`message`) once, off it."""
+
+    __slots__ = (
+        "_message",
+        "detail",
+        "duration_ms",
+        "from_job",
+        "grant_epoch",
+        "group_id",
+        "job_id",
+        "kind",
+        "node",
+        "size_bytes",
+        "time_ns",
     )
+
+    def __init__(
+        self,
+        kind: int,
+        group_id: str,
+        job_id: str = "",
+        *,
+        node: str = "",
+        duration_ms: int = 0,
+        from_job: str = "",
+        detail: str = "",
+        grant_epoch: int = 0,
+        size_bytes: int = 0,
+    ) -> None:
+        self.kind = kind
+        self.group_id = group_id
+        self.job_id = job_id
+        self.node = node
+        self.duration_ms = duration_ms
+        self.from_job = from_job
+        self.detail = detail
+        self.grant_epoch = grant_epoch
+        self.size_bytes = size_bytes
+        self.time_ns = time.time_ns()
+        self._message: opb.OrchestratorEvent | None = None
+
+    def message(self) -> opb.OrchestratorEvent:
+        if self._message is None:
+            stamp = timestamp_pb2.Timestamp()
+            stamp.FromNanoseconds(self.time_ns)
+            self._message = opb.OrchestratorEvent(
+                time=stamp,
+                kind=self.kind,  # type: ignore[arg-type]
+                group_id=self.group_id,
+                job_id=self.job_id,
+                node=self.node,
+                duration_ms=self.duration_ms,
+                from_job=self.from_job,
+                detail=self.detail,
+                grant_epoch=self.grant_epoch,
+                bytes=self.size_bytes,
+            )
+        return self._message
+
+
+def make_event(kind: int, *, group_id: str, **fields: Any) -> opb.OrchestratorEvent:
+    """An event's protobuf at once (tests, replays)."""
+    return Event(kind, group_id, **fields).message()
+
+
+class FellBehind(Exception):
+    """A subscriber read too slowly: the events it had not read are gone from its ring."""
+
+    def __init__(self, missed: int, kept: int) -> None:
+        super().__init__(
+            f"the watcher fell behind: {missed} events were not read in time (the server "
+            f"keeps the last {kept} for it); watch again, with since = the time of the last "
+            "event read, to replay what was missed from the history"
+        )
+        self.missed = missed
+
+
+class _Ring:
+    __slots__ = ("events", "subscribers", "total", "waiting")
+
+    def __init__(self, size: int) -> None:
+        self.events: collections.deque[Event] = collections.deque(maxlen=size)
+        #: Events ever appended (the index of the next one).
+        self.total = 0
+        #: Subscribers reading this ring, and those of them waiting for new events.
+        self.subscribers: set[Subscription] = set()
+        self.waiting: list[Subscription] = []
+
+    @property
+    def first(self) -> int:
+        return self.total - len(self.events)
 
 
 class Subscription:
-    def __init__(self, *, group_id: str, maxlen: int, kinds: frozenset[int] = frozenset()) -> None:
+    """One WatchEvents stream's place in its ring; iterate it for the events it passes."""
+
+    def __init__(
+        self,
+        bus: EventBus,
+        ring: _Ring,
+        *,
+        group_id: str,
+        kinds: frozenset[int],
+        job_id: str,
+        caller: str,
+    ) -> None:
+        self._bus = bus
+        self._ring = ring
         self.group_id = group_id
         self.kinds = kinds
-        self._buffer: collections.deque[opb.OrchestratorEvent] = collections.deque(maxlen=maxlen)
-        self._wakeup = asyncio.Event()
-        self.dropped = 0
+        self.job_id = job_id
+        self.caller = caller
+        self._next = ring.total
+        self._wakeup: asyncio.Future[None] | None = None
+        #: The stream ends once it read what is in its ring (the bus closed).
         self.closed = False
+        self.active = True
 
-    def accepts(self, group_id: str, kind: int) -> bool:
-        return (not self.group_id or group_id == self.group_id) and (
-            not self.kinds or kind in self.kinds
+    def accepts(self, event: Event) -> bool:
+        return (not self.kinds or event.kind in self.kinds) and (
+            not self.job_id or self.job_id in (event.job_id, event.from_job)
         )
 
-    def offer(self, event: opb.OrchestratorEvent) -> None:
-        if not self.accepts(event.group_id, event.kind):
-            return
-        if len(self._buffer) == self._buffer.maxlen:
-            self.dropped += 1  # the deque drops the oldest on append
-        self._buffer.append(event)
-        self._wakeup.set()
-
-    def close(self) -> None:
-        self.closed = True
-        self._wakeup.set()
-
     async def __aiter__(self) -> AsyncIterator[opb.OrchestratorEvent]:
+        ring = self._ring
         while True:
-            while self._buffer:
-                yield self._buffer.popleft()
+            while self._next < ring.total:
+                first = ring.first
+                if self._next < first:
+                    raise FellBehind(first - self._next, len(ring.events))
+                event = ring.events[self._next - first]
+                self._next += 1
+                if self.accepts(event):
+                    yield event.message()
             if self.closed:
                 return
-            self._wakeup.clear()
-            await self._wakeup.wait()
+            self._wakeup = asyncio.get_running_loop().create_future()
+            ring.waiting.append(self)
+            await self._wakeup
+
+    def _wanted(self) -> bool:
+        """Whether an event it passes came since it last read (the ones it does not pass
+        are skipped here, once)."""
+        ring = self._ring
+        first = ring.first
+        while self._next < ring.total:
+            if self._next < first or self.accepts(ring.events[self._next - first]):
+                return True
+            self._next += 1
+        return self.closed
+
+    def _wake(self) -> None:
+        if self._wakeup is not None and not self._wakeup.done():
+            self._wakeup.set_result(None)
 
 
 class EventBus:
-    def __init__(self, *, maxlen: int = 1024) -> None:
-        self._maxlen = maxlen
-        #: Subscribers by the group they watch ("" = every group): an event of one
-        #: group is offered to that group's watchers and to those of all groups only
-        #: (every grant asks ``wants``: with many groups watched, a scan of all was the
-        #: orchestrator's costliest code of its own per grant).
-        self._subs: dict[str, set[Subscription]] = {}
+    def __init__(
+        self, *, caps: limits.Limits | None = None, ring_events: int = RING_EVENTS
+    ) -> None:
+        self.caps = caps or limits.Limits()
+        self._ring_events = ring_events
+        #: Rings by the group they keep ("" = every group's events), while watched.
+        self._rings: dict[str, _Ring] = {}
+        self._per_caller: collections.Counter[str] = collections.Counter()
+        self._subscribers = 0
+        #: Rings with subscribers waiting for new events, to wake at the next fan-out.
+        self._due: set[_Ring] = set()
         self.started = time.time()
-        #: Called with the number of events a subscriber dropped (metrics hook).
+        #: Called with the number of subscribers dropped for falling behind (a metric).
         self.on_drop: Callable[[int], None] | None = None
         #: Set: every event published is also appended to this list (the history and the
-        #: metrics derived from events, :mod:`tslice.orchestrator.events.tap`, drain it in
-        #: batches): one list append on the hand-over path, nothing more.
-        self.tap: list[opb.OrchestratorEvent] | None = None
+        #: metrics derived from events drain it in batches, ``events.tap``).
+        self.tap: list[Event] | None = None
 
-    def _watching(self, group_id: str) -> list[Subscription]:
-        """The subscribers that may want an event of ``group_id``."""
-        watching = list(self._subs.get("", ()))
-        if group_id:
-            watching += self._subs.get(group_id, ())
-        return watching
-
-    def publish(self, event: opb.OrchestratorEvent) -> None:
+    def publish(self, event: Event) -> None:
         tap = self.tap
         if tap is not None:
             tap.append(event)
-        for sub in self._watching(event.group_id):
-            before = sub.dropped
-            sub.offer(event)
-            if sub.dropped != before and self.on_drop is not None:
-                self.on_drop(sub.dropped - before)
+        rings = self._rings
+        if not rings:
+            return
+        for key in ("", event.group_id):
+            ring = rings.get(key)
+            if ring is not None:
+                ring.events.append(event)
+                ring.total += 1
+                if ring.waiting:
+                    if not self._due:
+                        asyncio.get_running_loop().call_soon(self._fan_out)
+                    self._due.add(ring)
 
-    def wants(self, group_id: str, kind: int) -> bool:
-        """Whether any subscriber would get such an event (if not, it need not be built)."""
-        if self.tap is not None:
-            return True
-        return any(sub.accepts(group_id, kind) for sub in self._watching(group_id))
+    def _fan_out(self) -> None:
+        """Wake the subscribers an event since their last read is for (once a turn)."""
+        due, self._due = self._due, set()
+        for ring in due:
+            waiting, ring.waiting = ring.waiting, []
+            for sub in waiting:
+                if sub._wanted():
+                    sub._wake()
+                else:
+                    ring.waiting.append(sub)
 
-    def subscribe(self, *, group_id: str = "", kinds: frozenset[int] = frozenset()) -> Subscription:
-        sub = Subscription(group_id=group_id, maxlen=self._maxlen, kinds=kinds)
-        self._subs.setdefault(group_id, set()).add(sub)
+    def subscribe(
+        self,
+        *,
+        group_id: str = "",
+        kinds: frozenset[int] = frozenset(),
+        job_id: str = "",
+        caller: str = "",
+    ) -> Subscription:
+        """A subscription from now on; refused (RESOURCE_EXHAUSTED) past a cap."""
+        caps = self.caps
+        if self._subscribers >= caps.max_watchers:
+            raise refusals.Refused(
+                refusals.Code.RESOURCE_EXHAUSTED,
+                f"the orchestrator serves at most {caps.max_watchers} event watchers at once "
+                "(limits.max_watchers) and has that many; close one, or raise the limit",
+            )
+        if self._per_caller[caller] >= caps.max_watchers_per_caller:
+            raise refusals.Refused(
+                refusals.Code.RESOURCE_EXHAUSTED,
+                f"{caller or 'this caller'} already watches events on "
+                f"{caps.max_watchers_per_caller} streams (limits.max_watchers_per_caller); "
+                "close one first",
+            )
+        ring = self._rings.get(group_id)
+        if ring is None:
+            ring = self._rings[group_id] = _Ring(self._ring_events)
+        sub = Subscription(self, ring, group_id=group_id, kinds=kinds, job_id=job_id, caller=caller)
+        ring.subscribers.add(sub)
+        self._subscribers += 1
+        self._per_caller[caller] += 1
         return sub
 
-    def unsubscribe(self, sub: Subscription) -> None:
-        subs = self._subs.get(sub.group_id)
-        if subs is not None:
-            subs.discard(sub)
-            if not subs:
-                del self._subs[sub.group_id]
+    def unsubscribe(self, sub: Subscription, *, missed: int = 0) -> None:
+        """The stream ended (``missed``: it was dropped for falling that far behind)."""
+        if not sub.active:
+            return
+        sub.active = False
+        ring = sub._ring
+        if sub in ring.waiting:
+            ring.waiting.remove(sub)
+        ring.subscribers.discard(sub)
+        if not ring.subscribers and self._rings.get(sub.group_id) is ring:
+            del self._rings[sub.group_id]
+        self._subscribers -= 1
+        self._per_caller[sub.caller] -= 1
+        if self._per_caller[sub.caller] <= 0:
+            del self._per_caller[sub.caller]
+        if missed and self.on_drop is not None:
+            self.on_drop(missed)
 
     def close(self) -> None:
-        for subs in list(self._subs.values()):
-            for sub in list(subs):
-                sub.close()
-        self._subs.clear()
-
-
-#: How long a group's events may be held back while a switch gets going (see GroupEvents).
-EVENT_HOLD_S = 0.005
-
-
-_EMITTED_KINDS = {
-    decisions.EventKind.QUEUED: Kind.KIND_QUEUED,
-    decisions.EventKind.YIELDED: Kind.KIND_YIELDED,
-    decisions.EventKind.CANCELLED: Kind.KIND_CANCELLED,
-    decisions.EventKind.ROLLED_BACK: Kind.KIND_SWITCH_FAILED,
-}
-
-
-def _grant_detail(g: decisions.Granted) -> str:
-    if g.held:
-        return "already held"
-    if g.zero_cost:
-        return "zero-cost"
-    return "restored" if g.restored else ""
+        """Every stream ends once it read what is in its ring (the orchestrator stops or
+        loses its leadership)."""
+        for ring in self._rings.values():
+            ring.waiting = []
+            for sub in ring.subscribers:
+                sub.closed = True
+                sub._wake()
 
 
 class GroupEvents:
-    """One group's side of the bus: its events, built only when somebody watches, and
-    held back for at most :data:`EVENT_HOLD_S` while a switch gets going.
-
-    Delivering events to watchers takes CPU that the hand-over needs (agent calls, the
-    Acquire reply), and a short switch is over before the hold ends, so its events go
-    out after the grant, in order and with the timestamps of the facts. A long switch
-    streams them from EVENT_HOLD_S on.
-    """
+    """One group's side of the bus."""
 
     def __init__(self, bus: EventBus, group_id: str) -> None:
         self._bus = bus
         self.group_id = group_id
-        #: Events held back; None: not holding.
-        self._held: list[opb.OrchestratorEvent] | None = None
-        self._timer: asyncio.TimerHandle | None = None
 
-    def wants(self, kind: opb.OrchestratorEvent.Kind) -> bool:
-        bus = self._bus
-        return bus.tap is not None or bus.wants(self.group_id, kind)
-
-    def publish(self, event: opb.OrchestratorEvent) -> None:
-        if self._held is not None:
-            self._held.append(event)
-        else:
-            self._bus.publish(event)
-
-    def emit(self, kind: opb.OrchestratorEvent.Kind, **fields: Any) -> None:
-        """Publish an event of this group, if anybody watches such events (or the tap)."""
-        bus = self._bus
-        # The tap first: with it every event is wanted, and asking costs two calls.
-        if bus.tap is not None or bus.wants(self.group_id, kind):  # else: not even built
-            self.publish(make_event(kind, group_id=self.group_id, **fields))
-
-    def granted(self, g: decisions.Granted) -> None:
-        """The event of a grant the lock decided."""
-        self.emit(
-            Kind.KIND_GRANTED,
-            job_id=g.job,
-            grant_epoch=g.epoch,
-            duration_ms=int(g.waited_s * 1000),
-            detail=_grant_detail(g),
-        )
-
-    def decided(self, e: decisions.Emit) -> None:
-        """The event the lock asked for (queued, yielded, cancelled, rolled back)."""
-        self.emit(_EMITTED_KINDS[e.kind], job_id=e.job, detail=e.detail)
-
-    def hold(self) -> None:
-        if self._held is None:
-            self._held = []
-            self._timer = asyncio.get_running_loop().call_later(EVENT_HOLD_S, self.release)
-
-    def release(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-        held, self._held = self._held, None
-        for event in held or ():
-            self._bus.publish(event)
+    def emit(self, kind: int, **fields: Any) -> None:
+        """Publish an event of this group."""
+        self._bus.publish(Event(kind, self.group_id, **fields))

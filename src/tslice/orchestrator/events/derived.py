@@ -1,8 +1,8 @@
 """Metrics derived from the event stream, in batches, off the hand-over path.
 
-Grants, hold times, each job's device time and lease expiries are all facts the events
-already state (GRANTED, YIELDED, CANCELLED with their details). Counting them from a
-batch of events every tap interval (:mod:`tslice.orchestrator.events.tap`) costs the hand-over
+Grants and their waits, hold times, each job's device time and lease expiries are all
+facts the events already state (GRANTED, YIELDED, CANCELLED with their details). Counting
+them from a batch of events every tap interval (``events.tap``) costs the hand-over
 nothing beyond the events themselves, and keeps these series out of the group's core.
 
 A job's device time is credited while it holds (every batch), not only when it yields,
@@ -17,6 +17,7 @@ from typing import Any
 
 from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2 as opb
 from tslice.orchestrator import metrics
+from tslice.orchestrator.events import bus
 
 Kind = opb.OrchestratorEvent.Kind
 
@@ -46,7 +47,7 @@ class EventMetrics:
         self._jobs: dict[str, collections.OrderedDict[str, Any]] = {}
         self._children: dict[tuple[str, str], Any] = {}
 
-    def apply(self, batch: Iterable[opb.OrchestratorEvent], *, now: float) -> None:
+    def apply(self, batch: Iterable[bus.Event], *, now: float) -> None:
         """Count a batch (in publication order), then credit every holder up to ``now``
         (wall clock, seconds)."""
         for event in batch:
@@ -64,10 +65,11 @@ class EventMetrics:
         for key in [k for k in self._children if k[0] == gid]:
             del self._children[key]
 
-    def _granted(self, event: opb.OrchestratorEvent) -> None:
+    def _granted(self, event: bus.Event) -> None:
         gid, job = event.group_id, event.job_id
         how = _HOW.get(event.detail, "fresh")
         self._child(self._m.grants, gid, how).inc()
+        self._child(self._m.acquire_wait, gid).observe(event.duration_ms / 1000)
         held = self._holds.get(gid)
         if how == "already_held" and held is not None and held.job == job:
             return
@@ -76,7 +78,7 @@ class EventMetrics:
             self._ended(gid, held, at)
         self._holds[gid] = _Hold(job, at)
 
-    def _released(self, event: opb.OrchestratorEvent) -> None:
+    def _released(self, event: bus.Event) -> None:
         gid = event.group_id
         detail = event.detail
         if detail.startswith(EVICTED):
@@ -119,5 +121,5 @@ class EventMetrics:
         return child
 
 
-def _seconds(event: opb.OrchestratorEvent) -> float:
-    return event.time.seconds + event.time.nanos / 1e9
+def _seconds(event: bus.Event) -> float:
+    return event.time_ns / 1e9

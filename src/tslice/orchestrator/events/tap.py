@@ -27,9 +27,10 @@ from collections.abc import AsyncIterator
 from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2 as opb
 from tslice.common import tasks
 from tslice.orchestrator import metrics
-from tslice.orchestrator.events import bus as events
+from tslice.orchestrator.events import bus
 from tslice.orchestrator.events import derived as event_metrics
 from tslice.orchestrator.persistence import history
+from tslice.rpc import refusals
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +42,7 @@ class Mark:
     drained yet."""
 
     boundary: int
-    tail: tuple[opb.OrchestratorEvent, ...]
+    tail: tuple[bus.Event, ...]
 
 
 class EventTap:
@@ -52,7 +53,7 @@ class EventTap:
         store: history.History | None,
         flush_interval_s: float,
     ) -> None:
-        self.pending: list[opb.OrchestratorEvent] = []
+        self.pending: list[bus.Event] = []
         self.history = store
         self._series = series
         self._metrics = event_metrics.EventMetrics(series)
@@ -61,9 +62,9 @@ class EventTap:
         self._next_seq = store.next_seq if store is not None else 1
         self._task: asyncio.Task[None] | None = None
 
-    def attach(self, bus: events.EventBus) -> None:
-        """``bus`` (one leadership's) publishes into this tap."""
-        bus.tap = self.pending
+    def attach(self, events: bus.EventBus) -> None:
+        """``events`` (one leadership's bus) publishes into this tap."""
+        events.tap = self.pending
 
     def start(self) -> None:
         self._task = tasks.spawn(self._run(), name="event-tap")
@@ -84,7 +85,8 @@ class EventTap:
         first, self._next_seq = self._next_seq, self._next_seq + len(batch)
         self._metrics.apply(batch, now=now)
         if self.history is not None:
-            self.history.append(first, batch).add_done_callback(self._written)
+            messages = [event.message() for event in batch]
+            self.history.append(first, messages).add_done_callback(self._written)
 
     def _written(self, done: object) -> None:
         # In the history's thread: counters are thread-safe.
@@ -117,9 +119,10 @@ class EventTap:
                 after = seq
             if len(page) < history.PAGE_ROWS:
                 break
-        for event in mark.tail:
-            if query.matches(event):
-                yield event
+        for pending in mark.tail:
+            message = pending.message()
+            if query.matches(message):
+                yield message
 
     async def close(self) -> None:
         """Stop draining; write what is pending; close the history."""
@@ -129,3 +132,36 @@ class EventTap:
         self.drain()
         if self.history is not None:
             await self.history.close()
+
+
+def query(request: opb.WatchEventsRequest, event_tap: EventTap | None) -> history.Query | None:
+    """The stored events a WatchEvents asks for (None: live only); raises
+    ``refusals.Refused`` for a request that cannot be answered."""
+    if not request.HasField("since"):
+        if request.HasField("until") or request.history_only:
+            raise refusals.Refused(
+                refusals.Code.INVALID_ARGUMENT,
+                "until and history_only need since: the time the stored events start",
+            )
+        return None
+    if event_tap is None or event_tap.history is None:
+        raise refusals.Refused(
+            refusals.Code.FAILED_PRECONDITION,
+            "this orchestrator keeps no event history (`history: {enabled: false}` in "
+            "its config); watch live events only (no since)",
+        )
+    since = request.since.ToNanoseconds()
+    until = request.until.ToNanoseconds() if request.HasField("until") else 0
+    if request.HasField("until") and until < since:
+        raise refusals.Refused(
+            refusals.Code.INVALID_ARGUMENT,
+            f"until ({request.until.ToJsonString()}) is before since "
+            f"({request.since.ToJsonString()})",
+        )
+    return history.Query(
+        since_ns=since,
+        until_ns=until,
+        group_id=request.group_id,
+        job_id=request.job_id,
+        kinds=frozenset(request.kinds),
+    )

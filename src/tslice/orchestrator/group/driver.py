@@ -1,98 +1,64 @@
-"""The per-group driver: the RPC entry points, lifecycle and state of one group.
+"""One group: its entry points, its lifecycle, and the commands its executor applies.
 
-:class:`GroupDriver` owns the group's :class:`lock.GroupLock`. Every change to a group
-goes through its worker's inbox (``tslice.orchestrator.group.executor``, which applies a batch
-of commands, persists the new state, and only then runs the effects): RPCs, the
-switch's progress and outcome (``switching``), recovery's reads (``recovery``), lease
-timers (``leases``), the device arbiter (``overlap``) and the live reads of
-GetGroupStatus (``status``) all post commands. So a group's events are serialised
-while groups run in parallel (a stuck agent of one group never blocks another).
-
-Here the lock's decisions become effects (:meth:`GroupDriver.bind`): which Acquire
-RPCs a grant went to, which one departed, is booked at once, in the command; replies,
-events and switches run after persisting. The callers waiting on the group are kept
-in ``callers``. Switches run in their own task and post their outcome back to the
-inbox, so Acquire, Yield and cancellations keep flowing during a long switch. Waiters
-wait on futures resolved by the worker: no polling anywhere. Only
-:meth:`GroupDriver.stop` touches the state directly, once the worker is gone.
+:class:`GroupDriver` owns the group's pure lock (``group.lock``) and its executor
+(``group.executor``). Every change to the group is a command posted to the executor:
+the RPCs, the switch's progress and outcome (``switch.step``), recovery's reads
+(``group.recovery``), the lease and wake-up timers, the device claim (``group.overlap``)
+and the sets (``sets.coordinator``). The commands are the driver's ``_on_*`` methods: each
+calls the lock and returns what it decided, with effects of its own; the executor books
+them, saves and acts. Those outside the group reach it only through the driver's methods
+that post a command (``claim_granted``, ``set_ready``, ``switch_ended``...), so a group's
+events are serialised while groups run in parallel (a stuck agent of one group never
+blocks another). The administrators' calls and the status reads are in ``group.admin``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
-import functools
 import logging
 import time
-from collections.abc import Callable, Iterable
-from typing import Any, TypeVar
+from collections.abc import Iterable
+from typing import Any
 
 from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2 as opb
 from tslice.common import tasks
-from tslice.orchestrator import config, metrics, policy
-from tslice.orchestrator.events import bus as events
-from tslice.orchestrator.group import callers, inbox, leases, lock, overlap, recovery, status, wake
-from tslice.orchestrator.group import effects as decisions
-from tslice.orchestrator.group import executor as worker
-from tslice.orchestrator.persistence import health as store_health
-from tslice.orchestrator.persistence import records, store
-from tslice.orchestrator.sets import coordinator as sets
-from tslice.orchestrator.switch import plan as steps
-from tslice.orchestrator.switch import pool as agents
-from tslice.orchestrator.switch import prefetching
-from tslice.orchestrator.switch import runner as switching
-from tslice.orchestrator.switch import step as switch
+from tslice.orchestrator import config, policy
+from tslice.orchestrator.events import bus
+from tslice.orchestrator.group import (
+    admin,
+    callers,
+    coordination,
+    executor,
+    leases,
+    lock,
+    recovery,
+    services,
+    status,
+)
+from tslice.orchestrator.group import effects as fx
+from tslice.orchestrator.persistence import records
+from tslice.orchestrator.policy import prefetch
+from tslice.orchestrator.switch import plan, step
 from tslice.rpc import refusals
 
 log = logging.getLogger(__name__)
 
-_T = TypeVar("_T")
-Effect = inbox.Effect
+Kind = opb.OrchestratorEvent
 
 
-def _shutting_down() -> refusals.Refused:
-    return refusals.Refused(refusals.Code.UNAVAILABLE, "orchestrator shutting down; retry")
+#: (named here too: callers build ``driver.Services``)
+Services = services.Services
 
 
-@dataclasses.dataclass(frozen=True)
-class Services:
-    """What every group of one orchestrator shares."""
-
-    cfg: config.OrchestratorConfig
-    db: store.LockStore
-    pool: agents.AgentPool
-    bus: events.EventBus
-    metrics: metrics.OrchestratorMetrics
-    #: Groups that share devices take turns through it (see overlap).
-    arbiter: overlap.DeviceArbiter = dataclasses.field(default_factory=overlap.DeviceArbiter)
-    #: Sets of groups acquired all-or-nothing are granted through it (see sets).
-    sets: sets.SetCoordinator = dataclasses.field(default_factory=sets.SetCoordinator)
-    #: Each group's holder, read by a group kept for a set (who may pass it).
-    holders: dict[str, Callable[[], str | None]] = dataclasses.field(default_factory=dict)
-    #: Whether the state can be written, and why not (see store_health).
-    store_health: store_health.StoreHealth = dataclasses.field(
-        default_factory=store_health.StoreHealth
-    )
-
-
-#: Who evicts when the Evict RPC does (Kubernetes mode names itself).
-BY_ADMIN = "an administrator"
-
-
-def eviction_message(group_id: str, reason: str, by: str = BY_ADMIN) -> str:
-    """What an evicted job is told (its Acquire's error, its later Yield's, its events)."""
-    return f"evicted from group {group_id!r} by {by}: {reason or 'no reason given'}"
-
-
-class GroupDriver:
-    """Runs one group: lock, persistence, and the parts that post to its inbox."""
+class GroupDriver(admin.Admin):
+    """Runs one group: its lock, its executor, and what posts to it."""
 
     def __init__(
         self,
         *,
         group_id: str,
         nodes: tuple[config.NodeRef, ...],
-        services: Services,
+        services: services.Services,
         record: records.LockRecord | None = None,
     ) -> None:
         self.group_id = group_id
@@ -100,82 +66,64 @@ class GroupDriver:
         #: What it shares with the other groups (an AcquireSet reaches their coordinator).
         self.services = services
         cfg = self._cfg = services.cfg
-        self._db = services.db
-        self._pool = services.pool
-        self._metrics = services.metrics
-        self._arbiter = services.arbiter
-        grace = cfg.reattach_grace_s
         scheduling = policy.build(cfg.policy_for(group_id))
         if record is None:
             offset = time.time() - time.monotonic()
             self.lock = lock.GroupLock(
-                reattach_grace_s=grace, wall_offset_s=offset, policy=scheduling
+                reattach_grace_s=cfg.reattach_grace_s, wall_offset_s=offset, policy=scheduling
             )
         else:
             self.lock = lock.GroupLock.from_record(
                 record,
                 now=time.monotonic(),
-                reattach_grace_s=grace,
+                reattach_grace_s=cfg.reattach_grace_s,
                 wall_now=time.time(),
                 policy=scheduling,
             )
-        # This driver wakes the lock at lock.wake_at (a policy keeping the group for its
-        # resident: see tslice.orchestrator.group.wake).
+        # This driver wakes the lock at lock.wake_at (a policy keeping the group for
+        # its resident): the lock may then keep an idle group.
         self.lock.use_policy(scheduling, woken=True)
-        self._wake = wake.Wake(
-            lambda: self.post(lambda now: self.bind(self.lock.on_expire(now=now)))
-        )
-        self._backoff = switch.Backoff(cfg.backoff_initial_s, cfg.backoff_max_s)
-        self._callers = callers.Callers()
-        self.views: dict[str, steps.NodeView] = {}
+        self._wake: tuple[float, asyncio.TimerHandle] | None = None
+        #: The switch's cache of each node's jobs: the running switch owns it, and it is
+        #: dropped only when no switch runs.
+        self.views: dict[str, plan.NodeView] = {}
         self.health = status.Health()
-        self.events = events.GroupEvents(services.bus, group_id)
-        self._leases = leases.Leases(group_id, self._metrics)
-        self._reporter = status.Reporter(group_id, self._metrics)
-        self._switches = switching.SwitchRunner(
-            self, cfg=cfg, pool=self._pool, series=self._metrics, arbiter=self._arbiter
+        self.events = bus.GroupEvents(services.bus, group_id)
+        self._leases = leases.Leases(group_id, services.metrics, expired=self._lease_expired)
+        self.reporter = status.Reporter()
+        self._backoff = step.Backoff(cfg.backoff_initial_s, cfg.backoff_max_s)
+        self._switches = step.Switches(
+            self, agents=services.pool, cfg=cfg, series=services.metrics, plan_for=self._plan
         )
-        self._tasks: list[asyncio.Task[Any]] = []
-        #: The last prefetch asked for (one per waiter and grant).
-        self._prefetched: prefetching.Candidate | None = None
-        self._stopping = False
-        self._worker = worker.Worker(
+        self.coordination = coordination.Coordination(group_id, self.lock, services, self.views)
+        self.executor = executor.Executor(
             group_id=group_id,
             nodes=nodes,
-            db=self._db,
+            lk=self.lock,
+            group=self,
+            coordination=self.coordination,
+            switches=self._switches,
+            db=services.db,
+            store_health=services.store_health,
             backoff=self._backoff,
-            saved=record,
-            record=self.lock.record,
-            stopping=lambda: self._stopping,
-            # Overlapping groups see who holds this one at once (see overlap).
-            applied=lambda: self._arbiter.note_holder(group_id, self.lock.holder),
-            settled=self._settled,
-            health=services.store_health,
         )
+        self.coordination.executor = self.executor
+        self._tasks: set[asyncio.Task[Any]] = set()
+        #: The last prefetch asked for (one per waiter and grant).
+        self._prefetched: prefetch.Candidate | None = None
+        self._stopping = False
         #: Collected as idle (local mode): its rows are deleted, a new driver takes its id.
         self.retired = False
-        self._acquire_wait = self._metrics.acquire_wait.labels(group_id=group_id)
-        self._deferred_snapshots = self._metrics.deferred_snapshots.labels(group_id=group_id)
-        self._arbiter.join(
-            group_id,
-            nodes,
-            granted=lambda job: self.post(
-                lambda now: self.bind(self.lock.on_claim_granted(job, now=now))
-            ),
-            contended=lambda: self.post(lambda now: self.bind(self.lock.on_contended(now=now))),
-        )
-        self._sets = services.sets
-        services.holders[group_id] = self._holder
-        self._sets.join(
-            group_id,
-            lambda job, seq: self.post(
-                lambda now: self.bind(self.lock.on_set_ready(job, set_seq=seq, now=now))
-            ),
-        )
+        series = services.metrics
+        self._deferred_snapshots = series.deferred_snapshots.labels(group_id=group_id)
+        self._switch_outcomes: dict[str, Any] = {}
+        self._switch_duration = series.switch_duration.labels(group_id=group_id)
+        services.arbiter.join(group_id, nodes, self.coordination)
+        services.sets.join(group_id, self.coordination)
+        services.locks[group_id] = self.lock
         if self.lock.holder is not None:
-            self._arbiter.seize(group_id, self.lock.holder)
+            services.arbiter.seize(group_id, self.lock.holder)
         self.lock.start_claim(self.lock.holder)
-        self._refresh_state()
 
     @property
     def stopping(self) -> bool:
@@ -184,456 +132,30 @@ class GroupDriver:
     # ---- lifecycle -------------------------------------------------------------------------
 
     def start(self) -> None:
-        gid = self.group_id
-        self._tasks.append(tasks.spawn(self._worker.run(), name=f"group:{gid}:worker"))
         if self.lock.recovering:
-            self._tasks.append(tasks.spawn(self._recover(), name=f"group:{gid}:recover"))
-            self._tasks.append(tasks.spawn(self._expire(), name=f"group:{gid}:expire"))
+            self._spawn(self._recover(), "recover")
+            self._spawn(self._expire(), "expire")
         # A holder restored from disk has its lease (from now) to re-open its Hold stream.
-        self._sync_leases()
-
-    async def stop(self, *, grace_s: float) -> None:
-        """Refuse new work, let a switch in flight finish within the grace, fail waiters."""
-        self._stopping = True
-        self._wake.cancel()
-        self._arbiter.leave(self.group_id)
-        self._sets.leave(self.group_id)
-        if self.services.holders.get(self.group_id) == self._holder:
-            del self.services.holders[self.group_id]
-        await self._switches.finish(grace_s=grace_s)
-        self.release_deferred()
-        self.events.release()
-        # Let the worker persist what the switch reported.
-        flushed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self.post(lambda now: [lambda: inbox.resolve(flushed, None)])
-        await asyncio.wait({flushed}, timeout=max(grace_s, 0.5))
-        live = [t for t in [*self._tasks, self._switches.task] if t is not None]
-        await tasks.cancel_all(live)
-        # The worker is gone: what is left is failed here.
-        self._leases.stop(_shutting_down())
-        # Queue entries stay persisted: after a restart the jobs re-attach and keep their place.
-        self._callers.fail_all(_shutting_down)
-
-    # ---- idle collection (local mode) ------------------------------------------------------
-
-    def idle_since(self) -> tuple[int, float] | None:
-        """``(activity, since)`` if nobody holds, waits for or switches the group and no
-        Hold stream is open (residents are the agents' to tell), else ``None``."""
-        lk = self.lock
-        busy = (
-            self._stopping
-            or lk.recovering
-            or lk.holder is not None
-            or lk.switching is not None
-            or bool(lk.waiting_jobs)
-            or self._callers.busy
-            or self._leases.open_streams > 0
-            # An administrator's mark outlives idleness (it is in the group's rows).
-            or lk.draining
-        )
-        return None if busy else (self._worker.activity, self._worker.active_at)
-
-    async def retire(self, activity: int) -> bool:
-        """Collect the group if it is still idle and nothing happened to it since
-        ``activity`` (the caller read the agents meanwhile): it stops taking calls and its
-        rows are deleted at once, before any other group of the same id can save."""
-
-        def decide(now: float) -> bool:
-            # This command counts as one activity itself (see _worker).
-            if self._worker.activity != activity + 1 or self.idle_since() is None:
-                return False
-            self._db.forget(self.group_id)
-            self._stopping = self.retired = True
-            return True
-
-        if self._stopping:
-            return False
-        return await self._worker.ask(decide)
-
-    def _gone(self) -> refusals.Refused:
-        if self.retired:
-            return refusals.Refused(
-                refusals.Code.UNAVAILABLE,
-                f"group {self.group_id!r} was just collected as idle; retry (a new "
-                "Acquire creates it again)",
-            )
-        return _shutting_down()
-
-    # ---- RPC entry points ------------------------------------------------------------------
-
-    async def acquire(
-        self,
-        job: str,
-        *,
-        footprint_bytes: int,
-        lease_ms: int = 0,
-        time_left: float | None = None,
-        set_seq: int | None = None,
-    ) -> callers.Grant:
-        """The grant; ``time_left`` is the caller's deadline (None: it has none);
-        ``set_seq``: this is one group of that set (see sets), granted with the others."""
-        if self._stopping:
-            raise self._gone()
-        started = time.monotonic()
-        if footprint_bytes > 0:
-            await callers.check_fits(
-                self._pool,
-                self.nodes,
-                group_id=self.group_id,
-                job=job,
-                footprint_bytes=footprint_bytes,
-                status_timeout_s=self._cfg.status_timeout_s,
-            )
-        waiter = callers.Waiter.new(job, set_seq)
-
-        def apply(now: float) -> list[Effect]:
-            self._callers.add(waiter)
-            effects = self.bind(
-                self.lock.on_acquire(
-                    job,
-                    footprint_bytes=footprint_bytes,
-                    lease_ms=lease_ms,
-                    set_seq=set_seq,
-                    now=now,
-                )
-            )
-            return [*effects, self._prefetch]
-
-        def depart() -> None:
-            self.post(lambda now: self._depart(waiter, now))
-
-        self.post(apply)
-        try:
-            grant = await callers.granted(
-                waiter,
-                time_left,
-                group_id=self.group_id,
-                held_back_by=self._held_back_by,
-                depart=depart,
-            )
-        except asyncio.CancelledError:
-            if not self._stopping:
-                depart()
-            raise
-        self._acquire_wait.observe(time.monotonic() - started)
-        return grant
-
-    def _held_back_by(self) -> str:
-        """What keeps the group from granting and what to do, when it is a fault or a
-        drain ("" = neither: it is busy)."""
-        if self.lock.draining:
-            return callers.drained(self.group_id)
-        state, detail = self._reported_state()
-        if state == "UNKNOWN" or (state == "SWITCHING" and self.health.switch_detail):
-            return callers.faulted(self.group_id, detail)
-        return ""
-
-    async def yield_(self, job: str) -> decisions.YieldOutcome:
-        if self._stopping:
-            raise self._gone()
-        reply = self._callers.reply()
-
-        def apply(now: float) -> list[Effect]:
-            was_holder = self.lock.holder == job
-            out = self.lock.on_yield(job, now=now)
-            effects = self.bind(out.actions)
-            if out.ok and was_holder:
-                if out.snapshot_deferred:
-                    effects.append(self._deferred_snapshots.inc)
-                effects.append(self._leases.released(job))
-            effects.append(lambda: inbox.resolve(reply, out))
-            return effects
-
-        self.post(apply)
-        # The yield is applied even if the caller goes away: shield the reply.
-        return await asyncio.shield(reply)
-
-    def lost_grant(self, job: str, epoch: int) -> str | None:
-        """Why ``job`` no longer holds this group under grant ``epoch`` (None: it does)."""
-        lk = self.lock
-        if lk.holder == job and lk.grant_epoch == epoch:
-            return None
-        return lk.eviction(job) or (
-            f"its grant {epoch} of group {self.group_id!r} ended meanwhile (yielded, or its "
-            f"lease lapsed); {lk.holder or 'nobody'} holds it now"
-        )
-
-    async def give_back(self, job: str, epoch: int, why: str) -> None:
-        """``job``'s AcquireSet got grant ``epoch`` here but did not complete: its part of
-        the grant is undelivered. The group is released only if no other call of the job
-        was answered with that grant (see lock.on_undelivered)."""
-        await self._decide(
-            lambda now: (
-                None,
-                self.bind(self.lock.on_undelivered(job, epoch=epoch, now=now, why=why)),
-            )
-        )
-
-    def answered(self, job: str, epoch: int) -> None:
-        """``job``'s AcquireSet is answered with grant ``epoch`` of this group: the grant
-        is claimed from now (and a lease starts), see lock.on_set_answered."""
-        self.post(inbox.change(lambda: self.lock.on_set_answered(job, epoch=epoch)))
-
-    async def open_hold(self, job: str, *, epoch: int) -> leases.HoldSession:
-        """Register a Hold stream of ``job`` (``epoch`` 0 = the current grant).
-
-        Refused (FAILED_PRECONDITION) unless ``job`` holds the group under that grant.
-        """
-        if self._stopping:
-            raise _shutting_down()
-        return await self._worker.ask(lambda now: self._leases.open(self.lock, job, epoch))
-
-    def close_hold(self, session: leases.HoldSession) -> None:
-        """The Hold stream ended: if it was the last one, the lease timer starts."""
-        if not self._stopping:
-            self.post(inbox.change(lambda: self._leases.close(session)))
-
-    async def describe(self) -> opb.GetGroupStatusResponse:
-        """Group status plus a live Status read of every node (short deadline)."""
-        before = status.marker(self.lock)
-        reads = await steps.read_all(
-            self._pool, self.nodes, self.group_id, timeout_s=self._cfg.status_timeout_s
-        )
-
-        def described(now: float) -> opb.GetGroupStatusResponse:
-            self.health.note(reads)
-            loaded = status.observed_resident(
-                self.lock, reads, nodes=len(self.nodes), before=before
-            )
-            self._refresh_state()
-            known = status.known_jobs(self.lock)
-            return opb.GetGroupStatusResponse(
-                group=self._group_status(loaded),
-                agent_job_states=status.agent_job_states(
-                    reads, group_id=self.group_id, known=known
-                ),
-            )
-
-        return await self._worker.ask(described)
-
-    async def clear_degraded(self, node: str = "") -> list[str]:
-        """An operator fixed the cause: the node(s) take switches again."""
-
-        def clear(now: float) -> tuple[list[str], list[Effect]]:
-            degraded = self.health.degraded
-            cleared = sorted(n for n in degraded if not node or n == node)
-            for n in cleared:
-                del degraded[n]
-            if cleared:
-                log.warning(
-                    "group %s: degraded node(s) %s cleared by an operator",
-                    self.group_id,
-                    ", ".join(cleared),
-                    extra={"group_id": self.group_id},
-                )
-            return cleared, [] if degraded else self.bind(self.lock.on_unblocked(now=now))
-
-        return await self._decide(clear)
-
-    async def evict(
-        self, job: str, reason: str = "", *, by: str = BY_ADMIN
-    ) -> decisions.EvictOutcome:
-        """``by`` (an administrator) takes ``job`` out of the group now (``reason``: their words).
-
-        A holder loses the lock as a lapsed lease does: the next waiter is granted
-        through the normal switch, its Hold streams end with the reason, its later
-        Yield is refused naming it. A waiter's pending Acquires fail ABORTED with the
-        reason. ``role`` None: the job neither held nor waited (nothing changed).
-        """
-        why = eviction_message(self.group_id, reason, by)
-
-        def evict(now: float) -> tuple[decisions.EvictOutcome, list[Effect]]:
-            deferred = self.lock.attached_waiters == 0
-            out = self.lock.on_evict(job, why=why, now=now)
-            if out.role is None:
-                return out, []
-            log.warning(
-                "group %s: job %s (%s) %s",
-                self.group_id,
-                job,
-                out.role.value,
-                why,
-                extra={"group_id": self.group_id, "job_id": job},
-            )
-            effects = self.bind(out.actions)
-            if out.role is decisions.Role.HOLDER:
-                effects.append(self._leases.released(job, lost=why))
-                if deferred and self.lock.switching is None:
-                    effects.append(self._deferred_snapshots.inc)
-            return out, effects
-
-        return await self._decide(evict)
-
-    async def drain(self, drain: bool) -> opb.DrainResponse:
-        """Drain (no new turn is granted; the holder keeps its own) or resume the group.
-        The mark is persisted with the group's state."""
-
-        def mark(now: float) -> tuple[opb.DrainResponse, list[Effect]]:
-            lk = self.lock
-            was = lk.draining
-            effects = self.bind(lk.on_drain(drain, now=now))
-            if was != drain:
-                log.warning(
-                    "group %s %s by an administrator",
-                    self.group_id,
-                    "drained: no new turn is granted" if drain else "resumed",
-                    extra={"group_id": self.group_id},
-                )
-            reply = opb.DrainResponse(
-                draining=drain,
-                was_draining=was,
-                locking_job=lk.holder or "",
-                switching=lk.switching is not None,
-                waiter_queue_depth=len(lk.waiting_jobs),
-            )
-            return reply, effects
-
-        return await self._decide(mark)
-
-    async def _decide(self, decide: Callable[[float], tuple[_T, list[Effect]]]) -> _T:
-        """Run ``decide`` in the worker; its answer once its effects ran (after persisting)."""
-        if self._stopping:
-            raise self._gone()
-        done: asyncio.Future[_T] = asyncio.get_running_loop().create_future()
-
-        def command(now: float) -> list[Effect]:
-            answer, effects = decide(now)
-            return [*effects, lambda: inbox.resolve(done, answer)]
-
-        self.post(command)
-        # Applied even if the caller goes away: shield the answer.
-        return await asyncio.shield(done)
-
-    # ---- commands and their effects ------------------------------------------------------
-
-    def post(self, command: inbox.Command) -> None:
-        self._worker.post(command)
-
-    def release_deferred(self) -> None:
-        """Run the effects held back until the switch's first calls were sent."""
-        self._worker.release_deferred()
-
-    def _depart(self, waiter: callers.Waiter, now: float) -> list[Effect]:
-        if waiter.granted_epoch is not None:
-            return self.bind(
-                self.lock.on_undelivered(waiter.job, epoch=waiter.granted_epoch, now=now)
-            )
-        if not self._callers.withdraw(waiter):
-            return []  # already failed (aborted) elsewhere
-        return self.bind(self.lock.on_cancel(waiter.job, now=now))
-
-    def bind(self, actions: list[decisions.Action]) -> list[Effect]:
-        """Bookkeeping now (who got the grant), side effects after persisting.
-
-        Resolving a grant's Acquires and starting a switch are urgent (see _worker);
-        events keep their order among the other effects.
-        """
-        effects: list[Effect] = []
-        for action in actions:
-            if isinstance(action, decisions.Granted):
-                receivers = self._callers.granted(action.job, action.epoch)
-                parts = 0 if action.held else sum(w.set_seq is not None for w in receivers)
-                if parts:
-                    self.lock.on_granted_to_set_parts(
-                        action.job, epoch=action.epoch, parts=parts, now=time.monotonic()
-                    )
-                announce = functools.partial(self.events.granted, action)
-                effects += [callers.resolve_effect(action, receivers), announce, self._prefetch]
-            elif isinstance(action, decisions.Abort):
-                effects.append(callers.abort_effect(action, self._callers.take(action.job)))
-            elif isinstance(action, decisions.StartSwitch):
-                effects.append(self._switch_effect(action))
-            elif isinstance(action, decisions.NeedClaim):
-                effects += self._claim(action)
-            elif isinstance(action, decisions.NeedSet):
-                effects += self._kept_for_set(action)
-            elif isinstance(action, decisions.NotReady):
-                self._sets.withdraw(self.group_id)
-            elif isinstance(action, decisions.ReleaseClaim):
-                # Another group may now move what is on the shared devices: re-read first.
-                self.views.clear()
-                self._arbiter.release(self.group_id)
-            else:
-                effects.append(functools.partial(self.events.decided, action))
-        return effects
-
-    def _prefetch(self) -> None:
-        """Effect: start bringing the next waiter in beside the holder (see prefetching),
-        once per waiter and grant."""
-        lk = self.lock
-        candidate = prefetching.next_to_prefetch(
-            lk, switching=lk.switching is not None, now=time.monotonic()
-        )
-        if candidate is None or candidate == self._prefetched or self._stopping:
-            return
-        self._prefetched = candidate
-        self._tasks.append(
-            tasks.spawn(
-                prefetching.prefetch_everywhere(self._pool, self.nodes, self.group_id, candidate),
-                name=f"group:{self.group_id}:prefetch:{candidate.job}",
-            )
-        )
-        # (Finished prefetches are dropped: one is started per waiter and grant.)
-        self._tasks = [t for t in self._tasks if not t.done()]
-
-    def _holder(self) -> str | None:
-        return self.lock.holder
-
-    def _kept_for_set(self, need: decisions.NeedSet) -> list[Effect]:
-        """The group is kept for a set member: report it ready (the set's grant comes
-        through the inbox, on_set_ready, for every group alike), unless a waiter that
-        holds another group is behind it: that one goes first, since it would otherwise
-        wait for the set, which may wait for what it holds (see sets.passer)."""
-        passing = None
-        if need.others:  # (the holders are read only when someone could pass)
-            holders = {gid: read() for gid, read in self.services.holders.items()}
-            passing = self._sets.passer(self.group_id, need.set_seq, need.others, holders)
-        if passing is None:
-            self._sets.ready(self.group_id, need.job, need.set_seq)
-            return []
-        self._sets.withdraw(self.group_id)
-        log.info(
-            "group %s: job %s, which holds another group, goes before job %s's set",
-            self.group_id,
-            passing,
-            need.job,
-            extra={"group_id": self.group_id, "job_id": passing},
-        )
-        return self.bind(self.lock.on_set_passed(passing, now=time.monotonic()))
-
-    def _claim(self, need: decisions.NeedClaim) -> list[Effect]:
-        """Ask for the device claim (see overlap); wait for it if it is not free."""
-        granted = self._arbiter.request(self.group_id, need.job, need.others)
-        if granted is None:
-            self.views.clear()
-            self.lock.on_claim_waiting()
-            return []
-        shared = bool(self._arbiter.conflicts(self.group_id))
-        return self.bind(self.lock.on_claim_granted(granted, now=time.monotonic(), shared=shared))
-
-    def _switch_effect(self, s: decisions.StartSwitch) -> Effect:
-        def effect() -> None:
-            if self._stopping:
-                # The intent is on disk: recovery rolls it back (nothing moved) at restart.
-                return
-            self._worker.hold_back()
-            self._switches.start(s)
-
-        return inbox.Urgent(effect)
-
-    # ---- recovery, leases, state ----------------------------------------------------------
+        self._leases.sync(self.lock)
 
     async def _recover(self) -> None:
         views = await recovery.read_until_all_answer(
             group=self.group_id,
             nodes=self.nodes,
-            pool=self._pool,
+            pool=self.services.pool,
             backoff=self._backoff,
-            note=lambda reads: self.post(inbox.change(lambda: self.health.note(reads))),
+            note=self._reads,
         )
-        self.post(lambda now: self._recovered(views, now))
+        self.executor.post(self._on_recovered, views)
 
-    def _recovered(self, views: dict[str, steps.NodeView], now: float) -> list[Effect]:
+    def _reads(self, reads: plan.Reads) -> None:
+        self.executor.post(self._on_reads, reads)
+
+    def _on_reads(self, now: float, reads: plan.Reads) -> list[Any]:
+        self.health.note(reads)
+        return []
+
+    def _on_recovered(self, now: float, views: dict[str, plan.NodeView]) -> list[fx.Action]:
         lk = self.lock
         decision = recovery.decide_recovery(
             group=self.group_id,
@@ -649,89 +171,417 @@ class GroupDriver:
             extra={"group_id": self.group_id, "resident": decision.resident},
         )
         self.views.update(views)
-        return self.bind(
-            lk.on_recovered(
-                resident=decision.resident,
-                verified=decision.verified,
-                rollback=decision.rollback,
-                now=now,
-            )
+        return lk.on_recovered(
+            resident=decision.resident,
+            verified=decision.verified,
+            rollback=decision.rollback,
+            now=now,
         )
+
+    def _spawn(self, work: Any, what: str) -> None:
+        task = tasks.spawn(work, name=f"group:{self.group_id}:{what}")
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def stop(self, *, grace_s: float) -> None:
+        """Refuse new work, let a switch in flight finish within the grace, fail waiters."""
+        self._stopping = True
+        self._arm_wake(None)
+        services = self.services
+        services.arbiter.leave(self.group_id)
+        services.sets.leave(self.group_id)
+        if services.locks.get(self.group_id) is self.lock:
+            del services.locks[self.group_id]
+        await self._switches.finish(grace_s=grace_s)
+        # Let the executor save and act on what the switch reported.
+        await asyncio.wait({self.executor.flushed()}, timeout=max(grace_s, 0.5))
+        self.executor.close()
+        await tasks.cancel_all([*self._tasks, *self._switches.pending()])
+        # What is left is failed here (queue entries stay persisted: after a restart the
+        # jobs re-attach and keep their place).
+        self._leases.stop(admin.shutting_down())
+        for waiters in self.executor.waiting.values():
+            callers.refuse(waiters, refusals.Code.UNAVAILABLE, admin.shutting_down().message)
+        self.executor.waiting.clear()
+
+    # ---- Acquire ---------------------------------------------------------------------------
+
+    def acquire(
+        self,
+        job: str,
+        *,
+        footprint_bytes: int,
+        lease_ms: int = 0,
+        time_left: float | None = None,
+        set_seq: int | None = None,
+    ) -> callers.Waiter:
+        """The Acquire, waiting for its grant (its future); ``time_left``: the caller's
+        deadline (None: none); ``set_seq``: one group of that set (see sets), granted
+        with the others. Raises ``refusals.Refused``."""
+        if self._stopping:
+            raise self.gone()
+        if footprint_bytes > 0:
+            self._check_fits(job, footprint_bytes)
+        waiter = callers.new_waiter(self, job, set_seq=set_seq, time_left=time_left)
+        self.executor.post(self._on_arrival, waiter, footprint_bytes, lease_ms, time.monotonic())
+        return waiter
+
+    async def fits(self, job: str, footprint_bytes: int) -> None:
+        """Refuse (RESOURCE_EXHAUSTED) a footprint that can never be resident; nodes never
+        read are read once first (a short deadline)."""
+        clients = [self.services.pool.get(n.address) for n in self.nodes]
+        unread = tuple(n for n, c in zip(self.nodes, clients, strict=True) if not c.status_seen)
+        if unread:
+            timeout_s = min(1.0, self._cfg.status_timeout_s)
+            await plan.read_all(self.services.pool, unread, self.group_id, timeout_s=timeout_s)
+            for n, c in zip(self.nodes, clients, strict=True):
+                if n in unread:
+                    c.status_seen = True  # asked once; later reads keep it up to date
+        self._check_fits(job, footprint_bytes)
+
+    def needs_read(self) -> bool:
+        """Whether a fit check must read a node first (one never read)."""
+        return any(not self.services.pool.get(n.address).status_seen for n in self.nodes)
+
+    def _check_fits(self, job: str, footprint_bytes: int) -> None:
+        agents = self.services.pool
+        refused = callers.never_fits(
+            [(n, agents.get(n.address).device_bytes) for n in self.nodes],
+            group_id=self.group_id,
+            job=job,
+            footprint_bytes=footprint_bytes,
+        )
+        if refused is not None:
+            raise refused
+
+    def depart(self, waiter: callers.Waiter) -> None:
+        """``waiter`` stopped waiting: withdrawn, or (granted) its reply undelivered."""
+        if not self._stopping:
+            self.executor.post(self._on_depart, waiter)
+
+    def held_back_by(self) -> str:
+        """What keeps the group from granting and what to do, when it is a fault, a
+        drain or a snapshot the nodes cannot park ("" = none of them: it is busy)."""
+        lk = self.lock
+        if lk.draining:
+            return callers.drained(self.group_id)
+        state, detail = self.reported_state()
+        if state == "UNKNOWN" or (state == "SWITCHING" and self.health.switch_detail):
+            return callers.faulted(self.group_id, detail)
+        if lk.unparkable:
+            return callers.faulted(self.group_id, lk.unparkable)
+        return ""
+
+    def _on_arrival(
+        self,
+        now: float,
+        waiter: callers.Waiter,
+        footprint_bytes: int,
+        lease_ms: int,
+        since: float,
+    ) -> Iterable[Any]:
+        if waiter.future.done():
+            return ()  # it went away before its turn came (depart was posted too)
+        self.executor.waiting.setdefault(waiter.job, []).append(waiter)
+        decided: list[Any] = self.lock.on_acquire(
+            waiter.job,
+            footprint_bytes=footprint_bytes,
+            lease_ms=lease_ms,
+            set_seq=waiter.set_seq,
+            now=now,
+        )
+        if footprint_bytes > 0 and self.lock.attached_waiters == 1:
+            decided.extend(self.prefetch_after(now))  # the only waiter: it is next
+        return decided
+
+    def _on_depart(self, now: float, waiter: callers.Waiter) -> list[fx.Action]:
+        if waiter.granted_epoch is not None:
+            return self.lock.on_undelivered(waiter.job, epoch=waiter.granted_epoch, now=now)
+        pending = self.executor.waiting.get(waiter.job, [])
+        if waiter not in pending:
+            return []  # already answered (aborted) elsewhere
+        pending.remove(waiter)
+        if not pending:
+            del self.executor.waiting[waiter.job]
+        return self.lock.on_cancel(waiter.job, now=now)
+
+    # ---- Yield -----------------------------------------------------------------------------
+
+    def yield_(self, job: str) -> asyncio.Future[fx.YieldOutcome]:
+        """The Yield's outcome, once persisted; applied even if the caller goes away."""
+        if self._stopping:
+            raise self.gone()
+        reply: asyncio.Future[fx.YieldOutcome] = asyncio.get_running_loop().create_future()
+        self.executor.post(self._on_yield, job, reply)
+        return reply
+
+    def _on_yield(self, now: float, job: str, reply: asyncio.Future[fx.YieldOutcome]) -> list[Any]:
+        lk = self.lock
+        was_holder = lk.holder == job
+        out = lk.on_yield(job, now=now)
+        effects: list[Any] = list(out.actions)
+        if out.ok and was_holder:
+            if out.snapshot_deferred:
+                effects.append(fx.CountDeferredSnapshot())
+            ending = self._leases.released(job)
+            if ending:
+                effects.append(fx.EndHolds(ending))
+        effects.append(fx.Answer(reply, out))
+        return effects
+
+    # ---- a switch (switch.step.Group) ------------------------------------------------------
+
+    def _plan(self, s: fx.StartSwitch) -> plan.SwitchPlan:
+        """What every node of switch ``s`` is asked; the overlapping groups whose residents
+        may give way on each node (while this group holds the claim none has a holder)."""
+        arbiter = self.services.arbiter
+        by_node: dict[str, set[str]] = {}
+        for other in arbiter.released(self.group_id):
+            for node in arbiter.shared_nodes(self.group_id, other):
+                by_node.setdefault(node, set()).add(other)
+        give_way = {node: frozenset(groups) for node, groups in by_node.items()}
+        return plan.SwitchPlan(
+            self.group_id,
+            s.from_job,
+            s.to_job,
+            s.epoch,
+            s.footprint_bytes,
+            give_way,
+            stray=arbiter.stray,
+        )
+
+    def emit(self, kind: int, **fields: Any) -> None:
+        self.events.emit(kind, **fields)
+
+    def wants_switch(self) -> bool:
+        return not self._stopping and self.lock.wants_switch(now=time.monotonic())
+
+    def node_ok(self, node: str) -> None:
+        if node in self.health.unreachable:  # (read here, changed by a command)
+            self.executor.post(self._on_node_ok, node)
+
+    def _on_node_ok(self, now: float, node: str) -> list[Any]:
+        self.health.unreachable.pop(node, None)
+        return []
+
+    def node_failed(self, failure: step.NodeFailure) -> None:
+        self.services.metrics.switch_step_failures.labels(
+            group_id=self.group_id, node=failure.node, operation=failure.operation
+        ).inc()
+        why = (
+            f"{failure.node}: {failure.operation} failed: {failure.detail}; retrying in "
+            f"{failure.retry_in:.2f} s"
+        )
+        sw = self.lock.switch
+        self.emit(
+            Kind.KIND_SWITCH_FAILED,
+            job_id=sw.to_job if sw else "",
+            from_job=(sw.from_job or "") if sw else "",
+            node=failure.node,
+            grant_epoch=sw.epoch if sw else 0,
+            detail=why,
+        )
+        log.warning("group %s: %s", self.group_id, why)
+        self.executor.post(self._on_node_failed, failure, why)
+
+    def _on_node_failed(self, now: float, failure: step.NodeFailure, why: str) -> list[Any]:
+        self.health.switch_detail = why
+        if failure.unreachable:
+            self.health.unreachable[failure.node] = failure.detail
+            self.lock.on_node_unreachable()
+        else:
+            self.health.unreachable.pop(failure.node, None)
+        return []
+
+    def switch_ended(self, switch: fx.StartSwitch, outcome: step.Outcome) -> None:
+        self.executor.post(self._on_switch_ended, switch, outcome)
+
+    def _on_switch_ended(self, now: float, s: fx.StartSwitch, outcome: step.Outcome) -> list[Any]:
+        """The lock decides what comes after the switch; its events go out once that is
+        saved (SWITCH_DONE before GRANTED, which the Acquire's answer precedes)."""
+        self.health.switch_detail = ""
+        if isinstance(outcome, step.Done):
+            self._count_switch("completed")
+            self._switch_duration.observe(outcome.seconds)
+            if not s.recovered:  # a recovered switch's time is only part of one
+                self.lock.on_switch_measured(s.from_job, s.to_job, seconds=outcome.seconds)
+            done = fx.Publish(
+                Kind.KIND_SWITCH_DONE,
+                s.to_job,
+                "restored" if outcome.restored else "",
+                s.epoch,
+                int(outcome.seconds * 1000),
+                from_job=s.from_job or "",
+            )
+            decided = self.lock.on_switch_done(epoch=s.epoch, restored=outcome.restored, now=now)
+            return [done, *decided]
+        self.views.clear()
+        name, detail, decided = self._ended(s, outcome, now)
+        if name:
+            self._count_switch(name)
+            failed = fx.Publish(
+                Kind.KIND_SWITCH_FAILED, s.to_job, detail, s.epoch, from_job=s.from_job or ""
+            )
+            return [failed, *decided]
+        return decided
+
+    def _ended(
+        self, s: fx.StartSwitch, outcome: step.Outcome, now: float
+    ) -> tuple[str, str, list[fx.Action]]:
+        """(the outcome's name for the metric, what the event says, what the lock decides)
+        of a switch that ended without its grant."""
+        lk = self.lock
+        match outcome:
+            case step.Refused(code=code, detail=detail):
+                decided = lk.on_switch_refused(epoch=s.epoch, code=code, detail=detail, now=now)
+                return "refused", f"refused: {detail}", decided
+            case step.Unparkable(detail=detail):
+                decided = lk.on_switch_unparkable(epoch=s.epoch, detail=detail, now=now)
+                self._retry_parking(lk.unparkable_tries)
+                return "unparkable", detail, decided
+            case step.StaleEpoch(node=node, mark=mark):
+                why = (
+                    f"grant epoch {s.epoch} is behind node {node}'s mark {mark} (this "
+                    "orchestrator's state was lost or truncated); granting again past it"
+                )
+                log.warning("group %s: %s", self.group_id, why)
+                return "stale_epoch", why, lk.on_stale_epoch(epoch=s.epoch, mark=mark, now=now)
+            case step.Degraded(node=node, cause=cause):
+                return (
+                    "degraded",
+                    f"node {node} degraded: {cause}",
+                    self._degrade(s, node, cause, now),
+                )
+            case step.Deposed(detail=detail):
+                # The group's state is the new leader's: nothing is recorded here (this
+                # replica steps down and its groups stop).
+                log.warning(
+                    "group %s: switch to %s stopped, this leader was deposed: %s",
+                    self.group_id,
+                    s.to_job,
+                    detail,
+                )
+                return "", "", []
+            case step.Abandoned(detail=detail):
+                decided = lk.on_switch_failed(epoch=s.epoch, detail=detail, now=now)
+                return "abandoned", f"abandoned (nobody waits any more): {detail}", decided
+        return "", "", []
+
+    def _degrade(self, s: fx.StartSwitch, node: str, cause: str, now: float) -> list[fx.Action]:
+        reason = (
+            f"group {self.group_id}: node {node} is degraded ({cause}); fix the cause, "
+            f"then clear it: tslice clear-degraded {self.group_id} --node {node}"
+        )
+        log.error("%s", reason, extra={"group_id": self.group_id})
+        self.health.degraded[node] = cause
+        return self.lock.on_degraded(epoch=s.epoch, cause=cause, reason=reason, now=now)
+
+    def _count_switch(self, outcome: str) -> None:
+        series = self._switch_outcomes.get(outcome)
+        if series is None:
+            series = self.services.metrics.switches.labels(group_id=self.group_id, outcome=outcome)
+            self._switch_outcomes[outcome] = series
+        series.inc()
+
+    def _retry_parking(self, tries: int) -> None:
+        """The nodes could not park the switch's snapshot: try again later (what they
+        hold changes when other groups restore or end their jobs)."""
+        delay = self._backoff.delay(tries)
+        asyncio.get_running_loop().call_later(delay, self.executor.post, self._on_parking_retry)
+
+    def _on_parking_retry(self, now: float) -> list[fx.Action]:
+        return self.lock.on_parking_retry(now=now)
+
+    # ---- executor.Group ----------------------------------------------------------------
+
+    def publish(self, effect: fx.Publish) -> None:
+        self.events.emit(
+            effect.kind,
+            job_id=effect.job,
+            detail=effect.detail,
+            grant_epoch=effect.grant_epoch,
+            duration_ms=effect.duration_ms,
+            from_job=effect.from_job,
+        )
+
+    def prefetch_after(self, now: float) -> list[fx.Effect]:
+        """Bring the next waiter's state in beside the holder (see policy.prefetch), if
+        it declared a footprint: once per waiter and grant."""
+        lk = self.lock
+        if lk.holder is None or lk.switch is not None or not lk.attached_waiters:
+            return []
+        if not lk.footprints or self._stopping:
+            return []  # (nobody declared one: the ranking is not even asked)
+        candidate = prefetch.next_to_prefetch(lk, switching=False, now=now)
+        if candidate is None or candidate == self._prefetched:
+            return []
+        self._prefetched = candidate
+        return [fx.Prefetch(candidate)]
+
+    def start_prefetch(self, candidate: prefetch.Candidate) -> None:
+        work = step.prefetch_everywhere(self.services.pool, self.nodes, self.group_id, candidate)
+        self._spawn(work, f"prefetch:{candidate.job}")
+
+    def count_deferred_snapshot(self) -> None:
+        self._deferred_snapshots.inc()
+
+    def settled(self) -> None:
+        lk = self.lock
+        self._leases.sync(lk)
+        self._arm_wake(None if self._stopping else lk.wake_at)
+        self.reporter.note(lk, self.health, self.services.store_health.problem)
+
+    # ---- timers ------------------------------------------------------------------------
+
+    def _arm_wake(self, at: float | None) -> None:
+        """Wake the lock at ``at`` (a policy keeps the group for its resident), or not."""
+        if self._wake is not None and self._wake[0] == at:
+            return
+        if self._wake is not None:
+            self._wake[1].cancel()
+            self._wake = None
+        if at is not None:
+            delay = max(0.0, at - time.monotonic())
+            timer = asyncio.get_running_loop().call_later(delay, self._woken)
+            self._wake = (at, timer)
+
+    def _woken(self) -> None:
+        self._wake = None
+        self.executor.post(self._on_expire)
+
+    def _on_expire(self, now: float) -> list[fx.Action]:
+        return self.lock.on_expire(now=now)
 
     async def _expire(self) -> None:
         for deadline in self.lock.expiry_deadlines():
             await asyncio.sleep(max(0.0, deadline - time.monotonic()))
-            self.post(lambda now: self.bind(self.lock.on_expire(now=now)))
+            self.executor.post(self._on_expire)
 
-    def _settled(self) -> None:
-        self._sync_leases()
-        self._refresh_state()
-        self._wake.arm(None if self._stopping else self.lock.wake_at)
+    def _lease_expired(self, job: str, epoch: int, lease_ms: int) -> None:
+        self.executor.post(self._on_lease_expired, job, epoch, lease_ms)
 
-    def _sync_leases(self) -> None:
-        self._leases.sync(self.lock, self.post, self._lease_expired)
-
-    def _lease_expired(self, job: str, epoch: int, lease_ms: int) -> inbox.Command:
-        def expired(now: float) -> list[Effect]:
-            if self._leases.covers(job, epoch):
-                return []  # a Hold stream arrived meanwhile
-            deferred = self.lock.attached_waiters == 0
-            actions = self.lock.on_lease_expired(job, epoch=epoch, now=now)
-            if not actions:
-                return []
-            log.warning(
-                "group %s: job %s kept no Hold stream open for its lease (%d ms); lock released",
-                self.group_id,
-                job,
-                lease_ms,
-                extra={"group_id": self.group_id, "job_id": job, "grant_epoch": epoch},
-            )
-            effects = self.bind(actions)
-            if deferred:
-                effects.append(self._deferred_snapshots.inc)
-            return effects
-
-        return expired
-
-    def _reported_state(self) -> tuple[str, str]:
-        return status.reported_state(
-            self.lock,
-            self.health,
-            self._conflicts,
-            self._kept_for,
-            unsaved=self.services.store_health.problem,
+    def _on_lease_expired(self, now: float, job: str, epoch: int, lease_ms: int) -> list[Any]:
+        if self._leases.covers(job, epoch):
+            return []  # a Hold stream arrived meanwhile
+        deferred = self.lock.attached_waiters == 0
+        decided: list[Any] = self.lock.on_lease_expired(job, epoch=epoch, now=now)
+        if not decided:
+            return []
+        log.warning(
+            "group %s: job %s kept no Hold stream open for its lease (%d ms); lock released",
+            self.group_id,
+            job,
+            lease_ms,
+            extra={"group_id": self.group_id, "job_id": job, "grant_epoch": epoch},
         )
-
-    def _kept_for(self, job: str, seq: int) -> str:
-        busy = next((sorted(g - r) for s, j, g, r in self._sets.waiting() if s == seq), [])
-        return (
-            f"kept free for job {job!r}, whose AcquireSet is granted once all its groups "
-            f"are free (still waiting for: {', '.join(busy) or 'nothing'})"
-        )
-
-    def _conflicts(self) -> frozenset[str]:
-        return self._arbiter.conflicts(self.group_id)
-
-    def _refresh_state(self) -> None:
-        lk = self.lock
-        reserved = lk.reserved_for is not None
-        self._reporter.refresh(self._reported_state()[0], len(lk.waiting_jobs), reserved=reserved)
-
-    def _group_status(self, loaded_job: str | None) -> opb.GroupStatus:
-        return status.group_status(
-            group_id=self.group_id,
-            nodes=self.nodes,
-            lk=self.lock,
-            health=self.health,
-            state=self._reported_state(),
-            timestamp=self._reporter.timestamp,
-            loaded_job=loaded_job,
-        )
+        if deferred:
+            decided.append(fx.CountDeferredSnapshot())
+        return decided
 
 
 async def evict_everywhere(
-    drivers: Iterable[GroupDriver], job: str, reason: str = "", *, by: str = BY_ADMIN
-) -> list[tuple[str, decisions.EvictOutcome]]:
+    drivers: Iterable[GroupDriver], job: str, reason: str = "", *, by: str = admin.BY_ADMIN
+) -> list[tuple[str, fx.EvictOutcome]]:
     """Take ``job`` out of every group where it holds or waits (an administrator's
     Evict without a group, or a job whose processes are all gone): ``(group_id,
     outcome)`` per group it was in. Groups that are stopping are skipped."""

@@ -1,26 +1,47 @@
-"""What the lock decides, for its driver to execute (``tslice.orchestrator.group.lock``).
+"""What a group's lock decides, and what the group does about it: frozen dataclasses.
 
-Each ``on_*`` method of :class:`~tslice.orchestrator.group.lock.GroupLock` returns a list
-of these, which the group driver executes in order after it has persisted the new
-state:
+The lock (``group.lock``, pure) answers every event with a list of *decisions*:
 
-- :class:`Granted`  resolve every pending Acquire of ``job``;
+- :class:`Granted`  the job holds the group now;
 - :class:`StartSwitch`  move ``from_job`` out and ``to_job`` in on every node;
-- :class:`Abort`  fail the pending Acquires of ``job`` (with a refusal code);
-- :class:`Emit`  publish an event (queued, yielded, cancelled...);
-- :class:`NeedClaim` / :class:`ReleaseClaim`  ask for / give back the device claim
-  that groups sharing devices take turns on (``tslice.orchestrator.group.overlap``);
-- :class:`NeedSet` / :class:`NotReady`  this group is ready for a set member, or is
-  no longer (``tslice.orchestrator.sets.coordinator``).
+- :class:`Abort`  the job's pending Acquires fail (with a refusal code);
+- :class:`Emit`  an event (queued, yielded, cancelled, rolled back);
+- :class:`NeedClaim` / :class:`ReleaseClaim`  ask for / give back the device claim that
+  groups sharing devices take turns on (``group.overlap``);
+- :class:`NeedSet` / :class:`NotReady`  the group is ready for a set member, or is no
+  longer (``sets.coordinator``).
+
+The group's executor (``group.executor``) books each decision in the command that made
+it (the claims and sets are settled there and then, the Acquire RPCs a grant reaches
+are bound to it) and turns it into *effects*, which it runs only once the new state is
+persisted ("write before act"):
+
+- :class:`Deliver` / :class:`Refuse`  answer those Acquire RPCs;
+- :class:`Launch`  start the switch;
+- :class:`Publish`  publish an event;
+- :class:`Answer`  answer a Yield or an administrator's call;
+- :class:`EndHolds`  end the Hold streams of a job that let go;
+- :class:`CountDeferredSnapshot`  a yield deferred its snapshot (a metric);
+- :class:`Prefetch`  ask the nodes to bring the next waiter's state in early.
+
+A group's driver adds the effects of its own commands (Answer, EndHolds...) to what the
+lock decided; nothing else carries a decision from one module to another.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import enum
-from typing import TypeAlias
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 from tslice.rpc import refusals
+
+if TYPE_CHECKING:
+    from tslice.orchestrator.group import callers
+    from tslice.orchestrator.policy import prefetch
+
+# ---- decisions (the lock's) ----------------------------------------------------------------
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,3 +164,76 @@ class EvictOutcome:
     #: After a holder's eviction: the job the group switches to or grants ("" = none).
     next_job: str
     actions: list[Action]
+
+
+# ---- effects (the executor's, after persisting) ---------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Deliver:
+    """Answer these Acquire RPCs: their job holds the group under ``epoch``."""
+
+    waiters: tuple[callers.Waiter, ...]
+    epoch: int
+    restored: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class Refuse:
+    """Fail these Acquire RPCs with ``code`` and ``message``."""
+
+    waiters: tuple[callers.Waiter, ...]
+    code: refusals.Code
+    message: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Launch:
+    """Start the switch (its intent is on disk)."""
+
+    switch: StartSwitch
+
+
+@dataclasses.dataclass(frozen=True)
+class Publish:
+    """Publish an event of the group (a ``tslice.api`` event kind)."""
+
+    kind: int
+    job: str
+    detail: str = ""
+    grant_epoch: int = 0
+    duration_ms: int = 0
+    from_job: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class Answer:
+    """Answer a call the group took (a Yield, an administrator's) with ``value``."""
+
+    future: asyncio.Future[Any]
+    value: Any
+
+
+@dataclasses.dataclass(frozen=True)
+class EndHolds:
+    """End these Hold streams: "" = their job yielded, else why it lost the lock."""
+
+    sessions: tuple[callers.HoldSession, ...]
+    lost: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class CountDeferredSnapshot:
+    """A holder let go with nobody waiting: its snapshot is deferred (a metric)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Prefetch:
+    """Ask every node to bring ``candidate``'s state in beside the holder."""
+
+    candidate: prefetch.Candidate
+
+
+Effect: TypeAlias = (
+    "Deliver | Refuse | Launch | Publish | Answer | EndHolds | CountDeferredSnapshot | Prefetch"
+)

@@ -30,7 +30,7 @@ class HolderSearch:
         #: Recovery has not read the agents yet: the holder is not known.
         self.pending = pending
         #: (holder, grant epoch) taken from the agents, until the holder's next grant.
-        self._found = found
+        self.found = found
         #: Jobs that yielded or were evicted while the holder was looked for.
         self._departed: set[str] = set()
 
@@ -53,12 +53,12 @@ class HolderSearch:
         self.pending = False
         if resident is None or waiting or resident in self._departed:
             return None
-        self._found = (resident, epoch)
+        self.found = (resident, epoch)
         return resident
 
     def epoch_unknown(self, holder: str | None, epoch: int) -> bool:
         """Whether ``holder``'s grant (``epoch`` on the lock) was found on the agents."""
-        return holder is not None and self._found == (holder, epoch)
+        return holder is not None and self.found == (holder, epoch)
 
     def recorded(self, holder: str | None, epoch: int) -> bool:
         """What the record says (``holder_from_agents``)."""

@@ -2,11 +2,10 @@
 
 Every decision about who holds a group, who waits and when a switch starts is
 taken here, with no I/O and no clock of its own (callers pass ``now``). Each
-``on_*`` method mutates the state and returns a list of *actions*
-(``tslice.orchestrator.group.effects``) that the async group driver executes in order,
-after it has persisted the new state; what must survive a crash is its record
-(``tslice.orchestrator.persistence.records``). A group grants only while it holds the device
-claim that groups sharing devices take turns on (``tslice.orchestrator.group.overlap``).
+``on_*`` method changes the state (``group.state``) and returns a list of *decisions*
+(``group.effects``), which the group's executor books at once and acts on once the
+new state is persisted. A group grants only while it holds the device claim that
+groups sharing devices take turns on (``group.overlap``).
 
 Vocabulary: the *holder* owns the lock (during a switch, the switch target);
 the *resident* is the job whose state is on the devices; *verified* says the
@@ -31,10 +30,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from tslice.orchestrator import policy as sched
 from tslice.orchestrator.group import effects as act
 from tslice.orchestrator.group import found_holder, state
-from tslice.orchestrator.persistence import records
 from tslice.rpc import refusals
 
 #: The group's state from the lock alone (named here too: callers read ``lock.Phase``).
@@ -47,76 +44,10 @@ _UNCLAIMED = (
     f"{_NOT_BACK}: its grant (a switch finished after a restart) was never claimed, "
     "no Acquire of it came back within the re-attach grace"
 )
-#: Evicted jobs remembered (until they acquire again), so that a late Yield is told why.
-_EVICTIONS_KEPT = 64
 
 
 class GroupLock(state.LockState):
     """Lock, queue and residency of one group. Not thread-safe; one driver owns it."""
-
-    # ---- construction from disk -----------------------------------------------------------
-
-    @classmethod
-    def from_record(
-        cls,
-        record: records.LockRecord,
-        *,
-        now: float,
-        reattach_grace_s: float = 30.0,
-        wall_now: float | None = None,
-        policy: sched.Policy | None = None,
-    ) -> GroupLock:
-        """Rebuild after a restart: every queue entry is detached; recovery is pending.
-
-        ``wall_now``: the wall clock at ``now`` (deadlines on disk are wall-clock times);
-        None: ``now`` is itself the wall clock. Waits count from when the record says
-        they began, where it says (otherwise from ``now``).
-        """
-        offset = 0.0 if wall_now is None else wall_now - now
-        lock = cls(reattach_grace_s=reattach_grace_s, wall_offset_s=offset, policy=policy)
-        lock._holder = record.holder
-        lock._resident = record.resident
-        lock._epoch = record.grant_epoch
-        lock._switch_count = record.switch_count
-        lock._next_seq = record.next_seq
-        lock._footprints = dict(record.footprints)
-        lock.draining = record.draining
-        # The lease on disk is the holder's, or while switching the target's.
-        leased = record.intent.to_job if record.intent is not None else record.holder
-        if leased is not None and record.holder_lease_ms > 0:
-            lock._leases[leased] = record.holder_lease_ms
-        for q in sorted(record.queue, key=lambda q: q.seq):
-            since = now if q.queued_at is None else min(now, q.queued_at - offset)
-            lock._queue[q.job] = state.Entry(q.job, q.seq, since, 0, detached_since=now)
-            if q.footprint_bytes:
-                lock._footprints[q.job] = q.footprint_bytes
-        if record.intent is not None:
-            it = record.intent
-            lock._switch = state.Switch(
-                it.from_job, it.to_job, it.epoch, it.seq, now, attached=0, recovered=True
-            )
-            lock._holder = it.to_job
-        lock._recovering = True
-        lock._recovered_at = now
-        lock._search = found_holder.HolderSearch.of(record)
-        # A holder that was granted before the crash keeps the lock; its client got the
-        # reply. One whose grant was never delivered keeps it only until its deadline
-        # (not extended by this restart) unless an Acquire of it comes back; never more
-        # than the grace from now (a wall clock set back across the restart).
-        granted = lock._holder is not None and lock._switch is None
-        unclaimed = record.holder_unclaimed_until
-        if granted and unclaimed is not None:
-            lock._confirm_deadline = min(unclaimed - offset, now + reattach_grace_s)
-        lock._receivers = lock._answered = 1 if granted and unclaimed is None else 0
-        return lock
-
-    def use_policy(self, policy: sched.Policy, *, woken: bool = False) -> None:
-        """Schedule with ``policy`` from now on. ``woken``: the driver calls
-        :meth:`on_expire` at :attr:`wake_at`, so the policy may keep an idle group for
-        its resident (cost-aware); without it the group never waits idle."""
-        self._policy = policy
-        self._policy_given = True
-        self._woken = woken
 
     # ---- events ---------------------------------------------------------------------------
 
@@ -134,71 +65,74 @@ class GroupLock(state.LockState):
         ``set_seq``: it is one group of set ``set_seq`` (AcquireSet): it is granted only
         once the whole set is ready (:meth:`on_set_ready`), never at once."""
         if footprint_bytes > 0:
-            self._footprints[job] = footprint_bytes
+            self._set_footprint(job, footprint_bytes)
         if lease_ms > 0:
             self._leases[job] = lease_ms
         else:
             self._leases.pop(job, None)
-        s = self._switch
+        s = self.switch
         if s is not None and s.to_job == job and (set_seq is None or not s.departed):
             # Its own switch is running (or a recovered one): wait for it to finish.
             # (Not a set's part after that switch's Acquire left: it waits for its set.)
             s.attached += 1
             s.departed = False
-            self._holder = job
+            self.holder = job
             return []
-        if self._holder == job:
+        if self.holder == job:
             self._receivers += 1
             if set_seq is None:  # (a set's part is answered with its set: on_set_answered)
                 self._answered += 1
                 self._confirm_deadline = None
-            return [act.Granted(job, self._epoch, False, 0.0, zero_cost=True, held=True)]
+            return [act.Granted(job, self.grant_epoch, False, 0.0, zero_cost=True, held=True)]
         if self.blocked:
             return [act.Abort(job, self.blocked, code=refusals.Code.UNAVAILABLE)]
-        self._sets.mark(job, set_seq)
-        entry = self._queue.get(job)
+        if set_seq is not None or job in self._sets.members:
+            self._sets.mark(job, set_seq)
+        entry = self.queue.get(job)
         if entry is not None:
-            entry.attached += 1
+            self._attach(entry, 1)
             actions: list[act.Action] = []
             if entry.detached_since is not None:
                 entry.detached_since = None
                 actions.append(act.Emit(act.EventKind.QUEUED, job, "re-attached after restart"))
             return [*actions, *self._promote(now)]
-        self._policy.arrived(job, now=now, active=self._active())
+        self._policy.arrived(job, now=now, active=state.Active(self))
         if (
             set_seq is None
-            and not self._recovering
+            and not self.recovering
             and not self.draining
             and self._claim.allows(job)
-            and self._holder is None
+            and self.holder is None
             and s is None
-            and self._resident == job
-            and self._verified
+            and self.resident == job
+            and self.verified
             and self.attached_waiters == 0
         ):
             # Zero-cost re-acquire: still resident everywhere and nobody waits.
             self._grant_to(job, now, attached=1, new_epoch=True)
-            return [act.Granted(job, self._epoch, restored=False, waited_s=0.0, zero_cost=True)]
-        self._queue[job] = state.Entry(job, self._next_seq, now, attached=1)
+            return [
+                act.Granted(job, self.grant_epoch, restored=False, waited_s=0.0, zero_cost=True)
+            ]
+        self._enqueue(state.Entry(job, self._next_seq, now, attached=1))
         self._next_seq += 1
         return [act.Emit(act.EventKind.QUEUED, job), *self._promote(now)]
 
     def on_cancel(self, job: str, *, now: float) -> list[act.Action]:
         """An Acquire RPC of ``job`` went away before it was granted."""
-        s = self._switch
+        s = self.switch
         if s is not None and s.to_job == job and s.attached > 0:
             s.attached -= 1
             if s.attached == 0:
                 s.departed = True
-                self._holder = None
+                self.holder = None
                 why = "left during its own switch; the switch finishes, then the group moves on"
                 return [act.Emit(act.EventKind.CANCELLED, job, why)]
             return []
-        entry = self._queue.get(job)
+        entry = self.queue.get(job)
         if entry is not None and entry.attached > 0:
-            entry.attached -= 1
+            self._attach(entry, -1)
             if entry.attached == 0:
-                del self._queue[job]
+                self._dequeue(job)
                 return [
                     act.Emit(act.EventKind.CANCELLED, job, "left the queue"),
                     *self._left(job, now),
@@ -221,7 +155,7 @@ class GroupLock(state.LockState):
         While one receiver was answered, the grant stands: a success answer is taken
         back only by the job's yield, its lease or an eviction.
         """
-        if self._holder != job or self._epoch != epoch or self._switch is not None:
+        if self.holder != job or self.grant_epoch != epoch or self.switch is not None:
             return []
         self._undelivered += 1
         if self._undelivered < self._receivers:
@@ -229,35 +163,35 @@ class GroupLock(state.LockState):
         return self._release(job, now, act.EventKind.CANCELLED, why)
 
     def on_yield(self, job: str, *, now: float) -> act.YieldOutcome:
-        s = self._switch
-        if s is not None and s.to_job == job and not s.departed and self._holder == job:
+        s = self.switch
+        if s is not None and s.to_job == job and not s.departed and self.holder == job:
             # Yield during its own switch: finish the switch, then treat it as yielded.
             s.departed = True
             s.attached = 0
-            self._holder = None
+            self.holder = None
             pending = self.attached_waiters
             actions: list[act.Action] = [
                 act.Abort(job, f"job {job!r} yielded the group while its own Acquire was pending"),
                 act.Emit(act.EventKind.YIELDED, job, "during its own switch"),
             ]
             return act.YieldOutcome(True, None, pending, pending == 0, actions)
-        if self._holder == job:
+        if self.holder == job:
             pending = self.attached_waiters
             actions = self._release(job, now, act.EventKind.YIELDED, "")
             return act.YieldOutcome(True, None, pending, pending == 0, actions)
         evicted = self.eviction(job)
-        if self._holder is not None or evicted:
+        if self.holder is not None or evicted:
             return act.YieldOutcome(
-                False, self._holder, self.attached_waiters, False, [], evicted=evicted
+                False, self.holder, self.attached_waiters, False, [], evicted=evicted
             )
         # Nobody holds the group: idempotent no-op.
         self._search.departed(job)
-        deferred = s is None and self._resident == job
+        deferred = s is None and self.resident == job
         return act.YieldOutcome(True, None, self.attached_waiters, deferred, [])
 
     def on_lease_expired(self, job: str, *, epoch: int, now: float) -> list[act.Action]:
         """``job`` kept no Hold stream open for its lease: release it as if it had yielded."""
-        if self._holder != job or self._epoch != epoch or self._switch is not None:
+        if self.holder != job or self.grant_epoch != epoch or self.switch is not None:
             return []
         return self._release(job, now, act.EventKind.YIELDED, "lease expired")
 
@@ -269,20 +203,20 @@ class GroupLock(state.LockState):
         progress is treated as if it yielded during it. A waiter leaves the queue and
         its pending Acquires fail ABORTED. Neither: nothing changes (``role`` None).
         """
-        s = self._switch
-        if self._holder == job:
+        s = self.switch
+        if self.holder == job:
             self._remember_eviction(job, why)
             if s is not None and s.to_job == job:
                 # The switch finishes (its agents are at work), then the group moves on.
-                s.departed, s.attached, self._holder = True, 0, None
+                s.departed, s.attached, self.holder = True, 0, None
                 actions: list[act.Action] = [act.Abort(job, why)]
                 actions.append(act.Emit(act.EventKind.YIELDED, job, why))
                 return act.EvictOutcome(act.Role.HOLDER, "", actions)
             actions = self._release(job, now, act.EventKind.YIELDED, why)
             # The new holder, or the waiter promoted once the device claim is granted.
-            attached = (e.job for e in self._queue.values() if e.attached > 0)
-            return act.EvictOutcome(act.Role.HOLDER, self._holder or next(attached, ""), actions)
-        entry = self._queue.pop(job, None)
+            attached = (e.job for e in self.queue.values() if e.attached > 0)
+            return act.EvictOutcome(act.Role.HOLDER, self.holder or next(attached, ""), actions)
+        entry = self._dequeue(job)
         if entry is None:
             self._search.departed(job)
             return act.EvictOutcome(None, "", [])
@@ -306,10 +240,11 @@ class GroupLock(state.LockState):
         s = self._end_switch(epoch)
         if s is None:
             return []
-        self._resident = s.to_job
-        self._verified = True
-        self._switch_count += 1
+        self.resident = s.to_job
+        self.verified = True
+        self.switch_count += 1
         self.detail = ""
+        self.unparkable_tries = 0
         if s.departed:
             return self._promote(now)
         if s.attached == 0 and s.recovered:
@@ -331,8 +266,8 @@ class GroupLock(state.LockState):
         if s is None:
             return []
         # Half done: the next switch re-reads every node and evicts whatever runs there.
-        self._resident = s.to_job
-        self._verified = False
+        self.resident = s.to_job
+        self.verified = False
         self.detail = f"switch {s.from_job or '-'} -> {s.to_job} abandoned: {detail}"
         if s.attached > 0:
             # Its job came back meanwhile: it is promoted again (a new switch, which
@@ -344,12 +279,12 @@ class GroupLock(state.LockState):
         """A node refused the switch's grant as stale, naming its mark: this group's
         state was lost (its epochs start again below what the agents saw). Epochs go on
         past the mark, never below it, and the target is granted again at once."""
-        s = self._switch
+        s = self.switch
         if s is None or s.epoch != epoch:
             return []
-        self._epoch = max(self._epoch, mark)
+        self.grant_epoch = max(self.grant_epoch, mark)
         actions = self.on_switch_failed(epoch=epoch, detail=f"stale epoch (mark {mark})", now=now)
-        if self._switch is None:
+        if self.switch is None:
             self.detail = f"grant epochs continue past the agents' mark {mark}"
         return actions
 
@@ -362,22 +297,41 @@ class GroupLock(state.LockState):
         if s is None:
             return []
         # The outgoing job may have been moved out on some nodes: re-check at the next switch.
-        self._resident = s.from_job
-        self._verified = False
+        self.resident = s.from_job
+        self.verified = False
         self.detail = f"job {s.to_job} refused: {detail}"
         actions: list[act.Action] = []
         if s.attached > 0 and not s.departed:
             actions.append(act.Abort(s.to_job, detail, code=code))
         return [*actions, *self._promote(now)]
 
+    def on_switch_unparkable(self, *, epoch: int, detail: str, now: float) -> list[act.Action]:
+        """A node cannot park what the switch moves out (issue 20 §2): nothing moved (no
+        agent was called, or one refused before freezing anything). The resident stays
+        and keeps running, the target keeps its place, and no switch starts until
+        :meth:`on_parking_retry` (only the resident may be granted again meanwhile)."""
+        s = self._end_switch(epoch)
+        if s is None:
+            return []
+        self.unparkable = detail
+        self.unparkable_tries += 1
+        if s.attached > 0 or (s.recovered and not s.departed):
+            self._queue_first(s, detached_since=None if s.attached > 0 else now)
+        return self._promote(now)
+
+    def on_parking_retry(self, *, now: float) -> list[act.Action]:
+        """Try the switch again: the nodes may hold less now."""
+        self.unparkable = ""
+        return self._promote(now)
+
     def on_blocked(self, reason: str) -> list[act.Action]:
         """A node is degraded: no switch starts until an operator clears it, and every
         waiting Acquire fails now with the reason (UNAVAILABLE)."""
         self.blocked = reason
         actions: list[act.Action] = []
-        for job, entry in list(self._queue.items()):
+        for job, entry in list(self.queue.items()):
             if entry.attached > 0:
-                del self._queue[job]
+                self._dequeue(job)
                 actions.append(act.Abort(job, reason, code=refusals.Code.UNAVAILABLE))
         return actions
 
@@ -407,10 +361,10 @@ class GroupLock(state.LockState):
         ``rollback`` (only meaningful with a switch in progress): nothing moved on any
         node, so the switch is undone and its target goes back to the head of the queue.
         """
-        self._recovering = False
-        self._resident = resident
-        self._verified = verified
-        s = self._switch
+        self.recovering = False
+        self.resident = resident
+        self.verified = verified
+        s = self.switch
         actions: list[act.Action] = []
         if s is not None:
             if rollback and s.attached == 0:
@@ -425,38 +379,44 @@ class GroupLock(state.LockState):
                 return [self._start_switch(s)]
         elif self._search.pending:
             found = self._search.decide(
-                resident, waiting=resident in self._queue, epoch=self._epoch
+                resident, waiting=resident in self.queue, epoch=self.grant_epoch
             )
             if found is not None:
-                self._holder, self._receivers = found, 1
+                self.holder, self._receivers = found, 1
                 self.detail = found_holder.holder_detail(found)
                 actions.append(act.NeedClaim(found, ()))  # its devices, as a holder on disk
         return [*actions, *self._promote(now)]
 
     def on_observed(self, *, epoch: int, resident: str | None, running_everywhere: bool) -> None:
         """A live read of the agents (GetGroupStatus) confirmed or refuted the resident."""
-        if self._switch is not None or self._recovering:
+        if self.switch is not None or self.recovering:
             return
-        if epoch != self._epoch or resident != self._resident:
+        if epoch != self.grant_epoch or resident != self.resident:
             return
-        self._verified = running_everywhere
+        self.verified = running_everywhere
+
+    def on_node_unreachable(self) -> None:
+        """A node of the group did not answer: what is on its devices is unknown now, so
+        the resident is granted again only through a switch, which every node confirms."""
+        if self.switch is None:
+            self.verified = False
 
     def on_expire(self, *, now: float) -> list[act.Action]:
         """Drop detached entries and unconfirmed recovered grants older than the grace."""
         actions: list[act.Action] = []
-        for job, entry in list(self._queue.items()):
+        for job, entry in list(self.queue.items()):
             since = entry.detached_since
             if entry.attached == 0 and since is not None and now - since >= self._grace:
-                del self._queue[job]
+                self._dequeue(job)
                 actions.append(act.Emit(act.EventKind.CANCELLED, job, _NOT_BACK))
         if (
-            self._holder is not None
-            and self._switch is None
+            self.holder is not None
+            and self.switch is None
             and self._confirm_deadline is not None
             and now >= self._confirm_deadline
             and self._receivers == 0
         ):
-            actions += self._release(self._holder, now, act.EventKind.CANCELLED, _UNCLAIMED)
+            actions += self._release(self.holder, now, act.EventKind.CANCELLED, _UNCLAIMED)
         return [*actions, *self._promote(now)]
 
     def start_claim(self, job: str | None) -> None:
@@ -472,7 +432,7 @@ class GroupLock(state.LockState):
         claim is held) may have given way to another group's switch meanwhile.
         """
         if shared and not self._claim.held:
-            self._verified = False
+            self.verified = False
         self._claim.held, self._claim.job, self._claim.chosen = True, job, job
         return self._promote(now)
 
@@ -480,7 +440,7 @@ class GroupLock(state.LockState):
         """The claim was asked for and must be waited for: meanwhile another group may
         move what is on the shared devices, the deferred resident included."""
         self._claim.held = False
-        self._verified = False
+        self.verified = False
 
     def on_contended(self, *, now: float) -> list[act.Action]:
         """An overlapping group asks for the claim: let go now if nobody holds the group."""
@@ -502,7 +462,7 @@ class GroupLock(state.LockState):
         sets not answered yet: they count as answered only with their set. Granted to
         such parts alone, the grant is unclaimed on disk until then (a crash meanwhile
         must not leave for ever a holder that was never told) and its lease waits."""
-        if self._holder != job or self._epoch != epoch or self._switch is not None:
+        if self.holder != job or self.grant_epoch != epoch or self.switch is not None:
             return
         self._answered = max(0, self._answered - parts)
         if self._answered == 0:
@@ -511,7 +471,7 @@ class GroupLock(state.LockState):
     def on_set_answered(self, job: str, *, epoch: int) -> None:
         """``job``'s set, granted here under ``epoch``, was answered success: its part is
         an answered receiver now (the grant is claimed, and its lease may start)."""
-        if self._holder == job and self._epoch == epoch and self._switch is None:
+        if self.holder == job and self.grant_epoch == epoch and self.switch is None:
             self._answered += 1
             self._confirm_deadline = None
 
@@ -524,69 +484,31 @@ class GroupLock(state.LockState):
     def _left(self, job: str, now: float) -> list[act.Action]:
         """``job`` left the queue: a group kept free for it moves on."""
         reserved = self._sets.reserved == job
-        self._sets.drop(job)
+        if job in self._sets.members:
+            self._sets.drop(job)
         if self._set_pass == job:
             self._set_pass = None
         return self._promote(now) if reserved else []
 
-    def _end_switch(self, epoch: int) -> state.Switch | None:
-        """The switch of ``epoch`` ends (None: it is not the one in progress)."""
-        s = self._switch
-        if s is None or s.epoch != epoch:
-            return None
-        self._switch = None
-        self._holder = None
-        return s
-
-    def _queue_first(self, s: state.Switch, *, detached_since: float | None = None) -> None:
-        """The switch's target goes back to the head of the queue, keeping its place."""
-        entry = state.Entry(s.to_job, s.seq, s.queued_at, s.attached, detached_since)
-        self._queue = {s.to_job: entry, **self._queue}
-
     def _let_go(self) -> list[act.Action]:
         """Give the claim back if contended and free; the resident may then be evicted."""
-        if not (self._claim.contended and self._holder is None and self._switch is None):
+        if not (self._claim.contended and self.holder is None and self.switch is None):
             return []
         self._claim.held = self._claim.contended = False
         # Another group's Grant may make the deferred resident give way: re-check it.
-        self._verified = False
+        self.verified = False
         return [act.ReleaseClaim()]
-
-    def _remember_eviction(self, job: str, why: str) -> None:
-        self._evicted.pop(job, None)
-        self._evicted[job] = why
-        while len(self._evicted) > _EVICTIONS_KEPT:
-            del self._evicted[next(iter(self._evicted))]
-
-    def _grant_to(self, job: str, now: float, *, attached: int, new_epoch: bool) -> None:
-        # A switch's grant was numbered when the switch started (the epoch travels to
-        # the agents in Grant); grants without a switch are numbered here.
-        if new_epoch:
-            self._epoch += 1
-        self._holder = job
-        self._evicted.pop(job, None)  # (kept until then: a late Yield is told why)
-        self._receivers = attached
-        self._undelivered = 0
-        self._answered = attached  # (less the parts of sets: on_granted_to_set_parts)
-        self._confirm_deadline = None
-        self._wake_at = None
-        self._policy.granted(job, now=now)
 
     def on_switch_measured(self, from_job: str | None, to_job: str, *, seconds: float) -> None:
         """The switch runner measured a completed switch (for the policy's costs)."""
         self._policy.switched(from_job, to_job, seconds=seconds)
 
-    def _active(self) -> set[str]:
-        """Jobs holding, switching in or waiting."""
-        busy = {self._holder, self._switch.to_job if self._switch is not None else None}
-        return {*self._queue, *(j for j in busy if j is not None)}
-
     def _holds_for_resident(self, ranked: list[state.Entry], now: float) -> bool:
         """Keep the idle group for its yielded resident a while (the policy's call)?"""
-        resident = self._resident
-        if not (self._woken and self._verified and self._claim.held and resident is not None):
+        resident = self.resident
+        if not (self._woken and self.verified and self._claim.held and resident is not None):
             return False
-        if resident in self._queue:
+        if resident in self.queue:
             return False  # it asks again: the ranking decides
         until = self._policy.hold_until(resident, ranked, self._view(now))
         if until is None or until <= now:
@@ -597,7 +519,7 @@ class GroupLock(state.LockState):
     def _release(self, job: str, now: float, kind: act.EventKind, detail: str) -> list[act.Action]:
         self._policy.released(job, now=now)
         self._leases.pop(job, None)
-        self._holder = None
+        self.holder = None
         self._receivers = 0
         self._undelivered = 0
         self._answered = 0
@@ -605,14 +527,15 @@ class GroupLock(state.LockState):
         return [act.Emit(kind, job, detail), *self._promote(now)]
 
     def _promote(self, now: float) -> list[act.Action]:
-        if self._recovering or self._holder is not None or self._switch is not None:
+        if self.recovering or self.holder is not None or self.switch is not None:
             return []
         released = self._let_go()
         self._wake_at = None
         attached = self._ranked(now)
         if not attached or self.blocked:
             return released
-        entry = self._sets.choose(attached, self._queue)
+        sets = self._sets
+        entry = sets.choose(attached, self.queue) if sets.members else attached[0]
         if self.draining and entry.job not in self._sets.ready:
             return released  # drained: only a set granted before the drain goes on
         kept = self._sets.reserved is not None
@@ -631,20 +554,27 @@ class GroupLock(state.LockState):
             entry = next((e for e in attached if e.job == chosen), entry)
         elif chosen is None and self._holds_for_resident(attached, now):
             return released
+        if self.unparkable and not (entry.job == self.resident and self.verified):
+            # No switch may start: only the resident, still on the devices, goes again.
+            resident = [e for e in attached if e.job == self.resident and self.verified]
+            if not resident:
+                return released
+            entry = resident[0]
         if not self._claim.allows(entry.job):
             # Asked again whenever the waiters change: a nested acquire may pass the head.
             others = () if kept else tuple(e.job for e in attached if e.job != entry.job)
             return [*released, act.NeedClaim(entry.job, others)]
-        del self._queue[entry.job]
-        self._sets.drop(entry.job)
+        self._dequeue(entry.job)
+        if entry.job in sets.members:
+            sets.drop(entry.job)
         self._set_pass = None
-        if entry.job == self._resident and self._verified:
+        if entry.job == self.resident and self.verified:
             self._grant_to(entry.job, now, attached=entry.attached, new_epoch=True)
             waited = max(0.0, now - entry.queued_at)
-            return [act.Granted(entry.job, self._epoch, False, waited, zero_cost=True)]
-        self._epoch += 1
-        self._holder = entry.job
-        self._switch = state.Switch(
-            self._resident, entry.job, self._epoch, entry.seq, entry.queued_at, entry.attached
+            return [act.Granted(entry.job, self.grant_epoch, False, waited, zero_cost=True)]
+        self.grant_epoch += 1
+        self.holder = entry.job
+        self.switch = state.Switch(
+            self.resident, entry.job, self.grant_epoch, entry.seq, entry.queued_at, entry.attached
         )
-        return [self._start_switch(self._switch)]
+        return [self._start_switch(self.switch)]

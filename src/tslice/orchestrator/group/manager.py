@@ -30,9 +30,9 @@ from collections.abc import Callable, Collection
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
 from tslice.common import tasks
 from tslice.orchestrator import config
+from tslice.orchestrator.group import admin, held_over
 from tslice.orchestrator.group import driver as group
 from tslice.orchestrator.group import effects as decisions
-from tslice.orchestrator.group import held_over
 from tslice.orchestrator.persistence import records
 from tslice.rpc import refusals
 from tslice.server import kube_labels
@@ -169,7 +169,7 @@ class GroupManager:
         await self._apply_held_over(restarted)
 
     async def evict(
-        self, job: str, reason: str = "", *, by: str = group.BY_ADMIN
+        self, job: str, reason: str = "", *, by: str = admin.BY_ADMIN
     ) -> list[tuple[str, decisions.EvictOutcome]]:
         """Take ``job`` out of every group where it holds or waits (``by``: who does); a
         stopped group is told when it is back."""

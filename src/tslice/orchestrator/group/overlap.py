@@ -26,16 +26,17 @@ they can through the topology itself when groups overlap in a cycle that the ord
 does not follow (g1 and g3 taken in that order, while g3 shares devices with g4 and
 g4 with g5, and g5 with g1): an all-or-nothing multi-group acquire would be the cure.
 
-:class:`DeviceArbiter` is the bookkeeping; it never calls a driver directly but
-through callbacks that post to the driver's inbox, so every state change of a
-group still happens in its own worker.
+:class:`DeviceArbiter` is the bookkeeping; it tells a group's driver what concerns it
+through the driver's :class:`Member` methods, which post commands to the group's
+executor, so every state change of a group still happens in its own batch.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
+from typing import Protocol
 
 from tslice.orchestrator import config
 
@@ -55,13 +56,20 @@ def overlap(a: Iterable[config.NodeRef], b: Iterable[config.NodeRef]) -> tuple[s
     return tuple(shared)
 
 
+class Member(Protocol):
+    """A group as the arbiter tells it (each method posts a command to the group)."""
+
+    def claim_granted(self, job: str) -> None:
+        """The group holds the claim for ``job`` now."""
+
+    def claim_contended(self) -> None:
+        """Somebody waits for the group's claim."""
+
+
 @dataclasses.dataclass
 class _Member:
     nodes: tuple[config.NodeRef, ...]
-    #: Post "you hold the claim for this job now" to the group's inbox.
-    granted: Callable[[str], None]
-    #: Post "somebody waits for your claim" to the group's inbox.
-    contended: Callable[[], None]
+    group: Member
 
 
 class DeviceArbiter:
@@ -77,20 +85,13 @@ class DeviceArbiter:
         #: Groups that stopped (every node gone) with a holder: their state stays.
         self._stopped_holders: dict[str, str] = {}
 
-    def join(
-        self,
-        group: str,
-        nodes: tuple[config.NodeRef, ...],
-        *,
-        granted: Callable[[str], None],
-        contended: Callable[[], None],
-    ) -> None:
-        """Add a group; ``granted(job)`` and ``contended()`` post to its inbox."""
+    def join(self, group: str, nodes: tuple[config.NodeRef, ...], member: Member) -> None:
+        """Add a group; ``member`` is told what concerns it."""
         self._stopped_holders.pop(group, None)
-        self._members[group] = _Member(nodes, granted, contended)
+        self._members[group] = _Member(nodes, member)
         self._conflicts[group] = set()
-        for other, member in self._members.items():
-            if other != group and overlap(nodes, member.nodes):
+        for other, joined in self._members.items():
+            if other != group and overlap(nodes, joined.nodes):
                 self._conflicts[group].add(other)
                 self._conflicts[other].add(group)
 
@@ -166,7 +167,7 @@ class DeviceArbiter:
         if group in self._claims:
             return self._claims[group]
         for other in self._blockers(group, job):
-            self._members[other].contended()
+            self._members[other].group.claim_contended()
         return None
 
     def seize(self, group: str, job: str) -> None:
@@ -212,12 +213,12 @@ class DeviceArbiter:
             granted.append((group, chosen))
         for group, job in granted:
             if group != asking:  # the asking group learns it from request()'s answer
-                self._members[group].granted(job)
+                self._members[group].group.claim_granted(job)
         # A new holder that others still wait for lets go at its next release.
         waiting = {w[0] for w in self._waiting}
         for group, _ in granted:
             if self._conflicts[group] & waiting:
-                self._members[group].contended()
+                self._members[group].group.claim_contended()
 
     def _nested(self, group: str, job: str) -> bool:
         """``job`` holds some group's claim and nobody else blocks ``group`` for it.

@@ -1,21 +1,34 @@
-"""What a group's lock keeps, and what can be read from it (``tslice.orchestrator.group.lock``
-decides; this module holds its state, its record for the store and its read-only views).
+"""What a group's lock keeps: its state, its record for the store, its read-only views.
 
-Nothing here changes the state: :class:`LockState` is the base of
-:class:`~tslice.orchestrator.group.lock.GroupLock`, whose ``on_*`` methods do. Vocabulary as
-there (holder, resident, verified, attached and detached queue entries).
+``group.lock`` decides (its ``on_*`` methods change this state); :class:`LockState` is its
+base. Vocabulary as there (holder, resident, verified, attached and detached queue
+entries). The state's plain fields (``holder``, ``resident``, ``verified``,
+``grant_epoch``, ``switch``, ``queue``, ``attached_waiters``...) are read directly by the
+group; only the lock changes them.
+
+Every change to the queue goes through :meth:`LockState._enqueue`, :meth:`_dequeue` and
+:meth:`_attach`, which keep the count of attached waiters and note what a save must
+write (:meth:`LockState.changes`): an arrival costs O(1), in memory and on disk, however
+long the queue.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import enum
+from collections.abc import Collection, Iterator
+from typing import TypeVar
 
 from tslice.orchestrator import policy as sched
 from tslice.orchestrator.group import effects as act
 from tslice.orchestrator.group import found_holder
 from tslice.orchestrator.persistence import records
-from tslice.orchestrator.sets import gate as set_gate
+from tslice.orchestrator.sets import gate
+
+_L = TypeVar("_L", bound="LockState")
+
+#: Evicted jobs remembered (until they acquire again), so that a late Yield is told why.
+_EVICTIONS_KEPT = 64
 
 
 class Phase(enum.Enum):
@@ -27,14 +40,12 @@ class Phase(enum.Enum):
     SWITCHING = "SWITCHING"
 
 
-# ---- state ---------------------------------------------------------------------------------
-
-
 @dataclasses.dataclass
 class Entry:
     job: str
     seq: int
     queued_at: float
+    #: Acquire RPCs of the job waiting now (0: detached, or about to leave).
     attached: int
     #: Set for entries restored after a crash until an Acquire re-attaches them.
     detached_since: float | None = None
@@ -68,7 +79,7 @@ class Claim:
 
 
 class LockState:
-    """The lock's state; read-only here (see :class:`~tslice.orchestrator.group.lock.GroupLock`)."""
+    """The lock's state; changed by :class:`~tslice.orchestrator.group.lock.GroupLock` only."""
 
     def __init__(
         self,
@@ -81,18 +92,24 @@ class LockState:
         #: Wall clock minus the callers' ``now``: deadlines on disk are wall-clock times,
         #: so that they survive a restart (the monotonic clock does not).
         self._wall_offset = wall_offset_s
-        self._holder: str | None = None
-        self._resident: str | None = None
-        self._verified = False
-        self._epoch = 0
-        self._switch_count = 0
+        #: Who owns the lock (while switching: the switch's target), and whose state is on
+        #: the devices; ``verified``: confirmed on every node (a switch, or the agents read).
+        self.holder: str | None = None
+        self.resident: str | None = None
+        self.verified = False
+        self.grant_epoch = 0
+        self.switch_count = 0
         self._next_seq = 1
-        self._queue: dict[str, Entry] = {}  # insertion order == seq order
-        self._switch: Switch | None = None
-        self._footprints: dict[str, int] = {}
+        #: The waiters by job; insertion order is their order (seq).
+        self.queue: dict[str, Entry] = {}
+        #: Entries with an Acquire RPC waiting now.
+        self.attached_waiters = 0
+        #: The switch in progress (None: none).
+        self.switch: Switch | None = None
+        self.footprints: dict[str, int] = {}
         #: lease_ms of each job's latest Acquire (0 = no lease); see holder_lease_ms.
         self._leases: dict[str, int] = {}
-        self._recovering = False
+        self.recovering = False
         #: Whether the holder is (being) found on the agents (a lost record).
         self._search = found_holder.HolderSearch()
         # Delivery tracking of the current grant: how many Acquire RPCs received it
@@ -112,11 +129,16 @@ class LockState:
         #: driver starts without it (start_claim) unless it has a holder.
         self._claim = Claim()
         #: Set members among the waiters (AcquireSet), and whom the group keeps itself for.
-        self._sets = set_gate.SetGate()
+        self._sets = gate.SetGate()
         #: A single waiter let past the member the group is kept for (on_set_passed).
         self._set_pass: str | None = None
         #: Why no switch may start (a degraded node); "" = none.
         self.blocked = ""
+        #: Why no switch may start for now: a node cannot park what it would move out
+        #: (issue 20 §2); "" = none. Tried again (on_parking_retry) after a backoff of
+        #: ``unparkable_tries`` switches found so in a row.
+        self.unparkable = ""
+        self.unparkable_tries = 0
         #: An administrator drained the group: no new turn is granted (persisted).
         self.draining = False
         #: Jobs an administrator evicted -> the message they get (see on_evict).
@@ -128,35 +150,203 @@ class LockState:
         #: group for its resident (a hold needs a wake-up to end).
         self._woken = False
         self._wake_at: float | None = None
+        #: Queue entries and footprints changed since the last save (None: the entry left).
+        self._unsaved_entries: dict[str, Entry | None] = {}
+        self._unsaved_footprints: set[str] = set()
 
-    def record(self) -> records.LockRecord:
-        s = self._switch
+    def _from_record(self, record: records.LockRecord, *, now: float) -> None:
+        """The state a record describes, every queue entry detached (after a restart)."""
+        offset = self._wall_offset
+        self.holder = record.holder
+        self.resident = record.resident
+        self.grant_epoch = record.grant_epoch
+        self.switch_count = record.switch_count
+        self._next_seq = record.next_seq
+        self.footprints = dict(record.footprints)
+        self.draining = record.draining
+        # The lease on disk is the holder's, or while switching the target's.
+        leased = record.intent.to_job if record.intent is not None else record.holder
+        if leased is not None and record.holder_lease_ms > 0:
+            self._leases[leased] = record.holder_lease_ms
+        for q in sorted(record.queue, key=lambda q: q.seq):
+            since = now if q.queued_at is None else min(now, q.queued_at - offset)
+            self.queue[q.job] = Entry(q.job, q.seq, since, 0, detached_since=now)
+            if q.footprint_bytes:
+                self.footprints[q.job] = q.footprint_bytes
+        if record.intent is not None:
+            it = record.intent
+            self.switch = Switch(
+                it.from_job, it.to_job, it.epoch, it.seq, now, attached=0, recovered=True
+            )
+            self.holder = it.to_job
+        self.recovering = True
+        self._recovered_at = now
+        self._search = found_holder.HolderSearch.of(record)
+
+    # ---- construction from disk -----------------------------------------------------------
+
+    @classmethod
+    def from_record(
+        cls: type[_L],
+        record: records.LockRecord,
+        *,
+        now: float,
+        reattach_grace_s: float = 30.0,
+        wall_now: float | None = None,
+        policy: sched.Policy | None = None,
+    ) -> _L:
+        """Rebuild after a restart: every queue entry is detached; recovery is pending.
+
+        ``wall_now``: the wall clock at ``now`` (deadlines on disk are wall-clock times);
+        None: ``now`` is itself the wall clock. Waits count from when the record says
+        they began, where it says (otherwise from ``now``).
+        """
+        offset = 0.0 if wall_now is None else wall_now - now
+        lock = cls(reattach_grace_s=reattach_grace_s, wall_offset_s=offset, policy=policy)
+        lock._from_record(record, now=now)
+        # A holder that was granted before the crash keeps the lock; its client got the
+        # reply. One whose grant was never delivered keeps it only until its deadline
+        # (not extended by this restart) unless an Acquire of it comes back; never more
+        # than the grace from now (a wall clock set back across the restart).
+        granted = lock.holder is not None and lock.switch is None
+        unclaimed = record.holder_unclaimed_until
+        if granted and unclaimed is not None:
+            lock._confirm_deadline = min(unclaimed - offset, now + reattach_grace_s)
+        lock._receivers = lock._answered = 1 if granted and unclaimed is None else 0
+        return lock
+
+    def use_policy(self, policy: sched.Policy, *, woken: bool = False) -> None:
+        """Schedule with ``policy`` from now on. ``woken``: the driver calls
+        :meth:`on_expire` at :attr:`wake_at`, so the policy may keep an idle group for
+        its resident (cost-aware); without it the group never waits idle."""
+        self._policy = policy
+        self._policy_given = True
+        self._woken = woken
+
+    # ---- the queue (every change goes through here) -----------------------------------------
+
+    def _enqueue(self, entry: Entry, *, first: bool = False) -> None:
+        """``entry`` joins the queue (``first``: at its head, keeping its seq)."""
+        if first:
+            self.queue = {entry.job: entry, **self.queue}
+        else:
+            self.queue[entry.job] = entry
+        if entry.attached > 0:
+            self.attached_waiters += 1
+        self._unsaved_entries[entry.job] = entry
+
+    def _dequeue(self, job: str) -> Entry | None:
+        entry = self.queue.pop(job, None)
+        if entry is not None:
+            if entry.attached > 0:
+                self.attached_waiters -= 1
+            self._unsaved_entries[job] = None
+        return entry
+
+    def _attach(self, entry: Entry, change: int) -> None:
+        """One more (``change`` 1) or one less (-1) Acquire RPC of a queued job."""
+        before = entry.attached
+        entry.attached += change
+        if before == 0 and entry.attached > 0:
+            self.attached_waiters += 1
+        elif before > 0 and entry.attached == 0:
+            self.attached_waiters -= 1
+
+    def _set_footprint(self, job: str, footprint_bytes: int) -> None:
+        if self.footprints.get(job) != footprint_bytes:
+            self.footprints[job] = footprint_bytes
+            self._unsaved_footprints.add(job)
+            if job in self.queue:
+                self._unsaved_entries[job] = self.queue[job]
+
+    # ---- changes every decision makes --------------------------------------------------------
+
+    def _grant_to(self, job: str, now: float, *, attached: int, new_epoch: bool) -> None:
+        # A switch's grant was numbered when the switch started (the epoch travels to
+        # the agents in Grant); grants without a switch are numbered here.
+        if new_epoch:
+            self.grant_epoch += 1
+        self.holder = job
+        self._evicted.pop(job, None)  # (kept until then: a late Yield is told why)
+        self._receivers = attached
+        self._undelivered = 0
+        self._answered = attached  # (less the parts of sets: on_granted_to_set_parts)
+        self._confirm_deadline = None
+        self._wake_at = None
+        self._policy.granted(job, now=now)
+
+    def _end_switch(self, epoch: int) -> Switch | None:
+        """The switch of ``epoch`` ends (None: it is not the one in progress)."""
+        s = self.switch
+        if s is None or s.epoch != epoch:
+            return None
+        self.switch = None
+        self.holder = None
+        return s
+
+    def _queue_first(self, s: Switch, *, detached_since: float | None = None) -> None:
+        """The switch's target goes back to the head of the queue, keeping its place."""
+        self._enqueue(Entry(s.to_job, s.seq, s.queued_at, s.attached, detached_since), first=True)
+
+    def _remember_eviction(self, job: str, why: str) -> None:
+        self._evicted.pop(job, None)
+        self._evicted[job] = why
+        while len(self._evicted) > _EVICTIONS_KEPT:
+            del self._evicted[next(iter(self._evicted))]
+
+    # ---- what a save writes -----------------------------------------------------------------
+
+    def row(self) -> records.GroupRow:
+        """The group's own fields, as persisted."""
+        s = self.switch
         intent = None if s is None else records.IntentRecord(s.from_job, s.to_job, s.epoch, s.seq)
-        holder = None if self._switch is not None else self._holder
+        holder = None if s is not None else self.holder
         # While switching, the target's lease: a switch rolled forward after a restart
         # grants it with that lease, so a target that is gone loses the lock in time.
         leased = s.to_job if s is not None else holder
-        return records.LockRecord(
+        search = self._search
+        return records.GroupRow(
             holder=holder,
-            resident=self._resident,
-            grant_epoch=self._epoch,
-            switch_count=self._switch_count,
+            resident=self.resident,
+            grant_epoch=self.grant_epoch,
+            switch_count=self.switch_count,
             next_seq=self._next_seq,
-            queue=tuple(
-                records.QueueRecord(e.job, e.seq, self._footprints.get(e.job, 0), self._since(e))
-                for e in self._queue.values()
-            ),
             intent=intent,
-            footprints=tuple(sorted(self._footprints.items())),
             holder_lease_ms=self._leases.get(leased, 0) if leased is not None else 0,
             draining=self.draining,
             holder_unclaimed_until=self._unclaimed_until(holder),
-            holder_from_agents=self._search.recorded(holder, self._epoch),
+            holder_from_agents=(search.pending or search.found is not None)
+            and search.recorded(holder, self.grant_epoch),
         )
 
-    def _since(self, entry: Entry) -> float | None:
-        """When ``entry`` started waiting, wall clock, where the policy keeps it."""
-        return entry.queued_at + self._wall_offset if self._policy.keeps_wait_times else None
+    def changes(self, saved: records.GroupRow | None) -> records.Changes:
+        """What changed since the last save (``saved``: the row it wrote); forgotten here
+        once taken (the caller saves it, retrying until it is durable)."""
+        row = self.row()
+        entries, self._unsaved_entries = self._unsaved_entries, {}
+        jobs, self._unsaved_footprints = self._unsaved_footprints, set()
+        return records.Changes(
+            row=None if row == saved else row,
+            queued=tuple(self._queue_record(e) for e in entries.values() if e is not None),
+            left=tuple(job for job, e in entries.items() if e is None),
+            footprints=tuple((job, self.footprints[job]) for job in jobs),
+        )
+
+    def record(self) -> records.LockRecord:
+        """The whole record (O(queue): for recovery, the HA store and tests)."""
+        return records.applied(
+            records.LockRecord.empty(),
+            records.Changes(
+                row=self.row(),
+                queued=tuple(self._queue_record(e) for e in self.queue.values()),
+                footprints=tuple(self.footprints.items()),
+            ),
+        )
+
+    def _queue_record(self, entry: Entry) -> records.QueueRecord:
+        # When the wait began, wall clock, where the policy keeps it across a restart.
+        since = entry.queued_at + self._wall_offset if self._policy.keeps_wait_times else None
+        return records.QueueRecord(entry.job, entry.seq, self.footprints.get(entry.job, 0), since)
 
     def _unclaimed_until(self, holder: str | None) -> float | None:
         """The wall-clock deadline of a holder whose grant nobody received (None: claimed)."""
@@ -167,50 +357,26 @@ class LockState:
     # ---- read-only views ------------------------------------------------------------------
 
     @property
-    def holder(self) -> str | None:
-        return self._holder
-
-    @property
-    def resident(self) -> str | None:
-        return self._resident
-
-    @property
     def active_job(self) -> str | None:
         """The job that should be resident: the switch target while switching."""
-        return self._switch.to_job if self._switch is not None else self._resident
+        return self.switch.to_job if self.switch is not None else self.resident
 
     @property
     def loaded_job(self) -> str | None:
         """The job verified resident on every node (none while switching)."""
-        if self._switch is None and self._verified:
-            return self._resident
+        if self.switch is None and self.verified:
+            return self.resident
         return None
-
-    @property
-    def verified(self) -> bool:
-        return self._verified
 
     @property
     def provisional(self) -> bool:
         """The holder's grant went only to the parts of a set not answered yet."""
         return (
-            self._holder is not None
-            and self._switch is None
+            self.holder is not None
+            and self.switch is None
             and self._receivers > 0
             and self._answered == 0
         )
-
-    @property
-    def grant_epoch(self) -> int:
-        return self._epoch
-
-    @property
-    def switch_count(self) -> int:
-        return self._switch_count
-
-    @property
-    def recovering(self) -> bool:
-        return self._recovering
 
     @property
     def finding_holder(self) -> bool:
@@ -220,30 +386,26 @@ class LockState:
     @property
     def holder_epoch_unknown(self) -> bool:
         """The holder was found on the agents: its client's grant epoch is unknown."""
-        return self._switch is None and self._search.epoch_unknown(self._holder, self._epoch)
+        return self.switch is None and self._search.epoch_unknown(self.holder, self.grant_epoch)
 
     @property
     def switching(self) -> act.StartSwitch | None:
-        return None if self._switch is None else self._start_switch(self._switch)
+        return None if self.switch is None else self._start_switch(self.switch)
 
     @property
     def waiting_jobs(self) -> list[str]:
-        return list(self._queue)
+        return list(self.queue)
 
     def waiting_since(self) -> list[float]:
         """When each of :attr:`waiting_jobs` started waiting, wall clock (status reads)."""
-        return [e.queued_at + self._wall_offset for e in self._queue.values()]
-
-    @property
-    def attached_waiters(self) -> int:
-        return sum(1 for e in self._queue.values() if e.attached > 0)
+        return [e.queued_at + self._wall_offset for e in self.queue.values()]
 
     @property
     def holder_lease_ms(self) -> int:
         """The lease of the granted holder (0 = none, or no grant yet: switching)."""
-        if self._holder is None or self._switch is not None:
+        if self.holder is None or self.switch is not None:
             return 0
-        return self._leases.get(self._holder, 0)
+        return self._leases.get(self.holder, 0)
 
     @property
     def policy(self) -> sched.Policy:
@@ -259,7 +421,7 @@ class LockState:
         """When the driver must call ``on_expire``: the policy keeps the idle group for
         its resident until then (None: no wake-up needed: no hold, or it is over, e.g.
         the waiters left or the resident was granted again)."""
-        idle = self._holder is None and self._switch is None and self.attached_waiters > 0
+        idle = self.holder is None and self.switch is None and self.attached_waiters > 0
         return self._wake_at if idle else None
 
     def next_waiter(self, *, now: float) -> str | None:
@@ -279,15 +441,15 @@ class LockState:
         job = self.next_waiter(now=now)
         if job is None:
             return sched.Prefetch("", False, "nobody waits")
-        holder = self._holder
-        if holder is None or self._switch is not None:
+        holder = self.holder
+        if holder is None or self.switch is not None:
             return sched.Prefetch(job, False, "no holder: the switch to it starts at once")
         phases = self._policy.phases
         expected = phases.expected(phases.holds, holder)
         since = phases.granted_at.get(holder)
         left = None if expected is None or since is None else max(0.0, expected - (now - since))
         start, why = sched.should_prefetch(
-            switch_in_s=phases.switch_in_s(job, self._footprints),
+            switch_in_s=phases.switch_in_s(job, self.footprints),
             holder_left_s=left,
             free_bytes=free_bytes,
             footprint_bytes=self.footprint(job),
@@ -300,7 +462,7 @@ class LockState:
         return self._evicted.get(job, "")
 
     def footprint(self, job: str) -> int:
-        return self._footprints.get(job, 0)
+        return self.footprints.get(job, 0)
 
     @property
     def claimed(self) -> bool:
@@ -310,22 +472,22 @@ class LockState:
     def reserved_for(self) -> tuple[str, int] | None:
         """``(job, set)``: the set member the free group keeps itself for (AcquireSet)."""
         job = self._sets.reserved
-        if job is None or self._holder is not None or self._switch is not None:
+        if job is None or self.holder is not None or self.switch is not None:
             return None
         return job, self._sets.members[job]
 
     def phase(self) -> Phase:
-        if self._switch is not None:
+        if self.switch is not None:
             return Phase.SWITCHING
-        if self._holder is not None:
+        if self.holder is not None:
             return Phase.LOCKED
-        if self._resident is not None:
+        if self.resident is not None:
             return Phase.IDLE_YIELDED
         return Phase.IDLE
 
     def wants_switch(self, *, now: float) -> bool:
         """Is anybody still interested in the switch in progress (worth retrying)?"""
-        s = self._switch
+        s = self.switch
         if s is None:
             return False
         if s.attached > 0 or self.attached_waiters > 0:
@@ -335,8 +497,8 @@ class LockState:
         return s.recovered and not s.departed and deadline is not None and now < deadline
 
     def expiry_deadlines(self) -> list[float]:
-        """When :meth:`~tslice.orchestrator.group.lock.GroupLock.on_expire` has work, in order:
-        the end of the grace, and the kept deadline of an unclaimed holder from disk."""
+        """When :meth:`~tslice.orchestrator.group.lock.GroupLock.on_expire` has work, in
+        order: the end of the grace, and the kept deadline of an unclaimed holder from disk."""
         grace = self.grace_deadline()
         return sorted({d for d in (grace, self._confirm_deadline) if d is not None})
 
@@ -347,12 +509,37 @@ class LockState:
         return self._recovered_at + self._grace
 
     def _view(self, now: float) -> sched.View:
-        return sched.View(now, self._resident if self._verified else None, self._footprints)
+        return sched.View(now, self.resident if self.verified else None, self.footprints)
 
     def _ranked(self, now: float) -> list[Entry]:
         """The live (attached) waiters in the order the policy grants them."""
-        waiting = [e for e in self._queue.values() if e.attached > 0]
-        return self._policy.rank(waiting, self._view(now)) if waiting else []
+        if not self.attached_waiters:
+            return []
+        waiting = [e for e in self.queue.values() if e.attached > 0]
+        return self._policy.rank(waiting, self._view(now))
 
     def _start_switch(self, s: Switch) -> act.StartSwitch:
         return act.StartSwitch(s.from_job, s.to_job, s.epoch, self.footprint(s.to_job), s.recovered)
+
+
+class Active(Collection[str]):
+    """The jobs holding, switching in or waiting, as a policy reads them at an arrival: a
+    view, so that an arrival costs nothing more for a policy that does not read it."""
+
+    def __init__(self, lock: LockState) -> None:
+        self._lock = lock
+
+    def _busy(self) -> list[str]:
+        s = self._lock.switch
+        busy = [self._lock.holder, s.to_job if s is not None else None]
+        return [j for j in busy if j is not None and j not in self._lock.queue]
+
+    def __contains__(self, job: object) -> bool:
+        return job in self._lock.queue or job in self._busy()
+
+    def __iter__(self) -> Iterator[str]:
+        yield from self._lock.queue
+        yield from dict.fromkeys(self._busy())
+
+    def __len__(self) -> int:
+        return len(self._lock.queue) + len(set(self._busy()))

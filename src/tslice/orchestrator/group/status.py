@@ -1,4 +1,4 @@
-"""What a group reports: its state on the wire, the state metrics, and GetGroupStatus.
+"""What a group reports: its state on the wire (and in the metrics), and GetGroupStatus.
 
 The state comes from the lock and from what the group knows of its nodes beyond it
 (:class:`Health`: unreachable and degraded nodes, why a switch is retrying), with
@@ -17,7 +17,7 @@ from google.protobuf import timestamp_pb2
 
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
 from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2 as opb
-from tslice.orchestrator import config, metrics
+from tslice.orchestrator import config
 from tslice.orchestrator.group import effects as decisions
 from tslice.orchestrator.group import lock
 from tslice.orchestrator.switch import plan as steps
@@ -92,6 +92,8 @@ def reported_state(
         return phase.value, DRAINING
     if phase is lock.Phase.SWITCHING:
         return phase.value, health.switch_detail
+    if lk.unparkable:
+        return phase.value, lk.unparkable
     reserved = lk.reserved_for
     if reserved is not None:
         return phase.value, kept_for(*reserved)
@@ -102,30 +104,24 @@ def reported_state(
 
 
 class Reporter:
-    """The reported state's timestamp and the state and queue metrics, set on change."""
+    """When the reported state last changed (GroupStatus.state_timestamp)."""
 
-    def __init__(self, group_id: str, series: metrics.OrchestratorMetrics) -> None:
-        self._group_id = group_id
-        self._metrics = series
-        self._queue_depth_series = series.queue_depth.labels(group_id=group_id)
-        self._reserved_series = series.reserved.labels(group_id=group_id)
+    def __init__(self) -> None:
         self._state = ""
-        self._queue_depth = -1
-        self._reserved: bool | None = None
-        self.timestamp = timestamp_pb2.Timestamp()
+        self._since_ns = time.time_ns()
 
-    def refresh(self, state: str, queue_depth: int, *, reserved: bool = False) -> None:
-        if reserved != self._reserved:
-            self._reserved = reserved
-            self._reserved_series.set(1 if reserved else 0)
+    def note(self, lk: lock.GroupLock, health: Health, unsaved: str = "") -> None:
+        """After each batch: the state as :func:`reported_state` names it, cheaply."""
+        unknown = unsaved or health.unreachable or lk.recovering
+        state = "UNKNOWN" if unknown else lk.phase().value
         if state != self._state:
             self._state = state
-            self.timestamp = timestamp_pb2.Timestamp()
-            self.timestamp.FromNanoseconds(time.time_ns())
-            self._metrics.set_state(self._group_id, state)
-        if queue_depth != self._queue_depth:
-            self._queue_depth = queue_depth
-            self._queue_depth_series.set(queue_depth)
+            self._since_ns = time.time_ns()
+
+    def timestamp(self) -> timestamp_pb2.Timestamp:
+        stamp = timestamp_pb2.Timestamp()
+        stamp.FromNanoseconds(self._since_ns)
+        return stamp
 
 
 def group_status(

@@ -218,13 +218,18 @@ class ConfigMapStore:
         )
         return records.LockRecord.lost()
 
-    async def save(
-        self,
-        group_id: str,
-        *,
-        nodes: list[tuple[str, str]],
-        record: records.LockRecord,
-        previous: records.LockRecord | None,
+    def save(
+        self, group_id: str, *, nodes: list[tuple[str, str]], changes: records.Changes
+    ) -> asyncio.Future[None]:
+        """Write the group's record with ``changes`` made: the API server stores a
+        ConfigMap whole, so a write is the length of the queue (bounded by
+        ``limits.max_waiters_per_group``); one per batch of the group's commands."""
+        kept = self._persisted.get(group_id)
+        record = records.applied(kept[1] if kept else records.LockRecord.empty(), changes)
+        return asyncio.ensure_future(self._write(group_id, nodes, record))
+
+    async def _write(
+        self, group_id: str, nodes: list[tuple[str, str]], record: records.LockRecord
     ) -> None:
         name = configmap_name(group_id)
         version = self._versions.get(group_id)

@@ -1,15 +1,17 @@
 """Persistence of every group's lock state: the interface (:class:`LockStore`) and its
 default, SQLite (``<state_dir>/orchestrator.db``, :class:`Store`).
 
-The interface is what the group worker and the group manager use: :meth:`LockStore.load`
-every group, :meth:`LockStore.save` one group's record (returning once it is durable),
-:meth:`LockStore.forget` a group, :meth:`LockStore.close`. Kubernetes HA mode keeps the
+The interface is what a group's executor and the group manager use: :meth:`LockStore.load`
+every group, :meth:`LockStore.save` what a batch of one group's commands changed (a future
+that completes once it is durable), :meth:`LockStore.forget` a group,
+:meth:`LockStore.close`. A save writes what changed (``records.Changes``): an arrival in
+a queue of thousands is one row, not the queue. Kubernetes HA mode keeps the
 state in the API server instead (``tslice.orchestrator.kube.state``); a store that finds a
 newer leader's write in its way raises :class:`Deposed`.
 
-Saves are applied in the order they were made, and a save returns only once its
-transaction has committed (the per-group driver awaits each save before acting,
-which keeps "write before acting"). Saves made in one turn of the event loop, by
+Saves are applied in the order they were made, and a save completes only once its
+transaction has committed (a group's executor acts on a batch only then, which keeps
+"write before acting"). Saves made in one turn of the event loop, by
 any groups, share one transaction (group commit): under load many groups hand over
 at once, and one commit per loop turn costs far less than one per group (SQLite
 writes each touched page to the WAL once per commit). Every save of the batch is
@@ -117,15 +119,11 @@ class LockStore(Protocol):
         """Every persisted group."""
         ...
 
-    async def save(
-        self,
-        group_id: str,
-        *,
-        nodes: list[tuple[str, str]],
-        record: records.LockRecord,
-        previous: records.LockRecord | None,
-    ) -> None:
-        """Write ``record``; return once it is durable. Raises :class:`StoreError`
+    def save(
+        self, group_id: str, *, nodes: list[tuple[str, str]], changes: records.Changes
+    ) -> asyncio.Future[None]:
+        """Write ``changes`` (the first save of a group also writes its ``nodes``); the
+        future completes once they are durable, or fails with :class:`StoreError`
         (retried by the caller) or :class:`Deposed` (never retried)."""
         ...
 
@@ -165,6 +163,10 @@ class Store:
         self._inline = synchronous != "full"
         self._checkpoints = wal_limit.BoundedWalCheckpointer(self.path)
         self._nodes_cache: dict[str, tuple[tuple[tuple[str, str], ...], str]] = {}
+        #: Each group's switch intent as last committed (the intents table follows its
+        #: row), and those written by the transaction under way.
+        self._intents: dict[str, records.IntentRecord | None] = {}
+        self._unsaved_intents: dict[str, records.IntentRecord | None] = {}
         #: Saves waiting for the next group commit (see _commit_batch).
         self._batch: list[_Save] = []
 
@@ -196,23 +198,18 @@ class Store:
         """Every persisted group: ``group_id -> (nodes, record)``."""
         return await self._run(self._load_sync)
 
-    async def save(
-        self,
-        group_id: str,
-        *,
-        nodes: list[tuple[str, str]],
-        record: records.LockRecord,
-        previous: records.LockRecord | None,
-    ) -> None:
-        """Write ``record``; return once it is committed (``previous`` lets unchanged rows
-        be skipped). Raises :class:`StoreError` if the transaction it joined failed."""
+    def save(
+        self, group_id: str, *, nodes: list[tuple[str, str]], changes: records.Changes
+    ) -> asyncio.Future[None]:
+        """Write ``changes``; the future completes once they are committed (it fails with
+        :class:`StoreError` if the transaction it joined failed)."""
         loop = asyncio.get_running_loop()
-        save = _Save(group_id, nodes, record, previous, loop.create_future())
+        save = _Save(group_id, nodes, changes, loop.create_future())
         self._batch.append(save)
         if len(self._batch) == 1:
             # After what is ready now: the other groups' saves of this turn join in.
             loop.call_soon(self._commit_batch)
-        await save.done
+        return save.done
 
     def _commit_batch(self) -> None:
         batch, self._batch = self._batch, []
@@ -240,6 +237,7 @@ class Store:
         later save.
         """
         self._nodes_cache.pop(group_id, None)
+        self._intents.pop(group_id, None)
         try:
             if self._inline:
                 self._forget_sync(group_id)
@@ -359,17 +357,43 @@ class Store:
         conn = self._conn
         if conn is None:
             raise sqlite3.ProgrammingError("the state database is closed")
+        self._unsaved_intents = {}
         with self._checkpoints.transaction(conn):
             for save in batch:
-                self._write_rows(conn, save.group_id, save.nodes, save.record, save.previous)
+                self._write_rows(conn, save)
+        self._intents.update(self._unsaved_intents)  # (only once they are committed)
 
-    def _write_rows(
+    def _write_rows(self, conn: sqlite3.Connection, save: _Save) -> None:
+        gid, changes = save.group_id, save.changes
+        row = changes.row
+        if row is not None:
+            self._write_group(conn, gid, save.nodes, row)
+        if changes.left:
+            conn.executemany(
+                "DELETE FROM queue WHERE group_id=? AND job_id=?",
+                [(gid, job) for job in changes.left],
+            )
+        if changes.queued:
+            conn.executemany(
+                "INSERT INTO queue(group_id, job_id, seq, footprint, queued_at)"
+                " VALUES (?,?,?,?,?)"
+                " ON CONFLICT(group_id, job_id) DO UPDATE SET"
+                " seq=excluded.seq, footprint=excluded.footprint, queued_at=excluded.queued_at",
+                [(gid, q.job, q.seq, q.footprint_bytes, q.queued_at) for q in changes.queued],
+            )
+        if changes.footprints:
+            conn.executemany(
+                "INSERT INTO footprints(group_id, job_id, bytes) VALUES (?,?,?)"
+                " ON CONFLICT(group_id, job_id) DO UPDATE SET bytes=excluded.bytes",
+                [(gid, job, b) for job, b in changes.footprints],
+            )
+
+    def _write_group(
         self,
         conn: sqlite3.Connection,
         gid: str,
         nodes: list[tuple[str, str]],
-        rec: records.LockRecord,
-        prev: records.LockRecord | None,
+        row: records.GroupRow,
     ) -> None:
         conn.execute(
             "INSERT INTO groups(group_id, nodes, holder, resident, grant_epoch, switch_count,"
@@ -384,62 +408,44 @@ class Store:
             (
                 gid,
                 self._nodes_json(gid, nodes),
-                rec.holder,
-                rec.resident,
-                rec.grant_epoch,
-                rec.switch_count,
-                rec.next_seq,
+                row.holder,
+                row.resident,
+                row.grant_epoch,
+                row.switch_count,
+                row.next_seq,
                 time.time(),
-                rec.holder_lease_ms,
-                int(rec.draining),
-                rec.holder_unclaimed_until,
+                row.holder_lease_ms,
+                int(row.draining),
+                row.holder_unclaimed_until,
             ),
         )
-        if prev is None:
-            conn.execute("DELETE FROM queue WHERE group_id=?", (gid,))
-        if prev is None or prev.queue != rec.queue:
-            # Only the entries that came or went (a hand-over moves one or two).
-            before = set(prev.queue) if prev is not None else set()
-            after = set(rec.queue)
-            conn.executemany(
-                "DELETE FROM queue WHERE group_id=? AND job_id=?",
-                [(gid, q.job) for q in before - after],
-            )
-            conn.executemany(
-                "INSERT INTO queue(group_id, job_id, seq, footprint, queued_at)"
-                " VALUES (?,?,?,?,?)"
-                " ON CONFLICT(group_id, job_id) DO UPDATE SET"
-                " seq=excluded.seq, footprint=excluded.footprint, queued_at=excluded.queued_at",
-                [(gid, q.job, q.seq, q.footprint_bytes, q.queued_at) for q in after - before],
-            )
-        if prev is None or prev.footprints != rec.footprints:
-            old = dict(prev.footprints) if prev is not None else {}
-            conn.executemany(
-                "INSERT INTO footprints(group_id, job_id, bytes) VALUES (?,?,?)"
-                " ON CONFLICT(group_id, job_id) DO UPDATE SET bytes=excluded.bytes",
-                [(gid, j, b) for j, b in rec.footprints if old.get(j) != b],
-            )
-        if prev is None or prev.intent != rec.intent:
-            if rec.intent is None:
-                conn.execute("DELETE FROM intents WHERE group_id=?", (gid,))
-            else:
-                it = rec.intent
-                conn.execute(
-                    "INSERT INTO intents(group_id, from_job, to_job, epoch, seq, started)"
-                    " VALUES (?,?,?,?,?,?) ON CONFLICT(group_id) DO UPDATE SET"
-                    " from_job=excluded.from_job, to_job=excluded.to_job,"
-                    " epoch=excluded.epoch, seq=excluded.seq, started=excluded.started",
-                    (gid, it.from_job, it.to_job, it.epoch, it.seq, time.time()),
-                )
+        # The switch's intent: written with the row it belongs to, when it changed.
+        intent = row.intent
+        if self._intents.get(gid, _UNKNOWN) == intent:
+            return
+        self._unsaved_intents[gid] = intent
+        if intent is None:
+            conn.execute("DELETE FROM intents WHERE group_id=?", (gid,))
+            return
+        conn.execute(
+            "INSERT INTO intents(group_id, from_job, to_job, epoch, seq, started)"
+            " VALUES (?,?,?,?,?,?) ON CONFLICT(group_id) DO UPDATE SET"
+            " from_job=excluded.from_job, to_job=excluded.to_job,"
+            " epoch=excluded.epoch, seq=excluded.seq, started=excluded.started",
+            (gid, intent.from_job, intent.to_job, intent.epoch, intent.seq, time.time()),
+        )
 
 
 @dataclasses.dataclass(frozen=True)
 class _Save:
     group_id: str
     nodes: list[tuple[str, str]]
-    record: records.LockRecord
-    previous: records.LockRecord | None
+    changes: records.Changes
     done: asyncio.Future[None]
+
+
+#: An intent not known to be on disk (the first write of a group's row writes it).
+_UNKNOWN = records.IntentRecord(None, "", -1, -1)
 
 
 def _outcome(

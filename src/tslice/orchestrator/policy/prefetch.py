@@ -1,13 +1,57 @@
-"""Should the next waiter's state start coming in before the holder yields?
+"""Prefetch (issue 9 §2): should the next waiter's state start coming in before the holder
+yields?
 
-A pure decision for the group driver that runs prefetches: it asks
-:meth:`tslice.orchestrator.group.state.LockState.prefetch_advice` (which fills in
-what the lock knows) or :func:`should_prefetch` directly.
+After a grant, and when a job queues behind a holder, the group asks
+:func:`next_to_prefetch` whether someone is worth bringing in now: the group has a holder,
+no switch runs, and the next waiter announced a footprint. The group then asks every node
+(``effects.Prefetch``): only agents that declare the feature get the directive, through
+their link (``switch.links``), and only where the footprint fits in the free memory of
+every device. The agent copies into free memory only and drops the copy whenever that
+memory is needed, so a prefetch never costs the holder anything; the switch that follows
+finds the state there (a short restore). It is a hint: a failure is logged, nothing more.
+
+:func:`should_prefetch` is the finer rule (a cost-aware policy's: just in time, never at
+the holder's expense), which :meth:`tslice.orchestrator.group.state.LockState.prefetch_advice`
+fills in from what the lock knows.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Protocol
+
+
+class LockView(Protocol):
+    """What the rule reads of a group's lock."""
+
+    holder: str | None
+    grant_epoch: int
+
+    def footprint(self, job: str) -> int: ...
+
+    def next_waiter(self, *, now: float) -> str | None: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    """Bring ``job``'s state (``footprint_bytes`` per device) in while ``epoch`` holds."""
+
+    job: str
+    footprint_bytes: int
+    epoch: int
+
+
+def next_to_prefetch(lock: LockView, *, switching: bool, now: float) -> Candidate | None:
+    """The waiter to prefetch now, or ``None``: the group has a holder, no switch is
+    running, and the next waiter (the policy's choice, which is not always the first in
+    the queue) declared its footprint (without one, nobody can tell whether it fits)."""
+    holder, job = lock.holder, lock.next_waiter(now=now)
+    if holder is None or switching or job is None or job == holder:
+        return None
+    footprint = lock.footprint(job)
+    if footprint <= 0:
+        return None
+    return Candidate(job=job, footprint_bytes=footprint, epoch=lock.grant_epoch)
 
 
 @dataclasses.dataclass(frozen=True)

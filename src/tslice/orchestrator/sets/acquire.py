@@ -37,37 +37,39 @@ async def acquire_set(
     drivers: Mapping[str, group.GroupDriver],
     job: str,
     *,
-    footprint_bytes: int,
+    footprints: Mapping[str, int],
     lease_ms: int,
     time_left: float | None,
 ) -> dict[str, callers.Grant]:
-    """The grant of every group in ``drivers`` (all share one orchestrator's services);
-    raises the first part's ``refusals.Refused`` (or the caller's cancellation)."""
+    """The grant of every group in ``drivers`` (all share one orchestrator's services;
+    ``footprints``: each group's); raises the first part's ``refusals.Refused`` (or the
+    caller's cancellation)."""
     if not drivers:
         return {}
     services = next(iter(drivers.values())).services
     coordinator, series = services.sets, services.metrics
     started = time.monotonic()
     _refuse_a_second_set(coordinator, job, set(drivers))
+    # A footprint that never fits refuses the set before any group of it queues the job.
+    for gid, d in drivers.items():
+        if footprints.get(gid, 0) > 0:
+            await d.fits(job, footprints[gid])
     held = {gid for gid, d in drivers.items() if d.lock.holder == job}
     # A job that holds part of the set already waits for the rest while holding it: its
     # other parts are plain Acquires. As set members they would wait behind an older
     # set that waits for what the job holds (a deadlock); as plain waiters holding a
     # group of that set they pass the groups kept for it.
     seq = coordinator.open(job, () if held else set(drivers))
-    parts = {
-        gid: asyncio.ensure_future(
-            d.acquire(
+    parts: dict[str, asyncio.Future[callers.Grant]] = {}
+    try:
+        for gid, d in drivers.items():
+            parts[gid] = d.acquire(
                 job,
-                footprint_bytes=footprint_bytes,
+                footprint_bytes=footprints.get(gid, 0),
                 lease_ms=lease_ms,
                 time_left=time_left,
                 set_seq=None if held else seq,
-            )
-        )
-        for gid, d in drivers.items()
-    }
-    try:
+            ).future
         await _all_or_first_failure(list(parts.values()))
         grants = {gid: part.result() for gid, part in parts.items()}
         _refuse_a_lost_part(drivers, job, grants)

@@ -25,21 +25,28 @@ Acquire of the job keeps the queue entry lets that entry wait alone, and a group
 kept for a younger set reports again (it was not counted while this one was open).
 
 Like the device arbiter, the coordinator is bookkeeping only: it reaches the groups
-through callbacks that post to their inboxes, so every change of a group still happens
-in its own worker. Nothing here is persisted: after a restart each re-issued
-AcquireSet is numbered anew and its members keep their places in the groups' queues.
+through their :class:`Member` method, which posts a command to the group's executor, so
+every change of a group still happens in its own batch. Nothing here is persisted: after
+a restart each re-issued AcquireSet is numbered anew and its members keep their places in
+the groups' queues.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Protocol
 
 log = logging.getLogger(__name__)
 
-#: Post "grant ``job``, the member of set ``seq``" to a group's inbox.
-Ready = Callable[[str, int], None]
+
+class Member(Protocol):
+    """A group as the coordinator tells it (the method posts a command to the group)."""
+
+    def set_ready(self, job: str, seq: int) -> None:
+        """Grant ``job``, the member of set ``seq`` (every group of it is ready); a
+        negated ``seq``: that set ended without its grant (:func:`closed`)."""
 
 
 def closed(seq: int) -> int:
@@ -61,10 +68,10 @@ class SetCoordinator:
     def __init__(self) -> None:
         self._next = 1
         self._sets: dict[int, _Set] = {}
-        self._groups: dict[str, Ready] = {}
+        self._groups: dict[str, Member] = {}
 
-    def join(self, group: str, ready: Ready) -> None:
-        self._groups[group] = ready
+    def join(self, group: str, member: Member) -> None:
+        self._groups[group] = member
 
     def leave(self, group: str) -> None:
         self._groups.pop(group, None)
@@ -82,9 +89,9 @@ class SetCoordinator:
         if entry is None or entry.granted:
             return
         for group in sorted(entry.groups):
-            post = self._groups.get(group)
-            if post is not None:
-                post(entry.job, closed(seq))
+            told = self._groups.get(group)
+            if told is not None:
+                told.set_ready(entry.job, closed(seq))
 
     def ready(self, group: str, job: str, seq: int) -> None:
         """``group`` is reserved for ``job``'s set ``seq``; the last one grants the set."""
@@ -102,9 +109,9 @@ class SetCoordinator:
         entry.granted = True
         log.debug("set %d of job %s granted: %s", seq, job, ", ".join(sorted(entry.groups)))
         for member in sorted(entry.groups):
-            post = self._groups.get(member)
-            if post is not None:  # a group stopping meanwhile fails its own Acquire
-                post(job, seq)
+            told = self._groups.get(member)
+            if told is not None:  # a group stopping meanwhile fails its own Acquire
+                told.set_ready(job, seq)
 
     def passer(
         self,

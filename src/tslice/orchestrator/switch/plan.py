@@ -1,11 +1,12 @@
-"""What a switch's steps on one node share, whichever protocol the node's agent speaks.
+"""What every node of a switch is asked, and what the group knows of its nodes.
 
-A group keeps a per-node view of job states (:class:`NodeView`), read from the agent's
-Status and kept up to date from its own operations; every node of a switch is asked
-for the same thing (:class:`SwitchPlan`); a step that cannot go on raises
-:class:`StepFailed`. The two protocol paths, tslice's one-step Grant
-(``tslice.orchestrator.switch.step``) and llm-d's Snapshot/Restore directives
-(``tslice.orchestrator.switch.llmd``), use their node's switcher through :class:`Step`.
+Every node of a switch is asked for the same thing (:class:`SwitchPlan`): only the
+target resident among the group's jobs, the grant recorded. A group keeps a per-node
+view of job states (:class:`NodeView`), read from the agent's Status and kept up to date
+from its own operations, so that a hand-over needs no Status read; a view is dropped
+(and the Status read again) after any error. A node's view also says what its host
+memory for parked states holds (issue 20 §2), so that a switch whose snapshot the node
+cannot park is not started (:meth:`SwitchPlan.unparkable`).
 """
 
 from __future__ import annotations
@@ -14,11 +15,10 @@ import asyncio
 import dataclasses
 import logging
 from collections.abc import Callable, Mapping
-from typing import Protocol
 
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
 from tslice.orchestrator import config
-from tslice.orchestrator.switch import pool as agents
+from tslice.orchestrator.switch import pool
 
 log = logging.getLogger(__name__)
 
@@ -26,6 +26,9 @@ log = logging.getLogger(__name__)
 RESIDENT = (pb.JOB_STATE_RUNNING, pb.JOB_STATE_TRANSITIONING)
 #: How often a step re-plans on a fresh view before it gives up (states keep changing).
 MAX_REPLANS = 20
+#: Backends whose states hold no host memory when parked: the agents do not count them
+#: against their budget (``tslice.agent.parking``), so neither does a switch's check.
+SIMULATED_BACKENDS = frozenset({"sim", "noop"})
 
 
 @dataclasses.dataclass
@@ -33,6 +36,10 @@ class JobView:
     state: pb.JobState
     group: str = ""
     operation_id: str = ""
+    #: What the job holds on the node's devices (0: unknown), as the agent reports it.
+    device_bytes: int = 0
+    #: The backend that moves its state there ("" = not reported).
+    backend: str = ""
 
 
 class NodeView(dict[str, JobView]):
@@ -42,13 +49,19 @@ class NodeView(dict[str, JobView]):
     def __init__(self, own: dict[str, JobView] | None = None) -> None:
         super().__init__(own or {})
         self.others: dict[tuple[str, str], JobView] = {}
+        #: The node's host memory for parked states, and what parked states hold (bytes;
+        #: 0 budget: the agent reports none, so nothing is checked here).
+        self.host_budget_bytes = 0
+        self.host_parked_bytes = 0
 
 
 def view_from_status(resp: pb.StatusResponse, group: str) -> NodeView:
     """The node's records as ``group`` sees them; its own record wins over an ungrouped one."""
     view = NodeView()
+    view.host_budget_bytes = resp.host_budget_bytes
+    view.host_parked_bytes = resp.host_parked_bytes
     for js in resp.job_statuses:
-        jv = JobView(js.state, js.group, js.operation_id)
+        jv = JobView(js.state, js.group, js.operation_id, js.device_bytes, js.backend)
         if js.group == group or (not js.group and js.job_id not in view):
             view[js.job_id] = jv
         elif js.group:
@@ -66,7 +79,7 @@ class Reads:
 
 
 async def read_all(
-    pool: agents.AgentPool,
+    agents: pool.AgentPool,
     nodes: tuple[config.NodeRef, ...],
     group: str,
     *,
@@ -74,12 +87,13 @@ async def read_all(
 ) -> Reads:
     """Read every node's Status concurrently (recovery, GetGroupStatus)."""
     results = await asyncio.gather(
-        *(pool.get(n.address).status(timeout_s=timeout_s) for n in nodes), return_exceptions=True
+        *(agents.get(n.address).status(timeout_s=timeout_s) for n in nodes),
+        return_exceptions=True,
     )
     reads = Reads({}, {})
     for node, res in zip(nodes, results, strict=True):
         if isinstance(res, Exception):
-            if not isinstance(res, agents.AgentError):
+            if not isinstance(res, pool.AgentError):
                 log.error("group %s: reading %s failed", group, node.name, exc_info=res)
             reads.failed[node.name] = str(res)
         elif isinstance(res, BaseException):
@@ -116,38 +130,33 @@ class SwitchPlan:
             and jv.state in RESIDENT
         ]
 
+    def unparkable(self, node: str, view: NodeView) -> str:
+        """Why the node's host memory cannot park what this switch moves out of it ("" =
+        it can, or the node reports no budget). What a resident holds on the devices is
+        what its snapshot parks (the agent refuses the same snapshot, nothing frozen)."""
+        budget = view.host_budget_bytes
+        if budget <= 0:
+            return ""
+        leaving = {
+            job: view[job].device_bytes
+            for job in self.evictees(view)
+            if view[job].backend not in SIMULATED_BACKENDS
+        }
+        needed = sum(leaving.values())
+        free = max(0, budget - view.host_parked_bytes)
+        if needed <= free:
+            return ""
+        who = ", ".join(f"{job} {n} bytes" for job, n in sorted(leaving.items()))
+        return (
+            f"node {node} cannot park the state switched out of group {self.group} ({who}): "
+            f"its host memory for parked states is {budget} bytes, {view.host_parked_bytes} "
+            f"of them held by parked states, so {free} are available; the holder keeps "
+            "running. Restore or end a parked job there, or raise the node's host_budget"
+        )
+
 
 class StepFailed(Exception):
     def __init__(self, operation: str, detail: str) -> None:
         super().__init__(f"{operation}: {detail}")
         self.operation = operation
         self.detail = detail
-
-
-class Step(Protocol):
-    """What a protocol path may use of its node's switcher."""
-
-    @property
-    def name(self) -> str:
-        """The node's name."""
-
-    @property
-    def client(self) -> agents.AgentClient: ...
-
-    @property
-    def plan(self) -> SwitchPlan: ...
-
-    def calling(self, operation: str) -> None:
-        """The next agent call is ``operation`` (named in failure reports)."""
-
-    def observe(self, operation: str, seconds: float) -> None: ...
-
-    def moved(self, kind: str, job: str, op_id: str, op: pb.GetOperationResponse) -> None:
-        """A snapshot or restore of ``job``'s state for the plan's group completed:
-        report it (events, and whether the target was restored)."""
-
-    async def read(self) -> NodeView:
-        """Re-read the node's Status (the view is then fresh)."""
-
-    def forget_view(self) -> None:
-        """Drop the cached view: the next switch reads the node's Status first."""

@@ -1,7 +1,8 @@
 """Connections to node agents: one channel per address, a deadline on every call.
 
-Every agent RPC goes through :meth:`AgentClient._call`, the one place where
-deadlines are applied and gRPC failures are translated:
+Every unary agent RPC goes through :meth:`AgentClient._call`, the one place where
+deadlines are applied and gRPC failures are translated (:meth:`AgentClient.error`, which
+the GrantStream's link uses too):
 
 - :class:`AgentUnreachable`  the agent did not answer (UNAVAILABLE, DEADLINE_EXCEEDED...):
   the truth on that node is unknown; retry with backoff, report UNKNOWN meanwhile;
@@ -12,30 +13,22 @@ deadlines are applied and gRPC failures are translated:
   <tslice.security.leader_term.Term.deposed>` tells the HA mode to step down.
 
 Every call carries the orchestrator's leader term (``tslice.security.leader_term``; none in
-term 0, the embedded mode), read from the :class:`~tslice.security.leader_term.Term` given
-to the clients at each call, so an election won later applies to the next call (and to
-the next GrantStream: one opened in an older term is re-opened).
+term 0, the embedded mode); each new leadership drops the links (:meth:`AgentPool.new_term`),
+so that the next switch reads the nodes again and opens its GrantStreams in the new term.
 
 What an agent speaks is negotiated, never guessed: its Status reply declares it
-(``StatusResponse.features``, see :class:`Features`), the client keeps the declaration
-of its current connection (:attr:`AgentClient.features`, dropped when the connection
-is lost) and the switch picks its path from it once per read: a tslice agent gets one
-Grant per node (:meth:`AgentClient.grant`: evict, restore, record), over one
-GrantStream when declared; an agent that declares nothing is llm-d's and gets
-Snapshot/Restore directives (``tslice.orchestrator.switch.llmd``).
-
-tslice's operations are awaited with the WaitOperation long-poll in chunks, never by
-polling.
+(``StatusResponse.features``), and the link the switch moves that node through
+(``switch.links``: tslice's Grant, or llm-d's Snapshot/Restore) is chosen from that
+declaration once per connection (:attr:`AgentClient.link`, dropped with the connection).
+Nothing here looks at the declaration.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import time
-from collections.abc import Callable, Sequence
-from typing import Any, TypeVar, cast
+from typing import Any, Protocol, TypeVar, cast
 
 import grpc
 
@@ -43,9 +36,16 @@ from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2_grpc as pb_grpc
 from tslice.common import tasks
 from tslice.orchestrator import tracing_hooks
-from tslice.rpc import multiplex
 from tslice.security import leader_term, tls
 from tslice.server import tracing
+
+
+class Link(Protocol):
+    """How the switch moves the agent's node (``switch.links``): what the pool needs of it."""
+
+    async def close(self) -> None:
+        """The connection is over (its streams end)."""
+
 
 _R = TypeVar("_R")
 log = logging.getLogger(__name__)
@@ -120,21 +120,6 @@ class OperationFailed(AgentError):
     """A snapshot/restore operation finished as FAILED (or never finished in time)."""
 
 
-@dataclasses.dataclass(frozen=True)
-class Features:
-    """What an agent declared in its Status reply (``AgentFeatures``); all false: llm-d's."""
-
-    #: The one-step Grant (evict, give_way, restore, wait_ms), WaitOperation and ResetJob.
-    grant_step: bool = False
-    #: Grants over one GrantStream (only meaningful with ``grant_step``).
-    grant_stream: bool = False
-
-    @classmethod
-    def declared(cls, status: pb.StatusResponse) -> Features:
-        f = status.features
-        return cls(grant_step=f.grant_step, grant_stream=f.grant_step and f.grant_stream)
-
-
 class AgentClient:
     """Typed calls to one agent, each with a deadline."""
 
@@ -151,19 +136,18 @@ class AgentClient:
         self.address = address
         #: This orchestrator's leader term, sent with every call (Term(0): none sent).
         self._term = term if term is not None else leader_term.Term()
-        #: The term the open GrantStream was opened with (its metadata cannot change).
-        self._grants_term = self._term.value
         #: TLS of the channel and the token every call carries (the orchestrator's identity).
         self._security = security or tls.ClientSecurity()
         self.rpc_timeout_s = rpc_timeout_s
         self.operation_timeout_s = operation_timeout_s
         self.wait_chunk_s = wait_chunk_s
-        #: What the agent declared on the current connection; None until a Status read.
-        self.features: Features | None = None
-        #: Device memory of the node in all (its accelerators' totals) as its last Status
-        #: reply listed them; None until read, or when it lists none (noop, llm-d's agents).
-        self.capacity_bytes: int | None = None
-        #: Whether a Status reply was ever read (capacity_bytes is then what it listed).
+        #: How the switch moves this node, chosen from what the agent declared on the
+        #: current connection (``switch.step.chosen``); None until then.
+        self.link: Link | None = None
+        #: Each device's memory (bytes), in the order the last Status reply listed them;
+        #: empty until read, or when it lists none (noop, llm-d's agents).
+        self.device_bytes: tuple[int, ...] = ()
+        #: Whether a Status reply was ever read (device_bytes is then what it listed).
         self.status_seen = False
         self._watch: asyncio.Task[None] | None = None
         tls_files = self._security.tls
@@ -172,27 +156,25 @@ class AgentClient:
         self._tls_checked = time.monotonic()
         self._channel = self._security.aio_channel(address, _CHANNEL_OPTIONS)
         self._stub: Any = pb_grpc.SnapshotAgentServiceStub(self._channel)
-        # Grants go over one long-lived GrantStream where declared (half a unary call
-        # each; they are on every hand-over's path), else unary Grants.
-        self._grants: multiplex.Caller[pb.GrantStreamRequest, pb.GrantStreamResponse] = (
-            multiplex.Caller(
-                self._open_grants,
-                reply_id=lambda r: r.request_id,
-                name=f"agent {address}",
-            )
-        )
 
-    def _metadata(self) -> tuple[tuple[str, str], ...]:
+    def metadata(self) -> tuple[tuple[str, str], ...]:
+        """What every call carries: the orchestrator's credential and its leader term."""
         return (*self._security.metadata(), *self._term.metadata())
 
-    def _open_grants(self) -> Any:
-        self._grants_term = self._term.value
-        return self._stub.GrantStream(metadata=self._metadata())
+    def open_grant_stream(self) -> Any:
+        """A GrantStream call on the current channel, in the current term."""
+        return self._stub.GrantStream(metadata=self.metadata())
+
+    async def drop_link(self) -> None:
+        """Forget the link (its stream closed): the next switch reads the node again."""
+        link, self.link = self.link, None
+        if link is not None:
+            await link.close()
 
     async def close(self) -> None:
         if self._watch is not None:
             await tasks.cancel_all([self._watch])
-        await self._grants.close()
+        await self.drop_link()
         await self._channel.close()
 
     async def _renew_channel(self) -> None:
@@ -213,11 +195,10 @@ class AgentClient:
         old = self._channel
         self._channel = self._security.aio_channel(self.address, _CHANNEL_OPTIONS)
         self._stub = pb_grpc.SnapshotAgentServiceStub(self._channel)
-        self.features = None
         if self._watch is not None:
             await tasks.cancel_all([self._watch])
             self._watch = None
-        await self._grants.close()  # re-opened on the new channel by the next grant
+        await self.drop_link()  # chosen again, its stream opened on the new channel
         await old.close()
         log.info("agent %s: TLS files renewed; reconnecting with them", self.address)
 
@@ -228,30 +209,19 @@ class AgentClient:
             await self._channel.wait_for_state_change(state)
             new = self._channel.get_state()
             if state == grpc.ChannelConnectivity.READY:
-                self.features = None
+                await self.drop_link()
             state = new
 
-    async def status(
-        self, *, timeout_s: float | None = None, issued: Callable[[], None] | None = None
-    ) -> pb.StatusResponse:
-        """The node's job states; learns what the agent declares (:attr:`features`)."""
+    async def status(self, *, timeout_s: float | None = None) -> pb.StatusResponse:
+        """The node's job states, devices and declared features."""
         await self._renew_channel()
         resp = await self._call(
-            "status",
-            self._stub.Status,
-            pb.StatusRequest(),
-            pb.StatusResponse,
-            timeout_s,
-            issued=issued,
+            "status", self._stub.Status, pb.StatusRequest(), pb.StatusResponse, timeout_s
         )
-        self.features = Features.declared(resp)
-        total = sum(max(0, a.memory_total_bytes) for a in resp.accelerator_statuses)
-        self.capacity_bytes = total or None
+        self.device_bytes = tuple(max(0, a.memory_total_bytes) for a in resp.accelerator_statuses)
         self.status_seen = True
         if self._watch is None:
             self._watch = tasks.spawn(self._forget_on_disconnect(), name=f"agent {self.address}")
-        if self.features.grant_stream and self._grants.supported is False:
-            self._grants.supported = None  # declared now (an upgraded agent): try it again
         return resp
 
     async def snapshot(self, *, job_id: str, group: str) -> str:
@@ -273,69 +243,15 @@ class AgentClient:
         resp = await self._call("poll", self._stub.GetOperation, request, pb.GetOperationResponse)
         return resp
 
-    async def grant(
-        self,
-        *,
-        job_id: str,
-        group: str,
-        epoch: int,
-        footprint_bytes: int,
-        evict: list[str],
-        wait_s: float,
-        give_way: Sequence[tuple[str, str]] = (),
-        devices: Sequence[int] = (),
-        issued: Callable[[], None] | None = None,
-    ) -> pb.GrantResponse:
-        """One node step of a switch: evict, restore ``job_id`` if SAVED, record the grant
-        (``devices``: the node's device indices the group uses, empty = all).
+    async def grant(self, request: pb.GrantRequest, *, timeout_s: float) -> pb.GrantResponse:
+        """One unary Grant (see ``switch.links.GrantLink``: its stream is preferred)."""
+        resp = await self._call("grant", self._stub.Grant, request, pb.GrantResponse, timeout_s)
+        return resp
 
-        The agent replies once done (``granted``) or after ``wait_s`` with the operations
-        so far; re-issuing the same request continues where the node stands. Only for an
-        agent that declared ``grant_step``; over its GrantStream if it declared that too.
-        """
-        request = pb.GrantRequest(
-            job_id=job_id,
-            group=group,
-            grant_epoch=epoch,
-            footprint_bytes=footprint_bytes,
-            evict=evict,
-            restore=True,
-            wait_ms=max(1, int(wait_s * 1000)),
-            give_way=[pb.JobRef(job_id=j, group=g) for j, g in give_way],
-            devices=devices,
-        )
-        timeout_s = wait_s + self.rpc_timeout_s
-        await self._renew_channel()
-        if self._grants_term != self._term.value:
-            await self._grants.close()  # opened in an older term: re-opened with this one
-        # A hand-over being traced sends its trace context in the call's metadata: the
-        # GrantStream's metadata is the stream's, so its Grant goes as a unary call.
-        traced = tracing.ENABLED and tracing_hooks.in_trace()
-        if traced or self.features is None or not self.features.grant_stream:
-            resp = await self._call(
-                "grant", self._stub.Grant, request, pb.GrantResponse, timeout_s, issued=issued
-            )
-            return resp
-        try:
-            reply = await self._grants.call(
-                lambda rid: pb.GrantStreamRequest(request_id=rid, grant=request),
-                timeout_s=timeout_s,
-                issued=issued,
-            )
-        except multiplex.Unsupported as err:
-            raise self._error(
-                "grant",
-                grpc.StatusCode.UNIMPLEMENTED,
-                "the agent declared grant_stream but has no GrantStream",
-            ) from err
-        except multiplex.Broken as err:
-            raise self._error("grant", err.code, err.detail) from err
-        except TimeoutError as err:
-            raise self._error("grant", grpc.StatusCode.DEADLINE_EXCEEDED, str(err)) from err
-        if reply.status_code != grpc.StatusCode.OK.value[0]:
-            code = multiplex.status_code(reply.status_code)
-            raise self._error("grant", code, reply.status_message)
-        return reply.grant
+    async def restore_early(self, *, job_id: str, group: str) -> None:
+        """A prefetch: Restore with ``prefetch`` set (only to an agent that declares it)."""
+        request = pb.RestoreRequest(job_id=job_id, group=group, prefetch=True)
+        await self._call("prefetch", self._stub.Restore, request, pb.RestoreResponse)
 
     async def reset_job(self, *, job_id: str, group: str = "") -> pb.JobState:
         resp = await self._call(
@@ -369,24 +285,6 @@ class AgentClient:
             if resp.status != pb.OPERATION_STATUS_PENDING:
                 return resp
 
-    # ---- prefetch (issue 9 §2) ---------------------------------------------------------
-
-    async def prefetch(self, *, job_id: str, group: str, footprint_bytes: int) -> str:
-        """Ask the agent to bring a SAVED job's state in ahead of its grant, if it
-        declares ``prefetch`` and ``footprint_bytes`` fits in the free memory of every
-        accelerator its Status lists; returns what was done (for the log). Reads
-        Status first: a declaration is the agent's, never inferred, and an agent that
-        does not declare it (llm-d's) would take the Restore for a real one."""
-        resp = await self.status()
-        if not resp.features.prefetch:
-            return "the agent declares no prefetch"
-        free = [a.memory_total_bytes - a.memory_used_bytes for a in resp.accelerator_statuses]
-        if not free or min(free) < footprint_bytes:
-            return f"does not fit: {min(free, default=0)} bytes free on the fullest device"
-        request = pb.RestoreRequest(job_id=job_id, group=group, prefetch=True)
-        await self._call("prefetch", self._stub.Restore, request, pb.RestoreResponse)
-        return "started"
-
     async def _call(
         self,
         operation: str,
@@ -394,43 +292,34 @@ class AgentClient:
         request: object,
         response_type: type[_R],
         timeout_s: float | None = None,
-        *,
-        issued: Callable[[], None] | None = None,
     ) -> _R:
-        """``issued`` is called once the call is under way (created, its send scheduled)."""
         try:
             if tracing.ENABLED and tracing_hooks.in_trace():
                 timeout = timeout_s or self.rpc_timeout_s
                 replied = await tracing_hooks.agent_call(
                     lambda metadata: method(request, timeout=timeout, metadata=metadata),
-                    metadata=self._metadata(),
-                    issued=issued,
+                    metadata=self.metadata(),
                     operation=operation,
                     address=self.address,
                     request=request,
                 )
                 return cast(_R, replied)
             call = method(
-                request,
-                timeout=timeout_s or self.rpc_timeout_s,
-                metadata=self._metadata(),
+                request, timeout=timeout_s or self.rpc_timeout_s, metadata=self.metadata()
             )
-            if issued is not None:
-                issued()
             return cast(_R, await call)
         except grpc.aio.AioRpcError as err:
             detail = err.details() or err.code().name.lower()
-            raise self._error(operation, err.code(), detail) from err
+            raise self.error(operation, err.code(), detail) from err
 
-    def _error(self, operation: str, code: grpc.StatusCode, detail: str) -> AgentError:
+    def error(self, operation: str, code: grpc.StatusCode, detail: str) -> AgentError:
+        """The error for a call that ended with ``code`` (the one place that translates)."""
         if code in _CREDENTIALS:
             # The agent's message speaks to a job; the orchestrator's own fix is its config.
             detail = f"{detail} [the orchestrator's credential: {_CREDENTIALS_FIX}]"
         if code in _UNREACHABLE:
             hint = tls.mismatch_hint(detail, self._security, settings="agent_client")
             detail = f"{detail} [{hint}]" if hint else detail
-            # The connection may be another agent's when it comes back: ask it again.
-            self.features = None
             return AgentUnreachable(self.address, operation, detail)
         seen = leader_term.seen_in(detail) if code == grpc.StatusCode.FAILED_PRECONDITION else None
         sent = self._term.value
@@ -476,6 +365,12 @@ class AgentPool:
             )
             self._clients[address] = client
         return client
+
+    async def new_term(self) -> None:
+        """A leadership begins: every link is chosen again from a fresh read of its node
+        (a new leader's first call fences the node), its stream opened in the new term."""
+        for client in self._clients.values():
+            await client.drop_link()
 
     async def close(self) -> None:
         for client in self._clients.values():

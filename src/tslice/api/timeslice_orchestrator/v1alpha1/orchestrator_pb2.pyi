@@ -9,18 +9,27 @@ from typing import ClassVar as _ClassVar, Iterable as _Iterable, Mapping as _Map
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class AcquireSetRequest(_message.Message):
-    __slots__ = ("job_id", "group_ids", "footprint_bytes", "lease_ms", "timeout_ms")
+    __slots__ = ("job_id", "group_ids", "footprint_bytes", "lease_ms", "timeout_ms", "footprints")
+    class FootprintsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     GROUP_IDS_FIELD_NUMBER: _ClassVar[int]
     FOOTPRINT_BYTES_FIELD_NUMBER: _ClassVar[int]
     LEASE_MS_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    FOOTPRINTS_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     group_ids: _containers.RepeatedScalarFieldContainer[str]
     footprint_bytes: int
     lease_ms: int
     timeout_ms: int
-    def __init__(self, job_id: _Optional[str] = ..., group_ids: _Optional[_Iterable[str]] = ..., footprint_bytes: _Optional[int] = ..., lease_ms: _Optional[int] = ..., timeout_ms: _Optional[int] = ...) -> None: ...
+    footprints: _containers.ScalarMap[str, int]
+    def __init__(self, job_id: _Optional[str] = ..., group_ids: _Optional[_Iterable[str]] = ..., footprint_bytes: _Optional[int] = ..., lease_ms: _Optional[int] = ..., timeout_ms: _Optional[int] = ..., footprints: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class AcquireSetResponse(_message.Message):
     __slots__ = ("success", "waited_ms", "grants")
@@ -219,7 +228,7 @@ class GetGroupStatusResponse(_message.Message):
     def __init__(self, group: _Optional[_Union[GroupStatus, _Mapping]] = ..., agent_job_states: _Optional[_Iterable[_Union[SnapshotAgentJobState, _Mapping]]] = ...) -> None: ...
 
 class GroupStatus(_message.Message):
-    __slots__ = ("group_id", "group_state", "state_timestamp", "locking_job", "active_job", "waiter_queue_depth", "loaded_job", "waiting_jobs", "nodes", "grant_epoch", "switch_count", "detail", "degraded", "draining", "policy", "waiting_since")
+    __slots__ = ("group_id", "group_state", "state_timestamp", "locking_job", "active_job", "waiter_queue_depth", "loaded_job", "waiting_jobs", "nodes", "grant_epoch", "switch_count", "detail", "degraded", "draining", "policy", "waiting_since", "waiting_jobs_omitted")
     class State(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         STATE_UNSPECIFIED: _ClassVar[GroupStatus.State]
@@ -250,6 +259,7 @@ class GroupStatus(_message.Message):
     DRAINING_FIELD_NUMBER: _ClassVar[int]
     POLICY_FIELD_NUMBER: _ClassVar[int]
     WAITING_SINCE_FIELD_NUMBER: _ClassVar[int]
+    WAITING_JOBS_OMITTED_FIELD_NUMBER: _ClassVar[int]
     group_id: str
     group_state: GroupStatus.State
     state_timestamp: _timestamp_pb2.Timestamp
@@ -266,7 +276,8 @@ class GroupStatus(_message.Message):
     draining: bool
     policy: str
     waiting_since: _containers.RepeatedCompositeFieldContainer[_timestamp_pb2.Timestamp]
-    def __init__(self, group_id: _Optional[str] = ..., group_state: _Optional[_Union[GroupStatus.State, str]] = ..., state_timestamp: _Optional[_Union[_timestamp_pb2.Timestamp, _Mapping]] = ..., locking_job: _Optional[str] = ..., active_job: _Optional[str] = ..., waiter_queue_depth: _Optional[int] = ..., loaded_job: _Optional[str] = ..., waiting_jobs: _Optional[_Iterable[str]] = ..., nodes: _Optional[_Iterable[str]] = ..., grant_epoch: _Optional[int] = ..., switch_count: _Optional[int] = ..., detail: _Optional[str] = ..., degraded: _Optional[_Iterable[_Union[DegradedNode, _Mapping]]] = ..., draining: bool = ..., policy: _Optional[str] = ..., waiting_since: _Optional[_Iterable[_Union[_timestamp_pb2.Timestamp, _Mapping]]] = ...) -> None: ...
+    waiting_jobs_omitted: int
+    def __init__(self, group_id: _Optional[str] = ..., group_state: _Optional[_Union[GroupStatus.State, str]] = ..., state_timestamp: _Optional[_Union[_timestamp_pb2.Timestamp, _Mapping]] = ..., locking_job: _Optional[str] = ..., active_job: _Optional[str] = ..., waiter_queue_depth: _Optional[int] = ..., loaded_job: _Optional[str] = ..., waiting_jobs: _Optional[_Iterable[str]] = ..., nodes: _Optional[_Iterable[str]] = ..., grant_epoch: _Optional[int] = ..., switch_count: _Optional[int] = ..., detail: _Optional[str] = ..., degraded: _Optional[_Iterable[_Union[DegradedNode, _Mapping]]] = ..., draining: bool = ..., policy: _Optional[str] = ..., waiting_since: _Optional[_Iterable[_Union[_timestamp_pb2.Timestamp, _Mapping]]] = ..., waiting_jobs_omitted: _Optional[int] = ...) -> None: ...
 
 class SnapshotAgentJobState(_message.Message):
     __slots__ = ("agent", "job_state", "job_id")
