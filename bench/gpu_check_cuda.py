@@ -100,7 +100,7 @@ async def children(
     count: int, nbytes: int, tensors: int, device: str, job: str
 ) -> AsyncIterator[tuple[Any, list[Child]]]:
     """A registration server and ``count`` children announced to it: (registry, children)."""
-    from tslice.agent import registration
+    from tslice.agent.channel import registration
 
     workdir = Path(tempfile.mkdtemp(prefix="tslice-gpu-check-"))
     registry = registration.ProcessRegistry()

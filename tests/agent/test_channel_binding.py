@@ -25,7 +25,8 @@ import grpc
 import pytest
 
 from tests.agent.test_channel import HubServer, RawWorkload, _Servicer, _start
-from tslice.agent import channel, registration
+from tslice.agent import channel
+from tslice.agent.channel import registration
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2_grpc as pb_grpc
 from tslice.security import auth
 

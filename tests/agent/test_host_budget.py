@@ -18,8 +18,9 @@ from typing import Any
 import grpc
 import pytest
 
-from tslice.agent import job_model, nvml, parking, registration
+from tslice.agent import job_model, nvml, parking
 from tslice.agent.backends import cuda, cuda_driver, cuda_fake, cuda_settings
+from tslice.agent.channel import registration
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
 
 GiB = 2**30

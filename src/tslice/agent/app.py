@@ -25,7 +25,6 @@ from tslice.agent import (
     fencing,
     metrics,
     parking,
-    registration,
     runner,
     server,
     store,
@@ -33,6 +32,7 @@ from tslice.agent import (
 )
 from tslice.agent import config as agent_config
 from tslice.agent.backends import base, registry, services
+from tslice.agent.channel import registration
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2_grpc as pb_grpc
 from tslice.common import errors, tasks

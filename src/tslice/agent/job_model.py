@@ -18,8 +18,8 @@ import enum
 from collections.abc import Mapping
 from typing import Any
 
-from tslice.agent import channel_rules
 from tslice.agent.backends import base
+from tslice.agent.channel import rules
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
 
 
@@ -69,7 +69,7 @@ Key = tuple[str, str]
 #: The ``backend_state`` key of an IDLE record whose workload left the node (the
 #: workload-channel hub says so, or a snapshot reported it): why it left. Dropped when
 #: the job is resident again.
-WORKLOAD_LEFT = channel_rules.WORKLOAD_LEFT
+WORKLOAD_LEFT = rules.WORKLOAD_LEFT
 
 
 @dataclasses.dataclass(frozen=True)

@@ -4,7 +4,7 @@ The rules live in pure modules: the per-record state machine in ``tslice.agent.j
 the choice of backend in ``tslice.agent.routing``, the moves of a Grant in
 ``tslice.agent.grants``. Every backend call goes through ``tslice.agent.guarded``,
 and the records live in ``tslice.agent.ledger``; what the workload channel reports
-(registrations, departures) is applied by ``tslice.agent.workload_presence``. This
+(registrations, departures) is applied by ``tslice.agent.channel.presence``. This
 module only strings them together: each mutating request takes the job's lock, asks
 the backend what a rule depends on (through the guard), plans synchronously, commits
 the plan *before* replying, and spawns the backend call as a named task. Because
@@ -44,9 +44,9 @@ from tslice.agent import (
     parking,
     routing,
     store,
-    workload_presence,
 )
 from tslice.agent.backends import base
+from tslice.agent.channel import presence
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
 from tslice.common import tasks
 
@@ -108,7 +108,7 @@ class AgentCore:
             asyncio.Lock
         )
         self._running: set[asyncio.Task[Any]] = set()
-        self._workloads = workload_presence.WorkloadPresence(
+        self._workloads = presence.WorkloadPresence(
             book=self._book,
             locks=self._locks,
             done=self._done,
@@ -347,7 +347,7 @@ class AgentCore:
             return new_job.state
 
     def on_workload_event(self, event: Any) -> None:
-        """Listener for the workload-channel hub (see ``tslice.agent.workload_presence``)."""
+        """Listener for the workload-channel hub (see ``tslice.agent.channel.presence``)."""
         if "app-channel" in self.backends:
             self._workloads.on_event(event)
 

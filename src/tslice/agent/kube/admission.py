@@ -8,8 +8,9 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable
 
-from tslice.agent import discovery, registration
-from tslice.agent.channel_admission import PodCheck
+from tslice.agent import discovery
+from tslice.agent.channel import registration
+from tslice.agent.channel.admission import PodCheck
 from tslice.agent.kube import model
 from tslice.server import kube_labels
 

@@ -18,7 +18,7 @@ from collections.abc import Iterable
 
 import grpc
 
-from tslice.agent import channel_rules
+from tslice.agent.channel import rules
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
 from tslice.common import residency
 
@@ -55,7 +55,7 @@ class Session:
         #: The hub's key: one session per (job, group).
         self.key = (register.job_id, register.group)
         #: How messages name the session's job and group.
-        self.label = channel_rules.describe(self.job_id, self.group)
+        self.label = rules.describe(self.job_id, self.group)
         #: The registering process as the agent knows it (bound through its register
         #: socket); 0 = not known. The registration's own ``pid`` field is never trusted.
         self.pid = pid
@@ -84,8 +84,8 @@ class Session:
         self.pongs_received = 0
         self.commands_sent = 0
 
-    def state(self) -> channel_rules.WorkloadState:
-        return channel_rules.WorkloadState(
+    def state(self) -> rules.WorkloadState:
+        return rules.WorkloadState(
             job_id=self.job_id,
             group=self.group,
             pid=self.pid,
@@ -106,7 +106,7 @@ class Session:
 
     def send(self, command: pb.AgentCommand) -> None:
         if self.closed.is_set():
-            raise channel_rules.WorkloadDisconnectedError(
+            raise rules.WorkloadDisconnectedError(
                 f"the workload of {self.label} disconnected ({self.close_reason})"
             )
         self.outbox.put_nowait(command)
@@ -143,7 +143,7 @@ class Session:
         for command_id, pending in self.pending.items():
             if pending.future is not None and not pending.future.done():
                 pending.future.set_exception(
-                    channel_rules.WorkloadDisconnectedError(
+                    rules.WorkloadDisconnectedError(
                         f"the workload of {self.label} disconnected before answering "
                         f"{pending.kind} command {command_id} ({reason})"
                     )

@@ -2,7 +2,7 @@
 job credential a TCP registration needs.
 
 gRPC reports a Unix-socket peer as ``unix:`` with no credentials, so the process behind a
-registration is learnt from the agent's register socket (:mod:`tslice.agent.registration`):
+registration is learnt from the agent's register socket (:mod:`tslice.agent.channel.registration`):
 the workload binds its random instance token there (the kernel says which process sent
 it, ``SO_PEERCRED``) and presents the token on the stream. The rules:
 
@@ -32,8 +32,8 @@ from typing import Any, NoReturn
 
 import grpc
 
-from tslice.agent import registration
-from tslice.agent.channel_rules import describe
+from tslice.agent.channel import registration
+from tslice.agent.channel.rules import describe
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
 from tslice.common import validation
 
