@@ -18,8 +18,10 @@ from typing import Any
 
 import pytest
 
-from tslice.agent import grants, job_model, metrics, runner, store
+from tslice.agent import metrics, store
 from tslice.agent.backends import noop
+from tslice.agent.jobs import model
+from tslice.agent.moves import grant_plan, runner
 
 
 class CancellingStore(store.Store):
@@ -33,12 +35,12 @@ class CancellingStore(store.Store):
     def put(
         self,
         *,
-        job_records: Sequence[job_model.Job] = (),
-        operation_records: Sequence[job_model.Operation] = (),
-        grant_marks: Sequence[job_model.GrantMark] = (),
-        deleted_jobs: Sequence[job_model.Key] = (),
+        job_records: Sequence[model.Job] = (),
+        operation_records: Sequence[model.Operation] = (),
+        grant_marks: Sequence[model.GrantMark] = (),
+        deleted_jobs: Sequence[model.Key] = (),
     ) -> None:
-        if self.armed and any(j.state is job_model.State.TRANSITIONING for j in job_records):
+        if self.armed and any(j.state is model.State.TRANSITIONING for j in job_records):
             self.armed = False
             writer = asyncio.current_task()
             assert writer is not None
@@ -90,10 +92,10 @@ async def node(tmp_path: Path) -> AsyncIterator[Node]:
         await n.stop()
 
 
-async def grant(core: runner.AgentCore, job_id: str, **kw: Any) -> grants.GrantOutcome:
+async def grant(core: runner.AgentCore, job_id: str, **kw: Any) -> grant_plan.GrantOutcome:
     wait_s = kw.pop("wait_s", runner.DEFAULT_GRANT_WAIT_S)
     evict = [core.key(other, "g") for other in kw.pop("evict", ())]
-    order = grants.order(
+    order = grant_plan.order(
         job_id=job_id,
         group="g",
         epoch=kw.pop("epoch", 0),
@@ -116,7 +118,7 @@ async def cancel_while_storing(
     assert db.fired
 
 
-async def settled(core: runner.AgentCore, job_id: str) -> job_model.Job:
+async def settled(core: runner.AgentCore, job_id: str) -> model.Job:
     """The job once its last operation has finished (bounded, event-driven wait)."""
     job = core.job(job_id)
     assert job is not None
@@ -127,7 +129,7 @@ async def settled(core: runner.AgentCore, job_id: str) -> job_model.Job:
     return final
 
 
-async def assert_persisted(node: Node, expected: dict[str, job_model.State]) -> None:
+async def assert_persisted(node: Node, expected: dict[str, model.State]) -> None:
     await node.stop()
     core = await node.start()
     assert {j: core.job(j).state for j in expected} == expected  # type: ignore[union-attr]
@@ -142,24 +144,24 @@ async def test_cancelled_request_still_finishes_its_operation(node: Node, kind: 
         def request() -> Coroutine[Any, Any, object]:
             return grant(core, "job-a")
 
-        expected = job_model.State.RUNNING
+        expected = model.State.RUNNING
     else:
         await grant(core, "job-a")
         if kind == "restore":
             await core.directive(
-                job_model.Kind.SNAPSHOT, job_id="job-a", group="g", config=None, wait_s=5.0
+                model.Kind.SNAPSHOT, job_id="job-a", group="g", config=None, wait_s=5.0
             )
 
         def request() -> Coroutine[Any, Any, object]:
-            return core.directive(job_model.Kind(kind), job_id="job-a", group="g", config=None)
+            return core.directive(model.Kind(kind), job_id="job-a", group="g", config=None)
 
-        expected = job_model.State.SAVED if kind == "snapshot" else job_model.State.RUNNING
+        expected = model.State.SAVED if kind == "snapshot" else model.State.RUNNING
 
     await cancel_while_storing(db, request)
 
     job = await settled(core, "job-a")
     assert job.state is expected
-    assert core.get_operation(job.operation_id).status is job_model.OpStatus.COMPLETE
+    assert core.get_operation(job.operation_id).status is model.OpStatus.COMPLETE
     await assert_persisted(node, {"job-a": expected})
 
 
@@ -169,22 +171,18 @@ async def test_cancelled_one_step_grant_leaves_every_move_whole_and_can_be_reiss
     core, db = node.core, node.db
     assert core is not None and db is not None
     assert (await grant(core, "job-a", epoch=1)).granted
-    await core.directive(
-        job_model.Kind.SNAPSHOT, job_id="job-a", group="g", config=None, wait_s=5.0
-    )
+    await core.directive(model.Kind.SNAPSHOT, job_id="job-a", group="g", config=None, wait_s=5.0)
     assert (await grant(core, "job-b", epoch=2)).granted
-    await core.directive(
-        job_model.Kind.SNAPSHOT, job_id="job-b", group="g", config=None, wait_s=5.0
-    )
-    await core.directive(job_model.Kind.RESTORE, job_id="job-a", group="g", config=None, wait_s=5.0)
+    await core.directive(model.Kind.SNAPSHOT, job_id="job-b", group="g", config=None, wait_s=5.0)
+    await core.directive(model.Kind.RESTORE, job_id="job-a", group="g", config=None, wait_s=5.0)
 
     # Cut while the eviction of job-a is being stored.
     await cancel_while_storing(
         db,
         lambda: grant(core, "job-b", epoch=3, evict=["job-a"], restore=True, wait_s=5.0),
     )
-    assert (await settled(core, "job-a")).state is job_model.State.SAVED
+    assert (await settled(core, "job-a")).state is model.State.SAVED
 
     again = await grant(core, "job-b", epoch=3, evict=["job-a"], restore=True, wait_s=5.0)
-    assert again.granted and again.restored and again.state is job_model.State.RUNNING
-    await assert_persisted(node, {"job-a": job_model.State.SAVED, "job-b": job_model.State.RUNNING})
+    assert again.granted and again.restored and again.state is model.State.RUNNING
+    await assert_persisted(node, {"job-a": model.State.SAVED, "job-b": model.State.RUNNING})

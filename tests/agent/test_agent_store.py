@@ -10,20 +10,21 @@ from pathlib import Path
 
 import pytest
 
-from tslice.agent import job_model, store
+from tslice.agent import store
+from tslice.agent.jobs import model
 
 
-def job(job_id: str, state: job_model.State = job_model.State.RUNNING) -> job_model.Job:
-    return job_model.Job(job_id=job_id, group="g", state=state, backend="noop")
+def job(job_id: str, state: model.State = model.State.RUNNING) -> model.Job:
+    return model.Job(job_id=job_id, group="g", state=state, backend="noop")
 
 
-def operation(op_id: str, job_id: str) -> job_model.Operation:
-    return job_model.Operation(
+def operation(op_id: str, job_id: str) -> model.Operation:
+    return model.Operation(
         op_id=op_id,
         job_id=job_id,
-        kind=job_model.Kind.SNAPSHOT,
+        kind=model.Kind.SNAPSHOT,
         backend="noop",
-        status=job_model.OpStatus.PENDING,
+        status=model.OpStatus.PENDING,
         started_at=time.time(),
     )
 
@@ -32,7 +33,7 @@ async def test_records_survive_a_close_and_the_wal_is_emptied(tmp_path: Path) ->
     db = await store.Store.open(tmp_path)
     for i in range(300):  # past the checkpoint interval (checkpoints run beside the writes)
         db.put(job_records=[job(f"job-{i % 3}")], operation_records=[operation(f"op-{i}", "x")])
-    db.put(grant_marks=[job_model.GrantMark(group="g", epoch=7, job_id="job-1")])
+    db.put(grant_marks=[model.GrantMark(group="g", epoch=7, job_id="job-1")])
     db.delete_operations(["op-0", "op-1"])
     await db.close()
 
@@ -45,13 +46,13 @@ async def test_records_survive_a_close_and_the_wal_is_emptied(tmp_path: Path) ->
     await db.close()
     assert sorted(loaded.job_map) == [("job-0", "g"), ("job-1", "g"), ("job-2", "g")]
     assert len(loaded.operation_map) == 298 and "op-0" not in loaded.operation_map
-    assert loaded.grant_map["g"] == job_model.GrantMark(group="g", epoch=7, job_id="job-1")
+    assert loaded.grant_map["g"] == model.GrantMark(group="g", epoch=7, job_id="job-1")
 
 
 async def test_a_failed_put_changes_nothing(tmp_path: Path) -> None:
     db = await store.Store.open(tmp_path)
     db.put(job_records=[job("job-a")])
-    bad = job_model.Job(job_id="job-b", group="g", backend_state={"not json": object()})
+    bad = model.Job(job_id="job-b", group="g", backend_state={"not json": object()})
     with pytest.raises(TypeError):
         db.put(job_records=[bad])
     # The writer is still usable, and the refused put left no trace.
@@ -86,21 +87,21 @@ async def test_a_put_after_close_is_refused_clearly(tmp_path: Path) -> None:
 
 async def test_one_row_per_job_and_group_and_a_moved_record_is_deleted(tmp_path: Path) -> None:
     db = await store.Store.open(tmp_path)
-    sampler = job_model.Job(job_id="job-a", group="sampler", state=job_model.State.SAVED)
-    trainer = job_model.Job(job_id="job-a", group="trainer", state=job_model.State.RUNNING)
-    ungrouped = job_model.Job(job_id="job-b", group="", state=job_model.State.RUNNING)
+    sampler = model.Job(job_id="job-a", group="sampler", state=model.State.SAVED)
+    trainer = model.Job(job_id="job-a", group="trainer", state=model.State.RUNNING)
+    ungrouped = model.Job(job_id="job-b", group="", state=model.State.RUNNING)
     db.put(job_records=[sampler, trainer, ungrouped])
     db.put(
-        job_records=[job_model.Job(job_id="job-b", group="g", state=job_model.State.RUNNING)],
+        job_records=[model.Job(job_id="job-b", group="g", state=model.State.RUNNING)],
         deleted_jobs=[("job-b", "")],
     )
-    op = job_model.Operation(
+    op = model.Operation(
         op_id="op-1",
         job_id="job-a",
         group="trainer",
-        kind=job_model.Kind.RESTORE,
+        kind=model.Kind.RESTORE,
         backend="noop",
-        status=job_model.OpStatus.COMPLETE,
+        status=model.OpStatus.COMPLETE,
         started_at=1.0,
         finished_at=2.0,
     )
@@ -108,7 +109,7 @@ async def test_one_row_per_job_and_group_and_a_moved_record_is_deleted(tmp_path:
     await db.close()
     loaded = await (await store.Store.open(tmp_path)).load()
     assert sorted(loaded.job_map) == [("job-a", "sampler"), ("job-a", "trainer"), ("job-b", "g")]
-    assert loaded.job_map[("job-a", "sampler")].state is job_model.State.SAVED
+    assert loaded.job_map[("job-a", "sampler")].state is model.State.SAVED
     assert loaded.operation_map["op-1"].group == "trainer"
 
 
@@ -173,7 +174,7 @@ async def test_the_wal_stays_bounded_under_steady_writes(tmp_path: Path) -> None
     db = await store.Store.open(tmp_path)
     wal = tmp_path / f"{store.DB_FILE}-wal"
     largest = 0
-    big = job_model.GrantMark(group="g", epoch=1, job_id="x" * 200)
+    big = model.GrantMark(group="g", epoch=1, job_id="x" * 200)
     try:
         for i in range(20_000):
             db.put(

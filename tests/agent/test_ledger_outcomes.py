@@ -11,9 +11,10 @@ from typing import Any
 
 import pytest
 
-from tslice.agent import job_model, ledger, store
+from tslice.agent import ledger, store
+from tslice.agent.jobs import model
 
-S, K = job_model.State, job_model.Kind
+S, K = model.State, model.Kind
 
 
 class CountingStore(store.Store):
@@ -35,18 +36,18 @@ async def opened(tmp_path: Path) -> tuple[CountingStore, ledger.Ledger]:
     return db, ledger.Ledger(node="n", state=db, retention_s=3600, max_operations=100)
 
 
-def job(job_id: str, state: job_model.State, op_id: str = "") -> job_model.Job:
-    return job_model.Job(job_id=job_id, group="g", state=state, operation_id=op_id)
+def job(job_id: str, state: model.State, op_id: str = "") -> model.Job:
+    return model.Job(job_id=job_id, group="g", state=state, operation_id=op_id)
 
 
-def op(op_id: str, job_id: str, status: job_model.OpStatus) -> job_model.Operation:
-    return job_model.Operation(
+def op(op_id: str, job_id: str, status: model.OpStatus) -> model.Operation:
+    return model.Operation(
         op_id=op_id, job_id=job_id, kind=K.SNAPSHOT, backend="noop", status=status,
         started_at=1.0, group="g",
     )  # fmt: skip
 
 
-async def on_disk(db: store.Store) -> dict[str, job_model.State]:
+async def on_disk(db: store.Store) -> dict[str, model.State]:
     return {j.job_id: j.state for j in (await db.load()).job_map.values()}
 
 
@@ -62,8 +63,8 @@ async def test_the_outcomes_of_one_turn_share_a_transaction_written_before_their
 
     woken = asyncio.create_task(waiter())
     await asyncio.sleep(0)  # the waiter now waits on the future
-    book.record_outcome(job("a", S.SAVED), op("o1", "a", job_model.OpStatus.COMPLETE))
-    book.record_outcome(job("b", S.RUNNING), op("o2", "b", job_model.OpStatus.COMPLETE))
+    book.record_outcome(job("a", S.SAVED), op("o1", "a", model.OpStatus.COMPLETE))
+    book.record_outcome(job("b", S.RUNNING), op("o2", "b", model.OpStatus.COMPLETE))
     done.set_result(None)  # as the runner wakes an operation's waiters after its outcome
     assert book.jobs[("a", "g")].state is S.SAVED  # in memory at once
     assert db.transactions == 0
@@ -76,12 +77,10 @@ async def test_a_commit_in_the_same_turn_writes_the_outcome_first_and_its_record
     tmp_path: Path,
 ) -> None:
     db, book = await opened(tmp_path)
-    book.record_outcome(job("a", S.SAVED), op("o1", "a", job_model.OpStatus.COMPLETE))
+    book.record_outcome(job("a", S.SAVED), op("o1", "a", model.OpStatus.COMPLETE))
     restoring = job("a", S.TRANSITIONING, "o2")
     previous = book.jobs[("a", "g")]
-    book.commit(
-        jobs_=[restoring], ops=[op("o2", "a", job_model.OpStatus.PENDING)], previous=previous
-    )
+    book.commit(jobs_=[restoring], ops=[op("o2", "a", model.OpStatus.PENDING)], previous=previous)
     assert db.transactions == 1  # the outcome went with the commit
     await asyncio.sleep(0)  # the turn's flush, with nothing left to write
     assert db.transactions == 1
@@ -95,7 +94,7 @@ async def test_a_refused_write_keeps_the_outcome_in_memory_and_a_refused_commit_
 ) -> None:
     db, book = await opened(tmp_path)
     db.refuse = True
-    book.record_outcome(job("a", S.SAVED), op("o1", "a", job_model.OpStatus.COMPLETE))
+    book.record_outcome(job("a", S.SAVED), op("o1", "a", model.OpStatus.COMPLETE))
     with pytest.raises(ledger.refusals.Refused):
         book.commit(jobs_=[job("b", S.RUNNING)], previous=None)
     assert ("b", "g") not in book.jobs  # the commit changed nothing
@@ -105,7 +104,7 @@ async def test_a_refused_write_keeps_the_outcome_in_memory_and_a_refused_commit_
     db.refuse = True
     caplog.set_level(logging.ERROR, logger="tslice.agent.ledger")
     later = dataclasses.replace(job("a", S.RUNNING))
-    book.record_outcome(later, op("o3", "a", job_model.OpStatus.COMPLETE))
+    book.record_outcome(later, op("o3", "a", model.OpStatus.COMPLETE))
     book.flush()
     assert "could not persist the outcome of operation(s) o3" in caplog.text
     assert book.jobs[("a", "g")].state is S.RUNNING  # still served from memory

@@ -20,19 +20,11 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from tslice.agent import (
-    channel,
-    fencing,
-    metrics,
-    parking,
-    runner,
-    server,
-    store,
-    traced,
-)
+from tslice.agent import channel, fencing, metrics, server, store, traced
 from tslice.agent import config as agent_config
 from tslice.agent.backends import base, registry, services
 from tslice.agent.channel import registration
+from tslice.agent.moves import parking, runner
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2_grpc as pb_grpc
 from tslice.common import errors, tasks

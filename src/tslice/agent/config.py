@@ -132,7 +132,7 @@ class AgentConfig:
     #: Deadline of one operation, retries included; past it the job is FAULTED.
     operation_timeout_s: float = 600.0
     #: Host memory the parked states of this node may hold, bytes; a snapshot beyond it
-    #: is refused before anything is frozen (tslice.agent.parking). None (default): the
+    #: is refused before anything is frozen (tslice.agent.moves.parking). None (default): the
     #: node's available memory at each snapshot, less ``host_reserve_bytes``.
     host_budget_bytes: int | None = None
     #: Kept free for the node's own processes when ``host_budget_bytes`` is not set;

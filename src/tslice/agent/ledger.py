@@ -23,15 +23,16 @@ import asyncio
 import logging
 from collections.abc import Iterable
 
-from tslice.agent import job_model, store
+from tslice.agent import store
+from tslice.agent.jobs import model
 from tslice.rpc import refusals
 
 log = logging.getLogger(__name__)
-_STATE_NAMES = tuple(s.value for s in job_model.State)
+_STATE_NAMES = tuple(s.value for s in model.State)
 
 
 class Ledger:
-    """One node's records, keyed as ``job_model.Key`` (job, group), and their store."""
+    """One node's records, keyed as ``model.Key`` (job, group), and their store."""
 
     def __init__(
         self, *, node: str, state: store.Store, retention_s: float, max_operations: int
@@ -40,11 +41,11 @@ class Ledger:
         self.retention_s = retention_s
         self.max_operations = max_operations
         self._store = state
-        self.jobs: dict[job_model.Key, job_model.Job] = {}
-        self.operations: dict[str, job_model.Operation] = {}
-        self.marks: dict[str, job_model.GrantMark] = {}
+        self.jobs: dict[model.Key, model.Job] = {}
+        self.operations: dict[str, model.Operation] = {}
+        self.marks: dict[str, model.GrantMark] = {}
         #: Outcomes in memory whose write waits for the end of the loop turn (see above).
-        self._unsaved: list[tuple[job_model.Job, job_model.Operation]] = []
+        self._unsaved: list[tuple[model.Job, model.Operation]] = []
 
     async def load(self) -> None:
         loaded = await self._store.load()
@@ -56,7 +57,7 @@ class Ledger:
 
     # ---- reading -------------------------------------------------------------------------
 
-    def key(self, job_id: str, group: str) -> job_model.Key:
+    def key(self, job_id: str, group: str) -> model.Key:
         """The record a request means: its (job, group), or the job's only record.
 
         A request that names no group (llm-d's clients may not) means the job's one
@@ -78,14 +79,14 @@ class Ledger:
             )
         return found[0] if found else (job_id, "")
 
-    def find(self, job_id: str, group: str) -> job_model.Job | None:
+    def find(self, job_id: str, group: str) -> model.Job | None:
         """The record a request on ``job_id`` (and ``group``) means, if there is one."""
         return self.jobs.get(self.key(job_id, group))
 
-    def sorted_jobs(self) -> list[job_model.Job]:
+    def sorted_jobs(self) -> list[model.Job]:
         return sorted(self.jobs.values(), key=lambda j: j.key)
 
-    def operation(self, op_id: str) -> job_model.Operation:
+    def operation(self, op_id: str) -> model.Operation:
         op = self.operations.get(op_id)
         if op is None:
             hours = self.retention_s / 3600
@@ -96,7 +97,7 @@ class Ledger:
             )
         return op
 
-    def running(self, job: job_model.Job) -> job_model.Operation:
+    def running(self, job: model.Job) -> model.Operation:
         """The operation a TRANSITIONING job is in."""
         op = self.operations.get(job.operation_id)
         if op is None:
@@ -107,7 +108,7 @@ class Ledger:
             )
         return op
 
-    def previous(self, job: job_model.Job) -> job_model.Job | None:
+    def previous(self, job: model.Job) -> model.Job | None:
         """The record ``job`` replaces (its own key, or the job's record made without group)."""
         found = self.jobs.get(job.key)
         if found is None and job.group:
@@ -126,10 +127,10 @@ class Ledger:
     def commit(
         self,
         *,
-        jobs_: Iterable[job_model.Job] = (),
-        ops: Iterable[job_model.Operation] = (),
-        marks: Iterable[job_model.GrantMark] = (),
-        previous: job_model.Job | None,
+        jobs_: Iterable[model.Job] = (),
+        ops: Iterable[model.Operation] = (),
+        marks: Iterable[model.GrantMark] = (),
+        previous: model.Job | None,
     ) -> None:
         """Apply records in memory and on disk; undo the memory side if the disk refuses."""
         job_list, op_list, mark_list = list(jobs_), list(ops), list(marks)
@@ -176,7 +177,7 @@ class Ledger:
                 "nothing was changed, fix the state directory and retry",
             ) from err
 
-    def record_outcome(self, job: job_model.Job, op: job_model.Operation) -> None:
+    def record_outcome(self, job: model.Job, op: model.Operation) -> None:
         """Keep a finished operation and its job; on disk at the end of this loop turn
         (see the module docstring), in memory even if the disk refuses."""
         self._apply([job], [op])
@@ -224,9 +225,7 @@ class Ledger:
         self._store.delete_operations(drop)
         return len(drop)
 
-    def _apply(
-        self, job_list: Iterable[job_model.Job], op_list: Iterable[job_model.Operation]
-    ) -> None:
+    def _apply(self, job_list: Iterable[model.Job], op_list: Iterable[model.Operation]) -> None:
         for job in job_list:
             self.jobs[job.key] = job
         for op in op_list:

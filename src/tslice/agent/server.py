@@ -3,7 +3,7 @@
 The servicer checks each call's leader term against the agent's fence
 (:class:`tslice.agent.fencing.TermFence`: a directive from a deposed orchestrator leader
 is refused before anything else), validates ids and arguments, hands the request to
-:class:`tslice.agent.runner.AgentCore`, and maps its refusals onto gRPC status codes;
+:class:`tslice.agent.moves.runner.AgentCore`, and maps its refusals onto gRPC status codes;
 it holds no state of its own.
 """
 
@@ -18,8 +18,10 @@ from typing import Any, TypeVar
 import grpc
 from grpc_health.v1 import health, health_pb2
 
-from tslice.agent import channel, fencing, grants, job_model, runner
+from tslice.agent import channel, fencing
 from tslice.agent.backends import base
+from tslice.agent.jobs import model
+from tslice.agent.moves import grant_plan, runner
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2_grpc as pb_grpc
 from tslice.common import tasks, validation
@@ -31,14 +33,14 @@ log = logging.getLogger(__name__)
 _T = TypeVar("_T")
 _R = TypeVar("_R")
 
-_OP_STATUS: Mapping[job_model.OpStatus, pb.OperationStatus] = {
-    job_model.OpStatus.PENDING: pb.OPERATION_STATUS_PENDING,
-    job_model.OpStatus.COMPLETE: pb.OPERATION_STATUS_COMPLETE,
-    job_model.OpStatus.FAILED: pb.OPERATION_STATUS_FAILED,
+_OP_STATUS: Mapping[model.OpStatus, pb.OperationStatus] = {
+    model.OpStatus.PENDING: pb.OPERATION_STATUS_PENDING,
+    model.OpStatus.COMPLETE: pb.OPERATION_STATUS_COMPLETE,
+    model.OpStatus.FAILED: pb.OPERATION_STATUS_FAILED,
 }
 
 
-def operation_to_pb(op: job_model.Operation, *, now: float) -> pb.GetOperationResponse:
+def operation_to_pb(op: model.Operation, *, now: float) -> pb.GetOperationResponse:
     """Bytes are present on every COMPLETE operation, ``error`` only on FAILED ones."""
     response = pb.GetOperationResponse(
         status=_OP_STATUS[op.status],
@@ -47,20 +49,20 @@ def operation_to_pb(op: job_model.Operation, *, now: float) -> pb.GetOperationRe
         kind=op.kind.value,
         group=op.group,
     )
-    if op.status is job_model.OpStatus.COMPLETE:
+    if op.status is model.OpStatus.COMPLETE:
         response.storage_bytes = op.storage_bytes or 0
         response.snapshot_device_bytes = op.device_bytes or 0
         if op.device_bytes and response.elapsed_ms > 0:
             response.throughput_gbps = op.device_bytes / response.elapsed_ms / 1e6
-    elif op.status is job_model.OpStatus.FAILED:
+    elif op.status is model.OpStatus.FAILED:
         response.error = validation.bounded(op.error or "operation failed")
     return response
 
 
-def job_to_pb(job: job_model.Job) -> pb.JobStatus:
+def job_to_pb(job: model.Job) -> pb.JobStatus:
     return pb.JobStatus(
         job_id=job.job_id,
-        state=job_model.to_pb(job.state),
+        state=model.to_pb(job.state),
         group=job.group,
         operation_id=job.operation_id,
         device_bytes=job.device_bytes,
@@ -188,14 +190,14 @@ class SnapshotAgentServicer(pb_grpc.SnapshotAgentServiceServicer):
     async def Snapshot(
         self, request: pb.SnapshotRequest, context: grpc.aio.ServicerContext
     ) -> pb.SnapshotResponse:
-        return await self._directive(context, request, job_model.Kind.SNAPSHOT, pb.SnapshotResponse)
+        return await self._directive(context, request, model.Kind.SNAPSHOT, pb.SnapshotResponse)
 
     async def Restore(
         self, request: pb.RestoreRequest, context: grpc.aio.ServicerContext
     ) -> pb.RestoreResponse:
         if request.prefetch:
             return await self._prefetch(request, context)
-        return await self._directive(context, request, job_model.Kind.RESTORE, pb.RestoreResponse)
+        return await self._directive(context, request, model.Kind.RESTORE, pb.RestoreResponse)
 
     async def _prefetch(
         self, request: pb.RestoreRequest, context: grpc.aio.ServicerContext
@@ -214,7 +216,7 @@ class SnapshotAgentServicer(pb_grpc.SnapshotAgentServiceServicer):
         self,
         context: grpc.aio.ServicerContext,
         request: pb.SnapshotRequest | pb.RestoreRequest,
-        kind: job_model.Kind,
+        kind: model.Kind,
         reply: Callable[..., _R],
     ) -> _R:
         """Validate a Snapshot or Restore request (same fields), start it, reply with it."""
@@ -350,7 +352,7 @@ class SnapshotAgentServicer(pb_grpc.SnapshotAgentServiceServicer):
         ]
         # A Grant without wait_ms waits a default chunk (the orchestrator always sends one).
         wait_s = _checked_wait("wait_ms", request.wait_ms) or runner.DEFAULT_GRANT_WAIT_S
-        order = grants.order(
+        order = grant_plan.order(
             job_id=job_id,
             group=group,
             epoch=request.grant_epoch,
@@ -365,7 +367,7 @@ class SnapshotAgentServicer(pb_grpc.SnapshotAgentServiceServicer):
         )
         now = self._core.now()
         return pb.GrantResponse(
-            state=job_model.to_pb(outcome.state),
+            state=model.to_pb(outcome.state),
             granted=outcome.granted,
             operations=[operation_to_pb(op, now=now) for op in outcome.operations],
             operation_ids=[op.op_id for op in outcome.operations],
@@ -379,7 +381,7 @@ class SnapshotAgentServicer(pb_grpc.SnapshotAgentServiceServicer):
         job_id = await refusals.checked(context, refusals.checked_id, "job_id", request.job_id)
         group = await refusals.checked(context, _checked_group, request.group)
         state = await refusals.answered(context, self._core.reset(job_id=job_id, group=group))
-        return pb.ResetJobResponse(state=job_model.to_pb(state))
+        return pb.ResetJobResponse(state=model.to_pb(state))
 
     async def ResetLeaderTerm(
         self, request: pb.ResetLeaderTermRequest, context: grpc.aio.ServicerContext

@@ -8,7 +8,7 @@ Every ``put`` is one transaction, written synchronously on the event loop: with 
 and ``synchronous=NORMAL`` a commit is a few tens of microseconds and no fsync, far
 less than a hop to a thread and back; writes reach the database in exactly the order
 the agent made its decisions; and a caller can store and act without an ``await`` in
-between, so that a cancellation never separates the two (see ``tslice.agent.runner``).
+between, so that a cancellation never separates the two (see ``tslice.agent.moves.runner``).
 A commit survives a crash of the process; only a power loss can drop the last ones,
 and a GPU's memory does not survive that either. WAL checkpoints (which do fsync) run
 in a thread of their own, and keep the WAL bounded
@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
-from tslice.agent import job_model
+from tslice.agent.jobs import model
 from tslice.common import errors
 from tslice.server import sqlite_wal, wal_limit
 
@@ -162,11 +162,11 @@ class _RowOf:
         return tuple(row)
 
 
-#: The tables' columns in their order, one per field of the record (``job_model.Job``).
+#: The tables' columns in their order, one per field of the record (``model.Job``).
 _JOB_COLUMNS = (
     _Column("job_id", "job_id"),
     _Column("grp", "group"),
-    _Column("state", "state", _enum_value, job_model.State),
+    _Column("state", "state", _enum_value, model.State),
     _Column("backend", "backend"),
     _Column("choice", "choice"),
     _Column("config", "config", load=_blob),
@@ -176,15 +176,15 @@ _JOB_COLUMNS = (
     _Column("operation_id", "operation_id"),
     _Column("device_bytes", "device_bytes", load=_number(int)),
     _Column("host_bytes", "host_bytes", load=_number(int)),
-    _Column("previous_state", "previous_state", _optional(_enum_value), _optional(job_model.State)),
+    _Column("previous_state", "previous_state", _optional(_enum_value), _optional(model.State)),
 )
-#: ... and of ``job_model.Operation``.
+#: ... and of ``model.Operation``.
 _OPERATION_COLUMNS = (
     _Column("op_id", "op_id"),
     _Column("job_id", "job_id"),
-    _Column("kind", "kind", _enum_value, job_model.Kind),
+    _Column("kind", "kind", _enum_value, model.Kind),
     _Column("backend", "backend"),
-    _Column("status", "status", _enum_value, job_model.OpStatus),
+    _Column("status", "status", _enum_value, model.OpStatus),
     _Column("started_at", "started_at", load=_number(float)),
     _Column("finished_at", "finished_at", load=_optional(_number(float))),
     _Column("storage_bytes", "storage_bytes", load=_optional(_number(int))),
@@ -211,9 +211,9 @@ class StateDatabaseError(errors.ConfigError):
 
 @dataclasses.dataclass(frozen=True)
 class Loaded:
-    job_map: dict[job_model.Key, job_model.Job]
-    operation_map: dict[str, job_model.Operation]
-    grant_map: dict[str, job_model.GrantMark]
+    job_map: dict[model.Key, model.Job]
+    operation_map: dict[str, model.Operation]
+    grant_map: dict[str, model.GrantMark]
 
 
 class Store:
@@ -259,10 +259,10 @@ class Store:
     def put(
         self,
         *,
-        job_records: Sequence[job_model.Job] = (),
-        operation_records: Sequence[job_model.Operation] = (),
-        grant_marks: Sequence[job_model.GrantMark] = (),
-        deleted_jobs: Sequence[job_model.Key] = (),
+        job_records: Sequence[model.Job] = (),
+        operation_records: Sequence[model.Operation] = (),
+        grant_marks: Sequence[model.GrantMark] = (),
+        deleted_jobs: Sequence[model.Key] = (),
     ) -> None:
         """Store the records in one transaction, synchronously (see the module docstring)."""
         job_rows = [_job_row(j) for j in job_records]
@@ -339,7 +339,7 @@ class Store:
             op = _operation_from_row(tuple(row))
             loaded.operation_map[op.op_id] = op
         for grp, epoch, job_id in conn.execute("SELECT grp, epoch, job_id FROM grants"):
-            loaded.grant_map[str(grp)] = job_model.GrantMark(
+            loaded.grant_map[str(grp)] = model.GrantMark(
                 group=str(grp), epoch=int(epoch), job_id=str(job_id)
             )
         return loaded
@@ -358,7 +358,7 @@ class Store:
         job_rows: list[tuple[object, ...]],
         op_rows: list[tuple[object, ...]],
         mark_rows: list[tuple[str, int, str]],
-        deleted_jobs: list[job_model.Key],
+        deleted_jobs: list[model.Key],
     ) -> None:
         with self._checkpoints.transaction(self._connection()) as conn:
             if deleted_jobs:
@@ -382,12 +382,12 @@ def _fields(columns: tuple[_Column, ...], row: Sequence[object]) -> dict[str, An
 _job_row = _RowOf(_JOB_COLUMNS)
 
 
-def _job_from_row(row: tuple[object, ...]) -> job_model.Job:
-    return job_model.Job(**_fields(_JOB_COLUMNS, row))
+def _job_from_row(row: tuple[object, ...]) -> model.Job:
+    return model.Job(**_fields(_JOB_COLUMNS, row))
 
 
 _operation_row = _RowOf(_OPERATION_COLUMNS)
 
 
-def _operation_from_row(row: tuple[object, ...]) -> job_model.Operation:
-    return job_model.Operation(**_fields(_OPERATION_COLUMNS, row))
+def _operation_from_row(row: tuple[object, ...]) -> model.Operation:
+    return model.Operation(**_fields(_OPERATION_COLUMNS, row))

@@ -1,10 +1,10 @@
 """The agent's records follow the workload channel: who registered, who left.
 
 A workload that registers on the workload channel has its model on the device, so its
-(job, group) record becomes resident on app-channel (``jobs.after_channel_registration``);
+(job, group) record becomes resident on app-channel (``rules.after_channel_registration``);
 a workload that left took its state with it, so the records it served become IDLE
-(``jobs.after_workload_left``). :class:`WorkloadPresence` is the hub's listener that
-applies both to the ledger, each under the job's lock shared with ``tslice.agent.runner``.
+(``rules.after_workload_left``). :class:`WorkloadPresence` is the hub's listener that
+applies both to the ledger, each under the job's lock shared with ``tslice.agent.moves.runner``.
 """
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ import logging
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-from tslice.agent import job_model, jobs, ledger
+from tslice.agent import ledger
+from tslice.agent.jobs import model, rules
 from tslice.rpc import refusals
 
 log = logging.getLogger(__name__)
@@ -82,7 +83,7 @@ class WorkloadPresence:
                     extra={"job_id": job_id},
                 )
                 return
-            updated = jobs.after_channel_registration(
+            updated = rules.after_channel_registration(
                 job, job_id=job_id, group=group, suspended=suspended
             )
             if updated != job:
@@ -103,12 +104,12 @@ class WorkloadPresence:
             async with self._locks[job_id]:
                 running: list[asyncio.Future[None]] = []
                 for job in self._left_records(job_id, group):
-                    if job.state is job_model.State.TRANSITIONING:
+                    if job.state is model.State.TRANSITIONING:
                         done = self._done.get(job.operation_id)
                         if done is not None:
                             running.append(done)
                         continue
-                    updated = jobs.after_workload_left(job, reason=reason)
+                    updated = rules.after_workload_left(job, reason=reason)
                     if updated != job:
                         self._book.commit(jobs_=[updated], previous=job)
                         log.info(
@@ -124,7 +125,7 @@ class WorkloadPresence:
                     return
             await asyncio.wait(running)
 
-    def _left_records(self, job_id: str, group: str) -> list[job_model.Job]:
+    def _left_records(self, job_id: str, group: str) -> list[model.Job]:
         """The job's records a departed workload of ``group`` held: the group's record, or
         for a workload that named no group every record of the job; none that a live
         workload serves (it registered again)."""

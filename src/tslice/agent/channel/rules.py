@@ -21,7 +21,7 @@ VALID_MODES = (pb.SUSPEND_MODE_OFFLOAD, pb.SUSPEND_MODE_DISCARD)
 
 #: The key, in an operation's backend state and in the job's record, that says the
 #: job's workload left the node (the value: why). The agent's rules read it
-#: (``tslice.agent.jobs``): a snapshot that reports it leaves the job IDLE, not SAVED.
+#: (``tslice.agent.jobs.rules``): a snapshot that reports it leaves the job IDLE, not SAVED.
 WORKLOAD_LEFT = "workload_left"
 
 #: gRPC metadata key of the workload's instance token: random, made once per workload

@@ -1,10 +1,11 @@
 """The async driver of the node agent: gathers facts, applies the pure rules' plans.
 
-The rules live in pure modules: the per-record state machine in ``tslice.agent.jobs``,
-the choice of backend in ``tslice.agent.routing``, the moves of a Grant in
-``tslice.agent.grants``. Every backend call goes through ``tslice.agent.guarded``,
-and the records live in ``tslice.agent.ledger``; what the workload channel reports
-(registrations, departures) is applied by ``tslice.agent.channel.presence``. This
+The rules live in pure modules: the per-record state machine in
+``tslice.agent.jobs.rules``, the choice of backend in ``tslice.agent.jobs.routing``, the
+moves of a Grant in ``tslice.agent.moves.grant_plan``. Every backend call goes through
+``tslice.agent.backends.guarded``, and the records live in ``tslice.agent.ledger``;
+what the workload channel reports (registrations, departures) is applied by
+``tslice.agent.channel.presence``. This
 module only strings them together: each mutating request takes the job's lock, asks
 the backend what a rule depends on (through the guard), plans synchronously, commits
 the plan *before* replying, and spawns the backend call as a named task. Because
@@ -34,19 +35,11 @@ import uuid
 from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
-from tslice.agent import (
-    grants,
-    guarded,
-    job_model,
-    jobs,
-    ledger,
-    metrics,
-    parking,
-    routing,
-    store,
-)
-from tslice.agent.backends import base
+from tslice.agent import ledger, metrics, store
+from tslice.agent.backends import base, guarded
 from tslice.agent.channel import presence
+from tslice.agent.jobs import model, routing, rules
+from tslice.agent.moves import grant_plan, parking
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
 from tslice.common import tasks
 
@@ -89,7 +82,7 @@ class AgentCore:
         self.guarded = guarded.GuardedBackends(
             backends, operation_timeout_s=operation_timeout_s, on_unavailable=on_backend_error
         )
-        #: One record per (job, group): see ``job_model.Key``.
+        #: One record per (job, group): see ``model.Key``.
         self._book = ledger.Ledger(
             node=node,
             state=state,
@@ -123,11 +116,11 @@ class AgentCore:
         await self._book.load()
         now = self._clock()
         for job in list(self._book.jobs.values()):
-            if job.state is not job_model.State.TRANSITIONING:
+            if job.state is not model.State.TRANSITIONING:
                 continue
             enabled = job.backend in self.guarded
             recovered = await self.guarded.recover(job.backend, job) if enabled else None
-            new_job, op = jobs.after_restart(
+            new_job, op = rules.after_restart(
                 job,
                 self._book.operations.get(job.operation_id),
                 recovered=recovered,
@@ -144,7 +137,7 @@ class AgentCore:
         # Operations whose job record was lost or moved on are settled the same way.
         orphans = [op for op in self._book.operations.values() if not op.finished]
         for op in orphans:
-            self._book.commit(ops=[jobs.interrupted(op, now=now)], previous=None)
+            self._book.commit(ops=[rules.interrupted(op, now=now)], previous=None)
         await self.prune_operations()
 
     async def close(self, *, grace_s: float) -> None:
@@ -160,26 +153,26 @@ class AgentCore:
 
     # ---- queries -------------------------------------------------------------------------
 
-    def list_jobs(self) -> list[job_model.Job]:
+    def list_jobs(self) -> list[model.Job]:
         return self._book.sorted_jobs()
 
-    def job(self, job_id: str, group: str = "") -> job_model.Job | None:
+    def job(self, job_id: str, group: str = "") -> model.Job | None:
         return self._book.find(job_id, group)
 
     def now(self) -> float:
         return self._clock()
 
-    def get_operation(self, op_id: str) -> job_model.Operation:
+    def get_operation(self, op_id: str) -> model.Operation:
         return self._book.operation(op_id)
 
-    async def wait_operation(self, op_id: str, *, timeout_s: float) -> job_model.Operation:
+    async def wait_operation(self, op_id: str, *, timeout_s: float) -> model.Operation:
         """The operation once finished, or as it is (PENDING) after ``timeout_s``."""
         (op,) = await self.settle([self.get_operation(op_id)], timeout_s=timeout_s)
         return op
 
     async def settle(
-        self, ops: Sequence[job_model.Operation], *, timeout_s: float | None
-    ) -> list[job_model.Operation]:
+        self, ops: Sequence[model.Operation], *, timeout_s: float | None
+    ) -> list[model.Operation]:
         """``ops`` once all finished, or as they are after ``timeout_s`` (None: no limit)."""
         waits = [f for op in ops if not op.finished and (f := self._done.get(op.op_id)) is not None]
         if waits and (timeout_s is None or timeout_s > 0):
@@ -195,17 +188,17 @@ class AgentCore:
 
     async def directive(
         self,
-        kind: job_model.Kind,
+        kind: model.Kind,
         *,
         job_id: str,
         group: str,
         config: pb.BackendConfig | None,
         deprecated_backend: int = 0,
         wait_s: float = 0.0,
-    ) -> job_model.Operation:
+    ) -> model.Operation:
         """Start a Snapshot or Restore (``kind``) under the job's lock; return its
         operation once finished or after ``wait_s``."""
-        start = self._start_snapshot if kind is job_model.Kind.SNAPSHOT else self._start_restore
+        start = self._start_snapshot if kind is model.Kind.SNAPSHOT else self._start_restore
         async with self._locks[job_id]:
             op = await start(
                 self._book.find(job_id, group),
@@ -217,20 +210,20 @@ class AgentCore:
         (op,) = await self.settle([op], timeout_s=wait_s)
         return op
 
-    def key(self, job_id: str, group: str) -> job_model.Key:
+    def key(self, job_id: str, group: str) -> model.Key:
         """The record a request about ``job_id`` for ``group`` means (see ``Ledger.key``)."""
         return self._book.key(job_id, group)
 
     async def grant(
         self,
-        order: grants.Order,
+        order: grant_plan.Order,
         *,
         wait_s: float = DEFAULT_GRANT_WAIT_S,
         devices: Sequence[int] = (),
-    ) -> grants.GrantOutcome:
+    ) -> grant_plan.GrantOutcome:
         """Make the ordered job's state for its group resident here and record the grant.
 
-        The moves (evict, make room, bring in) are planned by ``tslice.agent.grants``,
+        The moves (evict, make room, bring in) are planned by ``tslice.agent.moves.grant_plan``,
         one at a time; each is an ordinary operation with its own id. The outcome
         comes back after at most ``wait_s`` with ``granted=False`` and the operations
         so far when the node is not done or an operation FAILED; re-issuing the same
@@ -241,44 +234,44 @@ class AgentCore:
         deadline = loop.time() + min(wait_s, MAX_WAIT_S)
         # A stale grant must not evict anything.
         last = self._book.marks.get(group)
-        jobs.check_epoch(job_id=job_id, group=group, epoch=order.epoch, last=last, node=self.node)
+        rules.check_epoch(job_id=job_id, group=group, epoch=order.epoch, last=last, node=self.node)
         # Which of this node's devices the group uses (the cuda backend acts on them only).
         if devices:
             self.guarded.devices[group] = tuple(devices)
         else:
             self.guarded.devices.pop(group, None)
-        seen: dict[str, job_model.Operation] = {}
+        seen: dict[str, model.Operation] = {}
         for _ in range(order.max_steps):
             moves = await self._next_moves(order)
             if moves is None:  # resident, and the grant recorded
-                return grants.outcome(
+                return grant_plan.outcome(
                     order, seen.values(), job=self.job(job_id, group), granted=True
                 )
             moves = await self.settle(moves, timeout_s=max(0.0, deadline - loop.time()))
             seen.update((op.op_id, op) for op in moves)
-            verdict = grants.after_round(
+            verdict = grant_plan.after_round(
                 order,
                 moves,
                 job=self._book.jobs.get((job_id, group)),
                 mark=self._book.marks.get(group),
             )
-            if verdict is not grants.Verdict.GO_ON:
-                granted = verdict is grants.Verdict.GRANTED
+            if verdict is not grant_plan.Verdict.GO_ON:
+                granted = verdict is grant_plan.Verdict.GRANTED
                 target = self.job(job_id, group)
-                return grants.outcome(order, seen.values(), job=target, granted=granted)
-        raise grants.kept_changing(order, node=self.node)
+                return grant_plan.outcome(order, seen.values(), job=target, granted=granted)
+        raise grant_plan.kept_changing(order, node=self.node)
 
-    async def _next_moves(self, order: grants.Order) -> list[job_model.Operation] | None:
+    async def _next_moves(self, order: grant_plan.Order) -> list[model.Operation] | None:
         """Start the Grant's next move; its operations, or ``None`` once the job is in."""
         target = self._book.key(order.job_id, order.group)
         job = self._book.jobs.get(target)
         route = self._route(order.job_id, job, order.config, 0)
         overlap = self.guarded.overlaps_moves(route.backend)
-        move = grants.next_move(order, self._book.jobs, target=target, overlap=overlap)
-        if isinstance(move, grants.AskFit):
-            fits = await self.guarded.fits(route, grants.as_asked(order, job))
-            move = grants.next_move(order, self._book.jobs, target=target, fits=fits)
-        if isinstance(move, grants.Evict):
+        move = grant_plan.next_move(order, self._book.jobs, target=target, overlap=overlap)
+        if isinstance(move, grant_plan.AskFit):
+            fits = await self.guarded.fits(route, grant_plan.as_asked(order, job))
+            move = grant_plan.next_move(order, self._book.jobs, target=target, fits=fits)
+        if isinstance(move, grant_plan.Evict):
             if move.giving_way:
                 log.info(
                     "job %s (group %s) gives way on node %s to job %s of group %s",
@@ -294,9 +287,7 @@ class AgentCore:
             moves = [op for op in started if op is not None]
             if move.bring_in:
                 # Overlap: the restore starts while the snapshots free the memory it lands in.
-                leaving = {
-                    (op.job_id, op.group) for op in moves if op.kind is job_model.Kind.SNAPSHOT
-                }
+                leaving = {(op.job_id, op.group) for op in moves if op.kind is model.Kind.SNAPSHOT}
                 brought_in = await self._start_grant(order, leaving=leaving)
                 moves += [brought_in] if brought_in is not None else []
             return moves
@@ -305,7 +296,7 @@ class AgentCore:
 
     async def prefetch(
         self, *, job_id: str, group: str, config: pb.BackendConfig | None
-    ) -> job_model.Job:
+    ) -> model.Job:
         """Start bringing a SAVED job's state in ahead of its grant (issue 9 §2), into free
         memory only; the record stays SAVED and a later Grant's restore finds the bytes
         there. Refused (FAILED_PRECONDITION) unless the job is SAVED here and its backend
@@ -314,9 +305,9 @@ class AgentCore:
         async with self._locks[job_id]:
             job = self._book.find(job_id, group)
             if job is None:
-                raise jobs.unknown_job(job_id, group, node=self.node)
+                raise rules.unknown_job(job_id, group, node=self.node)
             route = self._route(job_id, job, config, 0)
-            jobs.check_prefetch(
+            rules.check_prefetch(
                 job,
                 backend=route.backend,
                 declared=self.guarded.prefetches(route.backend),
@@ -327,15 +318,15 @@ class AgentCore:
             )
             return job
 
-    async def reset(self, *, job_id: str, group: str = "") -> job_model.State:
+    async def reset(self, *, job_id: str, group: str = "") -> model.State:
         async with self._locks[job_id]:
-            job = jobs.check_reset(
+            job = rules.check_reset(
                 self._book.find(job_id, group), job_id=job_id, group=group, node=self.node
             )
-            recovered: job_model.State | None = None
+            recovered: model.State | None = None
             if job.backend in self.guarded:
                 recovered = await self.guarded.recover(job.backend, job)
-            new_job = jobs.after_reset(job, recovered=recovered)
+            new_job = rules.after_reset(job, recovered=recovered)
             self._book.commit(jobs_=[new_job], previous=job)
             log.info(
                 "job %s (group %s) reset from FAULTED to %s",
@@ -359,68 +350,68 @@ class AgentCore:
 
     async def _start_snapshot(
         self,
-        job: job_model.Job | None,
+        job: model.Job | None,
         *,
         job_id: str,
         group: str,
         config: pb.BackendConfig | None = None,
         deprecated_backend: int = 0,
-    ) -> job_model.Operation:
+    ) -> model.Operation:
         route = self._route(job_id, job, config, deprecated_backend)
         await self._validate(route, job, job_id=job_id, group=group)
         # A typo creates nothing: an unknown job is adopted only if its backend holds it.
-        probe = job if job is not None else job_model.Job(job_id=job_id, group=group)
+        probe = job if job is not None else model.Job(job_id=job_id, group=group)
         recovered = await self._recovered(route, probe, unknown=job is None)
         # Refused (RESOURCE_EXHAUSTED) before anything is frozen if it cannot be parked:
-        adopted = dataclasses.replace(probe, state=recovered or job_model.State.RUNNING)
+        adopted = dataclasses.replace(probe, state=recovered or model.State.RUNNING)
         await self._parkable(job or adopted, route)
-        plan = jobs.plan_snapshot(job, self._request(job_id, group, route), recovered=recovered)
-        if isinstance(plan, job_model.Done):  # nothing resident: the job's workload left
+        plan = rules.plan_snapshot(job, self._request(job_id, group, route), recovered=recovered)
+        if isinstance(plan, model.Done):  # nothing resident: the job's workload left
             self._book.commit(jobs_=[plan.job], ops=[plan.operation], previous=job)
             return plan.operation
         return self._launch(plan, config=route.config)
 
     async def _start_restore(
         self,
-        job: job_model.Job | None,
+        job: model.Job | None,
         *,
         job_id: str,
         group: str,
         config: pb.BackendConfig | None,
         deprecated_backend: int,
-    ) -> job_model.Operation:
+    ) -> model.Operation:
         route = self._route(job_id, job, config, deprecated_backend)
         await self._validate(route, job, job_id=job_id, group=group)
         recovered = await self._recovered(route, job)
         partial = job is not None and await self.guarded.missing_tags(route, job)
-        plan = jobs.plan_restore(
+        plan = rules.plan_restore(
             job,
             self._request(job_id, group, route),
             others=self._book.jobs.values(),
             recovered=recovered,
             partial=partial,
         )
-        if isinstance(plan, job_model.Done):
+        if isinstance(plan, model.Done):
             self._book.commit(jobs_=[plan.job], ops=[plan.operation], previous=job)
             return plan.operation
         # An explicit restore config applies to this operation only; the recorded one stays.
         return self._launch(plan, config=route.config)
 
-    async def _start_eviction(self, key: job_model.Key) -> job_model.Operation | None:
+    async def _start_eviction(self, key: model.Key) -> model.Operation | None:
         """Snapshot a resident job for a Grant; the operation running on it if there is one."""
         job_id, group = key
         async with self._locks[job_id]:
             job = self._book.find(job_id, group)
-            if job is None or job.state in (job_model.State.IDLE, job_model.State.SAVED):
+            if job is None or job.state in (model.State.IDLE, model.State.SAVED):
                 return None
-            if job.state is job_model.State.TRANSITIONING:
+            if job.state is model.State.TRANSITIONING:
                 return self._book.running(job)
             # A FAULTED job is snapshotted only if its backend says it still runs.
             return await self._start_snapshot(job, job_id=job_id, group=group)
 
     async def _start_grant(
-        self, order: grants.Order, *, leaving: Collection[job_model.Key] = ()
-    ) -> job_model.Operation | None:
+        self, order: grant_plan.Order, *, leaving: Collection[model.Key] = ()
+    ) -> model.Operation | None:
         """Record the grant; ``None`` if the job is resident, else the operation bringing it in.
 
         ``leaving``: records of the group whose snapshot runs (an overlapping restore).
@@ -428,28 +419,28 @@ class AgentCore:
         job_id, group = order.job_id, order.group
         async with self._locks[job_id]:
             job = self._book.find(job_id, group)
-            transitioning = job is not None and job.state is job_model.State.TRANSITIONING
+            transitioning = job is not None and job.state is model.State.TRANSITIONING
             if transitioning:
                 assert job is not None
                 running = self._book.operations.get(job.operation_id)
                 if running is not None:
                     return running
             route = self._route(job_id, job, order.config, 0)
-            await self.guarded.validate(route, grants.as_asked(order, job))
+            await self.guarded.validate(route, grant_plan.as_asked(order, job))
             last = self._book.marks.get(group)
-            mark = jobs.new_mark(job_id=job_id, group=group, epoch=order.epoch, last=last)
+            mark = rules.new_mark(job_id=job_id, group=group, epoch=order.epoch, last=last)
             request = self._request(job_id, group, route)
-            if order.restore and job is not None and job.state is job_model.State.SAVED:
-                jobs.check_epoch(
+            if order.restore and job is not None and job.state is model.State.SAVED:
+                rules.check_epoch(
                     job_id=job_id, group=group, epoch=order.epoch, last=last, node=self.node
                 )
-                bring_back = jobs.plan_restore(
+                bring_back = rules.plan_restore(
                     job, request, others=self._book.jobs.values(), leaving=leaving
                 )
                 # A SAVED job has something to move.
-                assert isinstance(bring_back, job_model.Start)
+                assert isinstance(bring_back, model.Start)
                 return self._launch(bring_back, config=route.config, mark=mark)
-            plan = jobs.plan_grant(
+            plan = rules.plan_grant(
                 job,
                 request,
                 epoch=order.epoch,
@@ -457,7 +448,7 @@ class AgentCore:
                 footprint_bytes=order.footprint_bytes,
                 others=self._book.jobs.values(),
             )
-            if isinstance(plan, job_model.Unchanged):
+            if isinstance(plan, model.Unchanged):
                 marks = [mark] if mark is not None else []
                 if plan.job != job or marks:
                     self._book.commit(jobs_=[plan.job], marks=marks, previous=job)
@@ -466,8 +457,8 @@ class AgentCore:
 
     # ---- internals --------------------------------------------------------------------------
 
-    def _request(self, job_id: str, group: str, route: job_model.Route) -> job_model.Request:
-        return job_model.Request(
+    def _request(self, job_id: str, group: str, route: model.Route) -> model.Request:
+        return model.Request(
             job_id=job_id,
             group=group,
             route=route,
@@ -479,10 +470,10 @@ class AgentCore:
     def _route(
         self,
         job_id: str,
-        job: job_model.Job | None,
+        job: model.Job | None,
         config: pb.BackendConfig | None,
         deprecated_backend: int,
-    ) -> job_model.Route:
+    ) -> model.Route:
         route = routing.route(
             request_config=config,
             deprecated_backend=deprecated_backend,
@@ -503,12 +494,12 @@ class AgentCore:
             return False
 
     async def _validate(
-        self, route: job_model.Route, job: job_model.Job | None, *, job_id: str, group: str
+        self, route: model.Route, job: model.Job | None, *, job_id: str, group: str
     ) -> None:
-        await self.guarded.validate(route, job or job_model.Job(job_id=job_id, group=group))
+        await self.guarded.validate(route, job or model.Job(job_id=job_id, group=group))
 
-    async def _parkable(self, job: job_model.Job | None, route: job_model.Route | None) -> None:
-        """Refused where the node's host memory cannot park the state (tslice.agent.parking)."""
+    async def _parkable(self, job: model.Job | None, route: model.Route | None) -> None:
+        """Refused where the node's host memory cannot park the state (``parking``)."""
         if job is not None:
             route = route or self._route(job.job_id, job, None, 0)
             await parking.check(
@@ -519,21 +510,21 @@ class AgentCore:
         return parking.usage(self.guarded, self.host_budget, self._book.jobs.values())
 
     async def _recovered(
-        self, route: job_model.Route, job: job_model.Job | None, *, unknown: bool = False
-    ) -> job_model.State | None:
+        self, route: model.Route, job: model.Job | None, *, unknown: bool = False
+    ) -> model.State | None:
         """What the backend reports, asked only where a rule depends on it: for a FAULTED
         job, and (``unknown``) for a job this node has no record of."""
-        if job is None or not (unknown or job.state is job_model.State.FAULTED):
+        if job is None or not (unknown or job.state is model.State.FAULTED):
             return None
         return await self.guarded.recover(route.backend, job)
 
     def _launch(
         self,
-        plan: job_model.Start,
+        plan: model.Start,
         *,
         config: pb.BackendConfig | None,
-        mark: job_model.GrantMark | None = None,
-    ) -> job_model.Operation:
+        mark: model.GrantMark | None = None,
+    ) -> model.Operation:
         op = plan.operation
         previous = self._book.previous(plan.job)
         self._done[op.op_id] = asyncio.get_running_loop().create_future()
@@ -563,18 +554,18 @@ class AgentCore:
         task.add_done_callback(self._running.discard)
 
     async def _execute(
-        self, job: job_model.Job, op: job_model.Operation, config: pb.BackendConfig | None
+        self, job: model.Job, op: model.Operation, config: pb.BackendConfig | None
     ) -> None:
         started = time.monotonic()
         outcome = await self.guarded.run(op, job, config)
         # The lock keeps a concurrent record change (a channel registration) from being lost.
         async with self._locks[job.job_id]:
             current = self._book.jobs.get(job.key, job)
-            new_job, new_op = jobs.finish(current, op, outcome=outcome, now=self._clock())
-            if new_op.status is job_model.OpStatus.COMPLETE:
+            new_job, new_op = rules.finish(current, op, outcome=outcome, now=self._clock())
+            if new_op.status is model.OpStatus.COMPLETE:
                 outcome_label = "complete"
             else:
-                outcome_label = "faulted" if new_job.state is job_model.State.FAULTED else "failed"
+                outcome_label = "faulted" if new_job.state is model.State.FAULTED else "failed"
             self._metrics.observe(
                 backend=op.backend,
                 kind=op.kind.value,
@@ -588,7 +579,7 @@ class AgentCore:
                 done = self._done.pop(op.op_id, None)
                 if done is not None and not done.done():
                     done.set_result(None)
-        log_fn = log.info if new_op.status is job_model.OpStatus.COMPLETE else log.warning
+        log_fn = log.info if new_op.status is model.OpStatus.COMPLETE else log.warning
         log_fn(
             "%s of job %s %s: job %s%s",
             op.kind.value,

@@ -4,7 +4,7 @@ A job's :class:`State` (and its wire value, :func:`to_pb`); what a node keeps of
 job, per (job, group) (:class:`Job`, keyed by :data:`Key`),
 of each snapshot/restore/activate (:class:`Operation`) and of each group's newest
 grant (:class:`GrantMark`); the backend a request is served by (:class:`Route`); and
-what the rules of :mod:`tslice.agent.jobs` are given (:class:`Request`, a backend's
+what the rules of :mod:`tslice.agent.jobs.rules` are given (:class:`Request`, a backend's
 :class:`Outcome`) and return (:class:`Start`, :class:`Done`, :class:`Unchanged`).
 All frozen: the store persists them, the runner and the pure rule modules
 (``jobs``, ``routing``, ``grants``) pass them around, and nothing here decides a
@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from tslice.agent.backends import base
-from tslice.agent.channel import rules
+from tslice.agent.channel import rules as channel_rules
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
 
 
@@ -69,7 +69,7 @@ Key = tuple[str, str]
 #: The ``backend_state`` key of an IDLE record whose workload left the node (the
 #: workload-channel hub says so, or a snapshot reported it): why it left. Dropped when
 #: the job is resident again.
-WORKLOAD_LEFT = rules.WORKLOAD_LEFT
+WORKLOAD_LEFT = channel_rules.WORKLOAD_LEFT
 
 
 @dataclasses.dataclass(frozen=True)
@@ -199,7 +199,7 @@ class Request:
 
     job_id: str
     group: str
-    #: The backend that serves the request (``tslice.agent.routing``).
+    #: The backend that serves the request (``tslice.agent.jobs.routing``).
     route: Route
     node: str
     #: The id a new operation gets.

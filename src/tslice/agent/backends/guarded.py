@@ -10,10 +10,10 @@ calls one directly; it goes through :class:`GuardedBackends`, which owns
   ``STATUS_TIMEOUT_S`` for the accelerators a Status reply lists;
 - the translation of what a backend raises: a refused or invalid config becomes a
   :class:`refusals.Refused` with its status code before anything changed; an operation's
-  failure becomes a :class:`job_model.Outcome` that says whether anything moved;
+  failure becomes a :class:`model.Outcome` that says whether anything moved;
 - what a question answers when the backend cannot tell (``None``, logged).
 
-The pure rules decide and the runner (``tslice.agent.runner``) applies them; this
+The pure rules decide and the runner (``tslice.agent.moves.runner``) applies them; this
 module only calls.
 """
 
@@ -25,8 +25,8 @@ import sys
 from collections.abc import Callable, Coroutine, Mapping
 from typing import Any, TypeVar
 
-from tslice.agent import job_model
 from tslice.agent.backends import base
+from tslice.agent.jobs import model
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
 from tslice.rpc import refusals
 from tslice.server import logs
@@ -75,7 +75,7 @@ def tags_of(config: pb.BackendConfig | None) -> list[str]:
 
 
 def context(
-    job: job_model.Job, config: pb.BackendConfig | None, devices: tuple[int, ...] = ()
+    job: model.Job, config: pb.BackendConfig | None, devices: tuple[int, ...] = ()
 ) -> base.JobContext:
     """What a backend is told about the job's state for one group."""
     return base.JobContext(
@@ -107,7 +107,7 @@ class GuardedBackends:
         #: say (absent: all of them); every context of a job's state for the group has them.
         self.devices: dict[str, tuple[int, ...]] = {}
 
-    def _context(self, job: job_model.Job, config: pb.BackendConfig | None) -> base.JobContext:
+    def _context(self, job: model.Job, config: pb.BackendConfig | None) -> base.JobContext:
         return context(job, config, self.devices.get(job.group, ()))
 
     def __contains__(self, name: object) -> bool:
@@ -123,7 +123,7 @@ class GuardedBackends:
         backend = self.backends.get(name)
         return backend is not None and bool(backend.prefetches)
 
-    async def prefetch(self, name: str, job: job_model.Job) -> int:
+    async def prefetch(self, name: str, job: model.Job) -> int:
         """Backend ``name``'s prefetch of the job, under the operation deadline; 0 if it
         fails (logged): a prefetch is a hint, the later restore is the operation."""
         ctx = self._context(job, job.backend_config())
@@ -137,7 +137,7 @@ class GuardedBackends:
 
     # ---- questions, asked while a request is planned -----------------------------------
 
-    async def validate(self, route: job_model.Route, job: job_model.Job) -> None:
+    async def validate(self, route: model.Route, job: model.Job) -> None:
         """Let the backend refuse the config before anything is created or changed."""
         name, ctx = route.backend, self._context(job, route.config)
         backend = self.backends[name]
@@ -164,30 +164,30 @@ class GuardedBackends:
         backend = self.backends.get(name)
         return backend is not None and bool(backend.holds_host_memory)
 
-    async def host_bytes_needed(self, route: job_model.Route, job: job_model.Job) -> int | None:
+    async def host_bytes_needed(self, route: model.Route, job: model.Job) -> int | None:
         """The backend's estimate of what a snapshot of the job would park; None if it
         cannot tell or fails (logged)."""
         question = self.backends[route.backend].host_bytes_needed(self._context(job, route.config))
         return await self._ask(route.backend, question, f"estimate job {job.job_id}'s state")
 
-    async def recover(self, name: str, job: job_model.Job) -> job_model.State | None:
+    async def recover(self, name: str, job: model.Job) -> model.State | None:
         """What backend ``name`` reports for the job; ``None`` if it cannot tell or fails."""
         ctx = self._context(job, job.backend_config())
         reported = await self._ask(
             name, self.backends[name].recover(ctx), f"recover job {job.job_id}"
         )
-        return job_model.from_pb(reported)
+        return model.from_pb(reported)
 
-    async def fits(self, route: job_model.Route, job: job_model.Job) -> bool:
+    async def fits(self, route: model.Route, job: model.Job) -> bool:
         """Whether the job's state would fit on the devices now; ``False`` if unknown."""
         question = self.backends[route.backend].fits(self._context(job, route.config))
         return bool(await self._ask(route.backend, question, f"tell whether job {job.job_id} fits"))
 
-    async def missing_tags(self, route: job_model.Route, job: job_model.Job) -> bool:
+    async def missing_tags(self, route: model.Route, job: model.Job) -> bool:
         """Staged wake: whether tags the request names are not resident although the job
         runs (``Backend.missing_tags``); ``False`` when it names none."""
         tags = tags_of(route.config)
-        if job.state is not job_model.State.RUNNING or not tags:
+        if job.state is not model.State.RUNNING or not tags:
             return False
         question = self.backends[route.backend].missing_tags(self._context(job, route.config), tags)
         return bool(await self._ask(route.backend, question, "report missing tags"))
@@ -219,8 +219,8 @@ class GuardedBackends:
     # ---- operations ------------------------------------------------------------------------
 
     async def run(
-        self, op: job_model.Operation, job: job_model.Job, config: pb.BackendConfig | None
-    ) -> job_model.Outcome:
+        self, op: model.Operation, job: model.Job, config: pb.BackendConfig | None
+    ) -> model.Outcome:
         """Run the operation's backend call under its deadline, retrying transient failures."""
         # Every log line of the operation's task names it (a C call: no work to speak of).
         logs.IDS.set({"job_id": job.job_id, "group_id": job.group, "operation_id": op.op_id})
@@ -235,11 +235,11 @@ class GuardedBackends:
                 result = await _within(
                     _invoke(backend, op.kind, ctx, mode), timeout_s=max(remaining, 0.0)
                 )
-                return job_model.Outcome(result=result)
+                return model.Outcome(result=result)
             except base.TransientBackendError as err:
                 delay = min(max(err.retry_after, delay), _BACKOFF_MAX_S)
                 if loop.time() + delay >= deadline:
-                    return job_model.Outcome(
+                    return model.Outcome(
                         error=f"{what} kept failing until its {self.operation_timeout_s:g} s "
                         f"deadline; nothing was changed: {err}",
                         state_changed=False,
@@ -249,31 +249,29 @@ class GuardedBackends:
                 delay = min(delay * 2, _BACKOFF_MAX_S)
             except asyncio.TimeoutError:
                 if loop.time() < deadline:
-                    return job_model.Outcome(
-                        error=f"{what} failed: the backend timed out internally"
-                    )
-                return job_model.Outcome(
+                    return model.Outcome(error=f"{what} failed: the backend timed out internally")
+                return model.Outcome(
                     error=f"{what} did not finish within {self.operation_timeout_s:g} s "
                     "(operation_timeout_s); check the backend, then ResetJob"
                 )
             except base.RefusedBackendError as err:
-                return job_model.Outcome(
+                return model.Outcome(
                     error=f"{what} was refused; nothing was changed: {err}", state_changed=False
                 )
             except base.BackendError as err:
                 if isinstance(err, base.BackendUnavailableError):
                     self._on_unavailable(backend.name, err)
-                return job_model.Outcome(error=f"{what} failed: {err}")
+                return model.Outcome(error=f"{what} failed: {err}")
             except Exception as err:
                 log.exception("%s crashed", what)
-                return job_model.Outcome(error=f"{what} crashed: {type(err).__name__}: {err}")
+                return model.Outcome(error=f"{what} crashed: {type(err).__name__}: {err}")
 
 
 async def _invoke(
-    backend: base.Backend, kind: job_model.Kind, ctx: base.JobContext, mode: pb.SuspendMode
+    backend: base.Backend, kind: model.Kind, ctx: base.JobContext, mode: pb.SuspendMode
 ) -> base.OpResult:
-    if kind is job_model.Kind.SNAPSHOT:
+    if kind is model.Kind.SNAPSHOT:
         return await backend.snapshot(ctx, mode)
-    if kind is job_model.Kind.RESTORE:
+    if kind is model.Kind.RESTORE:
         return await backend.restore(ctx)
     return await backend.activate(ctx)

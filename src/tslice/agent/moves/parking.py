@@ -32,7 +32,8 @@ import logging
 from collections.abc import Iterable
 from pathlib import Path
 
-from tslice.agent import guarded, job_model
+from tslice.agent.backends import guarded
+from tslice.agent.jobs import model
 from tslice.rpc import refusals
 
 log = logging.getLogger(__name__)
@@ -97,7 +98,7 @@ class HostBudget:
         return max(0, info.available_bytes - self.reserve_bytes(info) + parked)
 
     def refusal(
-        self, jobs: Iterable[job_model.Job], *, key: job_model.Key, needed: int, counted: set[str]
+        self, jobs: Iterable[model.Job], *, key: model.Key, needed: int, counted: set[str]
     ) -> str:
         """Why parking ``needed`` more bytes for ``key`` would exceed the budget ('' = it
         fits). ``counted``: the backends whose states hold host memory."""
@@ -131,7 +132,7 @@ class HostBudget:
             "keeps running. Restore or end a parked job first, or raise host_budget"
         )
 
-    def parked_bytes(self, jobs: Iterable[job_model.Job], *, counted: set[str]) -> int:
+    def parked_bytes(self, jobs: Iterable[model.Job], *, counted: set[str]) -> int:
         """Host bytes the parked states of this node hold now (for Status)."""
         return sum(
             job.host_bytes
@@ -147,13 +148,13 @@ def _counted(backends: guarded.GuardedBackends) -> set[str]:
 async def check(
     backends: guarded.GuardedBackends,
     budget: HostBudget,
-    jobs: Iterable[job_model.Job],
-    route: job_model.Route,
-    job: job_model.Job,
+    jobs: Iterable[model.Job],
+    route: model.Route,
+    job: model.Job,
 ) -> None:
     """Refuse (RESOURCE_EXHAUSTED, nothing frozen) a snapshot of ``job`` whose state the
     node's host memory cannot park."""
-    if job.state is not job_model.State.RUNNING or not backends.holds_host_memory(route.backend):
+    if job.state is not model.State.RUNNING or not backends.holds_host_memory(route.backend):
         return  # nothing resident to park, or a simulated state
     needed = await backends.host_bytes_needed(route, job)
     why = budget.refusal(
@@ -167,7 +168,7 @@ async def check(
 
 
 def usage(
-    backends: guarded.GuardedBackends, budget: HostBudget, jobs: Iterable[job_model.Job]
+    backends: guarded.GuardedBackends, budget: HostBudget, jobs: Iterable[model.Job]
 ) -> tuple[int | None, int]:
     """(the limit for parked states now, the bytes they hold)."""
     listed = list(jobs)

@@ -4,11 +4,11 @@ Nothing here awaits, touches a backend, a socket or a file: each ``plan_*`` func
 takes the current record and a :class:`Request` (the backend that serves it, a new
 operation id, the time) plus what the backend reported, and either raises
 :class:`refusals.Refused` with the status code and an actionable message, or returns
-the records to store. The async runner (``tslice.agent.runner``) applies them, so
-every rule can be tested directly. Its siblings are pure too: ``tslice.agent.routing``
-picks the backend of a request, ``tslice.agent.grants`` the moves of a Grant.
+the records to store. The async runner (``tslice.agent.moves.runner``) applies them, so
+every rule can be tested directly. Its siblings are pure too: ``tslice.agent.jobs.routing``
+picks the backend of a request, ``tslice.agent.moves.grant_plan`` the moves of a Grant.
 
-The records and plans themselves are :mod:`tslice.agent.job_model`. They are kept
+The records and plans themselves are :mod:`tslice.agent.jobs.model`. They are kept
 per (job, group): a job that uses a sampler pool and a trainer pool has one piece of
 device state per group, even on a node both groups span, and a move on one group
 never touches the other's (``job_model.Key``).
@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Collection, Iterable
 
-from tslice.agent.job_model import (
+from tslice.agent.jobs.model import (
     WORKLOAD_LEFT,
     Done,
     GrantMark,
@@ -229,7 +229,7 @@ def plan_restore(
     """SAVED -> TRANSITIONING (-> RUNNING when the backend finishes).
 
     ``leaving``: neighbours of the group whose snapshot runs beside this restore
-    (overlapping moves, ``tslice.agent.grants``); any other resident neighbour refuses it.
+    (overlapping moves, ``tslice.agent.moves.grant_plan``); any other resident neighbour refuses it.
 
     A RUNNING job yields an operation that is already COMPLETE (pollable, 0 bytes)
     unless ``partial``: the backend reported that requested tags are not resident
