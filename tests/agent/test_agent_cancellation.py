@@ -3,7 +3,7 @@
 gRPC aio cancels the handler coroutine when the client disconnects (an orchestrator
 SIGKILLed mid-call). These tests deliver that cancellation at the worst moment: while
 the store writes the job as TRANSITIONING, before the backend call is started. The
-store is the real SQLite store; a hook in its ``put`` cancels the task that is
+store is the real SQLite store; a hook in its ``commit`` cancels the task that is
 writing, so the moment is hit deterministically. (Before the fix, the write was
 awaited, the cancellation landed there, and the job stayed TRANSITIONING with an
 operation that never ran.)
@@ -18,40 +18,34 @@ from typing import Any
 
 import pytest
 
-from tslice.agent import metrics, store
+from tslice.agent import metrics
 from tslice.agent.backends import noop
 from tslice.agent.jobs import model
 from tslice.agent.moves import grant_plan, runner
+from tslice.agent.state import store
 
 
 class CancellingStore(store.Store):
     """A real store; once armed, its next write of a TRANSITIONING job cancels the writer."""
 
-    def __init__(self, path: Path) -> None:
-        super().__init__(path)
-        self.armed = False
-        self.fired = False
+    armed = False
+    fired = False
 
-    def put(
+    def commit(
         self,
         *,
-        job_records: Sequence[model.Job] = (),
-        operation_records: Sequence[model.Operation] = (),
-        grant_marks: Sequence[model.GrantMark] = (),
-        deleted_jobs: Sequence[model.Key] = (),
+        jobs: Sequence[model.Job] = (),
+        ops: Sequence[model.Operation] = (),
+        marks: Sequence[model.GrantMark] = (),
+        previous: model.Job | None,
     ) -> None:
-        if self.armed and any(j.state is model.State.TRANSITIONING for j in job_records):
+        if self.armed and any(j.state is model.State.TRANSITIONING for j in jobs):
             self.armed = False
             writer = asyncio.current_task()
             assert writer is not None
             writer.cancel()  # the caller disconnects while the write is in progress
             self.fired = True
-        return super().put(
-            job_records=job_records,
-            operation_records=operation_records,
-            grant_marks=grant_marks,
-            deleted_jobs=deleted_jobs,
-        )
+        super().commit(jobs=jobs, ops=ops, marks=marks, previous=previous)
 
 
 class Node:
@@ -68,7 +62,7 @@ class Node:
             node="node-a",
             backends={"noop": noop.NoopBackend()},
             default_backend="noop",
-            state=self.db,
+            store=self.db,
             agent_metrics=metrics.AgentMetrics(),
         )
         await self.core.start()

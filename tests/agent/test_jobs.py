@@ -376,8 +376,8 @@ def test_route_maps_every_arm_and_the_deprecated_enum() -> None:
         assert "not supported by this agent" in err.message
 
 
-def test_ensure_enabled_names_the_flag() -> None:
-    err = refused(routing.ensure_enabled, "cuda", enabled=["sim"], node=NODE)
+def test_a_backend_not_enabled_is_refused_naming_the_flag() -> None:
+    err = routing.not_enabled("cuda", enabled=["sim"], node=NODE)
     assert err.code is refusals.Code.FAILED_PRECONDITION
     assert "--backend cuda" in err.message
 

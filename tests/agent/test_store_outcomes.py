@@ -1,18 +1,24 @@
-"""The ledger writes the outcomes of one loop turn in one transaction, before anything
-woken by them runs, and never lets an older outcome overwrite a newer record."""
+"""Outcomes are batched without a reply ever getting ahead of the disk: a kept outcome
+goes with the next write (ahead of its records), or is written a moment later; the
+runner flushes before it answers. A noop hand-over on a node costs three transactions."""
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
 import logging
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tslice.agent import ledger, store
+from tslice.agent import metrics
+from tslice.agent.backends import noop
 from tslice.agent.jobs import model
+from tslice.agent.moves import grant_plan, runner
+from tslice.agent.state import store
+from tslice.rpc import refusals
 
 S, K = model.State, model.Kind
 
@@ -22,22 +28,32 @@ class CountingStore(store.Store):
 
     transactions = 0
     refuse = False
+    flushed: asyncio.Event | None = None
 
-    def _put_sync(self, *args: Any) -> None:
+    def _write(self, *args: Any) -> None:
         if self.refuse:
             raise OSError("disk full")
         self.transactions += 1
-        super()._put_sync(*args)
+        super()._write(*args)
+
+    def flush(self) -> None:
+        super().flush()
+        if self.flushed is not None:
+            self.flushed.set()
 
 
-async def opened(tmp_path: Path) -> tuple[CountingStore, ledger.Ledger]:
-    db = CountingStore(tmp_path / store.DB_FILE)
-    await db._run(db._open_sync)
-    return db, ledger.Ledger(node="n", state=db, retention_s=3600, max_operations=100)
+@pytest.fixture
+async def db(tmp_path: Path) -> AsyncIterator[CountingStore]:
+    opened = await CountingStore.open(tmp_path)
+    try:
+        yield opened
+    finally:
+        opened.refuse = False
+        await opened.close()
 
 
 def job(job_id: str, state: model.State, op_id: str = "") -> model.Job:
-    return model.Job(job_id=job_id, group="g", state=state, operation_id=op_id)
+    return model.Job(job_id=job_id, group="g", state=state, operation_id=op_id, backend="noop")
 
 
 def op(op_id: str, job_id: str, status: model.OpStatus) -> model.Operation:
@@ -47,66 +63,96 @@ def op(op_id: str, job_id: str, status: model.OpStatus) -> model.Operation:
     )  # fmt: skip
 
 
-async def on_disk(db: store.Store) -> dict[str, model.State]:
-    return {j.job_id: j.state for j in (await db.load()).job_map.values()}
+async def loaded(path: Path) -> store.Store:
+    """The records of the store's file, as a restarted agent would load them."""
+    again = await store.Store.open(path.parent)
+    await again.close()
+    return again
 
 
-async def test_the_outcomes_of_one_turn_share_a_transaction_written_before_their_waiters(
-    tmp_path: Path,
+async def on_disk(path: Path) -> dict[str, model.State]:
+    return {j.job_id: j.state for j in (await loaded(path)).jobs.values()}
+
+
+async def test_a_kept_outcome_goes_with_the_next_commit_ahead_of_its_record(
+    db: CountingStore,
 ) -> None:
-    db, book = await opened(tmp_path)
-    done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-
-    async def waiter() -> int:  # a Grant waiting for its moves: what it sees on waking
-        await done
-        return db.transactions
-
-    woken = asyncio.create_task(waiter())
-    await asyncio.sleep(0)  # the waiter now waits on the future
-    book.record_outcome(job("a", S.SAVED), op("o1", "a", model.OpStatus.COMPLETE))
-    book.record_outcome(job("b", S.RUNNING), op("o2", "b", model.OpStatus.COMPLETE))
-    done.set_result(None)  # as the runner wakes an operation's waiters after its outcome
-    assert book.jobs[("a", "g")].state is S.SAVED  # in memory at once
+    db.keep_outcome(job("a", S.SAVED), op("o1", "a", model.OpStatus.COMPLETE))
+    assert db.jobs[("a", "g")].state is S.SAVED  # in memory at once
     assert db.transactions == 0
-    assert await woken == 1  # both outcomes were on disk, in one transaction, when it woke
-    assert await on_disk(db) == {"a": S.SAVED, "b": S.RUNNING}
-    await db.close()
-
-
-async def test_a_commit_in_the_same_turn_writes_the_outcome_first_and_its_record_last(
-    tmp_path: Path,
-) -> None:
-    db, book = await opened(tmp_path)
-    book.record_outcome(job("a", S.SAVED), op("o1", "a", model.OpStatus.COMPLETE))
     restoring = job("a", S.TRANSITIONING, "o2")
-    previous = book.jobs[("a", "g")]
-    book.commit(jobs_=[restoring], ops=[op("o2", "a", model.OpStatus.PENDING)], previous=previous)
+    previous = db.jobs[("a", "g")]
+    db.commit(jobs=[restoring], ops=[op("o2", "a", model.OpStatus.PENDING)], previous=previous)
     assert db.transactions == 1  # the outcome went with the commit
-    await asyncio.sleep(0)  # the turn's flush, with nothing left to write
+    db.flush()  # nothing left to write
     assert db.transactions == 1
-    assert await on_disk(db) == {"a": S.TRANSITIONING}
-    assert set((await db.load()).operation_map) == {"o1", "o2"}
-    await db.close()
+    assert await on_disk(db.path) == {"a": S.TRANSITIONING}  # the newer record last
+    assert set((await loaded(db.path)).operations) == {"o1", "o2"}
+
+
+async def test_outcomes_nobody_reads_are_written_together_a_moment_later(
+    db: CountingStore,
+) -> None:
+    db.flushed = asyncio.Event()
+    db.keep_outcome(job("a", S.SAVED), op("o1", "a", model.OpStatus.COMPLETE))
+    db.keep_outcome(job("b", S.RUNNING), op("o2", "b", model.OpStatus.COMPLETE))
+    assert db.transactions == 0
+    await asyncio.wait_for(db.flushed.wait(), timeout=5.0)
+    assert db.transactions == 1  # both, in one transaction
+    assert await on_disk(db.path) == {"a": S.SAVED, "b": S.RUNNING}
 
 
 async def test_a_refused_write_keeps_the_outcome_in_memory_and_a_refused_commit_retries_it(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
+    db: CountingStore, caplog: pytest.LogCaptureFixture
 ) -> None:
-    db, book = await opened(tmp_path)
     db.refuse = True
-    book.record_outcome(job("a", S.SAVED), op("o1", "a", model.OpStatus.COMPLETE))
-    with pytest.raises(ledger.refusals.Refused):
-        book.commit(jobs_=[job("b", S.RUNNING)], previous=None)
-    assert ("b", "g") not in book.jobs  # the commit changed nothing
+    db.keep_outcome(job("a", S.SAVED), op("o1", "a", model.OpStatus.COMPLETE))
+    with pytest.raises(refusals.Refused):
+        db.commit(jobs=[job("b", S.RUNNING)], previous=None)
+    assert ("b", "g") not in db.jobs  # the commit changed nothing
     db.refuse = False
-    book.flush()  # what the turn's scheduled flush does: the outcome is written after all
-    assert await on_disk(db) == {"a": S.SAVED}
+    db.flush()  # the outcome is written after all
+    assert await on_disk(db.path) == {"a": S.SAVED}
     db.refuse = True
-    caplog.set_level(logging.ERROR, logger="tslice.agent.ledger")
+    caplog.set_level(logging.ERROR, logger="tslice.agent.state.store")
     later = dataclasses.replace(job("a", S.RUNNING))
-    book.record_outcome(later, op("o3", "a", model.OpStatus.COMPLETE))
-    book.flush()
+    db.keep_outcome(later, op("o3", "a", model.OpStatus.COMPLETE))
+    db.flush()
     assert "could not persist the outcome of operation(s) o3" in caplog.text
-    assert book.jobs[("a", "g")].state is S.RUNNING  # still served from memory
-    db.refuse = False
-    await db.close()
+    assert db.jobs[("a", "g")].state is S.RUNNING  # still served from memory
+
+
+async def grant(core: runner.AgentCore, job_id: str, *, epoch: int, evict: str = "") -> bool:
+    order = grant_plan.order(
+        job_id=job_id,
+        group="g",
+        epoch=epoch,
+        footprint_bytes=0,
+        config=None,
+        evict=[core.key(evict, "g")] if evict else [],
+        restore=True,
+    )
+    return (await core.grant(order)).granted
+
+
+async def test_a_hand_over_costs_three_transactions_and_its_reply_is_on_disk(
+    db: CountingStore,
+) -> None:
+    core = runner.AgentCore(
+        node="n",
+        backends={"noop": noop.NoopBackend()},
+        default_backend="noop",
+        store=db,
+        agent_metrics=metrics.AgentMetrics(),
+    )
+    await core.start()
+    assert await grant(core, "a", epoch=1)
+    assert await grant(core, "b", epoch=2, evict="a")  # b activated: nothing to restore
+    db.flushed = None
+    before = db.transactions
+    # The hand-over: a's snapshot starts; its outcome goes with the start of b's restore;
+    # b's outcome is written before the reply.
+    assert await grant(core, "a", epoch=3, evict="b")
+    assert db.transactions - before == 3
+    assert await on_disk(db.path) == {"a": S.RUNNING, "b": S.SAVED}
+    await core.close(grace_s=1.0)

@@ -20,11 +20,12 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from tslice.agent import channel, fencing, metrics, server, store, traced
+from tslice.agent import channel, fencing, metrics, server, traced
 from tslice.agent import config as agent_config
 from tslice.agent.backends import base, registry, services
 from tslice.agent.channel import registration
 from tslice.agent.moves import parking, runner
+from tslice.agent.state import store
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2_grpc as pb_grpc
 from tslice.common import errors, tasks
@@ -132,7 +133,12 @@ async def serve(
         )
         stack.push_async_callback(_close_backends, built)
         try:
-            state = await store.Store.open(config.state_dir)
+            state = await store.Store.open(
+                config.state_dir,
+                node=config.node_name,
+                retention_s=config.operation_retention_s,
+                max_operations=config.max_operations,
+            )
         except (OSError, RuntimeError, sqlite3.Error) as err:
             raise errors.ConfigError(
                 f"cannot open the agent state in {config.state_dir} ({err}); fix it or choose "
@@ -150,11 +156,9 @@ async def serve(
             node=config.node_name,
             backends=built,
             default_backend=config.default_backend,
-            state=state,
+            store=state,
             agent_metrics=agent_metrics,
             operation_timeout_s=config.operation_timeout_s,
-            operation_retention_s=config.operation_retention_s,
-            max_operations=config.max_operations,
             channel_registered=hub.is_registered,
             on_backend_error=monitor.mark_unavailable,
             host_budget=parking.HostBudget(

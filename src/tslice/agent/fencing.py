@@ -24,7 +24,7 @@ import sqlite3
 from collections.abc import Iterable
 from typing import Any, NamedTuple
 
-from tslice.agent import store
+from tslice.agent.state import store
 from tslice.rpc import refusals
 from tslice.security import leader_term
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import operator
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
@@ -114,8 +115,8 @@ def _checked_config(message: Any) -> pb.BackendConfig | None:
 
 
 def _checked_devices(devices: Sequence[int]) -> tuple[int, ...]:
-    negative = [d for d in devices if d < 0]
-    if negative:
+    if min(devices, default=0) < 0:
+        negative = [d for d in devices if d < 0]
         raise refusals.Refused(
             refusals.Code.INVALID_ARGUMENT,
             f"devices are device indices, >= 0 (got {validation.shown_list(negative)})",
@@ -299,7 +300,7 @@ class SnapshotAgentServicer(pb_grpc.SnapshotAgentServiceServicer):
         async for reply in unique_requests.serve(
             request_iterator,
             functools.partial(self._stream_reply, term=term),
-            request_id=lambda r: r.request_id,
+            request_id=operator.attrgetter("request_id"),
             duplicate=_duplicate_grant,
             name="grant-stream",
             closing=self._closing,
@@ -342,14 +343,17 @@ class SnapshotAgentServicer(pb_grpc.SnapshotAgentServiceServicer):
                 "grant_epoch and footprint_bytes must be >= 0 "
                 f"(got {request.grant_epoch} and {request.footprint_bytes})",
             )
-        evict = [refusals.checked_id("evict", other) for other in request.evict]
-        give_way = [
-            (
-                refusals.checked_id("give_way.job_id", ref.job_id),
-                refusals.checked_id("give_way.group", ref.group),
+        evict = []  # the records of the named jobs
+        for other in request.evict:
+            evict.append(self._core.key(refusals.checked_id("evict", other), group))
+        give_way = []
+        for ref in request.give_way:
+            give_way.append(
+                (
+                    refusals.checked_id("give_way.job_id", ref.job_id),
+                    refusals.checked_id("give_way.group", ref.group),
+                )
             )
-            for ref in request.give_way
-        ]
         # A Grant without wait_ms waits a default chunk (the orchestrator always sends one).
         wait_s = _checked_wait("wait_ms", request.wait_ms) or runner.DEFAULT_GRANT_WAIT_S
         order = grant_plan.order(
@@ -358,7 +362,7 @@ class SnapshotAgentServicer(pb_grpc.SnapshotAgentServiceServicer):
             epoch=request.grant_epoch,
             footprint_bytes=request.footprint_bytes,
             config=config,
-            evict=[self._core.key(other, group) for other in evict],
+            evict=evict,
             give_way=give_way,
             restore=request.restore,
         )
@@ -366,13 +370,13 @@ class SnapshotAgentServicer(pb_grpc.SnapshotAgentServiceServicer):
             order, wait_s=wait_s, devices=_checked_devices(request.devices)
         )
         now = self._core.now()
-        return pb.GrantResponse(
-            state=model.to_pb(outcome.state),
-            granted=outcome.granted,
-            operations=[operation_to_pb(op, now=now) for op in outcome.operations],
-            operation_ids=[op.op_id for op in outcome.operations],
-            restored=outcome.restored,
+        response = pb.GrantResponse(
+            state=model.to_pb(outcome.state), granted=outcome.granted, restored=outcome.restored
         )
+        for op in outcome.operations:
+            response.operations.append(operation_to_pb(op, now=now))
+            response.operation_ids.append(op.op_id)
+        return response
 
     async def ResetJob(
         self, request: pb.ResetJobRequest, context: grpc.aio.ServicerContext

@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import sys
-from collections.abc import Callable, Coroutine, Mapping
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from typing import Any, TypeVar
 
 from tslice.agent.backends import base
@@ -74,20 +74,6 @@ def tags_of(config: pb.BackendConfig | None) -> list[str]:
     return []
 
 
-def context(
-    job: model.Job, config: pb.BackendConfig | None, devices: tuple[int, ...] = ()
-) -> base.JobContext:
-    """What a backend is told about the job's state for one group."""
-    return base.JobContext(
-        job_id=job.job_id,
-        group=job.group,
-        config=config,
-        footprint_bytes=job.footprint_bytes,
-        state=dict(job.backend_state),
-        devices=devices,
-    )
-
-
 class GuardedBackends:
     """The node's backends, called only under the rules of the module docstring."""
 
@@ -106,22 +92,39 @@ class GuardedBackends:
         #: The device indices of this node each group uses, as the orchestrator's Grants
         #: say (absent: all of them); every context of a job's state for the group has them.
         self.devices: dict[str, tuple[int, ...]] = {}
+        # What each backend declares, looked up once (backends do not change).
+        named = self.backends.items()
+        #: The backends that run a snapshot and a restore at once (``overlaps_moves``).
+        self.overlapping = frozenset(n for n, b in named if b.overlaps_moves)
+        #: ... that bring saved states in ahead of their grant (``prefetches``).
+        self.prefetching = frozenset(n for n, b in named if b.prefetches)
+        #: ... whose parked states hold the node's host memory (``holds_host_memory``).
+        self.parking = frozenset(n for n, b in named if b.holds_host_memory)
+        #: ... that check a request (the others spare a hand-over a timer).
+        self._validating = frozenset(
+            n for n, b in named if type(b).validate is not base.Backend.validate
+        )
+
+    def use_devices(self, group: str, devices: Sequence[int]) -> None:
+        """The device indices of this node ``group`` uses from now on (none: all)."""
+        if devices:
+            self.devices[group] = tuple(devices)
+        else:
+            self.devices.pop(group, None)
 
     def _context(self, job: model.Job, config: pb.BackendConfig | None) -> base.JobContext:
-        return context(job, config, self.devices.get(job.group, ()))
+        """What a backend is told about the job's state for one group."""
+        return base.JobContext(
+            job_id=job.job_id,
+            group=job.group,
+            config=config,
+            footprint_bytes=job.footprint_bytes,
+            state=dict(job.backend_state),
+            devices=self.devices.get(job.group, ()),
+        )
 
     def __contains__(self, name: object) -> bool:
         return name in self.backends
-
-    def overlaps_moves(self, name: str) -> bool:
-        """Whether backend ``name`` runs a snapshot and a restore at once (declared)."""
-        backend = self.backends.get(name)
-        return backend is not None and bool(backend.overlaps_moves)
-
-    def prefetches(self, name: str) -> bool:
-        """Whether backend ``name`` brings saved states in ahead of their grant (declared)."""
-        backend = self.backends.get(name)
-        return backend is not None and bool(backend.prefetches)
 
     async def prefetch(self, name: str, job: model.Job) -> int:
         """Backend ``name``'s prefetch of the job, under the operation deadline; 0 if it
@@ -139,10 +142,10 @@ class GuardedBackends:
 
     async def validate(self, route: model.Route, job: model.Job) -> None:
         """Let the backend refuse the config before anything is created or changed."""
-        name, ctx = route.backend, self._context(job, route.config)
-        backend = self.backends[name]
-        if type(backend).validate is base.Backend.validate:
-            return  # the backend checks nothing: spare the hand-over a timer
+        name = route.backend
+        if name not in self._validating:
+            return  # the backend checks nothing
+        backend, ctx = self.backends[name], self._context(job, route.config)
         try:
             await _within(backend.validate(ctx), timeout_s=self.query_timeout_s)
         except base.NeverFitsError as err:
@@ -158,11 +161,6 @@ class GuardedBackends:
                 f"backend {name} could not check the request for job {ctx.job_id} "
                 f"({type(err).__name__}: {err}); nothing was changed",
             ) from err
-
-    def holds_host_memory(self, name: str) -> bool:
-        """Whether backend ``name``'s parked states hold the node's host memory."""
-        backend = self.backends.get(name)
-        return backend is not None and bool(backend.holds_host_memory)
 
     async def host_bytes_needed(self, route: model.Route, job: model.Job) -> int | None:
         """The backend's estimate of what a snapshot of the job would park; None if it
@@ -224,7 +222,7 @@ class GuardedBackends:
         """Run the operation's backend call under its deadline, retrying transient failures."""
         # Every log line of the operation's task names it (a C call: no work to speak of).
         logs.IDS.set({"job_id": job.job_id, "group_id": job.group, "operation_id": op.op_id})
-        backend, ctx, mode = self.backends[op.backend], self._context(job, config), mode_of(config)
+        backend, ctx = self.backends[op.backend], self._context(job, config)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.operation_timeout_s
         what = f"{op.kind.value} of job {ctx.job_id} by backend {backend.name}"
@@ -233,7 +231,7 @@ class GuardedBackends:
             remaining = deadline - loop.time()
             try:
                 result = await _within(
-                    _invoke(backend, op.kind, ctx, mode), timeout_s=max(remaining, 0.0)
+                    _invoke(backend, op.kind, ctx, config), timeout_s=max(remaining, 0.0)
                 )
                 return model.Outcome(result=result)
             except base.TransientBackendError as err:
@@ -268,10 +266,10 @@ class GuardedBackends:
 
 
 async def _invoke(
-    backend: base.Backend, kind: model.Kind, ctx: base.JobContext, mode: pb.SuspendMode
+    backend: base.Backend, kind: model.Kind, ctx: base.JobContext, config: pb.BackendConfig | None
 ) -> base.OpResult:
     if kind is model.Kind.SNAPSHOT:
-        return await backend.snapshot(ctx, mode)
+        return await backend.snapshot(ctx, mode_of(config))
     if kind is model.Kind.RESTORE:
         return await backend.restore(ctx)
     return await backend.activate(ctx)

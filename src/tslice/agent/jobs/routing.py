@@ -58,7 +58,11 @@ def route(
     the workload channel, if the job registered there; the backend that last served
     the job; the node default.
     """
-    explicit = requested_backend(request_config, deprecated_backend=deprecated_backend)
+    explicit = (
+        requested_backend(request_config, deprecated_backend=deprecated_backend)
+        if request_config is not None or deprecated_backend
+        else None
+    )
     if explicit is not None:
         has_arm = request_config is not None and request_config.WhichOneof("backend") is not None
         config = request_config if has_arm else None
@@ -81,11 +85,11 @@ def route(
     return model.Route(backend=default_backend, config=None)
 
 
-def ensure_enabled(backend: str, *, enabled: Iterable[str], node: str) -> None:
+def not_enabled(backend: str, *, enabled: Iterable[str], node: str) -> refusals.Refused:
+    """The refusal of a request for a backend the node does not run."""
     names = sorted(enabled)
-    if backend not in names:
-        raise refusals.Refused(
-            refusals.Code.FAILED_PRECONDITION,
-            f"backend {backend!r} is not enabled on node {node} (enabled: {', '.join(names)}); "
-            f"start the agent with --backend {backend} or list it under `backends:` in its config",
-        )
+    return refusals.Refused(
+        refusals.Code.FAILED_PRECONDITION,
+        f"backend {backend!r} is not enabled on node {node} (enabled: {', '.join(names)}); "
+        f"start the agent with --backend {backend} or list it under `backends:` in its config",
+    )

@@ -144,11 +144,6 @@ def _with_choice(job: Job, route_: Route) -> Job:
     return dataclasses.replace(job, choice=route_.backend, config=config)
 
 
-def _in_group(job: Job, group: str) -> Job:
-    """A record made without a group takes the group of the first request naming one."""
-    return dataclasses.replace(job, group=job.group or group)
-
-
 def _sim_footprint(config: pb.BackendConfig | None) -> int:
     if config is not None and config.WhichOneof("backend") == "sim":
         return int(config.sim.footprint_bytes)
@@ -211,7 +206,9 @@ def plan_snapshot(
             f"job {job_id} is already SAVED on node {node} (operation {job.operation_id}); "
             "restore it before snapshotting again"
         )
-    job = _in_group(_with_choice(job, route_), request.group)
+    job = _with_choice(job, route_)
+    if request.group and not job.group:  # a record made without a group takes the group
+        job = dataclasses.replace(job, group=request.group)
     if footprint:
         job = dataclasses.replace(job, footprint_bytes=footprint)
     return _start(job, request, kind=Kind.SNAPSHOT, resume_state=State.RUNNING)
@@ -256,7 +253,8 @@ def plan_restore(
     _check_resident_neighbours(
         job_id, request.group or job.group, others=others, node=node, leaving=leaving
     )
-    job = _in_group(job, request.group)
+    if request.group and not job.group:  # a record made without a group takes the group
+        job = dataclasses.replace(job, group=request.group)
     if job.state is State.RUNNING and not partial:
         return _done(job, request, kind=Kind.RESTORE)
     if job.state is State.FAULTED and recovered is not State.SAVED:

@@ -75,15 +75,24 @@ def order(
     give_way: Iterable[model.Key] = (),
     restore: bool = False,
 ) -> Order:
-    """The :class:`Order` of a Grant; ``evict`` are the records of the named jobs."""
+    """The :class:`Order` of a Grant; ``evict`` are the records of the named jobs (the
+    job's own and duplicates dropped), ``give_way`` other groups' residents."""
+    evictees = []
+    for key in dict.fromkeys(evict):
+        if key[0] != job_id:
+            evictees.append(key)
+    residents = []
+    for key in dict.fromkeys(give_way):
+        if key[1] != group:
+            residents.append(key)
     return Order(
         job_id=job_id,
         group=group,
         epoch=epoch,
         footprint_bytes=footprint_bytes,
         config=config,
-        evict=tuple(k for k in dict.fromkeys(evict) if k[0] != job_id),
-        give_way=tuple(k for k in dict.fromkeys(give_way) if k[1] != group),
+        evict=tuple(evictees),
+        give_way=tuple(residents),
         restore=restore,
     )
 
@@ -166,11 +175,18 @@ def next_move(
     ``overlap``: the backend that holds the job's state overlaps moves.
     """
     job = records.get(target)
-    evictees = tuple(k for k in grant.evict if _holds_state(records.get(k)))
+    evictees = []
+    for key in grant.evict:
+        if _holds_state(records.get(key)):
+            evictees.append(key)
     if evictees:
-        return Evict(evictees, bring_in=overlap and _overlappable(grant, records, job, evictees))
+        bring_in = overlap and _overlappable(grant, records, job, evictees)
+        return Evict(tuple(evictees), bring_in=bring_in)
     if job is None or job.state is not model.State.RUNNING:
-        residents = [k for k in grant.give_way if _holds_state(records.get(k))]
+        residents = []
+        for key in grant.give_way:
+            if _holds_state(records.get(key)):
+                residents.append(key)
         if residents and fits is None:
             return AskFit()
         if residents and not fits:
@@ -211,12 +227,16 @@ def after_round(
     mark: model.GrantMark | None,
 ) -> Verdict:
     """What the round's ``settled`` operations mean; ``job`` is the granted job's record."""
-    if any(op.status is model.OpStatus.FAILED for op in settled):
-        return Verdict.FAILED
-    if any(not op.finished for op in settled):
+    unfinished = brought_in = False
+    for op in settled:
+        if op.status is model.OpStatus.FAILED:
+            return Verdict.FAILED
+        if op.status is model.OpStatus.PENDING:
+            unfinished = True
+        elif op.kind is not model.Kind.SNAPSHOT and grant.concerns(op):
+            brought_in = True  # its grant mark was stored when it started
+    if unfinished:
         return Verdict.UNFINISHED
-    # The mark was stored when the operation bringing the job in started.
-    brought_in = any(grant.concerns(op) and op.kind is not model.Kind.SNAPSHOT for op in settled)
     if brought_in and granted_here(grant, job, mark):
         return Verdict.GRANTED
     return Verdict.GO_ON
@@ -231,16 +251,15 @@ def outcome(
 ) -> GrantOutcome:
     """The Grant's reply: the job's state and every operation it started or waited on."""
     operations = tuple(seen)
+    restored = False
+    for op in operations:
+        if op.kind is model.Kind.RESTORE and op.status is model.OpStatus.COMPLETE:
+            restored = restored or grant.concerns(op)
     return GrantOutcome(
         state=job.state if job is not None else model.State.IDLE,
         granted=granted,
         operations=operations,
-        restored=any(
-            grant.concerns(op)
-            and op.kind is model.Kind.RESTORE
-            and op.status is model.OpStatus.COMPLETE
-            for op in operations
-        ),
+        restored=restored,
     )
 
 

@@ -1,59 +1,125 @@
-"""The node's records in memory (jobs, operations, grant marks), mirrored to the store.
+"""The node's records (jobs, operations, grant marks), in memory and on disk: the agent's
+persistence, in one place.
 
 The runner reads records here without an ``await`` and changes them through
-:meth:`Ledger.commit`: memory and disk in one synchronous step, the memory side
-undone if the disk refuses, so a reply never gets ahead of the store and a refused
-write changes nothing. Only the outcome of a finished backend call is kept in memory
-even when the disk refuses (:meth:`Ledger.record_outcome`): the state really moved,
-and a restart asks the backend again.
+:meth:`Store.commit`: memory and disk in one synchronous step (one SQLite transaction on
+the event loop; the file itself is :mod:`tslice.agent.state.schema`), the memory side
+undone if the disk refuses, so a refused write changes nothing, and a caller cancelled
+at an ``await`` is cancelled either before anything changed or after its operation
+started (``tslice.agent.moves.runner``). A record is on disk before the backend call it
+announces starts ("write before act"): an agent SIGKILLed at any moment restarts knowing
+every job, every saved state and every operation a caller may still ask about, and asks
+the backend what became of the moves it left TRANSITIONING.
 
-Outcomes are written at the end of the loop turn they finished in (:meth:`Ledger.flush`,
-scheduled with ``call_soon``), all of that turn in one transaction: the two moves of a
-hand-over (the holder's snapshot, the next job's restore) usually finish together, so a
-grant costs three commits instead of four (≈ 0.25 ms of agent CPU each under load). The
-flush runs before anything woken by the outcome (callbacks run in the order they were
-scheduled: the operation's waiters, and so the Grant reply, come after it), and before
-any :meth:`commit` or :meth:`prune` (in the same transaction as the commit, ahead of its
-records: a newer record of the same job is never overwritten by an older outcome).
+The outcome of a finished backend call (:meth:`Store.keep_outcome`) is in memory at once
+(the state really moved, even if the disk refuses) and on disk before anything shows it:
+
+- it goes with the next write, in the same transaction and ahead of that write's records
+  (an older outcome never overwrites a newer record);
+- whoever answers a caller from the records flushes first (:meth:`Store.flush`);
+- otherwise it is written :data:`OUTCOME_WRITE_S` later.
+
+So the two moves of a hand-over cost three transactions, not four: the holder's snapshot
+starts; its outcome goes with the start of the next job's restore (the Grant that waited
+for it starts the restore before the delay runs out); the restore's outcome is written
+before the Grant's reply. The delay only decides which transaction carries an outcome:
+an agent killed before it was written asks the backend on restart, as it does for a
+move it was killed in.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import json
 import logging
-from collections.abc import Iterable
+import sqlite3
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, TypeVar
 
-from tslice.agent import store
 from tslice.agent.jobs import model
+from tslice.agent.state import schema
 from tslice.rpc import refusals
+from tslice.server import sqlite_wal, wal_limit
 
 log = logging.getLogger(__name__)
+_T = TypeVar("_T")
 _STATE_NAMES = tuple(s.value for s in model.State)
 
+#: How long a kept outcome waits for a write to go with (see the module docstring), s.
+OUTCOME_WRITE_S = 0.005
 
-class Ledger:
-    """One node's records, keyed as ``model.Key`` (job, group), and their store."""
+
+class Store:
+    """One node's records, keyed as ``model.Key`` (job, group), in memory and on disk.
+
+    Open with :meth:`open` (the records are loaded then); ``retention_s`` and
+    ``max_operations`` bound the finished operations kept (:meth:`prune`).
+    """
 
     def __init__(
-        self, *, node: str, state: store.Store, retention_s: float, max_operations: int
+        self,
+        path: Path,
+        *,
+        node: str = "",
+        retention_s: float = 24 * 3600.0,
+        max_operations: int = 10_000,
     ) -> None:
+        self.path = path
         self.node = node
         self.retention_s = retention_s
         self.max_operations = max_operations
-        self._store = state
         self.jobs: dict[model.Key, model.Job] = {}
         self.operations: dict[str, model.Operation] = {}
         self.marks: dict[str, model.GrantMark] = {}
-        #: Outcomes in memory whose write waits for the end of the loop turn (see above).
+        #: Outcomes in memory not yet on disk, and the timer that writes them.
         self._unsaved: list[tuple[model.Job, model.Operation]] = []
-
-    async def load(self) -> None:
-        loaded = await self._store.load()
-        self.jobs, self.operations, self.marks = (
-            loaded.job_map,
-            loaded.operation_map,
-            loaded.grant_map,
+        self._timer: asyncio.TimerHandle | None = None
+        self._conn: sqlite3.Connection | None = None
+        self._checkpoints = wal_limit.BoundedWalCheckpointer(path)
+        # Opening, loading and reading the leader term block: they run in this thread.
+        self._executor = concurrent.futures.ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="tslice-agent-db"
         )
+
+    @classmethod
+    async def open(
+        cls,
+        state_dir: Path,
+        *,
+        node: str = "",
+        retention_s: float = 24 * 3600.0,
+        max_operations: int = 10_000,
+    ) -> Store:
+        """The store of ``state_dir``, its records loaded."""
+        store = cls(
+            state_dir / schema.DB_FILE,
+            node=node,
+            retention_s=retention_s,
+            max_operations=max_operations,
+        )
+        try:
+            store._conn = await store._run(schema.connect, store.path)
+            await store._run(store._load)
+        except sqlite3.DatabaseError as err:
+            await store._close_connection()
+            raise schema.StateDatabaseError(
+                sqlite_wal.open_failure(
+                    err,
+                    database=f"the agent state database {store.path}",
+                    then="the jobs' saved states on this node are then unknown to the agent",
+                )
+            ) from err
+        except BaseException:
+            await store._close_connection()
+            raise
+        return store
+
+    async def close(self) -> None:
+        """Write the outcomes kept, then close the file (a last checkpoint empties the WAL)."""
+        self.flush()
+        await self._close_connection()
 
     # ---- reading -------------------------------------------------------------------------
 
@@ -81,7 +147,8 @@ class Ledger:
 
     def find(self, job_id: str, group: str) -> model.Job | None:
         """The record a request on ``job_id`` (and ``group``) means, if there is one."""
-        return self.jobs.get(self.key(job_id, group))
+        found = self.jobs.get((job_id, group)) if group else None  # the usual case: its own
+        return found if found is not None else self.jobs.get(self.key(job_id, group))
 
     def sorted_jobs(self) -> list[model.Job]:
         return sorted(self.jobs.values(), key=lambda j: j.key)
@@ -110,7 +177,7 @@ class Ledger:
 
     def previous(self, job: model.Job) -> model.Job | None:
         """The record ``job`` replaces (its own key, or the job's record made without group)."""
-        found = self.jobs.get(job.key)
+        found = self.jobs.get((job.job_id, job.group))
         if found is None and job.group:
             found = self.jobs.get((job.job_id, ""))
         return found
@@ -127,45 +194,36 @@ class Ledger:
     def commit(
         self,
         *,
-        jobs_: Iterable[model.Job] = (),
-        ops: Iterable[model.Operation] = (),
-        marks: Iterable[model.GrantMark] = (),
+        jobs: Sequence[model.Job] = (),
+        ops: Sequence[model.Operation] = (),
+        marks: Sequence[model.GrantMark] = (),
         previous: model.Job | None,
     ) -> None:
-        """Apply records in memory and on disk; undo the memory side if the disk refuses."""
-        job_list, op_list, mark_list = list(jobs_), list(ops), list(marks)
-        before_marks = {m.group: self.marks.get(m.group) for m in mark_list}
-        # A record made without a group takes the group of the first request naming one.
-        moved = (
-            [previous.key]
-            if previous is not None
-            and previous.key not in {j.key for j in job_list}
-            and any(j.job_id == previous.job_id for j in job_list)
-            else []
-        )
+        """Apply records in memory and on disk, with the outcomes kept so far; undo the
+        memory side (and keep the outcomes for later) if the disk refuses."""
+        before_marks = [(m.group, self.marks.get(m.group)) for m in marks] if marks else []
+        # Only a record made without a group can be replaced under another key.
+        moved = _moved(previous, jobs) if previous is not None and not previous.group else []
         for key in moved:
-            self.jobs.pop(key, None)
-        self._apply(job_list, op_list)
-        for mark in mark_list:
+            del self.jobs[key]
+        for job in jobs:
+            self.jobs[(job.job_id, job.group)] = job
+        for op in ops:
+            self.operations[op.op_id] = op
+        for mark in marks:
             self.marks[mark.group] = mark
-        # Outcomes not yet on disk go first, in the same transaction (older records).
         unsaved, self._unsaved = self._unsaved, []
         try:
-            self._store.put(
-                job_records=[j for j, _ in unsaved] + job_list,
-                operation_records=[o for _, o in unsaved] + op_list,
-                grant_marks=mark_list,
-                deleted_jobs=moved,
-            )
+            self._write(unsaved, jobs, ops, marks, moved)
         except Exception as err:
-            self._unsaved = unsaved + self._unsaved  # the scheduled flush tries them again
-            for job in job_list:
-                self.jobs.pop(job.key, None)
+            self._unsaved = unsaved + self._unsaved  # written with the next write after all
+            for job in jobs:
+                self.jobs.pop((job.job_id, job.group), None)
             if previous is not None:
-                self.jobs[previous.key] = previous
-            for op in op_list:
+                self.jobs[(previous.job_id, previous.group)] = previous
+            for op in ops:
                 self.operations.pop(op.op_id, None)
-            for group, old in before_marks.items():
+            for group, old in before_marks:
                 if old is None:
                     self.marks.pop(group, None)
                 else:
@@ -177,30 +235,30 @@ class Ledger:
                 "nothing was changed, fix the state directory and retry",
             ) from err
 
-    def record_outcome(self, job: model.Job, op: model.Operation) -> None:
-        """Keep a finished operation and its job; on disk at the end of this loop turn
-        (see the module docstring), in memory even if the disk refuses."""
-        self._apply([job], [op])
-        first = not self._unsaved
+    def keep_outcome(self, job: model.Job, op: model.Operation) -> None:
+        """A finished operation and its job: in memory now, on disk before anything shows
+        them (see the module docstring), in memory even if the disk refuses."""
+        self.jobs[(job.job_id, job.group)] = job
+        self.operations[op.op_id] = op
         self._unsaved.append((job, op))
-        if not first:
-            return  # the flush of this turn is scheduled already
-        try:
-            loop = asyncio.get_running_loop()
-        except RuntimeError:  # no loop (a synchronous caller): at once
-            self.flush()
-        else:
-            loop.call_soon(self.flush)
+        if self._timer is None:
+            try:
+                loop = asyncio.get_running_loop()
+            except RuntimeError:  # no loop (a synchronous caller): at once
+                self.flush()
+            else:
+                self._timer = loop.call_later(OUTCOME_WRITE_S, self.flush)
 
     def flush(self) -> None:
         """Write the outcomes kept since the last write, in one transaction."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
         unsaved, self._unsaved = self._unsaved, []
         if not unsaved:
             return
         try:
-            self._store.put(
-                job_records=[j for j, _ in unsaved], operation_records=[o for _, o in unsaved]
-            )
+            self._write(unsaved)
         except Exception:
             # The outcomes stay served from memory; a restart re-asks the backend.
             ids = ", ".join(o.op_id for _, o in unsaved)
@@ -218,15 +276,175 @@ class Ledger:
         drop = [op.op_id for op in finished if (op.finished_at or op.started_at) < cutoff]
         excess = len(self.operations) - len(drop) - self.max_operations
         if excess > 0:
-            kept = [op.op_id for op in finished if op.op_id not in set(drop)]
-            drop.extend(kept[:excess])
+            dropped = set(drop)
+            drop.extend([op.op_id for op in finished if op.op_id not in dropped][:excess])
         for op_id in drop:
             self.operations.pop(op_id, None)
-        self._store.delete_operations(drop)
+        if drop:
+            with self._checkpoints.transaction(self._connection()) as conn:
+                conn.executemany(schema.DELETE_OPERATION, [(op_id,) for op_id in drop])
         return len(drop)
 
-    def _apply(self, job_list: Iterable[model.Job], op_list: Iterable[model.Operation]) -> None:
-        for job in job_list:
-            self.jobs[job.key] = job
-        for op in op_list:
-            self.operations[op.op_id] = op
+    # ---- the leader term (tslice.security.fencing.TermStore) ---------------------------
+
+    def put_leader_term(self, term: int, leader: str = "") -> None:
+        """Store the highest leader term seen and who sent it, synchronously (before the
+        directive runs)."""
+        with self._checkpoints.transaction(self._connection()) as conn:
+            conn.execute(schema.UPSERT_TERM, (0, term, leader))
+
+    async def leader_term(self) -> tuple[int, str]:
+        """The leader term stored and its leader (0 and "": none seen)."""
+        row = await self._run(lambda: self._connection().execute(schema.SELECT_TERM).fetchone())
+        return (int(row[0]), str(row[1])) if row else (0, "")
+
+    # ---- SQLite side -----------------------------------------------------------------------
+
+    def _write(
+        self,
+        outcomes: Sequence[tuple[model.Job, model.Operation]],
+        jobs: Sequence[model.Job] = (),
+        ops: Sequence[model.Operation] = (),
+        marks: Sequence[model.GrantMark] = (),
+        deleted_jobs: Sequence[model.Key] = (),
+    ) -> None:
+        """One transaction, synchronously on the loop (see the module docstring): the
+        kept ``outcomes`` first (they are older), then the records."""
+        if self._conn is None:
+            raise self._closed()
+        job_rows, op_rows = [], []
+        for job, op in outcomes:
+            job_rows.append(_job_row(job))
+            op_rows.append(_operation_row(op))
+        for job in jobs:
+            job_rows.append(_job_row(job))
+        for op in ops:
+            op_rows.append(_operation_row(op))
+        mark_rows = []
+        for mark in marks:
+            mark_rows.append((mark.group, mark.epoch, mark.job_id))
+        self._checkpoints.write(
+            self._conn,
+            (
+                (schema.DELETE_JOB, deleted_jobs),
+                (schema.UPSERT_JOB, job_rows),
+                (schema.UPSERT_OPERATION, op_rows),
+                (schema.UPSERT_MARK, mark_rows),
+            ),
+        )
+
+    def _load(self) -> None:
+        conn = self._connection()
+        jobs = (_job_from_row(row) for row in conn.execute(schema.SELECT_JOBS))
+        self.jobs = {(j.job_id, j.group): j for j in jobs}
+        ops = (_operation_from_row(row) for row in conn.execute(schema.SELECT_OPERATIONS))
+        self.operations = {op.op_id: op for op in ops}
+        self.marks = {
+            str(grp): model.GrantMark(group=str(grp), epoch=int(epoch), job_id=str(job_id))
+            for grp, epoch, job_id in conn.execute(schema.SELECT_MARKS)
+        }
+
+    def _connection(self) -> sqlite3.Connection:
+        if self._conn is None:
+            raise self._closed()
+        return self._conn
+
+    def _closed(self) -> sqlite3.ProgrammingError:
+        return sqlite3.ProgrammingError(f"the agent state database {self.path} is closed")
+
+    async def _run(self, fn: Callable[..., _T], *args: Any) -> _T:
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    async def _close_connection(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+            await self._checkpoints.close()
+        self._executor.shutdown(wait=True)
+
+
+def _moved(previous: model.Job, jobs: Sequence[model.Job]) -> list[model.Key]:
+    """``previous``'s key if ``jobs`` replace it under another key (a record made without
+    a group that took the group of a request naming one), else nothing."""
+    old = (previous.job_id, previous.group)
+    same_job = False
+    for job in jobs:
+        if (job.job_id, job.group) == old:
+            return []
+        same_job = same_job or job.job_id == previous.job_id
+    return [old] if same_job else []
+
+
+def _job_row(job: model.Job) -> tuple[object, ...]:
+    """A job record's row, in the order of ``schema.JOB_COLUMNS``."""
+    previous = job.previous_state
+    return (
+        job.job_id,
+        job.group,
+        job.state.value,
+        job.backend,
+        job.choice,
+        job.config,
+        job.footprint_bytes,
+        json.dumps(dict(job.backend_state)) if job.backend_state else "{}",
+        job.error,
+        job.operation_id,
+        job.device_bytes,
+        job.host_bytes,
+        None if previous is None else previous.value,
+    )
+
+
+def _operation_row(op: model.Operation) -> tuple[object, ...]:
+    """An operation's row, in the order of ``schema.OPERATION_COLUMNS``."""
+    return (
+        op.op_id,
+        op.job_id,
+        op.kind.value,
+        op.backend,
+        op.status.value,
+        op.started_at,
+        op.finished_at,
+        op.storage_bytes,
+        op.device_bytes,
+        op.error,
+        op.group,
+    )
+
+
+def _job_from_row(row: Sequence[Any]) -> model.Job:
+    (job_id, group, state, backend, choice, config, footprint, backend_state) = row[:8]
+    (error, operation_id, device_bytes, host_bytes, previous) = row[8:]
+    return model.Job(
+        job_id=str(job_id),
+        group=str(group),
+        state=model.State(state),
+        backend=str(backend),
+        choice=str(choice),
+        config=bytes(config) if isinstance(config, (bytes, bytearray, memoryview)) else b"",
+        footprint_bytes=int(footprint),
+        backend_state=json.loads(str(backend_state)),
+        error=str(error),
+        operation_id=str(operation_id),
+        device_bytes=int(device_bytes),
+        host_bytes=int(host_bytes),
+        previous_state=None if previous is None else model.State(previous),
+    )
+
+
+def _operation_from_row(row: Sequence[Any]) -> model.Operation:
+    (op_id, job_id, kind, backend, status, started_at) = row[:6]
+    (finished_at, storage_bytes, device_bytes, error, group) = row[6:]
+    return model.Operation(
+        op_id=str(op_id),
+        job_id=str(job_id),
+        kind=model.Kind(kind),
+        backend=str(backend),
+        status=model.OpStatus(status),
+        started_at=float(started_at),
+        finished_at=None if finished_at is None else float(finished_at),
+        storage_bytes=None if storage_bytes is None else int(storage_bytes),
+        device_bytes=None if device_bytes is None else int(device_bytes),
+        error=None if error is None else str(error),
+        group=str(group),
+    )
