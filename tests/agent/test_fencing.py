@@ -18,12 +18,11 @@ import pytest
 from tests.agent.conftest import AgentRunner
 from tests.agent.test_agent_process import AgentProcess, processes
 from tests.cli.test_cli import run_cli
-from tslice.agent import fencing
 from tslice.agent.backends import simdevice as device
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
 from tslice.orchestrator import agents
 from tslice.rpc import refusals
-from tslice.security import leader_term
+from tslice.security import fencing, leader_term
 from tslice.server import grant_marks
 
 __all__ = ["processes"]  # the fixture, shared with the agent's process tests

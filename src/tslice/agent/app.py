@@ -20,7 +20,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from tslice.agent import channel, fencing, metrics, server, traced
+from tslice.agent import channel, metrics, server, traced
 from tslice.agent import config as agent_config
 from tslice.agent.backends import base, registry, services
 from tslice.agent.channel import registration
@@ -30,7 +30,7 @@ from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2_grpc as pb_grpc
 from tslice.common import errors, tasks
 from tslice.rpc import undecodable
-from tslice.security import auth
+from tslice.security import auth, fencing
 from tslice.server import logs, serving, tracing
 
 log = logging.getLogger(__name__)
@@ -145,7 +145,7 @@ async def serve(
                 "another --state-dir"
             ) from err
         stack.push_async_callback(state.close)
-        # The highest leader term seen, from the same store: see tslice.agent.fencing.
+        # The highest leader term seen, kept in the same store: see tslice.security.fencing.
         fence = await fencing.TermFence.open(state)
 
         health_servicer = health.aio.HealthServicer()
@@ -257,9 +257,9 @@ async def serve(
 def _process_registry(config: agent_config.AgentConfig) -> registration.ProcessRegistry:
     if not config.kubernetes:
         return registration.ProcessRegistry()
-    from tslice.agent.kube import admission  # Kubernetes mode's rules (no client import)
+    from tslice.agent.kube import pod_registry  # Kubernetes mode's (no client import)
 
-    return admission.PodCheckedRegistry()
+    return pod_registry.PodCheckedRegistry()
 
 
 async def _watch_pods(
@@ -271,7 +271,7 @@ async def _watch_pods(
 ) -> None:
     """Kubernetes mode: follow this node's job pods (listed once before serving) and admit
     a workload on the Unix socket only from a pod of the job it claims."""
-    from tslice.agent.kube import admission
+    from tslice.agent.kube import pod_registry
 
     try:  # the kubernetes extra, in this mode only
         from tslice.agent.kube import pods
@@ -291,7 +291,7 @@ async def _watch_pods(
     finally:
         synced.cancel()
         stopped.cancel()
-    found = watcher.model.jobs()
+    found = watcher.pods.jobs()
     log.info(
         "Kubernetes: %d job pod(s) of %d job(s) on node %s",
         sum(len(p) for p in found.values()),
@@ -300,13 +300,13 @@ async def _watch_pods(
     )
 
     def check(pid: int, job: str, group: str) -> str | None:
-        return admission.refusal(pid, job, group, watcher.model, proc_root=config.proc_root)
+        return pod_registry.refusal(pid, job, group, watcher.pods, proc_root=config.proc_root)
 
     # Both ways a process claims a job: its workload channel and its announcement.
     hub.admission.pod_check = check
-    if isinstance(processes, admission.PodCheckedRegistry):
+    if isinstance(processes, pod_registry.PodCheckedRegistry):
         processes.check = check
-        processes.pods, processes.proc_root = watcher.model, config.proc_root
+        processes.pods, processes.proc_root = watcher.pods, config.proc_root
 
 
 async def _stop_server(
@@ -336,7 +336,7 @@ def _remove_quietly(path: Path) -> None:
 
 
 async def _prune_loop(core: runner.AgentCore, *, stop: asyncio.Event) -> None:
-    interval = min(core.operation_retention_s / 10, _PRUNE_INTERVAL_MAX_S)
+    interval = min(core.store.retention_s / 10, _PRUNE_INTERVAL_MAX_S)
     while not stop.is_set():
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(stop.wait(), timeout=interval)

@@ -1,7 +1,7 @@
 """gRPC face of the node agent: ``SnapshotAgentService`` and backend health.
 
 The servicer checks each call's leader term against the agent's fence
-(:class:`tslice.agent.fencing.TermFence`: a directive from a deposed orchestrator leader
+(:class:`tslice.security.fencing.TermFence`: a directive from a deposed orchestrator leader
 is refused before anything else), validates ids and arguments, hands the request to
 :class:`tslice.agent.moves.runner.AgentCore`, and maps its refusals onto gRPC status codes;
 it holds no state of its own.
@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 import grpc
 from grpc_health.v1 import health, health_pb2
 
-from tslice.agent import channel, fencing
+from tslice.agent import channel
 from tslice.agent.backends import base
 from tslice.agent.jobs import model
 from tslice.agent.moves import grant_plan, runner
@@ -27,7 +27,7 @@ from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2_grpc as pb_grpc
 from tslice.common import tasks, validation
 from tslice.rpc import refusals, unique_requests
-from tslice.security import auth
+from tslice.security import auth, fencing
 from tslice.server import logs
 
 log = logging.getLogger(__name__)
@@ -179,7 +179,7 @@ class SnapshotAgentServicer(pb_grpc.SnapshotAgentServiceServicer):
     async def _fenced(
         self, context: grpc.aio.ServicerContext, *, directive: bool = True
     ) -> fencing.Sent:
-        """Admit the call's leader term (see ``tslice.agent.fencing``); returns it. Every
+        """Admit the call's leader term (see ``tslice.security.fencing``); returns it. Every
         handler calls this first: a deposed leader's directive is refused untouched."""
         sent = await refusals.checked(context, fencing.sent, context.invocation_metadata())
         admit = functools.partial(
@@ -311,7 +311,8 @@ class SnapshotAgentServicer(pb_grpc.SnapshotAgentServiceServicer):
         self, request: pb.GrantStreamRequest, *, term: fencing.Sent
     ) -> pb.GrantStreamResponse:
         try:
-            self._fence.admit(term.term, directive=True, leader=term.leader)
+            if term != self._fence.current:  # a term the node has moved past (or not seen)
+                self._fence.admit(term.term, directive=True, leader=term.leader)
             grant = await self.grant_reply(request.grant)
         except refusals.Refused as refused:
             return pb.GrantStreamResponse(

@@ -26,7 +26,7 @@ Rules (WIRE.md "Workload channel rules", plus the tslice additions):
 
 - The stream itself (:mod:`tslice.agent.channel.stream`): it opens with a valid
   ``register`` or ends with INVALID_ARGUMENT, and keepalive is for those who declare it.
-- Who registers (:mod:`tslice.agent.channel.admission`): over the Unix socket the
+- Who registers (:mod:`tslice.security.admission`): over the Unix socket the
   process is bound by its peer credentials (its instance token, bound through the
   register socket); over TCP the ``pid`` field is never trusted and, with
   authentication on, the job credential must allow the job.
@@ -81,7 +81,7 @@ from typing import Literal, TypeVar
 
 import grpc
 
-from tslice.agent.channel import admission, departures, registration, rules, sessions, stream
+from tslice.agent.channel import departures, registration, rules, sessions, stream
 from tslice.agent.channel.rules import (
     WORKLOAD_LEFT,
     ChannelError,
@@ -93,11 +93,12 @@ from tslice.agent.channel.rules import (
     WorkloadState,
     check_mode,
     check_tags,
-    describe,
     resolve_mode,
 )
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
 from tslice.common import validation
+from tslice.security import admission
+from tslice.security.admission import describe
 
 # The rules' public names are part of this module's interface (callers catch
 # ``channel.CommandRefusedError``); they live in channel_rules to keep this module small.

@@ -21,6 +21,7 @@ import grpc
 from tslice.agent.channel import rules
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
 from tslice.common import residency
+from tslice.security import admission
 
 #: Timed-out command ids remembered per session, so a late success still updates residency.
 EXPIRED_KEPT = 64
@@ -55,7 +56,7 @@ class Session:
         #: The hub's key: one session per (job, group).
         self.key = (register.job_id, register.group)
         #: How messages name the session's job and group.
-        self.label = rules.describe(self.job_id, self.group)
+        self.label = admission.describe(self.job_id, self.group)
         #: The registering process as the agent knows it (bound through its register
         #: socket); 0 = not known. The registration's own ``pid`` field is never trusted.
         self.pid = pid

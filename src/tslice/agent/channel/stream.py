@@ -1,7 +1,7 @@
 """One ``WorkloadChannel`` call as the agent serves it, from the first message to the last.
 
 :func:`serve` checks the registration the stream must open with (and who sent it, by
-:mod:`tslice.agent.channel.admission`), hands the new session to the hub that owns the
+:mod:`tslice.security.admission`), hands the new session to the hub that owns the
 sessions, then runs the stream's three parts: the reader (results routed to their
 commands by id, late ones too; pings answered; a second ``register`` refused), the
 keepalive (only for a workload that declared it) and the writer, which yields the
@@ -36,9 +36,10 @@ from typing import NoReturn
 
 import grpc
 
-from tslice.agent.channel import admission, departures, rules, sessions
+from tslice.agent.channel import departures, rules, sessions
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
 from tslice.common import tasks
+from tslice.security import admission
 
 log = logging.getLogger(__name__)
 

@@ -112,10 +112,6 @@ class AgentCore:
             spawn=lambda coro, name: self._spawn(coro, name=name),
         )
 
-    @property
-    def operation_retention_s(self) -> float:
-        return self.store.retention_s
-
     # ---- lifecycle -----------------------------------------------------------------
 
     async def start(self) -> None:
@@ -240,12 +236,10 @@ class AgentCore:
     ) -> grant_plan.GrantOutcome:
         """Make the ordered job's state for its group resident here and record the grant.
 
-        The moves (evict, make room, bring in) are planned by ``grant_plan``, one at a
-        time; each is an ordinary operation with its own id. The outcome comes back
-        after at most ``wait_s`` with ``granted=False`` and the operations so far when
-        the node is not done or an operation FAILED; re-issuing the same Grant
-        continues from where the node stands.
-        """
+        The moves (evict, make room, bring in) are planned by ``grant_plan`` one at a time,
+        each an ordinary operation. After at most ``wait_s`` the outcome says
+        ``granted=False`` with the operations so far if the node is not done or one FAILED;
+        the same Grant again continues from where the node stands."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + min(wait_s, MAX_WAIT_S)
         # A stale grant must not evict anything.
@@ -313,11 +307,9 @@ class AgentCore:
                 order.group,
                 extra={"job_id": move.keys[0][0]},
             )
-        if len(move.keys) > 1:  # every evicted state must fit before any is frozen
-            for job_id, group in move.keys:
-                job = self.store.jobs.get((job_id, group))
-                if job is not None:
-                    await self._parkable(job, self._route(job_id, job, None))
+        for key in move.keys if len(move.keys) > 1 else ():  # all must fit before any freezes
+            if (job := self.store.jobs.get(key)) is not None:
+                await self._parkable(job, self._route(key[0], job, None))
         moves = []
         for key in move.keys:
             op = await self._start_eviction(key)
@@ -334,11 +326,9 @@ class AgentCore:
     async def prefetch(
         self, *, job_id: str, group: str, config: pb.BackendConfig | None
     ) -> model.Job:
-        """Start bringing a SAVED job's state in ahead of its grant (issue 9 §2), into free
-        memory only; the record stays SAVED and a later Grant's restore finds the bytes
-        there. Refused (FAILED_PRECONDITION) unless the job is SAVED here and its backend
-        declares ``prefetches``; the copy runs in the background, bounded by the
-        operation deadline."""
+        """Start bringing a SAVED job's state into free memory ahead of its grant (issue 9
+        §2; the record stays SAVED). Refused unless the job is SAVED here and its backend
+        ``prefetches``; the copy runs in the background, under the operation deadline."""
         async with self._locks[job_id]:
             job = self.store.find(job_id, group)
             if job is None:
@@ -360,9 +350,8 @@ class AgentCore:
             job = rules.check_reset(
                 self.store.find(job_id, group), job_id=job_id, group=group, node=self.node
             )
-            recovered: model.State | None = None
-            if job.backend in self.guarded:
-                recovered = await self.guarded.recover(job.backend, job)
+            enabled = job.backend in self.guarded
+            recovered = await self.guarded.recover(job.backend, job) if enabled else None
             new_job = rules.after_reset(job, recovered=recovered)
             self.store.commit(jobs=[new_job], previous=job)
             log.info(
