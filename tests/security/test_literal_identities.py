@@ -16,8 +16,8 @@ from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2_grpc as pb_grpc
 from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2 as opb
 from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2_grpc as opb_grpc
-from tslice.cli import certs_cmd
 from tslice.security import auth, tls
+from tslice.security import certs as pki
 
 TIMEOUT_S = 20.0
 
@@ -27,10 +27,10 @@ def _wildcard_certificate(
 ) -> tls.ClientSecurity:
     """A client certificate for ``identity`` signed by the servers' CA, made as an outside
     PKI would (no check of the name)."""
-    x509 = certs_cmd._lib().x509
-    pair = certs_cmd.Pair(directory / "wild.pem", directory / "wild.key")
+    x509 = pki._lib().x509
+    pair = pki.Pair(directory / "wild.pem", directory / "wild.key")
     san = x509.UniformResourceIdentifier(auth.IDENTITY_SCHEME + identity)
-    certs_cmd._issue(stack.certs.ca, pair, common_name=identity, sans=[san], client=True, days=1)
+    pki._issue(stack.certs.ca, pair, common_name=identity, sans=[san], client=True, days=1)
     env = stack.certs.env(None)
     env.update(TSLICE_TLS_CERT=str(pair.cert), TSLICE_TLS_KEY=str(pair.key))
     return tls.ClientSecurity.from_env(env)
