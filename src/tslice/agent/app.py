@@ -30,7 +30,7 @@ from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2_grpc as pb_grpc
 from tslice.common import errors, tasks
 from tslice.rpc import undecodable
-from tslice.security import auth, fencing
+from tslice.security import fencing, roles
 from tslice.server import logs, serving, tracing
 
 log = logging.getLogger(__name__)
@@ -120,7 +120,7 @@ async def serve(
     # Workloads on the Unix socket are bound to their process through the register socket
     # (processes); with authentication on, a TCP registration needs a credential of its job.
     hub = channel.ChannelHub(
-        processes=processes, credentials=auth.job_credentials if config.auth else None
+        processes=processes, credentials=roles.job_credentials if config.auth else None
     )
     async with contextlib.AsyncExitStack() as stack:
         # Before anything touches the state: a second agent on it is refused.
@@ -172,7 +172,7 @@ async def serve(
         grpc_server = grpc.aio.server(
             options=serving.SERVER_OPTIONS,
             interceptors=[
-                *serving.auth_interceptors(config.auth, auth.AGENT_RULES, "agent"),
+                *serving.auth_interceptors(config.auth, roles.AGENT_RULES, "agent"),
                 # Inside authentication: a caller is verified before its bytes are parsed.
                 undecodable.UndecodableRequests(),
             ],

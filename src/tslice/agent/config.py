@@ -41,7 +41,7 @@ import yaml
 from pydantic import BaseModel, ByteSize, ConfigDict, Field
 
 from tslice.common import errors, ids
-from tslice.security.auth import AuthSettings
+from tslice.security.identities import AuthSettings
 from tslice.security.tls import ServerTLS, check_listen
 from tslice.server import serving
 
@@ -154,7 +154,8 @@ class AgentConfig:
     tls: ServerTLS | None = None
     #: Plaintext on a non-loopback host is meant (a trusted network).
     insecure: bool = False
-    #: Authentication and roles (tslice.security.auth); None: every caller may call everything.
+    #: Authentication and roles (tslice.security.identities and .roles); None: every caller
+    #: may call everything.
     auth: AuthSettings | None = None
 
     @property

@@ -27,7 +27,7 @@ from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2_grpc as pb_grpc
 from tslice.common import tasks, validation
 from tslice.rpc import refusals, unique_requests
-from tslice.security import auth, fencing
+from tslice.security import fencing, identities, roles
 from tslice.server import logs
 
 log = logging.getLogger(__name__)
@@ -145,10 +145,10 @@ def _duplicate_grant(request: pb.GrantStreamRequest) -> pb.GrantStreamResponse:
 def _orchestrating() -> bool:
     """Whether the caller may raise the leader term from a read: the orchestrator role,
     or anyone on an agent without authentication (where anyone may direct it anyway)."""
-    if not auth.enforced():
+    if not roles.enforced():
         return True
-    caller = auth.principal_of()
-    return caller is not None and auth.ORCHESTRATOR in caller.roles
+    caller = roles.principal_of()
+    return caller is not None and identities.ORCHESTRATOR in caller.roles
 
 
 #: What this agent speaks beyond llm-d's protocol, declared in every Status reply: the
@@ -393,7 +393,7 @@ class SnapshotAgentServicer(pb_grpc.SnapshotAgentServiceServicer):
     ) -> pb.ResetLeaderTermResponse:
         """An administrator's repair of the term fence (not fenced itself: the admin role
         is checked by the authentication rules)."""
-        caller = auth.principal_of()
+        caller = roles.principal_of()
         by = caller.name if caller is not None else f"an unauthenticated caller ({context.peer()})"
         reset = functools.partial(self._fence.reset, by=by)
         term, leader = await refusals.checked(context, reset, request.term)

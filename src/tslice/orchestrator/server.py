@@ -35,7 +35,7 @@ from tslice.orchestrator import (
     tap,
 )
 from tslice.rpc import refusals, unique_requests
-from tslice.security import auth
+from tslice.security import roles
 from tslice.server import logs
 
 _T = TypeVar("_T")
@@ -77,7 +77,7 @@ def _checked_terms(
 ) -> float | None:
     """The caller may act as ``job``, and the Acquire's numbers are valid; the time left
     (the nearer of the call's deadline and ``timeout_ms``)."""
-    auth.require_job(job)  # a job credential acts only as its own job ids
+    roles.require_job(job)  # a job credential acts only as its own job ids
     _at_least_0("footprint_bytes", request.footprint_bytes, "default")
     try:
         validation.check_lease("lease_ms", request.lease_ms)
@@ -292,7 +292,7 @@ class OrchestratorServicer(opb_grpc.TimeSliceOrchestratorServiceServicer):
         job = refusals.checked_id("job_id", request.job_id)
         gid = refusals.checked_id("group_id", request.group_id)
         logs.IDS.set({"job_id": job, "group_id": gid})  # every log line of this call
-        auth.require_job(job)
+        roles.require_job(job)
         self._store.check()
         driver = self._groups.get(gid)
         kept = await self._groups.keep_yield(gid, job) if driver is None else None
@@ -449,7 +449,7 @@ class OrchestratorServicer(opb_grpc.TimeSliceOrchestratorServiceServicer):
         job = await refusals.checked(context, refusals.checked_id, "job_id", request.job_id)
         gid = await refusals.checked(context, refusals.checked_id, "group_id", request.group_id)
         await refusals.checked(
-            context, auth.require_job, job
+            context, roles.require_job, job
         )  # nobody keeps another job's lock alive
         await refusals.checked(
             context, _at_least_0, "grant_epoch", request.grant_epoch, "the current grant"

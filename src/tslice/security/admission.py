@@ -17,7 +17,7 @@ it, ``SO_PEERCRED``) and presents the token on the stream. The rules:
   claims (:func:`pod_refusal`; the agent looks the pod up), else PERMISSION_DENIED.
 - **TCP**: the registration's ``pid`` field is never trusted (the session's pid is 0
   unless the token is bound). With authentication on, the hub is given ``credentials``
-  (``tslice.security.auth.job_credentials``: the job ids the call's verified principal may
+  (``tslice.security.roles.job_credentials``: the job ids the call's verified principal may
   act as; its interceptor admits only the job role here) and the registered job must be
   among them (PERMISSION_DENIED otherwise). Over the Unix socket no credential is needed:
   the socket's file mode decides who may connect, the binding names the process. With

@@ -6,7 +6,7 @@ their own PKI (cert-manager, Vault, SPIFFE...). What tslice reads from a certifi
 - servers: the subject alternative names (DNS names and IP addresses) clients check;
 - clients: the identity, a URI SAN ``tslice:<identity>`` (``tslice:orchestrator``,
   ``tslice:admin``, ``tslice:job:<job-id>``), which the servers' verifier maps to roles
-  (``tslice.security.auth``). The common name repeats it when it fits (64 characters).
+  (``tslice.security.identities``). The common name repeats it when it fits (64 characters).
 
 Keys are ECDSA P-256 (fast to make, accepted by every gRPC); private keys are written
 with mode 0600. An existing CA in the directory is reused, so certificates can be added
@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from tslice.common import errors, ids
-from tslice.security import auth
+from tslice.security import identities
 
 #: Names every server certificate carries (the servers' loopback addresses).
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
@@ -187,7 +187,9 @@ def check_identity(identity: str) -> str:
 
 def make_client(ca: Pair, pair: Pair, *, identity: str, days: int = 365) -> Pair:
     """A client certificate naming ``identity`` (URI SAN ``tslice:<identity>``)."""
-    uri = _lib().x509.UniformResourceIdentifier(auth.IDENTITY_SCHEME + check_identity(identity))
+    uri = _lib().x509.UniformResourceIdentifier(
+        identities.IDENTITY_SCHEME + check_identity(identity)
+    )
     return _issue(ca, pair, common_name=identity, sans=[uri], client=True, days=days)
 
 
