@@ -195,3 +195,27 @@ async def test_the_wal_stays_bounded_under_steady_writes(tmp_path: Path) -> None
     finally:
         await db.close()
     assert largest <= 64 * 1024 * 1024, f"the WAL grew to {largest / 2**20:.0f} MiB"
+
+
+async def test_the_records_of_a_group_follow_every_change(tmp_path: Path) -> None:
+    """in_group is what the runner's resident-neighbour check reads: it must never miss a
+    record, whichever way the record came (commit, move, refused commit, outcome, load)."""
+
+    def group(db: store.Store, name: str) -> set[model.Key]:
+        return {(j.job_id, j.group) for j in db.in_group(name)}
+
+    db = await store.Store.open(tmp_path)
+    ungrouped = model.Job(job_id="b", group="", state=model.State.RUNNING)
+    db.commit(jobs=[job("a"), ungrouped], previous=None)
+    assert group(db, "g") == {("a", "g")} and group(db, "") == {("b", "")}
+    db.commit(jobs=[dataclasses.replace(ungrouped, group="g")], previous=ungrouped)  # moved
+    assert group(db, "g") == {("a", "g"), ("b", "g")} and group(db, "") == set()
+    with pytest.raises(refusals.Refused):
+        db.commit(
+            jobs=[model.Job(job_id="c", group="g", backend_state={"x": object()})], previous=None
+        )
+    assert group(db, "g") == {("a", "g"), ("b", "g")}  # the refused record left no trace
+    db.keep_outcome(job("d", model.State.SAVED), operation("op-d", "d", model.OpStatus.COMPLETE))
+    assert group(db, "g") == {("a", "g"), ("b", "g"), ("d", "g")}
+    await db.close()
+    assert group(await reopened(tmp_path), "g") == {("a", "g"), ("b", "g"), ("d", "g")}

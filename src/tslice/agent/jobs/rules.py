@@ -121,7 +121,8 @@ def _check_resident_neighbours(
     leaving: Collection[Key] = (),
 ) -> None:
     """Safety net: never two jobs of one group resident on this node (a record in
-    ``leaving``, whose snapshot runs, is on its way out: an overlapping restore)."""
+    ``leaving``, whose snapshot runs, is on its way out: an overlapping restore).
+    ``others``: the node's records, or only the group's (the others are not looked at)."""
     if not group:
         return
     resident = (State.RUNNING, State.TRANSITIONING)

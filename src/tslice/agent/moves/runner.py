@@ -404,7 +404,7 @@ class AgentCore:
         plan = rules.plan_restore(
             job,
             self._request(job_id, group, route),
-            others=self.store.jobs.values(),
+            others=self.store.in_group(group or (job.group if job else "")),
             recovered=recovered,
             partial=partial,
         )
@@ -444,7 +444,7 @@ class AgentCore:
             last = self.store.marks.get(group)
             mark = rules.new_mark(job_id=job_id, group=group, epoch=order.epoch, last=last)
             request = self._request(job_id, group, route)
-            others = self.store.jobs.values()
+            others = self.store.in_group(group or (job.group if job else ""))
             plan: model.Start | model.Unchanged
             if order.restore and job is not None and job.state is _S.SAVED:
                 rules.check_epoch(

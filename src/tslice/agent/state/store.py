@@ -34,7 +34,7 @@ import concurrent.futures
 import json
 import logging
 import sqlite3
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -71,6 +71,8 @@ class Store:
         self.retention_s = retention_s
         self.max_operations = max_operations
         self.jobs: dict[model.Key, model.Job] = {}
+        #: The same records by group: a rule that looks at a group's jobs reads only them.
+        self._groups: dict[str, dict[model.Key, model.Job]] = {}
         self.operations: dict[str, model.Operation] = {}
         self.marks: dict[str, model.GrantMark] = {}
         #: Outcomes in memory not yet on disk, and the timer that writes them.
@@ -150,6 +152,10 @@ class Store:
         found = self.jobs.get((job_id, group)) if group else None  # the usual case: its own
         return found if found is not None else self.jobs.get(self.key(job_id, group))
 
+    def in_group(self, group: str) -> Collection[model.Job]:
+        """The records of ``group`` (a rule about a group's residents reads only them)."""
+        return self._groups.get(group, {}).values()
+
     def sorted_jobs(self) -> list[model.Job]:
         return sorted(self.jobs.values(), key=lambda j: j.key)
 
@@ -205,9 +211,10 @@ class Store:
         # Only a record made without a group can be replaced under another key.
         moved = _moved(previous, jobs) if previous is not None and not previous.group else []
         for key in moved:
-            del self.jobs[key]
+            del self.jobs[key], self._groups[key[1]][key]
         for job in jobs:
-            self.jobs[(job.job_id, job.group)] = job
+            key = (job.job_id, job.group)
+            self.jobs[key] = self._groups.setdefault(job.group, {})[key] = job
         for op in ops:
             self.operations[op.op_id] = op
         for mark in marks:
@@ -219,8 +226,10 @@ class Store:
             self._unsaved = unsaved + self._unsaved  # written with the next write after all
             for job in jobs:
                 self.jobs.pop((job.job_id, job.group), None)
+                self._groups[job.group].pop((job.job_id, job.group), None)
             if previous is not None:
-                self.jobs[(previous.job_id, previous.group)] = previous
+                key = (previous.job_id, previous.group)
+                self.jobs[key] = self._groups.setdefault(previous.group, {})[key] = previous
             for op in ops:
                 self.operations.pop(op.op_id, None)
             for group, old in before_marks:
@@ -238,7 +247,8 @@ class Store:
     def keep_outcome(self, job: model.Job, op: model.Operation) -> None:
         """A finished operation and its job: in memory now, on disk before anything shows
         them (see the module docstring), in memory even if the disk refuses."""
-        self.jobs[(job.job_id, job.group)] = job
+        key = (job.job_id, job.group)
+        self.jobs[key] = self._groups.setdefault(job.group, {})[key] = job
         self.operations[op.op_id] = op
         self._unsaved.append((job, op))
         if self._timer is None:
@@ -337,6 +347,9 @@ class Store:
         conn = self._connection()
         jobs = (_job_from_row(row) for row in conn.execute(schema.SELECT_JOBS))
         self.jobs = {(j.job_id, j.group): j for j in jobs}
+        self._groups = {}
+        for key, job in self.jobs.items():
+            self._groups.setdefault(job.group, {})[key] = job
         ops = (_operation_from_row(row) for row in conn.execute(schema.SELECT_OPERATIONS))
         self.operations = {op.op_id: op for op in ops}
         self.marks = {
