@@ -44,6 +44,8 @@ def test_the_fence_admits_newer_and_refuses_older_directives() -> None:
     fence.admit(0, directive=True)  # embedded mode on a node that never saw a term
     fence.admit(3, directive=False)  # adopted from a read
     assert fence.seen == 3
+    # What a call must send to pass without a look (a GrantStream's grants compare it).
+    assert fence.current == fencing.Sent(3, "")
     fence.admit(1, directive=False)  # a read of an old leader is answered
     with pytest.raises(refusals.Refused) as old:
         fence.admit(2, directive=True)
@@ -58,7 +60,7 @@ def test_the_fence_admits_newer_and_refuses_older_directives() -> None:
     fence.admit(0, directive=True)
     with pytest.raises(refusals.Refused):
         fence.admit(2, directive=True)  # the knob never lets an old term through
-    assert fence.seen == 3
+    assert fence.seen == 3 and fence.current == fencing.Sent(3, "")
     with pytest.raises(refusals.Refused) as bad:
         fencing.sent_term([(KEY, "-1")])
     assert bad.value.code is refusals.Code.INVALID_ARGUMENT

@@ -1,10 +1,16 @@
 """gRPC face of the node agent: ``SnapshotAgentService`` and backend health.
 
 The servicer checks each call's leader term against the agent's fence
-(:class:`tslice.security.fencing.TermFence`: a directive from a deposed orchestrator leader
-is refused before anything else), validates ids and arguments, hands the request to
-:class:`tslice.agent.moves.runner.AgentCore`, and maps its refusals onto gRPC status codes;
-it holds no state of its own.
+(:class:`tslice.security.fencing.TermFence`: a directive from a deposed orchestrator
+leader is refused before anything else), validates ids and arguments, hands the request
+to :class:`tslice.agent.moves.runner.AgentCore`, and maps what comes back onto the wire
+(records to messages, refusals to gRPC status codes); it holds no state of its own.
+
+The top of the hand-over path: the orchestrator's Grants arrive on one long-lived
+``GrantStream`` per orchestrator (``tslice.rpc.unique_requests`` runs each as it comes and
+refuses a second one with the id of one in flight); :meth:`SnapshotAgentServicer.grant_reply`
+turns a ``GrantRequest`` into a ``grant_plan.Order`` for the runner. llm-d's orchestrator
+uses Snapshot/Restore and polls GetOperation instead: the same runner, one move per call.
 """
 
 from __future__ import annotations

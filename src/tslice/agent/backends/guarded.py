@@ -1,4 +1,4 @@
-"""Every call the agent makes into a backend, under one set of rules.
+"""The backend adapter: every call the agent makes into a backend, under one set of rules.
 
 Backends are plug-ins: they may hang, raise anything, or refuse. The agent never
 calls one directly; it goes through :class:`GuardedBackends`, which owns
@@ -14,7 +14,10 @@ calls one directly; it goes through :class:`GuardedBackends`, which owns
 - what a question answers when the backend cannot tell (``None``, logged).
 
 The pure rules decide and the runner (``tslice.agent.moves.runner``) applies them; this
-module only calls.
+module only calls. It also knows what each backend declares (overlapping moves,
+prefetching, parked states in host memory), read once. On the hand-over path it comes
+between the runner and the backend (``backends.base.Backend``: ``snapshot``,
+``restore``, ``activate``).
 """
 
 from __future__ import annotations

@@ -6,9 +6,9 @@ of each snapshot/restore/activate (:class:`Operation`) and of each group's newes
 grant (:class:`GrantMark`); the backend a request is served by (:class:`Route`); and
 what the rules of :mod:`tslice.agent.jobs.rules` are given (:class:`Request`, a backend's
 :class:`Outcome`) and return (:class:`Start`, :class:`Done`, :class:`Unchanged`).
-All frozen: the store persists them, the runner and the pure rule modules
-(``jobs``, ``routing``, ``grants``) pass them around, and nothing here decides a
-transition.
+All frozen: the store persists them (``tslice.agent.state``), the runner and the pure
+rules (``rules``, ``routing``, ``tslice.agent.moves.grant_plan``) pass them around, and
+nothing here decides a transition.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ picks the backend of a request, ``tslice.agent.moves.grant_plan`` the moves of a
 The records and plans themselves are :mod:`tslice.agent.jobs.model`. They are kept
 per (job, group): a job that uses a sampler pool and a trainer pool has one piece of
 device state per group, even on a node both groups span, and a move on one group
-never touches the other's (``job_model.Key``).
+never touches the other's (``model.Key``).
 
 States: IDLE (known, nothing resident) -> RUNNING (resident) -> TRANSITIONING (one
 operation in flight) -> SAVED (state off the devices) or back; FAULTED when an

@@ -15,11 +15,13 @@ A Grant is one node step of a switch. Its rules, in order:
    resident), and the grant mark is recorded with that move;
 4. **done** once the job is resident and the grant recorded.
 
-The driver (:meth:`tslice.agent.moves.runner.AgentCore.grant`) loops: :func:`next_move` says
-what to do from the records as they stand, the driver starts it and waits for its
-operations (at most the Grant's ``wait_ms``), and :func:`after_round` says whether the
-Grant is done, comes back unfinished, or goes on. Each move is an ordinary, pollable
-operation, so a Grant re-issued after a timeout continues from where the node stands.
+The runner (``tslice.agent.moves.runner.AgentCore.grant``) loops: :func:`next_move` says
+what to do from the records as they stand (a :data:`Move`, as data), the runner starts
+it and waits for its operations (at most the Grant's ``wait_ms``), and
+:func:`after_round` says whether the Grant is done, comes back unfinished, or goes on
+(a :class:`Verdict`). Each move is an ordinary, pollable operation, so a Grant re-issued
+after a timeout continues from where the node stands. On the hand-over path this module
+comes between the gRPC face (``tslice.agent.server``) and the runner.
 """
 
 from __future__ import annotations
