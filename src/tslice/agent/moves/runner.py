@@ -253,7 +253,7 @@ class AgentCore:
         seen: dict[str, model.Operation] = {}
         for _ in range(order.max_steps):
             moves = await self._next_moves(order, route)
-            if not moves:  # resident, and the grant recorded
+            if moves is None:  # resident, and the grant recorded
                 return self._grant_outcome(order, seen, granted=True)
             moves = await self.settle(moves, timeout_s=max(0.0, deadline - loop.time()))
             for op in moves:
@@ -278,9 +278,10 @@ class AgentCore:
 
     async def _next_moves(
         self, order: grant_plan.Order, route: model.Route
-    ) -> list[model.Operation]:
-        """Start the Grant's next move; its operations (none once the job is in).
-        ``route``: the backend that serves the granted job."""
+    ) -> list[model.Operation] | None:
+        """Start the Grant's next move; its operations, or ``None`` once the job is in
+        (an eviction whose states left meanwhile starts none: the next round looks
+        again). ``route``: the backend that serves the granted job."""
         target = self.store.key(order.job_id, order.group)
         overlap = route.backend in self.guarded.overlapping
         move = grant_plan.next_move(order, self.store.jobs, target=target, overlap=overlap)
@@ -291,7 +292,7 @@ class AgentCore:
         if isinstance(move, grant_plan.Evict):
             return await self._evict(order, move)
         brought_in = await self._bring_in(order)
-        return [] if brought_in is None else [brought_in]
+        return None if brought_in is None else [brought_in]
 
     async def _evict(
         self, order: grant_plan.Order, move: grant_plan.Evict
