@@ -251,7 +251,9 @@ def test_ctrl_c_while_the_unary_acquire_is_being_sent_still_cancels_it(
     """An interrupt that lands while the Acquire is on its way (the stub's ``future()``
     has sent it but not returned it yet) still cancels it: the call must not be lost
     between leaving and being held by what the interrupt cancels."""
-    fallback = client._orchestrator("acquire")._acquire
+    calls = client._orchestrator("acquire")
+    calls.take_unary_calls()  # the fake has no Session: what its first call would find
+    fallback = calls._acquire
     sent = fallback._unary
     interrupted = threading.Event()
 

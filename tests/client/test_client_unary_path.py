@@ -6,15 +6,13 @@ from __future__ import annotations
 
 import pathlib
 import re
+import threading
 from typing import Any
-
-import pytest
 
 import tslice
 import tslice.client
 from tests.client.client_fakes import FakeOrchestrator, ServerThread
 from tslice.client.compat import _unary
-from tslice.rpc import multiplex
 
 
 def fake(server: ServerThread) -> FakeOrchestrator:
@@ -51,41 +49,17 @@ def test_llm_d_drop_in_client_against_an_llm_d_orchestrator(orchestrator: Server
     assert methods(orchestrator) == ["Acquire", "Yield"]
 
 
-async def test_the_fallback_uses_the_session_while_it_works() -> None:
-    unary_calls: list[Any] = []
+def test_the_unary_calls_are_started_by_one_thread_per_channel() -> None:
+    """No helper thread per call: the channel's starter thread starts them all, and a
+    call whose caller gave up (Ctrl-C) before it was started is cancelled by it."""
+    release = threading.Event()
+    threads: set[str] = set()
 
-    async def session(request: str, timeout: float | None) -> str:
-        return f"session:{request}:{timeout}"
-
-    async def unary(request: str, **kwargs: Any) -> str:
-        unary_calls.append((request, kwargs))
-        return f"unary:{request}"
-
-    call = _unary.UnaryFallback(session, unary)
-    assert await call("a", timeout=2.0) == "session:a:2.0"
-    assert unary_calls == []
-
-
-async def test_the_fallback_makes_the_unary_call_when_the_session_is_unsupported() -> None:
-    async def session(request: str, timeout: float | None) -> str:
-        raise multiplex.Unsupported("the orchestrator")
-
-    async def unary(request: str, **kwargs: Any) -> str:
-        return f"unary:{request}:{kwargs}"
-
-    call = _unary.UnaryFallback(session, unary)
-    metadata = (("x-tslice-job-id", "j"),)
-    assert await call("a", timeout=2.0, metadata=metadata) == (
-        f"unary:a:{ {'timeout': 2.0, 'metadata': metadata} }"
-    )
-
-
-def test_the_sync_fallback_cancels_the_unary_call_it_made() -> None:
     class Future:
         cancelled = False
 
         def result(self) -> str:
-            raise KeyboardInterrupt  # Ctrl-C while waiting
+            return "done"
 
         def cancel(self) -> None:
             self.cancelled = True
@@ -94,17 +68,25 @@ def test_the_sync_fallback_cancels_the_unary_call_it_made() -> None:
 
     class Unary:
         def future(self, request: str, **kwargs: Any) -> Future:
+            threads.add(threading.current_thread().name)
+            release.wait(10)
             made.append(Future())
             return made[-1]
 
-    def session(request: str, timeout: float | None) -> str:
-        raise multiplex.Unsupported("the orchestrator")
-
-    outcome = _unary.SyncUnaryFallback(session, Unary()).future("a", timeout=1.0)
-    with pytest.raises(KeyboardInterrupt):
-        outcome.result()
-    outcome.cancel()  # what the transport does on an interrupt
-    assert len(made) == 1 and made[0].cancelled
+    starter = _unary.Starter("tslice-unary-calls")
+    try:
+        started = _unary.Started(starter, Unary())
+        release.set()
+        assert [started.future(str(i), timeout=1.0).result() for i in range(3)] == ["done"] * 3
+        release.clear()
+        given_up = started.future("late", timeout=1.0)
+        given_up.cancel()  # what the transport does on an interrupt, before the start
+        release.set()
+        assert given_up._started.wait(10)
+        assert len(made) == 4 and made[-1].cancelled
+        assert threads == {"tslice-unary-calls"}
+    finally:
+        starter.close()
 
 
 def test_nothing_else_in_the_client_branches_on_the_unary_path() -> None:
@@ -115,4 +97,4 @@ def test_nothing_else_in_the_client_branches_on_the_unary_path() -> None:
         for path in root.rglob("*.py")
         if branching.search(path.read_text())
     )
-    assert places == ["compat/_unary.py"]
+    assert places == ["_services.py"]

@@ -34,7 +34,7 @@ from collections.abc import Callable
 import grpc
 
 from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2 as opb
-from tslice.client import _channel
+from tslice.client import _streams
 from tslice.common import errors
 
 log = logging.getLogger("tslice.client")
@@ -226,7 +226,7 @@ class HoldKeeper:
     """Keeps one Hold stream open from a daemon thread (started when due) until :meth:`stop`."""
 
     def __init__(
-        self, lease: Lease, *, hold: Callable[[opb.HoldRequest], _channel.SyncStream[opb.HoldEvent]]
+        self, lease: Lease, *, hold: Callable[[opb.HoldRequest], _streams.SyncStream[opb.HoldEvent]]
     ) -> None:
         self._hold = hold
         self._request = lease.request
@@ -234,7 +234,7 @@ class HoldKeeper:
         self._on_lost = lease.on_lost
         self._stopped = threading.Event()
         self._guard = threading.Lock()
-        self._stream: _channel.SyncStream[opb.HoldEvent] | None = None
+        self._stream: _streams.SyncStream[opb.HoldEvent] | None = None
         self._name = lease.name
         self._thread: threading.Thread | None = None
         # No thread until the stream is due: a slice shorter than that costs none.
@@ -293,7 +293,7 @@ class HoldKeeper:
             assert step.reopen_in is not None
             self._stopped.wait(step.reopen_in)
 
-    def _read(self, stream: _channel.SyncStream[opb.HoldEvent]) -> Step:
+    def _read(self, stream: _streams.SyncStream[opb.HoldEvent]) -> Step:
         try:
             for event in stream:
                 with self._guard:
@@ -314,7 +314,7 @@ class AsyncHoldKeeper:
         self,
         lease: Lease,
         *,
-        hold: Callable[[opb.HoldRequest], _channel.AsyncStream[opb.HoldEvent]],
+        hold: Callable[[opb.HoldRequest], _streams.AsyncStream[opb.HoldEvent]],
     ) -> None:
         self._hold = hold
         self._request = lease.request
@@ -376,7 +376,7 @@ class AsyncHoldKeeper:
             assert step.reopen_in is not None
             await asyncio.sleep(step.reopen_in)
 
-    async def _read(self, stream: _channel.AsyncStream[opb.HoldEvent]) -> Step:
+    async def _read(self, stream: _streams.AsyncStream[opb.HoldEvent]) -> Step:
         try:
             async for event in stream:
                 step = self._flow.on_event(released=event.released, lost=event.lost)
