@@ -458,7 +458,7 @@ class BaseClient(Generic[K]):
         else:
             wait = _config.check_timeout("timeout", timeout)
         options = _channel.CallOptions(timeout=wait, job_id=job or None, group_id=group_id or None)
-        if not self.enabled:
+        if self._config.address is None:  # no-op mode (not `enabled`: a property less)
             return YieldCall(job, group_id, request, options, answer=NOOP_YIELD, keeper=None)
         leases = self._leases
         if leases.was_lost(group_id):
