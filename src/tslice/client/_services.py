@@ -9,8 +9,9 @@ the raw generated stub, the escape hatch.
 
 Acquire and Yield go over the orchestrator's Session stream (:mod:`tslice.client._session`);
 a channel whose orchestrator has none (llm-d's) takes llm-d's unary calls instead. That
-is decided once per channel, by the first Acquire or Yield (:class:`_FirstLockCall`),
-which then puts the chosen methods in place: no later call tries one and falls back.
+is decided once per channel, by the first Acquire or Yield (:class:`_SyncFirstLockCall`,
+:class:`_AsyncFirstLockCall`), which then puts the chosen methods in place: no later
+call tries one and falls back.
 """
 
 from __future__ import annotations
