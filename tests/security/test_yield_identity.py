@@ -52,3 +52,28 @@ def test_a_reissued_yield_refused_by_identity_is_an_error(secure_stack: SecureSt
         assert "may not act as job 'job-b'" in caught.value.message
         assert holder.status(group).locking_job == "job-b"  # nothing was let go
         assert holder.yield_(group).success
+
+
+async def test_the_async_client_tells_them_apart_too(secure_stack: SecureStack) -> None:
+    group = "reissued-yield-async"
+    async with (
+        tslice.AsyncClient(
+            secure_stack.orchestrator,
+            job_id="job-b",
+            security=secure_stack.security("job:job-b"),
+            lease_s=None,
+        ) as holder,
+        tslice.AsyncClient(
+            [f"127.0.0.1:{_closed_port()}", secure_stack.orchestrator],
+            job_id="job-b",
+            security=secure_stack.security("job:job-a"),
+            lease_s=None,
+            connect_timeout=None,
+        ) as impostor,
+    ):
+        assert (await holder.acquire(group)).success
+        with pytest.raises(errors.RPCError) as caught:
+            await impostor.yield_(group)
+        assert caught.value.status == grpc.StatusCode.PERMISSION_DENIED
+        assert (await holder.status(group)).locking_job == "job-b"
+        assert (await holder.yield_(group)).success

@@ -64,6 +64,9 @@ _NO_GROUP = (
     f"or set ${_config.GROUP_ENV[0]}"
 )
 
+#: How many ids a client remembers as checked (one that names many jobs checks the rest).
+_CHECKED_IDS_KEPT = 256
+
 HoldKey = _lease.HoldKey
 K = TypeVar("K", bound=_lease.Keeper)
 
@@ -258,7 +261,8 @@ class BaseClient(Generic[K]):
         is fine ("")."""
         if given is not None:
             checked = _config.check_id(kind, given, source=source)
-            self._checked_ids.add(checked)
+            if len(self._checked_ids) < _CHECKED_IDS_KEPT:
+                self._checked_ids.add(checked)
             return checked
         if default is not None:
             return default

@@ -95,6 +95,11 @@ HEALTH_CHECK = Method(HEALTH_SERVICE, "Check", retryable=True)
 
 
 _LET_GO = opb.YieldResponse(success=True)
+#: Deadline of the status read that confirms a re-issued Yield's refusal (seconds).
+_CONFIRM_S = 10.0
+
+
+_CONFIRMING = CallOptions(timeout=_CONFIRM_S)
 
 
 def _still_holds(request: opb.YieldRequest, status: opb.GetGroupStatusResponse) -> bool:
@@ -269,10 +274,12 @@ class OrchestratorCalls(_OrchestratorRpcs, SyncCalls):
     ) -> opb.YieldResponse:
         """A re-issued Yield refused PERMISSION_DENIED: the job let go (an earlier attempt
         handed the group on) unless it still holds the group (its identity was refused)."""
-        status = self.get_group_status(
-            opb.GetGroupStatusRequest(group_id=request.group_id),
-            CallOptions(timeout=self.transport.endpoint.retry.max_backoff_s * 5),
-        )
+        try:
+            status = self.get_group_status(
+                opb.GetGroupStatusRequest(group_id=request.group_id), _CONFIRMING
+            )
+        except errors.RPCError as err:
+            raise answer from err  # not confirmed: the refusal stands
         if _still_holds(request, status):
             raise answer
         return _LET_GO
@@ -308,10 +315,12 @@ class AsyncOrchestratorCalls(_OrchestratorRpcs, AsyncCalls):
         self, request: opb.YieldRequest, answer: errors.RPCError
     ) -> opb.YieldResponse:
         """See :meth:`OrchestratorCalls._yield_settled`."""
-        status = await self.get_group_status(
-            opb.GetGroupStatusRequest(group_id=request.group_id),
-            CallOptions(timeout=self.transport.endpoint.retry.max_backoff_s * 5),
-        )
+        try:
+            status = await self.get_group_status(
+                opb.GetGroupStatusRequest(group_id=request.group_id), _CONFIRMING
+            )
+        except errors.RPCError as err:
+            raise answer from err  # not confirmed: the refusal stands
         if _still_holds(request, status):
             raise answer
         return _LET_GO
