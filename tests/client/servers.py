@@ -77,7 +77,9 @@ class Script:
         self._failures: dict[str, collections.deque[tuple[grpc.StatusCode, str]]] = (
             collections.defaultdict(collections.deque)
         )
-        self._lost: collections.Counter[str] = collections.Counter()
+        self._lost: dict[str, collections.deque[grpc.StatusCode]] = collections.defaultdict(
+            collections.deque
+        )
         self._guard = threading.Lock()
 
     def fail_next(self, method: str, code: grpc.StatusCode, details: str, times: int = 1) -> None:
@@ -85,10 +87,11 @@ class Script:
         with self._guard:
             self._failures[method].extend([(code, details)] * times)
 
-    def lose_reply(self, method: str) -> None:
-        """The next call of ``method`` takes effect, then its reply is lost (UNAVAILABLE)."""
+    def lose_reply(self, method: str, code: grpc.StatusCode = grpc.StatusCode.UNAVAILABLE) -> None:
+        """The next call of ``method`` takes effect, then its reply is lost: the call (or
+        its Session stream) ends with ``code``, as a connection reset there does."""
         with self._guard:
-            self._lost[method] += 1
+            self._lost[method].append(code)
 
     def calls_of(self, method: str) -> list[Call]:
         with self._guard:
@@ -99,12 +102,9 @@ class Script:
             self.calls.append(call)
             return self._failures[call.method].popleft() if self._failures[call.method] else None
 
-    def _loses(self, method: str) -> bool:
+    def _loses(self, method: str) -> grpc.StatusCode | None:
         with self._guard:
-            if self._lost[method]:
-                self._lost[method] -= 1
-                return True
-            return False
+            return self._lost[method].popleft() if self._lost[method] else None
 
     def _saw(self, context: grpc.aio.ServicerContext[Any, Any]) -> None:
         with self._guard:
@@ -138,8 +138,9 @@ class Scripted(orch_server.OrchestratorServicer):
         if failure is not None:
             await context.abort(*failure)
         reply = await handler(request, context)
-        if self.script._loses(method):
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "connection reset (reply lost)")
+        lost = self.script._loses(method)
+        if lost is not None:
+            await context.abort(lost, "connection reset (reply lost)")
         return reply
 
     async def Acquire(self, request: Any, context: Any) -> Any:
@@ -170,9 +171,10 @@ class Scripted(orch_server.OrchestratorServicer):
             self.script.sessions += 1
         async for reply in super().Session(request_iterator, context):
             answered = next((m for f, m in _REPLIES.items() if reply.HasField(f)), "")
-            if answered and self.script._loses(answered):
+            lost = self.script._loses(answered) if answered else None
+            if lost is not None:
                 # The request took effect; its reply goes down with the stream.
-                await context.abort(grpc.StatusCode.UNAVAILABLE, "connection reset (reply lost)")
+                await context.abort(lost, "connection reset (reply lost)")
             yield reply
 
     async def _session_reply(self, request: opb.SessionRequest) -> opb.SessionResponse:

@@ -63,7 +63,14 @@ def _release(request: opb.YieldRequest) -> _Message:
 
 
 def _broken(err: multiplex.Broken) -> grpc.aio.AioRpcError:
-    return _rpc_error(err.code, err.detail)
+    """A stream that ended before the reply: UNAVAILABLE (re-issued on a new stream, as
+    Acquire and Yield may be), whatever code the connection's end came with (a peer
+    killed mid-write may end it INTERNAL); CANCELLED stays (the client closed it)."""
+    if err.code == grpc.StatusCode.CANCELLED:
+        return _rpc_error(err.code, err.detail)
+    return _rpc_error(
+        grpc.StatusCode.UNAVAILABLE, f"the Session stream broke ({err.code.name}: {err.detail})"
+    )
 
 
 def _timed_out() -> grpc.aio.AioRpcError:
