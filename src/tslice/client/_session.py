@@ -62,11 +62,15 @@ def _release(request: opb.YieldRequest) -> _Message:
     return lambda request_id: opb.SessionRequest(request_id=request_id, release=request)
 
 
+_AS_IT_CAME = frozenset({grpc.StatusCode.CANCELLED, grpc.StatusCode.UNIMPLEMENTED})
+
+
 def _broken(err: multiplex.Broken) -> grpc.aio.AioRpcError:
     """A stream that ended before the reply: UNAVAILABLE (re-issued on a new stream, as
     Acquire and Yield may be), whatever code the connection's end came with (a peer
-    killed mid-write may end it INTERNAL); CANCELLED stays (the client closed it)."""
-    if err.code == grpc.StatusCode.CANCELLED:
+    killed mid-write may end it INTERNAL); CANCELLED stays (the client closed it), and so
+    does UNIMPLEMENTED (no retry makes a server that lost the RPC have it again)."""
+    if err.code in _AS_IT_CAME:
         return _rpc_error(err.code, err.detail)
     return _rpc_error(
         grpc.StatusCode.UNAVAILABLE, f"the Session stream broke ({err.code.name}: {err.detail})"
