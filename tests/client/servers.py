@@ -382,10 +382,12 @@ class Orchestrator:
 def running_orchestrator(tmp_path: pathlib.Path, script: Script) -> Iterator[Orchestrator]:
     """A real, scripted orchestrator over one noop agent, stopped at the end."""
     servers = Servers(tmp_path)
-    Scripted.script = script
+    # A class of its own per orchestrator: its servicer is made by the server, and two
+    # orchestrators of one test keep two scripts.
+    servicer = type("Scripted", (Scripted,), {"script": script})
     try:
         servers.start_agent("node-a", default_backend="noop")
-        servers.start_orchestrator(servicer=Scripted, groups=dict.fromkeys(GROUPS, ("node-a",)))
+        servers.start_orchestrator(servicer=servicer, groups=dict.fromkeys(GROUPS, ("node-a",)))
         with tslice.Client(servers.orchestrator, job_id=None) as observer:
             yield Orchestrator(servers, script, observer)
     finally:
