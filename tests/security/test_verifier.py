@@ -50,7 +50,10 @@ def test_a_rotated_tokens_file_is_read_again_and_the_old_token_refused(
 
 
 def _reread(verifier: identities.StaticVerifier) -> None:
-    """A call's check starts the re-read (in a thread of its own); wait for it."""
+    """A call's check starts a re-read (in a thread of its own); wait for it. A re-read
+    an earlier call started may still run (it may have looked before the file changed,
+    and a call starts none while one runs): that one is waited out first."""
+    verifier.settle()
     with contextlib.suppress(identities.Unauthenticated):  # (its own answer is not looked at)
         verifier.verify(identities.Presented(token="any"))
     verifier.settle()
