@@ -350,9 +350,9 @@ class SnapshotAgentServicer(pb_grpc.SnapshotAgentServiceServicer):
                 "grant_epoch and footprint_bytes must be >= 0 "
                 f"(got {request.grant_epoch} and {request.footprint_bytes})",
             )
-        evict = []  # the records of the named jobs
+        named = []
         for other in request.evict:
-            evict.append(self._core.key(refusals.checked_id("evict", other), group))
+            named.append(refusals.checked_id("evict", other))
         give_way = []
         for ref in request.give_way:
             give_way.append(
@@ -361,6 +361,9 @@ class SnapshotAgentServicer(pb_grpc.SnapshotAgentServiceServicer):
                     refusals.checked_id("give_way.group", ref.group),
                 )
             )
+        evict = []  # every id checked first, then the named jobs' records
+        for other in named:
+            evict.append(self._core.key(other, group))
         # A Grant without wait_ms waits a default chunk (the orchestrator always sends one).
         wait_s = _checked_wait("wait_ms", request.wait_ms) or runner.DEFAULT_GRANT_WAIT_S
         order = grant_plan.order(
