@@ -27,7 +27,7 @@ unexport PYTHONDONTWRITEBYTECODE
 PYTEST_WORKERS ?= 2
 XDIST := -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
-.PHONY: all venv demo test test-oldest oldest-venv oldest-install jobside-venvs jobside-deps test-floor test-newest test-protobuf test-jobside unit \
+.PHONY: all venv demo test test-tools test-oldest oldest-venv oldest-install jobside-venvs jobside-deps test-floor test-newest test-protobuf test-jobside unit \
 	test-ray test-verl verl-venv lint typecheck \
 	api api-check api-tools dist bench clean
 
@@ -53,7 +53,7 @@ demo: $(DEMO_STAMP)
 	$(VENV)/bin/tslice demo
 
 ## Everything CI checks: lint, types, layer contracts, generated code, tests.
-test: $(STAMP) api-tools
+test: $(STAMP) api-tools test-tools
 	$(VENV)/bin/ruff check src tests bench examples scripts deploy
 	$(VENV)/bin/ruff format --check src tests bench examples scripts deploy
 	$(VENV)/bin/mypy
@@ -197,6 +197,11 @@ typecheck: $(STAMP)
 ## Regenerate src/tslice/api from proto/ (the pinned generator runs in build/gen-api-venv).
 api: $(STAMP)
 	$(PY) scripts/gen_api.py
+
+## The Debian programs the tests start (kubectl, promtool, chromium, tmux, Slurm and munge,
+## systemd-analyze), installed when absent (root, or sudo; see the script).
+test-tools:
+	@scripts/test_tools.sh
 
 ## Make the generator venv now (the staleness test then installs nothing).
 api-tools: $(STAMP)

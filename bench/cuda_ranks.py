@@ -25,8 +25,8 @@ import sys
 import time
 from typing import Any
 
-from tslice.agent import registration
 from tslice.agent.backends import base, cuda, cuda_fake, cuda_settings
+from tslice.agent.channel import registration
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
 
 GIB = 1024**3

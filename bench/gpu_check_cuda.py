@@ -100,7 +100,7 @@ async def children(
     count: int, nbytes: int, tensors: int, device: str, job: str
 ) -> AsyncIterator[tuple[Any, list[Child]]]:
     """A registration server and ``count`` children announced to it: (registry, children)."""
-    from tslice.agent import registration
+    from tslice.agent.channel import registration
 
     workdir = Path(tempfile.mkdtemp(prefix="tslice-gpu-check-"))
     registry = registration.ProcessRegistry()
@@ -191,8 +191,8 @@ def _median(values: list[float]) -> float:
 
 
 async def cuda_part(args: argparse.Namespace, report: Report) -> None:
-    from tslice.agent import parking
     from tslice.agent.backends import base
+    from tslice.agent.moves import parking
     from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
 
     device = "cpu" if args.simulate else "cuda"

@@ -381,7 +381,7 @@ def test_admin_rpcs_messages_and_enums_keep_their_shape() -> None:
 
 
 def test_the_set_acquire_keeps_its_shape_and_needs_the_job_role() -> None:
-    from tslice.security import auth
+    from tslice.security import roles
 
     _check_service(opb.DESCRIPTOR, ORCH_PKG, "TimeSliceOrchestratorService", SET_RPCS)
     for name, fields in SET_MESSAGES.items():
@@ -394,16 +394,16 @@ def test_the_set_acquire_keeps_its_shape_and_needs_the_job_role() -> None:
         assert found[field].message_type.full_name == type_name, (name, field)
         assert found[field].containing_oneof is not None, (name, field)
     service = f"/{ORCH_PKG}.TimeSliceOrchestratorService/AcquireSet"
-    assert auth.ORCHESTRATOR_RULES[service] is auth.Rule.JOB
+    assert roles.ORCHESTRATOR_RULES[service] is roles.Rule.JOB
 
 
 def test_admin_rpcs_need_the_admin_role() -> None:
     """What a caller without it gets: PERMISSION_DENIED naming the role (tests/security)."""
-    from tslice.security import auth
+    from tslice.security import roles
 
     service = f"/{ORCH_PKG}.TimeSliceOrchestratorService/"
     for name in ADMIN_RPCS:
-        assert auth.ORCHESTRATOR_RULES[service + name] is auth.Rule.ADMIN, name
+        assert roles.ORCHESTRATOR_RULES[service + name] is roles.Rule.ADMIN, name
 
 
 def test_admin_status_codes_keep_their_meaning() -> None:

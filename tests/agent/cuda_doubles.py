@@ -14,8 +14,9 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
-from tslice.agent import nvml, registration
+from tslice.agent import nvml
 from tslice.agent.backends import base, cuda, cuda_driver, cuda_fake, cuda_settings
+from tslice.agent.channel import registration
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
 
 GiB = 2**30

@@ -3,7 +3,7 @@
 gRPC aio cancels the handler coroutine when the client disconnects (an orchestrator
 SIGKILLed mid-call). These tests deliver that cancellation at the worst moment: while
 the store writes the job as TRANSITIONING, before the backend call is started. The
-store is the real SQLite store; a hook in its ``put`` cancels the task that is
+store is the real SQLite store; a hook in its ``commit`` cancels the task that is
 writing, so the moment is hit deterministically. (Before the fix, the write was
 awaited, the cancellation landed there, and the job stayed TRANSITIONING with an
 operation that never ran.)
@@ -18,38 +18,34 @@ from typing import Any
 
 import pytest
 
-from tslice.agent import grants, job_model, metrics, runner, store
+from tslice.agent import metrics
 from tslice.agent.backends import noop
+from tslice.agent.jobs import model
+from tslice.agent.moves import grant_plan, runner
+from tslice.agent.state import store
 
 
 class CancellingStore(store.Store):
     """A real store; once armed, its next write of a TRANSITIONING job cancels the writer."""
 
-    def __init__(self, path: Path) -> None:
-        super().__init__(path)
-        self.armed = False
-        self.fired = False
+    armed = False
+    fired = False
 
-    def put(
+    def commit(
         self,
         *,
-        job_records: Sequence[job_model.Job] = (),
-        operation_records: Sequence[job_model.Operation] = (),
-        grant_marks: Sequence[job_model.GrantMark] = (),
-        deleted_jobs: Sequence[job_model.Key] = (),
+        jobs: Sequence[model.Job] = (),
+        ops: Sequence[model.Operation] = (),
+        marks: Sequence[model.GrantMark] = (),
+        previous: model.Job | None,
     ) -> None:
-        if self.armed and any(j.state is job_model.State.TRANSITIONING for j in job_records):
+        if self.armed and any(j.state is model.State.TRANSITIONING for j in jobs):
             self.armed = False
             writer = asyncio.current_task()
             assert writer is not None
             writer.cancel()  # the caller disconnects while the write is in progress
             self.fired = True
-        return super().put(
-            job_records=job_records,
-            operation_records=operation_records,
-            grant_marks=grant_marks,
-            deleted_jobs=deleted_jobs,
-        )
+        super().commit(jobs=jobs, ops=ops, marks=marks, previous=previous)
 
 
 class Node:
@@ -66,7 +62,7 @@ class Node:
             node="node-a",
             backends={"noop": noop.NoopBackend()},
             default_backend="noop",
-            state=self.db,
+            store=self.db,
             agent_metrics=metrics.AgentMetrics(),
         )
         await self.core.start()
@@ -90,10 +86,10 @@ async def node(tmp_path: Path) -> AsyncIterator[Node]:
         await n.stop()
 
 
-async def grant(core: runner.AgentCore, job_id: str, **kw: Any) -> grants.GrantOutcome:
+async def grant(core: runner.AgentCore, job_id: str, **kw: Any) -> grant_plan.GrantOutcome:
     wait_s = kw.pop("wait_s", runner.DEFAULT_GRANT_WAIT_S)
     evict = [core.key(other, "g") for other in kw.pop("evict", ())]
-    order = grants.order(
+    order = grant_plan.order(
         job_id=job_id,
         group="g",
         epoch=kw.pop("epoch", 0),
@@ -116,7 +112,7 @@ async def cancel_while_storing(
     assert db.fired
 
 
-async def settled(core: runner.AgentCore, job_id: str) -> job_model.Job:
+async def settled(core: runner.AgentCore, job_id: str) -> model.Job:
     """The job once its last operation has finished (bounded, event-driven wait)."""
     job = core.job(job_id)
     assert job is not None
@@ -127,7 +123,7 @@ async def settled(core: runner.AgentCore, job_id: str) -> job_model.Job:
     return final
 
 
-async def assert_persisted(node: Node, expected: dict[str, job_model.State]) -> None:
+async def assert_persisted(node: Node, expected: dict[str, model.State]) -> None:
     await node.stop()
     core = await node.start()
     assert {j: core.job(j).state for j in expected} == expected  # type: ignore[union-attr]
@@ -142,24 +138,24 @@ async def test_cancelled_request_still_finishes_its_operation(node: Node, kind: 
         def request() -> Coroutine[Any, Any, object]:
             return grant(core, "job-a")
 
-        expected = job_model.State.RUNNING
+        expected = model.State.RUNNING
     else:
         await grant(core, "job-a")
         if kind == "restore":
             await core.directive(
-                job_model.Kind.SNAPSHOT, job_id="job-a", group="g", config=None, wait_s=5.0
+                model.Kind.SNAPSHOT, job_id="job-a", group="g", config=None, wait_s=5.0
             )
 
         def request() -> Coroutine[Any, Any, object]:
-            return core.directive(job_model.Kind(kind), job_id="job-a", group="g", config=None)
+            return core.directive(model.Kind(kind), job_id="job-a", group="g", config=None)
 
-        expected = job_model.State.SAVED if kind == "snapshot" else job_model.State.RUNNING
+        expected = model.State.SAVED if kind == "snapshot" else model.State.RUNNING
 
     await cancel_while_storing(db, request)
 
     job = await settled(core, "job-a")
     assert job.state is expected
-    assert core.get_operation(job.operation_id).status is job_model.OpStatus.COMPLETE
+    assert core.get_operation(job.operation_id).status is model.OpStatus.COMPLETE
     await assert_persisted(node, {"job-a": expected})
 
 
@@ -169,22 +165,18 @@ async def test_cancelled_one_step_grant_leaves_every_move_whole_and_can_be_reiss
     core, db = node.core, node.db
     assert core is not None and db is not None
     assert (await grant(core, "job-a", epoch=1)).granted
-    await core.directive(
-        job_model.Kind.SNAPSHOT, job_id="job-a", group="g", config=None, wait_s=5.0
-    )
+    await core.directive(model.Kind.SNAPSHOT, job_id="job-a", group="g", config=None, wait_s=5.0)
     assert (await grant(core, "job-b", epoch=2)).granted
-    await core.directive(
-        job_model.Kind.SNAPSHOT, job_id="job-b", group="g", config=None, wait_s=5.0
-    )
-    await core.directive(job_model.Kind.RESTORE, job_id="job-a", group="g", config=None, wait_s=5.0)
+    await core.directive(model.Kind.SNAPSHOT, job_id="job-b", group="g", config=None, wait_s=5.0)
+    await core.directive(model.Kind.RESTORE, job_id="job-a", group="g", config=None, wait_s=5.0)
 
     # Cut while the eviction of job-a is being stored.
     await cancel_while_storing(
         db,
         lambda: grant(core, "job-b", epoch=3, evict=["job-a"], restore=True, wait_s=5.0),
     )
-    assert (await settled(core, "job-a")).state is job_model.State.SAVED
+    assert (await settled(core, "job-a")).state is model.State.SAVED
 
     again = await grant(core, "job-b", epoch=3, evict=["job-a"], restore=True, wait_s=5.0)
-    assert again.granted and again.restored and again.state is job_model.State.RUNNING
-    await assert_persisted(node, {"job-a": job_model.State.SAVED, "job-b": job_model.State.RUNNING})
+    assert again.granted and again.restored and again.state is model.State.RUNNING
+    await assert_persisted(node, {"job-a": model.State.SAVED, "job-b": model.State.RUNNING})

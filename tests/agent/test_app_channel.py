@@ -15,8 +15,9 @@ from typing import Any
 import grpc
 import pytest
 
-from tslice.agent import channel, registration
+from tslice.agent import channel
 from tslice.agent.backends import app_channel, base, services
+from tslice.agent.channel import registration
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2_grpc as pb_grpc
 from tslice.common import errors

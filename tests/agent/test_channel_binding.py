@@ -25,9 +25,10 @@ import grpc
 import pytest
 
 from tests.agent.test_channel import HubServer, RawWorkload, _Servicer, _start
-from tslice.agent import channel, registration
+from tslice.agent import channel
+from tslice.agent.channel import registration
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2_grpc as pb_grpc
-from tslice.security import auth
+from tslice.security import identities, roles
 
 #: Far longer than any test: a workload that is let in during it did not wait the grace out.
 LONG_GRACE_S = 120.0
@@ -306,15 +307,19 @@ async def test_with_authentication_a_tcp_registration_needs_its_jobs_credential(
     # The agent's own pieces: the authenticating interceptor (static tokens) and the hub's
     # credential hook, on a real server.
     tokens = {"job-b": "token-of-job-b", "orchestrator": "token-of-the-orchestrator"}
-    verifier = auth.StaticVerifier(
+    verifier = identities.StaticVerifier(
         tokens=[
-            auth.Grant("job-b-cred", frozenset({auth.JOB}), ("job-b",), _sha(tokens["job-b"])),
-            auth.Grant("orch", frozenset({auth.ORCHESTRATOR}), (), _sha(tokens["orchestrator"])),
+            identities.Grant(
+                "job-b-cred", frozenset({identities.JOB}), ("job-b",), _sha(tokens["job-b"])
+            ),
+            identities.Grant(
+                "orch", frozenset({identities.ORCHESTRATOR}), (), _sha(tokens["orchestrator"])
+            ),
         ]
     )
-    hub = channel.ChannelHub(ping_interval_s=5.0, credentials=auth.job_credentials)
+    hub = channel.ChannelHub(ping_interval_s=5.0, credentials=roles.job_credentials)
     server = grpc.aio.server(
-        interceptors=[auth.Interceptor(verifier, auth.AGENT_RULES, server="agent")]
+        interceptors=[roles.Interceptor(verifier, roles.AGENT_RULES, server="agent")]
     )
     pb_grpc.add_SnapshotAgentServiceServicer_to_server(_Servicer(hub), server)
     port = server.add_insecure_port("127.0.0.1:0")

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from tests.agent.cuda_doubles import GPU0, GPU1, GiB, Node, exited_pid, job
-from tslice.agent import channel, nvml, registration
+from tslice.agent import channel, nvml
 from tslice.agent.backends import (
     base,
     cuda,
@@ -24,6 +24,7 @@ from tslice.agent.backends import (
     cuda_settings,
     services,
 )
+from tslice.agent.channel import registration
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
 from tslice.common import errors
 

@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 
 from tests.agent.cuda_doubles import CuProcessState, CuResult, FakeCudaModule, FakeTool
-from tslice.agent import registration
 from tslice.agent.backends import (
     base,
     cuda,
@@ -24,6 +23,7 @@ from tslice.agent.backends import (
     cuda_select,
     cuda_settings,
 )
+from tslice.agent.channel import registration
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
 
 S = cuda_driver.ProcessState

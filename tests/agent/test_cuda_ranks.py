@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 
 from tests.agent import barrier_ranks
-from tslice.agent import registration
 from tslice.agent.backends import base, cuda, cuda_driver, cuda_fake, cuda_settings
+from tslice.agent.channel import registration
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
 
 S = cuda_driver.ProcessState
@@ -214,7 +214,7 @@ async def test_a_hook_that_cannot_quiesce_refuses_the_snapshot(
 
         async def quiesce(self, pids: list[int], *, timeout_s: float) -> None:
             self.calls.append(("quiesce", list(pids)))
-            from tslice.agent import quiesce
+            from tslice.agent.channel import quiesce
 
             raise quiesce.HookError(f"pid {pids[0]}'s quiesce hook failed: busy")
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tslice.agent import registration
+from tslice.agent.channel import registration
 from tslice.workload import process
 
 

@@ -18,13 +18,12 @@ import pytest
 from tests.agent.conftest import AgentRunner
 from tests.agent.test_agent_process import AgentProcess, processes
 from tests.cli.test_cli import run_cli
-from tslice.agent import fencing
 from tslice.agent.backends import simdevice as device
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
 from tslice.orchestrator.switch import links, step
 from tslice.orchestrator.switch import pool as agents
 from tslice.rpc import refusals
-from tslice.security import leader_term
+from tslice.security import fencing, leader_term
 from tslice.server import grant_marks
 
 __all__ = ["processes"]  # the fixture, shared with the agent's process tests
@@ -46,6 +45,8 @@ def test_the_fence_admits_newer_and_refuses_older_directives() -> None:
     fence.admit(0, directive=True)  # embedded mode on a node that never saw a term
     fence.admit(3, directive=False)  # adopted from a read
     assert fence.seen == 3
+    # What a call must send to pass without a look (a GrantStream's grants compare it).
+    assert fence.current == fencing.Sent(3, "")
     fence.admit(1, directive=False)  # a read of an old leader is answered
     with pytest.raises(refusals.Refused) as old:
         fence.admit(2, directive=True)
@@ -60,7 +61,7 @@ def test_the_fence_admits_newer_and_refuses_older_directives() -> None:
     fence.admit(0, directive=True)
     with pytest.raises(refusals.Refused):
         fence.admit(2, directive=True)  # the knob never lets an old term through
-    assert fence.seen == 3
+    assert fence.seen == 3 and fence.current == fencing.Sent(3, "")
     with pytest.raises(refusals.Refused) as bad:
         fencing.sent_term([(KEY, "-1")])
     assert bad.value.code is refusals.Code.INVALID_ARGUMENT

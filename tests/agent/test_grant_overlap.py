@@ -13,15 +13,16 @@ import pytest
 from tests.agent.conftest import AgentRunner, GiB
 from tests.agent.test_agent_grant_step import a_running_b_saved, rpc_error, step
 from tests.agent.test_grant_plan import TARGET, order, rec, records
-from tslice.agent import grants, job_model
+from tslice.agent.jobs import model
+from tslice.agent.moves import grant_plan
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
 
-S = job_model.State
+S = model.State
 COMPLETE = pb.OPERATION_STATUS_COMPLETE
 
 
-def move(grant: grants.Order, *found: job_model.Job, overlap: bool = True) -> grants.Move:
-    return grants.next_move(grant, records(*found), target=TARGET, overlap=overlap)
+def move(grant: grant_plan.Order, *found: model.Job, overlap: bool = True) -> grant_plan.Move:
+    return grant_plan.next_move(grant, records(*found), target=TARGET, overlap=overlap)
 
 
 # ---- planned ----------------------------------------------------------------------------------
@@ -30,19 +31,21 @@ def move(grant: grants.Order, *found: job_model.Job, overlap: bool = True) -> gr
 def test_an_overlapping_backend_brings_a_saved_job_in_with_the_evictions() -> None:
     grant = order(evict=[("j0", "g")], restore=True)
     found = (rec("j0", S.RUNNING), rec("j1", S.SAVED))
-    assert move(grant, *found) == grants.Evict((("j0", "g"),), bring_in=True)
+    assert move(grant, *found) == grant_plan.Evict((("j0", "g"),), bring_in=True)
     # Sequential where the backend does not overlap, or nothing is to be restored.
-    assert move(grant, *found, overlap=False) == grants.Evict((("j0", "g"),))
-    assert move(order(evict=[("j0", "g")]), *found) == grants.Evict((("j0", "g"),))
-    assert move(grant, rec("j0", S.RUNNING)) == grants.Evict((("j0", "g"),))
+    assert move(grant, *found, overlap=False) == grant_plan.Evict((("j0", "g"),))
+    assert move(order(evict=[("j0", "g")]), *found) == grant_plan.Evict((("j0", "g"),))
+    assert move(grant, rec("j0", S.RUNNING)) == grant_plan.Evict((("j0", "g"),))
 
 
 def test_no_overlap_while_another_group_must_give_way_or_an_evictee_is_faulted() -> None:
     grant = order(evict=[("j0", "g")], give_way=[("k", "h")], restore=True)
     found = (rec("j0", S.RUNNING), rec("j1", S.SAVED), rec("k", S.RUNNING, group="h"))
-    assert move(grant, *found) == grants.Evict((("j0", "g"),))
+    assert move(grant, *found) == grant_plan.Evict((("j0", "g"),))
     faulted = (rec("j0", S.FAULTED), rec("j1", S.SAVED))
-    assert move(order(evict=[("j0", "g")], restore=True), *faulted) == grants.Evict((("j0", "g"),))
+    assert move(order(evict=[("j0", "g")], restore=True), *faulted) == grant_plan.Evict(
+        (("j0", "g"),)
+    )
 
 
 # ---- through an agent -------------------------------------------------------------------------
@@ -55,7 +58,7 @@ async def test_the_grant_runs_snapshot_and_restore_at_once(
 ) -> None:
     agent = await agents.start(backend_settings={"sim": OVERLAPPING})
     await a_running_b_saved(agent)
-    caplog.set_level(logging.INFO, logger="tslice.agent.runner")
+    caplog.set_level(logging.INFO, logger="tslice.agent.moves.runner")
     caplog.clear()
     reply = await agent.stub.Grant(step("job-b", epoch=3, evict=["job-a"]))
     assert reply.granted and reply.restored

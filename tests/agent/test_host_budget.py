@@ -18,8 +18,11 @@ from typing import Any
 import grpc
 import pytest
 
-from tslice.agent import job_model, nvml, parking, registration
+from tslice.agent import nvml
 from tslice.agent.backends import cuda, cuda_driver, cuda_fake, cuda_settings
+from tslice.agent.channel import registration
+from tslice.agent.jobs import model
+from tslice.agent.moves import parking
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
 
 GiB = 2**30
@@ -136,11 +139,11 @@ async def test_a_switch_whose_eviction_cannot_be_parked_touches_no_one(
 # --------------------------------------------------------------------------- the rule
 
 
-def _job(job_id: str, host_bytes: int, *, backend: str = "cuda") -> job_model.Job:
-    return job_model.Job(
+def _job(job_id: str, host_bytes: int, *, backend: str = "cuda") -> model.Job:
+    return model.Job(
         job_id=job_id,
         group="g",
-        state=job_model.State.SAVED,
+        state=model.State.SAVED,
         host_bytes=host_bytes,
         backend=backend,
     )

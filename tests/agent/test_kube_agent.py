@@ -23,7 +23,7 @@ from tests.kube.processes import LoggedServer
 from tslice.agent import app as agent_app
 from tslice.agent import config as agent_config
 from tslice.agent import discovery
-from tslice.agent.kube import admission, model, pods
+from tslice.agent.kube import node_pods, pod_registry, pods
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2_grpc as pb_grpc
 from tslice.server import kube_watch
@@ -92,8 +92,8 @@ async def test_the_agent_watches_the_job_pods_of_its_own_node_only(
     try:
         await asyncio.wait_for(watcher.synced(), WAIT_S)
         uid = mine["metadata"]["uid"]
-        assert watcher.model.pods() == [
-            model.PodInfo(uid, "rl/a-0", "job-a", "trainer", ("trainer", "sidecar"), "Running")
+        assert watcher.pods.pods() == [
+            node_pods.PodInfo(uid, "rl/a-0", "job-a", "trainer", ("trainer", "sidecar"), "Running")
         ]
         # What the agent asked for: its node's pods with a job label, in every namespace.
         await asyncio.to_thread(api.wait_for_watches, 1)
@@ -103,27 +103,27 @@ async def test_the_agent_watches_the_job_pods_of_its_own_node_only(
 
         api.apply(_pod("b-1", "node-b", _job("job-a", "trainer")))
         second = api.apply(_pod("a-1", NODE, _job("job-a", "sampler")))
-        await _until(watcher, lambda: len(watcher.model.of_job("job-a")) == 2)
-        assert [p.key for p in watcher.model.of_job("job-a")] == ["rl/a-0", "rl/a-1"]
+        await _until(watcher, lambda: len(watcher.pods.of_job("job-a")) == 2)
+        assert [p.key for p in watcher.pods.of_job("job-a")] == ["rl/a-0", "rl/a-1"]
 
         api.store.delete("pods", "rl", "a-0")  # a pod that goes leaves the model
-        await _until(watcher, lambda: len(watcher.model.pods()) == 1)
-        assert [p.uid for p in watcher.model.pods()] == [second["metadata"]["uid"]]
+        await _until(watcher, lambda: len(watcher.pods.pods()) == 1)
+        assert [p.uid for p in watcher.pods.pods()] == [second["metadata"]["uid"]]
     finally:
         await watcher.close()
 
 
 def test_a_process_may_register_only_for_the_job_and_group_of_its_pod(tmp_path: Path) -> None:
-    node_pods = model.NodePods()
-    trainer = model.PodInfo("11-aa", "rl/a-0", "job-a", "trainer", ("trainer",), "Running")
-    unlabelled_group = model.PodInfo("22-bb", "rl/b-0", "job-b", None, ("w",), "Running")
-    node_pods.replace([trainer, unlabelled_group])
+    on_node = node_pods.NodePods()
+    trainer = node_pods.PodInfo("11-aa", "rl/a-0", "job-a", "trainer", ("trainer",), "Running")
+    unlabelled_group = node_pods.PodInfo("22-bb", "rl/b-0", "job-b", None, ("w",), "Running")
+    on_node.replace([trainer, unlabelled_group])
     _in_pod(tmp_path, 100, "11-aa")
     _in_pod(tmp_path, 200, "22-bb")
     _in_pod(tmp_path, 300, None)
 
     def why(pid: int, job: str, group: str) -> str | None:
-        return admission.refusal(pid, job, group, node_pods, proc_root=tmp_path)
+        return pod_registry.refusal(pid, job, group, on_node, proc_root=tmp_path)
 
     assert why(100, "job-a", "trainer") is None
     assert why(100, "job-a", "") is None
@@ -140,12 +140,12 @@ def test_a_process_may_register_only_for_the_job_and_group_of_its_pod(tmp_path: 
 
 
 def test_the_gpu_processes_of_a_job_are_those_in_its_pods(tmp_path: Path) -> None:
-    node_pods = model.NodePods()
-    node_pods.replace(
+    on_node = node_pods.NodePods()
+    on_node.replace(
         [
-            model.PodInfo("11-aa", "rl/a-t", "job-a", "trainer", ("t",), "Running"),
-            model.PodInfo("22-bb", "rl/a-s", "job-a", "sampler", ("s",), "Running"),
-            model.PodInfo("33-cc", "rl/b-0", "job-b", None, ("w",), "Running"),
+            node_pods.PodInfo("11-aa", "rl/a-t", "job-a", "trainer", ("t",), "Running"),
+            node_pods.PodInfo("22-bb", "rl/a-s", "job-a", "sampler", ("s",), "Running"),
+            node_pods.PodInfo("33-cc", "rl/b-0", "job-b", None, ("w",), "Running"),
         ]
     )
     for pid, uid in ((100, "11-aa"), (101, "11-aa"), (200, "22-bb"), (300, "33-cc")):
@@ -155,7 +155,7 @@ def test_the_gpu_processes_of_a_job_are_those_in_its_pods(tmp_path: Path) -> Non
     nvml.append(discovery.GpuProcess(100, 1, "GPU-1", 1 << 30))  # one process, two GPUs
 
     def pids(job: str, group: str) -> list[int]:
-        return admission.pids_of_job(job, group, nvml, node_pods, proc_root=tmp_path)
+        return pod_registry.pids_of_job(job, group, nvml, on_node, proc_root=tmp_path)
 
     assert pids("job-a", "") == [100, 101, 200]
     assert pids("job-a", "trainer") == [100, 101]

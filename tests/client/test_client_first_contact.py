@@ -4,6 +4,7 @@ address that fails fast and says so (instead of retrying silently forever)."""
 from __future__ import annotations
 
 import contextlib
+import pathlib
 import socket
 import time
 from collections.abc import Callable, Iterator
@@ -13,7 +14,8 @@ from typing import Any
 import pytest
 
 import tslice
-from tests.client.client_fakes import FakeOrchestrator, ServerThread
+from tests.client.client_fakes import ServerThread
+from tests.client.servers import Servers
 from tslice.client import _address, compat
 from tslice.common import errors
 
@@ -226,14 +228,19 @@ def test_the_llm_d_client_reports_an_llm_d_connection_error(
 
 
 def test_a_server_that_comes_up_within_the_bound_is_used(
-    server_thread: ServerThread, executor: futures.ThreadPoolExecutor
+    tmp_path: pathlib.Path, executor: futures.ThreadPoolExecutor
 ) -> None:
     """Starting the client a moment before the orchestrator is fine: the first call waits."""
-    with closed_port() as address:
-        port = int(address.rsplit(":", 1)[1])
-        with tslice.Client(address, job_id="j", connect_timeout=30) as client:
-            listing = executor.submit(client.list_groups)
-            with pytest.raises(futures.TimeoutError):
-                listing.result(0.3)  # refused, and waiting for the orchestrator
-            server_thread.start(FakeOrchestrator(), port=port)
-            assert listing.result(30) == ("a", "b", "g")
+    servers = Servers(tmp_path)
+    try:
+        servers.start_agent("node-a", default_backend="noop")
+        with closed_port() as address:
+            port = int(address.rsplit(":", 1)[1])
+            with tslice.Client(address, job_id="j", connect_timeout=30) as client:
+                listing = executor.submit(client.list_groups)
+                with pytest.raises(futures.TimeoutError):
+                    listing.result(0.3)  # refused, and waiting for the orchestrator
+                servers.start_orchestrator(port=port, groups={"g": ("node-a",)})
+                assert listing.result(30) == ("g",)
+    finally:
+        servers.close()

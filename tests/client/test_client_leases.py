@@ -17,8 +17,7 @@ import httpx
 import pytest
 
 import tslice
-from tests.orchestrator.orch_harness import Cluster, Events, acquire, one_node
-from tests.orchestrator.test_operations import free_port
+from tests.orchestrator.orch_harness import Cluster, Events, acquire, free_port, one_node
 from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2 as opb
 from tslice.client import _lease
 from tslice.client.compat import TimeSliceOrchestratorClient

@@ -13,8 +13,7 @@ import grpc
 import pytest
 
 import tslice
-from tests.orchestrator.orch_harness import Cluster, Events, one_node
-from tests.orchestrator.test_operations import free_port
+from tests.orchestrator.orch_harness import Cluster, Events, free_port, one_node
 from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2 as opb
 from tslice.common import errors
 from tslice.orchestrator import server as orch_server

@@ -1,4 +1,6 @@
-"""slice() / sliced(): ordering, release on exceptions, nesting, decorators."""
+"""slice() / sliced(): ordering, release on exceptions, nesting, decorators (real
+orchestrators: ours, and one as llm-d's, without AcquireSet, where a slice takes its
+groups one by one in sorted order)."""
 
 from __future__ import annotations
 
@@ -9,63 +11,65 @@ import grpc
 import pytest
 
 import tslice
-from tests.client.client_fakes import FakeOrchestrator, ServerThread
+from tests.client.servers import Orchestrator
 from tslice.common import errors
 
 
-@pytest.fixture
-def client(orchestrator: ServerThread) -> Iterator[tslice.Client]:
+def _client(orchestrator: Orchestrator) -> Iterator[tslice.Client]:
     with tslice.Client(orchestrator.address, job_id="me", default_group="g") as client:
         yield client
 
 
-def fake(server: ServerThread) -> FakeOrchestrator:
-    return server.servicer  # type: ignore[no-any-return]
+@pytest.fixture
+def client(orchestrator: Orchestrator) -> Iterator[tslice.Client]:
+    yield from _client(orchestrator)
 
 
-def sequence(server: ServerThread) -> list[tuple[str, str]]:
-    """(method, group) of every Acquire/Yield the orchestrator saw, in order."""
-    return server.call(
-        lambda: [
-            (c.method, c.group_id) for c in fake(server).calls if c.method in {"Acquire", "Yield"}
-        ]
-    )
+@pytest.fixture
+def llm_d_client(llm_d_orchestrator: Orchestrator) -> Iterator[tslice.Client]:
+    yield from _client(llm_d_orchestrator)
 
 
-def holders(server: ServerThread) -> dict[str, str]:
-    return server.call(lambda: {name: g.holder for name, g in fake(server).groups.items()})
-
-
-def test_groups_are_acquired_sorted_and_yielded_in_reverse(
-    client: tslice.Client, orchestrator: ServerThread
+def test_without_acquire_set_groups_are_acquired_sorted_and_yielded_in_reverse(
+    llm_d_client: tslice.Client, llm_d_orchestrator: Orchestrator
 ) -> None:
-    with client.slice("b", "a", "b") as held:
-        assert holders(orchestrator) == {"a": "me", "b": "me", "g": ""}
+    with llm_d_client.slice("b", "a", "b") as held:
+        assert llm_d_orchestrator.holders() == {"a": "me", "b": "me", "g": ""}
         assert sorted(held) == ["a", "b"] and held["a"].success
-    assert sequence(orchestrator) == [
+    assert llm_d_orchestrator.lock_calls() == [
         ("Acquire", "a"),
         ("Acquire", "b"),
         ("Yield", "b"),
         ("Yield", "a"),
     ]
-    assert holders(orchestrator) == {"a": "", "b": "", "g": ""}
+    assert llm_d_orchestrator.holders() == {"a": "", "b": "", "g": ""}
+
+
+def test_with_acquire_set_groups_are_taken_together_and_yielded_in_reverse(
+    client: tslice.Client, orchestrator: Orchestrator
+) -> None:
+    with client.slice("b", "a", "b") as held:
+        assert orchestrator.holders() == {"a": "me", "b": "me", "g": ""}
+        assert sorted(held) == ["a", "b"]
+    assert len(orchestrator.script.calls_of("AcquireSet")) == 1
+    assert orchestrator.lock_calls() == [("Yield", "b"), ("Yield", "a")]
 
 
 def test_groups_are_yielded_when_the_block_raises(
-    client: tslice.Client, orchestrator: ServerThread
+    client: tslice.Client, orchestrator: Orchestrator
 ) -> None:
     with pytest.raises(RuntimeError, match="training blew up"), client.slice("a", "b"):
         raise RuntimeError("training blew up")
-    assert holders(orchestrator) == {"a": "", "b": "", "g": ""}
+    assert orchestrator.holders() == {"a": "", "b": "", "g": ""}
 
 
 def test_a_failed_acquire_releases_the_groups_already_taken(
-    client: tslice.Client, orchestrator: ServerThread
+    llm_d_client: tslice.Client, llm_d_orchestrator: Orchestrator
 ) -> None:
-    # "zzz-missing" does not exist on the fake: NOT_FOUND after "a" was granted.
-    with pytest.raises(errors.UnknownGroup), client.slice("a", "zzz-missing"):
+    # "zzz-missing" is no group of the topology: NOT_FOUND after "a" was granted.
+    with pytest.raises(errors.UnknownGroup), llm_d_client.slice("a", "zzz-missing"):
         pytest.fail("the block must not run")
-    assert sequence(orchestrator) == [
+    assert llm_d_orchestrator.lock_calls() == [
         ("Acquire", "a"),
         ("Acquire", "zzz-missing"),
         ("Yield", "a"),
@@ -73,79 +77,81 @@ def test_a_failed_acquire_releases_the_groups_already_taken(
 
 
 def test_slice_timeout_raises_acquire_timeout_and_releases(
-    client: tslice.Client, orchestrator: ServerThread
+    llm_d_client: tslice.Client, llm_d_orchestrator: Orchestrator
 ) -> None:
-    orchestrator.call(lambda: setattr(fake(orchestrator).groups["b"], "holder", "other"))
-    with pytest.raises(tslice.AcquireTimeout) as caught, client.slice("a", "b", timeout=0.3):
-        pytest.fail("the block must not run")
+    with tslice.Client(llm_d_orchestrator.address, job_id="other", lease_s=None) as other:
+        other.acquire("b")
+        with (
+            pytest.raises(tslice.AcquireTimeout) as caught,
+            llm_d_client.slice("a", "b", timeout=0.3),
+        ):
+            pytest.fail("the block must not run")
     assert caught.value.group_id == "b"
-    assert holders(orchestrator)["a"] == ""
+    assert llm_d_orchestrator.holder("a") == ""
 
 
 def test_yield_failure_surfaces_after_a_clean_block(
-    client: tslice.Client, orchestrator: ServerThread
+    client: tslice.Client, orchestrator: Orchestrator
 ) -> None:
-    orchestrator.call(
-        lambda: fake(orchestrator).failures["Yield"].append((grpc.StatusCode.INTERNAL, "disk full"))
-    )
+    orchestrator.script.fail_next("Yield", grpc.StatusCode.INTERNAL, "disk full")
     with pytest.raises(errors.RPCError, match="disk full"), client.slice("a", "b"):
         pass
     # The other group was still yielded.
-    assert holders(orchestrator)["a"] == ""
+    assert orchestrator.holder("a") == ""
 
 
 def test_yield_failure_never_hides_the_blocks_exception(
-    client: tslice.Client, orchestrator: ServerThread, caplog: pytest.LogCaptureFixture
+    client: tslice.Client, orchestrator: Orchestrator, caplog: pytest.LogCaptureFixture
 ) -> None:
-    orchestrator.call(
-        lambda: fake(orchestrator).failures["Yield"].append((grpc.StatusCode.INTERNAL, "disk full"))
-    )
+    orchestrator.script.fail_next("Yield", grpc.StatusCode.INTERNAL, "disk full")
     with pytest.raises(KeyError), client.slice("a"):
         raise KeyError("original")
     assert "could not yield group a" in caplog.text
 
 
-def test_nested_slices_hold_a_group_once(client: tslice.Client, orchestrator: ServerThread) -> None:
+def test_nested_slices_hold_a_group_once(client: tslice.Client, orchestrator: Orchestrator) -> None:
     with client.slice("a") as outer:
         with client.slice("a", "b") as inner:
             assert inner["a"] == outer["a"]
         # Leaving the inner slice yields only what it added.
-        assert holders(orchestrator) == {"a": "me", "b": "", "g": ""}
-    assert holders(orchestrator)["a"] == ""
-    assert sequence(orchestrator).count(("Acquire", "a")) == 1
+        assert orchestrator.holders() == {"a": "me", "b": "", "g": ""}
+    assert orchestrator.holder("a") == ""
+    assert orchestrator.lock_calls().count(("Acquire", "a")) == 1
 
 
 def test_sliced_decorator_holds_the_group_per_call(
-    client: tslice.Client, orchestrator: ServerThread
+    client: tslice.Client, orchestrator: Orchestrator
 ) -> None:
     @client.sliced("a")
     def step(x: int) -> tuple[int, str]:
-        return x * 2, holders(orchestrator)["a"]
+        return x * 2, orchestrator.holder("a")
 
     assert step(3) == (6, "me")
     assert step.__name__ == "step"
-    assert holders(orchestrator)["a"] == ""
+    assert orchestrator.holder("a") == ""
     assert step(4) == (8, "me")
-    assert sequence(orchestrator).count(("Acquire", "a")) == 2
+    assert orchestrator.lock_calls().count(("Acquire", "a")) == 2
 
 
 def test_slice_object_is_itself_a_decorator_and_reusable(
-    client: tslice.Client, orchestrator: ServerThread
+    client: tslice.Client, orchestrator: Orchestrator
 ) -> None:
     trainer = client.slice()  # the default group
 
     @trainer
     def recurse(n: int) -> int:
-        assert holders(orchestrator)["g"] == "me"
+        assert orchestrator.holder("g") == "me"
         return 0 if n == 0 else 1 + recurse(n - 1)
 
     assert recurse(3) == 3
     with trainer, trainer:
         pass
-    assert sequence(orchestrator).count(("Acquire", "g")) == 2
+    assert orchestrator.lock_calls().count(("Acquire", "g")) == 2
 
 
-def test_sync_decorator_refuses_coroutine_functions(client: tslice.Client) -> None:
+def test_sync_decorator_refuses_coroutine_functions() -> None:
+    client = tslice.Client(None)
+
     async def coroutine() -> None:
         pass
 
@@ -154,7 +160,7 @@ def test_sync_decorator_refuses_coroutine_functions(client: tslice.Client) -> No
 
 
 def test_two_threads_of_one_job_share_a_hold(
-    client: tslice.Client, orchestrator: ServerThread, executor: futures.ThreadPoolExecutor
+    client: tslice.Client, orchestrator: Orchestrator, executor: futures.ThreadPoolExecutor
 ) -> None:
     """The second thread's slice rides on the first's grant; the group is yielded
     only when the last of them leaves."""
@@ -171,6 +177,6 @@ def test_two_threads_of_one_job_share_a_hold(
     with client.slice("a"):
         leave.set_result(None)
         running.result(10)
-        assert holders(orchestrator)["a"] == "me"
-    assert holders(orchestrator)["a"] == ""
-    assert sequence(orchestrator) == [("Acquire", "a"), ("Yield", "a")]
+        assert orchestrator.holder("a") == "me"
+    assert orchestrator.holder("a") == ""
+    assert orchestrator.lock_calls() == [("Acquire", "a"), ("Yield", "a")]

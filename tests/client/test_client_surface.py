@@ -12,7 +12,7 @@ import tslice.client
 import tslice.client.compat
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
 from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2 as opb
-from tslice.client import _channel, _services
+from tslice.client import _services, _streams
 
 
 def test_tslice_exports_are_pinned() -> None:
@@ -220,13 +220,13 @@ def test_the_health_check_is_grpc_health_v1_on_the_wire() -> None:
     StringValue and Int32Value encode exactly as HealthCheckRequest and -Response."""
     from grpc_health.v1 import health_pb2
 
-    request = _channel.HealthCheckRequest(value="trainer")
+    request = _streams.HealthCheckRequest(value="trainer")
     assert request.SerializeToString() == (
         health_pb2.HealthCheckRequest(service="trainer").SerializeToString()
     )
-    for number, name in _channel.SERVING_STATUS.items():
+    for number, name in _streams.SERVING_STATUS.items():
         wire = health_pb2.HealthCheckResponse(status=number).SerializeToString()
-        assert _channel.HealthCheckResponse.FromString(wire).value == number
+        assert _streams.HealthCheckResponse.FromString(wire).value == number
         assert health_pb2.HealthCheckResponse.ServingStatus.Name(number) == name
     assert _services.AgentCalls.check_health.method.service == "grpc.health.v1.Health"
 

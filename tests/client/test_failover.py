@@ -19,7 +19,7 @@ import grpc
 import pytest
 
 import tslice
-from tests.client.test_against_servers import QUEUED, Servers, wait_for_event, watching
+from tests.client.servers import QUEUED, Servers, wait_for_event, watching
 from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2 as opb
 from tslice.client import _address, _config, _failover
 from tslice.common import errors
@@ -145,7 +145,7 @@ def test_sync_client_follows_the_redirect_with_an_acquire_in_flight(
         tslice.Client(address, job_id="job-b", default_group="trainer") as b,
     ):
         assert a.acquire().success
-        with watching(servers, "trainer") as events:
+        with watching(servers.orchestrator, "trainer") as events:
             # job-b's Acquire reaches the follower first, which refuses it mid-stream.
             waiting = executor.submit(b.acquire)
             wait_for_event(events, QUEUED, "job-b")

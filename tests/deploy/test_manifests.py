@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import functools
 import re
-import shutil
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path, PurePosixPath
@@ -25,6 +24,7 @@ import typer.main
 import yaml
 from kubernetes_validate import utils as k8s_schemas
 
+from tests import debian_tools
 from tests.deploy import image
 from tslice.agent import config as agent_config
 from tslice.cli import main
@@ -52,20 +52,18 @@ WORKLOADS = {"Deployment", "DaemonSet", "Pod"}
 ORCHESTRATOR = "tslice-orchestrator"
 AGENT = "tslice-agent"
 
-KUBECTL = shutil.which("kubectl")
-pytestmark = pytest.mark.skipif(
-    KUBECTL is None,
-    reason="kubectl is not on PATH (Debian/Ubuntu: apt-get install -y kubectl; CI installs it)",
-)
 
 Obj = dict[str, Any]
 
 
 @functools.cache
 def render(overlay: str) -> tuple[Obj, ...]:
-    assert KUBECTL is not None
     done = subprocess.run(
-        [KUBECTL, "kustomize", str(KUSTOMIZE / "overlays" / overlay)],
+        [
+            debian_tools.binary("kubectl", "kubectl"),
+            "kustomize",
+            str(KUSTOMIZE / "overlays" / overlay),
+        ],
         capture_output=True,
         text=True,
         timeout=60,
@@ -455,8 +453,6 @@ def cli_flags(name: str) -> set[str]:
 
 
 def command_lines() -> list[Obj]:
-    if KUBECTL is None:
-        return []
     return [
         pytest.param(w, id=f"{overlay}:{name_of(w)}")
         for overlay in OVERLAYS

@@ -8,11 +8,12 @@ from __future__ import annotations
 import configparser
 import pathlib
 import shlex
-import shutil
 import subprocess
 import sys
 
 import pytest
+
+from tests import debian_tools
 
 UNITS = pathlib.Path(__file__).resolve().parents[2] / "deploy" / "systemd"
 INSTALLED = "/usr/local/bin/tslice"
@@ -58,7 +59,6 @@ def test_the_orchestrator_runs_unprivileged_and_the_agent_as_root_with_what_that
     assert "u tslice - " in sysusers
 
 
-@pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd is not installed")
 @pytest.mark.parametrize("name", ["tslice-orchestrator.service", "tslice-agent.service"])
 def test_systemd_analyze_verify_finds_nothing(name: str, tmp_path: pathlib.Path) -> None:
     # Verified with the tslice of this venv where the unit has /usr/local/bin/tslice (verify
@@ -66,8 +66,9 @@ def test_systemd_analyze_verify_finds_nothing(name: str, tmp_path: pathlib.Path)
     here = str(pathlib.Path(sys.executable).with_name("tslice"))
     copy = tmp_path / name
     copy.write_text((UNITS / name).read_text().replace(INSTALLED, here))
+    analyze = debian_tools.binary("systemd-analyze", "systemd")
     done = subprocess.run(
-        ["systemd-analyze", "verify", "--man=no", str(copy)],
+        [analyze, "verify", "--man=no", str(copy)],
         capture_output=True,
         text=True,
         check=False,

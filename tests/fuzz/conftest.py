@@ -17,7 +17,7 @@ from collections.abc import Iterator, Sequence
 import grpc
 import pytest
 
-from tests.fuzz import calls, methods
+from tests.fuzz import calls
 from tests.integration.test_hostile_agent import Server
 
 NODE = "node-a"
@@ -74,7 +74,6 @@ def orchestrator_process(
 #: Any other means a failure the caller was not told about (a crashed task, say).
 KNOWN_TRACEBACKS = (
     ("Health/List", "grpcio-health-checking's servicer has no List: UNIMPLEMENTED, logged"),
-    *(() if methods.UNDECODABLE_REFUSED else (("DecodeError", "requests/fuzz.md 1"),)),
 )
 
 

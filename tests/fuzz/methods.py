@@ -9,12 +9,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib.util
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import grpc
-import pytest
 from google.protobuf import descriptor, message, message_factory
 from grpc_health.v1 import health_pb2
 from hypothesis import strategies as st
@@ -25,15 +23,6 @@ from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2_grpc as 
 
 #: Server streams that send their headers once set up and then only events.
 SUBSCRIPTIONS = frozenset({"WatchEvents"})
-#: Whether the servers parse their own requests (the interceptor asked for in
-#: .scratch/requests/fuzz.md). Until then bytes that do not parse end a unary call
-#: UNKNOWN and a stream OK, and the random-bytes tests are expected to fail.
-UNDECODABLE_REFUSED = importlib.util.find_spec("tslice.rpc.undecodable") is not None
-refuses_undecodable = pytest.mark.xfail(
-    not UNDECODABLE_REFUSED,
-    reason="undecodable requests end UNKNOWN (unary) or OK (streams): tslice.rpc.undecodable",
-    strict=True,
-)
 #: The field the first message of a stream sets, often, to get past "first say who you are".
 FIRST_FIELD = {"WorkloadChannel": "register"}
 

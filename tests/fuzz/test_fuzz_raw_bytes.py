@@ -23,7 +23,6 @@ CASES = [
 
 
 @pytest.mark.parametrize(("server", "method"), CASES)
-@methods.refuses_undecodable
 @given(payloads=st.lists(strategies.random_bytes(), min_size=1, max_size=3))
 @example(payloads=[b"\xff"])
 @fuzz_settings(15)

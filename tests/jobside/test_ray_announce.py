@@ -4,7 +4,7 @@ A local Ray with two logical GPUs (none is real: Ray hands out the ids, which is
 is needed) runs a job's actors: two GPU workers that do what veRL's workers do when verl
 loads its plugins (``import tslice.rl.verl``), one GPU actor that makes its Phases
 (``tslice.rl.ray.phases``), and a controller without GPUs (as veRL's TaskRunner). The
-node agent's registration server (``tslice.agent.registration``, the component of the
+node agent's registration server (``tslice.agent.channel.registration``, the component of the
 agent that the cuda backend reads its processes from) runs in this process on a Unix
 socket the actors find through ``$TSLICE_AGENT_REGISTER_SOCKET``, as ``env_vars`` passes
 it. The agent must know every GPU worker's PID, with its job and group, and not the
@@ -29,7 +29,7 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 ray = pytest.importorskip("ray")
 
 import tslice.rl.ray  # noqa: E402
-from tslice.agent import registration  # noqa: E402
+from tslice.agent.channel import registration  # noqa: E402
 
 pytestmark = [
     pytest.mark.timeout(300),

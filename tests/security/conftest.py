@@ -16,7 +16,7 @@ from collections.abc import Iterator, Sequence
 import pytest
 
 from tests.integration.test_hostile_agent import Server, closed_port
-from tslice.cli import certs_cmd
+from tslice.security import certs as pki
 from tslice.security import tls
 
 #: The client identities every test may use.
@@ -28,12 +28,12 @@ class Certs:
     """A development CA, a server certificate and one client certificate per identity."""
 
     directory: pathlib.Path
-    ca: certs_cmd.Pair
-    server: certs_cmd.Pair
+    ca: pki.Pair
+    server: pki.Pair
 
-    def client(self, identity: str) -> certs_cmd.Pair:
-        stem = certs_cmd.file_stem(identity)
-        return certs_cmd.Pair(self.directory / f"{stem}.pem", self.directory / f"{stem}.key")
+    def client(self, identity: str) -> pki.Pair:
+        stem = pki.file_stem(identity)
+        return pki.Pair(self.directory / f"{stem}.pem", self.directory / f"{stem}.key")
 
     def env(self, identity: str | None) -> dict[str, str]:
         """The job-side variables: this CA, and ``identity``'s certificate if given."""
@@ -45,13 +45,11 @@ class Certs:
 
 
 def make_certs(directory: pathlib.Path, identities: Sequence[str] = IDENTITIES) -> Certs:
-    ca = certs_cmd.make_ca(directory)
-    server = certs_cmd.make_server(
-        ca, certs_cmd.Pair(directory / "server.pem", directory / "server.key")
-    )
+    ca = pki.make_ca(directory)
+    server = pki.make_server(ca, pki.Pair(directory / "server.pem", directory / "server.key"))
     made = Certs(directory, ca, server)
     for identity in identities:
-        certs_cmd.make_client(ca, made.client(identity), identity=identity)
+        pki.make_client(ca, made.client(identity), identity=identity)
     return made
 
 

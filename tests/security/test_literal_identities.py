@@ -16,8 +16,8 @@ from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2_grpc as pb_grpc
 from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2 as opb
 from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2_grpc as opb_grpc
-from tslice.cli import certs_cmd
-from tslice.security import auth, tls
+from tslice.security import certs as pki
+from tslice.security import identities, tls
 
 TIMEOUT_S = 20.0
 
@@ -27,10 +27,10 @@ def _wildcard_certificate(
 ) -> tls.ClientSecurity:
     """A client certificate for ``identity`` signed by the servers' CA, made as an outside
     PKI would (no check of the name)."""
-    x509 = certs_cmd._lib().x509
-    pair = certs_cmd.Pair(directory / "wild.pem", directory / "wild.key")
-    san = x509.UniformResourceIdentifier(auth.IDENTITY_SCHEME + identity)
-    certs_cmd._issue(stack.certs.ca, pair, common_name=identity, sans=[san], client=True, days=1)
+    x509 = pki._lib().x509
+    pair = pki.Pair(directory / "wild.pem", directory / "wild.key")
+    san = x509.UniformResourceIdentifier(identities.IDENTITY_SCHEME + identity)
+    pki._issue(stack.certs.ca, pair, common_name=identity, sans=[san], client=True, days=1)
     env = stack.certs.env(None)
     env.update(TSLICE_TLS_CERT=str(pair.cert), TSLICE_TLS_KEY=str(pair.key))
     return tls.ClientSecurity.from_env(env)
@@ -85,14 +85,18 @@ def test_two_authorization_headers_are_refused(secure_stack: SecureStack) -> Non
 
 def test_grant_job_ids_are_literal_and_prefixes_explicit() -> None:
     with pytest.raises(ValueError, match=r"x\.jobs\[0\].*job_prefixes: \['ci/'\]"):
-        auth.Grant.parse({"name": "ci", "roles": ["job"], "jobs": ["ci/*"]}, where="x", token=False)
+        identities.Grant.parse(
+            {"name": "ci", "roles": ["job"], "jobs": ["ci/*"]}, where="x", token=False
+        )
     with pytest.raises(ValueError, match=r"x\.jobs\[0\]"):
-        auth.Grant.parse({"name": "ci", "roles": ["job"], "jobs": ["*"]}, where="x", token=False)
+        identities.Grant.parse(
+            {"name": "ci", "roles": ["job"], "jobs": ["*"]}, where="x", token=False
+        )
     with pytest.raises(ValueError, match=r"x\.job_prefixes\[0\]"):
-        auth.Grant.parse(
+        identities.Grant.parse(
             {"name": "ci", "roles": ["job"], "job_prefixes": [""]}, where="x", token=False
         )
-    grant = auth.Grant.parse(
+    grant = identities.Grant.parse(
         {"name": "ci", "roles": ["job"], "jobs": ["nightly"], "job_prefixes": ["ci/"]},
         where="x",
         token=False,
@@ -103,7 +107,9 @@ def test_grant_job_ids_are_literal_and_prefixes_explicit() -> None:
 
 
 def test_a_custom_verifiers_job_ids_are_literal_too() -> None:
-    principal = auth.Principal("pod:x", frozenset({auth.JOB}), ("*", "job-?"), "kubernetes")
+    principal = identities.Principal(
+        "pod:x", frozenset({identities.JOB}), ("*", "job-?"), "kubernetes"
+    )
     assert not principal.may_act_as("job-a") and not principal.may_act_as("anything")
     assert principal.may_act_as("*")  # (only the literal string, which no job id can be)
 
@@ -112,5 +118,5 @@ def test_a_custom_verifiers_job_ids_are_literal_too() -> None:
 def test_the_certificate_convention_refuses_a_job_identity_that_is_not_a_job_id(
     identity: str,
 ) -> None:
-    with pytest.raises(auth.Unauthenticated, match="compared literally"):
-        auth.StaticVerifier().verify(auth.Presented(identities=(identity,)))
+    with pytest.raises(identities.Unauthenticated, match="compared literally"):
+        identities.StaticVerifier().verify(identities.Presented(identities=(identity,)))

@@ -18,7 +18,7 @@ import pytest
 
 from tests.security.conftest import Certs
 from tslice.common import errors
-from tslice.security import auth, tls
+from tslice.security import identities, tls
 from tslice.server import metrics_http
 
 TOKEN = "scraper-token-0123456789"
@@ -30,9 +30,9 @@ def _app() -> metrics_http.WSGIApp:
     return prometheus_client.make_wsgi_app(registry)
 
 
-def _auth() -> auth.AuthSettings:
+def _auth() -> identities.AuthSettings:
     digest = hashlib.sha256(TOKEN.encode()).hexdigest()
-    settings = auth.AuthSettings.from_mapping(
+    settings = identities.AuthSettings.from_mapping(
         {"tokens": [{"name": "scraper", "roles": [], "sha256": digest}]}
     )
     assert settings is not None
@@ -41,7 +41,7 @@ def _auth() -> auth.AuthSettings:
 
 @contextlib.contextmanager
 def _serving(
-    *, server_tls: tls.ServerTLS | None = None, auth_settings: auth.AuthSettings | None = None
+    *, server_tls: tls.ServerTLS | None = None, auth_settings: identities.AuthSettings | None = None
 ) -> Iterator[str]:
     """The endpoint's URL while it serves."""
     server = metrics_http.serve(

@@ -23,13 +23,14 @@ from tests.security.conftest import (
     serving,
     tls_args,
 )
-from tslice.cli import certs_cmd, main
+from tslice.cli import main
 from tslice.client.compat import (
     SnapshotAgentClient,
     SnapshotAgentError,
     TimeSliceOrchestratorClient,
 )
 from tslice.common import errors
+from tslice.security import certs as pki
 from tslice.security import tls
 
 #: A first connection that cannot happen fails after this (the default waits 5 s).
@@ -87,7 +88,7 @@ def test_a_certificate_of_another_ca_is_refused(
         client.list_groups()
 
 
-def _install(source: certs_cmd.Pair, target: certs_cmd.Pair) -> None:
+def _install(source: pki.Pair, target: pki.Pair) -> None:
     """As a renewal does: new files written aside, then renamed into place."""
     for src, dst in ((source.cert, target.cert), (source.key, target.key)):
         tmp = dst.with_suffix(".new")
@@ -98,7 +99,7 @@ def _install(source: certs_cmd.Pair, target: certs_cmd.Pair) -> None:
 def test_a_renewed_certificate_is_served_without_a_restart(
     tmp_path: pathlib.Path, certs: Certs, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    served = certs_cmd.Pair(tmp_path / "served.pem", tmp_path / "served.key")
+    served = pki.Pair(tmp_path / "served.pem", tmp_path / "served.key")
     _install(certs.server, served)
     renewed = make_certs(tmp_path / "renewed", identities=())  # another CA: told apart
     args = orchestrator_args(tmp_path, "127.0.0.1:9")
@@ -166,7 +167,7 @@ def test_the_orchestrator_takes_a_renewed_client_certificate_up_without_a_restar
     renewed = make_certs(tmp_path / "renewed", identities=("orchestrator",))
     trusted = tmp_path / "client-ca.pem"
     trusted.write_bytes(certs.ca.cert.read_bytes())
-    mine = certs_cmd.Pair(tmp_path / "me.pem", tmp_path / "me.key")
+    mine = pki.Pair(tmp_path / "me.pem", tmp_path / "me.key")
     _install(certs.client("orchestrator"), mine)
     agent = agent_args(tmp_path, *tls_args(certs, mutual=False), "--tls-client-ca", str(trusted))
     agent[agent.index("--port") + 1] = port = str(closed_port())

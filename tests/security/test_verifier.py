@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from tslice.common import errors
-from tslice.security import auth, tls
+from tslice.security import identities, tls
 
 
 def _sha(token: str) -> str:
@@ -32,23 +32,30 @@ def test_a_rotated_tokens_file_is_read_again_and_the_old_token_refused(
 ) -> None:
     tokens = tmp_path / "tokens.yaml"
     _write(tokens, f"tokens: [{{name: ops, roles: [admin], sha256: {_sha('old')}}}]\n")
-    verifier = auth.StaticVerifier(tokens_file=tokens, load_yaml=yaml.safe_load, reload_check_s=0)
-    principal = verifier.verify(auth.Presented(token="old"))
-    assert principal == auth.Principal("ops", frozenset({"admin"}), (), "token")
+    verifier = identities.StaticVerifier(
+        tokens_file=tokens, load_yaml=yaml.safe_load, reload_check_s=0
+    )
+    principal = verifier.verify(identities.Presented(token="old"))
+    assert principal == identities.Principal("ops", frozenset({"admin"}), (), "token")
     _write(tokens, f"tokens: [{{name: ops, roles: [admin], sha256: {_sha('new')}}}]\n")
     _reread(verifier)
-    assert verifier.verify(auth.Presented(token="new")) == principal
-    with pytest.raises(auth.Unauthenticated):
-        verifier.verify(auth.Presented(token="old"))
+    assert verifier.verify(identities.Presented(token="new")) == principal
+    with pytest.raises(identities.Unauthenticated):
+        verifier.verify(identities.Presented(token="old"))
     _write(tokens, "tokens: [{name: ops, roles: [wizard], sha256: 00}]\n")  # a bad edit
     _reread(verifier)
-    assert verifier.verify(auth.Presented(token="new")) == principal  # the last good file stays
+    assert (
+        verifier.verify(identities.Presented(token="new")) == principal
+    )  # the last good file stays
 
 
-def _reread(verifier: auth.StaticVerifier) -> None:
-    """A call's check starts the re-read (in a thread of its own); wait for it."""
-    with contextlib.suppress(auth.Unauthenticated):  # (its own answer is not looked at)
-        verifier.verify(auth.Presented(token="any"))
+def _reread(verifier: identities.StaticVerifier) -> None:
+    """A call's check starts a re-read (in a thread of its own); wait for it. A re-read
+    an earlier call started may still run (it may have looked before the file changed,
+    and a call starts none while one runs): that one is waited out first."""
+    verifier.settle()
+    with contextlib.suppress(identities.Unauthenticated):  # (its own answer is not looked at)
+        verifier.verify(identities.Presented(token="any"))
     verifier.settle()
 
 
@@ -62,15 +69,15 @@ def test_a_client_token_file_is_read_again_when_it_changes(tmp_path: pathlib.Pat
 
 
 def test_certificate_identities_follow_the_convention_unless_mapped() -> None:
-    mapped = auth.Grant.parse(
+    mapped = identities.Grant.parse(
         {"name": "ci-bot", "roles": ["job"], "job_prefixes": ["ci/"]}, where="x", token=False
     )
-    verifier = auth.StaticVerifier(identities=[mapped])
+    verifier = identities.StaticVerifier(identities=[mapped])
 
-    def principal(identity: str) -> auth.Principal | None:
-        return verifier.verify(auth.Presented(identities=(identity,)))
+    def principal(identity: str) -> identities.Principal | None:
+        return verifier.verify(identities.Presented(identities=(identity,)))
 
-    assert principal("orchestrator") == auth.Principal(
+    assert principal("orchestrator") == identities.Principal(
         "orchestrator", frozenset({"orchestrator"}), (), "certificate"
     )
     job = principal("job:train/7")
@@ -79,7 +86,7 @@ def test_certificate_identities_follow_the_convention_unless_mapped() -> None:
     assert bot is not None and bot.may_act_as("ci/run-1") and not bot.may_act_as("prod/run-1")
     stranger = principal("someone")
     assert stranger is not None and not stranger.roles  # verified, may only read
-    assert verifier.verify(auth.Presented()) is None  # nothing presented
+    assert verifier.verify(identities.Presented()) is None  # nothing presented
 
 
 @pytest.mark.parametrize(
@@ -97,13 +104,13 @@ def test_certificate_identities_follow_the_convention_unless_mapped() -> None:
 )
 def test_a_bad_auth_section_names_the_field(section: dict[str, object], message: str) -> None:
     with pytest.raises(ValueError, match=message):
-        auth.AuthSettings.from_mapping(section)
+        identities.AuthSettings.from_mapping(section)
 
 
 def test_auth_is_off_without_the_section_or_when_disabled() -> None:
-    assert auth.AuthSettings.from_mapping(None) is None
-    assert auth.AuthSettings.from_mapping({"enabled": False, "tokens": []}) is None
-    assert auth.AuthSettings.from_mapping({}) is not None  # certificates only
+    assert identities.AuthSettings.from_mapping(None) is None
+    assert identities.AuthSettings.from_mapping({"enabled": False, "tokens": []}) is None
+    assert identities.AuthSettings.from_mapping({}) is not None  # certificates only
 
 
 class _PodTokens:
@@ -113,15 +120,17 @@ class _PodTokens:
     def __init__(self, settings: dict[str, object]) -> None:
         self._pods = dict(settings["pods"])  # type: ignore[call-overload]
 
-    def verify(self, presented: auth.Presented) -> auth.Principal | None:
+    def verify(self, presented: identities.Presented) -> identities.Principal | None:
         job = self._pods.get(presented.token)
         if job is None:
             return None  # not ours: the static tokens and certificates decide
-        return auth.Principal(f"pod:{job}", frozenset({auth.JOB}), (str(job),), "kubernetes")
+        return identities.Principal(
+            f"pod:{job}", frozenset({identities.JOB}), (str(job),), "kubernetes"
+        )
 
 
 def test_a_plugged_in_verifier_is_asked_first_and_the_static_rules_still_apply() -> None:
-    settings = auth.AuthSettings.from_mapping(
+    settings = identities.AuthSettings.from_mapping(
         {
             "verifier": f"{__name__}:_PodTokens",
             "verifier_settings": {"pods": {"sa-token-1": "grpo-7b"}},
@@ -130,12 +139,12 @@ def test_a_plugged_in_verifier_is_asked_first_and_the_static_rules_still_apply()
     )
     assert settings is not None
     verifier = settings.build()
-    pod = verifier.verify(auth.Presented(token="sa-token-1"))
+    pod = verifier.verify(identities.Presented(token="sa-token-1"))
     assert pod is not None and pod.via == "kubernetes" and pod.may_act_as("grpo-7b")
-    ops = verifier.verify(auth.Presented(token="ops-token"))
+    ops = verifier.verify(identities.Presented(token="ops-token"))
     assert ops is not None and ops.roles == {"admin"}
-    with pytest.raises(auth.Unauthenticated):
-        verifier.verify(auth.Presented(token="neither"))
+    with pytest.raises(identities.Unauthenticated):
+        verifier.verify(identities.Presented(token="neither"))
 
 
 # ---- the tokens file: rotation, what is read, off the caller's thread (issue 21 §3) ----
@@ -152,13 +161,15 @@ def test_a_tokens_file_removed_during_a_rotation_keeps_the_last_good_tokens(
     must neither fail the call nor drop the tokens."""
     tokens = tmp_path / "tokens.yaml"
     _write(tokens, _ops("old"))
-    verifier = auth.StaticVerifier(tokens_file=tokens, load_yaml=yaml.safe_load, reload_check_s=0)
+    verifier = identities.StaticVerifier(
+        tokens_file=tokens, load_yaml=yaml.safe_load, reload_check_s=0
+    )
     tokens.unlink()
     _reread(verifier)
-    assert verifier.verify(auth.Presented(token="old")) is not None
+    assert verifier.verify(identities.Presented(token="old")) is not None
     _write(tokens, _ops("new"))
     _reread(verifier)
-    assert verifier.verify(auth.Presented(token="new")) is not None
+    assert verifier.verify(identities.Presented(token="new")) is not None
 
 
 @pytest.mark.parametrize("kind", ["device", "fifo", "huge"])
@@ -172,18 +183,20 @@ def test_a_tokens_file_that_is_no_small_regular_file_is_not_read(
     elif kind == "fifo":
         os.mkfifo(tokens)
     else:
-        _write(tokens, _ops("t") + "#" * (auth.MAX_TOKENS_FILE_BYTES + 1))
+        _write(tokens, _ops("t") + "#" * (identities.MAX_TOKENS_FILE_BYTES + 1))
     message = "larger than" if kind == "huge" else "not a regular file"
     with pytest.raises(errors.ConfigError, match=message):
-        auth.StaticVerifier(tokens_file=tokens, load_yaml=yaml.safe_load)
+        identities.StaticVerifier(tokens_file=tokens, load_yaml=yaml.safe_load)
     # At a reload: the last good tokens stay.
     good = tmp_path / "good.yaml"
     _write(good, _ops("t"))
-    verifier = auth.StaticVerifier(tokens_file=good, load_yaml=yaml.safe_load, reload_check_s=0)
+    verifier = identities.StaticVerifier(
+        tokens_file=good, load_yaml=yaml.safe_load, reload_check_s=0
+    )
     good.unlink()
     os.rename(tokens, good)
     _reread(verifier)
-    assert verifier.verify(auth.Presented(token="t")) is not None
+    assert verifier.verify(identities.Presented(token="t")) is not None
 
 
 def test_a_slow_tokens_file_never_stalls_a_call(tmp_path: pathlib.Path) -> None:
@@ -200,12 +213,12 @@ def test_a_slow_tokens_file_never_stalls_a_call(tmp_path: pathlib.Path) -> None:
             release.wait(30)
         return yaml.safe_load(text)
 
-    verifier = auth.StaticVerifier(tokens_file=tokens, load_yaml=slow_yaml, reload_check_s=0)
+    verifier = identities.StaticVerifier(tokens_file=tokens, load_yaml=slow_yaml, reload_check_s=0)
     _write(tokens, _ops("new"))
     answered = threading.Event()
 
     def call() -> None:
-        verifier.verify(auth.Presented(token="old"))
+        verifier.verify(identities.Presented(token="old"))
         answered.set()
 
     caller = threading.Thread(target=call, daemon=True)
@@ -216,4 +229,4 @@ def test_a_slow_tokens_file_never_stalls_a_call(tmp_path: pathlib.Path) -> None:
     finally:
         release.set()
     verifier.settle()
-    assert verifier.verify(auth.Presented(token="new")) is not None
+    assert verifier.verify(identities.Presented(token="new")) is not None

@@ -137,7 +137,10 @@ class Stack:
 def stack() -> Iterator[Stack]:
     absent = missing()
     if absent:
-        pytest.skip(f"Slurm is not installed here ({', '.join(absent)}); .ci/run installs it")
+        pytest.fail(
+            f"Slurm is not installed here ({', '.join(absent)}): `make test` installs it "
+            "(scripts/test_tools.sh)"
+        )
     if os.geteuid() != 0:
         pytest.skip("a test Slurm cluster runs its daemons as root")
     # Short: Unix socket paths (munge's, the agents') are limited to 107 bytes.

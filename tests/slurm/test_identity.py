@@ -13,15 +13,17 @@ import pytest
 
 from tslice.common import errors
 from tslice.orchestrator.slurm import identity, jobs, token
-from tslice.security import auth
+from tslice.security import identities
 
 KEY = b"k" * 32
 
 
 def principal(
     verifier: identity.SlurmVerifier, job: str, user: str, array: str = ""
-) -> auth.Principal:
-    found = verifier.verify(auth.Presented(token=token.mint(KEY, token.Claims(job, array, user))))
+) -> identities.Principal:
+    found = verifier.verify(
+        identities.Presented(token=token.mint(KEY, token.Claims(job, array, user)))
+    )
     assert found is not None
     return found
 
@@ -44,7 +46,7 @@ def test_a_job_acts_as_its_slurm_ids_and_names_no_other_user_holds() -> None:
     book = jobs.JobBook()
     verifier = identity.SlurmVerifier(KEY, book=book)
     alice = principal(verifier, "12", "alice", array="10")
-    assert alice.roles == frozenset({auth.JOB})
+    assert alice.roles == frozenset({identities.JOB})
     assert alice.may_act_as("12") and alice.may_act_as("10")
     assert not alice.may_act_as("13")  # another Slurm job's id, whoever's
     assert alice.may_act_as("grpo-7")  # a name: now bound to alice's job 12
@@ -59,13 +61,15 @@ def test_a_forged_token_and_an_ended_jobs_token_are_refused() -> None:
     book = jobs.JobBook()
     verifier = identity.SlurmVerifier(KEY, book=book)
     minted = token.mint(KEY, token.Claims("12", "", "alice"))
-    with pytest.raises(auth.Unauthenticated, match="does not check out"):
-        verifier.verify(auth.Presented(token=minted[:-2] + "00"))
-    assert verifier.verify(auth.Presented(token="not-ours")) is None
-    assert verifier.verify(auth.Presented(identities=("admin",))) is None
+    with pytest.raises(identities.Unauthenticated, match="does not check out"):
+        verifier.verify(identities.Presented(token=minted[:-2] + "00"))
+    assert verifier.verify(identities.Presented(token="not-ours")) is None
+    assert verifier.verify(identities.Presented(identities=("admin",))) is None
     book.update(jobs.parse_jobs("12|12|CANCELLED|alice"))
-    with pytest.raises(auth.Unauthenticated, match=r"Slurm job 12 is void: the job ended \(CANC"):
-        verifier.verify(auth.Presented(token=minted))
+    with pytest.raises(
+        identities.Unauthenticated, match=r"Slurm job 12 is void: the job ended \(CANC"
+    ):
+        verifier.verify(identities.Presented(token=minted))
 
 
 def test_the_verifier_factory_reads_the_key_and_names_the_fix(tmp_path: pathlib.Path) -> None:

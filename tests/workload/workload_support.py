@@ -12,7 +12,8 @@ from typing import Any
 
 import grpc
 
-from tslice.agent import channel, registration
+from tslice.agent import channel
+from tslice.agent.channel import registration
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2_grpc as pb_grpc
 
 

@@ -20,24 +20,17 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from tslice.agent import (
-    channel,
-    fencing,
-    metrics,
-    parking,
-    registration,
-    runner,
-    server,
-    store,
-    traced,
-)
+from tslice.agent import channel, metrics, server, traced
 from tslice.agent import config as agent_config
 from tslice.agent.backends import base, registry, services
+from tslice.agent.channel import registration
+from tslice.agent.moves import parking, runner
+from tslice.agent.state import store
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2_grpc as pb_grpc
 from tslice.common import errors, tasks
 from tslice.rpc import undecodable
-from tslice.security import auth
+from tslice.security import fencing, roles
 from tslice.server import logs, serving, tracing
 
 log = logging.getLogger(__name__)
@@ -127,7 +120,7 @@ async def serve(
     # Workloads on the Unix socket are bound to their process through the register socket
     # (processes); with authentication on, a TCP registration needs a credential of its job.
     hub = channel.ChannelHub(
-        processes=processes, credentials=auth.job_credentials if config.auth else None
+        processes=processes, credentials=roles.job_credentials if config.auth else None
     )
     async with contextlib.AsyncExitStack() as stack:
         # Before anything touches the state: a second agent on it is refused.
@@ -140,14 +133,19 @@ async def serve(
         )
         stack.push_async_callback(_close_backends, built)
         try:
-            state = await store.Store.open(config.state_dir)
+            state = await store.Store.open(
+                config.state_dir,
+                node=config.node_name,
+                retention_s=config.operation_retention_s,
+                max_operations=config.max_operations,
+            )
         except (OSError, RuntimeError, sqlite3.Error) as err:
             raise errors.ConfigError(
                 f"cannot open the agent state in {config.state_dir} ({err}); fix it or choose "
                 "another --state-dir"
             ) from err
         stack.push_async_callback(state.close)
-        # The highest leader term seen, from the same store: see tslice.agent.fencing.
+        # The highest leader term seen, kept in the same store: see tslice.security.fencing.
         fence = await fencing.TermFence.open(state)
 
         health_servicer = health.aio.HealthServicer()
@@ -158,11 +156,9 @@ async def serve(
             node=config.node_name,
             backends=built,
             default_backend=config.default_backend,
-            state=state,
+            store=state,
             agent_metrics=agent_metrics,
             operation_timeout_s=config.operation_timeout_s,
-            operation_retention_s=config.operation_retention_s,
-            max_operations=config.max_operations,
             channel_registered=hub.is_registered,
             on_backend_error=monitor.mark_unavailable,
             host_budget=parking.HostBudget(
@@ -176,7 +172,7 @@ async def serve(
         grpc_server = grpc.aio.server(
             options=serving.SERVER_OPTIONS,
             interceptors=[
-                *serving.auth_interceptors(config.auth, auth.AGENT_RULES, "agent"),
+                *serving.auth_interceptors(config.auth, roles.AGENT_RULES, "agent"),
                 # Inside authentication: a caller is verified before its bytes are parsed.
                 undecodable.UndecodableRequests(),
             ],
@@ -261,9 +257,9 @@ async def serve(
 def _process_registry(config: agent_config.AgentConfig) -> registration.ProcessRegistry:
     if not config.kubernetes:
         return registration.ProcessRegistry()
-    from tslice.agent.kube import admission  # Kubernetes mode's rules (no client import)
+    from tslice.agent.kube import pod_registry  # Kubernetes mode's (no client import)
 
-    return admission.PodCheckedRegistry()
+    return pod_registry.PodCheckedRegistry()
 
 
 async def _watch_pods(
@@ -275,7 +271,7 @@ async def _watch_pods(
 ) -> None:
     """Kubernetes mode: follow this node's job pods (listed once before serving) and admit
     a workload on the Unix socket only from a pod of the job it claims."""
-    from tslice.agent.kube import admission
+    from tslice.agent.kube import pod_registry
 
     try:  # the kubernetes extra, in this mode only
         from tslice.agent.kube import pods
@@ -295,7 +291,7 @@ async def _watch_pods(
     finally:
         synced.cancel()
         stopped.cancel()
-    found = watcher.model.jobs()
+    found = watcher.pods.jobs()
     log.info(
         "Kubernetes: %d job pod(s) of %d job(s) on node %s",
         sum(len(p) for p in found.values()),
@@ -304,13 +300,13 @@ async def _watch_pods(
     )
 
     def check(pid: int, job: str, group: str) -> str | None:
-        return admission.refusal(pid, job, group, watcher.model, proc_root=config.proc_root)
+        return pod_registry.refusal(pid, job, group, watcher.pods, proc_root=config.proc_root)
 
     # Both ways a process claims a job: its workload channel and its announcement.
     hub.admission.pod_check = check
-    if isinstance(processes, admission.PodCheckedRegistry):
+    if isinstance(processes, pod_registry.PodCheckedRegistry):
         processes.check = check
-        processes.pods, processes.proc_root = watcher.model, config.proc_root
+        processes.pods, processes.proc_root = watcher.pods, config.proc_root
 
 
 async def _stop_server(
@@ -340,7 +336,7 @@ def _remove_quietly(path: Path) -> None:
 
 
 async def _prune_loop(core: runner.AgentCore, *, stop: asyncio.Event) -> None:
-    interval = min(core.operation_retention_s / 10, _PRUNE_INTERVAL_MAX_S)
+    interval = min(core.store.retention_s / 10, _PRUNE_INTERVAL_MAX_S)
     while not stop.is_set():
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(stop.wait(), timeout=interval)

@@ -41,7 +41,7 @@ import yaml
 from pydantic import BaseModel, ByteSize, ConfigDict, Field
 
 from tslice.common import errors, ids
-from tslice.security.auth import AuthSettings
+from tslice.security.identities import AuthSettings
 from tslice.security.tls import ServerTLS, check_listen
 from tslice.server import serving
 
@@ -132,7 +132,7 @@ class AgentConfig:
     #: Deadline of one operation, retries included; past it the job is FAULTED.
     operation_timeout_s: float = 600.0
     #: Host memory the parked states of this node may hold, bytes; a snapshot beyond it
-    #: is refused before anything is frozen (tslice.agent.parking). None (default): the
+    #: is refused before anything is frozen (tslice.agent.moves.parking). None (default): the
     #: node's available memory at each snapshot, less ``host_reserve_bytes``.
     host_budget_bytes: int | None = None
     #: Kept free for the node's own processes when ``host_budget_bytes`` is not set;
@@ -154,7 +154,8 @@ class AgentConfig:
     tls: ServerTLS | None = None
     #: Plaintext on a non-loopback host is meant (a trusted network).
     insecure: bool = False
-    #: Authentication and roles (tslice.security.auth); None: every caller may call everything.
+    #: Authentication and roles (tslice.security.identities and .roles); None: every caller
+    #: may call everything.
     auth: AuthSettings | None = None
 
     @property

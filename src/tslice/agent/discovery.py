@@ -5,7 +5,7 @@ Three sources, in the order the cuda backend trusts them:
 1. explicit PIDs from the request (``CudaBackendConfig.explicit_target.pids``),
    checked with :func:`validate_pids` (positive, the process exists);
 2. processes that announced themselves over the agent's Unix socket
-   (:mod:`tslice.agent.registration`, PID taken from the socket's peer credentials);
+   (:mod:`tslice.agent.channel.registration`, PID taken from the socket's peer credentials);
 3. NVML process lists matched to a pod through ``/proc/<pid>/cgroup``
    (:func:`gpu_processes` then :func:`pids_for_pod`), for Kubernetes mode.
 

@@ -10,7 +10,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from tslice.security import auth, tls
+from tslice.security import identities, tls
 from tslice.server import metrics_http
 
 _DURATION_BUCKETS = (0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
@@ -88,7 +88,7 @@ class AgentMetrics:
         port: int,
         host: str,
         server_tls: tls.ServerTLS | None = None,
-        auth_settings: auth.AuthSettings | None = None,
+        auth_settings: identities.AuthSettings | None = None,
         insecure: bool = False,
     ) -> int:
         """Expose ``/metrics`` on ``port`` (0 = any free one) until :meth:`stop`; the port.

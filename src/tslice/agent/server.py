@@ -1,10 +1,16 @@
 """gRPC face of the node agent: ``SnapshotAgentService`` and backend health.
 
 The servicer checks each call's leader term against the agent's fence
-(:class:`tslice.agent.fencing.TermFence`: a directive from a deposed orchestrator leader
-is refused before anything else), validates ids and arguments, hands the request to
-:class:`tslice.agent.runner.AgentCore`, and maps its refusals onto gRPC status codes;
-it holds no state of its own.
+(:class:`tslice.security.fencing.TermFence`: a directive from a deposed orchestrator
+leader is refused before anything else), validates ids and arguments, hands the request
+to :class:`tslice.agent.moves.runner.AgentCore`, and maps what comes back onto the wire
+(records to messages, refusals to gRPC status codes); it holds no state of its own.
+
+The top of the hand-over path: the orchestrator's Grants arrive on one long-lived
+``GrantStream`` per orchestrator (``tslice.rpc.unique_requests`` runs each as it comes and
+refuses a second one with the id of one in flight); :meth:`SnapshotAgentServicer.grant_reply`
+turns a ``GrantRequest`` into a ``grant_plan.Order`` for the runner. llm-d's orchestrator
+uses Snapshot/Restore and polls GetOperation instead: the same runner, one move per call.
 """
 
 from __future__ import annotations
@@ -12,33 +18,36 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import operator
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import grpc
 from grpc_health.v1 import health, health_pb2
 
-from tslice.agent import channel, fencing, grants, job_model, runner
+from tslice.agent import channel
 from tslice.agent.backends import base
+from tslice.agent.jobs import model
+from tslice.agent.moves import grant_plan, runner
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2_grpc as pb_grpc
 from tslice.common import tasks, validation
 from tslice.rpc import multiplex, refusals
-from tslice.security import auth
+from tslice.security import fencing, identities, roles
 from tslice.server import logs
 
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")
 _R = TypeVar("_R")
 
-_OP_STATUS: Mapping[job_model.OpStatus, pb.OperationStatus] = {
-    job_model.OpStatus.PENDING: pb.OPERATION_STATUS_PENDING,
-    job_model.OpStatus.COMPLETE: pb.OPERATION_STATUS_COMPLETE,
-    job_model.OpStatus.FAILED: pb.OPERATION_STATUS_FAILED,
+_OP_STATUS: Mapping[model.OpStatus, pb.OperationStatus] = {
+    model.OpStatus.PENDING: pb.OPERATION_STATUS_PENDING,
+    model.OpStatus.COMPLETE: pb.OPERATION_STATUS_COMPLETE,
+    model.OpStatus.FAILED: pb.OPERATION_STATUS_FAILED,
 }
 
 
-def operation_to_pb(op: job_model.Operation, *, now: float) -> pb.GetOperationResponse:
+def operation_to_pb(op: model.Operation, *, now: float) -> pb.GetOperationResponse:
     """Bytes are present on every COMPLETE operation, ``error`` only on FAILED ones."""
     response = pb.GetOperationResponse(
         status=_OP_STATUS[op.status],
@@ -47,20 +56,20 @@ def operation_to_pb(op: job_model.Operation, *, now: float) -> pb.GetOperationRe
         kind=op.kind.value,
         group=op.group,
     )
-    if op.status is job_model.OpStatus.COMPLETE:
+    if op.status is model.OpStatus.COMPLETE:
         response.storage_bytes = op.storage_bytes or 0
         response.snapshot_device_bytes = op.device_bytes or 0
         if op.device_bytes and response.elapsed_ms > 0:
             response.throughput_gbps = op.device_bytes / response.elapsed_ms / 1e6
-    elif op.status is job_model.OpStatus.FAILED:
+    elif op.status is model.OpStatus.FAILED:
         response.error = validation.bounded(op.error or "operation failed")
     return response
 
 
-def job_to_pb(job: job_model.Job) -> pb.JobStatus:
+def job_to_pb(job: model.Job) -> pb.JobStatus:
     return pb.JobStatus(
         job_id=job.job_id,
-        state=job_model.to_pb(job.state),
+        state=model.to_pb(job.state),
         group=job.group,
         operation_id=job.operation_id,
         device_bytes=job.device_bytes,
@@ -112,8 +121,8 @@ def _checked_config(message: Any) -> pb.BackendConfig | None:
 
 
 def _checked_devices(devices: Sequence[int]) -> tuple[int, ...]:
-    negative = [d for d in devices if d < 0]
-    if negative:
+    if min(devices, default=0) < 0:
+        negative = [d for d in devices if d < 0]
         raise refusals.Refused(
             refusals.Code.INVALID_ARGUMENT,
             f"devices are device indices, >= 0 (got {validation.shown_list(negative)})",
@@ -142,10 +151,10 @@ def _duplicate_grant(request: pb.GrantStreamRequest) -> pb.GrantStreamResponse:
 def _orchestrating() -> bool:
     """Whether the caller may raise the leader term from a read: the orchestrator role,
     or anyone on an agent without authentication (where anyone may direct it anyway)."""
-    if not auth.enforced():
+    if not roles.enforced():
         return True
-    caller = auth.principal_of()
-    return caller is not None and auth.ORCHESTRATOR in caller.roles
+    caller = roles.principal_of()
+    return caller is not None and identities.ORCHESTRATOR in caller.roles
 
 
 #: What this agent speaks beyond llm-d's protocol, declared in every Status reply: the
@@ -176,7 +185,7 @@ class SnapshotAgentServicer(pb_grpc.SnapshotAgentServiceServicer):
     async def _fenced(
         self, context: grpc.aio.ServicerContext, *, directive: bool = True
     ) -> fencing.Sent:
-        """Admit the call's leader term (see ``tslice.agent.fencing``); returns it. Every
+        """Admit the call's leader term (see ``tslice.security.fencing``); returns it. Every
         handler calls this first: a deposed leader's directive is refused untouched."""
         sent = await refusals.checked(context, fencing.sent, context.invocation_metadata())
         admit = functools.partial(
@@ -188,14 +197,14 @@ class SnapshotAgentServicer(pb_grpc.SnapshotAgentServiceServicer):
     async def Snapshot(
         self, request: pb.SnapshotRequest, context: grpc.aio.ServicerContext
     ) -> pb.SnapshotResponse:
-        return await self._directive(context, request, job_model.Kind.SNAPSHOT, pb.SnapshotResponse)
+        return await self._directive(context, request, model.Kind.SNAPSHOT, pb.SnapshotResponse)
 
     async def Restore(
         self, request: pb.RestoreRequest, context: grpc.aio.ServicerContext
     ) -> pb.RestoreResponse:
         if request.prefetch:
             return await self._prefetch(request, context)
-        return await self._directive(context, request, job_model.Kind.RESTORE, pb.RestoreResponse)
+        return await self._directive(context, request, model.Kind.RESTORE, pb.RestoreResponse)
 
     async def _prefetch(
         self, request: pb.RestoreRequest, context: grpc.aio.ServicerContext
@@ -214,7 +223,7 @@ class SnapshotAgentServicer(pb_grpc.SnapshotAgentServiceServicer):
         self,
         context: grpc.aio.ServicerContext,
         request: pb.SnapshotRequest | pb.RestoreRequest,
-        kind: job_model.Kind,
+        kind: model.Kind,
         reply: Callable[..., _R],
     ) -> _R:
         """Validate a Snapshot or Restore request (same fields), start it, reply with it."""
@@ -297,7 +306,7 @@ class SnapshotAgentServicer(pb_grpc.SnapshotAgentServiceServicer):
         async for reply in multiplex.serve(
             request_iterator,
             functools.partial(self._stream_reply, term=term),
-            request_id=lambda r: r.request_id,
+            request_id=operator.attrgetter("request_id"),
             duplicate=_duplicate_grant,
             name="grant-stream",
             closing=self._closing,
@@ -308,7 +317,8 @@ class SnapshotAgentServicer(pb_grpc.SnapshotAgentServiceServicer):
         self, request: pb.GrantStreamRequest, *, term: fencing.Sent
     ) -> pb.GrantStreamResponse:
         try:
-            self._fence.admit(term.term, directive=True, leader=term.leader)
+            if term != self._fence.current:  # a term the node has moved past (or not seen)
+                self._fence.admit(term.term, directive=True, leader=term.leader)
             grant = await self.grant_reply(request.grant)
         except refusals.Refused as refused:
             return pb.GrantStreamResponse(
@@ -340,23 +350,29 @@ class SnapshotAgentServicer(pb_grpc.SnapshotAgentServiceServicer):
                 "grant_epoch and footprint_bytes must be >= 0 "
                 f"(got {request.grant_epoch} and {request.footprint_bytes})",
             )
-        evict = [refusals.checked_id("evict", other) for other in request.evict]
-        give_way = [
-            (
-                refusals.checked_id("give_way.job_id", ref.job_id),
-                refusals.checked_id("give_way.group", ref.group),
+        named = []
+        for other in request.evict:
+            named.append(refusals.checked_id("evict", other))
+        give_way = []
+        for ref in request.give_way:
+            give_way.append(
+                (
+                    refusals.checked_id("give_way.job_id", ref.job_id),
+                    refusals.checked_id("give_way.group", ref.group),
+                )
             )
-            for ref in request.give_way
-        ]
+        evict = []  # every id checked first, then the named jobs' records
+        for other in named:
+            evict.append(self._core.key(other, group))
         # A Grant without wait_ms waits a default chunk (the orchestrator always sends one).
         wait_s = _checked_wait("wait_ms", request.wait_ms) or runner.DEFAULT_GRANT_WAIT_S
-        order = grants.order(
+        order = grant_plan.order(
             job_id=job_id,
             group=group,
             epoch=request.grant_epoch,
             footprint_bytes=request.footprint_bytes,
             config=config,
-            evict=[self._core.key(other, group) for other in evict],
+            evict=evict,
             give_way=give_way,
             restore=request.restore,
         )
@@ -364,13 +380,13 @@ class SnapshotAgentServicer(pb_grpc.SnapshotAgentServiceServicer):
             order, wait_s=wait_s, devices=_checked_devices(request.devices)
         )
         now = self._core.now()
-        return pb.GrantResponse(
-            state=job_model.to_pb(outcome.state),
-            granted=outcome.granted,
-            operations=[operation_to_pb(op, now=now) for op in outcome.operations],
-            operation_ids=[op.op_id for op in outcome.operations],
-            restored=outcome.restored,
+        response = pb.GrantResponse(
+            state=model.to_pb(outcome.state), granted=outcome.granted, restored=outcome.restored
         )
+        for op in outcome.operations:
+            response.operations.append(operation_to_pb(op, now=now))
+            response.operation_ids.append(op.op_id)
+        return response
 
     async def ResetJob(
         self, request: pb.ResetJobRequest, context: grpc.aio.ServicerContext
@@ -379,14 +395,14 @@ class SnapshotAgentServicer(pb_grpc.SnapshotAgentServiceServicer):
         job_id = await refusals.checked(context, refusals.checked_id, "job_id", request.job_id)
         group = await refusals.checked(context, _checked_group, request.group)
         state = await refusals.answered(context, self._core.reset(job_id=job_id, group=group))
-        return pb.ResetJobResponse(state=job_model.to_pb(state))
+        return pb.ResetJobResponse(state=model.to_pb(state))
 
     async def ResetLeaderTerm(
         self, request: pb.ResetLeaderTermRequest, context: grpc.aio.ServicerContext
     ) -> pb.ResetLeaderTermResponse:
         """An administrator's repair of the term fence (not fenced itself: the admin role
         is checked by the authentication rules)."""
-        caller = auth.principal_of()
+        caller = roles.principal_of()
         by = caller.name if caller is not None else f"an unauthenticated caller ({context.peer()})"
         reset = functools.partial(self._fence.reset, by=by)
         term, leader = await refusals.checked(context, reset, request.term)

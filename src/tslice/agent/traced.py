@@ -16,7 +16,9 @@ from typing import Any
 
 import grpc
 
-from tslice.agent import guarded, job_model, server
+from tslice.agent import server
+from tslice.agent.backends import guarded
+from tslice.agent.jobs import model
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
 from tslice.server import tracing
 
@@ -44,8 +46,8 @@ def install(
             return await plain_grant(request, context)
 
     async def run(
-        op: job_model.Operation, job: job_model.Job, config: pb.BackendConfig | None
-    ) -> job_model.Outcome:
+        op: model.Operation, job: model.Job, config: pb.BackendConfig | None
+    ) -> model.Outcome:
         attributes = {
             "tslice.node": node,
             "tslice.group": job.group,

@@ -69,11 +69,16 @@ class AsyncClient(_base.BaseClient[_lease.AsyncHoldKeeper]):
         call = self._prepare_acquire(group, job_id, timeout, footprint_bytes)
         if call is None:
             return _base.NOOP_ACQUIRE
-        with self._acquire_deadline(call):
-            response = await self._orchestrator("acquire").acquire(call.request, call.options)
-        if self._wants_lease(response):
-            await self._keep(call.job, call.group, response.grant_epoch)
-        return _types.acquire_result(response)
+        calls = self._calls or self._orchestrator("acquire")
+        try:
+            response = await calls.acquire(call.request, call.options)
+        except errors.DeadlineExceeded as err:
+            raise self._timed_out(call) from err
+        if response.success and self._lease_ms:
+            replaced = self._keep(calls, call.job, call.group, response.grant_epoch)
+            if replaced is not None:
+                await replaced.stop()
+        return self._acquired(response)
 
     async def acquire_set(
         self,
@@ -93,8 +98,11 @@ class AsyncClient(_base.BaseClient[_lease.AsyncHoldKeeper]):
             )
         results = self._set_results(call, response)
         if self._lease_ms:
+            calls = self._orchestrator("hold")
             for group, result in results.items():
-                await self._keep(call.job, group, result.grant_epoch)
+                replaced = self._keep(calls, call.job, group, result.grant_epoch)
+                if replaced is not None:
+                    await replaced.stop()
         return results
 
     async def yield_(
@@ -110,13 +118,16 @@ class AsyncClient(_base.BaseClient[_lease.AsyncHoldKeeper]):
             if call.keeper is not None:
                 await call.keeper.stop()
             return call.answer
+        calls = self._calls or self._orchestrator("yield")
         try:
-            response = await self._orchestrator("yield").yield_(call.request, call.options)
+            response = await calls.yield_(call.request, call.options)
         except BaseException:
             call.failed()
             raise
-        await self._unkeep(call.job, call.group)
-        return _types.yield_result(response)
+        keeper = self._leases.pop((call.job, call.group))
+        if keeper is not None:
+            await keeper.stop()
+        return self._yielded(response)
 
     release = yield_
 
@@ -206,7 +217,7 @@ class AsyncClient(_base.BaseClient[_lease.AsyncHoldKeeper]):
         """Close the channel; idempotent. Groups still held stay held (yield first)
         until their lease runs out."""
         self._closed = True
-        for keeper in self._pop_keepers():
+        for keeper in self._leases.pop_all():
             await keeper.stop()
         calls, self._calls = self._calls, None
         if calls is not None:
@@ -226,20 +237,16 @@ class AsyncClient(_base.BaseClient[_lease.AsyncHoldKeeper]):
 
     # -- leases ----------------------------------------------------------------------------
 
-    async def _keep(self, job: str, group: str, epoch: int) -> None:
-        """Hold the lease of a new grant from a task (replaces an older keeper)."""
-        calls, options = self._orchestrator("hold"), self._options(job, group, None)
+    def _keep(
+        self, calls: _services.AsyncOrchestratorCalls, job: str, group: str, epoch: int
+    ) -> _lease.AsyncHoldKeeper | None:
+        """Hold the lease of a new grant from a task; returns the keeper it replaces
+        (to stop)."""
+        options = _channel.CallOptions(job_id=job, group_id=group)
         keeper = _lease.AsyncHoldKeeper(
             self._lease(job, group, epoch), hold=lambda request: calls.hold(request, options)
         )
-        old = self._swap_keeper((job, group), keeper)
-        if old is not None:
-            await old.stop()
-
-    async def _unkeep(self, job: str, group: str) -> None:
-        keeper = self._pop_keeper((job, group))
-        if keeper is not None:
-            await keeper.stop()
+        return self._leases.swap((job, group), keeper)
 
     # -- slice plumbing (called by AsyncSliceContext) -------------------------------
 
@@ -255,7 +262,7 @@ class AsyncClient(_base.BaseClient[_lease.AsyncHoldKeeper]):
         results: dict[str, _types.AcquireResult] = {}
         try:
             rest = groups
-            if self._wants_set(groups):
+            if self._holds.wants_set(groups):
                 rest = await self._hold_set(groups, job, clock, results)
             for group in rest:
                 results[group] = await self._hold(job, group, clock)
@@ -268,34 +275,34 @@ class AsyncClient(_base.BaseClient[_lease.AsyncHoldKeeper]):
         self,
         groups: tuple[str, ...],
         job: str,
-        clock: _base.SliceClock,
+        clock: _slice.SliceClock,
         results: dict[str, _types.AcquireResult],
     ) -> tuple[str, ...]:
         """See :meth:`Client._hold_set`."""
         async with contextlib.AsyncExitStack() as locked:
             for group in sorted(groups):
                 await locked.enter_async_context(self._key_lock((job, group)))
-            wanted = self._join_held(groups, job, results)
+            wanted = self._holds.join(groups, job, results)
             if len(wanted) < 2:
                 return wanted
             wait = clock.remaining(job=job, group=",".join(wanted))
             try:
                 granted = await self.acquire_set(wanted, job_id=job, timeout=wait)
             except errors.RPCError as err:
-                if not self._set_refused(err):
+                if not self._holds.set_refused(err):
                     raise
                 return wanted
-            self._record_set(job, granted, results)
+            self._holds.record_set(job, granted, results)
             return ()
 
-    async def _hold(self, job: str, group: str, clock: _base.SliceClock) -> _types.AcquireResult:
+    async def _hold(self, job: str, group: str, clock: _slice.SliceClock) -> _types.AcquireResult:
         key = (job, group)
         async with self._key_lock(key):
-            held = self._held(key)
+            held = self._holds.held(key)
             if held is None:
                 wait = clock.remaining(job=job, group=group)
                 held = await self.acquire(group, job_id=job, timeout=wait)
-                self._record_hold(key, held)
+                self._holds.record(key, held)
             return held
 
     async def _exit_slice(self, groups: tuple[str, ...], job: str, *, raise_errors: bool) -> None:
@@ -304,14 +311,14 @@ class AsyncClient(_base.BaseClient[_lease.AsyncHoldKeeper]):
         # Shielded: a slice left because its task was cancelled must still yield, or
         # the job would keep the group while doing nothing with it.
         failures = await asyncio.shield(self._release(groups, job))
-        self._released(failures, job, raise_errors=raise_errors)
+        _slice.released(failures, job, raise_errors=raise_errors)
 
     async def _release(self, groups: tuple[str, ...], job: str) -> list[tuple[str, BaseException]]:
         failures: list[tuple[str, BaseException]] = []
         for group in reversed(groups):
             key = (job, group)
             async with self._key_lock(key):
-                if not self._drop_hold(key):
+                if not self._holds.drop(key):
                     continue
                 try:
                     await self.yield_(group, job_id=job)

@@ -1,8 +1,9 @@
 """Everything :class:`~tslice.client.Client` and :class:`~tslice.client.AsyncClient`
 share that does no I/O: the constructor and configuration, id resolution, request
 building (:class:`AcquireCall`, :class:`AcquireSetCall`, :class:`YieldCall`), deadline
-arithmetic, the no-op answers, the registry of lease keepers, lost leases, and the
-per-(job, group) hold counts behind ``slice()``.
+arithmetic, the no-op answers and the mapping of replies to results. The registry of
+lease keepers and lost leases is :class:`tslice.client._lease.Keepers`; the
+per-(job, group) hold counts behind ``slice()`` are :class:`tslice.client._slice.Holds`.
 
 The two clients then differ only in the lines that make a call (``await`` or
 not), as in httpx.
@@ -17,12 +18,12 @@ import sys
 import threading
 import time
 from collections.abc import Iterable, Iterator, Sequence
-from typing import Generic, NoReturn, Protocol, TypeVar
+from typing import Generic, NoReturn, TypeVar
 
 import grpc
 
 from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2 as opb
-from tslice.client import _channel, _config, _lease, _retry, _types
+from tslice.client import _channel, _config, _lease, _retry, _slice, _types
 from tslice.common import errors
 from tslice.security import tls
 
@@ -63,18 +64,11 @@ _NO_GROUP = (
     f"or set ${_config.GROUP_ENV[0]}"
 )
 
-HoldKey = tuple[str, str]
+#: How many ids a client remembers as checked (one that names many jobs checks the rest).
+_CHECKED_IDS_KEPT = 256
 
-
-class Keeper(Protocol):
-    """What the clients ask of a lease keeper (sync or async) while yielding."""
-
-    def releasing(self) -> None: ...
-
-    def resume(self) -> None: ...
-
-
-K = TypeVar("K", bound=Keeper)
+HoldKey = _lease.HoldKey
+K = TypeVar("K", bound=_lease.Keeper)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,27 +127,6 @@ class YieldCall(Generic[K]):
             self.keeper.resume()
 
 
-class SliceClock:
-    """The deadline that bounds acquiring all the groups of one slice together."""
-
-    def __init__(self, timeout: float | None) -> None:
-        self.started = time.monotonic()
-        self.deadline = None if timeout is None else self.started + timeout
-
-    def remaining(self, *, job: str, group: str) -> float | None:
-        """Time left for the acquire of ``group``; AcquireTimeout once none is left."""
-        if self.deadline is None:
-            return None
-        left = self.deadline - time.monotonic()
-        if left <= 0:
-            raise errors.AcquireTimeout(
-                job_id=job,
-                group_id=group,
-                waited_ms=int((time.monotonic() - self.started) * 1000),
-            )
-        return left
-
-
 class BaseClient(Generic[K]):
     """Configuration and bookkeeping shared by the sync and async clients."""
 
@@ -175,8 +148,6 @@ class BaseClient(Generic[K]):
         lease = _config.resolve_lease(lease_s)
         #: Acquire's lease_ms: 0 = no lease (the lock is kept even if this process dies).
         self._lease_ms = 0 if lease is None else max(1, round(lease * 1000))
-        self._lost: dict[str, str] = {}
-        self._lost_guard = threading.Lock()
         self._config = _config.resolve(
             address=address,
             job_id=job_id,
@@ -190,16 +161,13 @@ class BaseClient(Generic[K]):
             security=security,
         )
         self._closed = False
-        # slice() bookkeeping: how many open slices of this client hold (job, group),
-        # and the grant they share. Only slice() uses it; acquire()/yield_() are raw.
-        self._hold_counts: dict[HoldKey, int] = {}
-        self._hold_results: dict[HoldKey, _types.AcquireResult] = {}
-        #: False once the orchestrator answered UNIMPLEMENTED to an AcquireSet: a slice
-        #: then takes its groups one by one (sorted) without asking again.
-        self._sets_supported = True
-        # Lease keepers of the groups held; the sync client reaches them from threads.
+        #: Ids a call named that were found well-formed (every kind of id has one rule):
+        #: a job's calls name the same few again and again.
+        self._checked_ids: set[str] = set()
+        # Guards what the sync client's threads share (its channel, its key locks).
         self._guard = threading.Lock()
-        self._keepers: dict[HoldKey, K] = {}
+        self._holds = _slice.Holds()
+        self._leases: _lease.Keepers[K] = _lease.Keepers()
         self._init_io()
 
     def __reduce__(self) -> NoReturn:
@@ -240,8 +208,12 @@ class BaseClient(Generic[K]):
         the grant was taken away. ``yield_`` of such a group returns success; the
         entry stays until the group is acquired again.
         """
-        with self._lost_guard:
-            return dict(self._lost)
+        return self._leases.lost()
+
+    @property
+    def _keepers(self) -> dict[HoldKey, K]:
+        """The lease keeper of each grant held."""
+        return self._leases.by_key
 
     @property
     def address(self) -> str | None:
@@ -271,10 +243,14 @@ class BaseClient(Generic[K]):
 
     def _job(self, job_id: str | None) -> str:
         """The job a call is about."""
+        if job_id is not None and job_id in self._checked_ids:
+            return job_id
         return self._id("job_id", job_id, self._config.job_id, "the job_id argument", _NO_JOB)
 
     def _group(self, group: str | None) -> str:
         """The group a call is about."""
+        if group is not None and group in self._checked_ids:
+            return group
         default = self._config.default_group
         return self._id("group_id", group, default, "the group argument", _NO_GROUP)
 
@@ -284,7 +260,10 @@ class BaseClient(Generic[K]):
         """``given`` (checked), else the client's ``default``; in no-op mode a missing one
         is fine ("")."""
         if given is not None:
-            return _config.check_id(kind, given, source=source)
+            checked = _config.check_id(kind, given, source=source)
+            if len(self._checked_ids) < _CHECKED_IDS_KEPT:
+                self._checked_ids.add(checked)
+            return checked
         if default is not None:
             return default
         if not self.enabled:
@@ -329,10 +308,10 @@ class BaseClient(Generic[K]):
             return self._config.call_timeout
         return _config.check_timeout("timeout", timeout)
 
-    def _slice_clock(self, timeout: _config.Timeout) -> SliceClock:
-        return SliceClock(self._acquire_timeout(timeout))
+    def _slice_clock(self, timeout: _config.Timeout) -> _slice.SliceClock:
+        return _slice.SliceClock(self._acquire_timeout(timeout))
 
-    # -- requests and errors ----------------------------------------------------------
+    # -- requests and replies ---------------------------------------------------------
 
     def _prepare_acquire(
         self,
@@ -343,20 +322,38 @@ class BaseClient(Generic[K]):
     ) -> AcquireCall | None:
         """The acquire to send, checked; ``None`` in no-op mode (answer NOOP_ACQUIRE)."""
         job, group_id = self._job(job_id), self._group(group)
-        request = opb.AcquireRequest(job_id=job, group_id=group_id, **self._terms(footprint_bytes))
-        wait = self._acquire_timeout(timeout)
-        if self._noop():
+        if footprint_bytes is None:
+            footprint = self._config.footprint_bytes
+        else:
+            footprint = _checked_footprint(footprint_bytes)
+        request = opb.AcquireRequest(
+            job_id=job, group_id=group_id, footprint_bytes=footprint, lease_ms=self._lease_ms
+        )
+        if timeout is _config.USE_CLIENT_DEFAULT:
+            wait = self._config.timeout
+        else:
+            wait = _config.check_timeout("timeout", timeout)
+        if self._config.address is None and self._noop():
             return None
-        options = self._options(job, group_id, wait)
+        options = _channel.CallOptions(timeout=wait, job_id=job or None, group_id=group_id or None)
         return AcquireCall(job, group_id, request, options, started=time.monotonic())
 
-    def _terms(self, footprint_bytes: int | None) -> dict[str, int]:
-        """An Acquire's (or AcquireSet's) footprint, the call's (checked) else the
-        client's, and the client's lease."""
-        if footprint_bytes is not None and footprint_bytes < 0:
-            raise ValueError(f"footprint_bytes must be >= 0, got {footprint_bytes!r}")
-        footprint = self._config.footprint_bytes if footprint_bytes is None else footprint_bytes
-        return {"footprint_bytes": footprint, "lease_ms": self._lease_ms}
+    @staticmethod
+    def _acquired(response: opb.AcquireResponse) -> _types.AcquireResult:
+        return _types.AcquireResult(
+            success=response.success,
+            waited_ms=response.waited_ms,
+            context_restored=response.context_restored,
+            grant_epoch=response.grant_epoch,
+        )
+
+    @staticmethod
+    def _yielded(response: opb.YieldResponse) -> _types.YieldResult:
+        return _types.YieldResult(
+            success=response.success,
+            pending_waiters=response.pending_waiters,
+            snapshot_deferred=response.snapshot_deferred,
+        )
 
     def _prepare_acquire_set(
         self,
@@ -376,9 +373,14 @@ class BaseClient(Generic[K]):
         if not given:
             raise ValueError("groups is empty: name the groups to acquire together")
         group_ids = tuple(dict.fromkeys(given))
-        request = opb.AcquireSetRequest(job_id=job, group_ids=group_ids)
-        for field, value in self._terms(footprint_bytes).items():
-            setattr(request, field, value)
+        footprint = (
+            self._config.footprint_bytes
+            if footprint_bytes is None
+            else _checked_footprint(footprint_bytes)
+        )
+        request = opb.AcquireSetRequest(
+            job_id=job, group_ids=group_ids, footprint_bytes=footprint, lease_ms=self._lease_ms
+        )
         wait = self._acquire_timeout(timeout)
         noop = dict.fromkeys(group_ids, NOOP_ACQUIRE) if self._noop() else None
         # The groups as the call's group: NOT_FOUND then is UnknownGroup (the server names it).
@@ -395,7 +397,7 @@ class BaseClient(Generic[K]):
         except errors.RPCError as err:
             if err.status != grpc.StatusCode.UNIMPLEMENTED:
                 raise
-            self._sets_supported = False
+            self._holds.sets_supported = False
             log.info("the orchestrator has no AcquireSet: slices take their groups one by one")
             raise errors.RPCError(
                 grpc.StatusCode.UNIMPLEMENTED,
@@ -427,25 +429,27 @@ class BaseClient(Generic[K]):
         }
 
     @staticmethod
+    def _timed_out(call: AcquireCall | AcquireSetCall) -> errors.AcquireTimeout:
+        """An acquire that ran out of time (the job left the queue)."""
+        waited_ms = int((time.monotonic() - call.started) * 1000)
+        return errors.AcquireTimeout(
+            job_id=call.job,
+            group_id=call.group,
+            waited_ms=waited_ms,
+            message=(
+                f"job {call.job!r} was not granted {call.wanted} within "
+                f"{waited_ms} ms; it is no longer queued"
+            ),
+        )
+
+    @classmethod
     @contextlib.contextmanager
-    def _acquire_deadline(call: AcquireCall | AcquireSetCall) -> Iterator[None]:
+    def _acquire_deadline(cls, call: AcquireCall | AcquireSetCall) -> Iterator[None]:
         """An acquire that ran out of time is an AcquireTimeout (the job left the queue)."""
         try:
             yield
         except errors.DeadlineExceeded as err:
-            waited_ms = int((time.monotonic() - call.started) * 1000)
-            raise errors.AcquireTimeout(
-                job_id=call.job,
-                group_id=call.group,
-                waited_ms=waited_ms,
-                message=(
-                    f"job {call.job!r} was not granted {call.wanted} within "
-                    f"{waited_ms} ms; it is no longer queued"
-                ),
-            ) from err
-
-    def _wants_lease(self, response: opb.AcquireResponse) -> bool:
-        return response.success and bool(self._lease_ms)
+            raise cls._timed_out(call) from err
 
     def _prepare_yield(
         self, group: str | None, job_id: str | None, timeout: _config.Timeout
@@ -453,16 +457,20 @@ class BaseClient(Generic[K]):
         """The yield to send; its keeper (if any) is told the job is releasing."""
         job, group_id = self._job(job_id), self._group(group)
         request = opb.YieldRequest(job_id=job, group_id=group_id)
-        options = self._options(job, group_id, self._call_timeout(timeout))
-        if not self.enabled:
+        if timeout is _config.USE_CLIENT_DEFAULT:
+            wait: float | None = self._config.call_timeout
+        else:
+            wait = _config.check_timeout("timeout", timeout)
+        options = _channel.CallOptions(timeout=wait, job_id=job or None, group_id=group_id or None)
+        if self._config.address is None:  # no-op mode (not `enabled`: a property less)
             return YieldCall(job, group_id, request, options, answer=NOOP_YIELD, keeper=None)
-        if self._was_lost(group_id):
+        leases = self._leases
+        if leases.was_lost(group_id):
             # Released already (idempotent): success without a call; its keeper is done.
             lost = _types.YieldResult(success=True, pending_waiters=0, snapshot_deferred=False)
-            keeper = self._pop_keeper((job, group_id))
+            keeper = leases.pop((job, group_id))
             return YieldCall(job, group_id, request, options, answer=lost, keeper=keeper)
-        with self._guard:
-            keeper = self._keepers.get((job, group_id))
+        keeper = leases.get((job, group_id))
         if keeper is not None:
             keeper.releasing()
         return YieldCall(job, group_id, request, options, answer=None, keeper=keeper)
@@ -531,131 +539,19 @@ class BaseClient(Generic[K]):
 
     # -- leases ---------------------------------------------------------------------------
 
-    def _lease_lost(self, job: str, group: str, reason: str) -> None:
-        log.warning(
-            "job %s lost its lock on group %s: %s",
-            job,
-            group,
-            reason,
-            extra={"job_id": job, "group_id": group},
-        )
-        with self._lost_guard:
-            self._lost[group] = reason
-
-    def _forget_lost(self, group: str) -> None:
-        with self._lost_guard:
-            self._lost.pop(group, None)
-
-    def _was_lost(self, group: str) -> bool:
-        with self._lost_guard:
-            return group in self._lost
-
     def _lease(self, job: str, group: str, epoch: int) -> _lease.Lease:
         """The lease of a new grant, for its keeper."""
+        leases = self._leases
         return _lease.Lease(
             job=job,
             group=group,
             epoch=epoch,
             lease_ms=self._lease_ms,
-            on_lost=lambda reason: self._lease_lost(job, group, reason),
+            on_lost=lambda reason: leases.lose(job, group, reason),
         )
 
-    def _swap_keeper(self, key: HoldKey, keeper: K) -> K | None:
-        """Register the keeper of a new grant; returns the one it replaces (to stop)."""
-        self._forget_lost(key[1])
-        with self._guard:
-            old = self._keepers.get(key)
-            self._keepers[key] = keeper
-        return old
 
-    def _pop_keeper(self, key: HoldKey) -> K | None:
-        with self._guard:
-            return self._keepers.pop(key, None)
-
-    def _pop_keepers(self) -> list[K]:
-        with self._guard:
-            keepers, self._keepers = list(self._keepers.values()), {}
-        return keepers
-
-    # -- hold counts (slice) ------------------------------------------------------------
-
-    def _held(self, key: HoldKey) -> _types.AcquireResult | None:
-        """The grant an open slice already holds for ``key``; counts one more holder."""
-        if self._hold_counts.get(key, 0) == 0:
-            return None
-        self._hold_counts[key] += 1
-        return self._hold_results[key]
-
-    def _record_hold(self, key: HoldKey, result: _types.AcquireResult) -> None:
-        if not result.success:
-            raise errors.RPCError(
-                grpc.StatusCode.UNKNOWN,
-                f"the orchestrator answered Acquire({key[0]!r}, {key[1]!r}) with success=false",
-            )
-        self._hold_counts[key] = 1
-        self._hold_results[key] = result
-
-    def _wants_set(self, groups: tuple[str, ...]) -> bool:
-        """Whether a slice asks for its groups in one AcquireSet (when 2+ are not held)."""
-        return self._sets_supported and len(groups) >= 2
-
-    def _join_held(
-        self, groups: Iterable[str], job: str, results: dict[str, _types.AcquireResult]
-    ) -> tuple[str, ...]:
-        """Count one more holder of each group an open slice holds (into ``results``);
-        return the others (under their key locks)."""
-        wanted = []
-        for group in groups:
-            held = self._held((job, group))
-            if held is None:
-                wanted.append(group)
-            else:
-                results[group] = held
-        return tuple(wanted)
-
-    def _record_set(
-        self,
-        job: str,
-        granted: dict[str, _types.AcquireResult],
-        results: dict[str, _types.AcquireResult],
-    ) -> None:
-        for group, result in granted.items():
-            self._record_hold((job, group), result)
-            results[group] = result
-
-    def _set_refused(self, err: errors.RPCError) -> bool:
-        """An AcquireSet of a slice failed with ``err``: True when the orchestrator has
-        none (take the groups one by one), False to raise ``err``."""
-        return err.status == grpc.StatusCode.UNIMPLEMENTED
-
-    def _drop_hold(self, key: HoldKey) -> bool:
-        """Count one holder less; True when it was the last (time to yield)."""
-        count = self._hold_counts.get(key, 0) - 1
-        if count > 0:
-            self._hold_counts[key] = count
-            return False
-        self._hold_counts.pop(key, None)
-        self._hold_results.pop(key, None)
-        return True
-
-    @classmethod
-    def _released(
-        cls, failures: list[tuple[str, BaseException]], job: str, *, raise_errors: bool
-    ) -> None:
-        """After a slice yielded its groups: raise the first failure (when the block
-        did not raise already), log the others."""
-        if failures and raise_errors:
-            cls._report_release_failures(failures[1:], job)
-            raise failures[0][1]
-        cls._report_release_failures(failures, job)
-
-    @staticmethod
-    def _report_release_failures(failures: list[tuple[str, BaseException]], job: str) -> None:
-        for group, failure in failures:
-            log.warning(
-                "could not yield group %s for job %s: %s",
-                group,
-                job,
-                failure,
-                extra={"job_id": job, "group_id": group},
-            )
+def _checked_footprint(footprint_bytes: int) -> int:
+    if footprint_bytes < 0:
+        raise ValueError(f"footprint_bytes must be >= 0, got {footprint_bytes!r}")
+    return footprint_bytes

@@ -17,17 +17,15 @@ the call is cancelled so that the orchestrator drops the waiter at once.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Sequence
-from typing import Generic, Protocol, TypeAlias, TypeVar, overload
+from typing import Protocol, TypeAlias, TypeVar
 
 import grpc
 import grpc.aio
-from google.protobuf import wrappers_pb2
 
-from tslice.client import _address, _config, _failover, _retry
+from tslice.client import _address, _config, _failover, _retry, _streams
 from tslice.common import errors, version
 from tslice.security import tls
 
@@ -173,136 +171,12 @@ class AsyncUnary(Protocol[_Req_contra, _Rep_co]):
     ) -> Awaitable[_Rep_co]: ...
 
 
-class _SyncCall(Protocol[_Rep_co]):
-    def __iter__(self) -> Iterator[_Rep_co]: ...
-
-    def cancel(self) -> object: ...
-
-    def initial_metadata(self) -> object: ...
-
-
-class _AsyncCall(Protocol[_Rep_co]):
-    def __aiter__(self) -> AsyncIterator[_Rep_co]: ...
-
-    def cancel(self) -> object: ...
-
-    def initial_metadata(self) -> Awaitable[object]: ...
-
-
-# -- streams ----------------------------------------------------------------------------------
-
-
-class SyncStream(Generic[T]):
-    """Responses of a streaming call; errors arrive as tslice errors; ``cancel()`` ends it."""
-
-    def __init__(self, call: _SyncCall[T], *, group_id: str | None = None) -> None:
-        self._call = call
-        self._group_id = group_id
-        self._cancelled = False
-
-    def __iter__(self) -> Iterator[T]:
-        try:
-            yield from self._call
-        except grpc.RpcError as err:
-            if self._cancelled and err.code() == grpc.StatusCode.CANCELLED:
-                return
-            raise errors.from_grpc(err, group_id=self._group_id) from err
-
-    def cancel(self) -> None:
-        self._cancelled = True
-        self._call.cancel()
-
-    def started(self) -> None:
-        """Block until the server has answered with its headers (or the call failed: the
-        iteration raises the error)."""
-        with contextlib.suppress(grpc.RpcError):
-            self._call.initial_metadata()
-
-
-class AsyncStream(Generic[T]):
-    """Async twin of :class:`SyncStream`; the call starts at the first ``async for`` or
-    ``started()``, once the transport is connected."""
-
-    def __init__(
-        self,
-        open_call: Callable[[], _AsyncCall[T]],
-        *,
-        connect: Callable[[], Awaitable[None]],
-        group_id: str | None = None,
-    ) -> None:
-        self._open_call = open_call
-        self._connect = connect
-        self._call: _AsyncCall[T] | None = None
-        self._group_id = group_id
-        self._cancelled = False
-
-    async def _opened(self) -> _AsyncCall[T]:
-        if self._call is None:
-            await self._connect()
-            self._call = self._open_call()
-            if self._cancelled:
-                self._call.cancel()
-        return self._call
-
-    async def __aiter__(self) -> AsyncIterator[T]:
-        try:
-            async for item in await self._opened():
-                yield item
-        except grpc.RpcError as err:
-            if self._cancelled and err.code() == grpc.StatusCode.CANCELLED:
-                return
-            raise errors.from_grpc(err, group_id=self._group_id) from err
-        except asyncio.CancelledError:
-            if not self._cancelled:
-                raise
-
-    def cancel(self) -> None:
-        self._cancelled = True
-        if self._call is not None:
-            self._call.cancel()
-
-    async def started(self) -> None:
-        """See :meth:`SyncStream.started`."""
-        call = await self._opened()
-        with contextlib.suppress(grpc.RpcError):
-            await call.initial_metadata()
-
-
-#: ``grpc.health.v1`` on the wire without grpcio-health-checking on the job side: the
-#: request is ``string service = 1`` and the reply ``ServingStatus status = 1`` (an enum
-#: is a varint), byte for byte protobuf's own StringValue and Int32Value.
-HealthCheckRequest: TypeAlias = wrappers_pb2.StringValue
-HealthCheckResponse: TypeAlias = wrappers_pb2.Int32Value
-SERVING_STATUS = {0: "UNKNOWN", 1: "SERVING", 2: "NOT_SERVING", 3: "SERVICE_UNKNOWN"}
-
 # -- transports ---------------------------------------------------------------------------------
 
 # The first connection is proven by any answer to a health check (every server has
 # the method or answers UNIMPLEMENTED); wait_for_ready makes it wait out refusals.
-_PROBE = HealthCheckRequest()
+_PROBE = _streams.HealthCheckRequest()
 _NOT_CONNECTED = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
-
-
-@overload
-def health_check(
-    channel: grpc.aio.Channel,
-) -> grpc.aio.UnaryUnaryMultiCallable[HealthCheckRequest, HealthCheckResponse]: ...
-@overload
-def health_check(
-    channel: grpc.Channel,
-) -> grpc.UnaryUnaryMultiCallable[HealthCheckRequest, HealthCheckResponse]: ...
-def health_check(
-    channel: grpc.Channel | grpc.aio.Channel,
-) -> (
-    grpc.UnaryUnaryMultiCallable[HealthCheckRequest, HealthCheckResponse]
-    | grpc.aio.UnaryUnaryMultiCallable[HealthCheckRequest, HealthCheckResponse]
-):
-    """The standard ``grpc.health.v1.Health/Check`` on ``channel``, typed."""
-    return channel.unary_unary(
-        "/grpc.health.v1.Health/Check",
-        request_serializer=HealthCheckRequest.SerializeToString,
-        response_deserializer=HealthCheckResponse.FromString,
-    )
 
 
 def _last_probe_s(budget: float) -> float:
@@ -320,6 +194,10 @@ class _Transport:
     answers then fails with a clear :class:`~tslice.common.errors.Unavailable` instead
     of being retried silently. Once connected, UNAVAILABLE is retried as the method
     allows (an orchestrator restart is ridden out).
+
+    A call first goes out once, with nothing planned: only a failure builds the retry
+    bookkeeping (:class:`~tslice.client._retry.Attempts`), so that a hand-over's calls
+    cost no more than the call itself.
     """
 
     def __init__(self, endpoint: Endpoint, channel: object) -> None:
@@ -327,6 +205,9 @@ class _Transport:
         self._connected = endpoint.connect_timeout is None
         #: Where calls go (None: a channel given by the caller, one address).
         self._targets, _ = _failover.current_target(channel)
+        #: Metadata by job id, when it never changes (no token: a token file may rotate).
+        self._metadata: dict[str | None, Metadata] = {}
+        self._static_metadata = endpoint.security.token is None
 
     def where(self) -> str:
         """The address the next call goes to ("" for a caller's channel)."""
@@ -338,6 +219,11 @@ class _Transport:
         if self._targets is None:
             return False
         return self._targets.after_error(used, err) and redirects < _failover.MAX_REDIRECTS
+
+    def stream_failed(self, used: str, err: grpc.RpcError) -> None:
+        """A stream opened at ``used`` failed: a redirect, or on to the next address."""
+        if self._targets is not None:
+            self._targets.after_error(used, err)
 
     def probe_slices(self, budget: float) -> Iterator[float]:
         """The waits of the first connection's probes (see ``_failover.probe_waits``)."""
@@ -385,12 +271,17 @@ class _Transport:
         )
 
     def metadata(self, options: CallOptions) -> Metadata:
+        cached = self._metadata.get(options.job_id)
+        if cached is not None:
+            return cached
         items = [(CLIENT_VERSION_HEADER, version.VERSION), *self.endpoint.security.metadata()]
         if options.job_id:
             items.append((JOB_ID_HEADER, options.job_id))
+        if self._static_metadata:
+            self._metadata[options.job_id] = tuple(items)
         return tuple(items)
 
-    def attempts(self, method: Method, options: CallOptions) -> _retry.Attempts:
+    def attempts(self, method: Method, options: CallOptions, since: float) -> _retry.Attempts:
         return _retry.Attempts(
             method=method.name,
             target=self.endpoint.target,
@@ -399,12 +290,20 @@ class _Transport:
             policy=options.retry or self.endpoint.retry,
             timeout=options.timeout,
             group_id=options.group_id,
+            since=since,
         )
 
 
-def _settled(method: Method, settled: Callable[[], Rep] | None) -> Rep:
-    assert settled is not None, f"{method.name} declares settled codes but no settled reply"
-    return settled()
+#: What a re-issued call returns when its answer says an earlier attempt took effect
+#: (``Method.settled_codes``), given the request and that answer; it raises the answer
+#: when it finds the earlier attempt did not take effect after all.
+SyncSettled = Callable[[Req, errors.RPCError], Rep]
+AsyncSettled = Callable[[Req, errors.RPCError], Awaitable[Rep]]
+
+
+def _settled_error(method: Method, attempts: _retry.Attempts) -> errors.RPCError:
+    assert attempts.settled is not None, f"{method.name}: no settled answer"
+    return attempts.settled
 
 
 class SyncTransport(_Transport):
@@ -420,7 +319,7 @@ class SyncTransport(_Transport):
         super().__init__(endpoint, channel)
         self.channel = channel
         self._sleep = sleep
-        self._probe = health_check(channel)
+        self._probe = _streams.health_check(channel)
 
     def connect(self, call_timeout: float | None) -> None:
         """Wait for the first connection (see :class:`_Transport`)."""
@@ -430,7 +329,7 @@ class SyncTransport(_Transport):
         for wait_s in self.probe_slices(budget):
             used = self.where()
             try:
-                _wait(self._probe.future(_PROBE, timeout=wait_s, wait_for_ready=True))
+                wait(self._probe.future(_PROBE, timeout=wait_s, wait_for_ready=True))
             except grpc.RpcError as err:
                 if self.probe_failed(used, err):
                     continue
@@ -441,7 +340,7 @@ class SyncTransport(_Transport):
 
     def _last_error(self, timeout: float) -> grpc.RpcError | None:
         try:
-            _wait(self._probe.future(_PROBE, timeout=timeout))
+            wait(self._probe.future(_PROBE, timeout=timeout))
         except grpc.RpcError as err:
             return err
         return None
@@ -453,29 +352,59 @@ class SyncTransport(_Transport):
         request: Req,
         options: CallOptions,
         *,
-        settled: Callable[[], Rep] | None = None,
+        settled: SyncSettled[Req, Rep] | None = None,
     ) -> Rep:
-        attempts = self.attempts(method, options)
+        """One call of ``method``: at once once connected, retried after a failure."""
+        if not self._connected:
+            return self._retried(
+                method, call, request, options, settled=settled, since=time.monotonic()
+            )
+        since, used = time.monotonic(), self.where()
+        metadata = self._metadata.get(options.job_id) or self.metadata(options)
+        try:
+            return wait(call.future(request, timeout=options.timeout, metadata=metadata))
+        except grpc.RpcError as err:
+            return self._retried(
+                method, call, request, options, settled=settled, since=since, failed=(used, err)
+            )
+
+    def _retried(
+        self,
+        method: Method,
+        call: SyncUnary[Req, Rep],
+        request: Req,
+        options: CallOptions,
+        *,
+        settled: SyncSettled[Req, Rep] | None,
+        since: float,
+        failed: tuple[str, grpc.RpcError] | None = None,
+    ) -> Rep:
+        """The call after its first attempt ``failed`` (None: none made: not connected)."""
+        attempts = self.attempts(method, options, since)
         metadata = self.metadata(options)
-        self.connect(attempts.attempt_timeout())
+        if failed is None:
+            self.connect(attempts.attempt_timeout())
         redirects = 0
         while True:
+            if failed is not None:
+                used, err = failed
+                if self.redirected(used, err, redirects):
+                    redirects += 1
+                elif (delay := attempts.after_error(err)) is None:
+                    assert settled is not None, f"{method.name} settles with no answer"
+                    return settled(request, _settled_error(method, attempts))
+                else:
+                    self._sleep(delay)
             used = self.where()
             try:
-                response = _wait(
+                response = wait(
                     call.future(request, timeout=attempts.attempt_timeout(), metadata=metadata)
                 )
             except grpc.RpcError as err:
-                if self.redirected(used, err, redirects):
-                    redirects += 1
-                    continue
-                delay = attempts.after_error(err)
-            else:
-                attempts.succeeded()
-                return response
-            if delay is None:
-                return _settled(method, settled)
-            self._sleep(delay)
+                failed = (used, err)
+                continue
+            attempts.succeeded()
+            return response
 
     def unary_stream(
         self,
@@ -483,11 +412,11 @@ class SyncTransport(_Transport):
         call: grpc.UnaryStreamMultiCallable[Req, Rep],
         request: Req,
         options: CallOptions,
-    ) -> SyncStream[Rep]:
+    ) -> _streams.SyncStream[Rep]:
         # Streams are never retried: only the caller knows how to resume one.
         self.connect(options.timeout)
         stream = call(request, timeout=options.timeout, metadata=self.metadata(options))
-        return SyncStream(stream, group_id=options.group_id)
+        return _streams.SyncStream(stream, group_id=options.group_id)
 
     def stream_stream(
         self,
@@ -495,13 +424,14 @@ class SyncTransport(_Transport):
         call: grpc.StreamStreamMultiCallable[Req, Rep],
         requests: Iterable[Req],
         options: CallOptions,
-    ) -> SyncStream[Rep]:
+    ) -> _streams.SyncStream[Rep]:
         self.connect(options.timeout)
         stream = call(iter(requests), timeout=options.timeout, metadata=self.metadata(options))
-        return SyncStream(stream, group_id=options.group_id)
+        return _streams.SyncStream(stream, group_id=options.group_id)
 
 
-def _wait(future: Outcome[Rep]) -> Rep:
+def wait(future: Outcome[Rep]) -> Rep:
+    """The result of a sync call in flight; an interrupt or a failure cancels it."""
     try:
         return future.result()
     except BaseException:
@@ -516,7 +446,7 @@ class AsyncTransport(_Transport):
     def __init__(self, channel: grpc.aio.Channel, endpoint: Endpoint) -> None:
         super().__init__(endpoint, channel)
         self.channel = channel
-        self._probe = health_check(channel)
+        self._probe = _streams.health_check(channel)
 
     async def connect(self, call_timeout: float | None) -> None:
         """Wait for the first connection (see :class:`_Transport`)."""
@@ -549,29 +479,60 @@ class AsyncTransport(_Transport):
         request: Req,
         options: CallOptions,
         *,
-        settled: Callable[[], Rep] | None = None,
+        settled: AsyncSettled[Req, Rep] | None = None,
     ) -> Rep:
-        attempts = self.attempts(method, options)
+        """See :meth:`SyncTransport.unary`."""
+        if not self._connected:
+            return await self._retried(
+                method, call, request, options, settled=settled, since=time.monotonic()
+            )
+        since, used = time.monotonic(), self.where()
+        metadata = self._metadata.get(options.job_id) or self.metadata(options)
+        try:
+            return await call(request, timeout=options.timeout, metadata=metadata)
+        except grpc.RpcError as err:
+            failed = (used, err)
+        return await self._retried(
+            method, call, request, options, settled=settled, since=since, failed=failed
+        )
+
+    async def _retried(
+        self,
+        method: Method,
+        call: AsyncUnary[Req, Rep],
+        request: Req,
+        options: CallOptions,
+        *,
+        settled: AsyncSettled[Req, Rep] | None,
+        since: float,
+        failed: tuple[str, grpc.RpcError] | None = None,
+    ) -> Rep:
+        """See :meth:`SyncTransport._retried`."""
+        attempts = self.attempts(method, options, since)
         metadata = self.metadata(options)
-        await self.connect(attempts.attempt_timeout())
+        if failed is None:
+            await self.connect(attempts.attempt_timeout())
         redirects = 0
         while True:
+            if failed is not None:
+                used, err = failed
+                if self.redirected(used, err, redirects):
+                    redirects += 1
+                elif (delay := attempts.after_error(err)) is None:
+                    assert settled is not None, f"{method.name} settles with no answer"
+                    return await settled(request, _settled_error(method, attempts))
+                else:
+                    await asyncio.sleep(delay)
             used = self.where()
             try:
                 response = await call(
                     request, timeout=attempts.attempt_timeout(), metadata=metadata
                 )
             except grpc.RpcError as err:
-                if self.redirected(used, err, redirects):
-                    redirects += 1
-                    continue
-                delay = attempts.after_error(err)
-            else:
-                attempts.succeeded()
-                return response
-            if delay is None:
-                return _settled(method, settled)
-            await asyncio.sleep(delay)
+                failed = (used, err)
+                continue
+            attempts.succeeded()
+            return response
 
     def unary_stream(
         self,
@@ -579,8 +540,8 @@ class AsyncTransport(_Transport):
         call: grpc.aio.UnaryStreamMultiCallable[Req, Rep],
         request: Req,
         options: CallOptions,
-    ) -> AsyncStream[Rep]:
-        return AsyncStream(
+    ) -> _streams.AsyncStream[Rep]:
+        return _streams.AsyncStream(
             lambda: call(request, timeout=options.timeout, metadata=self.metadata(options)),
             connect=lambda: self.connect(options.timeout),
             group_id=options.group_id,
@@ -592,8 +553,8 @@ class AsyncTransport(_Transport):
         call: grpc.aio.StreamStreamMultiCallable[Req, Rep],
         requests: AsyncIterator[Req] | Iterator[Req],
         options: CallOptions,
-    ) -> AsyncStream[Rep]:
-        return AsyncStream(
+    ) -> _streams.AsyncStream[Rep]:
+        return _streams.AsyncStream(
             lambda: call(requests, timeout=options.timeout, metadata=self.metadata(options)),
             connect=lambda: self.connect(options.timeout),
             group_id=options.group_id,

@@ -81,11 +81,16 @@ class Client(_base.BaseClient[_lease.HoldKeeper]):
         call = self._prepare_acquire(group, job_id, timeout, footprint_bytes)
         if call is None:
             return _base.NOOP_ACQUIRE
-        with self._acquire_deadline(call):
-            response = self._orchestrator("acquire").acquire(call.request, call.options)
-        if self._wants_lease(response):
-            self._keep(call.job, call.group, response.grant_epoch)
-        return _types.acquire_result(response)
+        calls = self._calls or self._orchestrator("acquire")
+        try:
+            response = calls.acquire(call.request, call.options)
+        except errors.DeadlineExceeded as err:
+            raise self._timed_out(call) from err
+        if response.success and self._lease_ms:
+            replaced = self._keep(calls, call.job, call.group, response.grant_epoch)
+            if replaced is not None:
+                replaced.stop()
+        return self._acquired(response)
 
     def acquire_set(
         self,
@@ -120,8 +125,11 @@ class Client(_base.BaseClient[_lease.HoldKeeper]):
             )
         results = self._set_results(call, response)
         if self._lease_ms:
+            calls = self._orchestrator("hold")
             for group, result in results.items():
-                self._keep(call.job, group, result.grant_epoch)
+                replaced = self._keep(calls, call.job, group, result.grant_epoch)
+                if replaced is not None:
+                    replaced.stop()
         return results
 
     def yield_(
@@ -137,13 +145,16 @@ class Client(_base.BaseClient[_lease.HoldKeeper]):
             if call.keeper is not None:
                 call.keeper.stop()
             return call.answer
+        calls = self._calls or self._orchestrator("yield")
         try:
-            response = self._orchestrator("yield").yield_(call.request, call.options)
+            response = calls.yield_(call.request, call.options)
         except BaseException:
             call.failed()
             raise
-        self._unkeep(call.job, call.group)
-        return _types.yield_result(response)
+        keeper = self._leases.pop((call.job, call.group))
+        if keeper is not None:
+            keeper.stop()
+        return self._yielded(response)
 
     release = yield_
 
@@ -257,7 +268,7 @@ class Client(_base.BaseClient[_lease.HoldKeeper]):
         """Close the channel; idempotent. Groups still held stay held (yield first)
         until their lease runs out."""
         self._closed = True
-        for keeper in self._pop_keepers():
+        for keeper in self._leases.pop_all():
             keeper.stop()
         with self._guard:
             calls, self._calls = self._calls, None
@@ -276,20 +287,16 @@ class Client(_base.BaseClient[_lease.HoldKeeper]):
 
     # -- leases ----------------------------------------------------------------------------
 
-    def _keep(self, job: str, group: str, epoch: int) -> None:
-        """Hold the lease of a new grant from a daemon thread (replaces an older keeper)."""
-        calls, options = self._orchestrator("hold"), self._options(job, group, None)
+    def _keep(
+        self, calls: _services.OrchestratorCalls, job: str, group: str, epoch: int
+    ) -> _lease.HoldKeeper | None:
+        """Hold the lease of a new grant from a daemon thread; returns the keeper it replaces
+        (to stop)."""
+        options = _channel.CallOptions(job_id=job, group_id=group)
         keeper = _lease.HoldKeeper(
             self._lease(job, group, epoch), hold=lambda request: calls.hold(request, options)
         )
-        old = self._swap_keeper((job, group), keeper)
-        if old is not None:
-            old.stop()
-
-    def _unkeep(self, job: str, group: str) -> None:
-        keeper = self._pop_keeper((job, group))
-        if keeper is not None:
-            keeper.stop()
+        return self._leases.swap((job, group), keeper)
 
     # -- slice plumbing (called by SliceContext) ------------------------------------
 
@@ -306,7 +313,7 @@ class Client(_base.BaseClient[_lease.HoldKeeper]):
         results: dict[str, _types.AcquireResult] = {}
         try:
             rest = groups
-            if self._wants_set(groups):
+            if self._holds.wants_set(groups):
                 rest = self._hold_set(groups, job, clock, results)
             for group in rest:
                 results[group] = self._hold(job, group, clock)
@@ -319,7 +326,7 @@ class Client(_base.BaseClient[_lease.HoldKeeper]):
         self,
         groups: tuple[str, ...],
         job: str,
-        clock: _base.SliceClock,
+        clock: _slice.SliceClock,
         results: dict[str, _types.AcquireResult],
     ) -> tuple[str, ...]:
         """Hold the groups of a slice not held yet in one AcquireSet, into ``results``;
@@ -328,29 +335,29 @@ class Client(_base.BaseClient[_lease.HoldKeeper]):
             # Every key lock of the set, in one order: a set is held all or nothing.
             for group in sorted(groups):
                 locked.enter_context(self._key_lock((job, group)))
-            wanted = self._join_held(groups, job, results)
+            wanted = self._holds.join(groups, job, results)
             if len(wanted) < 2:
                 return wanted
             wait = clock.remaining(job=job, group=",".join(wanted))
             try:
                 granted = self.acquire_set(wanted, job_id=job, timeout=wait)
             except errors.RPCError as err:
-                if not self._set_refused(err):
+                if not self._holds.set_refused(err):
                     raise
                 return wanted
-            self._record_set(job, granted, results)
+            self._holds.record_set(job, granted, results)
             return ()
 
-    def _hold(self, job: str, group: str, clock: _base.SliceClock) -> _types.AcquireResult:
+    def _hold(self, job: str, group: str, clock: _slice.SliceClock) -> _types.AcquireResult:
         key = (job, group)
         # Serialises acquire/yield transitions of one (job, group) across threads, so
         # a slice never runs while another thread's exit is yielding the same group.
         with self._key_lock(key):
-            held = self._held(key)
+            held = self._holds.held(key)
             if held is None:
                 wait = clock.remaining(job=job, group=group)
                 held = self.acquire(group, job_id=job, timeout=wait)
-                self._record_hold(key, held)
+                self._holds.record(key, held)
             return held
 
     def _exit_slice(self, groups: tuple[str, ...], job: str, *, raise_errors: bool) -> None:
@@ -360,10 +367,10 @@ class Client(_base.BaseClient[_lease.HoldKeeper]):
         for group in reversed(groups):
             key = (job, group)
             with self._key_lock(key):
-                if not self._drop_hold(key):
+                if not self._holds.drop(key):
                     continue
                 try:
                     self.yield_(group, job_id=job)
                 except Exception as exc:
                     failures.append((group, exc))
-        self._released(failures, job, raise_errors=raise_errors)
+        _slice.released(failures, job, raise_errors=raise_errors)

@@ -7,11 +7,11 @@ from __future__ import annotations
 from collections.abc import AsyncGenerator, AsyncIterator, Iterator
 
 from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2 as opb
-from tslice.client import _channel, _types
+from tslice.client import _streams, _types
 
 
 def events(
-    stream: _channel.SyncStream[opb.OrchestratorEvent],
+    stream: _streams.SyncStream[opb.OrchestratorEvent],
 ) -> Iterator[_types.OrchestratorEvent]:
     try:
         for message in stream:
@@ -21,7 +21,7 @@ def events(
 
 
 async def _async_events(
-    stream: _channel.AsyncStream[opb.OrchestratorEvent],
+    stream: _streams.AsyncStream[opb.OrchestratorEvent],
 ) -> AsyncGenerator[_types.OrchestratorEvent, None]:
     try:
         async for message in stream:
@@ -33,7 +33,7 @@ async def _async_events(
 class EventStream(AsyncIterator[_types.OrchestratorEvent]):
     """Events of :meth:`AsyncClient.watch_events`, for ``async for``."""
 
-    def __init__(self, stream: _channel.AsyncStream[opb.OrchestratorEvent]) -> None:
+    def __init__(self, stream: _streams.AsyncStream[opb.OrchestratorEvent]) -> None:
         self._stream = stream
         self._events = _async_events(stream)
 

@@ -72,12 +72,10 @@ class Targets:
             raise ValueError("at least one target is needed")
         self._targets = list(targets)
         self._given = len(self._targets)
-        self._current = self._targets[0]
+        #: Where calls go now (an attribute, not a property: read on every call; it is
+        #: only replaced whole, under the guard).
+        self.current = self._targets[0]
         self._guard = threading.Lock()
-
-    @property
-    def current(self) -> str:
-        return self._current
 
     @property
     def several(self) -> bool:
@@ -105,11 +103,11 @@ class Targets:
     def skip(self, used: str) -> None:
         """Move on from ``used`` to the next address, unless another call already did."""
         with self._guard:
-            if self._current != used or len(self._targets) < 2:
+            if self.current != used or len(self._targets) < 2:
                 return
             at = self._targets.index(used) if used in self._targets else -1
-            self._current = self._targets[(at + 1) % len(self._targets)]
-            now = self._current
+            self.current = self._targets[(at + 1) % len(self._targets)]
+            now = self.current
         log.info("orchestrator %s did not answer; trying %s", used, now)
 
     def _follow(self, used: str, leader: str) -> None:
@@ -118,7 +116,7 @@ class Targets:
                 if len(self._targets) >= _MAX_TARGETS:
                     del self._targets[self._given]  # the oldest learnt one
                 self._targets.append(leader)
-            self._current = leader
+            self.current = leader
         log.info("orchestrator %s is a follower; following the leader at %s", used, leader)
 
     @staticmethod
@@ -350,6 +348,15 @@ class AioFailoverChannel(_Methods, grpc.aio.Channel):
 
     async def __aexit__(self, *exc_info: object) -> None:
         await self.close()
+
+
+def unwatched(channel: object, kind: str, method: str, *args: Any) -> Any:
+    """The ``kind`` method factory's result for ``method`` on ``channel``, its streams
+    not watched: their caller reports how they fail (a stream read on every hand-over
+    saves a wrapper per message)."""
+    if isinstance(channel, (FailoverChannel, AioFailoverChannel)):
+        return channel._channels.method(kind, (method, *args), {}, None)
+    return getattr(channel, kind)(method, *args)
 
 
 def current_target(channel: object) -> tuple[Targets | None, str]:

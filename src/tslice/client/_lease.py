@@ -30,11 +30,12 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from typing import Generic, Protocol, TypeVar
 
 import grpc
 
 from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2 as opb
-from tslice.client import _channel
+from tslice.client import _streams
 from tslice.common import errors
 
 log = logging.getLogger("tslice.client")
@@ -43,6 +44,69 @@ log = logging.getLogger("tslice.client")
 _LOST_CODES = frozenset({grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND})
 
 OnLost = Callable[[str], None]
+#: (job, group): a grant a client holds.
+HoldKey = tuple[str, str]
+
+
+class Keeper(Protocol):
+    """What the clients ask of a lease keeper (sync or async) while yielding."""
+
+    def releasing(self) -> None: ...
+
+    def resume(self) -> None: ...
+
+
+K = TypeVar("K", bound=Keeper)
+
+
+class Keepers(Generic[K]):
+    """The lease keepers of a client's grants, and the leases it lost (group -> why);
+    thread-safe (the sync client's keepers report from their threads)."""
+
+    def __init__(self) -> None:
+        self._guard = threading.Lock()
+        #: The keeper of each grant held (tests read it).
+        self.by_key: dict[HoldKey, K] = {}
+        self._lost: dict[str, str] = {}
+
+    def lost(self) -> dict[str, str]:
+        with self._guard:
+            return dict(self._lost)
+
+    def was_lost(self, group: str) -> bool:
+        return group in self._lost
+
+    def lose(self, job: str, group: str, reason: str) -> None:
+        log.warning(
+            "job %s lost its lock on group %s: %s",
+            job,
+            group,
+            reason,
+            extra={"job_id": job, "group_id": group},
+        )
+        with self._guard:
+            self._lost[group] = reason
+
+    def swap(self, key: HoldKey, keeper: K) -> K | None:
+        """Register the keeper of a new grant (the group is no longer lost); returns
+        the one it replaces (to stop)."""
+        with self._guard:
+            self._lost.pop(key[1], None)
+            old = self.by_key.get(key)
+            self.by_key[key] = keeper
+        return old
+
+    def get(self, key: HoldKey) -> K | None:
+        return self.by_key.get(key)
+
+    def pop(self, key: HoldKey) -> K | None:
+        with self._guard:
+            return self.by_key.pop(key, None)
+
+    def pop_all(self) -> list[K]:
+        with self._guard:
+            keepers, self.by_key = list(self.by_key.values()), {}
+        return keepers
 
 
 def retry_delay(attempt: int, lease_ms: int) -> float:
@@ -226,7 +290,7 @@ class HoldKeeper:
     """Keeps one Hold stream open from a daemon thread (started when due) until :meth:`stop`."""
 
     def __init__(
-        self, lease: Lease, *, hold: Callable[[opb.HoldRequest], _channel.SyncStream[opb.HoldEvent]]
+        self, lease: Lease, *, hold: Callable[[opb.HoldRequest], _streams.SyncStream[opb.HoldEvent]]
     ) -> None:
         self._hold = hold
         self._request = lease.request
@@ -234,7 +298,7 @@ class HoldKeeper:
         self._on_lost = lease.on_lost
         self._stopped = threading.Event()
         self._guard = threading.Lock()
-        self._stream: _channel.SyncStream[opb.HoldEvent] | None = None
+        self._stream: _streams.SyncStream[opb.HoldEvent] | None = None
         self._name = lease.name
         self._thread: threading.Thread | None = None
         # No thread until the stream is due: a slice shorter than that costs none.
@@ -293,7 +357,7 @@ class HoldKeeper:
             assert step.reopen_in is not None
             self._stopped.wait(step.reopen_in)
 
-    def _read(self, stream: _channel.SyncStream[opb.HoldEvent]) -> Step:
+    def _read(self, stream: _streams.SyncStream[opb.HoldEvent]) -> Step:
         try:
             for event in stream:
                 with self._guard:
@@ -314,18 +378,18 @@ class AsyncHoldKeeper:
         self,
         lease: Lease,
         *,
-        hold: Callable[[opb.HoldRequest], _channel.AsyncStream[opb.HoldEvent]],
+        hold: Callable[[opb.HoldRequest], _streams.AsyncStream[opb.HoldEvent]],
     ) -> None:
         self._hold = hold
-        self._request = lease.request
+        self._lease = lease
         self._flow = LeaseFlow(lease_ms=lease.lease_ms)
         self._on_lost = lease.on_lost
-        self._name = lease.name
         self._ended = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
-        # A timer, not a sleeping task: a slice shorter than the delay costs no task.
+        # A timer, not a sleeping task: a slice shorter than the delay costs no task
+        # (the delay is open_delay(), inline: a keeper is made on every grant).
         self._timer: asyncio.TimerHandle | None = asyncio.get_running_loop().call_later(
-            self._flow.open_delay, self._open
+            lease.lease_ms / 4000, self._open
         )
 
     @property
@@ -351,7 +415,7 @@ class AsyncHoldKeeper:
 
     def _open(self) -> None:
         self._timer = None
-        self._task = asyncio.get_running_loop().create_task(self._run(), name=self._name)
+        self._task = asyncio.get_running_loop().create_task(self._run(), name=self._lease.name)
         self._task.add_done_callback(lambda _task: self._ended.set())
 
     def releasing(self) -> None:
@@ -365,8 +429,9 @@ class AsyncHoldKeeper:
             self._on_lost(lost)
 
     async def _run(self) -> None:
+        request = self._lease.request
         while True:
-            stream = self._hold(self._request)
+            stream = self._hold(request)
             try:
                 step = await self._read(stream)
             finally:
@@ -376,7 +441,7 @@ class AsyncHoldKeeper:
             assert step.reopen_in is not None
             await asyncio.sleep(step.reopen_in)
 
-    async def _read(self, stream: _channel.AsyncStream[opb.HoldEvent]) -> Step:
+    async def _read(self, stream: _streams.AsyncStream[opb.HoldEvent]) -> Step:
         try:
             async for event in stream:
                 step = self._flow.on_event(released=event.released, lost=event.lost)

@@ -84,12 +84,17 @@ class Attempts:
     group_id: str | None = None
     clock: Callable[[], float] = time.monotonic
     rand: Callable[[], float] = random.random
+    #: When the call began (``clock()`` time; None: now): its first attempt may have
+    #: gone out before this bookkeeping was needed.
+    since: float | None = None
     started: float = dataclasses.field(init=False)
     deadline: float | None = dataclasses.field(init=False)
     failures: int = dataclasses.field(init=False, default=0)
+    #: The answer that settled the call (see ``settled_codes``), once one did.
+    settled: errors.RPCError | None = dataclasses.field(init=False, default=None)
 
     def __post_init__(self) -> None:
-        self.started = self.clock()
+        self.started = self.clock() if self.since is None else self.since
         self.deadline = None if self.timeout is None else self.started + self.timeout
 
     def elapsed_ms(self) -> int:
@@ -102,8 +107,9 @@ class Attempts:
         return max(0.0, self.deadline - self.clock())
 
     def after_error(self, err: grpc.RpcError) -> float | None:
-        """Seconds to wait before the next attempt, ``None`` when an earlier attempt
-        evidently took effect (see ``settled_codes``), or raise the mapped error.
+        """Seconds to wait before the next attempt, ``None`` when the answer says an
+        earlier attempt took effect (see ``settled_codes``; the answer is then
+        :attr:`settled`, for the caller to confirm), or raise the mapped error.
 
         Must be called inside the ``except`` block that caught ``err`` so that the
         raised error chains to it.
@@ -117,6 +123,7 @@ class Attempts:
                 mapped,
                 extra={"method": self.method, "target": self.target},
             )
+            self.settled = mapped
             return None
         if mapped.status == grpc.StatusCode.DEADLINE_EXCEEDED and self.deadline is not None:
             raise errors.DeadlineExceeded(

@@ -5,9 +5,13 @@ reply messages (a test checks them, and that no RPC is missing, against the prot
 descriptors); read on a sync calls object it is a blocking method, on an async one a
 coroutine method. Either way the call goes through the transport
 (:mod:`tslice.client._channel`), which times, retries and translates it. ``stub`` is
-the raw generated stub, the escape hatch. Acquire and Yield go over the
-orchestrator's Session stream, or unary where there is none
-(:mod:`tslice.client.compat._unary`).
+the raw generated stub, the escape hatch.
+
+Acquire and Yield go over the orchestrator's Session stream (:mod:`tslice.client._session`);
+a channel whose orchestrator has none (llm-d's) takes llm-d's unary calls instead. That
+is decided once per channel, by the first Acquire or Yield (:class:`_SyncFirstLockCall`,
+:class:`_AsyncFirstLockCall`), which then puts the chosen methods in place: no later
+call tries one and falls back.
 """
 
 from __future__ import annotations
@@ -21,15 +25,12 @@ from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2_grpc as pb_grpc
 from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2 as opb
 from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2_grpc as opb_grpc
-from tslice.client import _channel, _session
-from tslice.client._channel import (
-    NO_OPTIONS,
-    CallOptions,
-    HealthCheckRequest,
-    HealthCheckResponse,
-    Method,
-)
+from tslice.client import _channel, _session, _streams
+from tslice.client._channel import CallOptions, Method
+from tslice.client._streams import HealthCheckRequest, HealthCheckResponse
 from tslice.client.compat import _unary
+from tslice.common import errors
+from tslice.rpc import multiplex
 
 Req = TypeVar("Req")
 Rep = TypeVar("Rep")
@@ -48,7 +49,8 @@ ORCHESTRATOR_METHODS = {
         # queue entries (and a group already granted to the job counts as granted).
         Method(_ORCH, "AcquireSet", retryable=True),
         # A Yield whose reply was lost may already have handed the group on: the
-        # re-issued one then meets PERMISSION_DENIED, yet the job did let go.
+        # re-issued one then meets PERMISSION_DENIED, yet the job did let go (when it
+        # no longer holds the group: a refusal of its identity leaves it holding).
         Method(
             _ORCH,
             "Yield",
@@ -92,9 +94,16 @@ AGENT_METHODS = {
 HEALTH_CHECK = Method(HEALTH_SERVICE, "Check", retryable=True)
 
 
-def _yield_settled() -> opb.YieldResponse:
-    """What a Yield that met PERMISSION_DENIED after a lost reply returns: it let go."""
-    return opb.YieldResponse(success=True)
+_LET_GO = opb.YieldResponse(success=True)
+#: Deadline of the status read that confirms a re-issued Yield's refusal (seconds).
+_CONFIRM_S = 10.0
+
+
+_CONFIRMING = CallOptions(timeout=_CONFIRM_S)
+
+
+def _still_holds(request: opb.YieldRequest, status: opb.GetGroupStatusResponse) -> bool:
+    return status.group.locking_job == request.job_id
 
 
 # -- the calls objects ----------------------------------------------------------------------
@@ -106,7 +115,7 @@ class SyncCalls:
     def __init__(self, transport: _channel.SyncTransport, stub: Any) -> None:
         self.transport = transport
         self.stub = stub
-        self._check = _channel.health_check(transport.channel)
+        self._check = _streams.health_check(transport.channel)
 
 
 class AsyncCalls:
@@ -115,7 +124,7 @@ class AsyncCalls:
     def __init__(self, transport: _channel.AsyncTransport, stub: Any) -> None:
         self.transport = transport
         self.stub = stub
-        self._check = _channel.health_check(transport.channel)
+        self._check = _streams.health_check(transport.channel)
 
 
 _Calls: TypeAlias = SyncCalls | AsyncCalls
@@ -125,11 +134,10 @@ class _Rpc(Generic[Req, Rep]):
     """One RPC: the transport's method for it, and what it calls (the stub's method of
     the same name, or the calls object's attribute ``via``)."""
 
-    def __init__(
-        self, method: Method, *, via: str = "", settled: Callable[[], Rep] | None = None
-    ) -> None:
+    def __init__(self, method: Method, *, via: str = "", settled: str = "") -> None:
         self.method = method
         self.via = via
+        #: The calls object's method that confirms a settled answer (``Method.settled_codes``).
         self.settled = settled
 
     def target(self, calls: _Calls) -> Any:
@@ -146,9 +154,11 @@ class Unary(_Rpc[Req, Rep]):
     def __get__(self, calls: _Calls | None, owner: object) -> Any:
         if calls is None:
             return self
-        transport, target = calls.transport, self.target(calls)
+        transport, method = calls.transport, self.method
+        target = getattr(calls, self.via) if self.via else getattr(calls.stub, method.name)
+        settled = getattr(calls, self.settled) if self.settled else None
         return lambda request, options: transport.unary(
-            self.method, target, request, options, settled=self.settled
+            method, target, request, options, settled=settled
         )
 
 
@@ -156,11 +166,11 @@ class ServerStream(_Rpc[Req, Rep]):
     @overload
     def __get__(
         self, calls: SyncCalls, owner: object
-    ) -> Callable[[Req, CallOptions], _channel.SyncStream[Rep]]: ...
+    ) -> Callable[[Req, CallOptions], _streams.SyncStream[Rep]]: ...
     @overload
     def __get__(
         self, calls: AsyncCalls, owner: object
-    ) -> Callable[[Req, CallOptions], _channel.AsyncStream[Rep]]: ...
+    ) -> Callable[[Req, CallOptions], _streams.AsyncStream[Rep]]: ...
     def __get__(self, calls: _Calls | None, owner: object) -> Any:
         if calls is None:
             return self
@@ -174,11 +184,11 @@ class BidiStream(_Rpc[Req, Rep]):
     @overload
     def __get__(
         self, calls: SyncCalls, owner: object
-    ) -> Callable[[Iterable[Req], CallOptions], _channel.SyncStream[Rep]]: ...
+    ) -> Callable[[Iterable[Req], CallOptions], _streams.SyncStream[Rep]]: ...
     @overload
     def __get__(
         self, calls: AsyncCalls, owner: object
-    ) -> Callable[[AsyncIterator[Req] | Iterator[Req], CallOptions], _channel.AsyncStream[Rep]]: ...
+    ) -> Callable[[AsyncIterator[Req] | Iterator[Req], CallOptions], _streams.AsyncStream[Rep]]: ...
     def __get__(self, calls: _Calls | None, owner: object) -> Any:
         if calls is None:
             return self
@@ -198,7 +208,7 @@ class _OrchestratorRpcs:
     # Acquire and Yield go over one Session stream (unary where there is none).
     acquire = Unary[opb.AcquireRequest, opb.AcquireResponse](_O["Acquire"], via="_acquire")
     yield_ = Unary[opb.YieldRequest, opb.YieldResponse](
-        _O["Yield"], via="_yield", settled=_yield_settled
+        _O["Yield"], via="_yield", settled="_yield_settled"
     )
     # Unary, not over the Session: an older tslice's Session refuses a request it cannot
     # read with INVALID_ARGUMENT, where the unary RPC answers UNIMPLEMENTED, which a
@@ -243,15 +253,41 @@ class OrchestratorCalls(_OrchestratorRpcs, SyncCalls):
     def __init__(self, transport: _channel.SyncTransport) -> None:
         stub = opb_grpc.TimeSliceOrchestratorServiceStub(transport.channel)
         super().__init__(transport, stub)
-        self._session = _session.SyncSession(stub, metadata=transport.metadata(NO_OPTIONS))
-        self._acquire = _unary.SyncUnaryFallback(self._session.acquire, stub.Acquire)
-        self._yield = _unary.SyncUnaryFallback(self._session.yield_, stub.Yield)
-        # Started by a helper thread, so that Ctrl-C never loses the call (a ghost set).
-        self._acquire_set = _unary.SyncUnaryFallback(None, stub.AcquireSet)
+        self.session_calls = _session.SyncSession(transport)
+        self._starter = _unary.Starter("tslice-unary-calls")
+        self._acquire: _channel.SyncUnary[Any, Any] = _SyncFirstLockCall(self, acquire=True)
+        self._yield: _channel.SyncUnary[Any, Any] = _SyncFirstLockCall(self, acquire=False)
+        # Started by the channel's starter thread, so that Ctrl-C never loses the call
+        # (a ghost set).
+        self._acquire_set = _unary.Started(self._starter, stub.AcquireSet)
+
+    def take_unary_calls(self) -> None:
+        """The orchestrator has no Session: llm-d's unary Acquire and Yield from now on."""
+        self._acquire = _unary.Started(self._starter, self.stub.Acquire)
+        self._yield = _unary.Started(self._starter, self.stub.Yield)
+
+    def take_session(self) -> None:
+        self._acquire, self._yield = self.session_calls.acquire, self.session_calls.yield_
+
+    def _yield_settled(
+        self, request: opb.YieldRequest, answer: errors.RPCError
+    ) -> opb.YieldResponse:
+        """A re-issued Yield refused PERMISSION_DENIED: the job let go (an earlier attempt
+        handed the group on) unless it still holds the group (its identity was refused)."""
+        try:
+            status = self.get_group_status(
+                opb.GetGroupStatusRequest(group_id=request.group_id), _CONFIRMING
+            )
+        except errors.RPCError as err:
+            raise answer from err  # not confirmed: the refusal stands
+        if _still_holds(request, status):
+            raise answer
+        return _LET_GO
 
     def close(self) -> None:
         """End the Session stream (before the channel closes)."""
-        self._session.close()
+        self.session_calls.close()
+        self._starter.close()
 
 
 class AsyncOrchestratorCalls(_OrchestratorRpcs, AsyncCalls):
@@ -262,14 +298,101 @@ class AsyncOrchestratorCalls(_OrchestratorRpcs, AsyncCalls):
     def __init__(self, transport: _channel.AsyncTransport) -> None:
         stub = opb_grpc.TimeSliceOrchestratorServiceStub(transport.channel)
         super().__init__(transport, stub)
-        self._session = _session.Session(stub, metadata=transport.metadata(NO_OPTIONS))
-        self._acquire = _unary.UnaryFallback(self._session.acquire, stub.Acquire)
-        self._yield = _unary.UnaryFallback(self._session.yield_, stub.Yield)
+        self.session_calls = _session.Session(transport)
+        first = _AsyncFirstLockCall(self)
+        self._acquire: _channel.AsyncUnary[Any, Any] = first.acquire
+        self._yield: _channel.AsyncUnary[Any, Any] = first.yield_
         self._acquire_set = stub.AcquireSet
+
+    def take_unary_calls(self) -> None:
+        """The orchestrator has no Session: llm-d's unary Acquire and Yield from now on."""
+        self._acquire, self._yield = self.stub.Acquire, self.stub.Yield
+
+    def take_session(self) -> None:
+        self._acquire, self._yield = self.session_calls.acquire, self.session_calls.yield_
+
+    async def _yield_settled(
+        self, request: opb.YieldRequest, answer: errors.RPCError
+    ) -> opb.YieldResponse:
+        """See :meth:`OrchestratorCalls._yield_settled`."""
+        try:
+            status = await self.get_group_status(
+                opb.GetGroupStatusRequest(group_id=request.group_id), _CONFIRMING
+            )
+        except errors.RPCError as err:
+            raise answer from err  # not confirmed: the refusal stands
+        if _still_holds(request, status):
+            raise answer
+        return _LET_GO
 
     async def close(self) -> None:
         """End the Session stream (before the channel closes)."""
-        await self._session.close()
+        await self.session_calls.close()
+
+
+class _SyncFirstLockCall:
+    """Acquire or Yield of a channel until one of them was answered over the Session
+    stream (then the session's methods take over) or found it missing (llm-d's unary
+    calls take over, and carry this call): with its async twin, the one place that
+    chooses."""
+
+    def __init__(self, calls: OrchestratorCalls, *, acquire: bool) -> None:
+        self._calls = calls
+        self._acquire = acquire
+
+    def future(
+        self, request: Any, *, timeout: float | None = None, metadata: Any = None
+    ) -> _session.Later[Any]:
+        return _session.Later(lambda: self._first(request, timeout, metadata))
+
+    def _first(self, request: Any, timeout: float | None, metadata: Any) -> Any:
+        calls = self._calls
+        session = calls.session_calls.acquire if self._acquire else calls.session_calls.yield_
+        try:
+            reply = session.future(request, timeout=timeout).result()
+        except multiplex.Unsupported:
+            calls.take_unary_calls()
+            unary = calls._acquire if self._acquire else calls._yield
+            return _channel.wait(unary.future(request, timeout=timeout, metadata=metadata))
+        calls.take_session()
+        return reply
+
+
+class _AsyncFirstLockCall:
+    """See :class:`_SyncFirstLockCall`."""
+
+    def __init__(self, calls: AsyncOrchestratorCalls) -> None:
+        self._calls = calls
+
+    async def acquire(
+        self, request: opb.AcquireRequest, *, timeout: float | None = None, metadata: Any = None
+    ) -> opb.AcquireResponse:
+        calls = self._calls
+        try:
+            reply = await calls.session_calls.acquire(request, timeout=timeout)
+        except multiplex.Unsupported:
+            calls.take_unary_calls()
+            acquired: opb.AcquireResponse = await calls.stub.Acquire(
+                request, timeout=timeout, metadata=metadata
+            )
+            return acquired
+        calls.take_session()
+        return reply
+
+    async def yield_(
+        self, request: opb.YieldRequest, *, timeout: float | None = None, metadata: Any = None
+    ) -> opb.YieldResponse:
+        calls = self._calls
+        try:
+            reply = await calls.session_calls.yield_(request, timeout=timeout)
+        except multiplex.Unsupported:
+            calls.take_unary_calls()
+            released: opb.YieldResponse = await calls.stub.Yield(
+                request, timeout=timeout, metadata=metadata
+            )
+            return released
+        calls.take_session()
+        return reply
 
 
 class AgentCalls(_AgentRpcs, SyncCalls):

@@ -126,10 +126,16 @@ def check_message(
     _walk(message, prefix, counts or {})
 
 
+#: Whether a field is repeated, by its descriptor (fields do not change: asked once each).
+_REPEATED: dict[descriptor.FieldDescriptor, bool] = {}
+
+
 def _walk(message: pb_message.Message, prefix: str, counts: Mapping[str, int]) -> None:
     for field, value in message.ListFields():
         path = f"{prefix}{field.name}"
-        repeated = _is_repeated(field)
+        repeated = _REPEATED.get(field)
+        if repeated is None:
+            repeated = _REPEATED[field] = _is_repeated(field)
         if repeated:
             check_count(path, len(value), counts.get(path, MAX_REPEATED))
         items = list(value) if repeated else [value]

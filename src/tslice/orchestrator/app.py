@@ -50,7 +50,7 @@ from tslice.orchestrator.persistence import history, store
 from tslice.orchestrator.switch import check as agent_check
 from tslice.orchestrator.switch import pool as agents
 from tslice.rpc import undecodable
-from tslice.security import auth, leader_term
+from tslice.security import leader_term, roles
 from tslice.server import logs, serving, tracing
 from tslice.server import metrics_http as common_metrics_http
 
@@ -108,7 +108,7 @@ async def _serve_locked(
 ) -> None:
     # First: an unreadable tokens file stops the start before anything is opened.
     interceptors = [
-        *serving.auth_interceptors(cfg.auth, auth.ORCHESTRATOR_RULES, "orchestrator"),
+        *serving.auth_interceptors(cfg.auth, roles.ORCHESTRATOR_RULES, "orchestrator"),
         # Inside authentication: a caller is verified before its bytes are parsed.
         undecodable.UndecodableRequests(),
     ]

@@ -45,7 +45,7 @@ from tslice.orchestrator.persistence.history import HistorySettings
 from tslice.orchestrator.policy import models as policy_models
 from tslice.orchestrator.policy import spec as policy_spec
 from tslice.orchestrator.slurm import settings as slurm_settings
-from tslice.security.auth import AuthSettings
+from tslice.security.identities import AuthSettings
 from tslice.security.tls import ClientSecurity, ServerTLS, check_listen
 from tslice.server import kube_labels, serving
 
@@ -209,7 +209,7 @@ class OrchestratorModel(_Model):
     insecure: bool = False
     #: How the orchestrator calls agents: ``{ca, cert, key, server_name, token_file}``.
     agent_client: dict[str, Any] | None = None
-    #: Who may call what (tslice.security.auth); absent: no authentication.
+    #: Who may call what (tslice.security.identities, .roles); absent: no authentication.
     auth: dict[str, Any] | None = None
     #: Kubernetes mode: the topology from the API server (see KubeSettings).
     kubernetes: bool = False

@@ -36,7 +36,7 @@ from tslice.orchestrator.group import effects as fx
 from tslice.orchestrator.persistence import health
 from tslice.orchestrator.sets import acquire as set_acquire
 from tslice.rpc import multiplex, refusals
-from tslice.security import auth
+from tslice.security import roles
 from tslice.server import logs
 
 log = logging.getLogger(__name__)
@@ -80,7 +80,7 @@ def _checked_terms(
 ) -> float | None:
     """The caller may act as ``job``, and the Acquire's numbers are valid; the time left
     (the nearer of the call's deadline and ``timeout_ms``)."""
-    auth.require_job(job)  # a job credential acts only as its own job ids
+    roles.require_job(job)  # a job credential acts only as its own job ids
     _at_least_0("footprint_bytes", request.footprint_bytes, "default")
     lease_ms = request.lease_ms
     if lease_ms != 0 and not lease_ms >= validation.MIN_LEASE_MS:  # (the check names why)
@@ -409,7 +409,7 @@ class OrchestratorServicer(opb_grpc.TimeSliceOrchestratorServiceServicer):
         job = self._checked_id("job_id", request.job_id)
         gid = self._checked_id("group_id", request.group_id)
         logs.IDS.set({"job_id": job, "group_id": gid})  # every log line of this call
-        auth.require_job(job)
+        roles.require_job(job)
         self._store.check()
         found = self._groups.get(gid)
         if found is None:
@@ -535,7 +535,7 @@ class OrchestratorServicer(opb_grpc.TimeSliceOrchestratorServiceServicer):
         job = await refusals.checked(context, refusals.checked_id, "job_id", request.job_id)
         gid = await refusals.checked(context, refusals.checked_id, "group_id", request.group_id)
         await refusals.checked(
-            context, auth.require_job, job
+            context, roles.require_job, job
         )  # nobody keeps another job's lock alive
         await refusals.checked(
             context, _at_least_0, "grant_epoch", request.grant_epoch, "the current grant"
@@ -566,7 +566,7 @@ class OrchestratorServicer(opb_grpc.TimeSliceOrchestratorServiceServicer):
 
 def _caller(context: grpc.aio.ServicerContext) -> str:
     """Whose the call is, for the caps on watchers: its verified identity, else its host."""
-    principal = auth.principal_of(context)
+    principal = roles.principal_of(context)
     if principal is not None:
         return principal.name
     peer = context.peer() or ""

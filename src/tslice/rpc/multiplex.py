@@ -178,7 +178,10 @@ class _Callers(Generic[Req, Rep]):
 
 
 class Caller(_Callers[Req, Rep]):
-    """Client side: ``call()`` sends one request and waits for the reply with its id."""
+    """Client side: ``call()`` sends one request and waits for the reply with its id.
+
+    ``failed(err)``, when given, hears how a stream failed before the calls waiting on it
+    do (a client moves on to another address there)."""
 
     def __init__(
         self,
@@ -186,11 +189,14 @@ class Caller(_Callers[Req, Rep]):
         *,
         reply_id: Callable[[Rep], int],
         name: str,
+        failed: Callable[[grpc.RpcError], None] | None = None,
     ) -> None:
         super().__init__(reply_id=reply_id, name=name)
         self._open_call = open_call
+        self._failed = failed
         self._reader: asyncio.Task[None] | None = None
-        self._writing: asyncio.Lock | None = None
+        # One write at a time on a stream (asyncio binds it to the loop at first use).
+        self._writing = asyncio.Lock()
         self._abandoned: set[asyncio.Task[None]] = set()
 
     async def call(
@@ -206,20 +212,30 @@ class Caller(_Callers[Req, Rep]):
         ``abandon(id)`` is the message that tells the peer to drop the request when the
         caller stops waiting (timeout, cancellation).
         """
-        if self.supported is False:
+        if self._pending.supported is False:
             raise Unsupported(self._name)
-        call = self._ensure_open()
+        call = self._call if self._call is not None else self._open()
         loop = asyncio.get_running_loop()
         reply: asyncio.Future[Rep] = loop.create_future()
         request_id = self._pending.add(reply)
         timer = None if timeout_s is None else loop.call_later(timeout_s, _expire, reply, timeout_s)
-        drop = None if abandon is None else lambda: self._send_later(call, abandon(request_id))
         try:
-            with self._unanswered(call, drop):
-                await self._write(call, request(request_id))
-                if issued is not None:
-                    issued()
-                return await reply
+            async with self._writing:
+                try:
+                    await call.write(request(request_id))
+                except (grpc.RpcError, asyncio.InvalidStateError) as err:
+                    # The stream is over: its reader fails the reply with the reason.
+                    log.debug("stream %s: write failed: %s", self._name, err)
+            if issued is not None:
+                issued()
+            return await reply
+        except Broken:
+            raise  # the stream, and the request, are gone: nothing to take back
+        except BaseException:
+            # Timed out, cancelled or interrupted: the peer drops the request.
+            if abandon is not None and self._call is call:
+                self._send_later(call, abandon(request_id))
+            raise
         finally:
             if timer is not None:
                 timer.cancel()
@@ -234,13 +250,10 @@ class Caller(_Callers[Req, Rep]):
         self._pending.fail(Broken(grpc.StatusCode.CANCELLED, "the stream was closed"))
 
     async def _write(self, call: Any, message: Req) -> None:
-        if self._writing is None:
-            self._writing = asyncio.Lock()  # made on first use: bound to the running loop
-        async with self._writing:  # one write at a time on a stream
+        async with self._writing:
             try:
                 await call.write(message)
             except (grpc.RpcError, asyncio.InvalidStateError) as err:
-                # The stream is over: its reader fails the pending reply with the reason.
                 log.debug("stream %s: write failed: %s", self._name, err)
 
     def _send_later(self, call: Any, message: Req) -> None:
@@ -248,19 +261,21 @@ class Caller(_Callers[Req, Rep]):
         self._abandoned.add(task)
         task.add_done_callback(self._abandoned.discard)
 
-    def _ensure_open(self) -> Any:
-        if self._call is None:
-            self._call = self._open_call()
-            self._reader = tasks.spawn(self._read(self._call), name=f"stream:{self._name}")
-        return self._call
+    def _open(self) -> Any:
+        self._call = call = self._open_call()
+        self._reader = tasks.spawn(self._read(call), name=f"stream:{self._name}")
+        return call
 
     async def _read(self, call: Any) -> None:
         failure: grpc.RpcError | None = None
+        deliver = self._pending.deliver
         try:
             async for reply in call:
-                self._pending.deliver(reply)
+                deliver(reply)
         except grpc.RpcError as err:
             failure = err
+            if self._failed is not None:
+                self._failed(err)
         if self._call is call:
             self._call = self._reader = None
         self._pending.ended(*self._ended_by(failure))
@@ -272,8 +287,9 @@ _INTERRUPTIBLE_S = 0.05
 
 class ThreadCaller(_Callers[Req, Rep]):
     """Blocking twin of :class:`Caller` for a ``grpc.Channel``: requests are queued to
-    the stream's request iterator and a daemon thread reads the replies, so no event
-    loop hides behind a sync client. ``open_call(requests)`` starts the stream."""
+    the stream's request iterator and a daemon thread reads the replies (one per stream,
+    not one per call), so no event loop hides behind a sync client.
+    ``open_call(requests)`` starts the stream."""
 
     def __init__(
         self,
@@ -281,9 +297,11 @@ class ThreadCaller(_Callers[Req, Rep]):
         *,
         reply_id: Callable[[Rep], int],
         name: str,
+        failed: Callable[[grpc.RpcError], None] | None = None,
     ) -> None:
         super().__init__(reply_id=reply_id, name=name)
         self._open_call = open_call
+        self._failed = failed
         self._guard = threading.Lock()
         self._outbox: queue.SimpleQueue[Req | None] | None = None
 
@@ -352,6 +370,8 @@ class ThreadCaller(_Callers[Req, Rep]):
                     self._pending.deliver(reply)
         except grpc.RpcError as err:
             failure = err
+            if self._failed is not None:
+                self._failed(err)
         outbox.put(None)  # ends the request iterator
         with self._guard:
             if self._call is call:

@@ -31,7 +31,7 @@ from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
 
 from tslice.common import errors
-from tslice.security import auth, tls
+from tslice.security import identities, tls
 from tslice.server import serving
 
 log = logging.getLogger(__name__)
@@ -75,7 +75,7 @@ def serve(
     port: int,
     server: str,
     server_tls: tls.ServerTLS | None = None,
-    auth_settings: auth.AuthSettings | None = None,
+    auth_settings: identities.AuthSettings | None = None,
     insecure: bool = False,
 ) -> MetricsServer:
     """Serve ``app`` on ``host:port`` (0: any free port) until :meth:`MetricsServer.stop`.
@@ -138,7 +138,7 @@ class _Certificates:
 def _identities(cert: dict[str, Any]) -> tuple[str, ...]:
     """The identities a verified client certificate names, as the gRPC port reads them:
     URI SANs ``tslice:<identity>``, else the common name."""
-    prefix = auth.IDENTITY_SCHEME
+    prefix = identities.IDENTITY_SCHEME
     uris = tuple(
         value[len(prefix) :]
         for kind, value in cert.get("subjectAltName", ())
@@ -156,7 +156,7 @@ def _bearer(header: str) -> str | None:
     return rest.strip() or None
 
 
-def _authenticated(app: WSGIApp, verifier: auth.Verifier, server: str) -> WSGIApp:
+def _authenticated(app: WSGIApp, verifier: identities.Verifier, server: str) -> WSGIApp:
     """``app`` behind ``verifier``: any verified caller may read the metrics."""
 
     def refuse(start_response: Callable[..., Any], message: str) -> Iterable[bytes]:
@@ -172,14 +172,14 @@ def _authenticated(app: WSGIApp, verifier: auth.Verifier, server: str) -> WSGIAp
         return [body]
 
     def guarded(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
-        presented = auth.Presented(
+        presented = identities.Presented(
             token=_bearer(environ.get("HTTP_AUTHORIZATION", "")),
             identities=environ.get(_IDENTITIES, ()),
             peer=f"http:{environ.get('REMOTE_ADDR', '')}",
         )
         try:
             principal = verifier.verify(presented)
-        except auth.Unauthenticated as err:
+        except identities.Unauthenticated as err:
             log.warning("refused a metrics scrape from %s: %s", presented.peer, err)
             return refuse(
                 start_response,

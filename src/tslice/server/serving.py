@@ -24,7 +24,7 @@ from collections.abc import Awaitable, Callable, Iterator, Mapping
 from typing import TYPE_CHECKING
 
 from tslice.common import errors
-from tslice.security import auth, tls
+from tslice.security import identities, roles, tls
 
 if TYPE_CHECKING:
     import grpc
@@ -176,12 +176,12 @@ def bind_grpc(
 
 
 def auth_interceptors(
-    settings: auth.AuthSettings | None, rules: Mapping[str, auth.Rule], server: str
-) -> list[auth.Interceptor]:
+    settings: identities.AuthSettings | None, rules: Mapping[str, roles.Rule], server: str
+) -> list[roles.Interceptor]:
     """The interceptors of a server's gRPC port(s): none when authentication is off."""
     if settings is None:
         return []
-    return [auth.Interceptor(settings.build(), rules, server=server)]
+    return [roles.Interceptor(settings.build(), rules, server=server)]
 
 
 def transport_name(server_tls: tls.ServerTLS | None) -> str:

@@ -17,6 +17,7 @@ import asyncio
 import concurrent.futures
 import logging
 import sqlite3
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -65,6 +66,23 @@ class WalCheckpointer:
         ``with`` block: ``BEGIN IMMEDIATE``, committed when the block ends, rolled back if
         anything in it (or the commit) fails; a commit counts towards the next checkpoint."""
         return _Transaction(conn, self)
+
+    def write(
+        self, conn: sqlite3.Connection, batches: Iterable[tuple[str, Sequence[Sequence[object]]]]
+    ) -> None:
+        """One write transaction on ``conn`` made of ``executemany(sql, rows)`` for each
+        ``(sql, rows)`` with rows, in order: what :meth:`transaction` does for a store whose
+        change is data, at a third of the calls (the agent writes three per hand-over)."""
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            for sql, rows in batches:
+                if rows:
+                    conn.executemany(sql, rows)
+            conn.commit()
+        except BaseException:
+            conn.rollback()
+            raise
+        self.committed()
 
     async def close(self) -> None:
         """A last checkpoint that empties the WAL, then release the thread."""

@@ -76,7 +76,7 @@ log = logging.getLogger(__name__)
 
 ModeLike: TypeAlias = "base.SuspendMode | str | int"
 #: gRPC metadata key of the handle's instance token (the agent's
-#: ``channel_rules.INSTANCE_METADATA``).
+#: ``tslice.agent.channel.rules.INSTANCE_METADATA``).
 INSTANCE_METADATA = "tslice-workload-instance"
 
 

@@ -3,7 +3,7 @@
 Each process of a job that holds GPU memory calls :func:`announce_process` once
 at start-up. The agent learns the PID from the Unix socket's peer credentials,
 so the call needs no PID and cannot register another process. Protocol: see
-``tslice.agent.registration`` (one JSON line each way).
+``tslice.agent.channel.registration`` (one JSON line each way).
 
 Ranks that talk to each other (NCCL communicators, CUDA IPC) must be quiesced before
 the agent locks them: pass ``quiesce=`` and ``resume=`` (see :func:`announce_process`).
@@ -161,7 +161,7 @@ def bind_channel(
 ) -> int:
     """Bind a workload channel's ``instance`` token to this process (for ``job_id``,
     ``group``) on the agent's register socket, so that the agent knows which process
-    registers on its Unix socket (the kernel names it; see ``tslice.agent.registration``).
+    registers on its Unix socket (the kernel names it; see ``tslice.agent.channel.registration``).
     Returns the PID the agent recorded. Raises :class:`RegistrationError`."""
     request: dict[str, object] = {"job_id": job_id, "group": group, "channel_instance": instance}
     return _exchange(request, Path(socket_path), timeout, f"channel binding of job {job_id!r}")

@@ -125,7 +125,7 @@ class Backend(abc.ABC):
     #: copy whenever the memory is needed, and a later restore finds it there.
     prefetches: bool = False
     #: The states this backend parks hold the node's host memory, so they count against
-    #: its budget for parked states (:mod:`tslice.agent.parking`). False for simulated
+    #: its budget for parked states (:mod:`tslice.agent.moves.parking`). False for simulated
     #: states (``sim``, ``noop``).
     holds_host_memory: ClassVar[bool] = True
 
@@ -189,7 +189,7 @@ class Backend(abc.ABC):
 
     async def host_bytes_needed(self, job: JobContext) -> int | None:
         """Host bytes a snapshot of the RUNNING job would park now, asked before the
-        snapshot is started (the budget check, :mod:`tslice.agent.parking`); ``None``
+        snapshot is started (the budget check, :mod:`tslice.agent.moves.parking`); ``None``
         (the default) if the backend cannot tell: the agent then takes the device bytes
         the job was last seen to hold. No side effects; may block briefly (I/O)."""
         return None

@@ -34,7 +34,7 @@ import logging
 from collections.abc import AsyncIterator, Mapping
 from typing import TYPE_CHECKING, Any
 
-from tslice.agent import discovery, registration
+from tslice.agent import discovery
 from tslice.agent import nvml as nvml_mod
 from tslice.agent.backends import (
     base,
@@ -48,6 +48,7 @@ from tslice.agent.backends import (
     cuda_verify,
     services,
 )
+from tslice.agent.channel import registration
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
 
 if TYPE_CHECKING:

@@ -38,8 +38,8 @@ import logging
 from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from typing import Literal, Protocol
 
-from tslice.agent import quiesce
 from tslice.agent.backends import base, cuda_driver, cuda_steps
+from tslice.agent.channel import quiesce
 
 log = logging.getLogger(__name__)
 
@@ -51,11 +51,11 @@ Kind = Literal["snapshot", "restore"]
 
 
 class Hooks(Protocol):
-    """Workload hooks around a move (:class:`tslice.agent.quiesce.ProcessHooks`)."""
+    """Workload hooks around a move (:class:`tslice.agent.channel.quiesce.ProcessHooks`)."""
 
     async def quiesce(self, pids: Sequence[int], *, timeout_s: float) -> None:
         """Ask the processes to reach a safe point (communicators suspended) before they
-        are locked; raise :class:`tslice.agent.quiesce.HookError` if one cannot."""
+        are locked; raise :class:`tslice.agent.channel.quiesce.HookError` if one cannot."""
 
     async def resume(self, pids: Sequence[int], *, timeout_s: float) -> None:
         """Let them go on (communicators resumed); never raises."""

@@ -12,9 +12,10 @@ import asyncio
 import dataclasses
 from collections.abc import Awaitable, Callable
 
-from tslice.agent import discovery, registration
+from tslice.agent import discovery
 from tslice.agent import nvml as nvml_mod
 from tslice.agent.backends import base, cuda_settings
+from tslice.agent.channel import registration
 
 
 @dataclasses.dataclass(frozen=True)

@@ -21,16 +21,14 @@ class NoopBackend(base.Backend):
             raise ValueError(f"delay_s must be >= 0 (got {delay_s})")
         self.delay_s = float(delay_s)
 
-    async def _pause(self) -> None:
+    async def snapshot(self, job: base.JobContext, mode: pb.SuspendMode) -> base.OpResult:
         if self.delay_s:
             await asyncio.sleep(self.delay_s)
-
-    async def snapshot(self, job: base.JobContext, mode: pb.SuspendMode) -> base.OpResult:
-        await self._pause()
         return base.OpResult()
 
     async def restore(self, job: base.JobContext) -> base.OpResult:
-        await self._pause()
+        if self.delay_s:
+            await asyncio.sleep(self.delay_s)
         return base.OpResult()
 
     async def activate(self, job: base.JobContext) -> base.OpResult:

@@ -13,7 +13,8 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from tslice.agent import channel, registration
+from tslice.agent import channel
+from tslice.agent.channel import registration
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,5 +1,5 @@
 """The stream of this node's job pods (``spec.nodeName=<node>``, ``timeslice.io/job-id``
-present, every namespace), kept in a :class:`model.NodePods` (tslice.server.kube_watch:
+present, every namespace), kept in a :class:`node_pods.NodePods` (tslice.server.kube_watch:
 list, watch, bookmarks, backoff, re-list on 410 Gone)."""
 
 from __future__ import annotations
@@ -11,17 +11,17 @@ from typing import Any
 
 from lightkube.resources.core_v1 import Pod
 
-from tslice.agent.kube import model
+from tslice.agent.kube import node_pods
 from tslice.common import errors, tasks
 from tslice.server import kube_labels, kube_watch
 
 log = logging.getLogger(__name__)
 
 
-def pod_info(pod: Pod) -> model.PodInfo:
+def pod_info(pod: Pod) -> node_pods.PodInfo:
     meta, spec, status = pod.metadata, pod.spec, pod.status
     labels = meta.labels if meta is not None else None
-    return model.PodInfo(
+    return node_pods.PodInfo(
         uid=(meta.uid if meta is not None else None) or "",
         key=f"{(meta.namespace if meta else None) or ''}/{(meta.name if meta else None) or ''}",
         job=kube_labels.job_of_pod(labels) or "",
@@ -32,7 +32,7 @@ def pod_info(pod: Pod) -> model.PodInfo:
 
 
 class PodWatcher:
-    """Keeps :attr:`model` in step with the job pods of ``node`` on the API server."""
+    """Keeps :attr:`pods` in step with the job pods of ``node`` on the API server."""
 
     def __init__(
         self,
@@ -43,7 +43,7 @@ class PodWatcher:
         watch_timeout_s: int = kube_watch.WATCH_TIMEOUT_S,
     ) -> None:
         self.node = node
-        self.model = model.NodePods()
+        self.pods = node_pods.NodePods()
         try:
             self._client = kube_watch.connect(kubeconfig)
         except Exception as err:  # lightkube's ConfigError, a missing or unreadable file
@@ -54,7 +54,7 @@ class PodWatcher:
             ) from err
         self.stream = kube_watch.Stream(
             Pod,
-            on_list=lambda objs: self.model.replace(pod_info(o) for o in objs),
+            on_list=lambda objs: self.pods.replace(pod_info(o) for o in objs),
             on_event=self._changed,
             namespace=kube_watch.ALL_NAMESPACES,
             labels=kube_labels.JOB_ID_LABEL,
@@ -66,7 +66,7 @@ class PodWatcher:
 
     def _changed(self, type_: str, obj: Any) -> None:
         pod = pod_info(obj)
-        self.model.apply(pod, deleted=type_ == "DELETED")
+        self.pods.apply(pod, deleted=type_ == "DELETED")
         log.info("pod %s of job %s on this node: %s", pod.key, pod.job, type_.lower())
 
     def start(self) -> None:

@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 import grpc
 
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
-from tslice.client import _address, _channel, _config, _retry, _services
+from tslice.client import _address, _channel, _config, _retry, _services, _streams
 from tslice.client.compat import _agent_types as types
 from tslice.common import errors
 
@@ -195,12 +195,12 @@ class SnapshotAgentClient:
 
     def check_health(self, service: str = "") -> types.HealthResponse:
         """Standard gRPC health check; ``service`` = "" (default backend) or a backend name."""
-        request = _channel.HealthCheckRequest(value=service)
+        request = _streams.HealthCheckRequest(value=service)
         response = self._call(
             "CheckHealth", lambda: self._calls.check_health(request, self._options())
         )
         return types.HealthResponse(
-            status=_channel.SERVING_STATUS.get(response.value, str(response.value))
+            status=_streams.SERVING_STATUS.get(response.value, str(response.value))
         )
 
     @property

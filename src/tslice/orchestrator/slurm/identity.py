@@ -27,11 +27,11 @@ from typing import Any
 
 from tslice.common import errors
 from tslice.orchestrator.slurm import jobs, token
-from tslice.security import auth
+from tslice.security import identities
 
 
 @dataclasses.dataclass(frozen=True)
-class SlurmPrincipal(auth.Principal):
+class SlurmPrincipal(identities.Principal):
     """A Slurm job's principal: its ``jobs`` are its Slurm job id and array job id."""
 
     user: str = ""
@@ -54,23 +54,23 @@ class SlurmVerifier:
         self._key = key
         self._book = book if book is not None else jobs.book()
 
-    def verify(self, presented: auth.Presented) -> auth.Principal | None:
+    def verify(self, presented: identities.Presented) -> identities.Principal | None:
         if presented.token is None:
             return None
         try:
             claims = token.read(self._key, presented.token)
         except token.BadToken as err:
-            raise auth.Unauthenticated(str(err)) from None
+            raise identities.Unauthenticated(str(err)) from None
         if claims is None:
             return None
         ended = self._book.ended(claims.job)
         if ended is not None:
-            raise auth.Unauthenticated(
+            raise identities.Unauthenticated(
                 f"the credential of Slurm job {claims.job} is void: the job ended ({ended})"
             )
         return SlurmPrincipal(
             name=f"slurm-job-{claims.job}",
-            roles=frozenset({auth.JOB}),
+            roles=frozenset({identities.JOB}),
             jobs=tuple(j for j in (claims.job, claims.array_job) if j),
             via="Slurm job token",
             user=claims.user,

@@ -4,14 +4,14 @@ Nothing here awaits, touches a backend, a socket or a file: each ``plan_*`` func
 takes the current record and a :class:`Request` (the backend that serves it, a new
 operation id, the time) plus what the backend reported, and either raises
 :class:`refusals.Refused` with the status code and an actionable message, or returns
-the records to store. The async runner (``tslice.agent.runner``) applies them, so
-every rule can be tested directly. Its siblings are pure too: ``tslice.agent.routing``
-picks the backend of a request, ``tslice.agent.grants`` the moves of a Grant.
+the records to store. The async runner (``tslice.agent.moves.runner``) applies them, so
+every rule can be tested directly. Its siblings are pure too: ``tslice.agent.jobs.routing``
+picks the backend of a request, ``tslice.agent.moves.grant_plan`` the moves of a Grant.
 
-The records and plans themselves are :mod:`tslice.agent.job_model`. They are kept
+The records and plans themselves are :mod:`tslice.agent.jobs.model`. They are kept
 per (job, group): a job that uses a sampler pool and a trainer pool has one piece of
 device state per group, even on a node both groups span, and a move on one group
-never touches the other's (``job_model.Key``).
+never touches the other's (``model.Key``).
 
 States: IDLE (known, nothing resident) -> RUNNING (resident) -> TRANSITIONING (one
 operation in flight) -> SAVED (state off the devices) or back; FAULTED when an
@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Collection, Iterable
 
-from tslice.agent.job_model import (
+from tslice.agent.jobs.model import (
     WORKLOAD_LEFT,
     Done,
     GrantMark,
@@ -121,7 +121,8 @@ def _check_resident_neighbours(
     leaving: Collection[Key] = (),
 ) -> None:
     """Safety net: never two jobs of one group resident on this node (a record in
-    ``leaving``, whose snapshot runs, is on its way out: an overlapping restore)."""
+    ``leaving``, whose snapshot runs, is on its way out: an overlapping restore).
+    ``others``: the node's records, or only the group's (the others are not looked at)."""
     if not group:
         return
     resident = (State.RUNNING, State.TRANSITIONING)
@@ -142,11 +143,6 @@ def _with_choice(job: Job, route_: Route) -> Job:
         return job
     config = route_.config.SerializeToString() if route_.config is not None else b""
     return dataclasses.replace(job, choice=route_.backend, config=config)
-
-
-def _in_group(job: Job, group: str) -> Job:
-    """A record made without a group takes the group of the first request naming one."""
-    return dataclasses.replace(job, group=job.group or group)
 
 
 def _sim_footprint(config: pb.BackendConfig | None) -> int:
@@ -211,7 +207,9 @@ def plan_snapshot(
             f"job {job_id} is already SAVED on node {node} (operation {job.operation_id}); "
             "restore it before snapshotting again"
         )
-    job = _in_group(_with_choice(job, route_), request.group)
+    job = _with_choice(job, route_)
+    if request.group and not job.group:  # a record made without a group takes the group
+        job = dataclasses.replace(job, group=request.group)
     if footprint:
         job = dataclasses.replace(job, footprint_bytes=footprint)
     return _start(job, request, kind=Kind.SNAPSHOT, resume_state=State.RUNNING)
@@ -229,7 +227,7 @@ def plan_restore(
     """SAVED -> TRANSITIONING (-> RUNNING when the backend finishes).
 
     ``leaving``: neighbours of the group whose snapshot runs beside this restore
-    (overlapping moves, ``tslice.agent.grants``); any other resident neighbour refuses it.
+    (overlapping moves, ``tslice.agent.moves.grant_plan``); any other resident neighbour refuses it.
 
     A RUNNING job yields an operation that is already COMPLETE (pollable, 0 bytes)
     unless ``partial``: the backend reported that requested tags are not resident
@@ -256,7 +254,8 @@ def plan_restore(
     _check_resident_neighbours(
         job_id, request.group or job.group, others=others, node=node, leaving=leaving
     )
-    job = _in_group(job, request.group)
+    if request.group and not job.group:  # a record made without a group takes the group
+        job = dataclasses.replace(job, group=request.group)
     if job.state is State.RUNNING and not partial:
         return _done(job, request, kind=Kind.RESTORE)
     if job.state is State.FAULTED and recovered is not State.SAVED:

@@ -15,8 +15,8 @@ import logging
 import time
 from collections.abc import Callable
 
-from tslice.agent import channel_rules, channel_session
-from tslice.agent.channel_rules import Departure
+from tslice.agent.channel import rules, sessions
+from tslice.agent.channel.rules import Departure
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +32,7 @@ SessionKey = tuple[str, str]
 class _Lost:
     """A session lost without a clean end, waiting out the grace for a re-registration."""
 
-    session: channel_session.Session
+    session: sessions.Session
     reason: str
     grace_s: float
     #: Loop time of the loss, and at which the workload counts as gone.
@@ -45,7 +45,7 @@ class Departures:
     """Lost sessions and departed workloads; ``on_left(session, reason)`` is called when a
     lost session's grace runs out (the hub sends its ``left`` event)."""
 
-    def __init__(self, on_left: Callable[[channel_session.Session, str], None]) -> None:
+    def __init__(self, on_left: Callable[[sessions.Session, str], None]) -> None:
         self._on_left = on_left
         self._lost: dict[SessionKey, _Lost] = {}
         self._departed: collections.OrderedDict[SessionKey, Departure] = collections.OrderedDict()
@@ -71,7 +71,7 @@ class Departures:
             return None
         return max(0.0, lost.deadline - asyncio.get_running_loop().time())
 
-    def depart(self, session: channel_session.Session, reason: str, *, clean: bool) -> None:
+    def depart(self, session: sessions.Session, reason: str, *, clean: bool) -> None:
         """Record that the workload of the session's (job, group) is gone (no event)."""
         self._departed.pop(session.key, None)
         self._departed[session.key] = Departure(
@@ -80,7 +80,7 @@ class Departures:
         while len(self._departed) > DEPARTURES_KEPT:
             self._departed.popitem(last=False)
 
-    def lose(self, session: channel_session.Session, reason: str, grace_s: float) -> None:
+    def lose(self, session: sessions.Session, reason: str, grace_s: float) -> None:
         """Start the grace of a session lost without a clean end."""
         loop = asyncio.get_running_loop()
         now = loop.time()
@@ -106,7 +106,7 @@ class Departures:
             return ""
         if lost.session.instance == instance:
             return ""
-        return channel_rules.already_registered(
+        return rules.already_registered(
             lost.session.state(), lost_for_s=now - lost.since, grace_left_s=lost.deadline - now
         )
 

@@ -1,22 +1,26 @@
-"""Whether a process may register for a job in Kubernetes mode: its cgroup names a pod
-on this node (``<proc>/<pid>/cgroup``, matched as :func:`discovery.pids_for_pod` does)
-and that pod carries ``timeslice.io/job-id=<job>`` (and ``timeslice.io/group=<group>``
-where the registration names a group and the pod has that label)."""
+"""Kubernetes mode's process registry: a process that announces itself (or binds a
+workload channel) for a job must be in a pod of that job on this node.
+
+Which pod a process is in: the pod of this node whose UID its cgroup names
+(``<proc>/<pid>/cgroup``, matched as :func:`discovery.pids_for_pod` does). The rule on
+that pod (its ``timeslice.io/job-id`` and ``timeslice.io/group`` labels) is
+``tslice.security.admission.pod_refusal``."""
 
 from __future__ import annotations
 
 import os
 from collections.abc import Iterable
 
-from tslice.agent import discovery, registration
-from tslice.agent.channel_admission import PodCheck
-from tslice.agent.kube import model
+from tslice.agent import discovery
+from tslice.agent.channel import registration
+from tslice.agent.kube import node_pods
+from tslice.security import admission
 from tslice.server import kube_labels
 
 
 def pod_of(
-    pid: int, pods: model.NodePods, *, proc_root: str | os.PathLike[str] = "/proc"
-) -> model.PodInfo | None:
+    pid: int, pods: node_pods.NodePods, *, proc_root: str | os.PathLike[str] = "/proc"
+) -> node_pods.PodInfo | None:
     """The job pod of this node whose UID ``pid``'s cgroup names, if any."""
     for pod in pods.pods():
         if discovery.pids_for_pod(pod.uid, [pid], proc_root=proc_root):
@@ -28,38 +32,27 @@ def refusal(
     pid: int,
     job: str,
     group: str,
-    pods: model.NodePods,
+    pods: node_pods.NodePods,
     *,
     proc_root: str | os.PathLike[str] = "/proc",
 ) -> str | None:
-    """Why process ``pid`` may not register for ``job`` (and ``group``); None: it may."""
-    pod = pod_of(pid, pods, proc_root=proc_root)
-    if pod is None:
-        return (
-            f"process {pid} is in no pod of job {job!r} on this node (its cgroup names no "
-            f"pod labelled {kube_labels.JOB_ID_LABEL}); run the workload in a pod labelled "
-            f"{kube_labels.JOB_ID_LABEL}={job} scheduled on this node"
-        )
-    if pod.job != job:
-        return (
-            f"process {pid} is in pod {pod.key}, labelled {kube_labels.JOB_ID_LABEL}="
-            f"{pod.job}, not job {job!r}; register as job {pod.job!r} or set the pod's label "
-            f"{kube_labels.JOB_ID_LABEL}={job}"
-        )
-    if group and pod.group is not None and pod.group != group:
-        return (
-            f"process {pid} is in pod {pod.key} of job {job!r}, labelled "
-            f"{kube_labels.GROUP_LABEL}={pod.group}, not group {group!r}; register in group "
-            f"{pod.group!r} or set the pod's label {kube_labels.GROUP_LABEL}={group}"
-        )
-    return None
+    """Why process ``pid`` may not register for ``job`` (and ``group``); None: it may
+    (``tslice.security.admission.pod_refusal``, for the pod its cgroup names)."""
+    return admission.pod_refusal(
+        pid,
+        job,
+        group,
+        pod_of(pid, pods, proc_root=proc_root),
+        job_label=kube_labels.JOB_ID_LABEL,
+        group_label=kube_labels.GROUP_LABEL,
+    )
 
 
 def pids_of_job(
     job: str,
     group: str,
     processes: Iterable[discovery.GpuProcess],
-    pods: model.NodePods,
+    pods: node_pods.NodePods,
     *,
     proc_root: str | os.PathLike[str] = "/proc",
 ) -> list[int]:
@@ -79,9 +72,9 @@ class PodCheckedRegistry(registration.ProcessRegistry):
     socket (the processes the cuda backend checkpoints) must be in a pod of that job."""
 
     #: Set once the pods of the node are known (until then nothing is accepted).
-    check: PodCheck | None = None
+    check: admission.PodCheck | None = None
     #: The node's job pods, and where their processes are seen (for :meth:`pod_pids`).
-    pods: model.NodePods | None = None
+    pods: node_pods.NodePods | None = None
     proc_root: str | os.PathLike[str] = "/proc"
 
     def pod_pids(

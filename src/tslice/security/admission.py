@@ -1,8 +1,10 @@
-"""Who may register a workload on the channel: the process behind a registration, and the
-job credential a TCP registration needs.
+"""Who may register a workload on an agent's workload channel: the process behind a
+registration, the job credential a TCP registration needs, and in Kubernetes mode the
+pod it runs in.
 
 gRPC reports a Unix-socket peer as ``unix:`` with no credentials, so the process behind a
-registration is learnt from the agent's register socket (:mod:`tslice.agent.registration`):
+registration is learnt from the agent's register socket (``tslice.agent.channel.registration``,
+passed in as :class:`Bindings`):
 the workload binds its random instance token there (the kernel says which process sent
 it, ``SO_PEERCRED``) and presents the token on the stream. The rules:
 
@@ -12,28 +14,29 @@ it, ``SO_PEERCRED``) and presents the token on the stream. The rules:
   the process is one of them (or a child). A stream without a bound token is refused
   with UNAUTHENTICATED naming the fix. In Kubernetes mode (``pod_check``) the bound
   process must also be in a pod of this node labelled for the job (and group) it
-  claims (:mod:`tslice.agent.kube.admission`), else PERMISSION_DENIED.
+  claims (:func:`pod_refusal`; the agent looks the pod up), else PERMISSION_DENIED.
 - **TCP**: the registration's ``pid`` field is never trusted (the session's pid is 0
   unless the token is bound). With authentication on, the hub is given ``credentials``
-  (``tslice.security.auth.job_credentials``: the job ids the call's verified principal may
+  (``tslice.security.roles.job_credentials``: the job ids the call's verified principal may
   act as; its interceptor admits only the job role here) and the registered job must be
   among them (PERMISSION_DENIED otherwise). Over the Unix socket no credential is needed:
   the socket's file mode decides who may connect, the binding names the process. With
   authentication off, TCP means: anyone who can reach the port may register a workload
   for a job that has none live; a live one is never replaced
-  (:mod:`tslice.agent.channel`), and nothing about its process is known.
+  (``tslice.agent.channel``), and nothing about its process is known.
+
+What this needs of the agent comes in as Protocols (:class:`Bindings`, :class:`Pod`): this
+package imports nothing of the agent.
 """
 
 from __future__ import annotations
 
 import inspect
 from collections.abc import Awaitable, Callable, Collection
-from typing import Any, NoReturn
+from typing import Any, NoReturn, Protocol
 
 import grpc
 
-from tslice.agent import registration
-from tslice.agent.channel_rules import describe
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
 from tslice.common import validation
 
@@ -43,6 +46,39 @@ Context = grpc.aio.ServicerContext[Any, Any]
 JobCredentials = Callable[[Context], "Collection[str] | Awaitable[Collection[str] | None] | None"]
 #: Given ``(pid, job, group)``, why that process may not register so (None: it may).
 PodCheck = Callable[[int, str, str], "str | None"]
+
+
+class Binding(Protocol):
+    """A workload's instance token bound to the process that presented it."""
+
+    @property
+    def job_id(self) -> str: ...
+    @property
+    def group(self) -> str: ...
+    @property
+    def pid(self) -> int: ...
+
+
+class Bindings(Protocol):
+    """The agent's register socket: which process bound an instance token (if alive)."""
+
+    def channel_binding(self, instance: str) -> Binding | None: ...
+
+
+class Pod(Protocol):
+    """A pod of the agent's node, as Kubernetes mode knows it."""
+
+    @property
+    def key(self) -> str: ...  # ``namespace/name``
+    @property
+    def job(self) -> str: ...  # its job label
+    @property
+    def group(self) -> str | None: ...  # its group label (None: it has none)
+
+
+def describe(job_id: str, group: str) -> str:
+    """How messages name a workload: its job, and its group when it named one."""
+    return f"job {job_id!r} (group {group!r})" if group else f"job {job_id!r}"
 
 
 def over_unix_socket(context: Context) -> bool:
@@ -55,7 +91,7 @@ class Admission:
     def __init__(
         self,
         *,
-        processes: registration.ProcessRegistry | None = None,
+        processes: Bindings | None = None,
         credentials: JobCredentials | None = None,
     ) -> None:
         #: Channel bindings (the agent's register socket); ``None``: nothing is bound
@@ -123,3 +159,30 @@ class Admission:
 async def _abort(context: Context, code: grpc.StatusCode, text: str) -> NoReturn:
     await context.abort(code, validation.bounded(text))
     raise AssertionError("context.abort() returned")  # it always raises
+
+
+def pod_refusal(
+    pid: int, job: str, group: str, pod: Pod | None, *, job_label: str, group_label: str
+) -> str | None:
+    """Why process ``pid``, in ``pod`` (None: in no job pod of the node), may not
+    register for ``job`` (and ``group``); None: it may. The pod must carry the job's
+    label (``job_label``) and, where the registration names a group and the pod has a
+    group label (``group_label``), that group."""
+    if pod is None:
+        return (
+            f"process {pid} is in no pod of job {job!r} on this node (its cgroup names no "
+            f"pod labelled {job_label}); run the workload in a pod labelled "
+            f"{job_label}={job} scheduled on this node"
+        )
+    if pod.job != job:
+        return (
+            f"process {pid} is in pod {pod.key}, labelled {job_label}={pod.job}, not job "
+            f"{job!r}; register as job {pod.job!r} or set the pod's label {job_label}={job}"
+        )
+    if group and pod.group is not None and pod.group != group:
+        return (
+            f"process {pid} is in pod {pod.key} of job {job!r}, labelled "
+            f"{group_label}={pod.group}, not group {group!r}; register in group "
+            f"{pod.group!r} or set the pod's label {group_label}={group}"
+        )
+    return None

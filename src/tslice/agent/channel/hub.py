@@ -24,9 +24,9 @@ Interface used by the agent core (keep it stable)::
 
 Rules (WIRE.md "Workload channel rules", plus the tslice additions):
 
-- The stream itself (:mod:`tslice.agent.channel_stream`): it opens with a valid
+- The stream itself (:mod:`tslice.agent.channel.stream`): it opens with a valid
   ``register`` or ends with INVALID_ARGUMENT, and keepalive is for those who declare it.
-- Who registers (:mod:`tslice.agent.channel_admission`): over the Unix socket the
+- Who registers (:mod:`tslice.security.admission`): over the Unix socket the
   process is bound by its peer credentials (its instance token, bound through the
   register socket); over TCP the ``pid`` field is never trusted and, with
   authentication on, the job credential must allow the job.
@@ -68,7 +68,7 @@ Rules (WIRE.md "Workload channel rules", plus the tslice additions):
   (job, group) to register again, then records the departure and sends a ``left``
   event. A registration of the (job, group) clears its departure, or its pending
   loss (its state is then what the new registration reports). A superseded session and
-  an agent shutting down leave nothing. (The bookkeeping: :mod:`tslice.agent.channel_departures`.)
+  an agent shutting down leave nothing. (The bookkeeping: :mod:`tslice.agent.channel.departures`.)
 """
 
 from __future__ import annotations
@@ -81,15 +81,8 @@ from typing import Literal, TypeVar
 
 import grpc
 
-from tslice.agent import (
-    channel_admission,
-    channel_departures,
-    channel_rules,
-    channel_session,
-    channel_stream,
-    registration,
-)
-from tslice.agent.channel_rules import (
+from tslice.agent.channel import departures, registration, rules, sessions, stream
+from tslice.agent.channel.rules import (
     WORKLOAD_LEFT,
     ChannelError,
     CommandRefusedError,
@@ -100,11 +93,12 @@ from tslice.agent.channel_rules import (
     WorkloadState,
     check_mode,
     check_tags,
-    describe,
     resolve_mode,
 )
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
 from tslice.common import validation
+from tslice.security import admission
+from tslice.security.admission import describe
 
 # The rules' public names are part of this module's interface (callers catch
 # ``channel.CommandRefusedError``); they live in channel_rules to keep this module small.
@@ -170,7 +164,7 @@ Listener = Callable[[ChannelEvent], None]
 
 
 #: A session's key: (job_id, group), group "" when the registration named none.
-SessionKey = channel_departures.SessionKey
+SessionKey = departures.SessionKey
 
 
 class ChannelHub:
@@ -183,7 +177,7 @@ class ChannelHub:
         missed_pings: int = 3,
         lost_grace_s: float = 5.0,
         processes: registration.ProcessRegistry | None = None,
-        credentials: channel_admission.JobCredentials | None = None,
+        credentials: admission.JobCredentials | None = None,
     ) -> None:
         if ping_interval_s <= 0:
             raise ValueError("ping_interval_s must be > 0 (seconds between keepalive pings)")
@@ -195,9 +189,9 @@ class ChannelHub:
         #: its workload counts as gone (read at each loss; >= 0).
         self.lost_grace_s = check_grace(lost_grace_s)
         #: Who may register (process bindings of the register socket, job credentials).
-        self.admission = channel_admission.Admission(processes=processes, credentials=credentials)
-        self._sessions: dict[SessionKey, channel_session.Session] = {}
-        self._gone = channel_departures.Departures(
+        self.admission = admission.Admission(processes=processes, credentials=credentials)
+        self._sessions: dict[SessionKey, sessions.Session] = {}
+        self._gone = departures.Departures(
             lambda session, reason: self._notify("left", session, reason, left=True)
         )
         self._closing = False
@@ -317,7 +311,7 @@ class ChannelHub:
 
     async def _dispatch(
         self,
-        session: channel_session.Session,
+        session: sessions.Session,
         command: pb.AgentCommand,
         *,
         kind: str,
@@ -325,11 +319,9 @@ class ChannelHub:
         mode: int,
         timeout_s: float,
     ) -> CommandOutcome:
-        answer = channel_stream.send(session, command, kind=kind, tags=tags, timeout_s=timeout_s)
+        answer = stream.send(session, command, kind=kind, tags=tags, timeout_s=timeout_s)
         self.commands_sent += 1
-        result = await channel_stream.answered(
-            session, command, answer, kind=kind, timeout_s=timeout_s
-        )
+        result = await stream.answered(session, command, answer, kind=kind, timeout_s=timeout_s)
         return CommandOutcome(
             command_id=command.command_id,
             ok=result.ok,
@@ -356,11 +348,11 @@ class ChannelHub:
     def handle_stream(
         self,
         request_iterator: AsyncIterator[pb.WorkloadMessage],
-        context: channel_stream.Context,
+        context: stream.Context,
     ) -> AsyncIterator[pb.AgentCommand]:
         """Serve one ``WorkloadChannel`` call (an async generator of commands, run by
-        :mod:`tslice.agent.channel_stream`; the hub keeps the sessions)."""
-        owner = channel_stream.Owner(
+        :mod:`tslice.agent.channel.stream`; the hub keeps the sessions)."""
+        owner = stream.Owner(
             admission=self.admission,
             conflict=self._conflict,
             admit=self._admit,
@@ -368,9 +360,9 @@ class ChannelHub:
             ping_interval_s=self.ping_interval_s,
             missed_pings=self.missed_pings,
         )
-        return channel_stream.serve(request_iterator, context, owner)
+        return stream.serve(request_iterator, context, owner)
 
-    def _admit(self, session: channel_session.Session) -> None:
+    def _admit(self, session: sessions.Session) -> None:
         """Take an accepted session: it supersedes a live one of the same workload."""
         previous = self._sessions.get(session.key)
         came_back = self._gone.returned(session.key)
@@ -400,7 +392,7 @@ class ChannelHub:
 
     # ---- helpers -------------------------------------------------------------------
 
-    def _matching(self, job_id: str, group: str) -> list[channel_session.Session]:
+    def _matching(self, job_id: str, group: str) -> list[sessions.Session]:
         """The sessions (job, group) may mean (the rule of the module docstring): one, none,
         or, for a request without a group, every session of the job."""
         if group:
@@ -408,7 +400,7 @@ class ChannelHub:
             return [session] if session is not None else []
         return [s for (job, _group), s in sorted(self._sessions.items()) if job == job_id]
 
-    def _live(self, job_id: str, group: str) -> channel_session.Session:
+    def _live(self, job_id: str, group: str) -> sessions.Session:
         found = [s for s in self._matching(job_id, group) if not s.closed.is_set()]
         if len(found) > 1:
             groups = ", ".join(s.group or '""' for s in found)
@@ -424,7 +416,7 @@ class ChannelHub:
             )
         return found[0]
 
-    def _end(self, session: channel_session.Session, code: grpc.StatusCode, reason: str) -> None:
+    def _end(self, session: sessions.Session, code: grpc.StatusCode, reason: str) -> None:
         if not session.close(code, reason):
             return
         current = self._sessions.get(session.key) is session
@@ -462,7 +454,7 @@ class ChannelHub:
         if live is not None:
             if instance and live.instance == instance:
                 return ""
-            return channel_rules.already_registered(live.state())
+            return rules.already_registered(live.state())
         return self._gone.lost_conflict(key, instance)
 
     def _gone_key(self, job_id: str, group: str) -> SessionKey | None:
@@ -483,7 +475,7 @@ class ChannelHub:
     def _notify(
         self,
         kind: Literal["registered", "closed", "left"],
-        session: channel_session.Session,
+        session: sessions.Session,
         reason: str = "",
         *,
         left: bool = False,

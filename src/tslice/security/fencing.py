@@ -1,4 +1,4 @@
-"""The agent's fence against a deposed orchestrator leader (see ``tslice.security.leader_term``).
+"""An agent's fence against a deposed orchestrator leader (see ``tslice.security.leader_term``).
 
 Every call may carry the caller's leader term in its metadata. The highest term seen is
 adopted from any call (a new leader's first Status read fences the node) and stored
@@ -15,6 +15,9 @@ orchestrator that was never elected sends none, and it must not drive a node alo
 the HA leader; docs/security.md weighs this against sharing agents with llm-d's
 orchestrator). A term is adopted only from the caller's own metadata, never from what a
 refusal says.
+
+The term is kept where the agent keeps its state, a :class:`TermStore` it passes in (the
+agent's ``tslice.agent.state.store.Store``): this package imports nothing of the agent.
 """
 
 from __future__ import annotations
@@ -22,9 +25,9 @@ from __future__ import annotations
 import logging
 import sqlite3
 from collections.abc import Iterable
-from typing import Any, NamedTuple
+from pathlib import Path
+from typing import Any, NamedTuple, Protocol
 
-from tslice.agent import store
 from tslice.rpc import refusals
 from tslice.security import leader_term
 
@@ -61,12 +64,28 @@ def sent(metadata: Iterable[Any] | None) -> Sent:
     return Sent(term, leader)
 
 
+class TermStore(Protocol):
+    """Where an agent keeps the highest leader term it has seen, and who sent it."""
+
+    #: The file it is kept in (named in the refusal when it cannot be written).
+    path: Path
+
+    def put_leader_term(self, term: int, leader: str) -> None:
+        """Keep ``term`` and ``leader``, synchronously: on disk when it returns. Raises
+        OSError or ``sqlite3.Error`` when it cannot."""
+        ...
+
+    async def leader_term(self) -> tuple[int, str]:
+        """The term and leader kept (0 and "": none)."""
+        ...
+
+
 class TermFence:
     """The highest leader term this agent has seen, and the check of each call against it."""
 
     def __init__(
         self,
-        state: store.Store | None,
+        state: TermStore | None,
         *,
         seen: int = 0,
         leader: str = "",
@@ -78,9 +97,12 @@ class TermFence:
         #: The identity that sent the term seen ("": none named it yet).
         self._leader = leader
         self.accept_unfenced = accept_unfenced
+        #: The term and leader seen, as a call sends them: a call that sends exactly these
+        #: is admitted whatever it is (a stream's grants compare it before asking :meth:`admit`).
+        self.current = Sent(seen, leader)
 
     @classmethod
-    async def open(cls, state: store.Store, *, accept_unfenced: bool = False) -> TermFence:
+    async def open(cls, state: TermStore, *, accept_unfenced: bool = False) -> TermFence:
         """The fence with the term ``state`` recorded."""
         term, leader = await state.leader_term()
         return cls(state, seen=term, leader=leader, accept_unfenced=accept_unfenced)
@@ -131,6 +153,7 @@ class TermFence:
                     f"({err}); nothing was changed: fix the agent's state disk, then retry",
                 ) from err
         self._seen, self._leader = term, ""
+        self.current = Sent(term, "")
         log.warning(
             "leader term reset by %s: %d (of %s) -> %d; %s",
             by,
@@ -162,3 +185,4 @@ class TermFence:
             self._seen,
         )
         self._seen, self._leader = term, leader
+        self.current = Sent(term, leader)

@@ -17,7 +17,7 @@ inherits an old registration; processes that exit are dropped lazily.
 
 A process that has workload hooks (quiesce before the cuda backend locks it, resume
 after) sends ``"hooks": true`` too; the connection then stays open for the agent's
-hook calls (:mod:`tslice.agent.quiesce`) until the process closes it or exits.
+hook calls (:mod:`tslice.agent.channel.quiesce`) until the process closes it or exits.
 
 The same socket binds a workload channel to its process (gRPC reports a Unix peer as
 ``unix:`` only, with no credentials): a workload sends
@@ -56,7 +56,8 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from tslice.agent import discovery, quiesce
+from tslice.agent import discovery
+from tslice.agent.channel import quiesce
 from tslice.common import ids
 
 log = logging.getLogger(__name__)
@@ -324,7 +325,7 @@ class RegistrationServer:
             writer.write(json.dumps(reply).encode() + b"\n")
             await writer.drain()
             if isinstance(hooks_of, int):
-                # The connection stays open for the process's hooks (tslice.agent.quiesce).
+                # The connection stays open for the process's hooks (tslice.agent.channel.quiesce).
                 self.registry.hooks.attach(hooks_of, reader, writer)
                 keep = True
         except OSError:

@@ -18,9 +18,10 @@ from collections.abc import Iterable
 
 import grpc
 
-from tslice.agent import channel_rules
+from tslice.agent.channel import rules
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
 from tslice.common import residency
+from tslice.security import admission
 
 #: Timed-out command ids remembered per session, so a late success still updates residency.
 EXPIRED_KEPT = 64
@@ -55,7 +56,7 @@ class Session:
         #: The hub's key: one session per (job, group).
         self.key = (register.job_id, register.group)
         #: How messages name the session's job and group.
-        self.label = channel_rules.describe(self.job_id, self.group)
+        self.label = admission.describe(self.job_id, self.group)
         #: The registering process as the agent knows it (bound through its register
         #: socket); 0 = not known. The registration's own ``pid`` field is never trusted.
         self.pid = pid
@@ -84,8 +85,8 @@ class Session:
         self.pongs_received = 0
         self.commands_sent = 0
 
-    def state(self) -> channel_rules.WorkloadState:
-        return channel_rules.WorkloadState(
+    def state(self) -> rules.WorkloadState:
+        return rules.WorkloadState(
             job_id=self.job_id,
             group=self.group,
             pid=self.pid,
@@ -106,7 +107,7 @@ class Session:
 
     def send(self, command: pb.AgentCommand) -> None:
         if self.closed.is_set():
-            raise channel_rules.WorkloadDisconnectedError(
+            raise rules.WorkloadDisconnectedError(
                 f"the workload of {self.label} disconnected ({self.close_reason})"
             )
         self.outbox.put_nowait(command)
@@ -143,7 +144,7 @@ class Session:
         for command_id, pending in self.pending.items():
             if pending.future is not None and not pending.future.done():
                 pending.future.set_exception(
-                    channel_rules.WorkloadDisconnectedError(
+                    rules.WorkloadDisconnectedError(
                         f"the workload of {self.label} disconnected before answering "
                         f"{pending.kind} command {command_id} ({reason})"
                     )

@@ -29,10 +29,11 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from pathlib import Path
 
-from tslice.agent import guarded, job_model
+from tslice.agent.backends import guarded
+from tslice.agent.jobs import model
 from tslice.rpc import refusals
 
 log = logging.getLogger(__name__)
@@ -97,7 +98,7 @@ class HostBudget:
         return max(0, info.available_bytes - self.reserve_bytes(info) + parked)
 
     def refusal(
-        self, jobs: Iterable[job_model.Job], *, key: job_model.Key, needed: int, counted: set[str]
+        self, jobs: Iterable[model.Job], *, key: model.Key, needed: int, counted: Collection[str]
     ) -> str:
         """Why parking ``needed`` more bytes for ``key`` would exceed the budget ('' = it
         fits). ``counted``: the backends whose states hold host memory."""
@@ -131,7 +132,7 @@ class HostBudget:
             "keeps running. Restore or end a parked job first, or raise host_budget"
         )
 
-    def parked_bytes(self, jobs: Iterable[job_model.Job], *, counted: set[str]) -> int:
+    def parked_bytes(self, jobs: Iterable[model.Job], *, counted: Collection[str]) -> int:
         """Host bytes the parked states of this node hold now (for Status)."""
         return sum(
             job.host_bytes
@@ -140,36 +141,32 @@ class HostBudget:
         )
 
 
-def _counted(backends: guarded.GuardedBackends) -> set[str]:
-    return {name for name in backends.backends if backends.holds_host_memory(name)}
-
-
 async def check(
     backends: guarded.GuardedBackends,
     budget: HostBudget,
-    jobs: Iterable[job_model.Job],
-    route: job_model.Route,
-    job: job_model.Job,
+    jobs: Iterable[model.Job],
+    route: model.Route,
+    job: model.Job,
 ) -> None:
     """Refuse (RESOURCE_EXHAUSTED, nothing frozen) a snapshot of ``job`` whose state the
     node's host memory cannot park."""
-    if job.state is not job_model.State.RUNNING or not backends.holds_host_memory(route.backend):
+    if job.state is not model.State.RUNNING or route.backend not in backends.parking:
         return  # nothing resident to park, or a simulated state
     needed = await backends.host_bytes_needed(route, job)
     why = budget.refusal(
         jobs,
         key=(job.job_id, job.group),
         needed=job.device_bytes if needed is None else needed,
-        counted=_counted(backends),
+        counted=backends.parking,
     )
     if why:
         raise refusals.Refused(refusals.Code.RESOURCE_EXHAUSTED, why)
 
 
 def usage(
-    backends: guarded.GuardedBackends, budget: HostBudget, jobs: Iterable[job_model.Job]
+    backends: guarded.GuardedBackends, budget: HostBudget, jobs: Iterable[model.Job]
 ) -> tuple[int | None, int]:
     """(the limit for parked states now, the bytes they hold)."""
     listed = list(jobs)
-    parked = budget.parked_bytes(listed, counted=_counted(backends))
+    parked = budget.parked_bytes(listed, counted=backends.parking)
     return budget.limit(parked), parked

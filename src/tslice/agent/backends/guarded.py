@@ -1,4 +1,4 @@
-"""Every call the agent makes into a backend, under one set of rules.
+"""The backend adapter: every call the agent makes into a backend, under one set of rules.
 
 Backends are plug-ins: they may hang, raise anything, or refuse. The agent never
 calls one directly; it goes through :class:`GuardedBackends`, which owns
@@ -10,11 +10,14 @@ calls one directly; it goes through :class:`GuardedBackends`, which owns
   ``STATUS_TIMEOUT_S`` for the accelerators a Status reply lists;
 - the translation of what a backend raises: a refused or invalid config becomes a
   :class:`refusals.Refused` with its status code before anything changed; an operation's
-  failure becomes a :class:`job_model.Outcome` that says whether anything moved;
+  failure becomes a :class:`model.Outcome` that says whether anything moved;
 - what a question answers when the backend cannot tell (``None``, logged).
 
-The pure rules decide and the runner (``tslice.agent.runner``) applies them; this
-module only calls.
+The pure rules decide and the runner (``tslice.agent.moves.runner``) applies them; this
+module only calls. It also knows what each backend declares (overlapping moves,
+prefetching, parked states in host memory), read once. On the hand-over path it comes
+between the runner and the backend (``backends.base.Backend``: ``snapshot``,
+``restore``, ``activate``).
 """
 
 from __future__ import annotations
@@ -22,11 +25,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import sys
-from collections.abc import Callable, Coroutine, Mapping
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from typing import Any, TypeVar
 
-from tslice.agent import job_model
 from tslice.agent.backends import base
+from tslice.agent.jobs import model
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
 from tslice.rpc import refusals
 from tslice.server import logs
@@ -74,20 +77,6 @@ def tags_of(config: pb.BackendConfig | None) -> list[str]:
     return []
 
 
-def context(
-    job: job_model.Job, config: pb.BackendConfig | None, devices: tuple[int, ...] = ()
-) -> base.JobContext:
-    """What a backend is told about the job's state for one group."""
-    return base.JobContext(
-        job_id=job.job_id,
-        group=job.group,
-        config=config,
-        footprint_bytes=job.footprint_bytes,
-        state=dict(job.backend_state),
-        devices=devices,
-    )
-
-
 class GuardedBackends:
     """The node's backends, called only under the rules of the module docstring."""
 
@@ -106,24 +95,41 @@ class GuardedBackends:
         #: The device indices of this node each group uses, as the orchestrator's Grants
         #: say (absent: all of them); every context of a job's state for the group has them.
         self.devices: dict[str, tuple[int, ...]] = {}
+        # What each backend declares, looked up once (backends do not change).
+        named = self.backends.items()
+        #: The backends that run a snapshot and a restore at once (``overlaps_moves``).
+        self.overlapping = frozenset(n for n, b in named if b.overlaps_moves)
+        #: ... that bring saved states in ahead of their grant (``prefetches``).
+        self.prefetching = frozenset(n for n, b in named if b.prefetches)
+        #: ... whose parked states hold the node's host memory (``holds_host_memory``).
+        self.parking = frozenset(n for n, b in named if b.holds_host_memory)
+        #: ... that check a request (the others spare a hand-over a timer).
+        self._validating = frozenset(
+            n for n, b in named if type(b).validate is not base.Backend.validate
+        )
 
-    def _context(self, job: job_model.Job, config: pb.BackendConfig | None) -> base.JobContext:
-        return context(job, config, self.devices.get(job.group, ()))
+    def use_devices(self, group: str, devices: Sequence[int]) -> None:
+        """The device indices of this node ``group`` uses from now on (none: all)."""
+        if devices:
+            self.devices[group] = tuple(devices)
+        else:
+            self.devices.pop(group, None)
+
+    def _context(self, job: model.Job, config: pb.BackendConfig | None) -> base.JobContext:
+        """What a backend is told about the job's state for one group."""
+        return base.JobContext(
+            job_id=job.job_id,
+            group=job.group,
+            config=config,
+            footprint_bytes=job.footprint_bytes,
+            state=dict(job.backend_state),
+            devices=self.devices.get(job.group, ()),
+        )
 
     def __contains__(self, name: object) -> bool:
         return name in self.backends
 
-    def overlaps_moves(self, name: str) -> bool:
-        """Whether backend ``name`` runs a snapshot and a restore at once (declared)."""
-        backend = self.backends.get(name)
-        return backend is not None and bool(backend.overlaps_moves)
-
-    def prefetches(self, name: str) -> bool:
-        """Whether backend ``name`` brings saved states in ahead of their grant (declared)."""
-        backend = self.backends.get(name)
-        return backend is not None and bool(backend.prefetches)
-
-    async def prefetch(self, name: str, job: job_model.Job) -> int:
+    async def prefetch(self, name: str, job: model.Job) -> int:
         """Backend ``name``'s prefetch of the job, under the operation deadline; 0 if it
         fails (logged): a prefetch is a hint, the later restore is the operation."""
         ctx = self._context(job, job.backend_config())
@@ -137,12 +143,12 @@ class GuardedBackends:
 
     # ---- questions, asked while a request is planned -----------------------------------
 
-    async def validate(self, route: job_model.Route, job: job_model.Job) -> None:
+    async def validate(self, route: model.Route, job: model.Job) -> None:
         """Let the backend refuse the config before anything is created or changed."""
-        name, ctx = route.backend, self._context(job, route.config)
-        backend = self.backends[name]
-        if type(backend).validate is base.Backend.validate:
-            return  # the backend checks nothing: spare the hand-over a timer
+        name = route.backend
+        if name not in self._validating:
+            return  # the backend checks nothing
+        backend, ctx = self.backends[name], self._context(job, route.config)
         try:
             await _within(backend.validate(ctx), timeout_s=self.query_timeout_s)
         except base.NeverFitsError as err:
@@ -159,35 +165,30 @@ class GuardedBackends:
                 f"({type(err).__name__}: {err}); nothing was changed",
             ) from err
 
-    def holds_host_memory(self, name: str) -> bool:
-        """Whether backend ``name``'s parked states hold the node's host memory."""
-        backend = self.backends.get(name)
-        return backend is not None and bool(backend.holds_host_memory)
-
-    async def host_bytes_needed(self, route: job_model.Route, job: job_model.Job) -> int | None:
+    async def host_bytes_needed(self, route: model.Route, job: model.Job) -> int | None:
         """The backend's estimate of what a snapshot of the job would park; None if it
         cannot tell or fails (logged)."""
         question = self.backends[route.backend].host_bytes_needed(self._context(job, route.config))
         return await self._ask(route.backend, question, f"estimate job {job.job_id}'s state")
 
-    async def recover(self, name: str, job: job_model.Job) -> job_model.State | None:
+    async def recover(self, name: str, job: model.Job) -> model.State | None:
         """What backend ``name`` reports for the job; ``None`` if it cannot tell or fails."""
         ctx = self._context(job, job.backend_config())
         reported = await self._ask(
             name, self.backends[name].recover(ctx), f"recover job {job.job_id}"
         )
-        return job_model.from_pb(reported)
+        return model.from_pb(reported)
 
-    async def fits(self, route: job_model.Route, job: job_model.Job) -> bool:
+    async def fits(self, route: model.Route, job: model.Job) -> bool:
         """Whether the job's state would fit on the devices now; ``False`` if unknown."""
         question = self.backends[route.backend].fits(self._context(job, route.config))
         return bool(await self._ask(route.backend, question, f"tell whether job {job.job_id} fits"))
 
-    async def missing_tags(self, route: job_model.Route, job: job_model.Job) -> bool:
+    async def missing_tags(self, route: model.Route, job: model.Job) -> bool:
         """Staged wake: whether tags the request names are not resident although the job
         runs (``Backend.missing_tags``); ``False`` when it names none."""
         tags = tags_of(route.config)
-        if job.state is not job_model.State.RUNNING or not tags:
+        if job.state is not model.State.RUNNING or not tags:
             return False
         question = self.backends[route.backend].missing_tags(self._context(job, route.config), tags)
         return bool(await self._ask(route.backend, question, "report missing tags"))
@@ -219,12 +220,12 @@ class GuardedBackends:
     # ---- operations ------------------------------------------------------------------------
 
     async def run(
-        self, op: job_model.Operation, job: job_model.Job, config: pb.BackendConfig | None
-    ) -> job_model.Outcome:
+        self, op: model.Operation, job: model.Job, config: pb.BackendConfig | None
+    ) -> model.Outcome:
         """Run the operation's backend call under its deadline, retrying transient failures."""
         # Every log line of the operation's task names it (a C call: no work to speak of).
         logs.IDS.set({"job_id": job.job_id, "group_id": job.group, "operation_id": op.op_id})
-        backend, ctx, mode = self.backends[op.backend], self._context(job, config), mode_of(config)
+        backend, ctx = self.backends[op.backend], self._context(job, config)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.operation_timeout_s
         what = f"{op.kind.value} of job {ctx.job_id} by backend {backend.name}"
@@ -233,13 +234,13 @@ class GuardedBackends:
             remaining = deadline - loop.time()
             try:
                 result = await _within(
-                    _invoke(backend, op.kind, ctx, mode), timeout_s=max(remaining, 0.0)
+                    _invoke(backend, op.kind, ctx, config), timeout_s=max(remaining, 0.0)
                 )
-                return job_model.Outcome(result=result)
+                return model.Outcome(result=result)
             except base.TransientBackendError as err:
                 delay = min(max(err.retry_after, delay), _BACKOFF_MAX_S)
                 if loop.time() + delay >= deadline:
-                    return job_model.Outcome(
+                    return model.Outcome(
                         error=f"{what} kept failing until its {self.operation_timeout_s:g} s "
                         f"deadline; nothing was changed: {err}",
                         state_changed=False,
@@ -249,31 +250,29 @@ class GuardedBackends:
                 delay = min(delay * 2, _BACKOFF_MAX_S)
             except asyncio.TimeoutError:
                 if loop.time() < deadline:
-                    return job_model.Outcome(
-                        error=f"{what} failed: the backend timed out internally"
-                    )
-                return job_model.Outcome(
+                    return model.Outcome(error=f"{what} failed: the backend timed out internally")
+                return model.Outcome(
                     error=f"{what} did not finish within {self.operation_timeout_s:g} s "
                     "(operation_timeout_s); check the backend, then ResetJob"
                 )
             except base.RefusedBackendError as err:
-                return job_model.Outcome(
+                return model.Outcome(
                     error=f"{what} was refused; nothing was changed: {err}", state_changed=False
                 )
             except base.BackendError as err:
                 if isinstance(err, base.BackendUnavailableError):
                     self._on_unavailable(backend.name, err)
-                return job_model.Outcome(error=f"{what} failed: {err}")
+                return model.Outcome(error=f"{what} failed: {err}")
             except Exception as err:
                 log.exception("%s crashed", what)
-                return job_model.Outcome(error=f"{what} crashed: {type(err).__name__}: {err}")
+                return model.Outcome(error=f"{what} crashed: {type(err).__name__}: {err}")
 
 
 async def _invoke(
-    backend: base.Backend, kind: job_model.Kind, ctx: base.JobContext, mode: pb.SuspendMode
+    backend: base.Backend, kind: model.Kind, ctx: base.JobContext, config: pb.BackendConfig | None
 ) -> base.OpResult:
-    if kind is job_model.Kind.SNAPSHOT:
-        return await backend.snapshot(ctx, mode)
-    if kind is job_model.Kind.RESTORE:
+    if kind is model.Kind.SNAPSHOT:
+        return await backend.snapshot(ctx, mode_of(config))
+    if kind is model.Kind.RESTORE:
         return await backend.restore(ctx)
     return await backend.activate(ctx)

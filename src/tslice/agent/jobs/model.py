@@ -4,11 +4,11 @@ A job's :class:`State` (and its wire value, :func:`to_pb`); what a node keeps of
 job, per (job, group) (:class:`Job`, keyed by :data:`Key`),
 of each snapshot/restore/activate (:class:`Operation`) and of each group's newest
 grant (:class:`GrantMark`); the backend a request is served by (:class:`Route`); and
-what the rules of :mod:`tslice.agent.jobs` are given (:class:`Request`, a backend's
+what the rules of :mod:`tslice.agent.jobs.rules` are given (:class:`Request`, a backend's
 :class:`Outcome`) and return (:class:`Start`, :class:`Done`, :class:`Unchanged`).
-All frozen: the store persists them, the runner and the pure rule modules
-(``jobs``, ``routing``, ``grants``) pass them around, and nothing here decides a
-transition.
+All frozen: the store persists them (``tslice.agent.state``), the runner and the pure
+rules (``rules``, ``routing``, ``tslice.agent.moves.grant_plan``) pass them around, and
+nothing here decides a transition.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ import enum
 from collections.abc import Mapping
 from typing import Any
 
-from tslice.agent import channel_rules
 from tslice.agent.backends import base
+from tslice.agent.channel import rules as channel_rules
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
 
 
@@ -199,7 +199,7 @@ class Request:
 
     job_id: str
     group: str
-    #: The backend that serves the request (``tslice.agent.routing``).
+    #: The backend that serves the request (``tslice.agent.jobs.routing``).
     route: Route
     node: str
     #: The id a new operation gets.

@@ -1,10 +1,11 @@
 """The agent's records follow the workload channel: who registered, who left.
 
 A workload that registers on the workload channel has its model on the device, so its
-(job, group) record becomes resident on app-channel (``jobs.after_channel_registration``);
+(job, group) record becomes resident on app-channel (``rules.after_channel_registration``);
 a workload that left took its state with it, so the records it served become IDLE
-(``jobs.after_workload_left``). :class:`WorkloadPresence` is the hub's listener that
-applies both to the ledger, each under the job's lock shared with ``tslice.agent.runner``.
+(``rules.after_workload_left``). :class:`WorkloadPresence` is the hub's listener that
+applies both to the store (``tslice.agent.state.store``), each under the job's lock
+shared with ``tslice.agent.moves.runner``.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ import logging
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-from tslice.agent import job_model, jobs, ledger
+from tslice.agent.jobs import model, rules
+from tslice.agent.state import store
 from tslice.rpc import refusals
 
 log = logging.getLogger(__name__)
@@ -27,7 +29,7 @@ class WorkloadPresence:
     def __init__(
         self,
         *,
-        book: ledger.Ledger,
+        records: store.Store,
         locks: collections.defaultdict[str, asyncio.Lock],
         done: dict[str, asyncio.Future[None]],
         registered: Callable[[str, str], bool],
@@ -36,7 +38,7 @@ class WorkloadPresence:
         """``locks`` and ``done`` are the agent's (one lock per job id, one future per
         running operation); ``registered`` tells whether a live workload serves
         (job, group); ``spawn`` runs a coroutine as a named task of the agent."""
-        self._book = book
+        self._records = records
         self._locks = locks
         self._done = done
         self._registered = registered
@@ -71,7 +73,7 @@ class WorkloadPresence:
     ) -> None:
         async with self._locks[job_id]:
             try:
-                job = self._book.find(job_id, group)
+                job = self._records.find(job_id, group)
             except refusals.Refused as refused:
                 # No group named, and records in several: the registration serves none
                 # of them until a request names the group (the workload stays registered).
@@ -82,11 +84,11 @@ class WorkloadPresence:
                     extra={"job_id": job_id},
                 )
                 return
-            updated = jobs.after_channel_registration(
+            updated = rules.after_channel_registration(
                 job, job_id=job_id, group=group, suspended=suspended
             )
             if updated != job:
-                self._book.commit(jobs_=[updated], previous=job)
+                self._records.commit(jobs=[updated], previous=job)
                 log.info(
                     "job %s (group %s) registered on the workload channel: %s on app-channel",
                     job_id,
@@ -103,14 +105,14 @@ class WorkloadPresence:
             async with self._locks[job_id]:
                 running: list[asyncio.Future[None]] = []
                 for job in self._left_records(job_id, group):
-                    if job.state is job_model.State.TRANSITIONING:
+                    if job.state is model.State.TRANSITIONING:
                         done = self._done.get(job.operation_id)
                         if done is not None:
                             running.append(done)
                         continue
-                    updated = jobs.after_workload_left(job, reason=reason)
+                    updated = rules.after_workload_left(job, reason=reason)
                     if updated != job:
-                        self._book.commit(jobs_=[updated], previous=job)
+                        self._records.commit(jobs=[updated], previous=job)
                         log.info(
                             "job %s (group %s): its workload left (%s); %s -> IDLE, nothing "
                             "resident",
@@ -124,13 +126,13 @@ class WorkloadPresence:
                     return
             await asyncio.wait(running)
 
-    def _left_records(self, job_id: str, group: str) -> list[job_model.Job]:
+    def _left_records(self, job_id: str, group: str) -> list[model.Job]:
         """The job's records a departed workload of ``group`` held: the group's record, or
         for a workload that named no group every record of the job; none that a live
         workload serves (it registered again)."""
         if group:
-            found = self._book.find(job_id, group)
+            found = self._records.find(job_id, group)
             candidates = [found] if found is not None else []
         else:
-            candidates = [j for (job, _g), j in sorted(self._book.jobs.items()) if job == job_id]
+            candidates = [j for (job, _g), j in sorted(self._records.jobs.items()) if job == job_id]
         return [j for j in candidates if not self._registered(job_id, j.group)]

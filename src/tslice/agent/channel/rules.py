@@ -16,12 +16,13 @@ from collections.abc import Iterable
 
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
 from tslice.common import ids, validation
+from tslice.security import admission
 
 VALID_MODES = (pb.SUSPEND_MODE_OFFLOAD, pb.SUSPEND_MODE_DISCARD)
 
 #: The key, in an operation's backend state and in the job's record, that says the
 #: job's workload left the node (the value: why). The agent's rules read it
-#: (``tslice.agent.jobs``): a snapshot that reports it leaves the job IDLE, not SAVED.
+#: (``tslice.agent.jobs.rules``): a snapshot that reports it leaves the job IDLE, not SAVED.
 WORKLOAD_LEFT = "workload_left"
 
 #: gRPC metadata key of the workload's instance token: random, made once per workload
@@ -202,7 +203,7 @@ def already_registered(
 ) -> str:
     """The refusal of a second registration while ``state``'s workload is live or may still
     come back (``lost_for_s``: seconds since its channel was lost)."""
-    who = describe(state.job_id, state.group)
+    who = admission.describe(state.job_id, state.group)
     since = time.strftime("%H:%M:%S", time.localtime(state.registered_at))
     process = f"process {state.pid}" if state.pid else "a process the agent cannot name"
     if lost_for_s is None:
@@ -218,11 +219,6 @@ def already_registered(
         f"may register now; another registration is accepted in {grace_left_s:.1f} s, "
         "once its lost_grace_s has passed"
     )
-
-
-def describe(job_id: str, group: str) -> str:
-    """How messages name a workload session: its job, and its group when it named one."""
-    return f"job {job_id!r} (group {group!r})" if group else f"job {job_id!r}"
 
 
 def mode_name(mode: int) -> str:

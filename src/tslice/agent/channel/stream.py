@@ -1,7 +1,7 @@
 """One ``WorkloadChannel`` call as the agent serves it, from the first message to the last.
 
 :func:`serve` checks the registration the stream must open with (and who sent it, by
-:mod:`tslice.agent.channel_admission`), hands the new session to the hub that owns the
+:mod:`tslice.security.admission`), hands the new session to the hub that owns the
 sessions, then runs the stream's three parts: the reader (results routed to their
 commands by id, late ones too; pings answered; a second ``register`` refused), the
 keepalive (only for a workload that declared it) and the writer, which yields the
@@ -36,9 +36,10 @@ from typing import NoReturn
 
 import grpc
 
-from tslice.agent import channel_admission, channel_departures, channel_rules, channel_session
+from tslice.agent.channel import departures, rules, sessions
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
 from tslice.common import tasks
+from tslice.security import admission
 
 log = logging.getLogger(__name__)
 
@@ -51,13 +52,13 @@ class Owner:
     """What a stream needs of the hub that owns its session (``channel.ChannelHub``)."""
 
     #: Who may register.
-    admission: channel_admission.Admission
+    admission: admission.Admission
     #: Why a registration of a (job, group) by an instance token is refused ('' = it is not).
-    conflict: Callable[[channel_departures.SessionKey, str], str]
+    conflict: Callable[[departures.SessionKey, str], str]
     #: Take an accepted session (it supersedes a live one of the same workload).
-    admit: Callable[[channel_session.Session], None]
+    admit: Callable[[sessions.Session], None]
     #: End a session with a status and why; the hub decides what the end means.
-    end: Callable[[channel_session.Session, grpc.StatusCode, str], None]
+    end: Callable[[sessions.Session, grpc.StatusCode, str], None]
     ping_interval_s: float
     missed_pings: int
 
@@ -79,15 +80,15 @@ async def serve(
         add_done_callback(
             lambda _ctx: owner.end(session, grpc.StatusCode.CANCELLED, "the stream was lost")
         )
-    close: channel_session.Close | None = None
+    close: sessions.Close | None = None
     wrote = False
     try:
         while True:
             item = await session.outbox.get()
-            if isinstance(item, channel_session.Close):
+            if isinstance(item, sessions.Close):
                 close = item
                 break
-            if isinstance(item, channel_session.Probe):
+            if isinstance(item, sessions.Probe):
                 # The requests ended. A half-close leaves the call open, so a write
                 # still goes through; a gone peer (its process exited, the call was
                 # cancelled) fails it and this generator is not resumed (or raises).
@@ -124,7 +125,7 @@ async def _accept(
     owner: Owner,
     request_iterator: AsyncIterator[pb.WorkloadMessage],
     context: Context,
-) -> channel_session.Session:
+) -> sessions.Session:
     try:
         first = await request_iterator.__anext__()
     except StopAsyncIteration:
@@ -136,11 +137,11 @@ async def _accept(
             f"the first WorkloadChannel message must be a RegisterWorkload, got "
             f"{kind or 'an empty message'}; use tslice.workload.register_workload(...)",
         )
-    problem = channel_rules.registration_problem(first.register)
+    problem = rules.registration_problem(first.register)
     if problem:
         await _refuse(context, problem)
-    instance = _metadata(context, channel_rules.INSTANCE_METADATA)
-    problem = channel_rules.instance_problem(instance)
+    instance = _metadata(context, rules.INSTANCE_METADATA)
+    problem = rules.instance_problem(instance)
     if problem:
         await _refuse(context, problem)
     pid = await owner.admission.identify(first.register, instance, context)
@@ -148,14 +149,14 @@ async def _accept(
     conflict = owner.conflict(key, instance)
     if conflict:
         await context.abort(grpc.StatusCode.ALREADY_EXISTS, conflict)
-    session = channel_session.Session(first.register, instance=instance, pid=pid)
+    session = sessions.Session(first.register, instance=instance, pid=pid)
     owner.admit(session)
     return session
 
 
 async def _read(
     owner: Owner,
-    session: channel_session.Session,
+    session: sessions.Session,
     request_iterator: AsyncIterator[pb.WorkloadMessage],
 ) -> None:
     try:
@@ -187,10 +188,10 @@ async def _read(
     # The requests ended: a half-close (the workload closed its channel), or a peer
     # that is gone (grpc reports both so); the writer finds out which.
     if not session.closed.is_set():
-        session.outbox.put_nowait(channel_session.Probe())
+        session.outbox.put_nowait(sessions.Probe())
 
 
-async def _keepalive(owner: Owner, session: channel_session.Session) -> None:
+async def _keepalive(owner: Owner, session: sessions.Session) -> None:
     loop = asyncio.get_running_loop()
     if session.closed.is_set() or not session.keepalive:
         return
@@ -214,7 +215,7 @@ async def _keepalive(owner: Owner, session: channel_session.Session) -> None:
 
 
 def send(
-    session: channel_session.Session,
+    session: sessions.Session,
     command: pb.AgentCommand,
     *,
     kind: str,
@@ -229,7 +230,7 @@ def send(
     command.command_id = command_id
     command.deadline_ms = max(1, int(timeout_s * 1000))
     future: asyncio.Future[pb.CommandResult] = asyncio.get_running_loop().create_future()
-    session.pending[command_id] = channel_session.Pending(kind=kind, tags=tags, future=future)
+    session.pending[command_id] = sessions.Pending(kind=kind, tags=tags, future=future)
     session.send(command)
     session.commands_sent += 1
     log.info(
@@ -240,7 +241,7 @@ def send(
 
 
 async def answered(
-    session: channel_session.Session,
+    session: sessions.Session,
     command: pb.AgentCommand,
     answer: asyncio.Future[pb.CommandResult],
     *,
@@ -254,7 +255,7 @@ async def answered(
         return await asyncio.wait_for(answer, timeout_s)
     except asyncio.TimeoutError:
         session.expire(command_id)
-        raise channel_rules.CommandTimeoutError(
+        raise rules.CommandTimeoutError(
             f"the workload of {session.label} did not answer {kind} command {command_id} "
             f"within {timeout_s:g} s"
         ) from None
@@ -263,7 +264,7 @@ async def answered(
         raise
 
 
-def _on_result(session: channel_session.Session, result: pb.CommandResult) -> None:
+def _on_result(session: sessions.Session, result: pb.CommandResult) -> None:
     pending = session.pending.pop(result.command_id, None)
     if pending is not None:
         session.apply(pending, result)
@@ -289,7 +290,7 @@ def _on_result(session: channel_session.Session, result: pb.CommandResult) -> No
     )
 
 
-def _probe_ping(session: channel_session.Session) -> pb.AgentCommand:
+def _probe_ping(session: sessions.Session) -> pb.AgentCommand:
     session.pings_sent += 1
     return pb.AgentCommand(ping=pb.Ping(nonce=session.pings_sent))
 

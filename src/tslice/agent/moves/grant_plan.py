@@ -15,11 +15,13 @@ A Grant is one node step of a switch. Its rules, in order:
    resident), and the grant mark is recorded with that move;
 4. **done** once the job is resident and the grant recorded.
 
-The driver (:meth:`tslice.agent.runner.AgentCore.grant`) loops: :func:`next_move` says
-what to do from the records as they stand, the driver starts it and waits for its
-operations (at most the Grant's ``wait_ms``), and :func:`after_round` says whether the
-Grant is done, comes back unfinished, or goes on. Each move is an ordinary, pollable
-operation, so a Grant re-issued after a timeout continues from where the node stands.
+The runner (``tslice.agent.moves.runner.AgentCore.grant``) loops: :func:`next_move` says
+what to do from the records as they stand (a :data:`Move`, as data), the runner starts
+it and waits for its operations (at most the Grant's ``wait_ms``), and
+:func:`after_round` says whether the Grant is done, comes back unfinished, or goes on
+(a :class:`Verdict`). Each move is an ordinary, pollable operation, so a Grant re-issued
+after a timeout continues from where the node stands. On the hand-over path this module
+comes between the gRPC face (``tslice.agent.server``) and the runner.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import dataclasses
 import enum
 from collections.abc import Iterable, Mapping, Sequence
 
-from tslice.agent import job_model
+from tslice.agent.jobs import model
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
 from tslice.rpc import refusals
 
@@ -37,7 +39,7 @@ from tslice.rpc import refusals
 MAX_STEPS = 8
 
 #: States in which a record holds the job's state on the devices (or may: FAULTED).
-_HOLDING = (job_model.State.RUNNING, job_model.State.TRANSITIONING, job_model.State.FAULTED)
+_HOLDING = (model.State.RUNNING, model.State.TRANSITIONING, model.State.FAULTED)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,16 +52,16 @@ class Order:
     footprint_bytes: int
     config: pb.BackendConfig | None
     #: Records of the group's other jobs to snapshot first (duplicates and the job removed).
-    evict: tuple[job_model.Key, ...] = ()
+    evict: tuple[model.Key, ...] = ()
     #: Other groups' residents that give way while the job would not fit, in order.
-    give_way: tuple[job_model.Key, ...] = ()
+    give_way: tuple[model.Key, ...] = ()
     restore: bool = False
 
     @property
     def max_steps(self) -> int:
         return MAX_STEPS + len(self.give_way)
 
-    def concerns(self, op: job_model.Operation) -> bool:
+    def concerns(self, op: model.Operation) -> bool:
         """Whether ``op`` moves the granted job's state for the group."""
         return op.job_id == self.job_id and op.group == self.group
 
@@ -71,19 +73,28 @@ def order(
     epoch: int,
     footprint_bytes: int,
     config: pb.BackendConfig | None,
-    evict: Iterable[job_model.Key] = (),
-    give_way: Iterable[job_model.Key] = (),
+    evict: Iterable[model.Key] = (),
+    give_way: Iterable[model.Key] = (),
     restore: bool = False,
 ) -> Order:
-    """The :class:`Order` of a Grant; ``evict`` are the records of the named jobs."""
+    """The :class:`Order` of a Grant; ``evict`` are the records of the named jobs (the
+    job's own and duplicates dropped), ``give_way`` other groups' residents."""
+    evictees = []
+    for key in dict.fromkeys(evict):
+        if key[0] != job_id:
+            evictees.append(key)
+    residents = []
+    for key in dict.fromkeys(give_way):
+        if key[1] != group:
+            residents.append(key)
     return Order(
         job_id=job_id,
         group=group,
         epoch=epoch,
         footprint_bytes=footprint_bytes,
         config=config,
-        evict=tuple(k for k in dict.fromkeys(evict) if k[0] != job_id),
-        give_way=tuple(k for k in dict.fromkeys(give_way) if k[1] != group),
+        evict=tuple(evictees),
+        give_way=tuple(residents),
         restore=restore,
     )
 
@@ -92,7 +103,7 @@ def order(
 class Evict:
     """Snapshot these records' states (or wait for the operation running on one)."""
 
-    keys: tuple[job_model.Key, ...]
+    keys: tuple[model.Key, ...]
     #: They are other groups' residents making room, not the group's evictees.
     giving_way: bool = False
     #: Bring the granted job in at the same time (overlapping moves).
@@ -130,33 +141,33 @@ class GrantOutcome:
     """What one Grant did on this node."""
 
     #: State of the granted job at the reply.
-    state: job_model.State
+    state: model.State
     #: The grant is recorded and the job is resident.
     granted: bool
     #: Operations the Grant started or found running, as of the reply, in order.
-    operations: tuple[job_model.Operation, ...] = ()
+    operations: tuple[model.Operation, ...] = ()
     #: A restore of the granted job finished during this Grant.
     restored: bool = False
 
 
-def as_asked(grant: Order, job: job_model.Job | None) -> job_model.Job:
+def as_asked(grant: Order, job: model.Job | None) -> model.Job:
     """The granted job's record as the backend is asked about it (validate, fits): with
     the footprint the Grant declares, if it declares one."""
-    probe = job if job is not None else job_model.Job(job_id=grant.job_id, group=grant.group)
+    probe = job if job is not None else model.Job(job_id=grant.job_id, group=grant.group)
     if not grant.footprint_bytes or grant.footprint_bytes == probe.footprint_bytes:
         return probe
     return dataclasses.replace(probe, footprint_bytes=grant.footprint_bytes)
 
 
-def _holds_state(job: job_model.Job | None) -> bool:
+def _holds_state(job: model.Job | None) -> bool:
     return job is not None and job.state in _HOLDING
 
 
 def next_move(
     grant: Order,
-    records: Mapping[job_model.Key, job_model.Job],
+    records: Mapping[model.Key, model.Job],
     *,
-    target: job_model.Key,
+    target: model.Key,
     fits: bool | None = None,
     overlap: bool = False,
 ) -> Move:
@@ -166,11 +177,18 @@ def next_move(
     ``overlap``: the backend that holds the job's state overlaps moves.
     """
     job = records.get(target)
-    evictees = tuple(k for k in grant.evict if _holds_state(records.get(k)))
+    evictees = []
+    for key in grant.evict:
+        if _holds_state(records.get(key)):
+            evictees.append(key)
     if evictees:
-        return Evict(evictees, bring_in=overlap and _overlappable(grant, records, job, evictees))
-    if job is None or job.state is not job_model.State.RUNNING:
-        residents = [k for k in grant.give_way if _holds_state(records.get(k))]
+        bring_in = overlap and _overlappable(grant, records, job, evictees)
+        return Evict(tuple(evictees), bring_in=bring_in)
+    if job is None or job.state is not model.State.RUNNING:
+        residents = []
+        for key in grant.give_way:
+            if _holds_state(records.get(key)):
+                residents.append(key)
         if residents and fits is None:
             return AskFit()
         if residents and not fits:
@@ -180,24 +198,24 @@ def next_move(
 
 def _overlappable(
     grant: Order,
-    records: Mapping[job_model.Key, job_model.Job],
-    job: job_model.Job | None,
-    evictees: Sequence[job_model.Key],
+    records: Mapping[model.Key, model.Job],
+    job: model.Job | None,
+    evictees: Sequence[model.Key],
 ) -> bool:
     """The granted job's restore may run beside the evictions: it is SAVED (or its
     restore already runs) and no other group's resident has to give way first."""
     if job is None or not grant.restore:
         return False
-    if any(records[k].state is job_model.State.FAULTED for k in evictees):
+    if any(records[k].state is model.State.FAULTED for k in evictees):
         return False
     if any(_holds_state(records.get(k)) for k in grant.give_way):
         return False
-    return job.state in (job_model.State.SAVED, job_model.State.TRANSITIONING)
+    return job.state in (model.State.SAVED, model.State.TRANSITIONING)
 
 
-def granted_here(grant: Order, job: job_model.Job | None, mark: job_model.GrantMark | None) -> bool:
+def granted_here(grant: Order, job: model.Job | None, mark: model.GrantMark | None) -> bool:
     """The job is resident and this node has recorded the grant (or it is unfenced)."""
-    if job is None or job.state is not job_model.State.RUNNING:
+    if job is None or job.state is not model.State.RUNNING:
         return False
     unfenced = not grant.group or grant.epoch <= 0
     return unfenced or (mark is not None and mark.epoch >= grant.epoch)
@@ -205,20 +223,22 @@ def granted_here(grant: Order, job: job_model.Job | None, mark: job_model.GrantM
 
 def after_round(
     grant: Order,
-    settled: Sequence[job_model.Operation],
+    settled: Sequence[model.Operation],
     *,
-    job: job_model.Job | None,
-    mark: job_model.GrantMark | None,
+    job: model.Job | None,
+    mark: model.GrantMark | None,
 ) -> Verdict:
     """What the round's ``settled`` operations mean; ``job`` is the granted job's record."""
-    if any(op.status is job_model.OpStatus.FAILED for op in settled):
-        return Verdict.FAILED
-    if any(not op.finished for op in settled):
+    unfinished = brought_in = False
+    for op in settled:
+        if op.status is model.OpStatus.FAILED:
+            return Verdict.FAILED
+        if op.status is model.OpStatus.PENDING:
+            unfinished = True
+        elif op.kind is not model.Kind.SNAPSHOT and grant.concerns(op):
+            brought_in = True  # its grant mark was stored when it started
+    if unfinished:
         return Verdict.UNFINISHED
-    # The mark was stored when the operation bringing the job in started.
-    brought_in = any(
-        grant.concerns(op) and op.kind is not job_model.Kind.SNAPSHOT for op in settled
-    )
     if brought_in and granted_here(grant, job, mark):
         return Verdict.GRANTED
     return Verdict.GO_ON
@@ -226,23 +246,22 @@ def after_round(
 
 def outcome(
     grant: Order,
-    seen: Iterable[job_model.Operation],
+    seen: Iterable[model.Operation],
     *,
-    job: job_model.Job | None,
+    job: model.Job | None,
     granted: bool,
 ) -> GrantOutcome:
     """The Grant's reply: the job's state and every operation it started or waited on."""
     operations = tuple(seen)
+    restored = False
+    for op in operations:
+        if op.kind is model.Kind.RESTORE and op.status is model.OpStatus.COMPLETE:
+            restored = restored or grant.concerns(op)
     return GrantOutcome(
-        state=job.state if job is not None else job_model.State.IDLE,
+        state=job.state if job is not None else model.State.IDLE,
         granted=granted,
         operations=operations,
-        restored=any(
-            grant.concerns(op)
-            and op.kind is job_model.Kind.RESTORE
-            and op.status is job_model.OpStatus.COMPLETE
-            for op in operations
-        ),
+        restored=restored,
     )
 
 
