@@ -109,6 +109,8 @@ SET_MESSAGES: dict[str, dict[str, tuple[int, int, str | None, str | None]]] = {
         "footprint_bytes": (3, I64, None, None),
         "lease_ms": (4, I64, None, None),
         "timeout_ms": (5, I64, None, None),
+        # tslice's addition (>= 100): a footprint per group (issue 17 §6).
+        "footprints": (100, MSG, f"{ORCH_PKG}.AcquireSetRequest.FootprintsEntry", REP),
     },
     "AcquireSetResponse": {
         "success": (1, BOOL, None, None),

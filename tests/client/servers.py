@@ -31,7 +31,7 @@ import dataclasses
 import pathlib
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from concurrent import futures
 from typing import Any
 
@@ -177,18 +177,35 @@ class Scripted(orch_server.OrchestratorServicer):
                 await context.abort(lost, "connection reset (reply lost)")
             yield reply
 
-    async def _session_reply(self, request: opb.SessionRequest) -> opb.SessionResponse:
+    def _session_start(self, request: opb.SessionRequest) -> Awaitable[Any]:
         kind = request.WhichOneof("call")
-        method = {"acquire": "Acquire", "release": "Yield", "acquire_set": "AcquireSet"}.get(
-            kind or "", ""
-        )
+        method = _REPLIES.get(kind or "", "")
         failure = self._call(method, getattr(request, kind or ""), "session") if method else None
-        if failure is not None:
-            code, details = failure
+        if failure is None:
+            return super()._session_start(request)
+        failed: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        failed.set_exception(_ScriptedFailure(*failure))
+        return failed
+
+    @staticmethod
+    def _session_answer(request: opb.SessionRequest, done: asyncio.Future[Any]) -> Any:
+        failure = done.exception()
+        if isinstance(failure, _ScriptedFailure):
             return opb.SessionResponse(
-                request_id=request.request_id, status_code=code.value[0], status_message=details
+                request_id=request.request_id,
+                status_code=failure.code.value[0],
+                status_message=failure.details,
             )
-        return await super()._session_reply(request)
+        return orch_server.OrchestratorServicer._session_answer(request, done)
+
+
+class _ScriptedFailure(Exception):
+    """A Session request's scripted failure, on its way to the request's reply."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(details)
+        self.code = code
+        self.details = details
 
 
 class Servers:

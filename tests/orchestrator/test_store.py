@@ -33,8 +33,9 @@ class Saver:
 
     async def save(self, nodes: list[tuple[str, str]] = NODES) -> records.LockRecord:
         changes = self.lock.changes(self.saved)
-        await self.store.save(self.group, nodes=nodes, changes=changes)
-        self.saved = changes.row or self.saved
+        if changes is not None:
+            await self.store.save(self.group, nodes=nodes, changes=changes)
+            self.saved = changes.row or self.saved
         return self.lock.record()
 
 

@@ -41,6 +41,7 @@ async def test_a_cancelled_question_is_not_computed_and_logs_nothing(
         group=Group(),  # type: ignore[arg-type]
         coordination=Group(),  # type: ignore[arg-type]
         switches=None,  # type: ignore[arg-type]
+        events=None,  # type: ignore[arg-type]
         db=db,
         store_health=health.StoreHealth(),
         backoff=step.Backoff(0.01, 0.1),

@@ -291,12 +291,15 @@ class OrchestratorServicer(opb_grpc.TimeSliceOrchestratorServiceServicer):
             self._session_start,
             request_id=lambda r: r.request_id,
             duplicate=_duplicate,
-            answer=_session_answer,
+            answer=self._session_answer,
             is_cancel=lambda r: r.WhichOneof("call") == "cancel",
             name="session",
             closing=self._closing,
         ):
             yield reply
+
+    #: The reply to a finished Session request (a test's scripted servicer wraps it).
+    _session_answer = staticmethod(_session_answer)
 
     def _session_start(self, request: opb.SessionRequest) -> Awaitable[Any]:
         """A Session request under way: its grant, its yield's outcome, its set."""
@@ -344,8 +347,9 @@ class OrchestratorServicer(opb_grpc.TimeSliceOrchestratorServiceServicer):
         gid = self._checked_id("group_id", request.group_id)
         logs.IDS.set({"job_id": job, "group_id": gid})  # every log line of this call
         time_left = _checked_terms(job, request, time_left)
-        self._store.check()
-        found = self._groups.get(gid)
+        if self._store.problem:  # (read on every call: an attribute)
+            raise self._store.refusal()
+        found = self._groups.by_id.get(gid)
         footprint = request.footprint_bytes
         if found is None or (footprint > 0 and found.needs_read()):
             return self._acquire_later(request, job, gid, time_left)
@@ -380,7 +384,8 @@ class OrchestratorServicer(opb_grpc.TimeSliceOrchestratorServiceServicer):
         gids = _checked_set(list(request.group_ids))
         time_left = _checked_terms(job, request, time_left)
         footprints = _set_footprints(request, gids)
-        self._store.check()
+        if self._store.problem:  # (read on every call: an attribute)
+            raise self._store.refusal()
         # Every group is checked before any is asked for: an unknown one loses nothing.
         drivers = {gid: self._found(gid, await self._groups.get_or_create(gid)) for gid in gids}
         grants = await set_acquire.acquire_set(
@@ -410,8 +415,9 @@ class OrchestratorServicer(opb_grpc.TimeSliceOrchestratorServiceServicer):
         gid = self._checked_id("group_id", request.group_id)
         logs.IDS.set({"job_id": job, "group_id": gid})  # every log line of this call
         roles.require_job(job)
-        self._store.check()
-        found = self._groups.get(gid)
+        if self._store.problem:  # (read on every call: an attribute)
+            raise self._store.refusal()
+        found = self._groups.by_id.get(gid)
         if found is None:
             return self._yield_kept(gid, job)
         return found.yield_(job)

@@ -51,9 +51,9 @@ class WalCheckpointer:
             max_workers=1, thread_name_prefix="tslice-wal-checkpoint"
         )
 
-    def committed(self) -> None:
-        """Count one commit; start a checkpoint when due and none is running."""
-        self._commits += 1
+    def committed(self, count: int = 1) -> None:
+        """Count ``count`` commits; start a checkpoint when due and none is running."""
+        self._commits += count
         if self._commits < self.every_commits:
             return
         if self._pending is not None and not self._pending.done():

@@ -44,9 +44,9 @@ class BoundedWalCheckpointer(sqlite_wal.WalCheckpointer):
         self._wal = Path(f"{path}-wal")
         self._since_size_check = 0
 
-    def committed(self) -> None:
-        super().committed()
-        self._since_size_check += 1
+    def committed(self, count: int = 1) -> None:
+        super().committed(count)
+        self._since_size_check += count
         if self._since_size_check < self.every_commits:
             return
         self._since_size_check = 0

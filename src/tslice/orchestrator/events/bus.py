@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -38,48 +39,25 @@ Kind = opb.OrchestratorEvent.Kind
 RING_EVENTS = 4096
 
 
+@dataclasses.dataclass(slots=True)
 class Event:
     """One published event: made on the hand-over's path, turned into its protobuf
     (:meth:`message`) once, off it."""
 
-    __slots__ = (
-        "_message",
-        "detail",
-        "duration_ms",
-        "from_job",
-        "grant_epoch",
-        "group_id",
-        "job_id",
-        "kind",
-        "node",
-        "size_bytes",
-        "time_ns",
+    kind: int
+    group_id: str
+    job_id: str = ""
+    node: str = ""
+    duration_ms: int = 0
+    from_job: str = ""
+    detail: str = ""
+    grant_epoch: int = 0
+    size_bytes: int = 0
+    #: When it happened, wall clock (``time.time_ns()``).
+    time_ns: int = dataclasses.field(default_factory=time.time_ns)
+    _message: opb.OrchestratorEvent | None = dataclasses.field(
+        default=None, repr=False, compare=False
     )
-
-    def __init__(
-        self,
-        kind: int,
-        group_id: str,
-        job_id: str = "",
-        *,
-        node: str = "",
-        duration_ms: int = 0,
-        from_job: str = "",
-        detail: str = "",
-        grant_epoch: int = 0,
-        size_bytes: int = 0,
-    ) -> None:
-        self.kind = kind
-        self.group_id = group_id
-        self.job_id = job_id
-        self.node = node
-        self.duration_ms = duration_ms
-        self.from_job = from_job
-        self.detail = detail
-        self.grant_epoch = grant_epoch
-        self.size_bytes = size_bytes
-        self.time_ns = time.time_ns()
-        self._message: opb.OrchestratorEvent | None = None
 
     def message(self) -> opb.OrchestratorEvent:
         if self._message is None:
@@ -301,15 +279,3 @@ class EventBus:
             for sub in ring.subscribers:
                 sub.closed = True
                 sub._wake()
-
-
-class GroupEvents:
-    """One group's side of the bus."""
-
-    def __init__(self, bus: EventBus, group_id: str) -> None:
-        self._bus = bus
-        self.group_id = group_id
-
-    def emit(self, kind: int, **fields: Any) -> None:
-        """Publish an event of this group."""
-        self._bus.publish(Event(kind, self.group_id, **fields))

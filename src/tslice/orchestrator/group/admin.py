@@ -47,9 +47,13 @@ class Admin:
     health: status.Health
     retired: bool
     services: services.Services
-    reporter: status.Reporter
+    since: status.Since
     _leases: leases.Leases
     _stopping: bool
+
+    def settled(self) -> None:
+        """(the driver's: what follows a batch)"""
+        raise NotImplementedError
 
     def gone(self) -> refusals.Refused:
         """Why a call to a group that stopped is refused."""
@@ -158,7 +162,7 @@ class Admin:
             loaded = status.observed_resident(
                 self.lock, reads, nodes=len(self.nodes), before=before
             )
-            self.reporter.note(self.lock, self.health, self.services.store_health.problem)
+            self.settled()
             known = status.known_jobs(self.lock)
             return opb.GetGroupStatusResponse(
                 group=status.group_status(
@@ -167,7 +171,7 @@ class Admin:
                     lk=self.lock,
                     health=self.health,
                     state=self.reported_state(),
-                    timestamp=self.reporter.timestamp(),
+                    timestamp=self.since.timestamp(),
                     loaded_job=loaded,
                 ),
                 agent_job_states=status.agent_job_states(
@@ -239,7 +243,8 @@ class Admin:
         def mark(now: float) -> tuple[opb.DrainResponse, list[Any]]:
             lk = self.lock
             was = lk.draining
-            decided = lk.on_drain(drain, now=now)
+            # Booked here, so that the reply tells the turn a resume granted.
+            booked = self.executor.book(lk.on_drain(drain, now=now), now)
             if was != drain:
                 log.warning(
                     "group %s %s by an administrator",
@@ -254,7 +259,7 @@ class Admin:
                 switching=lk.switch is not None,
                 waiter_queue_depth=len(lk.queue),
             )
-            return reply, list(decided)
+            return reply, booked
 
         return await self._answered(mark)
 

@@ -88,9 +88,11 @@ class GroupDriver(admin.Admin):
         #: dropped only when no switch runs.
         self.views: dict[str, plan.NodeView] = {}
         self.health = status.Health()
-        self.events = bus.GroupEvents(services.bus, group_id)
+        #: Where the group's events go (WatchEvents, the tap).
+        self.bus = services.bus
         self._leases = leases.Leases(group_id, services.metrics, expired=self._lease_expired)
-        self.reporter = status.Reporter()
+        #: When the reported state last changed (noted after every batch).
+        self.since = status.Since()
         self._backoff = step.Backoff(cfg.backoff_initial_s, cfg.backoff_max_s)
         self._switches = step.Switches(
             self, agents=services.pool, cfg=cfg, series=services.metrics, plan_for=self._plan
@@ -103,6 +105,7 @@ class GroupDriver(admin.Admin):
             group=self,
             coordination=self.coordination,
             switches=self._switches,
+            events=services.bus,
             db=services.db,
             store_health=services.store_health,
             backoff=self._backoff,
@@ -350,9 +353,6 @@ class GroupDriver(admin.Admin):
             stray=arbiter.stray,
         )
 
-    def emit(self, kind: int, **fields: Any) -> None:
-        self.events.emit(kind, **fields)
-
     def wants_switch(self) -> bool:
         return not self._stopping and self.lock.wants_switch(now=time.monotonic())
 
@@ -373,13 +373,16 @@ class GroupDriver(admin.Admin):
             f"{failure.retry_in:.2f} s"
         )
         sw = self.lock.switch
-        self.emit(
-            Kind.KIND_SWITCH_FAILED,
-            job_id=sw.to_job if sw else "",
-            from_job=(sw.from_job or "") if sw else "",
-            node=failure.node,
-            grant_epoch=sw.epoch if sw else 0,
-            detail=why,
+        self.bus.publish(
+            bus.Event(
+                Kind.KIND_SWITCH_FAILED,
+                self.group_id,
+                sw.to_job if sw else "",
+                from_job=(sw.from_job or "") if sw else "",
+                node=failure.node,
+                grant_epoch=sw.epoch if sw else 0,
+                detail=why,
+            )
         )
         log.warning("group %s: %s", self.group_id, why)
         self.executor.post(self._on_node_failed, failure, why)
@@ -401,17 +404,29 @@ class GroupDriver(admin.Admin):
         saved (SWITCH_DONE before GRANTED, which the Acquire's answer precedes)."""
         self.health.switch_detail = ""
         if isinstance(outcome, step.Done):
+            log.info(
+                "group %s: switch %s -> %s done in %.1f ms%s",
+                self.group_id,
+                s.from_job or "-",
+                s.to_job,
+                outcome.seconds * 1000,
+                " (restored)" if outcome.restored else "",
+                extra={"group_id": self.group_id, "job_id": s.to_job, "grant_epoch": s.epoch},
+            )
             self._count_switch("completed")
             self._switch_duration.observe(outcome.seconds)
             if not s.recovered:  # a recovered switch's time is only part of one
                 self.lock.on_switch_measured(s.from_job, s.to_job, seconds=outcome.seconds)
             done = fx.Publish(
-                Kind.KIND_SWITCH_DONE,
-                s.to_job,
-                "restored" if outcome.restored else "",
-                s.epoch,
-                int(outcome.seconds * 1000),
-                from_job=s.from_job or "",
+                bus.Event(
+                    Kind.KIND_SWITCH_DONE,
+                    self.group_id,
+                    s.to_job,
+                    from_job=s.from_job or "",
+                    detail="restored" if outcome.restored else "",
+                    grant_epoch=s.epoch,
+                    duration_ms=int(outcome.seconds * 1000),
+                )
             )
             decided = self.lock.on_switch_done(epoch=s.epoch, restored=outcome.restored, now=now)
             return [done, *decided]
@@ -420,7 +435,14 @@ class GroupDriver(admin.Admin):
         if name:
             self._count_switch(name)
             failed = fx.Publish(
-                Kind.KIND_SWITCH_FAILED, s.to_job, detail, s.epoch, from_job=s.from_job or ""
+                bus.Event(
+                    Kind.KIND_SWITCH_FAILED,
+                    self.group_id,
+                    s.to_job,
+                    from_job=s.from_job or "",
+                    detail=detail,
+                    grant_epoch=s.epoch,
+                )
             )
             return [failed, *decided]
         return decided
@@ -494,16 +516,6 @@ class GroupDriver(admin.Admin):
 
     # ---- executor.Group ----------------------------------------------------------------
 
-    def publish(self, effect: fx.Publish) -> None:
-        self.events.emit(
-            effect.kind,
-            job_id=effect.job,
-            detail=effect.detail,
-            grant_epoch=effect.grant_epoch,
-            duration_ms=effect.duration_ms,
-            from_job=effect.from_job,
-        )
-
     def prefetch_after(self, now: float) -> list[fx.Effect]:
         """Bring the next waiter's state in beside the holder (see policy.prefetch), if
         it declared a footprint: once per waiter and grant."""
@@ -529,7 +541,11 @@ class GroupDriver(admin.Admin):
         lk = self.lock
         self._leases.sync(lk)
         self._arm_wake(None if self._stopping else lk.wake_at)
-        self.reporter.note(lk, self.health, self.services.store_health.problem)
+        # The state as status.reported_state names it, cheaply: only its name is timed.
+        unknown = self.services.store_health.problem or self.health.unreachable or lk.recovering
+        state = "UNKNOWN" if unknown else lk.phase().value
+        if state != self.since.state:
+            self.since.state, self.since.ns = state, time.time_ns()
 
     # ---- timers ------------------------------------------------------------------------
 

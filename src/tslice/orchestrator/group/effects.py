@@ -35,6 +35,7 @@ import dataclasses
 import enum
 from typing import TYPE_CHECKING, Any, TypeAlias
 
+from tslice.orchestrator.events import bus
 from tslice.rpc import refusals
 
 if TYPE_CHECKING:
@@ -196,14 +197,9 @@ class Launch:
 
 @dataclasses.dataclass(frozen=True)
 class Publish:
-    """Publish an event of the group (a ``tslice.api`` event kind)."""
+    """Publish an event of the group (stamped when it was decided)."""
 
-    kind: int
-    job: str
-    detail: str = ""
-    grant_epoch: int = 0
-    duration_ms: int = 0
-    from_job: str = ""
+    event: bus.Event
 
 
 @dataclasses.dataclass(frozen=True)

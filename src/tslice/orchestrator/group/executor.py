@@ -40,6 +40,7 @@ from typing import Any, Protocol, TypeVar
 
 from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2 as opb
 from tslice.orchestrator import config
+from tslice.orchestrator.events import bus
 from tslice.orchestrator.group import callers, leases, lock
 from tslice.orchestrator.group import effects as fx
 from tslice.orchestrator.persistence import health, records, store
@@ -88,8 +89,6 @@ class Coordination(Protocol):
 class Group(Protocol):
     """What the executor asks of its group's driver."""
 
-    def publish(self, effect: fx.Publish) -> None: ...
-
     def prefetch_after(self, now: float) -> list[fx.Effect]:
         """The prefetch worth starting after a grant or an arrival (none, or one)."""
 
@@ -113,6 +112,7 @@ class Executor:
         group: Group,
         coordination: Coordination,
         switches: step.Switches,
+        events: bus.EventBus,
         db: store.LockStore,
         store_health: health.StoreHealth,
         backoff: step.Backoff,
@@ -123,6 +123,7 @@ class Executor:
         self._group = group
         self._coordination = coordination
         self._switches = switches
+        self._bus = events
         self._db = db
         self._health = store_health
         self._backoff = backoff
@@ -194,7 +195,7 @@ class Executor:
         self.active_at = now
         self._coordination.applied()
         changes = self._lock.changes(self._saved_row)
-        if changes:
+        if changes is not None:
             self._save(changes, effects, 0)
         else:
             self._acted(effects)
@@ -202,6 +203,7 @@ class Executor:
     def book(self, decided: Iterable[Any], now: float) -> list[fx.Effect]:
         """Settle each decision now; the effects to run once the batch is saved."""
         out: list[fx.Effect] = []
+        gid = self.group_id
         for item in decided:
             match item:
                 case fx.Granted():
@@ -209,17 +211,18 @@ class Executor:
                 case fx.Abort(job=job, message=message, code=code):
                     out.append(fx.Refuse(tuple(self.waiting.pop(job, ())), code, message))
                 case fx.Emit(kind=kind, job=job, detail=detail):
-                    out.append(fx.Publish(_EMITTED[kind], job, detail))
-                case fx.StartSwitch():
+                    out.append(fx.Publish(bus.Event(_EMITTED[kind], gid, job, detail=detail)))
+                case fx.StartSwitch(from_job=from_job, to_job=to_job, epoch=epoch):
                     detail = "recovered" if item.recovered else ""
-                    started = fx.Publish(
+                    started = bus.Event(
                         Kind.KIND_SWITCH_STARTED,
-                        item.to_job,
-                        detail,
-                        item.epoch,
-                        from_job=item.from_job or "",
+                        gid,
+                        to_job,
+                        from_job=from_job or "",
+                        detail=detail,
+                        grant_epoch=epoch,
                     )
-                    out += (fx.Launch(item), started)
+                    out += (fx.Launch(item), fx.Publish(started))
                 case fx.NeedClaim():
                     out += self.book(self._coordination.claim(item, now), now)
                 case fx.ReleaseClaim():
@@ -242,7 +245,14 @@ class Executor:
         if parts:
             self._lock.on_granted_to_set_parts(g.job, epoch=g.epoch, parts=parts, now=now)
         published = fx.Publish(
-            Kind.KIND_GRANTED, g.job, _grant_detail(g), g.epoch, int(g.waited_s * 1000)
+            bus.Event(
+                Kind.KIND_GRANTED,
+                self.group_id,
+                g.job,
+                detail=_grant_detail(g),
+                grant_epoch=g.epoch,
+                duration_ms=int(g.waited_s * 1000),
+            )
         )
         return [
             fx.Deliver(tuple(receivers), g.epoch, g.restored),
@@ -298,42 +308,46 @@ class Executor:
 
     def act(self, effects: Sequence[fx.Effect]) -> None:
         """Run a saved batch's effects: the urgent first (see the first-call trick)."""
-        urgent = [e for e in effects if isinstance(e, (fx.Deliver, fx.Launch))]
-        rest = [e for e in effects if not isinstance(e, (fx.Deliver, fx.Launch))]
-        self._run_all(urgent)
+        urgent: list[fx.Effect] = []
+        rest: list[fx.Effect] = []
+        for effect in effects:
+            (urgent if isinstance(effect, _URGENT) else rest).append(effect)
+        self._run(urgent)
         if rest and any(isinstance(e, fx.Launch) for e in urgent):
             # Behind the first step of every node's task, scheduled as it was launched.
-            asyncio.get_running_loop().call_soon(self._run_all, rest)
+            asyncio.get_running_loop().call_soon(self._run, rest)
         else:
-            self._run_all(rest)
+            self._run(rest)
 
-    def _run_all(self, effects: Sequence[fx.Effect]) -> None:
+    def _run(self, effects: Sequence[fx.Effect]) -> None:
+        """The one place where a group's effects happen."""
         for effect in effects:
             try:
-                self._run(effect)
+                match effect:
+                    case fx.Deliver(waiters=waiters, epoch=epoch, restored=restored):
+                        callers.deliver(waiters, epoch, restored)
+                    case fx.Launch(switch=switch):
+                        if not self._closed:  # (else its intent on disk is recovery's)
+                            self._switches.launch(switch)
+                    case fx.Refuse(waiters=waiters, code=code, message=message):
+                        callers.refuse(waiters, code, message)
+                    case fx.Publish(event=event):
+                        self._bus.publish(event)
+                    case fx.Answer(future=future, value=value):
+                        if not future.done():
+                            future.set_result(value)
+                    case fx.EndHolds(sessions=sessions, lost=lost):
+                        leases.end(sessions, lost)
+                    case fx.CountDeferredSnapshot():
+                        self._group.count_deferred_snapshot()
+                    case fx.Prefetch(candidate=candidate):
+                        self._group.start_prefetch(candidate)
             except Exception:
                 log.exception("group %s: effect %s failed", self.group_id, effect)
 
-    def _run(self, effect: fx.Effect) -> None:
-        match effect:
-            case fx.Deliver(waiters=waiters, epoch=epoch, restored=restored):
-                callers.deliver(waiters, epoch, restored)
-            case fx.Launch(switch=switch):
-                if not self._closed:  # (else the intent on disk is recovery's at restart)
-                    self._switches.launch(switch)
-            case fx.Refuse(waiters=waiters, code=code, message=message):
-                callers.refuse(waiters, code, message)
-            case fx.Publish():
-                self._group.publish(effect)
-            case fx.Answer(future=future, value=value):
-                if not future.done():
-                    future.set_result(value)
-            case fx.EndHolds(sessions=sessions, lost=lost):
-                leases.end(sessions, lost)
-            case fx.CountDeferredSnapshot():
-                self._group.count_deferred_snapshot()
-            case fx.Prefetch(candidate=candidate):
-                self._group.start_prefetch(candidate)
+
+#: The effects that run first: every waiter waits on them.
+_URGENT = (fx.Deliver, fx.Launch)
 
 
 def _asked(now: float, answer: asyncio.Future[_T], compute: Callable[[float], _T]) -> list[Any]:

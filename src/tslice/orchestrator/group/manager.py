@@ -25,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Mapping
 
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
 from tslice.common import tasks
@@ -50,6 +50,8 @@ class GroupManager:
         self._services = services
         self._cfg = services.cfg
         self._groups: dict[str, group.GroupDriver] = {}
+        #: The groups running, by id (read-only: what each call of the servicer looks up).
+        self.by_id: Mapping[str, group.GroupDriver] = self._groups
         #: One creation (with its sweep) at a time.
         self._creating = asyncio.Lock()
         self._collector: asyncio.Task[None] | None = None

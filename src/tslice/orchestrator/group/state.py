@@ -319,14 +319,17 @@ class LockState:
             and search.recorded(holder, self.grant_epoch),
         )
 
-    def changes(self, saved: records.GroupRow | None) -> records.Changes:
-        """What changed since the last save (``saved``: the row it wrote); forgotten here
-        once taken (the caller saves it, retrying until it is durable)."""
+    def changes(self, saved: records.GroupRow | None) -> records.Changes | None:
+        """What changed since the last save (``saved``: the row it wrote; None: nothing
+        did); forgotten here once taken (the caller saves it, retrying until durable)."""
         row = self.row()
-        entries, self._unsaved_entries = self._unsaved_entries, {}
-        jobs, self._unsaved_footprints = self._unsaved_footprints, set()
+        changed = None if row == saved else row
+        entries, jobs = self._unsaved_entries, self._unsaved_footprints
+        if not entries and not jobs:
+            return None if changed is None else records.Changes(changed)
+        self._unsaved_entries, self._unsaved_footprints = {}, set()
         return records.Changes(
-            row=None if row == saved else row,
+            row=changed,
             queued=tuple(self._queue_record(e) for e in entries.values() if e is not None),
             left=tuple(job for job, e in entries.items() if e is None),
             footprints=tuple((job, self.footprints[job]) for job in jobs),

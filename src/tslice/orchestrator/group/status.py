@@ -103,24 +103,16 @@ def reported_state(
     return phase.value, lk.detail
 
 
-class Reporter:
+class Since:
     """When the reported state last changed (GroupStatus.state_timestamp)."""
 
     def __init__(self) -> None:
-        self._state = ""
-        self._since_ns = time.time_ns()
-
-    def note(self, lk: lock.GroupLock, health: Health, unsaved: str = "") -> None:
-        """After each batch: the state as :func:`reported_state` names it, cheaply."""
-        unknown = unsaved or health.unreachable or lk.recovering
-        state = "UNKNOWN" if unknown else lk.phase().value
-        if state != self._state:
-            self._state = state
-            self._since_ns = time.time_ns()
+        self.state = ""
+        self.ns = time.time_ns()
 
     def timestamp(self) -> timestamp_pb2.Timestamp:
         stamp = timestamp_pb2.Timestamp()
-        stamp.FromNanoseconds(self._since_ns)
+        stamp.FromNanoseconds(self.ns)
         return stamp
 
 

@@ -34,11 +34,9 @@ class StoreHealth:
         #: group -> why its save failed (insertion order: the first is reported).
         self._failing: dict[str, str] = {}
         self._watchers: list[Callable[[str], None]] = []
-
-    @property
-    def problem(self) -> str:
-        """Why the state cannot be written ("" = it can)."""
-        return next(iter(self._failing.values()), "")
+        #: Why the state cannot be written ("" = it can): read on every call that would
+        #: change a group, so it is kept, not computed.
+        self.problem = ""
 
     def watch(self, on_change: Callable[[str], None]) -> None:
         """Call ``on_change(problem)`` when the store starts failing, and with "" when it
@@ -49,19 +47,25 @@ class StoreHealth:
         """A save of ``group_id`` failed with ``why``; it is retried."""
         was = self.problem
         self._failing[group_id] = why
+        self.problem = next(iter(self._failing.values()))
         if not was:
             self._tell(why)
 
     def saved(self, group_id: str) -> None:
         """``group_id`` saved again (or stopped trying: it stopped)."""
-        if self._failing.pop(group_id, None) is not None and not self._failing:
-            self._tell("")
+        if self._failing.pop(group_id, None) is not None:
+            self.problem = next(iter(self._failing.values()), "")
+            if not self._failing:
+                self._tell("")
 
     def check(self) -> None:
         """Refuse (UNAVAILABLE, naming the reason) while the state cannot be written."""
-        problem = self.problem
-        if problem:
-            raise refusals.Refused(refusals.Code.UNAVAILABLE, _REFUSED + problem)
+        if self.problem:
+            raise self.refusal()
+
+    def refusal(self) -> refusals.Refused:
+        """What a call that would change a group is told while the state cannot be written."""
+        return refusals.Refused(refusals.Code.UNAVAILABLE, _REFUSED + self.problem)
 
     def _tell(self, problem: str) -> None:
         for on_change in self._watchers:

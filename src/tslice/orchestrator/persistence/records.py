@@ -111,9 +111,6 @@ class Changes:
     #: Footprints that are new or changed (job, bytes).
     footprints: tuple[tuple[str, int], ...] = ()
 
-    def __bool__(self) -> bool:
-        return bool(self.row is not None or self.queued or self.left or self.footprints)
-
 
 def applied(record: LockRecord, changes: Changes) -> LockRecord:
     """``record`` with ``changes`` made (for a store that writes whole records: O(queue))."""

@@ -49,6 +49,8 @@ from tslice.server import sqlite_wal, wal_limit
 _T = TypeVar("_T")
 
 SCHEMA_VERSION = 1
+#: Commits the WAL checkpointer is told of at once (it checkpoints every 256).
+_COMMITS_TOLD = 16
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -169,6 +171,8 @@ class Store:
         self._unsaved_intents: dict[str, records.IntentRecord | None] = {}
         #: Saves waiting for the next group commit (see _commit_batch).
         self._batch: list[_Save] = []
+        #: Commits the checkpointer was not told of yet.
+        self._untold = 0
 
     @classmethod
     async def open(cls, state_dir: pathlib.Path, *, synchronous: str = "normal") -> Store:
@@ -216,13 +220,13 @@ class Store:
         if not batch:
             return  # committed early (close)
         if self._inline:
-            _settle(_outcome(self._save_batch_sync, batch), self.path)
+            _settle(batch, _failures(self._save_batch_sync, batch), self.path)
             return
         # "full": the commit fsyncs, in the store's thread (one at a time, in order).
         pending = asyncio.get_running_loop().run_in_executor(
-            self._executor, _outcome, self._save_batch_sync, batch
+            self._executor, _failures, self._save_batch_sync, batch
         )
-        pending.add_done_callback(lambda f: _settle(f.result(), self.path))
+        pending.add_done_callback(lambda f: _settle(batch, f.result(), self.path))
 
     def unrecorded(self, group_id: str) -> records.LockRecord | None:
         """A group without a row is new: the database is never partly lost (a corrupt
@@ -358,10 +362,20 @@ class Store:
         if conn is None:
             raise sqlite3.ProgrammingError("the state database is closed")
         self._unsaved_intents = {}
-        with self._checkpoints.transaction(conn):
+        conn.execute("BEGIN IMMEDIATE")
+        try:
             for save in batch:
                 self._write_rows(conn, save)
+            conn.commit()
+        except BaseException:
+            conn.rollback()  # and the error goes on: the saves fail (see _outcome)
+            raise
         self._intents.update(self._unsaved_intents)  # (only once they are committed)
+        # The checkpointer hears of commits in bunches (it acts every few hundred).
+        self._untold += 1
+        if self._untold >= _COMMITS_TOLD:
+            self._checkpoints.committed(self._untold)
+            self._untold = 0
 
     def _write_rows(self, conn: sqlite3.Connection, save: _Save) -> None:
         gid, changes = save.group_id, save.changes
@@ -448,10 +462,9 @@ class _Save:
 _UNKNOWN = records.IntentRecord(None, "", -1, -1)
 
 
-def _outcome(
-    write: Callable[[list[_Save]], None], batch: list[_Save]
-) -> list[tuple[_Save, Exception | None]]:
-    """Each save of ``batch`` with the error that kept it from disk (None: committed).
+def _failures(write: Callable[[list[_Save]], None], batch: list[_Save]) -> dict[int, Exception]:
+    """The saves of ``batch`` that did not reach the disk (by index), with their errors
+    (empty: all committed).
 
     A failed batch is written again one save per transaction, so that a save that cannot
     be written (whatever the reason) fails alone instead of holding every group back.
@@ -460,16 +473,22 @@ def _outcome(
         write(batch)
     except Exception as err:
         if len(batch) == 1:
-            return [(batch[0], err)]
-        return [(save, _outcome(write, [save])[0][1]) for save in batch]
-    return [(save, None) for save in batch]
+            return {0: err}
+        failed: dict[int, Exception] = {}
+        for i, save in enumerate(batch):
+            alone = _failures(write, [save])
+            if alone:
+                failed[i] = alone[0]
+        return failed
+    return {}
 
 
-def _settle(outcomes: list[tuple[_Save, Exception | None]], path: pathlib.Path) -> None:
+def _settle(batch: list[_Save], failed: dict[int, Exception], path: pathlib.Path) -> None:
     """Acknowledge each committed save; fail the others with their error."""
-    for save, error in outcomes:
+    for i, save in enumerate(batch):
         if save.done.done():
             continue  # the saving group went away meanwhile (cancelled)
+        error = failed.get(i)
         if error is None:
             save.done.set_result(None)
         else:

@@ -40,6 +40,7 @@ import grpc
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
 from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2 as opb
 from tslice.orchestrator import config, metrics, tracing_hooks
+from tslice.orchestrator.events import bus
 from tslice.orchestrator.group import effects
 from tslice.orchestrator.policy import prefetch
 from tslice.orchestrator.switch import links, llmd, pool
@@ -153,9 +154,8 @@ class Group(Protocol):
     group_id: str
     nodes: tuple[config.NodeRef, ...]
     views: dict[str, plans.NodeView]
-
-    def emit(self, kind: int, **fields: Any) -> None:
-        """Publish an event of the group."""
+    #: Where the group's events go.
+    bus: bus.EventBus
 
     def wants_switch(self) -> bool:
         """Somebody still wants the switch in progress (worth retrying)."""
@@ -201,6 +201,7 @@ class _Settings:
     """What every node of a group's switches shares."""
 
     group: Group
+    bus: bus.EventBus
     backoff: Backoff
     max_refusals: int
     max_operation_failures: int
@@ -235,6 +236,7 @@ class Switches:
 
         self._settings = _Settings(
             group,
+            group.bus,
             Backoff(cfg.backoff_initial_s, cfg.backoff_max_s),
             cfg.max_refusals,
             cfg.max_operation_failures,
@@ -434,14 +436,17 @@ class NodeStep:
             if job == self.plan.to_job:
                 self.restored = True
         p = self.plan
-        self._settings.group.emit(
-            event,
-            job_id=job,
-            node=self.node.name,
-            duration_ms=op.elapsed_ms,
-            from_job=p.from_job or "",
-            grant_epoch=p.epoch,
-            size_bytes=size,
+        self._settings.bus.publish(
+            bus.Event(
+                event,
+                p.group,
+                job,
+                node=self.node.name,
+                duration_ms=op.elapsed_ms,
+                from_job=p.from_job or "",
+                grant_epoch=p.epoch,
+                size_bytes=size,
+            )
         )
 
     async def read(self) -> plans.NodeView:
