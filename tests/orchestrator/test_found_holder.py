@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.orchestrator.test_units import F, R, S, decide, view
+from tests.orchestrator.recovery_views import F, R, S, decide, view
 from tslice.orchestrator import decisions as act
 from tslice.orchestrator import leases, metrics, records
 from tslice.orchestrator import lock as lk

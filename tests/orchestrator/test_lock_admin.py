@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tests.orchestrator.test_lock import locked
+from tests.orchestrator.locks import locked
 from tslice.orchestrator import decisions, records
 from tslice.orchestrator import lock as lk
 from tslice.rpc import refusals
