@@ -4,6 +4,7 @@ small (the layers themselves are import-linter's contracts in pyproject.toml).""
 
 from __future__ import annotations
 
+import ast
 from pathlib import Path
 
 import grimp
@@ -111,3 +112,69 @@ def test_modules_stay_small() -> None:
         if lines > OVER_THE_LIMIT.get(n, MAX_LINES)
     }
     assert grown == {}, f"modules over {MAX_LINES} lines (or grown past their mark): {grown}"
+
+
+TESTS = Path(__file__).resolve().parent
+
+
+def _imported_modules(path: Path, root: Path) -> set[str]:
+    """Dotted names of every module ``path`` imports (at any depth, relative ones resolved
+    against the package ``path`` sits in), with ``from pkg import name`` counted as both
+    ``pkg`` and ``pkg.name`` since ``name`` may be a module."""
+    package = ".".join((root.name, *path.relative_to(root).parent.parts))
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                parts = package.split(".")
+                base = ".".join(parts[: len(parts) - node.level + 1])
+                module = f"{base}.{node.module}" if node.module else base
+            else:
+                module = node.module or ""
+            found.add(module)
+            found.update(f"{module}.{alias.name}" for alias in node.names)
+    return found
+
+
+def _test_module_imports(root: Path) -> list[str]:
+    """``importer -> imported`` for each module under ``root`` that imports a test module
+    (a ``test_*.py`` file under ``root``)."""
+    modules = {
+        ".".join((root.name, *path.relative_to(root).with_suffix("").parts)): path
+        for path in root.rglob("*.py")
+    }
+    tests = {name for name, path in modules.items() if path.name.startswith("test_")}
+    return sorted(
+        f"{name} -> {imported}"
+        for name, path in modules.items()
+        for imported in _imported_modules(path, root)
+        if imported in tests and imported != name
+    )
+
+
+def test_no_test_module_is_imported_by_another_module() -> None:
+    """What tests share (helpers, fixtures, servers) lives in support modules whose names do
+    not start with ``test_``: importing a test module runs its collection-time code and
+    couples two suites that pytest treats as independent."""
+    assert _test_module_imports(TESTS) == []
+
+
+def test_the_test_import_check_finds_each_form_of_import(tmp_path: Path) -> None:
+    root = tmp_path / "tests"
+    (root / "a").mkdir(parents=True)
+    for name in ("__init__.py", "a/__init__.py", "a/support.py", "a/test_x.py"):
+        (root / name).write_text("")
+    (root / "a" / "test_y.py").write_text(
+        "from tests.a.support import thing\ndef f():\n    from tests.a.test_x import helper\n"
+    )
+    (root / "a" / "test_z.py").write_text("from .test_x import helper\n")
+    (root / "a" / "conftest.py").write_text("from tests.a import test_x\n")
+    (root / "test_w.py").write_text("import tests.a.test_x\n")
+    assert _test_module_imports(root) == [
+        "tests.a.conftest -> tests.a.test_x",
+        "tests.a.test_y -> tests.a.test_x",
+        "tests.a.test_z -> tests.a.test_x",
+        "tests.test_w -> tests.a.test_x",
+    ]

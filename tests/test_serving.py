@@ -8,12 +8,8 @@ server keeps serving. The state directory's lock dies with its process (SIGKILL 
 from __future__ import annotations
 
 import os
-import re
-import signal
-import socket
 import subprocess
 import sys
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -21,6 +17,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from tests.harness.ports import closed_port
+from tests.harness.servers import Server
 from tslice.server import serving
 
 KINDS = ("orchestrator", "agent")
@@ -35,62 +33,23 @@ def command(kind: str, state_dir: Path) -> list[str]:
     return [sys.executable, "-m", "tslice", kind, *BASE_ARGS[kind], "--state-dir", str(state_dir)]
 
 
-class Server:
-    """A ``python -m tslice orchestrator|agent`` process; its stderr is drained in a thread."""
+def start(kind: str, state_dir: Path, *args: str) -> Server:
+    """A ``python -m tslice orchestrator|agent`` process on ``state_dir``, once ready."""
+    server = Server(
+        kind,
+        [*BASE_ARGS[kind], "--state-dir", str(state_dir), *args],
+        state_dir.parent / f"{state_dir.name}-{kind}.log",
+    )
+    server.wait_ready()
+    return server
 
-    def __init__(self, kind: str, state_dir: Path, *args: str) -> None:
-        self.kind = kind
-        self.lines: list[str] = []
-        self._drainer = threading.Thread(target=self._drain, daemon=True)
-        self.proc = subprocess.Popen(
-            [*command(kind, state_dir), *args],
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            text=True,
+
+def health_serving(server: Server) -> bool:
+    with grpc.insecure_channel(server.address) as channel:
+        reply = health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(service=""), timeout=10
         )
-        self.address = self._wait_serving()
-
-    def _wait_serving(self) -> str:
-        assert self.proc.stderr is not None
-        for line in self.proc.stderr:  # blocks until the server logs that it serves
-            self.lines.append(line)
-            match = re.search(r"serving on (\S+)", line)
-            if match:
-                self._drainer.start()
-                return match.group(1)
-        raise AssertionError(
-            f"{self.kind} exited with {self.proc.wait()} before serving: {''.join(self.lines)}"
-        )
-
-    def _drain(self) -> None:
-        assert self.proc.stderr is not None
-        for line in self.proc.stderr:
-            self.lines.append(line)
-
-    @property
-    def port(self) -> int:
-        return int(self.address.rsplit(":", 1)[1])
-
-    def serving(self) -> bool:
-        with grpc.insecure_channel(self.address) as channel:
-            reply = health_pb2_grpc.HealthStub(channel).Check(
-                health_pb2.HealthCheckRequest(service=""), timeout=10
-            )
-        return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        if self._drainer.is_alive():
-            self._drainer.join(timeout=30)
-        assert self.proc.stderr is not None
-        self.proc.stderr.close()
+    return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
 
 
 @pytest.fixture
@@ -123,33 +82,27 @@ def refused(kind: str, state_dir: Path, *args: str) -> str:
     return lines[0]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_second_server_on_a_port_in_use_is_refused(
     kind: str, tmp_path: Path, servers: list[Server]
 ) -> None:
-    first = Server(kind, tmp_path / "first", "--port", "0", "--metrics-port", "0")
+    first = start(kind, tmp_path / "first", "--port", "0", "--metrics-port", "0")
     servers.append(first)
     line = refused(kind, tmp_path / "second", "--port", str(first.port), "--metrics-port", "0")
     assert f"port {first.port} is in use" in line
     assert "stop the process that holds it or choose another --port" in line
-    assert first.proc.poll() is None and first.serving()
+    assert first.proc.poll() is None and health_serving(first)
 
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_metrics_port_in_use_is_refused(kind: str, tmp_path: Path, servers: list[Server]) -> None:
-    metrics_port = free_port()
-    first = Server(kind, tmp_path / "first", "--port", "0", "--metrics-port", str(metrics_port))
+    metrics_port = closed_port()
+    first = start(kind, tmp_path / "first", "--port", "0", "--metrics-port", str(metrics_port))
     servers.append(first)
     line = refused(kind, tmp_path / "second", "--port", "0", "--metrics-port", str(metrics_port))
     assert f"port {metrics_port} is in use" in line
     assert "choose another --metrics-port (--metrics-port 0 = off)" in line
-    assert first.proc.poll() is None and first.serving()
+    assert first.proc.poll() is None and health_serving(first)
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -157,18 +110,17 @@ def test_a_state_dir_serves_one_process_and_is_free_again_after_sigkill(
     kind: str, tmp_path: Path, servers: list[Server]
 ) -> None:
     state_dir = tmp_path / "state"
-    first = Server(kind, state_dir, "--port", "0", "--metrics-port", "0")
+    first = start(kind, state_dir, "--port", "0", "--metrics-port", "0")
     servers.append(first)
     line = refused(kind, state_dir, "--port", "0", "--metrics-port", "0")
     assert f"state directory {state_dir} is in use by another {kind} (pid {first.proc.pid})" in line
     assert "--state-dir" in line
-    assert first.serving()
+    assert health_serving(first)
 
-    first.proc.kill()  # SIGKILL: no clean-up ran, the kernel drops the lock
-    first.proc.wait()
-    again = Server(kind, state_dir, "--port", str(first.port), "--metrics-port", "0")
+    first.kill()  # SIGKILL: no clean-up ran, the kernel drops the lock
+    again = start(kind, state_dir, "--port", str(first.port), "--metrics-port", "0")
     servers.append(again)
-    assert again.serving()
+    assert health_serving(again)
 
 
 def test_the_lock_is_released_when_the_block_ends(tmp_path: Path) -> None:

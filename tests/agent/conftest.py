@@ -14,6 +14,7 @@ import pytest
 from grpc_health.v1 import health_pb2_grpc
 
 from tests.agent.cuda_doubles import FakeTool, Node
+from tests.agent.processes import AgentProcess
 from tslice.agent import app, config
 from tslice.agent.backends import base
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
@@ -202,3 +203,12 @@ def tool(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> FakeTool:
     fake = FakeTool(tmp_path)
     monkeypatch.setenv("FAKE_CC_STATE", str(fake.state_file))
     return fake
+
+
+@pytest.fixture
+async def processes() -> AsyncIterator[list[AgentProcess]]:
+    """The agent processes a test starts, killed at its end if still running."""
+    started: list[AgentProcess] = []
+    yield started
+    for agent in started:
+        await asyncio.to_thread(agent.server.kill)

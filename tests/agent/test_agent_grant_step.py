@@ -5,10 +5,10 @@ from __future__ import annotations
 import asyncio
 
 import grpc
-import pytest
 
 from tests.agent.agent_doubles import GatedBackend
 from tests.agent.conftest import DEFAULT_FOOTPRINT, Agent, AgentRunner, GiB
+from tests.agent.grant_calls import a_running_b_saved, rpc_error, step
 from tslice.agent.backends import sim
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
 
@@ -17,25 +17,6 @@ FAILED = pb.OPERATION_STATUS_FAILED
 PENDING = pb.OPERATION_STATUS_PENDING
 RUNNING = pb.JOB_STATE_RUNNING
 SAVED = pb.JOB_STATE_SAVED
-
-
-async def rpc_error(call: object) -> grpc.aio.AioRpcError:
-    with pytest.raises(grpc.aio.AioRpcError) as info:
-        await call  # type: ignore[misc]
-    return info.value
-
-
-def step(job_id: str, *, epoch: int, evict: list[str], wait_ms: int = 10_000) -> pb.GrantRequest:
-    return pb.GrantRequest(
-        job_id=job_id, group="g", grant_epoch=epoch, evict=evict, restore=True, wait_ms=wait_ms
-    )
-
-
-async def a_running_b_saved(agent: Agent) -> None:
-    """job-a resident, job-b saved (both of group g), the state before a hand-over to b."""
-    assert await agent.grant("job-b", epoch=1) == RUNNING
-    assert (await agent.snapshot("job-b")).status == COMPLETE
-    assert await agent.grant("job-a", epoch=2) == RUNNING
 
 
 def closed_gate(gated: GatedBackend) -> None:

@@ -8,7 +8,6 @@ valid values), and nothing was created on the node.
 from __future__ import annotations
 
 import asyncio
-import socket
 from typing import Any
 
 import grpc
@@ -17,6 +16,7 @@ from grpc_health.v1 import health_pb2
 
 from tests.agent.agent_doubles import GatedBackend
 from tests.agent.conftest import AgentRunner
+from tests.harness.ports import closed_port
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
 
 BACKENDS = {"backends": ["sim", "app-channel", "app-endpoint"]}
@@ -201,12 +201,6 @@ async def test_a_duplicate_grant_stream_request_id_is_refused(agents: AgentRunne
 # ---- 5. long app-endpoint lists --------------------------------------------------------------
 
 
-def _closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])  # nobody listens there once closed
-
-
 def _endpoints(count: int, port: int) -> list[str]:
     # One closed port on as many loopback addresses (an endpoint is a base URL, no path).
     return [f"http://127.0.{i // 250}.{i % 250 + 1}:{port}" for i in range(count)]
@@ -218,7 +212,7 @@ def _allowing(port: int) -> dict[str, Any]:
 
 
 async def test_too_many_endpoints_are_refused_at_once(agents: AgentRunner) -> None:
-    port = _closed_port()
+    port = closed_port()
     agent = await agents.start(**BACKENDS, **_allowing(port))
     config = _endpoint(endpoints=_endpoints(10_000, port))
     request = pb.SnapshotRequest(job_id="j", group="g", backend_config=config)
@@ -234,7 +228,7 @@ async def test_a_long_endpoint_list_leaves_the_agent_responsive(agents: AgentRun
     # within half the operation's deadline (so at least two while it runs: an event loop
     # held by the operation misses one). Not within a second: on 2 busy cores (the suite
     # on pytest-xdist beside it) a responsive agent can take that long.
-    port = _closed_port()
+    port = closed_port()
     operation_timeout_s = 5.0
     agent = await agents.start(
         operation_timeout_s=operation_timeout_s, **BACKENDS, **_allowing(port)

@@ -2,110 +2,15 @@
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import json
-import signal
-import sys
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import grpc
 import pytest
 
+from tests.agent.processes import AgentProcess
 from tslice.agent.backends import simdevice as device
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2_grpc as pb_grpc
-
-# Fallback while `python -m tslice` cannot start (the CLI is assembled by another module).
-_LAUNCHER = (
-    "import sys, typer\n"
-    "from tslice.cli import agent_cmd\n"
-    "app = typer.Typer()\n"
-    "agent_cmd.register(app)\n"
-    "app.command('version')(lambda: None)\n"
-    "app(sys.argv[1:])\n"
-)
-
-
-def _command() -> list[str]:
-    try:
-        import tslice.cli.main  # noqa: F401
-    except ImportError:
-        return [sys.executable, "-c", _LAUNCHER]
-    return [sys.executable, "-m", "tslice"]
-
-
-class AgentProcess:
-    def __init__(self, state_dir: Path, *extra: str) -> None:
-        self.state_dir = state_dir
-        self.extra = extra
-        self.ready_file = state_dir.parent / "agent.ready"
-        self.proc: asyncio.subprocess.Process | None = None
-        self.channel: grpc.aio.Channel | None = None
-
-    async def start(self) -> pb_grpc.SnapshotAgentServiceStub:
-        self.ready_file.unlink(missing_ok=True)
-        self.proc = await asyncio.create_subprocess_exec(
-            *_command(),
-            "agent",
-            "--node-name=node-p",
-            "--port=0",
-            f"--state-dir={self.state_dir}",
-            f"--ready-file={self.ready_file}",
-            "--backend=sim",
-            "--sim-capacity=10GiB",
-            "--sim-bandwidth=2TB/s",
-            "--sim-latency=0.001",
-            "--log-level=warning",
-            *self.extra,
-            stderr=asyncio.subprocess.PIPE,
-        )
-        address = await self._wait_ready()
-        self.channel = grpc.aio.insecure_channel(address)
-        return pb_grpc.SnapshotAgentServiceStub(self.channel)
-
-    async def _wait_ready(self) -> str:
-        assert self.proc is not None
-        # The ready file is the process's only signal; poll it, bounded, and fail fast
-        # with the agent's stderr if the process dies first.
-        for _ in range(600):
-            if self.ready_file.exists():
-                ready = json.loads(self.ready_file.read_text())
-                assert ready["pid"] == self.proc.pid
-                return str(ready["address"])
-            if self.proc.returncode is not None:
-                break
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self.proc.wait(), timeout=0.05)
-        stderr = await self.proc.stderr.read() if self.proc.stderr else b""
-        raise AssertionError(f"agent did not become ready: {stderr.decode()[-2000:]}")
-
-    async def kill(self) -> None:
-        assert self.proc is not None
-        if self.channel is not None:
-            await self.channel.close()
-        self.proc.send_signal(signal.SIGKILL)
-        await self.proc.wait()
-        assert self.proc.returncode == -signal.SIGKILL
-
-    async def terminate(self) -> int:
-        assert self.proc is not None
-        if self.channel is not None:
-            await self.channel.close()
-        if self.proc.returncode is None:
-            self.proc.send_signal(signal.SIGTERM)
-        return await asyncio.wait_for(self.proc.wait(), timeout=20)
-
-
-@pytest.fixture
-async def processes(tmp_path: Path) -> AsyncIterator[list[AgentProcess]]:
-    started: list[AgentProcess] = []
-    yield started
-    for proc in started:
-        if proc.proc is not None and proc.proc.returncode is None:
-            proc.proc.kill()
-            await proc.proc.wait()
 
 
 async def _wait(stub: pb_grpc.SnapshotAgentServiceStub, op_id: str) -> pb.GetOperationResponse:

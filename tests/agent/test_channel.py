@@ -11,139 +11,32 @@ import asyncio
 import os
 import tempfile
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 
 import grpc
 import pytest
 
+from tests.agent.raw_workload import (
+    DISCARD,
+    OFFLOAD,
+    UNSPECIFIED,
+    HubServer,
+    RawWorkload,
+    start_hub,
+)
 from tslice.agent import channel
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
-from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2_grpc as pb_grpc
 from tslice.common import residency
-
-OFFLOAD = pb.SUSPEND_MODE_OFFLOAD
-DISCARD = pb.SUSPEND_MODE_DISCARD
-UNSPECIFIED = pb.SUSPEND_MODE_UNSPECIFIED
-#: What tslice's workload library declares; ``None`` = llm-d's (the field is not set).
-TSLICE = pb.WorkloadFeatures(keepalive=True, reports_state=True)
-
-
-class _Servicer(pb_grpc.SnapshotAgentServiceServicer):
-    def __init__(self, hub: channel.ChannelHub) -> None:
-        self.hub = hub
-
-    async def WorkloadChannel(self, request_iterator, context):  # type: ignore[no-untyped-def]
-        async for command in self.hub.handle_stream(request_iterator, context):
-            yield command
-
-
-class HubServer:
-    def __init__(self, hub: channel.ChannelHub, address: str, server: grpc.aio.Server) -> None:
-        self.hub = hub
-        self.address = address
-        self.server = server
-
-
-async def _start(hub: channel.ChannelHub, bind: str) -> HubServer:
-    server = grpc.aio.server()
-    pb_grpc.add_SnapshotAgentServiceServicer_to_server(_Servicer(hub), server)
-    port = server.add_insecure_port(bind)
-    await server.start()
-    address = f"127.0.0.1:{port}" if bind.startswith("127.") else bind
-    return HubServer(hub, address, server)
 
 
 @pytest.fixture
 async def hub_server() -> AsyncIterator[HubServer]:
-    running = await _start(channel.ChannelHub(ping_interval_s=0.2, missed_pings=3), "127.0.0.1:0")
+    running = await start_hub(
+        channel.ChannelHub(ping_interval_s=0.2, missed_pings=3), "127.0.0.1:0"
+    )
     yield running
     await running.hub.close()
     await running.server.stop(grace=None)
-
-
-class RawWorkload:
-    """A workload speaking the wire protocol by hand."""
-
-    def __init__(self, address: str, *, instance: str = "", token: str | None = None) -> None:
-        self.channel = grpc.aio.insecure_channel(address)
-        metadata = [("tslice-workload-instance", instance)] if instance else []
-        if token is not None:
-            metadata.append(("authorization", f"Bearer {token}"))
-        stub = pb_grpc.SnapshotAgentServiceStub(self.channel)
-        self.call = stub.WorkloadChannel(metadata=metadata or None)
-
-    async def register(
-        self,
-        job_id: str,
-        *,
-        group: str = "g",
-        modes: Sequence[int] = (),
-        default_mode: int = UNSPECIFIED,
-        tags: Sequence[str] = (),
-        resident_tags: Sequence[str] = (),
-        suspended: bool = False,
-        pid: int = 0,
-        features: pb.WorkloadFeatures | None = TSLICE,
-        ack: bool = True,
-    ) -> None:
-        """Register; with declared keepalive, wait for the acknowledging ping and answer it."""
-        register = pb.RegisterWorkload(
-            job_id=job_id,
-            group=group,
-            capabilities=pb.WorkloadCapabilities(
-                supported_modes=modes, default_mode=default_mode, tags=tags
-            ),
-            resident_tags=resident_tags,
-            suspended=suspended,
-            pid=pid,
-        )
-        if features is not None:
-            register.features.CopyFrom(features)
-        await self.call.write(pb.WorkloadMessage(register=register))
-        if ack and features is not None and features.keepalive:
-            first = await self.call.read()
-            assert first.WhichOneof("command") == "ping", first
-            await self.call.write(pb.WorkloadMessage(pong=pb.Ping(nonce=first.ping.nonce)))
-
-    async def next_command(self, *, answer_pings: bool = True) -> pb.AgentCommand:
-        """The next snapshot/restore/pong, answering pings on the way."""
-        while True:
-            message = await self.call.read()
-            assert message is not grpc.aio.EOF, "stream ended"
-            if message.WhichOneof("command") == "ping":
-                if answer_pings:
-                    await self.call.write(pb.WorkloadMessage(pong=message.ping))
-                continue
-            return message
-
-    async def answer(
-        self, command: pb.AgentCommand, *, ok: bool = True, error: str = "", device_bytes: int = 0
-    ) -> None:
-        await self.call.write(
-            pb.WorkloadMessage(
-                result=pb.CommandResult(
-                    command_id=command.command_id, ok=ok, error=error, device_bytes=device_bytes
-                )
-            )
-        )
-
-    async def sync(self) -> None:
-        """Round trip a ping: the hub has processed everything written before it."""
-        await self.call.write(pb.WorkloadMessage(ping=pb.Ping(nonce=4242)))
-        reply = await self.next_command()
-        assert reply.WhichOneof("command") == "pong" and reply.pong.nonce == 4242
-
-    async def final_status(self) -> grpc.StatusCode:
-        try:
-            while await self.call.read() is not grpc.aio.EOF:
-                pass
-        except grpc.aio.AioRpcError as err:
-            return err.code()
-        return await self.call.code()
-
-    async def close(self) -> None:
-        self.call.cancel()
-        await self.channel.close()
 
 
 @pytest.fixture
@@ -603,7 +496,9 @@ async def test_workload_ping_is_answered_with_pong(hub_server: HubServer, raw: R
 
 
 async def test_silent_peer_is_closed_after_missed_pings() -> None:
-    running = await _start(channel.ChannelHub(ping_interval_s=0.05, missed_pings=2), "127.0.0.1:0")
+    running = await start_hub(
+        channel.ChannelHub(ping_interval_s=0.05, missed_pings=2), "127.0.0.1:0"
+    )
     workload = RawWorkload(running.address)
     try:
         await workload.register("job-a")  # answers the first ping, so keepalive is on
@@ -621,7 +516,9 @@ async def test_silent_peer_is_closed_after_missed_pings() -> None:
 
 
 async def test_pings_continue_while_a_command_runs_and_keep_the_session() -> None:
-    running = await _start(channel.ChannelHub(ping_interval_s=0.1, missed_pings=3), "127.0.0.1:0")
+    running = await start_hub(
+        channel.ChannelHub(ping_interval_s=0.1, missed_pings=3), "127.0.0.1:0"
+    )
     workload = RawWorkload(running.address)
     try:
         await workload.register("job-a")
@@ -667,7 +564,9 @@ class Inbox:
 
 async def test_llmd_workload_gets_nothing_but_snapshot_and_restore() -> None:
     # llm-d's workload library logs an error for every command it does not know.
-    running = await _start(channel.ChannelHub(ping_interval_s=0.02, missed_pings=1), "127.0.0.1:0")
+    running = await start_hub(
+        channel.ChannelHub(ping_interval_s=0.02, missed_pings=1), "127.0.0.1:0"
+    )
     workload = RawWorkload(running.address)
     try:
         await workload.register("job-a", modes=[OFFLOAD], features=None)
@@ -692,7 +591,9 @@ async def test_llmd_workload_gets_nothing_but_snapshot_and_restore() -> None:
 
 
 async def test_undeclared_peer_that_pings_is_answered_but_never_pinged() -> None:
-    running = await _start(channel.ChannelHub(ping_interval_s=0.02, missed_pings=1), "127.0.0.1:0")
+    running = await start_hub(
+        channel.ChannelHub(ping_interval_s=0.02, missed_pings=1), "127.0.0.1:0"
+    )
     workload = RawWorkload(running.address)
     try:
         await workload.register("job-a", features=None)
@@ -745,7 +646,7 @@ async def test_wait_registered_times_out_with_a_message(hub_server: HubServer) -
 async def test_channel_over_a_unix_socket() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "agent.sock")
-        running = await _start(channel.ChannelHub(), f"unix:{path}")
+        running = await start_hub(channel.ChannelHub(), f"unix:{path}")
         workload = RawWorkload(f"unix:{path}")
         try:
             await workload.register("job-u", modes=[OFFLOAD, DISCARD])

@@ -24,7 +24,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from tests.agent.test_channel import HubServer, RawWorkload, _Servicer, _start
+from tests.agent.raw_workload import HubServer, HubServicer, RawWorkload, start_hub
 from tslice.agent import channel
 from tslice.agent.channel import registration
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2_grpc as pb_grpc
@@ -52,7 +52,7 @@ async def register_sockets() -> AsyncIterator[list[registration.RegistrationServ
 
 
 async def _hub(servers: list[HubServer], bind: str = "127.0.0.1:0", **options: object) -> HubServer:
-    running = await _start(channel.ChannelHub(ping_interval_s=5.0, **options), bind)  # type: ignore[arg-type]
+    running = await start_hub(channel.ChannelHub(ping_interval_s=5.0, **options), bind)  # type: ignore[arg-type]
     servers.append(running)
     return running
 
@@ -321,7 +321,7 @@ async def test_with_authentication_a_tcp_registration_needs_its_jobs_credential(
     server = grpc.aio.server(
         interceptors=[roles.Interceptor(verifier, roles.AGENT_RULES, server="agent")]
     )
-    pb_grpc.add_SnapshotAgentServiceServicer_to_server(_Servicer(hub), server)
+    pb_grpc.add_SnapshotAgentServiceServicer_to_server(HubServicer(hub), server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     running = HubServer(hub, f"127.0.0.1:{port}", server)

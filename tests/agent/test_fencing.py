@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import json
 from collections.abc import Awaitable
 from pathlib import Path
 from typing import Any
@@ -16,8 +15,8 @@ import grpc
 import pytest
 
 from tests.agent.conftest import AgentRunner
-from tests.agent.test_agent_process import AgentProcess, processes
-from tests.cli.test_cli import run_cli
+from tests.agent.processes import AgentProcess
+from tests.cli.support import run_cli
 from tslice.agent.backends import simdevice as device
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
 from tslice.orchestrator.switch import links, step
@@ -25,8 +24,6 @@ from tslice.orchestrator.switch import pool as agents
 from tslice.rpc import refusals
 from tslice.security import fencing, leader_term
 from tslice.server import grant_marks
-
-__all__ = ["processes"]  # the fixture, shared with the agent's process tests
 
 KEY = "x-tslice-leader-term"
 LEADER = "x-tslice-leader-identity"
@@ -134,7 +131,7 @@ async def _agent(state_dir: Path, processes: list[AgentProcess]) -> tuple[AgentP
     agent = AgentProcess(state_dir)
     processes.append(agent)
     await agent.start()
-    return agent, json.loads(agent.ready_file.read_text())["address"]
+    return agent, agent.address
 
 
 async def test_a_deposed_leader_moves_nothing_even_after_a_sigkill(
@@ -193,7 +190,7 @@ async def test_a_deposed_leader_moves_nothing_even_after_a_sigkill(
 
         # A stream the old leader opens now is refused grant by grant (refused as a whole,
         # it would read as an agent without GrantStream, and the refusal would be lost).
-        address = json.loads(second.ready_file.read_text())["address"]
+        address = second.address
         await old.close()
         old = agents.AgentClient(address, term=old_term)
         await old.status()

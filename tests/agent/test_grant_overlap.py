@@ -11,8 +11,8 @@ import grpc
 import pytest
 
 from tests.agent.conftest import AgentRunner, GiB
-from tests.agent.test_agent_grant_step import a_running_b_saved, rpc_error, step
-from tests.agent.test_grant_plan import TARGET, order, rec, records
+from tests.agent.grant_calls import a_running_b_saved, rpc_error, step
+from tests.agent.grant_records import TARGET, order, rec, records
 from tslice.agent.jobs import model
 from tslice.agent.moves import grant_plan
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb

@@ -18,8 +18,8 @@ import pytest
 
 pytest.importorskip("lightkube")
 
+from tests.harness.servers import Server
 from tests.kube.emulator import ApiServerEmulator
-from tests.kube.processes import LoggedServer
 from tslice.agent import app as agent_app
 from tslice.agent import config as agent_config
 from tslice.agent import discovery
@@ -243,11 +243,10 @@ def test_tslice_agent_kubernetes_serves_with_the_pods_of_its_node(
         "--host", "127.0.0.1", "--port", "0", "--state-dir", str(short_tmp / "state"),
         "--unix-socket", str(short_tmp / "agent.sock"),
     ]  # fmt: skip
-    agent = LoggedServer(args, short_tmp / "agent.log")
+    agent = Server(args[0], args[1:], short_tmp / "agent.log")
     try:
         agent.wait_for(rf"Kubernetes: 1 job pod\(s\) of 1 job\(s\) on node {NODE}")
-        port = agent.wait_for(r"serving on 127\.0\.0\.1:(\d+)").group(1)
-        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        with grpc.insecure_channel(agent.wait_ready()) as channel:
             status = pb_grpc.SnapshotAgentServiceStub(channel).Status(
                 pb.StatusRequest(), timeout=WAIT_S
             )

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import time
 from pathlib import Path
 
 import pytest
 
+from tests.agent.sim_backends import ctx, fast
 from tslice.agent import app, channel
 from tslice.agent import config as agent_config
 from tslice.agent.backends import base, sim
@@ -17,23 +17,6 @@ from tslice.agent.backends import simdevice as device
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
 
 GiB = 1024**3
-
-
-def ctx(job_id: str = "a", *, footprint: int = 0, **kw: object) -> base.JobContext:
-    job = base.JobContext(job_id=job_id, group="g", footprint_bytes=footprint)
-    return dataclasses.replace(job, **kw)  # type: ignore[arg-type]
-
-
-def fast(tmp_path: Path | None = None, **kw: object) -> sim.SimBackend:
-    settings: dict[str, object] = {
-        "node": "n1",
-        "state_dir": tmp_path,
-        "capacity_bytes": 10 * GiB,
-        "bandwidth_bytes_per_s": 10**12,
-        "latency_s": 0.0,
-    }
-    settings.update(kw)
-    return sim.SimBackend.create(settings)
 
 
 # ---- SimNode --------------------------------------------------------------------------------

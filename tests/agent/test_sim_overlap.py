@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.agent.test_sim_backend import ctx, fast
+from tests.agent.sim_backends import ctx, fast
 from tslice.agent.backends import base, sim
 from tslice.agent.backends import simdevice as device
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb

@@ -11,7 +11,7 @@ for the kill. The agent's view is read over its own RPCs (Status, Snapshot, Rest
   ``lost_grace_s``: registered again within it, the job keeps its state and the
   waiting Snapshot is delivered to the workload; not back in time, it has left.
 
-:class:`CuttableProxy` (also used by ``tests/integration/test_workload_left.py``) is a
+:class:`tests.harness.proxy.CuttableProxy` is a
 loopback TCP forwarder that cuts every connection at once, as a network drop would,
 while both processes live on.
 """
@@ -19,19 +19,17 @@ while both processes live on.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import signal
-import socket
 import sys
 import textwrap
-import threading
 from collections.abc import AsyncIterator, Callable, Iterator
 
 import grpc
 import pytest
 
 from tests.agent.conftest import Agent, AgentRunner
+from tests.harness.proxy import CuttableProxy
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
 from tslice.workload import WorkloadHandle, register_workload
 
@@ -41,91 +39,6 @@ LONG_GRACE_S = 120.0
 SHORT_GRACE_S = 0.5
 #: What the workload reports moving, so that a real move is told from "nothing moved".
 MOVED = 4096
-
-
-class CuttableProxy:
-    """Loopback TCP forwarder in front of an address; :meth:`cut` ends every connection
-    through it at once (both ends see the connection close), :meth:`refuse` makes new
-    ones close at once too, :meth:`reopen` lets them through again."""
-
-    def __init__(self, target: str) -> None:
-        host, _, port = target.rpartition(":")
-        self._target = (host, int(port))
-        self._listener = socket.create_server(("127.0.0.1", 0))
-        self.address = f"127.0.0.1:{self._listener.getsockname()[1]}"
-        self._lock = threading.Condition()
-        self._live: list[socket.socket] = []
-        self._refusing = False
-        #: Connections forwarded so far (the workload's reconnects show here).
-        self.connections = 0
-        self._thread = threading.Thread(target=self._accept, name="proxy-accept", daemon=True)
-        self._thread.start()
-
-    def refuse(self) -> None:
-        with self._lock:
-            self._refusing = True
-
-    def reopen(self) -> None:
-        with self._lock:
-            self._refusing = False
-
-    def wait_connections(self, count: int, timeout: float) -> bool:
-        """Block until ``count`` connections were forwarded; False on timeout."""
-        with self._lock:
-            return self._lock.wait_for(lambda: self.connections >= count, timeout)
-
-    def cut(self) -> None:
-        with self._lock:
-            live, self._live = self._live, []
-        for sock in live:
-            _shut(sock)
-
-    def close(self) -> None:
-        self.refuse()
-        self._listener.close()
-        self.cut()
-        self._thread.join(5)
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                client, _ = self._listener.accept()
-            except OSError:
-                return  # closed
-            with self._lock:
-                refusing = self._refusing
-            if refusing:
-                _shut(client)
-                continue
-            try:
-                upstream = socket.create_connection(self._target, timeout=5)
-            except OSError:
-                _shut(client)
-                continue
-            upstream.settimeout(None)
-            with self._lock:
-                self._live += [client, upstream]
-                self.connections += 1
-                self._lock.notify_all()
-            for src, dst in ((client, upstream), (upstream, client)):
-                threading.Thread(target=_pipe, args=(src, dst), daemon=True).start()
-
-
-def _pipe(src: socket.socket, dst: socket.socket) -> None:
-    try:
-        while data := src.recv(65536):
-            dst.sendall(data)
-    except OSError:
-        pass
-    _shut(src)
-    _shut(dst)
-
-
-def _shut(sock: socket.socket) -> None:
-    with contextlib.suppress(OSError):
-        sock.shutdown(socket.SHUT_RDWR)
-    with contextlib.suppress(OSError):
-        sock.close()
 
 
 class Recorder:

@@ -22,8 +22,7 @@ from collections.abc import AsyncIterator
 import grpc
 import pytest
 
-from tests.agent.test_channel import HubServer
-from tests.agent.test_channel import _start as start_hub
+from tests.agent.raw_workload import HubServer, start_hub
 from tslice.agent import channel
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2_grpc as pb_grpc

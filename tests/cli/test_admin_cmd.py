@@ -10,8 +10,8 @@ from collections.abc import Iterator
 import pytest
 
 import tslice.client as tsclient
-from tests.cli.test_client_cmds import cli
-from tests.orchestrator.test_admin_rpcs import acquire, orchestrator, status, waiting
+from tests.cli.support import run_cli
+from tests.orchestrator.admin_calls import acquire, orchestrator, status, waiting
 from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2 as opb
 from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2_grpc as opb_grpc
 from tslice.cli import admin_cmd
@@ -41,7 +41,7 @@ def test_evict_prints_what_happened_and_refuses_a_job_that_is_nowhere(
     address = local.orchestrator_address
     acquire(stub, "job-a", "cli-evict")
     pending = waiting(stub, "job-b", "cli-evict")
-    code, out, _ = cli(
+    code, out, _ = run_cli(
         capsys, "admin", "evict", "cli-evict", "job-a", "--reason", "hung", "--addr", address
     )
     assert code == 0, out
@@ -50,7 +50,9 @@ def test_evict_prints_what_happened_and_refuses_a_job_that_is_nowhere(
         == "job job-a evicted from group cli-evict (it held it; job-b is next)"
     )
     assert pending.result(timeout=TIMEOUT_S).success
-    code, out, _ = cli(capsys, "admin", "evict", "cli-evict", "job-b", "--addr", address, "--json")
+    code, out, _ = run_cli(
+        capsys, "admin", "evict", "cli-evict", "job-b", "--addr", address, "--json"
+    )
     assert code == 0
     assert json.loads(out) == {
         "group_id": "cli-evict",
@@ -58,11 +60,11 @@ def test_evict_prints_what_happened_and_refuses_a_job_that_is_nowhere(
         "reason": "",
         "evictions": [{"group_id": "cli-evict", "role": "HOLDER", "next_job": ""}],
     }
-    code, _, err = cli(capsys, "admin", "evict", "cli-evict", "job-b", "--addr", address)
+    code, _, err = run_cli(capsys, "admin", "evict", "cli-evict", "job-b", "--addr", address)
     lines = err.strip().splitlines()
     assert code == 1 and len(lines) == 1
     assert "job 'job-b' neither holds nor waits for group 'cli-evict'" in lines[0]
-    code, _, err = cli(capsys, "admin", "evict", "cli-evict", "bad id!", "--addr", address)
+    code, _, err = run_cli(capsys, "admin", "evict", "cli-evict", "bad id!", "--addr", address)
     assert code == 2 and "job_id" in err
 
 
@@ -73,7 +75,7 @@ def test_drain_wait_exits_1_while_held_and_0_once_idle_and_resume_grants_the_wai
 ) -> None:
     address = local.orchestrator_address
     acquire(stub, "job-a", "cli-drain")
-    code, out, err = cli(
+    code, out, err = run_cli(
         capsys, "admin", "drain", "cli-drain", "--addr", address, "--wait", "--timeout", "0.5"
     )
     assert code == 1, out
@@ -82,7 +84,7 @@ def test_drain_wait_exits_1_while_held_and_0_once_idle_and_resume_grants_the_wai
     finished: list[tuple[int, str, str]] = []
     waiter = threading.Thread(
         target=lambda: finished.append(
-            cli(capsys, "admin", "drain", "cli-drain", "--addr", address, "--wait", "--json")
+            run_cli(capsys, "admin", "drain", "cli-drain", "--addr", address, "--wait", "--json")
         )
     )
     waiter.start()
@@ -96,24 +98,24 @@ def test_drain_wait_exits_1_while_held_and_0_once_idle_and_resume_grants_the_wai
     assert document["locking_job"] == "" and not document["switching"]
     # Drained: the waiter stays queued, and `tslice status` says why.
     assert status(stub, "cli-drain").waiting_jobs == ["job-b"]
-    code, out, _ = cli(capsys, "status", "cli-drain", "--addr", address)
+    code, out, _ = run_cli(capsys, "status", "cli-drain", "--addr", address)
     assert code == 0 and "draining" in out
-    code, out, _ = cli(capsys, "admin", "resume", "cli-drain", "--addr", address)
+    code, out, _ = run_cli(capsys, "admin", "resume", "cli-drain", "--addr", address)
     assert (
         code == 0
         and out.strip()
         == "group cli-drain resumed: grants turns again (held by job-b; 0 job(s) waiting)"
     )
     assert pending.result(timeout=TIMEOUT_S).success
-    code, out, _ = cli(capsys, "admin", "resume", "cli-drain", "--addr", address)
+    code, out, _ = run_cli(capsys, "admin", "resume", "cli-drain", "--addr", address)
     assert out.strip() == "group cli-drain was not drained; nothing changed"
     stub.Yield(opb.YieldRequest(job_id="job-b", group_id="cli-drain"), timeout=TIMEOUT_S)
-    code, _, err = cli(capsys, "admin", "drain", "no-such-group", "--addr", address)
+    code, _, err = run_cli(capsys, "admin", "drain", "no-such-group", "--addr", address)
     assert code == 1 and "no-such-group" in err
 
 
 def test_the_admin_commands_are_listed(capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, _ = cli(capsys, "admin", "--help")
+    code, out, _ = run_cli(capsys, "admin", "--help")
     assert code == 0
     for command in ("evict", "drain", "resume", "reset-fault"):
         assert command in out

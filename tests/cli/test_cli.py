@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 
 import pytest
 
+from tests.cli.support import run_cli
+from tests.harness.ports import closed_port
 from tslice.cli import main
 
 COMMANDS = [
@@ -24,20 +25,6 @@ COMMANDS = [
     "plan",
     "events",
 ]
-
-
-def run_cli(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
-    with pytest.raises(SystemExit) as exit_info:
-        main.main(list(args))
-    out, err = capsys.readouterr()
-    code = exit_info.value.code
-    return (code if isinstance(code, int) else 0), out, err
-
-
-def closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def registered() -> set[str]:

@@ -18,21 +18,13 @@ import pytest
 
 import tslice
 import tslice.client as tsclient
-from tests.integration.test_hostile_agent import closed_port
+from tests.cli.support import run_cli
+from tests.harness.ports import closed_port
 from tests.security.conftest import make_certs, orchestrator_args, serving, tls_args
-from tslice.cli import main
 from tslice.security import tls
 from tslice.sim import cluster
 
 _ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
-
-
-def cli(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
-    with pytest.raises(SystemExit) as exit_info:
-        main.main(list(args))
-    out, err = capsys.readouterr()
-    code = exit_info.value.code
-    return (code if isinstance(code, int) else 0), out, err
 
 
 @pytest.fixture(scope="module")
@@ -53,19 +45,19 @@ def address(local: cluster.LocalCluster) -> str:
 
 
 def test_version_flag(capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, _ = cli(capsys, "--version")
+    code, out, _ = run_cli(capsys, "--version")
     assert code == 0 and out.strip() == f"tslice {tslice.__version__}"
 
 
 def test_json_documents(address: str, capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, _ = cli(capsys, "acquire", "json-g", "job-1", "--addr", address, "--json")
+    code, out, _ = run_cli(capsys, "acquire", "json-g", "job-1", "--addr", address, "--json")
     assert code == 0
     acquired = json.loads(out)
     assert acquired["group_id"] == "json-g" and acquired["job_id"] == "job-1"
     assert acquired["success"] is True and acquired["grant_epoch"] >= 1
     assert {"waited_ms", "context_restored"} <= set(acquired)
 
-    code, out, _ = cli(capsys, "status", "json-g", "--addr", address, "--json")
+    code, out, _ = run_cli(capsys, "status", "json-g", "--addr", address, "--json")
     assert code == 0
     status = json.loads(out)
     assert status["group_id"] == "json-g" and status["group_state"] == "LOCKED"
@@ -73,12 +65,12 @@ def test_json_documents(address: str, capsys: pytest.CaptureFixture[str]) -> Non
     assert status["nodes"] == ["node-1"]
     assert status["state_timestamp"] is None or isinstance(status["state_timestamp"], str)
 
-    code, out, _ = cli(capsys, "list", "--addr", address, "--json")
+    code, out, _ = run_cli(capsys, "list", "--addr", address, "--json")
     assert code == 0
     listed = json.loads(out)
     assert [g["locking_job"] for g in listed["groups"] if g["group_id"] == "json-g"] == ["job-1"]
 
-    code, out, _ = cli(capsys, "yield", "json-g", "job-1", "--addr", address, "--json")
+    code, out, _ = run_cli(capsys, "yield", "json-g", "job-1", "--addr", address, "--json")
     assert code == 0
     assert json.loads(out) == {
         "group_id": "json-g",
@@ -88,37 +80,37 @@ def test_json_documents(address: str, capsys: pytest.CaptureFixture[str]) -> Non
         "pending_waiters": 0,
         "snapshot_deferred": True,
     }
-    code, out, _ = cli(capsys, "yield", "json-g", "job-1", "--addr", address, "--json")
+    code, out, _ = run_cli(capsys, "yield", "json-g", "job-1", "--addr", address, "--json")
     assert code == 0 and json.loads(out)["held"] is False
 
 
 def test_acquire_of_comma_separated_groups_takes_them_together(
     address: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    code, out, err = cli(capsys, "acquire", "set-a,set-b", "job-s", "--addr", address)
+    code, out, err = run_cli(capsys, "acquire", "set-a,set-b", "job-s", "--addr", address)
     assert code == 0, err
     lines = out.strip().splitlines()
     assert [line.split(" (")[0] for line in lines] == [
         "job job-s holds group set-a",
         "job job-s holds group set-b",
     ]
-    code, out, _ = cli(capsys, "acquire", "set-a,set-b", "job-s", "--addr", address, "--json")
+    code, out, _ = run_cli(capsys, "acquire", "set-a,set-b", "job-s", "--addr", address, "--json")
     assert code == 0
     held = json.loads(out)
     assert held["job_id"] == "job-s" and sorted(held["groups"]) == ["set-a", "set-b"]
     assert all(g["success"] and g["grant_epoch"] == 1 for g in held["groups"].values())
     for group in ("set-a", "set-b"):
-        assert cli(capsys, "yield", group, "job-s", "--addr", address)[0] == 0
+        assert run_cli(capsys, "yield", group, "job-s", "--addr", address)[0] == 0
 
 
 def test_yield_of_a_group_not_held_says_so(
     address: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    code, _, _ = cli(capsys, "acquire", "free-g", "job-1", "--addr", address)
+    code, _, _ = run_cli(capsys, "acquire", "free-g", "job-1", "--addr", address)
     assert code == 0
-    code, out, _ = cli(capsys, "yield", "free-g", "job-1", "--addr", address)
+    code, out, _ = run_cli(capsys, "yield", "free-g", "job-1", "--addr", address)
     assert code == 0 and "job job-1 yielded group free-g" in out
-    code, out, err = cli(capsys, "yield", "free-g", "job-1", "--addr", address)
+    code, out, err = run_cli(capsys, "yield", "free-g", "job-1", "--addr", address)
     assert code == 0, err
     assert out.strip() == "job job-1 did not hold group free-g (nobody does); nothing was released"
 
@@ -184,37 +176,43 @@ def test_status_shows_degraded_nodes_and_clear_degraded_clears_them(
     # so that the agent refuses every grant of the orchestrator as stale.
     with tsclient.SnapshotAgentClient(local.agent_addresses["node-1"]) as agent:
         agent.grant("stray", "wedged-g", grant_epoch=2**62)
-    code, _, err = cli(capsys, "acquire", "wedged-g", "job-1", "--addr", address, "--timeout", "30")
+    code, _, err = run_cli(
+        capsys, "acquire", "wedged-g", "job-1", "--addr", address, "--timeout", "30"
+    )
     assert code == 1
     assert "node node-1 is degraded" in err and "clear-degraded wedged-g --node node-1" in err
 
-    code, out, _ = cli(capsys, "status", "wedged-g", "--addr", address, "--json")
+    code, out, _ = run_cli(capsys, "status", "wedged-g", "--addr", address, "--json")
     assert code == 0
     degraded = json.loads(out)["degraded"]
     assert [d["node"] for d in degraded] == ["node-1"] and "stale grant" in degraded[0]["reason"]
-    code, out, _ = cli(capsys, "status", "wedged-g", "--addr", address)
+    code, out, _ = run_cli(capsys, "status", "wedged-g", "--addr", address)
     assert code == 0 and "degraded" in out and "node-1: " in out and "stale grant" in out
-    code, out, _ = cli(capsys, "list", "--addr", address)
+    code, out, _ = run_cli(capsys, "list", "--addr", address)
     header, row = [
         line.split() for line in out.splitlines() if "degraded" in line or "wedged-g" in line
     ]
     assert code == 0 and header[-1] == "degraded" and row[0] == "wedged-g" and row[-1] == "node-1"
 
-    code, _, err = cli(capsys, "clear-degraded", "wedged-g", "--node", "nope", "--addr", address)
+    code, _, err = run_cli(
+        capsys, "clear-degraded", "wedged-g", "--node", "nope", "--addr", address
+    )
     assert code == 2  # a bad argument
     assert err.strip().startswith("error: node 'nope' is not in group 'wedged-g'"), err
-    code, _, err = cli(capsys, "clear-degraded", "no-such-g", "--addr", address)
+    code, _, err = run_cli(capsys, "clear-degraded", "no-such-g", "--addr", address)
     assert code == 1 and "no-such-g" in err and "tslice list" in err
 
-    code, out, _ = cli(capsys, "clear-degraded", "wedged-g", "--node", "node-1", "--addr", address)
+    code, out, _ = run_cli(
+        capsys, "clear-degraded", "wedged-g", "--node", "node-1", "--addr", address
+    )
     assert code == 0, out
     assert out.strip() == "group wedged-g: cleared degraded node(s) node-1; its switches run again"
-    code, out, _ = cli(capsys, "status", "wedged-g", "--addr", address, "--json")
+    code, out, _ = run_cli(capsys, "status", "wedged-g", "--addr", address, "--json")
     assert json.loads(out)["degraded"] == []
-    code, out, _ = cli(capsys, "clear-degraded", "wedged-g", "--addr", address, "--json")
+    code, out, _ = run_cli(capsys, "clear-degraded", "wedged-g", "--addr", address, "--json")
     assert code == 0
     assert json.loads(out) == {"group_id": "wedged-g", "node": "", "cleared": []}
-    code, out, _ = cli(capsys, "clear-degraded", "wedged-g", "--addr", address)
+    code, out, _ = run_cli(capsys, "clear-degraded", "wedged-g", "--addr", address)
     assert out.strip() == "group wedged-g has no degraded node; nothing to clear"
 
 
@@ -229,7 +227,7 @@ def test_a_plaintext_command_against_a_tls_orchestrator_names_the_tls_setting(
     agent = f"127.0.0.1:{closed_port()}"  # never started: the command fails before any switch
     args = orchestrator_args(tmp_path, agent, *tls_args(certs, mutual=False))
     with serving("orchestrator", args, tmp_path / "orchestrator.log") as orchestrator:
-        code, out, err = cli(capsys, "status", "g", "--addr", orchestrator.address)
+        code, out, err = run_cli(capsys, "status", "g", "--addr", orchestrator.address)
     assert code == 1 and out == ""
     lines = err.strip().splitlines()
     assert len(lines) == 1, err

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.cli.test_cli import run_cli
+from tests.cli.support import run_cli
 from tests.sim.traces import three_pools_one_private
 from tslice.cli import render
 

@@ -13,8 +13,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.integration.test_hostile_agent import closed_port
-from tests.kube.processes import LoggedServer
+from tests.harness.ports import closed_port
+from tests.harness.servers import Server
 from tslice.agent import doctor
 
 
@@ -44,12 +44,13 @@ def agent(short_tmp: pathlib.Path) -> Iterator[tuple[pathlib.Path, str]]:
         f"unix_socket: {short_tmp / 'agent.sock'}\nstate_dir: {short_tmp / 'state'}\n"
         "default_backend: sim\n"
     )
-    server = LoggedServer(
-        ["agent", "--config", str(config), "--node-name", "node-a", "--port", "0"],
+    server = Server(
+        "agent",
+        ["--config", str(config), "--node-name", "node-a", "--port", "0"],
         short_tmp / "agent.log",
     )
     try:
-        address = server.wait_for(r"serving on (127\.0\.0\.1:\d+)").group(1)
+        address = server.wait_ready()
         yield config, address
     finally:
         server.stop()

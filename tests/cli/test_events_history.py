@@ -18,7 +18,7 @@ from collections.abc import Iterator
 import pytest
 
 import tslice.client as tsclient
-from tests.cli.test_client_cmds import cli
+from tests.cli.support import run_cli
 from tests.timeline import chromium
 from tslice.phases import derive
 from tslice.sim import cluster
@@ -112,14 +112,14 @@ def test_history_survives_a_sigkill_and_exports_a_plannable_trace(
     after_kill = _stored_epochs(db)
     for group, epoch in epochs.items():
         assert after_kill[group] == list(range(1, epoch + 1)), group
-    code, out, err = cli(capsys, "events", "--since", "10m", "--json", "--addr", address)
+    code, out, err = run_cli(capsys, "events", "--since", "10m", "--json", "--addr", address)
     assert code == 0, err
     stored = [json.loads(line) for line in out.splitlines()]
     granted = [(e["group_id"], e["grant_epoch"]) for e in stored if e["kind"] == "GRANTED"]
     assert sorted(granted) == sorted((g, n) for g, e in epochs.items() for n in range(1, e + 1))
     assert all(export.seconds(e["time"]) >= began - 1 for e in stored)
     # Filters, and --until before the run: nothing.
-    code, out, _ = cli(
+    code, out, _ = run_cli(
         capsys,
         "events",
         "--since",
@@ -137,12 +137,12 @@ def test_history_survives_a_sigkill_and_exports_a_plannable_trace(
         e["group_id"] == "trainer" and "B" in (e["job_id"], e["from_job"])
         for e in map(json.loads, out.splitlines())
     )
-    code, out, _ = cli(capsys, "events", "--since", "1h", "--until", "30m", "--addr", address)
+    code, out, _ = run_cli(capsys, "events", "--since", "1h", "--until", "30m", "--addr", address)
     assert code == 0 and out == ""
 
     # The export is a trace: the planner, the trace replay and the timeline read it.
     exported = tmp_path / "run.json"
-    code, out, err = cli(
+    code, out, err = run_cli(
         capsys,
         "events",
         "--since",
@@ -162,7 +162,7 @@ def test_history_survives_a_sigkill_and_exports_a_plannable_trace(
     model = derive.load(exported)
     assert {s.job for s in model.jobs} == {"A", "B"}
     assert set(model.shared) == {"sampler", "trainer"}
-    code, out, err = cli(capsys, "plan", str(exported), "--no-simulate", "--json")
+    code, out, err = run_cli(capsys, "plan", str(exported), "--no-simulate", "--json")
     assert code == 0, err
     planned = json.loads(out)
     assert planned["format"] == "trace" and len(planned["jobs"]) == 2
@@ -188,7 +188,7 @@ def test_history_survives_a_sigkill_and_exports_a_plannable_trace(
     assert json.loads(replay.stdout)["trace"] == str(exported)
 
     page = tmp_path / "real-run.html"
-    code, out, err = cli(
+    code, out, err = run_cli(
         capsys,
         "timeline",
         "--since",
@@ -210,7 +210,7 @@ def test_history_survives_a_sigkill_and_exports_a_plannable_trace(
     assert 'data-ready="yes"' in dom and 'data-errors=""' in dom
     shot = chromium.screenshot(page, tmp_path / "shot.png", width=1300, height=620)
     chromium.keep(shot, "timeline-real-run.png")
-    code, _, err = cli(
+    code, _, err = run_cli(
         capsys,
         "timeline",
         "--from",
@@ -232,10 +232,10 @@ def test_bad_history_options_are_refused_with_the_fix(
         (("--since", "1h", "--until", "2h"), "is before --since"),
         (("--export", str(tmp_path / "x.json")), "give --since"),
     ):
-        code, _, err = cli(capsys, "events", *args, "--addr", address)
+        code, _, err = run_cli(capsys, "events", *args, "--addr", address)
         assert code == 2 and says in err, (args, err)
-    code, _, err = cli(capsys, "timeline", "--addr", address)
+    code, _, err = run_cli(capsys, "timeline", "--addr", address)
     assert code == 2 and "--since 2h" in err
     missing = tmp_path / "missing.json"
-    code, _, err = cli(capsys, "timeline", "--from", str(missing))
+    code, _, err = run_cli(capsys, "timeline", "--from", str(missing))
     assert code == 2 and "does not exist" in err

@@ -15,18 +15,10 @@ from pathlib import Path
 import pytest
 
 import tslice.client as tsclient
-from tslice.cli import main
+from tests.cli.support import run_cli
 from tslice.common import errors
 from tslice.orchestrator import config
 from tslice.sim import cluster
-
-
-def cli(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
-    with pytest.raises(SystemExit) as exit_info:
-        main.main(list(args))
-    out, err = capsys.readouterr()
-    code = exit_info.value.code
-    return (code if isinstance(code, int) else 0), out, err
 
 
 def test_up_with_groups_serves_those_groups_only(
@@ -69,7 +61,7 @@ def test_up_with_groups_serves_those_groups_only(
         assert match, text
         address = match.group(1)
 
-        code, out, _ = cli(capsys, "list", "--addr", address, "--json")
+        code, out, _ = run_cli(capsys, "list", "--addr", address, "--json")
         assert code == 0
         listed = json.loads(out)["groups"]
         assert [(g["group_id"], g["group_state"]) for g in listed] == [
@@ -86,7 +78,7 @@ def test_up_with_groups_serves_those_groups_only(
             assert client.acquire("sampler", timeout=30).success
             client.yield_("sampler")
             assert client.list_groups() == ("sampler", "trainer")
-        code, out, err = cli(capsys, "acquire", "nope", "job-1", "--addr", address)
+        code, out, err = run_cli(capsys, "acquire", "nope", "job-1", "--addr", address)
         assert code == 1 and out == "" and "--group" in err and "tslice list" in err
     finally:
         proc.send_signal(signal.SIGINT)

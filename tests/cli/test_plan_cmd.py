@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.cli.test_cli import run_cli
-from tests.sim.test_plan import _four_jobs, _two_jobs_log
+from tests.cli.support import run_cli
+from tests.sim.plan_runs import four_jobs, two_jobs_log
 from tslice.orchestrator import config
 
 
@@ -17,7 +17,7 @@ def test_apply_writes_a_topology_the_orchestrator_loads(
 ) -> None:
     out = tmp_path / "conf" / "topology.yaml"
     code, stdout, err = run_cli(
-        capsys, "plan", str(_four_jobs(tmp_path)), "--no-simulate", "--apply", "--out", str(out)
+        capsys, "plan", str(four_jobs(tmp_path)), "--no-simulate", "--apply", "--out", str(out)
     )
     assert code == 0, err
     assert "recommended: {A, B}  {C, D} on 4 GPU(s)" in stdout
@@ -37,7 +37,7 @@ def test_json_document_and_given_agents(tmp_path: Path, capsys: pytest.CaptureFi
     code, stdout, err = run_cli(
         capsys,
         "plan",
-        str(_four_jobs(tmp_path)),
+        str(four_jobs(tmp_path)),
         "--no-simulate",
         "--json",
         "--apply",
@@ -59,7 +59,7 @@ def test_json_document_and_given_agents(tmp_path: Path, capsys: pytest.CaptureFi
 def test_too_few_agents_and_bad_input_exit_2_with_the_fix(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    source = str(_four_jobs(tmp_path))
+    source = str(four_jobs(tmp_path))
     code, _, err = run_cli(capsys, "plan", source, "--apply", "--agent", "127.0.0.1:9001")
     assert code == 2
     assert "has 4 node(s)" in err and "give one --agent per node" in err
@@ -86,7 +86,7 @@ def test_apply_never_replaces_the_file_with_a_result_that_does_not_load(
     out = tmp_path / "topology.yaml"
     out.write_text("# the operator's topology\n")
     out.chmod(0o640)
-    source = str(_four_jobs(tmp_path))
+    source = str(four_jobs(tmp_path))
     bad = [f"--agent=not an address {i}" for i in range(4)]
     code, _, err = run_cli(
         capsys, "plan", source, "--no-simulate", "--apply", "--out", str(out), *bad
@@ -110,7 +110,7 @@ def test_apply_refuses_a_symbolic_link_and_leaves_its_target_alone(
     link = tmp_path / "topology.yaml"
     link.symlink_to(target)
     code, _, err = run_cli(
-        capsys, "plan", str(_four_jobs(tmp_path)), "--no-simulate", "--apply", "--out", str(link)
+        capsys, "plan", str(four_jobs(tmp_path)), "--no-simulate", "--apply", "--out", str(link)
     )
     assert code == 2
     assert "is a symbolic link" in err and "nothing was written" in err
@@ -122,7 +122,7 @@ def test_a_job_id_from_the_log_cannot_inject_yaml_into_the_topology(
 ) -> None:
     """Job ids went unchecked into the '# job(s) ...' comment lines: a newline in one
     started a line of YAML of its own (an extra `groups:`, `mode: local`)."""
-    lines = _two_jobs_log()
+    lines = two_jobs_log()
     evil = "B\nmode: local\ngroups: {}\n#"
     for line in lines:
         if line["job_id"] == "B":

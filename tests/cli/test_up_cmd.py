@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 import tslice.client as tsclient
-from tslice.cli import main
+from tests.cli.support import run_cli
 
 
 def pid_alive(pid: int) -> bool:
@@ -22,14 +22,6 @@ def pid_alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     return True
-
-
-def cli(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
-    with pytest.raises(SystemExit) as exit_info:
-        main.main(list(args))
-    out, err = capsys.readouterr()
-    code = exit_info.value.code
-    return (code if isinstance(code, int) else 0), out, err
 
 
 def start_up(tmp_path: Path, *args: str) -> tuple[subprocess.Popen[str], str]:
@@ -99,23 +91,25 @@ def test_up_serves_until_ctrl_c(tmp_path: Path, capsys: pytest.CaptureFixture[st
             client.yield_("g")
 
         # The client commands against the live cluster.
-        code, out, _ = cli(capsys, "acquire", "g", "job-2", "--addr", address, "--timeout", "30")
+        code, out, _ = run_cli(
+            capsys, "acquire", "g", "job-2", "--addr", address, "--timeout", "30"
+        )
         assert code == 0 and "job job-2 holds group g" in out
         assert "restored its state" not in out  # job-2 never ran before: nothing to restore
-        code, out, _ = cli(capsys, "status", "g", "--addr", address)
+        code, out, _ = run_cli(capsys, "status", "g", "--addr", address)
         assert code == 0
         assert "LOCKED" in out and "job-2" in out and "node-1" in out and "node-2" in out
-        code, out, _ = cli(capsys, "list", "--addr", address)
+        code, out, _ = run_cli(capsys, "list", "--addr", address)
         assert code == 0 and "g" in out and "job-2" in out
-        code, out, err = cli(capsys, "yield", "g", "job-1", "--addr", address)
+        code, out, err = run_cli(capsys, "yield", "g", "job-1", "--addr", address)
         assert code == 1 and out == ""
         lines = err.strip().splitlines()
         # One line with the orchestrator's explanation (who holds it), no status jargon.
         assert len(lines) == 1 and lines[0].startswith("error: ") and "job-2" in lines[0]
         assert "permission_denied" not in lines[0]
-        code, out, _ = cli(capsys, "yield", "g", "job-2", "--addr", address)
+        code, out, _ = run_cli(capsys, "yield", "g", "job-2", "--addr", address)
         assert code == 0 and "nobody waits" in out
-        code, out, err = cli(capsys, "status", "nope", "--addr", address)
+        code, out, err = run_cli(capsys, "status", "nope", "--addr", address)
         assert code == 1 and out == ""
         lines = err.strip().splitlines()
         assert len(lines) == 1 and "nope" in lines[0] and "tslice list" in lines[0]
@@ -129,14 +123,14 @@ def test_up_serves_until_ctrl_c(tmp_path: Path, capsys: pytest.CaptureFixture[st
 
 
 def test_up_refuses_a_malformed_rate(capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, err = cli(capsys, "up", "--sim-restore-bandwidth", "fast")
+    code, out, err = run_cli(capsys, "up", "--sim-restore-bandwidth", "fast")
     assert code == 2 and out == ""
     assert "--sim-restore-bandwidth 'fast' is not a rate" in err and "Traceback" not in err
 
 
 def test_up_on_a_non_loopback_host_needs_insecure(capsys: pytest.CaptureFixture[str]) -> None:
     """Refused before any process starts, in one line naming the flag `up` has."""
-    code, out, err = cli(capsys, "up", "--host", "0.0.0.0", "--agents", "1")
+    code, out, err = run_cli(capsys, "up", "--host", "0.0.0.0", "--agents", "1")
     assert code == 2 and out == ""
     lines = err.strip().splitlines()
     assert len(lines) == 1, err

@@ -18,7 +18,7 @@ import pytest
 
 import tslice.client as tsclient
 from tests.cli.terminal import SlowLink, Tmux, keep_screen
-from tests.integration.test_hostile_agent import closed_port
+from tests.harness.ports import closed_port
 from tests.security.conftest import (
     Certs,
     agent_args,

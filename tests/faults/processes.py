@@ -4,28 +4,21 @@ namespace) and an orchestrator over a topology of their groups.
 ``tslice.sim.cluster.LocalCluster`` is the shipped double, but it can put neither an agent
 behind a network link the test can cut nor a group on a subset of a node's devices, which
 these tests need (groups on one agent that never contend, so that one process stack serves
-every case). Readiness is each server's ready file (written atomically once it serves).
+every case). tests.harness.servers starts each server (ready once it wrote its ready file).
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import json
 import os
 import shutil
-import signal
 import subprocess
-import sys
-import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import yaml
 
-START_TIMEOUT_S = 60.0
-STOP_TIMEOUT_S = 15.0
-_READY_POLL_S = 0.02
+from tests.harness.servers import Server
 
 
 class Netns:
@@ -85,7 +78,8 @@ class Netns:
 
 @dataclasses.dataclass
 class Process:
-    """One ``python -m tslice KIND`` server, restartable on its port and state directory."""
+    """One ``python -m tslice KIND`` server (tests.harness.servers), restartable on its
+    port and state directory."""
 
     name: str
     kind: str
@@ -94,57 +88,46 @@ class Process:
     host: str = "127.0.0.1"
     prefix: list[str] = dataclasses.field(default_factory=list)
     port: int = 0
-    address: str = ""
-    popen: subprocess.Popen[bytes] | None = None
+
+    def __post_init__(self) -> None:
+        self.server = Server(self.kind, [], self.log_path, prefix=self.prefix, start=False)
 
     @property
     def state_dir(self) -> Path:
         return self.base / self.name
 
     @property
-    def ready_file(self) -> Path:
-        return self.base / f"{self.name}.ready.json"
-
-    @property
     def log_path(self) -> Path:
         return self.base / f"{self.name}.log"
 
-    def spawn(self) -> None:
-        self.ready_file.unlink(missing_ok=True)
+    @property
+    def ready_file(self) -> Path:
+        return self.server.ready_file
+
+    @property
+    def address(self) -> str:
+        return self.server.address
+
+    def spawn(self, *extra: str) -> None:
         self.state_dir.mkdir(parents=True, exist_ok=True)
-        command = [
-            *self.prefix, sys.executable, "-m", "tslice", self.kind, *self.args,
+        self.server.args = [
+            *self.args, *extra,
             "--host", self.host, "--port", str(self.port), "--state-dir", str(self.state_dir),
-            "--metrics-port", "0", "--ready-file", str(self.ready_file), "--log-level", "info",
+            "--metrics-port", "0", "--log-level", "info",
         ]  # fmt: skip
-        with self.log_path.open("ab") as log:
-            log.write(f"--- {' '.join(command)}\n".encode())
-            log.flush()
-            env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-            self.popen = subprocess.Popen(
-                command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env
-            )
+        self.server.start()
 
     def wait_ready(self) -> str:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while not self.ready_file.exists():
-            assert self.popen is not None
-            if self.popen.poll() is not None or time.monotonic() > deadline:
-                raise AssertionError(f"{self.name} did not start:\n{self.logs()}")
-            time.sleep(_READY_POLL_S)  # bounded wait for the server's atomically renamed file
-        self.address = str(json.loads(self.ready_file.read_text())["address"])
-        self.port = int(self.address.rsplit(":", 1)[1])
-        return self.address
+        address = self.server.wait_ready()
+        self.port = self.server.port
+        return address
 
     def signal(self, signum: int) -> None:
-        assert self.popen is not None
-        self.popen.send_signal(signum)
+        self.server.signal(signum)
 
     def kill(self) -> None:
         """SIGKILL, and wait until it is gone."""
-        if self.popen is not None and self.popen.poll() is None:
-            self.popen.send_signal(signal.SIGKILL)
-            self.popen.wait()
+        self.server.kill()
 
     def restart(self) -> str:
         self.kill()
@@ -154,37 +137,25 @@ class Process:
     def restart_as(self, *extra: str) -> str:
         """Restart on the same port and state with ``extra`` flags after its own (the
         last of a repeated flag wins), for this start only."""
-        held = self.args
-        self.args = [*held, *extra]
-        try:
-            return self.restart()
-        finally:
-            self.args = held
+        self.kill()
+        self.spawn(*extra)
+        return self.wait_ready()
 
     def make_whole(self) -> bool:
         """Running and not stopped again (restarted if it died); True if it had to be."""
-        if self.popen is not None and self.popen.poll() is None:
-            self.popen.send_signal(signal.SIGCONT)
+        if self.server.running:
+            self.server.thaw()
             return False
         self.restart()
         return True
 
     def stop(self) -> None:
-        if self.popen is None or self.popen.poll() is not None:
-            return
-        self.popen.send_signal(signal.SIGCONT)  # a stopped process cannot act on SIGTERM
-        self.popen.send_signal(signal.SIGTERM)
-        try:
-            self.popen.wait(timeout=STOP_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            self.kill()
+        self.server.stop()
 
     def logs(self, last: int | None = None) -> str:
         """The server's log (its ``last`` lines only, if given)."""
-        with contextlib.suppress(OSError):
-            lines = self.log_path.read_text(errors="replace").splitlines()
-            return "\n".join([f"----- {self.name} -----", *lines[-(last or 0) :]])
-        return f"----- {self.name}: no log -----"
+        lines = self.server.logs().splitlines()
+        return "\n".join([f"----- {self.name} -----", *lines[-(last or 0) :]])
 
 
 #: A group's nodes: node name -> the device indices it uses there (None: all).

@@ -1,6 +1,6 @@
 """One real agent (sim, noop and app-channel backends) and one real orchestrator (local
 mode, with its own sim agent) for the fuzz tests, as ``python -m tslice ...`` processes on
-loopback; readiness is each server's own "serving on" line.
+loopback (tests.harness.servers: ready once each has written its ready file).
 
 Real processes rather than in-process servers: a crash, a hang of the event loop or a
 SIGTERM ignored shows exactly as it would in production, and the examples stay cheap
@@ -18,7 +18,7 @@ import grpc
 import pytest
 
 from tests.fuzz import calls
-from tests.integration.test_hostile_agent import Server
+from tests.harness.servers import Server
 
 NODE = "node-a"
 
@@ -90,7 +90,7 @@ def served(server: Server) -> Iterator[Served]:
     """Yield ``server`` once serving; at the end it must be alive, have logged no
     unexpected traceback, and stop on SIGTERM."""
     try:
-        address = server.wait_serving()
+        address = server.wait_ready()
         with grpc.insecure_channel(address, options=calls.CHANNEL_OPTIONS) as channel:
             yield Served(server, channel)
         assert server.proc.poll() is None, (

@@ -18,6 +18,7 @@ from grpc_health.v1 import health_pb2
 from hypothesis import strategies as st
 
 from tests.fuzz import calls, strategies
+from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
 from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2 as opb
 from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2_grpc as opb_grpc
 
@@ -180,3 +181,14 @@ def leave_as_found(channel: grpc.Channel, requests: Sequence[Any]) -> None:
             call(request, timeout=calls.PROMPT_S)
         except grpc.RpcError as err:
             assert err.code() in calls.EXPECTED, (request, err)
+
+
+#: Every method of the agent's and of the orchestrator's services, health included.
+AGENT_METHODS = [
+    *methods_of(pb.DESCRIPTOR.services_by_name["SnapshotAgentService"]),
+    *HEALTH_METHODS,
+]
+ORCHESTRATOR_METHODS = [
+    *methods_of(opb.DESCRIPTOR.services_by_name["TimeSliceOrchestratorService"]),
+    *HEALTH_METHODS,
+]

@@ -11,12 +11,7 @@ from hypothesis import strategies as st
 from tests.fuzz import calls, methods
 from tests.fuzz.conftest import Served
 from tests.fuzz.examples import fuzz_settings
-from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
-
-AGENT_METHODS = [
-    *methods.methods_of(pb.DESCRIPTOR.services_by_name["SnapshotAgentService"]),
-    *methods.HEALTH_METHODS,
-]
+from tests.fuzz.methods import AGENT_METHODS
 
 
 @pytest.mark.parametrize("method", AGENT_METHODS, ids=str)

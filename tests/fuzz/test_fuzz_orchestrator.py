@@ -25,13 +25,10 @@ from hypothesis import strategies as st
 from tests.fuzz import calls, methods
 from tests.fuzz.conftest import Served
 from tests.fuzz.examples import fuzz_settings
+from tests.fuzz.methods import ORCHESTRATOR_METHODS
 from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2 as opb
 from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2_grpc as opb_grpc
 
-ORCHESTRATOR_METHODS = [
-    *methods.methods_of(opb.DESCRIPTOR.services_by_name["TimeSliceOrchestratorService"]),
-    *methods.HEALTH_METHODS,
-]
 HOLDER, HELD = "job-a", "g1"
 #: How long an Acquire that waits for HOLDER by design is given.
 WAITING_S = 0.5

@@ -13,8 +13,7 @@ from hypothesis import strategies as st
 from tests.fuzz import calls, methods, strategies
 from tests.fuzz.conftest import Served
 from tests.fuzz.examples import fuzz_settings
-from tests.fuzz.test_fuzz_agent import AGENT_METHODS
-from tests.fuzz.test_fuzz_orchestrator import ORCHESTRATOR_METHODS
+from tests.fuzz.methods import AGENT_METHODS, ORCHESTRATOR_METHODS
 
 CASES = [
     *(pytest.param("agent", m, id=f"agent-{m}") for m in AGENT_METHODS),

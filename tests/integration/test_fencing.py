@@ -10,7 +10,7 @@ import grpc
 import pytest
 
 import tslice
-from tests.client.test_against_servers import Servers
+from tests.client.servers import Servers
 from tslice.agent.backends import simdevice as device
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2_grpc as pb_grpc

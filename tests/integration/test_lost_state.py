@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import grpc
 import pytest
 
-from tests.integration.test_hostile_agent import STOP_TIMEOUT_S, Server
+from tests.harness.servers import STOP_TIMEOUT_S, Server
 from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2 as opb
 from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2_grpc as opb_grpc
 
@@ -55,7 +55,7 @@ def _orchestrator(tmp_path: pathlib.Path, agent: str) -> Server:
 def agent(tmp_path: pathlib.Path) -> Iterator[Server]:
     server = _agent(tmp_path)
     try:
-        server.wait_serving()
+        server.wait_ready()
         yield server
     finally:
         server.stop()
@@ -75,7 +75,7 @@ def _run_a_while(tmp_path: pathlib.Path, agent: Server) -> int:
     """An orchestrator that grants a few times and stops; the last grant epoch."""
     orch = _orchestrator(tmp_path, agent.address)
     try:
-        with grpc.insecure_channel(orch.wait_serving()) as channel:
+        with grpc.insecure_channel(orch.wait_ready()) as channel:
             stub = opb_grpc.TimeSliceOrchestratorServiceStub(channel)
             epoch = 0
             for _ in range(3):
@@ -102,7 +102,7 @@ def test_an_orchestrator_that_lost_its_database_grants_past_the_agents_marks(
             path.unlink()
     orch = _orchestrator(tmp_path, agent.address)
     try:
-        with grpc.insecure_channel(orch.wait_serving()) as channel:
+        with grpc.insecure_channel(orch.wait_ready()) as channel:
             stub = opb_grpc.TimeSliceOrchestratorServiceStub(channel)
             epoch = _acquire(stub, "c")  # refused as stale first, then granted past the mark
             assert epoch > last, orch.logs()

@@ -30,7 +30,7 @@ from pathlib import Path
 import pytest
 
 import tslice
-from tests.agent.test_workload_left import CuttableProxy
+from tests.harness.proxy import CuttableProxy
 from tslice.client import AgentJobState, EventKind, GroupState
 from tslice.sim.cluster import LocalCluster, SimAgent
 from tslice.workload import register_workload

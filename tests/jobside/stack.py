@@ -3,12 +3,12 @@
 The job-side tests run in venvs that hold only the job-side install (oldest or newest
 grpcio/protobuf, no extras), so the servers cannot run in the test's interpreter: they
 run from ``$TSLICE_SERVER_PYTHON`` (a venv with ``tslice[server]``), by default the
-test's own interpreter. This module imports nothing of tslice, only the standard library.
+test's own interpreter. This module imports nothing of tslice, only the standard library
+(and tests.harness.servers, which starts the servers and is standard library only).
 
-Readiness is the server's own "serving on HOST:PORT" log line, read from its stderr as
-it is written (no sleeps, no polling); every line also goes to a log file in the state
-directory, and the logs are shown when a test fails (``running_stack`` on an exception,
-the ``stack`` fixture on a failed test) or when a server does not come up.
+A server is ready once it wrote its ready file; its output goes to a log file in the
+state directory, and the logs are shown when a test fails (``running_stack`` on an
+exception, the ``stack`` fixture on a failed test) or when a server does not come up.
 
 With ``tls=`` (certificates from :func:`make_certs`, which runs ``tslice certs`` in the
 server Python: the job-side venvs have no ``cryptography``) both servers serve mutual TLS
@@ -25,21 +25,15 @@ import os
 import pathlib
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
-import threading
 from collections.abc import Iterator, Mapping, Sequence
 
-SERVER_PYTHON_ENV = "TSLICE_SERVER_PYTHON"
-#: How long a server may take to start (imports, SQLite) before the stack gives up.
-START_TIMEOUT_S = 60.0
-#: How long a server has to stop on SIGTERM before it is killed.
-STOP_TIMEOUT_S = 15.0
-NODE = "node-a"
+from tests.harness.servers import Server
 
-_SERVING = re.compile(r"serving on (127\.0\.0\.1:\d+)")
+SERVER_PYTHON_ENV = "TSLICE_SERVER_PYTHON"
+NODE = "node-a"
 
 
 def server_python() -> str:
@@ -82,7 +76,7 @@ def make_certs(directory: pathlib.Path, clients: Sequence[str]) -> StackTLS:
         command += ["--client", identity]
     done = subprocess.run(command, capture_output=True, text=True, timeout=60, check=False)
     if done.returncode != 0:
-        raise ServerError(f"tslice certs failed ({done.returncode}): {done.stderr}")
+        raise RuntimeError(f"tslice certs failed ({done.returncode}): {done.stderr}")
     return StackTLS(directory)
 
 
@@ -105,75 +99,6 @@ def _auth_configs(
         f"auth: {{tokens_file: {tokens_file}}}\nagent_client: {{token_file: {secret}}}\n"
     )
     return agent, orchestrator
-
-
-class ServerError(RuntimeError):
-    """A server did not start; the message carries its log."""
-
-
-class _Server:
-    """One ``python -m tslice <kind> ...`` process, its stderr copied to ``log_path``."""
-
-    def __init__(self, kind: str, args: Sequence[str], log_path: pathlib.Path) -> None:
-        self.kind = kind
-        self.log_path = log_path
-        self.address = ""
-        self._ready = threading.Event()
-        self._log = log_path.open("w", encoding="utf-8", buffering=1)
-        command = [server_python(), "-m", "tslice", kind, *args]
-        self._log.write(f"$ {' '.join(command)}\n")
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        self.proc = subprocess.Popen(
-            command,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            env=env,
-        )
-        self._reader = threading.Thread(target=self._read, name=f"{kind}-log", daemon=True)
-        self._reader.start()
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self._log.write(line)
-            if not self.address:
-                match = _SERVING.search(line)
-                if match:
-                    self.address = match.group(1)
-                    self._ready.set()
-        self._ready.set()  # end of output: the process exited (or closed its stderr)
-
-    def wait_serving(self) -> str:
-        """The address the server reports once it serves; raises with its log otherwise."""
-        if not self._ready.wait(START_TIMEOUT_S):
-            raise ServerError(
-                f"{self.kind} did not report serving within {START_TIMEOUT_S:g} s\n{self.logs()}"
-            )
-        if not self.address:
-            raise ServerError(
-                f"{self.kind} exited with {self.proc.wait()} before serving\n{self.logs()}"
-            )
-        return self.address
-
-    def logs(self) -> str:
-        self._log.flush()
-        text = self.log_path.read_text(encoding="utf-8", errors="replace")
-        return f"----- {self.kind} log ({self.log_path}) -----\n{text}"
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=STOP_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()  # SIGKILL: a server that ignores SIGTERM is a finding
-                self.proc.wait()
-        self._reader.join(timeout=STOP_TIMEOUT_S)
-        if self.proc.stdout is not None:
-            self.proc.stdout.close()
-        self._log.close()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -247,14 +172,14 @@ def running_stack(
     state_dir.mkdir(parents=True, exist_ok=True)
     # A Unix socket path is limited to ~107 bytes; pytest's tmp_path can be longer.
     sockets = pathlib.Path(tempfile.mkdtemp(prefix="tslice-"))
-    servers: list[_Server] = []
+    servers: list[Server] = []
     agent_extra, orchestrator_extra = (tls.server_args(), tls.server_args()) if tls else ([], [])
     if tokens is not None:
         agent_config, orchestrator_config = _auth_configs(state_dir, tokens)
         agent_extra += ["--config", str(agent_config)]
         orchestrator_extra += ["--config", str(orchestrator_config)]
     try:
-        agent = _Server(
+        agent = Server(
             "agent",
             [
                 "--node-name",
@@ -278,6 +203,7 @@ def running_stack(
                 *agent_extra,
             ],
             state_dir / "agent.log",
+            python=server_python(),
         )
         servers.append(agent)
         orchestrator_args = [
@@ -291,10 +217,15 @@ def running_stack(
         ]  # fmt: skip
         for group in groups:
             orchestrator_args += ["--group", group]
-        orchestrator = _Server("orchestrator", orchestrator_args, state_dir / "orchestrator.log")
+        orchestrator = Server(
+            "orchestrator",
+            orchestrator_args,
+            state_dir / "orchestrator.log",
+            python=server_python(),
+        )
         servers.append(orchestrator)
-        agent_address = agent.wait_serving()
-        address = orchestrator.wait_serving()
+        agent_address = agent.wait_ready()
+        address = orchestrator.wait_ready()
         stack = Stack(
             address, agent_address, tuple(groups), state_dir, tls=tls, tokens=dict(tokens or {})
         )

@@ -31,10 +31,10 @@ import tempfile
 from collections.abc import Sequence
 from typing import Any
 
+from tests.harness.servers import Server
 from tests.kube import apistore, objects
 from tests.kube.emulator import ApiServerEmulator
 from tests.kube.ha_stack import LEASE, NAMESPACE
-from tests.kube.processes import LoggedServer
 from tslice.agent.backends import simdevice as device
 from tslice.chaos import runner
 from tslice.sim.cluster import SimAgent
@@ -81,7 +81,7 @@ class HaServers:
         self._short = pathlib.Path(tempfile.mkdtemp(prefix="tslice-hachaos-"))
         self._args: dict[str, list[str]] = {}
         self._ports = {name: _free_port() for name in REPLICAS}
-        self.servers: dict[str, LoggedServer] = {}
+        self.servers: dict[str, Server] = {}
         self._restarts = 0
 
     @property
@@ -110,8 +110,8 @@ class HaServers:
             self._launch(agent.name)
         for agent in self._agents:
             server = self.servers[agent.name]
-            port = int(server.wait_for(r"serving on 127\.0\.0\.1:(\d+)").group(1))
-            self.api.apply(objects.agent_pod(agent.name, "127.0.0.1", port))
+            server.wait_ready()
+            self.api.apply(objects.agent_pod(agent.name, "127.0.0.1", server.port))
         for name in REPLICAS:
             kubeconfig = self.api.write_kubeconfig(self.base_dir / f"kubeconfig-{name}", user=name)
             self._args[name] = [
@@ -124,13 +124,13 @@ class HaServers:
             ]  # fmt: skip
             self._launch(name)
         for name in REPLICAS:
-            self.servers[name].wait_for(r"serving on 127\.0\.0\.1:\d+")
+            self.servers[name].wait_ready()
         return self
 
     def _launch(self, name: str) -> None:
         log = self.base_dir / f"{name}.{self._restarts}.log"
         self._restarts += 1
-        self.servers[name] = LoggedServer(self._args[name], log)
+        self.servers[name] = Server(self._args[name][0], self._args[name][1:], log)
 
     def leader(self) -> str:
         """The Lease's holder now ("" if none)."""
@@ -141,17 +141,12 @@ class HaServers:
         return str(lease.get("spec", {}).get("holderIdentity") or "")
 
     def kill(self, name: str) -> None:
-        proc = self.servers[name].proc
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGCONT)  # a stopped process dies as well
-            proc.kill()
-            proc.wait()
-        self.servers[name].stop()
+        self.servers[name].kill()  # a stopped (SIGSTOP) process dies as well
 
     def restart(self, name: str) -> None:
         self.kill(name)
         self._launch(name)
-        self.servers[name].wait_for(r"serving on 127\.0\.0\.1:\d+")
+        self.servers[name].wait_ready()
 
     def signal(self, name: str, sig: int) -> None:
         with contextlib.suppress(ProcessLookupError):

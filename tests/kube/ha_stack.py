@@ -9,13 +9,12 @@ about two seconds. Every wait is on a server's log line or on a reply, never a s
 from __future__ import annotations
 
 import pathlib
-import signal
 from collections.abc import Sequence
 
+from tests.harness.servers import WAIT_S, Server
 from tests.kube import objects, stack
 from tests.kube.apistore import ApiFailure
 from tests.kube.emulator import ApiServerEmulator
-from tests.kube.processes import WAIT_S, LoggedServer
 
 NAMESPACE = "timeslice-system"
 LEASE = "tslice-orchestrator"
@@ -24,7 +23,7 @@ LEASE = "tslice-orchestrator"
 class HaStack(stack.Cluster):
     def __init__(self, api: ApiServerEmulator, tmp_path: pathlib.Path, short: pathlib.Path):
         super().__init__(api, tmp_path, short)
-        self.replicas: dict[str, LoggedServer] = {}
+        self.replicas: dict[str, Server] = {}
         self.addresses: dict[str, str] = {}
 
     def start_ha(
@@ -50,7 +49,7 @@ class HaStack(stack.Cluster):
             ])  # fmt: skip
         self.register(agents)
         for name, server in self.replicas.items():
-            self.addresses[name] = server.wait_for(r"serving on (127\.0\.0\.1:\d+)").group(1)
+            self.addresses[name] = server.wait_ready()
         leader = self.holder()
         self.leads(leader, 1)
         return leader
@@ -98,6 +97,4 @@ class HaStack(stack.Cluster):
         self.replicas[name].wait_for(rf"leading as {name} \(leader term {term},")
 
     def kill(self, name: str) -> None:
-        server = self.replicas[name]
-        server.proc.send_signal(signal.SIGKILL)
-        server.proc.wait()
+        self.replicas[name].kill()

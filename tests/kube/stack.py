@@ -1,6 +1,7 @@
 """Kubernetes mode's processes for the tests: agents (their pods registered once they
 serve) and ``tslice orchestrator --kubernetes`` against the API-server emulator, plus the
-event-stream helpers. Waits are on the servers' log lines and on replies, never sleeps."""
+event-stream helpers. Servers are ready once they wrote their ready file
+(tests.harness.servers); later waits are on their log lines and on replies, never sleeps."""
 
 from __future__ import annotations
 
@@ -12,9 +13,9 @@ import tempfile
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import TypeVar
 
+from tests.harness.servers import Server
 from tests.kube import objects
 from tests.kube.emulator import ApiServerEmulator
-from tests.kube.processes import LoggedServer
 from tslice.agent.backends import simdevice as device
 from tslice.client import AsyncClient, EventKind, OrchestratorEvent
 from tslice.sim.cluster import SimAgent
@@ -43,16 +44,16 @@ class Cluster:
 
     def __init__(self, api: ApiServerEmulator, tmp_path: pathlib.Path, short: pathlib.Path):
         self.api, self.tmp_path, self.short = api, tmp_path, short
-        self.servers: list[LoggedServer] = []
-        self.agents: dict[str, LoggedServer] = {}
-        self.orchestrator: LoggedServer | None = None
+        self.servers: list[Server] = []
+        self.agents: dict[str, Server] = {}
+        self.orchestrator: Server | None = None
 
-    def launch(self, name: str, args: list[str]) -> LoggedServer:
-        server = LoggedServer(args, self.tmp_path / f"{name}.log")
+    def launch(self, name: str, args: list[str]) -> Server:
+        server = Server(args[0], args[1:], self.tmp_path / f"{name}.log")
         self.servers.append(server)
         return server
 
-    def launch_agents(self, nodes: dict[str, list[str]]) -> dict[str, LoggedServer]:
+    def launch_agents(self, nodes: dict[str, list[str]]) -> dict[str, Server]:
         """An agent per node (its flags), not waited for (see :meth:`register`)."""
         started = {}
         for node, flags in nodes.items():
@@ -64,11 +65,11 @@ class Cluster:
         self.agents.update(started)
         return started
 
-    def register(self, agents: dict[str, LoggedServer]) -> None:
+    def register(self, agents: dict[str, Server]) -> None:
         """Each agent's pod (pod IP 127.0.0.1, port 'grpc'), once it serves."""
         for node, agent in agents.items():
-            port = int(agent.wait_for(r"serving on 127\.0\.0\.1:(\d+)").group(1))
-            self.api.apply(objects.agent_pod(node, "127.0.0.1", port))
+            agent.wait_ready()
+            self.api.apply(objects.agent_pod(node, "127.0.0.1", agent.port))
 
     def start(self, nodes: dict[str, list[str]], *, shutdown_grace_s: float = 1.0) -> str:
         """The agents and the orchestrator; its address once all serve."""
@@ -82,16 +83,15 @@ class Cluster:
         ]  # fmt: skip
         self.orchestrator = self.launch("orchestrator", self._orchestrator_args)
         self.register(agents)
-        return self.orchestrator.wait_for(r"serving on (127\.0\.0\.1:\d+)").group(1)
+        return self.orchestrator.wait_ready()
 
     def restart_orchestrator(self) -> str:
         """SIGKILL the orchestrator and start it again on its state; its new address."""
         assert self.orchestrator is not None
-        self.orchestrator.proc.kill()
-        self.orchestrator.stop()
+        self.orchestrator.kill()
         name = f"orchestrator-{len(self.servers)}"
         self.orchestrator = self.launch(name, self._orchestrator_args)
-        return self.orchestrator.wait_for(r"serving on (127\.0\.0\.1:\d+)").group(1)
+        return self.orchestrator.wait_ready()
 
     def logged(self, pattern: str) -> None:
         assert self.orchestrator is not None

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import datetime
 import json
-import signal
 import time
 
 import grpc
@@ -20,10 +19,10 @@ import pytest
 
 pytest.importorskip("lightkube")
 
+from tests.harness.servers import frozen
 from tests.kube import objects
 from tests.kube.emulator import ApiServerEmulator
 from tests.kube.ha_stack import NAMESPACE, HaStack
-from tests.kube.processes import frozen
 from tests.kube.stack import WAIT_S, events_of, exclusive_sim, next_event
 from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2 as opb
 from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2_grpc as opb_grpc
@@ -200,7 +199,7 @@ async def test_a_partitioned_old_leader_is_fenced(api: ApiServerEmulator, stack:
         await a.yield_("trainer")
         await next_event(events, EventKind.SWITCH_STARTED, "job-b")
         # Partitioned in the middle of its switch: it cannot renew, nor tell anyone.
-        stack.replicas[old].proc.send_signal(signal.SIGSTOP)
+        stack.replicas[old].freeze()
         waiting.cancel()
         await asyncio.gather(waiting, return_exceptions=True)
     await asyncio.to_thread(stack.leads, new, 2)
@@ -210,7 +209,7 @@ async def test_a_partitioned_old_leader_is_fenced(api: ApiServerEmulator, stack:
         # Back, the old leader of term 1 goes on with its switch: the agents, which have
         # seen term 2, refuse it, or its own renew deadline stops it first. Either way it
         # steps down without moving device state.
-        stack.replicas[old].proc.send_signal(signal.SIGCONT)
+        stack.replicas[old].thaw()
         await asyncio.to_thread(stack.replicas[old].wait_for, r"stepping down as leader \(term 1\)")
         status = await b.status("trainer")
         assert status.locking_job == "job-b"

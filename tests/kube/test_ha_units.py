@@ -11,7 +11,7 @@ from typing import Any
 import grpc
 import pytest
 
-from tests.cli.test_cli import run_cli
+from tests.cli.support import run_cli
 from tslice.orchestrator.kube import codec
 from tslice.orchestrator.persistence import records
 

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from tests.kube.processes import LoggedServer
+from tests.harness.servers import Server
 from tslice.common import errors
 from tslice.orchestrator import app, config, kube
 
@@ -59,7 +59,7 @@ def test_sigterm_while_the_api_server_does_not_answer_stops_at_once(
         "orchestrator", "--kubernetes", "--kubeconfig", str(kubeconfig), "--port", "0",
         "--metrics-port", "0", "--state-dir", str(tmp_path / "state"),
     ]  # fmt: skip
-    server = LoggedServer(args, tmp_path / "orchestrator.log")
+    server = Server(args[0], args[1:], tmp_path / "orchestrator.log")
     try:
         # It says why it waits, and what to check.
         server.wait_for(r"watch of nodes failed .*check the API server address")

@@ -14,9 +14,9 @@ import pytest
 
 pytest.importorskip("lightkube")
 
+from tests.harness.servers import frozen
 from tests.kube import objects
 from tests.kube.emulator import ApiServerEmulator
-from tests.kube.processes import frozen
 from tests.kube.stack import WAIT_S, Cluster, events_of, exclusive_sim, next_event
 from tslice.client import NO_RETRY, AsyncClient, EventKind, GroupState
 from tslice.common import errors

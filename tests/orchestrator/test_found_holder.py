@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.orchestrator.test_units import F, R, S, decide, view
+from tests.orchestrator.recovery_views import F, R, S, decide, view
 from tslice.orchestrator import metrics
 from tslice.orchestrator.group import effects as act
 from tslice.orchestrator.group import leases

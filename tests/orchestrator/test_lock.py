@@ -6,6 +6,7 @@ import random
 
 import pytest
 
+from tests.orchestrator.locks import locked
 from tslice.orchestrator.group import effects as decisions
 from tslice.orchestrator.group import lock as lk
 from tslice.orchestrator.persistence import records
@@ -37,13 +38,6 @@ def test_first_acquire_on_empty_group_starts_a_switch_from_nothing() -> None:
     (grant,) = only(acts, decisions.Granted)
     assert (grant.job, grant.epoch, grant.restored, grant.waited_s) == ("a", 1, False, 2)
     assert g.phase() is lk.Phase.LOCKED and g.loaded_job == "a" and g.switch_count == 1
-
-
-def locked(job: str = "a") -> lk.GroupLock:
-    g = lk.GroupLock()
-    g.on_acquire(job, now=0)
-    g.on_switch_done(epoch=g.grant_epoch, restored=False, now=0)
-    return g
 
 
 def test_holder_reacquire_returns_at_once_with_the_same_epoch() -> None:

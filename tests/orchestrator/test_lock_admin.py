@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tests.orchestrator.test_lock import locked
+from tests.orchestrator.locks import locked
 from tslice.orchestrator.group import effects as decisions
 from tslice.orchestrator.group import lock as lk
 from tslice.orchestrator.persistence import records

@@ -24,7 +24,7 @@ from collections.abc import Callable
 
 import pytest
 
-from tests.orchestrator.test_policy_bounds import CASES, Bound, Wait
+from tests.orchestrator.policy_sim import CASES, Bound, Wait
 from tslice.orchestrator import config, policy
 from tslice.orchestrator.group import effects as decisions
 from tslice.orchestrator.group import lock as lk

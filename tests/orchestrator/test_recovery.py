@@ -3,17 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-import json
-import os
 import pathlib
-import signal
-import subprocess
-import sys
 
 import grpc
 import pytest
 import yaml
 
+from tests.harness.servers import Server
 from tests.orchestrator.orch_harness import Cluster, Events, acquire, free_port, yield_
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
 from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2 as opb
@@ -265,65 +261,29 @@ async def test_recovery_waits_for_unreachable_agents(cluster: Cluster) -> None:
 
 
 class OrchestratorProcess:
+    """``tslice orchestrator`` over a topology, on a fixed port (tests.harness.servers)."""
+
     def __init__(self, tmp: pathlib.Path, topology: dict[str, object], port: int) -> None:
-        self.tmp = tmp
         self.port = port
         self.topology = tmp / "topology.yaml"
         self.topology.write_text(yaml.safe_dump(topology))
-        self.ready = tmp / "orch.ready"
-        self.proc: subprocess.Popen[bytes] | None = None
+        args = ["--topology", str(self.topology), "--port", str(port)]
+        args += ["--state-dir", str(tmp / "orch"), "--metrics-port", "0"]
+        self.server = Server("orchestrator", args, tmp / "orch.log", start=False)
 
     def start(self) -> None:
-        self.ready.unlink(missing_ok=True)
-        log = (self.tmp / "orch.log").open("ab")
-        self.proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "tslice",
-                "orchestrator",
-                "--topology",
-                str(self.topology),
-                "--port",
-                str(self.port),
-                "--state-dir",
-                str(self.tmp / "orch"),
-                "--metrics-port",
-                "0",
-                "--ready-file",
-                str(self.ready),
-            ],
-            stdout=log,
-            stderr=log,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        )
-        log.close()
+        self.server.start()
 
     async def serving(self) -> grpc.aio.Channel:
-        channel = grpc.aio.insecure_channel(f"127.0.0.1:{self.port}")
-        stub = opb_grpc.TimeSliceOrchestratorServiceStub(channel)
-        # wait_for_ready: grpc waits for the server to accept connections (no sleep loop here);
-        # a connection made while the new process was still starting may be dropped once.
-        for attempt in range(3):
-            try:
-                await stub.ListGroups(opb.ListGroupsRequest(), wait_for_ready=True, timeout=30)
-                break
-            except grpc.aio.AioRpcError as err:
-                if err.code() != grpc.StatusCode.UNAVAILABLE or attempt == 2:
-                    raise
-        info = json.loads(self.ready.read_text())
-        assert info == {"address": f"127.0.0.1:{self.port}", "pid": self.proc.pid}  # type: ignore[union-attr]
-        return channel
+        address = await asyncio.to_thread(self.server.wait_ready)
+        assert address == f"127.0.0.1:{self.port}"
+        return grpc.aio.insecure_channel(address)
 
     def kill(self) -> None:
-        assert self.proc is not None
-        self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait()
+        self.server.kill()
 
     def terminate(self) -> int:
-        assert self.proc is not None
-        self.proc.send_signal(signal.SIGTERM)
-        return self.proc.wait(timeout=20)
+        return self.server.terminate()
 
 
 async def test_sigkill_mid_switch_then_restart_finishes_the_switch(
@@ -376,5 +336,4 @@ async def test_sigkill_mid_switch_then_restart_finishes_the_switch(
         assert orch.terminate() == 0
     finally:
         await channel.close()
-        if orch.proc is not None and orch.proc.poll() is None:
-            orch.kill()
+        orch.kill()

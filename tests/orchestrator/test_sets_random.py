@@ -58,7 +58,7 @@ from collections.abc import Callable
 
 import pytest
 
-from tests.orchestrator import test_policy_bounds as bounds
+from tests.orchestrator import policy_sim as bounds
 from tslice.orchestrator import policy
 from tslice.orchestrator.group import effects as decisions
 from tslice.orchestrator.group import lock as lk

@@ -1,7 +1,7 @@
 """Certificates made by ``tslice certs``'s own code, and real servers started with them.
 
-The servers run as ``python -m tslice orchestrator|agent`` on loopback (readiness is
-their "serving on" line: no sleeps); the CA and certificates are made once per session.
+The servers run as ``python -m tslice orchestrator|agent`` on loopback (tests.harness.servers:
+ready once each has written its ready file); the CA and certificates are made once per session.
 """
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ from collections.abc import Iterator, Sequence
 
 import pytest
 
-from tests.integration.test_hostile_agent import Server, closed_port
+from tests.harness.ports import closed_port
+from tests.harness.servers import Server
 from tslice.security import certs as pki
 from tslice.security import tls
 
@@ -111,7 +112,7 @@ def serving_all(
         for kind, args, log in servers:
             started.append(Server(kind, args, log))
         for server in started:
-            server.wait_serving()
+            server.wait_ready()
         yield started
     finally:
         for server in reversed(started):

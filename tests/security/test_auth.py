@@ -20,7 +20,7 @@ import grpc
 import pytest
 
 import tslice.client as tsclient
-from tests.integration.test_hostile_agent import closed_port
+from tests.harness.ports import closed_port
 from tests.security.conftest import (
     JOB_A_TOKEN,
     READER_TOKEN,

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from tests.integration.test_hostile_agent import closed_port
+from tests.harness.ports import closed_port
 from tests.security.conftest import Certs, agent_args, orchestrator_args, serving_all, tls_args
 
 TOKEN = "scraper-token-0123456789"

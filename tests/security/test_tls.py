@@ -13,7 +13,7 @@ import grpc
 import pytest
 
 import tslice
-from tests.integration.test_hostile_agent import closed_port
+from tests.harness.ports import closed_port
 from tests.security.conftest import (
     Certs,
     SecureStack,

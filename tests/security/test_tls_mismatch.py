@@ -10,16 +10,16 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.integration.test_hostile_agent import closed_port
-from tests.kube.processes import LoggedServer
+from tests.harness.ports import closed_port
+from tests.harness.servers import Server
 from tests.security.conftest import Certs, tls_args
 from tslice.client import AsyncClient, GroupState
 from tslice.common import errors
 from tslice.security import tls
 
 
-def start(name: str, args: list[str], tmp: pathlib.Path) -> LoggedServer:
-    return LoggedServer(args, tmp / f"{name}.log")
+def start(name: str, args: list[str], tmp: pathlib.Path) -> Server:
+    return Server(args[0], args[1:], tmp / f"{name}.log")
 
 
 @pytest.fixture
@@ -33,10 +33,7 @@ def agents(certs: Certs, tmp_path: pathlib.Path) -> Iterator[dict[str, str]]:
         "node-b": start("node-b", b, tmp_path),
     }
     try:
-        found = {
-            node: server.wait_for(r"serving on (127\.0\.0\.1:\d+)").group(1)
-            for node, server in servers.items()
-        }
+        found = {node: server.wait_ready() for node, server in servers.items()}
         yield {**found, "node-c": f"127.0.0.1:{closed_port()}"}
     finally:
         for server in servers.values():
@@ -45,7 +42,7 @@ def agents(certs: Certs, tmp_path: pathlib.Path) -> Iterator[dict[str, str]]:
 
 def orchestrator(
     tmp_path: pathlib.Path, name: str, agents: dict[str, str], agent_client: str
-) -> LoggedServer:
+) -> Server:
     topology = tmp_path / f"{name}-topology.yaml"
     topology.write_text(
         "groups:\n"
@@ -67,7 +64,7 @@ async def test_a_plaintext_orchestrator_warns_per_agent_and_its_status_says_tls(
 ) -> None:
     orch = orchestrator(tmp_path, "plain", agents, "{}")
     try:
-        address = orch.wait_for(r"serving on (127\.0\.0\.1:\d+)").group(1)
+        address = orch.wait_ready()
         orch.wait_for(
             r"agent of node node-a at \S+ does not answer: .*TLS mismatch: the agent serves "
             r"TLS and the orchestrator connects in plaintext: give agent_client its ca"
@@ -87,7 +84,7 @@ async def test_a_tls_orchestrator_is_told_which_side_lacks_what(
 ) -> None:
     orch = orchestrator(tmp_path, "tls", agents, f"{{ca: {certs.ca.cert}}}")  # no client cert
     try:
-        orch.wait_for(r"serving on")
+        orch.wait_ready()
         orch.wait_for(
             r"agent of node node-a at \S+ does not answer: .*TLS mismatch: the agent serves TLS "
             r"and closed the connection: it requires a client certificate; give agent_client "
@@ -112,7 +109,7 @@ async def test_a_job_whose_tls_does_not_match_the_orchestrators_is_told_so(
         tmp_path,
     )  # fmt: skip
     try:
-        address = orch.wait_for(r"serving on (127\.0\.0\.1:\d+)").group(1)
+        address = orch.wait_ready()
         plain = AsyncClient(address, job_id="j", lease_s=None, connect_timeout=3)
         async with plain:
             with pytest.raises(errors.Unavailable, match=r"TLS mismatch\? the server closed"):

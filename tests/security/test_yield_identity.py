@@ -12,21 +12,13 @@ tell the two apart, not report the refusal as a successful yield.
 
 from __future__ import annotations
 
-import socket
-
 import grpc
 import pytest
 
 import tslice
+from tests.harness.ports import closed_port
 from tests.security.conftest import SecureStack
 from tslice.common import errors
-
-
-def _closed_port() -> int:
-    """A loopback port bound a moment ago and closed now: connections are refused."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def test_a_reissued_yield_refused_by_identity_is_an_error(secure_stack: SecureStack) -> None:
@@ -38,7 +30,7 @@ def test_a_reissued_yield_refused_by_identity_is_an_error(secure_stack: SecureSt
         lease_s=None,
     )
     impostor = tslice.Client(
-        [f"127.0.0.1:{_closed_port()}", secure_stack.orchestrator],
+        [f"127.0.0.1:{closed_port()}", secure_stack.orchestrator],
         job_id="job-b",
         security=secure_stack.security("job:job-a"),
         lease_s=None,
@@ -64,7 +56,7 @@ async def test_the_async_client_tells_them_apart_too(secure_stack: SecureStack) 
             lease_s=None,
         ) as holder,
         tslice.AsyncClient(
-            [f"127.0.0.1:{_closed_port()}", secure_stack.orchestrator],
+            [f"127.0.0.1:{closed_port()}", secure_stack.orchestrator],
             job_id="job-b",
             security=secure_stack.security("job:job-a"),
             lease_s=None,

@@ -8,38 +8,14 @@ from typing import Any
 
 import pytest
 
-from tests.sim.traces import Lane, constructed
+from tests.sim.plan_runs import SHAPES, STEPS, event, four_jobs, two_jobs_log
+from tests.sim.traces import constructed
 from tslice.phases import derive, trace
 from tslice.planner import plan, predict, recording, search
 
-# A and C mostly train, B and D mostly sample. A/B and C/D are each other's mirror
-# image (one trains while the other samples, and their steps last as long); A/D or
-# C/B leave one pool over-full, A/C (or B/D) want the same pool most of the time.
-_STEPS = 4
-_SHAPES: dict[str, Lane] = {
-    "A": [(("trainer",), 80.0), (("sampler",), 20.0)],
-    "B": [(("sampler",), 80.0), (("trainer",), 20.0)],
-    "C": [(("trainer",), 60.0), (("sampler",), 40.0)],
-    "D": [(("sampler",), 60.0), (("trainer",), 40.0)],
-}
-
-
-def _write(tmp_path: Path, raw: dict[str, Any], name: str = "run.json") -> Path:
-    path = tmp_path / name
-    path.write_text(json.dumps(raw))
-    return path
-
-
-def _four_jobs(tmp_path: Path) -> Path:
-    # One job after the other (as an exclusive run records them): no window overlaps
-    # another job's, so both pools are shared.
-    jobs = {job: (i * 1000.0, [lane]) for i, (job, lane) in enumerate(_SHAPES.items())}
-    raw = constructed(jobs, steps=_STEPS, mode="sync", shared=("sampler", "trainer"))
-    return _write(tmp_path, raw)
-
 
 def test_complementary_jobs_are_paired_and_colliding_ones_kept_apart(tmp_path: Path) -> None:
-    result = plan.make_plan(plan.PlanConfig(source=_four_jobs(tmp_path), steps=_STEPS))
+    result = plan.make_plan(plan.PlanConfig(source=four_jobs(tmp_path), steps=STEPS))
     assert result.method == search.EXHAUSTIVE
     assert result.considered == 15  # Bell(4): every grouping of four jobs
     assert result.recommended.grouping == (("A", "B"), ("C", "D"))
@@ -61,7 +37,7 @@ def test_complementary_jobs_are_paired_and_colliding_ones_kept_apart(tmp_path: P
 
 
 def test_max_sets_and_max_share_bound_the_blocks(tmp_path: Path) -> None:
-    source = _four_jobs(tmp_path)
+    source = four_jobs(tmp_path)
     result = plan.make_plan(plan.PlanConfig(source=source, max_sets=1))
     assert result.recommended.grouping == (("A", "B", "C", "D"),)
     assert result.alternatives == ()
@@ -77,7 +53,7 @@ def test_the_heuristic_finds_the_pairs_beyond_exhaustive_search() -> None:
     # Ten jobs: five of each mirror shape. The cost is the predicted GPU-seconds.
     model = derive.model(
         constructed(
-            {j: (i * 1000.0, [_SHAPES[j]]) for i, j in enumerate("AB")},
+            {j: (i * 1000.0, [SHAPES[j]]) for i, j in enumerate("AB")},
             steps=3,
             mode="sync",
             shared=("sampler", "trainer"),
@@ -111,11 +87,6 @@ def _events(tmp_path: Path, lines: list[dict[str, Any]]) -> Path:
     return path
 
 
-def _event(t: float, kind: str, group: str, job: str, **extra: Any) -> dict[str, Any]:
-    when = f"2026-12-02T00:00:{t:06.3f}+00:00"
-    return {"time": when, "kind": kind, "group_id": group, "job_id": job, **extra}
-
-
 @pytest.mark.parametrize(
     ("content", "expected"),
     [
@@ -139,24 +110,24 @@ def test_an_event_log_of_one_job_is_refused_with_the_fix(tmp_path: Path) -> None
     for step in range(3):
         t = step * 3.0
         lines += [
-            _event(t, "GRANTED", "trainer", "A"),
-            _event(t + 1, "YIELDED", "trainer", "A"),
-            _event(t + 1, "GRANTED", "sampler", "A"),
-            _event(t + 2, "YIELDED", "sampler", "A"),
+            event(t, "GRANTED", "trainer", "A"),
+            event(t + 1, "YIELDED", "trainer", "A"),
+            event(t + 1, "GRANTED", "sampler", "A"),
+            event(t + 2, "YIELDED", "sampler", "A"),
         ]
     with pytest.raises(recording.PlanInputError, match=r"has one job \(A\).*--jobs N"):
         plan.make_plan(plan.PlanConfig(source=_events(tmp_path, lines)))
 
 
 def test_an_event_log_without_grants_or_switch_costs_says_so(tmp_path: Path) -> None:
-    queued = [_event(0, "QUEUED", "trainer", "A")]
+    queued = [event(0, "QUEUED", "trainer", "A")]
     with pytest.raises(recording.PlanInputError, match="no GRANTED one"):
         recording.load(_events(tmp_path, queued))
     shared = [
-        _event(0, "GRANTED", "trainer", "A"),
-        _event(1, "YIELDED", "trainer", "A"),
-        _event(1.5, "GRANTED", "trainer", "B"),
-        _event(2, "YIELDED", "trainer", "B"),
+        event(0, "GRANTED", "trainer", "A"),
+        event(1, "YIELDED", "trainer", "A"),
+        event(1.5, "GRANTED", "trainer", "B"),
+        event(2, "YIELDED", "trainer", "B"),
     ]
     with pytest.raises(recording.PlanInputError, match="no SNAPSHOT_DONE event of it"):
         recording.load(_events(tmp_path, shared))
@@ -203,30 +174,13 @@ def test_the_model_hands_over_as_the_orchestrator_does() -> None:
     assert slower.makespan_s == 26.0
 
 
-def _two_jobs_log(steps: int = 4) -> list[dict[str, Any]]:
-    """A valid event log: A and B take turns on trainer, then on sampler, every step."""
-    lines: list[dict[str, Any]] = []
-    t = 0.0
-    for _ in range(steps):
-        for job in ("A", "B"):
-            for group in ("trainer", "sampler"):
-                lines += [
-                    _event(t, "GRANTED", group, job, duration_ms=0),
-                    _event(t + 0.01, "SNAPSHOT_DONE", group, job, duration_ms=5),
-                    _event(t + 0.02, "RESTORE_DONE", group, job, duration_ms=5),
-                    _event(t + 1, "YIELDED", group, job),
-                ]
-                t += 1.2
-    return lines
-
-
 def test_a_valid_event_log_is_planned(tmp_path: Path) -> None:
-    result = plan.make_plan(plan.PlanConfig(source=_events(tmp_path, _two_jobs_log())))
+    result = plan.make_plan(plan.PlanConfig(source=_events(tmp_path, two_jobs_log())))
     assert set(result.jobs) == {"A", "B"}
 
 
 def _spoilt(field: str, value: Any, at: int = 0) -> list[dict[str, Any]]:
-    lines = _two_jobs_log()
+    lines = two_jobs_log()
     lines[at][field] = value
     return lines
 
@@ -282,7 +236,7 @@ def test_malformed_json_gets_a_clear_error(tmp_path: Path, content: str, expecte
 
 def test_steps_are_bounded(tmp_path: Path) -> None:
     """--steps 10000000 never finished."""
-    source = _events(tmp_path, _two_jobs_log())
+    source = _events(tmp_path, two_jobs_log())
     for steps in (0, plan.MAX_STEPS + 1, 10**7):
         with pytest.raises(recording.PlanInputError, match=r"--steps must be between 1 and 100"):
             plan.make_plan(plan.PlanConfig(source=source, steps=steps))
@@ -296,11 +250,11 @@ def test_twenty_thousand_windows_open_at_once_are_read_in_linear_time(tmp_path: 
     (0.9 s and 2 s now). Not a benchmark: the bound is 10x what it takes here, far below
     what quadratic work takes."""
     count = 20_000
-    lines = [_event(i * 0.001, "GRANTED", "g", f"j{i}", duration_ms=0) for i in range(count)]
+    lines = [event(i * 0.001, "GRANTED", "g", f"j{i}", duration_ms=0) for i in range(count)]
     # Yielded in the opposite order: the last window opened is closed first.
-    lines += [_event(30 + k * 0.001, "YIELDED", "g", f"j{count - 1 - k}") for k in range(count)]
-    lines += [_event(59, "SNAPSHOT_DONE", "g", "j1", duration_ms=5)]
-    lines += [_event(59, "RESTORE_DONE", "g", "j1", duration_ms=5)]
+    lines += [event(30 + k * 0.001, "YIELDED", "g", f"j{count - 1 - k}") for k in range(count)]
+    lines += [event(59, "SNAPSHOT_DONE", "g", "j1", duration_ms=5)]
+    lines += [event(59, "RESTORE_DONE", "g", "j1", duration_ms=5)]
     rec = recording.load(_events(tmp_path, lines))
     assert sum(len(w) for w in rec.raw["timeslice"]["windows"].values()) == count
     # Every job had one turn: the derivation reads them all, then says what is missing.

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 import pytest
 import yaml
 
-from tests.kube.processes import LoggedServer
+from tests.harness.servers import Server
 from tests.slurm.cluster import SlurmCluster, missing
 from tslice.agent.backends import simdevice as device
 from tslice.sim.cluster import SimAgent
@@ -44,17 +44,18 @@ class Stack:
     def __init__(self, root: pathlib.Path) -> None:
         self.root = root
         self.slurm = SlurmCluster(root / "slurm")
-        self.servers: list[LoggedServer] = []
-        self.agents: dict[str, LoggedServer] = {}
-        self.orchestrator: LoggedServer | None = None
+        self.servers: list[Server] = []
+        self.agents: dict[str, Server] = {}
+        self.orchestrator: Server | None = None
         self.address = ""
 
     def start(self) -> None:
         self.root.joinpath("slurm").mkdir()
         ports: dict[str, int] = {}
         for node in self.slurm.nodes:
-            agent = LoggedServer(
-                ["agent", "--node-name", node, "--host", "127.0.0.1", "--port", "0",
+            agent = Server(
+                "agent",
+                ["--node-name", node, "--host", "127.0.0.1", "--port", "0",
                  "--metrics-port", "0", "--state-dir", str(self.root / node),
                  *sim_node().flags()],
                 self.root / f"agent-{node}.log",
@@ -62,7 +63,8 @@ class Stack:
             self.servers.append(agent)
             self.agents[node] = agent
         for node, agent in self.agents.items():
-            ports[node] = int(agent.wait_for(r"serving on 127\.0\.0\.1:(\d+)").group(1))
+            agent.wait_ready()
+            ports[node] = agent.port
         config = {
             "host": "127.0.0.1",
             "port": 0,
@@ -91,13 +93,14 @@ class Stack:
         config_file.write_text(yaml.safe_dump(config))
         # The key must exist before the orchestrator starts: the cluster writes it.
         self.slurm.start(job_env={})
-        self.orchestrator = LoggedServer(
-            ["orchestrator", "--slurm", "--config", str(config_file)],
+        self.orchestrator = Server(
+            "orchestrator",
+            ["--slurm", "--config", str(config_file)],
             self.root / "orchestrator.log",
             env={"SLURM_CONF": str(self.slurm.conf)},
         )
         self.servers.append(self.orchestrator)
-        self.address = self.orchestrator.wait_for(r"serving on (127\.0\.0\.1:\d+)").group(1)
+        self.address = self.orchestrator.wait_ready()
         # What the TaskProlog gives every job (a site's tslice-slurm.env).
         env_file = self.slurm.scripts / "tslice-slurm.env"
         env_file.write_text(env_file.read_text() + f"JOB_TSLICE_ORCHESTRATOR={self.address}\n")

@@ -13,7 +13,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from tests.workload.test_torch_adapter import assert_bit_identical  # noqa: E402
+from tests.workload.torch_models import assert_bit_identical  # noqa: E402
 from tslice.workload.adapters import torch as torch_adapter  # noqa: E402
 from tslice.workload.adapters import torch_storage  # noqa: E402
 

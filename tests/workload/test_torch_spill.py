@@ -12,7 +12,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from tests.workload.test_torch_adapter import (  # noqa: E402
+from tests.workload.torch_models import (  # noqa: E402
     Mixed,
     assert_bit_identical,
     snapshot_of,
