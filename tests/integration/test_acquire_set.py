@@ -284,7 +284,10 @@ async def test_a_deadline_passing_while_one_group_is_granted_and_one_switches_le
                 await events.wait_for(K.KIND_SWITCH_STARTED, switching, "w")
                 # The granted part is given back; the part in its switch leaves it.
                 given_back = await events.wait_for(K.KIND_CANCELLED, resident, "w")
-                assert "AcquireSet was cancelled" in given_back.detail, given_back
+                # (The call's deadline and the request's timeout_ms are the same instant:
+                # the cancel or the orchestrator's own deadline ends the set first.)
+                why = given_back.detail
+                assert "AcquireSet was cancelled" in why or "within its deadline" in why, why
                 await events.wait_for(K.KIND_CANCELLED, switching, "w")
             await events.wait_for(K.KIND_SWITCH_DONE, switching, "w")
             assert events.count(K.KIND_GRANTED, (switching,)) == 0

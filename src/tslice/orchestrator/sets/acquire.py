@@ -25,6 +25,7 @@ import logging
 import time
 from collections.abc import Mapping
 
+from tslice.common import tasks
 from tslice.orchestrator.group import callers
 from tslice.orchestrator.group import driver as group
 from tslice.orchestrator.sets import coordinator as sets
@@ -140,15 +141,34 @@ async def _withdraw(
 ) -> None:
     """Cancel the parts still waiting (each leaves its queue; one granted meanwhile
     departs undelivered) and give back each granted part's share of its grant: the
-    group is released only where no other call of the job was answered with it."""
+    group is released only where no other call of the job was answered with it.
+
+    The withdrawal runs to its end in a task of its own: the caller may go away while it
+    runs (its gRPC deadline is often the instant ``timeout_ms`` failed the set), and a
+    granted part must not stay held by a job that nobody answered."""
+    withdrawal = tasks.spawn(_withdrawn(drivers, job, parts, why), name=f"withdraw-set:{job}")
+    _WITHDRAWING.add(withdrawal)
+    withdrawal.add_done_callback(_WITHDRAWING.discard)
+    await asyncio.shield(withdrawal)
+
+
+#: Withdrawals under way (a task nobody references could be collected mid-way).
+_WITHDRAWING: set[asyncio.Task[None]] = set()
+
+
+async def _withdrawn(
+    drivers: Mapping[str, group.GroupDriver],
+    job: str,
+    parts: Mapping[str, asyncio.Future[callers.Grant]],
+    why: str,
+) -> None:
     for part in parts.values():
         part.cancel()
-    # Shielded: a cancelled caller must not leave a granted part behind.
-    await asyncio.shield(asyncio.gather(*parts.values(), return_exceptions=True))
+    await asyncio.gather(*parts.values(), return_exceptions=True)
     granted = {
         gid: part.result().epoch
         for gid, part in parts.items()
         if not part.cancelled() and part.exception() is None
     }
     for gid, epoch in granted.items():
-        await asyncio.shield(drivers[gid].give_back(job, epoch, why))
+        await drivers[gid].give_back(job, epoch, why)
