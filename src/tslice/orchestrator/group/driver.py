@@ -33,6 +33,7 @@ from tslice.orchestrator.group import (
     lock,
     recovery,
     services,
+    state,
     status,
 )
 from tslice.orchestrator.group import effects as fx
@@ -372,18 +373,9 @@ class GroupDriver(admin.Admin):
             f"{failure.node}: {failure.operation} failed: {failure.detail}; retrying in "
             f"{failure.retry_in:.2f} s"
         )
-        sw = self.lock.switch
-        self.bus.publish(
-            bus.Event(
-                Kind.KIND_SWITCH_FAILED,
-                self.group_id,
-                sw.to_job if sw else "",
-                from_job=(sw.from_job or "") if sw else "",
-                node=failure.node,
-                grant_epoch=sw.epoch if sw else 0,
-                detail=why,
-            )
-        )
+        failed = _switch_event(Kind.KIND_SWITCH_FAILED, self.group_id, self.lock.switch)
+        failed.node, failed.detail = failure.node, why
+        self.bus.publish(failed)
         log.warning("group %s: %s", self.group_id, why)
         self.executor.post(self._on_node_failed, failure, why)
 
@@ -417,34 +409,18 @@ class GroupDriver(admin.Admin):
             self._switch_duration.observe(outcome.seconds)
             if not s.recovered:  # a recovered switch's time is only part of one
                 self.lock.on_switch_measured(s.from_job, s.to_job, seconds=outcome.seconds)
-            done = fx.Publish(
-                bus.Event(
-                    Kind.KIND_SWITCH_DONE,
-                    self.group_id,
-                    s.to_job,
-                    from_job=s.from_job or "",
-                    detail="restored" if outcome.restored else "",
-                    grant_epoch=s.epoch,
-                    duration_ms=int(outcome.seconds * 1000),
-                )
-            )
+            done = _switch_event(Kind.KIND_SWITCH_DONE, self.group_id, s)
+            done.detail = "restored" if outcome.restored else ""
+            done.duration_ms = int(outcome.seconds * 1000)
             decided = self.lock.on_switch_done(epoch=s.epoch, restored=outcome.restored, now=now)
-            return [done, *decided]
+            return [fx.Publish(done), *decided]
         self.views.clear()
         name, detail, decided = self._ended(s, outcome, now)
         if name:
             self._count_switch(name)
-            failed = fx.Publish(
-                bus.Event(
-                    Kind.KIND_SWITCH_FAILED,
-                    self.group_id,
-                    s.to_job,
-                    from_job=s.from_job or "",
-                    detail=detail,
-                    grant_epoch=s.epoch,
-                )
-            )
-            return [failed, *decided]
+            failed = _switch_event(Kind.KIND_SWITCH_FAILED, self.group_id, s)
+            failed.detail = detail
+            return [fx.Publish(failed), *decided]
         return decided
 
     def _ended(
@@ -606,3 +582,10 @@ async def evict_everywhere(
     return [
         (d.group_id, out) for d, out in zip(live, outcomes, strict=True) if out.role is not None
     ]
+
+
+def _switch_event(kind: int, gid: str, s: fx.StartSwitch | state.Switch | None) -> bus.Event:
+    """An event about switch ``s`` (None: no switch is under way)."""
+    if s is None:
+        return bus.Event(kind, gid)
+    return bus.Event(kind, gid, s.to_job, from_job=s.from_job or "", grant_epoch=s.epoch)
