@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Protocol
 
 from tslice.orchestrator import config
@@ -194,3 +194,20 @@ def never_fits(
                 "resident there; lower footprint_bytes or use a group of larger devices",
             )
     return None
+
+
+def no_room(
+    queue: Collection[str], holder: str | None, *, job: str, cap: int, group_id: str
+) -> refusals.Refused | None:
+    """The refusal (RESOURCE_EXHAUSTED) of a new waiter once ``cap`` jobs wait for the
+    group (``limits.max_waiters_per_group``): every waiter costs memory, a row on disk
+    and a place in every status read. A job already queued, or the holder, is let in (a
+    re-issued Acquire re-attaches to its place)."""
+    if len(queue) < cap or job in queue or job == holder:
+        return None
+    return refusals.Refused(
+        refusals.Code.RESOURCE_EXHAUSTED,
+        f"group {group_id!r} already has {len(queue)} jobs waiting, its cap "
+        f"(limits.max_waiters_per_group = {cap}); retry later, or raise the cap in the "
+        "orchestrator's config",
+    )

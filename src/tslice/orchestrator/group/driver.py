@@ -67,6 +67,7 @@ class GroupDriver(admin.Admin):
         #: What it shares with the other groups (an AcquireSet reaches their coordinator).
         self.services = services
         cfg = self._cfg = services.cfg
+        self._cap = cfg.limits.max_waiters_per_group
         scheduling = policy.build(cfg.policy_for(group_id))
         if record is None:
             offset = time.time() - time.monotonic()
@@ -224,6 +225,10 @@ class GroupDriver(admin.Admin):
         with the others. Raises ``refusals.Refused``."""
         if self._stopping:
             raise self.gone()
+        lk = self.lock
+        full = callers.no_room(lk.queue, lk.holder, job=job, cap=self._cap, group_id=self.group_id)
+        if full is not None:
+            raise full
         if footprint_bytes > 0:
             self._check_fits(job, footprint_bytes)
         waiter = callers.new_waiter(self, job, set_seq=set_seq, time_left=time_left)

@@ -17,7 +17,7 @@ from google.protobuf import timestamp_pb2
 
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
 from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2 as opb
-from tslice.orchestrator import config
+from tslice.orchestrator import config, limits
 from tslice.orchestrator.group import effects as decisions
 from tslice.orchestrator.group import lock
 from tslice.orchestrator.switch import plan as steps
@@ -126,15 +126,20 @@ def group_status(
     timestamp: timestamp_pb2.Timestamp,
     loaded_job: str | None,
 ) -> opb.GroupStatus:
+    # A queue of any length answers under the gRPC message limit: the first waiters
+    # are listed, the others counted (``waiting_jobs_omitted``).
+    waiting = lk.waiting_jobs
+    listed = limits.MAX_LISTED_WAITERS
     return opb.GroupStatus(
         group_id=group_id,
         group_state=_STATE_PB[state[0]],
         state_timestamp=timestamp,
         locking_job=lk.holder or "",
         active_job=lk.active_job or "",
-        waiter_queue_depth=len(lk.waiting_jobs),
+        waiter_queue_depth=len(waiting),
         loaded_job=loaded_job or "",
-        waiting_jobs=lk.waiting_jobs,
+        waiting_jobs=waiting[:listed],
+        waiting_jobs_omitted=max(len(waiting) - listed, 0),
         nodes=[n.name for n in nodes],
         grant_epoch=lk.grant_epoch,
         switch_count=lk.switch_count,
@@ -142,7 +147,7 @@ def group_status(
         degraded=[opb.DegradedNode(node=n, reason=r) for n, r in sorted(health.degraded.items())],
         draining=lk.draining,
         policy=lk.policy.describe(),
-        waiting_since=[_timestamp(t) for t in lk.waiting_since()],
+        waiting_since=[_timestamp(t) for t in lk.waiting_since()[:listed]],
     )
 
 
