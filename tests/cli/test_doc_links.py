@@ -49,3 +49,16 @@ def test_every_link_between_the_docs_lands(page: Path) -> None:
         elif anchor and path.suffix == ".md" and anchor not in anchors(path):
             broken.append(f"{link}: no heading #{anchor} in {path.relative_to(ROOT)}")
     assert broken == [], f"{page.relative_to(ROOT)}: broken links"
+
+
+def test_every_module_the_architecture_page_names_exists() -> None:
+    """docs/architecture.md walks a hand-over naming modules (``group/driver.py``,
+    ``client/_session.py``, ...): each must be a module of the package, found under the
+    package the page's section is about or from ``src/tslice`` itself."""
+    page = (ROOT / "docs" / "architecture.md").read_text(encoding="utf-8")
+    src = ROOT / "src" / "tslice"
+    named = set(re.findall(r"`((?:[a-z_]+/)*[a-z_]+\.py)`", page))
+    assert len(named) >= 25, named  # (the walk names about thirty)
+    roots = [ROOT, src, src / "orchestrator", src / "agent", src / "client"]
+    missing = sorted(n for n in named if not any((r / n).is_file() for r in roots))
+    assert missing == [], f"docs/architecture.md names modules that do not exist: {missing}"

@@ -7,7 +7,7 @@ to :class:`tslice.agent.moves.runner.AgentCore`, and maps what comes back onto t
 (records to messages, refusals to gRPC status codes); it holds no state of its own.
 
 The top of the hand-over path: the orchestrator's Grants arrive on one long-lived
-``GrantStream`` per orchestrator (``tslice.rpc.unique_requests`` runs each as it comes and
+``GrantStream`` per orchestrator (``tslice.rpc.multiplex.serve`` runs each as it comes and
 refuses a second one with the id of one in flight); :meth:`SnapshotAgentServicer.grant_reply`
 turns a ``GrantRequest`` into a ``grant_plan.Order`` for the runner. llm-d's orchestrator
 uses Snapshot/Restore and polls GetOperation instead: the same runner, one move per call.

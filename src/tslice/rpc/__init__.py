@@ -1,4 +1,4 @@
 """The RPC vocabulary both sides share: a reasoned refusal with its status code
-(``refusals``), the Session stream's framing of many requests on one call
-(``multiplex``), the de-duplication of a re-issued request (``unique_requests``), and
-what to answer a message that does not decode (``undecodable``)."""
+(``refusals``), many requests on one long-lived stream, each id unique while in flight
+(``multiplex``: the Session and GrantStream framing, client and server side), and what
+to answer a message that does not decode (``undecodable``)."""
