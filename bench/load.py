@@ -45,6 +45,7 @@ import random
 import resource
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -117,7 +118,11 @@ class _DisjointCluster(LocalCluster):
 
 
 def _cluster(
-    groups: int, nodes: int, orchestrator_env: dict[str, str], base_dir: Path | None
+    groups: int,
+    nodes: int,
+    orchestrator_env: dict[str, str],
+    base_dir: Path | None,
+    orchestrator_args: Sequence[str] = (),
 ) -> LocalCluster:
     names = [f"node-{i + 1}" for i in range(nodes)]
     layout = {gid: (names[i % nodes],) for i, gid in enumerate(group_ids(groups))}
@@ -127,6 +132,7 @@ def _cluster(
         startup_timeout_s=120.0,
         env=orchestrator_env,
         base_dir=base_dir,
+        orchestrator_args=orchestrator_args,
     )
 
 
@@ -318,6 +324,20 @@ async def _subscribe(channel: grpc.aio.Channel, group: str, kinds: list[Kind.Kin
     return stream
 
 
+async def _idle_watchers(address: str, count: int) -> grpc.aio.Channel | None:
+    """``count`` WatchEvents streams of every group's events that are never read (a
+    dashboard that hung, a scraper that stopped): subscribed, then left alone. Their own
+    channel; closing it ends them."""
+    if not count:
+        return None
+    channel = grpc.aio.insecure_channel(address)
+    stub = opb_grpc.TimeSliceOrchestratorServiceStub(channel)  # type: ignore[no-untyped-call]
+    for _ in range(count):
+        stream = stub.WatchEvents(opb.WatchEventsRequest())
+        await stream.initial_metadata()  # subscribed (its events are never read)
+    return channel
+
+
 async def _read(stream: Any, watch: _Watch) -> None:
     async for event in stream:
         watch.take(event)
@@ -397,11 +417,21 @@ async def measure(
     breakdown: bool = False,
     watch_groups: int = 16,
     keep: Path | None = None,
+    idle_watchers: int = 0,
 ) -> dict[str, Any]:
     if jobs < groups:
         raise ValueError(f"--jobs ({jobs}) must be at least --groups ({groups})")
     procs = max(1, min(procs, jobs))
-    with _cluster(groups, nodes, orchestrator_env or {}, keep) as cluster:
+    config_args: list[str] = []
+    if idle_watchers:
+        # One caller opens them all: its cap (limits.max_watchers_per_caller) is raised.
+        config = Path(tempfile.mkdtemp(prefix="tslice-load-")) / "orchestrator.yaml"
+        cap = idle_watchers + watch_groups + 16
+        config.write_text(
+            yaml.safe_dump({"limits": {"max_watchers": cap, "max_watchers_per_caller": cap}})
+        )
+        config_args = ["--config", str(config)]
+    with _cluster(groups, nodes, orchestrator_env or {}, keep, config_args) as cluster:
         address = cluster.orchestrator_address
         pid = cluster.pid(ORCHESTRATOR)
         assert pid is not None
@@ -424,6 +454,7 @@ async def measure(
         channel = grpc.aio.insecure_channel(address)
         streams = await asyncio.gather(*(_subscribe(channel, g, kinds) for g in sampled))
         watchers = [asyncio.create_task(_read(stream, watch)) for stream in streams]
+        idle = await _idle_watchers(address, idle_watchers)
         generators.go(start, end)
         await asyncio.sleep(max(0.0, start - time.time()))
         agent_pids = [p for n in cluster.names if n != ORCHESTRATOR and (p := cluster.pid(n))]
@@ -452,6 +483,8 @@ async def measure(
             w.cancel()
         await asyncio.gather(*watchers, return_exceptions=True)
         await channel.close()
+        if idle is not None:
+            await idle.close()
     acquire = [s for r in results for s in r["acquire_s"]]
     overlaps = overlapping_holds([tuple(h) for r in results for h in r["holds"]])
     errors = [e for r in results for e in r["errors"]]
@@ -507,6 +540,7 @@ async def measure(
         "watched_groups": len(sampled),
         "watched_grants_by_kind": watch.grant_kinds,
         "events_lost": max(0, sampled_grants - watch.grants_total),
+        "idle_watchers": idle_watchers,
     }
 
 
@@ -584,14 +618,45 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--keep", type=Path, help="directory for the servers' state and logs, kept after the run"
     )
+    parser.add_argument(
+        "--idle-watchers",
+        type=int,
+        default=0,
+        help="run twice, without and with this many idle WatchEvents subscribers, and "
+        "print the hand-over p50 ratio",
+    )
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker is not None:
         return _worker_main(args.worker)
     options = {k: v for k, v in vars(args).items() if k not in ("json", "worker")}
+    if args.idle_watchers:
+        return _with_and_without_watchers(options, as_json=args.json)
     result = asyncio.run(measure(**options))
     print(json.dumps(result) if args.json else report(result))
     return 0 if result["errors"] == 0 and result["violations"] == 0 else 1
+
+
+def _with_and_without_watchers(options: dict[str, Any], *, as_json: bool) -> int:
+    """The same load with no idle watcher, then with ``--idle-watchers``, in one run: the
+    hand-over's p50 with them over its p50 without (issue 21 §4: within 1.5x)."""
+    runs = [
+        asyncio.run(measure(**{**options, "idle_watchers": n}))
+        for n in (0, options["idle_watchers"])
+    ]
+    ratio = runs[1]["handover_ms"]["p50"] / max(runs[0]["handover_ms"]["p50"], 1e-9)
+    if as_json:
+        print(json.dumps({"without": runs[0], "with": runs[1], "handover_p50_ratio": ratio}))
+    else:
+        for run in runs:
+            print(f"-- {run['idle_watchers']} idle WatchEvents subscribers")
+            print(report(run))
+        print(
+            f"hand-over p50 with {options['idle_watchers']} idle subscribers / without: "
+            f"{ratio:.2f}x"
+        )
+    ok = all(r["errors"] == 0 and r["violations"] == 0 for r in runs)
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

@@ -200,3 +200,41 @@ async def test_a_database_from_before_drains_opens_with_no_group_drained(
     (_, rec) = (await s2.load())["g"]
     await s2.close()
     assert not rec.draining
+
+
+async def test_an_arrival_builds_and_writes_its_own_entry_whatever_the_queue_length(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 21 §4: an arrival cost O(queue), 9 ms at 5,000 waiters: every command rebuilt
+    the group's whole record (``LockState.record()``, an entry per waiter) to diff it with
+    the saved one. Now a command builds the entries it changed, and writes those."""
+    s = await st.Store.open(tmp_path)
+    g = lk.GroupLock()
+    g.on_acquire("holder", now=0)
+    g.on_switch_done(epoch=1, restored=False, now=0)
+    for i in range(2000):
+        g.on_acquire(f"w{i}", now=1)
+    saver = Saver(s, "g", g)
+    await saver.save()
+    assert s._conn is not None
+    before = s._conn.total_changes
+    built: list[str] = []
+    entry_record = lk.GroupLock._queue_record
+
+    def counted(lock: lk.GroupLock, entry: object) -> records.QueueRecord:
+        built.append(getattr(entry, "job", ""))
+        return entry_record(lock, entry)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(lk.GroupLock, "_queue_record", counted)
+    g.on_acquire("late", now=2)
+    changes = g.changes(saver.saved)
+    assert built == ["late"]  # (the whole record built 2,001)
+    monkeypatch.undo()
+    assert changes is not None and [q.job for q in changes.queued] == ["late"]
+    await s.save("g", nodes=NODES, changes=changes)
+    assert s._conn.total_changes - before <= 2  # its queue row (and the group's row)
+    await s.close()
+    s2 = await st.Store.open(tmp_path)
+    (_, rec) = (await s2.load())["g"]
+    await s2.close()
+    assert len(rec.queue) == 2001 and rec.queue[-1].job == "late"
