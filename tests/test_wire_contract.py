@@ -432,6 +432,8 @@ TSLICE_AGENT_MESSAGES: dict[str, dict[str, tuple[int, int, str | None, str | Non
         "grant_stream": (2, BOOL, None, None),
         "prefetch": (3, BOOL, None, None),
     },
+    # Issue 20 §1: one session per rank of a multi-process job (0 = the only one).
+    "RegisterWorkload": {"rank": (104, I32, None, None)},
 }
 
 

@@ -129,8 +129,11 @@ class WorkloadHandle:
         settings: ChannelSettings,
         register_socket: Path | None = None,
         security: tls.ClientSecurity | None = None,
+        rank: int = 0,
     ) -> None:
         self.job_id = job_id
+        #: Which of the job's processes on this node this workload is (0 = the only one).
+        self.rank = rank
         #: Sent on every stream: the agent tells this workload coming back from another.
         self.instance = secrets.token_hex(16)
         self._register_socket = register_socket
@@ -139,6 +142,8 @@ class WorkloadHandle:
         self._security = agent_link.security(agent, security)
         self.group = group
         self._label = f"job {job_id!r} (group {group!r})" if group else f"job {job_id!r}"
+        if rank:
+            self._label += f" rank {rank}"
         self.adapter = adapter
         self.capabilities = capabilities
         self._agent = agent
@@ -433,6 +438,7 @@ class WorkloadHandle:
                 resident_tags=state.resident_tags,
                 suspended=state.suspended,
                 pid=os.getpid(),
+                rank=self.rank,
                 # The agent uses keepalive and our state report only because we declare them.
                 features=pb.WorkloadFeatures(keepalive=True, reports_state=True),
             )
@@ -480,6 +486,10 @@ class WorkloadHandle:
             self._state.wait_for(lambda: self._in_flight == 0 or self._stop.is_set())
 
 
+#: The highest rank the agent accepts (``RegisterWorkload.rank``).
+MAX_RANK = 4095
+
+
 def register_workload(  # noqa: PLR0917 - llm-d's positional signature, kept for drop-in use
     agent: str | grpc.Channel | None,
     job_id: str,
@@ -497,6 +507,7 @@ def register_workload(  # noqa: PLR0917 - llm-d's positional signature, kept for
     backoff_max_s: float = 30.0,
     register_socket: str | os.PathLike[str] | None = None,
     security: tls.ClientSecurity | None = None,
+    rank: int = 0,
 ) -> WorkloadHandle:
     """Register this process's workload with the node agent and serve its commands.
 
@@ -525,6 +536,10 @@ def register_workload(  # noqa: PLR0917 - llm-d's positional signature, kept for
             ``$TSLICE_TLS_CA``, ``$TSLICE_TLS_CERT``/``$TSLICE_TLS_KEY`` and
             ``$TSLICE_TOKEN``/``$TSLICE_TOKEN_FILE``. TLS applies to a TCP address (not
             to ``unix:`` nor to a given channel); the token is sent on every stream.
+        rank: which of the job's processes on this node (for this group) this is, for a
+            job with one process per GPU (FSDP ranks, a tensor-parallel engine): each
+            rank registers with its own number (0, 1, ...), and the agent moves every
+            rank at once, all or nothing. 0 = the job's only workload (as before).
 
     Returns at once with the connection running in the background; call
     ``handle.wait_registered(timeout)`` to know the agent has accepted it.
@@ -532,6 +547,11 @@ def register_workload(  # noqa: PLR0917 - llm-d's positional signature, kept for
     ids.check_id("job_id", job_id)
     if group:
         ids.check_id("group", group)
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank <= MAX_RANK:
+        raise ValueError(
+            f"rank must be an int between 0 and {MAX_RANK} (which of the job's processes "
+            f"on this node), got {rank!r}"
+        )
     target = agent_link.resolve_agent(agent)
     settings = ChannelSettings(ping_interval_s, missed_pings, backoff_initial_s, backoff_max_s)
     adapter = adapters.resolve_adapter(
@@ -552,6 +572,7 @@ def register_workload(  # noqa: PLR0917 - llm-d's positional signature, kept for
         settings=settings,
         register_socket=agent_link.register_socket(target, register_socket),
         security=security,
+        rank=rank,
     )
     return handle.start()
 

@@ -29,10 +29,11 @@ grace; one whose stream ends while it waits for the answer is settled the same w
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
 from tslice.agent import channel
+from tslice.agent.backends import app_channel_ranks as ranks
 from tslice.agent.backends import base, services
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
 from tslice.common import errors, residency
@@ -117,18 +118,7 @@ class AppChannelBackend(base.Backend):
         requested_mode, tags = _request(job)
         if mode != pb.SUSPEND_MODE_UNSPECIFIED:
             requested_mode = mode
-        return await self._move(
-            job,
-            "snapshot",
-            tags,
-            lambda: self.hub.snapshot(
-                job.job_id,
-                job.group,
-                mode=requested_mode,
-                tags=tags,
-                timeout_s=self.command_timeout_s,
-            ),
-        )
+        return await self._move(job, "snapshot", tags, mode=requested_mode)
 
     async def host_bytes_needed(self, job: base.JobContext) -> int | None:
         """Nothing for a DISCARD; else unknown (the workload says what it parked)."""
@@ -137,32 +127,52 @@ class AppChannelBackend(base.Backend):
 
     async def restore(self, job: base.JobContext) -> base.OpResult:
         _mode, tags = _request(job)
-        return await self._move(
-            job,
-            "restore",
-            tags,
-            lambda: self.hub.restore(
-                job.job_id, job.group, tags=tags, timeout_s=self.command_timeout_s
-            ),
-        )
+        return await self._move(job, "restore", tags)
 
     async def _move(
         self,
         job: base.JobContext,
         kind: Literal["snapshot", "restore"],
         tags: list[str],
-        send: Callable[[], Awaitable[channel.CommandOutcome]],
+        *,
+        mode: int = pb.SUSPEND_MODE_UNSPECIFIED,
     ) -> base.OpResult:
-        """One command to the job's workload, unless what it reports leaves nothing to do."""
+        """One command to the job's workload (to each of its ranks, all at once), unless
+        what it reports leaves nothing to do."""
+
+        def send(
+            what: Literal["snapshot", "restore"], rank: int | None
+        ) -> Awaitable[channel.CommandOutcome]:
+            if what == "snapshot":
+                return self.hub.snapshot(
+                    job.job_id,
+                    job.group,
+                    mode=mode,
+                    tags=tags,
+                    timeout_s=self.command_timeout_s,
+                    rank=rank,
+                )
+            return self.hub.restore(
+                job.job_id, job.group, tags=tags, timeout_s=self.command_timeout_s, rank=rank
+            )
+
         gone = await self._wait_for_workload(job)
         if gone is not None:
             return _after_departure(job, kind, gone)
+        if ranks.is_ranked(self.hub, job.job_id, job.group):
+            return await ranks.move(
+                self.hub,
+                job,
+                kind,
+                send,
+                lambda state: _already(state, tags, off=kind == "snapshot"),
+            )
         known = self.hub.session_state(job.job_id, job.group)
         if known is not None and _already(known, tags, off=kind == "snapshot"):
             return _skipped(job, kind, known)
         try:
             try:
-                outcome = await send()
+                outcome = await send(kind, None)
             except channel.WorkloadDisconnectedError:
                 # The stream ended before the answer: the workload left (a snapshot then
                 # has nothing left to do), or it registers again within the grace, after
@@ -176,7 +186,7 @@ class AppChannelBackend(base.Backend):
                 if _already(settled, tags, off=kind == "snapshot"):
                     return _skipped(job, kind, settled)
                 log.info("%s sent again: the workload registered again", kind, extra=_log(job))
-                outcome = await send()
+                outcome = await send(kind, None)
         except channel.ChannelError as exc:
             raise _translate(exc) from exc
         return _result(job, kind, outcome)
@@ -200,16 +210,15 @@ class AppChannelBackend(base.Backend):
         connected there is nothing to check against; the operation itself then waits for
         one (``register_wait_s``).
         """
-        known = self.hub.session_state(job.job_id, job.group)
-        if known is None:
-            return
         mode, tags = _request(job)
-        try:
-            if mode != pb.SUSPEND_MODE_UNSPECIFIED:
-                channel.check_mode(known, mode)
-            channel.check_tags(known, tags, kind="request")
-        except channel.CommandRefusedError as exc:
-            raise base.BackendConfigRefusedError(str(exc)) from exc
+        # Every rank of a multi-process job must accept the request.
+        for known in self.hub.rank_states(job.job_id, job.group).values():
+            try:
+                if mode != pb.SUSPEND_MODE_UNSPECIFIED:
+                    channel.check_mode(known, mode)
+                channel.check_tags(known, tags, kind="request")
+            except channel.CommandRefusedError as exc:
+                raise base.BackendConfigRefusedError(str(exc)) from exc
 
     async def missing_tags(self, job: base.JobContext, tags: Sequence[str]) -> list[str]:
         """Agent hook for staged restore: which of ``tags`` a RUNNING job does not hold.
@@ -231,6 +240,13 @@ class AppChannelBackend(base.Backend):
         """RUNNING or SAVED from what the connected workload reports; None if it cannot tell."""
         if self.hub.departure(job.job_id, job.group) is not None:
             return pb.JOB_STATE_IDLE  # the workload left, its state with it
+        live = self.hub.rank_states(job.job_id, job.group)
+        if len(live) > 1:
+            if not all(state.state_reported for state in live.values()):
+                return None
+            left = self.hub.departed_ranks(job.job_id, job.group)
+            held = ranks.ranks_state(live, left)["residency"]
+            return pb.JOB_STATE_SAVED if held == residency.NONE else pb.JOB_STATE_RUNNING
         known = self.hub.session_state(job.job_id, job.group)
         if known is None and self.recover_wait_s > 0:
             try:

@@ -24,8 +24,9 @@ log = logging.getLogger(__name__)
 #: by then, and a workload that opens many streams under many ids cannot grow the hub.
 DEPARTURES_KEPT = 4096
 
-#: A session's key: (job_id, group), group "" when the registration named none.
-SessionKey = tuple[str, str]
+#: A session's key: (job_id, group, rank), group "" when the registration named none,
+#: rank 0 for a job's only workload.
+SessionKey = tuple[str, str, int]
 
 
 @dataclasses.dataclass
@@ -56,6 +57,10 @@ class Departures:
     def keys_of(self, job_id: str) -> set[SessionKey]:
         return {k for k in (*self._lost, *self._departed) if k[0] == job_id}
 
+    def ranks_of(self, job_id: str, group: str) -> set[SessionKey]:
+        """The lost or departed sessions of (job, group), every rank."""
+        return {k for k in (*self._lost, *self._departed) if k[:2] == (job_id, group)}
+
     def departure(self, key: SessionKey) -> Departure | None:
         """Why ``key``'s workload counts as gone; None while it may still come back."""
         lost = self._lost.get(key)
@@ -75,7 +80,12 @@ class Departures:
         """Record that the workload of the session's (job, group) is gone (no event)."""
         self._departed.pop(session.key, None)
         self._departed[session.key] = Departure(
-            job_id=session.job_id, group=session.group, reason=reason, clean=clean, at=time.time()
+            job_id=session.job_id,
+            group=session.group,
+            reason=reason,
+            clean=clean,
+            at=time.time(),
+            rank=session.rank,
         )
         while len(self._departed) > DEPARTURES_KEPT:
             self._departed.popitem(last=False)

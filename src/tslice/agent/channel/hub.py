@@ -74,7 +74,6 @@ Rules (WIRE.md "Workload channel rules", plus the tslice additions):
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 from collections.abc import AsyncIterator, Callable, Iterable
 from typing import Literal, TypeVar
@@ -85,9 +84,12 @@ from tslice.agent.channel import departures, registration, rules, sessions, stre
 from tslice.agent.channel.rules import (
     WORKLOAD_LEFT,
     ChannelError,
+    ChannelEvent,
+    CommandOutcome,
     CommandRefusedError,
     CommandTimeoutError,
     Departure,
+    Listener,
     NoWorkloadError,
     WorkloadDisconnectedError,
     WorkloadState,
@@ -125,50 +127,13 @@ log = logging.getLogger(__name__)
 _T = TypeVar("_T")
 
 
-@dataclasses.dataclass(frozen=True)
-class CommandOutcome:
-    """A command the workload answered (``ok`` may be false)."""
-
-    command_id: str
-    ok: bool
-    error: str
-    device_bytes: int
-    host_bytes: int
-    #: Resolved snapshot mode (UNSPECIFIED for restore).
-    mode: int
-    #: Workload state after the result was applied.
-    state: WorkloadState
-
-
-@dataclasses.dataclass(frozen=True)
-class ChannelEvent:
-    """Passed to listeners when a workload registers, its session ends, or it has left.
-
-    ``closed`` comes with every session end; ``left=True`` on it when the stream ended
-    cleanly (the workload left at once). ``left`` comes later, once a lost session's
-    grace ran out without a new registration.
-    """
-
-    kind: Literal["registered", "closed", "left"]
-    job_id: str
-    state: WorkloadState
-    #: Why a session closed or the workload left (empty for registrations).
-    reason: str = ""
-    #: The group the session registered for ("" = none named).
-    group: str = ""
-    #: The workload has left: the agent no longer counts it as holding anything.
-    left: bool = False
-
-
-Listener = Callable[[ChannelEvent], None]
-
-
-#: A session's key: (job_id, group), group "" when the registration named none.
+#: A session's key: (job_id, group, rank), group "" when the registration named none.
 SessionKey = departures.SessionKey
 
 
 class ChannelHub:
-    """Accepts workload streams and sends them commands (one session per (job, group))."""
+    """Accepts workload streams and sends them commands (one session per (job, group,
+    rank))."""
 
     def __init__(
         self,
@@ -208,28 +173,68 @@ class ChannelHub:
 
     def known_jobs(self) -> list[str]:
         """Job ids with a live workload session."""
-        return sorted({job_id for job_id, _group in self._sessions})
+        return sorted({key[0] for key in self._sessions})
 
-    def known_sessions(self) -> list[SessionKey]:
-        """(job_id, group) of every live workload session."""
-        return sorted(self._sessions)
+    def known_sessions(self) -> list[tuple[str, str]]:
+        """(job_id, group) of every live workload session (once for a job's several ranks)."""
+        return sorted({key[:2] for key in self._sessions})
 
     def session_state(self, job_id: str, group: str = "") -> WorkloadState | None:
-        """What the session serving (job, group) reports; ``None`` if none (or no single one)."""
+        """What the session serving (job, group) reports; ``None`` if none (or no single one:
+        a job with several ranks answers through :meth:`rank_states`)."""
         found = self._matching(job_id, group)
         return found[0].state() if len(found) == 1 else None
 
+    def rank_states(self, job_id: str, group: str = "") -> dict[int, WorkloadState]:
+        """What each live rank serving (job, group) reports, by rank; empty if none, or
+        if the sessions (job, group) may mean belong to several groups."""
+        found = self._matching(job_id, group)
+        if len({s.group for s in found}) != 1:
+            return {}
+        return {s.rank: s.state() for s in found}
+
+    def departed_ranks(self, job_id: str, group: str = "") -> dict[int, Departure]:
+        """The ranks of (job, group) that left and have not registered again, by rank."""
+        resolved = self._resolved_group(job_id, group)
+        if resolved is None:
+            return {}
+        live = {s.rank for s in self._of(job_id, resolved)}
+        gone = {
+            key[2]: self._gone.departure(key)
+            for key in sorted(self._gone.ranks_of(job_id, resolved))
+            if key[2] not in live
+        }
+        return {rank: d for rank, d in gone.items() if d is not None}
+
+    def lost_ranks(self, job_id: str, group: str = "") -> dict[int, float]:
+        """The ranks of (job, group) whose channel is lost and may still come back, with
+        the seconds of grace each has left."""
+        resolved = self._resolved_group(job_id, group)
+        if resolved is None:
+            return {}
+        live = {s.rank for s in self._of(job_id, resolved)}
+        left = {
+            key[2]: self._gone.grace_left(key)
+            for key in self._gone.ranks_of(job_id, resolved)
+            if key[2] not in live
+        }
+        return {rank: s for rank, s in sorted(left.items()) if s is not None and s > 0}
+
     def departure(self, job_id: str, group: str = "") -> Departure | None:
-        """Why the workload that served (job, group) counts as gone; ``None`` while a live
-        session serves it, while a lost one may still come back, or if none ever did."""
-        key = self._gone_key(job_id, group)
-        return self._gone.departure(key) if key is not None else None
+        """Why the workload that served (job, group) counts as gone (every rank of it, the
+        lowest rank's); ``None`` while a live session serves it, while a lost one may still
+        come back, or if none ever did."""
+        gone = [self._gone.departure(key) for key in self._gone_keys(job_id, group)]
+        if not gone or any(d is None for d in gone):
+            return None
+        return gone[0]
 
     def lost_grace_left(self, job_id: str, group: str = "") -> float | None:
-        """Seconds left for the lost session of (job, group) to register again; ``None``
-        when no session of it is lost (live, gone, or never seen)."""
-        key = self._gone_key(job_id, group)
-        return self._gone.grace_left(key) if key is not None else None
+        """Seconds left for the lost sessions of (job, group) to register again (the
+        longest); ``None`` when no session of it is lost (live, gone, or never seen)."""
+        left = [self._gone.grace_left(key) for key in self._gone_keys(job_id, group)]
+        found = [s for s in left if s is not None]
+        return max(found) if found else None
 
     def add_listener(self, listener: Listener) -> None:
         """Call ``listener(event)`` on every registration and session end (on the loop)."""
@@ -253,6 +258,17 @@ class ChannelHub:
 
         return await self._wait(settled, timeout, f"{_who(job_id, group)} settled")
 
+    async def wait_ranks_settled(
+        self, job_id: str, group: str = "", *, timeout: float | None = None
+    ) -> None:
+        """Wait until no rank of (job, group) is lost within its grace (each rank is live
+        again or counts as gone)."""
+
+        def settled() -> bool | None:
+            return True if not self.lost_ranks(job_id, group) else None
+
+        await self._wait(settled, timeout, f"{_who(job_id, group)} ranks settled")
+
     async def wait_unregistered(
         self, job_id: str, group: str = "", *, timeout: float | None = None
     ) -> None:
@@ -273,14 +289,15 @@ class ChannelHub:
         mode: int = pb.SUSPEND_MODE_UNSPECIFIED,
         tags: Iterable[str] = (),
         timeout_s: float,
+        rank: int | None = None,
     ) -> CommandOutcome:
-        """Ask the workload of (job, group) to move its (tagged) state off the device, and
-        wait for the answer.
+        """Ask the workload of (job, group) (its ``rank``; ``None``: its only one) to move
+        its (tagged) state off the device, and wait for the answer.
 
         Raises NoWorkloadError / CommandRefusedError (nothing sent),
         WorkloadDisconnectedError or CommandTimeoutError (state unknown).
         """
-        session = self._live(job_id, group)
+        session = self._live(job_id, group, rank)
         wanted = tuple(dict.fromkeys(tags))
         resolved = resolve_mode(session.state(), mode)
         check_mode(session.state(), resolved)
@@ -293,10 +310,17 @@ class ChannelHub:
         )
 
     async def restore(
-        self, job_id: str, group: str = "", *, tags: Iterable[str] = (), timeout_s: float
+        self,
+        job_id: str,
+        group: str = "",
+        *,
+        tags: Iterable[str] = (),
+        timeout_s: float,
+        rank: int | None = None,
     ) -> CommandOutcome:
-        """Ask the workload of (job, group) to bring its (tagged) state back, and wait."""
-        session = self._live(job_id, group)
+        """Ask the workload of (job, group) (its ``rank``; ``None``: its only one) to bring
+        its (tagged) state back, and wait."""
+        session = self._live(job_id, group, rank)
         wanted = tuple(dict.fromkeys(tags))
         check_tags(session.state(), wanted, kind="restore")
         command = pb.AgentCommand(restore=pb.RestoreCommand(tags=wanted))
@@ -378,6 +402,7 @@ class ChannelHub:
             extra={
                 "job_id": session.job_id,
                 "group": session.group,
+                "rank": session.rank,
                 "pid": session.pid,
                 "claimed_pid": session.claimed_pid,
                 "modes": [pb.SuspendMode.Name(m) for m in session.supported_modes],
@@ -393,26 +418,45 @@ class ChannelHub:
     # ---- helpers -------------------------------------------------------------------
 
     def _matching(self, job_id: str, group: str) -> list[sessions.Session]:
-        """The sessions (job, group) may mean (the rule of the module docstring): one, none,
-        or, for a request without a group, every session of the job."""
+        """The sessions (job, group) may mean (the rule of the module docstring): the
+        ranks of one group, none, or, for a request without a group, every session of the
+        job."""
         if group:
-            session = self._sessions.get((job_id, group)) or self._sessions.get((job_id, ""))
-            return [session] if session is not None else []
-        return [s for (job, _group), s in sorted(self._sessions.items()) if job == job_id]
+            return self._of(job_id, group) or self._of(job_id, "")
+        return [s for key, s in sorted(self._sessions.items()) if key[0] == job_id]
 
-    def _live(self, job_id: str, group: str) -> sessions.Session:
+    def _of(self, job_id: str, group: str) -> list[sessions.Session]:
+        """The live sessions of exactly (job, group), by rank."""
+        return [s for key, s in sorted(self._sessions.items()) if key[:2] == (job_id, group)]
+
+    def _resolved_group(self, job_id: str, group: str) -> str | None:
+        """The one group whose sessions (job, group) means, live or gone; None if none."""
+        groups = {s.group for s in self._matching(job_id, group)}
+        if not groups:
+            groups = {key[1] for key in self._gone_keys(job_id, group)}
+        return groups.pop() if len(groups) == 1 else None
+
+    def _live(self, job_id: str, group: str, rank: int | None = None) -> sessions.Session:
         found = [s for s in self._matching(job_id, group) if not s.closed.is_set()]
-        if len(found) > 1:
-            groups = ", ".join(s.group or '""' for s in found)
+        groups = sorted({s.group or '""' for s in found})
+        if len(groups) > 1:
             raise CommandRefusedError(
-                f"job {job_id!r} has workloads registered for groups {groups} on this node; "
-                "name the group"
+                f"job {job_id!r} has workloads registered for groups {', '.join(groups)} on "
+                "this node; name the group"
+            )
+        if rank is not None:
+            found = [s for s in found if s.rank == rank]
+        if len(found) > 1:
+            ranks = ", ".join(str(s.rank) for s in found)
+            raise CommandRefusedError(
+                f"{describe(job_id, group)} has workloads registered for ranks {ranks} on "
+                "this node; name the rank"
             )
         if not found:
+            who = rules.label(job_id, group, rank or 0)
             raise NoWorkloadError(
-                f"no workload channel registered for {describe(job_id, group)}; "
-                "the workload must call tslice.workload.register_workload(agent, job_id, group, "
-                "...) first"
+                f"no workload channel registered for {who}; the workload must call "
+                "tslice.workload.register_workload(agent, job_id, group, ...) first"
             )
         return found[0]
 
@@ -440,6 +484,7 @@ class ChannelHub:
             extra={
                 "job_id": session.job_id,
                 "group_id": session.group,
+                "rank": session.rank,
                 "reason": reason,
                 "left": left,
                 "grace_s": self.lost_grace_s if leaves and not left else None,
@@ -457,20 +502,21 @@ class ChannelHub:
             return rules.already_registered(live.state())
         return self._gone.lost_conflict(key, instance)
 
-    def _gone_key(self, job_id: str, group: str) -> SessionKey | None:
-        """The lost or departed session (job, group) means when no live session serves it,
-        by the lookup rule of the module docstring (the group's own, else the job's
-        group-less one; no group: the job's group-less one, else its only one)."""
+    def _gone_keys(self, job_id: str, group: str) -> list[SessionKey]:
+        """The lost or departed sessions (every rank) (job, group) means when no live
+        session serves it, by the lookup rule of the module docstring (the group's own,
+        else the job's group-less one; no group: the job's group-less one, else its only
+        group's)."""
         if self._matching(job_id, group):
-            return None
-
-        known = self._gone.known
+            return []
+        for candidate in (group, "") if group else ("",):
+            found = self._gone.ranks_of(job_id, candidate)
+            if found:
+                return sorted(found)
         if group:
-            return next((k for k in ((job_id, group), (job_id, "")) if known(k)), None)
-        if known((job_id, "")):
-            return (job_id, "")
+            return []
         found = self._gone.keys_of(job_id)
-        return found.pop() if len(found) == 1 else None
+        return sorted(found) if len({key[1] for key in found}) == 1 else []
 
     def _notify(
         self,
@@ -487,6 +533,7 @@ class ChannelHub:
             state=session.state(),
             reason=reason,
             left=left,
+            rank=session.rank,
         )
         if self._changed is not None:
             self._changed.set()

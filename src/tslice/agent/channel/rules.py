@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import Literal
 
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
 from tslice.common import ids, validation
@@ -70,6 +71,8 @@ class Departure:
     clean: bool
     #: Wall-clock time the workload was counted as gone.
     at: float
+    #: Which of the job's processes (``RegisterWorkload.rank``; 0 = the only one).
+    rank: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,6 +98,9 @@ class WorkloadState:
     keepalive: bool
     #: Wall-clock time of the registration.
     registered_at: float
+    #: Which of the job's processes on this node (``RegisterWorkload.rank``; 0 = the
+    #: job's only one).
+    rank: int = 0
 
 
 def resolve_mode(state: WorkloadState, mode: int) -> int:
@@ -134,6 +140,16 @@ def check_tags(state: WorkloadState, tags: Iterable[str], *, kind: str) -> None:
         )
 
 
+#: The highest rank a workload may register (one process per device; generous).
+MAX_RANK = 4095
+
+
+def label(job_id: str, group: str, rank: int = 0) -> str:
+    """How messages name one workload: its job, its group if named, its rank if not 0."""
+    who = admission.describe(job_id, group)
+    return f"{who} rank {rank}" if rank else who
+
+
 def registration_problem(register: pb.RegisterWorkload) -> str:
     """Why a registration is refused, or '' if it is acceptable."""
     try:
@@ -146,6 +162,11 @@ def registration_problem(register: pb.RegisterWorkload) -> str:
         validation.check_message(register)
     except validation.InvalidInput as exc:
         return f"invalid RegisterWorkload for job {register.job_id!r}: {exc}"
+    if not 0 <= register.rank <= MAX_RANK:
+        return (
+            f"invalid RegisterWorkload for job {register.job_id!r}: rank must be between 0 "
+            f"and {MAX_RANK} (which of the job's processes on this node), got {register.rank}"
+        )
     caps = register.capabilities
     for mode in caps.supported_modes:
         if mode not in VALID_MODES:
@@ -203,7 +224,7 @@ def already_registered(
 ) -> str:
     """The refusal of a second registration while ``state``'s workload is live or may still
     come back (``lost_for_s``: seconds since its channel was lost)."""
-    who = admission.describe(state.job_id, state.group)
+    who = label(state.job_id, state.group, state.rank)
     since = time.strftime("%H:%M:%S", time.localtime(state.registered_at))
     process = f"process {state.pid}" if state.pid else "a process the agent cannot name"
     if lost_for_s is None:
@@ -226,3 +247,43 @@ def mode_name(mode: int) -> str:
         return pb.SuspendMode.Name(mode)
     except ValueError:
         return str(mode)
+
+
+@dataclasses.dataclass(frozen=True)
+class CommandOutcome:
+    """A command the workload answered (``ok`` may be false)."""
+
+    command_id: str
+    ok: bool
+    error: str
+    device_bytes: int
+    host_bytes: int
+    #: Resolved snapshot mode (UNSPECIFIED for restore).
+    mode: int
+    #: Workload state after the result was applied.
+    state: WorkloadState
+
+
+@dataclasses.dataclass(frozen=True)
+class ChannelEvent:
+    """Passed to listeners when a workload registers, its session ends, or it has left.
+
+    ``closed`` comes with every session end; ``left=True`` on it when the stream ended
+    cleanly (the workload left at once). ``left`` comes later, once a lost session's
+    grace ran out without a new registration.
+    """
+
+    kind: Literal["registered", "closed", "left"]
+    job_id: str
+    state: WorkloadState
+    #: Why a session closed or the workload left (empty for registrations).
+    reason: str = ""
+    #: The group the session registered for ("" = none named).
+    group: str = ""
+    #: The workload has left: the agent no longer counts it as holding anything.
+    left: bool = False
+    #: Which of the job's processes the session is (0 = the job's only one).
+    rank: int = 0
+
+
+Listener = Callable[[ChannelEvent], None]

@@ -21,7 +21,6 @@ import grpc
 from tslice.agent.channel import rules
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
 from tslice.common import residency
-from tslice.security import admission
 
 #: Timed-out command ids remembered per session, so a late success still updates residency.
 EXPIRED_KEPT = 64
@@ -53,10 +52,12 @@ class Session:
         caps = register.capabilities
         self.job_id = register.job_id
         self.group = register.group
-        #: The hub's key: one session per (job, group).
-        self.key = (register.job_id, register.group)
-        #: How messages name the session's job and group.
-        self.label = admission.describe(self.job_id, self.group)
+        #: Which of the job's processes on this node (0 = the job's only one).
+        self.rank = register.rank
+        #: The hub's key: one session per (job, group, rank).
+        self.key = (register.job_id, register.group, register.rank)
+        #: How messages name the session's job, group and rank.
+        self.label = rules.label(self.job_id, self.group, self.rank)
         #: The registering process as the agent knows it (bound through its register
         #: socket); 0 = not known. The registration's own ``pid`` field is never trusted.
         self.pid = pid
@@ -100,6 +101,7 @@ class Session:
             residency=self.tracker.residency,
             keepalive=self.keepalive,
             registered_at=self.registered_at,
+            rank=self.rank,
         )
 
     def heard(self) -> None:

@@ -145,7 +145,7 @@ async def _accept(
     if problem:
         await _refuse(context, problem)
     pid = await owner.admission.identify(first.register, instance, context)
-    key = (first.register.job_id, first.register.group)
+    key = (first.register.job_id, first.register.group, first.register.rank)
     conflict = owner.conflict(key, instance)
     if conflict:
         await context.abort(grpc.StatusCode.ALREADY_EXISTS, conflict)

@@ -153,7 +153,7 @@ class WorkloadCapabilities(_message.Message):
     def __init__(self, supported_modes: _Optional[_Iterable[_Union[SuspendMode, str]]] = ..., default_mode: _Optional[_Union[SuspendMode, str]] = ..., tags: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class RegisterWorkload(_message.Message):
-    __slots__ = ("job_id", "group", "capabilities", "resident_tags", "suspended", "pid", "features")
+    __slots__ = ("job_id", "group", "capabilities", "resident_tags", "suspended", "pid", "features", "rank")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     GROUP_FIELD_NUMBER: _ClassVar[int]
     CAPABILITIES_FIELD_NUMBER: _ClassVar[int]
@@ -161,6 +161,7 @@ class RegisterWorkload(_message.Message):
     SUSPENDED_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
     FEATURES_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     group: str
     capabilities: WorkloadCapabilities
@@ -168,7 +169,8 @@ class RegisterWorkload(_message.Message):
     suspended: bool
     pid: int
     features: WorkloadFeatures
-    def __init__(self, job_id: _Optional[str] = ..., group: _Optional[str] = ..., capabilities: _Optional[_Union[WorkloadCapabilities, _Mapping]] = ..., resident_tags: _Optional[_Iterable[str]] = ..., suspended: bool = ..., pid: _Optional[int] = ..., features: _Optional[_Union[WorkloadFeatures, _Mapping]] = ...) -> None: ...
+    rank: int
+    def __init__(self, job_id: _Optional[str] = ..., group: _Optional[str] = ..., capabilities: _Optional[_Union[WorkloadCapabilities, _Mapping]] = ..., resident_tags: _Optional[_Iterable[str]] = ..., suspended: bool = ..., pid: _Optional[int] = ..., features: _Optional[_Union[WorkloadFeatures, _Mapping]] = ..., rank: _Optional[int] = ...) -> None: ...
 
 class WorkloadFeatures(_message.Message):
     __slots__ = ("keepalive", "reports_state")

@@ -1,0 +1,141 @@
+"""Support for tests of the app-channel backend with several ranks of one job: a real
+grpc.aio server whose WorkloadChannel is a ChannelHub, and rank workloads registered
+through the real ``register_workload`` (each its own stream and worker thread).
+
+Each rank holds a few bytes "on the device" that a snapshot moves to "the host" and a
+restore brings back, so a test can check the data is intact after any move.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from tslice.agent import channel
+from tslice.agent.backends import app_channel, base, services
+from tslice.agent.channel import registration
+from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
+from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2_grpc as pb_grpc
+from tslice.workload import WorkloadHandle, register_workload
+
+#: Seconds a rank waits at a barrier for the others: a bound that fails the test if the
+#: agent asked the ranks one after another, never a synchronisation by time.
+BARRIER_TIMEOUT_S = 30.0
+
+
+class _Servicer(pb_grpc.SnapshotAgentServiceServicer):
+    def __init__(self, hub: channel.ChannelHub) -> None:
+        self.hub = hub
+
+    async def WorkloadChannel(self, request_iterator, context):  # type: ignore[no-untyped-def]
+        async for command in self.hub.handle_stream(request_iterator, context):
+            yield command
+
+
+class RankAgent:
+    """The agent side: a hub behind a real server, and the app-channel backend on it."""
+
+    def __init__(self, hub: channel.ChannelHub, address: str) -> None:
+        self.hub = hub
+        self.address = address
+        node = services.NodeServices(
+            node="node-a",
+            state_dir=Path("/nonexistent"),
+            hub=hub,
+            processes=registration.ProcessRegistry(),
+        )
+        self.backend = app_channel.AppChannelBackend.create_on_node(
+            {"command_timeout_s": 60, "register_wait_s": 0}, node
+        )
+        self.handles: list[WorkloadHandle] = []
+
+
+@contextlib.asynccontextmanager
+async def rank_agent(**hub_settings: Any) -> AsyncIterator[RankAgent]:
+    hub = channel.ChannelHub(ping_interval_s=0.2, **hub_settings)
+    server = grpc.aio.server()
+    pb_grpc.add_SnapshotAgentServiceServicer_to_server(_Servicer(hub), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    agent = RankAgent(hub, f"127.0.0.1:{port}")
+    try:
+        yield agent
+    finally:
+        for handle in agent.handles:
+            await asyncio.to_thread(handle.close)
+        await hub.close()
+        await server.stop(grace=None)
+
+
+class Rank:
+    """One rank's workload: its data moves between "device" and "host"."""
+
+    def __init__(self, rank: int, *, gate: threading.Barrier | None = None) -> None:
+        self.rank = rank
+        self.device: bytes | None = bytes([rank]) * 64
+        self.original = self.device
+        self.host: bytes | None = None
+        #: Every rank waits here when asked to snapshot (or restore), before answering.
+        self.gate = gate
+        self.restore_gate: threading.Barrier | None = None
+        self.fail_snapshot = False
+        self.fail_restore = False
+        self.calls: list[str] = []
+
+    def on_snapshot(self, mode: str, tags: list[str]) -> dict[str, int]:
+        self.calls.append("snapshot")
+        if self.gate is not None:
+            self.gate.wait(BARRIER_TIMEOUT_S)
+        if self.fail_snapshot:
+            raise RuntimeError(f"rank {self.rank} ran out of host memory")
+        assert self.device is not None
+        self.host, self.device = self.device, None
+        return {"device_bytes": len(self.host), "host_bytes": len(self.host)}
+
+    def on_restore(self, tags: list[str]) -> dict[str, int]:
+        self.calls.append("restore")
+        if self.restore_gate is not None:
+            self.restore_gate.wait(BARRIER_TIMEOUT_S)
+        if self.fail_restore:
+            raise RuntimeError(f"rank {self.rank} cannot allocate device memory")
+        if self.host is not None:
+            self.device, self.host = self.host, None
+        return {"device_bytes": len(self.device or b"")}
+
+
+async def register_ranks(
+    agent: RankAgent, job_id: str, group: str, ranks: list[Rank], **kwargs: Any
+) -> list[WorkloadHandle]:
+    """Register each rank as its own workload of (job, group), and wait for all."""
+    handles = []
+    for rank in ranks:
+        handle = register_workload(
+            agent.address,
+            job_id,
+            group,
+            on_snapshot=rank.on_snapshot,
+            on_restore=rank.on_restore,
+            rank=rank.rank,
+            ping_interval_s=0.2,
+            backoff_initial_s=0.05,
+            **kwargs,
+        )
+        agent.handles.append(handle)
+        handles.append(handle)
+    for handle in handles:
+        assert await asyncio.to_thread(handle.wait_registered, 10), handle.error
+
+    # A handle is registered once the agent acknowledged it: the hub holds its session.
+    assert sorted(agent.hub.rank_states(job_id, group)) == sorted(r.rank for r in ranks)
+    return handles
+
+
+def job(job_id: str, group: str = "g") -> base.JobContext:
+    config = pb.BackendConfig(app_channel=pb.AppChannelConfig())
+    return base.JobContext(job_id=job_id, group=group, config=config)
