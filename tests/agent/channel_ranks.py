@@ -17,7 +17,9 @@ from typing import Any
 
 import grpc
 
+from tslice.agent import app as agent_app
 from tslice.agent import channel
+from tslice.agent import config as agent_config
 from tslice.agent.backends import app_channel, base, services
 from tslice.agent.channel import registration
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
@@ -139,3 +141,72 @@ async def register_ranks(
 def job(job_id: str, group: str = "g") -> base.JobContext:
     config = pb.BackendConfig(app_channel=pb.AppChannelConfig())
     return base.JobContext(job_id=job_id, group=group, config=config)
+
+
+@contextlib.asynccontextmanager
+async def real_agent(tmp: Path, **settings: Any) -> AsyncIterator[tuple[Any, Path]]:
+    """The whole agent (``tslice.agent.app.serve``) on a Unix socket in ``tmp`` (keep it
+    short: socket paths are limited to ~100 bytes), app-channel its only backend; yields
+    its stub and socket."""
+    socket = tmp / "agent.sock"
+    config = agent_config.AgentConfig(
+        node_name="node-a",
+        port=0,
+        state_dir=tmp / "state",
+        unix_socket=socket,
+        # Next to the agent socket, where workloads bind their channel to their process.
+        register_socket=tmp / "register.sock",
+        backends=("app-channel",),
+        backend_settings={"app-channel": {"command_timeout_s": 30, **settings}},
+    )
+    stop = asyncio.Event()
+    ready: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+    task = asyncio.create_task(agent_app.serve(config, ready=ready.set_result, stop=stop))
+    try:
+        await asyncio.wait_for(ready, timeout=20)
+        async with grpc.aio.insecure_channel(f"unix:{socket}") as link:
+            yield pb_grpc.SnapshotAgentServiceStub(link), socket
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, timeout=20)
+
+
+#: One rank as its own process: ``python -c RANK_PROCESS socket job group rank fail``.
+#: It prints ``registered True``, then ``asked <kind>`` when sent a command; a snapshot
+#: answers only after a ``go`` line on stdin (so a test sees every rank asked before any
+#: answers); ``fail`` = ``snapshot`` makes its snapshot fail. On ``quit`` it closes its
+#: channel and prints whether its bytes are back on its "device", unchanged.
+RANK_PROCESS = """
+import queue, sys
+from tslice.workload import register_workload
+sock, job, group, rank, fail = sys.argv[1:6]
+rank = int(rank)
+original = bytes([rank]) * 64
+held = {"device": original, "host": None}
+go = queue.Queue()
+
+def on_snapshot(mode, tags):
+    print("asked snapshot", flush=True)
+    go.get(timeout=60)
+    if fail == "snapshot":
+        raise RuntimeError(f"rank {rank} ran out of host memory")
+    held["host"], held["device"] = held["device"], None
+    return {"device_bytes": 64, "host_bytes": 64}
+
+def on_restore(tags):
+    print("asked restore", flush=True)
+    if held["host"] is not None:
+        held["device"], held["host"] = held["host"], None
+    return {"device_bytes": 64}
+
+handle = register_workload("unix:" + sock, job, group, on_snapshot=on_snapshot,
+                           on_restore=on_restore, rank=rank)
+print("registered", handle.wait_registered(20), flush=True)
+for line in sys.stdin:
+    if line.strip() == "go":
+        go.put(None)
+    elif line.strip() == "quit":
+        break
+handle.close()
+print("intact", held["device"] == original and held["host"] is None, flush=True)
+"""

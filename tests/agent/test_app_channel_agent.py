@@ -20,11 +20,10 @@ from typing import Any
 import grpc
 import pytest
 
-from tslice.agent import app as agent_app
-from tslice.agent import config as agent_config
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
-from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2_grpc as pb_grpc
 from tslice.workload import WorkloadHandle, register_workload
+
+from .channel_ranks import real_agent
 
 GROUP = "sampler"
 
@@ -50,28 +49,11 @@ class Agent:
 async def agent() -> AsyncIterator[Agent]:
     # Unix socket paths are limited to ~100 bytes: keep the directory short.
     tmp = Path(tempfile.mkdtemp(prefix="tsl-"))
-    socket = tmp / "agent.sock"
-    # Default backend noop: a job reaches app-channel only because its workload registered.
-    config = agent_config.AgentConfig(
-        node_name="node-a",
-        port=0,
-        state_dir=tmp / "state",
-        unix_socket=socket,
-        # Next to the agent socket, where workloads bind their channel to their process.
-        register_socket=tmp / "register.sock",
-        backends=("app-channel",),
-        backend_settings={"app-channel": {"command_timeout_s": 30}},
-    )
-    stop = asyncio.Event()
-    ready: asyncio.Future[str] = asyncio.get_running_loop().create_future()
-    task = asyncio.create_task(agent_app.serve(config, ready=ready.set_result, stop=stop))
     try:
-        await asyncio.wait_for(ready, timeout=20)
-        async with grpc.aio.insecure_channel(f"unix:{socket}") as channel:
-            yield Agent(pb_grpc.SnapshotAgentServiceStub(channel), socket)
+        # Default backend noop: a job reaches app-channel only because its workload registered.
+        async with real_agent(tmp) as (stub, socket):
+            yield Agent(stub, socket)
     finally:
-        stop.set()
-        await asyncio.wait_for(task, timeout=20)
         shutil.rmtree(tmp, ignore_errors=True)
 
 

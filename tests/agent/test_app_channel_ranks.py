@@ -12,8 +12,10 @@ import threading
 
 import pytest
 
+from tslice.agent import channel
 from tslice.agent.backends import app_channel_ranks, base
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
+from tslice.workload import register_workload
 
 from .channel_ranks import Rank, job, rank_agent, register_ranks
 
@@ -121,3 +123,28 @@ async def test_a_workload_that_sends_no_rank_is_the_jobs_only_one() -> None:
         assert saved.state["residency"] == "none" and only.host == only.original
         await agent.backend.restore(job("job-1"))
         assert only.device == only.original
+
+
+async def test_each_rank_registers_once_and_a_command_must_name_one() -> None:
+    ranks = [Rank(0), Rank(1)]
+    async with rank_agent() as agent:
+        await register_ranks(agent, "job-n", "g", ranks)
+        again = register_workload(
+            agent.address,
+            "job-n",
+            "g",
+            on_snapshot=Rank(1).on_snapshot,
+            on_restore=Rank(1).on_restore,
+            rank=1,
+            backoff_initial_s=0.05,
+        )
+        agent.handles.append(again)
+        refusal = await asyncio.to_thread(again.wait_refused, 10)
+        assert refusal is not None
+        assert "job 'job-n' (group 'g') rank 1 already has a live workload" in refusal
+        assert agent.hub.known_sessions() == [("job-n", "g")]
+        with pytest.raises(channel.CommandRefusedError, match=r"ranks 0, 1 .* name the rank"):
+            await agent.hub.snapshot("job-n", "g", timeout_s=5)
+        assert ranks[0].calls == ranks[1].calls == []
+    with pytest.raises(ValueError, match="rank must be an int between 0 and 4095"):
+        register_workload("127.0.0.1:1", "job-n", "g", on_snapshot=print, on_restore=print, rank=-1)
