@@ -26,18 +26,11 @@ from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2_grpc as pb_grpc
 from tslice.workload import WorkloadHandle, register_workload
 
+from . import raw_workload
+
 #: Seconds a rank waits at a barrier for the others: a bound that fails the test if the
 #: agent asked the ranks one after another, never a synchronisation by time.
 BARRIER_TIMEOUT_S = 30.0
-
-
-class _Servicer(pb_grpc.SnapshotAgentServiceServicer):
-    def __init__(self, hub: channel.ChannelHub) -> None:
-        self.hub = hub
-
-    async def WorkloadChannel(self, request_iterator, context):  # type: ignore[no-untyped-def]
-        async for command in self.hub.handle_stream(request_iterator, context):
-            yield command
 
 
 class RankAgent:
@@ -61,11 +54,9 @@ class RankAgent:
 @contextlib.asynccontextmanager
 async def rank_agent(**hub_settings: Any) -> AsyncIterator[RankAgent]:
     hub = channel.ChannelHub(ping_interval_s=0.2, **hub_settings)
-    server = grpc.aio.server()
-    pb_grpc.add_SnapshotAgentServiceServicer_to_server(_Servicer(hub), server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    agent = RankAgent(hub, f"127.0.0.1:{port}")
+    served = await raw_workload.start_hub(hub, "127.0.0.1:0")
+    server = served.server
+    agent = RankAgent(hub, served.address)
     try:
         yield agent
     finally:

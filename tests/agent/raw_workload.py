@@ -70,6 +70,7 @@ class RawWorkload:
         pid: int = 0,
         features: pb.WorkloadFeatures | None = TSLICE,
         ack: bool = True,
+        rank: int = 0,
     ) -> None:
         """Register; with declared keepalive, wait for the acknowledging ping and answer it."""
         register = pb.RegisterWorkload(
@@ -81,6 +82,7 @@ class RawWorkload:
             resident_tags=resident_tags,
             suspended=suspended,
             pid=pid,
+            rank=rank,
         )
         if features is not None:
             register.features.CopyFrom(features)

@@ -98,6 +98,11 @@ async def test_first_message_must_be_a_registration(hub_server: HubServer) -> No
             ),
             "resident_tags ['kv'] are not among the declared tags",
         ),
+        (
+            pb.RegisterWorkload(job_id="j", rank=-1),
+            "rank must be between 0 and 4095 (which of the job's processes on this node), got -1",
+        ),
+        (pb.RegisterWorkload(job_id="j", rank=4096), "rank must be between 0 and 4095"),
     ],
     ids=[
         "empty-id",
@@ -106,6 +111,8 @@ async def test_first_message_must_be_a_registration(hub_server: HubServer) -> No
         "unspecified-mode",
         "default-not-supported",
         "stray-tag",
+        "negative-rank",
+        "rank-too-high",
     ],
 )
 async def test_bad_registration_is_refused_with_a_precise_message(
