@@ -557,7 +557,9 @@ def register_workload(  # noqa: PLR0917 - llm-d's positional signature, kept for
     adapter = adapters.resolve_adapter(
         workload=workload, on_snapshot=on_snapshot, on_restore=on_restore
     )
-    capabilities = _capabilities(adapter.capabilities(), supported_modes, default_mode, tags)
+    capabilities = base.overridden_capabilities(
+        adapter.capabilities(), supported_modes, default_mode, tags
+    )
     try:
         loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
     except RuntimeError:
@@ -575,37 +577,3 @@ def register_workload(  # noqa: PLR0917 - llm-d's positional signature, kept for
         rank=rank,
     )
     return handle.start()
-
-
-def _capabilities(
-    declared: base.Capabilities,
-    supported_modes: Iterable[ModeLike] | None,
-    default_mode: ModeLike | None,
-    tags: Iterable[str] | None,
-) -> base.Capabilities:
-    modes = (
-        tuple(dict.fromkeys(base.SuspendMode.parse(m) for m in supported_modes))
-        if supported_modes is not None
-        else declared.supported_modes
-    )
-    default = base.SuspendMode.parse(default_mode) if default_mode is not None else None
-    # An adapter default that the overriding modes exclude would be refused by the agent.
-    if (
-        default is None
-        and declared.default_mode is not None
-        and (not modes or declared.default_mode in modes)
-    ):
-        default = declared.default_mode
-    if default is None and len(modes) == 1:
-        # The agent falls back to OFFLOAD, which a DISCARD-only workload would refuse.
-        default = modes[0]
-    if default is not None and modes and default not in modes:
-        raise ValueError(
-            f"default_mode {default.label!r} is not among supported_modes "
-            f"{[m.label for m in modes]}"
-        )
-    return base.Capabilities(
-        supported_modes=modes,
-        default_mode=default,
-        tags=base.normalize_tags(tags) if tags is not None else declared.tags,
-    )

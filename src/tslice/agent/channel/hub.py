@@ -30,9 +30,12 @@ Rules (WIRE.md "Workload channel rules", plus the tslice additions):
   process is bound by its peer credentials (its instance token, bound through the
   register socket); over TCP the ``pid`` field is never trusted and, with
   authentication on, the job credential must allow the job.
-- Sessions are keyed by (job, group), as the agent's records are: one job may
-  register one workload per group on a node (a sampler engine and a trainer
-  process). A second registration of a (job, group) never replaces a live session,
+- Sessions are keyed by (job, group, rank), as the agent's records are by (job,
+  group): one job may register one workload per group on a node (a sampler engine
+  and a trainer process), and one per rank of a group for a job with one process
+  per GPU (``RegisterWorkload.rank``; 0 = the only one; the app-channel backend moves
+  the ranks together, :mod:`tslice.agent.backends.app_channel_ranks`). A second
+  registration of a (job, group, rank) never replaces a live session,
   nor a lost one within its grace: it is refused with ALREADY_EXISTS naming the
   live registration and the fix. Only the same workload (the same instance token,
   metadata ``tslice-workload-instance``; for workloads that send none, llm-d's, a
@@ -43,6 +46,7 @@ Rules (WIRE.md "Workload channel rules", plus the tslice additions):
   a group with no session of its own is served by the job's session registered
   without a group (llm-d's workloads register none), and a request without a group
   means the job's only session (refused, naming the groups, when it has several).
+  A command for a group with several ranks names the rank (refused otherwise).
 - Commands are sent at most once, with a UUID ``command_id`` and ``deadline_ms``;
   the hub fails a command at its deadline. Results are routed by id; a result for
   an id nobody waits for is dropped, except that a *late* success still updates

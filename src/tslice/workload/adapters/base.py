@@ -208,3 +208,39 @@ def _moved(before: int | None, *, snapshot: bool) -> AdapterResult | None:
         return None
     moved = after - before if snapshot else before - after
     return AdapterResult(device_bytes=max(moved, 0))
+
+
+def overridden_capabilities(
+    declared: Capabilities,
+    supported_modes: Iterable[SuspendMode | str | int] | None,
+    default_mode: SuspendMode | str | int | None,
+    tags: Iterable[str] | None,
+) -> Capabilities:
+    """``declared`` with what ``register_workload`` was told instead (modes by name or
+    number): a default the modes exclude is dropped, a single mode is the default."""
+    modes = (
+        tuple(dict.fromkeys(SuspendMode.parse(m) for m in supported_modes))
+        if supported_modes is not None
+        else declared.supported_modes
+    )
+    default = SuspendMode.parse(default_mode) if default_mode is not None else None
+    # An adapter default that the overriding modes exclude would be refused by the agent.
+    if (
+        default is None
+        and declared.default_mode is not None
+        and (not modes or declared.default_mode in modes)
+    ):
+        default = declared.default_mode
+    if default is None and len(modes) == 1:
+        # The agent falls back to OFFLOAD, which a DISCARD-only workload would refuse.
+        default = modes[0]
+    if default is not None and modes and default not in modes:
+        raise ValueError(
+            f"default_mode {default.label!r} is not among supported_modes "
+            f"{[m.label for m in modes]}"
+        )
+    return Capabilities(
+        supported_modes=modes,
+        default_mode=default,
+        tags=normalize_tags(tags) if tags is not None else declared.tags,
+    )
