@@ -85,10 +85,10 @@ class Rank:
         self.calls.append("snapshot")
         if self.gate is not None:
             self.gate.wait(BARRIER_TIMEOUT_S)
-        if self.fail_snapshot:
-            raise RuntimeError(f"rank {self.rank} ran out of host memory")
         assert self.device is not None
         self.host, self.device = self.device, None
+        if self.fail_snapshot:  # half-way: its bytes are off the device, it fails anyway
+            raise RuntimeError(f"rank {self.rank} ran out of host memory")
         return {"device_bytes": len(self.host), "host_bytes": len(self.host)}
 
     def on_restore(self, tags: list[str]) -> dict[str, int]:
@@ -179,9 +179,9 @@ go = queue.Queue()
 def on_snapshot(mode, tags):
     print("asked snapshot", flush=True)
     go.get(timeout=60)
-    if fail == "snapshot":
-        raise RuntimeError(f"rank {rank} ran out of host memory")
     held["host"], held["device"] = held["device"], None
+    if fail == "snapshot":  # half-way: its bytes are off the device, it fails anyway
+        raise RuntimeError(f"rank {rank} ran out of host memory")
     return {"device_bytes": 64, "host_bytes": 64}
 
 def on_restore(tags):

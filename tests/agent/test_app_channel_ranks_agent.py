@@ -89,8 +89,8 @@ async def test_one_failing_rank_leaves_the_job_running_with_every_rank_intact(
             )
             assert done.status == pb.OPERATION_STATUS_FAILED
             assert "failed on rank 1 of 3" in done.error, done.error
-            assert "ranks 0, 2 that had (or may have) moved were brought back" in done.error
-            assert [await _line(p) for p in (ranks[0], ranks[2])] == ["asked restore"] * 2
+            assert "ranks 0, 1, 2, sent the snapshot, were brought back" in done.error
+            assert [await _line(p) for p in ranks] == ["asked restore"] * 3
             assert await _state(stub, "job-r") == pb.JOB_STATE_RUNNING
         finally:
             outs = []

@@ -7,7 +7,8 @@ job is resident only when every rank is, so a move is all or nothing:
 
 - A snapshot asks every rank at once (one command each, all sent before any answer
   is awaited). If a rank fails, every rank that moved (or may have moved: no answer
-  in time) is told to restore, all at once; the job is then unchanged (RUNNING) and
+  in time; a failed rank too, as it may have moved part of its state) is told to
+  restore, all at once; the job is then unchanged (RUNNING) and
   the error names the rank that failed (:class:`RanksRolledBackError`). If that
   restore fails too, the error is fatal and says which ranks are where.
 - A restore asks every rank at once; on failure the error says which ranks are
@@ -114,7 +115,10 @@ async def move(
         return _result(hub, job, kind, answers, left)
     what = "; ".join(f"rank {a.rank}: {a.error}" for a in failed)
     message = f"{kind} of {who} failed on {_ranks(failed)} of {len(to_move)} moved ({what})"
-    moved = [a.rank for a in answers if a.ok or a.uncertain]
+    # Every rank that was sent the snapshot is told to restore, the failed ones too: a
+    # rank that failed half-way may have moved part of its state (a restore of what is
+    # resident moves nothing).
+    moved = [a.rank for a in answers if a.outcome is not None or a.uncertain]
     if kind == "restore":
         raise base.FatalBackendError(f"{message}; {_where(hub, job, to_move)}")
     back = list(await asyncio.gather(*(_ask(send, "restore", r) for r in moved)))
@@ -126,7 +130,7 @@ async def move(
             f"{_where(hub, job, sorted(live))}. Check the workload, then reset the job"
         )
     if moved:
-        message += f"; {_ranks(moved)} that had (or may have) moved were brought back"
+        message += f"; {_ranks(moved)}, sent the snapshot, were brought back"
     message += "; the job is unchanged"
     log.warning("%s", message, extra={"job_id": job.job_id, "group_id": job.group})
     raise RanksRolledBackError(message)
