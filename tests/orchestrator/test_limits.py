@@ -3,6 +3,8 @@ queue stays under the gRPC message limit, saying how many waiters it left out.""
 
 from __future__ import annotations
 
+import asyncio
+
 import grpc
 import pytest
 
@@ -69,3 +71,48 @@ async def test_a_status_read_of_a_huge_queue_lists_the_first_waiters_and_counts_
     for call in calls:
         call.cancel()
     events.cancel()
+
+
+def test_a_long_queue_is_named_whole_where_the_orchestrator_acts_on_it_and_counted_on_screen() -> (
+    None
+):
+    """Slurm mode evicts ended jobs among a group's holder and waiters: it reads the lock,
+    not the (truncated) status. A waiting `tslice acquire` beyond the listed waiters says
+    where it is, and `tslice status` counts the waiters it does not list."""
+    import datetime
+
+    from tslice import client as tsclient
+    from tslice.cli import render
+    from tslice.orchestrator.group import discovered
+    from tslice.orchestrator.group import lock as lk
+
+    g = lk.GroupLock()
+    g.on_acquire("holder", now=0)
+    g.on_switch_done(epoch=g.grant_epoch, restored=False, now=0)
+    for i in range(limits.MAX_LISTED_WAITERS + 5):
+        g.on_acquire(f"w{i}", now=1)
+
+    class Driver:
+        lock = g
+
+    class Groups:
+        def get(self, gid: str) -> Driver | None:
+            return Driver() if gid == "g" else None
+
+    jobs = asyncio.run(discovered.jobs_in(Groups(), "g"))  # type: ignore[arg-type]
+    assert len(jobs) == limits.MAX_LISTED_WAITERS + 6 and "w1004" in jobs
+    listed = tuple(f"w{i}" for i in range(3))
+    status = tsclient.GroupStatus(
+        group_id="g",
+        group_state=tsclient.GroupState.LOCKED,
+        state_timestamp=datetime.datetime.now(datetime.timezone.utc),
+        locking_job="holder",
+        active_job="holder",
+        waiter_queue_depth=8,
+        loaded_job="holder",
+        waiting_jobs=listed,
+    )
+    line = render.acquire_waiting(group="g", job="w6", status=status, waited_s=1).plain
+    assert "behind position 3 of 8 in the queue" in line, line
+    line = render.acquire_waiting(group="g", job="w1", status=status, waited_s=1).plain
+    assert "position 2 of 8 in the queue" in line, line

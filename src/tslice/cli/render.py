@@ -125,6 +125,9 @@ def group_status(status: tsclient.GroupStatus) -> RenderableType:
     facts.add_row("active", _or_dash(status.active_job))
     facts.add_row("loaded", _or_dash(status.loaded_job))
     queue = ", ".join(status.waiting_jobs) if status.waiting_jobs else ""
+    unlisted = status.waiter_queue_depth - len(status.waiting_jobs)
+    if queue and unlisted > 0:  # (the server lists the first waiters of a long queue)
+        queue += f", and {unlisted} more"
     facts.add_row("queue", f"{status.waiter_queue_depth}" + (f"  ({queue})" if queue else ""))
     facts.add_row("nodes", ", ".join(status.nodes) or "-")
     facts.add_row("grant epoch", str(status.grant_epoch))
@@ -160,8 +163,11 @@ def acquire_waiting(
         return Text(f"job {job} waiting for group {group}; {waited}", style="yellow")
     position = queue_position(status, job)
     holder = f"held by {status.locking_job}" if status.locking_job else "free"
+    depth = max(status.waiter_queue_depth, len(status.waiting_jobs))
     if position is not None:
-        where = f"position {position} of {len(status.waiting_jobs)} in the queue ({holder})"
+        where = f"position {position} of {depth} in the queue ({holder})"
+    elif len(status.waiting_jobs) < depth:  # (a long queue: its first waiters are listed)
+        where = f"behind position {len(status.waiting_jobs)} of {depth} in the queue ({holder})"
     elif status.locking_job == job:
         where = "granted, moving its state onto the devices"
     else:

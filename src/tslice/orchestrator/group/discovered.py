@@ -62,8 +62,9 @@ async def jobs_in(groups: manager.GroupManager, gid: str) -> set[str]:
     driver = groups.get(gid)
     if driver is None:
         return set()
-    found = (await driver.describe()).group
-    return {found.locking_job, *found.waiting_jobs} - {""}
+    # From the lock, not from a status read: that lists only the first waiters.
+    lk = driver.lock
+    return {j for j in (lk.holder, *lk.queue) if j}
 
 
 async def evict_gone(groups: manager.GroupManager, job: str, reason: str, *, by: str) -> None:
