@@ -396,6 +396,23 @@ def test_a_workload_the_agent_never_accepts_is_an_error(stack: Stack) -> None:
         )
 
 
+def test_each_local_rank_of_a_job_registers_its_own_workload(
+    stack: Stack, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One process per GPU (torchrun, veRL's workers): each says its $LOCAL_RANK, and the
+    agent takes every rank of the job (one registration per (job, group) was refused
+    ALREADY_EXISTS for the second process)."""
+    ranks = []
+    for rank in ("0", "1"):
+        monkeypatch.setenv("LOCAL_RANK", rank)
+        ranks.append(make(stack, "ranked", role="trainer"))  # waits for the agent's yes
+    for phases in ranks:
+        phases.close()
+    monkeypatch.setenv("LOCAL_RANK", "first")
+    with pytest.raises(tslice.ConfigError, match="LOCAL_RANK='first'"):
+        make(stack, "ranked", role="trainer")
+
+
 def test_noop_is_said_once_on_stderr() -> None:
     script = (
         "import asyncio\n"

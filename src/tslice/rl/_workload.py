@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections.abc
 import dataclasses
+import os
 from typing import Any
 
 from tslice.common import errors
@@ -105,6 +106,25 @@ def agent_address(agent: str | None) -> str:
     return found[1]
 
 
+def local_rank() -> int:
+    """Which of the job's processes on this node this one is: ``$LOCAL_RANK`` (torchrun,
+    accelerate, DeepSpeed and veRL's workers set it), else 0. Each rank registers its own
+    workload; the agent moves all of a job's ranks on a node at once."""
+    raw = os.environ.get("LOCAL_RANK", "").strip()
+    if not raw:
+        return 0
+    try:
+        rank = int(raw)
+    except ValueError:
+        rank = -1
+    if rank < 0:
+        raise errors.ConfigError(
+            f"LOCAL_RANK={raw!r} is not a process's rank on its node (0, 1, ...); fix or "
+            "unset it (one process per job and node needs none)"
+        )
+    return rank
+
+
 class Registrations:
     """The workload handles of one Phases: started together, waited for, closed."""
 
@@ -121,7 +141,13 @@ class Registrations:
         try:
             for item in self.planned:
                 self.handles.append(
-                    register_workload(self.agent, self.job_id, item.group, workload=item.workload)
+                    register_workload(
+                        self.agent,
+                        self.job_id,
+                        item.group,
+                        workload=item.workload,
+                        rank=local_rank(),
+                    )
                 )
         except BaseException:
             self.close()
