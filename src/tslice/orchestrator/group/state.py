@@ -328,11 +328,19 @@ class LockState:
         if not entries and not jobs:
             return None if changed is None else records.Changes(changed)
         self._unsaved_entries, self._unsaved_footprints = {}, set()
+        queued: list[records.QueueRecord] = []
+        left: list[str] = []
+        for job, e in entries.items():
+            if e is None:
+                left.append(job)
+            else:
+                queued.append(self._queue_record(e))
+        footprints = self.footprints
         return records.Changes(
             row=changed,
-            queued=tuple(self._queue_record(e) for e in entries.values() if e is not None),
-            left=tuple(job for job, e in entries.items() if e is None),
-            footprints=tuple((job, self.footprints[job]) for job in jobs),
+            queued=tuple(queued),
+            left=tuple(left),
+            footprints=tuple([(job, footprints[job]) for job in jobs]),
         )
 
     def record(self) -> records.LockRecord:

@@ -205,7 +205,9 @@ class _Settings:
     backoff: Backoff
     max_refusals: int
     max_operation_failures: int
-    #: (node, operation) -> the histogram child its calls are timed into.
+    #: (node, operation) -> the histogram child its calls are timed into, made by
+    #: ``timed`` at its first use.
+    timers: dict[tuple[str, str], Any]
     timed: Callable[[str, str], Any]
 
 
@@ -240,6 +242,7 @@ class Switches:
             Backoff(cfg.backoff_initial_s, cfg.backoff_max_s),
             cfg.max_refusals,
             cfg.max_operation_failures,
+            children,
             timed,
         )
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -426,7 +429,11 @@ class NodeStep:
         self._op = operation
 
     def observe(self, operation: str, seconds: float) -> None:
-        self._settings.timed(self.node.name, operation).observe(seconds)
+        settings, node = self._settings, self.node.name
+        timer = settings.timers.get((node, operation))
+        if timer is None:
+            timer = settings.timed(node, operation)
+        timer.observe(seconds)
 
     def moved(self, kind: str, job: str, op: pb.GetOperationResponse) -> None:
         if kind == "snapshot":
