@@ -35,6 +35,13 @@ class Member:
     def claim_contended(self) -> None:
         self._arbiter.contended.append(self._group)
 
+    def devices_shared(self) -> tuple[bool, str | None]:
+        self._arbiter.shared.append(self._group)
+        return False, None  # (the groups join before anything is granted)
+
+    def holder(self) -> str | None:
+        return None  # (the groups join before anything is granted)
+
 
 class Arbiter:
     """A DeviceArbiter whose members record what they are told."""
@@ -43,6 +50,7 @@ class Arbiter:
         self.arbiter = overlap.DeviceArbiter()
         self.granted: list[tuple[str, str]] = []
         self.contended: list[str] = []
+        self.shared: list[str] = []
         for group, nodes in groups.items():
             self.arbiter.join(group, nodes, Member(self, group))
 

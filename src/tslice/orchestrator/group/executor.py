@@ -72,6 +72,9 @@ def _grant_detail(g: fx.Granted) -> str:
 class Coordination(Protocol):
     """The group among the others (``group.coordination``), asked in the command."""
 
+    #: Whether another group shares the group's devices (see ``group.overlap``).
+    shared: bool
+
     def claim(self, need: fx.NeedClaim, now: float) -> list[fx.Action]:
         """Ask for the device claim; what the lock decides if it is granted at once."""
 
@@ -193,7 +196,8 @@ class Executor:
             except Exception:
                 log.exception("group %s: command failed", self.group_id)
         self.active_at = now
-        self._coordination.applied()
+        if self._coordination.shared:  # (else nobody needs to know the holder)
+            self._coordination.applied()
         changes = self._lock.changes(self._saved_row)
         if changes is not None:
             self._save(changes, effects, 0)
