@@ -246,10 +246,15 @@ class Switches:
             timed,
         )
         self._tasks: set[asyncio.Task[Any]] = set()
+        #: Each node with its agent's client (a group's nodes never change: looked up at
+        #: its first switch).
+        self._nodes: list[tuple[config.NodeRef, pool.AgentClient]] = []
 
     def launch(self, s: effects.StartSwitch) -> None:
         """Start switch ``s`` (its intent is persisted): a task per node, now."""
-        switch = _Switch(s, self._plan_for(s), self._settings, self._agents)
+        if not self._nodes:
+            self._nodes = [(n, self._agents.get(n.address)) for n in self._group.nodes]
+        switch = _Switch(s, self._plan_for(s), self._settings, self._nodes)
         if tracing.ENABLED:  # (off: not even a call)
             traced = tracing_hooks.handover(
                 switch.run_traced(), group=switch.plan.group, switch=s, nodes=self._group.nodes
@@ -280,14 +285,12 @@ class _Switch:
         s: effects.StartSwitch,
         switch_plan: plans.SwitchPlan,
         settings: _Settings,
-        agents: pool.AgentPool,
+        nodes: list[tuple[config.NodeRef, pool.AgentClient]],
     ) -> None:
         self.switch = s
         self.plan = switch_plan
         self._settings = settings
-        self._steps = [
-            NodeStep(n, agents.get(n.address), switch_plan, settings) for n in settings.group.nodes
-        ]
+        self._steps = [NodeStep(n, client, switch_plan, settings) for n, client in nodes]
         self._left = len(self._steps)
         self._outcomes: list[Outcome | None] = []
         self._started = time.monotonic()
