@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import operator
 import time
 from collections.abc import AsyncIterator, Awaitable, Coroutine
 from typing import Any
@@ -291,7 +292,7 @@ class OrchestratorServicer(opb_grpc.TimeSliceOrchestratorServiceServicer):
         async for reply in multiplex.serve(
             request_iterator,
             self._session_start,
-            request_id=lambda r: r.request_id,
+            request_id=operator.attrgetter("request_id"),
             duplicate=_duplicate,
             answer=self._session_answer,
             is_cancel=lambda r: r.WhichOneof("call") == "cancel",

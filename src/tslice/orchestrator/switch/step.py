@@ -32,7 +32,7 @@ import dataclasses
 import logging
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any, Protocol, TypeAlias
 
 import grpc
@@ -477,14 +477,21 @@ class NodeStep:
         self._views[self.node.name] = view
         return view, chosen(self.client, resp)
 
-    async def _converge(self) -> None:
+    def _converge(self) -> Awaitable[None]:
+        """The node's step through its link, from the cached view (else read first)."""
         view, link = self._views.get(self.node.name), self.client.link
         if view is None or not isinstance(link, links.AgentLink):
-            view, link = await self._read()
+            return self._read_then_converge()
+        return self._converge_on(view, link)
+
+    async def _read_then_converge(self) -> None:
+        await self._converge_on(*await self._read())
+
+    def _converge_on(self, view: plans.NodeView, link: links.AgentLink) -> Awaitable[None]:
         unparkable = self.plan.unparkable(self.node.name, view)
         if unparkable:
             raise _Ended(Unparkable(self.node.name, unparkable))
-        await link.converge(self, view)
+        return link.converge(self, view)
 
 
 async def prefetch_everywhere(
