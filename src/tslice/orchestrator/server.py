@@ -295,7 +295,7 @@ class OrchestratorServicer(opb_grpc.TimeSliceOrchestratorServiceServicer):
             request_id=operator.attrgetter("request_id"),
             duplicate=_duplicate,
             answer=self._session_answer,
-            is_cancel=lambda r: r.WhichOneof("call") == "cancel",
+            is_cancel=operator.methodcaller("HasField", "cancel"),
             name="session",
             closing=self._closing,
         ):

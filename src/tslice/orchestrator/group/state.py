@@ -335,12 +335,11 @@ class LockState:
                 left.append(job)
             else:
                 queued.append(self._queue_record(e))
-        footprints = self.footprints
+        sizes: list[tuple[str, int]] = []
+        for job in jobs:
+            sizes.append((job, self.footprints[job]))
         return records.Changes(
-            row=changed,
-            queued=tuple(queued),
-            left=tuple(left),
-            footprints=tuple([(job, footprints[job]) for job in jobs]),
+            row=changed, queued=tuple(queued), left=tuple(left), footprints=tuple(sizes)
         )
 
     def record(self) -> records.LockRecord:

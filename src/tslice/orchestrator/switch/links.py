@@ -220,17 +220,15 @@ def _faulted(step: Step, view: plans.NodeView) -> list[tuple[str, str]]:
     own group has no switch.
     """
     p = step.plan
-    touched = [
-        (job, jv.group)
-        for job, jv in view.items()
-        if jv.state == pb.JOB_STATE_FAULTED
-        and (jv.group == p.group or job in (p.from_job, p.to_job))
-    ]
-    touched += [
-        key
-        for key, jv in sorted(view.others.items())
-        if jv.state == pb.JOB_STATE_FAULTED and p.may_give_way(step.node.name, key[1])
-    ]
+    touched: list[tuple[str, str]] = []
+    for job, jv in view.items():
+        if jv.state == pb.JOB_STATE_FAULTED and (
+            jv.group == p.group or job in (p.from_job, p.to_job)
+        ):
+            touched.append((job, jv.group))
+    for key, jv in sorted(view.others.items()):
+        if jv.state == pb.JOB_STATE_FAULTED and p.may_give_way(step.node.name, key[1]):
+            touched.append(key)
     return touched
 
 

@@ -292,7 +292,9 @@ class _Switch:
         self._settings = settings
         self._steps = [NodeStep(n, client, switch_plan, settings) for n, client in nodes]
         self._left = len(self._steps)
-        self._outcomes: list[Outcome | None] = []
+        #: How the nodes' steps that did not converge ended; whether one restored.
+        self._ended: list[Outcome] = []
+        self._restored = False
         self._started = time.monotonic()
 
     def start(self) -> list[asyncio.Task[Any]]:
@@ -302,9 +304,11 @@ class _Switch:
             {"group_id": self.plan.group, "job_id": s.to_job, "from_job": s.from_job or ""}
         )
         loop = asyncio.get_running_loop()
-        tasks = [loop.create_task(step.run()) for step in self._steps]
-        for task in tasks:
+        tasks = []
+        for step in self._steps:
+            task = loop.create_task(step.run())
             task.add_done_callback(self._node_done)
+            tasks.append(task)
         return tasks
 
     async def run_traced(self) -> None:
@@ -317,21 +321,20 @@ class _Switch:
             return  # the group stops: its intent is on disk, recovery finishes it
         error = task.exception()
         if error is None:
-            self._outcomes.append(None)
+            self._restored = task.result() or self._restored
         elif isinstance(error, _Ended):
-            self._outcomes.append(error.outcome)
+            self._ended.append(error.outcome)
         else:
             log.error("group %s: a switch step crashed", self.plan.group, exc_info=error)
-            self._outcomes.append(Abandoned(f"{type(error).__name__}: {error}"))
+            self._ended.append(Abandoned(f"{type(error).__name__}: {error}"))
         self._left -= 1
         if self._left == 0:
             self._settings.group.switch_ended(self.switch, self._outcome())
 
     def _outcome(self) -> Outcome:
-        ended = [o for o in self._outcomes if o is not None]
+        ended = self._ended
         if not ended:
-            restored = any(step.restored for step in self._steps)
-            return Done(restored, time.monotonic() - self._started)
+            return Done(self._restored, time.monotonic() - self._started)
         stale = [o for o in ended if isinstance(o, StaleEpoch)]
         for kind in _PRECEDENCE:
             found = [o for o in ended if isinstance(o, kind)]
