@@ -345,12 +345,11 @@ class GroupDriver(admin.Admin):
         """What every node of switch ``s`` is asked; the overlapping groups whose residents
         may give way on each node (while this group holds the claim none has a holder)."""
         arbiter = self.services.arbiter
-        by_node: dict[str, set[str]] = {}
+        give_way: dict[str, frozenset[str]] = {}
         # (A group that shares no devices has nobody to make give way.)
         for other in arbiter.released(self.group_id) if self.coordination.shared else ():
             for node in arbiter.shared_nodes(self.group_id, other):
-                by_node.setdefault(node, set()).add(other)
-        give_way = {node: frozenset(groups) for node, groups in by_node.items()}
+                give_way[node] = give_way.get(node, frozenset()) | {other}
         return plan.SwitchPlan(
             self.group_id,
             s.from_job,

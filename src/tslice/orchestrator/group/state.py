@@ -525,7 +525,10 @@ class LockState:
         """The live (attached) waiters in the order the policy grants them."""
         if not self.attached_waiters:
             return []
-        waiting = [e for e in self.queue.values() if e.attached > 0]
+        waiting: list[Entry] = []
+        for e in self.queue.values():
+            if e.attached > 0:
+                waiting.append(e)
         return self._policy.rank(waiting, self._view(now))
 
     def _start_switch(self, s: Switch) -> act.StartSwitch:

@@ -54,8 +54,8 @@ class Step(Protocol):
     client: pool.AgentClient
     plan: plans.SwitchPlan
 
-    def calling(self, operation: str) -> None:
-        """The next agent call is ``operation`` (named in failure reports)."""
+    #: The agent call under way (named in failure reports): set before each call.
+    operation: str
 
     def observe(self, operation: str, seconds: float) -> None: ...
 
@@ -120,7 +120,7 @@ class GrantLink(AgentLink):
                 await self._grant(step, view)
                 return
             for job, group in touched:
-                step.calling("reset")
+                step.operation = "reset"
                 t0 = time.monotonic()
                 await self._client.reset_job(job_id=job, group=group)
                 step.observe("reset", time.monotonic() - t0)
@@ -131,6 +131,10 @@ class GrantLink(AgentLink):
         """One Grant, re-issued after waiting on the operations it reports."""
         p, client = step.plan, self._client
         node = step.node.name
+        give_way: list[pb.JobRef] = []
+        for (j, g), jv in sorted(view.others.items()):
+            if jv.state in plans.RESIDENT and p.may_give_way(node, g):
+                give_way.append(pb.JobRef(job_id=j, group=g))
         request = pb.GrantRequest(
             job_id=p.to_job,
             group=p.group,
@@ -138,11 +142,7 @@ class GrantLink(AgentLink):
             footprint_bytes=p.footprint_bytes,
             evict=p.evictees(view),
             restore=True,
-            give_way=[
-                pb.JobRef(job_id=j, group=g)
-                for (j, g), jv in sorted(view.others.items())
-                if jv.state in plans.RESIDENT and p.may_give_way(node, g)
-            ],
+            give_way=give_way,
             devices=step.node.devices or (),
         )
         deadline = time.monotonic() + client.operation_timeout_s
@@ -158,7 +158,7 @@ class GrantLink(AgentLink):
                 )
             wait_s = min(client.wait_chunk_s, left)
             request.wait_ms = max(1, int(wait_s * 1000))
-            step.calling("grant")
+            step.operation = "grant"
             t0 = time.monotonic()
             resp = await self.grant(request, timeout_s=wait_s + client.rpc_timeout_s)
             step.observe("grant", time.monotonic() - t0)
@@ -169,7 +169,7 @@ class GrantLink(AgentLink):
                 return
             for op_id, op in zip(resp.operation_ids, resp.operations, strict=False):
                 if op.status == pb.OPERATION_STATUS_PENDING:
-                    step.calling("wait")
+                    step.operation = "wait"
                     _note(step, op_id, await client.wait_operation(op_id), view, noted)
 
     async def grant(self, request: pb.GrantRequest, *, timeout_s: float) -> pb.GrantResponse:

@@ -290,7 +290,9 @@ class _Switch:
         self.switch = s
         self.plan = switch_plan
         self._settings = settings
-        self._steps = [NodeStep(n, client, switch_plan, settings) for n, client in nodes]
+        self._steps: list[NodeStep] = []
+        for node, client in nodes:
+            self._steps.append(NodeStep(node, client, switch_plan, settings))
         self._left = len(self._steps)
         #: How the nodes' steps that did not converge ended; whether one restored.
         self._ended: list[Outcome] = []
@@ -359,7 +361,8 @@ class NodeStep:
         self._settings = settings
         self._views = settings.group.views
         self.restored = False
-        self._op = "status"
+        #: The agent call under way (set by the link before each call; named in reports).
+        self.operation = "status"
 
     async def run(self) -> bool:
         """Whether a restore happened on this node; raises :class:`_Ended`."""
@@ -391,15 +394,17 @@ class NodeStep:
             self._views.pop(name, None)
             if refused >= settings.max_refusals:
                 # It answers, and keeps saying no: retrying forever would wedge the group.
-                why = f"{self._op} refused {refused} times: {detail}"
+                why = f"{self.operation} refused {refused} times: {detail}"
                 raise _Ended(Degraded(name, why))
             if failures >= settings.max_operation_failures:
-                raise _Ended(Degraded(name, f"{self._op} failed {failures} times: {detail}"))
+                raise _Ended(Degraded(name, f"{self.operation} failed {failures} times: {detail}"))
             if not settings.group.wants_switch():
                 raise _Ended(Abandoned(f"{name}: {detail}"))
             delay = settings.backoff.delay(attempt)
             attempt += 1
-            settings.group.node_failed(NodeFailure(name, self._op, detail, unreachable, delay))
+            settings.group.node_failed(
+                NodeFailure(name, self.operation, detail, unreachable, delay)
+            )
             await asyncio.sleep(delay)
 
     def _ended_by(self, err: pool.AgentRejected) -> None:
@@ -430,9 +435,6 @@ class NodeStep:
         return Refused(_REFUSED_FOR_GOOD[err.code], err.reason)
 
     # ---- links.Step -----------------------------------------------------------------------
-
-    def calling(self, operation: str) -> None:
-        self._op = operation
 
     def observe(self, operation: str, seconds: float) -> None:
         settings, node = self._settings, self.node.name
@@ -472,7 +474,7 @@ class NodeStep:
     # ---- the path ----------------------------------------------------------------------
 
     async def _read(self) -> tuple[plans.NodeView, links.AgentLink]:
-        self._op = "status"
+        self.operation = "status"
         t0 = time.monotonic()
         resp = await self.client.status()
         self.observe("status", time.monotonic() - t0)
