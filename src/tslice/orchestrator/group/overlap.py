@@ -26,9 +26,16 @@ they can through the topology itself when groups overlap in a cycle that the ord
 does not follow (g1 and g3 taken in that order, while g3 shares devices with g4 and
 g4 with g5, and g5 with g1): an all-or-nothing multi-group acquire would be the cure.
 
+A group that shares no devices with any other holds them *exclusively*: for anybody,
+without asking (a grant costs it nothing here). When a group joins that shares them, the
+exclusive one is told at once (:meth:`Member.devices_shared`: it keeps the claim it
+would hold had it asked all along) and asks per job from then on; a group left alone by
+the others' leaving simply goes on asking.
+
 :class:`DeviceArbiter` is the bookkeeping; it tells a group's driver what concerns it
 through the driver's :class:`Member` methods, which post commands to the group's
-executor, so every state change of a group still happens in its own batch.
+executor, so every state change of a group still happens in its own batch (the switch to
+asking per job, which decides nothing, is made at once).
 """
 
 from __future__ import annotations
