@@ -35,6 +35,13 @@ class Member:
     def claim_contended(self) -> None:
         self._arbiter.contended.append(self._group)
 
+    def devices_shared(self) -> tuple[bool, str | None]:
+        self._arbiter.shared.append(self._group)
+        return False, None  # (the groups join before anything is granted)
+
+    def holder(self) -> str | None:
+        return None  # (the groups join before anything is granted)
+
 
 class Arbiter:
     """A DeviceArbiter whose members record what they are told."""
@@ -43,6 +50,7 @@ class Arbiter:
         self.arbiter = overlap.DeviceArbiter()
         self.granted: list[tuple[str, str]] = []
         self.contended: list[str] = []
+        self.shared: list[str] = []
         for group, nodes in groups.items():
             self.arbiter.join(group, nodes, Member(self, group))
 
@@ -193,3 +201,36 @@ def test_a_groups_state_on_a_node_it_left_is_stray_once_nobody_holds_it() -> Non
     assert not arb.stray("c", "u")
     arb.stopped("t", None)
     assert arb.stray("c", "t") and arb.stray("a", "t")
+
+
+class Holding(Member):
+    """A member whose lock holds ``job`` when it is told its devices are shared."""
+
+    def __init__(self, arbiter: Arbiter, group: str, job: str | None) -> None:
+        super().__init__(arbiter, group)
+        self._job = job
+
+    def devices_shared(self) -> tuple[bool, str | None]:
+        self._arbiter.shared.append(self._group)
+        return self._job is not None, self._job
+
+
+def test_a_group_alone_holds_its_devices_until_one_that_shares_them_joins() -> None:
+    a = Arbiter({})
+    arb = a.arbiter
+    # Alone: it never asks (its lock holds the claim for anybody).
+    assert arb.join("s", (node("n"),), Holding(a, "s", "job-a")) is False
+    assert arb.join("u", (node("m"),), Holding(a, "u", None)) is False
+    assert a.shared == []
+    # A group sharing its devices joins: told at once, and its holder keeps the claim.
+    assert arb.join("t", (node("n"),), Member(a, "t")) is True
+    assert a.shared == ["s"]
+    assert arb.request("t", "job-b") is None
+    assert a.contended == ["s"]
+    arb.note_holder("s", None)  # job-a yields: s keeps the claim idle...
+    arb.release("s")  # ...until it lets go, asked
+    assert a.granted == [("t", "job-b")]
+    # A group left alone when the other goes is not told again: it goes on asking.
+    arb.forget("t")
+    assert arb.join("v", (node("n"),), Member(a, "v")) is True
+    assert a.shared == ["s"]

@@ -54,8 +54,8 @@ class _Member:
     def claim_contended(self) -> None:
         self._inbox.append((self._group, "contended", ""))
 
-    def devices_shared(self, holder: str | None) -> None:
-        return None  # (its lock asks for the claim from the start: start_claim(None))
+    def devices_shared(self) -> tuple[bool, str | None]:
+        return False, None  # (its lock asks for the claim from the start: start_claim(None))
 
     def holder(self) -> str | None:
         return None  # (the groups join before anything is granted)

@@ -20,6 +20,8 @@ from tslice.orchestrator.switch import step
 class Group:
     """The group's side of its executor (and its coordination): nothing to do here."""
 
+    shared = False  # (shares no devices: its holder is never noted)
+
     def applied(self) -> None:
         return None
 

@@ -96,19 +96,18 @@ class FellBehind(Exception):
 
 
 class _Ring:
-    __slots__ = ("events", "subscribers", "total", "waiting")
+    __slots__ = ("events", "first", "size", "subscribers", "total", "waiting")
 
     def __init__(self, size: int) -> None:
         self.events: collections.deque[Event] = collections.deque(maxlen=size)
-        #: Events ever appended (the index of the next one).
+        self.size = size
+        #: Events ever appended (the index of the next one), and the index of the oldest
+        #: one kept (both kept up to date by the publisher).
         self.total = 0
+        self.first = 0
         #: Subscribers reading this ring, and those of them waiting for new events.
         self.subscribers: set[Subscription] = set()
         self.waiting: list[Subscription] = []
-
-    @property
-    def first(self) -> int:
-        return self.total - len(self.events)
 
 
 class Subscription:
@@ -136,22 +135,17 @@ class Subscription:
         self.closed = False
         self.active = True
 
-    def accepts(self, event: Event) -> bool:
-        return (not self.kinds or event.kind in self.kinds) and (
-            not self.job_id or self.job_id in (event.job_id, event.from_job)
-        )
-
     async def __aiter__(self) -> AsyncIterator[opb.OrchestratorEvent]:
         ring = self._ring
         while True:
-            while self._next < ring.total:
+            # (_wanted leaves it at the next event it passes, or past the ring's last)
+            while self._wanted() and self._next < ring.total:
                 first = ring.first
                 if self._next < first:
                     raise FellBehind(first - self._next, len(ring.events))
                 event = ring.events[self._next - first]
                 self._next += 1
-                if self.accepts(event):
-                    yield event.message()
+                yield event.message()
             if self.closed:
                 return
             self._wakeup = asyncio.get_running_loop().create_future()
@@ -159,12 +153,18 @@ class Subscription:
             await self._wakeup
 
     def _wanted(self) -> bool:
-        """Whether an event it passes came since it last read (the ones it does not pass
-        are skipped here, once)."""
+        """Whether an event it passes (its filter: kinds, then job) came since it last
+        read, or its position fell off the ring: the events it does not pass are skipped
+        here, once, in one loop."""
         ring = self._ring
-        first = ring.first
+        first, events, kinds, job = ring.first, ring.events, self.kinds, self.job_id
         while self._next < ring.total:
-            if self._next < first or self.accepts(ring.events[self._next - first]):
+            if self._next < first:
+                return True
+            event = events[self._next - first]
+            if (not kinds or event.kind in kinds) and (
+                not job or job in (event.job_id, event.from_job)
+            ):
                 return True
             self._next += 1
         return self.closed
@@ -203,6 +203,8 @@ class EventBus:
         for key in ("", event.group_id):
             ring = rings.get(key)
             if ring is not None:
+                if ring.total - ring.first == ring.size:
+                    ring.first += 1  # (the deque drops its oldest)
                 ring.events.append(event)
                 ring.total += 1
                 if ring.waiting:

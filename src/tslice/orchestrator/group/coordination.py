@@ -42,6 +42,9 @@ class Coordination:
         self.executor: executor.Executor | None = None
         #: The holder the arbiter was last told of ("" = not told yet).
         self._noted_holder: str | None = ""
+        #: Whether another group shares the devices (else the group holds them for
+        #: anybody: it never asks for the claim, nor tells the arbiter its holder).
+        self.shared = False
 
     def _post(self, command: Any, *args: Any) -> None:
         if self.executor is not None:
@@ -99,6 +102,15 @@ class Coordination:
             self._services.arbiter.note_holder(self._gid, holder)
 
     # ---- what the arbiter and the set coordinator tell the group ------------------------
+
+    def holder(self) -> str | None:
+        return self._lock.holder
+
+    def devices_shared(self) -> tuple[bool, str | None]:
+        # At once, not as a command: from now on the group must ask before it grants, and
+        # the change decides nothing else (see lock.on_devices_shared).
+        self.shared = True
+        return self._lock.on_devices_shared()
 
     def claim_granted(self, job: str) -> None:
         self._post(self._on_claim_granted, job)

@@ -123,12 +123,13 @@ class GroupDriver(admin.Admin):
         self._deferred_snapshots = series.deferred_snapshots.labels(group_id=group_id)
         self._switch_outcomes: dict[str, Any] = {}
         self._switch_duration = series.switch_duration.labels(group_id=group_id)
-        services.arbiter.join(group_id, nodes, self.coordination)
+        shared = services.arbiter.join(group_id, nodes, self.coordination)
+        self.coordination.shared = shared
         services.sets.join(group_id, self.coordination)
         services.locks[group_id] = self.lock
-        if self.lock.holder is not None:
+        if shared and self.lock.holder is not None:
             services.arbiter.seize(group_id, self.lock.holder)
-        self.lock.start_claim(self.lock.holder)
+        self.lock.start_claim(self.lock.holder, exclusive=not shared)
 
     @property
     def stopping(self) -> bool:
@@ -344,11 +345,11 @@ class GroupDriver(admin.Admin):
         """What every node of switch ``s`` is asked; the overlapping groups whose residents
         may give way on each node (while this group holds the claim none has a holder)."""
         arbiter = self.services.arbiter
-        by_node: dict[str, set[str]] = {}
-        for other in arbiter.released(self.group_id):
+        give_way: dict[str, frozenset[str]] = {}
+        # (A group that shares no devices has nobody to make give way.)
+        for other in arbiter.released(self.group_id) if self.coordination.shared else ():
             for node in arbiter.shared_nodes(self.group_id, other):
-                by_node.setdefault(node, set()).add(other)
-        give_way = {node: frozenset(groups) for node, groups in by_node.items()}
+                give_way[node] = give_way.get(node, frozenset()) | {other}
         return plan.SwitchPlan(
             self.group_id,
             s.from_job,

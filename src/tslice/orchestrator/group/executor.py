@@ -72,6 +72,9 @@ def _grant_detail(g: fx.Granted) -> str:
 class Coordination(Protocol):
     """The group among the others (``group.coordination``), asked in the command."""
 
+    #: Whether another group shares the group's devices (see ``group.overlap``).
+    shared: bool
+
     def claim(self, need: fx.NeedClaim, now: float) -> list[fx.Action]:
         """Ask for the device claim; what the lock decides if it is granted at once."""
 
@@ -193,7 +196,8 @@ class Executor:
             except Exception:
                 log.exception("group %s: command failed", self.group_id)
         self.active_at = now
-        self._coordination.applied()
+        if self._coordination.shared:  # (else nobody needs to know the holder)
+            self._coordination.applied()
         changes = self._lock.changes(self._saved_row)
         if changes is not None:
             self._save(changes, effects, 0)
@@ -239,10 +243,11 @@ class Executor:
         """The job's Acquire RPCs receive the grant; the parts of sets not answered yet
         count as answered only with their set (see ``lock.on_granted_to_set_parts``)."""
         receivers = self.waiting.pop(g.job, [])
+        parts = 0
         for w in receivers:
             w.granted_epoch = g.epoch
-        parts = 0 if g.held else sum(w.set_seq is not None for w in receivers)
-        if parts:
+            parts += w.set_seq is not None
+        if parts and not g.held:
             self._lock.on_granted_to_set_parts(g.job, epoch=g.epoch, parts=parts, now=now)
         published = fx.Publish(
             bus.Event(
@@ -310,10 +315,18 @@ class Executor:
         """Run a saved batch's effects: the urgent first (see the first-call trick)."""
         urgent: list[fx.Effect] = []
         rest: list[fx.Effect] = []
+        launched = False
         for effect in effects:
-            (urgent if isinstance(effect, _URGENT) else rest).append(effect)
-        self._run(urgent)
-        if rest and any(isinstance(e, fx.Launch) for e in urgent):
+            if isinstance(effect, _URGENT):
+                urgent.append(effect)
+                launched = launched or isinstance(effect, fx.Launch)
+            else:
+                rest.append(effect)
+        if urgent:
+            self._run(urgent)
+        if not rest:
+            return
+        if launched:
             # Behind the first step of every node's task, scheduled as it was launched.
             asyncio.get_running_loop().call_soon(self._run, rest)
         else:

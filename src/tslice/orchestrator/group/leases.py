@@ -86,11 +86,14 @@ class Leases:
 
     def released(self, job: str) -> tuple[HoldSession, ...]:
         """``job`` let go: its streams, which end once that is saved (:func:`end`)."""
-        ending = tuple(h for h in self._holds if h.job == job)
+        ending: list[HoldSession] = []
+        for h in self._holds:
+            if h.job == job:
+                ending.append(h)
         if ending:
             self._holds.difference_update(ending)
             self._open_now.set(len(self._holds))
-        return ending
+        return tuple(ending)
 
     def sync(self, lk: state.LockState) -> None:
         """After a batch: end the streams of a job that lost the lock; run the lease timer

@@ -419,10 +419,24 @@ class GroupLock(state.LockState):
             actions += self._release(self.holder, now, act.EventKind.CANCELLED, _UNCLAIMED)
         return [*actions, *self._promote(now)]
 
-    def start_claim(self, job: str | None) -> None:
+    def start_claim(self, job: str | None, *, exclusive: bool = False) -> None:
         """The claim at start: held for ``job`` (its holder, found on disk after a
-        restart), or not held (a driver whose group may share devices asks per job)."""
-        self._claim.held, self._claim.job, self._claim.contended = job is not None, job, False
+        restart), or not held (a driver whose group shares devices asks per job).
+        ``exclusive``: no other group shares its devices: it holds them for anybody
+        and never asks (until :meth:`on_devices_shared`)."""
+        held = exclusive or job is not None
+        self._claim.held, self._claim.job = held, None if exclusive else job
+        self._claim.contended = False
+
+    def on_devices_shared(self) -> tuple[bool, str | None]:
+        """Another group shares the devices now: the claim is asked for per job from now
+        on. It stays held as it would be had the group asked all along: for the holder,
+        or idle for a yielded resident (an idle group keeps it until asked). Whether it
+        is held, and for whom. Changes no decision: the overlap arbiter calls it at once."""
+        held = self.holder is not None or self.resident is not None
+        last = self.holder if self.holder is not None else self.resident
+        self._claim.held, self._claim.job, self._claim.contended = held, last, False
+        return held, self.holder
 
     def on_claim_granted(self, job: str, *, now: float, shared: bool = False) -> list[act.Action]:
         """The device claim is this group's for ``job``: promote the head of the queue.

@@ -26,9 +26,16 @@ they can through the topology itself when groups overlap in a cycle that the ord
 does not follow (g1 and g3 taken in that order, while g3 shares devices with g4 and
 g4 with g5, and g5 with g1): an all-or-nothing multi-group acquire would be the cure.
 
+A group that shares no devices with any other holds them *exclusively*: for anybody,
+without asking (a grant costs it nothing here). When a group joins that shares them, the
+exclusive one is told at once (:meth:`Member.devices_shared`: it keeps the claim it
+would hold had it asked all along) and asks per job from then on; a group left alone by
+the others' leaving simply goes on asking.
+
 :class:`DeviceArbiter` is the bookkeeping; it tells a group's driver what concerns it
 through the driver's :class:`Member` methods, which post commands to the group's
-executor, so every state change of a group still happens in its own batch.
+executor, so every state change of a group still happens in its own batch (the switch to
+asking per job, which decides nothing, is made at once).
 """
 
 from __future__ import annotations
@@ -65,6 +72,15 @@ class Member(Protocol):
     def claim_contended(self) -> None:
         """Somebody waits for the group's claim."""
 
+    def devices_shared(self) -> tuple[bool, str | None]:
+        """Another group shares the group's devices now: from now on the group asks for
+        the claim per job. Whether it holds the claim (as if it had asked for its holder
+        or its yielded resident), and for whom (None: idle); changed at once, before
+        anything else can ask."""
+
+    def holder(self) -> str | None:
+        """Who holds the group now (or is being switched in), read at once."""
+
 
 @dataclasses.dataclass
 class _Member:
@@ -84,9 +100,15 @@ class DeviceArbiter:
         self._waiting: list[tuple[str, str, tuple[str, ...]]] = []
         #: Groups that stopped (every node gone) with a holder: their state stays.
         self._stopped_holders: dict[str, str] = {}
+        #: Groups that share no devices: they hold them for anybody and never ask.
+        self._exclusive: set[str] = set()
 
-    def join(self, group: str, nodes: tuple[config.NodeRef, ...], member: Member) -> None:
-        """Add a group; ``member`` is told what concerns it."""
+    def join(self, group: str, nodes: tuple[config.NodeRef, ...], member: Member) -> bool:
+        """Add a group (``member`` is told what concerns it); whether it shares devices
+        with another. A group that shares none holds its devices *exclusively*: for
+        anybody, without asking (nor telling its holder). Once another group shares them,
+        it is told at once (:meth:`Member.devices_shared`) and asks per job from then on;
+        it keeps the claim it would hold had it asked all along."""
         self._stopped_holders.pop(group, None)
         self._members[group] = _Member(nodes, member)
         self._conflicts[group] = set()
@@ -94,8 +116,18 @@ class DeviceArbiter:
             if other != group and overlap(nodes, joined.nodes):
                 self._conflicts[group].add(other)
                 self._conflicts[other].add(group)
+        for other in sorted(self._conflicts[group] & self._exclusive):
+            self._exclusive.discard(other)
+            held, job = self._members[other].group.devices_shared()
+            if held:
+                self._claims[other] = job
+        if self._conflicts[group]:
+            return True
+        self._exclusive.add(group)
+        return False
 
     def leave(self, group: str) -> None:
+        self._exclusive.discard(group)
         self._waiting = [w for w in self._waiting if w[0] != group]
         self.release(group)
 
@@ -134,6 +166,8 @@ class DeviceArbiter:
             return group not in self._stopped_holders
         if any(n.name == node for n in member.nodes):
             return False
+        if group in self._exclusive and group not in self._claims:
+            return member.group.holder() is None  # (it never asks: its holder says)
         return self._claims.get(group) is None
 
     # ---- changes ---------------------------------------------------------------------------
@@ -227,5 +261,7 @@ class DeviceArbiter:
         waiters that may themselves wait for what it holds (hold-and-wait plus FIFO
         would deadlock), so it goes first.
         """
-        held = any(j == job for j in self._claims.values())
+        held = any(j == job for j in self._claims.values()) or any(
+            self._members[g].group.holder() == job for g in self._exclusive
+        )
         return held and not self._blockers(group, job)

@@ -328,11 +328,18 @@ class LockState:
         if not entries and not jobs:
             return None if changed is None else records.Changes(changed)
         self._unsaved_entries, self._unsaved_footprints = {}, set()
+        queued: list[records.QueueRecord] = []
+        left: list[str] = []
+        for job, e in entries.items():
+            if e is None:
+                left.append(job)
+            else:
+                queued.append(self._queue_record(e))
+        sizes: list[tuple[str, int]] = []
+        for job in jobs:
+            sizes.append((job, self.footprints[job]))
         return records.Changes(
-            row=changed,
-            queued=tuple(self._queue_record(e) for e in entries.values() if e is not None),
-            left=tuple(job for job, e in entries.items() if e is None),
-            footprints=tuple((job, self.footprints[job]) for job in jobs),
+            row=changed, queued=tuple(queued), left=tuple(left), footprints=tuple(sizes)
         )
 
     def record(self) -> records.LockRecord:
@@ -518,7 +525,10 @@ class LockState:
         """The live (attached) waiters in the order the policy grants them."""
         if not self.attached_waiters:
             return []
-        waiting = [e for e in self.queue.values() if e.attached > 0]
+        waiting: list[Entry] = []
+        for e in self.queue.values():
+            if e.attached > 0:
+                waiting.append(e)
         return self._policy.rank(waiting, self._view(now))
 
     def _start_switch(self, s: Switch) -> act.StartSwitch:

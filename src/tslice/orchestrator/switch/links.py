@@ -27,7 +27,9 @@ from __future__ import annotations
 
 import abc
 import logging
+import operator
 import time
+from collections.abc import Awaitable
 from typing import Protocol
 
 import grpc
@@ -52,8 +54,8 @@ class Step(Protocol):
     client: pool.AgentClient
     plan: plans.SwitchPlan
 
-    def calling(self, operation: str) -> None:
-        """The next agent call is ``operation`` (named in failure reports)."""
+    #: The agent call under way (named in failure reports): set before each call.
+    operation: str
 
     def observe(self, operation: str, seconds: float) -> None: ...
 
@@ -71,7 +73,7 @@ class AgentLink(abc.ABC):
     """One agent connection's protocol for a switch's node step."""
 
     @abc.abstractmethod
-    async def converge(self, step: Step, view: plans.NodeView) -> None:
+    def converge(self, step: Step, view: plans.NodeView) -> Awaitable[None]:
         """Make the plan's target the group's only resident job on the node, granted.
         Raises ``pool.AgentError`` or ``plans.StepFailed`` (the step retries)."""
 
@@ -94,7 +96,7 @@ class GrantLink(AgentLink):
         self._stream: multiplex.Caller[pb.GrantStreamRequest, pb.GrantStreamResponse] | None = (
             multiplex.Caller(
                 client.open_grant_stream,
-                reply_id=lambda r: r.request_id,
+                reply_id=operator.attrgetter("request_id"),
                 name=f"agent {client.address}",
             )
             if stream
@@ -105,44 +107,34 @@ class GrantLink(AgentLink):
         if self._stream is not None:
             await self._stream.close()
 
-    async def converge(self, step: Step, view: plans.NodeView) -> None:
+    def converge(self, step: Step, view: plans.NodeView) -> Awaitable[None]:
+        # Nothing FAULTED to reset (the usual case): the step is one Grant.
+        if not _faulted(step, view):
+            return self._grant(step, view)
+        return self._converge_after_resets(step, view)
+
+    async def _converge_after_resets(self, step: Step, view: plans.NodeView) -> None:
         for _ in range(plans.MAX_REPLANS):
-            if not await self._reset_faulted(step, view):
+            touched = _faulted(step, view)
+            if not touched:
                 await self._grant(step, view)
                 return
+            for job, group in touched:
+                step.operation = "reset"
+                t0 = time.monotonic()
+                await self._client.reset_job(job_id=job, group=group)
+                step.observe("reset", time.monotonic() - t0)
             view = await step.read()
         raise plans.StepFailed("plan", "job states keep changing under the switch")
-
-    async def _reset_faulted(self, step: Step, view: plans.NodeView) -> bool:
-        """Reset FAULTED jobs the switch touches; True if any was reset.
-
-        Those of overlapping groups that may give way count too: a give-way snapshot
-        that failed leaves its state FAULTED on the devices, and nothing else resets it
-        while its own group has no switch.
-        """
-        p = step.plan
-        touched = [
-            (job, jv.group)
-            for job, jv in view.items()
-            if jv.state == pb.JOB_STATE_FAULTED
-            and (jv.group == p.group or job in (p.from_job, p.to_job))
-        ]
-        touched += [
-            key
-            for key, jv in sorted(view.others.items())
-            if jv.state == pb.JOB_STATE_FAULTED and p.may_give_way(step.node.name, key[1])
-        ]
-        for job, group in touched:
-            step.calling("reset")
-            t0 = time.monotonic()
-            await self._client.reset_job(job_id=job, group=group)
-            step.observe("reset", time.monotonic() - t0)
-        return bool(touched)
 
     async def _grant(self, step: Step, view: plans.NodeView) -> None:
         """One Grant, re-issued after waiting on the operations it reports."""
         p, client = step.plan, self._client
         node = step.node.name
+        give_way: list[pb.JobRef] = []
+        for (j, g), jv in sorted(view.others.items()):
+            if jv.state in plans.RESIDENT and p.may_give_way(node, g):
+                give_way.append(pb.JobRef(job_id=j, group=g))
         request = pb.GrantRequest(
             job_id=p.to_job,
             group=p.group,
@@ -150,11 +142,7 @@ class GrantLink(AgentLink):
             footprint_bytes=p.footprint_bytes,
             evict=p.evictees(view),
             restore=True,
-            give_way=[
-                pb.JobRef(job_id=j, group=g)
-                for (j, g), jv in sorted(view.others.items())
-                if jv.state in plans.RESIDENT and p.may_give_way(node, g)
-            ],
+            give_way=give_way,
             devices=step.node.devices or (),
         )
         deadline = time.monotonic() + client.operation_timeout_s
@@ -170,7 +158,7 @@ class GrantLink(AgentLink):
                 )
             wait_s = min(client.wait_chunk_s, left)
             request.wait_ms = max(1, int(wait_s * 1000))
-            step.calling("grant")
+            step.operation = "grant"
             t0 = time.monotonic()
             resp = await self.grant(request, timeout_s=wait_s + client.rpc_timeout_s)
             step.observe("grant", time.monotonic() - t0)
@@ -181,7 +169,7 @@ class GrantLink(AgentLink):
                 return
             for op_id, op in zip(resp.operation_ids, resp.operations, strict=False):
                 if op.status == pb.OPERATION_STATUS_PENDING:
-                    step.calling("wait")
+                    step.operation = "wait"
                     _note(step, op_id, await client.wait_operation(op_id), view, noted)
 
     async def grant(self, request: pb.GrantRequest, *, timeout_s: float) -> pb.GrantResponse:
@@ -222,6 +210,26 @@ class GrantLink(AgentLink):
             return f"does not fit: {min(free, default=0)} bytes free on the fullest device"
         await self._client.restore_early(job_id=job_id, group=group)
         return "started"
+
+
+def _faulted(step: Step, view: plans.NodeView) -> list[tuple[str, str]]:
+    """The FAULTED jobs the switch touches (job, group), to reset before its Grant.
+
+    Those of overlapping groups that may give way count too: a give-way snapshot that
+    failed leaves its state FAULTED on the devices, and nothing else resets it while its
+    own group has no switch.
+    """
+    p = step.plan
+    touched: list[tuple[str, str]] = []
+    for job, jv in view.items():
+        if jv.state == pb.JOB_STATE_FAULTED and (
+            jv.group == p.group or job in (p.from_job, p.to_job)
+        ):
+            touched.append((job, jv.group))
+    for key, jv in sorted(view.others.items()):
+        if jv.state == pb.JOB_STATE_FAULTED and p.may_give_way(step.node.name, key[1]):
+            touched.append(key)
+    return touched
 
 
 def _note(

@@ -87,14 +87,14 @@ class LlmdLink(links.AgentLink):
             return False
         if not jv.operation_id:
             raise plans.StepFailed("wait", f"job {job} is TRANSITIONING with no operation id")
-        step.calling("wait")
+        step.operation = "wait"
         await self._poll(jv.operation_id)
         return True
 
     async def _move(self, step: links.Step, kind: str, job: str) -> None:
         """One Snapshot or Restore of ``job``, awaited; raises OperationFailed if it failed."""
         group, client = step.plan.group, self._client
-        step.calling(kind)
+        step.operation = kind
         t0 = time.monotonic()
         if kind == "snapshot":
             op_id = await client.snapshot(job_id=job, group=group)

@@ -122,13 +122,15 @@ class SwitchPlan:
 
     def evictees(self, view: NodeView) -> list[str]:
         """Jobs to move out of ``view``: the group's residents other than the target."""
-        return [
-            job
-            for job, jv in view.items()
-            if job != self.to_job
-            and (jv.group == self.group or job == self.from_job)
-            and jv.state in RESIDENT
-        ]
+        out: list[str] = []
+        for job, jv in view.items():
+            if (
+                job != self.to_job
+                and (jv.group == self.group or job == self.from_job)
+                and jv.state in RESIDENT
+            ):
+                out.append(job)
+        return out
 
     def unparkable(self, node: str, view: NodeView) -> str:
         """Why the node's host memory cannot park what this switch moves out of it ("" =
@@ -137,11 +139,10 @@ class SwitchPlan:
         budget = view.host_budget_bytes
         if budget <= 0:
             return ""
-        leaving = {
-            job: view[job].device_bytes
-            for job in self.evictees(view)
-            if view[job].backend not in SIMULATED_BACKENDS
-        }
+        leaving: dict[str, int] = {}
+        for job in self.evictees(view):
+            if view[job].backend not in SIMULATED_BACKENDS:
+                leaving[job] = view[job].device_bytes
         needed = sum(leaving.values())
         free = max(0, budget - view.host_parked_bytes)
         if needed <= free:

@@ -32,7 +32,7 @@ import dataclasses
 import logging
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any, Protocol, TypeAlias
 
 import grpc
@@ -205,7 +205,9 @@ class _Settings:
     backoff: Backoff
     max_refusals: int
     max_operation_failures: int
-    #: (node, operation) -> the histogram child its calls are timed into.
+    #: (node, operation) -> the histogram child its calls are timed into, made by
+    #: ``timed`` at its first use.
+    timers: dict[tuple[str, str], Any]
     timed: Callable[[str, str], Any]
 
 
@@ -240,13 +242,19 @@ class Switches:
             Backoff(cfg.backoff_initial_s, cfg.backoff_max_s),
             cfg.max_refusals,
             cfg.max_operation_failures,
+            children,
             timed,
         )
         self._tasks: set[asyncio.Task[Any]] = set()
+        #: Each node with its agent's client (a group's nodes never change: looked up at
+        #: its first switch).
+        self._nodes: list[tuple[config.NodeRef, pool.AgentClient]] = []
 
     def launch(self, s: effects.StartSwitch) -> None:
         """Start switch ``s`` (its intent is persisted): a task per node, now."""
-        switch = _Switch(s, self._plan_for(s), self._settings, self._agents)
+        if not self._nodes:
+            self._nodes = [(n, self._agents.get(n.address)) for n in self._group.nodes]
+        switch = _Switch(s, self._plan_for(s), self._settings, self._nodes)
         if tracing.ENABLED:  # (off: not even a call)
             traced = tracing_hooks.handover(
                 switch.run_traced(), group=switch.plan.group, switch=s, nodes=self._group.nodes
@@ -277,16 +285,18 @@ class _Switch:
         s: effects.StartSwitch,
         switch_plan: plans.SwitchPlan,
         settings: _Settings,
-        agents: pool.AgentPool,
+        nodes: list[tuple[config.NodeRef, pool.AgentClient]],
     ) -> None:
         self.switch = s
         self.plan = switch_plan
         self._settings = settings
-        self._steps = [
-            NodeStep(n, agents.get(n.address), switch_plan, settings) for n in settings.group.nodes
-        ]
+        self._steps: list[NodeStep] = []
+        for node, client in nodes:
+            self._steps.append(NodeStep(node, client, switch_plan, settings))
         self._left = len(self._steps)
-        self._outcomes: list[Outcome | None] = []
+        #: How the nodes' steps that did not converge ended; whether one restored.
+        self._ended: list[Outcome] = []
+        self._restored = False
         self._started = time.monotonic()
 
     def start(self) -> list[asyncio.Task[Any]]:
@@ -296,9 +306,11 @@ class _Switch:
             {"group_id": self.plan.group, "job_id": s.to_job, "from_job": s.from_job or ""}
         )
         loop = asyncio.get_running_loop()
-        tasks = [loop.create_task(step.run()) for step in self._steps]
-        for task in tasks:
+        tasks = []
+        for step in self._steps:
+            task = loop.create_task(step.run())
             task.add_done_callback(self._node_done)
+            tasks.append(task)
         return tasks
 
     async def run_traced(self) -> None:
@@ -311,21 +323,20 @@ class _Switch:
             return  # the group stops: its intent is on disk, recovery finishes it
         error = task.exception()
         if error is None:
-            self._outcomes.append(None)
+            self._restored = task.result() or self._restored
         elif isinstance(error, _Ended):
-            self._outcomes.append(error.outcome)
+            self._ended.append(error.outcome)
         else:
             log.error("group %s: a switch step crashed", self.plan.group, exc_info=error)
-            self._outcomes.append(Abandoned(f"{type(error).__name__}: {error}"))
+            self._ended.append(Abandoned(f"{type(error).__name__}: {error}"))
         self._left -= 1
         if self._left == 0:
             self._settings.group.switch_ended(self.switch, self._outcome())
 
     def _outcome(self) -> Outcome:
-        ended = [o for o in self._outcomes if o is not None]
+        ended = self._ended
         if not ended:
-            restored = any(step.restored for step in self._steps)
-            return Done(restored, time.monotonic() - self._started)
+            return Done(self._restored, time.monotonic() - self._started)
         stale = [o for o in ended if isinstance(o, StaleEpoch)]
         for kind in _PRECEDENCE:
             found = [o for o in ended if isinstance(o, kind)]
@@ -350,7 +361,8 @@ class NodeStep:
         self._settings = settings
         self._views = settings.group.views
         self.restored = False
-        self._op = "status"
+        #: The agent call under way (set by the link before each call; named in reports).
+        self.operation = "status"
 
     async def run(self) -> bool:
         """Whether a restore happened on this node; raises :class:`_Ended`."""
@@ -382,15 +394,17 @@ class NodeStep:
             self._views.pop(name, None)
             if refused >= settings.max_refusals:
                 # It answers, and keeps saying no: retrying forever would wedge the group.
-                why = f"{self._op} refused {refused} times: {detail}"
+                why = f"{self.operation} refused {refused} times: {detail}"
                 raise _Ended(Degraded(name, why))
             if failures >= settings.max_operation_failures:
-                raise _Ended(Degraded(name, f"{self._op} failed {failures} times: {detail}"))
+                raise _Ended(Degraded(name, f"{self.operation} failed {failures} times: {detail}"))
             if not settings.group.wants_switch():
                 raise _Ended(Abandoned(f"{name}: {detail}"))
             delay = settings.backoff.delay(attempt)
             attempt += 1
-            settings.group.node_failed(NodeFailure(name, self._op, detail, unreachable, delay))
+            settings.group.node_failed(
+                NodeFailure(name, self.operation, detail, unreachable, delay)
+            )
             await asyncio.sleep(delay)
 
     def _ended_by(self, err: pool.AgentRejected) -> None:
@@ -422,11 +436,12 @@ class NodeStep:
 
     # ---- links.Step -----------------------------------------------------------------------
 
-    def calling(self, operation: str) -> None:
-        self._op = operation
-
     def observe(self, operation: str, seconds: float) -> None:
-        self._settings.timed(self.node.name, operation).observe(seconds)
+        settings, node = self._settings, self.node.name
+        timer = settings.timers.get((node, operation))
+        if timer is None:
+            timer = settings.timed(node, operation)
+        timer.observe(seconds)
 
     def moved(self, kind: str, job: str, op: pb.GetOperationResponse) -> None:
         if kind == "snapshot":
@@ -459,7 +474,7 @@ class NodeStep:
     # ---- the path ----------------------------------------------------------------------
 
     async def _read(self) -> tuple[plans.NodeView, links.AgentLink]:
-        self._op = "status"
+        self.operation = "status"
         t0 = time.monotonic()
         resp = await self.client.status()
         self.observe("status", time.monotonic() - t0)
@@ -467,14 +482,21 @@ class NodeStep:
         self._views[self.node.name] = view
         return view, chosen(self.client, resp)
 
-    async def _converge(self) -> None:
+    def _converge(self) -> Awaitable[None]:
+        """The node's step through its link, from the cached view (else read first)."""
         view, link = self._views.get(self.node.name), self.client.link
         if view is None or not isinstance(link, links.AgentLink):
-            view, link = await self._read()
+            return self._read_then_converge()
+        return self._converge_on(view, link)
+
+    async def _read_then_converge(self) -> None:
+        await self._converge_on(*await self._read())
+
+    def _converge_on(self, view: plans.NodeView, link: links.AgentLink) -> Awaitable[None]:
         unparkable = self.plan.unparkable(self.node.name, view)
         if unparkable:
             raise _Ended(Unparkable(self.node.name, unparkable))
-        await link.converge(self, view)
+        return link.converge(self, view)
 
 
 async def prefetch_everywhere(
