@@ -12,7 +12,9 @@ message text.
 
 from __future__ import annotations
 
+import asyncio
 import enum
+import logging
 from collections.abc import Awaitable, Callable
 from typing import Any, NoReturn, TypeVar
 
@@ -21,6 +23,7 @@ import grpc
 from tslice.common import ids, validation
 
 _T = TypeVar("_T")
+log = logging.getLogger(__name__)
 
 
 class Code(enum.Enum):
@@ -67,8 +70,19 @@ def checked_id(kind: str, value: str) -> str:
 
 
 async def abort(context: grpc.aio.ServicerContext[Any, Any], refused: Refused) -> NoReturn:
-    """End the RPC with the refusal's status and its message, cut to a bounded length."""
-    await context.abort(refused.code.grpc, validation.bounded(refused.message))
+    """End the RPC with the refusal's status and its message, cut to a bounded length.
+
+    A caller already gone (cancelled, or its deadline passed as the refusal came) can no
+    longer be told: sending the status fails in gRPC's core, which would log it as a
+    server error with a traceback. The handler ends as cancelled instead, as gRPC ends
+    one whose caller left."""
+    try:
+        await context.abort(refused.code.grpc, validation.bounded(refused.message))
+    except grpc.aio.AbortError:
+        raise  # (how abort ends the handler)
+    except Exception as err:  # (gRPC's core error for a call that is over: private type)
+        log.debug("the caller left before it was told %r: %s", refused.message, err)
+        raise asyncio.CancelledError("the caller left before it was refused") from err
     raise AssertionError("context.abort returned")  # pragma: no cover
 
 
