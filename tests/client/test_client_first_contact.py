@@ -205,7 +205,8 @@ def test_the_connect_bound_comes_from_the_environment(monkeypatch: pytest.Monkey
 def test_a_shorter_call_deadline_bounds_the_connect_wait_too() -> None:
     with silent_port() as address, tslice.Client(address, job_id="j", connect_timeout=30) as c:
         started = time.monotonic()
-        with pytest.raises(errors.Unavailable, match=r"within 0\.3 s"):
+        # (It names the wait it had: the call's time left when it began to connect.)
+        with pytest.raises(errors.Unavailable, match=r"within 0\.(3|2\d+) s"):
             c.status("g", timeout=0.3)
         assert time.monotonic() - started < 0.3 + SLACK_S
 
