@@ -109,6 +109,30 @@ async def test_a_cancelled_or_timed_out_acquire_leaves_the_queue(cluster: Cluste
     ev.cancel()
 
 
+async def test_a_call_cancelled_while_its_request_is_written_leaves_the_stream_usable(
+    cluster: Cluster,
+) -> None:
+    """gRPC cancels the whole stream when a write on it is cancelled: a call abandoned at
+    that moment (a cancelled task, as asyncio.wait_for makes) must not leave its client's
+    next calls on a dead stream, each waiting out its deadline with no reply (a chaos run
+    saw Yields time out so, and the groups they should have freed wedged)."""
+    async with (
+        tslice.AsyncClient(cluster.orch_address, job_id="a", lease_s=None) as a,
+        tslice.AsyncClient(cluster.orch_address, job_id="b", lease_s=None) as b,
+    ):
+        for steps in range(12):  # cancelled after 0..11 turns of the loop: mid-write too
+            await a.acquire("g", timeout=10)  # b's acquire waits: only the cancel ends it
+            waiting = asyncio.ensure_future(b.acquire("g"))
+            for _ in range(steps):
+                await asyncio.sleep(0)
+            waiting.cancel()
+            await asyncio.gather(waiting, return_exceptions=True)
+            await a.yield_("g", timeout=10)
+            # b's next calls are answered (before: each waited out its deadline).
+            assert (await b.acquire("g", timeout=10)).success, steps
+            assert (await b.yield_("g", timeout=10)).success, steps
+
+
 class Either:
     """``tslice.Client`` or ``tslice.AsyncClient``, awaited alike (sync calls in a thread)."""
 

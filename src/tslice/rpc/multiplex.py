@@ -197,7 +197,8 @@ class Caller(_Callers[Req, Rep]):
         self._reader: asyncio.Task[None] | None = None
         # One write at a time on a stream (asyncio binds it to the loop at first use).
         self._writing = asyncio.Lock()
-        self._abandoned: set[asyncio.Task[None]] = set()
+        #: Writes under way (each in a task: see call()).
+        self._writes: set[asyncio.Task[None]] = set()
 
     async def call(
         self,
@@ -220,12 +221,9 @@ class Caller(_Callers[Req, Rep]):
         request_id = self._pending.add(reply)
         timer = None if timeout_s is None else loop.call_later(timeout_s, _expire, reply, timeout_s)
         try:
-            async with self._writing:
-                try:
-                    await call.write(request(request_id))
-                except (grpc.RpcError, asyncio.InvalidStateError) as err:
-                    # The stream is over: its reader fails the reply with the reason.
-                    log.debug("stream %s: write failed: %s", self._name, err)
+            # Shielded: gRPC cancels the whole stream when a write on it is cancelled, so a
+            # caller that gives up mid-write must not cut off every other call on it.
+            await asyncio.shield(self._send(call, request(request_id)))
             if issued is not None:
                 issued()
             return await reply
@@ -234,7 +232,7 @@ class Caller(_Callers[Req, Rep]):
         except BaseException:
             # Timed out, cancelled or interrupted: the peer drops the request.
             if abandon is not None and self._call is call:
-                self._send_later(call, abandon(request_id))
+                self._send(call, abandon(request_id))
             raise
         finally:
             if timer is not None:
@@ -246,7 +244,7 @@ class Caller(_Callers[Req, Rep]):
         self._call = self._reader = None
         if call is not None:
             call.cancel()
-        await tasks.cancel_all([t for t in (reader, *self._abandoned) if t is not None])
+        await tasks.cancel_all([t for t in (reader, *self._writes) if t is not None])
         self._pending.fail(Broken(grpc.StatusCode.CANCELLED, "the stream was closed"))
 
     async def _write(self, call: Any, message: Req) -> None:
@@ -256,10 +254,12 @@ class Caller(_Callers[Req, Rep]):
             except (grpc.RpcError, asyncio.InvalidStateError) as err:
                 log.debug("stream %s: write failed: %s", self._name, err)
 
-    def _send_later(self, call: Any, message: Req) -> None:
-        task = tasks.spawn(self._write(call, message), name=f"abandon:{self._name}")
-        self._abandoned.add(task)
-        task.add_done_callback(self._abandoned.discard)
+    def _send(self, call: Any, message: Req) -> asyncio.Task[None]:
+        """Write ``message`` in a task of its own, after the writes asked for before it."""
+        task = tasks.spawn(self._write(call, message), name=f"write:{self._name}")
+        self._writes.add(task)
+        task.add_done_callback(self._writes.discard)
+        return task
 
     def _open(self) -> Any:
         self._call = call = self._open_call()
@@ -276,9 +276,17 @@ class Caller(_Callers[Req, Rep]):
             failure = err
             if self._failed is not None:
                 self._failed(err)
+        except asyncio.CancelledError:
+            # The stream was cancelled on this side (close(), or a cancelled write): the
+            # calls waiting on it hear it, and the next call opens a new one.
+            self._over(call, grpc.StatusCode.CANCELLED, f"the stream to {self._name} was cancelled")
+            raise
+        self._over(call, *self._ended_by(failure))
+
+    def _over(self, call: Any, code: grpc.StatusCode, details: str) -> None:
         if self._call is call:
             self._call = self._reader = None
-        self._pending.ended(*self._ended_by(failure))
+        self._pending.ended(code, details)
 
 
 #: Longest single wait of a blocked ThreadCaller.call (see there).
