@@ -197,7 +197,7 @@ class Caller(_Callers[Req, Rep]):
         self._reader: asyncio.Task[None] | None = None
         # One write at a time on a stream (asyncio binds it to the loop at first use).
         self._writing = asyncio.Lock()
-        #: Writes under way (each in a task: see call()).
+        #: Writes under way, each in a task (see call()), and abandons to send.
         self._writes: set[asyncio.Task[None]] = set()
 
     async def call(
@@ -220,10 +220,17 @@ class Caller(_Callers[Req, Rep]):
         reply: asyncio.Future[Rep] = loop.create_future()
         request_id = self._pending.add(reply)
         timer = None if timeout_s is None else loop.call_later(timeout_s, _expire, reply, timeout_s)
+        message = request(request_id)
         try:
-            # Shielded: gRPC cancels the whole stream when a write on it is cancelled, so a
-            # caller that gives up mid-write must not cut off every other call on it.
-            await asyncio.shield(self._send(call, request(request_id)))
+            await self._writing.acquire()
+            # In a task of its own, shielded: gRPC cancels the whole stream when a write on
+            # it is cancelled, so a caller that gives up mid-write must not cut off every
+            # other call on it. The write lets go of the lock when it ends (_written).
+            write = asyncio.ensure_future(call.write(message))
+            self._writes.add(write)
+            write.add_done_callback(self._written)
+            with contextlib.suppress(grpc.RpcError, asyncio.InvalidStateError):
+                await asyncio.shield(write)  # (the stream is over: its reader fails the reply)
             if issued is not None:
                 issued()
             return await reply
@@ -232,7 +239,7 @@ class Caller(_Callers[Req, Rep]):
         except BaseException:
             # Timed out, cancelled or interrupted: the peer drops the request.
             if abandon is not None and self._call is call:
-                self._send(call, abandon(request_id))
+                self._send_later(call, abandon(request_id))
             raise
         finally:
             if timer is not None:
@@ -254,12 +261,16 @@ class Caller(_Callers[Req, Rep]):
             except (grpc.RpcError, asyncio.InvalidStateError) as err:
                 log.debug("stream %s: write failed: %s", self._name, err)
 
-    def _send(self, call: Any, message: Req) -> asyncio.Task[None]:
-        """Write ``message`` in a task of its own, after the writes asked for before it."""
-        task = tasks.spawn(self._write(call, message), name=f"write:{self._name}")
+    def _written(self, write: asyncio.Task[None]) -> None:
+        self._writes.discard(write)
+        self._writing.release()
+        if not write.cancelled() and write.exception() is not None:
+            log.debug("stream %s: write failed: %s", self._name, write.exception())
+
+    def _send_later(self, call: Any, message: Req) -> None:
+        task = tasks.spawn(self._write(call, message), name=f"abandon:{self._name}")
         self._writes.add(task)
         task.add_done_callback(self._writes.discard)
-        return task
 
     def _open(self) -> Any:
         self._call = call = self._open_call()
