@@ -31,6 +31,7 @@ import collections
 import contextlib
 import dataclasses
 import itertools
+import math
 import random
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -91,7 +92,7 @@ class _Window(checker.Window):
     ended_by: str = ""
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass
 class _Act:
     """A yield of the job's, or an eviction of it (``group`` "" = from every group)."""
 
@@ -99,7 +100,8 @@ class _Act:
     job: str
     group: str
     sent: float
-    returned: float
+    #: When its answer came (infinity while it is in flight).
+    returned: float = math.inf
 
 
 class Book:
@@ -125,7 +127,17 @@ class Book:
     def did(self, kind: str, job: str, group: str, sent: float) -> None:
         self.acts.append(_Act(kind, job, group, sent, time.time()))
 
-    def yield_refused(self, job: str, group: str, sent: float, err: errors.RPCError) -> None:
+    def sending(self, kind: str, job: str, group: str) -> _Act:
+        """A yield or an eviction is sent now: it counts from now, while in flight (one
+        process's yield may end the grant another process of the job is refused under);
+        set its ``returned`` when it comes back."""
+        act = _Act(kind, job, group, time.time())
+        self.acts.append(act)
+        return act
+
+    def yield_refused(
+        self, job: str, group: str, sent: float, err: errors.RPCError, own: _Act | None = None
+    ) -> None:
         """A Yield of ``job``, sent at ``sent``, was refused just now. Fine if the job's
         latest grant of the group had ended by then, by the job's own yield or an
         eviction in flight before the refusal (an eviction must be named); otherwise the
@@ -139,7 +151,7 @@ class Book:
         )
         if latest is None:
             return
-        kinds = {a.kind for a in self._ending(latest) if a.sent <= refused}
+        kinds = {a.kind for a in self._ending(latest) if a.sent <= refused and a is not own}
         if not kinds:
             self.problems.append(
                 f"job {job}'s yield of {group} was refused while it held grant "
@@ -309,15 +321,15 @@ class PromiseRun:
         return list(epochs)
 
     async def _give(self, client: tsclient.AsyncClient, job: str, group: str) -> None:
-        sent = time.time()
+        act = self.book.sending("yield", job, group)
         try:
             await client.yield_(group, timeout=30)
         except errors.RPCError as err:
             self.book.counts[f"yield {type(err).__name__}"] += 1
-            self.book.yield_refused(job, group, sent, err)  # (before it is recorded)
-            self.book.did("yield", job, group, sent)
+            self.book.yield_refused(job, group, act.sent, err, own=act)
             return
-        self.book.did("yield", job, group, sent)
+        finally:
+            act.returned = time.time()
         self.book.counts["yield"] += 1
 
     # ---- the administrator and the kills ----------------------------------------------------
@@ -332,12 +344,12 @@ class PromiseRun:
                     job = f"job-{self.rng.randrange(self.config.jobs)}"
                     group = self.rng.choice(GROUPS)
                 group = "" if self.rng.random() < 0.25 else group  # "": from every group
-                sent = time.time()
+                # Recorded whatever the answer: a call cut by a kill may have been applied.
+                act = self.book.sending("eviction", job, group)
                 with contextlib.suppress(errors.RPCError):
                     evicted = await admin.evict(group, job, reason=EVICTION_REASON)
                     self.book.counts["evictions"] += len(evicted)
-                # Recorded whatever the answer: a call cut by a kill may have been applied.
-                self.book.did("eviction", job, group, sent)
+                act.returned = time.time()
 
     async def _drains(self, address: str) -> None:
         async with tsclient.AsyncClient(address, job_id=None, lease_s=None) as admin:
