@@ -234,3 +234,36 @@ def test_a_group_alone_holds_its_devices_until_one_that_shares_them_joins() -> N
     arb.forget("t")
     assert arb.join("v", (node("n"),), Member(a, "v")) is True
     assert a.shared == ["s"]
+
+
+def test_an_idle_group_that_was_alone_asks_for_its_devices_once_they_are_shared() -> None:
+    # Seen in the HA chaos run: a new leader started g1 (alone when it joined, so it
+    # never asked) with a yielded resident, job-9; g2, sharing a node, joined with its
+    # holder job-8 from disk and took the claim for it. Kept "idle for the resident",
+    # g1 then granted job-9 again at no cost, without asking: two jobs held groups that
+    # share devices. Idle, it holds nothing once they are shared: job-9 must ask.
+    lk = lock.GroupLock()
+    lk.start_claim(None, exclusive=True)
+    lk.on_acquire("job-9", now=0.0)
+    lk.on_switch_done(epoch=1, restored=False, now=0.0)
+    lk.on_yield("job-9", now=0.0)
+    assert lk.resident == "job-9" and lk.holder is None
+    assert lk.on_devices_shared() == (False, None)
+    actions = lk.on_acquire("job-9", now=0.0)
+    assert decisions.NeedClaim("job-9") in actions
+    assert not any(isinstance(x, (decisions.StartSwitch, decisions.Granted)) for x in actions)
+    # Granted the claim, it checks what is on the devices (another group may have moved
+    # its resident meanwhile) before it grants.
+    assert [type(x) for x in lk.on_claim_granted("job-9", now=0.0, shared=True)] == [
+        decisions.StartSwitch
+    ]
+
+
+def test_a_group_that_was_alone_keeps_the_claim_for_its_holder_once_devices_are_shared() -> None:
+    lk = lock.GroupLock()
+    lk.start_claim(None, exclusive=True)
+    lk.on_acquire("job-9", now=0.0)
+    lk.on_switch_done(epoch=1, restored=False, now=0.0)
+    assert lk.on_devices_shared() == (True, "job-9")
+    assert lk.on_contended(now=0.0) == []  # held: kept until the holder is done
+    assert decisions.ReleaseClaim() in lk.on_yield("job-9", now=0.0).actions

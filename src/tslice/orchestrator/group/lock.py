@@ -430,12 +430,15 @@ class GroupLock(state.LockState):
 
     def on_devices_shared(self) -> tuple[bool, str | None]:
         """Another group shares the devices now: the claim is asked for per job from now
-        on. It stays held as it would be had the group asked all along: for the holder,
-        or idle for a yielded resident (an idle group keeps it until asked). Whether it
-        is held, and for whom. Changes no decision: the overlap arbiter calls it at once."""
-        held = self.holder is not None or self.resident is not None
-        last = self.holder if self.holder is not None else self.resident
-        self._claim.held, self._claim.job, self._claim.contended = held, last, False
+        on. It stays held for the holder, and while a switch is in flight. An idle
+        group holds nothing: the newcomer may take the claim at once for a holder of its
+        own (found on disk), so a yielded resident asks again, and its grant checks the
+        devices first. Whether it is held, and for whom. Changes no decision: the overlap
+        arbiter calls it at once."""
+        held = self.holder is not None or self.switch is not None
+        self._claim.held, self._claim.job, self._claim.contended = held, self.holder, False
+        if not held:
+            self.verified = False  # (another group may move the resident from now on)
         return held, self.holder
 
     def on_claim_granted(self, job: str, *, now: float, shared: bool = False) -> list[act.Action]:

@@ -28,9 +28,10 @@ g4 with g5, and g5 with g1): an all-or-nothing multi-group acquire would be the 
 
 A group that shares no devices with any other holds them *exclusively*: for anybody,
 without asking (a grant costs it nothing here). When a group joins that shares them, the
-exclusive one is told at once (:meth:`Member.devices_shared`: it keeps the claim it
-would hold had it asked all along) and asks per job from then on; a group left alone by
-the others' leaving simply goes on asking.
+exclusive one is told at once (:meth:`Member.devices_shared`: it keeps the claim for its
+holder, or while it switches; idle, it keeps none, since the newcomer may take the claim
+at once for a holder of its own found on disk) and asks per job from then on; a group
+left alone by the others' leaving simply goes on asking.
 
 :class:`DeviceArbiter` is the bookkeeping; it tells a group's driver what concerns it
 through the driver's :class:`Member` methods, which post commands to the group's
@@ -74,9 +75,8 @@ class Member(Protocol):
 
     def devices_shared(self) -> tuple[bool, str | None]:
         """Another group shares the group's devices now: from now on the group asks for
-        the claim per job. Whether it holds the claim (as if it had asked for its holder
-        or its yielded resident), and for whom (None: idle); changed at once, before
-        anything else can ask."""
+        the claim per job. Whether it holds the claim (for its holder, or while it
+        switches: None), and for whom; changed at once, before anything else can ask."""
 
     def holder(self) -> str | None:
         """Who holds the group now (or is being switched in), read at once."""
@@ -108,7 +108,7 @@ class DeviceArbiter:
         with another. A group that shares none holds its devices *exclusively*: for
         anybody, without asking (nor telling its holder). Once another group shares them,
         it is told at once (:meth:`Member.devices_shared`) and asks per job from then on;
-        it keeps the claim it would hold had it asked all along."""
+        it keeps the claim only for its holder (or a switch in flight)."""
         self._stopped_holders.pop(group, None)
         self._members[group] = _Member(nodes, member)
         self._conflicts[group] = set()
