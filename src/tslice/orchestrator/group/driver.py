@@ -129,6 +129,8 @@ class GroupDriver(admin.Admin):
         services.locks[group_id] = self.lock
         if shared and self.lock.holder is not None:
             services.arbiter.seize(group_id, self.lock.holder)
+        else:  # (a claim kept through a restart, with nobody to hold it for now)
+            services.arbiter.release(group_id)
         self.lock.start_claim(self.lock.holder, exclusive=not shared)
 
     @property
@@ -189,12 +191,13 @@ class GroupDriver(admin.Admin):
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def stop(self, *, grace_s: float) -> None:
-        """Refuse new work, let a switch in flight finish within the grace, fail waiters."""
+    async def stop(self, *, grace_s: float, restarting: bool = False) -> None:
+        """Refuse new work, let a switch in flight finish within the grace, fail waiters.
+        ``restarting``: a new driver takes the group over at once (it keeps its claim)."""
         self._stopping = True
         self._arm_wake(None)
         services = self.services
-        services.arbiter.leave(self.group_id)
+        services.arbiter.leave(self.group_id, restarting=restarting)
         services.sets.leave(self.group_id)
         if services.locks.get(self.group_id) is self.lock:
             del services.locks[self.group_id]

@@ -162,10 +162,10 @@ class GroupManager:
             extra={"group_id": gid},
         )
         # Listed while it stops: calls meanwhile are told UNAVAILABLE (retry), not NOT_FOUND.
-        await driver.stop(grace_s=self._cfg.shutdown_grace_s)
-        # Which groups it shares devices with is worked out again from its new nodes
-        # (meanwhile its holder's state is not stray).
-        self._services.arbiter.stopped(gid, driver.lock.holder)
+        # It keeps its device claim meanwhile (a waiter of a group sharing its devices
+        # must not be granted while its holder uses them); which groups it shares devices
+        # with is worked out again from its new nodes when it joins.
+        await driver.stop(grace_s=self._cfg.shutdown_grace_s, restarting=True)
         entry = (await self._services.db.load()).get(gid)
         restarted = self._add(gid, nodes, entry[1] if entry else self._services.db.unrecorded(gid))
         await self._apply_held_over(restarted)

@@ -110,6 +110,8 @@ class DeviceArbiter:
         it is told at once (:meth:`Member.devices_shared`) and asks per job from then on;
         it keeps the claim only for its holder (or a switch in flight)."""
         self._stopped_holders.pop(group, None)
+        for other in self._conflicts.get(group, ()):  # (back from a restart: anew)
+            self._conflicts[other].discard(group)
         self._members[group] = _Member(nodes, member)
         self._conflicts[group] = set()
         for other, joined in self._members.items():
@@ -126,10 +128,15 @@ class DeviceArbiter:
         self._exclusive.add(group)
         return False
 
-    def leave(self, group: str) -> None:
+    def leave(self, group: str, *, restarting: bool = False) -> None:
+        """The group stops. ``restarting``: it comes back at once (on new nodes) and keeps
+        what it holds meanwhile (its claim, its place among the groups it shares devices
+        with), so that no waiter of theirs is granted on devices its holder still uses;
+        :meth:`join` takes it back."""
         self._exclusive.discard(group)
         self._waiting = [w for w in self._waiting if w[0] != group]
-        self.release(group)
+        if not restarting:
+            self.release(group)
 
     def stopped(self, group: str, holder: str | None) -> None:
         """The group stopped (its nodes all gone; Kubernetes mode), ``holder`` holding it:
