@@ -110,3 +110,15 @@ def test_the_drain_mark_is_part_of_the_record_and_comes_back_from_it() -> None:
     again = lk.GroupLock.from_record(record, now=2)
     assert again.draining
     assert not lk.GroupLock.from_record(records.LockRecord.empty(), now=2).draining
+
+
+def test_an_eviction_is_still_named_after_a_restart() -> None:
+    """The reason lived in memory only: after an orchestrator restart the evicted job's
+    late Yield was refused without it (found by the long grant-promise run)."""
+    g = locked()
+    g.on_acquire("b", now=1)
+    g.on_evict("a", why=WHY, now=2)
+    back = lk.GroupLock.from_record(g.record(), now=3)
+    late = back.on_yield("a", now=4)
+    assert not late.ok and late.evicted == WHY
+    assert back.eviction("b") == ""

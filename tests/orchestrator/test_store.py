@@ -202,6 +202,29 @@ async def test_a_database_from_before_drains_opens_with_no_group_drained(
     assert not rec.draining
 
 
+async def test_evictions_are_saved_and_load_back_also_from_an_older_database(
+    tmp_path: pathlib.Path,
+) -> None:
+    s = await st.Store.open(tmp_path)
+    g = lk.GroupLock()
+    g.on_acquire("a", now=0)
+    g.on_switch_done(epoch=1, restored=False, now=0)
+    g.on_evict("a", why="evicted from group 'g' by an administrator: stuck", now=1)
+    saved = await Saver(s, "g", g).save()
+    await s.close()
+    s2 = await st.Store.open(tmp_path)
+    (_, rec) = (await s2.load())["g"]
+    await s2.close()
+    assert rec == saved and dict(rec.evictions) == {"a": g.eviction("a")} and g.eviction("a")
+    conn = sqlite3.connect(tmp_path / "orchestrator.db")
+    conn.execute("ALTER TABLE groups DROP COLUMN evictions")
+    conn.close()
+    s3 = await st.Store.open(tmp_path)
+    (_, old) = (await s3.load())["g"]
+    await s3.close()
+    assert old.evictions == () and old.holder == rec.holder
+
+
 async def test_an_arrival_builds_and_writes_its_own_entry_whatever_the_queue_length(
     tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

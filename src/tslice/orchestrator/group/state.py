@@ -164,6 +164,7 @@ class LockState:
         self._next_seq = record.next_seq
         self.footprints = dict(record.footprints)
         self.draining = record.draining
+        self._evicted = dict(record.evictions)
         # The lease on disk is the holder's, or while switching the target's.
         leased = record.intent.to_job if record.intent is not None else record.holder
         if leased is not None and record.holder_lease_ms > 0:
@@ -317,6 +318,7 @@ class LockState:
             holder_unclaimed_until=self._unclaimed_until(holder),
             holder_from_agents=(search.pending or search.found is not None)
             and search.recorded(holder, self.grant_epoch),
+            evictions=tuple(self._evicted.items()),
         )
 
     def changes(self, saved: records.GroupRow | None) -> records.Changes | None:

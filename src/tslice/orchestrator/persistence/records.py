@@ -55,6 +55,9 @@ class GroupRow:
     #: job resident on every node as the holder; then, until the holder's next grant, its
     #: grant epoch is unknown (``tslice.orchestrator.group.found_holder``).
     holder_from_agents: bool = False
+    #: Jobs evicted from the group, with why, until each is granted it again (so that a
+    #: restart does not cost the evicted job's next call its reason), oldest first.
+    evictions: tuple[tuple[str, str], ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,6 +76,7 @@ class LockRecord:
     draining: bool = False
     holder_unclaimed_until: float | None = None
     holder_from_agents: bool = False
+    evictions: tuple[tuple[str, str], ...] = ()
 
     @classmethod
     def empty(cls) -> LockRecord:
@@ -96,6 +100,7 @@ class LockRecord:
             self.draining,
             self.holder_unclaimed_until,
             self.holder_from_agents,
+            self.evictions,
         )
 
 
@@ -135,4 +140,5 @@ def applied(record: LockRecord, changes: Changes) -> LockRecord:
         row.draining,
         row.holder_unclaimed_until,
         row.holder_from_agents,
+        row.evictions,
     )

@@ -65,7 +65,8 @@ CREATE TABLE IF NOT EXISTS groups (
     updated      REAL NOT NULL,
     holder_lease_ms INTEGER NOT NULL DEFAULT 0,
     draining     INTEGER NOT NULL DEFAULT 0,
-    holder_unclaimed_until REAL       -- wall clock; NULL: the holder got its grant
+    holder_unclaimed_until REAL,      -- wall clock; NULL: the holder got its grant
+    evictions    TEXT NOT NULL DEFAULT '[]'  -- JSON [[job, why], ...], oldest first
 );
 CREATE TABLE IF NOT EXISTS queue (
     group_id  TEXT NOT NULL,
@@ -98,6 +99,7 @@ _ADDED_COLUMNS = {
     "holder_lease_ms": "INTEGER NOT NULL DEFAULT 0",
     "draining": "INTEGER NOT NULL DEFAULT 0",
     "holder_unclaimed_until": "REAL",
+    "evictions": "TEXT NOT NULL DEFAULT '[]'",
 }
 
 
@@ -308,11 +310,12 @@ class Store:
         out: Persisted = {}
         groups = conn.execute(
             "SELECT group_id, nodes, holder, resident, grant_epoch, switch_count, next_seq, "
-            "holder_lease_ms, draining, holder_unclaimed_until FROM groups ORDER BY group_id"
+            "holder_lease_ms, draining, holder_unclaimed_until, evictions FROM groups"
+            " ORDER BY group_id"
         ).fetchall()
         for row in groups:
             gid, nodes_json, holder, resident, epoch, switches, next_seq, *rest = row
-            lease_ms, draining, unclaimed_until = rest
+            lease_ms, draining, unclaimed_until, evictions_json = rest
             queue = tuple(
                 records.QueueRecord(job, seq, fp, since)
                 for job, seq, fp, since in conn.execute(
@@ -343,6 +346,7 @@ class Store:
                 lease_ms,
                 bool(draining),
                 unclaimed_until,
+                evictions=tuple((str(j), str(w)) for j, w in json.loads(evictions_json)),
             )
             nodes = [(str(n), str(a)) for n, a in json.loads(nodes_json)]
             out[gid] = (nodes, record)
@@ -411,14 +415,15 @@ class Store:
     ) -> None:
         conn.execute(
             "INSERT INTO groups(group_id, nodes, holder, resident, grant_epoch, switch_count,"
-            " next_seq, updated, holder_lease_ms, draining, holder_unclaimed_until)"
-            " VALUES (?,?,?,?,?,?,?,?,?,?,?)"
+            " next_seq, updated, holder_lease_ms, draining, holder_unclaimed_until, evictions)"
+            " VALUES (?,?,?,?,?,?,?,?,?,?,?,?)"
             " ON CONFLICT(group_id) DO UPDATE SET"
             " nodes=excluded.nodes, holder=excluded.holder, resident=excluded.resident,"
             " grant_epoch=excluded.grant_epoch, switch_count=excluded.switch_count,"
             " next_seq=excluded.next_seq, updated=excluded.updated,"
             " holder_lease_ms=excluded.holder_lease_ms, draining=excluded.draining,"
-            " holder_unclaimed_until=excluded.holder_unclaimed_until",
+            " holder_unclaimed_until=excluded.holder_unclaimed_until,"
+            " evictions=excluded.evictions",
             (
                 gid,
                 self._nodes_json(gid, nodes),
@@ -431,6 +436,7 @@ class Store:
                 row.holder_lease_ms,
                 int(row.draining),
                 row.holder_unclaimed_until,
+                json.dumps(row.evictions) if row.evictions else "[]",
             ),
         )
         # The switch's intent: written with the row it belongs to, when it changed.
