@@ -193,13 +193,20 @@ async def test_a_database_from_before_drains_opens_with_no_group_drained(
     s = await st.Store.open(tmp_path)
     await s.save("g", nodes=NODES, changes=whole(records.LockRecord.empty()))
     await s.close()
-    conn = sqlite3.connect(tmp_path / "orchestrator.db")
-    conn.execute("ALTER TABLE groups DROP COLUMN draining")
-    conn.close()
-    s2 = await st.Store.open(tmp_path)
-    (_, rec) = (await s2.load())["g"]
-    await s2.close()
+    rec = await _loaded_without(tmp_path, "draining")
     assert not rec.draining
+
+
+async def _loaded_without(tmp_path: pathlib.Path, column: str) -> records.LockRecord:
+    """Group g's record, loaded from the database as an older release wrote it: without
+    ``column`` (the store adds it on open)."""
+    conn = sqlite3.connect(tmp_path / "orchestrator.db")
+    conn.execute(f"ALTER TABLE groups DROP COLUMN {column}")
+    conn.close()
+    s = await st.Store.open(tmp_path)
+    (_, rec) = (await s.load())["g"]
+    await s.close()
+    return rec
 
 
 async def test_evictions_are_saved_and_load_back_also_from_an_older_database(
@@ -216,12 +223,7 @@ async def test_evictions_are_saved_and_load_back_also_from_an_older_database(
     (_, rec) = (await s2.load())["g"]
     await s2.close()
     assert rec == saved and dict(rec.evictions) == {"a": g.eviction("a")} and g.eviction("a")
-    conn = sqlite3.connect(tmp_path / "orchestrator.db")
-    conn.execute("ALTER TABLE groups DROP COLUMN evictions")
-    conn.close()
-    s3 = await st.Store.open(tmp_path)
-    (_, old) = (await s3.load())["g"]
-    await s3.close()
+    old = await _loaded_without(tmp_path, "evictions")
     assert old.evictions == () and old.holder == rec.holder
 
 
