@@ -57,7 +57,8 @@ class LockMachine(stateful.RuleBasedStateMachine):
         self.undelivered_rpcs = 0
         #: An administrator drained the group: nobody is promoted (persisted).
         self.draining = False
-        #: Jobs evicted since they were last granted -> why (kept in memory only).
+        #: Jobs evicted since they were last granted -> why (in the record: a restart
+        #: keeps them).
         self.evicted: dict[str, str] = {}
 
     # ---- the model's own rules --------------------------------------------------------
@@ -311,8 +312,9 @@ class LockMachine(stateful.RuleBasedStateMachine):
         the agents and finds the resident where the lock left it."""
         record = self.lock.record()
         now = self._now
-        self.blocked = ""  # degraded marks live in memory: the next switch finds them again
-        self.evicted = {}  # so do evictions (the drain mark is in the record)
+        # Degraded marks live in memory: the next switch finds them again (the drain mark
+        # and the evictions are in the record).
+        self.blocked = ""
         self.lock = lk.GroupLock.from_record(record, now=now, reattach_grace_s=10.0)
         self._apply(
             self.lock.on_recovered(
