@@ -14,7 +14,7 @@ from tslice.orchestrator.group import lock as lk
 from tslice.orchestrator.persistence import records
 from tslice.orchestrator.persistence import store as st
 from tslice.orchestrator.policy import spec as policy_spec
-from tslice.server import wal_limit
+from tslice.server import sqlite_wal
 
 NODES = [("node-a", "127.0.0.1:9001"), ("node-b", "127.0.0.1:9002")]
 
@@ -157,7 +157,7 @@ async def test_the_wal_stays_bounded_when_checkpoints_fall_behind(
     # Without the writer's own check the WAL reached 4-5 times its limit.
     limit = 2 * 1024 * 1024
 
-    class SlowDisk(wal_limit.BoundedWalCheckpointer):
+    class SlowDisk(sqlite_wal.WalCheckpointer):
         def __init__(self, path: pathlib.Path) -> None:
             super().__init__(path, limit_bytes=limit)
 
@@ -165,7 +165,7 @@ async def test_the_wal_stays_bounded_when_checkpoints_fall_behind(
             time.sleep(0.2)
             super()._checkpoint(mode)
 
-    monkeypatch.setattr(st.wal_limit, "BoundedWalCheckpointer", SlowDisk)
+    monkeypatch.setattr(st.sqlite_wal, "WalCheckpointer", SlowDisk)
     largest = await _largest_wal_over_saves(tmp_path, 6_000)
     # Twice the limit, plus the commits of one round between the writer's checks.
     assert largest <= 2 * limit + 4 * 1024 * 1024, f"the WAL grew to {largest / 2**20:.1f} MiB"

@@ -8,7 +8,7 @@ columns are listed once, in the order of the rows it builds.
 WAL with ``synchronous=NORMAL``: a commit is a few tens of microseconds and no fsync,
 and it survives a crash of the process (only a power loss can drop the last ones, and a
 GPU's memory does not survive that either). Checkpoints (which do fsync) run in a
-thread of their own and keep the WAL bounded (``tslice.server.wal_limit``), so the
+thread of their own and keep the WAL bounded (``tslice.server.sqlite_wal``), so the
 connection never checkpoints by itself.
 """
 
@@ -18,7 +18,7 @@ import sqlite3
 from pathlib import Path
 
 from tslice.common import errors
-from tslice.server import wal_limit
+from tslice.server import sqlite_wal
 
 DB_FILE = "agent.sqlite3"
 #: 2: one job row per (job, group); operations record their group.
@@ -158,7 +158,7 @@ def connect(path: Path) -> sqlite3.Connection:
         # Checkpoints (the only fsyncs) run in the checkpointer's thread, not here.
         conn.execute("PRAGMA wal_autocheckpoint=0")
         # Past its limit the WAL is emptied by the checkpointer and cut back to it.
-        conn.execute(wal_limit.pragma())
+        conn.execute(sqlite_wal.pragma())
         # The checkpoint that empties a WAL past its limit holds writers back for tens of
         # milliseconds (hundreds on a slow disk); it, or an operator's sqlite3 shell, is
         # waited for rather than failing a write at once.

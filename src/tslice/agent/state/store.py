@@ -41,7 +41,7 @@ from typing import Any, TypeVar
 from tslice.agent.jobs import model
 from tslice.agent.state import schema
 from tslice.rpc import refusals
-from tslice.server import sqlite_wal, wal_limit
+from tslice.server import sqlite_wal
 
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")
@@ -79,7 +79,7 @@ class Store:
         self._unsaved: list[tuple[model.Job, model.Operation]] = []
         self._timer: asyncio.TimerHandle | None = None
         self._conn: sqlite3.Connection | None = None
-        self._checkpoints = wal_limit.BoundedWalCheckpointer(path)
+        self._checkpoints = sqlite_wal.WalCheckpointer(path)
         # Opening, loading and reading the leader term block: they run in this thread.
         self._executor = concurrent.futures.ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="tslice-agent-db"

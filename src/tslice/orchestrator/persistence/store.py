@@ -24,7 +24,7 @@ against a crash of the process (SIGKILL included) because the WAL lives in the
 OS page cache, and it costs no fsync on the hand-over path. Such a commit is a
 few tens of microseconds, less than a hop to a thread and back, so it runs on the
 event loop; the WAL checkpoints, which do fsync, run in a thread of their own and
-keep the WAL bounded (:class:`tslice.server.wal_limit.BoundedWalCheckpointer`). Only a
+keep the WAL bounded (:class:`tslice.server.sqlite_wal.WalCheckpointer`). Only a
 power loss or kernel crash can lose the last commits; recovery then re-reads the agents, which hold
 the ground truth about residency. ``synchronous="full"`` is available for
 deployments that want power-loss durability of queues and holders as well: every
@@ -44,7 +44,7 @@ from collections.abc import Callable
 from typing import Protocol, TypeVar
 
 from tslice.orchestrator.persistence import records
-from tslice.server import sqlite_wal, wal_limit
+from tslice.server import sqlite_wal
 
 _T = TypeVar("_T")
 
@@ -165,7 +165,7 @@ class Store:
         self._conn: sqlite3.Connection | None = None
         # A commit that fsyncs ("full") must not stall the loop: it goes to the thread.
         self._inline = synchronous != "full"
-        self._checkpoints = wal_limit.BoundedWalCheckpointer(self.path)
+        self._checkpoints = sqlite_wal.WalCheckpointer(self.path)
         self._nodes_cache: dict[str, tuple[tuple[tuple[str, str], ...], str]] = {}
         #: Each group's switch intent as last committed (the intents table follows its
         #: row), and those written by the transaction under way.
@@ -267,7 +267,7 @@ class Store:
         # Checkpoints (fsyncs) run in the checkpointer's thread, never in a save.
         conn.execute("PRAGMA wal_autocheckpoint=0")
         # Past its limit the WAL is emptied by the checkpointer and cut back to it.
-        conn.execute(wal_limit.pragma())
+        conn.execute(sqlite_wal.pragma())
         conn.execute("PRAGMA busy_timeout=5000")
         _check_integrity(conn)
         conn.executescript(_SCHEMA)
