@@ -18,7 +18,7 @@ from google.protobuf import descriptor, message_factory
 from google.protobuf import message as pb_message
 from hypothesis import strategies as st
 
-from tslice.common import ids, validation
+from tslice.common import validation
 
 _FD = descriptor.FieldDescriptor
 
@@ -27,7 +27,7 @@ _FD = descriptor.FieldDescriptor
 POOL_IDS = ("job-a", "job-b", "g1", "g2", "node-a")
 #: The servers refuse strings longer than this, and ids longer than 253.
 _LONG = validation.MAX_TEXT
-_LONG_ID = ids.MAX_ID_LENGTH
+_LONG_ID = validation.MAX_ID_LENGTH
 _HUGE = 3_000_000
 
 _INT_RANGES = {
@@ -46,7 +46,7 @@ _INT_RANGES = {
 
 
 def valid_ids() -> st.SearchStrategy[str]:
-    """Ids the servers accept (see ``tslice.common.ids``)."""
+    """Ids the servers accept (see ``tslice.common.validation``)."""
     return st.from_regex(r"[A-Za-z0-9]([A-Za-z0-9._:@/+=-]{0,30}[A-Za-z0-9_])?", fullmatch=True)
 
 

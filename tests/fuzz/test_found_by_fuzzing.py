@@ -14,13 +14,13 @@ from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2_grpc as pb_grpc
 from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2 as opb
 from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2_grpc as opb_grpc
-from tslice.common import ids
+from tslice.common import validation
 
 
 @pytest.mark.parametrize("value", ["job-a\n", "a\n"])
 def test_an_id_with_a_trailing_newline_is_malformed(value: str) -> None:
-    with pytest.raises(ids.InvalidIdError, match="malformed"):
-        ids.check_id("job_id", value)
+    with pytest.raises(validation.InvalidIdError, match="malformed"):
+        validation.check_id("job_id", value)
 
 
 def test_the_orchestrator_refuses_a_job_id_with_a_trailing_newline(orchestrator: Served) -> None:

@@ -40,7 +40,7 @@ import pydantic
 import yaml
 from pydantic import BaseModel, ByteSize, ConfigDict, Field
 
-from tslice.common import errors, ids
+from tslice.common import errors, validation
 from tslice.security.identities import AuthSettings
 from tslice.security.tls import ServerTLS, check_listen
 from tslice.server import serving
@@ -258,7 +258,7 @@ class _AgentModel(BaseModel):
     @pydantic.field_validator("node_name")
     @classmethod
     def _node_name(cls, value: str) -> str:
-        return ids.check_id("node_name", value)
+        return validation.check_id("node_name", value)
 
     @pydantic.field_validator("log_level")
     @classmethod

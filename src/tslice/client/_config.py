@@ -15,7 +15,7 @@ from typing import Final, Literal, TypeAlias
 import grpc
 
 from tslice.client import _address, _retry
-from tslice.common import errors, ids, validation
+from tslice.common import errors, validation
 from tslice.security import tls
 
 #: Orchestrator address, or several (``a:50051,b:50051``: HA replicas, tried in turn, a
@@ -180,8 +180,8 @@ def _first_env(environ: Mapping[str, str], names: Sequence[str]) -> tuple[str, s
 
 def check_id(kind: str, value: str, *, source: str) -> str:
     try:
-        return ids.check_id(kind, value)
-    except ids.InvalidIdError as err:
+        return validation.check_id(kind, value)
+    except validation.InvalidIdError as err:
         raise errors.InvalidArgument(
             grpc.StatusCode.INVALID_ARGUMENT, f"{err} (from {source})"
         ) from err

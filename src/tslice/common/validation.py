@@ -1,7 +1,12 @@
 """Bounds on what a caller may send a server, checked before anything is done with it.
 
 Both servers run these checks at their edges, so that hostile or broken input is
-refused with INVALID_ARGUMENT and a short message before it costs anything:
+refused with INVALID_ARGUMENT and a short message before it costs anything; the job
+side runs the same id check on its own settings, so a bad name fails at start:
+
+- every job, group and node id is well formed (:func:`check_id`): Kubernetes label
+  values, Slurm job names and UUIDs all fit; whitespace, control characters and path
+  tricks do not;
 
 - every enum field (nested messages included) holds a value of its enum: protobuf
   keeps unknown numbers of open enums as plain ints, which would otherwise travel on
@@ -17,11 +22,15 @@ No I/O, no grpc: the servicers turn :class:`InvalidInput` into their refusal.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 
 from google.protobuf import descriptor
 from google.protobuf import message as pb_message
 
+#: Characters of a job, group or node id.
+MAX_ID_LENGTH = 253
+_ID_RE = re.compile(r"^[A-Za-z0-9](?:[A-Za-z0-9._:@/+=-]{0,251}[A-Za-z0-9_])?$")
 #: Characters of a caller's value quoted in an error message.
 MAX_SHOWN = 64
 #: Entries of a repeated field (tags, endpoints, devices, evict, give_way, pids...).
@@ -42,6 +51,26 @@ _FD = descriptor.FieldDescriptor
 
 class InvalidInput(ValueError):
     """A request field is out of bounds; the message names the field and the bound."""
+
+
+class InvalidIdError(InvalidInput):
+    """An id is empty or malformed; the message says which and why."""
+
+
+def check_id(kind: str, value: str) -> str:
+    """Return ``value`` if it is a well-formed id, else raise :class:`InvalidIdError`."""
+    if not value:
+        raise InvalidIdError(f"{kind} is required (got an empty string)")
+    if len(value) > MAX_ID_LENGTH:
+        raise InvalidIdError(
+            f"{kind} is {len(value)} characters long; the limit is {MAX_ID_LENGTH}"
+        )
+    if not _ID_RE.fullmatch(value):
+        raise InvalidIdError(
+            f"{kind} {value!r} is malformed: use letters, digits and . _ : @ / + = -, "
+            "starting with a letter or digit and ending with a letter, digit or _"
+        )
+    return value
 
 
 def shown(value: str, limit: int = MAX_SHOWN) -> str:

@@ -40,7 +40,7 @@ from grpc_reflection.v1alpha import reflection
 
 from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2 as opb
 from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2_grpc as opb_grpc
-from tslice.common import errors, ids, tasks
+from tslice.common import errors, tasks, validation
 from tslice.orchestrator import config, metrics, server
 from tslice.orchestrator.events import bus, tap
 from tslice.orchestrator.group import discovered, manager
@@ -431,8 +431,8 @@ async def _name_local_agents(
         if isinstance(reply, BaseException) or not reply.node or reply.node in taken:
             continue
         try:
-            names[node.address] = ids.check_id("node name", reply.node)
-        except ids.InvalidIdError:
+            names[node.address] = validation.check_id("node name", reply.node)
+        except validation.InvalidIdError:
             continue
         taken.add(reply.node)
     named = tuple(config.NodeRef(names.get(n.address, n.name), n.address) for n in nodes)

@@ -39,7 +39,7 @@ from typing import Any, Literal
 import pydantic
 import yaml
 
-from tslice.common import errors, ids
+from tslice.common import errors, validation
 from tslice.orchestrator.limits import Limits, LimitsModel
 from tslice.orchestrator.persistence.history import HistorySettings
 from tslice.orchestrator.policy import models as policy_models
@@ -102,7 +102,7 @@ class NodeModel(_Model):
     @pydantic.field_validator("name")
     @classmethod
     def _name(cls, v: str) -> str:
-        return ids.check_id("node name", v)
+        return validation.check_id("node name", v)
 
     @pydantic.field_validator("agent")
     @classmethod
@@ -138,7 +138,7 @@ class TopologyModel(_Model):
     @classmethod
     def _group_ids(cls, v: dict[str, GroupModel]) -> dict[str, GroupModel]:
         for gid in v:
-            ids.check_id("group id", gid)
+            validation.check_id("group id", gid)
         return v
 
     @pydantic.model_validator(mode="after")
@@ -228,7 +228,7 @@ class OrchestratorModel(_Model):
     @classmethod
     def _local_group_ids(cls, v: list[str]) -> list[str]:
         for gid in v:
-            ids.check_id("group id", gid)
+            validation.check_id("group id", gid)
         return list(dict.fromkeys(v))
 
     @pydantic.field_validator("log_level", mode="before")
@@ -417,7 +417,7 @@ def parse_local_agent(spec: str) -> NodeRef:
     if not sep:
         name, addr = spec, spec
     try:
-        return NodeRef(ids.check_id("node name", name.strip()), check_address(addr))
+        return NodeRef(validation.check_id("node name", name.strip()), check_address(addr))
     except ValueError as err:
         raise errors.ConfigError(f"--local-agent {spec!r}: {err}") from err
 

@@ -41,7 +41,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from tslice.common import errors, ids
+from tslice.common import errors, validation
 from tslice.phases import trace
 
 #: Stretches shorter than this (trace seconds) are rounding noise of the recording.
@@ -113,8 +113,8 @@ def model(raw: Mapping[str, Any], *, source: str = "<trace>") -> trace.PhaseMode
     )
     for pool in pools:
         try:
-            ids.check_id("a pool's group id", pool)
-        except ids.InvalidIdError as err:
+            validation.check_id("a pool's group id", pool)
+        except validation.InvalidIdError as err:
             raise r.fail(f"pool {pool!r} of timeslice.windows cannot name a group: {err}") from None
     jobs = sorted({w.job for w in windows})
     private = tuple(p for p in pools if _is_private([w for w in windows if w.pool == p], jobs))

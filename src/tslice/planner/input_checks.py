@@ -8,7 +8,7 @@ So, before anything is derived from it:
 - JSON is strict: ``NaN``, ``Infinity`` and numbers too large for a float (``1e999``)
   are refused, and so is nesting deeper than :data:`MAX_DEPTH` (a recording is at
   most a few levels deep; Python's parser alone fails with a RecursionError);
-- every job and group name is an id as the servers take it (``tslice.common.ids``: no
+- every job and group name is an id as the servers take it (``tslice.common.validation``: no
   whitespace, so a name cannot start a line of its own in the file);
 - every event's fields have their types: ``time`` a finite number or an ISO 8601 string,
   ``duration_ms`` a finite number >= 0, ``kind`` a string.
@@ -23,7 +23,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from tslice.common import errors, ids, validation
+from tslice.common import errors, validation
 
 #: Nesting of a recording's JSON (a trace is four levels deep).
 MAX_DEPTH = 32
@@ -69,8 +69,8 @@ def name(where: str, kind: str, value: Any) -> str:
     if not isinstance(value, str):
         raise PlanInputError(f"{where}: {kind} must be a string (got {type(value).__name__})")
     try:
-        return ids.check_id(kind, value)
-    except ids.InvalidIdError as err:
+        return validation.check_id(kind, value)
+    except validation.InvalidIdError as err:
         raise PlanInputError(f"{where}: {err}") from None
 
 

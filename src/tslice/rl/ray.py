@@ -52,7 +52,7 @@ import warnings
 from collections.abc import Mapping
 
 from tslice.client import Client
-from tslice.common import errors, ids
+from tslice.common import errors, validation
 from tslice.rl import _announce, _workload, roles, settings
 from tslice.rl import phases as _phases
 
@@ -134,8 +134,8 @@ def env_vars(
 
 def _check(kind: str, value: str, argument: str) -> None:
     try:
-        ids.check_id(kind, value)
-    except ids.InvalidIdError as err:
+        validation.check_id(kind, value)
+    except validation.InvalidIdError as err:
         raise errors.ConfigError(f"{argument}=: {err}") from None
 
 

@@ -11,7 +11,7 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Final
 
-from tslice.common import errors, ids
+from tslice.common import errors, validation
 
 #: The trainer pool's group.
 TRAINER_GROUP_ENV: Final = ("TSLICE_TRAINER_GROUP", "TIMESLICE_TRAINER_GROUP")
@@ -50,8 +50,8 @@ def check_group(value: str | None, *, source: str) -> str | None:
     if value is None or not value.strip():
         return None
     try:
-        return ids.check_id("group", value.strip())
-    except ids.InvalidIdError as err:
+        return validation.check_id("group", value.strip())
+    except validation.InvalidIdError as err:
         raise errors.ConfigError(f"{err} (from {source})") from err
 
 

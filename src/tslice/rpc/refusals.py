@@ -20,7 +20,7 @@ from typing import Any, NoReturn, TypeVar
 
 import grpc
 
-from tslice.common import ids, validation
+from tslice.common import validation
 
 _T = TypeVar("_T")
 log = logging.getLogger(__name__)
@@ -61,11 +61,11 @@ def status_number(code: Code) -> int:
 
 
 def checked_id(kind: str, value: str) -> str:
-    """``value`` if it is a well-formed id (see ``tslice.common.ids``), else refused
+    """``value`` if it is a well-formed id (see ``tslice.common.validation``), else refused
     with INVALID_ARGUMENT naming the field."""
     try:
-        return ids.check_id(kind, value)
-    except ids.InvalidIdError as err:
+        return validation.check_id(kind, value)
+    except validation.InvalidIdError as err:
         raise Refused(Code.INVALID_ARGUMENT, str(err)) from None
 
 

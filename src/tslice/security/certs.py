@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from tslice.common import errors, ids
+from tslice.common import errors, validation
 from tslice.security import identities
 
 #: Names every server certificate carries (the servers' loopback addresses).
@@ -178,8 +178,8 @@ def make_server(ca: Pair, pair: Pair, *, hosts: Sequence[str] = (), days: int = 
 def check_identity(identity: str) -> str:
     """``orchestrator``, ``admin``, ``job:<job-id>`` or any other id the verifier maps."""
     try:
-        return ids.check_id("identity", identity)
-    except ids.InvalidIdError as err:
+        return validation.check_id("identity", identity)
+    except validation.InvalidIdError as err:
         raise errors.ConfigError(
             f"{err}; an identity is e.g. orchestrator, admin or job:<job-id>"
         ) from err

@@ -36,7 +36,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
-from tslice.common import errors, ids
+from tslice.common import errors, validation
 from tslice.security import tls
 
 log = logging.getLogger(__name__)
@@ -126,8 +126,8 @@ class Grant:
         if unknown:
             raise ValueError(f"{where}: unknown key {unknown[0]!r}; the keys are {', '.join(keys)}")
         try:
-            name = ids.check_id("name", str(data.get("name", "")))
-        except ids.InvalidIdError as err:
+            name = validation.check_id("name", str(data.get("name", "")))
+        except validation.InvalidIdError as err:
             raise ValueError(f"{where}.name: {err}") from None
         roles = frozenset(_strings(data.get("roles", []), f"{where}.roles"))
         if roles - set(ROLES):
@@ -155,8 +155,8 @@ def _job_ids(value: object, where: str) -> list[str]:
     found = _strings(value, where)
     for i, job in enumerate(found):
         try:
-            ids.check_id("job id", job)
-        except ids.InvalidIdError as err:
+            validation.check_id("job id", job)
+        except validation.InvalidIdError as err:
             prefix = job.rstrip("*?")
             hint = (
                 f"; jobs are compared literally: for every job id starting with {prefix!r} "
@@ -175,8 +175,8 @@ def _job_prefixes(value: object, where: str) -> list[str]:
         if not prefix:
             raise ValueError(f"{where}[{i}] is empty, which would be every job: name a prefix")
         try:
-            ids.check_id("job id prefix", prefix + "x")  # a prefix completes to an id
-        except ids.InvalidIdError as err:
+            validation.check_id("job id prefix", prefix + "x")  # a prefix completes to an id
+        except validation.InvalidIdError as err:
             raise ValueError(f"{where}[{i}]: {err}") from None
     return found
 
@@ -227,8 +227,8 @@ def certificate_principal(identity: str, mapped: Mapping[str, Grant]) -> Princip
     if identity.startswith(_JOB_PREFIX):
         job = identity[len(_JOB_PREFIX) :]
         try:
-            ids.check_id("the job id", job)
-        except ids.InvalidIdError as err:
+            validation.check_id("the job id", job)
+        except validation.InvalidIdError as err:
             # Refused, not merely role-less: such a certificate was issued by mistake.
             raise Unauthenticated(
                 f"the client certificate names identity {identity!r}, and {err}; a job "

@@ -64,7 +64,7 @@ import grpc
 
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2_grpc as pb_grpc
-from tslice.common import ids
+from tslice.common import validation
 from tslice.security import tls
 from tslice.workload import adapters, agent_link, commands, process
 from tslice.workload.adapters import base, callbacks
@@ -544,9 +544,9 @@ def register_workload(  # noqa: PLR0917 - llm-d's positional signature, kept for
     Returns at once with the connection running in the background; call
     ``handle.wait_registered(timeout)`` to know the agent has accepted it.
     """
-    ids.check_id("job_id", job_id)
+    validation.check_id("job_id", job_id)
     if group:
-        ids.check_id("group", group)
+        validation.check_id("group", group)
     if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank <= MAX_RANK:
         raise ValueError(
             f"rank must be an int between 0 and {MAX_RANK} (which of the job's processes "

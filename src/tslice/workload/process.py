@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from tslice.common import errors, ids
+from tslice.common import errors, validation
 
 #: Environment variable naming the agent's registration socket.
 SOCKET_ENV = "TSLICE_AGENT_REGISTER_SOCKET"
@@ -77,8 +77,8 @@ def announce_process(
     :class:`RegistrationError` if the agent refuses or cannot be reached.
     """
     try:
-        ids.check_id("job_id", job_id)
-    except ids.InvalidIdError as exc:
+        validation.check_id("job_id", job_id)
+    except validation.InvalidIdError as exc:
         raise RegistrationError(str(exc)) from exc
     request: dict[str, object] = {"job_id": job_id, "group": group}
     what = f"registration of job {job_id!r}"

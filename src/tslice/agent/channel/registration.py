@@ -58,7 +58,7 @@ from typing import Any
 
 from tslice.agent import discovery
 from tslice.agent.channel import quiesce
-from tslice.common import ids
+from tslice.common import validation
 
 log = logging.getLogger(__name__)
 
@@ -120,10 +120,10 @@ class ProcessRegistry:
         """The process's start time, once the ids are valid and the process is visible."""
         try:
             for name, value in (("job_id", job_id), *more_ids.items()):
-                ids.check_id(name, value)
+                validation.check_id(name, value)
             if group:
-                ids.check_id("group", group)
-        except ids.InvalidIdError as exc:
+                validation.check_id("group", group)
+        except validation.InvalidIdError as exc:
             raise RegistrationError(str(exc)) from exc
         start = discovery.process_start_time(pid, proc_root=self._proc_root)
         if start is None:

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable
 from typing import Literal
 
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
-from tslice.common import ids, validation
+from tslice.common import validation
 from tslice.security import admission
 
 VALID_MODES = (pb.SUSPEND_MODE_OFFLOAD, pb.SUSPEND_MODE_DISCARD)
@@ -153,10 +153,10 @@ def label(job_id: str, group: str, rank: int = 0) -> str:
 def registration_problem(register: pb.RegisterWorkload) -> str:
     """Why a registration is refused, or '' if it is acceptable."""
     try:
-        ids.check_id("job_id", register.job_id)
+        validation.check_id("job_id", register.job_id)
         if register.group:
-            ids.check_id("group", register.group)
-    except ids.InvalidIdError as exc:
+            validation.check_id("group", register.group)
+    except validation.InvalidIdError as exc:
         return f"invalid RegisterWorkload: {exc}"
     try:
         validation.check_message(register)
@@ -213,8 +213,8 @@ def instance_problem(instance: str) -> str:
     if not instance:
         return ""
     try:
-        ids.check_id(INSTANCE_METADATA, instance)
-    except ids.InvalidIdError as exc:
+        validation.check_id(INSTANCE_METADATA, instance)
+    except validation.InvalidIdError as exc:
         return f"invalid workload channel metadata: {exc}"
     return ""
 

@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal
 
 import pydantic
 
-from tslice.common import ids
+from tslice.common import validation
 from tslice.orchestrator.policy import spec as policy_spec
 
 
@@ -24,7 +24,7 @@ class _Model(pydantic.BaseModel):
 
 def _job_ids(v: dict[str, Any]) -> dict[str, Any]:
     for job in v:
-        ids.check_id("job id", job)
+        validation.check_id("job id", job)
     return v
 
 

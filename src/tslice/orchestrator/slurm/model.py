@@ -14,7 +14,7 @@ import dataclasses
 import re
 from collections.abc import Iterable
 
-from tslice.common import ids
+from tslice.common import validation
 from tslice.orchestrator import config
 from tslice.orchestrator.slurm import settings as slurm_settings
 
@@ -152,8 +152,8 @@ def _ref(node: Node, settings: slurm_settings.SlurmSettings) -> config.NodeRef:
 
 def _valid_name(name: str) -> bool:
     try:
-        ids.check_id("node name", name)
-    except ids.InvalidIdError:
+        validation.check_id("node name", name)
+    except validation.InvalidIdError:
         return False
     return True
 

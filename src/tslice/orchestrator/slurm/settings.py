@@ -25,7 +25,7 @@ from typing import Any
 
 import pydantic
 
-from tslice.common import ids
+from tslice.common import validation
 
 #: The group name that stands for "one group per node, named after the node".
 PER_NODE = "*"
@@ -139,7 +139,7 @@ class GroupModel(_Model):
     def _hostlist(cls, v: str | None) -> str | None:
         if v is not None:
             for name in expand_hostlist(v):
-                ids.check_id("node name", name)
+                validation.check_id("node name", name)
         return v
 
 
@@ -168,7 +168,7 @@ class SlurmModel(_Model):
         parsed = parse_group_flags(v) if isinstance(v, list) else v
         for name, group in parsed.items():
             if name != PER_NODE:
-                ids.check_id("group id", name)
+                validation.check_id("group id", name)
                 if group == GroupModel():
                     raise ValueError(
                         f"group {name!r} selects nothing; give it partition, feature or nodes "
@@ -194,7 +194,7 @@ class SlurmModel(_Model):
     @classmethod
     def _agents(cls, v: dict[str, str]) -> dict[str, str]:
         for node in v:
-            ids.check_id("node name", node)
+            validation.check_id("node name", node)
         return v
 
 
