@@ -242,7 +242,7 @@ def test_finish_success_moves_to_the_target_state_with_measured_bytes() -> None:
     assert done_job.backend_state == {"a": 1, "b": 2}
     assert done_op.status is model.OpStatus.COMPLETE
     assert (done_op.storage_bytes, done_op.device_bytes) == (8, 10)
-    assert done_op.elapsed_ms(now=500.0) == 1500
+    assert done_op.finished_at == 101.5
 
     back = restore(done_job)
     assert isinstance(back, model.Start)

@@ -48,10 +48,12 @@ _OP_STATUS: Mapping[model.OpStatus, pb.OperationStatus] = {
 
 
 def operation_to_pb(op: model.Operation, *, now: float) -> pb.GetOperationResponse:
-    """Bytes are present on every COMPLETE operation, ``error`` only on FAILED ones."""
+    """Bytes are present on every COMPLETE operation, ``error`` only on FAILED ones;
+    ``elapsed_ms`` runs to ``now`` while the operation is pending."""
+    end = op.finished_at if op.finished_at is not None else now
     response = pb.GetOperationResponse(
         status=_OP_STATUS[op.status],
-        elapsed_ms=op.elapsed_ms(now=now),
+        elapsed_ms=max(0, int((end - op.started_at) * 1000)),
         job_id=op.job_id,
         kind=op.kind.value,
         group=op.group,
@@ -69,7 +71,7 @@ def operation_to_pb(op: model.Operation, *, now: float) -> pb.GetOperationRespon
 def job_to_pb(job: model.Job) -> pb.JobStatus:
     return pb.JobStatus(
         job_id=job.job_id,
-        state=model.to_pb(job.state),
+        state=model.STATE_TO_PB[job.state],
         group=job.group,
         operation_id=job.operation_id,
         device_bytes=job.device_bytes,
@@ -87,6 +89,21 @@ def _checked_operation_id(value: str) -> str:
         )
     # This agent's ids are UUIDs; any well-formed id is looked up (NOT_FOUND if unknown).
     return refusals.checked_id("operation_id", value)
+
+
+def _grant_ids(request: pb.GrantRequest) -> tuple[str, str, list[str], list[tuple[str, str]]]:
+    """The ids a Grant names (job, group, jobs to evict, jobs to give way to), each well
+    formed; the group may be empty. Raises ``validation.InvalidIdError``."""
+    check = validation.check_id
+    job_id = check("job_id", request.job_id)
+    group = check("group", request.group) if request.group else ""
+    evict = []
+    for other in request.evict:
+        evict.append(check("evict", other))
+    give_way = []
+    for ref in request.give_way:
+        give_way.append((check("give_way.job_id", ref.job_id), check("give_way.group", ref.group)))
+    return job_id, group, evict, give_way
 
 
 def _checked_group(value: str) -> str:
@@ -339,8 +356,10 @@ class SnapshotAgentServicer(pb_grpc.SnapshotAgentServiceServicer):
 
     async def grant_reply(self, request: pb.GrantRequest) -> pb.GrantResponse:
         """Validate and run one Grant (unary or streamed); raises ``refusals.Refused``."""
-        job_id = refusals.checked_id("job_id", request.job_id)
-        group = _checked_group(request.group)
+        try:
+            job_id, group, named, give_way = _grant_ids(request)
+        except validation.InvalidIdError as err:
+            raise refusals.Refused(refusals.Code.INVALID_ARGUMENT, str(err)) from None
         logs.IDS.set({"job_id": job_id, "group_id": group, "grant_epoch": request.grant_epoch})
         # Counts and enums before any list is looked at.
         config = _checked_config(request)
@@ -349,17 +368,6 @@ class SnapshotAgentServicer(pb_grpc.SnapshotAgentServiceServicer):
                 refusals.Code.INVALID_ARGUMENT,
                 "grant_epoch and footprint_bytes must be >= 0 "
                 f"(got {request.grant_epoch} and {request.footprint_bytes})",
-            )
-        named = []
-        for other in request.evict:
-            named.append(refusals.checked_id("evict", other))
-        give_way = []
-        for ref in request.give_way:
-            give_way.append(
-                (
-                    refusals.checked_id("give_way.job_id", ref.job_id),
-                    refusals.checked_id("give_way.group", ref.group),
-                )
             )
         evict = []  # every id checked first, then the named jobs' records
         for other in named:
@@ -381,7 +389,9 @@ class SnapshotAgentServicer(pb_grpc.SnapshotAgentServiceServicer):
         )
         now = self._core.now()
         response = pb.GrantResponse(
-            state=model.to_pb(outcome.state), granted=outcome.granted, restored=outcome.restored
+            state=model.STATE_TO_PB[outcome.state],
+            granted=outcome.granted,
+            restored=outcome.restored,
         )
         for op in outcome.operations:
             response.operations.append(operation_to_pb(op, now=now))
@@ -395,7 +405,7 @@ class SnapshotAgentServicer(pb_grpc.SnapshotAgentServiceServicer):
         job_id = await refusals.checked(context, refusals.checked_id, "job_id", request.job_id)
         group = await refusals.checked(context, _checked_group, request.group)
         state = await refusals.answered(context, self._core.reset(job_id=job_id, group=group))
-        return pb.ResetJobResponse(state=model.to_pb(state))
+        return pb.ResetJobResponse(state=model.STATE_TO_PB[state])
 
     async def ResetLeaderTerm(
         self, request: pb.ResetLeaderTermRequest, context: grpc.aio.ServicerContext

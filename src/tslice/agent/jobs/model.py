@@ -44,18 +44,15 @@ class OpStatus(enum.Enum):
     FAILED = "FAILED"
 
 
-_TO_PB: Mapping[State, pb.JobState] = {
+#: Each state as the wire's ``JobState`` (a table: the servicer reads it once per reply).
+STATE_TO_PB: Mapping[State, pb.JobState] = {
     State.IDLE: pb.JOB_STATE_IDLE,
     State.RUNNING: pb.JOB_STATE_RUNNING,
     State.TRANSITIONING: pb.JOB_STATE_TRANSITIONING,
     State.SAVED: pb.JOB_STATE_SAVED,
     State.FAULTED: pb.JOB_STATE_FAULTED,
 }
-_FROM_PB: Mapping[int, State] = {int(v): k for k, v in _TO_PB.items()}
-
-
-def to_pb(state: State) -> pb.JobState:
-    return _TO_PB[state]
+_FROM_PB: Mapping[int, State] = {int(v): k for k, v in STATE_TO_PB.items()}
 
 
 def from_pb(value: int | None) -> State | None:
@@ -133,10 +130,6 @@ class Operation:
     @property
     def finished(self) -> bool:
         return self.status is not OpStatus.PENDING
-
-    def elapsed_ms(self, *, now: float) -> int:
-        end = self.finished_at if self.finished_at is not None else now
-        return max(0, int((end - self.started_at) * 1000))
 
 
 @dataclasses.dataclass(frozen=True)
