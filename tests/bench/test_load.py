@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
+import pytest
 from google.protobuf import timestamp_pb2
 
 from tslice.api.timeslice_orchestrator.v1alpha1 import orchestrator_pb2 as opb
@@ -87,3 +88,12 @@ def test_hold_intervals_that_overlap_are_violations() -> None:
     overlapping = [*apart, ("g", "c", 2.9, 3.5)]
     found = load.overlapping_holds(overlapping)
     assert len(found) == 1 and found[0].startswith("g: c held")
+
+
+def test_the_half_saturation_hold_offers_half_the_saturating_rate() -> None:
+    load = _load()
+    # 250 groups that granted 340/s at saturation: each group grants once per hold.
+    hold_ms = load.half_saturation_hold_ms(340.0, 250)
+    assert 250 / (hold_ms / 1000) == pytest.approx(170.0)
+    with pytest.raises(ValueError, match="granted nothing"):
+        load.half_saturation_hold_ms(0.0, 250)
