@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import logging
 import random
+
+import pytest
 
 from tslice.orchestrator import config
 from tslice.orchestrator.group import effects as decisions
@@ -267,3 +270,25 @@ def test_a_group_that_was_alone_keeps_the_claim_for_its_holder_once_devices_are_
     assert lk.on_devices_shared() == (True, "job-9")
     assert lk.on_contended(now=0.0) == []  # held: kept until the holder is done
     assert decisions.ReleaseClaim() in lk.on_yield("job-9", now=0.0).actions
+
+
+def test_two_groups_back_with_holders_on_shared_devices_are_reported_and_grant_nobody_else(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # g1 and g2 did not overlap before the restart; now g2 names g1's devices too.
+    a = Arbiter({"g1": (node("n", 0, 1),), "g2": (node("n", 1, 2),)})
+    arb = a.arbiter
+    arb.seize("g1", "job-a")
+    assert not caplog.records
+    with caplog.at_level(logging.ERROR, logger=overlap.__name__):
+        arb.seize("g2", "job-b")
+    [record] = caplog.records
+    assert "g2 came back held by job-b" in record.getMessage()
+    assert "g1 (held by job-a)" in record.getMessage()
+    # job-a yields: g1's next waiter is not put beside job-b ...
+    arb.release("g1")
+    assert arb.request("g1", "job-c") is None
+    assert a.granted == []
+    # ... until job-b has yielded too.
+    arb.release("g2")
+    assert a.granted == [("g1", "job-c")]

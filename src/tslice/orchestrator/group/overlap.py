@@ -212,8 +212,29 @@ class DeviceArbiter:
         return None
 
     def seize(self, group: str, job: str) -> None:
-        """Take the claim unconditionally (a holder found on disk after a restart)."""
+        """Take the claim for a holder found on disk after a restart, whatever else holds.
+
+        Two overlapping groups both back with holders (only after a topology change that
+        made them overlap, or an earlier violation) are reported, not undone: both jobs
+        are on the devices already, and a holder is only ever told it lost its grant at
+        its next call. Each keeps its claim, so neither group grants anybody else until
+        both holders have let go: nothing new is put on the devices meanwhile."""
         self._waiting = [w for w in self._waiting if w[0] != group]
+        blockers = self._blockers(group, job)
+        if blockers:
+            held = ", ".join(
+                f"{other} (held by {self._claims[other] or 'nobody'})" for other in blockers
+            )
+            log.error(
+                "group %s came back held by %s, but it shares devices with %s: two jobs "
+                "are on the same devices. Neither group grants anybody else until both "
+                "holders have yielded; check the topology (a group's devices changed?) "
+                "and have one of the jobs yield",
+                group,
+                job,
+                held,
+                extra={"group_id": group, "job_id": job},
+            )
         self._claims[group] = job
 
     def note_holder(self, group: str, job: str | None) -> None:
