@@ -23,8 +23,9 @@ import socket
 from collections.abc import Awaitable, Callable, Iterator, Mapping
 from typing import TYPE_CHECKING
 
-from tslice.common import errors
+from tslice.common import errors, tasks
 from tslice.security import identities, roles, tls
+from tslice.server import gc_pauses
 
 if TYPE_CHECKING:
     import grpc
@@ -210,7 +211,8 @@ def write_ready_file(path: pathlib.Path, address: str) -> None:
 
 
 def run_until_signalled(serve: Serve, *, ready_file: pathlib.Path | None = None) -> None:
-    """Run ``serve`` in a fresh event loop; SIGTERM/SIGINT set its stop event."""
+    """Run ``serve`` in a fresh event loop; SIGTERM/SIGINT set its stop event. The process
+    is a server's own: its heap is frozen now and then (``gc_pauses``)."""
 
     async def main() -> None:
         stop = asyncio.Event()
@@ -223,6 +225,9 @@ def run_until_signalled(serve: Serve, *, ready_file: pathlib.Path | None = None)
             if ready_file is not None:
                 write_ready_file(ready_file, address)
 
+        freezer = gc_pauses.from_environment()
+        if freezer is not None:
+            tasks.spawn(freezer.run(stop), name="gc-freeze")
         await serve(ready, stop)
 
     asyncio.run(main())
