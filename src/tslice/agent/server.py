@@ -194,7 +194,7 @@ class SnapshotAgentServicer(pb_grpc.SnapshotAgentServiceServicer):
         #: None: a fence in memory only (the agent's app passes the one on its store).
         self._fence = fence if fence is not None else fencing.TermFence(None)
         #: Set when the agent stops: GrantStreams end at once (the caller re-opens one).
-        self._closing = asyncio.Event()
+        self._closing = multiplex.Closing()
 
     def close(self) -> None:
         self._closing.set()

@@ -237,7 +237,7 @@ class OrchestratorServicer(opb_grpc.TimeSliceOrchestratorServiceServicer):
         #: The history behind WatchEvents' ``since`` (None: none kept).
         self._tap = event_tap
         #: Set when the orchestrator stops: Session streams end at once.
-        self._closing = asyncio.Event()
+        self._closing = multiplex.Closing()
 
     def close(self) -> None:
         """End the long-lived Session streams (after the groups stopped)."""
