@@ -445,8 +445,13 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_response(code)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
+        try:
+            self.end_headers()
+            self.wfile.write(data)
+        except ConnectionError:
+            # The client left first (a chaos test SIGKILLs it): as for an API server,
+            # nobody is left to answer, and that is no error of the server's.
+            self.close_connection = True
 
     def _stream(self, lines: Iterator[bytes | None]) -> None:
         self.send_response(200)
