@@ -110,6 +110,8 @@ async def test_huge_or_malformed_ids_are_refused_with_a_short_message(
     ("what", "request_"),
     [
         ("evict", pb.GrantRequest(job_id="j", group="g", evict=[f"e{i}" for i in range(5000)])),
+        # Malformed entries too: the count is refused before any entry is looked at.
+        ("evict", pb.GrantRequest(job_id="j", group="g", evict=["not an id!"] * 5000)),
         (
             "give_way",
             pb.GrantRequest(

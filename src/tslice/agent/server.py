@@ -91,19 +91,21 @@ def _checked_operation_id(value: str) -> str:
     return refusals.checked_id("operation_id", value)
 
 
-def _grant_ids(request: pb.GrantRequest) -> tuple[str, str, list[str], list[tuple[str, str]]]:
-    """The ids a Grant names (job, group, jobs to evict, jobs to give way to), each well
-    formed; the group may be empty. Raises ``validation.InvalidIdError``."""
+def _listed_ids(request: pb.GrantRequest) -> tuple[list[str], list[tuple[str, str]]]:
+    """The jobs a Grant names to evict and to give way to, each id well formed (their
+    counts were bounded first). Raises ``validation.InvalidIdError``."""
     check = validation.check_id
-    job_id = check("job_id", request.job_id)
-    group = check("group", request.group) if request.group else ""
     evict = []
     for other in request.evict:
         evict.append(check("evict", other))
     give_way = []
     for ref in request.give_way:
         give_way.append((check("give_way.job_id", ref.job_id), check("give_way.group", ref.group)))
-    return job_id, group, evict, give_way
+    return evict, give_way
+
+
+def _invalid(err: validation.InvalidInput) -> refusals.Refused:
+    return refusals.Refused(refusals.Code.INVALID_ARGUMENT, str(err))
 
 
 def _checked_group(value: str) -> str:
@@ -121,7 +123,7 @@ def _checked_fields(message: Any) -> None:
     try:
         validation.check_message(message, counts=_COUNTS)
     except validation.InvalidInput as err:
-        raise refusals.Refused(refusals.Code.INVALID_ARGUMENT, str(err)) from None
+        raise _invalid(err) from None
 
 
 def _checked_config(message: Any) -> pb.BackendConfig | None:
@@ -356,10 +358,12 @@ class SnapshotAgentServicer(pb_grpc.SnapshotAgentServiceServicer):
 
     async def grant_reply(self, request: pb.GrantRequest) -> pb.GrantResponse:
         """Validate and run one Grant (unary or streamed); raises ``refusals.Refused``."""
+        # Ids are checked without refusals.checked_id's wrapper: one refusal for all.
         try:
-            job_id, group, named, give_way = _grant_ids(request)
+            job_id = validation.check_id("job_id", request.job_id)
+            group = validation.check_id("group", request.group) if request.group else ""
         except validation.InvalidIdError as err:
-            raise refusals.Refused(refusals.Code.INVALID_ARGUMENT, str(err)) from None
+            raise _invalid(err) from None
         logs.IDS.set({"job_id": job_id, "group_id": group, "grant_epoch": request.grant_epoch})
         # Counts and enums before any list is looked at.
         config = _checked_config(request)
@@ -369,6 +373,10 @@ class SnapshotAgentServicer(pb_grpc.SnapshotAgentServiceServicer):
                 "grant_epoch and footprint_bytes must be >= 0 "
                 f"(got {request.grant_epoch} and {request.footprint_bytes})",
             )
+        try:
+            named, give_way = _listed_ids(request)
+        except validation.InvalidIdError as err:
+            raise _invalid(err) from None
         evict = []  # every id checked first, then the named jobs' records
         for other in named:
             evict.append(self._core.key(other, group))
