@@ -223,13 +223,16 @@ class DeviceArbiter:
         blockers = self._blockers(group, job)
         if blockers:
             held = ", ".join(
-                f"{other} (held by {self._claims[other] or 'nobody'})" for other in blockers
+                f"{other} (held by {self._claims[other]})"
+                if self._claims[other]
+                else f"{other} (claimed, with no holder)"
+                for other in blockers
             )
             log.error(
-                "group %s came back held by %s, but it shares devices with %s: two jobs "
-                "are on the same devices. Neither group grants anybody else until both "
-                "holders have yielded; check the topology (a group's devices changed?) "
-                "and have one of the jobs yield",
+                "group %s came back held by %s, but it shares devices with %s: jobs of "
+                "both may be on the same devices. Neither group grants anybody else until "
+                "both have let go; check the topology (a group's devices changed?) and have "
+                "one of the jobs yield",
                 group,
                 job,
                 held,
