@@ -32,7 +32,7 @@ from tslice.agent.moves import grant_plan, runner
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2_grpc as pb_grpc
 from tslice.common import tasks, validation
-from tslice.rpc import multiplex, refusals
+from tslice.rpc import multiplex, refusals, undecodable
 from tslice.security import fencing, identities, roles
 from tslice.server import logs
 
@@ -311,9 +311,10 @@ class SnapshotAgentServicer(pb_grpc.SnapshotAgentServiceServicer):
         await self._fenced(context)
         return await refusals.answered(context, self.grant_reply(request))
 
+    @undecodable.parses_own_requests
     async def GrantStream(
         self,
-        request_iterator: AsyncIterator[pb.GrantStreamRequest],
+        request_iterator: AsyncIterator[bytes | pb.GrantStreamRequest],
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[pb.GrantStreamResponse]:
         """Grants of one caller: each runs as it arrives, replies go out as they finish.
@@ -327,8 +328,10 @@ class SnapshotAgentServicer(pb_grpc.SnapshotAgentServiceServicer):
             functools.partial(self._stream_reply, term=term),
             request_id=operator.attrgetter("request_id"),
             duplicate=_duplicate_grant,
-            name="grant-stream",
+            name="GrantStream",
             closing=self._closing,
+            parse=pb.GrantStreamRequest.FromString,
+            context=context,
         ):
             yield reply
 

@@ -36,7 +36,7 @@ from tslice.orchestrator.group import callers, driver, manager
 from tslice.orchestrator.group import effects as fx
 from tslice.orchestrator.persistence import health
 from tslice.orchestrator.sets import acquire as set_acquire
-from tslice.rpc import multiplex, refusals
+from tslice.rpc import multiplex, refusals, undecodable
 from tslice.security import roles
 from tslice.server import logs
 
@@ -284,9 +284,10 @@ class OrchestratorServicer(opb_grpc.TimeSliceOrchestratorServiceServicer):
     async def _unary_yield(self, request: opb.YieldRequest) -> opb.YieldResponse:
         return _yielded(request, await self.yield_(request))
 
+    @undecodable.parses_own_requests
     async def Session(
         self,
-        request_iterator: AsyncIterator[opb.SessionRequest],
+        request_iterator: AsyncIterator[bytes | opb.SessionRequest],
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[opb.SessionResponse]:
         async for reply in multiplex.serve(
@@ -296,8 +297,10 @@ class OrchestratorServicer(opb_grpc.TimeSliceOrchestratorServiceServicer):
             duplicate=_duplicate,
             answer=self._session_answer,
             is_cancel=operator.methodcaller("HasField", "cancel"),
-            name="session",
+            name="Session",
             closing=self._closing,
+            parse=opb.SessionRequest.FromString,
+            context=context,
         ):
             yield reply
 

@@ -17,7 +17,8 @@ legs of every hand-over: Acquire/Yield (client -> orchestrator, ``Session``) and
   streams the replies back as they finish; a cancel message, or the end of the stream,
   cancels the requests still running (as a cancelled unary call would be). Request ids
   are unique among the requests in flight: a second request with the id of one still
-  running is answered at once with the caller's refusal and never run.
+  running is answered at once with the caller's refusal and never run. Given ``parse``,
+  it reads a request as bytes and parses it itself (see :mod:`tslice.rpc.undecodable`).
 """
 
 from __future__ import annotations
@@ -35,8 +36,10 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any, Generic, Protocol, TypeVar
 
 import grpc
+from google.protobuf import message
 
 from tslice.common import tasks
+from tslice.rpc import undecodable
 
 log = logging.getLogger(__name__)
 
@@ -409,7 +412,7 @@ def _expire(reply: asyncio.Future[Any], timeout_s: float) -> None:
 
 
 async def serve(
-    requests: AsyncIterator[Req],
+    requests: AsyncIterator[Any],
     handle: Callable[[Req], Awaitable[Any]],
     *,
     request_id: Callable[[Req], int],
@@ -418,6 +421,8 @@ async def serve(
     is_cancel: Callable[[Req], bool] = lambda _request: False,
     name: str,
     closing: Closing | None = None,
+    parse: Callable[[bytes], Req] | None = None,
+    context: Any = None,
 ) -> AsyncIterator[Rep]:
     """Server side: the reply to each request, in the order they finish.
 
@@ -432,10 +437,16 @@ async def serve(
     when ``closing`` is set (the server is stopping: a long-lived stream must not hold
     its shutdown for the whole grace period), they are cancelled and the stream ends; the
     caller's requests in flight then fail as UNAVAILABLE.
+
+    ``parse`` (with the call's ``context``) reads each request that arrives as bytes (the
+    method is marked :func:`tslice.rpc.undecodable.parses_own_requests`): one that does
+    not parse ends the reading as a half-close would, and once the requests before it
+    are answered the call ends INVALID_ARGUMENT, saying what to send.
     """
     replies: asyncio.Queue[Rep | None] = asyncio.Queue()
     running: dict[int, asyncio.Future[Any]] = {}
     done_reading = False
+    refused = ""
 
     def finished(request: Req, rid: int, done: asyncio.Future[Any]) -> None:
         if running.get(rid) is done:
@@ -449,9 +460,16 @@ async def serve(
             replies.put_nowait(None)
 
     async def read() -> None:
-        nonlocal done_reading
+        nonlocal done_reading, refused
         try:
-            async for request in requests:
+            async for item in requests:
+                request = item
+                if parse is not None and isinstance(item, bytes):
+                    try:
+                        request = parse(item)
+                    except message.DecodeError as err:
+                        refused = undecodable.refusal(parse, name, err)
+                        break
                 rid = request_id(request)
                 started = running.get(rid)
                 if is_cancel(request):
@@ -487,6 +505,8 @@ async def serve(
     try:
         while (reply := await replies.get()) is not None:
             yield reply
+        if refused:  # sent from the handler's task, once its replies are written
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, refused)
     finally:
         if closing is not None:
             closing.discard(end_now)

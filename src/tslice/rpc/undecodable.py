@@ -7,18 +7,31 @@ every method of a server (the health service's too) parse its own requests, so t
 caller whose bytes do not parse is told so with INVALID_ARGUMENT, naming the type it
 must send; nothing of the bytes is echoed. A stream ends at the first request that
 does not parse (what it asked before is answered first).
+
+The two streams a hand-over travels (``Session``, ``GrantStream``) parse their own
+requests, in :func:`tslice.rpc.multiplex.serve`'s reader, with the same refusal: they are
+marked :func:`parses_own_requests`, and this interceptor only hands them the raw bytes.
+That spares every message on them a generator layer of its own.
 """
 
 from __future__ import annotations
 
 import inspect
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 from google.protobuf import message
 
 _Parse = Callable[[bytes], Any]
+_Method = TypeVar("_Method", bound=Callable[..., Any])
+
+
+def parses_own_requests(method: _Method) -> _Method:
+    """Mark a servicer's stream method that parses its requests itself (through
+    ``multiplex.serve(parse=...)``): the interceptor gives it raw bytes, unwrapped."""
+    method.parses_own_requests = True  # type: ignore[attr-defined]
+    return method
 
 
 class UndecodableRequests(grpc.aio.ServerInterceptor):
@@ -47,6 +60,8 @@ def _parsing(handler: Any, method: str) -> Any:
     if handler is None or parse is None or not hasattr(handler, "_replace"):
         return handler
     wrapped: dict[str, Any] = {"request_deserializer": None}
+    if getattr(handler.stream_stream, "parses_own_requests", False):
+        return handler._replace(**wrapped)
     for kind in ("unary_unary", "unary_stream", "stream_unary", "stream_stream"):
         behaviour = getattr(handler, kind)
         if behaviour is not None:
