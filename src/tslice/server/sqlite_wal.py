@@ -26,6 +26,10 @@ waits, on its own thread, for the checkpoint running and then for a TRUNCATE. Th
 writer's stall is rare and bounded by one checkpoint; the WAL stays under about
 ``2 * limit_bytes`` plus one round of commits, however slow the disk.
 
+A hand-over commits a few times on each server, so the stores count their commits
+themselves and report them in bunches of :data:`TELL_EVERY` (the checkpointer acts
+every few hundred): a commit costs the hand-over no call here.
+
 Both stores also say here, in the same words, why their database did not open.
 """
 
@@ -36,13 +40,14 @@ import concurrent.futures
 import logging
 import os
 import sqlite3
-from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 log = logging.getLogger(__name__)
 
 #: Past this size of the ``-wal`` file the next checkpoint empties it.
 LIMIT_BYTES = 16 * 1024 * 1024
+#: Commits a store reports to :meth:`WalCheckpointer.committed` at once.
+TELL_EVERY = 16
 
 
 def pragma(limit_bytes: int = LIMIT_BYTES) -> str:
@@ -113,23 +118,6 @@ class WalCheckpointer:
         ``with`` block: ``BEGIN IMMEDIATE``, committed when the block ends, rolled back if
         anything in it (or the commit) fails; a commit counts towards the next checkpoint."""
         return _Transaction(conn, self)
-
-    def write(
-        self, conn: sqlite3.Connection, batches: Iterable[tuple[str, Sequence[Sequence[object]]]]
-    ) -> None:
-        """One write transaction on ``conn`` made of ``executemany(sql, rows)`` for each
-        ``(sql, rows)`` with rows, in order: what :meth:`transaction` does for a store whose
-        change is data, at a third of the calls (the agent writes three per hand-over)."""
-        conn.execute("BEGIN IMMEDIATE")
-        try:
-            for sql, rows in batches:
-                if rows:
-                    conn.executemany(sql, rows)
-            conn.commit()
-        except BaseException:
-            conn.rollback()
-            raise
-        self.committed()
 
     async def close(self) -> None:
         """A last checkpoint that empties the WAL, then release the thread."""

@@ -80,6 +80,8 @@ class Store:
         self._timer: asyncio.TimerHandle | None = None
         self._conn: sqlite3.Connection | None = None
         self._checkpoints = sqlite_wal.WalCheckpointer(path)
+        #: Commits the checkpointer was not told of yet.
+        self._untold = 0
         # Opening, loading and reading the leader term block: they run in this thread.
         self._executor = concurrent.futures.ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="tslice-agent-db"
@@ -333,15 +335,26 @@ class Store:
         mark_rows = []
         for mark in marks:
             mark_rows.append((mark.group, mark.epoch, mark.job_id))
-        self._checkpoints.write(
-            self._conn,
-            (
+        conn = self._conn
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            for sql, rows in (
                 (schema.DELETE_JOB, deleted_jobs),
                 (schema.UPSERT_JOB, job_rows),
                 (schema.UPSERT_OPERATION, op_rows),
                 (schema.UPSERT_MARK, mark_rows),
-            ),
-        )
+            ):
+                if rows:
+                    conn.executemany(sql, rows)
+            conn.commit()
+        except BaseException:
+            conn.rollback()  # and the error goes on: nothing of the change is kept
+            raise
+        # The checkpointer hears of commits in bunches (it acts every few hundred).
+        self._untold += 1
+        if self._untold >= sqlite_wal.TELL_EVERY:
+            self._checkpoints.committed(self._untold)
+            self._untold = 0
 
     def _load(self) -> None:
         conn = self._connection()

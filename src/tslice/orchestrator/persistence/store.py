@@ -49,8 +49,6 @@ from tslice.server import sqlite_wal
 _T = TypeVar("_T")
 
 SCHEMA_VERSION = 1
-#: Commits the WAL checkpointer is told of at once (it checkpoints every 256).
-_COMMITS_TOLD = 16
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -377,7 +375,7 @@ class Store:
         self._intents.update(self._unsaved_intents)  # (only once they are committed)
         # The checkpointer hears of commits in bunches (it acts every few hundred).
         self._untold += 1
-        if self._untold >= _COMMITS_TOLD:
+        if self._untold >= sqlite_wal.TELL_EVERY:
             self._checkpoints.committed(self._untold)
             self._untold = 0
 
