@@ -86,6 +86,11 @@ class Member(Protocol):
 class _Member:
     nodes: tuple[config.NodeRef, ...]
     group: Member
+    #: The nodes' names: every Grant asks whether a resident's group has its node.
+    node_names: frozenset[str] = dataclasses.field(init=False)
+
+    def __post_init__(self) -> None:
+        self.node_names = frozenset(n.name for n in self.nodes)
 
 
 class DeviceArbiter:
@@ -171,7 +176,7 @@ class DeviceArbiter:
         member = self._members.get(group)
         if member is None:
             return group not in self._stopped_holders
-        if any(n.name == node for n in member.nodes):
+        if node in member.node_names:
             return False
         if group in self._exclusive and group not in self._claims:
             return member.group.holder() is None  # (it never asks: its holder says)

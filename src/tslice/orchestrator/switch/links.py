@@ -131,10 +131,13 @@ class GrantLink(AgentLink):
         """One Grant, re-issued after waiting on the operations it reports."""
         p, client = step.plan, self._client
         node = step.node.name
-        give_way: list[pb.JobRef] = []
-        for (j, g), jv in sorted(view.others.items()):
-            if jv.state in plans.RESIDENT and p.may_give_way(node, g):
-                give_way.append(pb.JobRef(job_id=j, group=g))
+        # A node holds the residents of many groups; few may give way: sort only those.
+        giving_way: list[tuple[str, str]] = []
+        for key, jv in view.others.items():
+            if jv.state in plans.RESIDENT and p.may_give_way(node, key[1]):
+                giving_way.append(key)
+        giving_way.sort()
+        give_way = [pb.JobRef(job_id=j, group=g) for j, g in giving_way]
         request = pb.GrantRequest(
             job_id=p.to_job,
             group=p.group,
