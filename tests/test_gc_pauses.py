@@ -76,13 +76,33 @@ async def test_run_ticks_until_stopped(heap: None) -> None:
     await asyncio.wait_for(running, timeout=10)
 
 
-def test_the_environment_turns_it_off(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.fixture
+def thresholds() -> Iterator[tuple[int, ...]]:
+    """The test process's own collector thresholds, put back afterwards."""
+    own = gc.get_threshold()
+    yield own
+    gc.set_threshold(*own)
+
+
+def test_the_environment_turns_it_off(
+    monkeypatch: pytest.MonkeyPatch, thresholds: tuple[int, ...]
+) -> None:
     monkeypatch.setenv(gc_pauses.ENV, "off")
     assert gc_pauses.from_environment() is None
+    assert gc.get_threshold() == thresholds  # CPython's, left alone
     monkeypatch.setenv(gc_pauses.ENV, "on")
     assert isinstance(gc_pauses.from_environment(), gc_pauses.HeapFreezer)
     monkeypatch.delenv(gc_pauses.ENV)
     assert isinstance(gc_pauses.from_environment(), gc_pauses.HeapFreezer)
+
+
+def test_a_server_collects_its_young_objects_less_often(
+    monkeypatch: pytest.MonkeyPatch, thresholds: tuple[int, ...]
+) -> None:
+    monkeypatch.delenv(gc_pauses.ENV, raising=False)
+    gc_pauses.from_environment()
+    assert gc.get_threshold() == gc_pauses.THRESHOLDS
+    assert gc_pauses.THRESHOLDS[0] > thresholds[0]
 
 
 def test_bad_periods_are_refused() -> None:
