@@ -7,9 +7,11 @@ import random
 
 import pytest
 
+from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
 from tslice.orchestrator import config
 from tslice.orchestrator.group import effects as decisions
 from tslice.orchestrator.group import lock, overlap
+from tslice.orchestrator.switch import plan
 from tslice.rpc import refusals
 
 
@@ -204,6 +206,40 @@ def test_a_groups_state_on_a_node_it_left_is_stray_once_nobody_holds_it() -> Non
     assert not arb.stray("c", "u")
     arb.stopped("t", None)
     assert arb.stray("c", "t") and arb.stray("a", "t")
+
+
+def test_the_groups_a_node_belongs_to_follow_joins_and_departures() -> None:
+    a = Arbiter({"s": (node("c"),), "t": (node("a"), node("c"))})
+    arb = a.arbiter
+    assert arb.homed("c") == {"s", "t"} and arb.homed("a") == {"t"}
+    arb.join("t", (node("a"),), Member(a, "t"))  # "t" left node "c"
+    assert arb.homed("c") == {"s"} and arb.homed("a") == {"t"}
+    assert arb.stray("c", "t")  # (nobody holds it)
+    arb.forget("s")
+    assert arb.homed("c") == frozenset()
+    arb.join("u", (node("c"),), Member(a, "u"))
+    assert arb.homed("c") == {"u"}
+
+
+def test_a_grant_lists_the_residents_that_give_way_sorted_and_only_those() -> None:
+    # On node "c": "s" shares the devices and has no holder (it gives way), "t" is at
+    # home there and holds nothing to give, "gone" is stray (nobody runs it any more).
+    a = Arbiter({"g": (node("c"),), "s": (node("c"),), "t": (node("c"),)})
+    arb = a.arbiter
+    p = plan.SwitchPlan(
+        "g", "a", "b", 1, 0, {"c": frozenset({"s"})}, stray=arb.stray, homed=arb.homed
+    )
+    running, saved = pb.JOB_STATE_RUNNING, pb.JOB_STATE_SAVED
+    others = {
+        ("z", "s"): plan.JobView(running, "s"),
+        ("y", "gone"): plan.JobView(running, "gone"),
+        ("x", "t"): plan.JobView(running, "t"),
+        ("w", "s"): plan.JobView(saved, "s"),  # not resident: nothing to move
+    }
+    assert p.giving_way("c", others, plan.RESIDENT) == [("y", "gone"), ("z", "s")]
+    # Without the arbiter's homes every group is asked, with the same answer.
+    asked = plan.SwitchPlan("g", "a", "b", 1, 0, {"c": frozenset({"s"})}, stray=arb.stray)
+    assert asked.giving_way("c", others, plan.RESIDENT) == [("y", "gone"), ("z", "s")]
 
 
 class Holding(Member):

@@ -107,6 +107,9 @@ class DeviceArbiter:
         self._stopped_holders: dict[str, str] = {}
         #: Groups that share no devices: they hold them for anybody and never ask.
         self._exclusive: set[str] = set()
+        #: Per node, the groups it belongs to (made when asked, dropped when one joins or
+        #: goes): every Grant looks up each resident's group in it.
+        self._homed: dict[str, frozenset[str]] = {}
 
     def join(self, group: str, nodes: tuple[config.NodeRef, ...], member: Member) -> bool:
         """Add a group (``member`` is told what concerns it); whether it shares devices
@@ -118,6 +121,7 @@ class DeviceArbiter:
         for other in self._conflicts.get(group, ()):  # (back from a restart: anew)
             self._conflicts[other].discard(group)
         self._members[group] = _Member(nodes, member)
+        self._homed.clear()
         self._conflicts[group] = set()
         for other, joined in self._members.items():
             if other != group and overlap(nodes, joined.nodes):
@@ -154,6 +158,7 @@ class DeviceArbiter:
         """The group is gone for good (an idle local group collected): drop it."""
         self.leave(group)
         self._members.pop(group, None)
+        self._homed.clear()
         for other in self._conflicts.pop(group, set()):
             self._conflicts[other].discard(group)
 
@@ -169,6 +174,14 @@ class DeviceArbiter:
     def released(self, group: str) -> frozenset[str]:
         """Overlapping groups that do not hold the claim: their residents may give way."""
         return frozenset(c for c in self._conflicts.get(group, ()) if c not in self._claims)
+
+    def homed(self, node: str) -> frozenset[str]:
+        """The groups ``node`` belongs to: their state there is never :meth:`stray`."""
+        found = self._homed.get(node)
+        if found is None:
+            found = frozenset(g for g, m in self._members.items() if node in m.node_names)
+            self._homed[node] = found
+        return found
 
     def stray(self, node: str, group: str) -> bool:
         """Whether ``group``'s state on ``node`` is left over: ``node`` is not one of the

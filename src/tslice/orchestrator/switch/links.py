@@ -131,12 +131,7 @@ class GrantLink(AgentLink):
         """One Grant, re-issued after waiting on the operations it reports."""
         p, client = step.plan, self._client
         node = step.node.name
-        # A node holds the residents of many groups; few may give way: sort only those.
-        giving_way: list[tuple[str, str]] = []
-        for key, jv in view.others.items():
-            if jv.state in plans.RESIDENT and p.may_give_way(node, key[1]):
-                giving_way.append(key)
-        giving_way.sort()
+        giving_way = p.giving_way(node, view.others, plans.RESIDENT)
         give_way = [pb.JobRef(job_id=j, group=g) for j, g in giving_way]
         request = pb.GrantRequest(
             job_id=p.to_job,
@@ -229,9 +224,7 @@ def _faulted(step: Step, view: plans.NodeView) -> list[tuple[str, str]]:
             jv.group == p.group or job in (p.from_job, p.to_job)
         ):
             touched.append((job, jv.group))
-    for key, jv in sorted(view.others.items()):
-        if jv.state == pb.JOB_STATE_FAULTED and p.may_give_way(step.node.name, key[1]):
-            touched.append(key)
+    touched += p.giving_way(step.node.name, view.others, (pb.JOB_STATE_FAULTED,))
     return touched
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Container, Mapping
 
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
 from tslice.orchestrator import config
@@ -115,10 +115,27 @@ class SwitchPlan:
     #: ``stray(node, group)``: ``group``'s state on ``node`` is left over (the node left
     #: the group, nobody holds it): it gives way as well (``overlap.DeviceArbiter.stray``).
     stray: Callable[[str, str], bool] = lambda node, group: False
+    #: ``homed(node)``: the groups ``node`` belongs to, whose state there is never stray
+    #: (``overlap.DeviceArbiter.homed``; empty: ``stray`` is asked for every group).
+    homed: Callable[[str], frozenset[str]] = lambda node: frozenset()
 
-    def may_give_way(self, node: str, group: str) -> bool:
-        """Whether ``group``'s resident on ``node`` may be moved out to make room."""
-        return group in self.give_way.get(node, ()) or self.stray(node, group)
+    def giving_way(
+        self, node: str, others: Mapping[tuple[str, str], JobView], states: Container[int]
+    ) -> list[tuple[str, str]]:
+        """The (job, group) of ``others`` (the other groups' records on ``node``) in one
+        of ``states`` that may be moved out to make room, sorted. A node holds the
+        residents of many groups; only those of a group ``node`` is no home of are asked
+        whether they are stray."""
+        may = self.give_way.get(node, frozenset())
+        homed = self.homed(node)
+        found = [
+            key
+            for key, jv in others.items()
+            if jv.state in states
+            and (key[1] in may or (key[1] not in homed and self.stray(node, key[1])))
+        ]
+        found.sort()
+        return found
 
     def evictees(self, view: NodeView) -> list[str]:
         """Jobs to move out of ``view``: the group's residents other than the target."""
