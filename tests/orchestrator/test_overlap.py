@@ -211,14 +211,15 @@ def test_a_groups_state_on_a_node_it_left_is_stray_once_nobody_holds_it() -> Non
 def test_the_groups_a_node_belongs_to_follow_joins_and_departures() -> None:
     a = Arbiter({"s": (node("c"),), "t": (node("a"), node("c"))})
     arb = a.arbiter
-    assert arb.homed("c") == {"s", "t"} and arb.homed("a") == {"t"}
+    homes = arb.homes  # (a plan keeps this mapping: it changes in place)
+    assert homes == {"c": {"s", "t"}, "a": {"t"}}
     arb.join("t", (node("a"),), Member(a, "t"))  # "t" left node "c"
-    assert arb.homed("c") == {"s"} and arb.homed("a") == {"t"}
+    assert homes == {"c": {"s"}, "a": {"t"}}
     assert arb.stray("c", "t")  # (nobody holds it)
     arb.forget("s")
-    assert arb.homed("c") == frozenset()
+    assert homes == {"a": {"t"}}
     arb.join("u", (node("c"),), Member(a, "u"))
-    assert arb.homed("c") == {"u"}
+    assert homes == {"c": {"u"}, "a": {"t"}}
 
 
 def test_a_grant_lists_the_residents_that_give_way_sorted_and_only_those() -> None:
@@ -227,7 +228,7 @@ def test_a_grant_lists_the_residents_that_give_way_sorted_and_only_those() -> No
     a = Arbiter({"g": (node("c"),), "s": (node("c"),), "t": (node("c"),)})
     arb = a.arbiter
     p = plan.SwitchPlan(
-        "g", "a", "b", 1, 0, {"c": frozenset({"s"})}, stray=arb.stray, homed=arb.homed
+        "g", "a", "b", 1, 0, {"c": frozenset({"s"})}, stray=arb.stray, homes=arb.homes
     )
     running, saved = pb.JOB_STATE_RUNNING, pb.JOB_STATE_SAVED
     others = {
@@ -236,10 +237,16 @@ def test_a_grant_lists_the_residents_that_give_way_sorted_and_only_those() -> No
         ("x", "t"): plan.JobView(running, "t"),
         ("w", "s"): plan.JobView(saved, "s"),  # not resident: nothing to move
     }
-    assert p.giving_way("c", others, plan.RESIDENT) == [("y", "gone"), ("z", "s")]
+    expected = [pb.JobRef(job_id="y", group="gone"), pb.JobRef(job_id="z", group="s")]
+    assert p.giving_way("c", others) == expected
+    assert [k for k in others if p.may_give_way("c", k[1])] == [
+        ("z", "s"),
+        ("y", "gone"),
+        ("w", "s"),
+    ]
     # Without the arbiter's homes every group is asked, with the same answer.
     asked = plan.SwitchPlan("g", "a", "b", 1, 0, {"c": frozenset({"s"})}, stray=arb.stray)
-    assert asked.giving_way("c", others, plan.RESIDENT) == [("y", "gone"), ("z", "s")]
+    assert asked.giving_way("c", others) == expected
 
 
 class Holding(Member):

@@ -361,7 +361,7 @@ class GroupDriver(admin.Admin):
             s.footprint_bytes,
             give_way,
             stray=arbiter.stray,
-            homed=arbiter.homed,
+            homes=arbiter.homes,
         )
 
     def wants_switch(self) -> bool:

@@ -107,9 +107,9 @@ class DeviceArbiter:
         self._stopped_holders: dict[str, str] = {}
         #: Groups that share no devices: they hold them for anybody and never ask.
         self._exclusive: set[str] = set()
-        #: Per node, the groups it belongs to (made when asked, dropped when one joins or
-        #: goes): every Grant looks up each resident's group in it.
-        self._homed: dict[str, frozenset[str]] = {}
+        #: Per node, the groups it belongs to (their state there is never :meth:`stray`),
+        #: kept up to date in place: a switch's plan reads it for every resident.
+        self.homes: dict[str, frozenset[str]] = {}
 
     def join(self, group: str, nodes: tuple[config.NodeRef, ...], member: Member) -> bool:
         """Add a group (``member`` is told what concerns it); whether it shares devices
@@ -121,7 +121,7 @@ class DeviceArbiter:
         for other in self._conflicts.get(group, ()):  # (back from a restart: anew)
             self._conflicts[other].discard(group)
         self._members[group] = _Member(nodes, member)
-        self._homed.clear()
+        self._rehome()
         self._conflicts[group] = set()
         for other, joined in self._members.items():
             if other != group and overlap(nodes, joined.nodes):
@@ -158,7 +158,7 @@ class DeviceArbiter:
         """The group is gone for good (an idle local group collected): drop it."""
         self.leave(group)
         self._members.pop(group, None)
-        self._homed.clear()
+        self._rehome()
         for other in self._conflicts.pop(group, set()):
             self._conflicts[other].discard(group)
 
@@ -175,14 +175,6 @@ class DeviceArbiter:
         """Overlapping groups that do not hold the claim: their residents may give way."""
         return frozenset(c for c in self._conflicts.get(group, ()) if c not in self._claims)
 
-    def homed(self, node: str) -> frozenset[str]:
-        """The groups ``node`` belongs to: their state there is never :meth:`stray`."""
-        found = self._homed.get(node)
-        if found is None:
-            found = frozenset(g for g, m in self._members.items() if node in m.node_names)
-            self._homed[node] = found
-        return found
-
     def stray(self, node: str, group: str) -> bool:
         """Whether ``group``'s state on ``node`` is left over: ``node`` is not one of the
         group's nodes (any more, or the group is gone) and nobody holds the group."""
@@ -194,6 +186,15 @@ class DeviceArbiter:
         if group in self._exclusive and group not in self._claims:
             return member.group.holder() is None  # (it never asks: its holder says)
         return self._claims.get(group) is None
+
+    def _rehome(self) -> None:
+        # A group joined (or came back on other nodes) or went: rare, so rebuilt whole.
+        homes: dict[str, set[str]] = {}
+        for group, member in self._members.items():
+            for name in member.node_names:
+                homes.setdefault(name, set()).add(group)
+        self.homes.clear()
+        self.homes.update((name, frozenset(groups)) for name, groups in homes.items())
 
     # ---- changes ---------------------------------------------------------------------------
 

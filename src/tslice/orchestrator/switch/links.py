@@ -131,8 +131,7 @@ class GrantLink(AgentLink):
         """One Grant, re-issued after waiting on the operations it reports."""
         p, client = step.plan, self._client
         node = step.node.name
-        giving_way = p.giving_way(node, view.others, plans.RESIDENT)
-        give_way = [pb.JobRef(job_id=j, group=g) for j, g in giving_way]
+        give_way = p.giving_way(node, view.others)
         request = pb.GrantRequest(
             job_id=p.to_job,
             group=p.group,
@@ -224,8 +223,12 @@ def _faulted(step: Step, view: plans.NodeView) -> list[tuple[str, str]]:
             jv.group == p.group or job in (p.from_job, p.to_job)
         ):
             touched.append((job, jv.group))
-    touched += p.giving_way(step.node.name, view.others, (pb.JOB_STATE_FAULTED,))
-    return touched
+    faulted: list[tuple[str, str]] = []
+    for key, jv in view.others.items():
+        if jv.state == pb.JOB_STATE_FAULTED and p.may_give_way(step.node.name, key[1]):
+            faulted.append(key)
+    faulted.sort()
+    return touched + faulted
 
 
 def _note(

@@ -14,7 +14,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from collections.abc import Callable, Container, Mapping
+import operator
+from collections.abc import Callable, Mapping
 
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
 from tslice.orchestrator import config
@@ -24,6 +25,7 @@ log = logging.getLogger(__name__)
 
 #: Job states that hold the devices.
 RESIDENT = (pb.JOB_STATE_RUNNING, pb.JOB_STATE_TRANSITIONING)
+_JOB_AND_GROUP = operator.attrgetter("job_id", "group")
 #: How often a step re-plans on a fresh view before it gives up (states keep changing).
 MAX_REPLANS = 20
 #: Backends whose states hold no host memory when parked: the agents do not count them
@@ -115,26 +117,29 @@ class SwitchPlan:
     #: ``stray(node, group)``: ``group``'s state on ``node`` is left over (the node left
     #: the group, nobody holds it): it gives way as well (``overlap.DeviceArbiter.stray``).
     stray: Callable[[str, str], bool] = lambda node, group: False
-    #: ``homed(node)``: the groups ``node`` belongs to, whose state there is never stray
-    #: (``overlap.DeviceArbiter.homed``; empty: ``stray`` is asked for every group).
-    homed: Callable[[str], frozenset[str]] = lambda node: frozenset()
+    #: Per node, the groups it belongs to, whose state there is never stray
+    #: (``overlap.DeviceArbiter.homes``; none: ``stray`` is asked for every group).
+    homes: Mapping[str, frozenset[str]] = dataclasses.field(default_factory=dict)
 
-    def giving_way(
-        self, node: str, others: Mapping[tuple[str, str], JobView], states: Container[int]
-    ) -> list[tuple[str, str]]:
-        """The (job, group) of ``others`` (the other groups' records on ``node``) in one
-        of ``states`` that may be moved out to make room, sorted. A node holds the
-        residents of many groups; only those of a group ``node`` is no home of are asked
-        whether they are stray."""
+    def may_give_way(self, node: str, group: str) -> bool:
+        """Whether ``group``'s resident on ``node`` may be moved out to make room."""
+        if group in self.give_way.get(node, ()):
+            return True
+        return group not in self.homes.get(node, ()) and self.stray(node, group)
+
+    def giving_way(self, node: str, others: Mapping[tuple[str, str], JobView]) -> list[pb.JobRef]:
+        """The residents among ``others`` (the other groups' records on ``node``) that may
+        be moved out to make room, sorted. A node holds the residents of many groups:
+        only a group ``node`` is no home of is asked whether its state there is stray."""
         may = self.give_way.get(node, frozenset())
-        homed = self.homed(node)
-        found = [
-            key
-            for key, jv in others.items()
-            if jv.state in states
-            and (key[1] in may or (key[1] not in homed and self.stray(node, key[1])))
-        ]
-        found.sort()
+        homed = self.homes.get(node, frozenset())
+        found: list[pb.JobRef] = []
+        for (job, group), jv in others.items():
+            if jv.state in RESIDENT and (
+                group in may or (group not in homed and self.stray(node, group))
+            ):
+                found.append(pb.JobRef(job_id=job, group=group))
+        found.sort(key=_JOB_AND_GROUP)
         return found
 
     def evictees(self, view: NodeView) -> list[str]:
