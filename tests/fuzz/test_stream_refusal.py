@@ -57,6 +57,8 @@ def test_the_requests_before_an_unparsable_one_are_answered_then_the_stream_is_r
     answer = calls.exchange(stub, stream.path, [stream.first.SerializeToString(), GARBAGE])
 
     assert answer.code == grpc.StatusCode.INVALID_ARGUMENT, answer
+    # The same words as every other method's refusal (docs/security.md), its path first.
+    assert answer.details.startswith(f"{stream.path}: the request is not a valid "), answer
     assert stream.type_name in answer.details, answer
     assert "send a serialized" in answer.details, answer
     assert [reply.request_id for reply in answer.replies] == [7], answer

@@ -37,6 +37,11 @@ from tslice.security import fencing, identities, roles
 from tslice.server import logs
 
 log = logging.getLogger(__name__)
+
+#: The GrantStream method's wire path: what a refused stream's message names.
+_GRANT_STREAM_PATH = (
+    f"/{pb.DESCRIPTOR.services_by_name['SnapshotAgentService'].full_name}/GrantStream"
+)
 _T = TypeVar("_T")
 _R = TypeVar("_R")
 
@@ -328,7 +333,7 @@ class SnapshotAgentServicer(pb_grpc.SnapshotAgentServiceServicer):
             functools.partial(self._stream_reply, term=term),
             request_id=operator.attrgetter("request_id"),
             duplicate=_duplicate_grant,
-            name="GrantStream",
+            name=_GRANT_STREAM_PATH,
             closing=self._closing,
             parse=pb.GrantStreamRequest.FromString,
             context=context,

@@ -42,6 +42,11 @@ from tslice.server import logs
 
 log = logging.getLogger(__name__)
 
+#: The Session method's wire path: what a refused stream's message names.
+_SESSION_PATH = (
+    f"/{opb.DESCRIPTOR.services_by_name['TimeSliceOrchestratorService'].full_name}/Session"
+)
+
 
 #: Characters of an administrator's eviction reason (it travels into errors and logs).
 MAX_REASON = 256
@@ -297,7 +302,7 @@ class OrchestratorServicer(opb_grpc.TimeSliceOrchestratorServiceServicer):
             duplicate=_duplicate,
             answer=self._session_answer,
             is_cancel=operator.methodcaller("HasField", "cancel"),
-            name="Session",
+            name=_SESSION_PATH,
             closing=self._closing,
             parse=opb.SessionRequest.FromString,
             context=context,
