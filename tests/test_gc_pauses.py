@@ -76,11 +76,17 @@ async def test_run_ticks_until_stopped(heap: None) -> None:
     await asyncio.wait_for(running, timeout=10)
 
 
+#: CPython's own thresholds.
+CPYTHON = (700, 10, 10)
+
+
 @pytest.fixture
 def thresholds() -> Iterator[tuple[int, ...]]:
-    """The test process's own collector thresholds, put back afterwards."""
+    """CPython's thresholds for the test (a server run in this process earlier may have
+    set a server's); the process's own put back afterwards."""
     own = gc.get_threshold()
-    yield own
+    gc.set_threshold(*CPYTHON)
+    yield CPYTHON
     gc.set_threshold(*own)
 
 

@@ -86,8 +86,7 @@ class GroupDriver(admin.Admin):
         # its resident): the lock may then keep an idle group.
         self.lock.use_policy(scheduling, woken=True)
         self._wake: tuple[float, asyncio.TimerHandle] | None = None
-        #: The switch's cache of each node's jobs: the running switch owns it, and it is
-        #: dropped only when no switch runs.
+        #: Each node's jobs, cached by the running switch (dropped when no switch runs).
         self.views: dict[str, plan.NodeView] = {}
         self.health = status.Health()
         #: Where the group's events go (WatchEvents, the tap).
