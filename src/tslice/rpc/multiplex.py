@@ -443,6 +443,8 @@ async def serve(
     not parse ends the reading as a half-close would, and once the requests before it
     are answered the call ends INVALID_ARGUMENT, saying what to send.
     """
+    if parse is not None and context is None:
+        raise ValueError(f"{name}: serve(parse=...) needs the call's context to refuse with")
     replies: asyncio.Queue[Rep | None] = asyncio.Queue()
     running: dict[int, asyncio.Future[Any]] = {}
     done_reading = False
