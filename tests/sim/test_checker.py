@@ -95,6 +95,19 @@ def test_snapshot_before_yield_is_not_resident() -> None:
     assert sum(v.kind == checker.NOT_RESIDENT for v in found) == 2
 
 
+def test_a_window_that_ends_where_it_begins_holds_nothing() -> None:
+    # Seen in a promise run: one process of A yielded the group just as another process
+    # of A was granted it, before that answer came; the harness ends the window at the
+    # answer. It is empty, not an instant at which A had to be resident.
+    journal, windows = clean_run()
+    windows.append(Win("A", "sampler", requested=5.2, acquired=5.7, yielded=5.7))
+    assert checker.check(journal=journal, windows=windows) == []
+    # A window with any length still has to be covered.
+    windows[-1] = Win("A", "sampler", requested=5.2, acquired=5.7, yielded=5.75)
+    found = checker.check(journal=journal, windows=windows)
+    assert checker.NOT_RESIDENT in {v.kind for v in found}
+
+
 def test_missing_node_from_group_nodes_is_reported() -> None:
     journal, windows = clean_run()
     found = checker.check(

@@ -8,7 +8,9 @@ the jobs record every acquire window ``[acquired, yielded]`` they saw. The check
 2. ``not_resident``: during every window of job J on group G, J's state *for G* is
    allocated on every device of every node of G (it was restored *before* acquire
    returned and snapshotted only *after* the yield; residency is per (job, group), so
-   a switch on another group that moved J's state for G shows up here);
+   a switch on another group that moved J's state for G shows up here). A window that
+   ends where it begins is empty (a process of J yielded before another one's answer
+   came) and holds nothing to check;
 3. ``acquire_not_returned``: every acquire returned;
 4. ``double_holder``: no two jobs' windows on one group overlap (the client-side view
    of rule 1, with a clearer message);
@@ -145,6 +147,10 @@ def check(
                     f"{at(w.requested)} never returned{why}",
                 )
             )
+            continue
+        if w.yielded is not None and w.yielded <= w.acquired:
+            # Ended as it began: the job (another of its processes) had let go before
+            # this answer reached it, so the window holds no instant to check.
             continue
         violations.extend(
             _check_covered(
