@@ -147,6 +147,96 @@ def test_random_requests_never_give_two_jobs_overlapping_claims() -> None:
                 assert holding.get(other) in (None, j), (g, j, other, holding)
 
 
+def test_a_group_that_takes_its_idle_claim_for_a_new_job_lets_go_for_an_earlier_waiter() -> None:
+    # Seen in a chaos run: p3 (both nodes) waits, blocked by p1; p2 holds its claim for
+    # a job p3 does not wait on, then takes it for another job of its own queue. That
+    # claim blocks p3 now: p2 must hear it (and let go at its next release), or p3
+    # waits for ever, and every group behind p3 with it (FIFO).
+    a = Arbiter({"p1": (node("n1"),), "p2": (node("n2"),), "p3": (node("n1"), node("n2"))})
+    arb = a.arbiter
+    assert arb.request("p2", "job-1") == "job-1"
+    assert arb.request("p1", "job-0") == "job-0"
+    assert arb.request("p3", "job-1") is None  # blocked by p1's claim for job-0
+    arb.note_holder("p2", None)  # job-1 left p2; its claim idle
+    a.contended.clear()
+    assert arb.request("p2", "job-2") == "job-2"  # nothing holds what p2 needs
+    assert a.contended == ["p2"]  # but p3, waiting, needs p2's devices now
+    arb.release("p1")
+    assert a.granted == []
+    arb.release("p2")  # job-2 yielded; p2 was told: it lets go
+    assert a.granted == [("p3", "job-1")]
+
+
+class ClaimingGroups:
+    """Groups that do with the claim what the lock does: keep it idle after their job
+    yields, let go at once when told they are contended while idle, and at their
+    holder's release when told while held."""
+
+    def __init__(self, groups: dict[str, tuple[config.NodeRef, ...]]) -> None:
+        self.told = Arbiter(groups)
+        self.arbiter = self.told.arbiter
+        self.holding: dict[str, str] = {}
+        self.claimed: set[str] = set()  # held for its holder, or idle
+        self.waiting: set[str] = set()
+        self.contended: set[str] = set()
+
+    def acquire(self, group: str, job: str) -> None:
+        got = self.arbiter.request(group, job)
+        if got is None:
+            self.waiting.add(group)
+            self.claimed.discard(group)
+        else:
+            self.holding[group] = got
+            self.claimed.add(group)
+        self._settle()
+
+    def yield_(self, group: str) -> None:
+        del self.holding[group]
+        self.arbiter.note_holder(group, None)
+        if group in self.contended:
+            self._release(group)
+        self._settle()
+
+    def _release(self, group: str) -> None:
+        self.claimed.discard(group)
+        self.contended.discard(group)
+        self.arbiter.release(group)
+
+    def _settle(self) -> None:
+        told = self.told
+        while told.granted or told.contended:
+            for g, j in told.granted:
+                self.holding[g] = j
+                self.claimed.add(g)
+                self.waiting.discard(g)
+            told.granted.clear()
+            contended, told.contended[:] = list(told.contended), []
+            for g in contended:
+                if g in self.claimed and g not in self.holding:
+                    self._release(g)
+                elif g in self.claimed:
+                    self.contended.add(g)
+
+
+def test_waiting_groups_are_granted_once_every_job_has_yielded() -> None:
+    # Liveness, on random requests: once every job has yielded, no group may still wait.
+    names = ["g1", "g2", "g3", "g4"]
+    groups = {g: (node(f"n{i}"), node(f"n{(i + 1) % 4}")) for i, g in enumerate(names)}
+    for seed in range(40):
+        rng = random.Random(seed)
+        model = ClaimingGroups(groups)
+        for _ in range(300):
+            group = rng.choice(names)
+            if group in model.holding:
+                model.yield_(group)
+            elif group not in model.waiting:
+                model.acquire(group, rng.choice(["a", "b", "c"]))
+        for _ in range(len(names) * 4):  # every job yields, and whoever is granted too
+            for group in list(model.holding):
+                model.yield_(group)
+        assert not model.waiting, (seed, model.waiting)
+
+
 def test_the_lock_grants_only_with_the_claim_for_that_job() -> None:
     lk = lock.GroupLock()
     lk.start_claim(None)

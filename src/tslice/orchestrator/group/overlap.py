@@ -18,7 +18,9 @@ node that is no longer one of its nodes (Kubernetes mode: a label taken off) is 
 and gives way the same, once nobody holds the group (or the group is gone, unless it
 stopped with a holder). A group with a holder lets
 go when the holder releases, even if it has waiters of its own: they ask again and
-queue behind, so overlapping groups alternate. Waiting is FIFO among overlapping
+queue behind, so overlapping groups alternate. A group that comes to hold the claim for
+another job (or idle) while an overlapping group waits is told so at once: a waiter asks
+only once, and nothing else would make that group let go. Waiting is FIFO among overlapping
 groups, except that a job which already holds a group (a nested or multi-group
 acquire) goes first: it would otherwise wait behind waiters that wait for what it
 holds. Multi-group acquires in a fixed order cannot deadlock through this module;
@@ -215,6 +217,7 @@ class DeviceArbiter:
                 # Held for ``job`` now: a group waiting for the claim for the same job
                 # (another group of its set, a nested acquire) may be blocked no more.
                 self._grant_waiting(asking=group)
+                self._tell_if_wanted(group)
                 return job
             del self._claims[group]
         for i, (g, _, _) in enumerate(self._waiting):
@@ -261,8 +264,9 @@ class DeviceArbiter:
 
     def note_holder(self, group: str, job: str | None) -> None:
         """The group's holder changed (``None``: it keeps its claim idle)."""
-        if group in self._claims:
+        if group in self._claims and self._claims[group] != job:
             self._claims[group] = job
+            self._tell_if_wanted(group)
 
     def release(self, group: str) -> None:
         if self._claims.pop(group, "") != "":
@@ -298,11 +302,16 @@ class DeviceArbiter:
         for group, job in granted:
             if group != asking:  # the asking group learns it from request()'s answer
                 self._members[group].group.claim_granted(job)
-        # A new holder that others still wait for lets go at its next release.
-        waiting = {w[0] for w in self._waiting}
         for group, _ in granted:
-            if self._conflicts[group] & waiting:
-                self._members[group].group.claim_contended()
+            self._tell_if_wanted(group)
+
+    def _tell_if_wanted(self, group: str) -> None:
+        """``group`` holds the claim for a new job (or idle): a group still waiting that
+        shares its devices may be blocked by it now, so it lets go at its next release.
+        Nothing else would: a waiter asks (and makes its blockers let go) only once."""
+        conflicts = self._conflicts[group]
+        if any(waiter in conflicts for waiter, _, _ in self._waiting):
+            self._members[group].group.claim_contended()
 
     def _nested(self, group: str, job: str) -> bool:
         """``job`` holds some group's claim and nobody else blocks ``group`` for it.
