@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import logging
 import random
+import types
+from typing import Any
 
 import pytest
 
 from tslice.api.snapshot_agent.v1alpha1 import snapshot_agent_pb2 as pb
 from tslice.orchestrator import config
+from tslice.orchestrator.group import coordination, lock, overlap
 from tslice.orchestrator.group import effects as decisions
-from tslice.orchestrator.group import lock, overlap
 from tslice.orchestrator.switch import plan
 from tslice.rpc import refusals
 
@@ -235,6 +237,81 @@ def test_waiting_groups_are_granted_once_every_job_has_yielded() -> None:
             for group in list(model.holding):
                 model.yield_(group)
         assert not model.waiting, (seed, model.waiting)
+
+
+class Inbox:
+    """A group's executor as the arbiter posts to it: commands kept, applied by the test."""
+
+    def __init__(self) -> None:
+        self.posted: list[tuple[Any, tuple[Any, ...]]] = []
+
+    def post(self, command: Any, *args: Any) -> None:
+        self.posted.append((command, args))
+
+
+class Groups:
+    """Real locks with their real ``Coordination`` on one arbiter; claims asked at once."""
+
+    def __init__(self, groups: dict[str, tuple[config.NodeRef, ...]]) -> None:
+        self.arbiter = overlap.DeviceArbiter()
+        services = types.SimpleNamespace(arbiter=self.arbiter)
+        self.locks: dict[str, lock.GroupLock] = {}
+        self.coords: dict[str, coordination.Coordination] = {}
+        self.inboxes: dict[str, Inbox] = {}
+        for gid, nodes in groups.items():
+            lk = lock.GroupLock()
+            coord = coordination.Coordination(gid, lk, services, {})  # type: ignore[arg-type]
+            self.inboxes[gid] = coord.executor = Inbox()  # type: ignore[assignment]
+            coord.shared = self.arbiter.join(gid, nodes, coord)
+            lk.start_claim(None, exclusive=not coord.shared)
+            self.locks[gid], self.coords[gid] = lk, coord
+
+    def apply(self, gid: str, actions: list[Any]) -> list[Any]:
+        """The lock's actions, with its claim asked for as the executor asks."""
+        out = []
+        for action in actions:
+            if isinstance(action, decisions.NeedClaim):
+                out += self.apply(gid, self.coords[gid].claim(action, 0.0))
+            else:
+                out.append(action)
+        return out
+
+
+def test_a_claim_grant_that_arrives_after_the_group_asked_again_is_ignored() -> None:
+    # The arbiter grants g the claim for J (a posted command); before g applies it, J
+    # leaves, K comes and goes (g asks for K and waits behind h). The late grant for J
+    # must not make g's lock believe it holds the claim: J coming back would be
+    # switched in while the arbiter counts g as waiting, and m (sharing n2 with g) could
+    # be given the claim for a job that holds o meanwhile: two jobs on n2's devices.
+    net = Groups(
+        {
+            "h": (node("n1"),),
+            "g": (node("n1"), node("n2")),
+            "m": (node("n2"),),
+            "o": (node("n3"),),  # shares nothing: L holds it without asking
+        }
+    )
+    arb, locks = net.arbiter, net.locks
+    assert arb.request("h", "J") == "J"
+    assert arb.request("m", "X") == "X"
+    net.apply("o", locks["o"].on_acquire("L", now=0.0))
+    locks["o"].on_switch_done(epoch=1, restored=False, now=0.0)
+    net.apply("g", locks["g"].on_acquire("J", now=0.0))  # waits: m holds for X
+    arb.release("m")  # g's turn: granted for J, posted
+    late = list(net.inboxes["g"].posted)
+    assert [args for _, args in late] == [("J",)]
+    net.apply("g", locks["g"].on_cancel("J", now=0.0))
+    net.apply("g", locks["g"].on_acquire("K", now=0.0))  # asks for K: waits behind h
+    net.apply("g", locks["g"].on_cancel("K", now=0.0))
+    for command, args in late:
+        net.apply("g", command(0.0, *args))
+    net.apply("g", locks["g"].on_acquire("J", now=0.0))
+    net.apply("m", locks["m"].on_acquire("L", now=0.0))
+    busy = {gid: lk.holder for gid, lk in locks.items() if lk.holder is not None}
+    for gid, job in busy.items():
+        assert gid in ("o", "h") or arb.holds(gid, job), (gid, job, busy)
+        for other in arb.conflicts(gid):
+            assert busy.get(other) in (None, job), (gid, job, other, busy)
 
 
 def test_the_lock_grants_only_with_the_claim_for_that_job() -> None:

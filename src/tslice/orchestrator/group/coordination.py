@@ -116,6 +116,11 @@ class Coordination:
         self._post(self._on_claim_granted, job)
 
     def _on_claim_granted(self, now: float, job: str) -> list[fx.Action]:
+        # Posted when the arbiter granted it. The group may have asked again since, for
+        # another job, and be waiting or holding for that one now: then this grant is
+        # stale, and the arbiter's later answer is the one that counts.
+        if not self._services.arbiter.holds(self._gid, job):
+            return []
         return self._lock.on_claim_granted(job, now=now)
 
     def claim_contended(self) -> None:

@@ -177,6 +177,10 @@ class DeviceArbiter:
         """Overlapping groups that do not hold the claim: their residents may give way."""
         return frozenset(c for c in self._conflicts.get(group, ()) if c not in self._claims)
 
+    def holds(self, group: str, job: str | None) -> bool:
+        """Whether ``group`` holds the claim for ``job`` now."""
+        return group in self._claims and self._claims[group] == job
+
     def stray(self, node: str, group: str) -> bool:
         """Whether ``group``'s state on ``node`` is left over: ``node`` is not one of the
         group's nodes (any more, or the group is gone) and nobody holds the group."""
