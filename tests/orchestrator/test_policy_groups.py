@@ -2,8 +2,11 @@
 
 Group locks are driven as their drivers would drive them, through one
 :class:`~tslice.orchestrator.group.overlap.DeviceArbiter` (its callbacks are posted and run
-after the batch, as in the drivers' inboxes). The topology is a few *pools*: the
-groups of a pool share a node's devices; a job needs a few groups, possibly of
+after the batch, as in the drivers' inboxes, some of them a few steps later; the arbiter
+hears a group's holder at the end of the group's batch). The topology is a few *pools*:
+the groups of a pool share a node's devices, and often one group spans the first two
+pools' nodes (sorted between them, so that the order below has no cycle through it); a
+job needs a few groups, possibly of
 several pools, and takes them in a fixed order (pool by pool), holds them all, yields
 them all, pauses, and starts again; sometimes it gives up waiting and lets go of
 what it holds. After every step: no two jobs on overlapping groups at once (holders
@@ -72,6 +75,8 @@ class Cluster:
         for p in range(pools):
             for k in range(rng.randint(1, 3)):
                 self.nodes[f"p{p}g{k}"] = (config.NodeRef(f"n{p}", f"n{p}:1"),)
+        if rng.random() < 0.7:  # across pools 0 and 1 (sorted between them: no cycle)
+            self.nodes["p0x"] = (config.NodeRef("n0", "n0:1"), config.NodeRef("n1", "n1:1"))
         names = sorted(self.nodes)
         self.locks: dict[str, lk.GroupLock] = {}
         self.arbiter = overlap.DeviceArbiter()
@@ -94,6 +99,7 @@ class Cluster:
         self.holder: dict[str, str | None] = dict.fromkeys(names)
         self.target: dict[str, str | None] = dict.fromkeys(names)
         self.asked: dict[str, str] = {}
+        self.noted: dict[str, str | None] = {}
         self.now = 0.0
         self.heap: list[tuple[float, int, str, str, str, int]] = []
         self.tick = 0
@@ -137,21 +143,30 @@ class Cluster:
         if wake is not None:
             assert wake > self.now, f"{g}: a wake-up asked for a time already past"
             self.at(wake, "wake", g)
+        self.applied(g)  # the end of the group's batch
 
     def claim_granted(self, g: str, job: str) -> None:
+        if not self.arbiter.holds(g, job):
+            return  # a late grant: the group asked again since (as coordination ignores it)
         lock = self.locks[g]
         head = lock.next_waiter(now=self.now)
         shared = bool(self.arbiter.conflicts(g))
         self.bind(g, lock.on_claim_granted(job, now=self.now, shared=shared), head)
 
     def applied(self, g: str) -> None:
-        """After a batch: the arbiter sees the holder (the drivers' ``applied`` hook)."""
-        self.arbiter.note_holder(g, self.locks[g].holder)
+        """After a batch: the arbiter sees the holder when it changed (the drivers'
+        ``applied`` hook)."""
+        holder = self.locks[g].holder
+        if self.noted.get(g, "") != holder:
+            self.noted[g] = holder
+            self.arbiter.note_holder(g, holder)
 
     def pump(self) -> None:
         for g in self.locks:
             self.applied(g)
         while self.inbox:
+            if not self.closed and self.rng.random() < 0.3:
+                break  # applied in a later batch (FIFO per group: the inbox is one queue)
             g, kind, job = self.inbox.popleft()
             if kind == "granted":
                 self.claim_granted(g, job)
@@ -260,8 +275,8 @@ class Cluster:
         while self.heap and self.now < horizon:
             self.step()
         self.closed = True
-        while self.step():
-            pass
+        while self.step() or self.inbox:
+            self.pump()
         stuck = {g: sorted(w) for g, w in self.waits.items() if w}
         assert not stuck, f"waiters never granted: {stuck}"
         assert self.grants > 0
